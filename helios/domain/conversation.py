@@ -1,0 +1,86 @@
+"""The neutral conversation model every chat protocol decodes into (spec: Conversation and tool semantics).
+
+Conversation messages and raw prompts are kept apart. One lowering (serving.prompt) renders a
+ConversationRequest through the chat template; no protocol translates through another's JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from helios.domain.sampling import SamplingRequest
+
+
+@attrs.frozen
+class TextPart:
+    text: str
+
+
+@attrs.frozen
+class ImagePart:
+    media_type: str
+    data: bytes
+
+
+@attrs.frozen
+class ReasoningPart:
+    text: str
+
+
+@attrs.frozen
+class ToolCallPart:
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@attrs.frozen
+class ToolResultPart:
+    tool_call_id: str
+    content: tuple[TextPart | ImagePart, ...]
+    is_error: bool = False
+
+
+Part = TextPart | ImagePart | ReasoningPart | ToolCallPart | ToolResultPart
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+@attrs.frozen
+class Message:
+    role: Role
+    parts: tuple[Part, ...]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        """Text parts joined with blank lines (the spec's rule for text blocks)."""
+        return "\n\n".join(p.text for p in self.parts if isinstance(p, TextPart))
+
+
+@attrs.frozen
+class Tool:
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+    kind: Literal["function", "custom"] = "function"
+
+
+@attrs.frozen
+class ToolChoice:
+    mode: Literal["auto", "none", "required", "named"] = "auto"
+    name: str | None = None
+
+
+@attrs.frozen
+class ConversationRequest:
+    messages: tuple[Message, ...]
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice()
+    parallel_tool_calls: bool = True
+    sampling: SamplingRequest = SamplingRequest()
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)

@@ -1,0 +1,65 @@
+"""Output events: what the output pipeline publishes and every protocol encoder consumes.
+
+Parsers turn model text into these events; the accumulator orders them; encoders map them to
+wire shapes. No torch, no trio.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+class FinishCause(enum.Enum):
+    """Why a generation ended, decided at the terminal token (spec: Conversation and tool semantics)."""
+
+    EOS = "eos"  # an honored end-of-sequence token
+    STOP_STRING = "stop_string"  # a matched user string stop
+    STOP_TOKEN = "stop_token"  # a matched stop_token_ids entry
+    LENGTH = "length"  # max_tokens, context limit, or KV page capacity
+    ABORTED = "aborted"  # the client went away or the request was cancelled
+    ERROR = "error"  # execution or output-validation failure
+
+
+@attrs.frozen
+class TextDelta:
+    text: str
+
+
+@attrs.frozen
+class ReasoningDelta:
+    text: str
+
+
+@attrs.frozen
+class ToolCall:
+    """One complete client-executed tool call. Published only once its envelope is complete."""
+
+    id: str
+    name: str
+    arguments: str  # a JSON object, serialized
+    index: int = 0
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen
+class Finish:
+    cause: FinishCause
+    matched_stop: str | int | None = None  # the matched string stop or stop token id
+    has_tool_calls: bool = False
+    error: str | None = None
+
+
+OutputEvent = TextDelta | ReasoningDelta | ToolCall | Finish
