@@ -1,0 +1,269 @@
+"""Composition root: configuration → model → engine thread → serving pipeline → ASGI app.
+
+`hypercorn helios.app:app --worker-class trio` imports `app` (configured by $HELIOS_CONFIG);
+`helios serve` builds the same app with CLI overrides. The ASGI lifespan loads the model and starts
+the engine thread, and stops both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import trio
+
+from helios.asgi.admission import AdmissionSlots
+from helios.asgi.auth import check_anthropic, check_bearer
+from helios.asgi.request import ClientDisconnected, Request, read_body
+from helios.asgi.responses import SSEWriter, send_json, send_text
+from helios.asgi.routing import Router
+from helios.config import HeliosConfig, load_config
+from helios.errors import BadRequest, HeliosError, InternalError, NotFound, ServiceUnavailable, TooManyRequests
+from helios.obs import metrics
+from helios.serving.pipeline import Service
+
+log = logging.getLogger("helios")
+
+Handler = Callable[["Ctx"], Awaitable[None]]
+
+
+@attrs.define
+class Ctx:
+    """One HTTP request as a handler sees it."""
+
+    req: Request
+    params: dict[str, str]
+    receive: Any
+    send: Any
+    app: HeliosApp
+    request_id: str
+    body: bytes = b""
+    responded: bool = False
+    slots: int = 0
+    writer: SSEWriter | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.responded or (self.writer is not None and self.writer.started)
+
+    @property
+    def svc(self) -> Service:
+        svc = self.app.service
+        if svc is None:
+            raise ServiceUnavailable("the model runtime is not loaded")
+        return svc
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"x-request-id", self.request_id.encode())]
+
+    async def json(self, obj: Any, status: int = 200) -> None:
+        self.responded = True
+        await send_json(self.send, status, obj, self.headers())
+
+    def admit(self, n: int) -> None:
+        """Take one HTTP admission slot per generated choice (429 when exhausted)."""
+        slots = self.app.slots
+        if n > slots.total:
+            raise BadRequest(f"the request asks for {n} choices; this server admits at most {slots.total} at once")
+        if not slots.try_acquire(n):
+            raise TooManyRequests("all HTTP admission slots are in use; retry later")
+        self.slots += n
+
+
+class HeliosApp:
+    def __init__(self, config: HeliosConfig | None = None, *, runtime_factory: Callable[..., Any] | None = None) -> None:
+        self._config = config
+        self._runtime_factory = runtime_factory
+        self.config: HeliosConfig = config or HeliosConfig()
+        self.service: Service | None = None
+        self.runtime: Any = None
+        self.slots = AdmissionSlots(self.config.server.max_concurrency)
+        self.frontend_limiter = trio.CapacityLimiter(self.config.server.frontend_workers)
+        self.created = int(time.time())
+        self.router: Router[Handler] = Router()
+        self._register_routes()
+
+    # -- lifespan ---------------------------------------------------------------------------
+    async def startup(self) -> None:
+        if self._config is None:
+            self.config = load_config()
+            self.slots = AdmissionSlots(self.config.server.max_concurrency)
+            self.frontend_limiter = trio.CapacityLimiter(self.config.server.frontend_workers)
+        from helios.runtime import build_runtime  # torch-heavy; imported on start only
+
+        factory = self._runtime_factory or build_runtime
+        self.runtime = await trio.to_thread.run_sync(lambda: factory(self.config))
+        self.service = self.runtime.start(trio.lowlevel.current_trio_token())
+        self.created = int(time.time())
+
+    async def shutdown(self) -> None:
+        if self.runtime is not None:
+            await trio.to_thread.run_sync(self.runtime.stop)
+        self.service = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            await self._lifespan(receive, send)
+        elif kind == "http":
+            await self._http(scope, receive, send)
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    log.exception("start-up failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- HTTP -------------------------------------------------------------------------------
+    async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        req = Request.from_scope(scope)
+        protocol = _protocol_of(req.path)
+        ctx = Ctx(req, {}, receive, send, self, "req-" + uuid.uuid4().hex)
+        try:
+            handler, ctx.params = self.router.match(req.method, req.path)
+            await handler(ctx)
+        except ClientDisconnected:
+            return
+        except HeliosError as exc:
+            await self._error(ctx, exc, protocol)
+        except Exception as exc:
+            log.exception("unhandled error on %s %s", req.method, req.path)
+            await self._error(ctx, InternalError(f"internal error: {type(exc).__name__}"), protocol)
+        finally:
+            if ctx.slots:
+                self.slots.release(ctx.slots)
+
+    async def _error(self, ctx: Ctx, exc: HeliosError, protocol: str) -> None:
+        if ctx.writer is not None and ctx.writer.started:
+            # Failures after streaming began become a terminal error event in the protocol's shape.
+            if not ctx.writer.closed:
+                try:
+                    if protocol == "anthropic":
+                        await ctx.writer.event(exc.to_anthropic(), event="error")
+                    else:
+                        await ctx.writer.event(exc.to_openai())
+                    await ctx.writer.close()
+                except Exception:
+                    pass
+            return
+        if ctx.responded:
+            return
+        ctx.responded = True
+        if protocol == "anthropic":
+            body = exc.to_anthropic()
+        elif protocol == "ollama" and exc.status not in (401,):
+            body = exc.to_ollama()
+        else:
+            body = exc.to_openai()
+        await send_json(ctx.send, exc.status, body, [*ctx.headers(), *exc.headers])
+
+    async def read_json(self, ctx: Ctx, *, identity_only: bool = False) -> dict[str, Any]:
+        from helios.frontends.wire import parse_json_object
+
+        ctx.body = await read_body(ctx.receive, ctx.req.headers, self.config.server.max_body_bytes,
+                                   limiter=self.frontend_limiter, identity_only=identity_only)
+        return parse_json_object(ctx.body)
+
+    def auth(self, ctx: Ctx, anthropic: bool = False) -> None:
+        key = self.config.server.api_key
+        if anthropic:
+            check_anthropic(ctx.req.headers, key)
+        else:
+            check_bearer(ctx.req.headers, key)
+
+    async def run_cancellable(self, ctx: Ctx, body: Callable[[], Awaitable[None]]) -> None:
+        """Run a generation with a sibling task that cancels it when the client disconnects.
+
+        Leaving the scope for any reason aborts the request's engine children (serving's
+        open_children does that in its finally)."""
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                while True:
+                    msg = await ctx.receive()
+                    if msg.get("type") == "http.disconnect":
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(watch)
+            try:
+                await body()
+            finally:
+                nursery.cancel_scope.cancel()
+
+    # -- routes -----------------------------------------------------------------------------
+    def _register_routes(self) -> None:
+        from helios.routes import register
+
+        self.router.add("GET", "/health", self._health)
+        self.router.add("GET", "/metrics", self._metrics)
+        register(self)
+
+    async def _health(self, ctx: Ctx) -> None:
+        svc = self.service
+        if svc is None or not svc.engine.healthy:
+            raise ServiceUnavailable("the model runtime is not healthy")
+        await ctx.json({"status": "ok"})
+
+    async def _metrics(self, ctx: Ctx) -> None:
+        fmt = ctx.req.query_value("format")
+        stats = self.service.engine.stats() if self.service else None
+        snap = metrics.snapshot(stats, self.slots, self.created)
+        if metrics.wants_json(fmt, ctx.req.headers.get("accept")):
+            await ctx.json(snap)
+        else:
+            ctx.responded = True
+            await send_text(ctx.send, 200, metrics.prometheus(snap), content_type=b"text/plain; version=0.0.4; charset=utf-8")
+
+
+def _protocol_of(path: str) -> str:
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if path.startswith("/api/"):
+        return "ollama"
+    return "openai"
+
+
+async def not_found(ctx: Ctx) -> None:
+    raise NotFound(f"no route for {ctx.req.method} {ctx.req.path}")
+
+
+class StreamOut:
+    """The EventWriter a streaming frontend gets: SSE headers go out on `start()`, after enqueue."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        self.ctx = ctx
+        ctx.writer = self.sse = SSEWriter(ctx.send)
+
+    async def start(self) -> None:
+        if not self.sse.started:
+            await self.sse.start(self.ctx.headers())
+
+    async def event(self, data: str | dict[str, Any], event: str | None = None) -> None:
+        await self.start()
+        await self.sse.event(data, event)
+
+    async def done_marker(self) -> None:
+        await self.start()
+        await self.sse.done_marker()
+
+    async def close(self) -> None:
+        if self.sse.started and not self.sse.closed:
+            await self.sse.close()
+
+
+app = HeliosApp()

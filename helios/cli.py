@@ -1,0 +1,64 @@
+"""`helios serve | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import trio
+    from hypercorn.config import Config as HyperConfig
+    from hypercorn.trio import serve
+
+    from helios.app import HeliosApp
+    from helios.config import ConfigError, load_config, read_api_key_file
+
+    try:
+        overrides: dict[str, dict[str, object]] = {"server": {"host": args.host, "port": args.port}, "model": {}}
+        if args.model:
+            overrides["model"]["path"] = args.model
+        if args.dtype:
+            overrides["model"]["dtype"] = args.dtype
+        if args.api_key_file:
+            overrides["server"]["api_key"] = read_api_key_file(args.api_key_file)
+        cfg = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"helios: {exc}", file=sys.stderr)
+        return 2
+    app = HeliosApp(cfg)
+    hc = HyperConfig()
+    hc.bind = [f"{cfg.server.host}:{cfg.server.port}"]
+    hc.accesslog = None
+    hc.keep_alive_timeout = 75
+    print(f"Helios serving on http://{cfg.server.host}:{cfg.server.port}", file=sys.stderr)
+    trio.run(serve, app, hc)  # type: ignore[arg-type]
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="helios", description="Helios LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model (default: SmolLM2-135M-Instruct)")
+    s.add_argument("model", nargs="?", help="a GGUF file or a Hugging Face model directory")
+    s.add_argument("--host", default=None)
+    s.add_argument("--port", type=int, default=None)
+    s.add_argument("--config", default=None, help="TOML configuration file (default: $HELIOS_CONFIG)")
+    s.add_argument("--api-key-file", default=None, help="file holding the serving key (overrides [server] api_key)")
+    s.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    sub.add_parser("bench", help="benchmark an OpenAI-compatible server", add_help=False)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        from helios.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

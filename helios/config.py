@@ -1,0 +1,108 @@
+"""Configuration: a TOML file (HELIOS_CONFIG or --config) plus CLI overrides, validated once at start."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported at start-up with the offending key."""
+
+
+def _positive(_inst: Any, attr: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
+    if value <= 0:
+        raise ConfigError(f"{attr.name} must be positive, got {value}")
+
+
+def _non_negative(_inst: Any, attr: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
+    if value < 0:
+        raise ConfigError(f"{attr.name} must not be negative, got {value}")
+
+
+@attrs.frozen
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=8000, validator=_non_negative)
+    api_key: str = ""
+    aliases: list[str] = attrs.field(factory=list)
+    max_body_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=_positive)
+    # HTTP admission slots: one per generated choice, held until the response is delivered (429).
+    max_concurrency: int = attrs.field(default=256, validator=_positive)
+    # Requests the model may hold beyond its active slots before new ones get 503.
+    model_queue_size: int = attrs.field(default=256, validator=_positive)
+    default_max_tokens: int = attrs.field(default=4096, validator=_positive)
+    frontend_workers: int = attrs.field(default=2, validator=_positive)
+    thinking_token_budget: int | None = None
+    max_top_logprobs: int = 20
+    prompt_logprobs: bool = True
+
+
+@attrs.frozen
+class ModelConfigSection:
+    path: str = ""  # GGUF file or Hugging Face directory; empty = the default model
+    dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(["auto", "float32", "bfloat16", "float16"]))
+    device: str = "cpu"
+    max_model_len: int = attrs.field(default=0, validator=_non_negative)  # 0 = the model's own limit
+    recipe: str = ""  # empty = detect from the model
+    threads: int = attrs.field(default=0, validator=_non_negative)  # torch intra-op threads; 0 = all cores
+
+
+@attrs.frozen
+class EngineSection:
+    page_size: int = attrs.field(default=16, validator=_positive)
+    kv_pages: int = attrs.field(default=0, validator=_non_negative)  # 0 = derive from kv_memory_gib
+    kv_memory_gib: float = 2.0
+    prefill_chunk_size: int = attrs.field(default=512, validator=_positive)
+    max_active: int = attrs.field(default=64, validator=_positive)
+
+
+@attrs.frozen
+class HeliosConfig:
+    server: ServerConfig = ServerConfig()
+    model: ModelConfigSection = ModelConfigSection()
+    engine: EngineSection = EngineSection()
+
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> HeliosConfig:
+    """Read TOML (path, else $HELIOS_CONFIG, else defaults) and apply per-section overrides."""
+    data: dict[str, Any] = {}
+    path = path or os.environ.get("HELIOS_CONFIG") or None
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"configuration file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"invalid TOML in {path}: {exc}") from None
+    for section, values in (overrides or {}).items():
+        data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    try:
+        cfg = _converter.structure(data, HeliosConfig)
+    except ConfigError:
+        raise
+    except (ClassValidationError, ForbiddenExtraKeysError) as exc:
+        raise ConfigError("invalid configuration: " + "; ".join(cattrs.transform_error(exc))) from None
+    except Exception as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from None
+    if cfg.server.thinking_token_budget is not None and not 0 < cfg.server.thinking_token_budget < 2**31:
+        raise ConfigError("server.thinking_token_budget must be a positive 32-bit integer")
+    if not 0 <= cfg.server.max_top_logprobs <= 20:
+        raise ConfigError("server.max_top_logprobs must be within 0..20")
+    return cfg
+
+
+def read_api_key_file(path: str | Path) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the API key file {path}: {exc}") from None

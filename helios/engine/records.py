@@ -1,0 +1,87 @@
+"""Records that cross the engine thread boundary. Plain values only: tensors never leave the engine."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from helios.domain.sampling import SamplingParams
+
+
+class EngineFinish(enum.Enum):
+    """Terminal causes the engine itself decides. String stops are matched on the serving side."""
+
+    EOS = "eos"
+    STOP_TOKEN = "stop_token"
+    LENGTH = "length"
+    ABORTED = "aborted"
+    ERROR = "error"
+
+
+@attrs.frozen
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    num_top_logprobs: int | None = None
+    logprob_token_ids: tuple[int, ...] | None = None
+    prompt_logprobs: int | None = None
+
+
+@attrs.frozen
+class Add:
+    request: EngineRequest
+
+
+@attrs.frozen
+class Abort:
+    request_ids: tuple[str, ...]
+
+
+@attrs.frozen
+class Shutdown:
+    pass
+
+
+InboxItem = Add | Abort | Shutdown
+
+
+@attrs.frozen
+class TokenLogprobRecord:
+    """One generated position's logprobs: the chosen token and its alternatives, fp32-accurate floats."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
+@attrs.frozen
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobRecord, ...] | None = None
+    finish: EngineFinish | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@attrs.frozen
+class EngineStats:
+    active: int
+    pending: int
+    free_pages: int
+    total_pages: int
+    page_tokens: int
+    prefill_tokens: int
+    generated_tokens: int
+    completed: int
+    failed: int

@@ -1,0 +1,448 @@
+"""POST /v1/chat/completions: decode the OpenAI (plus vLLM extensions) request into the neutral
+conversation model, run it, and encode buffered or streamed chat completions."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import attrs
+
+from helios.domain.conversation import (
+    ConversationRequest,
+    ImagePart,
+    Message,
+    Part,
+    ReasoningPart,
+    TextPart,
+    Tool,
+    ToolCallPart,
+    ToolChoice,
+    ToolResultPart,
+)
+from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
+from helios.domain.sampling import SamplingRequest
+from helios.errors import BadRequest, InternalError
+from helios.frontends.common import (
+    Accumulated,
+    EventWriter,
+    merged,
+    new_id,
+    now,
+    validate_stop_token_ids,
+    validate_stops,
+)
+from helios.frontends.openai.logprobs import chat_logprobs_content, validate_logprob_options
+from helios.frontends.wire import structure
+from helios.serving.pipeline import ChildSpec, Service
+
+
+@attrs.frozen
+class StreamOptions:
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+@attrs.frozen
+class ChatWire:
+    messages: list[Any]
+    model: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: Any = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: Any = None
+    response_format: Any = None
+    # vLLM / native extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: Any = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    logprob_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    thinking_token_budget: int | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+
+# -- decoding -----------------------------------------------------------------------------------
+
+
+def _text_of(content: Any, where: str) -> tuple[Part, ...]:
+    if content is None:
+        return ()
+    if isinstance(content, str):
+        return (TextPart(content),)
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}.content must be a string or an array of content parts", param=f"{where}.content")
+    parts: list[Part] = []
+    for j, p in enumerate(content):
+        if not isinstance(p, dict) or not isinstance(p.get("type"), str):
+            raise BadRequest(f"{where}.content[{j}] must be an object with a type", param=f"{where}.content")
+        t = p["type"]
+        if t == "text":
+            if not isinstance(p.get("text"), str):
+                raise BadRequest(f"{where}.content[{j}].text must be a string", param=f"{where}.content")
+            parts.append(TextPart(p["text"]))
+        elif t == "image_url":
+            url = (p.get("image_url") or {}).get("url") if isinstance(p.get("image_url"), dict) else None
+            parts.append(_image_from_url(url, f"{where}.content[{j}]"))
+        else:
+            raise BadRequest(f"unsupported content part type '{t}' in {where}", param=f"{where}.content")
+    return tuple(parts)
+
+
+def _image_from_url(url: Any, where: str) -> ImagePart:
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise BadRequest(f"{where}: images must be base64 data URLs; remote image downloads are unsupported")
+    head, _, data = url.partition(",")
+    media = head[5:].split(";")[0]
+    if media not in ("image/png", "image/jpeg", "image/webp"):
+        raise BadRequest(f"{where}: unsupported image type '{media}'")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError:
+        raise BadRequest(f"{where}: invalid base64 image data") from None
+    return ImagePart(media, raw)
+
+
+def decode_messages(messages: list[Any]) -> tuple[Message, ...]:
+    if not messages:
+        raise BadRequest("'messages' must contain at least one message", param="messages")
+    out: list[Message] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"{where} must be an object", param="messages")
+        role = m.get("role")
+        allowed = {"role", "content", "name"}
+        if role in ("system", "developer", "user"):
+            parts = _text_of(m.get("content"), where)
+        elif role == "assistant":
+            allowed |= {"tool_calls", "reasoning_content", "reasoning", "refusal", "function_call", "audio"}
+            parts = _text_of(m.get("content"), where)
+            reasoning = m.get("reasoning_content", m.get("reasoning"))
+            if reasoning is not None:
+                if not isinstance(reasoning, str):
+                    raise BadRequest(f"{where}.reasoning_content must be a string", param="messages")
+                parts = (ReasoningPart(reasoning), *parts)
+            for k, tc in enumerate(m.get("tool_calls") or []):
+                parts = (*parts, _decode_tool_call(tc, f"{where}.tool_calls[{k}]"))
+        elif role == "tool":
+            allowed |= {"tool_call_id"}
+            tcid = m.get("tool_call_id")
+            if not isinstance(tcid, str):
+                raise BadRequest(f"{where}.tool_call_id must be a string", param="messages")
+            content = tuple(p for p in _text_of(m.get("content"), where) if isinstance(p, TextPart | ImagePart))
+            parts = (ToolResultPart(tcid, content),)
+        else:
+            raise BadRequest(f"{where}.role must be one of system, developer, user, assistant, tool", param="messages")
+        extra = set(m) - allowed
+        if extra:
+            raise BadRequest(f"unrecognized field(s) in {where}: {', '.join(sorted(extra))}", param="messages")
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise BadRequest(f"{where}.name must be a string", param="messages")
+        out.append(Message(role, parts, name=name))
+    return tuple(out)
+
+
+def _decode_tool_call(tc: Any, where: str) -> ToolCallPart:
+    if not isinstance(tc, dict) or not isinstance(tc.get("function"), dict):
+        raise BadRequest(f"{where} must be a function tool call", param="messages")
+    fn = tc["function"]
+    name, args = fn.get("name"), fn.get("arguments", "{}")
+    if not isinstance(name, str) or not name:
+        raise BadRequest(f"{where}.function.name must be a nonempty string", param="messages")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            raise BadRequest(f"{where}.function.arguments must be a JSON object", param="messages") from None
+    if not isinstance(args, dict):
+        raise BadRequest(f"{where}.function.arguments must be a JSON object", param="messages")
+    return ToolCallPart(str(tc.get("id") or ""), name, args)
+
+
+def decode_tools(tools: list[Any] | None, tool_choice: Any) -> tuple[tuple[Tool, ...], ToolChoice]:
+    decoded: list[Tool] = []
+    for i, t in enumerate(tools or []):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise BadRequest(f"tools[{i}] must be a function tool", param="tools")
+        fn = t["function"]
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRequest(f"tools[{i}].function.name must be a nonempty string", param="tools")
+        if fn.get("strict") is True:
+            raise BadRequest("strict function schemas (strict: true) are not supported", param="tools")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise BadRequest(f"tools[{i}].function.parameters must be an object", param="tools")
+        desc = fn.get("description")
+        decoded.append(Tool(fn["name"], desc if isinstance(desc, str) else None, params))
+    names = {t.name for t in decoded}
+    if tool_choice is None:
+        choice = ToolChoice("auto" if decoded else "none")
+    elif tool_choice in ("auto", "none", "required"):
+        choice = ToolChoice(tool_choice)
+    elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in names:
+            raise BadRequest(f"tool_choice names '{name}', which is not a declared tool", param="tool_choice")
+        choice = ToolChoice("named", name)
+    else:
+        raise BadRequest("tool_choice must be 'auto', 'none', 'required' or a named function", param="tool_choice")
+    if choice.mode == "required" and not decoded:
+        raise BadRequest("tool_choice 'required' needs at least one declared tool", param="tool_choice")
+    return tuple(decoded), choice
+
+
+def decode_sampling(w: Any) -> SamplingRequest:
+    return SamplingRequest(
+        temperature=w.temperature,
+        top_p=w.top_p,
+        top_k=w.top_k,
+        min_p=w.min_p,
+        repetition_penalty=w.repetition_penalty,
+        presence_penalty=w.presence_penalty,
+        frequency_penalty=w.frequency_penalty,
+        seed=w.seed,
+    )
+
+
+# -- the route ----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ChatPlan:
+    wire: ChatWire
+    conversation: ConversationRequest
+    n: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    stops: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    num_top_logprobs: int | None
+    logprob_token_ids: tuple[int, ...] | None
+
+
+def decode_chat(obj: dict[str, Any], svc: Service) -> ChatPlan:
+    w = structure(obj, ChatWire)
+    if w.logit_bias:
+        raise BadRequest("logit_bias is not supported", param="logit_bias")
+    if w.store:
+        raise BadRequest("store: true is not supported; Helios keeps no completions", param="store")
+    if w.response_format is not None and (
+        not isinstance(w.response_format, dict) or w.response_format.get("type") != "text"
+    ):
+        raise BadRequest("response_format other than text is not supported yet", param="response_format")
+    n = 1 if w.n is None else w.n
+    if n < 1 or n > 128:
+        raise BadRequest("n must be between 1 and 128", param="n")
+    stream = bool(w.stream)
+    if w.stream_options is not None and not stream:
+        raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
+    if w.prompt_logprobs is not None and stream:
+        raise BadRequest("prompt_logprobs is not supported with streaming", param="prompt_logprobs")
+    if w.prompt_logprobs is not None:
+        raise BadRequest("prompt_logprobs is not supported on chat completions yet", param="prompt_logprobs")
+    stops = validate_stops(w.stop)
+    stop_ids = validate_stop_token_ids(w.stop_token_ids, svc.info.vocab_size)
+    if stops and stop_ids:
+        raise BadRequest("string stops cannot be combined with token stops", param="stop")
+    if w.thinking_token_budget is not None and not 0 < w.thinking_token_budget < 2**31:
+        raise BadRequest("thinking_token_budget must be a positive 32-bit integer", param="thinking_token_budget")
+    num_top, explicit = validate_logprob_options(
+        logprobs=w.logprobs, top_logprobs=w.top_logprobs, logprob_token_ids=w.logprob_token_ids, info=svc.info
+    )
+    tools, choice = decode_tools(w.tools, w.tool_choice)
+    if w.continue_final_message and w.add_generation_prompt:
+        raise BadRequest("continue_final_message and add_generation_prompt cannot both be true",
+                         param="continue_final_message")
+    messages = decode_messages(w.messages)
+    conv = ConversationRequest(
+        messages=messages,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=True if w.parallel_tool_calls is None else w.parallel_tool_calls,
+        sampling=decode_sampling(w),
+        add_generation_prompt=not w.continue_final_message if w.add_generation_prompt is None else w.add_generation_prompt,
+        continue_final_message=bool(w.continue_final_message),
+        chat_template_kwargs=dict(w.chat_template_kwargs or {}),
+    )
+    so = w.stream_options
+    include_usage = bool(so and so.include_usage)
+    return ChatPlan(w, conv, n, stream, include_usage, include_usage and bool(so and so.continuous_usage_stats),
+                    stops, stop_ids, num_top, explicit)
+
+
+async def prepare_chat(plan: ChatPlan, svc: Service) -> list[ChildSpec]:
+    _text, prompt_ids = await svc.render_chat(plan.conversation)
+    w = plan.wire
+    max_tokens = w.max_completion_tokens if w.max_completion_tokens is not None else w.max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise BadRequest("max_tokens must be at least 1", param="max_tokens")
+    budget = svc.output_budget(len(prompt_ids), max_tokens)
+    parser_factory = svc.parser_factory(plan.conversation)
+    return [
+        ChildSpec(
+            prompt_token_ids=tuple(prompt_ids),
+            sampling=svc.resolve_sampling(plan.conversation.sampling, i),
+            max_tokens=budget,
+            stop=plan.stops,
+            stop_token_ids=plan.stop_token_ids,
+            ignore_eos=bool(w.ignore_eos),
+            include_stop_str_in_output=bool(w.include_stop_str_in_output),
+            skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
+            num_top_logprobs=plan.num_top_logprobs,
+            logprob_token_ids=plan.logprob_token_ids,
+            parser_factory=parser_factory,
+        )
+        for i in range(plan.n)
+    ]
+
+
+def _finish_reason(acc_finish: Any, has_calls: bool) -> str:
+    if acc_finish is None:
+        return "stop"
+    if acc_finish.cause is FinishCause.LENGTH:
+        return "length"
+    if has_calls and acc_finish.cause is not FinishCause.STOP_STRING:
+        return "tool_calls"
+    return "stop"
+
+
+def _usage(prompt: int, completion: int, cached: int, reasoning: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
+    }
+
+
+def _tool_call_json(tc: ToolCall, index: int) -> dict[str, Any]:
+    return {"id": tc.id, "type": "function", "index": index, "function": {"name": tc.name, "arguments": tc.arguments}}
+
+
+async def run_chat_buffered(plan: ChatPlan, specs: list[ChildSpec], svc: Service) -> dict[str, Any]:
+    accs = [Accumulated() for _ in specs]
+    async with svc.generate(specs, prefix="chatcmpl") as streams:
+        async for i, u in merged(streams):
+            accs[i].add(u)
+    choices = []
+    for i, acc in enumerate(accs):
+        if acc.finish is not None and acc.finish.cause is FinishCause.ERROR:
+            raise InternalError(acc.finish.error or "generation failed")
+        msg: dict[str, Any] = {"role": "assistant", "content": acc.text if (acc.text or not acc.tool_calls) else None}
+        if acc.reasoning:
+            msg["reasoning_content"] = acc.reasoning
+            msg["reasoning"] = acc.reasoning
+        if acc.tool_calls:
+            msg["tool_calls"] = [
+                {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
+                for tc in acc.tool_calls
+            ]
+        lp = None
+        if plan.num_top_logprobs is not None:
+            lp = {"content": chat_logprobs_content(acc.logprobs, svc, plan.wire.return_tokens_as_token_ids)}
+        choices.append({
+            "index": i,
+            "message": msg,
+            "logprobs": lp,
+            "finish_reason": _finish_reason(acc.finish, bool(acc.tool_calls)),
+            "stop_reason": acc.finish.matched_stop if acc.finish else None,
+        })
+    prompt = accs[0].num_prompt_tokens if accs else 0
+    return {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": now(),
+        "model": svc.info.public_id,
+        "choices": choices,
+        "usage": _usage(prompt, sum(a.num_output_tokens for a in accs), accs[0].num_cached_tokens if accs else 0,
+                        sum(a.num_reasoning_tokens for a in accs)),
+        "prompt_logprobs": None,
+    }
+
+
+async def run_chat_stream(plan: ChatPlan, specs: list[ChildSpec], svc: Service, out: EventWriter) -> None:
+    cid, created, model = new_id("chatcmpl"), now(), svc.info.public_id
+    accs = [Accumulated() for _ in specs]
+    started = [False] * len(specs)
+    tool_index = [0] * len(specs)
+
+    def chunk(i: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        c: dict[str, Any] = {
+            "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        }
+        if finish is not None:
+            c["choices"][0]["stop_reason"] = extra.get("stop_reason") if extra else None
+        if plan.continuous_usage:
+            c["usage"] = _usage(accs[0].num_prompt_tokens, sum(a.num_output_tokens for a in accs),
+                                accs[0].num_cached_tokens, sum(a.num_reasoning_tokens for a in accs))
+        return c
+
+    async with svc.generate(specs, prefix="chatcmpl") as streams:
+        async for i, u in merged(streams):
+            acc = accs[i]
+            acc.add(u)
+            if u.finish is not None and u.finish.cause is FinishCause.ERROR:
+                await out.event({"error": InternalError(u.finish.error or "generation failed").to_openai()["error"]})
+                return
+            if not started[i] and (u.token_ids or u.events):
+                started[i] = True
+                await out.event(chunk(i, {"role": "assistant", "content": ""}))
+            lp = None
+            if plan.num_top_logprobs is not None and u.logprobs:
+                lp = {"content": chat_logprobs_content(u.logprobs, svc, plan.wire.return_tokens_as_token_ids)}
+            text = "".join(e.text for e in u.events if isinstance(e, TextDelta))
+            reasoning = "".join(e.text for e in u.events if isinstance(e, ReasoningDelta))
+            calls = [e for e in u.events if isinstance(e, ToolCall)]
+            if reasoning:
+                await out.event(chunk(i, {"reasoning_content": reasoning, "reasoning": reasoning}, logprobs=lp))
+                lp = None
+            for tc in calls:
+                await out.event(chunk(i, {"tool_calls": [_tool_call_json(tc, tool_index[i])]}, logprobs=lp))
+                tool_index[i] += 1
+                lp = None
+            if text or lp is not None:
+                await out.event(chunk(i, {"content": text}, logprobs=lp))
+            if u.finish is not None:
+                await out.event(chunk(i, {}, _finish_reason(u.finish, bool(acc.tool_calls)),
+                                      extra={"stop_reason": u.finish.matched_stop}))
+    if plan.include_usage:
+        await out.event({
+            "id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+            "usage": _usage(accs[0].num_prompt_tokens, sum(a.num_output_tokens for a in accs),
+                            accs[0].num_cached_tokens, sum(a.num_reasoning_tokens for a in accs)),
+        })
+    await out.done_marker()

@@ -1,0 +1,286 @@
+"""POST /v1/completions: raw prompts (text, token ids, or batches of either), bypassing templates and parsers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from helios.domain.events import FinishCause
+from helios.errors import BadRequest, InternalError
+from helios.frontends.common import Accumulated, EventWriter, merged, new_id, now, validate_stop_token_ids, validate_stops
+from helios.frontends.openai.chat import StreamOptions, decode_sampling
+from helios.frontends.openai.logprobs import token_entry, validate_explicit_ids
+from helios.frontends.wire import structure
+from helios.serving.pipeline import ChildSpec, Service
+
+
+@attrs.frozen
+class CompletionWire:
+    prompt: Any
+    model: str | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    logprobs: int | None = None
+    max_tokens: int | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: Any = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM / native extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: Any = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    add_special_tokens: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    logprob_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    thinking_token_budget: Any = None
+
+
+@attrs.frozen
+class CompletionPlan:
+    wire: CompletionWire
+    prompts: list[str | list[int]]
+    n: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    stops: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    logprobs: int | None
+    logprob_token_ids: tuple[int, ...] | None
+
+
+def _prompts(p: Any, vocab: int) -> list[str | list[int]]:
+    def is_ids(x: Any) -> bool:
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(p, str):
+        prompts: list[str | list[int]] = [p]
+    elif is_ids(p) and p:
+        prompts = [list(p)]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        prompts = list(p)
+    elif isinstance(p, list) and p and all(is_ids(x) for x in p):
+        prompts = [list(x) for x in p]
+    else:
+        raise BadRequest(
+            "prompt must be a string, an array of strings, a nonempty token-id array, or an array of token-id arrays",
+            param="prompt",
+        )
+    for x in prompts:
+        if isinstance(x, list):
+            if not x:
+                raise BadRequest("token-id prompts must not be empty", param="prompt")
+            bad = [t for t in x if not 0 <= t < vocab]
+            if bad:
+                raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+    return prompts
+
+
+def decode_completion(obj: dict[str, Any], svc: Service) -> CompletionPlan:
+    w = structure(obj, CompletionWire)
+    if w.suffix is not None:
+        raise BadRequest("suffix is not supported", param="suffix")
+    if w.tools is not None or w.tool_choice is not None:
+        raise BadRequest("tools are not supported on raw completions", param="tools")
+    if w.thinking_token_budget is not None:
+        raise BadRequest("thinking_token_budget is not supported on raw completions", param="thinking_token_budget")
+    if w.logit_bias:
+        raise BadRequest("logit_bias is not supported", param="logit_bias")
+    n = 1 if w.n is None else w.n
+    if not 1 <= n <= 128:
+        raise BadRequest("n must be between 1 and 128", param="n")
+    if w.best_of is not None and w.best_of != n:
+        raise BadRequest("best_of must equal n; ranked sampling is not supported", param="best_of")
+    stream = bool(w.stream)
+    if w.stream_options is not None and not stream:
+        raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
+    if w.prompt_logprobs is not None:
+        if stream:
+            raise BadRequest("prompt_logprobs is not supported with streaming", param="prompt_logprobs")
+        raise BadRequest("prompt_logprobs is not supported yet", param="prompt_logprobs")
+    if w.logprobs is not None:
+        if not 0 <= w.logprobs <= 20:
+            raise BadRequest("logprobs must be between 0 and 20", param="logprobs")
+        if svc.info.max_top_logprobs == 0:
+            raise BadRequest("this model was loaded without generation logprob outputs", param="logprobs")
+        if w.logprobs > svc.info.max_top_logprobs:
+            raise BadRequest(f"logprobs exceeds this model's capacity of {svc.info.max_top_logprobs}", param="logprobs")
+        if w.echo:
+            raise BadRequest("echo with logprobs (prompt scoring) is not supported yet", param="echo")
+    explicit = validate_explicit_ids(w.logprob_token_ids, svc.info)
+    if explicit and w.logprobs is None:
+        raise BadRequest("logprob_token_ids requires logprobs", param="logprob_token_ids")
+    if w.max_tokens is not None and w.max_tokens < 0:
+        raise BadRequest("max_tokens must not be negative", param="max_tokens")
+    stops = validate_stops(w.stop)
+    stop_ids = validate_stop_token_ids(w.stop_token_ids, svc.info.vocab_size)
+    if stops and stop_ids:
+        raise BadRequest("string stops cannot be combined with token stops", param="stop")
+    so = w.stream_options
+    include_usage = bool(so and so.include_usage)
+    return CompletionPlan(w, _prompts(w.prompt, svc.info.vocab_size), n, stream, include_usage,
+                          include_usage and bool(so and so.continuous_usage_stats), stops, stop_ids, w.logprobs,
+                          explicit)
+
+
+@attrs.frozen
+class PreparedPrompt:
+    ids: tuple[int, ...]
+    echo_text: str
+
+
+async def prepare_completion(plan: CompletionPlan, svc: Service) -> tuple[list[PreparedPrompt], list[ChildSpec]]:
+    w = plan.wire
+    add_special = True if w.add_special_tokens is None else w.add_special_tokens
+    prepared: list[PreparedPrompt] = []
+    for p in plan.prompts:
+        if isinstance(p, str):
+            ids = await svc.tokenize(p, add_special_tokens=add_special)
+            if not ids:
+                if not svc.info.has_bos:
+                    raise BadRequest("empty text prompts need a model with a BOS token", param="prompt")
+                raise BadRequest("the prompt is empty", param="prompt")
+            prepared.append(PreparedPrompt(tuple(ids), p))
+        else:
+            prepared.append(PreparedPrompt(tuple(p), svc.decode(p)))
+    specs: list[ChildSpec] = []
+    for pp in prepared:
+        budget = svc.output_budget(len(pp.ids), w.max_tokens if w.max_tokens is not None else 16)
+        for i in range(plan.n):
+            specs.append(ChildSpec(
+                prompt_token_ids=pp.ids,
+                sampling=svc.resolve_sampling(decode_sampling(w), i),
+                max_tokens=budget,
+                stop=plan.stops,
+                stop_token_ids=plan.stop_token_ids,
+                ignore_eos=bool(w.ignore_eos),
+                include_stop_str_in_output=bool(w.include_stop_str_in_output),
+                skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
+                num_top_logprobs=plan.logprobs,
+                logprob_token_ids=plan.logprob_token_ids,
+            ))
+    return prepared, specs
+
+
+def _finish_reason(acc: Accumulated) -> str:
+    if acc.finish is not None and acc.finish.cause is FinishCause.LENGTH:
+        return "length"
+    return "stop"
+
+
+def _logprobs_block(records: list[Any], svc: Service, as_ids: bool | None, start_offset: int) -> dict[str, Any]:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = start_offset
+    for r in records:
+        e = token_entry(svc, r.token_id, r.logprob, as_ids)
+        tokens.append(e["token"])
+        token_lps.append(r.logprob)
+        top: dict[str, float] = {}
+        for t, lp in r.top:
+            key = token_entry(svc, t, lp, as_ids)["token"]
+            top.setdefault(key, lp)  # first entry wins when ids decode alike
+        tops.append(top)
+        offsets.append(off)
+        off += len(svc.token_bytes(r.token_id).decode("utf-8", errors="replace"))
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _usage(prepared: list[PreparedPrompt], accs: list[Accumulated], n: int) -> dict[str, Any]:
+    prompt = sum(len(p.ids) for p in prepared)
+    completion = sum(a.num_output_tokens for a in accs)
+    cached = sum(accs[k * n].num_cached_tokens for k in range(len(prepared))) if accs else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def run_completion_buffered(plan: CompletionPlan, prepared: list[PreparedPrompt], specs: list[ChildSpec],
+                                  svc: Service) -> dict[str, Any]:
+    accs = [Accumulated() for _ in specs]
+    if plan.wire.max_tokens != 0:
+        async with svc.generate(specs, prefix="cmpl") as streams:
+            async for i, u in merged(streams):
+                accs[i].add(u)
+    else:
+        for a in accs:
+            a.finish = None
+    choices = []
+    for i, acc in enumerate(accs):
+        if acc.finish is not None and acc.finish.cause is FinishCause.ERROR:
+            raise InternalError(acc.finish.error or "generation failed")
+        pp = prepared[i // plan.n]
+        echo = pp.echo_text if plan.wire.echo else ""
+        lp = None
+        if plan.logprobs is not None:
+            lp = _logprobs_block(acc.logprobs, svc, plan.wire.return_tokens_as_token_ids, len(echo))
+        choices.append({
+            "index": i,
+            "text": echo + acc.text,
+            "logprobs": lp,
+            "finish_reason": "length" if plan.wire.max_tokens == 0 else _finish_reason(acc),
+            "stop_reason": acc.finish.matched_stop if acc.finish else None,
+            "prompt_logprobs": None,
+        })
+    return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": svc.info.public_id,
+            "choices": choices, "usage": _usage(prepared, accs, plan.n)}
+
+
+async def run_completion_stream(plan: CompletionPlan, prepared: list[PreparedPrompt], specs: list[ChildSpec],
+                                svc: Service, out: EventWriter) -> None:
+    cid, created, model = new_id("cmpl"), now(), svc.info.public_id
+    accs = [Accumulated() for _ in specs]
+    offsets = [0] * len(specs)
+
+    def chunk(i: int, text: str, finish: str | None = None, logprobs: Any = None,
+              stop_reason: Any = None) -> dict[str, Any]:
+        c: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                             "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                                          "stop_reason": stop_reason}]}
+        if plan.continuous_usage:
+            c["usage"] = _usage(prepared, accs, plan.n)
+        return c
+
+    if plan.wire.echo:
+        for i in range(len(specs)):
+            pp = prepared[i // plan.n]
+            offsets[i] = len(pp.echo_text)
+            await out.event(chunk(i, pp.echo_text))
+    if plan.wire.max_tokens == 0:
+        for i in range(len(specs)):
+            await out.event(chunk(i, "", "length"))
+    else:
+        async with svc.generate(specs, prefix="cmpl") as streams:
+            async for i, u in merged(streams):
+                accs[i].add(u)
+                if u.finish is not None and u.finish.cause is FinishCause.ERROR:
+                    await out.event({"error": InternalError(u.finish.error or "generation failed").to_openai()["error"]})
+                    return
+                text = "".join(getattr(e, "text", "") for e in u.events)
+                lp = None
+                if plan.logprobs is not None and u.logprobs:
+                    lp = _logprobs_block(list(u.logprobs), svc, plan.wire.return_tokens_as_token_ids, offsets[i])
+                offsets[i] += len(text)
+                if text or lp is not None:
+                    await out.event(chunk(i, text, logprobs=lp))
+                if u.finish is not None:
+                    await out.event(chunk(i, "", _finish_reason(accs[i]), stop_reason=u.finish.matched_stop))
+    if plan.include_usage:
+        await out.event({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
+                         "usage": _usage(prepared, accs, plan.n)})
+    await out.done_marker()

@@ -1,0 +1,68 @@
+"""GET /v1/models and /v1/models/{model}: one vLLM-compatible card with the flare object."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from helios.errors import NotFound
+from helios.serving.pipeline import ModelInfo
+
+
+def model_card(info: ModelInfo, created: int) -> dict[str, Any]:
+    perm_id = "modelperm-" + hashlib.sha256(f"{info.model_id}:{created}".encode()).hexdigest()[:24]
+    return {
+        "id": info.public_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "local",
+        "root": info.model_id,
+        "parent": None,
+        "max_model_len": info.max_model_len,
+        "permission": [{
+            "id": perm_id,
+            "object": "model_permission",
+            "created": created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": info.max_top_logprobs > 0,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }],
+        "flare": flare_object(info),
+    }
+
+
+def flare_object(info: ModelInfo) -> dict[str, Any]:
+    return {
+        "vocab_size": info.vocab_size,
+        "max_top_logprobs": info.max_top_logprobs,
+        "max_concurrency": info.max_concurrency,
+        "prefill_chunk_size": info.prefill_chunk_size,
+        "default_max_tokens": info.default_max_tokens,
+        "sampling_defaults": info.sampling_defaults,
+        "thinking_token_budget": info.thinking_token_budget,
+        "sampling_ranges": info.sampling_ranges,
+        "max_images_per_prompt": 0,
+        "max_image_tokens_per_prompt": 0,
+        "image_feature_window_tokens": 0,
+        "max_image_tokens_per_image": 0,
+        "max_image_pixels": 0,
+        "max_image_bytes": 0,
+        "input_modalities": ["text"],
+        "output_modalities": ["text"],
+    }
+
+
+def list_models(info: ModelInfo, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(info, created)]}
+
+
+def get_model(info: ModelInfo, created: int, name: str) -> dict[str, Any]:
+    if not info.knows(name) and name != info.public_id:
+        raise NotFound.model(name)
+    return model_card(info, created)

@@ -1,0 +1,77 @@
+"""HTTP routes: each handler authenticates, reads the body, decodes with its frontend, admits, runs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from helios.frontends.openai import chat, completions, models
+
+if TYPE_CHECKING:
+    from helios.app import Ctx, HeliosApp
+
+
+def register(app: HeliosApp) -> None:
+    from helios.app import StreamOut
+
+    async def list_models(ctx: Ctx) -> None:
+        app.auth(ctx)
+        await ctx.json(models.list_models(ctx.svc.info, app.created))
+
+    async def get_model(ctx: Ctx) -> None:
+        app.auth(ctx)
+        await ctx.json(models.get_model(ctx.svc.info, app.created, ctx.params["model"]))
+
+    async def chat_completions(ctx: Ctx) -> None:
+        app.auth(ctx)
+        obj = await app.read_json(ctx)
+        svc = ctx.svc
+        plan = chat.decode_chat(obj, svc)
+        ctx.admit(plan.n)
+        specs = await chat.prepare_chat(plan, svc)
+        if plan.stream:
+            out = StreamOut(ctx)
+
+            async def stream() -> None:
+                await chat.run_chat_stream(plan, specs, svc, out)
+                await out.close()
+
+            await app.run_cancellable(ctx, stream)
+            return
+        result: dict[str, Any] = {}
+
+        async def buffered() -> None:
+            result.update(await chat.run_chat_buffered(plan, specs, svc))
+
+        await app.run_cancellable(ctx, buffered)
+        if result:
+            await ctx.json(result)
+
+    async def text_completions(ctx: Ctx) -> None:
+        app.auth(ctx)
+        obj = await app.read_json(ctx)
+        svc = ctx.svc
+        plan = completions.decode_completion(obj, svc)
+        prepared, specs = await completions.prepare_completion(plan, svc)
+        ctx.admit(len(specs))
+        if plan.stream:
+            out = StreamOut(ctx)
+
+            async def stream() -> None:
+                await completions.run_completion_stream(plan, prepared, specs, svc, out)
+                await out.close()
+
+            await app.run_cancellable(ctx, stream)
+            return
+        result: dict[str, Any] = {}
+
+        async def buffered() -> None:
+            result.update(await completions.run_completion_buffered(plan, prepared, specs, svc))
+
+        await app.run_cancellable(ctx, buffered)
+        if result:
+            await ctx.json(result)
+
+    app.router.add("GET", "/v1/models", list_models)
+    app.router.add("GET", "/v1/models/{model:path}", get_model)
+    app.router.add("POST", "/v1/chat/completions", chat_completions)
+    app.router.add("POST", "/v1/completions", text_completions)

@@ -1,0 +1,128 @@
+"""Loading the model and wiring the engine thread to the serving pipeline (used by the app's lifespan)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from helios.config import HeliosConfig
+from helios.engine.core import EngineConfig, EngineCore, EngineThread
+from helios.engine.kv.pool import KVCache
+from helios.serving.engine_client import EngineClient
+from helios.serving.pipeline import ModelInfo, Service
+
+log = logging.getLogger("helios.runtime")
+
+
+def cpu_has_bf16() -> bool:
+    """AVX512-BF16 or AMX: bfloat16 matmuls are fast on this CPU."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def choose_dtype(name: str, device: str) -> torch.dtype:
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if name == "float16":
+        return torch.float16
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def _progress(stage: str, fraction: float) -> None:
+    print(f"\r  loading: {stage:<40s} {fraction * 100:5.1f}%", end="", file=sys.stderr, flush=True)
+
+
+class Runtime:
+    """The loaded model, its engine thread and the Service the frontends use."""
+
+    def __init__(self, cfg: HeliosConfig, core: EngineCore, info: ModelInfo, tokenizer: Any, template: Any,
+                 recipe: Any, eos_token_ids: tuple[int, ...]) -> None:
+        self.cfg = cfg
+        self.core = core
+        self.info = info
+        self.tokenizer = tokenizer
+        self.template = template
+        self.recipe = recipe
+        self.eos_token_ids = eos_token_ids
+        self.client = EngineClient(max_in_flight=cfg.engine.max_active + cfg.server.model_queue_size)
+        self.thread = EngineThread(core, self.client.sink)
+
+    def start(self, trio_token: Any) -> Service:
+        from helios.serving.service_factory import make_service
+
+        self.client.attach(self.thread, trio_token)
+        self.thread.start()
+        return make_service(self)
+
+    def stop(self) -> None:
+        self.thread.shutdown()
+
+
+def build_runtime(cfg: HeliosConfig) -> Runtime:
+    from helios.loaders.checkpoint import load_checkpoint
+    from helios.loaders.default_model import ensure_default_model
+    from helios.models.llama import LlamaForCausalLM
+    from helios.recipes import select_recipe
+
+    threads = cfg.model.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    path = cfg.model.path or str(ensure_default_model())
+    device = cfg.model.device
+    dtype = choose_dtype(cfg.model.dtype, device)
+    t0 = time.perf_counter()
+    print(f"Loading {path} ({dtype}, {device})", file=sys.stderr)
+    ckpt = load_checkpoint(path, dtype, progress=_progress)
+    model = LlamaForCausalLM(ckpt.config, dtype=dtype, device=device)
+    model.load_weights(ckpt.tensors)
+    model.eval()
+    print(f"\nLoaded {ckpt.model_id} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+    mc = ckpt.config
+    max_model_len = cfg.model.max_model_len or mc.max_position_embeddings
+    max_model_len = min(max_model_len, mc.max_position_embeddings) if cfg.model.max_model_len == 0 else max_model_len
+    page = cfg.engine.page_size
+    num_pages = cfg.engine.kv_pages
+    if num_pages == 0:
+        per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+        num_pages = int(cfg.engine.kv_memory_gib * 2**30 // (per_token * page))
+    num_pages = max(num_pages, -(-max_model_len // page) + 1)
+    ecfg = EngineConfig(page_size=page, num_pages=num_pages, max_active=cfg.engine.max_active,
+                        prefill_chunk_size=cfg.engine.prefill_chunk_size, max_model_len=max_model_len)
+    core = EngineCore(model, mc, ecfg, dtype, device)
+    recipe = select_recipe(cfg.model.recipe or None, model_id=ckpt.model_id, arch=mc.arch,
+                           chat_template=ckpt.chat_template or "", generation_config=ckpt.generation_config)
+    tok = ckpt.tokenizer
+    eos = tuple(tok.eos_token_ids)
+    info = ModelInfo(
+        model_id=ckpt.model_id,
+        aliases=tuple(a for a in cfg.server.aliases if a),
+        created=int(time.time()),
+        max_model_len=max_model_len,
+        vocab_size=mc.vocab_size,
+        default_max_tokens=cfg.server.default_max_tokens,
+        max_concurrency=cfg.engine.max_active,
+        prefill_chunk_size=cfg.engine.prefill_chunk_size,
+        max_top_logprobs=cfg.server.max_top_logprobs,
+        prompt_logprobs=cfg.server.prompt_logprobs,
+        sampling_defaults=recipe.sampling_defaults_json(),
+        sampling_ranges=recipe.sampling_ranges_json(),
+        recipe=recipe.name,
+        has_bos=tok.bos_token_id is not None,
+        thinking_token_budget=cfg.server.thinking_token_budget,
+        has_reasoning=recipe.reasoning_parser is not None,
+        has_tools=recipe.tool_parser is not None,
+    )
+    return Runtime(cfg, core, info, tok, ckpt.chat_template, recipe, eos)

@@ -1,0 +1,144 @@
+"""Per-child output processing: incremental detokenization, string stops, model output parsers.
+
+One OutputProcessor per engine child turns RequestOutput records into ChildUpdate records that carry
+domain events (text, reasoning, tool calls) and the terminal Finish. Every protocol encoder
+consumes these, buffered or streamed, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+
+from helios.domain.events import Finish, FinishCause, OutputEvent, TextDelta
+from helios.engine.records import EngineFinish, RequestOutput, TokenLogprobRecord
+
+_CAUSES = {
+    EngineFinish.EOS: FinishCause.EOS,
+    EngineFinish.STOP_TOKEN: FinishCause.STOP_TOKEN,
+    EngineFinish.LENGTH: FinishCause.LENGTH,
+    EngineFinish.ABORTED: FinishCause.ABORTED,
+    EngineFinish.ERROR: FinishCause.ERROR,
+}
+
+
+class Detokenizer(Protocol):
+    def push(self, token_id: int) -> str: ...
+    def flush(self) -> str: ...
+
+
+class OutputParser(Protocol):
+    def feed(self, text: str, token_ids: Sequence[int]) -> list[OutputEvent]: ...
+    def finish(self) -> list[OutputEvent]: ...
+
+
+class PassthroughParser:
+    """Raw completions and models without reasoning or tool syntax: text is answer text."""
+
+    def feed(self, text: str, token_ids: Sequence[int]) -> list[OutputEvent]:
+        return [TextDelta(text)] if text else []
+
+    def finish(self) -> list[OutputEvent]:
+        return []
+
+
+@attrs.define
+class ChildUpdate:
+    events: list[OutputEvent]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobRecord, ...] | None
+    finish: Finish | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    abort_engine: bool = False  # a string stop ended it: the engine child must be aborted
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        detokenizer: Detokenizer,
+        *,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        parser: OutputParser | None = None,
+    ) -> None:
+        self.detok = detokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.max_stop = max((len(s) for s in self.stop), default=0)
+        self.include_stop = include_stop_str_in_output
+        self.parser: OutputParser = parser or PassthroughParser()
+        self.text = ""  # all text produced so far (after stop truncation)
+        self.emitted = 0  # chars of self.text handed to the parser
+        self.num_output_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+        self.finished: Finish | None = None
+
+    def process(self, out: RequestOutput) -> ChildUpdate:
+        assert self.finished is None, "output after the terminal event"
+        self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
+        finish: Finish | None = None
+        matched: str | None = None
+        token_ids = out.new_token_ids
+        for i, tid in enumerate(token_ids):
+            self.num_output_tokens += 1
+            terminal = out.finish is not None and i == len(token_ids) - 1
+            if terminal and out.finish in (EngineFinish.EOS, EngineFinish.STOP_TOKEN):
+                continue  # the terminating token has no text
+            before = len(self.text)
+            self.text += self.detok.push(tid)
+            if self.stop:
+                matched = self._match_stop(before)
+                if matched is not None:
+                    finish = Finish(FinishCause.STOP_STRING, matched_stop=matched)
+                    token_ids = token_ids[: i + 1]
+                    break
+        if finish is None and out.finish is not None:
+            self.text += self.detok.flush()
+            if self.stop:
+                matched = self._match_stop(max(0, len(self.text) - 1))
+                if matched is not None:
+                    finish = Finish(FinishCause.STOP_STRING, matched_stop=matched)
+            if finish is None:
+                stop_id = token_ids[-1] if out.finish == EngineFinish.STOP_TOKEN and token_ids else None
+                finish = Finish(_CAUSES[out.finish], matched_stop=stop_id, error=out.error)
+        # Release text: everything when finished, else all but a possible stop prefix.
+        limit = len(self.text) if finish is not None else len(self.text) - max(self.max_stop - 1, 0)
+        events: list[OutputEvent] = []
+        if limit > self.emitted:
+            events.extend(self.parser.feed(self.text[self.emitted : limit], token_ids))
+            self.emitted = limit
+        elif token_ids:
+            events.extend(self.parser.feed("", token_ids))
+        if finish is not None:
+            events.extend(self.parser.finish())
+            self.finished = finish
+        return ChildUpdate(
+            events=events,
+            token_ids=tuple(token_ids),
+            logprobs=None if out.logprobs is None else out.logprobs[: len(token_ids)],
+            finish=finish,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            abort_engine=finish is not None and out.finish is None,
+        )
+
+    def _match_stop(self, new_from: int) -> str | None:
+        """Find the earliest stop string that ends in the new text; truncate self.text there."""
+        start = max(0, new_from - self.max_stop + 1)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            j = self.text.find(s, start)
+            if j != -1 and (best is None or j < best[0]):
+                best = (j, s)
+        if best is None:
+            return None
+        j, s = best
+        self.text = self.text[: j + len(s)] if self.include_stop else self.text[:j]
+        self.emitted = min(self.emitted, len(self.text))
+        return s

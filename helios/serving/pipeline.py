@@ -1,0 +1,201 @@
+"""The serving pipeline that every frontend calls: prompt preparation, admission, generation.
+
+Frontends (sans-IO protocol code) hand over domain records and get ChildUpdate streams back; they
+never see the engine. Chat templates render and prompts tokenize in a bounded worker pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from helios.domain.conversation import ConversationRequest
+from helios.domain.sampling import SamplingParams, SamplingRequest
+from helios.engine.records import EngineRequest, RequestOutput
+from helios.errors import BadRequest
+from helios.serving.engine_client import EngineClient
+from helios.serving.output import ChildUpdate, OutputParser, OutputProcessor
+
+
+@attrs.frozen
+class ModelInfo:
+    """What the frontends may know about the loaded model and its serving limits."""
+
+    model_id: str
+    aliases: tuple[str, ...]
+    created: int
+    max_model_len: int
+    vocab_size: int
+    default_max_tokens: int
+    max_concurrency: int
+    prefill_chunk_size: int
+    max_top_logprobs: int
+    prompt_logprobs: bool
+    sampling_defaults: dict[str, Any]
+    sampling_ranges: dict[str, Any]
+    recipe: str
+    has_bos: bool
+    thinking_token_budget: int | None = None
+    has_reasoning: bool = False
+    has_tools: bool = False
+
+    @property
+    def public_id(self) -> str:
+        return next((a for a in self.aliases if a), self.model_id)
+
+    def knows(self, name: str) -> bool:
+        return name == self.model_id or name in self.aliases
+
+
+@attrs.frozen
+class ChildSpec:
+    """One engine child: a prompt and the per-child generation options."""
+
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    num_top_logprobs: int | None = None
+    logprob_token_ids: tuple[int, ...] | None = None
+    prompt_logprobs: int | None = None
+    parser_factory: Callable[[], OutputParser] | None = None
+
+
+class ChildStream:
+    """Async iterator of ChildUpdate for one child; aborts its engine child on a string stop."""
+
+    def __init__(self, rid: str, recv: trio.MemoryReceiveChannel[RequestOutput], proc: OutputProcessor,
+                 client: EngineClient) -> None:
+        self.request_id = rid
+        self._recv = recv
+        self.proc = proc
+        self._client = client
+
+    def __aiter__(self) -> ChildStream:
+        return self
+
+    async def __anext__(self) -> ChildUpdate:
+        if self.proc.finished is not None:
+            raise StopAsyncIteration
+        try:
+            out = await self._recv.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        update = self.proc.process(out)
+        if update.abort_engine:
+            self._client.abort_one(self.request_id)
+        return update
+
+
+class Service:
+    def __init__(
+        self,
+        *,
+        info: ModelInfo,
+        tokenizer: Any,
+        chat_template: Any,
+        engine: EngineClient,
+        resolve_sampling: Callable[[SamplingRequest], SamplingParams],
+        lower: Callable[[ConversationRequest], str],
+        eos_token_ids: Sequence[int],
+        workers: int = 2,
+    ) -> None:
+        self.info = info
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.engine = engine
+        self._resolve_sampling = resolve_sampling
+        self._lower = lower
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.limiter = trio.CapacityLimiter(workers)
+        self.started = time.time()
+
+    # -- preparation ------------------------------------------------------------------------
+    async def render_chat(self, conv: ConversationRequest) -> tuple[str, list[int]]:
+        def work() -> tuple[str, list[int]]:
+            text = self._lower(conv)
+            return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+        return await trio.to_thread.run_sync(work, limiter=self.limiter)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await trio.to_thread.run_sync(
+            lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens), limiter=self.limiter
+        )
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def resolve_sampling(self, req: SamplingRequest, choice_index: int = 0) -> SamplingParams:
+        try:
+            params = self._resolve_sampling(req)
+        except (ValueError, TypeError) as exc:
+            raise BadRequest(str(exc)) from None
+        if params.seed is not None and choice_index:
+            params = attrs.evolve(params, seed=params.seed + choice_index)
+        return params
+
+    def output_budget(self, num_prompt_tokens: int, max_tokens: int | None, *, param: str = "max_tokens") -> int:
+        """Validate the prompt against the context and resolve the output limit (vLLM's rules)."""
+        limit = self.info.max_model_len
+        if num_prompt_tokens >= limit and not (max_tokens == 0 and num_prompt_tokens <= limit):
+            raise BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{num_prompt_tokens} input tokens. Please reduce the length of the input messages.",
+                param="messages" if param != "max_tokens" else "prompt",
+            )
+        remaining = limit - num_prompt_tokens
+        if max_tokens is None:
+            return min(self.info.default_max_tokens, remaining)
+        if max_tokens > remaining:
+            raise BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{max_tokens} output tokens and your prompt contains {num_prompt_tokens} input tokens, "
+                f"for a total of {num_prompt_tokens + max_tokens} tokens. Please reduce the length of "
+                f"the input or the output limit.",
+                param=param,
+            )
+        return max_tokens
+
+    # -- generation -------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def generate(self, children: Sequence[ChildSpec], prefix: str = "req") -> AsyncIterator[list[ChildStream]]:
+        reqs = []
+        streams_meta = []
+        for spec in children:
+            rid = self.engine.new_request_id(prefix)
+            reqs.append(
+                EngineRequest(
+                    request_id=rid,
+                    prompt_token_ids=spec.prompt_token_ids,
+                    sampling=spec.sampling,
+                    max_tokens=spec.max_tokens,
+                    eos_token_ids=self.eos_token_ids,
+                    stop_token_ids=frozenset(spec.stop_token_ids),
+                    ignore_eos=spec.ignore_eos,
+                    num_top_logprobs=spec.num_top_logprobs,
+                    logprob_token_ids=spec.logprob_token_ids,
+                    prompt_logprobs=spec.prompt_logprobs,
+                )
+            )
+            streams_meta.append((rid, spec))
+        async with self.engine.open_children(reqs) as receivers:
+            streams = []
+            for (rid, spec), recv in zip(streams_meta, receivers, strict=True):
+                proc = OutputProcessor(
+                    self.tokenizer.detokenizer(skip_special_tokens=spec.skip_special_tokens),
+                    stop=spec.stop,
+                    include_stop_str_in_output=spec.include_stop_str_in_output,
+                    parser=spec.parser_factory() if spec.parser_factory else None,
+                )
+                streams.append(ChildStream(rid, recv, proc, self.engine))
+            yield streams
