@@ -108,6 +108,7 @@ class Service:
         lower: Callable[[ConversationRequest], str],
         eos_token_ids: Sequence[int],
         workers: int = 2,
+        parser_factory: Callable[[ConversationRequest], Callable[[], OutputParser] | None] | None = None,
     ) -> None:
         self.info = info
         self.tokenizer = tokenizer
@@ -118,6 +119,18 @@ class Service:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.limiter = trio.CapacityLimiter(workers)
         self.started = time.time()
+        self._parser_factory = parser_factory
+        self._token_bytes: dict[int, bytes] = {}
+
+    def parser_factory(self, conv: ConversationRequest) -> Callable[[], OutputParser] | None:
+        """The model family's reasoning/tool parser for this conversation (None: plain text)."""
+        return self._parser_factory(conv) if self._parser_factory is not None else None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        b = self._token_bytes.get(token_id)
+        if b is None:
+            b = self._token_bytes[token_id] = bytes(self.tokenizer.token_bytes(token_id))
+        return b
 
     # -- preparation ------------------------------------------------------------------------
     async def render_chat(self, conv: ConversationRequest) -> tuple[str, list[int]]:
