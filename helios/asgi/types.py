@@ -1,0 +1,13 @@
+"""ASGI callable types, spelled once (ASGI 3: ``app(scope, receive, send)``)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+RawHeaders = list[tuple[bytes, bytes]]
