@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmark an OpenAI-compatible server", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         from helios.bench import main as bench_main
 
         return bench_main(argv[1:])

@@ -41,8 +41,17 @@ def choose_dtype(name: str, device: str) -> torch.dtype:
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
 
 
+_last_progress: list[tuple[str, int]] = [("", -1)]
+
+
 def _progress(stage: str, fraction: float) -> None:
-    print(f"\r  loading: {stage:<40s} {fraction * 100:5.1f}%", end="", file=sys.stderr, flush=True)
+    """Loading progress on stderr: one line per stage, redrawn in 5% steps."""
+    step = int(fraction * 20)
+    if (stage, step) == _last_progress[0]:
+        return
+    _last_progress[0] = (stage, step)
+    end = "\n" if step >= 20 else ""
+    print(f"\r  loading {stage:<12s} [{'#' * step:<20s}] {fraction * 100:5.1f}%", end=end, file=sys.stderr, flush=True)
 
 
 class Runtime:
@@ -75,7 +84,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     from helios.loaders.checkpoint import load_checkpoint
     from helios.loaders.default_model import ensure_default_model
     from helios.models.llama import LlamaForCausalLM
-    from helios.recipes import select_recipe
+    from helios.recipes import detect_parser_family, detect_recipe, get_recipe, plain_recipe
 
     threads = cfg.model.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
@@ -88,7 +97,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     model = LlamaForCausalLM(ckpt.config, dtype=dtype, device=device)
     model.load_weights(ckpt.tensors)
     model.eval()
-    print(f"\nLoaded {ckpt.model_id} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(f"Loaded {ckpt.model_id} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     mc = ckpt.config
     max_model_len = cfg.model.max_model_len or mc.max_position_embeddings
@@ -102,8 +111,11 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     ecfg = EngineConfig(page_size=page, num_pages=num_pages, max_active=cfg.engine.max_active,
                         prefill_chunk_size=cfg.engine.prefill_chunk_size, max_model_len=max_model_len)
     core = EngineCore(model, mc, ecfg, dtype, device)
-    recipe = select_recipe(cfg.model.recipe or None, model_id=ckpt.model_id, arch=mc.arch,
-                           chat_template=ckpt.chat_template or "", generation_config=ckpt.generation_config)
+    name = cfg.model.recipe or detect_recipe(ckpt.model_id, mc.arch, ckpt.chat_template)
+    if name == "plain":
+        recipe = plain_recipe(ckpt.generation_config, output_parser=detect_parser_family(ckpt.chat_template))
+    else:
+        recipe = get_recipe(name, generation_config=ckpt.generation_config)
     tok = ckpt.tokenizer
     eos = tuple(tok.eos_token_ids)
     info = ModelInfo(
@@ -122,7 +134,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         recipe=recipe.name,
         has_bos=tok.bos_token_id is not None,
         thinking_token_budget=cfg.server.thinking_token_budget,
-        has_reasoning=recipe.reasoning_parser is not None,
-        has_tools=recipe.tool_parser is not None,
+        has_reasoning=recipe.reasoning_parser is not None or recipe.output_parser not in ("plain", "hermes"),
+        has_tools=recipe.output_parser != "plain",
     )
     return Runtime(cfg, core, info, tok, ckpt.chat_template, recipe, eos)

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 import attrs
-import trio
 
 from helios.domain.events import Finish, FinishCause, OutputEvent, ReasoningDelta, TextDelta, ToolCall
 from helios.errors import BadRequest
 from helios.serving.output import ChildUpdate
-from helios.serving.pipeline import ChildStream
+from helios.serving.pipeline import merged as merged
 
 
 class EventWriter(Protocol):
@@ -29,28 +27,6 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
-
-
-async def merged(streams: Sequence[ChildStream]) -> AsyncIterator[tuple[int, ChildUpdate]]:
-    """Interleave several children's updates in arrival order, tagged with the child index."""
-    if len(streams) == 1:
-        async for u in streams[0]:
-            yield 0, u
-        return
-    send, recv = trio.open_memory_channel[tuple[int, ChildUpdate]](0)
-
-    async def pump(i: int, s: ChildStream, ch: trio.MemorySendChannel[tuple[int, ChildUpdate]]) -> None:
-        async with ch:
-            async for u in s:
-                await ch.send((i, u))
-
-    async with trio.open_nursery() as nursery:
-        async with send:
-            for i, s in enumerate(streams):
-                nursery.start_soon(pump, i, s, send.clone())
-        async with recv:
-            async for item in recv:
-                yield item
 
 
 @attrs.define
@@ -82,10 +58,7 @@ class Accumulated:
                 self.blocks[-1] = type(e)(last.text + e.text)  # type: ignore[union-attr]
             elif not isinstance(e, Finish):
                 self.blocks.append(e)
-        if any(isinstance(e, ReasoningDelta) for e in u.events) and not any(
-            isinstance(e, TextDelta | ToolCall) for e in u.events
-        ):
-            self.num_reasoning_tokens += len(u.token_ids)
+        self.num_reasoning_tokens = u.num_reasoning_tokens
         self.token_ids.extend(u.token_ids)
         if u.logprobs:
             self.logprobs.extend(u.logprobs)

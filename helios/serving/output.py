@@ -31,7 +31,7 @@ class Detokenizer(Protocol):
 
 class OutputParser(Protocol):
     def feed(self, text: str, token_ids: Sequence[int]) -> list[OutputEvent]: ...
-    def finish(self) -> list[OutputEvent]: ...
+    def finish(self, *, truncated: bool = False) -> list[OutputEvent]: ...
 
 
 class PassthroughParser:
@@ -40,7 +40,7 @@ class PassthroughParser:
     def feed(self, text: str, token_ids: Sequence[int]) -> list[OutputEvent]:
         return [TextDelta(text)] if text else []
 
-    def finish(self) -> list[OutputEvent]:
+    def finish(self, *, truncated: bool = False) -> list[OutputEvent]:
         return []
 
 
@@ -54,6 +54,7 @@ class ChildUpdate:
     num_output_tokens: int
     num_cached_tokens: int
     abort_engine: bool = False  # a string stop ended it: the engine child must be aborted
+    num_reasoning_tokens: int = 0  # cumulative tokens the parser published as reasoning
 
 
 class OutputProcessor:
@@ -109,13 +110,19 @@ class OutputProcessor:
         # Release text: everything when finished, else all but a possible stop prefix.
         limit = len(self.text) if finish is not None else len(self.text) - max(self.max_stop - 1, 0)
         events: list[OutputEvent] = []
-        if limit > self.emitted:
-            events.extend(self.parser.feed(self.text[self.emitted : limit], token_ids))
-            self.emitted = limit
-        elif token_ids:
-            events.extend(self.parser.feed("", token_ids))
+        try:
+            if limit > self.emitted:
+                piece = self.text[self.emitted : limit]
+                self.emitted = limit
+                events.extend(self.parser.feed(piece, token_ids))
+            elif token_ids:
+                events.extend(self.parser.feed("", token_ids))
+            if finish is not None and finish.cause is not FinishCause.ERROR:
+                events.extend(self.parser.finish(truncated=finish.cause is FinishCause.LENGTH))
+        except Exception as exc:  # a model output the family parser rejects: the request fails
+            events.extend(getattr(exc, "events", ()) or ())
+            finish = Finish(FinishCause.ERROR, error=f"model output could not be parsed: {exc}")
         if finish is not None:
-            events.extend(self.parser.finish())
             self.finished = finish
         return ChildUpdate(
             events=events,
@@ -126,6 +133,7 @@ class OutputProcessor:
             num_output_tokens=self.num_output_tokens,
             num_cached_tokens=self.num_cached_tokens,
             abort_engine=finish is not None and out.finish is None,
+            num_reasoning_tokens=getattr(self.parser, "num_reasoning_tokens", 0),
         )
 
     def _match_stop(self, new_from: int) -> str | None:

@@ -96,6 +96,29 @@ class ChildStream:
         return update
 
 
+async def merged(streams: Sequence[ChildStream]) -> AsyncIterator[tuple[int, ChildUpdate]]:
+    """Interleave several children's updates in arrival order, tagged with the child index."""
+    if len(streams) == 1:
+        async for u in streams[0]:
+            yield 0, u
+        return
+    send, recv = trio.open_memory_channel[tuple[int, ChildUpdate]](0)
+
+    async def pump(i: int, s: ChildStream, ch: trio.MemorySendChannel[tuple[int, ChildUpdate]]) -> None:
+        async with ch:
+            async for u in s:
+                await ch.send((i, u))
+
+    async with trio.open_nursery() as nursery:
+        async with send:
+            for i, s in enumerate(streams):
+                nursery.start_soon(pump, i, s, send.clone())
+        async with recv:
+            async for item in recv:
+                yield item
+
+
+
 class Service:
     def __init__(
         self,
@@ -108,7 +131,7 @@ class Service:
         lower: Callable[[ConversationRequest], str],
         eos_token_ids: Sequence[int],
         workers: int = 2,
-        parser_factory: Callable[[ConversationRequest], Callable[[], OutputParser] | None] | None = None,
+        parser_factory: Callable[[ConversationRequest, str], Callable[[], OutputParser] | None] | None = None,
     ) -> None:
         self.info = info
         self.tokenizer = tokenizer
@@ -122,9 +145,9 @@ class Service:
         self._parser_factory = parser_factory
         self._token_bytes: dict[int, bytes] = {}
 
-    def parser_factory(self, conv: ConversationRequest) -> Callable[[], OutputParser] | None:
+    def parser_factory(self, conv: ConversationRequest, prompt: str) -> Callable[[], OutputParser] | None:
         """The model family's reasoning/tool parser for this conversation (None: plain text)."""
-        return self._parser_factory(conv) if self._parser_factory is not None else None
+        return self._parser_factory(conv, prompt) if self._parser_factory is not None else None
 
     def token_bytes(self, token_id: int) -> bytes:
         b = self._token_bytes.get(token_id)
@@ -205,7 +228,7 @@ class Service:
             streams = []
             for (rid, spec), recv in zip(streams_meta, receivers, strict=True):
                 proc = OutputProcessor(
-                    self.tokenizer.detokenizer(skip_special_tokens=spec.skip_special_tokens),
+                    self.tokenizer.incremental_detokenizer(skip_special_tokens=spec.skip_special_tokens),
                     stop=spec.stop,
                     include_stop_str_in_output=spec.include_stop_str_in_output,
                     parser=spec.parser_factory() if spec.parser_factory else None,

@@ -15,6 +15,7 @@ from helios.serving.pipeline import Service
 
 
 def make_service(rt: Any) -> Service:
+    from helios.parsers import family_delimiters, make_output_parser, prompt_starts_in_reasoning
     from helios.recipes import resolve_sampling
 
     tok = rt.tokenizer
@@ -33,11 +34,21 @@ def make_service(rt: Any) -> Service:
     def sampling(req: SamplingRequest) -> SamplingParams:
         return resolve_sampling(recipe, req)
 
-    def parsers(conv: ConversationRequest) -> Callable[[], OutputParser] | None:
-        make = getattr(recipe, "make_parser", None)
-        if make is None:
+    family = recipe.output_parser
+    delimiter_ids: dict[str, int] = {}
+    for text in family_delimiters(family):
+        tid = tok.token_to_id(text)
+        if tid is not None:
+            delimiter_ids[text] = tid
+
+    def parsers(conv: ConversationRequest, prompt: str) -> Callable[[], OutputParser] | None:
+        if family == "plain":
             return None
-        return make(conv, tok)
+        schemas = {t.name: t.parameters for t in conv.tools}
+        starts = prompt_starts_in_reasoning(family, prompt)
+        parse_tools = conv.tool_choice.mode != "none"
+        return lambda: make_output_parser(family, tools=schemas, delimiter_token_ids=delimiter_ids,
+                                          starts_in_reasoning=starts, parse_tools=parse_tools)
 
     return Service(
         info=rt.info,

@@ -302,13 +302,13 @@ def decode_chat(obj: dict[str, Any], svc: Service) -> ChatPlan:
 
 
 async def prepare_chat(plan: ChatPlan, svc: Service) -> list[ChildSpec]:
-    _text, prompt_ids = await svc.render_chat(plan.conversation)
+    prompt_text, prompt_ids = await svc.render_chat(plan.conversation)
     w = plan.wire
     max_tokens = w.max_completion_tokens if w.max_completion_tokens is not None else w.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest("max_tokens must be at least 1", param="max_tokens")
     budget = svc.output_budget(len(prompt_ids), max_tokens)
-    parser_factory = svc.parser_factory(plan.conversation)
+    parser_factory = svc.parser_factory(plan.conversation, prompt_text)
     return [
         ChildSpec(
             prompt_token_ids=tuple(prompt_ids),

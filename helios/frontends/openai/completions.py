@@ -8,7 +8,15 @@ import attrs
 
 from helios.domain.events import FinishCause
 from helios.errors import BadRequest, InternalError
-from helios.frontends.common import Accumulated, EventWriter, merged, new_id, now, validate_stop_token_ids, validate_stops
+from helios.frontends.common import (
+    Accumulated,
+    EventWriter,
+    merged,
+    new_id,
+    now,
+    validate_stop_token_ids,
+    validate_stops,
+)
 from helios.frontends.openai.chat import StreamOptions, decode_sampling
 from helios.frontends.openai.logprobs import token_entry, validate_explicit_ids
 from helios.frontends.wire import structure
