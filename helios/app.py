@@ -22,7 +22,14 @@ from helios.asgi.request import ClientDisconnected, Request, read_body
 from helios.asgi.responses import SSEWriter, send_json, send_text
 from helios.asgi.routing import Router
 from helios.config import HeliosConfig, load_config
-from helios.errors import BadRequest, HeliosError, InternalError, NotFound, ServiceUnavailable, TooManyRequests
+from helios.errors import (
+    BadRequest,
+    HeliosError,
+    InternalError,
+    NotFound,
+    ServiceUnavailable,
+    TooManyRequests,
+)
 from helios.obs import metrics
 from helios.serving.pipeline import Service
 

@@ -75,3 +75,15 @@ def register(app: HeliosApp) -> None:
     app.router.add("GET", "/v1/models/{model:path}", get_model)
     app.router.add("POST", "/v1/chat/completions", chat_completions)
     app.router.add("POST", "/v1/completions", text_completions)
+
+    # Protocol families that live in their own route modules.
+    import importlib
+
+    for name in ("helios.routes_anthropic", "helios.routes_responses", "helios.routes_decisions"):
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.register(app)

@@ -28,7 +28,8 @@ from helios.engine.records import (
 )
 from helios.engine.runner import PagedAttention, build_inputs
 from helios.engine.sampler import Sampler, SamplingRow
-from helios.engine.scheduler import Scheduler, SchedulerOutput, Sequence as Seq
+from helios.engine.scheduler import Scheduler, SchedulerOutput
+from helios.engine.scheduler import Sequence as Seq
 
 log = logging.getLogger("helios.engine")
 

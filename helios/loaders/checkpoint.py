@@ -1,0 +1,120 @@
+"""One entry point for model files: a GGUF file or a Hugging Face directory -> `Checkpoint`.
+
+    ckpt = load_checkpoint(path, torch.bfloat16, progress=report)
+    model = LlamaForCausalLM(ckpt.config, dtype=torch.bfloat16)
+    model.load_weights(ckpt.tensors)
+
+``Checkpoint.tensors`` is lazy: each tensor is read (and dequantized) from disk when it is accessed,
+so loading the model never holds two full copies of the weights. The progress callback is called with
+``("reading", f)`` while metadata and tokenizer are read, and with ``("weights", f)`` as tensors are
+first materialized -- that is, during ``model.load_weights``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+
+from helios.loaders.gguf_loader import GGUFFile
+from helios.loaders.safetensors_loader import read_hf_directory
+from helios.loaders.tokenizer import Tokenizer
+from helios.models.config import ModelConfig
+
+ProgressCallback = Callable[[str, float], None]
+
+
+@attrs.frozen
+class Checkpoint:
+    model_id: str
+    config: ModelConfig
+    tensors: Mapping[str, Tensor]
+    tokenizer: Tokenizer
+    chat_template: str | None
+    generation_config: dict[str, Any]
+    source_path: str
+
+
+class LazyTensors(Mapping[str, Tensor]):
+    """Name -> tensor, produced on access (every access reads again: iterate once, keep what you need)."""
+
+    def __init__(self, thunks: Mapping[str, Callable[[], Tensor]], progress: ProgressCallback | None = None) -> None:
+        self._thunks = dict(thunks)
+        self._progress = progress
+        self._seen: set[str] = set()
+
+    def __getitem__(self, name: str) -> Tensor:
+        tensor = self._thunks[name]()
+        if self._progress is not None and name not in self._seen:
+            self._seen.add(name)
+            self._progress("weights", len(self._seen) / len(self._thunks))
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._thunks)
+
+    def __len__(self) -> int:
+        return len(self._thunks)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._thunks
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
+                    progress: ProgressCallback | None = None) -> Checkpoint:
+    """Open a ``.gguf`` file or a Hugging Face model directory."""
+    source = Path(path).expanduser()
+    if progress is not None:
+        progress("reading", 0.0)
+    if source.is_dir():
+        checkpoint = _from_hf_directory(source, dtype, progress)
+    elif source.is_file() and _is_gguf(source):
+        checkpoint = _from_gguf(source, dtype, progress)
+    elif source.exists():
+        raise ValueError(f"{source} is neither a GGUF file nor a model directory")
+    else:
+        raise FileNotFoundError(f"no model at {source}")
+    if progress is not None:
+        progress("reading", 1.0)
+    return checkpoint
+
+
+def _from_gguf(path: Path, dtype: torch.dtype, progress: ProgressCallback | None) -> Checkpoint:
+    file = GGUFFile(path)
+    if progress is not None:
+        progress("reading", 0.5)
+    tokenizer = Tokenizer.from_gguf_metadata(file.metadata)
+    generation_config: dict[str, Any] = {"eos_token_id": list(tokenizer.eos_token_ids)}
+    if tokenizer.bos_token_id is not None:
+        generation_config["bos_token_id"] = tokenizer.bos_token_id
+    return Checkpoint(
+        model_id=file.model_name or path.stem,
+        config=file.config,
+        tensors=LazyTensors(file.tensor_thunks(dtype), progress),
+        tokenizer=tokenizer,
+        chat_template=file.chat_template,
+        generation_config=generation_config,
+        source_path=str(path),
+    )
+
+
+def _from_hf_directory(path: Path, dtype: torch.dtype, progress: ProgressCallback | None) -> Checkpoint:
+    directory = read_hf_directory(path, dtype)
+    return Checkpoint(
+        model_id=path.resolve().name,
+        config=directory.config,
+        tensors=LazyTensors(directory.tensors, progress),
+        tokenizer=directory.tokenizer,
+        chat_template=directory.chat_template,
+        generation_config=directory.generation_config,
+        source_path=str(path),
+    )
+
+
+def _is_gguf(path: Path) -> bool:
+    with path.open("rb") as fh:
+        return fh.read(4) == b"GGUF"

@@ -1,0 +1,120 @@
+"""A reference attention backend for ONE sequence, plus a greedy decoding helper.
+
+`DenseAttention` keeps each layer's K/V in a growing contiguous buffer, so a prompt can be prefilled
+(in one or several chunks) and then decoded token by token. It is what the parity tests and simple
+tools use; the engine has its own paged backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from helios.models.llama import LlamaForCausalLM
+
+
+class DenseAttention:
+    """Causal attention for one sequence whose tokens arrive in order, chunk after chunk.
+
+    Each call for ``layer_idx`` appends its ``k``/``v`` rows after the ones already stored for that
+    layer, then attends the new queries over everything stored (causally within the chunk). GQA:
+    prefill lets SDPA share each kv head across its query group (``enable_gqa``, i.e. a repeat);
+    decode folds the query group into the query-length axis instead, so K/V are never copied.
+    """
+
+    def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 initial_capacity: int = 256) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group_size = num_heads // num_kv_heads
+        self.dtype = dtype
+        self.device = torch.device(device)
+        capacity = max(1, initial_capacity)
+        # [capacity, num_kv_heads, head_dim] per layer: token-major, so appends are plain slices.
+        self._keys = [self._alloc(capacity) for _ in range(num_layers)]
+        self._values = [self._alloc(capacity) for _ in range(num_layers)]
+        self._lengths = [0] * num_layers
+
+    @classmethod
+    def for_model(cls, model: LlamaForCausalLM, initial_capacity: int = 256) -> DenseAttention:
+        cfg = model.config
+        return cls(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
+                   device=model.embed_tokens.device, initial_capacity=initial_capacity)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens stored for the last layer (the sequence length once a forward has finished)."""
+        return self._lengths[-1]
+
+    def reset(self) -> None:
+        self._lengths = [0] * len(self._lengths)
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        num_new = q.shape[0]
+        start = self._lengths[layer_idx]
+        end = start + num_new
+        if end > self._keys[layer_idx].shape[0]:
+            self._grow(layer_idx, end)
+        keys = self._keys[layer_idx]
+        values = self._values[layer_idx]
+        keys[start:end] = k
+        values[start:end] = v
+        self._lengths[layer_idx] = end
+        # [1, num_kv_heads, end, head_dim] views of the token-major cache.
+        keys = keys[:end].transpose(0, 1).unsqueeze(0)
+        values = values[:end].transpose(0, 1).unsqueeze(0)
+        if num_new == 1:
+            # Decode: the query heads sharing a kv head act as that head's queries; no causal mask.
+            qg = q.view(1, self.num_kv_heads, self.group_size, self.head_dim)
+            return F.scaled_dot_product_attention(qg, keys, values).view(1, self.num_heads, self.head_dim)
+        qh = q.transpose(0, 1).unsqueeze(0)
+        gqa = self.group_size > 1
+        if start == 0:
+            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=gqa)
+        else:
+            # Query i sits at absolute position start + i and sees keys 0 .. start + i.
+            mask = torch.ones(num_new, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+
+    def _alloc(self, capacity: int) -> Tensor:
+        return torch.empty(capacity, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+
+    def _grow(self, layer_idx: int, needed: int) -> None:
+        capacity = self._keys[layer_idx].shape[0]
+        while capacity < needed:
+            capacity *= 2
+        length = self._lengths[layer_idx]
+        for store in (self._keys, self._values):
+            grown = self._alloc(capacity)
+            grown[:length] = store[layer_idx][:length]
+            store[layer_idx] = grown
+
+
+@torch.inference_mode()
+def greedy_generate(model: LlamaForCausalLM, prompt_ids: Sequence[int], max_new_tokens: int,
+                    eos_token_ids: Iterable[int] = ()) -> list[int]:
+    """Greedy continuation of ``prompt_ids`` (the stop token, if reached, is included)."""
+    stop = frozenset(eos_token_ids)
+    if not prompt_ids:
+        raise ValueError("prompt_ids must not be empty")
+    attn = DenseAttention.for_model(model, initial_capacity=len(prompt_ids) + max_new_tokens)
+    device = model.embed_tokens.device
+    ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
+    positions = torch.arange(len(prompt_ids), dtype=torch.long, device=device)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        hidden = model(ids, positions, attn)
+        token = int(model.compute_logits(hidden[-1:]).argmax(dim=-1).item())
+        out.append(token)
+        if token in stop:
+            break
+        next_pos = int(positions[-1].item()) + 1
+        ids = torch.tensor([token], dtype=torch.long, device=device)
+        positions = torch.tensor([next_pos], dtype=torch.long, device=device)
+    return out
