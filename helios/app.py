@@ -197,20 +197,27 @@ class HeliosApp:
 
         Leaving the scope for any reason aborts the request's engine children (serving's
         open_children does that in its finally)."""
-        async with trio.open_nursery() as nursery:
+        try:
+            async with trio.open_nursery() as nursery:
 
-            async def watch() -> None:
-                while True:
-                    msg = await ctx.receive()
-                    if msg.get("type") == "http.disconnect":
-                        nursery.cancel_scope.cancel()
-                        return
+                async def watch() -> None:
+                    while True:
+                        msg = await ctx.receive()
+                        if msg.get("type") == "http.disconnect":
+                            nursery.cancel_scope.cancel()
+                            return
 
-            nursery.start_soon(watch)
-            try:
-                await body()
-            finally:
-                nursery.cancel_scope.cancel()
+                nursery.start_soon(watch)
+                try:
+                    await body()
+                finally:
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # Re-raise the single application error trio wrapped, so it keeps its status.
+            leaves = list(_leaves(group))
+            if len(leaves) == 1 and isinstance(leaves[0], Exception):
+                raise leaves[0] from None
+            raise
 
     # -- routes -----------------------------------------------------------------------------
     def _register_routes(self) -> None:
@@ -235,6 +242,13 @@ class HeliosApp:
         else:
             ctx.responded = True
             await send_text(ctx.send, 200, metrics.prometheus(snap), content_type=b"text/plain; version=0.0.4; charset=utf-8")
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:  # type: ignore[type-arg]
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
 
 
 def _protocol_of(path: str) -> str:

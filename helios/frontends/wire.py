@@ -8,7 +8,7 @@ offending parameter.
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args, get_origin
 
 import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
@@ -46,8 +46,23 @@ def _any(v: Any, _t: Any) -> Any:
     return v
 
 
+def _is_list(t: Any) -> bool:
+    return get_origin(t) is list or t is list
+
+
 def make_converter() -> cattrs.Converter:
     c = cattrs.Converter(forbid_extra_keys=True)
+
+    def list_hook(v: Any, t: Any) -> list[Any]:
+        # A string is not a list of characters, and an object is not a list of its keys.
+        if not isinstance(v, list):
+            raise TypeError(f"expected an array, got {type(v).__name__}")
+        args = get_args(t)
+        if not args or args[0] is Any:
+            return list(v)
+        return [c.structure(x, args[0]) for x in v]
+
+    c.register_structure_hook_func(_is_list, list_hook)
     c.register_structure_hook(int, _strict_int)
     c.register_structure_hook(float, _strict_float)
     c.register_structure_hook(str, _strict_str)

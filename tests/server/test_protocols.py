@@ -291,7 +291,7 @@ def test_admission_429_and_queue_503(limited: LiveServer) -> None:
     client = limited.openai()
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="m", prompt="Hi", n=4, max_tokens=2)  # more choices than slots
-    stream = client.completions.create(model="m", prompt="Story:", n=2, max_tokens=400, ignore_eos=True,  # type: ignore[call-overload]
+    stream = client.completions.create(model="m", prompt="Story:", n=2, max_tokens=400, extra_body={"ignore_eos": True},
                                        stream=True)
     it = iter(stream)
     next(it)  # both children are in flight: 2 slots and the whole model queue are used

@@ -1,0 +1,838 @@
+"""POST /v1/messages and /v1/messages/count_tokens: decode Anthropic Messages requests into the
+neutral conversation model, run them, and encode buffered Messages or named SSE events.
+
+Spec: api.md, "Transport and admission", "Conversation and tool semantics", "Reasoning, sampling,
+and usage". Sans-IO apart from the two `run_*` coroutines, which only talk to `serving`.
+
+Streamed events, in order (each SSE ``data`` object carries ``"type"`` equal to the event name)::
+
+    message_start                      message with empty content; usage input = the full prompt
+    (content_block_start                  per block, in output order: thinking, text or tool_use
+     content_block_delta*                 thinking_delta / text_delta / input_json_delta
+     [content_block_delta]                signature_delta, thinking blocks only, just before stop
+     content_block_stop)*
+    message_delta                      stop_reason, stop_sequence, final usage
+    message_stop
+
+A failure after the stream started ends it with ``event: error`` (rendered by the app).
+Buffered responses are assembled by the same `MessageAssembler`, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import re
+import json
+import uuid
+from typing import Any, Literal
+
+import attrs
+
+from helios.domain.conversation import (
+    ConversationRequest,
+    ImagePart,
+    Message,
+    Part,
+    ReasoningPart,
+    TextPart,
+    Tool,
+    ToolCallPart,
+    ToolChoice,
+    ToolResultPart,
+)
+from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
+from helios.domain.sampling import SamplingRequest
+from helios.errors import BadRequest, HeliosError, InternalError
+from helios.frontends.common import EventWriter, validate_stops
+from helios.frontends.wire import structure
+from helios.recipes import NEUTRAL_EFFORT_LEVELS, RECIPES, EffortError, resolve_effort
+from helios.serving.output import ChildUpdate
+from helios.serving.pipeline import ChildSpec, ModelInfo, Service
+
+ANTHROPIC_VERSION = "2023-06-01"
+THINKING_MARKER_PREFIX = "flare-thinking-v1:"
+REJECTED_FIELDS = ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "logprob_token_ids",
+                   "prompt_logprobs")
+IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp")
+MAX_BUDGET = 2**31 - 1
+
+
+def thinking_signature(text: str) -> str:
+    """The local round-trip marker of a thinking block: a digest of its visible text.
+
+    A consistency check for replayed history, not provider authentication."""
+    return THINKING_MARKER_PREFIX + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def check_version(value: str | None) -> None:
+    """Messages routes require ``anthropic-version``: the 2023-06-01 wire format.
+
+    Current Anthropic SDKs send a later dated version by default while speaking the same wire
+    format for everything Helios serves, so a dated version from 2023-06-01 on is accepted (the
+    spec's rule, widened where the client would otherwise fail out of the box)."""
+    if value is None:
+        raise BadRequest(f"the anthropic-version header is required; this server supports {ANTHROPIC_VERSION}")
+    v = value.strip()
+    if not (re.fullmatch(r"\d{4}-\d{2}-\d{2}", v) and v >= ANTHROPIC_VERSION):
+        raise BadRequest(f"unsupported anthropic-version '{value}'; this server supports {ANTHROPIC_VERSION}")
+
+
+# -- wire classes ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ThinkingWire:
+    type: str
+    budget_tokens: int | None = None
+    display: str | None = None
+
+
+@attrs.frozen
+class OutputConfigWire:
+    effort: str | None = None
+    format: Any = None
+
+
+@attrs.frozen
+class MetadataWire:
+    user_id: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class CountTokensWire:
+    """The fields count_tokens accepts; a generation request adds `MessagesWire`'s."""
+
+    messages: list[Any]
+    model: str | None = None
+    system: Any = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    thinking: ThinkingWire | None = None
+    output_config: OutputConfigWire | None = None
+    context_management: Any = None
+    mcp_servers: list[Any] | None = None
+    thinking_token_budget: int | None = None
+    cache_control: Any = None  # automatic prompt caching: advisory, ignored
+    speed: str | None = None  # advisory: one serving speed
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class MessagesWire(CountTokensWire):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: MetadataWire | None = None
+    service_tier: str | None = None
+    container: Any = None
+    inference_geo: str | None = None  # local inference: every geography is satisfied
+    diagnostics: Any = None  # cache-miss diagnostics are not reported
+
+
+@attrs.frozen
+class MessagesPlan:
+    """A decoded request: the neutral conversation plus the Messages-only options."""
+
+    conversation: ConversationRequest
+    max_tokens: int | None  # None for count_tokens
+    stream: bool
+    stops: tuple[str, ...]
+    thinking_token_budget: int | None  # effective hard reasoning cap (request, else server default)
+    effort: str | None  # neutral effort level selected by the request, if any
+    hide_thinking: bool = False  # thinking.display "omitted": blocks keep their place and marker, no text
+
+
+# -- decoding -------------------------------------------------------------------------------------
+
+
+def decode_request(obj: dict[str, Any], info: ModelInfo) -> MessagesPlan:
+    """A POST /v1/messages body → MessagesPlan (BadRequest on anything malformed or unsupported)."""
+    _reject_fields(obj)
+    for name in ("stop_sequences", "messages", "tools", "mcp_servers"):
+        # cattrs would structure a string into a list of characters
+        if obj.get(name) is not None and not isinstance(obj[name], list):
+            raise BadRequest(f"{name} must be an array", param=name)
+    w = structure(obj, MessagesWire)
+    if w.max_tokens < 1:
+        raise BadRequest("max_tokens must be at least 1", param="max_tokens")
+    stops = validate_stops(w.stop_sequences, param="stop_sequences")
+    if w.service_tier not in (None, "auto", "standard_only"):
+        raise BadRequest(f"service_tier '{w.service_tier}' is not supported; use 'auto' or 'standard_only'",
+                         param="service_tier")
+    if w.container is not None:
+        raise BadRequest("containers (code execution) are not supported", param="container")
+    if w.diagnostics is not None and (not isinstance(w.diagnostics, dict) or set(w.diagnostics) - {"previous_message_id"}):
+        raise BadRequest("diagnostics must be an object with previous_message_id", param="diagnostics")
+    sampling = SamplingRequest(temperature=w.temperature, top_p=w.top_p, top_k=w.top_k)
+    return _plan(w, info, sampling=sampling, max_tokens=w.max_tokens, stream=bool(w.stream), stops=stops)
+
+
+def decode_count_tokens(obj: dict[str, Any], info: ModelInfo) -> MessagesPlan:
+    """A POST /v1/messages/count_tokens body: the same decoding, without generation fields."""
+    _reject_fields(obj)
+    for name in ("messages", "tools", "mcp_servers"):
+        if obj.get(name) is not None and not isinstance(obj[name], list):
+            raise BadRequest(f"{name} must be an array", param=name)
+    w = structure(obj, CountTokensWire)
+    return _plan(w, info, sampling=SamplingRequest(), max_tokens=None, stream=False, stops=())
+
+
+def _plan(w: CountTokensWire, info: ModelInfo, *, sampling: SamplingRequest, max_tokens: int | None,
+          stream: bool, stops: tuple[str, ...]) -> MessagesPlan:
+    if w.mcp_servers:
+        raise BadRequest("MCP servers are not supported", param="mcp_servers")
+    _check_cache_control(w.cache_control, "cache_control")
+    if w.speed not in (None, "standard", "fast"):
+        raise BadRequest("speed must be 'standard' or 'fast'", param="speed")
+    _check_context_management(w.context_management)
+    if w.output_config is not None and w.output_config.format is not None:
+        raise BadRequest("output_config.format is not supported", param="output_config.format")
+    messages = decode_messages(w.system, w.messages)
+    tools, choice, parallel = decode_tools(w.tools, w.tool_choice)
+    budget, effort, kwargs = _decode_thinking(w, info)
+    continuation = messages[-1].role == "assistant"
+    conv = ConversationRequest(
+        messages=messages,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        sampling=sampling,
+        add_generation_prompt=not continuation,
+        continue_final_message=continuation,
+        chat_template_kwargs=kwargs,
+    )
+    hide = w.thinking is not None and w.thinking.display == "omitted"
+    return MessagesPlan(conv, max_tokens, stream, stops, budget, effort, hide)
+
+
+def _reject_fields(obj: dict[str, Any]) -> None:
+    for name in REJECTED_FIELDS:
+        if name in obj:
+            raise BadRequest(f"{name} is not supported on /v1/messages", param=name)
+
+
+def decode_messages(system: Any, messages: list[Any]) -> tuple[Message, ...]:
+    """System text and Anthropic messages → neutral messages (the system, if any, first)."""
+    out: list[Message] = []
+    if system is not None:
+        parts = _system_parts(system, "system")
+        if parts:
+            out.append(Message("system", parts))
+    if not messages:
+        raise BadRequest("messages must contain at least one message", param="messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"{where} must be an object", param=where)
+        extra = set(m) - {"role", "content"}
+        if extra:
+            raise BadRequest(f"unrecognized field(s) in {where}: {', '.join(sorted(extra))}", param=where)
+        role = m.get("role")
+        if "content" not in m:
+            raise BadRequest(f"{where}.content is required", param=f"{where}.content")
+        content = m["content"]
+        if role == "user":
+            out.append(Message("user", _user_parts(content, where)))
+        elif role == "assistant":
+            out.append(Message("assistant", _assistant_parts(content, where)))
+        elif role == "system":
+            out.append(Message("system", _system_parts(content, f"{where}.content")))
+        else:
+            raise BadRequest(f"{where}.role must be 'user' or 'assistant'", param=f"{where}.role")
+    return tuple(out)
+
+
+def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
+    """Content as a list of typed blocks (a string is one text block)."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise BadRequest(f"{where} must be a string or an array of content blocks", param=where)
+    for j, b in enumerate(content):
+        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+            raise BadRequest(f"{where}[{j}] must be an object with a string type", param=f"{where}[{j}]")
+    return content
+
+
+def _system_parts(content: Any, where: str) -> tuple[Part, ...]:
+    parts: list[Part] = []
+    for j, b in enumerate(_blocks(content, where)):
+        if b["type"] != "text":
+            raise BadRequest(f"{where}[{j}]: system content must be text blocks", param=f"{where}[{j}]")
+        parts.append(_text_block(b, f"{where}[{j}]"))
+    return tuple(parts)
+
+
+def _user_parts(content: Any, where: str) -> tuple[Part, ...]:
+    parts: list[Part] = []
+    for j, b in enumerate(_blocks(content, f"{where}.content")):
+        at = f"{where}.content[{j}]"
+        t = b["type"]
+        if t == "text":
+            parts.append(_text_block(b, at))
+        elif t == "image":
+            parts.append(_image_block(b, at))
+        elif t == "tool_result":
+            parts.append(_tool_result_block(b, at))
+        elif t in ("thinking", "redacted_thinking", "tool_use"):
+            raise BadRequest(f"{at}: '{t}' blocks belong in assistant messages", param=at)
+        else:
+            raise BadRequest(f"{at}: content block type '{t}' is not supported", param=at)
+    return tuple(parts)
+
+
+def _assistant_parts(content: Any, where: str) -> tuple[Part, ...]:
+    parts: list[Part] = []
+    for j, b in enumerate(_blocks(content, f"{where}.content")):
+        at = f"{where}.content[{j}]"
+        t = b["type"]
+        if t == "text":
+            parts.append(_text_block(b, at))
+        elif t == "thinking":
+            parts.append(_thinking_block(b, at))
+        elif t == "redacted_thinking":
+            _keys(b, at, {"type", "data"})
+            if not isinstance(b.get("data"), str):
+                raise BadRequest(f"{at}.data must be a string", param=at)
+            # Opaque provider reasoning: nothing readable to present to this model.
+        elif t == "tool_use":
+            parts.append(_tool_use_block(b, at))
+        elif t in ("image", "tool_result"):
+            raise BadRequest(f"{at}: '{t}' blocks belong in user messages", param=at)
+        else:
+            raise BadRequest(f"{at}: content block type '{t}' is not supported", param=at)
+    return tuple(parts)
+
+
+def _keys(block: dict[str, Any], where: str, allowed: set[str]) -> None:
+    extra = set(block) - allowed
+    if extra:
+        raise BadRequest(f"unrecognized field(s) in {where}: {', '.join(sorted(extra))}", param=where)
+    _check_cache_control(block.get("cache_control"), f"{where}.cache_control")
+    if block.get("toolset_name") is not None:
+        raise BadRequest(f"{where}.toolset_name: toolsets are not supported", param=f"{where}.toolset_name")
+
+
+def _check_cache_control(cc: Any, where: str) -> None:
+    """cache_control is advisory (a candidate prefix-checkpoint hint); only its shape is checked."""
+    if cc is not None and (not isinstance(cc, dict) or cc.get("type") != "ephemeral"
+                           or set(cc) - {"type", "ttl"} or cc.get("ttl") not in (None, "5m", "1h")):
+        raise BadRequest(f"{where} must be {{\"type\": \"ephemeral\"}} with an optional ttl", param=where)
+
+
+def _text_block(b: dict[str, Any], where: str) -> TextPart:
+    _keys(b, where, {"type", "text", "cache_control", "citations"})
+    if not isinstance(b.get("text"), str):
+        raise BadRequest(f"{where}.text must be a string", param=f"{where}.text")
+    if b.get("citations") not in (None, []):
+        raise BadRequest(f"{where}.citations are not supported", param=f"{where}.citations")
+    return TextPart(b["text"])
+
+
+def _image_block(b: dict[str, Any], where: str) -> ImagePart:
+    _keys(b, where, {"type", "source", "cache_control", "transformations"})
+    if b.get("transformations") not in (None, {}):
+        raise BadRequest(f"{where}.transformations are not supported", param=f"{where}.transformations")
+    src = b.get("source")
+    if not isinstance(src, dict) or not isinstance(src.get("type"), str):
+        raise BadRequest(f"{where}.source must be an object with a type", param=f"{where}.source")
+    if src["type"] != "base64":
+        raise BadRequest(f"{where}: image sources of type '{src['type']}' are unsupported; images must be "
+                         "base64 data (remote image downloads are unsupported)", param=f"{where}.source")
+    if set(src) - {"type", "media_type", "data"}:
+        raise BadRequest(f"unrecognized field(s) in {where}.source", param=f"{where}.source")
+    media, data = src.get("media_type"), src.get("data")
+    if media not in IMAGE_MEDIA_TYPES:
+        raise BadRequest(f"{where}: unsupported image media_type {media!r}; use PNG, JPEG or static WebP",
+                         param=f"{where}.source.media_type")
+    if not isinstance(data, str):
+        raise BadRequest(f"{where}.source.data must be a base64 string", param=f"{where}.source.data")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (ValueError, binascii.Error):
+        raise BadRequest(f"{where}: invalid base64 image data", param=f"{where}.source.data") from None
+    return ImagePart(str(media), raw)
+
+
+def _tool_result_block(b: dict[str, Any], where: str) -> ToolResultPart:
+    _keys(b, where, {"type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"})
+    tid = b.get("tool_use_id")
+    if not isinstance(tid, str) or not tid:
+        raise BadRequest(f"{where}.tool_use_id must be a nonempty string", param=f"{where}.tool_use_id")
+    is_error = b.get("is_error", False)
+    if is_error is None:
+        is_error = False
+    if not isinstance(is_error, bool):
+        raise BadRequest(f"{where}.is_error must be a boolean", param=f"{where}.is_error")
+    content: list[TextPart | ImagePart] = []
+    raw = b.get("content")
+    if raw is not None:
+        for k, c in enumerate(_blocks(raw, f"{where}.content")):
+            at = f"{where}.content[{k}]"
+            if c["type"] == "text":
+                content.append(_text_block(c, at))
+            elif c["type"] == "image":
+                content.append(_image_block(c, at))
+            else:
+                raise BadRequest(f"{at}: tool results may contain text and image blocks only", param=at)
+    return ToolResultPart(tid, tuple(content), is_error=is_error)
+
+
+def _tool_use_block(b: dict[str, Any], where: str) -> ToolCallPart:
+    _keys(b, where, {"type", "id", "name", "input", "cache_control", "caller", "toolset_name"})
+    if b.get("caller") not in (None, {"type": "direct"}):
+        raise BadRequest(f"{where}.caller: only direct tool calls are supported", param=f"{where}.caller")
+    tid, name, args = b.get("id"), b.get("name"), b.get("input")
+    if not isinstance(tid, str) or not tid:
+        raise BadRequest(f"{where}.id must be a nonempty string", param=f"{where}.id")
+    if not isinstance(name, str) or not name:
+        raise BadRequest(f"{where}.name must be a nonempty string", param=f"{where}.name")
+    if not isinstance(args, dict):
+        raise BadRequest(f"{where}.input must be an object", param=f"{where}.input")
+    return ToolCallPart(tid, name, args)
+
+
+def _thinking_block(b: dict[str, Any], where: str) -> ReasoningPart:
+    _keys(b, where, {"type", "thinking", "signature", "cache_control"})
+    text, sig = b.get("thinking"), b.get("signature")
+    if not isinstance(text, str):
+        raise BadRequest(f"{where}.thinking must be a string", param=f"{where}.thinking")
+    if sig is not None and not isinstance(sig, str):
+        raise BadRequest(f"{where}.signature must be a string", param=f"{where}.signature")
+    if sig is not None and sig.startswith(THINKING_MARKER_PREFIX) and sig != thinking_signature(text):
+        raise BadRequest(f"{where}: the thinking block does not match its {THINKING_MARKER_PREFIX} signature",
+                         param=f"{where}.signature")
+    return ReasoningPart(text)
+
+
+def decode_tools(tools: list[Any] | None, tool_choice: Any) -> tuple[tuple[Tool, ...], ToolChoice, bool]:
+    """Client tools and tool_choice → (tools, choice, parallel calls allowed)."""
+    decoded: list[Tool] = []
+    for i, t in enumerate(tools or []):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise BadRequest(f"{where} must be an object", param=where)
+        kind = t.get("type")
+        if kind not in (None, "custom"):
+            raise BadRequest(f"{where}: tool type '{kind}' is not supported; hosted and server tools are "
+                             "unsupported, use client tools with an input_schema", param=f"{where}.type")
+        _keys(t, where, {"type", "name", "description", "input_schema", "cache_control", "strict",
+                         "allowed_callers", "defer_loading", "eager_input_streaming", "input_examples"})
+        if t.get("allowed_callers") not in (None, ["direct"]):
+            raise BadRequest(f"{where}.allowed_callers: only direct calls are supported",
+                             param=f"{where}.allowed_callers")
+        if t.get("defer_loading") not in (None, False):
+            raise BadRequest(f"{where}.defer_loading: tool search is not supported", param=f"{where}.defer_loading")
+        if t.get("eager_input_streaming") not in (None, True, False):
+            raise BadRequest(f"{where}.eager_input_streaming must be a boolean",
+                             param=f"{where}.eager_input_streaming")
+        examples = t.get("input_examples")
+        if examples is not None and not (isinstance(examples, list) and all(isinstance(x, dict) for x in examples)):
+            raise BadRequest(f"{where}.input_examples must be an array of objects", param=f"{where}.input_examples")
+        name, desc, schema = t.get("name"), t.get("description"), t.get("input_schema")
+        if not isinstance(name, str) or not name:
+            raise BadRequest(f"{where}.name must be a nonempty string", param=f"{where}.name")
+        if t.get("strict") is True:
+            raise BadRequest("strict tool schemas (strict: true) are not supported", param=f"{where}.strict")
+        if t.get("strict") not in (None, False):
+            raise BadRequest(f"{where}.strict must be a boolean", param=f"{where}.strict")
+        if desc is not None and not isinstance(desc, str):
+            raise BadRequest(f"{where}.description must be a string", param=f"{where}.description")
+        if not isinstance(schema, dict):
+            raise BadRequest(f"{where}.input_schema must be a JSON schema object", param=f"{where}.input_schema")
+        if any(d.name == name for d in decoded):
+            raise BadRequest(f"tool names must be unique; '{name}' is declared twice", param=f"{where}.name")
+        decoded.append(Tool(name, desc, schema))
+    names = {t.name for t in decoded}
+    if tool_choice is None:
+        return tuple(decoded), ToolChoice("auto" if decoded else "none"), True
+    if not isinstance(tool_choice, dict) or not isinstance(tool_choice.get("type"), str):
+        raise BadRequest("tool_choice must be an object with a type", param="tool_choice")
+    kind = tool_choice["type"]
+    allowed = {"type", "disable_parallel_tool_use"} | ({"name"} if kind == "tool" else set())
+    if kind == "none":
+        allowed = {"type"}
+    extra = set(tool_choice) - allowed
+    if extra:
+        raise BadRequest(f"unrecognized field(s) in tool_choice: {', '.join(sorted(extra))}", param="tool_choice")
+    disable = tool_choice.get("disable_parallel_tool_use")
+    if disable is not None and not isinstance(disable, bool):
+        raise BadRequest("tool_choice.disable_parallel_tool_use must be a boolean",
+                         param="tool_choice.disable_parallel_tool_use")
+    parallel = not disable
+    if kind == "auto":
+        choice = ToolChoice("auto" if decoded else "none")
+    elif kind == "none":
+        choice = ToolChoice("none")
+    elif kind == "any":
+        if not decoded:
+            raise BadRequest("tool_choice 'any' needs at least one declared tool", param="tool_choice")
+        choice = ToolChoice("required")
+    elif kind == "tool":
+        name = tool_choice.get("name")
+        if not isinstance(name, str) or name not in names:
+            raise BadRequest(f"tool_choice names {name!r}, which is not a declared tool", param="tool_choice.name")
+        choice = ToolChoice("named", name)
+    else:
+        raise BadRequest("tool_choice.type must be 'auto', 'any', 'tool' or 'none'", param="tool_choice.type")
+    return tuple(decoded), choice, parallel
+
+
+def _check_context_management(cm: Any) -> None:
+    """Only preserving every thinking block is accepted; active context edits are rejected."""
+    if cm is None:
+        return
+    if not isinstance(cm, dict) or set(cm) - {"edits"}:
+        raise BadRequest("context_management must be an object with an edits array", param="context_management")
+    edits = cm.get("edits")
+    if edits is None:
+        return
+    if not isinstance(edits, list):
+        raise BadRequest("context_management.edits must be an array", param="context_management.edits")
+    for i, e in enumerate(edits):
+        where = f"context_management.edits[{i}]"
+        if not (isinstance(e, dict) and e.get("type") == "clear_thinking_20251015" and e.get("keep") == "all"
+                and set(e) == {"type", "keep"}):
+            raise BadRequest(f"{where}: active context edits are not supported; only clear_thinking_20251015 "
+                             "with keep: \"all\" is accepted", param=where)
+
+
+def _decode_thinking(w: CountTokensWire, info: ModelInfo) -> tuple[int | None, str | None, dict[str, Any]]:
+    """thinking, thinking_token_budget and output_config.effort → (hard budget, effort, template kwargs)."""
+    th = w.thinking
+    requested: int | None = None
+    if th is not None:
+        if th.type not in ("enabled", "disabled", "adaptive", "between_tools"):
+            raise BadRequest("thinking.type must be 'enabled', 'disabled', 'adaptive' or 'between_tools'",
+                             param="thinking.type")
+        if th.display not in (None, "summarized", "omitted") or (th.display and th.type == "disabled"):
+            raise BadRequest("thinking.display must be 'summarized' or 'omitted' with thinking on",
+                             param="thinking.display")
+        if th.type == "enabled" and th.budget_tokens is None:
+            raise BadRequest("thinking.budget_tokens is required when thinking is enabled",
+                             param="thinking.budget_tokens")
+        if th.type in ("disabled", "between_tools") and th.budget_tokens is not None:
+            raise BadRequest(f"thinking.budget_tokens is not allowed with thinking type '{th.type}'",
+                             param="thinking.budget_tokens")
+        if th.budget_tokens is not None and th.budget_tokens < 1:
+            raise BadRequest("thinking.budget_tokens must be positive", param="thinking.budget_tokens")
+        requested = th.budget_tokens
+    explicit = w.thinking_token_budget
+    if explicit is not None:
+        if not 0 < explicit <= MAX_BUDGET:
+            raise BadRequest("thinking_token_budget must be a positive 32-bit integer", param="thinking_token_budget")
+        if not info.has_reasoning:
+            raise BadRequest("thinking_token_budget is not supported: this model has no reasoning syntax",
+                             param="thinking_token_budget")
+        if requested is not None and requested != explicit:
+            raise BadRequest("thinking_token_budget and thinking.budget_tokens must match when both are given",
+                             param="thinking_token_budget")
+        requested = explicit
+    disabled = th is not None and th.type == "disabled"
+    level: str | None = None
+    oc = w.output_config
+    if oc is not None and oc.effort is not None:
+        if oc.effort not in NEUTRAL_EFFORT_LEVELS or oc.effort == "minimal":
+            raise BadRequest("output_config.effort must be one of low, medium, high, xhigh, max",
+                             param="output_config.effort")
+        level = oc.effort
+    elif requested is not None:
+        level = "low" if requested <= 5000 else "high" if requested <= 20000 else "max"
+    # Budgets above the 32-bit output limit are accepted and never cut.
+    budget = requested if requested is not None and requested <= MAX_BUDGET else None
+    if budget is None and requested is None and not disabled:
+        budget = info.thinking_token_budget
+    kwargs: dict[str, Any] = {}
+    if th is not None and info.has_reasoning:
+        kwargs["enable_thinking"] = not disabled
+    recipe = RECIPES.get(info.recipe)
+    if level is not None and not disabled and recipe is not None:
+        try:
+            native = resolve_effort(recipe, level)
+        except EffortError as exc:
+            raise BadRequest(str(exc), param="output_config.effort") from None
+        if native is not None:
+            kwargs["reasoning_effort"] = native
+    return (None if disabled else budget), level, kwargs
+
+
+# -- preparation ----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Prepared:
+    spec: ChildSpec
+    num_prompt_tokens: int
+
+
+async def count_tokens(plan: MessagesPlan, svc: Service) -> dict[str, Any]:
+    """The exact prompt a generation request would submit: input_tokens + cache_read_input_tokens."""
+    _, prompt_ids = await svc.render_chat(plan.conversation)
+    return {"input_tokens": len(prompt_ids)}
+
+
+async def prepare(plan: MessagesPlan, svc: Service) -> Prepared:
+    prompt_text, prompt_ids = await svc.render_chat(plan.conversation)
+    budget = svc.output_budget(len(prompt_ids), plan.max_tokens)
+    spec = ChildSpec(
+        prompt_token_ids=tuple(prompt_ids),
+        sampling=svc.resolve_sampling(plan.conversation.sampling),
+        max_tokens=budget,
+        stop=plan.stops,
+        parser_factory=svc.parser_factory(plan.conversation, prompt_text),
+    )
+    return Prepared(spec, len(prompt_ids))
+
+
+# -- encoding -------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class SSEEvent:
+    """One named server-sent event; ``data["type"] == event``."""
+
+    event: str
+    data: dict[str, Any]
+
+
+def new_message_id() -> str:
+    return "msg_" + uuid.uuid4().hex
+
+
+def tool_use_id(call_id: str) -> str:
+    """Anthropic-style ids for generated calls; a model's own id (Kimi) is kept as it is."""
+    if call_id.startswith("toolu_"):
+        return call_id
+    if call_id.startswith("call_"):
+        return "toolu_" + call_id[len("call_"):]
+    return call_id or "toolu_" + uuid.uuid4().hex
+
+
+def stop_reason(cause: FinishCause, has_calls: bool) -> str:
+    """Spec, "Conversation and tool semantics": the terminal cause → Messages stop_reason."""
+    if cause is FinishCause.LENGTH:
+        return "max_tokens"
+    if cause is FinishCause.STOP_STRING:
+        return "stop_sequence"
+    if has_calls:
+        return "tool_use"
+    return "end_turn"
+
+
+BlockKind = Literal["text", "thinking", "tool_use"]
+
+
+class MessageAssembler:
+    """One child's ChildUpdates → ordered Anthropic content blocks and the SSE events that build them.
+
+    Applies the tool-choice output rules: with parallel calls disabled a second call fails before it
+    is emitted; a named choice drops answer text and fails on a call to another tool; required and
+    named choices fail at the end without a completed call. A failure is reported through `error`
+    (the events produced before it are still returned, so they can be written first).
+    """
+
+    def __init__(self, *, model: str, num_prompt_tokens: int, choice: ToolChoice = ToolChoice(),
+                 parallel: bool = True, declared: frozenset[str] = frozenset(),
+                 hide_thinking: bool = False, message_id: str | None = None) -> None:
+        self.id = message_id or new_message_id()
+        self.model = model
+        self.choice = choice
+        self.parallel = parallel
+        self.declared = declared
+        self.hide_thinking = hide_thinking
+        self.content: list[dict[str, Any]] = []
+        self.error: HeliosError | None = None
+        self.stop_reason: str | None = None
+        self.stop_sequence: str | None = None
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0
+        self.num_calls = 0
+        self.num_valid_calls = 0  # calls that satisfy a required or named choice
+        self._open: BlockKind | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.stop_reason is not None or self.error is not None
+
+    def start(self) -> list[SSEEvent]:
+        message = self._message_json([], None, None, self._usage(self.num_prompt_tokens, 0, 0))
+        return [SSEEvent("message_start", {"type": "message_start", "message": message})]
+
+    def feed(self, u: ChildUpdate) -> list[SSEEvent]:
+        out: list[SSEEvent] = []
+        if self.finished:
+            return out
+        if u.num_prompt_tokens:
+            self.num_prompt_tokens = u.num_prompt_tokens
+        if u.num_cached_tokens:
+            self.num_cached_tokens = u.num_cached_tokens
+        self.num_output_tokens = u.num_output_tokens
+        for e in u.events:
+            if isinstance(e, TextDelta):
+                if e.text and self.choice.mode != "named":
+                    out += self._delta("text", {"type": "text_delta", "text": e.text})
+            elif isinstance(e, ReasoningDelta):
+                if e.text and self.hide_thinking:
+                    out += self._ensure_open("thinking")
+                elif e.text:
+                    out += self._delta("thinking", {"type": "thinking_delta", "thinking": e.text})
+            elif isinstance(e, ToolCall):
+                failure = self._check_call(e)
+                if failure is not None:
+                    self.error = InternalError(failure)
+                    return out
+                out += self._tool_use(e)
+        f = u.finish
+        if f is None:
+            return out
+        if f.cause is FinishCause.ERROR:
+            self.error = InternalError(f.error or "generation failed")
+            return out
+        if self.choice.mode in ("required", "named") and not self.num_valid_calls:
+            what = "a call to a declared tool" if self.choice.mode == "required" else f"a call to '{self.choice.name}'"
+            self.error = InternalError(f"tool_choice requires {what}, but the model produced no completed call")
+            return out
+        out += self._close()
+        self.stop_reason = stop_reason(f.cause, self.num_calls > 0)
+        self.stop_sequence = f.matched_stop if isinstance(f.matched_stop, str) and f.cause is FinishCause.STOP_STRING else None
+        out.append(SSEEvent("message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
+            "usage": self.usage(),
+        }))
+        out.append(SSEEvent("message_stop", {"type": "message_stop"}))
+        return out
+
+    def usage(self) -> dict[str, Any]:
+        cached = min(self.num_cached_tokens, self.num_prompt_tokens)
+        return self._usage(self.num_prompt_tokens - cached, self.num_output_tokens, cached)
+
+    def message(self) -> dict[str, Any]:
+        """The buffered Message (after the terminal update)."""
+        return self._message_json(self.content, self.stop_reason, self.stop_sequence, self.usage())
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _message_json(self, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
+                      usage: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": reason, "stop_sequence": sequence, "usage": usage}
+
+    @staticmethod
+    def _usage(num_input: int, num_output: int, num_cached: int) -> dict[str, Any]:
+        return {"input_tokens": num_input, "output_tokens": num_output,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": num_cached}
+
+    def _check_call(self, call: ToolCall) -> str | None:
+        if not self.parallel and self.num_calls >= 1:
+            return "parallel tool use is disabled, but the model began a second tool call"
+        if self.choice.mode == "named" and call.name != self.choice.name:
+            return f"tool_choice selects '{self.choice.name}', but the model called '{call.name}'"
+        try:
+            args = json.loads(call.arguments) if call.arguments.strip() else {}
+        except json.JSONDecodeError:
+            return f"the model's arguments for '{call.name}' are not valid JSON"
+        if not isinstance(args, dict):
+            return f"the model's arguments for '{call.name}' are not a JSON object"
+        return None
+
+    def _ensure_open(self, kind: Literal["text", "thinking"]) -> list[SSEEvent]:
+        if self._open == kind:
+            return []
+        block: dict[str, Any] = {"type": "text", "text": ""} if kind == "text" else {
+            "type": "thinking", "thinking": "", "signature": ""}
+        return self._close() + self._open_block(kind, block)
+
+    def _delta(self, kind: Literal["text", "thinking"], delta: dict[str, Any]) -> list[SSEEvent]:
+        out = self._ensure_open(kind)
+        cur = self.content[-1]
+        if kind == "text":
+            cur["text"] += delta["text"]
+        else:
+            cur["thinking"] += delta["thinking"]
+        out.append(SSEEvent("content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1,
+                                                    "delta": delta}))
+        return out
+
+    def _tool_use(self, call: ToolCall) -> list[SSEEvent]:
+        out = self._close()
+        self.num_calls += 1
+        if self.choice.mode == "named" or call.name in self.declared:
+            self.num_valid_calls += 1
+        args = call.arguments if call.arguments.strip() else "{}"
+        tid = tool_use_id(call.id)
+        out += self._open_block("tool_use", {"type": "tool_use", "id": tid, "name": call.name, "input": {}})
+        index = len(self.content) - 1
+        self.content[index] = {"type": "tool_use", "id": tid, "name": call.name, "input": json.loads(args)}
+        out.append(SSEEvent("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                    "delta": {"type": "input_json_delta", "partial_json": args}}))
+        out += self._close()
+        return out
+
+    def _open_block(self, kind: BlockKind, block: dict[str, Any]) -> list[SSEEvent]:
+        self.content.append(dict(block))
+        self._open = kind
+        return [SSEEvent("content_block_start", {"type": "content_block_start", "index": len(self.content) - 1,
+                                                 "content_block": block})]
+
+    def _close(self) -> list[SSEEvent]:
+        if self._open is None:
+            return []
+        out: list[SSEEvent] = []
+        index = len(self.content) - 1
+        if self._open == "thinking":
+            sig = thinking_signature(self.content[index]["thinking"])
+            self.content[index]["signature"] = sig
+            out.append(SSEEvent("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                        "delta": {"type": "signature_delta", "signature": sig}}))
+        out.append(SSEEvent("content_block_stop", {"type": "content_block_stop", "index": index}))
+        self._open = None
+        return out
+
+
+# -- running --------------------------------------------------------------------------------------
+
+
+def _assembler(plan: MessagesPlan, prepared: Prepared, svc: Service) -> MessageAssembler:
+    conv = plan.conversation
+    return MessageAssembler(model=svc.info.public_id, num_prompt_tokens=prepared.num_prompt_tokens,
+                            choice=conv.tool_choice, parallel=conv.parallel_tool_calls,
+                            declared=frozenset(t.name for t in conv.tools), hide_thinking=plan.hide_thinking)
+
+
+async def run_buffered(plan: MessagesPlan, prepared: Prepared, svc: Service) -> dict[str, Any]:
+    asm = _assembler(plan, prepared, svc)
+    async with svc.generate([prepared.spec], prefix="msg") as streams:
+        async for u in streams[0]:
+            asm.feed(u)
+            if asm.error is not None:
+                raise asm.error
+            if asm.finished:
+                break
+    if asm.stop_reason is None:
+        raise InternalError("generation ended without a terminal event")
+    return asm.message()
+
+
+async def run_stream(plan: MessagesPlan, prepared: Prepared, svc: Service, out: EventWriter) -> None:
+    """Writes the named events; raises the failure after the events that preceded it."""
+    asm = _assembler(plan, prepared, svc)
+    async with svc.generate([prepared.spec], prefix="msg") as streams:
+        for ev in asm.start():  # SSE headers go out after enqueue, before the first token
+            await out.event(ev.data, event=ev.event)
+        async for u in streams[0]:
+            for ev in asm.feed(u):
+                await out.event(ev.data, event=ev.event)
+            if asm.error is not None:
+                raise asm.error
+            if asm.finished:
+                break
+    if asm.stop_reason is None:
+        raise InternalError("generation ended without a terminal event")
