@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -46,7 +47,7 @@ class EngineConfig:
 class EngineCore:
     """Owns the model, the KV cache, the scheduler and the sampler. Not thread-safe: one thread runs it."""
 
-    def __init__(self, model: torch.nn.Module, model_config, cfg: EngineConfig, dtype: torch.dtype,
+    def __init__(self, model: Any, model_config: Any, cfg: EngineConfig, dtype: torch.dtype,
                  device: str | torch.device = "cpu") -> None:
         self.model = model
         self.cfg = cfg

@@ -127,7 +127,7 @@ class OutputProcessor:
         return ChildUpdate(
             events=events,
             token_ids=tuple(token_ids),
-            logprobs=None if out.logprobs is None else out.logprobs[: len(token_ids)],
+            logprobs=None if out.logprobs is None else out.logprobs[: len(token_ids) - self._terminal(out, token_ids)],
             finish=finish,
             num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=self.num_output_tokens,
@@ -135,6 +135,12 @@ class OutputProcessor:
             abort_engine=finish is not None and out.finish is None,
             num_reasoning_tokens=getattr(self.parser, "num_reasoning_tokens", 0),
         )
+
+    @staticmethod
+    def _terminal(out: RequestOutput, token_ids: Sequence[int]) -> int:
+        """1 when the last token is a terminating EOS or token-id stop (it gets no logprob entry)."""
+        return int(bool(token_ids) and len(token_ids) == len(out.new_token_ids)
+                   and out.finish in (EngineFinish.EOS, EngineFinish.STOP_TOKEN))
 
     def _match_stop(self, new_from: int) -> str | None:
         """Find the earliest stop string that ends in the new text; truncate self.text there."""

@@ -1,0 +1,107 @@
+"""Ollama model discovery: GET /api/tags and POST /api/show (spec: api.md, "Ollama model discovery").
+
+Only discovery is implemented; /api/chat, /api/generate and model management are not. Names match
+the /v1/models identifier; /api/show also accepts the checkpoint identifier and every alias. The
+metadata comes from the loaded contract and serving limits, never from the model's name. Errors use
+Ollama's {"error": message} shape (the app renders them for paths under /api/).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import TYPE_CHECKING, Any
+
+from helios.errors import BadRequest, NotFound
+
+if TYPE_CHECKING:
+    from helios.serving.pipeline import ModelInfo
+
+UNKNOWN_TIME = "0001-01-01T00:00:00Z"
+FORMAT = "flare"
+
+
+def details() -> dict[str, Any]:
+    """Ollama's details object; family, parameter-count and quantization labels are unavailable."""
+    return {
+        "parent_model": "",
+        "format": FORMAT,
+        "family": "",
+        "families": [],
+        "parameter_size": "",
+        "quantization_level": "",
+    }
+
+
+def capabilities(info: ModelInfo) -> list[str]:
+    caps = ["completion"]
+    if getattr(info, "has_vision", False):
+        caps.append("vision")
+    if info.has_tools:
+        caps.append("tools")
+    if info.has_reasoning:
+        caps.append("thinking")
+    return caps
+
+
+def model_info(info: ModelInfo) -> dict[str, Any]:
+    """general.name plus the flare.* limits. general.architecture names the flare.* prefix so that
+    clients which look up `<architecture>.context_length` find the serving limit."""
+    return {
+        "general.architecture": FORMAT,
+        "general.name": info.public_id,
+        f"{FORMAT}.context_length": info.max_model_len,
+        f"{FORMAT}.vocab_size": info.vocab_size,
+    }
+
+
+def digest(info: ModelInfo) -> str:
+    """A SHA-256 cache key over the prepared model identity and the advertised discovery details.
+    It is not an Ollama manifest digest."""
+    identity = {
+        "model_id": info.model_id,
+        "aliases": list(info.aliases),
+        "public_id": info.public_id,
+        "recipe": info.recipe,
+        "details": details(),
+        "model_info": model_info(info),
+        "capabilities": capabilities(info),
+    }
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def tags(info: ModelInfo) -> dict[str, Any]:
+    """GET /api/tags: the loaded model as Ollama's local-model listing."""
+    return {
+        "models": [{
+            "name": info.public_id,
+            "model": info.public_id,
+            "modified_at": UNKNOWN_TIME,
+            "size": 0,
+            "digest": digest(info),
+            "details": details(),
+        }]
+    }
+
+
+def show(info: ModelInfo, body: dict[str, Any]) -> dict[str, Any]:
+    """POST /api/show for {"model": NAME, "verbose"?: bool}. Verbose and plain modes are the same."""
+    name = body.get("model")
+    if name is None:
+        raise BadRequest("missing required field 'model'", param="model")
+    if not isinstance(name, str):
+        raise BadRequest("'model' must be a string", param="model")
+    if not name:
+        raise BadRequest("'model' must not be empty", param="model")
+    verbose = body.get("verbose")
+    if verbose is not None and not isinstance(verbose, bool):
+        raise BadRequest("'verbose' must be a boolean", param="verbose")
+    if name != info.public_id and not info.knows(name):
+        raise NotFound(f"model '{name}' not found", code="model_not_found")
+    return {
+        "details": details(),
+        "model_info": model_info(info),
+        "capabilities": capabilities(info),
+        "modified_at": UNKNOWN_TIME,
+    }

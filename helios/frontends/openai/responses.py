@@ -1,0 +1,983 @@
+"""POST /v1/responses, stateless: decode Responses input items into the neutral conversation model,
+run one child, and encode ordered output items, buffered or as named SSE events.
+
+Spec: api.md, "Stateless Responses", "Conversation and tool semantics", "Generation log
+probabilities" and "Reasoning, sampling, and usage". Every request carries its whole conversation;
+store, previous_response_id, conversation, background and automatic truncation are rejected.
+
+One sans-IO `ResponseEncoder` turns ChildUpdate records into Responses SSE events and the final
+response object. The buffered route runs the same encoder and keeps only the final object, so a
+buffered response and a stream of the same tokens cannot disagree.
+
+Event order for one response (sequence_number counts from 0 over every event):
+
+    response.created, response.in_progress,
+    per output item, in output order:
+      reasoning:     output_item.added, content_part.added, reasoning_text.delta*,
+                     reasoning_text.done, content_part.done, output_item.done
+      message:       output_item.added, content_part.added, output_text.delta*,
+                     output_text.done, content_part.done, output_item.done
+      function_call: output_item.added, function_call_arguments.delta,
+                     function_call_arguments.done, output_item.done
+      custom call:   output_item.added, custom_tool_call_input.delta,
+                     custom_tool_call_input.done, output_item.done
+    then exactly one of response.completed | response.incomplete | response.failed.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+
+from helios.domain.conversation import (
+    ConversationRequest,
+    ImagePart,
+    Message,
+    Part,
+    ReasoningPart,
+    TextPart,
+    Tool,
+    ToolCallPart,
+    ToolChoice,
+    ToolResultPart,
+)
+from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
+from helios.errors import BadRequest, HeliosError, InternalError
+from helios.frontends.common import EventWriter, validate_stop_token_ids, validate_stops
+from helios.frontends.openai.chat import decode_sampling
+from helios.frontends.openai.logprobs import chat_logprobs_content, validate_logprob_options
+from helios.frontends.wire import structure
+from helios.serving.pipeline import ChildSpec
+
+if TYPE_CHECKING:
+    from helios.serving.output import ChildUpdate
+    from helios.serving.pipeline import ModelInfo, Service
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+NAMESPACE_SEPARATOR = "__"
+
+HOSTED_TOOL_TYPES = frozenset({
+    "web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
+    "file_search", "computer", "computer_use", "computer_use_preview", "code_interpreter",
+    "image_generation", "mcp", "local_shell", "shell", "apply_patch", "tool_search",
+    "programmatic_tool_calling",
+})
+
+EFFORT_NAMES = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+@attrs.frozen
+class ResponsesWire:
+    """The accepted request fields; anything else is an unknown field (HTTP 400)."""
+
+    input: Any
+    model: str | None = None
+    instructions: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    max_tool_calls: int | None = None  # limits hosted tool calls, of which Helios has none
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    reasoning: Any = None
+    text: Any = None
+    include: list[str] | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    truncation: str | None = None
+    prompt: Any = None
+    context_management: Any = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    # native extensions, as on Chat Completions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: Any = None
+    stop_token_ids: Any = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    return_tokens_as_token_ids: bool | None = None
+    logprob_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+
+
+# -- tools ----------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class DeclaredTool:
+    """One declared tool under the name the model sees (`namespace__name` inside a namespace)."""
+
+    flat_name: str
+    name: str
+    kind: Literal["function", "custom"]
+    namespace: str | None = None
+
+
+@attrs.frozen
+class ToolSet:
+    tools: tuple[Tool, ...] = ()
+    declared: dict[str, DeclaredTool] = attrs.field(factory=dict)
+
+    def restore(self, flat_name: str) -> DeclaredTool:
+        """The wire identity of a generated call; undeclared names come back as generated."""
+        return self.declared.get(flat_name) or DeclaredTool(flat_name, flat_name, "function")
+
+
+def decode_tools(raw: list[Any] | None, tool_choice: Any) -> tuple[ToolSet, ToolChoice]:
+    tools: list[Tool] = []
+    declared: dict[str, DeclaredTool] = {}
+
+    def add(tool: Tool, entry: DeclaredTool) -> None:
+        if entry.flat_name in declared:
+            raise BadRequest(f"tool name '{entry.flat_name}' is ambiguous: it is declared more than once "
+                             f"(namespaced tools are named namespace{NAMESPACE_SEPARATOR}name)", param="tools")
+        declared[entry.flat_name] = entry
+        tools.append(tool)
+
+    for i, t in enumerate(raw or []):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or not isinstance(t.get("type"), str):
+            raise BadRequest(f"{where} must be an object with a type", param="tools")
+        kind = t["type"]
+        if kind in ("function", "custom"):
+            add(*_decode_tool(t, where, None))
+        elif kind == "namespace":
+            ns = t.get("name")
+            if not isinstance(ns, str) or not ns:
+                raise BadRequest(f"{where}.name must be a nonempty string", param="tools")
+            inner = t.get("tools")
+            if not isinstance(inner, list) or not inner:
+                raise BadRequest(f"{where}.tools must be a nonempty array of function or custom tools", param="tools")
+            for j, sub in enumerate(inner):
+                sub_where = f"{where}.tools[{j}]"
+                if not isinstance(sub, dict) or sub.get("type") not in ("function", "custom"):
+                    raise BadRequest(f"{sub_where} must be a function or custom tool", param="tools")
+                add(*_decode_tool(sub, sub_where, ns))
+        elif kind in HOSTED_TOOL_TYPES:
+            raise BadRequest(f"hosted tool type '{kind}' is not supported; Helios serves client-executed "
+                             "function and custom tools only", param="tools")
+        else:
+            raise BadRequest(f"unsupported tool type '{kind}' in {where}", param="tools")
+    return ToolSet(tuple(tools), declared), _decode_tool_choice(tool_choice, declared)
+
+
+def _decode_tool(t: dict[str, Any], where: str, namespace: str | None) -> tuple[Tool, DeclaredTool]:
+    name = t.get("name")
+    if not isinstance(name, str) or not name:
+        raise BadRequest(f"{where}.name must be a nonempty string", param="tools")
+    desc = t.get("description")
+    if desc is not None and not isinstance(desc, str):
+        raise BadRequest(f"{where}.description must be a string", param="tools")
+    flat = f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+    if t["type"] == "function":
+        if t.get("strict") is True:
+            raise BadRequest("strict function schemas (strict: true) are not supported", param="tools")
+        params = t.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise BadRequest(f"{where}.parameters must be an object", param="tools")
+        return Tool(flat, desc, params), DeclaredTool(flat, name, "function", namespace)
+    fmt = t.get("format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise BadRequest(f"{where}.format must be an object with a type", param="tools")
+        if fmt["type"] == "grammar":
+            raise BadRequest("custom tool grammars (format type 'grammar') are not supported yet", param="tools")
+        if fmt["type"] != "text":
+            raise BadRequest(f"unsupported custom tool format '{fmt['type']}'", param="tools")
+    return Tool(flat, desc, {}, kind="custom"), DeclaredTool(flat, name, "custom", namespace)
+
+
+def _decode_tool_choice(choice: Any, declared: dict[str, DeclaredTool]) -> ToolChoice:
+    if choice is None:
+        return ToolChoice("auto" if declared else "none")
+    if choice in ("auto", "none"):
+        return ToolChoice(choice)
+    if choice == "required":
+        if not declared:
+            raise BadRequest("tool_choice 'required' needs at least one declared tool", param="tool_choice")
+        return ToolChoice("required")
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
+        kind, name = choice["type"], choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise BadRequest("tool_choice.name must be a nonempty string", param="tool_choice")
+        entry = declared.get(name)
+        if entry is None:
+            raise BadRequest(f"tool_choice names '{name}', which is not a declared tool", param="tool_choice")
+        if entry.kind != kind:
+            raise BadRequest(f"tool_choice selects a {kind} tool, but '{name}' is a {entry.kind} tool",
+                             param="tool_choice")
+        return ToolChoice("named", name)
+    if isinstance(choice, dict) and isinstance(choice.get("type"), str):
+        raise BadRequest(f"tool_choice type '{choice['type']}' is not supported", param="tool_choice")
+    raise BadRequest("tool_choice must be 'auto', 'none', 'required', {\"type\": \"function\", \"name\"} or "
+                     "{\"type\": \"custom\", \"name\"}", param="tool_choice")
+
+
+# -- input items ----------------------------------------------------------------------------------
+
+_RANK = {ReasoningPart: 0, TextPart: 1, ImagePart: 1, ToolCallPart: 2}
+
+
+def decode_input(raw: Any, instructions: str | None, *, allow_images: bool) -> tuple[Message, ...]:
+    """Responses input (a string or items) → neutral messages. `instructions` lead as a system message.
+
+    Consecutive assistant-side items (reasoning, assistant messages, function and custom calls) form
+    one assistant turn while they keep the order reasoning → text → calls; each tool output is its
+    own tool message."""
+    out: list[Message] = []
+    if instructions:
+        out.append(Message("system", (TextPart(instructions),)))
+    if isinstance(raw, str):
+        out.append(Message("user", (TextPart(raw),)))
+        return tuple(out)
+    if not isinstance(raw, list):
+        raise BadRequest("'input' must be a string or an array of input items", param="input")
+    if not raw:
+        raise BadRequest("'input' must contain at least one item", param="input")
+    turn: list[Part] = []
+
+    def flush() -> None:
+        if turn:
+            out.append(Message("assistant", tuple(turn)))
+            turn.clear()
+
+    def assistant(part: Part) -> None:
+        if turn and _RANK[type(part)] < _RANK[type(turn[-1])]:
+            flush()
+        turn.append(part)
+
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise BadRequest(f"{where} must be an object", param="input")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise BadRequest(f"{where}.role must be one of user, system, developer, assistant", param="input")
+            parts = _message_content(item.get("content"), where, role, allow_images)
+            if role == "assistant":
+                for p in parts:
+                    assistant(p)
+            else:
+                flush()
+                out.append(Message(role, parts))
+        elif kind == "reasoning":
+            text = _reasoning_text(item, where)
+            if text:
+                assistant(ReasoningPart(text))
+        elif kind == "function_call":
+            call_id = _nonempty_str(item, "call_id", where)
+            name = _flat_call_name(item, where)
+            args = item.get("arguments", "{}")
+            if not isinstance(args, str):
+                raise BadRequest(f"{where}.arguments must be a JSON string", param="input")
+            try:
+                parsed = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise BadRequest(f"{where}.arguments must be a JSON object", param="input") from None
+            if not isinstance(parsed, dict):
+                raise BadRequest(f"{where}.arguments must be a JSON object", param="input")
+            assistant(ToolCallPart(call_id, name, parsed))
+        elif kind == "custom_tool_call":
+            call_id = _nonempty_str(item, "call_id", where)
+            name = _flat_call_name(item, where)
+            text_input = item.get("input")
+            if not isinstance(text_input, str):
+                raise BadRequest(f"{where}.input must be a string", param="input")
+            assistant(ToolCallPart(call_id, name, {"input": text_input}))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            flush()
+            call_id = _nonempty_str(item, "call_id", where)
+            content = _tool_output(item.get("output"), where, allow_images)
+            out.append(Message("tool", (ToolResultPart(call_id, content),)))
+        elif kind == "item_reference":
+            raise BadRequest(f"{where}: item references need stored responses, which Helios does not keep; "
+                             "send the complete items", param="input")
+        elif isinstance(kind, str):
+            raise BadRequest(f"unsupported input item type '{kind}' in {where}", param="input")
+        else:
+            raise BadRequest(f"{where} must have a type or a role", param="input")
+    flush()
+    return tuple(out)
+
+
+def _nonempty_str(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"{where}.{key} must be a nonempty string", param="input")
+    return value
+
+
+def _flat_call_name(item: dict[str, Any], where: str) -> str:
+    name = _nonempty_str(item, "name", where)
+    ns = item.get("namespace")
+    if ns is None:
+        return name
+    if not isinstance(ns, str):
+        raise BadRequest(f"{where}.namespace must be a string", param="input")
+    return f"{ns}{NAMESPACE_SEPARATOR}{name}" if ns else name
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    texts: list[str] = []
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list):
+            raise BadRequest(f"{where}.{key} must be an array", param="input")
+        for j, p in enumerate(parts):
+            if not isinstance(p, dict) or p.get("type") != part_type or not isinstance(p.get("text"), str):
+                raise BadRequest(f"{where}.{key}[{j}] must be a {part_type} part with text", param="input")
+            texts.append(p["text"])
+        if texts:
+            break  # readable content wins over a summary
+    if not texts and item.get("encrypted_content"):
+        raise BadRequest(f"{where}: opaque encrypted reasoning is not supported; replay reasoning items with "
+                         "readable reasoning_text content", param="input")
+    return "\n\n".join(t for t in texts if t)
+
+
+def _message_content(content: Any, where: str, role: str, allow_images: bool) -> tuple[Part, ...]:
+    if isinstance(content, str):
+        return (TextPart(content),)
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}.content must be a string or an array of content parts", param="input")
+    parts: list[Part] = []
+    for j, p in enumerate(content):
+        pw = f"{where}.content[{j}]"
+        if not isinstance(p, dict) or not isinstance(p.get("type"), str):
+            raise BadRequest(f"{pw} must be an object with a type", param="input")
+        t = p["type"]
+        if t in ("input_text", "output_text"):
+            if not isinstance(p.get("text"), str):
+                raise BadRequest(f"{pw}.text must be a string", param="input")
+            parts.append(TextPart(p["text"]))
+        elif t == "refusal" and role == "assistant":
+            if not isinstance(p.get("refusal"), str):
+                raise BadRequest(f"{pw}.refusal must be a string", param="input")
+            parts.append(TextPart(p["refusal"]))
+        elif t == "input_image":
+            if role != "user":
+                raise BadRequest(f"{pw}: images are accepted in user messages and tool outputs only", param="input")
+            parts.append(_image(p, pw, allow_images))
+        elif t == "input_file":
+            raise BadRequest(f"{pw}: file inputs are not supported", param="input")
+        else:
+            raise BadRequest(f"unsupported content part type '{t}' in {where}", param="input")
+    return tuple(parts)
+
+
+def _tool_output(output: Any, where: str, allow_images: bool) -> tuple[TextPart | ImagePart, ...]:
+    if isinstance(output, str):
+        return (TextPart(output),)
+    if not isinstance(output, list):
+        raise BadRequest(f"{where}.output must be a string or an array of content parts", param="input")
+    parts: list[TextPart | ImagePart] = []
+    for j, p in enumerate(output):
+        pw = f"{where}.output[{j}]"
+        if not isinstance(p, dict) or not isinstance(p.get("type"), str):
+            raise BadRequest(f"{pw} must be an object with a type", param="input")
+        if p["type"] in ("input_text", "output_text"):
+            if not isinstance(p.get("text"), str):
+                raise BadRequest(f"{pw}.text must be a string", param="input")
+            parts.append(TextPart(p["text"]))
+        elif p["type"] == "input_image":
+            parts.append(_image(p, pw, allow_images))
+        else:
+            raise BadRequest(f"unsupported tool output part type '{p['type']}' in {where}", param="input")
+    return tuple(parts)
+
+
+def _image(p: dict[str, Any], where: str, allow_images: bool) -> ImagePart:
+    url = p.get("image_url")
+    if p.get("file_id") is not None or not isinstance(url, str) or not url.startswith("data:"):
+        raise BadRequest(f"{where}: images must be base64 data URLs; remote downloads and file ids are "
+                         "unsupported", param="input")
+    head, _, data = url.partition(",")
+    media = head[5:].split(";")[0]
+    if media not in ("image/png", "image/jpeg", "image/webp") or ";base64" not in head:
+        raise BadRequest(f"{where}: images must be base64 PNG, JPEG or WebP data URLs", param="input")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError:
+        raise BadRequest(f"{where}: invalid base64 image data", param="input") from None
+    if not allow_images:
+        raise BadRequest("this model does not accept image input", param="input")
+    return ImagePart(media, raw)
+
+
+# -- the request ----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ResponsesPlan:
+    wire: ResponsesWire
+    conversation: ConversationRequest
+    toolset: ToolSet
+    stream: bool
+    stops: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    num_top_logprobs: int | None
+    logprob_token_ids: tuple[int, ...] | None
+    effort: str | None
+    summary: str | None
+    text_config: dict[str, Any]
+
+
+def decode_responses(obj: dict[str, Any], svc: Service) -> ResponsesPlan:
+    if "input" not in obj:
+        raise BadRequest("missing required parameter: input", param="input")
+    w = structure(obj, ResponsesWire)
+    _reject_stateful(w)
+    if w.prompt_logprobs is not None:
+        raise BadRequest("prompt_logprobs is not supported on /v1/responses", param="prompt_logprobs")
+    if w.max_output_tokens is not None and w.max_output_tokens < 1:
+        raise BadRequest("max_output_tokens must be at least 1", param="max_output_tokens")
+    if w.thinking_token_budget is not None and not 0 < w.thinking_token_budget < 2**31:
+        raise BadRequest("thinking_token_budget must be a positive 32-bit integer", param="thinking_token_budget")
+    text_config = _decode_text(w.text)
+    include = w.include or []
+    wants_logprobs = LOGPROBS_INCLUDE in include
+    if w.top_logprobs and not wants_logprobs:
+        raise BadRequest(f"top_logprobs requires include: [\"{LOGPROBS_INCLUDE}\"]", param="top_logprobs")
+    num_top, explicit = validate_logprob_options(
+        logprobs=wants_logprobs, top_logprobs=w.top_logprobs, logprob_token_ids=w.logprob_token_ids,
+        info=svc.info,
+    )
+    stops = validate_stops(w.stop)
+    stop_ids = validate_stop_token_ids(w.stop_token_ids, svc.info.vocab_size)
+    if stops and stop_ids:
+        raise BadRequest("string stops cannot be combined with token stops", param="stop")
+    toolset, choice = decode_tools(w.tools, w.tool_choice)
+    effort, summary, effort_kwargs = _decode_reasoning(w.reasoning, svc.info)
+    messages = decode_input(w.input, w.instructions, allow_images=bool(getattr(svc.info, "has_vision", False)))
+    conv = ConversationRequest(
+        messages=messages,
+        tools=toolset.tools,
+        tool_choice=choice,
+        parallel_tool_calls=True if w.parallel_tool_calls is None else w.parallel_tool_calls,
+        sampling=decode_sampling(w),
+        chat_template_kwargs={**effort_kwargs, **(w.chat_template_kwargs or {})},
+    )
+    return ResponsesPlan(w, conv, toolset, bool(w.stream), stops, stop_ids, num_top, explicit, effort, summary,
+                         text_config)
+
+
+def _reject_stateful(w: ResponsesWire) -> None:
+    if w.store:
+        raise BadRequest("store: true is not supported; Helios keeps no responses (send store: false and the "
+                         "complete conversation)", param="store")
+    if w.previous_response_id is not None:
+        raise BadRequest("previous_response_id is not supported; Helios keeps no responses, so send the "
+                         "complete conversation as input", param="previous_response_id")
+    if w.conversation is not None:
+        raise BadRequest("conversation is not supported; send the complete conversation as input",
+                         param="conversation")
+    if w.background:
+        raise BadRequest("background responses are not supported", param="background")
+    if w.truncation not in (None, "disabled"):
+        raise BadRequest("truncation: 'auto' is not supported; Helios rejects over-context requests",
+                         param="truncation")
+    if w.prompt is not None:
+        raise BadRequest("stored prompt templates are not supported", param="prompt")
+    if w.context_management:
+        raise BadRequest("context_management is not supported", param="context_management")
+
+
+def _decode_text(text: Any) -> dict[str, Any]:
+    if text is None:
+        return {"format": {"type": "text"}}
+    if not isinstance(text, dict):
+        raise BadRequest("text must be an object", param="text")
+    extra = set(text) - {"format", "verbosity"}
+    if extra:
+        raise BadRequest(f"unrecognized field(s) in text: {', '.join(sorted(extra))}", param="text")
+    fmt = text.get("format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise BadRequest("text.format must be an object with a type", param="text.format")
+        if fmt["type"] in ("json_schema", "json_object"):
+            raise BadRequest(f"text.format type '{fmt['type']}' is not supported yet", param="text.format")
+        if fmt["type"] != "text":
+            raise BadRequest(f"unsupported text.format type '{fmt['type']}'", param="text.format")
+    out: dict[str, Any] = {"format": {"type": "text"}}
+    verbosity = text.get("verbosity")
+    if verbosity is not None:
+        if verbosity not in ("low", "medium", "high"):
+            raise BadRequest("text.verbosity must be 'low', 'medium' or 'high'", param="text.verbosity")
+        out["verbosity"] = verbosity
+    return out
+
+
+def _decode_reasoning(reasoning: Any, info: ModelInfo) -> tuple[str | None, str | None, dict[str, Any]]:
+    """(effort as given, summary as given, chat-template kwargs the effort selects)."""
+    if reasoning is None:
+        return None, None, {}
+    if not isinstance(reasoning, dict):
+        raise BadRequest("reasoning must be an object", param="reasoning")
+    extra = set(reasoning) - {"effort", "summary", "generate_summary", "context", "mode"}  # the last two are inert
+    if extra:
+        raise BadRequest(f"unrecognized field(s) in reasoning: {', '.join(sorted(extra))}", param="reasoning")
+    summary = reasoning.get("summary", reasoning.get("generate_summary"))
+    if summary is not None and summary not in ("auto", "concise", "detailed"):
+        raise BadRequest("reasoning.summary must be 'auto', 'concise' or 'detailed'", param="reasoning.summary")
+    effort = reasoning.get("effort")
+    if effort is None:
+        return None, summary, {}
+    if not isinstance(effort, str) or effort not in EFFORT_NAMES:
+        raise BadRequest(f"reasoning.effort must be one of {', '.join(EFFORT_NAMES)}; numeric efforts are not "
+                         "accepted here", param="reasoning.effort")
+    if effort == "none":
+        return effort, summary, {"enable_thinking": False}
+    from helios.recipes import EffortError, UnknownRecipeError, get_recipe, resolve_effort
+
+    try:
+        level = resolve_effort(get_recipe(info.recipe), effort)
+    except UnknownRecipeError:
+        level = None
+    except EffortError as exc:
+        raise BadRequest(str(exc), param="reasoning.effort") from None
+    return effort, summary, ({"reasoning_effort": level} if level else {})
+
+
+async def prepare_responses(plan: ResponsesPlan, svc: Service) -> ChildSpec:
+    prompt_text, prompt_ids = await svc.render_chat(plan.conversation)
+    w = plan.wire
+    budget = svc.output_budget(len(prompt_ids), w.max_output_tokens, param="max_output_tokens")
+    return ChildSpec(
+        prompt_token_ids=tuple(prompt_ids),
+        sampling=svc.resolve_sampling(plan.conversation.sampling),
+        max_tokens=budget,
+        stop=plan.stops,
+        stop_token_ids=plan.stop_token_ids,
+        ignore_eos=bool(w.ignore_eos),
+        include_stop_str_in_output=bool(w.include_stop_str_in_output),
+        skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
+        num_top_logprobs=plan.num_top_logprobs,
+        logprob_token_ids=plan.logprob_token_ids,
+        parser_factory=svc.parser_factory(plan.conversation, prompt_text),
+    )
+
+
+def response_base(plan: ResponsesPlan, spec: ChildSpec, model: str) -> dict[str, Any]:
+    """The request parameters a Response object echoes (the SDK's Response model requires several)."""
+    w = plan.wire
+    return {
+        "background": False,
+        "instructions": w.instructions,
+        "max_output_tokens": w.max_output_tokens,
+        "max_tool_calls": w.max_tool_calls,
+        "metadata": dict(w.metadata or {}),
+        "model": model,
+        "parallel_tool_calls": plan.conversation.parallel_tool_calls,
+        "previous_response_id": None,
+        "prompt_cache_key": w.prompt_cache_key,
+        "reasoning": {"effort": plan.effort, "summary": plan.summary},
+        "safety_identifier": w.safety_identifier,
+        "service_tier": w.service_tier or "default",
+        "store": False,
+        "temperature": spec.sampling.temperature,
+        "text": plan.text_config,
+        "tool_choice": w.tool_choice if w.tool_choice is not None else ("auto" if plan.toolset.tools else "none"),
+        "tools": list(w.tools or []),
+        "top_logprobs": w.top_logprobs or 0,
+        "top_p": spec.sampling.top_p,
+        "truncation": "disabled",
+        "user": w.user,
+    }
+
+
+# -- the encoder ----------------------------------------------------------------------------------
+
+ItemKind = Literal["reasoning", "message", "function_call", "custom_tool_call"]
+
+
+@attrs.define
+class _OpenItem:
+    kind: ItemKind
+    id: str
+    output_index: int
+    text: str = ""
+    logprobs: list[dict[str, Any]] = attrs.field(factory=list)
+
+
+class ResponseEncoder:
+    """ChildUpdate records → Responses SSE events (dicts with type and sequence_number) and the final
+    response object. Sans-IO: the route writes the events it returns.
+
+    `logprob_content` turns engine logprob records into Chat-shaped entries (None: logprobs were not
+    requested); `token_bytes` gives a token's exact bytes, used to attribute tokens to output text:
+    a token receives an entry when its first byte belongs to answer text. Tokens the parser counted
+    as reasoning, tokens of tool envelopes and delimiters, and a terminating EOS or stop token get none.
+    """
+
+    def __init__(
+        self,
+        *,
+        base: dict[str, Any],
+        toolset: ToolSet,
+        tool_choice: ToolChoice,
+        parallel_tool_calls: bool = True,
+        logprob_content: Callable[[Sequence[Any]], list[dict[str, Any]]] | None = None,
+        token_bytes: Callable[[int], bytes] | None = None,
+        response_id: str | None = None,
+        created_at: int | None = None,
+    ) -> None:
+        self.id = response_id or _new_id("resp")
+        self.created_at = int(time.time()) if created_at is None else created_at
+        self._base = base
+        self._toolset = toolset
+        self._choice = tool_choice
+        self._parallel = parallel_tool_calls
+        self._lp = logprob_content
+        self._token_bytes = token_bytes or (lambda _t: b"")
+        self._seq = 0
+        self._output: list[dict[str, Any]] = []
+        self._open: _OpenItem | None = None
+        self._call_ids: set[str] = set()
+        self._num_calls = 0
+        self._num_declared_calls = 0
+        # logprob attribution
+        self._pending: list[Any] = []
+        self._owed = 0
+        self._reasoning_seen = 0
+        # usage
+        self._num_prompt = 0
+        self._num_output = 0
+        self._num_cached = 0
+        self._num_reasoning = 0
+        self.status: str = "in_progress"
+        self.error: dict[str, Any] | None = None
+        self.incomplete_reason: str | None = None
+        self.completed_at: int | None = None
+
+    # -- public ---------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.status != "in_progress"
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self._event("response.created", response=self.response()),
+                self._event("response.in_progress", response=self.response())]
+
+    def feed(self, u: ChildUpdate) -> list[dict[str, Any]]:
+        if self.done:
+            return []
+        self._num_prompt, self._num_output = u.num_prompt_tokens, u.num_output_tokens
+        self._num_cached, self._num_reasoning = u.num_cached_tokens, u.num_reasoning_tokens
+        events: list[dict[str, Any]] = []
+        self._queue_logprobs(u)
+        for e in u.events:
+            if isinstance(e, ReasoningDelta):
+                self._drop_pending()
+                if e.text:
+                    events += self._reasoning(e.text)
+            elif isinstance(e, TextDelta):
+                entries = self._attribute(e.text)
+                if e.text and self._choice.mode != "named":
+                    events += self._text(e.text, entries)
+            elif isinstance(e, ToolCall):
+                self._drop_pending()
+                failure = self._check_call(e)
+                if failure is not None:
+                    return events + self.fail(failure)
+                events += self._call(e)
+        if u.finish is not None:
+            cause = u.finish.cause
+            if cause is FinishCause.ERROR:
+                events += self.fail(u.finish.error or "generation failed")
+            elif cause is FinishCause.ABORTED:
+                events += self.fail("generation was aborted")
+            else:
+                failure = self._check_finish()
+                if failure is not None:
+                    events += self.fail(failure)
+                elif cause is FinishCause.LENGTH:
+                    events += self._terminal("incomplete", "max_output_tokens")
+                else:
+                    events += self._terminal("completed", None)
+        return events
+
+    def end_of_stream(self) -> list[dict[str, Any]]:
+        """The child's stream ended; without a terminal record the response failed."""
+        return [] if self.done else self.fail("generation ended without a terminal event")
+
+    def fail(self, message: str) -> list[dict[str, Any]]:
+        if self.done:
+            return []
+        self.error = {"code": "server_error", "message": message}
+        return self._terminal("failed", None)
+
+    def response(self) -> dict[str, Any]:
+        usage = None
+        if self.done:
+            usage = {
+                "input_tokens": self._num_prompt,
+                "input_tokens_details": {"cached_tokens": self._num_cached, "cache_write_tokens": 0},
+                "output_tokens": self._num_output,
+                "output_tokens_details": {"reasoning_tokens": self._num_reasoning},
+                "total_tokens": self._num_prompt + self._num_output,
+            }
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": self.status,
+            "completed_at": self.completed_at,
+            "error": self.error,
+            "incomplete_details": {"reason": self.incomplete_reason} if self.incomplete_reason else None,
+            **self._base,
+            "output": [json.loads(json.dumps(item)) for item in self._output],
+            "usage": usage,
+        }
+
+    # -- items ----------------------------------------------------------------------------------
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        events = self._ensure_open("reasoning")
+        item = self._open
+        assert item is not None
+        item.text += text
+        events.append(self._event("response.reasoning_text.delta", **self._where(item), delta=text))
+        return events
+
+    def _text(self, text: str, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        events = self._ensure_open("message")
+        item = self._open
+        assert item is not None
+        item.text += text
+        item.logprobs.extend(entries)
+        events.append(self._event("response.output_text.delta", **self._where(item), delta=text, logprobs=entries))
+        return events
+
+    def _call(self, tc: ToolCall) -> list[dict[str, Any]]:
+        events = self._close_open()
+        tool = self._toolset.restore(tc.name)
+        call_id = tc.id or _new_id("call")
+        while call_id in self._call_ids:
+            call_id = _new_id("call")
+        self._call_ids.add(call_id)
+        index = len(self._output)
+        if tool.kind == "custom":
+            item_id, value = _new_id("ctc"), _custom_input(tc.arguments)
+            item: dict[str, Any] = {"type": "custom_tool_call", "id": item_id, "call_id": call_id,
+                                    "name": tool.name, "input": ""}
+        else:
+            item_id, value = _new_id("fc"), tc.arguments
+            item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": tool.name,
+                    "arguments": "", "status": "in_progress"}
+        if tool.namespace:
+            item["namespace"] = tool.namespace
+        where = {"item_id": item_id, "output_index": index}
+        events.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
+        if tool.kind == "custom":
+            item["input"] = value
+            events.append(self._event("response.custom_tool_call_input.delta", **where, delta=value))
+            events.append(self._event("response.custom_tool_call_input.done", **where, input=value))
+        else:
+            item["arguments"], item["status"] = value, "completed"
+            events.append(self._event("response.function_call_arguments.delta", **where, delta=value))
+            events.append(self._event("response.function_call_arguments.done", **where, name=tool.name,
+                                      arguments=value))
+        self._output.append(item)
+        events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
+        return events
+
+    def _ensure_open(self, kind: ItemKind) -> list[dict[str, Any]]:
+        if self._open is not None and self._open.kind == kind:
+            return []
+        events = self._close_open()
+        index = len(self._output)
+        if kind == "reasoning":
+            item = _OpenItem(kind, _new_id("rs"), index)
+            added: dict[str, Any] = {"type": "reasoning", "id": item.id, "summary": [], "content": []}
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+        else:
+            item = _OpenItem(kind, _new_id("msg"), index)
+            added = {"type": "message", "id": item.id, "status": "in_progress", "role": "assistant", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self._output.append(added)
+        self._open = item
+        events.append(self._event("response.output_item.added", output_index=index, item=dict(added)))
+        events.append(self._event("response.content_part.added", **self._where(item), part=part))
+        return events
+
+    def _close_open(self, status: str = "completed") -> list[dict[str, Any]]:
+        item = self._open
+        if item is None:
+            return []
+        self._open = None
+        where = self._where(item)
+        if item.kind == "reasoning":
+            part: dict[str, Any] = {"type": "reasoning_text", "text": item.text}
+            done: dict[str, Any] = {"type": "reasoning", "id": item.id, "summary": [], "content": [part]}
+            events = [self._event("response.reasoning_text.done", **where, text=item.text)]
+        else:
+            part = {"type": "output_text", "text": item.text, "annotations": [], "logprobs": item.logprobs}
+            done = {"type": "message", "id": item.id, "status": status, "role": "assistant", "content": [part]}
+            events = [self._event("response.output_text.done", **where, text=item.text, logprobs=item.logprobs)]
+        events.append(self._event("response.content_part.done", **where, part=part))
+        self._output[item.output_index] = done
+        events.append(self._event("response.output_item.done", output_index=item.output_index, item=done))
+        return events
+
+    def _terminal(self, status: str, reason: str | None) -> list[dict[str, Any]]:
+        events = self._close_open("completed" if status == "completed" else "incomplete")
+        self.status = status
+        self.incomplete_reason = reason
+        if status == "completed":
+            self.completed_at = int(time.time())
+        events.append(self._event(f"response.{status}", response=self.response()))
+        return events
+
+    # -- tool-call validation (spec: Conversation and tool semantics) ----------------------------
+    def _check_call(self, tc: ToolCall) -> str | None:
+        if self._choice.mode == "named" and tc.name != self._choice.name:
+            return f"the model called '{tc.name}', but tool_choice selects '{self._choice.name}'"
+        if not self._parallel and self._num_calls >= 1:
+            return "the model began a second tool call, but parallel_tool_calls is false"
+        self._num_calls += 1
+        if tc.name in self._toolset.declared:
+            self._num_declared_calls += 1
+        return None
+
+    def _check_finish(self) -> str | None:
+        if self._choice.mode in ("required", "named") and self._num_declared_calls == 0:
+            return "tool_choice requires a tool call, but the model produced no complete call to a declared tool"
+        return None
+
+    # -- logprob attribution ---------------------------------------------------------------------
+    def _queue_logprobs(self, u: ChildUpdate) -> None:
+        if self._lp is None:
+            return
+        records = list(u.logprobs or ())
+        num_reasoning = max(0, u.num_reasoning_tokens - self._reasoning_seen)
+        self._reasoning_seen = max(self._reasoning_seen, u.num_reasoning_tokens)
+        if (u.finish is not None and u.finish.cause in (FinishCause.EOS, FinishCause.STOP_TOKEN)
+                and records and len(records) == len(u.token_ids)):
+            records = records[:-1]  # a terminating EOS or stop token has no entry
+        self._pending.extend(records[min(num_reasoning, len(records)):])
+
+    def _attribute(self, text: str) -> list[dict[str, Any]]:
+        """Pending tokens whose first byte falls within newly released answer text."""
+        if self._lp is None or not text:
+            return []
+        self._owed += len(text.encode("utf-8"))
+        taken: list[Any] = []
+        while self._pending and self._owed > 0:
+            record = self._pending.pop(0)
+            taken.append(record)
+            self._owed -= max(1, len(self._token_bytes(record.token_id)))
+        return self._lp(taken) if taken else []
+
+    def _drop_pending(self) -> None:
+        self._pending.clear()
+        self._owed = 0
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return event
+
+    @staticmethod
+    def _where(item: _OpenItem) -> dict[str, Any]:
+        return {"item_id": item.id, "output_index": item.output_index, "content_index": 0}
+
+
+def _custom_input(arguments: str) -> str:
+    """A custom tool's text input from the {"input": string} function the model saw."""
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    if isinstance(parsed, dict):
+        if isinstance(parsed.get("input"), str):
+            return str(parsed["input"])
+        values = list(parsed.values())
+        if len(values) == 1 and isinstance(values[0], str):
+            return values[0]
+    return arguments
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# -- running ----------------------------------------------------------------------------------------
+
+
+def make_encoder(plan: ResponsesPlan, spec: ChildSpec, svc: Service) -> ResponseEncoder:
+    as_ids = plan.wire.return_tokens_as_token_ids
+
+    def content(records: Sequence[Any]) -> list[dict[str, Any]]:
+        return chat_logprobs_content(records, svc, as_ids)
+
+    return ResponseEncoder(
+        base=response_base(plan, spec, svc.info.public_id),
+        toolset=plan.toolset,
+        tool_choice=plan.conversation.tool_choice,
+        parallel_tool_calls=plan.conversation.parallel_tool_calls,
+        logprob_content=content if plan.num_top_logprobs is not None else None,
+        token_bytes=svc.token_bytes,
+    )
+
+
+async def run_responses_buffered(plan: ResponsesPlan, spec: ChildSpec, svc: Service) -> dict[str, Any]:
+    enc = make_encoder(plan, spec, svc)
+    async with svc.generate([spec], prefix="resp") as streams:
+        async for u in streams[0]:
+            enc.feed(u)
+            if enc.done:
+                break
+    enc.end_of_stream()
+    if enc.status == "failed":
+        raise InternalError((enc.error or {}).get("message") or "generation failed")
+    return enc.response()
+
+
+async def run_responses_stream(plan: ResponsesPlan, spec: ChildSpec, svc: Service, out: EventWriter) -> None:
+    """SSE headers go out with response.created, after the child is enqueued."""
+    enc = make_encoder(plan, spec, svc)
+    async with svc.generate([spec], prefix="resp") as streams:
+        for event in enc.start():
+            await out.event(event, event=event["type"])
+        try:
+            async for u in streams[0]:
+                for event in enc.feed(u):
+                    await out.event(event, event=event["type"])
+                if enc.done:
+                    break
+        except HeliosError as exc:
+            for event in enc.fail(exc.message):
+                await out.event(event, event=event["type"])
+    for event in enc.end_of_stream():
+        await out.event(event, event=event["type"])
