@@ -23,8 +23,8 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import re
 import json
+import re
 import uuid
 from typing import Any, Literal
 
