@@ -16,6 +16,7 @@ import openai
 import pytest
 import zstandard
 
+from tests.server.conftest import EXTERNAL as EXTERNAL_URL
 from tests.server.conftest import LiveServer
 
 pytestmark = pytest.mark.slow
@@ -305,3 +306,77 @@ def test_admission_429_and_queue_503(limited: LiveServer) -> None:
         stream.close()
     time.sleep(0.5)
     assert client.completions.create(model="m", prompt="Hi", max_tokens=2).choices
+
+
+def test_token_stops_and_ignore_eos(server: LiveServer) -> None:
+    client = server.openai()
+    base = client.completions.create(model="m", prompt="The capital of France is", max_tokens=6, temperature=0,
+                                     logprobs=0)
+    ids = [int(t.split(":")[1]) for t in client.completions.create(
+        model="m", prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=0,
+        extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs.tokens]  # type: ignore[union-attr]
+    assert len(ids) == 6
+    # Stop on the third generated token: its text is not returned and the reason is "stop".
+    r = client.completions.create(model="m", prompt="The capital of France is", max_tokens=6, temperature=0,
+                                  extra_body={"stop_token_ids": [ids[2]]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 3  # type: ignore[union-attr]
+    assert base.choices[0].text.startswith(r.choices[0].text)
+    assert (r.choices[0].model_extra or {}).get("stop_reason") == ids[2]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="m", prompt="x", max_tokens=2, stop=["a"], extra_body={"stop_token_ids": [5]})
+    # ignore_eos: the answer's <|im_end|> no longer ends the chat turn; the limit does.
+    r = client.chat.completions.create(model="m", messages=CAPITAL, temperature=0, max_tokens=12,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12  # type: ignore[union-attr]
+    assert r.choices[0].message.content.startswith("The capital of France is Paris.")  # type: ignore[union-attr]
+
+
+def test_cli_serve_with_api_key_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`helios serve MODEL --port P --api-key-file F` (the README's CLI path, not hypercorn's)."""
+    import socket
+    import subprocess
+    import sys
+
+    from helios.loaders.default_model import ensure_default_model
+
+    if EXTERNAL_URL:
+        pytest.skip("starts its own server")
+    key_file = tmp_path / "key"
+    key_file.write_text("cli-secret\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[engine]\nkv_memory_gib = 0.1\n[server]\napi_key = \"overridden\"\n")
+    proc = subprocess.Popen([sys.executable, "-m", "helios.cli", "serve", str(ensure_default_model()), "--port",
+                             str(port), "--config", str(cfg), "--api-key-file", str(key_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="cli-secret", max_retries=0)
+        assert client.models.list().data[0].id
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="overridden", max_retries=0).models.list()
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0].decode()
+    assert "Loaded" in out and " s" in out  # loading reports the time it took
+
+
+def test_cli_rejects_a_bad_config(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[server]\nport = \"eighty\"\nmystery = 1\n")
+    r = subprocess.run([sys.executable, "-m", "helios.cli", "serve", "--config", str(cfg)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2
+    assert "server.port" in r.stderr and "mystery" in r.stderr
