@@ -23,16 +23,19 @@ from helios.engine.records import (
     EngineRequest,
     EngineStats,
     InboxItem,
+    PromptLogprobRecord,
     RequestOutput,
     Shutdown,
     TokenLogprobRecord,
 )
 from helios.engine.runner import PagedAttention, build_inputs
-from helios.engine.sampler import Sampler, SamplingRow
-from helios.engine.scheduler import Scheduler, SchedulerOutput
+from helios.engine.sampler import Sampler, SamplingRow, prompt_scores
+from helios.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from helios.engine.scheduler import Sequence as Seq
 
 log = logging.getLogger("helios.engine")
+
+_SCORE_ROWS = 256  # prompt positions whose logits exist at once while scoring a prompt
 
 
 @attrs.frozen
@@ -77,23 +80,52 @@ class EngineCore:
                    for s, cause in sched.finished_early]
         if not sched.chunks:
             return outputs
-        sampled = self._forward_and_sample(sched)
+        sampled, scored = self._forward_and_sample(sched)
         self.scheduler.after_forward(sched)
         for c in sched.chunks:
             if c.start < c.seq.num_prompt_tokens:
                 self.prefill_tokens += min(c.start + c.length, c.seq.num_prompt_tokens) - c.start
-        for seq, token_id, lp in sampled:
-            outputs.append(self._append_token(seq, token_id, lp))
+        for c in sched.chunks:
+            seq = c.seq
+            scores = scored.get(seq.request_id)
+            if seq.request_id in sampled:
+                token_id, lp = sampled[seq.request_id]
+                outputs.append(self._append_token(seq, token_id, lp, scores))
+            elif c.samples:
+                # A scoring-only request (max_tokens 0): its prefill is done and nothing is sampled.
+                self.scheduler.finish(seq)
+                self.completed += 1
+                outputs.append(RequestOutput(seq.request_id, (), prompt_logprobs=scores, finish=EngineFinish.LENGTH,
+                                             num_prompt_tokens=seq.num_prompt_tokens))
+            elif scores:
+                outputs.append(RequestOutput(seq.request_id, (), prompt_logprobs=scores,
+                                             num_prompt_tokens=seq.num_prompt_tokens))
         return outputs
 
-    def _forward_and_sample(self, sched: SchedulerOutput) -> list[tuple[Seq, int, TokenLogprobRecord | None]]:
-        input_ids, positions, sample_rows = build_inputs(sched.chunks, self.device)
+    def _forward_and_sample(
+        self, sched: SchedulerOutput
+    ) -> tuple[dict[str, tuple[int, TokenLogprobRecord | None]], dict[str, tuple[PromptLogprobRecord | None, ...]]]:
+        """Runs the batch; returns the sampled token (and logprobs) per sampling request and the prompt
+        scores per prompt-scoring request."""
+        input_ids, positions, _ = build_inputs(sched.chunks, self.device)
         attn = PagedAttention(self.kv, sched.chunks, self.cfg.page_size, self.device)
+        sample_rows: list[int] = []
+        seqs: list[Seq] = []
+        scored: dict[str, tuple[PromptLogprobRecord | None, ...]] = {}
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, attn)
-            seqs = [c.seq for c in sched.chunks if c.samples]
+            offset = 0
+            for c in sched.chunks:
+                if c.seq.request.prompt_logprobs is not None and c.start < c.seq.num_prompt_tokens:
+                    scores = self._score_prompt_chunk(hidden, offset, c)
+                    if scores:
+                        scored[c.seq.request_id] = scores
+                if c.samples and c.seq.request.max_tokens > 0:
+                    sample_rows.append(offset + c.length - 1)
+                    seqs.append(c.seq)
+                offset += c.length
             if not seqs:
-                return []
+                return {}, scored
             logits = self.model.compute_logits(hidden[sample_rows])
             rows = [
                 SamplingRow(
@@ -107,13 +139,39 @@ class EngineCore:
                 for s in seqs
             ]
             token_ids, logprobs = self.sampler.sample(logits, rows)
-        out = []
+        sampled: dict[str, tuple[int, TokenLogprobRecord | None]] = {}
         for s, t, lp in zip(seqs, token_ids, logprobs, strict=True):
             rec = None if lp is None else TokenLogprobRecord(lp.token_id, lp.logprob, lp.rank, tuple(lp.top))
-            out.append((s, t, rec))
-        return out
+            sampled[s.request_id] = (t, rec)
+        return sampled, scored
 
-    def _append_token(self, seq: Seq, token_id: int, lp: TokenLogprobRecord | None) -> RequestOutput:
+    def _score_prompt_chunk(self, hidden: torch.Tensor, offset: int,
+                            chunk: ScheduledChunk) -> tuple[PromptLogprobRecord | None, ...]:
+        """Scores of the prompt positions this chunk's rows predict (row p predicts token p + 1).
+
+        Logits exist for at most `_SCORE_ROWS` rows at a time, never for the whole prompt. Positions
+        already scored before a preemption are not scored again."""
+        seq = chunk.seq
+        k = seq.request.prompt_logprobs or 0
+        out: list[PromptLogprobRecord | None] = []
+        if seq.num_prompt_scored == 0 and chunk.start == 0:
+            out.append(None)  # position 0 has nothing before it
+            seq.num_prompt_scored = 1
+        first = max(chunk.start + 1, seq.num_prompt_scored)
+        last = min(chunk.start + chunk.length, seq.num_prompt_tokens - 1)  # inclusive target positions
+        vocab_size = self.sampler.vocab_size
+        for lo in range(first, last + 1, _SCORE_ROWS):
+            hi = min(lo + _SCORE_ROWS, last + 1)
+            rows = hidden[offset + lo - 1 - chunk.start : offset + hi - 1 - chunk.start]
+            logits = self.model.compute_logits(rows)[:, :vocab_size]
+            for score in prompt_scores(logits, seq.token_ids[lo:hi], k):
+                out.append(PromptLogprobRecord(score.token_id, score.logprob, score.rank, score.top))
+        if last >= first:
+            seq.num_prompt_scored = last + 1
+        return tuple(out)
+
+    def _append_token(self, seq: Seq, token_id: int, lp: TokenLogprobRecord | None,
+                      prompt_logprobs: tuple[PromptLogprobRecord | None, ...] | None = None) -> RequestOutput:
         seq.token_ids.append(token_id)
         self.generated_tokens += 1
         req = seq.request
@@ -131,6 +189,7 @@ class EngineCore:
             seq.request_id,
             (token_id,),
             logprobs=None if lp is None else (lp,),
+            prompt_logprobs=prompt_logprobs,
             finish=finish,
             num_prompt_tokens=seq.num_prompt_tokens,
         )

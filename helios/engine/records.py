@@ -31,6 +31,8 @@ class EngineRequest:
     num_top_logprobs: int | None = None
     logprob_token_ids: tuple[int, ...] | None = None
     prompt_logprobs: int | None = None
+    """None: no prompt scores; 0..20: score every prompt position with that many natural alternatives.
+    With ``max_tokens == 0`` the request only scores its prompt and finishes with LENGTH."""
 
 
 @attrs.frozen
@@ -62,12 +64,28 @@ class TokenLogprobRecord:
 
 
 @attrs.frozen
+class PromptLogprobRecord:
+    """One prompt position's score: the token at that position given everything before it."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float, int], ...]
+    """Natural alternatives (id, logprob, rank) by decreasing logprob, then increasing id."""
+
+
+@attrs.frozen
 class RequestOutput:
-    """What one engine step produced for one request."""
+    """What one engine step produced for one request.
+
+    ``prompt_logprobs`` carries the prompt positions scored this step (requests with
+    ``EngineRequest.prompt_logprobs``), in position order; position 0 has no score and is None.
+    """
 
     request_id: str
     new_token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobRecord, ...] | None = None
+    prompt_logprobs: tuple[PromptLogprobRecord | None, ...] | None = None
     finish: EngineFinish | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

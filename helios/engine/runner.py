@@ -50,33 +50,37 @@ class PagedAttention:
                 idx[i, : s.numel()] = s
                 mask[i, : s.numel()] = True
             self.decode_idx = idx.to(device)
+            self.decode_flat = self.decode_idx.reshape(-1)
             # SDPA boolean mask: True = attend. Shape [B, 1, 1, L] broadcasts over heads.
             self.decode_mask = mask[:, None, None, :].to(device)
             self.all_decode = len(self.decode_rows) == offset
             self.decode_rows_t = torch.tensor(self.decode_rows, dtype=torch.long, device=device)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_cache = self.kv.k[layer_idx]
+        k_cache = self.kv.k[layer_idx]  # [kv_heads, slots, head_dim]
         v_cache = self.kv.v[layer_idx]
-        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
         out = torch.empty_like(q)
+        num_kv = k_cache.shape[0]
         if self.decode_rows:
-            # [B, L, nkv, d] → [B, nkv, L, d]
-            kd = k_cache[self.decode_idx].transpose(1, 2)
-            vd = v_cache[self.decode_idx].transpose(1, 2)
+            b, lmax = self.decode_idx.shape
+            # One gather per layer: [kv_heads, B * L, d] → [B, kv_heads, L, d] (a view).
+            kd = k_cache.index_select(1, self.decode_flat).view(num_kv, b, lmax, -1).transpose(0, 1)
+            vd = v_cache.index_select(1, self.decode_flat).view(num_kv, b, lmax, -1).transpose(0, 1)
             qd = q if self.all_decode else q.index_select(0, self.decode_rows_t)
+            # Fold each kv head's query group into the query axis: [B, kv_heads, group, d]. No GQA
+            # repeat of K/V is needed (query head h uses kv head h // group).
             o = F.scaled_dot_product_attention(
-                qd.unsqueeze(2), kd, vd, attn_mask=self.decode_mask, enable_gqa=True
-            ).squeeze(2)
+                qd.reshape(b, num_kv, -1, qd.shape[-1]), kd, vd, attn_mask=self.decode_mask
+            ).reshape(b, -1, qd.shape[-1])
             if self.all_decode:
-                out = o
-            else:
-                out.index_copy_(0, self.decode_rows_t, o)
+                return o
+            out.index_copy_(0, self.decode_rows_t, o)
         for tok_start, length, slots, ctx_start in self.prefills:
             qp = q[tok_start : tok_start + length].transpose(0, 1).unsqueeze(0)  # [1, nh, Lq, d]
-            kp = k_cache[slots].transpose(0, 1).unsqueeze(0)  # [1, nkv, Lk, d]
-            vp = v_cache[slots].transpose(0, 1).unsqueeze(0)
+            kp = k_cache.index_select(1, slots).unsqueeze(0)  # [1, nkv, Lk, d]
+            vp = v_cache.index_select(1, slots).unsqueeze(0)
             if ctx_start == 0:
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
             else:

@@ -214,12 +214,23 @@ def apply_penalties(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
     _apply_penalties(logits, rows, [1.0] * len(rows))
 
 
-def prompt_logprobs(logits: Tensor, target_ids: Sequence[int], k: int) -> list[dict[int, tuple[float, int]]]:
+@attrs.frozen
+class PromptScore:
+    """The raw-distribution score of one prompt token given everything before it."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    """1 + the number of vocabulary entries with a strictly greater logprob (ties share a rank)."""
+    top: tuple[tuple[int, float, int], ...]
+    """Up to k natural alternatives (id, logprob, rank) by decreasing logprob, then increasing id."""
+
+
+def prompt_scores(logits: Tensor, target_ids: Sequence[int], k: int) -> list[PromptScore]:
     """Scores for prompt positions: row i of ``logits`` predicts ``target_ids[i]``.
 
-    Each entry maps token id to (logprob, rank): the actual token first, then up to ``k`` natural
-    alternatives by decreasing logprob and increasing id. Non-finite logprobs become -9999.0. Rows are
-    independent, so a caller scores a long prompt chunk by chunk and concatenates the results.
+    Columns are the vocabulary (the caller drops padding columns). Non-finite logprobs become -9999.0.
+    Rows are independent, so a caller scores a long prompt chunk by chunk and concatenates the results.
     """
     num_positions = len(target_ids)
     if logits.dim() != 2 or logits.shape[0] != num_positions:
@@ -233,11 +244,25 @@ def prompt_logprobs(logits: Tensor, target_ids: Sequence[int], k: int) -> list[d
     actual = lp.gather(1, targets.unsqueeze(1)).squeeze(1)
     ranks = ((lp > actual.unsqueeze(1)).sum(dim=-1) + 1).tolist()
     alternatives = _natural_top(lp, [k] * num_positions)
+    return [
+        PromptScore(
+            token_id=int(target),
+            logprob=_reported(value),
+            rank=int(rank),
+            top=tuple((token, _reported(alt_value), alt_rank) for token, alt_value, alt_rank in _ranked(top)),
+        )
+        for target, value, rank, top in zip(target_ids, actual.tolist(), ranks, alternatives, strict=True)
+    ]
+
+
+def prompt_logprobs(logits: Tensor, target_ids: Sequence[int], k: int) -> list[dict[int, tuple[float, int]]]:
+    """`prompt_scores` as dicts: token id to (logprob, rank), the actual token first, then up to ``k``
+    natural alternatives by decreasing logprob and increasing id."""
     out: list[dict[int, tuple[float, int]]] = []
-    for target, value, rank, top in zip(target_ids, actual.tolist(), ranks, alternatives, strict=True):
-        entry = {int(target): (_reported(value), int(rank))}
-        for token, alt_value, alt_rank in _ranked(top):
-            entry.setdefault(token, (_reported(alt_value), alt_rank))
+    for score in prompt_scores(logits, target_ids, k):
+        entry = {score.token_id: (score.logprob, score.rank)}
+        for token, value, rank in score.top:
+            entry.setdefault(token, (value, rank))
         out.append(entry)
     return out
 

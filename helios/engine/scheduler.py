@@ -38,6 +38,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = attrs.field(factory=list)
     num_preemptions: int = 0
+    num_prompt_scored: int = 0  # prompt positions whose scores went out (prompt_logprobs requests)
 
     @property
     def request_id(self) -> str:
@@ -93,6 +94,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
         self._arrivals = 0
+        self.num_preemptions = 0
 
     # -- membership -------------------------------------------------------------------------
     def add(self, request: EngineRequest, generator: torch.Generator | None) -> Sequence:
@@ -219,6 +221,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def check_integrity(self) -> None:

@@ -52,7 +52,10 @@ class PagePool:
 
 
 class KVCache:
-    """Per-layer K and V tensors of shape [num_slots, num_kv_heads, head_dim]."""
+    """Per-layer K and V tensors of shape [num_kv_heads, num_slots, head_dim].
+
+    Head-major, so gathering a batch's history is one `index_select` over slots per layer that
+    yields [kv_heads, B * L, head_dim] blocks attention can use without another copy."""
 
     def __init__(
         self,
@@ -65,8 +68,8 @@ class KVCache:
         device: str | torch.device = "cpu",
     ) -> None:
         slots = num_pages * page_size
-        self.k = [torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
