@@ -52,6 +52,7 @@ class Ctx:
     responded: bool = False
     slots: int = 0
     writer: SSEWriter | None = None
+    stream: Any = None  # the StreamOut of a streaming response
 
     @property
     def started(self) -> bool:
@@ -208,6 +209,8 @@ class HeliosApp:
                             return
 
                 nursery.start_soon(watch)
+                if isinstance(ctx.stream, StreamOut):
+                    nursery.start_soon(ctx.stream.keepalive)
                 try:
                     await body()
                 finally:
@@ -264,27 +267,51 @@ async def not_found(ctx: Ctx) -> None:
 
 
 class StreamOut:
-    """The EventWriter a streaming frontend gets: SSE headers go out on `start()`, after enqueue."""
+    """The EventWriter a streaming frontend gets: SSE headers go out on `start()`, after enqueue.
+
+    While the stream is open, a comment line goes out after every 15 s without an event (the
+    spec's keepalive during long waits); a lock keeps it from interleaving with events."""
+
+    KEEPALIVE_S = 15.0
 
     def __init__(self, ctx: Ctx) -> None:
         self.ctx = ctx
         ctx.writer = self.sse = SSEWriter(ctx.send)
+        ctx.stream = self
+        self._lock = trio.Lock()
+        self._last = trio.current_time()
 
     async def start(self) -> None:
-        if not self.sse.started:
-            await self.sse.start(self.ctx.headers())
+        async with self._lock:
+            if not self.sse.started:
+                await self.sse.start(self.ctx.headers())
+                self._last = trio.current_time()
 
     async def event(self, data: str | dict[str, Any], event: str | None = None) -> None:
         await self.start()
-        await self.sse.event(data, event)
+        async with self._lock:
+            await self.sse.event(data, event)
+            self._last = trio.current_time()
 
     async def done_marker(self) -> None:
         await self.start()
-        await self.sse.done_marker()
+        async with self._lock:
+            await self.sse.done_marker()
 
     async def close(self) -> None:
-        if self.sse.started and not self.sse.closed:
-            await self.sse.close()
+        async with self._lock:
+            if self.sse.started and not self.sse.closed:
+                await self.sse.close()
+
+    async def keepalive(self) -> None:
+        while not self.sse.closed:
+            await trio.sleep_until(self._last + self.KEEPALIVE_S)
+            if trio.current_time() - self._last < self.KEEPALIVE_S:
+                continue  # an event went out meanwhile
+            async with self._lock:
+                if self.sse.started and not self.sse.closed:
+                    await self.sse.comment("keepalive")
+                self._last = trio.current_time()
 
 
 app = HeliosApp()
