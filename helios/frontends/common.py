@@ -39,6 +39,8 @@ class Accumulated:
     blocks: list[OutputEvent] = attrs.field(factory=list)  # ordered, adjacent deltas merged
     token_ids: list[int] = attrs.field(factory=list)
     logprobs: list[Any] = attrs.field(factory=list)
+    logprob_offsets: list[int] = attrs.field(factory=list)
+    prompt_logprobs: list[Any] | None = None  # prompt scores in position order, when requested
     finish: Finish | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -62,6 +64,11 @@ class Accumulated:
         self.token_ids.extend(u.token_ids)
         if u.logprobs:
             self.logprobs.extend(u.logprobs)
+            self.logprob_offsets.extend(u.logprob_offsets)
+        if u.prompt_logprobs is not None:
+            if self.prompt_logprobs is None:
+                self.prompt_logprobs = []
+            self.prompt_logprobs.extend(u.prompt_logprobs)
         self.num_prompt_tokens = u.num_prompt_tokens
         self.num_output_tokens = u.num_output_tokens
         self.num_cached_tokens = u.num_cached_tokens

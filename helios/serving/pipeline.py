@@ -79,6 +79,7 @@ class ChildStream:
         self._recv = recv
         self.proc = proc
         self._client = client
+        self.nursery: trio.Nursery | None = None  # generate()'s, for `merged` pumps (several children)
 
     def __aiter__(self) -> ChildStream:
         return self
@@ -97,26 +98,31 @@ class ChildStream:
 
 
 async def merged(streams: Sequence[ChildStream]) -> AsyncIterator[tuple[int, ChildUpdate]]:
-    """Interleave several children's updates in arrival order, tagged with the child index."""
+    """Interleave several children's updates in arrival order, tagged with the child index.
+
+    A caller may stop iterating at any point (break, return, raise): the pump tasks live in the
+    nursery `Service.generate` opened for these streams, which cancels them when its block exits.
+    (A nursery inside this generator would be abandoned at its `yield` by such an exit, which trio
+    reports as nursery misnesting and which ends the whole event loop.)"""
     if len(streams) == 1:
         async for u in streams[0]:
             yield 0, u
         return
+    nursery = streams[0].nursery
+    if nursery is None:
+        raise RuntimeError("merged() needs the streams of one Service.generate() block")
     send, recv = trio.open_memory_channel[tuple[int, ChildUpdate]](0)
+    for i, s in enumerate(streams):
+        nursery.start_soon(_pump, i, s, send.clone())
+    send.close()
+    async for item in recv:
+        yield item
 
-    async def pump(i: int, s: ChildStream, ch: trio.MemorySendChannel[tuple[int, ChildUpdate]]) -> None:
-        async with ch:
-            async for u in s:
-                await ch.send((i, u))
 
-    async with trio.open_nursery() as nursery:
-        async with send:
-            for i, s in enumerate(streams):
-                nursery.start_soon(pump, i, s, send.clone())
-        async with recv:
-            async for item in recv:
-                yield item
-
+async def _pump(i: int, stream: ChildStream, send: trio.MemorySendChannel[tuple[int, ChildUpdate]]) -> None:
+    async with send:
+        async for u in stream:
+            await send.send((i, u))
 
 
 class Service:
@@ -234,4 +240,27 @@ class Service:
                     parser=spec.parser_factory() if spec.parser_factory else None,
                 )
                 streams.append(ChildStream(rid, recv, proc, self.engine))
-            yield streams
+            if len(streams) == 1:
+                yield streams
+                return
+            try:
+                async with trio.open_nursery() as nursery:
+                    for stream in streams:
+                        stream.nursery = nursery
+                    try:
+                        yield streams
+                    finally:
+                        nursery.cancel_scope.cancel()
+            except BaseExceptionGroup as group:
+                # The caller's own exception (or one pump's) surfaces as itself, not wrapped.
+                leaves = _leaves(group)
+                if len(leaves) == 1:
+                    raise leaves[0] from None
+                raise
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:  # type: ignore[type-arg]
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out

@@ -46,6 +46,7 @@ from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCal
 from helios.domain.sampling import SamplingRequest
 from helios.errors import BadRequest, HeliosError, InternalError
 from helios.frontends.common import EventWriter, validate_stops
+from helios.frontends.toolcheck import ToolCallCheck
 from helios.frontends.wire import structure
 from helios.recipes import NEUTRAL_EFFORT_LEVELS, RECIPES, EffortError, resolve_effort
 from helios.serving.output import ChildUpdate
@@ -643,8 +644,7 @@ class MessageAssembler:
         self.id = message_id or new_message_id()
         self.model = model
         self.choice = choice
-        self.parallel = parallel
-        self.declared = declared
+        self.tool_check = ToolCallCheck(choice, parallel, declared)
         self.hide_thinking = hide_thinking
         self.content: list[dict[str, Any]] = []
         self.error: HeliosError | None = None
@@ -654,7 +654,6 @@ class MessageAssembler:
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
         self.num_calls = 0
-        self.num_valid_calls = 0  # calls that satisfy a required or named choice
         self._open: BlockKind | None = None
 
     @property
@@ -676,7 +675,7 @@ class MessageAssembler:
         self.num_output_tokens = u.num_output_tokens
         for e in u.events:
             if isinstance(e, TextDelta):
-                if e.text and self.choice.mode != "named":
+                if e.text and not self.tool_check.omits_text:
                     out += self._delta("text", {"type": "text_delta", "text": e.text})
             elif isinstance(e, ReasoningDelta):
                 if e.text and self.hide_thinking:
@@ -695,9 +694,9 @@ class MessageAssembler:
         if f.cause is FinishCause.ERROR:
             self.error = InternalError(f.error or "generation failed")
             return out
-        if self.choice.mode in ("required", "named") and not self.num_valid_calls:
-            what = "a call to a declared tool" if self.choice.mode == "required" else f"a call to '{self.choice.name}'"
-            self.error = InternalError(f"tool_choice requires {what}, but the model produced no completed call")
+        failure = self.tool_check.check_finish(f.cause)
+        if failure is not None:
+            self.error = InternalError(failure)
             return out
         out += self._close()
         self.stop_reason = stop_reason(f.cause, self.num_calls > 0)
@@ -731,17 +730,13 @@ class MessageAssembler:
                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": num_cached}
 
     def _check_call(self, call: ToolCall) -> str | None:
-        if not self.parallel and self.num_calls >= 1:
-            return "parallel tool use is disabled, but the model began a second tool call"
-        if self.choice.mode == "named" and call.name != self.choice.name:
-            return f"tool_choice selects '{self.choice.name}', but the model called '{call.name}'"
         try:
             args = json.loads(call.arguments) if call.arguments.strip() else {}
         except json.JSONDecodeError:
             return f"the model's arguments for '{call.name}' are not valid JSON"
         if not isinstance(args, dict):
             return f"the model's arguments for '{call.name}' are not a JSON object"
-        return None
+        return self.tool_check.check_call(call)
 
     def _ensure_open(self, kind: Literal["text", "thinking"]) -> list[SSEEvent]:
         if self._open == kind:
@@ -764,8 +759,6 @@ class MessageAssembler:
     def _tool_use(self, call: ToolCall) -> list[SSEEvent]:
         out = self._close()
         self.num_calls += 1
-        if self.choice.mode == "named" or call.name in self.declared:
-            self.num_valid_calls += 1
         args = call.arguments if call.arguments.strip() else "{}"
         tid = tool_use_id(call.id)
         out += self._open_block("tool_use", {"type": "tool_use", "id": tid, "name": call.name, "input": {}})

@@ -52,6 +52,7 @@ from helios.errors import BadRequest, HeliosError, InternalError
 from helios.frontends.common import EventWriter, validate_stop_token_ids, validate_stops
 from helios.frontends.openai.chat import decode_sampling
 from helios.frontends.openai.logprobs import chat_logprobs_content, validate_logprob_options
+from helios.frontends.toolcheck import ToolCallCheck
 from helios.frontends.wire import structure
 from helios.serving.pipeline import ChildSpec
 
@@ -656,16 +657,13 @@ class ResponseEncoder:
         self.created_at = int(time.time()) if created_at is None else created_at
         self._base = base
         self._toolset = toolset
-        self._choice = tool_choice
-        self._parallel = parallel_tool_calls
         self._lp = logprob_content
         self._token_bytes = token_bytes or (lambda _t: b"")
         self._seq = 0
         self._output: list[dict[str, Any]] = []
         self._open: _OpenItem | None = None
         self._call_ids: set[str] = set()
-        self._num_calls = 0
-        self._num_declared_calls = 0
+        self._tool_check = ToolCallCheck(tool_choice, parallel_tool_calls, frozenset(toolset.declared))
         # logprob attribution
         self._pending: list[Any] = []
         self._owed = 0
@@ -703,11 +701,11 @@ class ResponseEncoder:
                     events += self._reasoning(e.text)
             elif isinstance(e, TextDelta):
                 entries = self._attribute(e.text)
-                if e.text and self._choice.mode != "named":
+                if e.text and not self._tool_check.omits_text:
                     events += self._text(e.text, entries)
             elif isinstance(e, ToolCall):
                 self._drop_pending()
-                failure = self._check_call(e)
+                failure = self._tool_check.check_call(e)
                 if failure is not None:
                     return events + self.fail(failure)
                 events += self._call(e)
@@ -718,7 +716,7 @@ class ResponseEncoder:
             elif cause is FinishCause.ABORTED:
                 events += self.fail("generation was aborted")
             else:
-                failure = self._check_finish()
+                failure = self._tool_check.check_finish(cause)
                 if failure is not None:
                     events += self.fail(failure)
                 elif cause is FinishCause.LENGTH:
@@ -857,22 +855,6 @@ class ResponseEncoder:
             self.completed_at = int(time.time())
         events.append(self._event(f"response.{status}", response=self.response()))
         return events
-
-    # -- tool-call validation (spec: Conversation and tool semantics) ----------------------------
-    def _check_call(self, tc: ToolCall) -> str | None:
-        if self._choice.mode == "named" and tc.name != self._choice.name:
-            return f"the model called '{tc.name}', but tool_choice selects '{self._choice.name}'"
-        if not self._parallel and self._num_calls >= 1:
-            return "the model began a second tool call, but parallel_tool_calls is false"
-        self._num_calls += 1
-        if tc.name in self._toolset.declared:
-            self._num_declared_calls += 1
-        return None
-
-    def _check_finish(self) -> str | None:
-        if self._choice.mode in ("required", "named") and self._num_declared_calls == 0:
-            return "tool_choice requires a tool call, but the model produced no complete call to a declared tool"
-        return None
 
     # -- logprob attribution ---------------------------------------------------------------------
     def _queue_logprobs(self, u: ChildUpdate) -> None:
