@@ -111,7 +111,9 @@ class EngineClient:
             raise ServiceUnavailable("the model request queue is full; retry later")
         receivers = []
         for r in requests:
-            send, recv = trio.open_memory_channel[RequestOutput](r.max_tokens + 8)
+            # A prompt-scoring child also gets one output per prefill chunk that scored positions.
+            scored = len(r.prompt_token_ids) if r.prompt_logprobs is not None else 0
+            send, recv = trio.open_memory_channel[RequestOutput](r.max_tokens + scored + 8)
             self._channels[r.request_id] = send
             receivers.append(recv)
         for r in requests:

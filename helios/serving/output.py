@@ -13,7 +13,7 @@ from typing import Protocol
 import attrs
 
 from helios.domain.events import Finish, FinishCause, OutputEvent, TextDelta
-from helios.engine.records import EngineFinish, RequestOutput, TokenLogprobRecord
+from helios.engine.records import EngineFinish, PromptLogprobRecord, RequestOutput, TokenLogprobRecord
 
 _CAUSES = {
     EngineFinish.EOS: FinishCause.EOS,
@@ -55,6 +55,12 @@ class ChildUpdate:
     num_cached_tokens: int
     abort_engine: bool = False  # a string stop ended it: the engine child must be aborted
     num_reasoning_tokens: int = 0  # cumulative tokens the parser published as reasoning
+    logprob_offsets: tuple[int, ...] = ()
+    """Per `logprobs` entry: the Unicode characters the detokenizer had released before that token,
+    counted from the start of the completion (a token inside a multi-token character gets the
+    character's start)."""
+    prompt_logprobs: tuple[PromptLogprobRecord | None, ...] | None = None
+    """Prompt positions scored in this update, in order (position 0 is None)."""
 
 
 class OutputProcessor:
@@ -76,6 +82,7 @@ class OutputProcessor:
         self.num_output_tokens = 0
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        self.num_decoded_chars = 0  # everything the detokenizer released, before stop truncation
         self.finished: Finish | None = None
 
     def process(self, out: RequestOutput) -> ChildUpdate:
@@ -85,13 +92,17 @@ class OutputProcessor:
         finish: Finish | None = None
         matched: str | None = None
         token_ids = out.new_token_ids
+        offsets: list[int] = []
         for i, tid in enumerate(token_ids):
             self.num_output_tokens += 1
             terminal = out.finish is not None and i == len(token_ids) - 1
             if terminal and out.finish in (EngineFinish.EOS, EngineFinish.STOP_TOKEN):
                 continue  # the terminating token has no text
             before = len(self.text)
-            self.text += self.detok.push(tid)
+            offsets.append(self.num_decoded_chars)
+            piece = self.detok.push(tid)
+            self.num_decoded_chars += len(piece)
+            self.text += piece
             if self.stop:
                 matched = self._match_stop(before)
                 if matched is not None:
@@ -99,7 +110,9 @@ class OutputProcessor:
                     token_ids = token_ids[: i + 1]
                     break
         if finish is None and out.finish is not None:
-            self.text += self.detok.flush()
+            tail = self.detok.flush()
+            self.num_decoded_chars += len(tail)
+            self.text += tail
             if self.stop:
                 matched = self._match_stop(max(0, len(self.text) - 1))
                 if matched is not None:
@@ -124,10 +137,13 @@ class OutputProcessor:
             finish = Finish(FinishCause.ERROR, error=f"model output could not be parsed: {exc}")
         if finish is not None:
             self.finished = finish
+        num_entries = len(token_ids) - self._terminal(out, token_ids)
         return ChildUpdate(
             events=events,
             token_ids=tuple(token_ids),
-            logprobs=None if out.logprobs is None else out.logprobs[: len(token_ids) - self._terminal(out, token_ids)],
+            logprobs=None if out.logprobs is None else out.logprobs[:num_entries],
+            logprob_offsets=tuple(offsets[:num_entries]) if out.logprobs is not None else (),
+            prompt_logprobs=out.prompt_logprobs,
             finish=finish,
             num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=self.num_output_tokens,

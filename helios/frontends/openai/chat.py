@@ -33,8 +33,15 @@ from helios.frontends.common import (
     validate_stop_token_ids,
     validate_stops,
 )
-from helios.frontends.openai.logprobs import chat_logprobs_content, validate_logprob_options
+from helios.frontends.openai.logprobs import (
+    chat_logprobs_content,
+    prompt_logprobs_json,
+    validate_logprob_options,
+    validate_prompt_logprobs,
+)
+from helios.frontends.toolcheck import ToolCallCheck
 from helios.frontends.wire import structure
+from helios.serving.output import ChildUpdate
 from helios.serving.pipeline import ChildSpec, Service
 
 
@@ -249,6 +256,7 @@ class ChatPlan:
     stop_token_ids: tuple[int, ...]
     num_top_logprobs: int | None
     logprob_token_ids: tuple[int, ...] | None
+    prompt_logprobs: int | None = None
 
 
 def decode_chat(obj: dict[str, Any], svc: Service) -> ChatPlan:
@@ -267,10 +275,7 @@ def decode_chat(obj: dict[str, Any], svc: Service) -> ChatPlan:
     stream = bool(w.stream)
     if w.stream_options is not None and not stream:
         raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
-    if w.prompt_logprobs is not None and stream:
-        raise BadRequest("prompt_logprobs is not supported with streaming", param="prompt_logprobs")
-    if w.prompt_logprobs is not None:
-        raise BadRequest("prompt_logprobs is not supported on chat completions yet", param="prompt_logprobs")
+    prompt_k = validate_prompt_logprobs(w.prompt_logprobs, svc.info, stream=stream)
     stops = validate_stops(w.stop)
     stop_ids = validate_stop_token_ids(w.stop_token_ids, svc.info.vocab_size)
     if stops and stop_ids:
@@ -298,7 +303,7 @@ def decode_chat(obj: dict[str, Any], svc: Service) -> ChatPlan:
     so = w.stream_options
     include_usage = bool(so and so.include_usage)
     return ChatPlan(w, conv, n, stream, include_usage, include_usage and bool(so and so.continuous_usage_stats),
-                    stops, stop_ids, num_top, explicit)
+                    stops, stop_ids, num_top, explicit, prompt_k)
 
 
 async def prepare_chat(plan: ChatPlan, svc: Service) -> list[ChildSpec]:
@@ -321,6 +326,7 @@ async def prepare_chat(plan: ChatPlan, svc: Service) -> list[ChildSpec]:
             skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
             num_top_logprobs=plan.num_top_logprobs,
             logprob_token_ids=plan.logprob_token_ids,
+            prompt_logprobs=plan.prompt_logprobs if i == 0 else None,  # every choice shares the prompt
             parser_factory=parser_factory,
         )
         for i in range(plan.n)
@@ -328,11 +334,13 @@ async def prepare_chat(plan: ChatPlan, svc: Service) -> list[ChildSpec]:
 
 
 def _finish_reason(acc_finish: Any, has_calls: bool) -> str:
+    """Spec, "Conversation and tool semantics": the output limit wins; parsed calls that complete an
+    answer the user did not stop (neither a string nor a token stop) report tool_calls."""
     if acc_finish is None:
         return "stop"
     if acc_finish.cause is FinishCause.LENGTH:
         return "length"
-    if has_calls and acc_finish.cause is not FinishCause.STOP_STRING:
+    if has_calls and acc_finish.cause not in (FinishCause.STOP_STRING, FinishCause.STOP_TOKEN):
         return "tool_calls"
     return "stop"
 
@@ -351,15 +359,30 @@ def _tool_call_json(tc: ToolCall, index: int) -> dict[str, Any]:
     return {"id": tc.id, "type": "function", "index": index, "function": {"name": tc.name, "arguments": tc.arguments}}
 
 
+def _screen(check: ToolCallCheck, u: ChildUpdate) -> tuple[ChildUpdate, str | None]:
+    """The update as the encoder may emit it (tool-choice rules applied) and any violation."""
+    events, failure = check.screen(u.events)
+    if failure is None and u.finish is not None:
+        if u.finish.cause is FinishCause.ERROR:
+            failure = u.finish.error or "generation failed"
+        else:
+            failure = check.check_finish(u.finish.cause)
+    if failure is not None:
+        return attrs.evolve(u, events=events, finish=None), failure
+    return attrs.evolve(u, events=events), None
+
+
 async def run_chat_buffered(plan: ChatPlan, specs: list[ChildSpec], svc: Service) -> dict[str, Any]:
     accs = [Accumulated() for _ in specs]
+    checks = [ToolCallCheck.for_conversation(plan.conversation) for _ in specs]
     async with svc.generate(specs, prefix="chatcmpl") as streams:
         async for i, u in merged(streams):
-            accs[i].add(u)
+            screened, failure = _screen(checks[i], u)
+            if failure is not None:
+                raise InternalError(failure)
+            accs[i].add(screened)
     choices = []
     for i, acc in enumerate(accs):
-        if acc.finish is not None and acc.finish.cause is FinishCause.ERROR:
-            raise InternalError(acc.finish.error or "generation failed")
         msg: dict[str, Any] = {"role": "assistant", "content": acc.text if (acc.text or not acc.tool_calls) else None}
         if acc.reasoning:
             msg["reasoning_content"] = acc.reasoning
@@ -388,7 +411,8 @@ async def run_chat_buffered(plan: ChatPlan, specs: list[ChildSpec], svc: Service
         "choices": choices,
         "usage": _usage(prompt, sum(a.num_output_tokens for a in accs), accs[0].num_cached_tokens if accs else 0,
                         sum(a.num_reasoning_tokens for a in accs)),
-        "prompt_logprobs": None,
+        "prompt_logprobs": prompt_logprobs_json(accs[0].prompt_logprobs or [], plan.prompt_logprobs, svc)
+        if plan.prompt_logprobs is not None and accs else None,
     }
 
 
@@ -411,33 +435,32 @@ async def run_chat_stream(plan: ChatPlan, specs: list[ChildSpec], svc: Service, 
                                 accs[0].num_cached_tokens, sum(a.num_reasoning_tokens for a in accs))
         return c
 
+    async def emit(i: int, u: ChildUpdate) -> None:
+        """One update's events as chunks, in output order; logprobs ride on the first chunk."""
+        if not started[i] and (u.token_ids or u.events):
+            started[i] = True
+            await out.event(chunk(i, {"role": "assistant", "content": ""}))
+        lp = None
+        if plan.num_top_logprobs is not None and u.logprobs:
+            lp = {"content": chat_logprobs_content(u.logprobs, svc, plan.wire.return_tokens_as_token_ids)}
+        for delta in _deltas(u.events, tool_index, i):
+            await out.event(chunk(i, delta, logprobs=lp))
+            lp = None
+        if lp is not None:
+            await out.event(chunk(i, {"content": ""}, logprobs=lp))
+
+    checks = [ToolCallCheck.for_conversation(plan.conversation) for _ in specs]
     async with svc.generate(specs, prefix="chatcmpl") as streams:
         async for i, u in merged(streams):
-            acc = accs[i]
-            acc.add(u)
-            if u.finish is not None and u.finish.cause is FinishCause.ERROR:
-                await out.event({"error": InternalError(u.finish.error or "generation failed").to_openai()["error"]})
+            u, failure = _screen(checks[i], u)
+            accs[i].add(u)
+            await emit(i, u)
+            if failure is not None:
+                # What passed the tool-choice rules went out; the stream ends in an error, no [DONE].
+                await out.event({"error": InternalError(failure).to_openai()["error"]})
                 return
-            if not started[i] and (u.token_ids or u.events):
-                started[i] = True
-                await out.event(chunk(i, {"role": "assistant", "content": ""}))
-            lp = None
-            if plan.num_top_logprobs is not None and u.logprobs:
-                lp = {"content": chat_logprobs_content(u.logprobs, svc, plan.wire.return_tokens_as_token_ids)}
-            text = "".join(e.text for e in u.events if isinstance(e, TextDelta))
-            reasoning = "".join(e.text for e in u.events if isinstance(e, ReasoningDelta))
-            calls = [e for e in u.events if isinstance(e, ToolCall)]
-            if reasoning:
-                await out.event(chunk(i, {"reasoning_content": reasoning, "reasoning": reasoning}, logprobs=lp))
-                lp = None
-            for tc in calls:
-                await out.event(chunk(i, {"tool_calls": [_tool_call_json(tc, tool_index[i])]}, logprobs=lp))
-                tool_index[i] += 1
-                lp = None
-            if text or lp is not None:
-                await out.event(chunk(i, {"content": text}, logprobs=lp))
             if u.finish is not None:
-                await out.event(chunk(i, {}, _finish_reason(u.finish, bool(acc.tool_calls)),
+                await out.event(chunk(i, {}, _finish_reason(u.finish, bool(accs[i].tool_calls)),
                                       extra={"stop_reason": u.finish.matched_stop}))
     if plan.include_usage:
         await out.event({
@@ -446,3 +469,25 @@ async def run_chat_stream(plan: ChatPlan, specs: list[ChildSpec], svc: Service, 
                             accs[0].num_cached_tokens, sum(a.num_reasoning_tokens for a in accs)),
         })
     await out.done_marker()
+
+
+def _deltas(events: list[Any], tool_index: list[int], i: int) -> list[dict[str, Any]]:
+    """Chunk deltas for a run of events: adjacent text or reasoning joined, each call its own."""
+    deltas: list[dict[str, Any]] = []
+    last: str | None = None
+    for e in events:
+        if isinstance(e, ToolCall):
+            deltas.append({"tool_calls": [_tool_call_json(e, tool_index[i])]})
+            tool_index[i] += 1
+            last = None
+        elif isinstance(e, TextDelta | ReasoningDelta) and e.text:
+            kind = "content" if isinstance(e, TextDelta) else "reasoning"
+            if last == kind:
+                for key in ("content",) if kind == "content" else ("reasoning_content", "reasoning"):
+                    deltas[-1][key] += e.text
+            elif kind == "content":
+                deltas.append({"content": e.text})
+            else:
+                deltas.append({"reasoning_content": e.text, "reasoning": e.text})
+            last = kind
+    return deltas

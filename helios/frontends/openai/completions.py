@@ -18,7 +18,17 @@ from helios.frontends.common import (
     validate_stops,
 )
 from helios.frontends.openai.chat import StreamOptions, decode_sampling
-from helios.frontends.openai.logprobs import token_entry, validate_explicit_ids
+from helios.frontends.openai.logprobs import (
+    check_capacity,
+    completion_logprobs,
+    empty_completion_logprobs,
+    extend_completion_logprobs,
+    prompt_completion_logprobs,
+    prompt_logprobs_json,
+    require_prompt_scoring,
+    validate_explicit_ids,
+    validate_prompt_logprobs,
+)
 from helios.frontends.wire import structure
 from helios.serving.pipeline import ChildSpec, Service
 
@@ -72,6 +82,29 @@ class CompletionPlan:
     stop_token_ids: tuple[int, ...]
     logprobs: int | None
     logprob_token_ids: tuple[int, ...] | None
+    prompt_logprobs: int | None = None
+    """Alternatives in choices[i].prompt_logprobs (explicit, or inferred from echo + logprobs)."""
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """echo with integer logprobs: prompt entries lead the Completions arrays."""
+        return bool(self.wire.echo) and self.logprobs is not None
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.prompt_logprobs is not None
+
+    @property
+    def engine_prompt_k(self) -> int | None:
+        """Alternatives the engine scores per prompt position: enough for the field and the arrays."""
+        if not self.scores_prompt:
+            return None
+        return max(self.prompt_logprobs or 0, self.logprobs or 0 if self.echo_logprobs else 0)
+
+    @property
+    def submits(self) -> bool:
+        """max_tokens 0 submits only to score the prompt; otherwise it only tokenizes (and echoes)."""
+        return self.wire.max_tokens != 0 or self.scores_prompt
 
 
 def _prompts(p: Any, vocab: int) -> list[str | list[int]]:
@@ -119,19 +152,15 @@ def decode_completion(obj: dict[str, Any], svc: Service) -> CompletionPlan:
     stream = bool(w.stream)
     if w.stream_options is not None and not stream:
         raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
-    if w.prompt_logprobs is not None:
-        if stream:
-            raise BadRequest("prompt_logprobs is not supported with streaming", param="prompt_logprobs")
-        raise BadRequest("prompt_logprobs is not supported yet", param="prompt_logprobs")
+    prompt_k = validate_prompt_logprobs(w.prompt_logprobs, svc.info, stream=stream)
     if w.logprobs is not None:
         if not 0 <= w.logprobs <= 20:
             raise BadRequest("logprobs must be between 0 and 20", param="logprobs")
-        if svc.info.max_top_logprobs == 0:
-            raise BadRequest("this model was loaded without generation logprob outputs", param="logprobs")
-        if w.logprobs > svc.info.max_top_logprobs:
-            raise BadRequest(f"logprobs exceeds this model's capacity of {svc.info.max_top_logprobs}", param="logprobs")
+        check_capacity(w.logprobs, svc.info, param="logprobs")
         if w.echo:
-            raise BadRequest("echo with logprobs (prompt scoring) is not supported yet", param="echo")
+            require_prompt_scoring(svc.info, param="echo")
+            if prompt_k is None:
+                prompt_k = w.logprobs
     explicit = validate_explicit_ids(w.logprob_token_ids, svc.info)
     if explicit and w.logprobs is None:
         raise BadRequest("logprob_token_ids requires logprobs", param="logprob_token_ids")
@@ -145,7 +174,7 @@ def decode_completion(obj: dict[str, Any], svc: Service) -> CompletionPlan:
     include_usage = bool(so and so.include_usage)
     return CompletionPlan(w, _prompts(w.prompt, svc.info.vocab_size), n, stream, include_usage,
                           include_usage and bool(so and so.continuous_usage_stats), stops, stop_ids, w.logprobs,
-                          explicit)
+                          explicit, prompt_k)
 
 
 @attrs.frozen
@@ -172,6 +201,8 @@ async def prepare_completion(plan: CompletionPlan, svc: Service) -> tuple[list[P
     for pp in prepared:
         budget = svc.output_budget(len(pp.ids), w.max_tokens if w.max_tokens is not None else 16)
         for i in range(plan.n):
+            # Buffered choices of one prompt share its scores: only the first child computes them.
+            scores = plan.stream or i == 0
             specs.append(ChildSpec(
                 prompt_token_ids=pp.ids,
                 sampling=svc.resolve_sampling(decode_sampling(w), i),
@@ -183,6 +214,7 @@ async def prepare_completion(plan: CompletionPlan, svc: Service) -> tuple[list[P
                 skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
                 num_top_logprobs=plan.logprobs,
                 logprob_token_ids=plan.logprob_token_ids,
+                prompt_logprobs=plan.engine_prompt_k if scores else None,
             ))
     return prepared, specs
 
@@ -191,23 +223,6 @@ def _finish_reason(acc: Accumulated) -> str:
     if acc.finish is not None and acc.finish.cause is FinishCause.LENGTH:
         return "length"
     return "stop"
-
-
-def _logprobs_block(records: list[Any], svc: Service, as_ids: bool | None, start_offset: int) -> dict[str, Any]:
-    tokens, token_lps, tops, offsets = [], [], [], []
-    off = start_offset
-    for r in records:
-        e = token_entry(svc, r.token_id, r.logprob, as_ids)
-        tokens.append(e["token"])
-        token_lps.append(r.logprob)
-        top: dict[str, float] = {}
-        for t, lp in r.top:
-            key = token_entry(svc, t, lp, as_ids)["token"]
-            top.setdefault(key, lp)  # first entry wins when ids decode alike
-        tops.append(top)
-        offsets.append(off)
-        off += len(svc.token_bytes(r.token_id).decode("utf-8", errors="replace"))
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def _usage(prepared: list[PreparedPrompt], accs: list[Accumulated], n: int) -> dict[str, Any]:
@@ -221,29 +236,34 @@ def _usage(prepared: list[PreparedPrompt], accs: list[Accumulated], n: int) -> d
 async def run_completion_buffered(plan: CompletionPlan, prepared: list[PreparedPrompt], specs: list[ChildSpec],
                                   svc: Service) -> dict[str, Any]:
     accs = [Accumulated() for _ in specs]
-    if plan.wire.max_tokens != 0:
+    if plan.submits:
         async with svc.generate(specs, prefix="cmpl") as streams:
             async for i, u in merged(streams):
                 accs[i].add(u)
-    else:
-        for a in accs:
-            a.finish = None
+    w = plan.wire
+    as_ids = w.return_tokens_as_token_ids
     choices = []
     for i, acc in enumerate(accs):
         if acc.finish is not None and acc.finish.cause is FinishCause.ERROR:
             raise InternalError(acc.finish.error or "generation failed")
         pp = prepared[i // plan.n]
-        echo = pp.echo_text if plan.wire.echo else ""
+        echo = pp.echo_text if w.echo else ""
+        scores = accs[i - i % plan.n].prompt_logprobs or [] if plan.scores_prompt else []
         lp = None
         if plan.logprobs is not None:
-            lp = _logprobs_block(acc.logprobs, svc, plan.wire.return_tokens_as_token_ids, len(echo))
+            lp = empty_completion_logprobs()
+            if plan.echo_logprobs:
+                extend_completion_logprobs(lp, prompt_completion_logprobs(pp.ids, scores, plan.logprobs, svc, as_ids)[0])
+            extend_completion_logprobs(lp, completion_logprobs(acc.logprobs, acc.logprob_offsets, svc, as_ids,
+                                                               bool(plan.logprob_token_ids), len(echo)))
         choices.append({
             "index": i,
             "text": echo + acc.text,
             "logprobs": lp,
-            "finish_reason": "length" if plan.wire.max_tokens == 0 else _finish_reason(acc),
+            "finish_reason": "length" if w.max_tokens == 0 else _finish_reason(acc),
             "stop_reason": acc.finish.matched_stop if acc.finish else None,
-            "prompt_logprobs": None,
+            "prompt_logprobs": prompt_logprobs_json(scores, plan.prompt_logprobs or 0, svc)
+            if plan.scores_prompt else None,
         })
     return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": svc.info.public_id,
             "choices": choices, "usage": _usage(prepared, accs, plan.n)}
@@ -251,9 +271,15 @@ async def run_completion_buffered(plan: CompletionPlan, prepared: list[PreparedP
 
 async def run_completion_stream(plan: CompletionPlan, prepared: list[PreparedPrompt], specs: list[ChildSpec],
                                 svc: Service, out: EventWriter) -> None:
+    """Streams choices; with echo + logprobs each completed prompt chunk is one logprob frame (the
+    first carries the echoed text), before the generated entries."""
     cid, created, model = new_id("cmpl"), now(), svc.info.public_id
+    w = plan.wire
+    as_ids = w.return_tokens_as_token_ids
     accs = [Accumulated() for _ in specs]
-    offsets = [0] * len(specs)
+    echo_sent = [False] * len(specs)
+    prompt_pos = [0] * len(specs)  # prompt positions already framed
+    prompt_off = [0] * len(specs)  # their characters (decoded token strings)
 
     def chunk(i: int, text: str, finish: str | None = None, logprobs: Any = None,
               stop_reason: Any = None) -> dict[str, Any]:
@@ -264,12 +290,14 @@ async def run_completion_stream(plan: CompletionPlan, prepared: list[PreparedPro
             c["usage"] = _usage(prepared, accs, plan.n)
         return c
 
-    if plan.wire.echo:
+    def echo_text(i: int) -> str:
+        return prepared[i // plan.n].echo_text if w.echo else ""
+
+    if w.echo and not plan.echo_logprobs:
         for i in range(len(specs)):
-            pp = prepared[i // plan.n]
-            offsets[i] = len(pp.echo_text)
-            await out.event(chunk(i, pp.echo_text))
-    if plan.wire.max_tokens == 0:
+            echo_sent[i] = True
+            await out.event(chunk(i, echo_text(i)))
+    if not plan.submits:
         for i in range(len(specs)):
             await out.event(chunk(i, "", "length"))
     else:
@@ -279,15 +307,28 @@ async def run_completion_stream(plan: CompletionPlan, prepared: list[PreparedPro
                 if u.finish is not None and u.finish.cause is FinishCause.ERROR:
                     await out.event({"error": InternalError(u.finish.error or "generation failed").to_openai()["error"]})
                     return
+                if plan.echo_logprobs and u.prompt_logprobs:
+                    assert plan.logprobs is not None
+                    block, prompt_off[i] = prompt_completion_logprobs(
+                        prepared[i // plan.n].ids, u.prompt_logprobs, plan.logprobs, svc, as_ids,
+                        start_offset=prompt_off[i], first_position=prompt_pos[i])
+                    prompt_pos[i] += len(u.prompt_logprobs)
+                    await out.event(chunk(i, "" if echo_sent[i] else echo_text(i), logprobs=block))
+                    echo_sent[i] = True
+                if not echo_sent[i]:
+                    echo_sent[i] = True
+                    if echo_text(i):
+                        await out.event(chunk(i, echo_text(i)))
                 text = "".join(getattr(e, "text", "") for e in u.events)
                 lp = None
                 if plan.logprobs is not None and u.logprobs:
-                    lp = _logprobs_block(list(u.logprobs), svc, plan.wire.return_tokens_as_token_ids, offsets[i])
-                offsets[i] += len(text)
+                    lp = completion_logprobs(list(u.logprobs), u.logprob_offsets, svc, as_ids,
+                                             bool(plan.logprob_token_ids), len(echo_text(i)))
                 if text or lp is not None:
                     await out.event(chunk(i, text, logprobs=lp))
                 if u.finish is not None:
-                    await out.event(chunk(i, "", _finish_reason(accs[i]), stop_reason=u.finish.matched_stop))
+                    reason = "length" if w.max_tokens == 0 else _finish_reason(accs[i])
+                    await out.event(chunk(i, "", reason, stop_reason=u.finish.matched_stop))
     if plan.include_usage:
         await out.event({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
                          "usage": _usage(prepared, accs, plan.n)})

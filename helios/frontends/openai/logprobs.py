@@ -1,4 +1,21 @@
-"""Generation logprob options and their Chat / Completions wire shapes (spec: Generation log probabilities)."""
+"""Generation and prompt logprob options and their Chat / Completions wire shapes.
+
+Spec: api.md, "Generation log probabilities" and "Prompt log probabilities". The engine hands over
+plain records (token ids with fp32 logprobs and ranks); this module validates the request options
+and turns the records into the protocols' JSON:
+
+- Chat (and Responses) entries: ``{"token", "logprob", "bytes", "top_logprobs": [...]}`` where
+  ``top_logprobs`` lists the natural alternatives, or the explicit ``logprob_token_ids`` in caller
+  order with the sampled token appended when absent.
+- Completions arrays: parallel ``tokens``, ``token_logprobs``, ``top_logprobs`` (one map per
+  position, keyed by token string; the chosen token first, then the alternatives; the first entry
+  wins when several ids decode alike) and ``text_offset`` (Unicode characters).
+- Prompt scores: a list aligned with prompt positions, None first, each entry mapping token ids to
+  ``{"logprob", "rank", "decoded_token"}``: the actual token, then up to k natural alternatives.
+
+``bytes`` are a token's exact bytes (partial UTF-8 included); ``token`` decodes them with U+FFFD
+replacement, or reads ``token_id:<id>`` under ``return_tokens_as_token_ids``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +25,13 @@ from typing import Any
 from helios.errors import BadRequest
 from helios.serving.pipeline import ModelInfo, Service
 
+MAX_TOP = 20
+MAX_EXPLICIT_IDS = 128
+PROMPT_LOGPROBS_DISABLED = (
+    "prompt logprobs are not available on this server: the core was exported without --prompt-logprobs "
+    "(re-export it with --prompt-logprobs, or enable [server] prompt_logprobs)"
+)
+
 
 def validate_logprob_options(
     *, logprobs: bool | None, top_logprobs: int | None, logprob_token_ids: list[int] | None, info: ModelInfo,
@@ -15,8 +39,8 @@ def validate_logprob_options(
 ) -> tuple[int | None, tuple[int, ...] | None]:
     """Chat/Responses rules. Returns (number of natural alternatives or None, explicit ids or None)."""
     if top_logprobs is not None:
-        if not 0 <= top_logprobs <= 20:
-            raise BadRequest(f"{param} must be between 0 and 20", param=param)
+        if not 0 <= top_logprobs <= MAX_TOP:
+            raise BadRequest(f"{param} must be between 0 and {MAX_TOP}", param=param)
         if top_logprobs > 0 and not logprobs:
             raise BadRequest(f"{param} requires logprobs to be true", param=param)
     explicit = validate_explicit_ids(logprob_token_ids, info)
@@ -24,19 +48,26 @@ def validate_logprob_options(
         if explicit:
             raise BadRequest("logprob_token_ids requires generation logprobs to be enabled", param="logprob_token_ids")
         return None, None
+    check_capacity(top_logprobs or 0, info, param=param if top_logprobs else "logprobs")
+    return top_logprobs or 0, explicit
+
+
+def check_capacity(k: int, info: ModelInfo, *, param: str) -> None:
+    """Generation logprobs need a core with logprob outputs and at most its natural capacity."""
     if info.max_top_logprobs == 0:
-        raise BadRequest("this model was loaded without generation logprob outputs", param="logprobs")
-    k = top_logprobs or 0
+        raise BadRequest("this model's core has no generation logprob outputs (allow_logprobs is false); "
+                         "re-export it with logprob outputs to request logprobs", param=param)
     if k > info.max_top_logprobs:
-        raise BadRequest(f"{param} exceeds this model's capacity of {info.max_top_logprobs}", param=param)
-    return k, explicit
+        raise BadRequest(f"{param} exceeds this model's capacity of {info.max_top_logprobs} alternatives",
+                         param=param)
 
 
 def validate_explicit_ids(ids: list[int] | None, info: ModelInfo) -> tuple[int, ...] | None:
+    """At most 128 ids before deduplication, each within the vocabulary; duplicates keep the first."""
     if not ids:
         return None
-    if len(ids) > 128:
-        raise BadRequest("logprob_token_ids accepts at most 128 ids", param="logprob_token_ids")
+    if len(ids) > MAX_EXPLICIT_IDS:
+        raise BadRequest(f"logprob_token_ids accepts at most {MAX_EXPLICIT_IDS} ids", param="logprob_token_ids")
     seen: dict[int, None] = {}
     for i in ids:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < info.vocab_size:
@@ -44,13 +75,43 @@ def validate_explicit_ids(ids: list[int] | None, info: ModelInfo) -> tuple[int, 
                 f"logprob_token_ids must contain token ids within 0..{info.vocab_size - 1}", param="logprob_token_ids"
             )
         seen.setdefault(i, None)
+    if info.max_top_logprobs == 0:
+        raise BadRequest("this model's core has no explicit-ID logprob inputs; re-export it with logprob outputs "
+                         "to use logprob_token_ids", param="logprob_token_ids")
     return tuple(seen)
 
 
+def validate_prompt_logprobs(value: int | None, info: ModelInfo, *, stream: bool) -> int | None:
+    if value is None:
+        return None
+    if stream:
+        raise BadRequest("prompt_logprobs is not supported with streaming", param="prompt_logprobs")
+    if not 0 <= value <= MAX_TOP:
+        raise BadRequest(f"prompt_logprobs must be between 0 and {MAX_TOP}", param="prompt_logprobs")
+    require_prompt_scoring(info, param="prompt_logprobs")
+    return value
+
+
+def require_prompt_scoring(info: ModelInfo, *, param: str) -> None:
+    if not info.prompt_logprobs:
+        raise BadRequest(PROMPT_LOGPROBS_DISABLED, param=param)
+
+
+# -- encoders -------------------------------------------------------------------------------------
+
+
+def token_text(svc: Service, token_id: int, as_ids: bool | None) -> str:
+    if as_ids:
+        return f"token_id:{token_id}"
+    return svc.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def decoded_text(svc: Service, token_id: int) -> str:
+    return svc.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
 def token_entry(svc: Service, token_id: int, logprob: float, as_ids: bool | None) -> dict[str, Any]:
-    raw = svc.token_bytes(token_id)
-    text = f"token_id:{token_id}" if as_ids else raw.decode("utf-8", errors="replace")
-    return {"token": text, "logprob": logprob, "bytes": list(raw)}
+    return {"token": token_text(svc, token_id, as_ids), "logprob": logprob, "bytes": list(svc.token_bytes(token_id))}
 
 
 def chat_logprobs_content(records: Sequence[Any], svc: Service, as_ids: bool | None) -> list[dict[str, Any]]:
@@ -60,3 +121,71 @@ def chat_logprobs_content(records: Sequence[Any], svc: Service, as_ids: bool | N
         entry["top_logprobs"] = [token_entry(svc, t, lp, as_ids) for t, lp in r.top]
         out.append(entry)
     return out
+
+
+def empty_completion_logprobs() -> dict[str, list[Any]]:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def completion_logprobs(records: Sequence[Any], offsets: Sequence[int], svc: Service, as_ids: bool | None,
+                        explicit: bool, start_offset: int = 0) -> dict[str, list[Any]]:
+    """Completions arrays for generated tokens; ``offsets`` come from the output pipeline."""
+    block = empty_completion_logprobs()
+    for r, off in zip(records, offsets, strict=True):
+        block["tokens"].append(token_text(svc, r.token_id, as_ids))
+        block["token_logprobs"].append(r.logprob)
+        pairs = list(r.top) if explicit else [(r.token_id, r.logprob), *r.top]
+        block["top_logprobs"].append(_keyed(pairs, svc, as_ids))
+        block["text_offset"].append(start_offset + off)
+    return block
+
+
+def prompt_completion_logprobs(prompt_ids: Sequence[int], scores: Sequence[Any], k: int, svc: Service,
+                               as_ids: bool | None, start_offset: int = 0,
+                               first_position: int = 0) -> tuple[dict[str, list[Any]], int]:
+    """Completions arrays for echoed prompt positions ``first_position ..`` (``scores`` aligned with
+    them; None for position 0). Offsets count the characters of the preceding decoded token strings.
+    Returns the arrays and the offset after the last position."""
+    block = empty_completion_logprobs()
+    off = start_offset
+    for i, score in enumerate(scores):
+        token_id = prompt_ids[first_position + i]
+        block["tokens"].append(token_text(svc, token_id, as_ids))
+        block["text_offset"].append(off)
+        off += len(decoded_text(svc, token_id))
+        if score is None:
+            block["token_logprobs"].append(None)
+            block["top_logprobs"].append(None)
+            continue
+        block["token_logprobs"].append(score.logprob)
+        pairs = [(score.token_id, score.logprob)] + [(t, lp) for t, lp, _ in score.top[:k]]
+        block["top_logprobs"].append(_keyed(pairs, svc, as_ids))
+    return block, off
+
+
+def extend_completion_logprobs(into: dict[str, list[Any]], block: dict[str, list[Any]]) -> None:
+    for key, values in block.items():
+        into[key].extend(values)
+
+
+def prompt_logprobs_json(scores: Sequence[Any], k: int, svc: Service) -> list[dict[str, Any] | None]:
+    """The ``prompt_logprobs`` field: the actual token first, then up to ``k`` natural alternatives."""
+    out: list[dict[str, Any] | None] = []
+    for score in scores:
+        if score is None:
+            out.append(None)
+            continue
+        entry: dict[str, Any] = {}
+        for token_id, logprob, rank in [(score.token_id, score.logprob, score.rank), *score.top[:k]]:
+            key = str(token_id)
+            if key not in entry:
+                entry[key] = {"logprob": logprob, "rank": rank, "decoded_token": decoded_text(svc, token_id)}
+        out.append(entry)
+    return out
+
+
+def _keyed(pairs: Sequence[tuple[int, float]], svc: Service, as_ids: bool | None) -> dict[str, float]:
+    top: dict[str, float] = {}
+    for token_id, logprob in pairs:
+        top.setdefault(token_text(svc, token_id, as_ids), logprob)  # the first entry wins
+    return top

@@ -1,0 +1,220 @@
+"""The one label scorer behind POST /v1/systemone and POST /v1/decisions (spec: System One decisions).
+
+Each question is compiled into its own chat: a common state message (the system turn, identical for
+every question of a request so later questions can reuse its prefix), then a user turn with the
+question, its labelled options and an ``Answer:`` cue, then the template's assistant generation prompt
+with thinking disabled where the template supports it (``enable_thinking=False``).
+
+Labels are synthetic and single-token: ``Yes``/``No`` for binary questions, ``A``, ``B``, ... for
+options. A label family is used only when every label is one vocabulary token *after the complete
+rendered prompt*: tokenizing ``prompt_text + label`` must give exactly ``prompt_ids + [label_id]``, and
+the label ids must be distinct. Families are tried in order (bare, then space-prefixed, then lower
+case); when none fits, the request fails with 400.
+
+Each question is one engine child with ``max_tokens=1`` that reads the labels' raw full-vocabulary
+logprobs through ``logprob_token_ids`` (``ignore_eos`` keeps the entry even when EOS is sampled).
+Questions run sequentially; the result carries each label's raw probability and the token counts,
+and the protocol frontends turn them into their own answers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import string
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import attrs
+
+from helios.domain.conversation import ConversationRequest, Message, TextPart
+from helios.domain.sampling import SamplingRequest
+from helios.errors import BadRequest, InternalError
+from helios.serving.pipeline import ChildSpec, Service
+
+STATE_PREAMBLE = "Evaluate the state below. Each question about it is answered with one label only."
+BINARY_FAMILIES: tuple[tuple[str, str], ...] = (("Yes", "No"), (" Yes", " No"), ("yes", "no"), (" yes", " no"))
+_OPTION_CANDIDATES = tuple(string.ascii_uppercase) + tuple(string.ascii_lowercase) + tuple(string.digits)
+OPTION_PREFIXES = ("", " ")
+
+
+@attrs.frozen
+class DecisionQuestion:
+    """One question as the scorer sees it; option texts are already rendered to strings."""
+
+    kind: Literal["binary", "options", "levels"]
+    instructions: str
+    options: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class QuestionScore:
+    """Raw full-vocabulary probabilities of each label (binary: yes, no) and what the child cost."""
+
+    probabilities: tuple[float, ...]
+    labels: tuple[str, ...]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def normalized(self) -> tuple[float, ...]:
+        total = sum(self.probabilities)
+        if total <= 0.0 or not math.isfinite(total):
+            return tuple(1.0 / len(self.probabilities) for _ in self.probabilities)
+        return tuple(p / total for p in self.probabilities)
+
+    @property
+    def mass(self) -> float:
+        return sum(self.probabilities)
+
+
+def render_value(value: Any) -> str:
+    """Structured instructions, criteria and descriptions stay JSON; strings stay as they are."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+def render_state(state: Any) -> str:
+    if isinstance(state, str):
+        return state
+    return json.dumps(state, ensure_ascii=False, indent=2)
+
+
+def first_argmax(values: Sequence[float]) -> int:
+    """The index of the largest value, the first one on a tie."""
+    best = 0
+    for i, v in enumerate(values):
+        if v > values[best]:
+            best = i
+    return best
+
+
+class DecisionScorer:
+    """Scores typed questions about one state with the loaded chat model. One per request."""
+
+    def __init__(self, svc: Service) -> None:
+        self.svc = svc
+        info = svc.info
+        if info.max_top_logprobs == 0:
+            raise BadRequest("this model's core has no explicit-ID logprob inputs (logprob_token_ids); re-export "
+                             "it with logprob outputs to serve decisions")
+        if svc.chat_template is None:
+            raise BadRequest("this model has no chat template, which decisions need")
+
+    async def score(self, state: str, questions: Sequence[DecisionQuestion]) -> list[QuestionScore]:
+        out = []
+        for q in questions:  # sequentially: each question may reuse the state prefix of the one before
+            out.append(await self.score_one(state, q))
+        return out
+
+    async def score_one(self, state: str, question: DecisionQuestion) -> QuestionScore:
+        prompt_ids, labels, label_ids = await self._compile(state, question)
+        svc = self.svc
+        svc.output_budget(len(prompt_ids), 1)
+        spec = ChildSpec(
+            prompt_token_ids=tuple(prompt_ids),
+            sampling=svc.resolve_sampling(SamplingRequest(seed=0)),
+            max_tokens=1,
+            ignore_eos=True,
+            num_top_logprobs=0,
+            logprob_token_ids=tuple(label_ids),
+        )
+        records: list[Any] = []
+        num_prompt = num_output = num_cached = 0
+        async with svc.generate([spec], prefix="dec") as streams:
+            async for u in streams[0]:
+                if u.finish is not None and u.finish.error is not None:
+                    raise InternalError(u.finish.error)
+                records.extend(u.logprobs or ())
+                num_prompt, num_output, num_cached = u.num_prompt_tokens, u.num_output_tokens, u.num_cached_tokens
+        if not records:
+            raise InternalError("the scoring child produced no label logprobs")
+        by_id = dict(records[-1].top)
+        probabilities = tuple(math.exp(by_id[t]) if by_id[t] > -9999.0 else 0.0 for t in label_ids)
+        return QuestionScore(probabilities, tuple(labels), num_prompt or len(prompt_ids), num_output, num_cached)
+
+    # -- prompt compilation ------------------------------------------------------------------------
+    async def _compile(self, state: str, q: DecisionQuestion) -> tuple[list[int], list[str], list[int]]:
+        families = self._families(q)
+        if not families:
+            raise BadRequest(f"this model offers fewer single-token labels than the {len(q.options)} options "
+                             "of a question")
+        for labels in families:
+            text, ids = await self.svc.render_chat(self._conversation(state, q, labels))
+            label_ids = await self._verify(text, ids, labels)
+            if label_ids is not None:
+                return ids, labels, label_ids
+        raise BadRequest("the chat template leaves no distinct single-token answer labels after its generation "
+                         "prompt; this model's template is incompatible with decisions")
+
+    def _families(self, q: DecisionQuestion) -> list[list[str]]:
+        if q.kind == "binary":
+            return [list(f) for f in BINARY_FAMILIES]
+        n = len(q.options)
+        if n > len(_OPTION_CANDIDATES):
+            return []
+        bare = list(_OPTION_CANDIDATES[:n])
+        return [[prefix + label for label in bare] for prefix in OPTION_PREFIXES]
+
+    async def _verify(self, text: str, ids: list[int], labels: Sequence[str]) -> list[int] | None:
+        """Each label must be exactly one token after the whole rendered prompt, and all distinct."""
+        svc = self.svc
+        label_ids: list[int] = []
+        for label in labels:
+            full = await svc.tokenize(text + label, add_special_tokens=False)
+            if len(full) != len(ids) + 1 or full[: len(ids)] != ids:
+                return None
+            label_ids.append(full[-1])
+        if len(set(label_ids)) != len(label_ids):
+            return None
+        return label_ids
+
+    def _conversation(self, state: str, q: DecisionQuestion, labels: Sequence[str]) -> ConversationRequest:
+        shown = [label.strip() for label in labels]
+        if q.kind == "binary":
+            body = (f"Question: {q.instructions}\n\n"
+                    f"Reply {shown[0]} if it is true of the state, otherwise {shown[1]}.\nAnswer:")
+        else:
+            heading = "Levels, from lowest to highest:" if q.kind == "levels" else "Options:"
+            what = "level" if q.kind == "levels" else "option"
+            lines = "\n".join(f"{label}. {option}" for label, option in zip(shown, q.options, strict=True))
+            body = (f"Question: {q.instructions}\n\n{heading}\n{lines}\n\n"
+                    f"Reply with the label of the {what} that fits the state best.\nAnswer:")
+        return ConversationRequest(
+            messages=(
+                Message("system", (TextPart(f"{STATE_PREAMBLE}\n\nState:\n{state}"),)),
+                Message("user", (TextPart(body),)),
+            ),
+            chat_template_kwargs={"enable_thinking": False},
+        )
+
+
+# -- confidence (System One's Jev formulas) ---------------------------------------------------------
+
+
+def choice_confidence(p: Sequence[float]) -> float:
+    """How far the top probability sits above uniform: 0 for uniform, 1 for certainty and for one option."""
+    k = len(p)
+    if k <= 1:
+        return 1.0
+    uniform = 1.0 / k
+    return min(max((max(p) - uniform) / (1.0 - uniform), 0.0), 1.0)
+
+
+def score_confidence(p: Sequence[float]) -> float:
+    """One minus the mean absolute distance from the most likely level (first on a tie), relative to the
+    same distance of a uniform distribution around the middle level; never below 0; 1 for one level."""
+    k = len(p)
+    if k <= 1:
+        return 1.0
+    m = first_argmax(p)
+    dist = sum(x * abs(i - m) for i, x in enumerate(p))
+    centre = (k - 1) / 2
+    uniform = sum(abs(i - centre) for i in range(k)) / k
+    return max(1.0 - dist / uniform, 0.0)
+
+
+def expected_level(p: Sequence[float]) -> float:
+    return sum(i * x for i, x in enumerate(p))
