@@ -203,6 +203,11 @@ def test_request_errors_have_openai_shape(server: LiveServer) -> None:
         client.chat.completions.create(model="m", messages=[])
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m", messages=CAPITAL, top_logprobs=3)
+    with pytest.raises(openai.BadRequestError) as err:  # numeric effort is DeepSeek V4.1's alone
+        client.chat.completions.create(model="m", messages=CAPITAL, extra_body={"reasoning_effort": 80})
+    assert err.value.body["param"] == "reasoning_effort"  # type: ignore[index]
+    ok = client.chat.completions.create(model="m", messages=CAPITAL, reasoning_effort="high", max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
     with httpx.Client(base_url=server.url) as h:
         r = h.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

@@ -33,6 +33,7 @@ from helios.frontends.common import (
     validate_stop_token_ids,
     validate_stops,
 )
+from helios.frontends.effort import chat_effort_kwargs
 from helios.frontends.openai.logprobs import (
     chat_logprobs_content,
     prompt_logprobs_json,
@@ -298,7 +299,11 @@ def decode_chat(obj: dict[str, Any], svc: Service) -> ChatPlan:
         sampling=decode_sampling(w),
         add_generation_prompt=not w.continue_final_message if w.add_generation_prompt is None else w.add_generation_prompt,
         continue_final_message=bool(w.continue_final_message),
-        chat_template_kwargs=dict(w.chat_template_kwargs or {}),
+        chat_template_kwargs={
+            **chat_effort_kwargs(w.reasoning_effort, dict(w.chat_template_kwargs or {}), svc.info.recipe,
+                                 "reasoning_effort" in obj),
+            **(w.chat_template_kwargs or {}),
+        },
     )
     so = w.stream_options
     include_usage = bool(so and so.include_usage)
