@@ -222,6 +222,33 @@ class HeliosApp:
                 raise leaves[0] from None
             raise
 
+    async def respond(
+        self,
+        ctx: Ctx,
+        *,
+        stream: bool,
+        run_stream: Callable[[StreamOut], Awaitable[None]],
+        run_buffered: Callable[[], Awaitable[dict[str, Any]]],
+    ) -> None:
+        """Run a generation as SSE (headers after enqueue) or as one JSON body, cancellable either way."""
+        if stream:
+            out = StreamOut(ctx)
+
+            async def streamed() -> None:
+                await run_stream(out)
+                await out.close()
+
+            await self.run_cancellable(ctx, streamed)
+            return
+        result: dict[str, Any] = {}
+
+        async def buffered() -> None:
+            result.update(await run_buffered())
+
+        await self.run_cancellable(ctx, buffered)
+        if result:  # empty when the client went away first
+            await ctx.json(result)
+
     # -- routes -----------------------------------------------------------------------------
     def _register_routes(self) -> None:
         from helios.routes import register

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from helios.frontends.openai import chat, completions, models
 
@@ -11,8 +11,6 @@ if TYPE_CHECKING:
 
 
 def register(app: HeliosApp) -> None:
-    from helios.app import StreamOut
-
     async def list_models(ctx: Ctx) -> None:
         app.auth(ctx)
         await ctx.json(models.list_models(ctx.svc.info, app.created))
@@ -28,23 +26,12 @@ def register(app: HeliosApp) -> None:
         plan = chat.decode_chat(obj, svc)
         ctx.admit(plan.n)
         specs = await chat.prepare_chat(plan, svc)
-        if plan.stream:
-            out = StreamOut(ctx)
-
-            async def stream() -> None:
-                await chat.run_chat_stream(plan, specs, svc, out)
-                await out.close()
-
-            await app.run_cancellable(ctx, stream)
-            return
-        result: dict[str, Any] = {}
-
-        async def buffered() -> None:
-            result.update(await chat.run_chat_buffered(plan, specs, svc))
-
-        await app.run_cancellable(ctx, buffered)
-        if result:
-            await ctx.json(result)
+        await app.respond(
+            ctx,
+            stream=plan.stream,
+            run_stream=lambda out: chat.run_chat_stream(plan, specs, svc, out),
+            run_buffered=lambda: chat.run_chat_buffered(plan, specs, svc),
+        )
 
     async def text_completions(ctx: Ctx) -> None:
         app.auth(ctx)
@@ -53,23 +40,12 @@ def register(app: HeliosApp) -> None:
         plan = completions.decode_completion(obj, svc)
         prepared, specs = await completions.prepare_completion(plan, svc)
         ctx.admit(len(specs))
-        if plan.stream:
-            out = StreamOut(ctx)
-
-            async def stream() -> None:
-                await completions.run_completion_stream(plan, prepared, specs, svc, out)
-                await out.close()
-
-            await app.run_cancellable(ctx, stream)
-            return
-        result: dict[str, Any] = {}
-
-        async def buffered() -> None:
-            result.update(await completions.run_completion_buffered(plan, prepared, specs, svc))
-
-        await app.run_cancellable(ctx, buffered)
-        if result:
-            await ctx.json(result)
+        await app.respond(
+            ctx,
+            stream=plan.stream,
+            run_stream=lambda out: completions.run_completion_stream(plan, prepared, specs, svc, out),
+            run_buffered=lambda: completions.run_completion_buffered(plan, prepared, specs, svc),
+        )
 
     app.router.add("GET", "/v1/models", list_models)
     app.router.add("GET", "/v1/models/{model:path}", get_model)

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from helios.asgi.request import parse_content_encoding, read_body
-from helios.errors import BadRequest, HeliosError, UnsupportedMediaType
+from helios.errors import BadRequest, UnsupportedMediaType
 from helios.frontends.decisions import decisions, systemone
 from helios.frontends.wire import parse_json_object
 from helios.serving.decisions import DecisionScorer
@@ -21,20 +21,6 @@ if TYPE_CHECKING:
 
 
 def register(app: HeliosApp) -> None:
-    async def guarded(ctx: Ctx, body: Callable[[], Awaitable[None]]) -> None:
-        """app.run_cancellable, re-raising a HeliosError from the body as itself (not as a group)."""
-        errors: list[HeliosError] = []
-
-        async def body_keeping_errors() -> None:
-            try:
-                await body()
-            except HeliosError as exc:
-                errors.append(exc)
-
-        await app.run_cancellable(ctx, body_keeping_errors)
-        if errors:
-            raise errors[0]
-
     def reject_multipart(ctx: Ctx, *, text_only_route: bool) -> None:
         content_type = (ctx.req.headers.get("content-type") or "").strip().lower()
         if not content_type.startswith("multipart/"):
@@ -54,7 +40,7 @@ def register(app: HeliosApp) -> None:
         async def body() -> None:
             result.update(await run(scorer))
 
-        await guarded(ctx, body)
+        await app.run_cancellable(ctx, body)
         if result:
             await ctx.json(result)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, TypeVar, get_args, get_origin
 
+import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
@@ -72,6 +73,27 @@ def make_converter() -> cattrs.Converter:
 
 
 CONVERTER = make_converter()
+
+
+@attrs.frozen(kw_only=True)
+class NativeGenerationFields:
+    """Sampling, stop and logprob fields that Chat Completions, Completions and Responses share
+    (the OpenAI ones plus vLLM's native extensions); each wire class adds its own."""
+
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: Any = None
+    stop_token_ids: Any = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    logprob_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:

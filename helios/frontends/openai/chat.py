@@ -41,7 +41,7 @@ from helios.frontends.openai.logprobs import (
     validate_prompt_logprobs,
 )
 from helios.frontends.toolcheck import ToolCallCheck
-from helios.frontends.wire import structure
+from helios.frontends.wire import NativeGenerationFields, structure
 from helios.serving.output import ChildUpdate
 from helios.serving.pipeline import ChildSpec, Service
 
@@ -53,19 +53,15 @@ class StreamOptions:
 
 
 @attrs.frozen
-class ChatWire:
+class ChatWire(NativeGenerationFields):
     messages: list[Any]
     model: str | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     n: int | None = None
-    seed: int | None = None
-    stop: Any = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -79,20 +75,9 @@ class ChatWire:
     service_tier: str | None = None
     reasoning_effort: Any = None
     response_format: Any = None
-    # vLLM / native extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: Any = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
-    logprob_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
     thinking_token_budget: int | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None

@@ -29,42 +29,27 @@ from helios.frontends.openai.logprobs import (
     validate_explicit_ids,
     validate_prompt_logprobs,
 )
-from helios.frontends.wire import structure
+from helios.frontends.wire import NativeGenerationFields, structure
 from helios.serving.pipeline import ChildSpec, Service
 
 
 @attrs.frozen
-class CompletionWire:
+class CompletionWire(NativeGenerationFields):
     prompt: Any
     model: str | None = None
     best_of: int | None = None
     echo: bool | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
     logprobs: int | None = None
     max_tokens: int | None = None
     n: int | None = None
-    seed: int | None = None
-    stop: Any = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     suffix: str | None = None
     temperature: float | None = None
     top_p: float | None = None
     user: str | None = None
-    # vLLM / native extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: Any = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
     add_special_tokens: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
-    logprob_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
     tools: Any = None
     tool_choice: Any = None
     thinking_token_budget: Any = None

@@ -53,7 +53,7 @@ from helios.frontends.common import EventWriter, validate_stop_token_ids, valida
 from helios.frontends.openai.chat import decode_sampling
 from helios.frontends.openai.logprobs import chat_logprobs_content, validate_logprob_options
 from helios.frontends.toolcheck import ToolCallCheck
-from helios.frontends.wire import structure
+from helios.frontends.wire import NativeGenerationFields, structure
 from helios.serving.pipeline import ChildSpec
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ EFFORT_NAMES = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 @attrs.frozen
-class ResponsesWire:
+class ResponsesWire(NativeGenerationFields):
     """The accepted request fields; anything else is an unknown field (HTTP 400)."""
 
     input: Any
@@ -107,23 +107,8 @@ class ResponsesWire:
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
     service_tier: str | None = None
-    # native extensions, as on Chat Completions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: Any = None
-    stop_token_ids: Any = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
-    return_tokens_as_token_ids: bool | None = None
-    logprob_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
 
 
 # -- tools ----------------------------------------------------------------------------------------
