@@ -92,7 +92,7 @@ def _from_gguf(path: Path, dtype: torch.dtype, progress: ProgressCallback | None
     if tokenizer.bos_token_id is not None:
         generation_config["bos_token_id"] = tokenizer.bos_token_id
     return Checkpoint(
-        model_id=file.model_name or path.stem,
+        model_id=path.stem,  # the file name, as llama.cpp reports it; general.name is often a training tag
         config=file.config,
         tensors=LazyTensors(file.tensor_thunks(dtype), progress),
         tokenizer=tokenizer,

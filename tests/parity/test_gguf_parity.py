@@ -126,7 +126,7 @@ def test_gguf_model_matches_transformers(tmp_path: Path, arch: str, quantize: di
         hf_model.load_state_dict(stored)  # the reference sees exactly the (de)quantized weights
 
     checkpoint = load_checkpoint(path, torch.float32)
-    assert checkpoint.model_id == "tiny-test"
+    assert checkpoint.model_id == "tiny"  # the file name
     assert checkpoint.config.arch == arch
     assert checkpoint.config.attention_bias == (arch == "qwen2")
     assert checkpoint.config.qk_norm == (arch == "qwen3")
