@@ -388,3 +388,42 @@ def test_cli_rejects_a_bad_config(tmp_path) -> None:  # type: ignore[no-untyped-
                        text=True, timeout=60)
     assert r.returncode == 2
     assert "server.port" in r.stderr and "mystery" in r.stderr
+
+
+def test_concurrent_requests_do_not_disturb_each_other(server: LiveServer) -> None:
+    """Seeded requests give the same text alone and amid concurrent traffic, including streams that
+    are cancelled half-way (their children are aborted while the others keep running)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = server.openai()
+    prompts = [f"Tell me a fact about the number {i}." for i in range(5)]
+
+    def one(i: int) -> str:
+        r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompts[i]}],
+                                           temperature=0.8, seed=100 + i, max_tokens=24)
+        return r.choices[0].message.content or ""
+
+    def cancelled(i: int) -> int:
+        n = 0
+        with httpx.Client(base_url=server.url, timeout=60) as h, h.stream(
+            "POST", "/v1/completions",
+            json={"model": "m", "prompt": f"Noise {i}:", "max_tokens": 200, "stream": True, "ignore_eos": True},
+        ) as r:
+            for line in r.iter_lines():
+                n += line.startswith("data:")
+                if n >= 3 + i:
+                    break
+        return n
+
+    alone = [one(i) for i in range(len(prompts))]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        noise = [pool.submit(cancelled, i) for i in range(3)]
+        together = list(pool.map(one, range(len(prompts))))
+        assert all(f.result() >= 3 for f in noise)
+    assert together == alone
+    with httpx.Client(base_url=server.url) as h:
+        deadline = time.time() + 10
+        while h.get("/metrics", params={"format": "json"}).json()["active"] and time.time() < deadline:
+            time.sleep(0.1)
+        snap = h.get("/metrics", params={"format": "json"}).json()
+        assert snap["active"] == 0 and snap["free_pages"] == snap["total_pages"]
