@@ -51,8 +51,10 @@ class PagedAttention:
                 mask[i, : s.numel()] = True
             self.decode_idx = idx.to(device)
             self.decode_flat = self.decode_idx.reshape(-1)
-            # SDPA boolean mask: True = attend. Shape [B, 1, 1, L] broadcasts over heads.
-            self.decode_mask = mask[:, None, None, :].to(device)
+            # Additive mask over (kv head, row) batches: 0 where a row attends, -inf on padding.
+            bias = torch.zeros(len(decode_slots), lmax).masked_fill_(~mask, float("-inf"))
+            self.decode_bias = bias[None, :, None, :].expand(kv.k[0].shape[0], -1, -1, -1).reshape(
+                -1, 1, lmax).to(device=device, dtype=kv.k[0].dtype)
             self.all_decode = len(self.decode_rows) == offset
             self.decode_rows_t = torch.tensor(self.decode_rows, dtype=torch.long, device=device)
 
@@ -65,15 +67,17 @@ class PagedAttention:
         num_kv = k_cache.shape[0]
         if self.decode_rows:
             b, lmax = self.decode_idx.shape
-            # One gather per layer: [kv_heads, B * L, d] → [B, kv_heads, L, d] (a view).
-            kd = k_cache.index_select(1, self.decode_flat).view(num_kv, b, lmax, -1).transpose(0, 1)
-            vd = v_cache.index_select(1, self.decode_flat).view(num_kv, b, lmax, -1).transpose(0, 1)
+            d = q.shape[-1]
+            # One gather per layer gives [kv_heads * B, L, d] batches, contiguous, in (kv head, row)
+            # order. Each kv head's query group is folded into the query axis, so no GQA repeat of
+            # K/V is needed (query head h uses kv head h // group).
+            kd = k_cache.index_select(1, self.decode_flat).view(num_kv * b, lmax, d)
+            vd = v_cache.index_select(1, self.decode_flat).view(num_kv * b, lmax, d)
             qd = q if self.all_decode else q.index_select(0, self.decode_rows_t)
-            # Fold each kv head's query group into the query axis: [B, kv_heads, group, d]. No GQA
-            # repeat of K/V is needed (query head h uses kv head h // group).
-            o = F.scaled_dot_product_attention(
-                qd.reshape(b, num_kv, -1, qd.shape[-1]), kd, vd, attn_mask=self.decode_mask
-            ).reshape(b, -1, qd.shape[-1])
+            qg = qd.view(b, num_kv, -1, d).transpose(0, 1).reshape(num_kv * b, -1, d)
+            scores = torch.baddbmm(self.decode_bias, qg, kd.transpose(1, 2), alpha=d**-0.5)
+            o = torch.bmm(torch.softmax(scores, dim=-1), vd)  # [kv_heads * B, group, d]
+            o = o.view(num_kv, b, -1, d).transpose(0, 1).reshape(b, -1, d)
             if self.all_decode:
                 return o
             out.index_copy_(0, self.decode_rows_t, o)
