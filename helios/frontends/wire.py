@@ -100,12 +100,29 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     if not body:
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
-        obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        obj = loads_strict(body)
+    except (UnicodeDecodeError, RecursionError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise BadRequest(f"malformed JSON body: {exc}") from None
     if not isinstance(obj, dict):
         raise BadRequest("the request body must be a JSON object")
     return obj
+
+
+def loads_strict(text: str | bytes) -> Any:
+    """json.loads without Python's extensions: NaN, ±Infinity and numbers that overflow to an
+    infinite float are not JSON (RFC 8259) and could not be written back out; ValueError."""
+    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is out of range for a JSON number")
+    return value
 
 
 def structure(obj: Any, cls: type[T]) -> T:

@@ -12,12 +12,12 @@ Jev score confidence. Normalizing label probabilities is not an empirical calibr
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import attrs
 
 from helios.errors import BadRequest, UnprocessableEntity
+from helios.frontends.wire import loads_strict
 from helios.serving.decisions import (
     DecisionQuestion,
     DecisionScorer,
@@ -68,8 +68,8 @@ def parse_body(body: bytes) -> Any:
     if not body:
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        return loads_strict(body)
+    except (UnicodeDecodeError, RecursionError, ValueError) as exc:
         raise BadRequest(f"malformed JSON body: {exc}") from None
 
 

@@ -4,7 +4,6 @@ conversation model, run it, and encode buffered or streamed chat completions."""
 from __future__ import annotations
 
 import base64
-import json
 from typing import Any
 
 import attrs
@@ -41,7 +40,7 @@ from helios.frontends.openai.logprobs import (
     validate_prompt_logprobs,
 )
 from helios.frontends.toolcheck import ToolCallCheck
-from helios.frontends.wire import NativeGenerationFields, structure
+from helios.frontends.wire import NativeGenerationFields, loads_strict, structure
 from helios.serving.output import ChildUpdate
 from helios.serving.pipeline import ChildSpec, Service
 
@@ -174,8 +173,8 @@ def _decode_tool_call(tc: Any, where: str) -> ToolCallPart:
         raise BadRequest(f"{where}.function.name must be a nonempty string", param="messages")
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+            args = loads_strict(args) if args.strip() else {}
+        except (ValueError, RecursionError):
             raise BadRequest(f"{where}.function.arguments must be a JSON object", param="messages") from None
     if not isinstance(args, dict):
         raise BadRequest(f"{where}.function.arguments must be a JSON object", param="messages")

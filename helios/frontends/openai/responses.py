@@ -53,7 +53,7 @@ from helios.frontends.common import EventWriter, validate_stop_token_ids, valida
 from helios.frontends.openai.chat import decode_sampling
 from helios.frontends.openai.logprobs import chat_logprobs_content, validate_logprob_options
 from helios.frontends.toolcheck import ToolCallCheck
-from helios.frontends.wire import NativeGenerationFields, structure
+from helios.frontends.wire import NativeGenerationFields, loads_strict, structure
 from helios.serving.pipeline import ChildSpec
 
 if TYPE_CHECKING:
@@ -286,8 +286,8 @@ def decode_input(raw: Any, instructions: str | None, *, allow_images: bool) -> t
             if not isinstance(args, str):
                 raise BadRequest(f"{where}.arguments must be a JSON string", param="input")
             try:
-                parsed = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
+                parsed = loads_strict(args) if args.strip() else {}
+            except ValueError:
                 raise BadRequest(f"{where}.arguments must be a JSON object", param="input") from None
             if not isinstance(parsed, dict):
                 raise BadRequest(f"{where}.arguments must be a JSON object", param="input")
