@@ -131,7 +131,7 @@ class EngineCore:
                 SamplingRow(
                     params=s.request.sampling,
                     generator=s.generator,
-                    prompt_token_ids=s.token_ids[: s.num_prompt_tokens],
+                    prompt_token_ids=s.request.prompt_token_ids,  # the tuple itself, no per-step copy
                     output_token_ids=s.output_token_ids,
                     num_top_logprobs=s.request.num_top_logprobs,
                     logprob_token_ids=s.request.logprob_token_ids,
