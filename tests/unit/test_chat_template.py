@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -11,16 +10,11 @@ import jinja2
 import pytest
 
 from helios.loaders.chat_template import ChatTemplate, ChatTemplateError, TemplateRaisedError
+from tests.shared_fixtures import shared_fixtures
 
 
 def _fixture_dir() -> Path | None:
-    env = os.environ.get("HELIOS_SHARED_DIR")
-    candidates = [Path(env)] if env else []
-    candidates += [parent / "shared" for parent in Path(__file__).resolve().parents]
-    for shared in candidates:
-        if (shared / "fixtures" / "chat_templates").is_dir():
-            return shared / "fixtures" / "chat_templates"
-    return None
+    return shared_fixtures("chat_templates")
 
 
 FIXTURES = _fixture_dir()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +28,11 @@ from helios.serving.lowering import (
     lower_conversation,
     reorder_tool_results,
 )
+from tests.shared_fixtures import shared_fixtures
 
 
 def _fixture_dir() -> Path | None:
-    env = os.environ.get("HELIOS_SHARED_DIR")
-    candidates = [Path(env)] if env else []
-    candidates += [parent / "shared" for parent in Path(__file__).resolve().parents]
-    for shared in candidates:
-        if (shared / "fixtures" / "chat_templates").is_dir():
-            return shared / "fixtures" / "chat_templates"
-    return None
+    return shared_fixtures("chat_templates")
 
 
 FIXTURES = _fixture_dir()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
 import re
 from collections.abc import Sequence
@@ -21,16 +20,12 @@ from helios.parsers import (
     make_output_parser,
     prompt_starts_in_reasoning,
 )
+from tests.shared_fixtures import shared_fixtures
 
 
 def _fixture_dir() -> Path | None:
-    env = os.environ.get("HELIOS_SHARED_DIR")
-    candidates = [Path(env)] if env else []
-    candidates += [parent / "shared" for parent in Path(__file__).resolve().parents]
-    for shared in candidates:
-        if (shared / "fixtures" / "outputs").is_dir():
-            return shared / "fixtures"
-    return None
+    outputs = shared_fixtures("outputs")
+    return outputs.parent if outputs else None
 
 
 FIXTURES = _fixture_dir()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import attrs
@@ -29,6 +28,7 @@ from helios.recipes import (
     resolve_effort,
     resolve_sampling,
 )
+from tests.shared_fixtures import shared_fixtures
 
 # The spec table, written out independently of the catalog: parameter -> (default, (min, max) | None).
 # Parameters not listed use the shared defaults below and are fixed (no range).
@@ -319,13 +319,7 @@ def test_detect_recipe_by_distinctive_template_markup():
 
 
 def _templates() -> Path | None:
-    env = os.environ.get("HELIOS_SHARED_DIR")
-    candidates = [Path(env)] if env else []
-    candidates += [parent / "shared" for parent in Path(__file__).resolve().parents]
-    for shared in candidates:
-        if (shared / "fixtures" / "chat_templates").is_dir():
-            return shared / "fixtures" / "chat_templates"
-    return None
+    return shared_fixtures("chat_templates")
 
 
 TEMPLATE_FAMILIES = {
