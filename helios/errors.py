@@ -73,6 +73,63 @@ class BadRequest(HeliosError):
     anthropic_type = "invalid_request_error"
 
 
+class ContextLengthExceeded(BadRequest):
+    """The prompt, or the prompt plus the requested output, does not fit the context.
+
+    Each protocol words it as its own API does, because clients recover from it by reading the
+    numbers back (Claude Code retries with a smaller ``max_tokens``; OpenAI clients key on the
+    ``context_length_exceeded`` code):
+
+    - OpenAI shape: vLLM's wording, ``code: "context_length_exceeded"`` and ``param`` naming the
+      field to shrink (the input field when the prompt alone is too long, else the output limit).
+    - Anthropic shape: the Messages API's own sentences, "prompt is too long: N tokens > M
+      maximum" and "input length and `max_tokens` exceed context limit: X + Y > Z, ...".
+    """
+
+    default_code = "context_length_exceeded"
+
+    def __init__(
+        self,
+        *,
+        prompt_tokens: int,
+        limit: int,
+        max_tokens: int | None = None,
+        prompt_alone: bool = False,
+        input_param: str = "messages",
+        output_param: str = "max_tokens",
+    ) -> None:
+        """`prompt_alone`: the prompt leaves no room for one output token, whatever the limit."""
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+        self.max_tokens = max_tokens
+        if prompt_alone or max_tokens is None:
+            message = (
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{prompt_tokens} input tokens. Please reduce the length of the input messages."
+            )
+            param = input_param
+        else:
+            message = (
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{max_tokens} output tokens and your prompt contains {prompt_tokens} input tokens, "
+                f"for a total of {prompt_tokens + max_tokens} tokens. Please reduce the length of "
+                f"the input or the output limit."
+            )
+            param = output_param
+        super().__init__(message, param=param)
+
+    def anthropic_message(self) -> str:
+        if self.max_tokens is None or self.prompt_tokens > self.limit:
+            return f"prompt is too long: {self.prompt_tokens} tokens > {self.limit} maximum"
+        return (
+            f"input length and `max_tokens` exceed context limit: {self.prompt_tokens} + {self.max_tokens} "
+            f"> {self.limit}, decrease input length or `max_tokens` and try again"
+        )
+
+    def to_anthropic(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": self.anthropic_type, "message": self.anthropic_message()}}
+
+
 class Unauthorized(HeliosError):
     """Missing or invalid serving key."""
 

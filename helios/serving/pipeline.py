@@ -17,7 +17,7 @@ import trio
 from helios.domain.conversation import ConversationRequest
 from helios.domain.sampling import SamplingParams, SamplingRequest
 from helios.engine.records import EngineRequest, RequestOutput
-from helios.errors import BadRequest
+from helios.errors import BadRequest, ContextLengthExceeded
 from helios.serving.engine_client import EngineClient
 from helios.serving.output import ChildUpdate, OutputParser, OutputProcessor
 
@@ -186,25 +186,32 @@ class Service:
             params = attrs.evolve(params, seed=params.seed + choice_index)
         return params
 
-    def output_budget(self, num_prompt_tokens: int, max_tokens: int | None, *, param: str = "max_tokens") -> int:
-        """Validate the prompt against the context and resolve the output limit (vLLM's rules)."""
+    def output_budget(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+        *,
+        input_param: str = "messages",
+        output_param: str = "max_tokens",
+    ) -> int:
+        """Validate the prompt against the context and resolve the output limit (vLLM's rules).
+
+        Over-context requests raise ContextLengthExceeded, which each protocol words as its own
+        API does; `input_param` and `output_param` are the request fields it names.
+        """
         limit = self.info.max_model_len
         if num_prompt_tokens >= limit and not (max_tokens == 0 and num_prompt_tokens <= limit):
-            raise BadRequest(
-                f"This model's maximum context length is {limit} tokens. However, your request has "
-                f"{num_prompt_tokens} input tokens. Please reduce the length of the input messages.",
-                param="messages" if param != "max_tokens" else "prompt",
+            raise ContextLengthExceeded(
+                prompt_tokens=num_prompt_tokens, limit=limit, max_tokens=max_tokens or None, prompt_alone=True,
+                input_param=input_param, output_param=output_param,
             )
         remaining = limit - num_prompt_tokens
         if max_tokens is None:
             return min(self.info.default_max_tokens, remaining)
         if max_tokens > remaining:
-            raise BadRequest(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{max_tokens} output tokens and your prompt contains {num_prompt_tokens} input tokens, "
-                f"for a total of {num_prompt_tokens + max_tokens} tokens. Please reduce the length of "
-                f"the input or the output limit.",
-                param=param,
+            raise ContextLengthExceeded(
+                prompt_tokens=num_prompt_tokens, limit=limit, max_tokens=max_tokens,
+                input_param=input_param, output_param=output_param,
             )
         return max_tokens
 

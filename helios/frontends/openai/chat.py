@@ -301,7 +301,10 @@ async def prepare_chat(plan: ChatPlan, svc: Service) -> list[ChildSpec]:
     max_tokens = w.max_completion_tokens if w.max_completion_tokens is not None else w.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest("max_tokens must be at least 1", param="max_tokens")
-    budget = svc.output_budget(len(prompt_ids), max_tokens)
+    budget = svc.output_budget(
+        len(prompt_ids), max_tokens,
+        output_param="max_completion_tokens" if w.max_completion_tokens is not None else "max_tokens",
+    )
     parser_factory = svc.parser_factory(plan.conversation, prompt_text)
     return [
         ChildSpec(

@@ -184,7 +184,9 @@ async def prepare_completion(plan: CompletionPlan, svc: Service) -> tuple[list[P
             prepared.append(PreparedPrompt(tuple(p), svc.decode(p)))
     specs: list[ChildSpec] = []
     for pp in prepared:
-        budget = svc.output_budget(len(pp.ids), w.max_tokens if w.max_tokens is not None else 16)
+        budget = svc.output_budget(
+            len(pp.ids), w.max_tokens if w.max_tokens is not None else 16, input_param="prompt"
+        )
         for i in range(plan.n):
             # Buffered choices of one prompt share its scores: only the first child computes them.
             scores = plan.stream or i == 0

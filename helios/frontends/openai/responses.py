@@ -558,7 +558,9 @@ def _decode_reasoning(reasoning: Any, info: ModelInfo) -> tuple[str | None, str 
 async def prepare_responses(plan: ResponsesPlan, svc: Service) -> ChildSpec:
     prompt_text, prompt_ids = await svc.render_chat(plan.conversation)
     w = plan.wire
-    budget = svc.output_budget(len(prompt_ids), w.max_output_tokens, param="max_output_tokens")
+    budget = svc.output_budget(
+        len(prompt_ids), w.max_output_tokens, input_param="input", output_param="max_output_tokens"
+    )
     return ChildSpec(
         prompt_token_ids=tuple(prompt_ids),
         sampling=svc.resolve_sampling(plan.conversation.sampling),

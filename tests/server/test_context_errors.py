@@ -1,0 +1,109 @@
+"""Over-context errors in each API's own words, so clients' built-in recovery works.
+
+Claude Code retries with a smaller `max_tokens` when it reads Anthropic's "input length and
+`max_tokens` exceed context limit: X + Y > Z"; OpenAI clients key on `context_length_exceeded`.
+The `limited` server has a 512-token context.
+"""
+
+from __future__ import annotations
+
+import re
+
+import anthropic
+import openai
+import pytest
+
+from tests.server.conftest import LiveServer
+
+LONG = "word " * 700  # well over 512 tokens
+ANTHROPIC_OUTPUT = re.compile(r"^input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+), ")
+ANTHROPIC_INPUT = re.compile(r"^prompt is too long: (\d+) tokens > (\d+) maximum$")
+
+
+def _openai_error(exc: pytest.ExceptionInfo[openai.BadRequestError]) -> dict[str, object]:
+    body = exc.value.body
+    assert isinstance(body, dict)
+    return body.get("error", body)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("field", "param"), [("max_tokens", "max_tokens"), ("max_completion_tokens", "max_completion_tokens")]
+)
+def test_chat_output_over_context(limited: LiveServer, field: str, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        limited.openai().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], **{field: 32000}  # type: ignore[arg-type]
+        )
+    assert exc.value.status_code == 400
+    err = _openai_error(exc)
+    assert err["code"] == "context_length_exceeded" and err["param"] == param
+    assert err["type"] == "invalid_request_error"
+    assert "maximum context length is 512 tokens" in str(err["message"]) and "32000 output tokens" in str(err["message"])
+
+
+def test_chat_input_over_context(limited: LiveServer) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        limited.openai().chat.completions.create(model="m", messages=[{"role": "user", "content": LONG}], max_tokens=5)
+    err = _openai_error(exc)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    assert "input tokens" in str(err["message"])
+
+
+def test_completions_params(limited: LiveServer) -> None:
+    client = limited.openai()
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="m", prompt=LONG, max_tokens=5)
+    assert _openai_error(exc)["param"] == "prompt"
+    assert _openai_error(exc)["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="m", prompt="hi", max_tokens=5000)
+    assert _openai_error(exc)["param"] == "max_tokens"
+    assert _openai_error(exc)["code"] == "context_length_exceeded"
+
+
+def test_responses_params(limited: LiveServer) -> None:
+    client = limited.openai()
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(model="m", input=LONG, max_output_tokens=16)
+    assert _openai_error(exc)["param"] == "input"
+    assert _openai_error(exc)["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(model="m", input="hi", max_output_tokens=32000, stream=True)
+    assert _openai_error(exc)["param"] == "max_output_tokens"
+    assert _openai_error(exc)["code"] == "context_length_exceeded"
+
+
+def test_messages_output_over_context_in_anthropic_words_and_recoverable(limited: LiveServer) -> None:
+    """Claude Code's recovery: read X + Y > Z back, retry with max_tokens = Z - X; that succeeds."""
+    client = limited.anthropic()
+    msgs = [{"role": "user", "content": "Say hello."}]
+    # The SDK refuses a buffered max_tokens whose worst case exceeds ten minutes; Claude Code streams.
+    for stream, wanted in ((False, 20000), (True, 32000)):
+        with pytest.raises(anthropic.BadRequestError) as exc:
+            if stream:
+                with client.messages.stream(model="m", max_tokens=wanted, messages=msgs) as s:  # type: ignore[arg-type]
+                    s.get_final_message()
+            else:
+                client.messages.create(model="m", max_tokens=wanted, messages=msgs)  # type: ignore[arg-type]
+        assert exc.value.status_code == 400
+        body = exc.value.body
+        assert isinstance(body, dict) and body["type"] == "error"
+        assert body["error"]["type"] == "invalid_request_error"
+        m = ANTHROPIC_OUTPUT.match(body["error"]["message"])
+        assert m, body["error"]["message"]
+        prompt, asked, limit = map(int, m.groups())
+        assert (asked, limit) == (wanted, 512)
+        counted = client.messages.count_tokens(model="m", messages=msgs)  # type: ignore[arg-type]
+        assert prompt == counted.input_tokens
+    reply = client.messages.create(model="m", max_tokens=limit - prompt, messages=msgs)  # type: ignore[arg-type]
+    assert reply.type == "message" and reply.usage.input_tokens == prompt
+
+
+def test_messages_input_over_context(limited: LiveServer) -> None:
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        limited.anthropic().messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": LONG}])
+    body = exc.value.body
+    assert isinstance(body, dict)
+    m = ANTHROPIC_INPUT.match(body["error"]["message"])
+    assert m, body["error"]["message"]
+    assert int(m.group(1)) > 512 and int(m.group(2)) == 512
