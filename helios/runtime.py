@@ -154,6 +154,6 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         has_bos=tok.bos_token_id is not None,
         thinking_token_budget=cfg.server.thinking_token_budget,
         has_reasoning=recipe.reasoning_parser is not None or recipe.output_parser not in ("plain", "hermes"),
-        has_tools=recipe.output_parser != "plain",
+        # has_tools is decided with the chat template, in serving.service_factory.tool_support.
     )
     return Runtime(cfg, core, info, tok, ckpt.chat_template, recipe, eos)

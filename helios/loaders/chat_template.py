@@ -66,6 +66,7 @@ class ChatTemplate:
         self._probe_lock = threading.Lock()
         self._inline_system: bool | None = None
         self._dict_arguments: bool | None = None
+        self._tools: bool | None = None
 
     def render(
         self,
@@ -119,6 +120,32 @@ class ChatTemplate:
                 self._inline_system = self._renders_text(probe, _INLINE_SYSTEM_PROBE)
         return self._inline_system
 
+    def supports_tools(self) -> bool:
+        """Whether the template presents the `tools` it is given (probed once, cached).
+
+        The probe renders one user message with one tool whose name and description are unique
+        strings; a template that raises, or whose output lacks the name, cannot present tools
+        (SmolLM2's ChatML template ignores `tools` entirely).
+        """
+        if self._tools is None:
+            probe_tool = {
+                "type": "function",
+                "function": {
+                    "name": _TOOLS_PROBE_NAME,
+                    "description": "probe",
+                    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+                },
+            }
+            with self._probe_lock:
+                try:
+                    text: str | None = self.render(
+                        [{"role": "user", "content": "u"}], tools=[probe_tool], add_generation_prompt=True
+                    )
+                except ChatTemplateError:
+                    text = None
+                self._tools = text is not None and _TOOLS_PROBE_NAME in text
+        return self._tools
+
     def accepts_dict_tool_arguments(self) -> bool:
         """Whether assistant tool-call `arguments` may be a JSON object (probed once, cached).
 
@@ -161,6 +188,9 @@ class ChatTemplate:
     def _renders_text(self, messages: list[dict[str, Any]], needle: str) -> bool:
         text = self._try_render(messages)
         return text is not None and needle in text
+
+
+_TOOLS_PROBE_NAME = "helios_tools_probe_fn"
 
 
 def _tool_call_probe(arguments: object) -> list[dict[str, Any]]:

@@ -33,6 +33,14 @@ Spec: api.md, "Conversation and tool semantics". The rules, in the order they ar
 7. `add_generation_prompt`, `continue_final_message` and the template kwargs (the server's
    `extra_kwargs`, overridden by the request's `chat_template_kwargs`) pass through to the
    template.
+8. Text tools (`text_tools=True`, for a template that cannot present tools, such as SmolLM2's):
+   Helios presents the tools itself. `tool_prompt(tools)` (the tool list as one JSON object per
+   line inside `<tools>`, and how to call one: a `<tool_call>` block holding
+   `{"name": ..., "arguments": {...}}`) becomes the last paragraph of the leading system message,
+   before rule 3's instruction; the template receives no `tools`. History follows the same
+   convention, after rule 5: an assistant's tool calls become `<tool_call>` blocks after its text,
+   and each run of tool results becomes one user message of `<tool_response>` blocks in order. The
+   Hermes JSON parser reads the model's calls back.
 """
 
 from __future__ import annotations
@@ -111,14 +119,17 @@ def lower_conversation(
     eos_token: str = "",
     extra_kwargs: Mapping[str, Any] | None = None,
     present_tools_when_none: bool = False,
+    text_tools: bool = False,
 ) -> LoweredPrompt:
     """Lower `req` into template messages and render them (raises LoweringError / ChatTemplateError)."""
     tools = presented_tools(req, present_tools_when_none=present_tools_when_none)
     kwargs = _template_kwargs(extra_kwargs, req.chat_template_kwargs)
-    messages, images = _lower(req, template)
+    messages, images = _lower(req, template, text_tools=tools if text_tools else None)
+    if text_tools:
+        messages = tools_as_text(messages)
     text = template.render(
         messages,
-        tools=tools,
+        tools=None if text_tools else tools,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         bos_token=bos_token,
@@ -134,7 +145,7 @@ def lower_messages(req: ConversationRequest, template: ChatTemplate) -> list[dic
 
 
 def _lower(
-    req: ConversationRequest, template: ChatTemplate
+    req: ConversationRequest, template: ChatTemplate, *, text_tools: list[dict[str, Any]] | None = None
 ) -> tuple[list[dict[str, Any]], tuple[ImagePart, ...]]:
     string_arguments = _has_tool_calls(req.messages) and not template.accepts_dict_tool_arguments()
     lowered: list[dict[str, Any]] = []
@@ -149,6 +160,8 @@ def _lower(
     labelled = any(m["role"] == "developer" for m in lowered)
     if labelled:
         lowered = _merge_instructions(lowered)
+    if text_tools:
+        lowered = _add_instruction(lowered, tool_prompt(text_tools), labelled=labelled)
     if req.tool_choice.mode == "required":
         instruction = (
             REQUIRED_TOOL_INSTRUCTION if req.parallel_tool_calls else REQUIRED_SINGLE_TOOL_INSTRUCTION
@@ -178,6 +191,81 @@ def presented_tools(
         if not selected:
             raise LoweringError(f"tool_choice names {choice.name!r}, which is not a declared tool")
     return [_tool_dict(t) for t in selected] or None
+
+
+TOOL_PROMPT_HEAD = (
+    "# Tools\n\n"
+    "You can call the functions listed below to help with the request. Each line inside "
+    "<tools></tools> describes one function as JSON: its name, what it does, and the JSON schema "
+    "of its arguments.\n<tools>"
+)
+TOOL_PROMPT_TAIL = (
+    "</tools>\n\n"
+    "To call a function, write a <tool_call></tool_call> block holding one JSON object with the "
+    "function's name and its arguments, then stop and wait for the result:\n"
+    '<tool_call>\n{"name": "function_name", "arguments": {"argument_name": "value"}}\n</tool_call>\n'
+    "Write one block per call to call several functions. Results come back inside "
+    "<tool_response></tool_response> blocks. Answer normally when no function is needed."
+)
+
+
+def tool_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
+    """Rule 8: the tool section Helios writes for a template that cannot present tools."""
+    lines = [
+        json.dumps(t.get("function", t), ensure_ascii=False, separators=(",", ":")) for t in tools
+    ]
+    return "\n".join([TOOL_PROMPT_HEAD, *lines, TOOL_PROMPT_TAIL])
+
+
+def tools_as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rule 8's history: tool calls as `<tool_call>` blocks, tool results as `<tool_response>` user turns."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            blocks = "\n".join(_call_block(c) for c in m["tool_calls"])
+            rest = {k: v for k, v in m.items() if k != "tool_calls"}
+            rest["content"] = _append_text(m.get("content"), blocks)
+            out.append(rest)
+        elif m["role"] == "tool":
+            block = _wrap_text(m.get("content"), "<tool_response>\n", "\n</tool_response>")
+            previous = out[-1] if out else None
+            if previous is not None and previous.get("_tool_results"):
+                previous["content"] = _append_text(previous["content"], block)
+            else:
+                out.append({"role": "user", "content": block, "_tool_results": True})
+        else:
+            out.append(m)
+    for m in out:
+        m.pop("_tool_results", None)
+    return out
+
+
+def _call_block(call: Mapping[str, Any]) -> str:
+    function = call["function"]
+    arguments = function["arguments"]
+    if isinstance(arguments, str):  # a template that takes JSON text was probed
+        arguments = json.loads(arguments)
+    body = json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def _append_text(content: Any, more: Any) -> Any:
+    """`content` followed by `more` on its own line; each is a string or a list of content blocks."""
+    if isinstance(content, list) or isinstance(more, list):
+        return [*_blocks(content), *_blocks("\n"), *_blocks(more)] if content else _blocks(more)
+    return f"{content}\n{more}" if content else more
+
+
+def _blocks(content: Any) -> list[dict[str, Any]]:
+    if isinstance(content, list):
+        return list(content)
+    return [{"type": "text", "text": content}] if content else []
+
+
+def _wrap_text(content: Any, head: str, tail: str) -> Any:
+    if isinstance(content, list):
+        return [{"type": "text", "text": head}, *content, {"type": "text", "text": tail}]
+    return f"{head}{content or ''}{tail}"
 
 
 def reorder_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
+
+import attrs
 
 from helios.domain.conversation import ConversationRequest
 from helios.domain.sampling import SamplingParams, SamplingRequest
@@ -13,6 +15,41 @@ from helios.serving.lowering import LoweringError, lower_conversation
 from helios.serving.output import OutputParser
 from helios.serving.pipeline import Service
 
+# Parser families whose tool syntax is Hermes JSON `<tool_call>` blocks, the syntax of the tool
+# prompt Helios writes itself (lowering rule 8); `plain` has no tool syntax and gains that one.
+TEXT_TOOL_FAMILIES = {"plain": "hermes", "hermes": "hermes", "think_hermes": "think_hermes", "qwen3": "qwen3"}
+
+
+@attrs.frozen
+class ToolSupport:
+    """How this model takes tools: its template presents them (`native`), Helios writes the tool
+    prompt itself (`text`, lowering rule 8), or not at all (`None`: requests with tools get 400)."""
+
+    mode: Literal["native", "text"] | None
+    parser_family: str
+    reason: str = ""
+
+
+def tool_support(template: ChatTemplate | None, family: str) -> ToolSupport:
+    from helios.parsers import get_family
+
+    has_syntax = get_family(family).tools is not None
+    if template is None:
+        return ToolSupport(None, family, "it has no chat template")
+    if template.supports_tools():
+        if has_syntax:
+            return ToolSupport("native", family)
+        return ToolSupport(
+            None, family,
+            "its chat template presents tools, but its tool-call syntax is not one Helios can parse "
+            "(name a recipe with [model] recipe)",
+        )
+    if family in TEXT_TOOL_FAMILIES:
+        return ToolSupport("text", TEXT_TOOL_FAMILIES[family])
+    return ToolSupport(
+        None, family, f"its chat template cannot present tools and its {family} tool syntax has no written prompt"
+    )
+
 
 def make_service(rt: Any) -> Service:
     from helios.parsers import family_delimiters, make_output_parser, prompt_starts_in_reasoning
@@ -21,37 +58,43 @@ def make_service(rt: Any) -> Service:
     tok = rt.tokenizer
     template = ChatTemplate(rt.template) if rt.template else None
     recipe = rt.recipe
+    tools = tool_support(template, recipe.output_parser)
+    info = attrs.evolve(rt.info, has_tools=tools.mode is not None)
 
     def lower(conv: ConversationRequest) -> str:
         if template is None:
             raise BadRequest("this model has no chat template; use /v1/completions")
+        if conv.tools and conv.tool_choice.mode != "none" and tools.mode is None:
+            raise BadRequest(f"model {info.public_id} does not support tools: {tools.reason}", param="tools")
         try:
             return lower_conversation(conv, template, bos_token=tok.bos_token or "",
-                                      eos_token=tok.eos_token or "").text
+                                      eos_token=tok.eos_token or "", text_tools=tools.mode == "text").text
         except (LoweringError, ChatTemplateError) as exc:
             raise BadRequest(f"chat template error: {exc}") from None
 
     def sampling(req: SamplingRequest) -> SamplingParams:
         return resolve_sampling(recipe, req)
 
-    family = recipe.output_parser
-    delimiter_ids: dict[str, int] = {}
-    for text in family_delimiters(family):
-        tid = tok.token_to_id(text)
-        if tid is not None:
-            delimiter_ids[text] = tid
+    def delimiters(family: str) -> dict[str, int]:
+        ids = {text: tok.token_to_id(text) for text in family_delimiters(family)}
+        return {text: tid for text, tid in ids.items() if tid is not None}
+
+    delimiter_ids = {f: delimiters(f) for f in {recipe.output_parser, tools.parser_family}}
 
     def parsers(conv: ConversationRequest, prompt: str) -> Callable[[], OutputParser] | None:
+        # Text tools parse calls only when the request presented tools: a model never told of
+        # any writes `<tool_call>` as text.
+        family = tools.parser_family if conv.tools else recipe.output_parser
         if family == "plain":
             return None
         schemas = {t.name: t.parameters for t in conv.tools}
         starts = prompt_starts_in_reasoning(family, prompt)
         parse_tools = conv.tool_choice.mode != "none"
-        return lambda: make_output_parser(family, tools=schemas, delimiter_token_ids=delimiter_ids,
+        return lambda: make_output_parser(family, tools=schemas, delimiter_token_ids=delimiter_ids[family],
                                           starts_in_reasoning=starts, parse_tools=parse_tools)
 
     return Service(
-        info=rt.info,
+        info=info,
         tokenizer=tok,
         chat_template=template,
         engine=rt.client,

@@ -235,7 +235,7 @@ class Writer:
         return f"{opener}{reasoning}\n</think>\n\n"
 
     def call(self, name: str, arguments: dict[str, Any]) -> str:
-        if self.family == "qwen3":
+        if self.family in ("qwen3", "smollm2"):
             return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
         params = "".join(
             f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n" for k, v in arguments.items()
@@ -263,6 +263,9 @@ FAMILIES = {
     "qwen3": Family("qwen3", "qwen3.jinja", lambda: plain_recipe(output_parser="qwen3")),
     # Qwen3.5 / Qwen3.8: the prompt ends in "<think>\n"; Qwen3-Coder <function=...> tags.
     "qwen3_coder": Family("qwen3_coder", "qwen3_5.jinja", lambda: get_recipe("qwen38")),
+    # SmolLM2 (the default model's template): ChatML that ignores `tools`, so Helios writes the
+    # tool prompt itself (lowering rule 8) and reads Hermes JSON calls back.
+    "smollm2": Family("smollm2", "smollm2.jinja", lambda: plain_recipe()),
 }
 
 

@@ -585,3 +585,64 @@ def test_bos_and_eos_tokens_pass_through() -> None:
     template = ChatTemplate("{{ bos_token }}{{ messages[0].content }}{{ eos_token }}")
     prompt = lower_conversation(request(msg("user", "u")), template, bos_token="<s>", eos_token="</s>")
     assert prompt.text == "<s>u</s>"
+
+
+# -- rule 8: text tools for templates that cannot present tools ------------------------------------
+
+# Whether each fixture template presents `tools`, and how Helios then takes tools.
+TOOL_SUPPORT = {
+    "smollm2": ("text", "hermes"),  # ChatML that ignores tools: Helios writes the prompt
+    "gemma3": ("text", "hermes"),
+    "smollm3": ("text", "qwen3"),  # its template reads other variables; Hermes JSON calls
+    "deepseek_v3_1": (None, "deepseek_v3_1"),  # renders no tools, and its syntax has no written prompt
+    "qwen3": ("native", "qwen3"),
+    "qwen3_5": ("native", "qwen3_coder"),
+    "glm4_6": ("native", "glm"),
+    "gpt_oss": ("native", "harmony"),
+    "gemma4": ("native", "gemma4"),
+}
+
+
+@needs_fixtures
+@pytest.mark.parametrize("name", sorted(TOOL_SUPPORT))
+def test_tool_support_per_template(name: str) -> None:
+    from helios.recipes import detect_parser_family
+    from helios.serving.service_factory import tool_support
+
+    assert FIXTURES is not None
+    source = (FIXTURES / f"{name}.jinja").read_text(encoding="utf-8")
+    support = tool_support(ChatTemplate(source), detect_parser_family(source))
+    assert (support.mode, support.parser_family) == TOOL_SUPPORT[name]
+    assert (support.mode is None) == bool(support.reason)
+
+
+def test_unknown_tool_syntax_on_a_template_that_presents_tools_is_refused() -> None:
+    from helios.serving.service_factory import tool_support
+
+    source = "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    support = tool_support(ChatTemplate(source), "plain")
+    assert support.mode is None and "recipe" in support.reason
+    assert tool_support(None, "hermes").mode is None
+
+
+def test_text_tools_history_keeps_image_blocks_and_merges_result_runs() -> None:
+    from helios.serving.lowering import tools_as_text
+
+    messages: list[dict[str, Any]] = [
+        {"role": "assistant", "content": [{"type": "image"}], "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "one"},
+        {"role": "tool", "tool_call_id": "b", "content": [{"type": "image"}, {"type": "text", "text": "two"}]},
+        {"role": "user", "content": "next"},
+    ]
+    out = tools_as_text(messages)
+    assert out[0] == {"role": "assistant", "content": [
+        {"type": "image"}, {"type": "text", "text": "\n"},
+        {"type": "text", "text": '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'}]}
+    assert out[1]["role"] == "user" and out[1]["content"] == [
+        {"type": "text", "text": "<tool_response>\none\n</tool_response>"},
+        {"type": "text", "text": "\n"},
+        {"type": "text", "text": "<tool_response>\n"}, {"type": "image"}, {"type": "text", "text": "two"},
+        {"type": "text", "text": "\n</tool_response>"},
+    ]
+    assert out[2] == {"role": "user", "content": "next"} and len(out) == 3
