@@ -30,7 +30,7 @@ from helios.errors import (
     ServiceUnavailable,
     TooManyRequests,
 )
-from helios.obs import metrics
+from helios.obs import access, metrics
 from helios.serving.pipeline import Service
 
 log = logging.getLogger("helios")
@@ -92,6 +92,7 @@ class HeliosApp:
         self.slots = AdmissionSlots(self.config.server.max_concurrency)
         self.frontend_limiter = trio.CapacityLimiter(self.config.server.frontend_workers)
         self.created = int(time.time())
+        self.access_log = self.config.server.access_log
         self.router: Router[Handler] = Router()
         self._register_routes()
 
@@ -101,6 +102,8 @@ class HeliosApp:
             self.config = load_config()
             self.slots = AdmissionSlots(self.config.server.max_concurrency)
             self.frontend_limiter = trio.CapacityLimiter(self.config.server.frontend_workers)
+            self.access_log = self.config.server.access_log
+        access.configure(self.config.server.log_level)
         from helios.runtime import build_runtime  # torch-heavy; imported on start only
 
         factory = self._runtime_factory or build_runtime
@@ -138,6 +141,28 @@ class HeliosApp:
 
     # -- HTTP -------------------------------------------------------------------------------
     async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if not self.access_log:
+            await self._serve_http(scope, receive, send)
+            return
+        stats = access.RequestStats()
+
+        async def logged_send(message: dict[str, Any]) -> None:
+            stats.sent(message)
+            await send(message)
+
+        async def logged_receive() -> dict[str, Any]:
+            message: dict[str, Any] = await receive()
+            stats.received(message)
+            return message
+
+        token = access.activate(stats)
+        try:
+            await self._serve_http(scope, logged_receive, logged_send)
+        finally:
+            access.deactivate(token)
+            access.log.info("%s", access.format_line(stats, scope))
+
+    async def _serve_http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         req = Request.from_scope(scope)
         protocol = _protocol_of(req.path)
         ctx = Ctx(req, {}, receive, send, self, "req-" + uuid.uuid4().hex)
@@ -161,8 +186,10 @@ class HeliosApp:
             if not ctx.writer.closed:
                 try:
                     if protocol == "anthropic":
+                        access.note_stream_event(exc.to_anthropic(), "error")
                         await ctx.writer.event(exc.to_anthropic(), event="error")
                     else:
+                        access.note_stream_event(exc.to_openai())
                         await ctx.writer.event(exc.to_openai())
                     await ctx.writer.close()
                 except Exception:
@@ -315,6 +342,7 @@ class StreamOut:
                 self._last = trio.current_time()
 
     async def event(self, data: str | dict[str, Any], event: str | None = None) -> None:
+        access.note_stream_event(data, event)  # a terminal error event is the access log's `error=`
         await self.start()
         async with self._lock:
             await self.sse.event(data, event)

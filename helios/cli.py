@@ -23,14 +23,18 @@ def _serve(args: argparse.Namespace) -> int:
             overrides["model"]["dtype"] = args.dtype
         if args.api_key_file:
             overrides["server"]["api_key"] = read_api_key_file(args.api_key_file)
+        overrides["server"]["log_level"] = args.log_level
+        if args.no_access_log:
+            overrides["server"]["access_log"] = False
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
         print(f"helios: {exc}", file=sys.stderr)
         return 2
+    logging.getLogger().setLevel(cfg.server.log_level.upper())
     app = HeliosApp(cfg)
     hc = HyperConfig()
     hc.bind = [f"{cfg.server.host}:{cfg.server.port}"]
-    hc.accesslog = None
+    hc.accesslog = None  # the app writes its own access log (helios.access), with token counts
     hc.keep_alive_timeout = 75
     print(f"Helios serving on http://{cfg.server.host}:{cfg.server.port}", file=sys.stderr)
     trio.run(serve, app, hc)  # type: ignore[arg-type]
@@ -48,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--config", default=None, help="TOML configuration file (default: $HELIOS_CONFIG)")
     s.add_argument("--api-key-file", default=None, help="file holding the serving key (overrides [server] api_key)")
     s.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+                   help="log level (overrides [server] log_level; default info)")
+    s.add_argument("--no-access-log", action="store_true",
+                   help="no per-request access log lines (overrides [server] access_log)")
     sub.add_parser("bench", help="benchmark an OpenAI-compatible server", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":

@@ -11,6 +11,8 @@ import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 
 class ConfigError(ValueError):
     """A configuration problem, reported at start-up with the offending key."""
@@ -42,6 +44,9 @@ class ServerConfig:
     thinking_token_budget: int | None = None
     max_top_logprobs: int = 20
     prompt_logprobs: bool = True
+    # One `helios.access` INFO line per HTTP request; log_level applies to Helios's loggers.
+    access_log: bool = True
+    log_level: str = attrs.field(default="info", validator=attrs.validators.in_(LOG_LEVELS))
 
 
 @attrs.frozen
@@ -86,6 +91,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
             raise ConfigError(f"invalid TOML in {path}: {exc}") from None
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    _check_server_logging(data.get("server"))
     try:
         cfg = _converter.structure(data, HeliosConfig)
     except ConfigError:
@@ -99,6 +105,17 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     if not 0 <= cfg.server.max_top_logprobs <= 20:
         raise ConfigError("server.max_top_logprobs must be within 0..20")
     return cfg
+
+
+def _check_server_logging(server: Any) -> None:
+    """Plain messages for the logging keys (cattrs would say only "invalid value", or take any
+    truthy string for a bool)."""
+    if not isinstance(server, dict):
+        return
+    if "access_log" in server and not isinstance(server["access_log"], bool):
+        raise ConfigError(f"server.access_log must be true or false, got {server['access_log']!r}")
+    if "log_level" in server and server["log_level"] not in LOG_LEVELS:
+        raise ConfigError(f"server.log_level must be one of {', '.join(LOG_LEVELS)}, got {server['log_level']!r}")
 
 
 def read_api_key_file(path: str | Path) -> str:

@@ -18,6 +18,7 @@ from helios.domain.conversation import ConversationRequest
 from helios.domain.sampling import SamplingParams, SamplingRequest
 from helios.engine.records import EngineRequest, RequestOutput
 from helios.errors import BadRequest, ContextLengthExceeded
+from helios.obs import access
 from helios.serving.engine_client import EngineClient
 from helios.serving.output import ChildUpdate, OutputParser, OutputProcessor
 
@@ -74,12 +75,15 @@ class ChildStream:
     """Async iterator of ChildUpdate for one child; aborts its engine child on a string stop."""
 
     def __init__(self, rid: str, recv: trio.MemoryReceiveChannel[RequestOutput], proc: OutputProcessor,
-                 client: EngineClient) -> None:
+                 client: EngineClient, stats: access.RequestStats | None = None,
+                 prompt_key: tuple[int, int] = (0, 0)) -> None:
         self.request_id = rid
         self._recv = recv
         self.proc = proc
         self._client = client
         self.nursery: trio.Nursery | None = None  # generate()'s, for `merged` pumps (several children)
+        self._stats = stats  # the HTTP request's access-log record, told about every engine output
+        self._prompt_key = prompt_key
 
     def __aiter__(self) -> ChildStream:
         return self
@@ -92,6 +96,9 @@ class ChildStream:
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
         update = self.proc.process(out)
+        if self._stats is not None:
+            self._stats.observe(self._prompt_key, self.request_id, update.num_prompt_tokens,
+                                update.num_output_tokens, bool(out.new_token_ids))
         if update.abort_engine:
             self._client.abort_one(self.request_id)
         return update
@@ -237,6 +244,9 @@ class Service:
                 )
             )
             streams_meta.append((rid, spec))
+        stats = access.current()
+        generation = stats.new_generation() if stats is not None else 0
+        prompt_groups: dict[tuple[int, ...], int] = {}  # children of one prompt count it once
         async with self.engine.open_children(reqs) as receivers:
             streams = []
             for (rid, spec), recv in zip(streams_meta, receivers, strict=True):
@@ -246,7 +256,8 @@ class Service:
                     include_stop_str_in_output=spec.include_stop_str_in_output,
                     parser=spec.parser_factory() if spec.parser_factory else None,
                 )
-                streams.append(ChildStream(rid, recv, proc, self.engine))
+                key = (generation, prompt_groups.setdefault(spec.prompt_token_ids, len(prompt_groups)))
+                streams.append(ChildStream(rid, recv, proc, self.engine, stats, key))
             if len(streams) == 1:
                 yield streams
                 return
