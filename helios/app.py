@@ -165,9 +165,14 @@ class HeliosApp:
     async def _serve_http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         req = Request.from_scope(scope)
         protocol = _protocol_of(req.path)
+        method = req.method
+        if method == "HEAD":
+            # Every GET route answers HEAD with the same status and headers and no body
+            # (RFC 9110 9.3.2); Claude Code probes its base URL this way.
+            method, send = "GET", _without_body(send)
         ctx = Ctx(req, {}, receive, send, self, "req-" + uuid.uuid4().hex)
         try:
-            handler, ctx.params = self.router.match(req.method, req.path)
+            handler, ctx.params = self.router.match(method, req.path)
             await handler(ctx)
         except ClientDisconnected:
             return
@@ -280,9 +285,14 @@ class HeliosApp:
     def _register_routes(self) -> None:
         from helios.routes import register
 
+        self.router.add("GET", "/", self._root)
         self.router.add("GET", "/health", self._health)
         self.router.add("GET", "/metrics", self._metrics)
         register(self)
+
+    async def _root(self, ctx: Ctx) -> None:
+        """The base URL: unauthenticated, like /health; clients probe it for reachability."""
+        await ctx.json({"name": "helios", "status": "ok" if self.service is not None else "loading"})
 
     async def _health(self, ctx: Ctx) -> None:
         svc = self.service
@@ -370,3 +380,14 @@ class StreamOut:
 
 
 app = HeliosApp()
+
+
+def _without_body(send: Any) -> Any:
+    """An ASGI send for a HEAD request: the response start as is, every body chunk emptied."""
+
+    async def send_head(message: dict[str, Any]) -> None:
+        if message.get("type") == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return send_head

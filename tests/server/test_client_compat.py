@@ -1,5 +1,5 @@
-"""What clients rely on from the first request: over-context errors in each API's own words, and the
-default model's short name.
+"""What clients rely on from the first request: over-context errors in each API's own words, the
+default model's short name, and HEAD probes of the base URL.
 
 Claude Code retries with a smaller `max_tokens` when it reads Anthropic's "input length and
 `max_tokens` exceed context limit: X + Y > Z"; OpenAI clients key on `context_length_exceeded`.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -124,3 +125,25 @@ def test_default_model_answers_to_smol_without_configured_aliases(limited: LiveS
         show = http.post("/api/show", json={"model": "smol"})
         assert show.status_code == 200
         assert [t["name"] for t in http.get("/api/tags").json()["models"]] == ["smol"]
+
+
+# -- HEAD probes ------------------------------------------------------------------------------------
+
+
+def test_head_answers_every_get_route_without_a_body(limited: LiveServer) -> None:
+    """Claude Code sends `HEAD /` to its base URL before the first turn."""
+    with limited.http() as http:
+        root = http.get("/")
+        assert root.status_code == 200 and root.json()["name"] == "helios"
+        head = http.head("/")
+        assert head.status_code == 200 and head.content == b""
+        assert head.headers["content-length"] == root.headers["content-length"]
+        models = http.get("/v1/models")
+        head = http.head("/v1/models")
+        assert head.status_code == 200 and head.content == b""
+        assert head.headers["content-length"] == str(len(models.content))
+        assert http.head("/nope").status_code == 404
+        assert http.head("/v1/chat/completions").status_code == 405
+    # The base URL is unauthenticated, like /health; the model list is not.
+    assert httpx.head(limited.url + "/").status_code == 200
+    assert httpx.head(limited.url + "/v1/models").status_code == 401
