@@ -78,7 +78,8 @@ CONVERTER = make_converter()
 @attrs.frozen(kw_only=True)
 class NativeGenerationFields:
     """Sampling, stop and logprob fields that Chat Completions, Completions and Responses share
-    (the OpenAI ones plus vLLM's native extensions); each wire class adds its own."""
+    (the OpenAI ones plus vLLM's native extensions); each wire class adds its own. Their rows in the
+    protocols' field tables are `fields.NATIVE_GENERATION_ROWS`."""
 
     top_k: int | None = None
     min_p: float | None = None
@@ -93,7 +94,6 @@ class NativeGenerationFields:
     include_stop_str_in_output: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     logprob_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:

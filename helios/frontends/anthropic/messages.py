@@ -46,6 +46,7 @@ from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCal
 from helios.domain.sampling import SamplingRequest
 from helios.errors import BadRequest, HeliosError, InternalError
 from helios.frontends.common import EventWriter, validate_stops
+from helios.frontends.fields import FieldTable, honoured, ignored, one_of, refused, screen_fields
 from helios.frontends.toolcheck import ToolCallCheck
 from helios.frontends.wire import structure
 from helios.recipes import NEUTRAL_EFFORT_LEVELS, RECIPES, EffortError, resolve_effort
@@ -96,44 +97,92 @@ class OutputConfigWire:
     format: Any = None
 
 
-@attrs.frozen
-class MetadataWire:
-    user_id: str | None = None
-
-
 @attrs.frozen(kw_only=True)
 class CountTokensWire:
-    """The fields count_tokens accepts; a generation request adds `MessagesWire`'s."""
+    """The honoured fields of `COUNT_TOKENS_FIELDS`; a generation request adds `MessagesWire`'s."""
 
     messages: list[Any]
-    model: str | None = None
     system: Any = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     thinking: ThinkingWire | None = None
     output_config: OutputConfigWire | None = None
-    context_management: Any = None
-    mcp_servers: list[Any] | None = None
     thinking_token_budget: int | None = None
-    cache_control: Any = None  # automatic prompt caching: advisory, ignored
-    speed: str | None = None  # advisory: one serving speed
-    user_profile_id: str | None = None
-    workspace_id: str | None = None
 
 
 @attrs.frozen(kw_only=True)
 class MessagesWire(CountTokensWire):
+    """The honoured fields of `MESSAGES_FIELDS`; ignored and refused ones never reach it."""
+
     max_tokens: int
     stop_sequences: list[str] | None = None
     stream: bool | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    metadata: MetadataWire | None = None
-    service_tier: str | None = None
-    container: Any = None
-    inference_geo: str | None = None  # local inference: every geography is satisfied
-    diagnostics: Any = None  # cache-miss diagnostics are not reported
+
+
+def _check_diagnostics(value: Any) -> None:
+    if not isinstance(value, dict) or set(value) - {"previous_message_id"}:
+        raise BadRequest("diagnostics must be an object with previous_message_id", param="diagnostics")
+
+
+MESSAGES_FIELDS: FieldTable = {
+    "messages": honoured("the conversation: text, image, thinking, tool_use and tool_result blocks"),
+    "system": honoured("leading system text blocks (block cache_control is a prefix-checkpoint hint)"),
+    "tools": honoured("client tools with an input_schema; hosted and server tool types are refused"),
+    "tool_choice": honoured("auto, any, tool or none; disable_parallel_tool_use allows one call"),
+    "thinking": honoured("enabled, adaptive, disabled or between_tools; budget_tokens caps reasoning and "
+                         "selects effort; display 'omitted' returns thinking blocks without their text"),
+    "output_config": honoured("effort selects the template's level; format (structured output) is refused"),
+    "thinking_token_budget": honoured("Helios extension: hard cap on reasoning tokens"),
+    "max_tokens": honoured("output limit, reasoning included"),
+    "stop_sequences": honoured("string stops: at most 4, 4096 UTF-8 bytes in all"),
+    "stream": honoured("named SSE events"),
+    "temperature": honoured("sampling temperature (clamped to the recipe's range)"),
+    "top_p": honoured("nucleus filter (clamped to the recipe's range)"),
+    "top_k": honoured("top-k filter (clamped to the recipe's range)"),
+    "model": ignored("one model is served: every name reaches it and responses report its own id", str),
+    "metadata": ignored("user_id for the provider's abuse monitoring; nothing to monitor locally", dict),
+    "service_tier": ignored("one local tier: 'auto' and 'standard_only' both hold; other tiers are refused", str,
+                            allows=one_of("auto", "standard_only"),
+                            message="service_tier '{value}' is not supported; use 'auto' or 'standard_only'"),
+    "cache_control": ignored("automatic prompt caching: local prefix reuse is automatic; only the shape is "
+                             "checked", check=lambda v: _check_cache_control(v, "cache_control")),
+    "speed": ignored("one serving speed; 'standard' and 'fast' are both accepted", str,
+                     allows=one_of("standard", "fast"), message="speed must be 'standard' or 'fast'"),
+    "context_management": ignored("clear_thinking_20251015 with keep: 'all' asks for what Helios does anyway "
+                                  "(every thinking block kept); active context edits are refused",
+                                  check=lambda v: _check_context_management(v)),
+    "inference_geo": ignored("local inference: every geography is satisfied", str),
+    "diagnostics": ignored("cache-miss diagnostics are not reported", check=_check_diagnostics),
+    "user_profile_id": ignored("provider account attribution (the SDK sends it as a header)", str),
+    "workspace_id": ignored("provider workspace selection (the SDK sends it as a header)", str),
+    "betas": ignored("beta opt-ins (the SDK sends them as the anthropic-beta header); Helios gates nothing on "
+                     "them", list),
+    "billing_policy": ignored("provider billing; nobody is billed locally", dict),
+    "fallback_credit_token": ignored("provider billing credit for a retried refusal; nothing is billed", str, dict),
+    "fallbacks": ignored("substitute models for provider policy refusals; Helios makes none", list, str),
+    "safeguards": ignored("Claude Code's provider-side classifier context (dangerous_tool_use); not in the public "
+                          "SDK types, no classifier runs locally", list),
+    "container": refused("code-execution containers are not available on a local server",
+                         message="container is not supported: code-execution containers are not available"),
+    "mcp_servers": refused("Helios does not connect to MCP servers; give the client the tools instead",
+                           inert=one_of([]), message="mcp_servers is not supported: MCP servers are not available"),
+    "thread": refused("server-held conversation state: Helios keeps no messages, so send the whole conversation"),
+    "compaction": refused("compaction requests (summarize the conversation) are not implemented"),
+    **{name: refused("an OpenAI/vLLM logprob option; Messages has no logprobs",
+                     message=f"{name} is not supported on /v1/messages") for name in REJECTED_FIELDS},
+}
+"""Every top-level Messages field Helios knows (see `helios.frontends.fields`)."""
+
+COUNT_TOKENS_FIELDS: FieldTable = {
+    **{name: row for name, row in MESSAGES_FIELDS.items() if name not in (
+        "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k", "metadata", "service_tier",
+        "container", "inference_geo", "diagnostics", "fallbacks", "fallback_credit_token", "thread")},
+    "compaction": ignored("count_tokens ignores it by definition: the count is of the messages as sent", dict),
+}
+"""Every top-level count_tokens field Helios knows: Messages' minus the generation-only ones."""
 
 
 @attrs.frozen
@@ -154,8 +203,8 @@ class MessagesPlan:
 
 def decode_request(obj: dict[str, Any], info: ModelInfo) -> MessagesPlan:
     """A POST /v1/messages body → MessagesPlan (BadRequest on anything malformed or unsupported)."""
-    _reject_fields(obj)
-    for name in ("stop_sequences", "messages", "tools", "mcp_servers"):
+    obj = screen_fields(obj, MESSAGES_FIELDS)
+    for name in ("stop_sequences", "messages", "tools"):
         # cattrs would structure a string into a list of characters
         if obj.get(name) is not None and not isinstance(obj[name], list):
             raise BadRequest(f"{name} must be an array", param=name)
@@ -163,21 +212,14 @@ def decode_request(obj: dict[str, Any], info: ModelInfo) -> MessagesPlan:
     if w.max_tokens < 1:
         raise BadRequest("max_tokens must be at least 1", param="max_tokens")
     stops = validate_stops(w.stop_sequences, param="stop_sequences")
-    if w.service_tier not in (None, "auto", "standard_only"):
-        raise BadRequest(f"service_tier '{w.service_tier}' is not supported; use 'auto' or 'standard_only'",
-                         param="service_tier")
-    if w.container is not None:
-        raise BadRequest("containers (code execution) are not supported", param="container")
-    if w.diagnostics is not None and (not isinstance(w.diagnostics, dict) or set(w.diagnostics) - {"previous_message_id"}):
-        raise BadRequest("diagnostics must be an object with previous_message_id", param="diagnostics")
     sampling = SamplingRequest(temperature=w.temperature, top_p=w.top_p, top_k=w.top_k)
     return _plan(w, info, sampling=sampling, max_tokens=w.max_tokens, stream=bool(w.stream), stops=stops)
 
 
 def decode_count_tokens(obj: dict[str, Any], info: ModelInfo) -> MessagesPlan:
     """A POST /v1/messages/count_tokens body: the same decoding, without generation fields."""
-    _reject_fields(obj)
-    for name in ("messages", "tools", "mcp_servers"):
+    obj = screen_fields(obj, COUNT_TOKENS_FIELDS)
+    for name in ("messages", "tools"):
         if obj.get(name) is not None and not isinstance(obj[name], list):
             raise BadRequest(f"{name} must be an array", param=name)
     w = structure(obj, CountTokensWire)
@@ -186,14 +228,9 @@ def decode_count_tokens(obj: dict[str, Any], info: ModelInfo) -> MessagesPlan:
 
 def _plan(w: CountTokensWire, info: ModelInfo, *, sampling: SamplingRequest, max_tokens: int | None,
           stream: bool, stops: tuple[str, ...]) -> MessagesPlan:
-    if w.mcp_servers:
-        raise BadRequest("MCP servers are not supported", param="mcp_servers")
-    _check_cache_control(w.cache_control, "cache_control")
-    if w.speed not in (None, "standard", "fast"):
-        raise BadRequest("speed must be 'standard' or 'fast'", param="speed")
-    _check_context_management(w.context_management)
     if w.output_config is not None and w.output_config.format is not None:
-        raise BadRequest("output_config.format is not supported", param="output_config.format")
+        raise BadRequest("output_config.format (structured output) is not supported yet",
+                         param="output_config.format")
     messages = decode_messages(w.system, w.messages)
     tools, choice, parallel = decode_tools(w.tools, w.tool_choice)
     budget, effort, kwargs = _decode_thinking(w, info)
@@ -210,12 +247,6 @@ def _plan(w: CountTokensWire, info: ModelInfo, *, sampling: SamplingRequest, max
     )
     hide = w.thinking is not None and w.thinking.display == "omitted"
     return MessagesPlan(conv, max_tokens, stream, stops, budget, effort, hide)
-
-
-def _reject_fields(obj: dict[str, Any]) -> None:
-    for name in REJECTED_FIELDS:
-        if name in obj:
-            raise BadRequest(f"{name} is not supported on /v1/messages", param=name)
 
 
 def decode_messages(system: Any, messages: list[Any]) -> tuple[Message, ...]:

@@ -33,6 +33,16 @@ from helios.frontends.common import (
     validate_stops,
 )
 from helios.frontends.effort import chat_effort_kwargs
+from helios.frontends.fields import (
+    NATIVE_GENERATION_ROWS,
+    PROVIDER_ROWS,
+    FieldTable,
+    honoured,
+    ignored,
+    one_of,
+    refused,
+    screen_fields,
+)
 from helios.frontends.openai.logprobs import (
     chat_logprobs_content,
     prompt_logprobs_json,
@@ -53,9 +63,9 @@ class StreamOptions:
 
 @attrs.frozen
 class ChatWire(NativeGenerationFields):
+    """The honoured fields of `CHAT_FIELDS`; ignored and refused ones never reach it."""
+
     messages: list[Any]
-    model: str | None = None
-    logit_bias: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     max_tokens: int | None = None
@@ -68,18 +78,56 @@ class ChatWire(NativeGenerationFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    user: str | None = None
-    metadata: dict[str, Any] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
     reasoning_effort: Any = None
-    response_format: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     thinking_token_budget: int | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    prompt_logprobs: int | None = None
+
+
+CHAT_FIELDS: FieldTable = {
+    "messages": honoured("the conversation: system, developer, user, assistant and tool messages"),
+    "logprobs": honoured("generation logprobs"),
+    "top_logprobs": honoured("alternatives per generated token (0..20)"),
+    "max_tokens": honoured("output limit (deprecated alias of max_completion_tokens)"),
+    "max_completion_tokens": honoured("output limit, reasoning included"),
+    "n": honoured("independent choices (1..128)"),
+    "stream": honoured("SSE chunks"),
+    "stream_options": honoured("include_usage and the continuous_usage_stats extension"),
+    "temperature": honoured("sampling temperature (clamped to the recipe's range)"),
+    "top_p": honoured("nucleus filter (clamped to the recipe's range)"),
+    "tools": honoured("client-executed function tools (strict schemas refused)"),
+    "tool_choice": honoured("auto, none, required or a named function"),
+    "parallel_tool_calls": honoured("false allows at most one call per response"),
+    "reasoning_effort": honoured("effort level, mapped into the template's vocabulary"),
+    "chat_template_kwargs": honoured("vLLM extension: chat-template variables"),
+    "add_generation_prompt": honoured("vLLM extension: open an assistant turn"),
+    "continue_final_message": honoured("vLLM extension: continue the final assistant message"),
+    "thinking_token_budget": honoured("Helios extension: hard cap on reasoning tokens"),
+    "prompt_logprobs": honoured("vLLM extension: prompt-position logprobs (buffered only)"),
+    **NATIVE_GENERATION_ROWS,
+    **PROVIDER_ROWS,
+    "store": ignored("store: false is what Helios does anyway; store: true is refused (nothing is kept)", bool,
+                     allows=one_of(False), message="store: true is not supported; Helios keeps no completions"),
+    "verbosity": ignored("a style hint for hosted models; local chat templates have no verbosity control", str,
+                         allows=one_of("low", "medium", "high"),
+                         message="verbosity must be 'low', 'medium' or 'high'"),
+    "logit_bias": refused("the sampler has no per-token bias", inert=one_of({}),
+                          message="logit_bias is not supported"),
+    "response_format": refused(
+        "structured output is not built yet",
+        inert=lambda v: isinstance(v, dict) and v.get("type") == "text",
+        message="response_format other than text is not supported yet"),
+    "audio": refused("Helios generates text only; there is no audio output"),
+    "modalities": refused("Helios generates text only", inert=one_of(["text"])),
+    "prediction": refused("predicted outputs are not implemented"),
+    "web_search_options": refused("hosted web search is not available on a local server"),
+    "functions": refused("the legacy functions API is not implemented; use tools"),
+    "function_call": refused("the legacy functions API is not implemented; use tool_choice"),
+    "moderation": refused("moderation of input and output is not available on a local server"),
+}
+"""Every top-level Chat Completions field Helios knows (see `helios.frontends.fields`)."""
 
 
 # -- decoding -----------------------------------------------------------------------------------
@@ -245,15 +293,7 @@ class ChatPlan:
 
 
 def decode_chat(obj: dict[str, Any], svc: Service) -> ChatPlan:
-    w = structure(obj, ChatWire)
-    if w.logit_bias:
-        raise BadRequest("logit_bias is not supported", param="logit_bias")
-    if w.store:
-        raise BadRequest("store: true is not supported; Helios keeps no completions", param="store")
-    if w.response_format is not None and (
-        not isinstance(w.response_format, dict) or w.response_format.get("type") != "text"
-    ):
-        raise BadRequest("response_format other than text is not supported yet", param="response_format")
+    w = structure(screen_fields(obj, CHAT_FIELDS), ChatWire)
     n = 1 if w.n is None else w.n
     if n < 1 or n > 128:
         raise BadRequest("n must be between 1 and 128", param="n")

@@ -17,6 +17,15 @@ from helios.frontends.common import (
     validate_stop_token_ids,
     validate_stops,
 )
+from helios.frontends.fields import (
+    NATIVE_GENERATION_ROWS,
+    PROVIDER_ROWS,
+    FieldTable,
+    honoured,
+    one_of,
+    refused,
+    screen_fields,
+)
 from helios.frontends.openai.chat import StreamOptions, decode_sampling
 from helios.frontends.openai.logprobs import (
     check_capacity,
@@ -35,24 +44,48 @@ from helios.serving.pipeline import ChildSpec, Service
 
 @attrs.frozen
 class CompletionWire(NativeGenerationFields):
+    """The honoured fields of `COMPLETION_FIELDS`; ignored and refused ones never reach it."""
+
     prompt: Any
-    model: str | None = None
     best_of: int | None = None
     echo: bool | None = None
-    logit_bias: dict[str, Any] | None = None
     logprobs: int | None = None
     max_tokens: int | None = None
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    suffix: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    user: str | None = None
     add_special_tokens: bool | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    thinking_token_budget: Any = None
+    prompt_logprobs: int | None = None
+
+
+_RAW = "raw completions bypass chat templates and output parsers"
+
+COMPLETION_FIELDS: FieldTable = {
+    "prompt": honoured("text, token ids, or a batch of either"),
+    "best_of": honoured("accepted only when equal to n; ranked sampling is refused"),
+    "echo": honoured("prompt echoed before the completion (scored with logprobs)"),
+    "logprobs": honoured("alternatives per token (0..20)"),
+    "max_tokens": honoured("output limit (default 16; 0 only tokenizes or scores)"),
+    "n": honoured("choices per prompt (1..128)"),
+    "stream": honoured("SSE chunks"),
+    "stream_options": honoured("include_usage and the continuous_usage_stats extension"),
+    "temperature": honoured("sampling temperature (clamped to the recipe's range)"),
+    "top_p": honoured("nucleus filter (clamped to the recipe's range)"),
+    "add_special_tokens": honoured("vLLM extension: tokenizer special-token policy for text prompts"),
+    "prompt_logprobs": honoured("vLLM extension: prompt-position logprobs (buffered only)"),
+    **NATIVE_GENERATION_ROWS,
+    "model": PROVIDER_ROWS["model"],
+    "user": PROVIDER_ROWS["user"],
+    "suffix": refused("insertion after the completion is not implemented", message="suffix is not supported"),
+    "logit_bias": refused("the sampler has no per-token bias", inert=one_of({}),
+                          message="logit_bias is not supported"),
+    "tools": refused(_RAW, message="tools are not supported on raw completions"),
+    "tool_choice": refused(_RAW, message="tool_choice is not supported on raw completions (tools are not)"),
+    "thinking_token_budget": refused(_RAW, message="thinking_token_budget is not supported on raw completions"),
+}
+"""Every top-level Completions field Helios knows (see `helios.frontends.fields`)."""
 
 
 @attrs.frozen
@@ -120,15 +153,7 @@ def _prompts(p: Any, vocab: int) -> list[str | list[int]]:
 
 
 def decode_completion(obj: dict[str, Any], svc: Service) -> CompletionPlan:
-    w = structure(obj, CompletionWire)
-    if w.suffix is not None:
-        raise BadRequest("suffix is not supported", param="suffix")
-    if w.tools is not None or w.tool_choice is not None:
-        raise BadRequest("tools are not supported on raw completions", param="tools")
-    if w.thinking_token_budget is not None:
-        raise BadRequest("thinking_token_budget is not supported on raw completions", param="thinking_token_budget")
-    if w.logit_bias:
-        raise BadRequest("logit_bias is not supported", param="logit_bias")
+    w = structure(screen_fields(obj, COMPLETION_FIELDS), CompletionWire)
     n = 1 if w.n is None else w.n
     if not 1 <= n <= 128:
         raise BadRequest("n must be between 1 and 128", param="n")

@@ -50,6 +50,16 @@ from helios.domain.conversation import (
 from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
 from helios.errors import BadRequest, HeliosError, InternalError
 from helios.frontends.common import EventWriter, validate_stop_token_ids, validate_stops
+from helios.frontends.fields import (
+    NATIVE_GENERATION_ROWS,
+    PROVIDER_ROWS,
+    FieldTable,
+    honoured,
+    ignored,
+    one_of,
+    refused,
+    screen_fields,
+)
 from helios.frontends.openai.chat import decode_sampling
 from helios.frontends.openai.logprobs import chat_logprobs_content, validate_logprob_options
 from helios.frontends.toolcheck import ToolCallCheck
@@ -76,16 +86,14 @@ EFFORT_NAMES = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 @attrs.frozen
 class ResponsesWire(NativeGenerationFields):
-    """The accepted request fields; anything else is an unknown field (HTTP 400)."""
+    """The honoured fields of `RESPONSES_FIELDS`; ignored and refused ones never reach it."""
 
     input: Any
-    model: str | None = None
     instructions: str | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = None
-    max_tool_calls: int | None = None  # limits hosted tool calls, of which Helios has none
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int | None = None
@@ -93,22 +101,76 @@ class ResponsesWire(NativeGenerationFields):
     text: Any = None
     include: list[str] | None = None
     stream: bool | None = None
-    stream_options: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
-    user: str | None = None
-    store: bool | None = None
-    previous_response_id: str | None = None
-    conversation: Any = None
-    background: bool | None = None
-    truncation: str | None = None
-    prompt: Any = None
-    context_management: Any = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
-    safety_identifier: str | None = None
-    service_tier: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
+
+
+_ECHOED = "; echoed on the Response object"
+_STATELESS = "Helios keeps no responses, so every request carries its complete conversation"
+
+RESPONSES_FIELDS: FieldTable = {
+    "input": honoured("the conversation as input items"),
+    "instructions": honoured("leading system instructions"),
+    "tools": honoured("function, custom and namespace tools; hosted tool types are refused"),
+    "tool_choice": honoured("auto, none, required or a named function or custom tool"),
+    "parallel_tool_calls": honoured("false allows at most one call per response"),
+    "max_output_tokens": honoured("output limit, reasoning included"),
+    "temperature": honoured("sampling temperature (clamped to the recipe's range)"),
+    "top_p": honoured("nucleus filter (clamped to the recipe's range)"),
+    "top_logprobs": honoured("alternatives per token, with include message.output_text.logprobs"),
+    "reasoning": honoured("effort selects the template's level; summary is accepted and echoed, but readable "
+                          "reasoning comes back as reasoning_text with an empty summary"),
+    "text": honoured("format text only (structured formats refused); verbosity is echoed"),
+    "include": honoured(f"{LOGPROBS_INCLUDE} fills logprobs; values Helios cannot fill, such as "
+                        "reasoning.encrypted_content, are accepted and produce nothing"),
+    "stream": honoured("named SSE events"),
+    "chat_template_kwargs": honoured("vLLM extension: chat-template variables"),
+    "thinking_token_budget": honoured("Helios extension: hard cap on reasoning tokens"),
+    **NATIVE_GENERATION_ROWS,
+    "model": PROVIDER_ROWS["model"],
+    "user": ignored(PROVIDER_ROWS["user"].reason + _ECHOED, str),
+    "metadata": ignored(PROVIDER_ROWS["metadata"].reason + _ECHOED, dict),
+    "safety_identifier": ignored(PROVIDER_ROWS["safety_identifier"].reason + _ECHOED, str),
+    "prompt_cache_key": ignored(PROVIDER_ROWS["prompt_cache_key"].reason + _ECHOED, str),
+    "service_tier": ignored("one local tier serves every request; the Response reports 'default'", str),
+    "prompt_cache_retention": PROVIDER_ROWS["prompt_cache_retention"],
+    "prompt_cache_options": PROVIDER_ROWS["prompt_cache_options"],
+    "max_tool_calls": ignored("limits hosted tool calls, of which Helios has none" + _ECHOED, int),
+    "stream_options": ignored("include_obfuscation: Helios adds no obfuscation padding to events", dict),
+    "access_programs": ignored("provider account access programs; nothing to select locally", dict),
+    "client_metadata": ignored("Codex client hints (installation and session ids); not in the public SDK "
+                               "types, nothing to report them to", dict),
+    "store": ignored("store: false is what Helios does anyway; store: true is refused (" + _STATELESS + ")", bool,
+                     allows=one_of(False),
+                     message="store: true is not supported; Helios keeps no responses (send store: false and the "
+                             "complete conversation)"),
+    "image": ignored("image context compression: Helios never compresses image context, which 'auto' and "
+                     "'disabled' allow; 'enabled' is refused", dict,
+                     allows=lambda v: v.get("context_compression") in (None, "auto", "disabled"),
+                     message="image.context_compression 'enabled' is not supported; Helios does not compress "
+                             "image context"),
+    "previous_response_id": refused(_STATELESS, message="previous_response_id is not supported; Helios keeps no "
+                                    "responses, so send the complete conversation as input"),
+    "conversation": refused(_STATELESS, message="conversation is not supported; send the complete conversation "
+                            "as input"),
+    "background": refused("background responses need stored responses", inert=one_of(False),
+                          message="background responses are not supported (background: true)"),
+    "background_options": refused("background execution is not supported"),
+    "truncation": refused("Helios rejects over-context requests instead of dropping input",
+                          inert=one_of("disabled"),
+                          message="truncation: 'auto' is not supported; Helios rejects over-context requests"),
+    "prompt": refused("stored prompt templates live on the provider",
+                      message="prompt (a stored prompt template) is not supported"),
+    "context_management": refused("server-side compaction is not implemented", inert=lambda v: not v,
+                                  message="context_management is not supported"),
+    "moderation": refused("moderation of input and output is not available on a local server"),
+    "prompt_logprobs": refused("prompt scoring is offered on Chat Completions and Completions",
+                               message="prompt_logprobs is not supported on /v1/responses"),
+}
+"""Every top-level Responses field Helios knows (see `helios.frontends.fields`)."""
+
+ECHOED_FIELDS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "max_tool_calls")
+"""Ignored fields the Response object reports back as sent."""
 
 
 # -- tools ----------------------------------------------------------------------------------------
@@ -165,11 +227,19 @@ def decode_tools(raw: list[Any] | None, tool_choice: Any) -> tuple[ToolSet, Tool
                     raise BadRequest(f"{sub_where} must be a function or custom tool", param="tools")
                 add(*_decode_tool(sub, sub_where, ns))
         elif kind in HOSTED_TOOL_TYPES:
-            raise BadRequest(f"hosted tool type '{kind}' is not supported; Helios serves client-executed "
-                             "function and custom tools only", param="tools")
+            raise BadRequest(_hosted_tool_message(kind, where), param="tools")
         else:
             raise BadRequest(f"unsupported tool type '{kind}' in {where}", param="tools")
     return ToolSet(tuple(tools), declared), _decode_tool_choice(tool_choice, declared)
+
+
+def _hosted_tool_message(kind: str, where: str) -> str:
+    """Names the hosted tool and how to stop the client from sending it."""
+    head = (f"hosted tool type '{kind}' in {where} is not supported; Helios serves client-executed function and "
+            "custom tools only")
+    if kind.startswith("web_search"):
+        return head + "; disable web search in the client, e.g. Codex `web_search = \"disabled\"` in config.toml"
+    return head + f"; disable the '{kind}' tool in the client or remove it from the request"
 
 
 def _decode_tool(t: dict[str, Any], where: str, namespace: str | None) -> tuple[Tool, DeclaredTool]:
@@ -437,15 +507,14 @@ class ResponsesPlan:
     effort: str | None
     summary: str | None
     text_config: dict[str, Any]
+    echo: dict[str, Any] = attrs.field(factory=dict, eq=False)
+    """`ECHOED_FIELDS` as sent: reported on the Response object, no effect on generation."""
 
 
 def decode_responses(obj: dict[str, Any], svc: Service) -> ResponsesPlan:
     if "input" not in obj:
         raise BadRequest("missing required parameter: input", param="input")
-    w = structure(obj, ResponsesWire)
-    _reject_stateful(w)
-    if w.prompt_logprobs is not None:
-        raise BadRequest("prompt_logprobs is not supported on /v1/responses", param="prompt_logprobs")
+    w = structure(screen_fields(obj, RESPONSES_FIELDS), ResponsesWire)
     if w.max_output_tokens is not None and w.max_output_tokens < 1:
         raise BadRequest("max_output_tokens must be at least 1", param="max_output_tokens")
     if w.thinking_token_budget is not None and not 0 < w.thinking_token_budget < 2**31:
@@ -474,29 +543,9 @@ def decode_responses(obj: dict[str, Any], svc: Service) -> ResponsesPlan:
         sampling=decode_sampling(w),
         chat_template_kwargs={**effort_kwargs, **(w.chat_template_kwargs or {})},
     )
+    echo = {name: obj[name] for name in ECHOED_FIELDS if obj.get(name) is not None}
     return ResponsesPlan(w, conv, toolset, bool(w.stream), stops, stop_ids, num_top, explicit, effort, summary,
-                         text_config)
-
-
-def _reject_stateful(w: ResponsesWire) -> None:
-    if w.store:
-        raise BadRequest("store: true is not supported; Helios keeps no responses (send store: false and the "
-                         "complete conversation)", param="store")
-    if w.previous_response_id is not None:
-        raise BadRequest("previous_response_id is not supported; Helios keeps no responses, so send the "
-                         "complete conversation as input", param="previous_response_id")
-    if w.conversation is not None:
-        raise BadRequest("conversation is not supported; send the complete conversation as input",
-                         param="conversation")
-    if w.background:
-        raise BadRequest("background responses are not supported", param="background")
-    if w.truncation not in (None, "disabled"):
-        raise BadRequest("truncation: 'auto' is not supported; Helios rejects over-context requests",
-                         param="truncation")
-    if w.prompt is not None:
-        raise BadRequest("stored prompt templates are not supported", param="prompt")
-    if w.context_management:
-        raise BadRequest("context_management is not supported", param="context_management")
+                         text_config, echo)
 
 
 def _decode_text(text: Any) -> dict[str, Any]:
@@ -583,15 +632,15 @@ def response_base(plan: ResponsesPlan, spec: ChildSpec, model: str) -> dict[str,
         "background": False,
         "instructions": w.instructions,
         "max_output_tokens": w.max_output_tokens,
-        "max_tool_calls": w.max_tool_calls,
-        "metadata": dict(w.metadata or {}),
+        "max_tool_calls": plan.echo.get("max_tool_calls"),
+        "metadata": dict(plan.echo.get("metadata") or {}),
         "model": model,
         "parallel_tool_calls": plan.conversation.parallel_tool_calls,
         "previous_response_id": None,
-        "prompt_cache_key": w.prompt_cache_key,
+        "prompt_cache_key": plan.echo.get("prompt_cache_key"),
         "reasoning": {"effort": plan.effort, "summary": plan.summary},
-        "safety_identifier": w.safety_identifier,
-        "service_tier": w.service_tier or "default",
+        "safety_identifier": plan.echo.get("safety_identifier"),
+        "service_tier": "default",
         "store": False,
         "temperature": spec.sampling.temperature,
         "text": plan.text_config,
@@ -600,7 +649,7 @@ def response_base(plan: ResponsesPlan, spec: ChildSpec, model: str) -> dict[str,
         "top_logprobs": w.top_logprobs or 0,
         "top_p": spec.sampling.top_p,
         "truncation": "disabled",
-        "user": w.user,
+        "user": plan.echo.get("user"),
     }
 
 

@@ -1,0 +1,163 @@
+"""Per-protocol tables of top-level request fields: honoured, ignored or refused.
+
+Every protocol frontend declares one `FieldTable`, a mapping from each top-level request field it
+knows to a `FieldPolicy` row of one of three kinds:
+
+- **honoured**: Helios implements it. The field stays in the body, the protocol's wire class
+  structures it (strict types) and the decoder applies it. The wire class declares exactly the
+  honoured rows.
+- **ignored**: accepted and dropped before structuring, because it means nothing on a local server
+  (billing, storage, provider-side caching and routing, client hints). The row's reason says why
+  dropping is safe. A row may accept only some values (``store: false`` but not ``store: true``):
+  other values are refused with the row's message.
+- **refused**: the API defines it, Helios does not implement it, and ignoring it would silently
+  change the result. Any value other than an inert one (null, or the row's explicit off values such
+  as ``background: false``) is an HTTP 400 naming the field, with ``param`` set to the field.
+
+A field in no table stays an unknown key: the wire class forbids it and the client gets
+"unrecognized request argument(s): X". tests/unit/test_request_fields.py checks every table
+against the installed SDKs' request TypedDicts, so a new SDK field fails until it is classified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import attrs
+
+from helios.errors import BadRequest
+
+Kind = Literal["honoured", "ignored", "refused"]
+
+_JSON_TYPE_NAMES: dict[type, str] = {
+    str: "a string", bool: "a boolean", int: "an integer", float: "a number", dict: "an object", list: "an array",
+}
+
+
+@attrs.frozen
+class FieldPolicy:
+    """One row of a protocol's field table."""
+
+    kind: Kind
+    reason: str
+    """One line: what Helios does with it (honoured), why dropping it is safe (ignored), or what it
+    would need that Helios lacks (refused)."""
+    types: tuple[type, ...] = ()
+    """Ignored rows: the JSON types a non-null value must have (empty: any)."""
+    allows: Callable[[Any], bool] | None = None
+    """Ignored rows: the non-null values that are dropped (others are refused with `message`).
+    Refused rows: the non-null values that are inert and dropped as if absent."""
+    message: str | None = None
+    """The 400 message for a refused value; ``{value!r}`` is filled in. Default: names the field and
+    says it is not supported, followed by the reason."""
+    check: Callable[[Any], None] | None = None
+    """Ignored rows: a validator that raises its own BadRequest (nested shapes with precise params)."""
+
+    def screen(self, name: str, value: Any) -> bool:
+        """Whether the field stays in the body for the wire class; BadRequest for a refused value."""
+        if self.kind == "honoured":
+            return True
+        if self.kind == "refused":
+            if value is None or (self.allows is not None and self.allows(value)):
+                return False
+            raise self._refusal(name, value)
+        if value is None:
+            return False
+        if self.types and not _has_type(value, self.types):
+            expected = " or ".join(_JSON_TYPE_NAMES.get(t, t.__name__) for t in self.types)
+            raise BadRequest(f"invalid value for {name}: expected {expected}, got {_json_type(value)}", param=name)
+        if self.check is not None:
+            self.check(value)
+        if self.allows is not None and not self.allows(value):
+            raise self._refusal(name, value)
+        return False
+
+    def _refusal(self, name: str, value: Any) -> BadRequest:
+        if self.message is not None:
+            return BadRequest(self.message.format(value=value), param=name)
+        return BadRequest(f"{name} is not supported: {self.reason}", param=name)
+
+
+FieldTable = Mapping[str, FieldPolicy]
+
+
+def honoured(reason: str) -> FieldPolicy:
+    return FieldPolicy("honoured", reason)
+
+
+def ignored(reason: str, *types: type, allows: Callable[[Any], bool] | None = None, message: str | None = None,
+            check: Callable[[Any], None] | None = None) -> FieldPolicy:
+    return FieldPolicy("ignored", reason, types=types, allows=allows, message=message, check=check)
+
+
+def refused(reason: str, *, inert: Callable[[Any], bool] | None = None, message: str | None = None) -> FieldPolicy:
+    return FieldPolicy("refused", reason, allows=inert, message=message)
+
+
+def one_of(*values: Any) -> Callable[[Any], bool]:
+    """A predicate for exact JSON values (``False`` does not match ``0``)."""
+    return lambda v: any(type(v) is type(x) and v == x for x in values)
+
+
+def screen_fields(obj: dict[str, Any], table: FieldTable) -> dict[str, Any]:
+    """The body the wire class structures: honoured and unknown fields kept, ignored fields and inert
+    refused values dropped; BadRequest for a refused value or a malformed ignored one."""
+    out: dict[str, Any] = {}
+    for name, value in obj.items():
+        row = table.get(name)
+        if row is None or row.screen(name, value):
+            out[name] = value
+    return out
+
+
+def rows(table: FieldTable, kind: Kind) -> tuple[str, ...]:
+    return tuple(name for name, row in table.items() if row.kind == kind)
+
+
+def _has_type(value: Any, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in types
+    if isinstance(value, int) and float in types:
+        return True
+    return isinstance(value, types)
+
+
+def _json_type(value: Any) -> str:
+    for t in (bool, int, float, str, dict, list):
+        if isinstance(value, t):
+            return t.__name__
+    return type(value).__name__
+
+
+# -- rows several OpenAI-style tables share ---------------------------------------------------------
+
+NATIVE_GENERATION_ROWS: dict[str, FieldPolicy] = {
+    "top_k": honoured("vLLM extension: top-k filter (clamped to the recipe's range)"),
+    "min_p": honoured("vLLM extension: min-p filter (clamped to the recipe's range)"),
+    "repetition_penalty": honoured("vLLM extension: repetition penalty (clamped to the recipe's range)"),
+    "presence_penalty": honoured("presence penalty (clamped to the recipe's range)"),
+    "frequency_penalty": honoured("frequency penalty (clamped to the recipe's range)"),
+    "seed": honoured("per-request sampling seed"),
+    "stop": honoured("string stops: at most 4, 4096 UTF-8 bytes in all"),
+    "stop_token_ids": honoured("vLLM extension: token stops"),
+    "ignore_eos": honoured("vLLM extension: EOS does not end generation"),
+    "skip_special_tokens": honoured("vLLM extension: special tokens kept in text when false"),
+    "include_stop_str_in_output": honoured("vLLM extension: matched string stop kept in the text"),
+    "return_tokens_as_token_ids": honoured("vLLM extension: logprob tokens rendered as token:ID"),
+    "logprob_token_ids": honoured("Helios extension: explicit logprob alternatives"),
+}
+"""The rows of `wire.NativeGenerationFields`, which Chat Completions, Completions and Responses share."""
+
+PROVIDER_ROWS: dict[str, FieldPolicy] = {
+    "model": ignored("one model is served: every name reaches it and responses report its own id", str),
+    "user": ignored("end-user id for the provider's abuse monitoring; nothing to monitor locally", str),
+    "metadata": ignored("key-value tags for the provider's dashboards; nothing is stored", dict),
+    "safety_identifier": ignored("end-user id for the provider's safety systems; inert caller metadata", str),
+    "service_tier": ignored("one local tier serves every request", str),
+    "prompt_cache_key": ignored("provider cache routing hint; local prefix reuse is automatic", str),
+    "prompt_cache_retention": ignored("provider cache lifetime; local prefix retention is the server's", str),
+    "prompt_cache_options": ignored("provider cache breakpoints and lifetime; local prefix reuse is automatic",
+                                    dict),
+}
+"""OpenAI account, billing and provider-cache fields: meaningful to a hosted API only."""
