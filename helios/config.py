@@ -57,6 +57,9 @@ class ModelConfigSection:
     max_model_len: int = attrs.field(default=0, validator=_non_negative)  # 0 = the model's own limit
     recipe: str = ""  # empty = detect from the model
     threads: int = attrs.field(default=0, validator=_non_negative)  # torch intra-op threads; 0 = all cores
+    # Overrides the checkpoint's generation_config sampling defaults (vLLM's
+    # --override-generation-config), e.g. {temperature = 0.2, top_p = 0.9}.
+    generation_config: dict[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -104,7 +107,20 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
         raise ConfigError("server.thinking_token_budget must be a positive 32-bit integer")
     if not 0 <= cfg.server.max_top_logprobs <= 20:
         raise ConfigError("server.max_top_logprobs must be within 0..20")
+    unknown = sorted(set(cfg.model.generation_config) - GENERATION_CONFIG_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"model.generation_config: unknown key(s) {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(GENERATION_CONFIG_KEYS))}"
+        )
+    for key, value in cfg.model.generation_config.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or (key == "top_k" and not isinstance(value, int)):
+            raise ConfigError(f"model.generation_config.{key} must be a number{' (an integer)' if key == 'top_k' else ''}")
     return cfg
+
+
+# The sampling defaults a checkpoint's generation_config may declare (recipes.plain_recipe reads them).
+GENERATION_CONFIG_KEYS = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty"})
 
 
 def _check_server_logging(server: Any) -> None:

@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,16 @@ def model_aliases(configured: Sequence[str], *, default_model: bool) -> tuple[st
     return tuple(aliases)
 
 
+def generation_defaults(
+    checkpoint: Mapping[str, Any], configured: Mapping[str, Any], *, default_model: bool
+) -> dict[str, Any]:
+    """The checkpoint's generation_config, then the default model's card settings, then the
+    operator's `[model] generation_config`; later ones win."""
+    from helios.loaders.default_model import DEFAULT_MODEL_GENERATION_CONFIG
+
+    return {**checkpoint, **(DEFAULT_MODEL_GENERATION_CONFIG if default_model else {}), **configured}
+
+
 def _is_default(path: str) -> bool:
     from helios.loaders.default_model import GGUF_NAME, GGUF_SIZE
 
@@ -131,15 +141,17 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                         prefill_chunk_size=cfg.engine.prefill_chunk_size, max_model_len=max_model_len)
     core = EngineCore(model, mc, ecfg, dtype, device)
     name = cfg.model.recipe or detect_recipe(ckpt.model_id, mc.arch, ckpt.chat_template)
+    is_default = default_path is not None or _is_default(path)
+    generation_config = generation_defaults(ckpt.generation_config, cfg.model.generation_config, default_model=is_default)
     if name == "plain":
-        recipe = plain_recipe(ckpt.generation_config, output_parser=detect_parser_family(ckpt.chat_template))
+        recipe = plain_recipe(generation_config, output_parser=detect_parser_family(ckpt.chat_template))
     else:
-        recipe = get_recipe(name, generation_config=ckpt.generation_config)
+        recipe = get_recipe(name, generation_config=generation_config)
     tok = ckpt.tokenizer
     eos = tuple(tok.eos_token_ids)
     info = ModelInfo(
         model_id=ckpt.model_id,
-        aliases=model_aliases(cfg.server.aliases, default_model=default_path is not None or _is_default(path)),
+        aliases=model_aliases(cfg.server.aliases, default_model=is_default),
         created=int(time.time()),
         max_model_len=max_model_len,
         vocab_size=mc.vocab_size,

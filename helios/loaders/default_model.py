@@ -29,6 +29,10 @@ _CHUNK = 1 << 20
 # The short names the default model always answers to (the README and docs use the first). With
 # no configured aliases the first one is also the id /v1/models reports.
 DEFAULT_MODEL_ALIASES = ("smol",)
+# The GGUF declares no sampling defaults; these are the SmolLM2-Instruct model card's recommended
+# settings. At the neutral temperature 1 the 135M model rarely ends its turn on a coding client's
+# long prompt. `[model] generation_config` overrides them.
+DEFAULT_MODEL_GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9}
 
 
 def default_cache_dir() -> Path:

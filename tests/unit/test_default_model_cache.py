@@ -89,3 +89,21 @@ def test_model_aliases_add_the_default_short_name_after_configured_ones() -> Non
     assert model_aliases(["smol", "x"], default_model=True) == ("smol", "x")
     assert model_aliases(["mine"], default_model=False) == ("mine",)
     assert model_aliases([], default_model=False) == ()
+
+
+def test_generation_defaults_layering_and_config_validation(tmp_path: Path) -> None:
+    from helios.config import ConfigError, load_config
+    from helios.runtime import generation_defaults
+
+    ckpt = {"temperature": 0.7, "eos_token_id": [2]}
+    assert generation_defaults(ckpt, {}, default_model=False) == ckpt
+    assert generation_defaults(ckpt, {}, default_model=True) == {"temperature": 0.2, "top_p": 0.9, "eos_token_id": [2]}
+    assert generation_defaults(ckpt, {"temperature": 1.0, "top_k": 40}, default_model=True)["temperature"] == 1.0
+    good = tmp_path / "good.toml"
+    good.write_text("[model]\ngeneration_config = {temperature = 0.5, top_k = 20}\n")
+    assert load_config(good).model.generation_config == {"temperature": 0.5, "top_k": 20}
+    for bad in ("{tempreature = 0.5}", "{top_k = 2.5}", '{temperature = "hot"}'):
+        path = tmp_path / "bad.toml"
+        path.write_text(f"[model]\ngeneration_config = {bad}\n")
+        with pytest.raises(ConfigError, match="generation_config"):
+            load_config(path)
