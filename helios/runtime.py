@@ -21,22 +21,59 @@ from helios.serving.pipeline import ModelInfo, Service
 log = logging.getLogger("helios.runtime")
 
 
+CPU_CAPABILITY_ENV = "HELIOS_CPU_CAPABILITY"
+CPU_CAPABILITIES = ("avx2", "avx512_bf16", "amx")
+
+
+def detect_cpu_capability(cpuinfo: str | None = None) -> str:
+    """What this CPU offers bfloat16 matmuls, from the flags in /proc/cpuinfo: "amx" (AMX-BF16),
+    "avx512_bf16" (AVX512-BF16), else "avx2" (no native bf16 instructions; also the answer where
+    /proc/cpuinfo is missing, and on CPUs that are not x86). torch's own get_cpu_capability() says
+    "AVX512" with or without the BF16 extension, so it cannot tell these apart."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "avx2"
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "flags":
+            flags.update(value.split())
+    if "amx_bf16" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    return "avx2"
+
+
+def cpu_capability() -> str:
+    """`detect_cpu_capability()`, unless $HELIOS_CPU_CAPABILITY forces one of CPU_CAPABILITIES (so tests
+    can check what `dtype = "auto"` does on either kind of machine from any machine)."""
+    forced = os.environ.get(CPU_CAPABILITY_ENV, "").strip()
+    if not forced:
+        return detect_cpu_capability()
+    if forced not in CPU_CAPABILITIES:
+        raise ValueError(f"{CPU_CAPABILITY_ENV}={forced!r} is not one of {', '.join(CPU_CAPABILITIES)}")
+    return forced
+
+
 def cpu_has_bf16() -> bool:
     """AVX512-BF16 or AMX: bfloat16 matmuls are fast on this CPU."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return cpu_capability() != "avx2"
 
 
 def choose_dtype(name: str, device: str) -> torch.dtype:
+    """The configured dtype; "auto" is bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else
+    float32 (torch's bf16 matmuls are slower than fp32 without them)."""
     if name == "float32":
         return torch.float32
     if name == "bfloat16":
         return torch.bfloat16
     if name == "float16":
         return torch.float16
+    if name != "auto":
+        raise ValueError(f"unknown dtype {name!r}: expected auto, float32, bfloat16 or float16")
     if device.startswith("cuda"):
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_bf16() else torch.float32

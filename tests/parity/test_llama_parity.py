@@ -18,10 +18,10 @@ from torch import Tensor
 from helios.loaders.checkpoint import load_checkpoint
 from helios.models.dense_attention import DenseAttention, greedy_generate
 from helios.models.llama import LlamaForCausalLM
+from tests.numerics import FP32_TOLERANCE, tolerance_for
 
 transformers = pytest.importorskip("transformers")
 
-FP32_TOLERANCE = 1e-4
 VOCAB = 272
 PROMPT = [3, 250, 17, 99, 101, 5, 64, 200, 31, 7, 140, 271]
 
@@ -209,7 +209,9 @@ def test_bfloat16_close_to_float32(pair: tuple[torch.nn.Module, Path], lm_head_f
     diff = (got - expected).abs().max().item()
     scale = expected.abs().max().item()
     _report(f"{root.name} prompt bf16 (lm_head_fp32={lm_head_fp32}) vs fp32 reference", diff, scale)
-    assert diff < 0.05 * scale
+    # Rounding to bf16 at every layer moved these logits by up to 0.028 * scale (7 roundings of
+    # 2**-8), with native AVX512-BF16 kernels and with AVX2 ones alike; 13 roundings leave ~2x.
+    assert diff < tolerance_for(torch.bfloat16, scale, roundings=13)
 
 
 def test_load_weights_reports_missing_and_unexpected(pair: tuple[torch.nn.Module, Path]) -> None:
