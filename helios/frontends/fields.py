@@ -53,13 +53,15 @@ class FieldPolicy:
     says it is not supported, followed by the reason."""
     check: Callable[[Any], None] | None = None
     """Ignored rows: a validator that raises its own BadRequest (nested shapes with precise params)."""
+    refuse_null: bool = False
+    """Refused rows: an explicit null is refused too (the field's presence is the error)."""
 
     def screen(self, name: str, value: Any) -> bool:
         """Whether the field stays in the body for the wire class; BadRequest for a refused value."""
         if self.kind == "honoured":
             return True
         if self.kind == "refused":
-            if value is None or (self.allows is not None and self.allows(value)):
+            if (value is None and not self.refuse_null) or (self.allows is not None and self.allows(value)):
                 return False
             raise self._refusal(name, value)
         if value is None:
@@ -91,8 +93,9 @@ def ignored(reason: str, *types: type, allows: Callable[[Any], bool] | None = No
     return FieldPolicy("ignored", reason, types=types, allows=allows, message=message, check=check)
 
 
-def refused(reason: str, *, inert: Callable[[Any], bool] | None = None, message: str | None = None) -> FieldPolicy:
-    return FieldPolicy("refused", reason, allows=inert, message=message)
+def refused(reason: str, *, inert: Callable[[Any], bool] | None = None, message: str | None = None,
+            refuse_null: bool = False) -> FieldPolicy:
+    return FieldPolicy("refused", reason, allows=inert, message=message, refuse_null=refuse_null)
 
 
 def one_of(*values: Any) -> Callable[[Any], bool]:

@@ -43,12 +43,16 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "clients.md"
 DOC_URL = "http://127.0.0.1:8000"
 RUN_TIMEOUT = 900
 
-# Codex sends no output limit; this bounds its turn on a 2-core CI machine.
+# Codex sends no output limit: default_max_tokens bounds its turn on a 2-core CI machine. Greedy
+# decoding makes the check repeatable: sampled at the default model's temperature 0.2, a turn
+# sometimes runs into Claude Code's output limit (it then continues, and gives up with an error
+# after a few continuations), which says nothing about the server.
 CLIENT_TOML = """
 [server]
-default_max_tokens = 512
+default_max_tokens = 256
 [model]
 path = "@MODEL@"
+generation_config = {temperature = 0.0}
 [engine]
 max_active = 8
 kv_memory_gib = 0.5

@@ -296,8 +296,14 @@ def test_refused_row_is_a_bad_request_naming_the_field(protocol: str, name: str)
 
 @pytest.mark.parametrize("protocol, name", params("refused"))
 def test_refused_row_accepts_null_and_its_inert_values(protocol: str, name: str) -> None:
-    assert decode(protocol, **{name: None}) == decode(protocol)
-    if PROTOCOLS[protocol].table[name].allows is not None:
+    row = PROTOCOLS[protocol].table[name]
+    if row.refuse_null:  # the field's presence is the error (Messages' logprob options)
+        with pytest.raises(BadRequest) as err:
+            decode(protocol, **{name: None})
+        assert err.value.param == name
+    else:
+        assert decode(protocol, **{name: None}) == decode(protocol)
+    if row.allows is not None:
         assert decode(protocol, **{name: INERT[name]}) == decode(protocol)
 
 

@@ -171,8 +171,10 @@ MESSAGES_FIELDS: FieldTable = {
                            inert=one_of([]), message="mcp_servers is not supported: MCP servers are not available"),
     "thread": refused("server-held conversation state: Helios keeps no messages, so send the whole conversation"),
     "compaction": refused("compaction requests (summarize the conversation) are not implemented"),
+    # The spec: /v1/messages rejects these fields; present at all (null included) is a 400.
     **{name: refused("an OpenAI/vLLM logprob option; Messages has no logprobs",
-                     message=f"{name} is not supported on /v1/messages") for name in REJECTED_FIELDS},
+                     message=f"{name} is not supported on /v1/messages", refuse_null=True)
+       for name in REJECTED_FIELDS},
 }
 """Every top-level Messages field Helios knows (see `helios.frontends.fields`)."""
 
