@@ -93,6 +93,20 @@ class RequestOutput:
 
 
 @attrs.frozen
+class RunnerOutput:
+    """What one forward produced, by request id: the runner → scheduler boundary record.
+
+    ``sampled`` holds the committed token ids in order (one per decoding request today; several
+    under speculative verification, the accepted drafts plus the bonus token), ``logprobs`` their
+    records in the same order (only for requests that asked), ``prompt_logprobs`` the prompt
+    positions scored in this step's chunks."""
+
+    sampled: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
+    logprobs: dict[str, tuple[TokenLogprobRecord, ...]] = attrs.field(factory=dict)
+    prompt_logprobs: dict[str, tuple[PromptLogprobRecord | None, ...]] = attrs.field(factory=dict)
+
+
+@attrs.frozen
 class EngineStats:
     active: int
     pending: int

@@ -1,11 +1,22 @@
-"""Continuous batching with chunked prefill over the paged KV pool.
+"""Continuous batching with chunked prefill over the paged KV cache: the scheduler half of the step.
 
-Every step, all running sequences that finished their prefill decode one token, and the remaining
+The step (nano-vllm's shape, with vLLM v1's named boundary records):
+
+    scheduler.schedule() -> SchedulerOutput          which tokens of which requests run now
+    runner.execute(SchedulerOutput) -> RunnerOutput   forward, prompt scores, sampling
+    scheduler.update(SchedulerOutput, RunnerOutput) -> [RequestOutput]
+                                                      commit tokens, stop checks, frees
+
+Every step, all running requests that finished their prefill decode one token, and the remaining
 token budget (`prefill_chunk_size`) goes to prefill chunks, oldest first. Requests join at any step
 once pages for their whole prompt are free and a slot is open, and leave the batch the step they
-finish. When pages run out during decode, the newest running sequence is preempted (its pages are
-freed and it is recomputed later from its prompt plus the tokens it already produced); a sequence
-that cannot grow even alone finishes with the length cause.
+finish. Page ownership belongs to the KV cache manager (`kv/manager.py`).
+
+Preemption (recompute: the victim's pages are freed and it is prefilled again later from its prompt
+plus the tokens it already produced). When a decoding request needs a page and none is free, the
+newest running request not yet scheduled in this step is preempted; when every other request is
+already scheduled, the requesting one preempts itself (as vLLM does). A request that cannot grow
+even alone finishes with the length cause (the spec's "cannot grow past page capacity").
 """
 
 from __future__ import annotations
@@ -13,12 +24,20 @@ from __future__ import annotations
 import collections
 import enum
 from collections.abc import Iterable
+from typing import Any
 
 import attrs
 import torch
 
-from helios.engine.kv.pool import PagePool
-from helios.engine.records import EngineFinish, EngineRequest
+from helios.engine.kv.manager import KVCacheManager
+from helios.engine.records import (
+    EngineFinish,
+    EngineRequest,
+    PromptLogprobRecord,
+    RequestOutput,
+    RunnerOutput,
+    TokenLogprobRecord,
+)
 
 
 class SeqStatus(enum.IntEnum):
@@ -28,7 +47,16 @@ class SeqStatus(enum.IntEnum):
 
 
 @attrs.define(eq=False)
-class Sequence:
+class RequestState:
+    """What the step needs to know about one request, owned by the scheduler.
+
+    Its pages are not here: the KV cache manager keys block tables by request id. The last three
+    fields are the plug-in points of later features: a structured-output matcher (token masks and
+    forced tokens, applied by the runner before sampling), a reasoning-budget tracker (forces the
+    close token at the cap, checked in `update`) and a draft proposer (lookahead slots in
+    `allocate_slots`, several committed tokens per step in `RunnerOutput`).
+    """
+
     request: EngineRequest
     token_ids: list[int]
     num_prompt_tokens: int
@@ -36,9 +64,11 @@ class Sequence:
     arrival: int
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose K/V are in the cache
-    block_table: list[int] = attrs.field(factory=list)
     num_preemptions: int = 0
     num_prompt_scored: int = 0  # prompt positions whose scores went out (prompt_logprobs requests)
+    grammar: Any = None
+    reasoning_budget: Any = None
+    proposer: Any = None
 
     @property
     def request_id(self) -> str:
@@ -61,7 +91,7 @@ class Sequence:
 class ScheduledChunk:
     """A slice of one sequence's tokens to run this step; `samples` when its last token yields a new one."""
 
-    seq: Sequence
+    seq: RequestState
     start: int  # first token index (== position) in seq.token_ids
     length: int
     samples: bool
@@ -70,7 +100,7 @@ class ScheduledChunk:
 @attrs.frozen
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
-    finished_early: tuple[tuple[Sequence, EngineFinish], ...] = ()
+    finished_early: tuple[tuple[RequestState, EngineFinish], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -80,25 +110,29 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self,
-        pool: PagePool,
+        kv: KVCacheManager,
         *,
         max_active: int,
         prefill_chunk_size: int,
         max_model_len: int,
     ) -> None:
-        self.pool = pool
+        self.kv = kv
         self.max_active = max_active
         self.prefill_chunk_size = prefill_chunk_size
         self.max_model_len = max_model_len
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []
-        self.by_id: dict[str, Sequence] = {}
+        self.waiting: collections.deque[RequestState] = collections.deque()
+        self.running: list[RequestState] = []
+        self.by_id: dict[str, RequestState] = {}
         self._arrivals = 0
         self.num_preemptions = 0
+        # Totals for the metrics: prompt tokens prefilled, tokens committed, requests completed.
+        self.prefill_tokens = 0
+        self.generated_tokens = 0
+        self.completed = 0
 
     # -- membership -------------------------------------------------------------------------
-    def add(self, request: EngineRequest, generator: torch.Generator | None) -> Sequence:
-        seq = Sequence(
+    def add(self, request: EngineRequest, generator: torch.Generator | None) -> RequestState:
+        seq = RequestState(
             request=request,
             token_ids=list(request.prompt_token_ids),
             num_prompt_tokens=len(request.prompt_token_ids),
@@ -110,7 +144,7 @@ class Scheduler:
         self.by_id[request.request_id] = seq
         return seq
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: RequestState) -> None:
         """Remove a sequence from the batch and free its pages (idempotent)."""
         if seq.status == SeqStatus.FINISHED:
             return
@@ -122,10 +156,10 @@ class Scheduler:
             except ValueError:
                 pass
         seq.status = SeqStatus.FINISHED
-        self.pool.free(seq.block_table)
+        self.kv.free(seq.request_id)
         self.by_id.pop(seq.request_id, None)
 
-    def abort(self, request_ids: Iterable[str]) -> list[Sequence]:
+    def abort(self, request_ids: Iterable[str]) -> list[RequestState]:
         out = []
         for rid in request_ids:
             seq = self.by_id.get(rid)
@@ -141,30 +175,37 @@ class Scheduler:
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         chunks: list[ScheduledChunk] = []
-        finished_early: list[tuple[Sequence, EngineFinish]] = []
+        finished_early: list[tuple[RequestState, EngineFinish]] = []
+        scheduled: set[str] = set()
         budget = self.prefill_chunk_size
+        kv = self.kv
 
-        # 1. Decode: every running sequence past its prefill grows by one token.
+        # 1. Decode: every running request past its prefill grows by one token.
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status != SeqStatus.RUNNING or seq.is_prefilling:
                 continue
             total = len(seq.token_ids)
-            while not self.pool.can_allocate(seq.block_table, total):
-                victim = self._newest_running(exclude=seq)
+            while not kv.can_allocate(seq.request_id, total):
+                victim = self._newest_unscheduled(exclude=seq, scheduled=scheduled)
                 if victim is None:
                     break
                 self._preempt(victim)
-            if not self.pool.can_allocate(seq.block_table, total):
-                # Alone and still no room: the spec's "cannot grow past page capacity" → length.
-                finished_early.append((seq, EngineFinish.LENGTH))
-                self.finish(seq)
+            if not kv.can_allocate(seq.request_id, total):
+                if any(s is not seq for s in self.running):
+                    # Everyone else already runs this step: this request waits its turn again.
+                    self._preempt(seq)
+                else:
+                    # Alone and still no room: the spec's "cannot grow past page capacity" → length.
+                    finished_early.append((seq, EngineFinish.LENGTH))
+                    self.finish(seq)
                 continue
-            self.pool.allocate_for(seq.block_table, total)
+            kv.allocate_slots(seq.request_id, seq.num_computed, total - seq.num_computed)
             chunks.append(ScheduledChunk(seq, total - 1, 1, True))
+            scheduled.add(seq.request_id)
             budget -= 1
         budget = max(budget, 0)
 
-        # 2. Continue partial prefills of running sequences, oldest first.
+        # 2. Continue partial prefills of running requests, oldest first.
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if budget <= 0:
                 break
@@ -172,15 +213,16 @@ class Scheduler:
                 continue
             chunk = self._prefill_chunk(seq, budget)
             chunks.append(chunk)
+            scheduled.add(seq.request_id)
             budget -= chunk.length
 
-        # 3. Admit waiting sequences while slots, pages and budget allow.
+        # 3. Admit waiting requests while slots, pages and budget allow.
         while self.waiting and budget > 0 and len(self.running) < self.max_active:
             seq = self.waiting[0]
             # Pages for the whole known context plus one generated token, so a prefill is never
             # stranded half-way for lack of pages.
-            if not self.pool.can_allocate(seq.block_table, len(seq.token_ids) + 1):
-                if not self.running and self.pool.num_free == self.pool.num_pages:
+            if not kv.can_allocate(seq.request_id, len(seq.token_ids) + 1):
+                if not self.running and kv.num_free == kv.num_pages:
                     # It can never fit: fail it rather than wait forever.
                     self.waiting.popleft()
                     finished_early.append((seq, EngineFinish.LENGTH))
@@ -189,35 +231,88 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            self.pool.allocate_for(seq.block_table, len(seq.token_ids))
+            kv.allocate_slots(seq.request_id, 0, len(seq.token_ids))
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunk = self._prefill_chunk(seq, budget)
             chunks.append(chunk)
+            scheduled.add(seq.request_id)
             budget -= chunk.length
 
         return SchedulerOutput(tuple(chunks), tuple(finished_early))
 
-    def after_forward(self, out: SchedulerOutput) -> None:
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        """Commit what the runner produced: computed positions, tokens, stops, frees and outputs."""
+        outputs = [RequestOutput(s.request_id, (), finish=cause, num_prompt_tokens=s.num_prompt_tokens)
+                   for s, cause in out.finished_early]
         for c in out.chunks:
             c.seq.num_computed = c.start + c.length
+            if c.start < c.seq.num_prompt_tokens:
+                self.prefill_tokens += min(c.start + c.length, c.seq.num_prompt_tokens) - c.start
+        for c in out.chunks:
+            seq = c.seq
+            rid = seq.request_id
+            scores = result.prompt_logprobs.get(rid)
+            tokens = result.sampled.get(rid)
+            if tokens:
+                outputs.append(self._commit(seq, tokens, result.logprobs.get(rid), scores))
+            elif c.samples and seq.request.max_tokens == 0:
+                # A scoring-only request: its prefill is done and nothing is sampled.
+                self.finish(seq)
+                self.completed += 1
+                outputs.append(RequestOutput(rid, (), prompt_logprobs=scores, finish=EngineFinish.LENGTH,
+                                             num_prompt_tokens=seq.num_prompt_tokens))
+            elif scores:
+                outputs.append(RequestOutput(rid, (), prompt_logprobs=scores, num_prompt_tokens=seq.num_prompt_tokens))
+        return outputs
+
+    def _commit(self, seq: RequestState, tokens: tuple[int, ...], logprobs: tuple[TokenLogprobRecord, ...] | None,
+                prompt_logprobs: tuple[PromptLogprobRecord | None, ...] | None) -> RequestOutput:
+        """Append the runner's tokens in order; the first that ends the request is the last kept."""
+        req = seq.request
+        finish: EngineFinish | None = None
+        kept = 0
+        for token_id in tokens:
+            seq.token_ids.append(token_id)
+            kept += 1
+            if token_id in req.stop_token_ids:
+                finish = EngineFinish.STOP_TOKEN
+            elif not req.ignore_eos and token_id in req.eos_token_ids:
+                finish = EngineFinish.EOS
+            elif seq.num_output_tokens >= req.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                finish = EngineFinish.LENGTH
+            if finish is not None:
+                break
+        self.generated_tokens += kept
+        if finish is not None:
+            self.finish(seq)
+            self.completed += 1
+        return RequestOutput(
+            seq.request_id,
+            tuple(tokens[:kept]),
+            logprobs=None if logprobs is None else tuple(logprobs[:kept]),
+            prompt_logprobs=prompt_logprobs,
+            finish=finish,
+            num_prompt_tokens=seq.num_prompt_tokens,
+        )
 
     # -- helpers ----------------------------------------------------------------------------
-    def _prefill_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk:
+    def _prefill_chunk(self, seq: RequestState, budget: int) -> ScheduledChunk:
         total = len(seq.token_ids)
-        self.pool.allocate_for(seq.block_table, total)
         start = seq.num_computed
+        if self.kv.allocate_slots(seq.request_id, start, total - start) is None:
+            raise RuntimeError("pages for a running prefill were not reserved at admission")
         length = min(total - start, budget)
         return ScheduledChunk(seq, start, length, samples=start + length == total)
 
-    def _newest_running(self, exclude: Sequence) -> Sequence | None:
-        cands = [s for s in self.running if s is not exclude]
+    def _newest_unscheduled(self, exclude: RequestState, scheduled: set[str]) -> RequestState | None:
+        cands = [s for s in self.running if s is not exclude and s.request_id not in scheduled]
         return max(cands, key=lambda s: s.arrival) if cands else None
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: RequestState) -> None:
         """Recompute-style preemption: drop its KV and put it first in line again."""
         self.running.remove(seq)
-        self.pool.free(seq.block_table)
+        self.kv.free(seq.request_id)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -225,7 +320,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity([s.block_table for s in self.running] + [s.block_table for s in self.waiting])
+        kv = self.kv
+        kv.check_integrity()
         for s in self.running:
             assert s.status == SeqStatus.RUNNING
-            assert len(s.block_table) * self.pool.page_size >= s.num_computed
+            assert len(kv.block_table(s.request_id)) * kv.page_size >= s.num_computed
+        for s in self.waiting:
+            assert not kv.block_table(s.request_id), "a waiting request holds pages"

@@ -72,7 +72,7 @@ def test_engine_matches_dense_reference(num_pages: int) -> None:
             top = torch.topk(row, 5).indices.tolist()
             assert [t for t, _ in lp.top] == top
     assert worst < 1e-4, worst
-    assert core.pool.num_free == num_pages  # every page came back
+    assert core.kv_manager.num_free == num_pages  # every page came back
     assert (core.scheduler.num_preemptions > 0) == preempted
 
 
@@ -120,6 +120,6 @@ def test_abort_frees_pages_within_a_step() -> None:
                                                max_model_len=128), torch.float32)
     core.add(EngineRequest("a", tuple(range(1, 20)), SamplingParams(temperature=0.0), max_tokens=50))
     core.step()
-    assert core.pool.num_free < 32
+    assert core.kv_manager.num_free < 32
     out = core.abort(["a"])
-    assert out[0].finish is EngineFinish.ABORTED and core.pool.num_free == 32
+    assert out[0].finish is EngineFinish.ABORTED and core.kv_manager.num_free == 32

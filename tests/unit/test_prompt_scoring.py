@@ -89,7 +89,7 @@ def test_zero_output_request_only_scores(model: LlamaForCausalLM) -> None:
     assert all(not o.new_token_ids for o in outs)
     assert outs[-1].finish is EngineFinish.LENGTH and outs[-1].num_prompt_tokens == len(PROMPT)
     _close(_scores(outs), _reference(model, PROMPT, 0))
-    assert core.generated_tokens == 0 and core.pool.num_free == core.pool.num_pages
+    assert core.scheduler.generated_tokens == 0 and core.kv_manager.num_free == core.kv_manager.num_pages
 
 
 def test_scoring_with_a_concurrent_plain_request(model: LlamaForCausalLM) -> None:
