@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from helios.config import HeliosConfig
+from helios.engine.attention import KVCache
 from helios.engine.core import EngineConfig, EngineCore, EngineThread
-from helios.engine.kv.pool import KVCache
 from helios.serving.engine_client import EngineClient
 from helios.serving.pipeline import ModelInfo, Service
 

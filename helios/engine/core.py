@@ -15,8 +15,8 @@ from typing import Any
 import attrs
 import torch
 
+from helios.engine.attention import AttentionBackend, TorchPagedBackend
 from helios.engine.kv.manager import KVCacheManager
-from helios.engine.kv.pool import KVCache
 from helios.engine.records import (
     Abort,
     Add,
@@ -51,12 +51,14 @@ class EngineCore:
         self.cfg = cfg
         self.device = torch.device(device)
         self.kv_manager = KVCacheManager(cfg.num_pages, cfg.page_size)
-        self.kv = KVCache(model_config.num_layers, cfg.num_pages, cfg.page_size, model_config.num_kv_heads,
-                          model_config.head_dim, dtype, self.device)
+        self.attention: AttentionBackend = TorchPagedBackend(
+            model_config.num_layers, cfg.num_pages, cfg.page_size, model_config.num_kv_heads,
+            model_config.head_dim, dtype, self.device)
+        self.kv = self.attention.kv
         self.scheduler = Scheduler(self.kv_manager, max_active=cfg.max_active,
                                    prefill_chunk_size=cfg.prefill_chunk_size, max_model_len=cfg.max_model_len)
         self.sampler = Sampler(model_config.vocab_size, device=self.device)
-        self.runner = ModelRunner(model, self.kv, self.kv_manager, self.sampler, self.device)
+        self.runner = ModelRunner(model, self.attention, self.kv_manager, self.sampler, self.device)
         self.failed = 0
 
     # -- inbox handling ---------------------------------------------------------------------

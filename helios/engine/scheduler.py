@@ -101,6 +101,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     finished_early: tuple[tuple[RequestState, EngineFinish], ...] = ()
+    freed: tuple[str, ...] = ()
+    """Requests whose pages were released since the previous step (finished, aborted, preempted):
+    the runner drops its per-request state for them before building this step."""
 
     @property
     def num_tokens(self) -> int:
@@ -129,6 +132,7 @@ class Scheduler:
         self.prefill_tokens = 0
         self.generated_tokens = 0
         self.completed = 0
+        self._freed: list[str] = []
 
     # -- membership -------------------------------------------------------------------------
     def add(self, request: EngineRequest, generator: torch.Generator | None) -> RequestState:
@@ -157,6 +161,7 @@ class Scheduler:
                 pass
         seq.status = SeqStatus.FINISHED
         self.kv.free(seq.request_id)
+        self._freed.append(seq.request_id)
         self.by_id.pop(seq.request_id, None)
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestState]:
@@ -239,7 +244,8 @@ class Scheduler:
             scheduled.add(seq.request_id)
             budget -= chunk.length
 
-        return SchedulerOutput(tuple(chunks), tuple(finished_early))
+        freed, self._freed = tuple(self._freed), []
+        return SchedulerOutput(tuple(chunks), tuple(finished_early), freed)
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         """Commit what the runner produced: computed positions, tokens, stops, frees and outputs."""
@@ -313,6 +319,7 @@ class Scheduler:
         """Recompute-style preemption: drop its KV and put it first in line again."""
         self.running.remove(seq)
         self.kv.free(seq.request_id)
+        self._freed.append(seq.request_id)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
