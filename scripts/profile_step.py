@@ -41,16 +41,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    dtype = choose_dtype(args.dtype, "cpu")
+    dtype = choose_dtype(args.dtype, args.device)
     ckpt = load_checkpoint(str(ensure_default_model()), dtype)
-    model = LlamaForCausalLM(ckpt.config, dtype=dtype)
+    model = LlamaForCausalLM(ckpt.config, dtype=dtype, device=args.device)
     model.load_weights(ckpt.tensors)
     model.eval()
     print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}; threads {torch.get_num_threads()}; dtype {dtype}")
     for n in args.streams:
         core = EngineCore(model, ckpt.config, EngineConfig(page_size=16, num_pages=2048, max_active=64,
-                                                            prefill_chunk_size=512, max_model_len=2048), dtype)
+                                                            prefill_chunk_size=512, max_model_len=2048),
+                          dtype, args.device)
         for i in range(n):
             prompt = tuple((17 * i + 31 * j) % 40000 + 100 for j in range(64))
             core.add(EngineRequest(f"s{i}", prompt, SamplingParams(temperature=1.0, seed=i),
@@ -64,6 +66,8 @@ def main() -> None:
         prof.enable()
         for _ in range(args.steps):
             core.step()
+        if args.device != "cpu":
+            torch.cuda.synchronize()
         prof.disable()
         ms = (time.perf_counter() - t0) * 1e3 / args.steps
         print(f"\n== {n} stream(s): {ms:.1f} ms/step, {n * 1e3 / ms:.1f} tok/s (under cProfile)")
