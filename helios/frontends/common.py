@@ -17,6 +17,13 @@ from helios.serving.pipeline import merged as merged
 class EventWriter(Protocol):
     """What a streaming frontend writes to (the asgi SSE writer satisfies it)."""
 
+    async def start(self) -> None:
+        """Send the HTTP status and SSE headers now (idempotent; the first event also sends them).
+
+        Streams call it right after their children are enqueued, so a client sees 200 and the
+        spec's keepalive comments while a long prefill runs, not silence until the first token."""
+        ...
+
     async def event(self, data: str | dict[str, Any], event: str | None = None) -> None: ...
     async def done_marker(self) -> None: ...
 

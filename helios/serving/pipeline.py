@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import trio
 
-from helios.domain.conversation import ConversationRequest
+from helios.domain.conversation import ConversationRequest, ImagePart, ToolResultPart
 from helios.domain.sampling import SamplingParams, SamplingRequest
 from helios.engine.records import EngineRequest, RequestOutput
 from helios.errors import BadRequest, ContextLengthExceeded
@@ -44,6 +44,7 @@ class ModelInfo:
     thinking_token_budget: int | None = None
     has_reasoning: bool = False
     has_tools: bool = False
+    has_vision: bool = False  # no vision model family is implemented yet
 
     @property
     def public_id(self) -> str:
@@ -170,6 +171,11 @@ class Service:
 
     # -- preparation ------------------------------------------------------------------------
     async def render_chat(self, conv: ConversationRequest) -> tuple[str, list[int]]:
+        if not self.info.has_vision and _has_images(conv):
+            # An image must never be dropped silently: a text-only model cannot see it.
+            raise BadRequest(f"model {self.info.public_id} does not accept image input (it is text-only)",
+                             param="messages")
+
         def work() -> tuple[str, list[int]]:
             text = self._lower(conv)
             return text, self.tokenizer.encode(text, add_special_tokens=False)
@@ -282,3 +288,13 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:  # type: ignore[t
     for e in group.exceptions:
         out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
     return out
+
+
+def _has_images(conv: ConversationRequest) -> bool:
+    for message in conv.messages:
+        for part in message.parts:
+            if isinstance(part, ImagePart):
+                return True
+            if isinstance(part, ToolResultPart) and any(isinstance(c, ImagePart) for c in part.content):
+                return True
+    return False

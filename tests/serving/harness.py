@@ -111,6 +111,16 @@ class ScriptBook:
         self._scripts: dict[str, tuple[int, ...]] = {}
         self._ids = itertools.count(1)
         self.prefills: list[Prefill] = []
+        self._delays: dict[str, float] = {}
+
+    def delay(self, key: str, seconds: float) -> None:
+        """The prefill of the next prompt selecting `key` takes `seconds` (a long prompt on a CPU)."""
+        with self._lock:
+            self._delays[key] = seconds
+
+    def take_delay(self, key: str | None) -> float:
+        with self._lock:
+            return self._delays.pop(key, 0.0) if key is not None else 0.0
 
     def add(self, *parts: str | Sequence[int]) -> str:
         """Registers a script (see `encode_script`) and returns the key to put in the prompt."""
@@ -186,7 +196,8 @@ class ScriptedModel(torch.nn.Module):
             j = i + 1
             while j < num and pos[j] == pos[j - 1] + 1:
                 j += 1
-            key_script = self.book.choose(ids[i:j])[1]
+            key, key_script = self.book.choose(ids[i:j])
+            time.sleep(self.book.take_delay(key))  # runs in the engine thread, like a real prefill
             sid = next(self._ids)
             self._seqs[sid] = _Seq(key_script, j - i)
             carrier[i:j] = float(sid)

@@ -483,6 +483,7 @@ async def run_chat_stream(plan: ChatPlan, specs: list[ChildSpec], svc: Service, 
 
     checks = [ToolCallCheck.for_conversation(plan.conversation) for _ in specs]
     async with svc.generate(specs, prefix="chatcmpl") as streams:
+        await out.start()  # 200 and SSE headers after enqueue; the role chunk waits for a token
         async for i, u in merged(streams):
             u, failure = _screen(checks[i], u)
             accs[i].add(u)

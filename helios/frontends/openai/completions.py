@@ -67,7 +67,8 @@ COMPLETION_FIELDS: FieldTable = {
     "best_of": honoured("accepted only when equal to n; ranked sampling is refused"),
     "echo": honoured("prompt echoed before the completion (scored with logprobs)"),
     "logprobs": honoured("alternatives per token (0..20)"),
-    "max_tokens": honoured("output limit (default 16; 0 only tokenizes or scores)"),
+    "max_tokens": honoured("output limit (default [server] default_max_tokens, bounded by the context left; "
+                           "0 only tokenizes or scores)"),
     "n": honoured("choices per prompt (1..128)"),
     "stream": honoured("SSE chunks"),
     "stream_options": honoured("include_usage and the continuous_usage_stats extension"),
@@ -210,7 +211,7 @@ async def prepare_completion(plan: CompletionPlan, svc: Service) -> tuple[list[P
     specs: list[ChildSpec] = []
     for pp in prepared:
         budget = svc.output_budget(
-            len(pp.ids), w.max_tokens if w.max_tokens is not None else 16, input_param="prompt"
+            len(pp.ids), w.max_tokens, input_param="prompt"
         )
         for i in range(plan.n):
             # Buffered choices of one prompt share its scores: only the first child computes them.
@@ -314,6 +315,7 @@ async def run_completion_stream(plan: CompletionPlan, prepared: list[PreparedPro
             await out.event(chunk(i, "", "length"))
     else:
         async with svc.generate(specs, prefix="cmpl") as streams:
+            await out.start()  # 200 and SSE headers after enqueue, keepalives during prefill
             async for i, u in merged(streams):
                 accs[i].add(u)
                 if u.finish is not None and u.finish.cause is FinishCause.ERROR:

@@ -534,7 +534,7 @@ def decode_responses(obj: dict[str, Any], svc: Service) -> ResponsesPlan:
         raise BadRequest("string stops cannot be combined with token stops", param="stop")
     toolset, choice = decode_tools(w.tools, w.tool_choice)
     effort, summary, effort_kwargs = _decode_reasoning(w.reasoning, svc.info)
-    messages = decode_input(w.input, w.instructions, allow_images=bool(getattr(svc.info, "has_vision", False)))
+    messages = decode_input(w.input, w.instructions, allow_images=svc.info.has_vision)
     conv = ConversationRequest(
         messages=messages,
         tools=toolset.tools,

@@ -1,0 +1,105 @@
+"""Places where the code contradicted api.md, each with the test that would have caught it.
+
+- Streams answer 200 with SSE headers right after validation and enqueue ("Transport and
+  admission"), not at the first token; Chat's role chunk still waits for the first generated token.
+  A scripted prefill that takes 2 s stands in for a long prompt on a CPU.
+- Completions without max_tokens use the server's default_max_tokens ("default output-token budget
+  when a request omits it"), not the legacy 16.
+- An image sent to a text-only model is a 400 on every chat protocol, never silently dropped
+  (Chat and Messages dropped it; Responses already refused it).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from tests.serving.harness import ScriptedServer
+
+PREFILL_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def smol(servers: dict[str, ScriptedServer]) -> ScriptedServer:
+    return servers["smollm2"]
+
+
+def _timed_stream(server: ScriptedServer, path: str, body: dict[str, Any]) -> tuple[float, float, list[str]]:
+    """Seconds to the response headers, seconds to the first data line, and the data lines."""
+    lines: list[str] = []
+    with server.http() as http:
+        t0 = time.monotonic()
+        with http.stream("POST", path, json=body) as r:
+            headers_at = time.monotonic() - t0
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            first_data_at = None
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    first_data_at = first_data_at or time.monotonic() - t0
+                    lines.append(line[6:])
+    assert first_data_at is not None
+    return headers_at, first_data_at, lines
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_headers_before_a_slow_prefill(smol: ScriptedServer, path: str) -> None:
+    key = smol.book.add("Hello there.")
+    smol.book.delay(key, PREFILL_S)
+    body: dict[str, Any] = {"model": "m", "stream": True, "max_tokens": 16}
+    if path == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": f"Hi {key}"}]
+    else:
+        body["prompt"] = f"Hi {key}"
+    headers_at, first_data_at, lines = _timed_stream(smol, path, body)
+    assert headers_at < PREFILL_S / 2, headers_at
+    assert first_data_at >= PREFILL_S * 0.9, first_data_at
+    assert lines[-1] == "[DONE]"
+    if path == "/v1/chat/completions":
+        assert '"role": "assistant"' in lines[0] or '"role":"assistant"' in lines[0]
+
+
+def test_completions_default_output_budget_is_the_servers(smol: ScriptedServer) -> None:
+    words = " ".join(f"w{i}" for i in range(30))
+    key = smol.book.add(words)
+    n = len(smol.book.script(key))
+    assert n > 16
+    r = smol.openai().completions.create(model="m", prompt=f"Go {key}")
+    assert r.usage is not None and r.usage.completion_tokens == n + 1  # the script, then EOS
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text.strip() == words
+
+
+PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
+
+
+def test_images_on_a_text_only_model_are_refused_on_every_chat_protocol(smol: ScriptedServer) -> None:
+    import anthropic
+    import openai
+
+    key = smol.book.add("I see nothing.")
+    before = len(smol.book.prompts_for(key))
+    with pytest.raises(openai.BadRequestError) as err:
+        smol.openai().chat.completions.create(model="m", max_tokens=8, messages=[{"role": "user", "content": [
+            {"type": "text", "text": f"What is this? {key}"},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}]}])
+    assert "does not accept image input" in str(err.value)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+    for content in (
+        [{"type": "text", "text": f"What is this? {key}"}, image],
+        [{"type": "tool_result", "tool_use_id": "t1", "content": [image]}, {"type": "text", "text": key}],
+    ):
+        messages: list[dict[str, Any]] = [{"role": "user", "content": content}]
+        if content[0]["type"] == "tool_result":
+            messages = [{"role": "user", "content": "look"},
+                        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "see", "input": {}}]},
+                        *messages]
+        with pytest.raises(anthropic.BadRequestError) as aerr:
+            smol.anthropic().messages.create(model="m", max_tokens=8, messages=messages)  # type: ignore[arg-type]
+        assert "does not accept image input" in str(aerr.value)
+    with pytest.raises(openai.BadRequestError) as err:
+        smol.openai().responses.create(model="m", max_output_tokens=8, input=[{"role": "user", "content": [
+            {"type": "input_text", "text": key},
+            {"type": "input_image", "image_url": f"data:image/png;base64,{PNG}", "detail": "auto"}]}])
+    assert "does not accept image input" in str(err.value)
+    assert len(smol.book.prompts_for(key)) == before  # nothing reached the model
