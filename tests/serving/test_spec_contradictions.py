@@ -7,6 +7,7 @@
   when a request omits it"), not the legacy 16.
 - An image sent to a text-only model is a 400 on every chat protocol, never silently dropped
   (Chat and Messages dropped it; Responses already refused it).
+- Anthropic message-level control metadata (output_config, cache_control, ...) is ignored, not a 400.
 """
 
 from __future__ import annotations
@@ -103,3 +104,20 @@ def test_images_on_a_text_only_model_are_refused_on_every_chat_protocol(smol: Sc
             {"type": "input_image", "image_url": f"data:image/png;base64,{PNG}", "detail": "auto"}]}])
     assert "does not accept image input" in str(err.value)
     assert len(smol.book.prompts_for(key)) == before  # nothing reached the model
+
+
+def test_message_level_control_metadata_is_ignored_on_messages(smol: ScriptedServer) -> None:
+    """api.md: "Message-level control metadata, including output_config.effort, is ignored"."""
+    key = smol.book.add("Fine.")
+    messages = [{"role": "user", "content": f"How are you? {key}", "output_config": {"effort": "low"},
+                 "cache_control": {"type": "ephemeral"}}]
+    reply = smol.anthropic().messages.create(model="m", max_tokens=8, messages=messages)  # type: ignore[arg-type]
+    assert reply.content[0].text == "Fine."  # type: ignore[union-attr]
+    plain = smol.anthropic().messages.create(
+        model="m", max_tokens=8, messages=[{"role": "user", "content": f"How are you? {key}"}])
+    assert plain.usage.input_tokens == reply.usage.input_tokens  # the metadata changed nothing
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError):  # other unknown message keys stay errors
+        smol.anthropic().messages.create(model="m", max_tokens=8, messages=[
+            {"role": "user", "content": "x", "colour": "blue"}])  # type: ignore[list-item]

@@ -55,6 +55,9 @@ from helios.serving.pipeline import ChildSpec, ModelInfo, Service
 
 ANTHROPIC_VERSION = "2023-06-01"
 THINKING_MARKER_PREFIX = "flare-thinking-v1:"
+# Keys a message object may carry that steer a hosted service, not the conversation: ignored.
+MESSAGE_CONTROL_METADATA = frozenset({"output_config", "cache_control", "metadata", "context_management"})
+
 REJECTED_FIELDS = ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "logprob_token_ids",
                    "prompt_logprobs")
 IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp")
@@ -264,7 +267,9 @@ def decode_messages(system: Any, messages: list[Any]) -> tuple[Message, ...]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise BadRequest(f"{where} must be an object", param=where)
-        extra = set(m) - {"role", "content"}
+        # api.md: message-level control metadata (output_config.effort and the like) is ignored;
+        # the request's top-level controls apply.
+        extra = set(m) - {"role", "content"} - MESSAGE_CONTROL_METADATA
         if extra:
             raise BadRequest(f"unrecognized field(s) in {where}: {', '.join(sorted(extra))}", param=where)
         role = m.get("role")
