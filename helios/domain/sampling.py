@@ -17,6 +17,8 @@ class SamplingRequest:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+    """(token id, bias) pairs, validated by the frontend; None or empty means no bias."""
 
 
 @attrs.frozen
@@ -31,6 +33,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """Added to the logits before penalties and temperature, after logprobs are taken (vLLM)."""
 
     @property
     def is_greedy(self) -> bool:

@@ -4,13 +4,17 @@ Per row, in this order (vLLM semantics):
 
 1. Logprobs, when requested, from the raw logits: ``logit - logsumexp(logits)`` in float32, before any
    transform. The chosen token always carries its own logprob and rank.
-2. Penalties: repetition over prompt and output tokens (positive logits divided, negative multiplied),
+2. Logit bias (``SamplingParams.logit_bias``), added to the raw logits, as vLLM applies it: after
+   the logprobs are taken, so they stay raw.
+3. Penalties: repetition over prompt and output tokens (positive logits divided, negative multiplied),
    then frequency and presence over output tokens only.
-3. Temperature (skipped for greedy rows).
-4. The optional token mask (grammar): disallowed tokens get ``-inf``.
-5. Filters: top-k, then top-p over the top-k renormalised distribution, then min-p. Every filter keeps
+4. Temperature (skipped for greedy rows). The bias and the penalties are applied to the scaled
+   logits with the same scale, which equals applying them first: both commute with a positive
+   temperature.
+5. The optional token mask (grammar): disallowed tokens get ``-inf``.
+6. Filters: top-k, then top-p over the top-k renormalised distribution, then min-p. Every filter keeps
    all tokens tied with its boundary value, so ties never depend on a sort's order.
-6. The draw. Greedy rows (``SamplingParams.is_greedy``, or a temperature below 1e-5) take the argmax,
+7. The draw. Greedy rows (``SamplingParams.is_greedy``, or a temperature below 1e-5) take the argmax,
    ties to the lowest token id.
    Other rows use inverse-CDF sampling in token-id order with one float64 uniform from the row's own
    CPU generator per step.
@@ -73,6 +77,11 @@ class SamplingRow:
     def has_penalties(self) -> bool:
         p = self.params
         return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+    @property
+    def transforms_logits(self) -> bool:
+        """Anything besides temperature and filters changes this row's logits (penalties, bias)."""
+        return self.has_penalties or bool(self.params.logit_bias)
 
 
 @attrs.frozen
@@ -139,7 +148,7 @@ class Sampler:
         plain: list[int] = []
         work: list[int] = []
         for i, row in enumerate(rows):
-            if token_mask is None and _is_greedy(row.params) and not row.has_penalties:
+            if token_mask is None and _is_greedy(row.params) and not row.transforms_logits:
                 plain.append(i)
             else:
                 work.append(i)
@@ -173,6 +182,8 @@ class Sampler:
             w = x.index_select(0, index)
             if scaled:
                 w.div_(_column(temperatures, device))
+        if any(r.params.logit_bias for r in work_rows):
+            _apply_logit_bias(w, work_rows, [1.0 / t for t in temperatures])
         if any(r.has_penalties for r in work_rows):
             _apply_penalties(w, work_rows, [1.0 / t for t in temperatures])
         if token_mask is not None:
@@ -412,6 +423,21 @@ def _apply_penalties(w: Tensor, rows: Sequence[SamplingRow], scales: Sequence[fl
         penalty = (counts.to(w.dtype) * fp + pp) * scale
         index = unique.to(device)
         flat[index] = flat[index] - penalty.to(device)
+
+
+def _apply_logit_bias(w: Tensor, rows: Sequence[SamplingRow], scales: Sequence[float]) -> None:
+    """Adds each row's bias, times its scale (1/temperature), to [S, V] ``w`` in place (one scatter)."""
+    vocab_size = w.shape[1]
+    flat_index: list[int] = []
+    values: list[float] = []
+    for j, (row, scale) in enumerate(zip(rows, scales, strict=True)):
+        for token, bias in row.params.logit_bias:
+            if 0 <= token < vocab_size:
+                flat_index.append(j * vocab_size + token)
+                values.append(bias * scale)
+    if flat_index:
+        index = torch.tensor(flat_index, dtype=torch.long, device=w.device)
+        w.view(-1).index_add_(0, index, torch.tensor(values, dtype=w.dtype, device=w.device))
 
 
 class _TokenSet:

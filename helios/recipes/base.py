@@ -148,6 +148,7 @@ def resolve_sampling(recipe: Recipe, request: SamplingRequest) -> SamplingParams
         values["seed"] = recipe.defaults.seed
     else:
         values["seed"] = _checked_seed(seed)
+    values["logit_bias"] = request.logit_bias or ()
     return SamplingParams(**values)
 
 

@@ -573,3 +573,22 @@ def test_http_errors_are_protocol_shaped(server: LiveServer) -> None:
                                                       "logprobs": "yes"})
     assert r.status_code in (400, 401)
     assert set(r.json()["error"]) == {"type", "message", "param", "code"}
+
+
+def test_logit_bias_changes_the_choice_not_the_logprobs(server: LiveServer) -> None:
+    """vLLM applies logit_bias after the logprobs are taken: the reported distribution stays raw."""
+    body: dict[str, Any] = {"model": "m", "prompt": "The capital of France is", "max_tokens": 1,
+                            "temperature": 0, "logprobs": 5, "return_tokens_as_token_ids": True}
+    plain = post(server, "/v1/completions", body)["choices"][0]["logprobs"]
+    first = int(plain["tokens"][0].split(":")[1])
+    second = sorted(plain["top_logprobs"][0].items(), key=lambda kv: -kv[1])[1][0]
+    second_id = int(second.split(":")[1])
+    biased = post(server, "/v1/completions", {**body, "logit_bias": {str(first): -100}})["choices"][0]["logprobs"]
+    assert int(biased["tokens"][0].split(":")[1]) == second_id  # the argmax was banned
+    assert biased["top_logprobs"][0] == plain["top_logprobs"][0]  # raw alternatives, unbiased
+    assert biased["token_logprobs"][0] == plain["top_logprobs"][0][second]
+    with server.http() as client:
+        r = client.post("/v1/chat/completions", json={
+            "model": "m", "max_tokens": 1, "temperature": 0, "logit_bias": {"9999999": 1},
+            "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"

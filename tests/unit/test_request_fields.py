@@ -146,6 +146,7 @@ HONOURED: dict[str, dict[str, Any]] = {
 FUNCTION = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 HONOURED_BY_PROTOCOL: dict[str, dict[str, dict[str, Any]]] = {
     "chat": {
+        "logit_bias": {"logit_bias": {"7": 5}},
         "messages": {"messages": [{"role": "system", "content": "S"}, *USER]},
         "logprobs": {"logprobs": True}, "top_logprobs": {"logprobs": True, "top_logprobs": 2},
         "logprob_token_ids": {"logprobs": True, "logprob_token_ids": [1, 2]},
@@ -162,6 +163,7 @@ HONOURED_BY_PROTOCOL: dict[str, dict[str, dict[str, Any]]] = {
         "logprobs": {"logprobs": 2}, "logprob_token_ids": {"logprobs": 1, "logprob_token_ids": [3]},
         "stream_options": {"stream": True, "stream_options": {"include_usage": True}},
         "add_special_tokens": {"add_special_tokens": False},
+        "logit_bias": {"logit_bias": {"7": -100, "8": 2.5}},
     },
     "responses": {
         "input": {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]},
@@ -266,7 +268,7 @@ def test_responses_echo_ignored_fields() -> None:
 # -- refused rows: 400 naming the field, param = the field ----------------------------------------------
 
 REFUSED: dict[str, Any] = {
-    "logit_bias": {"50256": -100}, "response_format": {"type": "json_object"}, "audio": {"voice": "alloy"},
+    "response_format": {"type": "json_object"}, "audio": {"voice": "alloy"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
     "web_search_options": {}, "functions": [{"name": "f"}], "function_call": "auto",
     "moderation": {"model": "omni-moderation-latest"}, "suffix": "end", "tools": [FUNCTION],
@@ -280,7 +282,7 @@ REFUSED: dict[str, Any] = {
 }
 # Refused rows' values that mean "off" and are accepted as absent.
 INERT: dict[str, Any] = {
-    "logit_bias": {}, "response_format": {"type": "text"}, "modalities": ["text"], "background": False,
+    "response_format": {"type": "text"}, "modalities": ["text"], "background": False,
     "truncation": "disabled", "context_management": [], "mcp_servers": [],
 }
 
@@ -434,3 +436,13 @@ def test_claude_code_count_tokens_and_title_requests() -> None:
              "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}
     with pytest.raises(BadRequest, match=r"output_config\.format .* not supported yet"):
         messages.decode_request(title, INFO)
+
+
+def test_logit_bias_is_validated_and_reaches_the_sampling_request() -> None:
+    plan = decode("chat", logit_bias={"7": -100, "3": 1.5})
+    assert plan.conversation.sampling.logit_bias == ((3, 1.5), (7, -100.0))
+    assert decode("chat", logit_bias={}).conversation.sampling.logit_bias is None
+    for bad in ({"x": 1}, {"-1": 1}, {"99999999": 1}, {"7": 101}, {"7": True}, {"7": "1"}, [1]):
+        with pytest.raises(BadRequest) as err:
+            decode("chat", logit_bias=bad)
+        assert err.value.param == "logit_bias"

@@ -592,3 +592,50 @@ def test_prompt_logprobs_non_finite_and_ties() -> None:
         {3: (pytest.approx(float(torch.log_softmax(logits[1].double(), -1)[3])), 4)},
     ]
     assert prompt_logprobs(torch.zeros(0, 5), [], 3) == []
+
+
+# -- logit bias ---------------------------------------------------------------------------------------
+
+
+def test_logit_bias_steers_the_draw_but_logprobs_stay_raw() -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(1, 50) * 2
+    top = int(logits.argmax())
+    low = int(logits.argmin())
+    sampler = Sampler(50)
+    plain_tokens, plain_lps = sampler.sample(logits, [_row(GREEDY, num_top_logprobs=3)])
+    assert plain_tokens == [top]
+    biased = SamplingParams(temperature=0.0, logit_bias=((low, 100.0),))
+    tokens, lps = sampler.sample(logits, [_row(biased, num_top_logprobs=3)])
+    assert tokens == [low]
+    raw = torch.log_softmax(logits[0].double(), dim=-1)
+    assert lps[0] is not None and plain_lps[0] is not None
+    assert abs(lps[0].logprob - raw[low].item()) < 1e-5  # the chosen token's raw logprob
+    assert lps[0].top == plain_lps[0].top  # alternatives of the raw distribution
+    banned = SamplingParams(temperature=0.0, logit_bias=((top, -100.0),))
+    assert sampler.sample(logits, [_row(banned)])[0] == [int(raw.topk(2).indices[1])]
+
+
+def test_logit_bias_before_temperature_equals_biased_logits() -> None:
+    """A seeded tempered draw with a bias equals the same draw from logits with the bias added."""
+    torch.manual_seed(4)
+    logits = torch.randn(1, 64)
+    bias = ((5, 2.5), (9, -1.0), (40, 3.0))
+    shifted = logits.clone()
+    for token, value in bias:
+        shifted[0, token] += value
+    sampler = Sampler(64)
+    for seed in range(20):
+        a = sampler.sample(logits, [_row(SamplingParams(temperature=0.7, logit_bias=bias), seed=seed)])[0]
+        b = sampler.sample(shifted, [_row(SamplingParams(temperature=0.7), seed=seed)])[0]
+        assert a == b
+
+
+def test_a_biased_row_does_not_change_its_neighbours() -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(2, 64)
+    sampler = Sampler(64)
+    alone = sampler.sample(logits[1:], [_row(SamplingParams(temperature=0.9), seed=11)])[0]
+    both = sampler.sample(logits, [_row(SamplingParams(temperature=0.9, logit_bias=((3, 50.0),)), seed=1),
+                                   _row(SamplingParams(temperature=0.9), seed=11)])[0]
+    assert both[0] == 3 and both[1:] == alone

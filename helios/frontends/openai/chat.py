@@ -66,6 +66,7 @@ class ChatWire(NativeGenerationFields):
     """The honoured fields of `CHAT_FIELDS`; ignored and refused ones never reach it."""
 
     messages: list[Any]
+    logit_bias: Any = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     max_tokens: int | None = None
@@ -113,8 +114,8 @@ CHAT_FIELDS: FieldTable = {
     "verbosity": ignored("a style hint for hosted models; local chat templates have no verbosity control", str,
                          allows=one_of("low", "medium", "high"),
                          message="verbosity must be 'low', 'medium' or 'high'"),
-    "logit_bias": refused("the sampler has no per-token bias", inert=one_of({}),
-                          message="logit_bias is not supported"),
+    "logit_bias": honoured("token id -> bias in [-100, 100], added before penalties and temperature; "
+                           "logprobs stay raw (vLLM)"),
     "response_format": refused(
         "structured output is not built yet",
         inert=lambda v: isinstance(v, dict) and v.get("type") == "text",
@@ -261,7 +262,30 @@ def decode_tools(tools: list[Any] | None, tool_choice: Any) -> tuple[tuple[Tool,
     return tuple(decoded), choice
 
 
-def decode_sampling(w: Any) -> SamplingRequest:
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def decode_logit_bias(raw: Any, vocab_size: int) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's `logit_bias`: token id strings to biases in [-100, 100], ids within the vocabulary."""
+    if raw is None or raw == {}:
+        return None
+    if not isinstance(raw, dict):
+        raise BadRequest("logit_bias must be an object mapping token ids to biases", param="logit_bias")
+    if len(raw) > MAX_LOGIT_BIAS_ENTRIES:
+        raise BadRequest(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries", param="logit_bias")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()) or not 0 <= int(key) < vocab_size:
+            raise BadRequest(f"logit_bias key {key!r} is not a token id within the vocabulary (0..{vocab_size - 1})",
+                             param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise BadRequest(f"logit_bias[{key}] must be a number within [-100, 100]", param="logit_bias")
+        out[int(key)] = float(value)
+    return tuple(sorted(out.items()))
+
+
+def decode_sampling(w: Any, vocab_size: int = 0) -> SamplingRequest:
     return SamplingRequest(
         temperature=w.temperature,
         top_p=w.top_p,
@@ -271,6 +295,7 @@ def decode_sampling(w: Any) -> SamplingRequest:
         presence_penalty=w.presence_penalty,
         frequency_penalty=w.frequency_penalty,
         seed=w.seed,
+        logit_bias=decode_logit_bias(getattr(w, "logit_bias", None), vocab_size),
     )
 
 
@@ -320,7 +345,7 @@ def decode_chat(obj: dict[str, Any], svc: Service) -> ChatPlan:
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=True if w.parallel_tool_calls is None else w.parallel_tool_calls,
-        sampling=decode_sampling(w),
+        sampling=decode_sampling(w, svc.info.vocab_size),
         add_generation_prompt=not w.continue_final_message if w.add_generation_prompt is None else w.add_generation_prompt,
         continue_final_message=bool(w.continue_final_message),
         chat_template_kwargs={

@@ -22,7 +22,6 @@ from helios.frontends.fields import (
     PROVIDER_ROWS,
     FieldTable,
     honoured,
-    one_of,
     refused,
     screen_fields,
 )
@@ -47,6 +46,7 @@ class CompletionWire(NativeGenerationFields):
     """The honoured fields of `COMPLETION_FIELDS`; ignored and refused ones never reach it."""
 
     prompt: Any
+    logit_bias: Any = None
     best_of: int | None = None
     echo: bool | None = None
     logprobs: int | None = None
@@ -80,8 +80,8 @@ COMPLETION_FIELDS: FieldTable = {
     "model": PROVIDER_ROWS["model"],
     "user": PROVIDER_ROWS["user"],
     "suffix": refused("insertion after the completion is not implemented", message="suffix is not supported"),
-    "logit_bias": refused("the sampler has no per-token bias", inert=one_of({}),
-                          message="logit_bias is not supported"),
+    "logit_bias": honoured("token id -> bias in [-100, 100], added before penalties and temperature; "
+                           "logprobs stay raw (vLLM)"),
     "tools": refused(_RAW, message="tools are not supported on raw completions"),
     "tool_choice": refused(_RAW, message="tool_choice is not supported on raw completions (tools are not)"),
     "thinking_token_budget": refused(_RAW, message="thinking_token_budget is not supported on raw completions"),
@@ -218,7 +218,7 @@ async def prepare_completion(plan: CompletionPlan, svc: Service) -> tuple[list[P
             scores = plan.stream or i == 0
             specs.append(ChildSpec(
                 prompt_token_ids=pp.ids,
-                sampling=svc.resolve_sampling(decode_sampling(w), i),
+                sampling=svc.resolve_sampling(decode_sampling(w, svc.info.vocab_size), i),
                 max_tokens=budget,
                 stop=plan.stops,
                 stop_token_ids=plan.stop_token_ids,
