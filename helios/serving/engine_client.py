@@ -17,7 +17,7 @@ from typing import Protocol
 
 import trio
 
-from helios.engine.records import EngineRequest, EngineStats, RequestOutput
+from helios.engine.records import EngineFinish, EngineRequest, EngineStats, RequestOutput
 from helios.errors import ServiceUnavailable
 
 log = logging.getLogger("helios.serving")
@@ -92,6 +92,22 @@ class EngineClient:
             ch.close()
             if self._engine is not None:
                 self._engine.abort([request_id])
+
+    def fail_all(self, message: str) -> int:
+        """End every open child now (graceful shutdown's abort phase): its reader gets what was
+        already generated, then an ERROR finish carrying `message`, then the end of its channel;
+        the engine aborts them all and frees their pages. Returns how many children were open."""
+        rids = list(self._channels)
+        for rid in rids:
+            ch = self._channels.pop(rid)
+            try:
+                ch.send_nowait(RequestOutput(rid, (), finish=EngineFinish.ERROR, error=message))
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                pass  # the reader still ends: its channel closes below
+            ch.close()
+        if rids and self._engine is not None:
+            self._engine.abort(rids)
+        return len(rids)
 
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
