@@ -11,7 +11,9 @@ response was complete.
 
 The app creates one :class:`RequestStats` per request and makes it current (a contextvar, so it
 follows the request into the tasks it spawns); the serving pipeline's child streams report engine
-output to it, the app records what it sends.
+output to it, the app records what it sends. The same record feeds the serving metrics
+(helios.obs.metrics): its `sink` receives time to first token, inter-token gaps and the first
+offered text as they happen, and the app classifies the finished request as completed or failed.
 """
 
 from __future__ import annotations
@@ -20,15 +22,26 @@ import contextvars
 import logging
 import sys
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
+
+from helios.domain.events import ReasoningDelta, TextDelta
+from helios.engine.records import EngineFinish
 
 log = logging.getLogger("helios.access")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 _current: contextvars.ContextVar[RequestStats | None] = contextvars.ContextVar("helios_request_stats", default=None)
+
+
+class LifecycleSink(Protocol):
+    """Where a request's lifecycle timings go as they happen (the app's ServingMetrics)."""
+
+    def time_to_first_token(self, seconds: float) -> None: ...
+    def inter_token_latency(self, seconds: float, tokens: int) -> None: ...
+    def first_response(self, seconds: float, at: float) -> None: ...
 
 
 @attrs.define
@@ -47,6 +60,18 @@ class RequestStats:
     prompts: dict[tuple[int, int], int] = attrs.field(factory=dict)
     outputs: dict[str, int] = attrs.field(factory=dict)
     _generations: int = 0
+    # -- for the serving metrics ----------------------------------------------------------------
+    sink: LifecycleSink | None = None
+    admission_attempted: bool = False  # the route asked for HTTP admission slots
+    admitted: float | None = None  # perf_counter when the slots were granted
+    first_text: float | None = None  # perf_counter of the first offered answer or reasoning text
+    failure: str | None = None  # a failure stage a seam named (execution: the engine failed a child)
+    _last_token: dict[str, float] = attrs.field(factory=dict)  # per child: perf_counter of its last token
+
+    @property
+    def generations(self) -> int:
+        """Service.generate() calls this request made (0: it never reached the engine)."""
+        return self._generations
 
     def new_generation(self) -> int:
         """A key for one Service.generate() call (a request may make several, e.g. decisions)."""
@@ -56,11 +81,38 @@ class RequestStats:
     def observe(self, prompt_key: tuple[int, int], child_id: str, num_prompt: int, num_output: int,
                 new_tokens: bool) -> None:
         """One engine output of a child: cumulative prompt and output counts so far."""
+        now = time.perf_counter()
         if new_tokens and self.first_token is None:
-            self.first_token = time.perf_counter()
+            self.first_token = now
+            if self.sink is not None:
+                self.sink.time_to_first_token(now - self.started)
         if num_prompt:
             self.prompts[prompt_key] = num_prompt
+        added = num_output - self.outputs.get(child_id, 0)
         self.outputs[child_id] = num_output
+        if new_tokens and added > 0:
+            last = self._last_token.get(child_id)
+            self._last_token[child_id] = now
+            if last is not None and self.sink is not None:
+                self.sink.inter_token_latency(now - last, added)
+
+    def observe_update(self, output: Any, update: Any) -> None:
+        """What the output pipeline made of one engine output (a RequestOutput and its ChildUpdate):
+        an engine failure, and the first answer or reasoning text offered to the client."""
+        if getattr(output, "finish", None) is EngineFinish.ERROR and self.failure is None:
+            self.failure = "execution"
+        if self.first_text is None and any(
+            isinstance(e, TextDelta | ReasoningDelta) and e.text for e in getattr(update, "events", ())
+        ):
+            self.first_text = now = time.perf_counter()
+            if self.admitted is not None and self.sink is not None:
+                self.sink.first_response(now - self.admitted, now)
+
+    def admission(self, granted: bool) -> None:
+        """The route asked for HTTP admission slots; `granted` when it got them."""
+        self.admission_attempted = True
+        if granted and self.admitted is None:
+            self.admitted = time.perf_counter()
 
     @property
     def prompt_tokens(self) -> int | None:
@@ -110,6 +162,13 @@ def activate(stats: RequestStats) -> contextvars.Token[RequestStats | None]:
 
 def deactivate(token: contextvars.Token[RequestStats | None]) -> None:
     _current.reset(token)
+
+
+def note_admission(granted: bool) -> None:
+    """A route asks for HTTP admission slots (granted=False first), and got them (granted=True)."""
+    stats = _current.get()
+    if stats is not None:
+        stats.admission(granted)
 
 
 def note_stream_event(data: Any, event: str | None = None) -> None:

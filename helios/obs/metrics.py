@@ -1,62 +1,269 @@
-"""Prometheus text (format 0.0.4) and the JSON snapshot of the serving state."""
+"""Serving metrics: the Prometheus exposition (format 0.0.4, through prometheus_client) and the JSON
+snapshot of /metrics (spec: "Health and metrics"; docs/operations.md lists every family).
+
+Each app owns one :class:`ServingMetrics` with its own ``CollectorRegistry`` (never the global one,
+so several apps in one process do not clash). Engine-side values (token totals, active/pending,
+KV pages, decode weight bytes) are read from the engine thread's latest ``EngineStats`` at scrape
+time; request-side values are kept here, fed by the per-request record of helios.obs.access:
+
+- ``completed`` and ``failed`` count HTTP generation requests (those that asked for admission
+  slots), each at most once, when the request ends (:func:`request_outcome`);
+- time to first token, inter-token latency and end-to-end latency are ``helios_`` histograms;
+- ``first_response`` is the median time from HTTP admission to the first offered answer or
+  reasoning text over a 60 s sliding window (:class:`SlidingMedian`).
+
+Fields of features Helios does not have yet (speculative decoding, the learned drafter, prefix
+caching, the host prefix store, CUDA graph replay, reasoning budget cuts) read zero in the JSON
+snapshot, as the spec's readers take absent fields, and export nothing in Prometheus.
+"""
 
 from __future__ import annotations
 
+import collections
+import math
+import statistics
 import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-_START = time.time()
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
 
-# JSON field → (Prometheus name, kind)
-_FIELDS: dict[str, tuple[str, str]] = {
-    "prefill_tokens": ("flare_prefill_tokens_total", "counter"),
-    "generated_tokens": ("flare_generated_tokens_total", "counter"),
-    "active": ("flare_active_requests", "gauge"),
-    "pending": ("flare_pending_requests", "gauge"),
-    "completed": ("flare_requests_completed_total", "counter"),
-    "failed": ("flare_requests_failed_total", "counter"),
-    "free_pages": ("flare_free_kv_pages", "gauge"),
-    "total_pages": ("flare_total_kv_pages", "gauge"),
-    "page_tokens": ("flare_kv_page_tokens", "gauge"),
-    "cached_pages": ("flare_cached_kv_pages", "gauge"),
-    "reused_tokens": ("flare_cache_reused_tokens_total", "counter"),
-    "reasoning_budget_cuts": ("flare_reasoning_budget_cuts_total", "counter"),
-    "decode_weight_bytes": ("flare_decode_weight_bytes", "gauge"),
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+FIRST_RESPONSE_WINDOW_S = 60.0
+FIRST_RESPONSE_CAPACITY = 4096
+
+# JSON field → (Prometheus family, kind, help), for what Helios has. Counter names carry `_total`
+# as exposed; prometheus_client's metric family drops and re-appends it.
+EXPORTED: dict[str, tuple[str, str, str]] = {
+    "prefill_tokens": ("flare_prefill_tokens_total", "counter",
+                       "Prompt tokens consumed by completed prefill, excluding padding and prefix reuse"),
+    "generated_tokens": ("flare_generated_tokens_total", "counter",
+                         "Committed generated tokens, including EOS and tokens withheld by text stops"),
+    "decode_weight_bytes": ("flare_decode_weight_bytes", "gauge",
+                            "Bytes of weights one decode step reads for one request"),
+    "active": ("flare_active_requests", "gauge", "Model slots with a live request"),
+    "pending": ("flare_pending_requests", "gauge", "Requests waiting in the model scheduler"),
+    "completed": ("flare_requests_completed_total", "counter",
+                  "Generation requests that completed successfully"),
+    "failed": ("flare_requests_failed_total", "counter",
+               "Requests failed by admission, execution, grammar, or output processing"),
+    "free_pages": ("flare_free_kv_pages", "gauge", "KV pages free for allocation"),
+    "total_pages": ("flare_total_kv_pages", "gauge", "Pages in the KV pool"),
+    "page_tokens": ("flare_kv_page_tokens", "gauge", "Tokens per KV page"),
+    "http_admission_in_use": ("flare_http_admission_in_use", "gauge",
+                              "HTTP admission slots held (one per generated choice)"),
+    "http_admission_total": ("flare_http_admission_slots", "gauge", "HTTP admission slots configured"),
 }
 
+# Read from the engine's EngineStats.
+ENGINE_FIELDS = ("prefill_tokens", "generated_tokens", "decode_weight_bytes", "active", "pending", "free_pages",
+                 "total_pages", "page_tokens")
 
-def snapshot(stats: Any, slots: Any, created: int) -> dict[str, Any]:
-    snap: dict[str, Any] = dict.fromkeys(_FIELDS, 0)
-    snap.update({
-        "draft_steps": 0, "verify_steps": 0, "verification_drafts": 0, "verification_rounds": 0,
-        "accepted_drafts": 0, "draft_rounds": 0, "replay_gpu_ns": 0, "replay_readiness_wait_ns": 0,
-        "replay_readiness_samples": 0, "host_hits": 0, "host_reused_tokens": 0, "host_memory_records": 0,
-        "host_disk_records": 0, "host_bytes_out": 0, "host_bytes_in": 0, "learned_drafter": False,
-    })
-    if stats is not None:
-        for k in ("prefill_tokens", "generated_tokens", "active", "pending", "completed", "failed", "free_pages",
-                  "total_pages", "page_tokens"):
-            snap[k] = int(getattr(stats, k))
-    stat = slots.statistics() if hasattr(slots, "statistics") else None
-    snap["http_admission_in_use"] = int(getattr(stat, "in_use", 0)) if stat is not None else 0
-    snap["http_admission_total"] = int(getattr(stat, "total", 0)) if stat is not None else 0
-    snap["uptime_seconds"] = int(time.time() - _START)
-    snap["first_response"] = {"median_seconds": None, "samples": 0, "window_seconds": 60, "capacity": 0,
-                              "truncated": False}
-    return snap
+# Fields of features that do not exist yet: zero in the JSON snapshot, absent from Prometheus.
+ABSENT_FEATURE_FIELDS: dict[str, int | bool] = {
+    "draft_steps": 0, "verify_steps": 0, "verification_drafts": 0, "verification_rounds": 0, "accepted_drafts": 0,
+    "draft_rounds": 0, "reasoning_budget_cuts": 0, "replay_gpu_ns": 0, "replay_readiness_wait_ns": 0,
+    "replay_readiness_samples": 0, "reused_tokens": 0, "cached_pages": 0, "host_hits": 0, "host_reused_tokens": 0,
+    "host_memory_records": 0, "host_disk_records": 0, "host_bytes_out": 0, "host_bytes_in": 0,
+    "learned_drafter": False,
+}
+
+# Failure stages (the label of helios_requests_failed_by_stage_total). `grammar` has no source until
+# structured output exists, so its series appears only once one is counted.
+FAILURE_STAGES = ("admission", "execution", "grammar", "output")
+_PRESET_STAGES = ("admission", "execution", "output")
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
 
 
-def prometheus(snap: dict[str, Any]) -> str:
-    lines = []
-    for key, (name, kind) in _FIELDS.items():
-        lines.append(f"# TYPE {name} {kind}")
-        lines.append(f"{name} {int(snap.get(key, 0))}")
-    for key, name in (("http_admission_in_use", "flare_http_admission_in_use"),
-                      ("http_admission_total", "flare_http_admission_slots"),
-                      ("uptime_seconds", "flare_uptime_seconds")):
-        lines.append(f"# TYPE {name} gauge")
-        lines.append(f"{name} {int(snap.get(key, 0))}")
-    return "\n".join(lines) + "\n"
+class SlidingMedian:
+    """Samples of the last `window_seconds` (at most `capacity` of them) and their median.
+
+    `truncated` says that the window lost samples to the capacity: a sample that would still be
+    inside the window was dropped to make room."""
+
+    def __init__(self, window_seconds: float = FIRST_RESPONSE_WINDOW_S, capacity: int = FIRST_RESPONSE_CAPACITY) -> None:
+        self.window_seconds = window_seconds
+        self.capacity = capacity
+        self._samples: collections.deque[tuple[float, float]] = collections.deque()  # (at, value)
+        self._dropped_at = -math.inf  # `at` of the newest sample dropped for capacity
+
+    def add(self, value: float, at: float) -> None:
+        self._prune(at)
+        if len(self._samples) >= self.capacity:
+            self._dropped_at = max(self._dropped_at, self._samples.popleft()[0])
+        self._samples.append((at, value))
+
+    def _prune(self, now: float) -> None:
+        horizon = now - self.window_seconds
+        while self._samples and self._samples[0][0] < horizon:
+            self._samples.popleft()
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        self._prune(now)
+        values = [v for _, v in self._samples]
+        return {
+            "median_seconds": statistics.median(values) if values else None,
+            "samples": len(values),
+            "window_seconds": int(self.window_seconds) if float(self.window_seconds).is_integer() else self.window_seconds,
+            "capacity": self.capacity,
+            "truncated": self._dropped_at >= now - self.window_seconds,
+        }
+
+
+def request_outcome(stats: Any) -> tuple[str, str | None] | None:
+    """How one finished HTTP request counts: ("completed", None), ("failed", stage) or None.
+
+    Only requests that asked for HTTP admission count (generation routes; validation errors
+    before that are the client's). A request fails when it got 429 or a 5xx, when a started
+    stream ended in a terminal error event, or when nothing was sent without a disconnect. Its
+    stage: what a seam named (execution: the engine failed one of its children), else admission
+    for 429 and 503 (HTTP slots exhausted, the model queue full, admission paused or the engine
+    down), else output processing when it reached the engine (tool-choice validation, parsers,
+    encoders), else execution. A client that disconnected without a failure is neither, and so is
+    a request refused with another 4xx after admission (e.g. its context is too long)."""
+    if not stats.admission_attempted:
+        return None
+    status = stats.status
+    server_fault = status is not None and (status >= 500 or status == 429)
+    silent = status is None and not stats.disconnected
+    if stats.failure is not None or stats.error is not None or server_fault or silent:
+        if stats.failure is not None:
+            stage = stats.failure
+        elif status in (429, 503):
+            stage = "admission"
+        elif stats.generations:
+            stage = "output"
+        else:
+            stage = "execution"
+        return "failed", stage
+    if stats.disconnected or status is None:
+        return None
+    if status < 400 and stats.generations:
+        return "completed", None
+    return None
+
+
+class ServingMetrics:
+    """One app's metrics: a private registry, request counters, lifecycle histograms, the
+    first-response window. `source()` returns (EngineStats or None, AdmissionSlots) at scrape time.
+    Everything runs on the trio thread (the histograms are thread-safe anyway)."""
+
+    def __init__(self, source: Callable[[], tuple[Any, Any]] | None = None, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self._source = source or (lambda: (None, None))
+        self._clock = clock
+        self.started = time.time()
+        self.completed = 0
+        self.failed = 0
+        self.failed_by_stage: dict[str, int] = dict.fromkeys(_PRESET_STAGES, 0)
+        self.first_response_window = SlidingMedian()
+        # The histograms are not registered themselves: the collector below exposes them without
+        # prometheus_client's `_created` series.
+        self.ttft = Histogram("helios_time_to_first_token_seconds",
+                              "Time from the HTTP request's arrival to its first generated token",
+                              buckets=TTFT_BUCKETS, registry=None)
+        self.itl = Histogram("helios_inter_token_latency_seconds",
+                             "Time between successive generated tokens of one engine child",
+                             buckets=ITL_BUCKETS, registry=None)
+        self.e2e = Histogram("helios_e2e_request_latency_seconds",
+                             "Time from the HTTP request's arrival to its last response byte, completed requests",
+                             buckets=E2E_BUCKETS, registry=None)
+        self.registry = CollectorRegistry()
+        self.registry.register(_SnapshotCollector(self))
+
+    # -- the request lifecycle (access.LifecycleSink) ---------------------------------------
+    def time_to_first_token(self, seconds: float) -> None:
+        self.ttft.observe(max(seconds, 0.0))
+
+    def inter_token_latency(self, seconds: float, tokens: int) -> None:
+        """`tokens` arrived together `seconds` after the child's previous token: each counts as
+        one gap of `seconds / tokens`."""
+        gap = max(seconds, 0.0) / max(tokens, 1)
+        for _ in range(max(tokens, 1)):
+            self.itl.observe(gap)
+
+    def first_response(self, seconds: float, at: float) -> None:
+        self.first_response_window.add(max(seconds, 0.0), at)
+
+    def finish_request(self, stats: Any, now: float | None = None) -> tuple[str, str | None] | None:
+        """Count a finished HTTP request (see `request_outcome`); observe its end-to-end latency
+        when it completed."""
+        outcome = request_outcome(stats)
+        if outcome is None:
+            return None
+        kind, stage = outcome
+        if kind == "completed":
+            self.completed += 1
+            end = self._clock() if now is None else now
+            self.e2e.observe(max(end - stats.started, 0.0))
+        else:
+            self.failed += 1
+            key = stage or "execution"
+            self.failed_by_stage[key] = self.failed_by_stage.get(key, 0) + 1
+        return outcome
+
+    # -- reading ------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """The JSON object of /metrics?format=json."""
+        engine, slots = self._source()
+        snap: dict[str, Any] = dict.fromkeys(EXPORTED, 0)
+        snap.update(ABSENT_FEATURE_FIELDS)
+        if engine is not None:
+            for key in ENGINE_FIELDS:
+                snap[key] = int(getattr(engine, key, 0))
+        snap["completed"] = self.completed
+        snap["failed"] = self.failed
+        stat = slots.statistics() if slots is not None and hasattr(slots, "statistics") else None
+        snap["http_admission_in_use"] = int(getattr(stat, "in_use", 0)) if stat is not None else 0
+        snap["http_admission_total"] = int(getattr(stat, "total", 0)) if stat is not None else 0
+        snap["uptime_seconds"] = int(time.time() - self.started)
+        snap["first_response"] = self.first_response_window.snapshot(self._clock())
+        return snap
+
+    def prometheus(self) -> str:
+        """The text exposition, format 0.0.4."""
+        return generate_latest(self.registry).decode("utf-8")
+
+
+class _SnapshotCollector:
+    """The flare_ counters and gauges, built from one snapshot per scrape."""
+
+    def __init__(self, metrics: ServingMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._metrics
+        snap = m.snapshot()
+        for key, (name, kind, doc) in EXPORTED.items():
+            if kind == "counter":
+                yield CounterMetricFamily(name, doc, value=snap[key])
+            else:
+                yield GaugeMetricFamily(name, doc, value=snap[key])
+        yield GaugeMetricFamily("flare_uptime_seconds", "Seconds since the server started",
+                                value=time.time() - m.started)
+        by_stage = CounterMetricFamily("helios_requests_failed_by_stage_total",
+                                       "Failed requests by the stage that failed them (their sum is "
+                                       "flare_requests_failed_total)", labels=["stage"])
+        for stage, n in m.failed_by_stage.items():
+            by_stage.add_metric([stage], n)
+        yield by_stage
+        for hist in (m.ttft, m.itl, m.e2e):
+            for family in hist.collect():
+                family.samples = [x for x in family.samples if not x.name.endswith("_created")]
+                yield family
 
 
 def wants_json(fmt: str | None, accept: str | None) -> bool:

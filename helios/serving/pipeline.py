@@ -100,6 +100,7 @@ class ChildStream:
         if self._stats is not None:
             self._stats.observe(self._prompt_key, self.request_id, update.num_prompt_tokens,
                                 update.num_output_tokens, bool(out.new_token_ids))
+            self._stats.observe_update(out, update)  # engine failures, first offered text (metrics)
         if update.abort_engine:
             self._client.abort_one(self.request_id)
         return update

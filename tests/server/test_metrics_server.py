@@ -1,0 +1,68 @@
+"""/metrics on real hypercorn servers with the default model: real token counts and decode weight
+bytes, and admission failures (429, the full model queue's 503) counted as failed requests."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import EXTERNAL, LiveServer
+
+pytestmark = pytest.mark.slow
+
+
+def snapshot(server: LiveServer) -> dict[str, Any]:
+    return dict(httpx.get(server.url + "/metrics", params={"format": "json"}, timeout=30).json())
+
+
+def samples(server: LiveServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_default_model_metrics(server: LiveServer) -> None:
+    before = snapshot(server)
+    client = server.openai()
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Name a colour."}],
+                                       max_tokens=8, temperature=0)
+    c = client.completions.create(model="m", prompt="Once upon a time", max_tokens=5, temperature=0)
+    after = snapshot(server)
+    assert r.usage is not None and c.usage is not None
+    assert after["generated_tokens"] - before["generated_tokens"] == r.usage.completion_tokens + c.usage.completion_tokens
+    assert after["prefill_tokens"] - before["prefill_tokens"] == r.usage.prompt_tokens + c.usage.prompt_tokens
+    assert after["completed"] - before["completed"] == 2 and after["failed"] == before["failed"]
+    if not EXTERNAL:  # SmolLM2-135M in float32, embeddings tied: ~106M layer parameters plus the 49152 x 576 head
+        assert 400e6 < after["decode_weight_bytes"] < 700e6
+    s = samples(server)
+    assert s[("flare_decode_weight_bytes", ())] == after["decode_weight_bytes"]
+    assert s[("helios_time_to_first_token_seconds_count", ())] >= 2
+    assert after["first_response"]["samples"] >= 2 and after["first_response"]["median_seconds"] > 0
+
+
+def test_admission_failures_are_counted(limited: LiveServer) -> None:
+    before = samples(limited)
+    client = limited.openai()
+    stream = client.completions.create(model="m", prompt="Story:", n=2, max_tokens=400,
+                                       extra_body={"ignore_eos": True}, stream=True)
+    it = iter(stream)
+    next(it)  # both children in flight: 2 of 3 HTTP slots and the whole model queue
+    try:
+        with pytest.raises(openai.InternalServerError) as err:
+            client.completions.create(model="m", prompt="Hi", max_tokens=2)
+        assert err.value.status_code == 503
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model="m", prompt="Hi", n=2, max_tokens=2)
+    finally:
+        stream.close()  # a client that leaves is neither completed nor failed
+    time.sleep(0.5)
+    after = samples(limited)
+    stage = ("helios_requests_failed_by_stage_total", (("stage", "admission"),))
+    assert after[stage] - before[stage] == 2
+    assert after[("flare_requests_failed_total", ())] - before[("flare_requests_failed_total", ())] == 2
+    assert after[("flare_requests_completed_total", ())] == before[("flare_requests_completed_total", ())]
