@@ -53,6 +53,8 @@ class Ctx:
     slots: int = 0
     writer: SSEWriter | None = None
     stream: Any = None  # the StreamOut of a streaming response
+    # Cancelled only by a graceful shutdown's abort phase (HeliosApp.drain).
+    cancel_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
 
     @property
     def started(self) -> bool:
@@ -73,13 +75,19 @@ class Ctx:
         await send_json(self.send, status, obj, self.headers())
 
     def admit(self, n: int) -> None:
-        """Take one HTTP admission slot per generated choice (429 when exhausted)."""
+        """Take one HTTP admission slot per generated choice (429 when exhausted; 503 while the
+        server drains for shutdown: the spec's paused admission)."""
+        access.note_admission(granted=False)  # from here on the request counts as completed or failed
+        if self.app.draining:
+            raise ServiceUnavailable("the server is shutting down; admission is paused")
         slots = self.app.slots
         if n > slots.total:
             raise BadRequest(f"the request asks for {n} choices; this server admits at most {slots.total} at once")
         if not slots.try_acquire(n):
             raise TooManyRequests("all HTTP admission slots are in use; retry later")
         self.slots += n
+        access.note_admission(granted=True)
+        self.app.in_flight[id(self)] = self
 
 
 class HeliosApp:
@@ -93,8 +101,16 @@ class HeliosApp:
         self.frontend_limiter = trio.CapacityLimiter(self.config.server.frontend_workers)
         self.created = int(time.time())
         self.access_log = self.config.server.access_log
+        self.metrics = metrics.ServingMetrics(self._metrics_source)
         self.router: Router[Handler] = Router()
         self._register_routes()
+        # Graceful shutdown (drain): admitted generation requests by id(ctx), until they finish.
+        self.in_flight: dict[int, Ctx] = {}
+        self.draining = False
+        self.drained = 0  # in flight when the drain began and finished within the grace period
+        self.aborted = 0  # still in flight at the deadline, ended by the server
+        self._drain_done: trio.Event | None = None
+        self._abort_now = trio.Event()
 
     # -- lifespan ---------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -112,9 +128,91 @@ class HeliosApp:
         self.created = int(time.time())
 
     async def shutdown(self) -> None:
-        if self.runtime is not None:
-            await trio.to_thread.run_sync(self.runtime.stop)
-        self.service = None
+        """Lifespan shutdown: drain (a no-op when `helios serve` drained on the signal already),
+        stop the engine thread, and log what the drain did and how many KV pages are free."""
+        try:
+            await self.drain()
+        finally:
+            runtime = self.runtime
+            if runtime is not None:
+                await trio.to_thread.run_sync(runtime.stop)
+                self._log_shutdown(runtime)
+            self.service = None
+
+    # -- graceful shutdown ------------------------------------------------------------------
+    SHUTDOWN_ABORT_WAIT_S = 5.0  # for aborted requests to send their terminal events
+    SHUTDOWN_ENGINE_WAIT_S = 5.0  # for the engine to retire the aborted children
+
+    async def drain(self, grace: float | None = None) -> None:
+        """Stop admission (503, and /health 503), let admitted generation requests finish for up to
+        `grace` seconds ([server] shutdown_grace_seconds), then abort the rest: a response not yet
+        started gets 503, a started stream ends with its protocol's terminal error event. Returns
+        once no generation request is left and the engine holds no request. Idempotent: a second
+        call waits for the first. `abort_now()` ends the grace period early."""
+        if self._drain_done is not None:
+            await self._drain_done.wait()
+            return
+        self._drain_done = trio.Event()
+        self.draining = True
+        grace = self.config.server.shutdown_grace_seconds if grace is None else grace
+        try:
+            started = len(self.in_flight)
+            if started:
+                log.info("shutdown: admission paused; draining %d in-flight request(s) for up to %g s", started, grace)
+            with trio.move_on_after(grace):
+                while self.in_flight and not self._abort_now.is_set():
+                    await trio.sleep(0.05)
+            left = list(self.in_flight.values())
+            self.aborted = len(left)
+            self.drained = max(0, started - self.aborted)
+            if left:
+                log.warning("shutdown: aborting %d request(s) still in flight", len(left))
+                self._abort(left)
+                with trio.move_on_after(self.SHUTDOWN_ABORT_WAIT_S):
+                    while self.in_flight:
+                        await trio.sleep(0.05)
+                for ctx in self.in_flight.values():  # stuck writing to a client that stopped reading
+                    ctx.cancel_scope.cancel()
+            await self._wait_engine_idle()
+        finally:
+            self._drain_done.set()
+
+    def abort_now(self) -> None:
+        """End the drain's grace period now (a second SIGINT/SIGTERM on `helios serve`)."""
+        self._abort_now.set()
+
+    def _abort(self, ctxs: list[Ctx]) -> None:
+        for ctx in ctxs:
+            if not ctx.started:
+                ctx.cancel_scope.cancel()  # _serve_http answers 503
+        svc = self.service
+        if svc is not None:
+            svc.engine.paused = True
+            # Started streams read an ERROR finish after what was generated, and end the way their
+            # protocol ends a failed stream; every child is aborted in the engine.
+            svc.engine.fail_all("the server shut down before generation finished")
+
+    async def _wait_engine_idle(self) -> None:
+        svc = self.service
+        if svc is None:
+            return
+        with trio.move_on_after(self.SHUTDOWN_ENGINE_WAIT_S):
+            while True:
+                stats = svc.engine.stats()
+                if stats is None or (stats.active == 0 and stats.pending == 0) or not svc.engine.healthy:
+                    return
+                await trio.sleep(0.05)
+
+    def _log_shutdown(self, runtime: Any) -> None:
+        thread, core = getattr(runtime, "thread", None), getattr(runtime, "core", None)
+        if core is None or (thread is not None and thread.is_alive()):
+            log.error("shutdown: drained %d, aborted %d, free pages unknown (the engine thread did not stop)",
+                      self.drained, self.aborted)
+            return
+        kv = core.kv_manager
+        free, total = kv.num_free, kv.num_pages
+        log.log(logging.INFO if free == total else logging.ERROR,
+                "shutdown: drained %d, aborted %d, free pages %d/%d", self.drained, self.aborted, free, total)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         kind = scope["type"]
@@ -141,10 +239,9 @@ class HeliosApp:
 
     # -- HTTP -------------------------------------------------------------------------------
     async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if not self.access_log:
-            await self._serve_http(scope, receive, send)
-            return
-        stats = access.RequestStats()
+        # Every request gets a stats record: the serving metrics count from it, the access log
+        # (when on) writes it.
+        stats = access.RequestStats(sink=self.metrics)
 
         async def logged_send(message: dict[str, Any]) -> None:
             stats.sent(message)
@@ -160,7 +257,9 @@ class HeliosApp:
             await self._serve_http(scope, logged_receive, logged_send)
         finally:
             access.deactivate(token)
-            access.log.info("%s", access.format_line(stats, scope))
+            self.metrics.finish_request(stats)
+            if self.access_log:
+                access.log.info("%s", access.format_line(stats, scope))
 
     async def _serve_http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         req = Request.from_scope(scope)
@@ -173,7 +272,12 @@ class HeliosApp:
         ctx = Ctx(req, {}, receive, send, self, "req-" + uuid.uuid4().hex)
         try:
             handler, ctx.params = self.router.match(method, req.path)
-            await handler(ctx)
+            with ctx.cancel_scope:
+                await handler(ctx)
+            if ctx.cancel_scope.cancelled_caught:  # aborted by a graceful shutdown (drain)
+                if ctx.started:
+                    return  # the stream could not take its terminal event in time
+                raise ServiceUnavailable("the server shut down before the request completed")
         except ClientDisconnected:
             return
         except HeliosError as exc:
@@ -182,6 +286,7 @@ class HeliosApp:
             log.exception("unhandled error on %s %s", req.method, req.path)
             await self._error(ctx, InternalError(f"internal error: {type(exc).__name__}"), protocol)
         finally:
+            self.in_flight.pop(id(ctx), None)
             if ctx.slots:
                 self.slots.release(ctx.slots)
 
@@ -295,20 +400,35 @@ class HeliosApp:
         await ctx.json({"name": "helios", "status": "ok" if self.service is not None else "loading"})
 
     async def _health(self, ctx: Ctx) -> None:
+        if self.draining:  # graceful shutdown: tell load balancers to stop sending requests here
+            raise ServiceUnavailable("the server is shutting down")
         svc = self.service
-        if svc is None or not svc.engine.healthy:
-            raise ServiceUnavailable("the model runtime is not healthy")
+        if svc is None:
+            raise ServiceUnavailable("the model runtime is not loaded")
+        # The engine thread died, stopped, failed, or is wedged: no step progress for
+        # [server] health_stall_seconds while it has work.
+        thread = getattr(self.runtime, "thread", None)
+        check = getattr(thread, "problem", None)
+        problem = check(self.config.server.health_stall_seconds) if callable(check) else None
+        if problem is None and not svc.engine.healthy:
+            problem = "the engine reported a failure"
+        if problem is not None:
+            raise ServiceUnavailable(f"the model runtime is not healthy: {problem}")
         await ctx.json({"status": "ok"})
+
+    def _metrics_source(self) -> tuple[Any, Any]:
+        """What the serving metrics read at scrape time: engine stats (None before start-up) and
+        the HTTP admission slots."""
+        svc = self.service
+        return (svc.engine.stats() if svc is not None else None), self.slots
 
     async def _metrics(self, ctx: Ctx) -> None:
         fmt = ctx.req.query_value("format")
-        stats = self.service.engine.stats() if self.service else None
-        snap = metrics.snapshot(stats, self.slots, self.created)
         if metrics.wants_json(fmt, ctx.req.headers.get("accept")):
-            await ctx.json(snap)
+            await ctx.json(self.metrics.snapshot())
         else:
             ctx.responded = True
-            await send_text(ctx.send, 200, metrics.prometheus(snap), content_type=b"text/plain; version=0.0.4; charset=utf-8")
+            await send_text(ctx.send, 200, self.metrics.prometheus(), content_type=metrics.CONTENT_TYPE)
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:  # type: ignore[type-arg]

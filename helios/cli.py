@@ -5,6 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from functools import partial
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from helios.app import HeliosApp
+
+log = logging.getLogger("helios")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -26,6 +33,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["server"]["log_level"] = args.log_level
         if args.no_access_log:
             overrides["server"]["access_log"] = False
+        if args.shutdown_grace is not None:
+            overrides["server"]["shutdown_grace_seconds"] = args.shutdown_grace
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
         print(f"helios: {exc}", file=sys.stderr)
@@ -36,9 +45,40 @@ def _serve(args: argparse.Namespace) -> int:
     hc.bind = [f"{cfg.server.host}:{cfg.server.port}"]
     hc.accesslog = None  # the app writes its own access log (helios.access), with token counts
     hc.keep_alive_timeout = 75
+    # The app drains on the signal (below) before hypercorn stops accepting; hypercorn's own grace
+    # then covers what is left (non-generation requests), and its lifespan timeout the engine stop.
+    grace = cfg.server.shutdown_grace_seconds
+    hc.graceful_timeout = grace
+    hc.shutdown_timeout = grace + 60
     print(f"Helios serving on http://{cfg.server.host}:{cfg.server.port}", file=sys.stderr)
-    trio.run(serve, app, hc)  # type: ignore[arg-type]
+    trio.run(partial(serve, app, hc, shutdown_trigger=partial(_drain_on_signal, app)))  # type: ignore[arg-type]
     return 0
+
+
+async def _drain_on_signal(app: HeliosApp) -> None:
+    """hypercorn's shutdown trigger for `helios serve`: on SIGTERM or SIGINT (Ctrl-C), drain the app
+    while the server still accepts connections (new generation requests and /health get 503), then
+    return, which makes hypercorn stop accepting and shut down. A second signal ends the grace
+    period at once (the remaining requests are aborted)."""
+    import signal
+
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("shutdown: %s received", signal.Signals(signum).name)
+            break
+
+        async def abort_on_second_signal() -> None:
+            async for signum in signals:
+                log.warning("shutdown: second %s received; aborting in-flight requests now",
+                            signal.Signals(signum).name)
+                app.abort_now()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(abort_on_second_signal)
+            await app.drain()
+            nursery.cancel_scope.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,13 +96,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="log level (overrides [server] log_level; default info)")
     s.add_argument("--no-access-log", action="store_true",
                    help="no per-request access log lines (overrides [server] access_log)")
+    s.add_argument("--shutdown-grace", type=float, default=None, metavar="SECONDS",
+                   help="on SIGTERM/Ctrl-C, how long in-flight requests may finish before they are aborted "
+                        "(overrides [server] shutdown_grace_seconds; default 30)")
     sub.add_parser("bench", help="benchmark an OpenAI-compatible server", add_help=False)
+    sub.add_parser("top", help="live terminal dashboard of a server's /metrics", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         logging.getLogger("httpx").setLevel(logging.WARNING)
         from helios.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "top":
+        from helios.top import main as top_main
+
+        return top_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)

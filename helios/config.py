@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -28,6 +29,16 @@ def _non_negative(_inst: Any, attr: attrs.Attribute, value: int) -> None:  # typ
         raise ConfigError(f"{attr.name} must not be negative, got {value}")
 
 
+def _seconds(_inst: Any, attr: attrs.Attribute, value: float) -> None:  # type: ignore[type-arg]
+    if isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{attr.name} must be a finite number of seconds, at least 0; got {value!r}")
+
+
+def _positive_seconds(name: str, value: float) -> None:
+    if isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+
+
 @attrs.frozen
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -47,6 +58,10 @@ class ServerConfig:
     # One `helios.access` INFO line per HTTP request; log_level applies to Helios's loggers.
     access_log: bool = True
     log_level: str = attrs.field(default="info", validator=attrs.validators.in_(LOG_LEVELS))
+    # Graceful shutdown: how long in-flight requests may run after SIGTERM before they are aborted.
+    shutdown_grace_seconds: float = attrs.field(default=30.0, validator=_seconds)
+    # /health answers 503 when the engine thread has been inside one step (or inbox batch) this long.
+    health_stall_seconds: float = attrs.field(default=60.0, validator=lambda _i, a, v: _positive_seconds(a.name, v))
 
 
 @attrs.frozen
@@ -95,6 +110,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     _check_server_logging(data.get("server"))
+    _check_shutdown_grace(data.get("server"))
     try:
         cfg = _converter.structure(data, HeliosConfig)
     except ConfigError:
@@ -132,6 +148,15 @@ def _check_server_logging(server: Any) -> None:
         raise ConfigError(f"server.access_log must be true or false, got {server['access_log']!r}")
     if "log_level" in server and server["log_level"] not in LOG_LEVELS:
         raise ConfigError(f"server.log_level must be one of {', '.join(LOG_LEVELS)}, got {server['log_level']!r}")
+
+
+def _check_shutdown_grace(server: Any) -> None:
+    """A plain message for `shutdown_grace_seconds` (cattrs would take true as 1.0)."""
+    if not isinstance(server, dict) or "shutdown_grace_seconds" not in server:
+        return
+    value = server["shutdown_grace_seconds"]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"server.shutdown_grace_seconds must be a finite number of seconds, at least 0; got {value!r}")
 
 
 def read_api_key_file(path: str | Path) -> str:

@@ -86,7 +86,38 @@ class EngineCore:
             generated_tokens=self.scheduler.generated_tokens,
             completed=self.scheduler.completed,
             failed=self.failed,
+            decode_weight_bytes=self._weight_bytes(),
         )
+
+    def _weight_bytes(self) -> int:
+        cached: int | None = getattr(self, "_decode_weight_bytes", None)
+        if cached is None:
+            cached = self._decode_weight_bytes = decode_weight_bytes(self.model)
+        return cached
+
+
+def decode_weight_bytes(model: Any) -> int:
+    """Bytes of weights one decode step reads for one request: every parameter once (tied ones
+    once), except that the input embedding contributes only the one row it looks up, and the output
+    projection counts as the tensor the logits are computed from (LlamaForCausalLM keeps a float32
+    copy of a bf16/fp16 head). A model without parameters (a test double) reads 0."""
+    if not isinstance(model, torch.nn.Module):
+        return 0
+
+    def size(t: torch.Tensor) -> int:
+        return int(t.numel() * t.element_size())
+
+    embed = getattr(model, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    head_copy = getattr(model, "_lm_head_fp32", None)
+    special = [t for t in (embed, head) if isinstance(t, torch.Tensor)]
+    total = sum(size(p) for p in model.parameters() if not any(p is t for t in special))  # tied: once
+    if isinstance(embed, torch.Tensor) and embed.dim() == 2 and embed.shape[0]:
+        total += size(embed[0])  # the lookup reads one row per token
+    logits = head_copy if isinstance(head_copy, torch.Tensor) else head
+    if isinstance(logits, torch.Tensor):
+        total += size(logits)
+    return total
 
 
 class EngineThread:
@@ -104,9 +135,27 @@ class EngineThread:
         self.healthy = True
         self.error: str | None = None
         self._stats = core.stats()
+        # time.monotonic() when the loop last made progress (an iteration began, or the inbox
+        # wait ended). Stale while not idle (waiting for work): one step or inbox batch has been
+        # running that long, so the engine is wedged while it has work.
+        self.heartbeat = time.monotonic()
+        self._idle = False
 
     def start(self) -> None:
+        self.heartbeat = time.monotonic()
         self._thread.start()
+
+    def problem(self, stall_seconds: float, now: float | None = None) -> str | None:
+        """Why the engine cannot serve (None while it can): its thread has died or stopped, it
+        failed, or it has made no step progress for `stall_seconds` while it has work."""
+        if not self._thread.is_alive():
+            return f"the engine thread is not running: {self.error}" if self.error else "the engine thread is not running"
+        if not self.healthy:
+            return self.error or "the engine reported a failure"
+        stalled = (time.monotonic() if now is None else now) - self.heartbeat
+        if stalled > stall_seconds and not self._idle:
+            return f"the engine has made no step progress for {stalled:.1f} s while it has work (wedged)"
+        return None
 
     def submit(self, request: EngineRequest) -> None:
         self._inbox.put(Add(request))
@@ -122,13 +171,21 @@ class EngineThread:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def is_alive(self) -> bool:
+        """Whether the engine thread is still running (after `shutdown`, False once it has stopped)."""
+        return self._thread.is_alive()
+
     def _drain(self, block: bool) -> bool:
         """Apply inbox records; returns False on Shutdown."""
         outputs: list[RequestOutput] = []
+        self._idle = block  # waiting for work is not a stall
         try:
             item: InboxItem | None = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return True
+        finally:
+            self._idle = False
+            self.heartbeat = time.monotonic()
         while item is not None:
             if isinstance(item, Shutdown):
                 return False
@@ -145,9 +202,37 @@ class EngineThread:
         return True
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the thread dies: say so, and fail what it held
+            self.healthy = False
+            self.error = f"the engine thread died: {type(exc).__name__}: {exc}"
+            log.critical("%s", self.error, exc_info=True)
+            try:
+                self._fail_all(self.error)
+                self._fail_inbox(self.error)
+            except BaseException:
+                log.exception("failing the engine's requests after its death failed")
+
+    def _fail_inbox(self, message: str) -> None:
+        """Requests submitted but never taken in: they fail too (nothing will ever run them)."""
+        outs = []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Add):
+                self.core.failed += 1
+                outs.append(RequestOutput(item.request.request_id, (), finish=EngineFinish.ERROR, error=message))
+        if outs:
+            self._sink(outs)
+
+    def _loop(self) -> None:
         torch.set_grad_enabled(False)
         running = True
         while running:
+            self.heartbeat = time.monotonic()
             try:
                 running = self._drain(block=not self.core.scheduler.has_work)
                 if not running:
