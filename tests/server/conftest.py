@@ -52,6 +52,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float = 300) -> None:
+    """Until `GET /health` answers 200; RuntimeError with the log's tail if the process exits or times out."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server did not become healthy:\n{log.read_text()[-4000:]}")
+
+
 def start_server(tmp: Path, toml: str, name: str) -> LiveServer:
     from helios.loaders.default_model import ensure_default_model
 
@@ -66,19 +82,7 @@ def start_server(tmp: Path, toml: str, name: str) -> LiveServer:
         env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError(f"server did not become healthy:\n{log.read_text()[-4000:]}")
+    wait_healthy(proc, url, log)
     key = None
     for line in toml.splitlines():
         if line.strip().startswith("api_key"):
@@ -141,3 +145,25 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     s = start_server(tmp_path_factory.mktemp("lim"), LIMITED_TOML, "limited")
     yield s
     stop_server(s)
+
+
+def provoke_admission_failures(limited: LiveServer) -> None:
+    """On the `limited` server (3 HTTP slots, a model queue of 1, one active sequence): hold two
+    children in flight, then check that one more request gets 503 (model queue full) and a
+    two-choice one 429 (HTTP slots exhausted); the held stream is closed afterwards."""
+    import openai
+
+    client = limited.openai()
+    stream = client.completions.create(model="m", prompt="Story:", n=2, max_tokens=400,
+                                       extra_body={"ignore_eos": True}, stream=True)
+    it = iter(stream)
+    next(it)  # both children are in flight: 2 of 3 HTTP slots and the whole model queue
+    try:
+        with pytest.raises(openai.InternalServerError) as err:
+            client.completions.create(model="m", prompt="Hi", max_tokens=2)
+        assert err.value.status_code == 503
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model="m", prompt="Hi", n=2, max_tokens=2)
+    finally:
+        stream.close()  # a client that leaves is neither completed nor failed
+    time.sleep(0.5)

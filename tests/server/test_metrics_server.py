@@ -3,15 +3,13 @@ bytes, and admission failures (429, the full model queue's 503) counted as faile
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import EXTERNAL, LiveServer
+from tests.server.conftest import EXTERNAL, LiveServer, provoke_admission_failures
 
 pytestmark = pytest.mark.slow
 
@@ -47,20 +45,7 @@ def test_default_model_metrics(server: LiveServer) -> None:
 
 def test_admission_failures_are_counted(limited: LiveServer) -> None:
     before = samples(limited)
-    client = limited.openai()
-    stream = client.completions.create(model="m", prompt="Story:", n=2, max_tokens=400,
-                                       extra_body={"ignore_eos": True}, stream=True)
-    it = iter(stream)
-    next(it)  # both children in flight: 2 of 3 HTTP slots and the whole model queue
-    try:
-        with pytest.raises(openai.InternalServerError) as err:
-            client.completions.create(model="m", prompt="Hi", max_tokens=2)
-        assert err.value.status_code == 503
-        with pytest.raises(openai.RateLimitError):
-            client.completions.create(model="m", prompt="Hi", n=2, max_tokens=2)
-    finally:
-        stream.close()  # a client that leaves is neither completed nor failed
-    time.sleep(0.5)
+    provoke_admission_failures(limited)
     after = samples(limited)
     stage = ("helios_requests_failed_by_stage_total", (("stage", "admission"),))
     assert after[stage] - before[stage] == 2

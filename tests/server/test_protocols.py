@@ -17,7 +17,7 @@ import pytest
 import zstandard
 
 from tests.server.conftest import EXTERNAL as EXTERNAL_URL
-from tests.server.conftest import LiveServer
+from tests.server.conftest import LiveServer, provoke_admission_failures
 
 pytestmark = pytest.mark.slow
 
@@ -300,19 +300,7 @@ def test_admission_429_and_queue_503(limited: LiveServer) -> None:
     client = limited.openai()
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="m", prompt="Hi", n=4, max_tokens=2)  # more choices than slots
-    stream = client.completions.create(model="m", prompt="Story:", n=2, max_tokens=400, extra_body={"ignore_eos": True},
-                                       stream=True)
-    it = iter(stream)
-    next(it)  # both children are in flight: 2 slots and the whole model queue are used
-    try:
-        with pytest.raises(openai.InternalServerError) as err:
-            client.completions.create(model="m", prompt="Hi", max_tokens=2)
-        assert err.value.status_code == 503
-        with pytest.raises(openai.RateLimitError):
-            client.completions.create(model="m", prompt="Hi", n=2, max_tokens=2)
-    finally:
-        stream.close()
-    time.sleep(0.5)
+    provoke_admission_failures(limited)
     assert client.completions.create(model="m", prompt="Hi", max_tokens=2).choices
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.conftest import EXTERNAL, _free_port
+from tests.server.conftest import EXTERNAL, _free_port, wait_healthy
 
 pytestmark = pytest.mark.skipif(bool(EXTERNAL), reason="starts and stops its own servers")
 
@@ -84,18 +84,8 @@ def start(tmp: Path, name: str, *, plain_hypercorn: bool = False, grace: float =
         cmd = [sys.executable, "-m", "helios.cli", "serve", "--config", str(cfg), "--shutdown-grace", str(grace)]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return Proc(proc, url, log)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"server did not become healthy:\n{log.read_text()[-4000:]}")
+    wait_healthy(proc, url, log, timeout=180)
+    return Proc(proc, url, log)
 
 
 def chat_body(max_tokens: int, *, stream: bool) -> dict[str, Any]:
