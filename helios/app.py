@@ -124,7 +124,7 @@ class HeliosApp:
 
         factory = self._runtime_factory or build_runtime
         self.runtime = await trio.to_thread.run_sync(lambda: factory(self.config))
-        self.service = self.runtime.start(trio.lowlevel.current_trio_token())
+        self.service = self.runtime.start(trio.lowlevel.current_trio_token(), self.frontend_limiter)
         self.created = int(time.time())
 
     async def shutdown(self) -> None:

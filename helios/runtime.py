@@ -107,12 +107,13 @@ class Runtime:
         self.client = EngineClient(max_in_flight=cfg.engine.max_active + cfg.server.model_queue_size)
         self.thread = EngineThread(core, self.client.sink)
 
-    def start(self, trio_token: Any) -> Service:
+    def start(self, trio_token: Any, limiter: Any = None) -> Service:
+        """Start the engine thread; the Service renders and tokenizes on `limiter` (the app's pool)."""
         from helios.serving.service_factory import make_service
 
         self.client.attach(self.thread, trio_token)
         self.thread.start()
-        return make_service(self)
+        return make_service(self, limiter)
 
     def stop(self) -> None:
         self.thread.shutdown()

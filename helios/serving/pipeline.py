@@ -145,7 +145,7 @@ class Service:
         resolve_sampling: Callable[[SamplingRequest], SamplingParams],
         lower: Callable[[ConversationRequest], str],
         eos_token_ids: Sequence[int],
-        workers: int = 2,
+        limiter: trio.CapacityLimiter | None = None,
         parser_factory: Callable[[ConversationRequest, str], Callable[[], OutputParser] | None] | None = None,
     ) -> None:
         self.info = info
@@ -155,7 +155,10 @@ class Service:
         self._resolve_sampling = resolve_sampling
         self._lower = lower
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.limiter = trio.CapacityLimiter(workers)
+        # Template rendering and tokenization run on the app's bounded frontend pool, the one that
+        # also decompresses request bodies (api.md: "Decompression and frontend processing share
+        # the bounded frontend worker pool"); a Service built alone gets a pool of its own.
+        self.limiter = limiter if limiter is not None else trio.CapacityLimiter(2)
         self.started = time.time()
         self._parser_factory = parser_factory
         self._token_bytes: dict[int, bytes] = {}

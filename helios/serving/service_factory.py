@@ -51,7 +51,7 @@ def tool_support(template: ChatTemplate | None, family: str) -> ToolSupport:
     )
 
 
-def make_service(rt: Any) -> Service:
+def make_service(rt: Any, limiter: Any = None) -> Service:
     from helios.parsers import family_delimiters, make_output_parser, prompt_starts_in_reasoning
     from helios.recipes import resolve_sampling
 
@@ -101,6 +101,6 @@ def make_service(rt: Any) -> Service:
         resolve_sampling=sampling,
         lower=lower,
         eos_token_ids=rt.eos_token_ids,
-        workers=rt.cfg.server.frontend_workers,
+        limiter=limiter,
         parser_factory=parsers,
     )

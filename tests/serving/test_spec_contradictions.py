@@ -8,6 +8,7 @@
 - An image sent to a text-only model is a 400 on every chat protocol, never silently dropped
   (Chat and Messages dropped it; Responses already refused it).
 - Anthropic message-level control metadata (output_config, cache_control, ...) is ignored, not a 400.
+- Decompression and template/tokenizer work share one bounded frontend pool (there were two).
 """
 
 from __future__ import annotations
@@ -121,3 +122,8 @@ def test_message_level_control_metadata_is_ignored_on_messages(smol: ScriptedSer
     with pytest.raises(anthropic.BadRequestError):  # other unknown message keys stay errors
         smol.anthropic().messages.create(model="m", max_tokens=8, messages=[
             {"role": "user", "content": "x", "colour": "blue"}])  # type: ignore[list-item]
+
+
+def test_decompression_and_template_work_share_one_pool(smol: ScriptedServer) -> None:
+    assert smol.service.limiter is smol.app.frontend_limiter
+    assert smol.app.frontend_limiter.total_tokens == smol.app.config.server.frontend_workers
