@@ -1,4 +1,4 @@
-"""nox sessions: tests, lint (ruff, mypy, import-linter layer contracts), bench."""
+"""nox sessions: tests, lint (ruff, mypy, import-linter layer contracts), bench, soak."""
 
 from __future__ import annotations
 
@@ -35,3 +35,14 @@ def bench(session: nox.Session) -> None:
     session.install(*INSTALL, ".")
     port = os.environ.get("HELIOS_BENCH_PORT", "8011")
     session.run("python", "-m", "helios.benchserve", "--port", port, *session.posargs)
+
+
+@nox.session(python="3.11")
+def soak(session: nox.Session) -> None:
+    """Start Helios on a small configuration and drive it with seeded mixed load (tests/server/soak.py).
+
+    nox -s soak -- [--duration 600 | --requests N] [--seed S] [--workers 3] [--burst-every 6] [--burst-size 20] [--keep]
+    Exits 1 when a pass criterion fails (docs/operations.md, Soak); the CI-sized run is tests/server/test_soak.py.
+    """
+    session.install(*INSTALL, ".", "pytest")
+    session.run("python", "-m", "tests.server.soak", *session.posargs)

@@ -37,6 +37,9 @@ log = logging.getLogger("helios")
 
 Handler = Callable[["Ctx"], Awaitable[None]]
 
+# On every 429 for exhausted HTTP admission slots: a slot frees as soon as any response is delivered.
+RETRY_AFTER = ((b"retry-after", b"1"),)
+
 
 @attrs.define
 class Ctx:
@@ -75,8 +78,8 @@ class Ctx:
         await send_json(self.send, status, obj, self.headers())
 
     def admit(self, n: int) -> None:
-        """Take one HTTP admission slot per generated choice (429 when exhausted; 503 while the
-        server drains for shutdown: the spec's paused admission)."""
+        """Take one HTTP admission slot per generated choice (429 with `Retry-After: 1` when
+        exhausted; 503 while the server drains for shutdown: the spec's paused admission)."""
         access.note_admission(granted=False)  # from here on the request counts as completed or failed
         if self.app.draining:
             raise ServiceUnavailable("the server is shutting down; admission is paused")
@@ -84,7 +87,7 @@ class Ctx:
         if n > slots.total:
             raise BadRequest(f"the request asks for {n} choices; this server admits at most {slots.total} at once")
         if not slots.try_acquire(n):
-            raise TooManyRequests("all HTTP admission slots are in use; retry later")
+            raise TooManyRequests("all HTTP admission slots are in use; retry later", headers=RETRY_AFTER)
         self.slots += n
         access.note_admission(granted=True)
         self.app.in_flight[id(self)] = self
