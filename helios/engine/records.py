@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 
 import attrs
 
@@ -27,6 +28,10 @@ class EngineRequest:
     max_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     stop_token_ids: frozenset[int] = frozenset()
+    stop_token_sequences: tuple[tuple[int, ...], ...] = ()
+    """Multi-token stops: the request ends with STOP_TOKEN at the generated token that completes one
+    (its generated tokens, never the prompt, end with the sequence). One-token stops belong in
+    ``stop_token_ids``."""
     ignore_eos: bool = False
     num_top_logprobs: int | None = None
     logprob_token_ids: tuple[int, ...] | None = None
@@ -90,6 +95,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    produced_at: float = attrs.field(factory=time.perf_counter, eq=False)
+    """``time.perf_counter()`` when this record was made. The scheduler makes a step's records as it
+    commits their tokens (`Scheduler._commit`), so for ``new_token_ids`` this is the time the engine
+    committed them: the clock of the token timestamps (``return_token_timestamps``)."""
 
 
 @attrs.frozen

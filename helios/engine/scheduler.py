@@ -274,14 +274,22 @@ class Scheduler:
 
     def _commit(self, seq: RequestState, tokens: tuple[int, ...], logprobs: tuple[TokenLogprobRecord, ...] | None,
                 prompt_logprobs: tuple[PromptLogprobRecord | None, ...] | None) -> RequestOutput:
-        """Append the runner's tokens in order; the first that ends the request is the last kept."""
+        """Append the runner's tokens in order; the first that ends the request is the last kept.
+
+        A token stop ends the request at the token that completes it: a `stop_token_ids` entry, or
+        the last token of a `stop_token_sequences` entry that the generated tokens now end with
+        (generated tokens only: a sequence never matches across the prompt boundary)."""
         req = seq.request
         finish: EngineFinish | None = None
         kept = 0
         for token_id in tokens:
             seq.token_ids.append(token_id)
             kept += 1
-            if token_id in req.stop_token_ids:
+            if token_id in req.stop_token_ids or any(
+                stop[-1] == token_id and len(stop) <= seq.num_output_tokens
+                and tuple(seq.token_ids[-len(stop):]) == stop
+                for stop in req.stop_token_sequences
+            ):
                 finish = EngineFinish.STOP_TOKEN
             elif not req.ignore_eos and token_id in req.eos_token_ids:
                 finish = EngineFinish.EOS

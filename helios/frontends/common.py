@@ -45,6 +45,7 @@ class Accumulated:
     tool_calls: list[ToolCall] = attrs.field(factory=list)
     blocks: list[OutputEvent] = attrs.field(factory=list)  # ordered, adjacent deltas merged
     token_ids: list[int] = attrs.field(factory=list)
+    token_timestamps: list[float] = attrs.field(factory=list)
     logprobs: list[Any] = attrs.field(factory=list)
     logprob_offsets: list[int] = attrs.field(factory=list)
     prompt_logprobs: list[Any] | None = None  # prompt scores in position order, when requested
@@ -69,6 +70,7 @@ class Accumulated:
                 self.blocks.append(e)
         self.num_reasoning_tokens = u.num_reasoning_tokens
         self.token_ids.extend(u.token_ids)
+        self.token_timestamps.extend(u.token_timestamps)
         if u.logprobs:
             self.logprobs.extend(u.logprobs)
             self.logprob_offsets.extend(u.logprob_offsets)
@@ -102,17 +104,117 @@ def validate_stops(stop: Any, param: str = "stop") -> tuple[str, ...]:
     return tuple(stops)
 
 
-def validate_stop_token_ids(ids: Any, vocab_size: int, param: str = "stop_token_ids") -> tuple[int, ...]:
-    if ids is None:
-        return ()
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise BadRequest(f"'{param}' must be an array of token ids", param=param)
-    if len(ids) > 16:
-        raise BadRequest(f"'{param}' accepts at most 16 token ids", param=param)
+MAX_TOKEN_STOPS = 16
+"""Token stops per request: `stop_token_ids` entries and `stop_token_sequences` entries together."""
+MAX_TOKEN_STOP_LEN = 64
+"""Token ids per `stop_token_sequences` entry."""
+
+
+def _is_id_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+
+def _check_vocab(ids: list[int], vocab_size: int, param: str) -> None:
     for i in ids:
         if not 0 <= i < vocab_size:
             raise BadRequest(f"'{param}' contains {i}, outside the vocabulary (0..{vocab_size - 1})", param=param)
+
+
+def validate_stop_token_ids(ids: Any, vocab_size: int, param: str = "stop_token_ids") -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not _is_id_list(ids):
+        raise BadRequest(f"'{param}' must be an array of token ids", param=param)
+    if len(ids) > MAX_TOKEN_STOPS:
+        raise BadRequest(f"'{param}' accepts at most {MAX_TOKEN_STOPS} token ids", param=param)
+    _check_vocab(ids, vocab_size, param)
     return tuple(ids)
+
+
+@attrs.frozen
+class TokenStops:
+    """A request's validated token stops: `stop_token_ids` (one-token stops) and the native
+    `stop_token_sequences` extension (stops of 1..64 tokens), at most 16 in all."""
+
+    ids: tuple[int, ...] = ()
+    sequences: tuple[tuple[int, ...], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.ids or self.sequences)
+
+
+def validate_token_stops(stop_token_ids: Any, stop_token_sequences: Any, vocab_size: int, *,
+                         string_stops: tuple[str, ...] = (), string_param: str = "stop") -> TokenStops:
+    """Spec, "Reasoning, sampling, and usage": token stops (stop_token_ids and stop_token_sequences
+    together) accept at most sixteen nonempty sequences of at most 64 vocabulary ids each, and one
+    request cannot combine string stops with token stops. Null and empty arrays are omission."""
+    ids = validate_stop_token_ids(stop_token_ids, vocab_size)
+    param = "stop_token_sequences"
+    sequences: list[tuple[int, ...]] = []
+    if stop_token_sequences is not None:
+        if not isinstance(stop_token_sequences, list) or not all(_is_id_list(s) for s in stop_token_sequences):
+            raise BadRequest(f"'{param}' must be an array of token-id arrays", param=param)
+        for k, seq in enumerate(stop_token_sequences):
+            if not seq:
+                raise BadRequest(f"'{param}[{k}]' is empty; each sequence needs at least one token id", param=param)
+            if len(seq) > MAX_TOKEN_STOP_LEN:
+                raise BadRequest(f"'{param}[{k}]' has {len(seq)} token ids; at most {MAX_TOKEN_STOP_LEN} are "
+                                 "allowed", param=param)
+            _check_vocab(seq, vocab_size, param)
+            sequences.append(tuple(seq))
+    if len(ids) + len(sequences) > MAX_TOKEN_STOPS:
+        raise BadRequest(f"at most {MAX_TOKEN_STOPS} token stops are allowed (stop_token_ids and "
+                         f"stop_token_sequences together); got {len(ids) + len(sequences)}",
+                         param=param if sequences else "stop_token_ids")
+    stops = TokenStops(ids, tuple(sequences))
+    if stops and string_stops:
+        raise BadRequest("string stops cannot be combined with token stops", param=string_param)
+    return stops
+
+
+def token_stop_reason(finish: Finish | None, token_ids: list[int], stops: TokenStops) -> str | int | list[int] | None:
+    """vLLM's `stop_reason`: the matched string, the matched stop token id, or (a multi-token stop,
+    the longest one the output ends with, as the output pipeline withholds it) its ids."""
+    if finish is None:
+        return None
+    if finish.cause is FinishCause.STOP_TOKEN and stops.sequences:
+        matched = max((s for s in stops.sequences if len(s) <= len(token_ids) and tuple(token_ids[-len(s):]) == s),
+                      key=len, default=None)
+        if matched is not None and len(matched) > 1:
+            return list(matched)
+    return finish.matched_stop
+
+
+@attrs.frozen
+class TokenObservation:
+    """Which per-token observations a Chat or Completions request asked for.
+
+    ``return_token_ids`` (vLLM's): the prompt's ids and each choice's generated ``token_ids``
+    (every generated token, the terminating EOS or stop token included, so their number is the
+    choice's completion tokens). ``return_token_timestamps`` (Helios's): per generated token,
+    ``token_timestamps`` parallel to ``token_ids``: seconds from the request's HTTP admission to the
+    engine's commit of that token (server side, monotonic clock, microsecond resolution; tokens
+    committed in one engine step share one time). Timestamps imply the ids they are parallel to;
+    ``return_token_ids: false`` with ``return_token_timestamps: true`` is a 400."""
+
+    ids: bool = False
+    timestamps: bool = False
+
+    @classmethod
+    def decode(cls, return_token_ids: bool | None, return_token_timestamps: bool | None) -> TokenObservation:
+        if return_token_timestamps and return_token_ids is False:
+            raise BadRequest("return_token_timestamps returns timestamps parallel to token_ids; it cannot be "
+                             "combined with return_token_ids: false", param="return_token_timestamps")
+        return cls(ids=bool(return_token_ids or return_token_timestamps), timestamps=bool(return_token_timestamps))
+
+    def choice_fields(self, token_ids: Any, timestamps: Any) -> dict[str, Any]:
+        """The generated-token fields of one choice (or chunk choice): empty when not asked for."""
+        out: dict[str, Any] = {}
+        if self.ids:
+            out["token_ids"] = list(token_ids)
+        if self.timestamps:
+            out["token_timestamps"] = list(timestamps)
+        return out
 
 
 def is_error_finish(f: Finish | None) -> bool:

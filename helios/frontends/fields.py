@@ -144,6 +144,8 @@ NATIVE_GENERATION_ROWS: dict[str, FieldPolicy] = {
     "seed": honoured("per-request sampling seed"),
     "stop": honoured("string stops: at most 4, 4096 UTF-8 bytes in all"),
     "stop_token_ids": honoured("vLLM extension: token stops"),
+    "stop_token_sequences": honoured("native extension: multi-token stops (with stop_token_ids at most 16, "
+                                     "each at most 64 ids); the matched sequence's text is withheld"),
     "ignore_eos": honoured("vLLM extension: EOS does not end generation"),
     "skip_special_tokens": honoured("vLLM extension: special tokens kept in text when false"),
     "include_stop_str_in_output": honoured("vLLM extension: matched string stop kept in the text"),
@@ -151,6 +153,13 @@ NATIVE_GENERATION_ROWS: dict[str, FieldPolicy] = {
     "logprob_token_ids": honoured("Helios extension: explicit logprob alternatives"),
 }
 """The rows of `wire.NativeGenerationFields`, which Chat Completions, Completions and Responses share."""
+
+TOKEN_OBSERVATION_ROWS: dict[str, FieldPolicy] = {
+    "return_token_ids": honoured("vLLM extension: prompt_token_ids and each choice's generated token_ids"),
+    "return_token_timestamps": honoured("Helios extension: token_timestamps, seconds from admission to each "
+                                        "token's engine commit, parallel to token_ids (implies them)"),
+}
+"""Chat Completions and Completions only; each wire class declares both (`common.TokenObservation`)."""
 
 PROVIDER_ROWS: dict[str, FieldPolicy] = {
     "model": ignored("one model is served: every name reaches it and responses report its own id", str),

@@ -89,6 +89,7 @@ class NativeGenerationFields:
     seed: int | None = None
     stop: Any = None
     stop_token_ids: Any = None
+    stop_token_sequences: Any = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None

@@ -3,6 +3,20 @@
 One OutputProcessor per engine child turns RequestOutput records into ChildUpdate records that carry
 domain events (text, reasoning, tool calls) and the terminal Finish. Every protocol encoder
 consumes these, buffered or streamed, so the two can never disagree.
+
+Token stops and the text they leave. The engine ends a request at the generated token that
+completes a token stop (a `stop_token_ids` entry, or a `stop_token_sequences` entry the generated
+tokens end with; `Scheduler._commit`). The matched stop leaves no text: a one-token stop (like EOS)
+is never decoded, and the whole of a multi-token sequence is withheld. So that no part of a
+sequence is ever published, text is held back while the generated tail is a proper prefix of some
+stop sequence (as text that could still become a string stop is held back) and released as soon as
+the tail stops being one, or when the request ends another way. When several sequences end at the
+terminating token, the longest is withheld. Text is cut where the detokenizer stood before the
+sequence's first token, so a character whose bytes straddle that boundary goes with the sequence.
+Token ids, usage and logprobs are unchanged by the withholding: every generated token counts and is
+reported in `ChildUpdate.token_ids`, and every token but the terminating one keeps its logprob entry
+(the terminating token has none, as EOS has none), so a sequence's tokens before its last keep
+theirs although their text is withheld, as vLLM keeps the logprobs of a string stop's tokens.
 """
 
 from __future__ import annotations
@@ -61,6 +75,10 @@ class ChildUpdate:
     character's start)."""
     prompt_logprobs: tuple[PromptLogprobRecord | None, ...] | None = None
     """Prompt positions scored in this update, in order (position 0 is None)."""
+    token_timestamps: tuple[float, ...] = ()
+    """Per `token_ids` entry (when the processor has an `origin`): seconds from the origin (the
+    request's admission) to the engine's commit of that token (`RequestOutput.produced_at`); tokens
+    committed in one engine step share their time."""
 
 
 class OutputProcessor:
@@ -71,12 +89,24 @@ class OutputProcessor:
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
         parser: OutputParser | None = None,
+        stop_token_sequences: Sequence[Sequence[int]] = (),
+        origin: float | None = None,
     ) -> None:
         self.detok = detokenizer
         self.stop = tuple(s for s in stop if s)
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.include_stop = include_stop_str_in_output
         self.parser: OutputParser = parser or PassthroughParser()
+        # Token stops (one-token ones included) that the engine may end the request on; the text of
+        # a matched one is withheld (module docstring).
+        self.token_stops = tuple(tuple(t) for t in stop_token_sequences if t)
+        self._holding_stops = tuple(t for t in self.token_stops if len(t) > 1)
+        self._tail_len = max((len(t) for t in self.token_stops), default=0)
+        self._tail: list[int] = []  # the last generated ids, up to the longest token stop
+        self._starts: list[int] = []  # per `_tail` entry: len(self.text) before its text was decoded
+        self._held = 0  # trailing generated tokens whose text is held: a proper prefix of a sequence
+        self._held_ids: list[int] = []  # ids of released-later text, fed to the parser with it
+        self.origin = origin  # perf_counter of the request's admission (token timestamps)
         self.text = ""  # all text produced so far (after stop truncation)
         self.emitted = 0  # chars of self.text handed to the parser
         self.num_output_tokens = 0
@@ -96,6 +126,11 @@ class OutputProcessor:
         for i, tid in enumerate(token_ids):
             self.num_output_tokens += 1
             terminal = out.finish is not None and i == len(token_ids) - 1
+            if self._tail_len:
+                self._tail.append(tid)
+                self._starts.append(len(self.text))
+                if len(self._tail) > self._tail_len:
+                    del self._tail[0], self._starts[0]
             if terminal and out.finish in (EngineFinish.EOS, EngineFinish.STOP_TOKEN):
                 continue  # the terminating token has no text
             before = len(self.text)
@@ -103,6 +138,8 @@ class OutputProcessor:
             piece = self.detok.push(tid)
             self.num_decoded_chars += len(piece)
             self.text += piece
+            if self._holding_stops:
+                self._held = self._held_tokens()
             if self.stop:
                 matched = self._match_stop(before)
                 if matched is not None:
@@ -119,17 +156,30 @@ class OutputProcessor:
                     finish = Finish(FinishCause.STOP_STRING, matched_stop=matched)
             if finish is None:
                 stop_id = token_ids[-1] if out.finish == EngineFinish.STOP_TOKEN and token_ids else None
+                if stop_id is not None:
+                    matched_len = self._matched_token_stop_len()
+                    if matched_len > 1:  # withhold the whole sequence, not only its last token
+                        self.text = self.text[: self._starts[-matched_len]]
+                        self.emitted = min(self.emitted, len(self.text))
                 finish = Finish(_CAUSES[out.finish], matched_stop=stop_id, error=out.error)
+        if finish is not None:
+            self._held = 0
         # Release text: everything when finished, else all but a possible stop prefix.
         limit = len(self.text) if finish is not None else len(self.text) - max(self.max_stop - 1, 0)
+        if self._held:
+            limit = min(limit, self._starts[-self._held])
+        # The ids fed with the released text: those of held tokens wait for their text.
+        feed_ids = [*self._held_ids, *token_ids]
+        self._held_ids = feed_ids[len(feed_ids) - self._held:] if self._held else []
+        feed_ids = feed_ids[: len(feed_ids) - self._held]
         events: list[OutputEvent] = []
         try:
             if limit > self.emitted:
                 piece = self.text[self.emitted : limit]
                 self.emitted = limit
-                events.extend(self.parser.feed(piece, token_ids))
-            elif token_ids:
-                events.extend(self.parser.feed("", token_ids))
+                events.extend(self.parser.feed(piece, feed_ids))
+            elif feed_ids:
+                events.extend(self.parser.feed("", feed_ids))
             if finish is not None and finish.cause is not FinishCause.ERROR:
                 events.extend(self.parser.finish(truncated=finish.cause is FinishCause.LENGTH))
         except Exception as exc:  # a model output the family parser rejects: the request fails
@@ -150,7 +200,29 @@ class OutputProcessor:
             num_cached_tokens=self.num_cached_tokens,
             abort_engine=finish is not None and out.finish is None,
             num_reasoning_tokens=getattr(self.parser, "num_reasoning_tokens", 0),
+            token_timestamps=() if self.origin is None else
+            (round(max(out.produced_at - self.origin, 0.0), 6),) * len(token_ids),
         )
+
+    def _held_tokens(self) -> int:
+        """The longest generated tail that is a proper prefix of a multi-token stop (0: none).
+
+        It can grow by at most one token per token (a held tail minus its last token was held
+        before), so only lengths up to the previous one plus one are tried."""
+        tail = self._tail
+        best = 0
+        for stop in self._holding_stops:
+            for k in range(min(len(stop) - 1, self._held + 1, len(tail)), best, -1):
+                if tail[-k:] == list(stop[:k]):
+                    best = k
+                    break
+        return best
+
+    def _matched_token_stop_len(self) -> int:
+        """Tokens of the longest token stop the generated tokens end with (0: none matches)."""
+        tail = self._tail
+        return max((len(t) for t in self.token_stops if len(t) <= len(tail) and tail[-len(t):] == list(t)),
+                   default=0)
 
     @staticmethod
     def _terminal(out: RequestOutput, token_ids: Sequence[int]) -> int:

@@ -63,6 +63,9 @@ class ChildSpec:
     max_tokens: int
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    stop_token_sequences: tuple[tuple[int, ...], ...] = ()
+    """Token stops of any length (`stop_token_sequences`); one-token ones act as `stop_token_ids`.
+    The matched stop's text is withheld (helios/serving/output.py)."""
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -246,7 +249,9 @@ class Service:
                     sampling=spec.sampling,
                     max_tokens=spec.max_tokens,
                     eos_token_ids=self.eos_token_ids,
-                    stop_token_ids=frozenset(spec.stop_token_ids),
+                    stop_token_ids=frozenset(spec.stop_token_ids).union(
+                        s[0] for s in spec.stop_token_sequences if len(s) == 1),
+                    stop_token_sequences=tuple(s for s in spec.stop_token_sequences if len(s) > 1),
                     ignore_eos=spec.ignore_eos,
                     num_top_logprobs=spec.num_top_logprobs,
                     logprob_token_ids=spec.logprob_token_ids,
@@ -256,6 +261,8 @@ class Service:
             streams_meta.append((rid, spec))
         stats = access.current()
         generation = stats.new_generation() if stats is not None else 0
+        # Token timestamps count from the request's HTTP admission (from here without one).
+        origin = stats.admitted if stats is not None and stats.admitted is not None else time.perf_counter()
         prompt_groups: dict[tuple[int, ...], int] = {}  # children of one prompt count it once
         async with self.engine.open_children(reqs) as receivers:
             streams = []
@@ -265,6 +272,8 @@ class Service:
                     stop=spec.stop,
                     include_stop_str_in_output=spec.include_stop_str_in_output,
                     parser=spec.parser_factory() if spec.parser_factory else None,
+                    stop_token_sequences=(*((i,) for i in spec.stop_token_ids), *spec.stop_token_sequences),
+                    origin=origin,
                 )
                 key = (generation, prompt_groups.setdefault(spec.prompt_token_ids, len(prompt_groups)))
                 streams.append(ChildStream(rid, recv, proc, self.engine, stats, key))

@@ -134,6 +134,8 @@ HONOURED: dict[str, dict[str, Any]] = {
     "min_p": {"min_p": 0.05}, "repetition_penalty": {"repetition_penalty": 1.05},
     "presence_penalty": {"presence_penalty": 0.5}, "frequency_penalty": {"frequency_penalty": 0.5},
     "seed": {"seed": 7}, "stop": {"stop": ["END"]}, "stop_token_ids": {"stop_token_ids": [5]},
+    "stop_token_sequences": {"stop_token_sequences": [[5, 6], [7]]},
+    "return_token_ids": {"return_token_ids": True}, "return_token_timestamps": {"return_token_timestamps": True},
     "ignore_eos": {"ignore_eos": False}, "skip_special_tokens": {"skip_special_tokens": False},
     "include_stop_str_in_output": {"include_stop_str_in_output": True},
     "return_tokens_as_token_ids": {"return_tokens_as_token_ids": True},

@@ -26,16 +26,20 @@ from helios.errors import BadRequest, InternalError
 from helios.frontends.common import (
     Accumulated,
     EventWriter,
+    TokenObservation,
+    TokenStops,
     merged,
     new_id,
     now,
-    validate_stop_token_ids,
+    token_stop_reason,
     validate_stops,
+    validate_token_stops,
 )
 from helios.frontends.effort import chat_effort_kwargs
 from helios.frontends.fields import (
     NATIVE_GENERATION_ROWS,
     PROVIDER_ROWS,
+    TOKEN_OBSERVATION_ROWS,
     FieldTable,
     honoured,
     ignored,
@@ -85,6 +89,8 @@ class ChatWire(NativeGenerationFields):
     continue_final_message: bool | None = None
     thinking_token_budget: int | None = None
     prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
+    return_token_timestamps: bool | None = None
 
 
 CHAT_FIELDS: FieldTable = {
@@ -108,6 +114,7 @@ CHAT_FIELDS: FieldTable = {
     "thinking_token_budget": honoured("Helios extension: hard cap on reasoning tokens"),
     "prompt_logprobs": honoured("vLLM extension: prompt-position logprobs (buffered only)"),
     **NATIVE_GENERATION_ROWS,
+    **TOKEN_OBSERVATION_ROWS,
     **PROVIDER_ROWS,
     "store": ignored("store: false is what Helios does anyway; store: true is refused (nothing is kept)", bool,
                      allows=one_of(False), message="store: true is not supported; Helios keeps no completions"),
@@ -311,10 +318,13 @@ class ChatPlan:
     include_usage: bool
     continuous_usage: bool
     stops: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
+    token_stops: TokenStops
     num_top_logprobs: int | None
     logprob_token_ids: tuple[int, ...] | None
     prompt_logprobs: int | None = None
+    observe: TokenObservation = TokenObservation()
+    """return_token_ids / return_token_timestamps: top-level prompt_token_ids (on a stream's first
+    chunk) and per choice token_ids / token_timestamps (per chunk in a stream)."""
 
 
 def decode_chat(obj: dict[str, Any], svc: Service) -> ChatPlan:
@@ -327,9 +337,9 @@ def decode_chat(obj: dict[str, Any], svc: Service) -> ChatPlan:
         raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
     prompt_k = validate_prompt_logprobs(w.prompt_logprobs, svc.info, stream=stream)
     stops = validate_stops(w.stop)
-    stop_ids = validate_stop_token_ids(w.stop_token_ids, svc.info.vocab_size)
-    if stops and stop_ids:
-        raise BadRequest("string stops cannot be combined with token stops", param="stop")
+    token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, svc.info.vocab_size,
+                                       string_stops=stops)
+    observe = TokenObservation.decode(w.return_token_ids, w.return_token_timestamps)
     if w.thinking_token_budget is not None and not 0 < w.thinking_token_budget < 2**31:
         raise BadRequest("thinking_token_budget must be a positive 32-bit integer", param="thinking_token_budget")
     num_top, explicit = validate_logprob_options(
@@ -357,7 +367,7 @@ def decode_chat(obj: dict[str, Any], svc: Service) -> ChatPlan:
     so = w.stream_options
     include_usage = bool(so and so.include_usage)
     return ChatPlan(w, conv, n, stream, include_usage, include_usage and bool(so and so.continuous_usage_stats),
-                    stops, stop_ids, num_top, explicit, prompt_k)
+                    stops, token_stops, num_top, explicit, prompt_k, observe)
 
 
 async def prepare_chat(plan: ChatPlan, svc: Service) -> list[ChildSpec]:
@@ -377,7 +387,8 @@ async def prepare_chat(plan: ChatPlan, svc: Service) -> list[ChildSpec]:
             sampling=svc.resolve_sampling(plan.conversation.sampling, i),
             max_tokens=budget,
             stop=plan.stops,
-            stop_token_ids=plan.stop_token_ids,
+            stop_token_ids=plan.token_stops.ids,
+            stop_token_sequences=plan.token_stops.sequences,
             ignore_eos=bool(w.ignore_eos),
             include_stop_str_in_output=bool(w.include_stop_str_in_output),
             skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
@@ -457,10 +468,11 @@ async def run_chat_buffered(plan: ChatPlan, specs: list[ChildSpec], svc: Service
             "message": msg,
             "logprobs": lp,
             "finish_reason": _finish_reason(acc.finish, bool(acc.tool_calls)),
-            "stop_reason": acc.finish.matched_stop if acc.finish else None,
+            "stop_reason": token_stop_reason(acc.finish, acc.token_ids, plan.token_stops),
+            **plan.observe.choice_fields(acc.token_ids, acc.token_timestamps),
         })
     prompt = accs[0].num_prompt_tokens if accs else 0
-    return {
+    body: dict[str, Any] = {
         "id": new_id("chatcmpl"),
         "object": "chat.completion",
         "created": now(),
@@ -471,40 +483,65 @@ async def run_chat_buffered(plan: ChatPlan, specs: list[ChildSpec], svc: Service
         "prompt_logprobs": prompt_logprobs_json(accs[0].prompt_logprobs or [], plan.prompt_logprobs, svc)
         if plan.prompt_logprobs is not None and accs else None,
     }
+    if plan.observe.ids:
+        body["prompt_token_ids"] = list(specs[0].prompt_token_ids) if specs else []
+    return body
 
 
 async def run_chat_stream(plan: ChatPlan, specs: list[ChildSpec], svc: Service, out: EventWriter) -> None:
+    """Chat chunks. With token observations (`ChatPlan.observe`) every choice chunk carries the
+    `token_ids` (and `token_timestamps`) it adds, the stream's first chunk the top-level
+    `prompt_token_ids`, and, without a separate usage chunk (include_usage), the terminal chunk the
+    final usage (spec, "Reasoning, sampling, and usage")."""
     cid, created, model = new_id("chatcmpl"), now(), svc.info.public_id
     accs = [Accumulated() for _ in specs]
     started = [False] * len(specs)
     tool_index = [0] * len(specs)
+    observe = plan.observe
+    prompt_ids_pending = observe.ids
+    num_finished = 0
+
+    def usage() -> dict[str, Any]:
+        return _usage(accs[0].num_prompt_tokens, sum(a.num_output_tokens for a in accs),
+                      accs[0].num_cached_tokens, sum(a.num_reasoning_tokens for a in accs))
 
     def chunk(i: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
-              extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        c: dict[str, Any] = {
-            "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-        }
+              stop_reason: Any = None, tokens: tuple[Any, Any] = ((), ()), terminal: bool = False) -> dict[str, Any]:
+        nonlocal prompt_ids_pending
+        choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
-            c["choices"][0]["stop_reason"] = extra.get("stop_reason") if extra else None
-        if plan.continuous_usage:
-            c["usage"] = _usage(accs[0].num_prompt_tokens, sum(a.num_output_tokens for a in accs),
-                                accs[0].num_cached_tokens, sum(a.num_reasoning_tokens for a in accs))
+            choice["stop_reason"] = stop_reason
+        choice.update(observe.choice_fields(*tokens))
+        c: dict[str, Any] = {
+            "id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice],
+        }
+        if prompt_ids_pending:
+            prompt_ids_pending = False
+            c["prompt_token_ids"] = list(specs[0].prompt_token_ids)
+        if plan.continuous_usage or (terminal and observe.ids and not plan.include_usage):
+            c["usage"] = usage()
         return c
 
-    async def emit(i: int, u: ChildUpdate) -> None:
-        """One update's events as chunks, in output order; logprobs ride on the first chunk."""
+    async def emit(i: int, u: ChildUpdate) -> tuple[Any, Any]:
+        """One update's events as chunks, in output order; logprobs and token ids ride on the first
+        chunk. Returns the token ids (and timestamps) still to send: the finish chunk takes them."""
         if not started[i] and (u.token_ids or u.events):
             started[i] = True
             await out.event(chunk(i, {"role": "assistant", "content": ""}))
         lp = None
         if plan.num_top_logprobs is not None and u.logprobs:
             lp = {"content": chat_logprobs_content(u.logprobs, svc, plan.wire.return_tokens_as_token_ids)}
+        tokens: tuple[Any, Any] = (u.token_ids, u.token_timestamps) if observe.ids else ((), ())
         for delta in _deltas(u.events, tool_index, i):
-            await out.event(chunk(i, delta, logprobs=lp))
-            lp = None
+            await out.event(chunk(i, delta, logprobs=lp, tokens=tokens))
+            lp, tokens = None, ((), ())
         if lp is not None:
-            await out.event(chunk(i, {"content": ""}, logprobs=lp))
+            await out.event(chunk(i, {"content": ""}, logprobs=lp, tokens=tokens))
+            tokens = ((), ())
+        if tokens[0] and u.finish is None:  # ids whose text is held back or has no text
+            await out.event(chunk(i, {}, tokens=tokens))
+            tokens = ((), ())
+        return tokens
 
     checks = [ToolCallCheck.for_conversation(plan.conversation) for _ in specs]
     async with svc.generate(specs, prefix="chatcmpl") as streams:
@@ -512,19 +549,20 @@ async def run_chat_stream(plan: ChatPlan, specs: list[ChildSpec], svc: Service, 
         async for i, u in merged(streams):
             u, failure = _screen(checks[i], u)
             accs[i].add(u)
-            await emit(i, u)
+            rest = await emit(i, u)
             if failure is not None:
                 # What passed the tool-choice rules went out; the stream ends in an error, no [DONE].
                 await out.event({"error": InternalError(failure).to_openai()["error"]})
                 return
             if u.finish is not None:
+                num_finished += 1
                 await out.event(chunk(i, {}, _finish_reason(u.finish, bool(accs[i].tool_calls)),
-                                      extra={"stop_reason": u.finish.matched_stop}))
+                                      stop_reason=token_stop_reason(u.finish, accs[i].token_ids, plan.token_stops),
+                                      tokens=rest, terminal=num_finished == len(specs)))
     if plan.include_usage:
         await out.event({
             "id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-            "usage": _usage(accs[0].num_prompt_tokens, sum(a.num_output_tokens for a in accs),
-                            accs[0].num_cached_tokens, sum(a.num_reasoning_tokens for a in accs)),
+            "usage": usage(),
         })
     await out.done_marker()
 

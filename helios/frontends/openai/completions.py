@@ -11,15 +11,19 @@ from helios.errors import BadRequest, InternalError
 from helios.frontends.common import (
     Accumulated,
     EventWriter,
+    TokenObservation,
+    TokenStops,
     merged,
     new_id,
     now,
-    validate_stop_token_ids,
+    token_stop_reason,
     validate_stops,
+    validate_token_stops,
 )
 from helios.frontends.fields import (
     NATIVE_GENERATION_ROWS,
     PROVIDER_ROWS,
+    TOKEN_OBSERVATION_ROWS,
     FieldTable,
     honoured,
     refused,
@@ -58,6 +62,8 @@ class CompletionWire(NativeGenerationFields):
     top_p: float | None = None
     add_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
+    return_token_timestamps: bool | None = None
 
 
 _RAW = "raw completions bypass chat templates and output parsers"
@@ -77,6 +83,7 @@ COMPLETION_FIELDS: FieldTable = {
     "add_special_tokens": honoured("vLLM extension: tokenizer special-token policy for text prompts"),
     "prompt_logprobs": honoured("vLLM extension: prompt-position logprobs (buffered only)"),
     **NATIVE_GENERATION_ROWS,
+    **TOKEN_OBSERVATION_ROWS,
     "model": PROVIDER_ROWS["model"],
     "user": PROVIDER_ROWS["user"],
     "suffix": refused("insertion after the completion is not implemented", message="suffix is not supported"),
@@ -98,11 +105,16 @@ class CompletionPlan:
     include_usage: bool
     continuous_usage: bool
     stops: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
+    token_stops: TokenStops
     logprobs: int | None
     logprob_token_ids: tuple[int, ...] | None
     prompt_logprobs: int | None = None
     """Alternatives in choices[i].prompt_logprobs (explicit, or inferred from echo + logprobs)."""
+    observe: TokenObservation = TokenObservation()
+    """return_token_ids / return_token_timestamps: per choice prompt_token_ids (the choice's own
+    prompt, on its first chunk in a stream) and the generated token_ids / token_timestamps. Unlike
+    vLLM, echo does not prepend the prompt ids to token_ids nor drop the echoed text: token_ids are
+    the generated tokens only, as many as the choice's completion tokens."""
 
     @property
     def echo_logprobs(self) -> bool:
@@ -178,14 +190,14 @@ def decode_completion(obj: dict[str, Any], svc: Service) -> CompletionPlan:
     if w.max_tokens is not None and w.max_tokens < 0:
         raise BadRequest("max_tokens must not be negative", param="max_tokens")
     stops = validate_stops(w.stop)
-    stop_ids = validate_stop_token_ids(w.stop_token_ids, svc.info.vocab_size)
-    if stops and stop_ids:
-        raise BadRequest("string stops cannot be combined with token stops", param="stop")
+    token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, svc.info.vocab_size,
+                                       string_stops=stops)
+    observe = TokenObservation.decode(w.return_token_ids, w.return_token_timestamps)
     so = w.stream_options
     include_usage = bool(so and so.include_usage)
     return CompletionPlan(w, _prompts(w.prompt, svc.info.vocab_size), n, stream, include_usage,
-                          include_usage and bool(so and so.continuous_usage_stats), stops, stop_ids, w.logprobs,
-                          explicit, prompt_k)
+                          include_usage and bool(so and so.continuous_usage_stats), stops, token_stops, w.logprobs,
+                          explicit, prompt_k, observe)
 
 
 @attrs.frozen
@@ -221,7 +233,8 @@ async def prepare_completion(plan: CompletionPlan, svc: Service) -> tuple[list[P
                 sampling=svc.resolve_sampling(decode_sampling(w, svc.info.vocab_size), i),
                 max_tokens=budget,
                 stop=plan.stops,
-                stop_token_ids=plan.stop_token_ids,
+                stop_token_ids=plan.token_stops.ids,
+                stop_token_sequences=plan.token_stops.sequences,
                 ignore_eos=bool(w.ignore_eos),
                 include_stop_str_in_output=bool(w.include_stop_str_in_output),
                 skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
@@ -274,9 +287,11 @@ async def run_completion_buffered(plan: CompletionPlan, prepared: list[PreparedP
             "text": echo + acc.text,
             "logprobs": lp,
             "finish_reason": "length" if w.max_tokens == 0 else _finish_reason(acc),
-            "stop_reason": acc.finish.matched_stop if acc.finish else None,
+            "stop_reason": token_stop_reason(acc.finish, acc.token_ids, plan.token_stops),
             "prompt_logprobs": prompt_logprobs_json(scores, plan.prompt_logprobs or 0, svc)
             if plan.scores_prompt else None,
+            **({"prompt_token_ids": list(pp.ids)} if plan.observe.ids else {}),
+            **plan.observe.choice_fields(acc.token_ids, acc.token_timestamps),
         })
     return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": svc.info.public_id,
             "choices": choices, "usage": _usage(prepared, accs, plan.n)}
@@ -285,21 +300,36 @@ async def run_completion_buffered(plan: CompletionPlan, prepared: list[PreparedP
 async def run_completion_stream(plan: CompletionPlan, prepared: list[PreparedPrompt], specs: list[ChildSpec],
                                 svc: Service, out: EventWriter) -> None:
     """Streams choices; with echo + logprobs each completed prompt chunk is one logprob frame (the
-    first carries the echoed text), before the generated entries."""
+    first carries the echoed text), before the generated entries.
+
+    With token observations (`CompletionPlan.observe`) each choice's first chunk carries its
+    `prompt_token_ids`, every chunk the `token_ids` (and `token_timestamps`) it adds, and, without a
+    separate usage chunk (include_usage), the terminal chunk the final usage."""
     cid, created, model = new_id("cmpl"), now(), svc.info.public_id
     w = plan.wire
     as_ids = w.return_tokens_as_token_ids
+    observe = plan.observe
     accs = [Accumulated() for _ in specs]
     echo_sent = [False] * len(specs)
     prompt_pos = [0] * len(specs)  # prompt positions already framed
     prompt_off = [0] * len(specs)  # their characters (decoded token strings)
+    prompt_ids_pending = [observe.ids] * len(specs)
+    num_finished = 0
 
     def chunk(i: int, text: str, finish: str | None = None, logprobs: Any = None,
-              stop_reason: Any = None) -> dict[str, Any]:
+              stop_reason: Any = None, tokens: tuple[Any, Any] = ((), ())) -> dict[str, Any]:
+        nonlocal num_finished
+        choice: dict[str, Any] = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                                  "stop_reason": stop_reason}
+        if prompt_ids_pending[i]:
+            prompt_ids_pending[i] = False
+            choice["prompt_token_ids"] = list(prepared[i // plan.n].ids)
+        choice.update(observe.choice_fields(*tokens))
         c: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                             "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish,
-                                          "stop_reason": stop_reason}]}
-        if plan.continuous_usage:
+                             "choices": [choice]}
+        num_finished += finish is not None
+        if plan.continuous_usage or (observe.ids and not plan.include_usage and num_finished == len(specs)
+                                     and finish is not None):
             c["usage"] = _usage(prepared, accs, plan.n)
         return c
 
@@ -338,11 +368,14 @@ async def run_completion_stream(plan: CompletionPlan, prepared: list[PreparedPro
                 if plan.logprobs is not None and u.logprobs:
                     lp = completion_logprobs(list(u.logprobs), u.logprob_offsets, svc, as_ids,
                                              bool(plan.logprob_token_ids), len(echo_text(i)))
-                if text or lp is not None:
-                    await out.event(chunk(i, text, logprobs=lp))
-                if u.finish is not None:
+                tokens: tuple[Any, Any] = (u.token_ids, u.token_timestamps) if observe.ids else ((), ())
+                if text or lp is not None or (tokens[0] and u.finish is None):
+                    await out.event(chunk(i, text, logprobs=lp, tokens=tokens))
+                    tokens = ((), ())
+                if u.finish is not None:  # it takes the ids not sent yet (a terminating token's)
                     reason = "length" if w.max_tokens == 0 else _finish_reason(accs[i])
-                    await out.event(chunk(i, "", reason, stop_reason=u.finish.matched_stop))
+                    await out.event(chunk(i, "", reason, tokens=tokens,
+                                          stop_reason=token_stop_reason(u.finish, accs[i].token_ids, plan.token_stops)))
     if plan.include_usage:
         await out.event({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
                          "usage": _usage(prepared, accs, plan.n)})

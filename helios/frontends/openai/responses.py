@@ -49,7 +49,7 @@ from helios.domain.conversation import (
 )
 from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
 from helios.errors import BadRequest, HeliosError, InternalError
-from helios.frontends.common import EventWriter, validate_stop_token_ids, validate_stops
+from helios.frontends.common import EventWriter, TokenStops, validate_stops, validate_token_stops
 from helios.frontends.fields import (
     NATIVE_GENERATION_ROWS,
     PROVIDER_ROWS,
@@ -501,7 +501,7 @@ class ResponsesPlan:
     toolset: ToolSet
     stream: bool
     stops: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
+    token_stops: TokenStops
     num_top_logprobs: int | None
     logprob_token_ids: tuple[int, ...] | None
     effort: str | None
@@ -529,9 +529,8 @@ def decode_responses(obj: dict[str, Any], svc: Service) -> ResponsesPlan:
         info=svc.info,
     )
     stops = validate_stops(w.stop)
-    stop_ids = validate_stop_token_ids(w.stop_token_ids, svc.info.vocab_size)
-    if stops and stop_ids:
-        raise BadRequest("string stops cannot be combined with token stops", param="stop")
+    token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, svc.info.vocab_size,
+                                       string_stops=stops)
     toolset, choice = decode_tools(w.tools, w.tool_choice)
     effort, summary, effort_kwargs = _decode_reasoning(w.reasoning, svc.info)
     messages = decode_input(w.input, w.instructions, allow_images=svc.info.has_vision)
@@ -544,7 +543,7 @@ def decode_responses(obj: dict[str, Any], svc: Service) -> ResponsesPlan:
         chat_template_kwargs={**effort_kwargs, **(w.chat_template_kwargs or {})},
     )
     echo = {name: obj[name] for name in ECHOED_FIELDS if obj.get(name) is not None}
-    return ResponsesPlan(w, conv, toolset, bool(w.stream), stops, stop_ids, num_top, explicit, effort, summary,
+    return ResponsesPlan(w, conv, toolset, bool(w.stream), stops, token_stops, num_top, explicit, effort, summary,
                          text_config, echo)
 
 
@@ -615,7 +614,8 @@ async def prepare_responses(plan: ResponsesPlan, svc: Service) -> ChildSpec:
         sampling=svc.resolve_sampling(plan.conversation.sampling),
         max_tokens=budget,
         stop=plan.stops,
-        stop_token_ids=plan.stop_token_ids,
+        stop_token_ids=plan.token_stops.ids,
+        stop_token_sequences=plan.token_stops.sequences,
         ignore_eos=bool(w.ignore_eos),
         include_stop_str_in_output=bool(w.include_stop_str_in_output),
         skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
