@@ -14,8 +14,8 @@ admission slots, 4 model slots, a model queue of 2) so that bursts hit 429 and 5
 Pass criteria (`SoakReport.problems`): no 5xx except the spec's 503s (model queue full, paused
 admission), every 429 carries `Retry-After`, no other unexpected status, every completed response
 and stream well-formed for its protocol, no KV page, model slot, queue entry or HTTP admission slot
-held once the server is idle (`/metrics?format=json`), and the server's RSS flat: the median of the
-last quarter of the samples at most 5% above the median of the second quarter.
+held once the server is idle (`/metrics?format=json`), `/health` 200 then, and the server's RSS flat:
+the median of the last quarter of the samples less than 5% above the median of the second quarter.
 
 CI-sized: tests/server/test_soak.py. Long: `nox -s soak` (`python -m tests.server.soak`), e.g.
 `nox -s soak -- --duration 600` or `-- --requests 3000`.
@@ -468,6 +468,7 @@ class SoakReport:
     rss_pid: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
     idle_wait: float = 0.0
+    health: int = 0  # GET /health status once idle
     log_tracebacks: int = 0
 
     # -- figures
@@ -502,6 +503,8 @@ class SoakReport:
                 out.append(f"{where}: 503 that is not queue-full or paused admission: {r.detail}")
             elif r.outcome == "429" and not r.retry_after:
                 out.append(f"{where}: 429 without Retry-After")
+        if self.health != 200:
+            out.append(f"GET /health answered {self.health} once idle")
         leaked = self.leaked()
         if any(leaked.values()):
             out.append(f"leaked once idle: {leaked} (metrics {self.metrics})")
@@ -528,14 +531,17 @@ class SoakReport:
         lines.append(f"  {'total':<24}" + "".join(f"{c[o]:>14}" for o in outcomes))
         streams = [r for r in self.results if r.reader != "buffered"]
         planned = sum(r.reader == "disconnect" for r in self.results)
-        lines.append(f"  streams: {len(streams)}; disconnect planned {planned}, closed mid-stream "
-                     f"{c['disconnected']}; paused readers {sum(r.reader == 'pause' for r in self.results)} "
+        admitted = [r for r in streams if r.outcome in ("ok", "disconnected")]
+        share = c["disconnected"] / len(admitted) if admitted else 0.0
+        lines.append(f"  streams: {len(streams)} ({len(admitted)} admitted); disconnect planned {planned}, closed "
+                     f"mid-stream {c['disconnected']} ({share:.0%} of admitted streams); paused readers {sum(r.reader == 'pause' for r in self.results)} "
                      f"({sum(r.reader == 'pause' and r.outcome == 'ok' for r in self.results)} read to the end)")
         r429 = [r for r in self.results if r.outcome == "429"]
         lines.append(f"  429: {len(r429)} ({sum(bool(r.retry_after) for r in r429)} with Retry-After, values "
                      f"{sorted({r.retry_after for r in r429 if r.retry_after})}); in bursts {sum(r.burst for r in r429)}")
         r503 = Counter(r.detail for r in self.results if r.outcome == "503")
-        lines.append(f"  503: {sum(r503.values())} {dict(r503)}")
+        lines.append(f"  503: {sum(r503.values())} {dict(r503)}; in bursts "
+                     f"{sum(r.burst for r in self.results if r.outcome == '503')}")
         by_status = Counter(r.status for r in self.results)
         lines.append(f"  HTTP statuses: {dict(sorted(by_status.items()))}")
         ok = [r.seconds for r in self.results if r.outcome == "ok"]
@@ -545,7 +551,7 @@ class SoakReport:
         lines.append(f"  idle: free_pages {m.get('free_pages')}/{m.get('total_pages')}, active {m.get('active')}, "
                      f"pending {m.get('pending')}, http_admission_in_use {m.get('http_admission_in_use')}; "
                      f"leaked {self.leaked()}; completed {m.get('completed')}, failed {m.get('failed')}, "
-                     f"generated_tokens {m.get('generated_tokens')}")
+                     f"generated_tokens {m.get('generated_tokens')}; /health {self.health}")
         qs = self.rss_quarters()
         growth = self.rss_growth()
         mib = [f"{b / 2**20:.0f}" for b in qs]
@@ -634,6 +640,7 @@ async def drive(url: str, root_pid: int | None, opts: SoakOptions) -> SoakReport
         t = time.monotonic()
         report.metrics = await _idle_metrics(client, opts.idle_timeout)
         report.idle_wait = time.monotonic() - t
+        report.health = (await client.get("/health")).status_code
     return report
 
 
