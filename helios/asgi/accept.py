@@ -12,11 +12,9 @@ q-values are ignored rather than rejected.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import attrs
-
-from helios.errors import BadRequest
 
 JSON = "application/json"
 TEXT = "text/plain"
@@ -83,17 +81,6 @@ def prefers_json(accept: str | None) -> bool:
     if json_q != text_q:
         return json_q > text_q
     return json_pos < text_pos
-
-
-def wants_json_metrics(query: Mapping[str, Sequence[str]], accept: str | None) -> bool:
-    """The /metrics decision: ``format`` query first (json/prometheus, else 400), then Accept."""
-    formats = query.get("format")
-    if formats:
-        for value in formats:
-            if value not in ("json", "prometheus"):
-                raise BadRequest(f"Unsupported metrics format {value!r}; use 'json' or 'prometheus'")
-        return formats[0] == "json"
-    return prefers_json(accept)
 
 
 def _parse_quality(value: str) -> float | None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import attrs
 
-from helios.errors import BadRequest, TooManyRequests
-
 
 @attrs.frozen
 class AdmissionStatistics:
@@ -61,20 +59,6 @@ class AdmissionSlots:
             return False
         self._in_use += n
         return True
-
-    def acquire(self, n: int = 1) -> None:
-        """Take ``n`` slots or raise: BadRequest when ``n`` exceeds the pool, else TooManyRequests."""
-        if self.try_acquire(n):
-            return
-        if self.is_oversized(n):
-            raise BadRequest(
-                f"The request needs {n} admission slots (one per generated choice); "
-                f"this server admits at most {self._total}"
-            )
-        raise TooManyRequests(
-            f"All {self._total} admission slots are in use; retry later",
-            headers=((b"retry-after", b"1"),),
-        )
 
     def release(self, n: int = 1) -> None:
         if n < 1 or n > self._in_use:

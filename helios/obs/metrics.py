@@ -275,8 +275,6 @@ def wants_json(fmt: str | None, accept: str | None) -> bool:
         if fmt == "prometheus":
             return False
         raise BadRequest(f"unknown metrics format '{fmt}'; use json or prometheus", param="format")
-    try:
-        from helios.asgi.accept import prefers_json
-    except ImportError:  # pragma: no cover
-        return False
+    from helios.asgi.accept import prefers_json
+
     return prefers_json(accept)
