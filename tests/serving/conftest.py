@@ -6,11 +6,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.serving.harness import FAMILIES, ScriptedServer
+from tests.serving.harness import FAMILIES, TEMPLATES, ScriptedServer
 
 
 @pytest.fixture(scope="session")
 def servers() -> Iterator[dict[str, ScriptedServer]]:
+    if TEMPLATES is None:
+        pytest.skip("shared/fixtures/chat_templates not found (shared/ lies beside the repository)")
     started: dict[str, ScriptedServer] = {}
 
     class Lazy(dict[str, ScriptedServer]):

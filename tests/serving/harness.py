@@ -30,7 +30,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -45,9 +44,10 @@ from helios.loaders.tokenizer import Tokenizer
 from helios.recipes import Recipe, get_recipe, plain_recipe
 from helios.runtime import Runtime
 from helios.serving.pipeline import ModelInfo, Service
+from tests.shared_fixtures import shared_fixtures
 
-FIXTURES = Path("/work/shared/fixtures")
-TEMPLATES = FIXTURES / "chat_templates"
+# The fixture chat templates (shared/ beside the repository); None when absent: the servers fixture skips.
+TEMPLATES = shared_fixtures("chat_templates")
 
 # Qwen's markup tokens: added, not special (they decode to their text, as in Qwen's tokenizer).
 ADDED_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -322,6 +322,7 @@ def runtime_factory(family: Family, book: ScriptBook) -> Callable[[HeliosConfig]
             has_reasoning=recipe.reasoning_parser is not None or recipe.output_parser not in ("plain", "hermes"),
             has_tools=recipe.output_parser != "plain",
         )
+        assert TEMPLATES is not None, "shared/fixtures/chat_templates not found"
         template = (TEMPLATES / family.template).read_text()
         return Runtime(cfg, core, info, tok, template, recipe, tuple(tok.eos_token_ids))
 

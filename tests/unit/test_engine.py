@@ -47,11 +47,18 @@ def dense_logprobs(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model.compute_logits(hidden).double(), dim=-1)
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                   reason="no CUDA device (CPU CI skips CUDA tests)"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("num_pages", [64, 14])  # 14 pages of 4 slots forces preemption
-def test_engine_matches_dense_reference(num_pages: int) -> None:
+def test_engine_matches_dense_reference(num_pages: int, device: str) -> None:
+    """On CUDA too, against the same dense fp64 reference on the CPU (TF32 is off by default)."""
     model = tiny_model()
-    core = EngineCore(model, CFG, EngineConfig(page_size=4, num_pages=num_pages, max_active=8, prefill_chunk_size=7,
-                                               max_model_len=128), torch.float32)
+    core = EngineCore(tiny_model().to(device), CFG, EngineConfig(page_size=4, num_pages=num_pages, max_active=8,
+                                                               prefill_chunk_size=7, max_model_len=128),
+                      torch.float32, device)
     prompts = [[(7 * i + 3 * j) % CFG.vocab_size for j in range(n)] for i, n in enumerate((3, 10, 17, 25))]
     reqs = [EngineRequest(f"r{i}", tuple(p), SamplingParams(temperature=1.0, seed=i), max_tokens=12,
                           ignore_eos=True, num_top_logprobs=5) for i, p in enumerate(prompts)]
