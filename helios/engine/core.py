@@ -59,7 +59,6 @@ class EngineCore:
                                    prefill_chunk_size=cfg.prefill_chunk_size, max_model_len=cfg.max_model_len)
         self.sampler = Sampler(model_config.vocab_size, device=self.device)
         self.runner = ModelRunner(model, self.attention, self.kv_manager, self.sampler, self.device)
-        self.failed = 0
 
     # -- inbox handling ---------------------------------------------------------------------
     def add(self, request: EngineRequest) -> None:
@@ -84,8 +83,6 @@ class EngineCore:
             page_tokens=self.kv_manager.page_size,
             prefill_tokens=self.scheduler.prefill_tokens,
             generated_tokens=self.scheduler.generated_tokens,
-            completed=self.scheduler.completed,
-            failed=self.failed,
             decode_weight_bytes=self._weight_bytes(),
         )
 
@@ -223,7 +220,6 @@ class EngineThread:
             except queue.Empty:
                 break
             if isinstance(item, Add):
-                self.core.failed += 1
                 outs.append(RequestOutput(item.request.request_id, (), finish=EngineFinish.ERROR, error=message))
         if outs:
             self._sink(outs)
@@ -257,7 +253,6 @@ class EngineThread:
         outs = []
         for s in seqs:
             sched.finish(s)
-            self.core.failed += 1
             outs.append(RequestOutput(s.request_id, (), finish=EngineFinish.ERROR, error=message))
         if outs:
             self._sink(outs)

@@ -124,7 +124,5 @@ class EngineStats:
     page_tokens: int
     prefill_tokens: int
     generated_tokens: int
-    completed: int
-    failed: int
     decode_weight_bytes: int = 0
     """Bytes of weights one decode step reads for one request (0: the model declares none)."""

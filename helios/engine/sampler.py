@@ -182,10 +182,11 @@ class Sampler:
             w = x.index_select(0, index)
             if scaled:
                 w.div_(_column(temperatures, device))
+        scales = [1.0 / t for t in temperatures]  # bias and penalties act before the temperature
         if any(r.params.logit_bias for r in work_rows):
-            _apply_logit_bias(w, work_rows, [1.0 / t for t in temperatures])
+            _apply_logit_bias(w, work_rows, scales)
         if any(r.has_penalties for r in work_rows):
-            _apply_penalties(w, work_rows, [1.0 / t for t in temperatures])
+            _apply_penalties(w, work_rows, scales)
         if token_mask is not None:
             mask = token_mask[:, : self.vocab_size]
             if index is not None:

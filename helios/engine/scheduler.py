@@ -128,10 +128,9 @@ class Scheduler:
         self.by_id: dict[str, RequestState] = {}
         self._arrivals = 0
         self.num_preemptions = 0
-        # Totals for the metrics: prompt tokens prefilled, tokens committed, requests completed.
+        # Totals for the metrics: prompt tokens prefilled and tokens committed.
         self.prefill_tokens = 0
         self.generated_tokens = 0
-        self.completed = 0
         self._freed: list[str] = []
 
     # -- membership -------------------------------------------------------------------------
@@ -265,7 +264,6 @@ class Scheduler:
             elif c.samples and seq.request.max_tokens == 0:
                 # A scoring-only request: its prefill is done and nothing is sampled.
                 self.finish(seq)
-                self.completed += 1
                 outputs.append(RequestOutput(rid, (), prompt_logprobs=scores, finish=EngineFinish.LENGTH,
                                              num_prompt_tokens=seq.num_prompt_tokens))
             elif scores:
@@ -300,7 +298,6 @@ class Scheduler:
         self.generated_tokens += kept
         if finish is not None:
             self.finish(seq)
-            self.completed += 1
         return RequestOutput(
             seq.request_id,
             tuple(tokens[:kept]),

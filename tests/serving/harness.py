@@ -320,7 +320,6 @@ def runtime_factory(family: Family, book: ScriptBook) -> Callable[[HeliosConfig]
             has_bos=tok.bos_token_id is not None,
             thinking_token_budget=cfg.server.thinking_token_budget,
             has_reasoning=recipe.reasoning_parser is not None or recipe.output_parser not in ("plain", "hermes"),
-            has_tools=recipe.output_parser != "plain",
         )
         assert TEMPLATES is not None, "shared/fixtures/chat_templates not found"
         template = (TEMPLATES / family.template).read_text()

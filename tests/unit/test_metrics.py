@@ -27,7 +27,7 @@ from helios.obs.metrics import (
 )
 
 STATS = EngineStats(active=2, pending=3, free_pages=90, total_pages=128, page_tokens=16, prefill_tokens=1234,
-                    generated_tokens=567, completed=9, failed=1, decode_weight_bytes=4096)
+                    generated_tokens=567, decode_weight_bytes=4096)
 
 
 def families(text: str) -> dict[str, Any]:
