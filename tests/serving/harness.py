@@ -55,6 +55,7 @@ EOS_TEXT = "<|im_end|>"
 DEFAULT_REPLY = "OK."
 MAX_MODEL_LEN = 4096
 NEG = -1e4
+HOLD_LIMIT_S = 10.0
 
 
 # -- tokenizer ------------------------------------------------------------------------------------
@@ -111,16 +112,22 @@ class ScriptBook:
         self._scripts: dict[str, tuple[int, ...]] = {}
         self._ids = itertools.count(1)
         self.prefills: list[Prefill] = []
-        self._delays: dict[str, float] = {}
+        self._holds: dict[str, threading.Event] = {}
+        self.hold_timed_out: dict[str, bool] = {}
 
-    def delay(self, key: str, seconds: float) -> None:
-        """The prefill of the next prompt selecting `key` takes `seconds` (a long prompt on a CPU)."""
+    def hold(self, key: str) -> threading.Event:
+        """The prefill of the next prompt selecting `key` waits until the returned event is set (a
+        long prompt on a CPU); it gives up after HOLD_LIMIT_S and records that in `hold_timed_out`."""
+        event = threading.Event()
         with self._lock:
-            self._delays[key] = seconds
+            self._holds[key] = event
+        return event
 
-    def take_delay(self, key: str | None) -> float:
+    def wait_hold(self, key: str | None) -> None:
         with self._lock:
-            return self._delays.pop(key, 0.0) if key is not None else 0.0
+            event = self._holds.pop(key, None) if key is not None else None
+        if event is not None and key is not None:
+            self.hold_timed_out[key] = not event.wait(HOLD_LIMIT_S)
 
     def add(self, *parts: str | Sequence[int]) -> str:
         """Registers a script (see `encode_script`) and returns the key to put in the prompt."""
@@ -197,7 +204,7 @@ class ScriptedModel(torch.nn.Module):
             while j < num and pos[j] == pos[j - 1] + 1:
                 j += 1
             key, key_script = self.book.choose(ids[i:j])
-            time.sleep(self.book.take_delay(key))  # runs in the engine thread, like a real prefill
+            self.book.wait_hold(key)  # in the engine thread, like a long prefill
             sid = next(self._ids)
             self._seqs[sid] = _Seq(key_script, j - i)
             carrier[i:j] = float(sid)
