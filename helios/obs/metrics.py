@@ -164,7 +164,6 @@ class ServingMetrics:
         self._clock = clock
         self.started = time.time()
         self.completed = 0
-        self.failed = 0
         self.failed_by_stage: dict[str, int] = dict.fromkeys(_PRESET_STAGES, 0)
         self.first_response_window = SlidingMedian()
         # The histograms are not registered themselves: the collector below exposes them without
@@ -207,10 +206,14 @@ class ServingMetrics:
             end = self._clock() if now is None else now
             self.e2e.observe(max(end - stats.started, 0.0))
         else:
-            self.failed += 1
             key = stage or "execution"
             self.failed_by_stage[key] = self.failed_by_stage.get(key, 0) + 1
         return outcome
+
+    @property
+    def failed(self) -> int:
+        """Failed requests, all stages."""
+        return sum(self.failed_by_stage.values())
 
     # -- reading ------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
