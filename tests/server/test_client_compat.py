@@ -9,6 +9,7 @@ The `limited` server has a 512-token context.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import anthropic
 import httpx
@@ -51,28 +52,29 @@ def test_chat_input_over_context(limited: LiveServer) -> None:
     assert "input tokens" in str(err["message"])
 
 
+def _over_context_param(call: Callable[[], object]) -> object:
+    """The `param` of the context_length_exceeded 400 that `call` raises."""
+    with pytest.raises(openai.BadRequestError) as exc:
+        call()
+    err = _openai_error(exc)
+    assert err["code"] == "context_length_exceeded"
+    return err["param"]
+
+
 def test_completions_params(limited: LiveServer) -> None:
     client = limited.openai()
-    with pytest.raises(openai.BadRequestError) as exc:
-        client.completions.create(model="m", prompt=LONG, max_tokens=5)
-    assert _openai_error(exc)["param"] == "prompt"
-    assert _openai_error(exc)["code"] == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError) as exc:
-        client.completions.create(model="m", prompt="hi", max_tokens=5000)
-    assert _openai_error(exc)["param"] == "max_tokens"
-    assert _openai_error(exc)["code"] == "context_length_exceeded"
+    assert _over_context_param(lambda: client.completions.create(model="m", prompt=LONG, max_tokens=5)) == "prompt"
+    assert _over_context_param(
+        lambda: client.completions.create(model="m", prompt="hi", max_tokens=5000)) == "max_tokens"
 
 
 def test_responses_params(limited: LiveServer) -> None:
     client = limited.openai()
-    with pytest.raises(openai.BadRequestError) as exc:
-        client.responses.create(model="m", input=LONG, max_output_tokens=16)
-    assert _openai_error(exc)["param"] == "input"
-    assert _openai_error(exc)["code"] == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError) as exc:
-        client.responses.create(model="m", input="hi", max_output_tokens=32000, stream=True)
-    assert _openai_error(exc)["param"] == "max_output_tokens"
-    assert _openai_error(exc)["code"] == "context_length_exceeded"
+    assert _over_context_param(
+        lambda: client.responses.create(model="m", input=LONG, max_output_tokens=16)) == "input"
+    assert _over_context_param(
+        lambda: client.responses.create(model="m", input="hi", max_output_tokens=32000, stream=True)
+    ) == "max_output_tokens"
 
 
 def test_messages_output_over_context_in_anthropic_words_and_recoverable(limited: LiveServer) -> None:
