@@ -13,10 +13,11 @@ from typing import Any
 import torch
 
 from helios.config import HeliosConfig
+from helios.domain.model import ModelInfo
 from helios.engine.attention import KVCache
 from helios.engine.core import EngineConfig, EngineCore, EngineThread
 from helios.serving.engine_client import EngineClient
-from helios.serving.pipeline import ModelInfo, Service
+from helios.serving.pipeline import Service
 
 log = logging.getLogger("helios.runtime")
 

@@ -7,6 +7,7 @@ import time
 
 import attrs
 
+from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.domain.sampling import SamplingParams
 
 
@@ -59,27 +60,6 @@ InboxItem = Add | Abort | Shutdown
 
 
 @attrs.frozen
-class TokenLogprobRecord:
-    """One generated position's logprobs: the chosen token and its alternatives, fp32-accurate floats."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...]
-
-
-@attrs.frozen
-class PromptLogprobRecord:
-    """One prompt position's score: the token at that position given everything before it."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float, int], ...]
-    """Natural alternatives (id, logprob, rank) by decreasing logprob, then increasing id."""
-
-
-@attrs.frozen
 class RequestOutput:
     """What one engine step produced for one request.
 
@@ -89,8 +69,8 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprobRecord, ...] | None = None
-    prompt_logprobs: tuple[PromptLogprobRecord | None, ...] | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
     finish: EngineFinish | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -111,8 +91,8 @@ class RunnerOutput:
     positions scored in this step's chunks."""
 
     sampled: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
-    logprobs: dict[str, tuple[TokenLogprobRecord, ...]] = attrs.field(factory=dict)
-    prompt_logprobs: dict[str, tuple[PromptLogprobRecord | None, ...]] = attrs.field(factory=dict)
+    logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(factory=dict)
+    prompt_logprobs: dict[str, tuple[PromptLogprob | None, ...]] = attrs.field(factory=dict)
 
 
 @attrs.frozen

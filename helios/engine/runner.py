@@ -16,10 +16,15 @@ from typing import Any
 
 import torch
 
+from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.engine.attention import AttentionBackend
 from helios.engine.kv.manager import KVCacheManager
-from helios.engine.records import PromptLogprobRecord, RunnerOutput, TokenLogprobRecord
-from helios.engine.sampler import Sampler, SamplingRow, prompt_scores
+from helios.engine.records import RunnerOutput
+from helios.engine.sampler import (
+    Sampler,
+    SamplingRow,
+    prompt_scores,
+)
 from helios.engine.scheduler import RequestState, ScheduledChunk, SchedulerOutput
 
 _SCORE_ROWS = 256  # prompt positions whose logits exist at once while scoring a prompt
@@ -45,7 +50,7 @@ class ModelRunner:
         attn = self.backend.build(sched.chunks, tables)
         sample_rows: list[int] = []
         seqs: list[RequestState] = []
-        scored: dict[str, tuple[PromptLogprobRecord | None, ...]] = {}
+        scored: dict[str, tuple[PromptLogprob | None, ...]] = {}
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, attn)
             offset = 0
@@ -74,22 +79,22 @@ class ModelRunner:
             ]
             token_ids, logprobs = self.sampler.sample(logits, rows)
         sampled: dict[str, tuple[int, ...]] = {}
-        records: dict[str, tuple[TokenLogprobRecord, ...]] = {}
+        records: dict[str, tuple[TokenLogprob, ...]] = {}
         for s, t, lp in zip(seqs, token_ids, logprobs, strict=True):
             sampled[s.request_id] = (t,)
             if lp is not None:
-                records[s.request_id] = (TokenLogprobRecord(lp.token_id, lp.logprob, lp.rank, tuple(lp.top)),)
+                records[s.request_id] = (lp,)
         return RunnerOutput(sampled=sampled, logprobs=records, prompt_logprobs=scored)
 
     def _score_prompt_chunk(self, hidden: torch.Tensor, offset: int,
-                            chunk: ScheduledChunk) -> tuple[PromptLogprobRecord | None, ...]:
+                            chunk: ScheduledChunk) -> tuple[PromptLogprob | None, ...]:
         """Scores of the prompt positions this chunk's rows predict (row p predicts token p + 1).
 
         Logits exist for at most `_SCORE_ROWS` rows at a time, never for the whole prompt. Positions
         already scored before a preemption are not scored again."""
         seq = chunk.seq
         k = seq.request.prompt_logprobs or 0
-        out: list[PromptLogprobRecord | None] = []
+        out: list[PromptLogprob | None] = []
         if seq.num_prompt_scored == 0 and chunk.start == 0:
             out.append(None)  # position 0 has nothing before it
             seq.num_prompt_scored = 1
@@ -101,7 +106,7 @@ class ModelRunner:
             rows = hidden[offset + lo - 1 - chunk.start : offset + hi - 1 - chunk.start]
             logits = self.model.compute_logits(rows)[:, :vocab_size]
             for score in prompt_scores(logits, seq.token_ids[lo:hi], k):
-                out.append(PromptLogprobRecord(score.token_id, score.logprob, score.rank, score.top))
+                out.append(PromptLogprob(score.token_id, score.logprob, score.rank, score.top))
         if last >= first:
             seq.num_prompt_scored = last + 1
         return tuple(out)

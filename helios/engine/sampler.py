@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from helios.domain.logprobs import TokenLogprob
 from helios.domain.sampling import SamplingParams
 
 NONFINITE_LOGPROB = -9999.0
@@ -84,17 +85,10 @@ class SamplingRow:
         return self.has_penalties or bool(self.params.logit_bias)
 
 
-@attrs.frozen
-class TokenLogprob:
-    """The raw-distribution logprob of one sampled token; plain Python values only."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    """1 + the number of vocabulary entries with a strictly greater logprob (ties share a rank)."""
-    top: tuple[tuple[int, float], ...]
-    """Natural alternatives (id, logprob) by decreasing logprob, then increasing id; or the explicit
-    ids in caller order (first occurrence kept) with the sampled token appended when absent."""
+# Logprob records are the domain's `TokenLogprob`: rank is 1 + the number of vocabulary entries with
+# a strictly greater logprob (ties share a rank); `top` holds the natural alternatives (id, logprob) by
+# decreasing logprob, then increasing id, or the explicit ids in caller order (first occurrence kept)
+# with the sampled token appended when absent.
 
 
 class Sampler:

@@ -29,15 +29,9 @@ from typing import Any
 import attrs
 import torch
 
+from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.engine.kv.manager import KVCacheManager
-from helios.engine.records import (
-    EngineFinish,
-    EngineRequest,
-    PromptLogprobRecord,
-    RequestOutput,
-    RunnerOutput,
-    TokenLogprobRecord,
-)
+from helios.engine.records import EngineFinish, EngineRequest, RequestOutput, RunnerOutput
 
 
 class SeqStatus(enum.IntEnum):
@@ -270,8 +264,8 @@ class Scheduler:
                 outputs.append(RequestOutput(rid, (), prompt_logprobs=scores, num_prompt_tokens=seq.num_prompt_tokens))
         return outputs
 
-    def _commit(self, seq: RequestState, tokens: tuple[int, ...], logprobs: tuple[TokenLogprobRecord, ...] | None,
-                prompt_logprobs: tuple[PromptLogprobRecord | None, ...] | None) -> RequestOutput:
+    def _commit(self, seq: RequestState, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] | None,
+                prompt_logprobs: tuple[PromptLogprob | None, ...] | None) -> RequestOutput:
         """Append the runner's tokens in order; the first that ends the request is the last kept.
 
         A token stop ends the request at the token that completes it: a `stop_token_ids` entry, or

@@ -27,7 +27,9 @@ from typing import Protocol
 import attrs
 
 from helios.domain.events import Finish, FinishCause, OutputEvent, TextDelta
-from helios.engine.records import EngineFinish, PromptLogprobRecord, RequestOutput, TokenLogprobRecord
+from helios.domain.generation import ChildUpdate
+from helios.domain.logprobs import PromptLogprob, TokenLogprob
+from helios.engine.records import EngineFinish, RequestOutput
 
 _CAUSES = {
     EngineFinish.EOS: FinishCause.EOS,
@@ -56,29 +58,6 @@ class PassthroughParser:
 
     def finish(self, *, truncated: bool = False) -> list[OutputEvent]:
         return []
-
-
-@attrs.define
-class ChildUpdate:
-    events: list[OutputEvent]
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprobRecord, ...] | None
-    finish: Finish | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    abort_engine: bool = False  # a string stop ended it: the engine child must be aborted
-    num_reasoning_tokens: int = 0  # cumulative tokens the parser published as reasoning
-    logprob_offsets: tuple[int, ...] = ()
-    """Per `logprobs` entry: the Unicode characters the detokenizer had released before that token,
-    counted from the start of the completion (a token inside a multi-token character gets the
-    character's start)."""
-    prompt_logprobs: tuple[PromptLogprobRecord | None, ...] | None = None
-    """Prompt positions scored in this update, in order (position 0 is None)."""
-    token_timestamps: tuple[float, ...] = ()
-    """Per `token_ids` entry (when the processor has an `origin`): seconds from the origin (the
-    request's admission) to the engine's commit of that token (`RequestOutput.produced_at`); tokens
-    committed in one engine step share their time."""
 
 
 class OutputProcessor:

@@ -39,11 +39,12 @@ import trio
 
 from helios.app import HeliosApp
 from helios.config import EngineSection, HeliosConfig, ModelConfigSection, ServerConfig
+from helios.domain.model import ModelInfo
 from helios.engine.core import EngineConfig, EngineCore
 from helios.loaders.tokenizer import Tokenizer
 from helios.recipes import Recipe, get_recipe, plain_recipe
 from helios.runtime import Runtime
-from helios.serving.pipeline import ModelInfo, Service
+from helios.serving.pipeline import Service
 from tests.shared_fixtures import shared_fixtures
 
 # The fixture chat templates (shared/ beside the repository); None when absent: the servers fixture skips.

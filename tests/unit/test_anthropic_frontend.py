@@ -17,6 +17,7 @@ from helios.domain.conversation import (
     ToolResultPart,
 )
 from helios.domain.events import Finish, FinishCause, OutputEvent, ReasoningDelta, TextDelta, ToolCall
+from helios.domain.model import ModelInfo
 from helios.errors import BadRequest
 from helios.frontends.anthropic.messages import (
     MessageAssembler,
@@ -28,7 +29,6 @@ from helios.frontends.anthropic.messages import (
     thinking_signature,
 )
 from helios.serving.output import ChildUpdate
-from helios.serving.pipeline import ModelInfo
 
 
 def info(**kw: Any) -> ModelInfo:

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 import pytest
 
 from helios.domain.events import FinishCause
-from helios.engine.records import EngineFinish, PromptLogprobRecord, RequestOutput, TokenLogprobRecord
+from helios.domain.logprobs import PromptLogprob, TokenLogprob
+from helios.engine.records import EngineFinish, RequestOutput
 from helios.frontends.openai.logprobs import (
     chat_logprobs_content,
     completion_logprobs,
@@ -29,8 +30,8 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_gguf_metadata(GGUFFile(ensure_default_model(quiet=True)).metadata)
 
 
-def _record(token_id: int, top: Sequence[tuple[int, float]] = ()) -> TokenLogprobRecord:
-    return TokenLogprobRecord(token_id, -0.5, 1, tuple(top))
+def _record(token_id: int, top: Sequence[tuple[int, float]] = ()) -> TokenLogprob:
+    return TokenLogprob(token_id, -0.5, 1, tuple(top))
 
 
 def _run(token_ids: Sequence[int], *, finish: EngineFinish = EngineFinish.LENGTH, stop: Sequence[str] = (),
@@ -108,23 +109,23 @@ def test_chat_entries_exact_bytes_and_replacement_text() -> None:
 
 def test_completion_maps_keep_the_first_entry_and_the_chosen_token() -> None:
     svc = _FakeService({1: b"\xf0", 2: b"\x9f", 3: b"x", 4: b"y"})
-    natural = completion_logprobs([TokenLogprobRecord(4, -3.0, 9, ((1, -0.2), (2, -0.4), (3, -0.9)))], [5],
+    natural = completion_logprobs([TokenLogprob(4, -3.0, 9, ((1, -0.2), (2, -0.4), (3, -0.9)))], [5],
                                   svc, False, explicit=False, start_offset=10)  # type: ignore[arg-type]
     assert natural["tokens"] == ["y"] and natural["token_logprobs"] == [-3.0] and natural["text_offset"] == [15]
     assert natural["top_logprobs"] == [{"y": -3.0, "\ufffd": -0.2, "x": -0.9}]  # 1 and 2 decode alike
     assert list(natural["top_logprobs"][0]) == ["y", "\ufffd", "x"]  # the chosen token first
-    by_id = completion_logprobs([TokenLogprobRecord(4, -3.0, 9, ((1, -0.2), (2, -0.4)))], [0], svc, True,
+    by_id = completion_logprobs([TokenLogprob(4, -3.0, 9, ((1, -0.2), (2, -0.4)))], [0], svc, True,
                                 explicit=False)  # type: ignore[arg-type]
     assert by_id["top_logprobs"] == [{"token_id:4": -3.0, "token_id:1": -0.2, "token_id:2": -0.4}]
-    explicit = completion_logprobs([TokenLogprobRecord(4, -3.0, 9, ((3, -0.9), (4, -3.0)))], [0], svc, False,
+    explicit = completion_logprobs([TokenLogprob(4, -3.0, 9, ((3, -0.9), (4, -3.0)))], [0], svc, False,
                                    explicit=True)  # type: ignore[arg-type]
     assert explicit["top_logprobs"] == [{"x": -0.9, "y": -3.0}]  # caller order, sampled appended
 
 
 def test_prompt_scores_encodings() -> None:
     svc = _FakeService({5: b"The", 6: b" cat", 7: b" sat", 8: b"\xe2"})
-    scores = [None, PromptLogprobRecord(6, -2.0, 3, ((7, -0.5, 1), (8, -1.0, 2), (6, -2.0, 3))),
-              PromptLogprobRecord(7, -0.1, 1, ((7, -0.1, 1), (6, -3.0, 2)))]
+    scores = [None, PromptLogprob(6, -2.0, 3, ((7, -0.5, 1), (8, -1.0, 2), (6, -2.0, 3))),
+              PromptLogprob(7, -0.1, 1, ((7, -0.1, 1), (6, -3.0, 2)))]
     field = prompt_logprobs_json(scores, 1, svc)  # type: ignore[arg-type]
     assert field[0] is None
     assert field[1] == {"6": {"logprob": -2.0, "rank": 3, "decoded_token": " cat"},
@@ -144,6 +145,6 @@ def test_prompt_scores_encodings() -> None:
 @pytest.mark.parametrize("k", [0, 3])
 def test_prompt_field_always_has_the_actual_token(k: int) -> None:
     svc = _FakeService({1: b"a", 2: b"b", 3: b"c", 4: b"d"})
-    score = PromptLogprobRecord(4, -9.0, 4, ((1, -0.1, 1), (2, -0.2, 2), (3, -0.3, 3)))
+    score = PromptLogprob(4, -9.0, 4, ((1, -0.1, 1), (2, -0.2, 2), (3, -0.3, 3)))
     entry = prompt_logprobs_json([score], k, svc)[0]  # type: ignore[arg-type]
     assert entry is not None and next(iter(entry)) == "4" and len(entry) == k + 1

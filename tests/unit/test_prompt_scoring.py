@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helios.domain.logprobs import PromptLogprob
 from helios.domain.sampling import SamplingParams
 from helios.engine.core import EngineConfig, EngineCore
-from helios.engine.records import EngineFinish, EngineRequest, PromptLogprobRecord, RequestOutput
-from helios.engine.sampler import prompt_scores
+from helios.engine.records import EngineFinish, EngineRequest, RequestOutput
+from helios.engine.sampler import (
+    prompt_scores,
+)
 from helios.models.config import ModelConfig
 from helios.models.dense_attention import DenseAttention
 from helios.models.llama import LlamaForCausalLM
@@ -48,19 +51,19 @@ def _run(core: EngineCore, *requests: EngineRequest) -> dict[str, list[RequestOu
     return outs
 
 
-def _reference(model: LlamaForCausalLM, ids: tuple[int, ...], k: int) -> list[PromptLogprobRecord | None]:
+def _reference(model: LlamaForCausalLM, ids: tuple[int, ...], k: int) -> list[PromptLogprob | None]:
     with torch.no_grad():
         hidden = model(torch.tensor(ids), torch.arange(len(ids)), DenseAttention.for_model(model))
         logits = model.compute_logits(hidden)[:-1]
-    return [None] + [PromptLogprobRecord(s.token_id, s.logprob, s.rank, s.top)
+    return [None] + [PromptLogprob(s.token_id, s.logprob, s.rank, s.top)
                      for s in prompt_scores(logits, ids[1:], k)]
 
 
-def _scores(outs: list[RequestOutput]) -> list[PromptLogprobRecord | None]:
+def _scores(outs: list[RequestOutput]) -> list[PromptLogprob | None]:
     return [e for o in outs for e in (o.prompt_logprobs or ())]
 
 
-def _close(got: list[PromptLogprobRecord | None], want: list[PromptLogprobRecord | None]) -> None:
+def _close(got: list[PromptLogprob | None], want: list[PromptLogprob | None]) -> None:
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         if w is None:

@@ -11,12 +11,13 @@ from typing import Any, cast
 import attrs
 import pytest
 
+from helios.domain.model import ModelInfo
 from helios.errors import BadRequest
 from helios.frontends.anthropic import messages
 from helios.frontends.fields import NATIVE_GENERATION_ROWS, FieldTable, Kind, rows
 from helios.frontends.openai import chat, completions, responses
 from helios.frontends.wire import NativeGenerationFields
-from helios.serving.pipeline import ModelInfo, Service
+from helios.serving.pipeline import Service
 
 INFO = ModelInfo(
     model_id="org/model", aliases=("smol",), created=0, max_model_len=8192, vocab_size=1000,

@@ -16,7 +16,8 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from helios.domain.conversation import ReasoningPart, TextPart, ToolCallPart, ToolChoice, ToolResultPart
 from helios.domain.events import Finish, FinishCause, OutputEvent, ReasoningDelta, TextDelta, ToolCall
-from helios.engine.records import TokenLogprobRecord
+from helios.domain.logprobs import TokenLogprob
+from helios.domain.model import ModelInfo
 from helios.errors import BadRequest
 from helios.frontends.ollama import discovery
 from helios.frontends.openai.responses import (
@@ -27,7 +28,7 @@ from helios.frontends.openai.responses import (
     decode_tools,
 )
 from helios.serving.output import ChildUpdate
-from helios.serving.pipeline import ModelInfo, Service
+from helios.serving.pipeline import Service
 
 
 def info(**kw: Any) -> ModelInfo:
@@ -190,7 +191,7 @@ EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
 
 
 def update(events: Sequence[OutputEvent] = (), token_ids: Sequence[int] = (), *, finish: Finish | None = None,
-           num_output: int = 0, num_reasoning: int = 0, logprobs: Sequence[TokenLogprobRecord] | None = None,
+           num_output: int = 0, num_reasoning: int = 0, logprobs: Sequence[TokenLogprob] | None = None,
            ) -> ChildUpdate:
     return ChildUpdate(events=list(events), token_ids=tuple(token_ids),
                        logprobs=None if logprobs is None else tuple(logprobs), finish=finish,
@@ -205,7 +206,7 @@ def encoder(toolset: ToolSet | None = None, choice: ToolChoice | None = None, *,
             "temperature": 1.0, "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
             "top_p": 1.0, "truncation": "disabled"}
 
-    def content(records: Sequence[TokenLogprobRecord]) -> list[dict[str, Any]]:
+    def content(records: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
         return [{"token": f"t{r.token_id}", "logprob": r.logprob, "bytes": [], "top_logprobs": []} for r in records]
 
     tb = token_bytes or {}
@@ -233,8 +234,8 @@ def check_with_sdk(events: list[dict[str, Any]]) -> Any:
     return state
 
 
-def lp(token_id: int) -> TokenLogprobRecord:
-    return TokenLogprobRecord(token_id=token_id, logprob=-0.5, rank=1, top=())
+def lp(token_id: int) -> TokenLogprob:
+    return TokenLogprob(token_id=token_id, logprob=-0.5, rank=1, top=())
 
 
 def test_reasoning_text_and_two_calls() -> None:

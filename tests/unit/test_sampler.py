@@ -9,12 +9,12 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from helios.domain.logprobs import TokenLogprob
 from helios.domain.sampling import SamplingParams
 from helios.engine.sampler import (
     NONFINITE_LOGPROB,
     Sampler,
     SamplingRow,
-    TokenLogprob,
     _blocked_inverse_cdf,
     _draw,
     _inverse_cdf,

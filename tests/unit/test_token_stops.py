@@ -11,15 +11,17 @@ from typing import Any, cast
 import pytest
 
 from helios.domain.events import FinishCause, TextDelta
+from helios.domain.logprobs import TokenLogprob
+from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams
 from helios.engine.kv.manager import KVCacheManager
-from helios.engine.records import EngineFinish, EngineRequest, RequestOutput, RunnerOutput, TokenLogprobRecord
+from helios.engine.records import EngineFinish, EngineRequest, RequestOutput, RunnerOutput
 from helios.engine.scheduler import Scheduler, SeqStatus
 from helios.errors import BadRequest
 from helios.frontends.common import TokenObservation, TokenStops, token_stop_reason
 from helios.frontends.openai import chat, completions, responses
 from helios.serving.output import ChildUpdate, OutputProcessor
-from helios.serving.pipeline import ModelInfo, Service
+from helios.serving.pipeline import Service
 
 VOCAB = 1000
 INFO = ModelInfo(
@@ -197,8 +199,8 @@ class CharDetokenizer:
         return out
 
 
-def _lp(tid: int) -> TokenLogprobRecord:
-    return TokenLogprobRecord(tid, -0.5, 1, ())
+def _lp(tid: int) -> TokenLogprob:
+    return TokenLogprob(tid, -0.5, 1, ())
 
 
 def _run(sequences: Sequence[Sequence[int]], steps: Sequence[tuple[Sequence[int], EngineFinish | None]],

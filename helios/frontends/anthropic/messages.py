@@ -43,6 +43,7 @@ from helios.domain.conversation import (
     ToolResultPart,
 )
 from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
+from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingRequest
 from helios.errors import BadRequest, HeliosError, InternalError
 from helios.frontends.common import EventWriter, validate_stops
@@ -51,7 +52,7 @@ from helios.frontends.toolcheck import ToolCallCheck
 from helios.frontends.wire import structure
 from helios.recipes import NEUTRAL_EFFORT_LEVELS, RECIPES, EffortError, resolve_effort
 from helios.serving.output import ChildUpdate
-from helios.serving.pipeline import ChildSpec, ModelInfo, Service
+from helios.serving.pipeline import ChildSpec, Service
 
 ANTHROPIC_VERSION = "2023-06-01"
 THINKING_MARKER_PREFIX = "flare-thinking-v1:"

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from helios.errors import BadRequest, NotFound
 
 if TYPE_CHECKING:
-    from helios.serving.pipeline import ModelInfo
+    from helios.domain.model import ModelInfo
 
 UNKNOWN_TIME = "0001-01-01T00:00:00Z"
 FORMAT = "flare"

@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from helios.domain.model import ModelInfo
 from helios.errors import BadRequest
-from helios.serving.pipeline import ModelInfo, Service
+from helios.serving.pipeline import Service
 
 MAX_TOP = 20
 MAX_EXPLICIT_IDS = 128

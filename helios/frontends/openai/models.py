@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from helios.domain.model import ModelInfo
 from helios.errors import NotFound
-from helios.serving.pipeline import ModelInfo
 
 
 def model_card(info: ModelInfo, created: int) -> dict[str, Any]:

@@ -67,8 +67,9 @@ from helios.frontends.wire import NativeGenerationFields, loads_strict, structur
 from helios.serving.pipeline import ChildSpec
 
 if TYPE_CHECKING:
+    from helios.domain.model import ModelInfo
     from helios.serving.output import ChildUpdate
-    from helios.serving.pipeline import ModelInfo, Service
+from helios.serving.pipeline import Service
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 

@@ -1,0 +1,38 @@
+"""What the protocol side may know about the loaded model and its serving limits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen
+class ModelInfo:
+    """What the frontends may know about the loaded model and its serving limits."""
+
+    model_id: str
+    aliases: tuple[str, ...]
+    created: int
+    max_model_len: int
+    vocab_size: int
+    default_max_tokens: int
+    max_concurrency: int
+    prefill_chunk_size: int
+    max_top_logprobs: int
+    prompt_logprobs: bool
+    sampling_defaults: dict[str, Any]
+    sampling_ranges: dict[str, Any]
+    recipe: str
+    has_bos: bool
+    thinking_token_budget: int | None = None
+    has_reasoning: bool = False
+    has_tools: bool = False
+    has_vision: bool = False  # no vision model family is implemented yet
+
+    @property
+    def public_id(self) -> str:
+        return next((a for a in self.aliases if a), self.model_id)
+
+    def knows(self, name: str) -> bool:
+        return name == self.model_id or name in self.aliases
