@@ -92,10 +92,6 @@ class SSEWriter:
         lines = _split_lines(text)
         await self._write("".join(f": {line}\n" if line else ":\n" for line in lines) + "\n")
 
-    async def done_marker(self) -> None:
-        """The OpenAI stream terminator ``data: [DONE]``."""
-        await self._write("data: [DONE]\n\n")
-
     async def close(self) -> None:
         if self._closed or not self._started:
             self._closed = True

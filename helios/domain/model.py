@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -36,3 +36,9 @@ class ModelInfo:
 
     def knows(self, name: str) -> bool:
         return name == self.model_id or name in self.aliases
+
+
+class TokenVocabulary(Protocol):
+    """A token's exact bytes (partial UTF-8 included): what logprob encoders need of the tokenizer."""
+
+    def token_bytes(self, token_id: int) -> bytes: ...

@@ -1,31 +1,15 @@
-"""Protocol-neutral helpers shared by the frontends: merging child streams, accumulation, writers."""
+"""Wire validation and encoding helpers the protocol frontends share: stops, token stops, token
+observations, ids and timestamps."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Protocol
+from typing import Any
 
-import attrs
-
-from helios.domain.events import Finish, FinishCause, OutputEvent, ReasoningDelta, TextDelta, ToolCall
+from helios.domain.events import Finish, FinishCause
+from helios.domain.generation import TokenObservation, TokenStops
 from helios.errors import BadRequest
-from helios.serving.output import ChildUpdate
-from helios.serving.pipeline import merged as merged
-
-
-class EventWriter(Protocol):
-    """What a streaming frontend writes to (the asgi SSE writer satisfies it)."""
-
-    async def start(self) -> None:
-        """Send the HTTP status and SSE headers now (idempotent; the first event also sends them).
-
-        Streams call it right after their children are enqueued, so a client sees 200 and the
-        spec's keepalive comments while a long prefill runs, not silence until the first token."""
-        ...
-
-    async def event(self, data: str | dict[str, Any], event: str | None = None) -> None: ...
-    async def done_marker(self) -> None: ...
 
 
 def new_id(prefix: str) -> str:
@@ -34,55 +18,6 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
-
-
-@attrs.define
-class Accumulated:
-    """The ordered output of one child: what buffered responses encode."""
-
-    text: str = ""
-    reasoning: str = ""
-    tool_calls: list[ToolCall] = attrs.field(factory=list)
-    blocks: list[OutputEvent] = attrs.field(factory=list)  # ordered, adjacent deltas merged
-    token_ids: list[int] = attrs.field(factory=list)
-    token_timestamps: list[float] = attrs.field(factory=list)
-    logprobs: list[Any] = attrs.field(factory=list)
-    logprob_offsets: list[int] = attrs.field(factory=list)
-    prompt_logprobs: list[Any] | None = None  # prompt scores in position order, when requested
-    finish: Finish | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_reasoning_tokens: int = 0
-
-    def add(self, u: ChildUpdate) -> None:
-        for e in u.events:
-            if isinstance(e, TextDelta):
-                self.text += e.text
-            elif isinstance(e, ReasoningDelta):
-                self.reasoning += e.text
-            elif isinstance(e, ToolCall):
-                self.tool_calls.append(e)
-            if self.blocks and type(self.blocks[-1]) is type(e) and isinstance(e, TextDelta | ReasoningDelta):
-                last = self.blocks[-1]
-                self.blocks[-1] = type(e)(last.text + e.text)  # type: ignore[union-attr]
-            elif not isinstance(e, Finish):
-                self.blocks.append(e)
-        self.num_reasoning_tokens = u.num_reasoning_tokens
-        self.token_ids.extend(u.token_ids)
-        self.token_timestamps.extend(u.token_timestamps)
-        if u.logprobs:
-            self.logprobs.extend(u.logprobs)
-            self.logprob_offsets.extend(u.logprob_offsets)
-        if u.prompt_logprobs is not None:
-            if self.prompt_logprobs is None:
-                self.prompt_logprobs = []
-            self.prompt_logprobs.extend(u.prompt_logprobs)
-        self.num_prompt_tokens = u.num_prompt_tokens
-        self.num_output_tokens = u.num_output_tokens
-        self.num_cached_tokens = u.num_cached_tokens
-        if u.finish is not None:
-            self.finish = u.finish
 
 
 def validate_stops(stop: Any, param: str = "stop") -> tuple[str, ...]:
@@ -131,18 +66,6 @@ def validate_stop_token_ids(ids: Any, vocab_size: int, param: str = "stop_token_
     return tuple(ids)
 
 
-@attrs.frozen
-class TokenStops:
-    """A request's validated token stops: `stop_token_ids` (one-token stops) and the native
-    `stop_token_sequences` extension (stops of 1..64 tokens), at most 16 in all."""
-
-    ids: tuple[int, ...] = ()
-    sequences: tuple[tuple[int, ...], ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.ids or self.sequences)
-
-
 def validate_token_stops(stop_token_ids: Any, stop_token_sequences: Any, vocab_size: int, *,
                          string_stops: tuple[str, ...] = (), string_param: str = "stop") -> TokenStops:
     """Spec, "Reasoning, sampling, and usage": token stops (stop_token_ids and stop_token_sequences
@@ -185,37 +108,23 @@ def token_stop_reason(finish: Finish | None, token_ids: list[int], stops: TokenS
     return finish.matched_stop
 
 
-@attrs.frozen
-class TokenObservation:
-    """Which per-token observations a Chat or Completions request asked for.
-
-    ``return_token_ids`` (vLLM's): the prompt's ids and each choice's generated ``token_ids``
-    (every generated token, the terminating EOS or stop token included, so their number is the
-    choice's completion tokens). ``return_token_timestamps`` (Helios's): per generated token,
-    ``token_timestamps`` parallel to ``token_ids``: seconds from the request's HTTP admission to the
-    engine's commit of that token (server side, monotonic clock, microsecond resolution; tokens
-    committed in one engine step share one time). Timestamps imply the ids they are parallel to;
-    ``return_token_ids: false`` with ``return_token_timestamps: true`` is a 400."""
-
-    ids: bool = False
-    timestamps: bool = False
-
-    @classmethod
-    def decode(cls, return_token_ids: bool | None, return_token_timestamps: bool | None) -> TokenObservation:
-        if return_token_timestamps and return_token_ids is False:
-            raise BadRequest("return_token_timestamps returns timestamps parallel to token_ids; it cannot be "
-                             "combined with return_token_ids: false", param="return_token_timestamps")
-        return cls(ids=bool(return_token_ids or return_token_timestamps), timestamps=bool(return_token_timestamps))
-
-    def choice_fields(self, token_ids: Any, timestamps: Any) -> dict[str, Any]:
-        """The generated-token fields of one choice (or chunk choice): empty when not asked for."""
-        out: dict[str, Any] = {}
-        if self.ids:
-            out["token_ids"] = list(token_ids)
-        if self.timestamps:
-            out["token_timestamps"] = list(timestamps)
-        return out
+def decode_observation(return_token_ids: bool | None, return_token_timestamps: bool | None) -> TokenObservation:
+    """vLLM's ``return_token_ids`` and Helios's ``return_token_timestamps`` (see `TokenObservation`).
+    Timestamps imply the ids they are parallel to: ``return_token_ids: false`` with
+    ``return_token_timestamps: true`` is a 400."""
+    if return_token_timestamps and return_token_ids is False:
+        raise BadRequest("return_token_timestamps returns timestamps parallel to token_ids; it cannot be "
+                         "combined with return_token_ids: false", param="return_token_timestamps")
+    return TokenObservation(ids=bool(return_token_ids or return_token_timestamps),
+                            timestamps=bool(return_token_timestamps))
 
 
-def is_error_finish(f: Finish | None) -> bool:
-    return f is not None and f.cause is FinishCause.ERROR
+def observation_fields(observe: TokenObservation, token_ids: Any, timestamps: Any) -> dict[str, Any]:
+    """The generated-token fields of one choice (or chunk choice): empty when not asked for."""
+    out: dict[str, Any] = {}
+    if observe.ids:
+        out["token_ids"] = list(token_ids)
+    if observe.timestamps:
+        out["token_timestamps"] = list(timestamps)
+    return out
+

@@ -19,15 +19,14 @@ and the protocol frontends turn them into their own answers.
 
 from __future__ import annotations
 
-import json
 import math
 import string
 from collections.abc import Sequence
-from typing import Any, Literal
-
-import attrs
+from typing import Any
 
 from helios.domain.conversation import ConversationRequest, Message, TextPart
+from helios.domain.decisions import DecisionQuestion, QuestionScore
+from helios.domain.generation import GenerationOptions
 from helios.domain.sampling import SamplingRequest
 from helios.errors import BadRequest, InternalError
 from helios.serving.pipeline import ChildSpec, Service
@@ -36,59 +35,6 @@ STATE_PREAMBLE = "Evaluate the state below. Each question about it is answered w
 BINARY_FAMILIES: tuple[tuple[str, str], ...] = (("Yes", "No"), (" Yes", " No"), ("yes", "no"), (" yes", " no"))
 _OPTION_CANDIDATES = tuple(string.ascii_uppercase) + tuple(string.ascii_lowercase) + tuple(string.digits)
 OPTION_PREFIXES = ("", " ")
-
-
-@attrs.frozen
-class DecisionQuestion:
-    """One question as the scorer sees it; option texts are already rendered to strings."""
-
-    kind: Literal["binary", "options", "levels"]
-    instructions: str
-    options: tuple[str, ...] = ()
-
-
-@attrs.frozen
-class QuestionScore:
-    """Raw full-vocabulary probabilities of each label (binary: yes, no) and what the child cost."""
-
-    probabilities: tuple[float, ...]
-    labels: tuple[str, ...]
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-
-    @property
-    def normalized(self) -> tuple[float, ...]:
-        total = sum(self.probabilities)
-        if total <= 0.0 or not math.isfinite(total):
-            return tuple(1.0 / len(self.probabilities) for _ in self.probabilities)
-        return tuple(p / total for p in self.probabilities)
-
-    @property
-    def mass(self) -> float:
-        return sum(self.probabilities)
-
-
-def render_value(value: Any) -> str:
-    """Structured instructions, criteria and descriptions stay JSON; strings stay as they are."""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, ensure_ascii=False)
-
-
-def render_state(state: Any) -> str:
-    if isinstance(state, str):
-        return state
-    return json.dumps(state, ensure_ascii=False, indent=2)
-
-
-def first_argmax(values: Sequence[float]) -> int:
-    """The index of the largest value, the first one on a tie."""
-    best = 0
-    for i, v in enumerate(values):
-        if v > values[best]:
-            best = i
-    return best
 
 
 class DecisionScorer:
@@ -117,9 +63,8 @@ class DecisionScorer:
             prompt_token_ids=tuple(prompt_ids),
             sampling=svc.resolve_sampling(SamplingRequest(seed=0)),
             max_tokens=1,
-            ignore_eos=True,
-            num_top_logprobs=0,
-            logprob_token_ids=tuple(label_ids),
+            options=GenerationOptions(max_tokens=1, ignore_eos=True, num_top_logprobs=0,
+                                      logprob_token_ids=tuple(label_ids)),
         )
         records: list[Any] = []
         num_prompt = num_output = num_cached = 0
@@ -189,32 +134,3 @@ class DecisionScorer:
             ),
             chat_template_kwargs={"enable_thinking": False},
         )
-
-
-# -- confidence (System One's Jev formulas) ---------------------------------------------------------
-
-
-def choice_confidence(p: Sequence[float]) -> float:
-    """How far the top probability sits above uniform: 0 for uniform, 1 for certainty and for one option."""
-    k = len(p)
-    if k <= 1:
-        return 1.0
-    uniform = 1.0 / k
-    return min(max((max(p) - uniform) / (1.0 - uniform), 0.0), 1.0)
-
-
-def score_confidence(p: Sequence[float]) -> float:
-    """One minus the mean absolute distance from the most likely level (first on a tie), relative to the
-    same distance of a uniform distribution around the middle level; never below 0; 1 for one level."""
-    k = len(p)
-    if k <= 1:
-        return 1.0
-    m = first_argmax(p)
-    dist = sum(x * abs(i - m) for i, x in enumerate(p))
-    centre = (k - 1) / 2
-    uniform = sum(abs(i - centre) for i in range(k)) / k
-    return max(1.0 - dist / uniform, 0.0)
-
-
-def expected_level(p: Sequence[float]) -> float:
-    return sum(i * x for i, x in enumerate(p))

@@ -24,11 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-import attrs
-
 from helios.domain.events import Finish, FinishCause, OutputEvent, TextDelta
 from helios.domain.generation import ChildUpdate
-from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.engine.records import EngineFinish, RequestOutput
 
 _CAUSES = {

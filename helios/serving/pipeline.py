@@ -15,34 +15,41 @@ import attrs
 import trio
 
 from helios.domain.conversation import ConversationRequest, ImagePart, ToolResultPart
+from helios.domain.generation import ChildUpdate, GenerationOptions, GenerationRequest, PreparedPrompt
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams, SamplingRequest
 from helios.engine.records import EngineRequest, RequestOutput
 from helios.errors import BadRequest, ContextLengthExceeded
 from helios.obs import access
 from helios.serving.engine_client import EngineClient
-from helios.serving.output import ChildUpdate, OutputParser, OutputProcessor
+from helios.serving.output import OutputParser, OutputProcessor
 
 
 @attrs.frozen
 class ChildSpec:
-    """One engine child: a prompt and the per-child generation options."""
+    """One engine child: a prompt, its resolved sampling, its output limit and the request's options."""
 
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     max_tokens: int
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    stop_token_sequences: tuple[tuple[int, ...], ...] = ()
-    """Token stops of any length (`stop_token_sequences`); one-token ones act as `stop_token_ids`.
-    The matched stop's text is withheld (helios/serving/output.py)."""
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    num_top_logprobs: int | None = None
-    logprob_token_ids: tuple[int, ...] | None = None
+    options: GenerationOptions = GenerationOptions()
     prompt_logprobs: int | None = None
+    """This child's prompt scoring (None when another choice of its prompt scores it)."""
     parser_factory: Callable[[], OutputParser] | None = None
+
+
+@attrs.frozen
+class Prepared:
+    """A request ready to submit: its prompts as tokenized and its children (prompts x n, in order;
+    child i generates for prompt i // n)."""
+
+    request: GenerationRequest
+    prompts: tuple[PreparedPrompt, ...]
+    children: tuple[ChildSpec, ...]
+
+    @property
+    def n(self) -> int:
+        return self.request.options.n
 
 
 class ChildStream:
@@ -205,6 +212,52 @@ class Service:
             )
         return max_tokens
 
+    async def prepare(self, req: GenerationRequest) -> Prepared:
+        """Every protocol's one preparation: render the conversation (chat protocols) or tokenize the
+        raw prompts (Completions), validate each prompt against the context and resolve its output
+        limit, resolve sampling per choice (a seeded request's choice i uses seed + i), and pick the
+        model family's output parser."""
+        opts = req.options
+        parser_factory = None
+        prompts: list[PreparedPrompt] = []
+        if req.conversation is not None:
+            text, ids = await self.render_chat(req.conversation)
+            prompts.append(PreparedPrompt(tuple(ids), text))
+            parser_factory = self.parser_factory(req.conversation, text)
+        else:
+            for p in req.prompts:
+                if isinstance(p, str):
+                    ids = await self.tokenize(p, add_special_tokens=req.add_special_tokens)
+                    if not ids:
+                        if not self.info.has_bos:
+                            raise BadRequest("empty text prompts need a model with a BOS token", param=req.input_param)
+                        raise BadRequest("the prompt is empty", param=req.input_param)
+                    prompts.append(PreparedPrompt(tuple(ids), p))
+                else:
+                    prompts.append(PreparedPrompt(tuple(p), self.decode(p)))
+        sampling = [self.resolve_sampling(req.sampling, i) for i in range(opts.n)]
+        children: list[ChildSpec] = []
+        for prompt in prompts:
+            budget = self.output_budget(len(prompt.token_ids), opts.max_tokens,
+                                        input_param=req.input_param, output_param=req.output_param)
+            if not req.submit:
+                continue
+            for i in range(opts.n):
+                children.append(ChildSpec(
+                    prompt_token_ids=prompt.token_ids,
+                    sampling=sampling[i],
+                    max_tokens=budget,
+                    options=opts,
+                    prompt_logprobs=opts.prompt_logprobs if opts.score_every_choice or i == 0 else None,
+                    parser_factory=parser_factory,
+                ))
+        return Prepared(req, tuple(prompts), tuple(children))
+
+    async def count_prompt_tokens(self, conv: ConversationRequest) -> int:
+        """The tokens of the exact prompt a generation request with this conversation would submit."""
+        _, ids = await self.render_chat(conv)
+        return len(ids)
+
     # -- generation -------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def generate(self, children: Sequence[ChildSpec], prefix: str = "req") -> AsyncIterator[list[ChildStream]]:
@@ -212,6 +265,7 @@ class Service:
         streams_meta = []
         for spec in children:
             rid = self.engine.new_request_id(prefix)
+            opts = spec.options
             reqs.append(
                 EngineRequest(
                     request_id=rid,
@@ -219,12 +273,12 @@ class Service:
                     sampling=spec.sampling,
                     max_tokens=spec.max_tokens,
                     eos_token_ids=self.eos_token_ids,
-                    stop_token_ids=frozenset(spec.stop_token_ids).union(
-                        s[0] for s in spec.stop_token_sequences if len(s) == 1),
-                    stop_token_sequences=tuple(s for s in spec.stop_token_sequences if len(s) > 1),
-                    ignore_eos=spec.ignore_eos,
-                    num_top_logprobs=spec.num_top_logprobs,
-                    logprob_token_ids=spec.logprob_token_ids,
+                    stop_token_ids=frozenset(opts.token_stops.ids).union(
+                        s[0] for s in opts.token_stops.sequences if len(s) == 1),
+                    stop_token_sequences=tuple(s for s in opts.token_stops.sequences if len(s) > 1),
+                    ignore_eos=opts.ignore_eos,
+                    num_top_logprobs=opts.num_top_logprobs,
+                    logprob_token_ids=opts.logprob_token_ids,
                     prompt_logprobs=spec.prompt_logprobs,
                 )
             )
@@ -237,12 +291,13 @@ class Service:
         async with self.engine.open_children(reqs) as receivers:
             streams = []
             for (rid, spec), recv in zip(streams_meta, receivers, strict=True):
+                opts = spec.options
                 proc = OutputProcessor(
-                    self.tokenizer.incremental_detokenizer(skip_special_tokens=spec.skip_special_tokens),
-                    stop=spec.stop,
-                    include_stop_str_in_output=spec.include_stop_str_in_output,
+                    self.tokenizer.incremental_detokenizer(skip_special_tokens=opts.skip_special_tokens),
+                    stop=opts.stop,
+                    include_stop_str_in_output=opts.include_stop_str_in_output,
                     parser=spec.parser_factory() if spec.parser_factory else None,
-                    stop_token_sequences=(*((i,) for i in spec.stop_token_ids), *spec.stop_token_sequences),
+                    stop_token_sequences=(*((i,) for i in opts.token_stops.ids), *opts.token_stops.sequences),
                     origin=origin,
                 )
                 key = (generation, prompt_groups.setdefault(spec.prompt_token_ids, len(prompt_groups)))

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from helios.serving.decisions import choice_confidence, score_confidence
+from helios.domain.decisions import choice_confidence, score_confidence
 from tests.server.conftest import LiveServer
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,8 @@ from typing import Any
 
 import trio
 
-from helios.app import Ctx, HeliosApp
+from helios.app import HeliosApp
+from helios.http.context import RequestContext as Ctx
 from helios.config import HeliosConfig, ServerConfig
 
 

@@ -28,7 +28,7 @@ from helios.frontends.anthropic.messages import (
     stop_reason,
     thinking_signature,
 )
-from helios.serving.output import ChildUpdate
+from helios.domain.generation import ChildUpdate
 
 
 def info(**kw: Any) -> ModelInfo:

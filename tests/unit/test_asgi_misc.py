@@ -345,7 +345,7 @@ def test_sse_writer() -> None:
         await sse.event({"delta": "é"})
         await sse.event("line1\nline2", event="message_delta")
         await sse.comment("keepalive")
-        await sse.done_marker()
+        await sse.event("[DONE]")  # the OpenAI terminator is a raw data line
         await sse.close()
         await sse.close()
         with pytest.raises(RuntimeError):

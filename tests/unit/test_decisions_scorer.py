@@ -7,7 +7,7 @@ import pytest
 from helios.errors import BadRequest
 from helios.frontends.decisions.decisions import decode_decisions
 from helios.frontends.decisions.systemone import SchemaErrors, decode_systemone
-from helios.serving.decisions import (
+from helios.domain.decisions import (
     QuestionScore,
     choice_confidence,
     expected_level,

@@ -19,7 +19,8 @@ from helios.frontends.openai.logprobs import (
     prompt_logprobs_json,
 )
 from helios.loaders.tokenizer import Tokenizer
-from helios.serving.output import ChildUpdate, OutputProcessor
+from helios.domain.generation import ChildUpdate
+from helios.serving.output import OutputProcessor
 
 
 @functools.lru_cache(maxsize=1)

@@ -27,7 +27,7 @@ from helios.frontends.openai.responses import (
     decode_responses,
     decode_tools,
 )
-from helios.serving.output import ChildUpdate
+from helios.domain.generation import ChildUpdate
 from helios.serving.pipeline import Service
 
 

@@ -7,34 +7,30 @@ from typing import Any
 import trio
 import trio.testing
 
-from helios.app import StreamOut
+from helios.domain.generation import StreamEvent
+from helios.http.sse import EventStream
 
 
-class FakeCtx:
+class Sent:
     def __init__(self) -> None:
         self.sent: list[dict[str, Any]] = []
-        self.writer = None
-        self.stream = None
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def __call__(self, message: dict[str, Any]) -> None:
         self.sent.append(message)
-
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        return [(b"x-request-id", b"req-1")]
 
 
 def test_keepalive_comments_only_after_quiet_periods() -> None:
     async def main() -> list[bytes]:
-        ctx = FakeCtx()
-        out = StreamOut(ctx)  # type: ignore[arg-type]
+        ctx = Sent()
+        out = EventStream(ctx, [(b"x-request-id", b"req-1")])
         async with trio.open_nursery() as nursery:
             nursery.start_soon(out.keepalive)
             await trio.sleep(40)  # nothing started yet: no comment before the headers
             await out.start()
             await trio.sleep(16)  # one quiet period → one comment
-            await out.event({"a": 1})
+            await out.send(StreamEvent({"a": 1}))
             await trio.sleep(10)  # an event went out recently → no comment
-            await out.event({"b": 2})
+            await out.send(StreamEvent({"b": 2}))
             await out.close()
         return [m.get("body", b"") for m in ctx.sent if m["type"] == "http.response.body"]
 

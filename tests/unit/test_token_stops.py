@@ -20,7 +20,8 @@ from helios.engine.scheduler import Scheduler, SeqStatus
 from helios.errors import BadRequest
 from helios.frontends.common import TokenObservation, TokenStops, token_stop_reason
 from helios.frontends.openai import chat, completions, responses
-from helios.serving.output import ChildUpdate, OutputProcessor
+from helios.domain.generation import ChildUpdate
+from helios.serving.output import OutputProcessor
 from helios.serving.pipeline import Service
 
 VOCAB = 1000

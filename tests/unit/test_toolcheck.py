@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from helios.domain.conversation import ToolChoice
 from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
-from helios.frontends.toolcheck import ToolCallCheck
+from helios.serving.toolcheck import ToolCallCheck
 
 DECLARED = frozenset({"a", "b"})
 

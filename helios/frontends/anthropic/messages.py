@@ -26,6 +26,7 @@ import hashlib
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import attrs
@@ -43,16 +44,20 @@ from helios.domain.conversation import (
     ToolResultPart,
 )
 from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
+from helios.domain.generation import (
+    ChildUpdate,
+    GenerationOptions,
+    GenerationRequest,
+    PreparedPrompt,
+    StreamEvent,
+)
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingRequest
-from helios.errors import BadRequest, HeliosError, InternalError
-from helios.frontends.common import EventWriter, validate_stops
+from helios.errors import BadRequest, HeliosError
+from helios.frontends.common import validate_stops
 from helios.frontends.fields import FieldTable, honoured, ignored, one_of, refused, screen_fields
-from helios.frontends.toolcheck import ToolCallCheck
 from helios.frontends.wire import structure
 from helios.recipes import NEUTRAL_EFFORT_LEVELS, RECIPES, EffortError, resolve_effort
-from helios.serving.output import ChildUpdate
-from helios.serving.pipeline import ChildSpec, Service
 
 ANTHROPIC_VERSION = "2023-06-01"
 THINKING_MARKER_PREFIX = "flare-thinking-v1:"
@@ -202,6 +207,12 @@ class MessagesPlan:
     thinking_token_budget: int | None  # effective hard reasoning cap (request, else server default)
     effort: str | None  # neutral effort level selected by the request, if any
     hide_thinking: bool = False  # thinking.display "omitted": blocks keep their place and marker, no text
+
+    @property
+    def generation(self) -> GenerationRequest:
+        return GenerationRequest(sampling=self.conversation.sampling,
+                                 options=GenerationOptions(max_tokens=self.max_tokens, stop=self.stops),
+                                 conversation=self.conversation, id_prefix="msg")
 
 
 # -- decoding -------------------------------------------------------------------------------------
@@ -602,43 +613,7 @@ def _decode_thinking(w: CountTokensWire, info: ModelInfo) -> tuple[int | None, s
     return (None if disabled else budget), level, kwargs
 
 
-# -- preparation ----------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Prepared:
-    spec: ChildSpec
-    num_prompt_tokens: int
-
-
-async def count_tokens(plan: MessagesPlan, svc: Service) -> dict[str, Any]:
-    """The exact prompt a generation request would submit: input_tokens + cache_read_input_tokens."""
-    _, prompt_ids = await svc.render_chat(plan.conversation)
-    return {"input_tokens": len(prompt_ids)}
-
-
-async def prepare(plan: MessagesPlan, svc: Service) -> Prepared:
-    prompt_text, prompt_ids = await svc.render_chat(plan.conversation)
-    budget = svc.output_budget(len(prompt_ids), plan.max_tokens)
-    spec = ChildSpec(
-        prompt_token_ids=tuple(prompt_ids),
-        sampling=svc.resolve_sampling(plan.conversation.sampling),
-        max_tokens=budget,
-        stop=plan.stops,
-        parser_factory=svc.parser_factory(plan.conversation, prompt_text),
-    )
-    return Prepared(spec, len(prompt_ids))
-
-
 # -- encoding -------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class SSEEvent:
-    """One named server-sent event; ``data["type"] == event``."""
-
-    event: str
-    data: dict[str, Any]
 
 
 def new_message_id() -> str:
@@ -668,44 +643,42 @@ def stop_reason(cause: FinishCause, has_calls: bool) -> str:
 BlockKind = Literal["text", "thinking", "tool_use"]
 
 
-class MessageAssembler:
-    """One child's ChildUpdates → ordered Anthropic content blocks and the SSE events that build them.
+def _event(name: str, data: dict[str, Any]) -> StreamEvent:
+    """A named Messages event; its data's type is its name."""
+    return StreamEvent(data, name)
 
-    Applies the tool-choice output rules: with parallel calls disabled a second call fails before it
-    is emitted; a named choice drops answer text and fails on a call to another tool; required and
-    named choices fail at the end without a completed call. A failure is reported through `error`
-    (the events produced before it are still returned, so they can be written first).
-    """
 
-    def __init__(self, *, model: str, num_prompt_tokens: int, choice: ToolChoice = ToolChoice(),
-                 parallel: bool = True, declared: frozenset[str] = frozenset(),
-                 hide_thinking: bool = False, message_id: str | None = None) -> None:
+class MessagesEncoder:
+    """One child's screened updates → ordered Anthropic content blocks and the named SSE events that
+    build them; the buffered Message is the same blocks (`body`). The tool-choice output rules are
+    the drivers' (`helios.serving.drive`): a call that breaks one never reaches the encoder, and the
+    stream ends with `fail`'s `error` event."""
+
+    def __init__(self, plan: MessagesPlan, prompts: Sequence[PreparedPrompt], *, model: str,
+                 message_id: str | None = None) -> None:
         self.id = message_id or new_message_id()
         self.model = model
-        self.choice = choice
-        self.tool_check = ToolCallCheck(choice, parallel, declared)
-        self.hide_thinking = hide_thinking
+        self.hide_thinking = plan.hide_thinking
         self.content: list[dict[str, Any]] = []
-        self.error: HeliosError | None = None
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
-        self.num_prompt_tokens = num_prompt_tokens
+        self.num_prompt_tokens = len(prompts[0].token_ids) if prompts else 0
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
         self.num_calls = 0
         self._open: BlockKind | None = None
 
     @property
-    def finished(self) -> bool:
-        return self.stop_reason is not None or self.error is not None
+    def done(self) -> bool:
+        return self.stop_reason is not None
 
-    def start(self) -> list[SSEEvent]:
+    def start(self) -> list[StreamEvent]:
         message = self._message_json([], None, None, self._usage(self.num_prompt_tokens, 0, 0))
-        return [SSEEvent("message_start", {"type": "message_start", "message": message})]
+        return [StreamEvent({"type": "message_start", "message": message}, "message_start")]
 
-    def feed(self, u: ChildUpdate) -> list[SSEEvent]:
-        out: list[SSEEvent] = []
-        if self.finished:
+    def feed(self, index: int, u: ChildUpdate) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        if self.done:
             return out
         if u.num_prompt_tokens:
             self.num_prompt_tokens = u.num_prompt_tokens
@@ -714,7 +687,7 @@ class MessageAssembler:
         self.num_output_tokens = u.num_output_tokens
         for e in u.events:
             if isinstance(e, TextDelta):
-                if e.text and not self.tool_check.omits_text:
+                if e.text:
                     out += self._delta("text", {"type": "text_delta", "text": e.text})
             elif isinstance(e, ReasoningDelta):
                 if e.text and self.hide_thinking:
@@ -722,39 +695,34 @@ class MessageAssembler:
                 elif e.text:
                     out += self._delta("thinking", {"type": "thinking_delta", "thinking": e.text})
             elif isinstance(e, ToolCall):
-                failure = self._check_call(e)
-                if failure is not None:
-                    self.error = InternalError(failure)
-                    return out
                 out += self._tool_use(e)
         f = u.finish
         if f is None:
             return out
-        if f.cause is FinishCause.ERROR:
-            self.error = InternalError(f.error or "generation failed")
-            return out
-        failure = self.tool_check.check_finish(f.cause)
-        if failure is not None:
-            self.error = InternalError(failure)
-            return out
         out += self._close()
         self.stop_reason = stop_reason(f.cause, self.num_calls > 0)
         self.stop_sequence = f.matched_stop if isinstance(f.matched_stop, str) and f.cause is FinishCause.STOP_STRING else None
-        out.append(SSEEvent("message_delta", {
+        out.append(StreamEvent({
             "type": "message_delta",
             "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
             "usage": self.usage(),
-        }))
-        out.append(SSEEvent("message_stop", {"type": "message_stop"}))
+        }, "message_delta"))
+        out.append(StreamEvent({"type": "message_stop"}, "message_stop"))
         return out
+
+    def finish(self) -> list[StreamEvent]:
+        return []  # message_stop went out with the terminal update
+
+    def fail(self, error: HeliosError) -> list[StreamEvent]:
+        return [StreamEvent(error.to_anthropic(), "error")]
+
+    def body(self) -> dict[str, Any]:
+        """The buffered Message (after the terminal update)."""
+        return self._message_json(self.content, self.stop_reason, self.stop_sequence, self.usage())
 
     def usage(self) -> dict[str, Any]:
         cached = min(self.num_cached_tokens, self.num_prompt_tokens)
         return self._usage(self.num_prompt_tokens - cached, self.num_output_tokens, cached)
-
-    def message(self) -> dict[str, Any]:
-        """The buffered Message (after the terminal update)."""
-        return self._message_json(self.content, self.stop_reason, self.stop_sequence, self.usage())
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -768,34 +736,25 @@ class MessageAssembler:
         return {"input_tokens": num_input, "output_tokens": num_output,
                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": num_cached}
 
-    def _check_call(self, call: ToolCall) -> str | None:
-        try:
-            args = json.loads(call.arguments) if call.arguments.strip() else {}
-        except json.JSONDecodeError:
-            return f"the model's arguments for '{call.name}' are not valid JSON"
-        if not isinstance(args, dict):
-            return f"the model's arguments for '{call.name}' are not a JSON object"
-        return self.tool_check.check_call(call)
-
-    def _ensure_open(self, kind: Literal["text", "thinking"]) -> list[SSEEvent]:
+    def _ensure_open(self, kind: Literal["text", "thinking"]) -> list[StreamEvent]:
         if self._open == kind:
             return []
         block: dict[str, Any] = {"type": "text", "text": ""} if kind == "text" else {
             "type": "thinking", "thinking": "", "signature": ""}
         return self._close() + self._open_block(kind, block)
 
-    def _delta(self, kind: Literal["text", "thinking"], delta: dict[str, Any]) -> list[SSEEvent]:
+    def _delta(self, kind: Literal["text", "thinking"], delta: dict[str, Any]) -> list[StreamEvent]:
         out = self._ensure_open(kind)
         cur = self.content[-1]
         if kind == "text":
             cur["text"] += delta["text"]
         else:
             cur["thinking"] += delta["thinking"]
-        out.append(SSEEvent("content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1,
+        out.append(_event("content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1,
                                                     "delta": delta}))
         return out
 
-    def _tool_use(self, call: ToolCall) -> list[SSEEvent]:
+    def _tool_use(self, call: ToolCall) -> list[StreamEvent]:
         out = self._close()
         self.num_calls += 1
         args = call.arguments if call.arguments.strip() else "{}"
@@ -803,68 +762,27 @@ class MessageAssembler:
         out += self._open_block("tool_use", {"type": "tool_use", "id": tid, "name": call.name, "input": {}})
         index = len(self.content) - 1
         self.content[index] = {"type": "tool_use", "id": tid, "name": call.name, "input": json.loads(args)}
-        out.append(SSEEvent("content_block_delta", {"type": "content_block_delta", "index": index,
+        out.append(_event("content_block_delta", {"type": "content_block_delta", "index": index,
                                                     "delta": {"type": "input_json_delta", "partial_json": args}}))
         out += self._close()
         return out
 
-    def _open_block(self, kind: BlockKind, block: dict[str, Any]) -> list[SSEEvent]:
+    def _open_block(self, kind: BlockKind, block: dict[str, Any]) -> list[StreamEvent]:
         self.content.append(dict(block))
         self._open = kind
-        return [SSEEvent("content_block_start", {"type": "content_block_start", "index": len(self.content) - 1,
+        return [_event("content_block_start", {"type": "content_block_start", "index": len(self.content) - 1,
                                                  "content_block": block})]
 
-    def _close(self) -> list[SSEEvent]:
+    def _close(self) -> list[StreamEvent]:
         if self._open is None:
             return []
-        out: list[SSEEvent] = []
+        out: list[StreamEvent] = []
         index = len(self.content) - 1
         if self._open == "thinking":
             sig = thinking_signature(self.content[index]["thinking"])
             self.content[index]["signature"] = sig
-            out.append(SSEEvent("content_block_delta", {"type": "content_block_delta", "index": index,
+            out.append(_event("content_block_delta", {"type": "content_block_delta", "index": index,
                                                         "delta": {"type": "signature_delta", "signature": sig}}))
-        out.append(SSEEvent("content_block_stop", {"type": "content_block_stop", "index": index}))
+        out.append(_event("content_block_stop", {"type": "content_block_stop", "index": index}))
         self._open = None
         return out
-
-
-# -- running --------------------------------------------------------------------------------------
-
-
-def _assembler(plan: MessagesPlan, prepared: Prepared, svc: Service) -> MessageAssembler:
-    conv = plan.conversation
-    return MessageAssembler(model=svc.info.public_id, num_prompt_tokens=prepared.num_prompt_tokens,
-                            choice=conv.tool_choice, parallel=conv.parallel_tool_calls,
-                            declared=frozenset(t.name for t in conv.tools), hide_thinking=plan.hide_thinking)
-
-
-async def run_buffered(plan: MessagesPlan, prepared: Prepared, svc: Service) -> dict[str, Any]:
-    asm = _assembler(plan, prepared, svc)
-    async with svc.generate([prepared.spec], prefix="msg") as streams:
-        async for u in streams[0]:
-            asm.feed(u)
-            if asm.error is not None:
-                raise asm.error
-            if asm.finished:
-                break
-    if asm.stop_reason is None:
-        raise InternalError("generation ended without a terminal event")
-    return asm.message()
-
-
-async def run_stream(plan: MessagesPlan, prepared: Prepared, svc: Service, out: EventWriter) -> None:
-    """Writes the named events; raises the failure after the events that preceded it."""
-    asm = _assembler(plan, prepared, svc)
-    async with svc.generate([prepared.spec], prefix="msg") as streams:
-        for ev in asm.start():  # SSE headers go out after enqueue, before the first token
-            await out.event(ev.data, event=ev.event)
-        async for u in streams[0]:
-            for ev in asm.feed(u):
-                await out.event(ev.data, event=ev.event)
-            if asm.error is not None:
-                raise asm.error
-            if asm.finished:
-                break
-    if asm.stop_reason is None:
-        raise InternalError("generation ended without a terminal event")

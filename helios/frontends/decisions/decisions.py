@@ -12,19 +12,18 @@ labels' total raw mass. Usage sums the questions' logical input and generated re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
-from helios.errors import BadRequest
-from helios.serving.decisions import (
+from helios.domain.decisions import (
     DecisionQuestion,
-    DecisionScorer,
     QuestionScore,
     expected_level,
     first_argmax,
 )
-from helios.serving.pipeline import Service
+from helios.errors import BadRequest
 
 MAX_QUESTIONS = 64
 MAX_CHOICES = 128
@@ -65,13 +64,13 @@ def decode_decisions(obj: dict[str, Any]) -> DecisionsPlan:
     return DecisionsPlan(text, tuple(_question(i, q) for i, q in enumerate(raw)))
 
 
-async def run_decisions(plan: DecisionsPlan, scorer: DecisionScorer, svc: Service) -> dict[str, Any]:
-    scores = await scorer.score(plan.input, [q.question for q in plan.questions])
+def encode_decisions(plan: DecisionsPlan, scores: Sequence[QuestionScore], model: str) -> dict[str, Any]:
+    """The response body for the label scorer's `scores` of `plan.questions` (in order)."""
     answers = [_answer(q, s) for q, s in zip(plan.questions, scores, strict=True)]
     input_tokens = sum(s.num_prompt_tokens for s in scores)
     output_tokens = sum(s.num_output_tokens for s in scores)
     return {
-        "model": svc.info.public_id,
+        "model": model,
         "answers": answers,
         "usage": {
             "input_tokens": input_tokens,

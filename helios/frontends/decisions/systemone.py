@@ -12,15 +12,13 @@ Jev score confidence. Normalizing label probabilities is not an empirical calibr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
-from helios.errors import BadRequest, UnprocessableEntity
-from helios.frontends.wire import loads_strict
-from helios.serving.decisions import (
+from helios.domain.decisions import (
     DecisionQuestion,
-    DecisionScorer,
     QuestionScore,
     choice_confidence,
     expected_level,
@@ -29,7 +27,8 @@ from helios.serving.decisions import (
     render_value,
     score_confidence,
 )
-from helios.serving.pipeline import Service
+from helios.errors import BadRequest, UnprocessableEntity
+from helios.frontends.wire import loads_strict
 
 MAX_QUESTIONS = 64
 MAX_CRITERIA = 128
@@ -116,11 +115,11 @@ def decode_systemone(obj: Any) -> SystemOnePlan:
     return SystemOnePlan(render_state(obj["state"]), tuple(questions))
 
 
-async def run_systemone(plan: SystemOnePlan, scorer: DecisionScorer, svc: Service) -> dict[str, Any]:
-    scores = await scorer.score(plan.state, [q.question for q in plan.questions])
+def encode_systemone(plan: SystemOnePlan, scores: Sequence[QuestionScore], model: str) -> dict[str, Any]:
+    """The response body for the label scorer's `scores` of `plan.questions` (in order)."""
     answers = {q.name: _answer(q, s) for q, s in zip(plan.questions, scores, strict=True)}
     return {
-        "model": svc.info.public_id,
+        "model": model,
         "answers": answers,
         "usage": {"input_tokens": sum(s.num_prompt_tokens for s in scores),
                   "output_tokens": sum(s.num_output_tokens for s in scores)},

@@ -4,6 +4,7 @@ conversation model, run it, and encode buffered or streamed chat completions."""
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -20,17 +21,24 @@ from helios.domain.conversation import (
     ToolChoice,
     ToolResultPart,
 )
-from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
-from helios.domain.sampling import SamplingRequest
-from helios.errors import BadRequest, InternalError
-from helios.frontends.common import (
+from helios.domain.events import Finish, FinishCause, OutputEvent, ReasoningDelta, TextDelta, ToolCall, Usage
+from helios.domain.generation import (
     Accumulated,
-    EventWriter,
-    TokenObservation,
-    TokenStops,
-    merged,
+    ChildUpdate,
+    GenerationOptions,
+    GenerationRequest,
+    PreparedPrompt,
+    StreamEvent,
+    usage_of,
+)
+from helios.domain.model import ModelInfo, TokenVocabulary
+from helios.domain.sampling import SamplingRequest
+from helios.errors import BadRequest, HeliosError
+from helios.frontends.common import (
+    decode_observation,
     new_id,
     now,
+    observation_fields,
     token_stop_reason,
     validate_stops,
     validate_token_stops,
@@ -53,10 +61,7 @@ from helios.frontends.openai.logprobs import (
     validate_logprob_options,
     validate_prompt_logprobs,
 )
-from helios.frontends.toolcheck import ToolCallCheck
 from helios.frontends.wire import NativeGenerationFields, loads_strict, structure
-from helios.serving.output import ChildUpdate
-from helios.serving.pipeline import ChildSpec, Service
 
 
 @attrs.frozen
@@ -306,28 +311,31 @@ def decode_sampling(w: Any, vocab_size: int = 0) -> SamplingRequest:
     )
 
 
-# -- the route ----------------------------------------------------------------------------------
+# -- decode -------------------------------------------------------------------------------------
 
 
 @attrs.frozen
 class ChatPlan:
-    wire: ChatWire
-    conversation: ConversationRequest
-    n: int
+    """A decoded Chat Completions request: what to generate, and how to encode it."""
+
+    generation: GenerationRequest
     stream: bool
     include_usage: bool
     continuous_usage: bool
-    stops: tuple[str, ...]
-    token_stops: TokenStops
-    num_top_logprobs: int | None
-    logprob_token_ids: tuple[int, ...] | None
-    prompt_logprobs: int | None = None
-    observe: TokenObservation = TokenObservation()
-    """return_token_ids / return_token_timestamps: top-level prompt_token_ids (on a stream's first
-    chunk) and per choice token_ids / token_timestamps (per chunk in a stream)."""
+    as_token_ids: bool = False
+    """return_tokens_as_token_ids: logprob tokens read ``token_id:<id>``."""
+
+    @property
+    def conversation(self) -> ConversationRequest:
+        assert self.generation.conversation is not None
+        return self.generation.conversation
+
+    @property
+    def options(self) -> GenerationOptions:
+        return self.generation.options
 
 
-def decode_chat(obj: dict[str, Any], svc: Service) -> ChatPlan:
+def decode_chat(obj: dict[str, Any], info: ModelInfo) -> ChatPlan:
     w = structure(screen_fields(obj, CHAT_FIELDS), ChatWire)
     n = 1 if w.n is None else w.n
     if n < 1 or n > 128:
@@ -335,255 +343,244 @@ def decode_chat(obj: dict[str, Any], svc: Service) -> ChatPlan:
     stream = bool(w.stream)
     if w.stream_options is not None and not stream:
         raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
-    prompt_k = validate_prompt_logprobs(w.prompt_logprobs, svc.info, stream=stream)
+    prompt_k = validate_prompt_logprobs(w.prompt_logprobs, info, stream=stream)
     stops = validate_stops(w.stop)
-    token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, svc.info.vocab_size,
+    token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, info.vocab_size,
                                        string_stops=stops)
-    observe = TokenObservation.decode(w.return_token_ids, w.return_token_timestamps)
+    observe = decode_observation(w.return_token_ids, w.return_token_timestamps)
     if w.thinking_token_budget is not None and not 0 < w.thinking_token_budget < 2**31:
         raise BadRequest("thinking_token_budget must be a positive 32-bit integer", param="thinking_token_budget")
     num_top, explicit = validate_logprob_options(
-        logprobs=w.logprobs, top_logprobs=w.top_logprobs, logprob_token_ids=w.logprob_token_ids, info=svc.info
+        logprobs=w.logprobs, top_logprobs=w.top_logprobs, logprob_token_ids=w.logprob_token_ids, info=info
     )
     tools, choice = decode_tools(w.tools, w.tool_choice)
     if w.continue_final_message and w.add_generation_prompt:
         raise BadRequest("continue_final_message and add_generation_prompt cannot both be true",
                          param="continue_final_message")
+    max_tokens = w.max_completion_tokens if w.max_completion_tokens is not None else w.max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise BadRequest("max_tokens must be at least 1", param="max_tokens")
     messages = decode_messages(w.messages)
     conv = ConversationRequest(
         messages=messages,
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=True if w.parallel_tool_calls is None else w.parallel_tool_calls,
-        sampling=decode_sampling(w, svc.info.vocab_size),
+        sampling=decode_sampling(w, info.vocab_size),
         add_generation_prompt=not w.continue_final_message if w.add_generation_prompt is None else w.add_generation_prompt,
         continue_final_message=bool(w.continue_final_message),
         chat_template_kwargs={
-            **chat_effort_kwargs(w.reasoning_effort, dict(w.chat_template_kwargs or {}), svc.info.recipe,
+            **chat_effort_kwargs(w.reasoning_effort, dict(w.chat_template_kwargs or {}), info.recipe,
                                  "reasoning_effort" in obj),
             **(w.chat_template_kwargs or {}),
         },
     )
+    options = GenerationOptions(
+        n=n,
+        max_tokens=max_tokens,
+        stop=stops,
+        token_stops=token_stops,
+        ignore_eos=bool(w.ignore_eos),
+        include_stop_str_in_output=bool(w.include_stop_str_in_output),
+        skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
+        num_top_logprobs=num_top,
+        logprob_token_ids=explicit,
+        prompt_logprobs=prompt_k,  # every choice shares the prompt: the first one scores it
+        observe=observe,
+    )
+    generation = GenerationRequest(
+        sampling=conv.sampling, options=options, conversation=conv,
+        output_param="max_completion_tokens" if w.max_completion_tokens is not None else "max_tokens",
+        id_prefix="chatcmpl",
+    )
     so = w.stream_options
     include_usage = bool(so and so.include_usage)
-    return ChatPlan(w, conv, n, stream, include_usage, include_usage and bool(so and so.continuous_usage_stats),
-                    stops, token_stops, num_top, explicit, prompt_k, observe)
+    return ChatPlan(generation, stream, include_usage, include_usage and bool(so and so.continuous_usage_stats),
+                    bool(w.return_tokens_as_token_ids))
 
 
-async def prepare_chat(plan: ChatPlan, svc: Service) -> list[ChildSpec]:
-    prompt_text, prompt_ids = await svc.render_chat(plan.conversation)
-    w = plan.wire
-    max_tokens = w.max_completion_tokens if w.max_completion_tokens is not None else w.max_tokens
-    if max_tokens is not None and max_tokens < 1:
-        raise BadRequest("max_tokens must be at least 1", param="max_tokens")
-    budget = svc.output_budget(
-        len(prompt_ids), max_tokens,
-        output_param="max_completion_tokens" if w.max_completion_tokens is not None else "max_tokens",
-    )
-    parser_factory = svc.parser_factory(plan.conversation, prompt_text)
-    return [
-        ChildSpec(
-            prompt_token_ids=tuple(prompt_ids),
-            sampling=svc.resolve_sampling(plan.conversation.sampling, i),
-            max_tokens=budget,
-            stop=plan.stops,
-            stop_token_ids=plan.token_stops.ids,
-            stop_token_sequences=plan.token_stops.sequences,
-            ignore_eos=bool(w.ignore_eos),
-            include_stop_str_in_output=bool(w.include_stop_str_in_output),
-            skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
-            num_top_logprobs=plan.num_top_logprobs,
-            logprob_token_ids=plan.logprob_token_ids,
-            prompt_logprobs=plan.prompt_logprobs if i == 0 else None,  # every choice shares the prompt
-            parser_factory=parser_factory,
-        )
-        for i in range(plan.n)
-    ]
+# -- encode -------------------------------------------------------------------------------------
 
 
-def _finish_reason(acc_finish: Any, has_calls: bool) -> str:
+def _finish_reason(finish: Finish | None, has_calls: bool) -> str:
     """Spec, "Conversation and tool semantics": the output limit wins; parsed calls that complete an
     answer the user did not stop (neither a string nor a token stop) report tool_calls."""
-    if acc_finish is None:
+    if finish is None:
         return "stop"
-    if acc_finish.cause is FinishCause.LENGTH:
+    if finish.cause is FinishCause.LENGTH:
         return "length"
-    if has_calls and acc_finish.cause not in (FinishCause.STOP_STRING, FinishCause.STOP_TOKEN):
+    if has_calls and finish.cause not in (FinishCause.STOP_STRING, FinishCause.STOP_TOKEN):
         return "tool_calls"
     return "stop"
 
 
-def _usage(prompt: int, completion: int, cached: int, reasoning: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-        "completion_tokens_details": {"reasoning_tokens": reasoning},
+def usage_json(usage: Usage, *, details: bool = True) -> dict[str, Any]:
+    """OpenAI usage (Chat and Completions); Completions reports no completion details."""
+    out: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if details:
+        out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+    return out
 
 
 def _tool_call_json(tc: ToolCall, index: int) -> dict[str, Any]:
     return {"id": tc.id, "type": "function", "index": index, "function": {"name": tc.name, "arguments": tc.arguments}}
 
 
-def _screen(check: ToolCallCheck, u: ChildUpdate) -> tuple[ChildUpdate, str | None]:
-    """The update as the encoder may emit it (tool-choice rules applied) and any violation."""
-    events, failure = check.screen(u.events)
-    if failure is None and u.finish is not None:
-        if u.finish.cause is FinishCause.ERROR:
-            failure = u.finish.error or "generation failed"
-        else:
-            failure = check.check_finish(u.finish.cause)
-    if failure is not None:
-        return attrs.evolve(u, events=events, finish=None), failure
-    return attrs.evolve(u, events=events), None
+class ChatEncoder:
+    """Chat Completions: screened child updates → `chat.completion.chunk` events, or one
+    `chat.completion` body (the same accumulation).
 
+    Each choice's first chunk carries the assistant role; a run of events becomes deltas (adjacent
+    text or reasoning joined, each tool call its own); logprobs and token ids ride on an update's
+    first chunk. With token observations every choice chunk carries the `token_ids` (and
+    `token_timestamps`) it adds, the stream's first chunk the top-level `prompt_token_ids`, and,
+    without a separate usage chunk (include_usage), the terminal chunk the final usage (spec,
+    "Reasoning, sampling, and usage")."""
 
-async def run_chat_buffered(plan: ChatPlan, specs: list[ChildSpec], svc: Service) -> dict[str, Any]:
-    accs = [Accumulated() for _ in specs]
-    checks = [ToolCallCheck.for_conversation(plan.conversation) for _ in specs]
-    async with svc.generate(specs, prefix="chatcmpl") as streams:
-        async for i, u in merged(streams):
-            screened, failure = _screen(checks[i], u)
-            if failure is not None:
-                raise InternalError(failure)
-            accs[i].add(screened)
-    choices = []
-    for i, acc in enumerate(accs):
-        msg: dict[str, Any] = {"role": "assistant", "content": acc.text if (acc.text or not acc.tool_calls) else None}
-        if acc.reasoning:
-            msg["reasoning_content"] = acc.reasoning
-            msg["reasoning"] = acc.reasoning
-        if acc.tool_calls:
-            msg["tool_calls"] = [
-                {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
-                for tc in acc.tool_calls
-            ]
+    def __init__(self, plan: ChatPlan, prompts: Sequence[PreparedPrompt], *, model: str,
+                 vocab: TokenVocabulary) -> None:
+        self.plan = plan
+        self.prompts = tuple(prompts)
+        self.model = model
+        self.vocab = vocab
+        self.id = new_id("chatcmpl")
+        self.created = now()
+        n = plan.options.n
+        self.accs = [Accumulated() for _ in range(n)]
+        self._started = [False] * n
+        self._tool_index = [0] * n
+        self._prompt_ids_pending = plan.options.observe.ids
+        self._num_finished = 0
+
+    @property
+    def done(self) -> bool:
+        return self._num_finished == len(self.accs)
+
+    def start(self) -> list[StreamEvent]:
+        return []  # the role chunk waits for a choice's first token
+
+    def feed(self, index: int, u: ChildUpdate) -> list[StreamEvent]:
+        acc = self.accs[index]
+        acc.add(u)
+        out: list[StreamEvent] = []
+        observe = self.plan.options.observe
+        if not self._started[index] and (u.token_ids or u.events):
+            self._started[index] = True
+            out.append(self._chunk(index, {"role": "assistant", "content": ""}))
         lp = None
-        if plan.num_top_logprobs is not None:
-            lp = {"content": chat_logprobs_content(acc.logprobs, svc, plan.wire.return_tokens_as_token_ids)}
-        choices.append({
-            "index": i,
-            "message": msg,
-            "logprobs": lp,
-            "finish_reason": _finish_reason(acc.finish, bool(acc.tool_calls)),
-            "stop_reason": token_stop_reason(acc.finish, acc.token_ids, plan.token_stops),
-            **plan.observe.choice_fields(acc.token_ids, acc.token_timestamps),
-        })
-    prompt = accs[0].num_prompt_tokens if accs else 0
-    body: dict[str, Any] = {
-        "id": new_id("chatcmpl"),
-        "object": "chat.completion",
-        "created": now(),
-        "model": svc.info.public_id,
-        "choices": choices,
-        "usage": _usage(prompt, sum(a.num_output_tokens for a in accs), accs[0].num_cached_tokens if accs else 0,
-                        sum(a.num_reasoning_tokens for a in accs)),
-        "prompt_logprobs": prompt_logprobs_json(accs[0].prompt_logprobs or [], plan.prompt_logprobs, svc)
-        if plan.prompt_logprobs is not None and accs else None,
-    }
-    if plan.observe.ids:
-        body["prompt_token_ids"] = list(specs[0].prompt_token_ids) if specs else []
-    return body
+        if self.plan.options.num_top_logprobs is not None and u.logprobs:
+            lp = {"content": chat_logprobs_content(u.logprobs, self.vocab, self.plan.as_token_ids)}
+        tokens: tuple[Any, Any] = (u.token_ids, u.token_timestamps) if observe.ids else ((), ())
+        for delta in self._deltas(index, u.events):
+            out.append(self._chunk(index, delta, logprobs=lp, tokens=tokens))
+            lp, tokens = None, ((), ())
+        if lp is not None:
+            out.append(self._chunk(index, {"content": ""}, logprobs=lp, tokens=tokens))
+            tokens = ((), ())
+        if tokens[0] and u.finish is None:  # ids whose text is held back or has no text
+            out.append(self._chunk(index, {}, tokens=tokens))
+            tokens = ((), ())
+        if u.finish is not None:  # the finish chunk takes the ids not sent yet
+            self._num_finished += 1
+            out.append(self._chunk(
+                index, {}, _finish_reason(u.finish, bool(acc.tool_calls)), tokens=tokens,
+                stop_reason=token_stop_reason(u.finish, acc.token_ids, self.plan.options.token_stops),
+                terminal=self.done))
+        return out
 
+    def finish(self) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        if self.plan.include_usage:
+            out.append(StreamEvent({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                                    "model": self.model, "choices": [], "usage": self._usage()}))
+        out.append(StreamEvent("[DONE]"))
+        return out
 
-async def run_chat_stream(plan: ChatPlan, specs: list[ChildSpec], svc: Service, out: EventWriter) -> None:
-    """Chat chunks. With token observations (`ChatPlan.observe`) every choice chunk carries the
-    `token_ids` (and `token_timestamps`) it adds, the stream's first chunk the top-level
-    `prompt_token_ids`, and, without a separate usage chunk (include_usage), the terminal chunk the
-    final usage (spec, "Reasoning, sampling, and usage")."""
-    cid, created, model = new_id("chatcmpl"), now(), svc.info.public_id
-    accs = [Accumulated() for _ in specs]
-    started = [False] * len(specs)
-    tool_index = [0] * len(specs)
-    observe = plan.observe
-    prompt_ids_pending = observe.ids
-    num_finished = 0
+    def fail(self, error: HeliosError) -> list[StreamEvent]:
+        """What passed the rules went out; the stream ends in an error object, without [DONE]."""
+        return [StreamEvent({"error": error.to_openai()["error"]})]
 
-    def usage() -> dict[str, Any]:
-        return _usage(accs[0].num_prompt_tokens, sum(a.num_output_tokens for a in accs),
-                      accs[0].num_cached_tokens, sum(a.num_reasoning_tokens for a in accs))
+    def body(self) -> dict[str, Any]:
+        opts = self.plan.options
+        choices = []
+        for i, acc in enumerate(self.accs):
+            msg: dict[str, Any] = {"role": "assistant",
+                                   "content": acc.text if (acc.text or not acc.tool_calls) else None}
+            if acc.reasoning:
+                msg["reasoning_content"] = acc.reasoning
+                msg["reasoning"] = acc.reasoning
+            if acc.tool_calls:
+                msg["tool_calls"] = [
+                    {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
+                    for tc in acc.tool_calls
+                ]
+            lp = None
+            if opts.num_top_logprobs is not None:
+                lp = {"content": chat_logprobs_content(acc.logprobs, self.vocab, self.plan.as_token_ids)}
+            choices.append({
+                "index": i,
+                "message": msg,
+                "logprobs": lp,
+                "finish_reason": _finish_reason(acc.finish, bool(acc.tool_calls)),
+                "stop_reason": token_stop_reason(acc.finish, acc.token_ids, opts.token_stops),
+                **observation_fields(opts.observe, acc.token_ids, acc.token_timestamps),
+            })
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self._usage(),
+            "prompt_logprobs": prompt_logprobs_json(self.accs[0].prompt_logprobs or [], opts.prompt_logprobs,
+                                                    self.vocab) if opts.prompt_logprobs is not None else None,
+        }
+        if opts.observe.ids:
+            body["prompt_token_ids"] = list(self.prompts[0].token_ids)
+        return body
 
-    def chunk(i: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
-              stop_reason: Any = None, tokens: tuple[Any, Any] = ((), ()), terminal: bool = False) -> dict[str, Any]:
-        nonlocal prompt_ids_pending
+    # -- helpers --------------------------------------------------------------------------------
+    def _usage(self) -> dict[str, Any]:
+        return usage_json(usage_of(self.prompts, self.accs, self.plan.options.n))
+
+    def _chunk(self, i: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
+               stop_reason: Any = None, tokens: tuple[Any, Any] = ((), ()), terminal: bool = False) -> StreamEvent:
+        observe = self.plan.options.observe
         choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             choice["stop_reason"] = stop_reason
-        choice.update(observe.choice_fields(*tokens))
-        c: dict[str, Any] = {
-            "id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice],
-        }
-        if prompt_ids_pending:
-            prompt_ids_pending = False
-            c["prompt_token_ids"] = list(specs[0].prompt_token_ids)
-        if plan.continuous_usage or (terminal and observe.ids and not plan.include_usage):
-            c["usage"] = usage()
-        return c
+        choice.update(observation_fields(observe, *tokens))
+        c: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                             "model": self.model, "choices": [choice]}
+        if self._prompt_ids_pending:
+            self._prompt_ids_pending = False
+            c["prompt_token_ids"] = list(self.prompts[0].token_ids)
+        if self.plan.continuous_usage or (terminal and observe.ids and not self.plan.include_usage):
+            c["usage"] = self._usage()
+        return StreamEvent(c)
 
-    async def emit(i: int, u: ChildUpdate) -> tuple[Any, Any]:
-        """One update's events as chunks, in output order; logprobs and token ids ride on the first
-        chunk. Returns the token ids (and timestamps) still to send: the finish chunk takes them."""
-        if not started[i] and (u.token_ids or u.events):
-            started[i] = True
-            await out.event(chunk(i, {"role": "assistant", "content": ""}))
-        lp = None
-        if plan.num_top_logprobs is not None and u.logprobs:
-            lp = {"content": chat_logprobs_content(u.logprobs, svc, plan.wire.return_tokens_as_token_ids)}
-        tokens: tuple[Any, Any] = (u.token_ids, u.token_timestamps) if observe.ids else ((), ())
-        for delta in _deltas(u.events, tool_index, i):
-            await out.event(chunk(i, delta, logprobs=lp, tokens=tokens))
-            lp, tokens = None, ((), ())
-        if lp is not None:
-            await out.event(chunk(i, {"content": ""}, logprobs=lp, tokens=tokens))
-            tokens = ((), ())
-        if tokens[0] and u.finish is None:  # ids whose text is held back or has no text
-            await out.event(chunk(i, {}, tokens=tokens))
-            tokens = ((), ())
-        return tokens
-
-    checks = [ToolCallCheck.for_conversation(plan.conversation) for _ in specs]
-    async with svc.generate(specs, prefix="chatcmpl") as streams:
-        await out.start()  # 200 and SSE headers after enqueue; the role chunk waits for a token
-        async for i, u in merged(streams):
-            u, failure = _screen(checks[i], u)
-            accs[i].add(u)
-            rest = await emit(i, u)
-            if failure is not None:
-                # What passed the tool-choice rules went out; the stream ends in an error, no [DONE].
-                await out.event({"error": InternalError(failure).to_openai()["error"]})
-                return
-            if u.finish is not None:
-                num_finished += 1
-                await out.event(chunk(i, {}, _finish_reason(u.finish, bool(accs[i].tool_calls)),
-                                      stop_reason=token_stop_reason(u.finish, accs[i].token_ids, plan.token_stops),
-                                      tokens=rest, terminal=num_finished == len(specs)))
-    if plan.include_usage:
-        await out.event({
-            "id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-            "usage": usage(),
-        })
-    await out.done_marker()
-
-
-def _deltas(events: list[Any], tool_index: list[int], i: int) -> list[dict[str, Any]]:
-    """Chunk deltas for a run of events: adjacent text or reasoning joined, each call its own."""
-    deltas: list[dict[str, Any]] = []
-    last: str | None = None
-    for e in events:
-        if isinstance(e, ToolCall):
-            deltas.append({"tool_calls": [_tool_call_json(e, tool_index[i])]})
-            tool_index[i] += 1
-            last = None
-        elif isinstance(e, TextDelta | ReasoningDelta) and e.text:
-            kind = "content" if isinstance(e, TextDelta) else "reasoning"
-            if last == kind:
-                for key in ("content",) if kind == "content" else ("reasoning_content", "reasoning"):
-                    deltas[-1][key] += e.text
-            elif kind == "content":
-                deltas.append({"content": e.text})
-            else:
-                deltas.append({"reasoning_content": e.text, "reasoning": e.text})
-            last = kind
-    return deltas
+    def _deltas(self, i: int, events: Sequence[OutputEvent]) -> list[dict[str, Any]]:
+        """Chunk deltas for a run of events: adjacent text or reasoning joined, each call its own."""
+        deltas: list[dict[str, Any]] = []
+        last: str | None = None
+        for e in events:
+            if isinstance(e, ToolCall):
+                deltas.append({"tool_calls": [_tool_call_json(e, self._tool_index[i])]})
+                self._tool_index[i] += 1
+                last = None
+            elif isinstance(e, TextDelta | ReasoningDelta) and e.text:
+                kind = "content" if isinstance(e, TextDelta) else "reasoning"
+                if last == kind:
+                    for key in ("content",) if kind == "content" else ("reasoning_content", "reasoning"):
+                        deltas[-1][key] += e.text
+                elif kind == "content":
+                    deltas.append({"content": e.text})
+                else:
+                    deltas.append({"reasoning_content": e.text, "reasoning": e.text})
+                last = kind
+        return deltas

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
-from helios.domain.events import FinishCause
-from helios.errors import BadRequest, InternalError
-from helios.frontends.common import (
+from helios.domain.events import Finish, FinishCause, TextDelta
+from helios.domain.generation import (
     Accumulated,
-    EventWriter,
-    TokenObservation,
-    TokenStops,
-    merged,
+    ChildUpdate,
+    GenerationOptions,
+    GenerationRequest,
+    PreparedPrompt,
+    StreamEvent,
+    usage_of,
+)
+from helios.domain.model import ModelInfo, TokenVocabulary
+from helios.errors import BadRequest, HeliosError
+from helios.frontends.common import (
+    decode_observation,
     new_id,
     now,
+    observation_fields,
     token_stop_reason,
     validate_stops,
     validate_token_stops,
@@ -29,7 +37,7 @@ from helios.frontends.fields import (
     refused,
     screen_fields,
 )
-from helios.frontends.openai.chat import StreamOptions, decode_sampling
+from helios.frontends.openai.chat import StreamOptions, decode_sampling, usage_json
 from helios.frontends.openai.logprobs import (
     check_capacity,
     completion_logprobs,
@@ -42,7 +50,6 @@ from helios.frontends.openai.logprobs import (
     validate_prompt_logprobs,
 )
 from helios.frontends.wire import NativeGenerationFields, structure
-from helios.serving.pipeline import ChildSpec, Service
 
 
 @attrs.frozen
@@ -98,44 +105,32 @@ COMPLETION_FIELDS: FieldTable = {
 
 @attrs.frozen
 class CompletionPlan:
-    wire: CompletionWire
-    prompts: list[str | list[int]]
-    n: int
+    """A decoded Completions request: what to generate, and how to encode it."""
+
+    generation: GenerationRequest
     stream: bool
     include_usage: bool
     continuous_usage: bool
-    stops: tuple[str, ...]
-    token_stops: TokenStops
+    echo: bool
     logprobs: int | None
-    logprob_token_ids: tuple[int, ...] | None
+    """The Completions `logprobs` integer: alternatives in the logprob arrays (None: no arrays)."""
     prompt_logprobs: int | None = None
     """Alternatives in choices[i].prompt_logprobs (explicit, or inferred from echo + logprobs)."""
-    observe: TokenObservation = TokenObservation()
-    """return_token_ids / return_token_timestamps: per choice prompt_token_ids (the choice's own
-    prompt, on its first chunk in a stream) and the generated token_ids / token_timestamps. Unlike
-    vLLM, echo does not prepend the prompt ids to token_ids nor drop the echoed text: token_ids are
-    the generated tokens only, as many as the choice's completion tokens."""
+    max_tokens_zero: bool = False
+    as_token_ids: bool = False
+
+    @property
+    def options(self) -> GenerationOptions:
+        return self.generation.options
 
     @property
     def echo_logprobs(self) -> bool:
         """echo with integer logprobs: prompt entries lead the Completions arrays."""
-        return bool(self.wire.echo) and self.logprobs is not None
+        return self.echo and self.logprobs is not None
 
     @property
     def scores_prompt(self) -> bool:
         return self.prompt_logprobs is not None
-
-    @property
-    def engine_prompt_k(self) -> int | None:
-        """Alternatives the engine scores per prompt position: enough for the field and the arrays."""
-        if not self.scores_prompt:
-            return None
-        return max(self.prompt_logprobs or 0, self.logprobs or 0 if self.echo_logprobs else 0)
-
-    @property
-    def submits(self) -> bool:
-        """max_tokens 0 submits only to score the prompt; otherwise it only tokenizes (and echoes)."""
-        return self.wire.max_tokens != 0 or self.scores_prompt
 
 
 def _prompts(p: Any, vocab: int) -> list[str | list[int]]:
@@ -165,7 +160,11 @@ def _prompts(p: Any, vocab: int) -> list[str | list[int]]:
     return prompts
 
 
-def decode_completion(obj: dict[str, Any], svc: Service) -> CompletionPlan:
+def decode_completion(obj: dict[str, Any], info: ModelInfo) -> CompletionPlan:
+    """Token observations: per choice `prompt_token_ids` (the choice's own prompt, on its first
+    chunk in a stream) and the generated `token_ids` / `token_timestamps`. Unlike vLLM, echo does not
+    prepend the prompt ids to token_ids nor drop the echoed text: token_ids are the generated tokens
+    only, as many as the choice's completion tokens."""
     w = structure(screen_fields(obj, COMPLETION_FIELDS), CompletionWire)
     n = 1 if w.n is None else w.n
     if not 1 <= n <= 128:
@@ -175,208 +174,204 @@ def decode_completion(obj: dict[str, Any], svc: Service) -> CompletionPlan:
     stream = bool(w.stream)
     if w.stream_options is not None and not stream:
         raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
-    prompt_k = validate_prompt_logprobs(w.prompt_logprobs, svc.info, stream=stream)
+    prompt_k = validate_prompt_logprobs(w.prompt_logprobs, info, stream=stream)
     if w.logprobs is not None:
         if not 0 <= w.logprobs <= 20:
             raise BadRequest("logprobs must be between 0 and 20", param="logprobs")
-        check_capacity(w.logprobs, svc.info, param="logprobs")
+        check_capacity(w.logprobs, info, param="logprobs")
         if w.echo:
-            require_prompt_scoring(svc.info, param="echo")
+            require_prompt_scoring(info, param="echo")
             if prompt_k is None:
                 prompt_k = w.logprobs
-    explicit = validate_explicit_ids(w.logprob_token_ids, svc.info)
+    explicit = validate_explicit_ids(w.logprob_token_ids, info)
     if explicit and w.logprobs is None:
         raise BadRequest("logprob_token_ids requires logprobs", param="logprob_token_ids")
     if w.max_tokens is not None and w.max_tokens < 0:
         raise BadRequest("max_tokens must not be negative", param="max_tokens")
     stops = validate_stops(w.stop)
-    token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, svc.info.vocab_size,
+    token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, info.vocab_size,
                                        string_stops=stops)
-    observe = TokenObservation.decode(w.return_token_ids, w.return_token_timestamps)
+    echo = bool(w.echo)
+    echo_logprobs = echo and w.logprobs is not None
+    # Alternatives the engine scores per prompt position: enough for the field and the arrays.
+    engine_k = None if prompt_k is None else max(prompt_k, (w.logprobs or 0) if echo_logprobs else 0)
+    options = GenerationOptions(
+        n=n,
+        max_tokens=w.max_tokens,
+        stop=stops,
+        token_stops=token_stops,
+        ignore_eos=bool(w.ignore_eos),
+        include_stop_str_in_output=bool(w.include_stop_str_in_output),
+        skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
+        num_top_logprobs=w.logprobs,
+        logprob_token_ids=explicit,
+        prompt_logprobs=engine_k,
+        # Buffered choices of one prompt share its scores; streamed ones frame their own.
+        score_every_choice=stream,
+        observe=decode_observation(w.return_token_ids, w.return_token_timestamps),
+    )
+    generation = GenerationRequest(
+        sampling=decode_sampling(w, info.vocab_size),
+        options=options,
+        prompts=tuple(p if isinstance(p, str) else tuple(p) for p in _prompts(w.prompt, info.vocab_size)),
+        add_special_tokens=True if w.add_special_tokens is None else w.add_special_tokens,
+        # max_tokens 0 submits only to score the prompt; otherwise it only tokenizes (and echoes).
+        submit=w.max_tokens != 0 or prompt_k is not None,
+        input_param="prompt",
+        id_prefix="cmpl",
+    )
     so = w.stream_options
     include_usage = bool(so and so.include_usage)
-    return CompletionPlan(w, _prompts(w.prompt, svc.info.vocab_size), n, stream, include_usage,
-                          include_usage and bool(so and so.continuous_usage_stats), stops, token_stops, w.logprobs,
-                          explicit, prompt_k, observe)
+    return CompletionPlan(generation, stream, include_usage, include_usage and bool(so and so.continuous_usage_stats),
+                          echo, w.logprobs, prompt_k, w.max_tokens == 0, bool(w.return_tokens_as_token_ids))
 
 
-@attrs.frozen
-class PreparedPrompt:
-    ids: tuple[int, ...]
-    echo_text: str
-
-
-async def prepare_completion(plan: CompletionPlan, svc: Service) -> tuple[list[PreparedPrompt], list[ChildSpec]]:
-    w = plan.wire
-    add_special = True if w.add_special_tokens is None else w.add_special_tokens
-    prepared: list[PreparedPrompt] = []
-    for p in plan.prompts:
-        if isinstance(p, str):
-            ids = await svc.tokenize(p, add_special_tokens=add_special)
-            if not ids:
-                if not svc.info.has_bos:
-                    raise BadRequest("empty text prompts need a model with a BOS token", param="prompt")
-                raise BadRequest("the prompt is empty", param="prompt")
-            prepared.append(PreparedPrompt(tuple(ids), p))
-        else:
-            prepared.append(PreparedPrompt(tuple(p), svc.decode(p)))
-    specs: list[ChildSpec] = []
-    for pp in prepared:
-        budget = svc.output_budget(
-            len(pp.ids), w.max_tokens, input_param="prompt"
-        )
-        for i in range(plan.n):
-            # Buffered choices of one prompt share its scores: only the first child computes them.
-            scores = plan.stream or i == 0
-            specs.append(ChildSpec(
-                prompt_token_ids=pp.ids,
-                sampling=svc.resolve_sampling(decode_sampling(w, svc.info.vocab_size), i),
-                max_tokens=budget,
-                stop=plan.stops,
-                stop_token_ids=plan.token_stops.ids,
-                stop_token_sequences=plan.token_stops.sequences,
-                ignore_eos=bool(w.ignore_eos),
-                include_stop_str_in_output=bool(w.include_stop_str_in_output),
-                skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
-                num_top_logprobs=plan.logprobs,
-                logprob_token_ids=plan.logprob_token_ids,
-                prompt_logprobs=plan.engine_prompt_k if scores else None,
-            ))
-    return prepared, specs
-
-
-def _finish_reason(acc: Accumulated) -> str:
-    if acc.finish is not None and acc.finish.cause is FinishCause.LENGTH:
+def _finish_reason(finish: Finish | None, max_tokens_zero: bool) -> str:
+    if max_tokens_zero or (finish is not None and finish.cause is FinishCause.LENGTH):
         return "length"
     return "stop"
 
 
-def _usage(prepared: list[PreparedPrompt], accs: list[Accumulated], n: int) -> dict[str, Any]:
-    prompt = sum(len(p.ids) for p in prepared)
-    completion = sum(a.num_output_tokens for a in accs)
-    cached = sum(accs[k * n].num_cached_tokens for k in range(len(prepared))) if accs else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+class CompletionEncoder:
+    """Completions: screened child updates → `text_completion` chunks, or one body.
 
+    Streams choices; with echo + logprobs each completed prompt chunk is one logprob frame (the first
+    carries the echoed text), before the generated entries. With token observations each choice's
+    first chunk carries its `prompt_token_ids`, every chunk the `token_ids` (and `token_timestamps`) it
+    adds, and, without a separate usage chunk (include_usage), the terminal chunk the final usage.
+    Choice i answers prompt i // n. A request that submits nothing (max_tokens 0 without prompt
+    scoring) ends every choice with `length` after its echo."""
 
-async def run_completion_buffered(plan: CompletionPlan, prepared: list[PreparedPrompt], specs: list[ChildSpec],
-                                  svc: Service) -> dict[str, Any]:
-    accs = [Accumulated() for _ in specs]
-    if plan.submits:
-        async with svc.generate(specs, prefix="cmpl") as streams:
-            async for i, u in merged(streams):
-                accs[i].add(u)
-    w = plan.wire
-    as_ids = w.return_tokens_as_token_ids
-    choices = []
-    for i, acc in enumerate(accs):
-        if acc.finish is not None and acc.finish.cause is FinishCause.ERROR:
-            raise InternalError(acc.finish.error or "generation failed")
-        pp = prepared[i // plan.n]
-        echo = pp.echo_text if w.echo else ""
-        scores = accs[i - i % plan.n].prompt_logprobs or [] if plan.scores_prompt else []
+    def __init__(self, plan: CompletionPlan, prompts: Sequence[PreparedPrompt], *, model: str,
+                 vocab: TokenVocabulary) -> None:
+        self.plan = plan
+        self.prompts = tuple(prompts)
+        self.model = model
+        self.vocab = vocab
+        self.id = new_id("cmpl")
+        self.created = now()
+        self.n = plan.options.n
+        num = len(self.prompts) * self.n
+        self.accs = [Accumulated() for _ in range(num)]
+        self._submitted = plan.generation.submit
+        self._echo_sent = [False] * num
+        self._prompt_pos = [0] * num  # prompt positions already framed
+        self._prompt_off = [0] * num  # their characters (decoded token strings)
+        self._prompt_ids_pending = [plan.options.observe.ids] * num
+        self._num_finished = 0
+
+    @property
+    def done(self) -> bool:
+        return self._num_finished == len(self.accs)
+
+    def start(self) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        if self.plan.echo and not self.plan.echo_logprobs:
+            for i in range(len(self.accs)):
+                self._echo_sent[i] = True
+                out.append(self._chunk(i, self._echo_text(i)))
+        return out
+
+    def feed(self, i: int, u: ChildUpdate) -> list[StreamEvent]:
+        plan = self.plan
+        acc = self.accs[i]
+        acc.add(u)
+        out: list[StreamEvent] = []
+        if plan.echo_logprobs and u.prompt_logprobs:
+            assert plan.logprobs is not None
+            block, self._prompt_off[i] = prompt_completion_logprobs(
+                self._prompt(i).token_ids, u.prompt_logprobs, plan.logprobs, self.vocab, plan.as_token_ids,
+                start_offset=self._prompt_off[i], first_position=self._prompt_pos[i])
+            self._prompt_pos[i] += len(u.prompt_logprobs)
+            out.append(self._chunk(i, "" if self._echo_sent[i] else self._echo_text(i), logprobs=block))
+            self._echo_sent[i] = True
+        if not self._echo_sent[i]:
+            self._echo_sent[i] = True
+            if self._echo_text(i):
+                out.append(self._chunk(i, self._echo_text(i)))
+        text = "".join(e.text for e in u.events if isinstance(e, TextDelta))
         lp = None
-        if plan.logprobs is not None:
-            lp = empty_completion_logprobs()
-            if plan.echo_logprobs:
-                extend_completion_logprobs(lp, prompt_completion_logprobs(pp.ids, scores, plan.logprobs, svc, as_ids)[0])
-            extend_completion_logprobs(lp, completion_logprobs(acc.logprobs, acc.logprob_offsets, svc, as_ids,
-                                                               bool(plan.logprob_token_ids), len(echo)))
-        choices.append({
-            "index": i,
-            "text": echo + acc.text,
-            "logprobs": lp,
-            "finish_reason": "length" if w.max_tokens == 0 else _finish_reason(acc),
-            "stop_reason": token_stop_reason(acc.finish, acc.token_ids, plan.token_stops),
-            "prompt_logprobs": prompt_logprobs_json(scores, plan.prompt_logprobs or 0, svc)
-            if plan.scores_prompt else None,
-            **({"prompt_token_ids": list(pp.ids)} if plan.observe.ids else {}),
-            **plan.observe.choice_fields(acc.token_ids, acc.token_timestamps),
-        })
-    return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": svc.info.public_id,
-            "choices": choices, "usage": _usage(prepared, accs, plan.n)}
+        if plan.logprobs is not None and u.logprobs:
+            lp = completion_logprobs(list(u.logprobs), u.logprob_offsets, self.vocab, plan.as_token_ids,
+                                     bool(plan.options.logprob_token_ids), len(self._echo_text(i)))
+        tokens: tuple[Any, Any] = (u.token_ids, u.token_timestamps) if plan.options.observe.ids else ((), ())
+        if text or lp is not None or (tokens[0] and u.finish is None):
+            out.append(self._chunk(i, text, logprobs=lp, tokens=tokens))
+            tokens = ((), ())
+        if u.finish is not None:  # it takes the ids not sent yet (a terminating token's)
+            self._num_finished += 1
+            out.append(self._chunk(i, "", _finish_reason(u.finish, plan.max_tokens_zero), tokens=tokens,
+                                   stop_reason=token_stop_reason(u.finish, acc.token_ids, plan.options.token_stops)))
+        return out
 
+    def finish(self) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        if not self._submitted:
+            for i in range(len(self.accs)):
+                self._num_finished += 1
+                out.append(self._chunk(i, "", "length"))
+        if self.plan.include_usage:
+            out.append(StreamEvent({"id": self.id, "object": "text_completion", "created": self.created,
+                                    "model": self.model, "choices": [], "usage": self._usage()}))
+        out.append(StreamEvent("[DONE]"))
+        return out
 
-async def run_completion_stream(plan: CompletionPlan, prepared: list[PreparedPrompt], specs: list[ChildSpec],
-                                svc: Service, out: EventWriter) -> None:
-    """Streams choices; with echo + logprobs each completed prompt chunk is one logprob frame (the
-    first carries the echoed text), before the generated entries.
+    def fail(self, error: HeliosError) -> list[StreamEvent]:
+        return [StreamEvent({"error": error.to_openai()["error"]})]
 
-    With token observations (`CompletionPlan.observe`) each choice's first chunk carries its
-    `prompt_token_ids`, every chunk the `token_ids` (and `token_timestamps`) it adds, and, without a
-    separate usage chunk (include_usage), the terminal chunk the final usage."""
-    cid, created, model = new_id("cmpl"), now(), svc.info.public_id
-    w = plan.wire
-    as_ids = w.return_tokens_as_token_ids
-    observe = plan.observe
-    accs = [Accumulated() for _ in specs]
-    echo_sent = [False] * len(specs)
-    prompt_pos = [0] * len(specs)  # prompt positions already framed
-    prompt_off = [0] * len(specs)  # their characters (decoded token strings)
-    prompt_ids_pending = [observe.ids] * len(specs)
-    num_finished = 0
+    def body(self) -> dict[str, Any]:
+        plan = self.plan
+        as_ids = plan.as_token_ids
+        choices = []
+        for i, acc in enumerate(self.accs):
+            pp = self._prompt(i)
+            echo = self._echo_text(i)
+            scores = self.accs[i - i % self.n].prompt_logprobs or [] if plan.scores_prompt else []
+            lp = None
+            if plan.logprobs is not None:
+                lp = empty_completion_logprobs()
+                if plan.echo_logprobs:
+                    extend_completion_logprobs(
+                        lp, prompt_completion_logprobs(pp.token_ids, scores, plan.logprobs, self.vocab, as_ids)[0])
+                extend_completion_logprobs(lp, completion_logprobs(acc.logprobs, acc.logprob_offsets, self.vocab,
+                                                                   as_ids, bool(plan.options.logprob_token_ids),
+                                                                   len(echo)))
+            choices.append({
+                "index": i,
+                "text": echo + acc.text,
+                "logprobs": lp,
+                "finish_reason": _finish_reason(acc.finish, plan.max_tokens_zero),
+                "stop_reason": token_stop_reason(acc.finish, acc.token_ids, plan.options.token_stops),
+                "prompt_logprobs": prompt_logprobs_json(scores, plan.prompt_logprobs or 0, self.vocab)
+                if plan.scores_prompt else None,
+                **({"prompt_token_ids": list(pp.token_ids)} if plan.options.observe.ids else {}),
+                **observation_fields(plan.options.observe, acc.token_ids, acc.token_timestamps),
+            })
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self._usage()}
 
-    def chunk(i: int, text: str, finish: str | None = None, logprobs: Any = None,
-              stop_reason: Any = None, tokens: tuple[Any, Any] = ((), ())) -> dict[str, Any]:
-        nonlocal num_finished
+    # -- helpers --------------------------------------------------------------------------------
+    def _prompt(self, i: int) -> PreparedPrompt:
+        return self.prompts[i // self.n]
+
+    def _echo_text(self, i: int) -> str:
+        return self._prompt(i).text if self.plan.echo else ""
+
+    def _usage(self) -> dict[str, Any]:
+        return usage_json(usage_of(self.prompts, self.accs, self.n), details=False)
+
+    def _chunk(self, i: int, text: str, finish: str | None = None, logprobs: Any = None,
+               stop_reason: Any = None, tokens: tuple[Any, Any] = ((), ())) -> StreamEvent:
+        observe = self.plan.options.observe
         choice: dict[str, Any] = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish,
                                   "stop_reason": stop_reason}
-        if prompt_ids_pending[i]:
-            prompt_ids_pending[i] = False
-            choice["prompt_token_ids"] = list(prepared[i // plan.n].ids)
-        choice.update(observe.choice_fields(*tokens))
-        c: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                             "choices": [choice]}
-        num_finished += finish is not None
-        if plan.continuous_usage or (observe.ids and not plan.include_usage and num_finished == len(specs)
-                                     and finish is not None):
-            c["usage"] = _usage(prepared, accs, plan.n)
-        return c
-
-    def echo_text(i: int) -> str:
-        return prepared[i // plan.n].echo_text if w.echo else ""
-
-    if w.echo and not plan.echo_logprobs:
-        for i in range(len(specs)):
-            echo_sent[i] = True
-            await out.event(chunk(i, echo_text(i)))
-    if not plan.submits:
-        for i in range(len(specs)):
-            await out.event(chunk(i, "", "length"))
-    else:
-        async with svc.generate(specs, prefix="cmpl") as streams:
-            await out.start()  # 200 and SSE headers after enqueue, keepalives during prefill
-            async for i, u in merged(streams):
-                accs[i].add(u)
-                if u.finish is not None and u.finish.cause is FinishCause.ERROR:
-                    await out.event({"error": InternalError(u.finish.error or "generation failed").to_openai()["error"]})
-                    return
-                if plan.echo_logprobs and u.prompt_logprobs:
-                    assert plan.logprobs is not None
-                    block, prompt_off[i] = prompt_completion_logprobs(
-                        prepared[i // plan.n].ids, u.prompt_logprobs, plan.logprobs, svc, as_ids,
-                        start_offset=prompt_off[i], first_position=prompt_pos[i])
-                    prompt_pos[i] += len(u.prompt_logprobs)
-                    await out.event(chunk(i, "" if echo_sent[i] else echo_text(i), logprobs=block))
-                    echo_sent[i] = True
-                if not echo_sent[i]:
-                    echo_sent[i] = True
-                    if echo_text(i):
-                        await out.event(chunk(i, echo_text(i)))
-                text = "".join(getattr(e, "text", "") for e in u.events)
-                lp = None
-                if plan.logprobs is not None and u.logprobs:
-                    lp = completion_logprobs(list(u.logprobs), u.logprob_offsets, svc, as_ids,
-                                             bool(plan.logprob_token_ids), len(echo_text(i)))
-                tokens: tuple[Any, Any] = (u.token_ids, u.token_timestamps) if observe.ids else ((), ())
-                if text or lp is not None or (tokens[0] and u.finish is None):
-                    await out.event(chunk(i, text, logprobs=lp, tokens=tokens))
-                    tokens = ((), ())
-                if u.finish is not None:  # it takes the ids not sent yet (a terminating token's)
-                    reason = "length" if w.max_tokens == 0 else _finish_reason(accs[i])
-                    await out.event(chunk(i, "", reason, tokens=tokens,
-                                          stop_reason=token_stop_reason(u.finish, accs[i].token_ids, plan.token_stops)))
-    if plan.include_usage:
-        await out.event({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                         "usage": _usage(prepared, accs, plan.n)})
-    await out.done_marker()
+        if self._prompt_ids_pending[i]:
+            self._prompt_ids_pending[i] = False
+            choice["prompt_token_ids"] = list(self._prompt(i).token_ids)
+        choice.update(observation_fields(observe, *tokens))
+        c: dict[str, Any] = {"id": self.id, "object": "text_completion", "created": self.created,
+                             "model": self.model, "choices": [choice]}
+        if self.plan.continuous_usage or (observe.ids and not self.plan.include_usage and finish is not None
+                                          and self.done):
+            c["usage"] = self._usage()
+        return StreamEvent(c)

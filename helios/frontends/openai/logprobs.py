@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from helios.domain.model import ModelInfo
+from helios.domain.logprobs import PromptLogprob, TokenLogprob
+from helios.domain.model import ModelInfo, TokenVocabulary
 from helios.errors import BadRequest
-from helios.serving.pipeline import Service
 
 MAX_TOP = 20
 MAX_EXPLICIT_IDS = 128
@@ -101,25 +101,25 @@ def require_prompt_scoring(info: ModelInfo, *, param: str) -> None:
 # -- encoders -------------------------------------------------------------------------------------
 
 
-def token_text(svc: Service, token_id: int, as_ids: bool | None) -> str:
+def token_text(vocab: TokenVocabulary, token_id: int, as_ids: bool | None) -> str:
     if as_ids:
         return f"token_id:{token_id}"
-    return svc.token_bytes(token_id).decode("utf-8", errors="replace")
+    return vocab.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-def decoded_text(svc: Service, token_id: int) -> str:
-    return svc.token_bytes(token_id).decode("utf-8", errors="replace")
+def decoded_text(vocab: TokenVocabulary, token_id: int) -> str:
+    return vocab.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-def token_entry(svc: Service, token_id: int, logprob: float, as_ids: bool | None) -> dict[str, Any]:
-    return {"token": token_text(svc, token_id, as_ids), "logprob": logprob, "bytes": list(svc.token_bytes(token_id))}
+def token_entry(vocab: TokenVocabulary, token_id: int, logprob: float, as_ids: bool | None) -> dict[str, Any]:
+    return {"token": token_text(vocab, token_id, as_ids), "logprob": logprob, "bytes": list(vocab.token_bytes(token_id))}
 
 
-def chat_logprobs_content(records: Sequence[Any], svc: Service, as_ids: bool | None) -> list[dict[str, Any]]:
+def chat_logprobs_content(records: Sequence[TokenLogprob], vocab: TokenVocabulary, as_ids: bool | None) -> list[dict[str, Any]]:
     out = []
     for r in records:
-        entry = token_entry(svc, r.token_id, r.logprob, as_ids)
-        entry["top_logprobs"] = [token_entry(svc, t, lp, as_ids) for t, lp in r.top]
+        entry = token_entry(vocab, r.token_id, r.logprob, as_ids)
+        entry["top_logprobs"] = [token_entry(vocab, t, lp, as_ids) for t, lp in r.top]
         out.append(entry)
     return out
 
@@ -128,21 +128,21 @@ def empty_completion_logprobs() -> dict[str, list[Any]]:
     return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
-def completion_logprobs(records: Sequence[Any], offsets: Sequence[int], svc: Service, as_ids: bool | None,
-                        explicit: bool, start_offset: int = 0) -> dict[str, list[Any]]:
+def completion_logprobs(records: Sequence[TokenLogprob], offsets: Sequence[int], vocab: TokenVocabulary,
+                        as_ids: bool | None, explicit: bool, start_offset: int = 0) -> dict[str, list[Any]]:
     """Completions arrays for generated tokens; ``offsets`` come from the output pipeline."""
     block = empty_completion_logprobs()
     for r, off in zip(records, offsets, strict=True):
-        block["tokens"].append(token_text(svc, r.token_id, as_ids))
+        block["tokens"].append(token_text(vocab, r.token_id, as_ids))
         block["token_logprobs"].append(r.logprob)
         pairs = list(r.top) if explicit else [(r.token_id, r.logprob), *r.top]
-        block["top_logprobs"].append(_keyed(pairs, svc, as_ids))
+        block["top_logprobs"].append(_keyed(pairs, vocab, as_ids))
         block["text_offset"].append(start_offset + off)
     return block
 
 
-def prompt_completion_logprobs(prompt_ids: Sequence[int], scores: Sequence[Any], k: int, svc: Service,
-                               as_ids: bool | None, start_offset: int = 0,
+def prompt_completion_logprobs(prompt_ids: Sequence[int], scores: Sequence[PromptLogprob | None], k: int,
+                               vocab: TokenVocabulary, as_ids: bool | None, start_offset: int = 0,
                                first_position: int = 0) -> tuple[dict[str, list[Any]], int]:
     """Completions arrays for echoed prompt positions ``first_position ..`` (``scores`` aligned with
     them; None for position 0). Offsets count the characters of the preceding decoded token strings.
@@ -151,16 +151,16 @@ def prompt_completion_logprobs(prompt_ids: Sequence[int], scores: Sequence[Any],
     off = start_offset
     for i, score in enumerate(scores):
         token_id = prompt_ids[first_position + i]
-        block["tokens"].append(token_text(svc, token_id, as_ids))
+        block["tokens"].append(token_text(vocab, token_id, as_ids))
         block["text_offset"].append(off)
-        off += len(decoded_text(svc, token_id))
+        off += len(decoded_text(vocab, token_id))
         if score is None:
             block["token_logprobs"].append(None)
             block["top_logprobs"].append(None)
             continue
         block["token_logprobs"].append(score.logprob)
         pairs = [(score.token_id, score.logprob)] + [(t, lp) for t, lp, _ in score.top[:k]]
-        block["top_logprobs"].append(_keyed(pairs, svc, as_ids))
+        block["top_logprobs"].append(_keyed(pairs, vocab, as_ids))
     return block, off
 
 
@@ -169,7 +169,7 @@ def extend_completion_logprobs(into: dict[str, list[Any]], block: dict[str, list
         into[key].extend(values)
 
 
-def prompt_logprobs_json(scores: Sequence[Any], k: int, svc: Service) -> list[dict[str, Any] | None]:
+def prompt_logprobs_json(scores: Sequence[PromptLogprob | None], k: int, vocab: TokenVocabulary) -> list[dict[str, Any] | None]:
     """The ``prompt_logprobs`` field: the actual token first, then up to ``k`` natural alternatives."""
     out: list[dict[str, Any] | None] = []
     for score in scores:
@@ -180,13 +180,13 @@ def prompt_logprobs_json(scores: Sequence[Any], k: int, svc: Service) -> list[di
         for token_id, logprob, rank in [(score.token_id, score.logprob, score.rank), *score.top[:k]]:
             key = str(token_id)
             if key not in entry:
-                entry[key] = {"logprob": logprob, "rank": rank, "decoded_token": decoded_text(svc, token_id)}
+                entry[key] = {"logprob": logprob, "rank": rank, "decoded_token": decoded_text(vocab, token_id)}
         out.append(entry)
     return out
 
 
-def _keyed(pairs: Sequence[tuple[int, float]], svc: Service, as_ids: bool | None) -> dict[str, float]:
+def _keyed(pairs: Sequence[tuple[int, float]], vocab: TokenVocabulary, as_ids: bool | None) -> dict[str, float]:
     top: dict[str, float] = {}
     for token_id, logprob in pairs:
-        top.setdefault(token_text(svc, token_id, as_ids), logprob)  # the first entry wins
+        top.setdefault(token_text(vocab, token_id, as_ids), logprob)  # the first entry wins
     return top

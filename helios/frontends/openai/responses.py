@@ -31,7 +31,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -48,8 +48,18 @@ from helios.domain.conversation import (
     ToolResultPart,
 )
 from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
-from helios.errors import BadRequest, HeliosError, InternalError
-from helios.frontends.common import EventWriter, TokenStops, validate_stops, validate_token_stops
+from helios.domain.generation import (
+    ChildUpdate,
+    GenerationOptions,
+    GenerationRequest,
+    StreamEvent,
+    TokenStops,
+)
+from helios.domain.logprobs import TokenLogprob
+from helios.domain.model import ModelInfo, TokenVocabulary
+from helios.domain.sampling import SamplingParams
+from helios.errors import BadRequest, HeliosError
+from helios.frontends.common import validate_stops, validate_token_stops
 from helios.frontends.fields import (
     NATIVE_GENERATION_ROWS,
     PROVIDER_ROWS,
@@ -62,14 +72,7 @@ from helios.frontends.fields import (
 )
 from helios.frontends.openai.chat import decode_sampling
 from helios.frontends.openai.logprobs import chat_logprobs_content, validate_logprob_options
-from helios.frontends.toolcheck import ToolCallCheck
 from helios.frontends.wire import NativeGenerationFields, loads_strict, structure
-from helios.serving.pipeline import ChildSpec
-
-if TYPE_CHECKING:
-    from helios.domain.model import ModelInfo
-    from helios.serving.output import ChildUpdate
-from helios.serving.pipeline import Service
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -511,8 +514,25 @@ class ResponsesPlan:
     echo: dict[str, Any] = attrs.field(factory=dict, eq=False)
     """`ECHOED_FIELDS` as sent: reported on the Response object, no effect on generation."""
 
+    @property
+    def generation(self) -> GenerationRequest:
+        w = self.wire
+        options = GenerationOptions(
+            max_tokens=w.max_output_tokens,
+            stop=self.stops,
+            token_stops=self.token_stops,
+            ignore_eos=bool(w.ignore_eos),
+            include_stop_str_in_output=bool(w.include_stop_str_in_output),
+            skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
+            num_top_logprobs=self.num_top_logprobs,
+            logprob_token_ids=self.logprob_token_ids,
+        )
+        return GenerationRequest(sampling=self.conversation.sampling, options=options,
+                                 conversation=self.conversation, input_param="input",
+                                 output_param="max_output_tokens", id_prefix="resp")
 
-def decode_responses(obj: dict[str, Any], svc: Service) -> ResponsesPlan:
+
+def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
     if "input" not in obj:
         raise BadRequest("missing required parameter: input", param="input")
     w = structure(screen_fields(obj, RESPONSES_FIELDS), ResponsesWire)
@@ -527,14 +547,14 @@ def decode_responses(obj: dict[str, Any], svc: Service) -> ResponsesPlan:
         raise BadRequest(f"top_logprobs requires include: [\"{LOGPROBS_INCLUDE}\"]", param="top_logprobs")
     num_top, explicit = validate_logprob_options(
         logprobs=wants_logprobs, top_logprobs=w.top_logprobs, logprob_token_ids=w.logprob_token_ids,
-        info=svc.info,
+        info=info,
     )
     stops = validate_stops(w.stop)
-    token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, svc.info.vocab_size,
+    token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, info.vocab_size,
                                        string_stops=stops)
     toolset, choice = decode_tools(w.tools, w.tool_choice)
-    effort, summary, effort_kwargs = _decode_reasoning(w.reasoning, svc.info)
-    messages = decode_input(w.input, w.instructions, allow_images=svc.info.has_vision)
+    effort, summary, effort_kwargs = _decode_reasoning(w.reasoning, info)
+    messages = decode_input(w.input, w.instructions, allow_images=info.has_vision)
     conv = ConversationRequest(
         messages=messages,
         tools=toolset.tools,
@@ -604,29 +624,7 @@ def _decode_reasoning(reasoning: Any, info: ModelInfo) -> tuple[str | None, str 
     return effort, summary, ({"reasoning_effort": level} if level else {})
 
 
-async def prepare_responses(plan: ResponsesPlan, svc: Service) -> ChildSpec:
-    prompt_text, prompt_ids = await svc.render_chat(plan.conversation)
-    w = plan.wire
-    budget = svc.output_budget(
-        len(prompt_ids), w.max_output_tokens, input_param="input", output_param="max_output_tokens"
-    )
-    return ChildSpec(
-        prompt_token_ids=tuple(prompt_ids),
-        sampling=svc.resolve_sampling(plan.conversation.sampling),
-        max_tokens=budget,
-        stop=plan.stops,
-        stop_token_ids=plan.token_stops.ids,
-        stop_token_sequences=plan.token_stops.sequences,
-        ignore_eos=bool(w.ignore_eos),
-        include_stop_str_in_output=bool(w.include_stop_str_in_output),
-        skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
-        num_top_logprobs=plan.num_top_logprobs,
-        logprob_token_ids=plan.logprob_token_ids,
-        parser_factory=svc.parser_factory(plan.conversation, prompt_text),
-    )
-
-
-def response_base(plan: ResponsesPlan, spec: ChildSpec, model: str) -> dict[str, Any]:
+def response_base(plan: ResponsesPlan, sampling: SamplingParams, model: str) -> dict[str, Any]:
     """The request parameters a Response object echoes (the SDK's Response model requires several)."""
     w = plan.wire
     return {
@@ -643,12 +641,12 @@ def response_base(plan: ResponsesPlan, spec: ChildSpec, model: str) -> dict[str,
         "safety_identifier": plan.echo.get("safety_identifier"),
         "service_tier": "default",
         "store": False,
-        "temperature": spec.sampling.temperature,
+        "temperature": sampling.temperature,
         "text": plan.text_config,
         "tool_choice": w.tool_choice if w.tool_choice is not None else ("auto" if plan.toolset.tools else "none"),
         "tools": list(w.tools or []),
         "top_logprobs": w.top_logprobs or 0,
-        "top_p": spec.sampling.top_p,
+        "top_p": sampling.top_p,
         "truncation": "disabled",
         "user": plan.echo.get("user"),
     }
@@ -669,8 +667,10 @@ class _OpenItem:
 
 
 class ResponseEncoder:
-    """ChildUpdate records → Responses SSE events (dicts with type and sequence_number) and the final
-    response object. Sans-IO: the route writes the events it returns.
+    """Screened child updates → Responses SSE events (named by their type, with sequence_number) and
+    the final response object (`body`). Sans-IO; the tool-choice output rules are the drivers'
+    (`helios.serving.drive`): a call that breaks one never reaches the encoder, and `fail` ends the
+    response with `response.failed`.
 
     `logprob_content` turns engine logprob records into Chat-shaped entries (None: logprobs were not
     requested); `token_bytes` gives a token's exact bytes, used to attribute tokens to output text:
@@ -683,8 +683,6 @@ class ResponseEncoder:
         *,
         base: dict[str, Any],
         toolset: ToolSet,
-        tool_choice: ToolChoice,
-        parallel_tool_calls: bool = True,
         logprob_content: Callable[[Sequence[Any]], list[dict[str, Any]]] | None = None,
         token_bytes: Callable[[int], bytes] | None = None,
         response_id: str | None = None,
@@ -700,7 +698,6 @@ class ResponseEncoder:
         self._output: list[dict[str, Any]] = []
         self._open: _OpenItem | None = None
         self._call_ids: set[str] = set()
-        self._tool_check = ToolCallCheck(tool_choice, parallel_tool_calls, frozenset(toolset.declared))
         # logprob attribution
         self._pending: list[Any] = []
         self._owed = 0
@@ -720,11 +717,23 @@ class ResponseEncoder:
     def done(self) -> bool:
         return self.status != "in_progress"
 
-    def start(self) -> list[dict[str, Any]]:
-        return [self._event("response.created", response=self.response()),
-                self._event("response.in_progress", response=self.response())]
+    def start(self) -> list[StreamEvent]:
+        return _named([self._event("response.created", response=self.response()),
+                       self._event("response.in_progress", response=self.response())])
 
-    def feed(self, u: ChildUpdate) -> list[dict[str, Any]]:
+    def feed(self, index: int, u: ChildUpdate) -> list[StreamEvent]:
+        return _named(self._feed(u))
+
+    def finish(self) -> list[StreamEvent]:
+        return []  # the terminal response event went out with the terminal update
+
+    def fail(self, error: HeliosError) -> list[StreamEvent]:
+        return _named(self._fail(error.message))
+
+    def body(self) -> dict[str, Any]:
+        return self.response()
+
+    def _feed(self, u: ChildUpdate) -> list[dict[str, Any]]:
         if self.done:
             return []
         self._num_prompt, self._num_output = u.num_prompt_tokens, u.num_output_tokens
@@ -738,35 +747,19 @@ class ResponseEncoder:
                     events += self._reasoning(e.text)
             elif isinstance(e, TextDelta):
                 entries = self._attribute(e.text)
-                if e.text and not self._tool_check.omits_text:
+                if e.text:
                     events += self._text(e.text, entries)
             elif isinstance(e, ToolCall):
                 self._drop_pending()
-                failure = self._tool_check.check_call(e)
-                if failure is not None:
-                    return events + self.fail(failure)
                 events += self._call(e)
         if u.finish is not None:
-            cause = u.finish.cause
-            if cause is FinishCause.ERROR:
-                events += self.fail(u.finish.error or "generation failed")
-            elif cause is FinishCause.ABORTED:
-                events += self.fail("generation was aborted")
+            if u.finish.cause is FinishCause.LENGTH:
+                events += self._terminal("incomplete", "max_output_tokens")
             else:
-                failure = self._tool_check.check_finish(cause)
-                if failure is not None:
-                    events += self.fail(failure)
-                elif cause is FinishCause.LENGTH:
-                    events += self._terminal("incomplete", "max_output_tokens")
-                else:
-                    events += self._terminal("completed", None)
+                events += self._terminal("completed", None)
         return events
 
-    def end_of_stream(self) -> list[dict[str, Any]]:
-        """The child's stream ended; without a terminal record the response failed."""
-        return [] if self.done else self.fail("generation ended without a terminal event")
-
-    def fail(self, message: str) -> list[dict[str, Any]]:
+    def _fail(self, message: str) -> list[dict[str, Any]]:
         if self.done:
             return []
         self.error = {"code": "server_error", "message": message}
@@ -951,52 +944,20 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-# -- running ----------------------------------------------------------------------------------------
+def _named(events: list[dict[str, Any]]) -> list[StreamEvent]:
+    return [StreamEvent(e, e["type"]) for e in events]
 
 
-def make_encoder(plan: ResponsesPlan, spec: ChildSpec, svc: Service) -> ResponseEncoder:
+def make_encoder(plan: ResponsesPlan, sampling: SamplingParams, *, model: str,
+                 vocab: TokenVocabulary) -> ResponseEncoder:
     as_ids = plan.wire.return_tokens_as_token_ids
 
-    def content(records: Sequence[Any]) -> list[dict[str, Any]]:
-        return chat_logprobs_content(records, svc, as_ids)
+    def content(records: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+        return chat_logprobs_content(records, vocab, as_ids)
 
     return ResponseEncoder(
-        base=response_base(plan, spec, svc.info.public_id),
+        base=response_base(plan, sampling, model),
         toolset=plan.toolset,
-        tool_choice=plan.conversation.tool_choice,
-        parallel_tool_calls=plan.conversation.parallel_tool_calls,
         logprob_content=content if plan.num_top_logprobs is not None else None,
-        token_bytes=svc.token_bytes,
+        token_bytes=vocab.token_bytes,
     )
-
-
-async def run_responses_buffered(plan: ResponsesPlan, spec: ChildSpec, svc: Service) -> dict[str, Any]:
-    enc = make_encoder(plan, spec, svc)
-    async with svc.generate([spec], prefix="resp") as streams:
-        async for u in streams[0]:
-            enc.feed(u)
-            if enc.done:
-                break
-    enc.end_of_stream()
-    if enc.status == "failed":
-        raise InternalError((enc.error or {}).get("message") or "generation failed")
-    return enc.response()
-
-
-async def run_responses_stream(plan: ResponsesPlan, spec: ChildSpec, svc: Service, out: EventWriter) -> None:
-    """SSE headers go out with response.created, after the child is enqueued."""
-    enc = make_encoder(plan, spec, svc)
-    async with svc.generate([spec], prefix="resp") as streams:
-        for event in enc.start():
-            await out.event(event, event=event["type"])
-        try:
-            async for u in streams[0]:
-                for event in enc.feed(u):
-                    await out.event(event, event=event["type"])
-                if enc.done:
-                    break
-        except HeliosError as exc:
-            for event in enc.fail(exc.message):
-                await out.event(event, event=event["type"])
-    for event in enc.end_of_stream():
-        await out.event(event, event=event["type"])

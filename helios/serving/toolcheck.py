@@ -1,7 +1,7 @@
-"""The tool-choice output rules every chat protocol applies (spec, "Conversation and tool semantics").
+"""The tool-choice output rules every chat protocol gets (spec, "Conversation and tool semantics").
 
-One `ToolCallCheck` per generated child. Encoders ask it about each parsed call before emitting the
-call, and about the terminal cause before emitting a success terminator:
+One `ToolCallCheck` per generated child. The drivers ask it about each parsed call before the encoder
+emits it, and about the terminal cause before the encoder emits a success terminator:
 
 - named choice: every call must target the selected tool; a call to another tool fails the response
   before that call is emitted. Ordinary answer text is omitted (reasoning and calls are kept).
@@ -11,12 +11,15 @@ call, and about the terminal cause before emitting a success terminator:
   selected one, when named). Missing calls, including output truncated before a call completed,
   fail the response at its end: HTTP 500 buffered, a terminal error event streamed.
 
-Under "auto", calls to undeclared tools are returned as generated. Sans-IO; a failure is returned as
-a message for the encoder to raise or stream in its protocol's error shape.
+Every protocol: a call whose arguments are not a JSON object fails the response before it is emitted.
+Under "auto", calls to undeclared tools are returned as generated. Sans-IO; the serving drivers
+(`helios.serving.drive`) apply it to every child of a conversation and turn a failure into the
+protocol's error (HTTP 500 buffered, the encoder's terminal error events streamed).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -45,6 +48,12 @@ class ToolCallCheck:
 
     def check_call(self, call: ToolCall) -> str | None:
         """None when `call` may be emitted (it is counted); otherwise why the response fails."""
+        try:
+            args = json.loads(call.arguments) if call.arguments.strip() else {}
+        except json.JSONDecodeError:
+            return f"the model's arguments for '{call.name}' are not valid JSON"
+        if not isinstance(args, dict):
+            return f"the model's arguments for '{call.name}' are not a JSON object"
         if self.choice.mode == "named" and call.name != self.choice.name:
             return f"tool_choice selects '{self.choice.name}', but the model called '{call.name}'"
         if not self.parallel and self.num_calls >= 1:

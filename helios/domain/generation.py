@@ -1,0 +1,191 @@
+"""A generation as the protocol side sees it: the options a request decodes into, the updates each
+child produces, what accumulates from them, and the usage they add up to.
+
+Every protocol's `decode()` yields a `GenerationRequest`; the serving path prepares it once
+(`Service.prepare`) and drives it once (`helios.serving.drive`); every protocol's encoder consumes
+`ChildUpdate` records and renders `Usage`. No torch, no trio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from helios.domain.conversation import ConversationRequest
+from helios.domain.events import Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCall, Usage
+from helios.domain.logprobs import PromptLogprob, TokenLogprob
+from helios.domain.sampling import SamplingRequest
+
+
+@attrs.frozen
+class TokenStops:
+    """A request's validated token stops: `stop_token_ids` (one-token stops) and the native
+    `stop_token_sequences` extension (stops of 1..64 tokens), at most 16 in all."""
+
+    ids: tuple[int, ...] = ()
+    sequences: tuple[tuple[int, ...], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.ids or self.sequences)
+
+
+@attrs.frozen
+class TokenObservation:
+    """Which per-token observations a request asked for.
+
+    ``ids`` (vLLM's ``return_token_ids``): the prompt's ids and each choice's generated token ids
+    (every generated token, the terminating EOS or stop token included, so their number is the
+    choice's completion tokens). ``timestamps`` (Helios's ``return_token_timestamps``): per
+    generated token, seconds from the request's HTTP admission to the engine's commit of that token
+    (server side, monotonic clock, microsecond resolution; tokens committed in one engine step share
+    one time). Timestamps imply the ids they are parallel to."""
+
+    ids: bool = False
+    timestamps: bool = False
+
+
+@attrs.frozen
+class GenerationOptions:
+    """What to generate and what to report, per child, whatever the protocol called the fields."""
+
+    n: int = 1
+    """Choices per prompt (children = prompts x n)."""
+    max_tokens: int | None = None
+    """The requested output limit; None: the server's default_max_tokens, within the context."""
+    stop: tuple[str, ...] = ()
+    token_stops: TokenStops = TokenStops()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    num_top_logprobs: int | None = None
+    """None: no generation logprobs; 0..20 alternatives per generated token."""
+    logprob_token_ids: tuple[int, ...] | None = None
+    prompt_logprobs: int | None = None
+    """None: no prompt scores; else alternatives per prompt position the engine scores."""
+    score_every_choice: bool = False
+    """False: only the first choice of each prompt scores it (the others share its scores)."""
+    observe: TokenObservation = TokenObservation()
+
+
+@attrs.frozen
+class GenerationRequest:
+    """What a protocol's `decode()` hands the serving path: a conversation (chat protocols) or raw
+    prompts (Completions: text, or token ids), sampling as requested, and the options."""
+
+    sampling: SamplingRequest
+    options: GenerationOptions = GenerationOptions()
+    conversation: ConversationRequest | None = None
+    prompts: tuple[str | tuple[int, ...], ...] = ()
+    add_special_tokens: bool = True
+    """Raw text prompts: let the tokenizer add its special tokens (BOS)."""
+    submit: bool = True
+    """False: prepare (tokenize, validate) but generate nothing (Completions max_tokens 0 without
+    prompt scoring)."""
+    input_param: str = "messages"
+    output_param: str = "max_tokens"
+    """The wire names of the prompt and the output limit, for errors that point at them."""
+    id_prefix: str = "req"
+
+
+@attrs.frozen
+class PreparedPrompt:
+    """One prompt as submitted: its token ids and its text (the rendered chat prompt, the raw
+    prompt, or the decoded ids)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@attrs.define
+class ChildUpdate:
+    events: list[OutputEvent]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish: Finish | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    abort_engine: bool = False  # a string stop ended it: the engine child must be aborted
+    num_reasoning_tokens: int = 0  # cumulative tokens the parser published as reasoning
+    logprob_offsets: tuple[int, ...] = ()
+    """Per `logprobs` entry: the Unicode characters the detokenizer had released before that token,
+    counted from the start of the completion (a token inside a multi-token character gets the
+    character's start)."""
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
+    """Prompt positions scored in this update, in order (position 0 is None)."""
+    token_timestamps: tuple[float, ...] = ()
+    """Per `token_ids` entry (when the processor has an `origin`): seconds from the origin (the
+    request's admission) to the engine's commit of that token (`RequestOutput.produced_at`); tokens
+    committed in one engine step share their time."""
+
+
+@attrs.define
+class Accumulated:
+    """The ordered output of one child: what buffered responses encode."""
+
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = attrs.field(factory=list)
+    blocks: list[OutputEvent] = attrs.field(factory=list)  # ordered, adjacent deltas merged
+    token_ids: list[int] = attrs.field(factory=list)
+    token_timestamps: list[float] = attrs.field(factory=list)
+    logprobs: list[TokenLogprob] = attrs.field(factory=list)
+    logprob_offsets: list[int] = attrs.field(factory=list)
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # prompt scores in position order, when requested
+    finish: Finish | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_reasoning_tokens: int = 0
+
+    def add(self, u: ChildUpdate) -> None:
+        for e in u.events:
+            if isinstance(e, TextDelta):
+                self.text += e.text
+            elif isinstance(e, ReasoningDelta):
+                self.reasoning += e.text
+            elif isinstance(e, ToolCall):
+                self.tool_calls.append(e)
+            if self.blocks and type(self.blocks[-1]) is type(e) and isinstance(e, TextDelta | ReasoningDelta):
+                last = self.blocks[-1]
+                self.blocks[-1] = type(e)(last.text + e.text)  # type: ignore[union-attr]
+            elif not isinstance(e, Finish):
+                self.blocks.append(e)
+        self.num_reasoning_tokens = u.num_reasoning_tokens
+        self.token_ids.extend(u.token_ids)
+        self.token_timestamps.extend(u.token_timestamps)
+        if u.logprobs:
+            self.logprobs.extend(u.logprobs)
+            self.logprob_offsets.extend(u.logprob_offsets)
+        if u.prompt_logprobs is not None:
+            if self.prompt_logprobs is None:
+                self.prompt_logprobs = []
+            self.prompt_logprobs.extend(u.prompt_logprobs)
+        self.num_prompt_tokens = u.num_prompt_tokens or self.num_prompt_tokens
+        self.num_output_tokens = u.num_output_tokens
+        self.num_cached_tokens = u.num_cached_tokens or self.num_cached_tokens
+        if u.finish is not None:
+            self.finish = u.finish
+
+
+def usage_of(prompts: Sequence[PreparedPrompt], children: Sequence[Accumulated], n: int) -> Usage:
+    """The usage of one request: each prompt counts once however many choices share it (its
+    cached tokens as its first choice reports them); every choice's output and reasoning count."""
+    cached = sum(children[k * n].num_cached_tokens for k in range(len(prompts)) if k * n < len(children))
+    return Usage(
+        prompt_tokens=sum(len(p.token_ids) for p in prompts),
+        completion_tokens=sum(c.num_output_tokens for c in children),
+        cached_tokens=cached,
+        reasoning_tokens=sum(c.num_reasoning_tokens for c in children),
+    )
+
+
+@attrs.frozen
+class StreamEvent:
+    """One server-sent event an encoder produces: `data` (a JSON object, or raw text such as
+    `[DONE]`) and an optional event name (Messages and Responses name theirs)."""
+
+    data: dict[str, Any] | str
+    event: str | None = None

@@ -1,0 +1,153 @@
+"""One HTTP request as a route handler sees it, and the handler's building blocks: authentication,
+a bounded JSON body, HTTP admission, a JSON reply, and running a generation buffered or streamed
+with a sibling task that cancels it when the client disconnects."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import trio
+
+from helios.asgi.auth import check_anthropic, check_bearer
+from helios.asgi.request import Request, read_body
+from helios.asgi.responses import send_json
+from helios.errors import BadRequest, ServiceUnavailable, TooManyRequests
+from helios.frontends.wire import parse_json_object
+from helios.http.sse import EventStream
+from helios.http.state import ServerState
+from helios.obs import access
+from helios.serving.drive import Encoder, run_buffered, run_streamed
+from helios.serving.pipeline import Prepared, Service
+
+# On every 429 for exhausted HTTP admission slots: a slot frees as soon as any response is delivered.
+RETRY_AFTER = ((b"retry-after", b"1"),)
+
+
+@attrs.define
+class RequestContext:
+    req: Request
+    params: dict[str, str]
+    receive: Any
+    send: Any
+    state: ServerState
+    request_id: str
+    body: bytes = b""
+    responded: bool = False
+    slots: int = 0
+    stream: EventStream | None = None
+    # Cancelled only by a graceful shutdown's abort phase (ServerState.drain).
+    cancel_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+
+    @property
+    def started(self) -> bool:
+        return self.responded or (self.stream is not None and self.stream.started)
+
+    @property
+    def svc(self) -> Service:
+        svc = self.state.service
+        if svc is None:
+            raise ServiceUnavailable("the model runtime is not loaded")
+        return svc
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"x-request-id", self.request_id.encode())]
+
+    # -- request ----------------------------------------------------------------------------
+    def auth(self, *, anthropic: bool = False) -> None:
+        key = self.state.config.server.api_key
+        if anthropic:
+            check_anthropic(self.req.headers, key)
+        else:
+            check_bearer(self.req.headers, key)
+
+    async def read_body(self, *, identity_only: bool = False) -> bytes:
+        """The body, bounded by [server] max_body_bytes and decoded per Content-Encoding on the
+        frontend worker pool."""
+        self.body = await read_body(self.receive, self.req.headers, self.state.config.server.max_body_bytes,
+                                    limiter=self.state.frontend_limiter, identity_only=identity_only)
+        return self.body
+
+    async def read_json(self, *, identity_only: bool = False) -> dict[str, Any]:
+        return parse_json_object(await self.read_body(identity_only=identity_only))
+
+    def admit(self, n: int) -> None:
+        """Take one HTTP admission slot per generated choice (429 with `Retry-After: 1` when
+        exhausted; 503 while the server drains for shutdown: the spec's paused admission)."""
+        access.note_admission(granted=False)  # from here on the request counts as completed or failed
+        state = self.state
+        if state.draining:
+            raise ServiceUnavailable("the server is shutting down; admission is paused")
+        slots = state.slots
+        if n > slots.total:
+            raise BadRequest(f"the request asks for {n} choices; this server admits at most {slots.total} at once")
+        if not slots.try_acquire(n):
+            raise TooManyRequests("all HTTP admission slots are in use; retry later", headers=RETRY_AFTER)
+        self.slots += n
+        access.note_admission(granted=True)
+        state.in_flight[id(self)] = self
+
+    # -- response ---------------------------------------------------------------------------
+    async def json(self, obj: Any, status: int = 200) -> None:
+        self.responded = True
+        await send_json(self.send, status, obj, self.headers())
+
+    async def generate(self, prepared: Prepared, encoder: Encoder, *, stream: bool) -> None:
+        """Run a prepared generation through the one streamed or buffered driver."""
+        svc = self.svc
+        if stream:
+            out = self.stream = EventStream(self.send, self.headers())
+
+            async def streamed() -> None:
+                await run_streamed(svc, prepared, encoder, out)
+                await out.close()
+
+            await self.run_cancellable(streamed)
+            return
+        result: dict[str, Any] = {}
+
+        async def buffered() -> None:
+            result.update(await run_buffered(svc, prepared, encoder))
+
+        await self.run_cancellable(buffered)
+        if result:  # empty when the client went away first
+            await self.json(result)
+
+    async def run_cancellable(self, body: Callable[[], Awaitable[None]]) -> None:
+        """Run `body` with a sibling task that cancels it when the client disconnects (and, for a
+        stream, one that sends keepalives). Leaving the scope for any reason aborts the request's
+        engine children (serving's open_children does that in its finally)."""
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def watch() -> None:
+                    while True:
+                        msg = await self.receive()
+                        if msg.get("type") == "http.disconnect":
+                            nursery.cancel_scope.cancel()
+                            return
+
+                nursery.start_soon(watch)
+                if self.stream is not None:
+                    nursery.start_soon(self.stream.keepalive)
+                try:
+                    await body()
+                finally:
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # Re-raise the single application error trio wrapped, so it keeps its status.
+            leaves = list(_leaves(group))
+            if len(leaves) == 1 and isinstance(leaves[0], Exception):
+                raise leaves[0] from None
+            raise
+
+
+Handler = Callable[[RequestContext], Awaitable[None]]
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:  # type: ignore[type-arg]
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out

@@ -1,0 +1,132 @@
+"""The HTTP entry: every request gets an access/metrics record and a request context, is routed, and
+ends in its handler's response or an error in its protocol's shape (before a stream starts: a JSON
+error body with the error's status; after: the protocol's terminal error event)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from helios.asgi.request import ClientDisconnected, Request
+from helios.asgi.responses import send_json
+from helios.asgi.routing import Router
+from helios.domain.generation import StreamEvent
+from helios.errors import HeliosError, InternalError, ServiceUnavailable
+from helios.http.context import Handler, RequestContext
+from helios.http.state import ServerState
+from helios.obs import access
+
+log = logging.getLogger("helios")
+
+Route = tuple[str, str, Handler]
+
+
+class Dispatcher:
+    def __init__(self, state: ServerState, routes: Sequence[Route]) -> None:
+        self.state = state
+        self.router: Router[Handler] = Router()
+        for method, path, handler in routes:
+            self.router.add(method, path, handler)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        # Every request gets a stats record: the serving metrics count from it, the access log
+        # (when on) writes it.
+        state = self.state
+        stats = access.RequestStats(sink=state.metrics)
+
+        async def logged_send(message: dict[str, Any]) -> None:
+            stats.sent(message)
+            await send(message)
+
+        async def logged_receive() -> dict[str, Any]:
+            message: dict[str, Any] = await receive()
+            stats.received(message)
+            return message
+
+        token = access.activate(stats)
+        try:
+            await self._serve(scope, logged_receive, logged_send)
+        finally:
+            access.deactivate(token)
+            state.metrics.finish_request(stats)
+            if state.config.server.access_log:
+                access.log.info("%s", access.format_line(stats, scope))
+
+    async def _serve(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        req = Request.from_scope(scope)
+        method = req.method
+        if method == "HEAD":
+            # Every GET route answers HEAD with the same status and headers and no body
+            # (RFC 9110 9.3.2); Claude Code probes its base URL this way.
+            method, send = "GET", _without_body(send)
+        ctx = RequestContext(req, {}, receive, send, self.state, "req-" + uuid.uuid4().hex)
+        try:
+            handler, ctx.params = self.router.match(method, req.path)
+            with ctx.cancel_scope:
+                await handler(ctx)
+            if ctx.cancel_scope.cancelled_caught:  # aborted by a graceful shutdown (drain)
+                if ctx.started:
+                    return  # the stream could not take its terminal event in time
+                raise ServiceUnavailable("the server shut down before the request completed")
+        except ClientDisconnected:
+            return
+        except HeliosError as exc:
+            await render_error(ctx, exc)
+        except Exception as exc:
+            log.exception("unhandled error on %s %s", req.method, req.path)
+            await render_error(ctx, InternalError(f"internal error: {type(exc).__name__}"))
+        finally:
+            self.state.in_flight.pop(id(ctx), None)
+            if ctx.slots:
+                self.state.slots.release(ctx.slots)
+
+
+def protocol_of(path: str) -> str:
+    """Whose error shape a path's errors take."""
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if path.startswith("/api/"):
+        return "ollama"
+    return "openai"
+
+
+async def render_error(ctx: RequestContext, exc: HeliosError) -> None:
+    """An error in the shape of the path's protocol: a JSON body before the response started, a
+    terminal error event on a stream that started (the drivers write their encoder's own terminal
+    error; this covers failures outside them)."""
+    protocol = protocol_of(ctx.req.path)
+    stream = ctx.stream
+    if stream is not None and stream.started:
+        if not stream.closed:
+            try:
+                if protocol == "anthropic":
+                    await stream.send(StreamEvent(exc.to_anthropic(), "error"))
+                else:
+                    await stream.send(StreamEvent(exc.to_openai()))
+                await stream.close()
+            except Exception:
+                pass
+        return
+    if ctx.responded:
+        return
+    ctx.responded = True
+    if protocol == "anthropic":
+        body = exc.to_anthropic()
+    elif protocol == "ollama" and exc.status not in (401,):
+        body = exc.to_ollama()
+    else:
+        body = exc.to_openai()
+    await send_json(ctx.send, exc.status, body, [*ctx.headers(), *exc.headers])
+
+
+def _without_body(send: Any) -> Any:
+    """An ASGI send for a HEAD request: the response start as is, every body chunk emptied."""
+
+    async def send_head(message: dict[str, Any]) -> None:
+        if message.get("type") == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return send_head
