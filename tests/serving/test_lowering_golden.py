@@ -117,9 +117,10 @@ def test_one_conversation_renders_one_prompt(servers: dict[str, ScriptedServer],
 def test_the_three_decoders_build_the_same_conversation(servers: dict[str, ScriptedServer]) -> None:
     server = servers["qwen3"]
     svc = server.service
-    chat_conv = chat_frontend.decode_chat(chat_body("And tomorrow?"), svc).conversation
-    anth_conv = anthropic_frontend.decode_request(messages_body("And tomorrow?"), svc.info).conversation
-    resp_conv = responses_frontend.decode_responses(responses_body("And tomorrow?"), svc).conversation
+    plans = (chat_frontend.decode_chat(chat_body("And tomorrow?"), svc.info),
+             anthropic_frontend.decode_request(messages_body("And tomorrow?"), svc.info),
+             responses_frontend.decode_responses(responses_body("And tomorrow?"), svc.info))
+    chat_conv, anth_conv, resp_conv = (p.conversation for p in plans)
     # The neutral messages may be shaped differently (a Messages user turn carries its tool result and
     # text together); the template messages they lower to may not.
     lowered = [lower_messages(c, svc.chat_template) for c in (chat_conv, anth_conv, resp_conv)]
@@ -128,9 +129,13 @@ def test_the_three_decoders_build_the_same_conversation(servers: dict[str, Scrip
     assert lowered[0][2]["reasoning_content"] == THOUGHT
     assert chat_conv.tools == anth_conv.tools == resp_conv.tools
     assert chat_conv.tool_choice == anth_conv.tool_choice == resp_conv.tool_choice
-    # And the service renders each to the same ids (the same path the HTTP routes take).
+    # And the service prepares each to the same prompt (the same path the HTTP routes take).
+    prepared = [server.run_in_server(svc.prepare, p.generation) for p in plans]
+    assert [len(p.prompts) for p in prepared] == [len(p.children) for p in prepared] == [1, 1, 1]
+    assert prepared[0].prompts[0] == prepared[1].prompts[0] == prepared[2].prompts[0]
+    assert all(p.children[0].prompt_token_ids == p.prompts[0].token_ids for p in prepared)
     rendered = [server.run_in_server(svc.render_chat, c)[1] for c in (chat_conv, anth_conv, resp_conv)]
-    assert rendered[0] == rendered[1] == rendered[2]
+    assert rendered[0] == rendered[1] == rendered[2] == list(prepared[0].prompts[0].token_ids)
 
 
 def _diff(server: ScriptedServer, a: tuple[int, ...], b: tuple[int, ...]) -> str:

@@ -17,18 +17,19 @@ from helios.domain.conversation import (
     ToolResultPart,
 )
 from helios.domain.events import Finish, FinishCause, OutputEvent, ReasoningDelta, TextDelta, ToolCall
+from helios.domain.generation import ChildUpdate, PreparedPrompt, StreamEvent
 from helios.domain.model import ModelInfo
-from helios.errors import BadRequest
+from helios.errors import BadRequest, InternalError
 from helios.frontends.anthropic.messages import (
-    MessageAssembler,
-    SSEEvent,
+    MessagesEncoder,
     check_version,
     decode_count_tokens,
     decode_request,
     stop_reason,
     thinking_signature,
 )
-from helios.domain.generation import ChildUpdate
+from helios.serving.drive import OutputRules
+from helios.serving.toolcheck import ToolCallCheck
 
 
 def info(**kw: Any) -> ModelInfo:
@@ -192,19 +193,45 @@ def update(*events: OutputEvent, out: int, finish: Finish | None = None, cached:
                        num_output_tokens=out, num_cached_tokens=cached)
 
 
-def run(asm: MessageAssembler, updates: list[ChildUpdate]) -> list[SSEEvent]:
-    events = asm.start()
+def encoder(model: ModelInfo = PLAIN, name: str = "m", **body: Any) -> tuple[MessagesEncoder, OutputRules]:
+    """The encoder and the output rules the drivers would give a request with these fields (a prompt
+    of 10 tokens)."""
+    plan = decode_request(req(**body), model)
+    assert plan.generation.conversation is not None
+    prompts = [PreparedPrompt(tuple(range(10)), "prompt")]
+    return MessagesEncoder(plan, prompts, model=name), OutputRules(ToolCallCheck.for_conversation(
+        plan.generation.conversation))
+
+
+def run(enc: MessagesEncoder, rules: OutputRules, updates: list[ChildUpdate]) -> tuple[list[StreamEvent], str | None]:
+    """`helios.serving.drive.run_streamed` without IO: each update screened by the output rules, the
+    screened update fed; a failure ends the stream with the encoder's `fail` events. Returns the
+    events and the failure (what `run_buffered` raises as an InternalError)."""
+    events = enc.start()
     for u in updates:
-        events += asm.feed(u)
-    return events
+        screened, failure = rules.screen(u)
+        events += enc.feed(0, screened)
+        if failure is not None:
+            return events + enc.fail(InternalError(failure)), failure
+        if enc.done:
+            break
+    if not enc.done:
+        failure = "generation ended without a terminal event"
+        return events + enc.fail(InternalError(failure)), failure
+    return events + enc.finish(), None
 
 
-def replay(events: list[SSEEvent]) -> dict[str, Any]:
+def data(ev: StreamEvent) -> dict[str, Any]:
+    assert isinstance(ev.data, dict)
+    return ev.data
+
+
+def replay(events: list[StreamEvent]) -> dict[str, Any]:
     """Rebuilds the Message from the event stream the way an SDK accumulator does."""
     msg: dict[str, Any] = {}
     json_bufs: dict[int, str] = {}
     for ev in events:
-        d = ev.data
+        d = data(ev)
         if ev.event == "message_start":
             msg = json.loads(json.dumps(d["message"]))
         elif ev.event == "content_block_start":
@@ -227,17 +254,30 @@ def replay(events: list[SSEEvent]) -> dict[str, Any]:
     return msg
 
 
+def check_failed(events: list[StreamEvent], failure: str | None, match: str) -> None:
+    """A failed request: the stream ends in one Anthropic `error` event with the failure (a 500
+    `api_error` buffered), and never reaches message_delta or message_stop."""
+    assert failure is not None and match in failure
+    error = InternalError(failure)
+    assert error.status == 500
+    assert events[-1] == StreamEvent({"type": "error", "error": {"type": "api_error", "message": failure}}, "error")
+    assert data(events[-1])["type"] == events[-1].event
+    assert not any(e.event in ("message_delta", "message_stop") for e in events)
+    assert sum(e.event == "error" for e in events) == 1
+
+
 def test_thinking_text_and_tool_use_blocks_in_output_order() -> None:
-    asm = MessageAssembler(model="smol", num_prompt_tokens=10, declared=frozenset({"lookup"}))
-    events = run(asm, [
+    enc, rules = encoder(name="smol", tools=[{"name": "lookup", "input_schema": {"type": "object"}}])
+    events, failure = run(enc, rules, [
         update(ReasoningDelta("Let me "), out=2),
         update(ReasoningDelta("think."), TextDelta("Checking"), out=4, cached=4),
         update(TextDelta("..."), ToolCall("call_abc", "lookup", '{"q": "x"}'), out=9),
         update(ToolCall("call_def", "other", "{}"), out=12, finish=Finish(FinishCause.EOS, has_tool_calls=True)),
     ])
+    assert failure is None and enc.done
     for ev in events:
-        assert ev.data["type"] == ev.event
-    assert [(e.event, e.data.get("delta", {}).get("type") or e.data.get("content_block", {}).get("type"))
+        assert data(ev)["type"] == ev.event
+    assert [(e.event, data(e).get("delta", {}).get("type") or data(e).get("content_block", {}).get("type"))
             for e in events] == [
         ("message_start", None),
         ("content_block_start", "thinking"), ("content_block_delta", "thinking_delta"),
@@ -249,10 +289,10 @@ def test_thinking_text_and_tool_use_blocks_in_output_order() -> None:
         ("content_block_start", "tool_use"), ("content_block_delta", "input_json_delta"), ("content_block_stop", None),
         ("message_delta", None), ("message_stop", None),
     ]
-    start = events[0].data["message"]
+    start = data(events[0])["message"]
     assert start["content"] == [] and start["usage"] == {
         "input_tokens": 10, "output_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
-    msg = asm.message()
+    msg = enc.body()
     assert msg["content"] == [
         {"type": "thinking", "thinking": "Let me think.", "signature": thinking_signature("Let me think.")},
         {"type": "text", "text": "Checking..."},
@@ -271,37 +311,53 @@ def test_stop_reasons() -> None:
     assert stop_reason(FinishCause.STOP_STRING, True) == "stop_sequence"
     assert stop_reason(FinishCause.EOS, True) == "tool_use"
     assert stop_reason(FinishCause.STOP_TOKEN, False) == "end_turn"
-    asm = MessageAssembler(model="m", num_prompt_tokens=10)
-    events = run(asm, [update(TextDelta("Hello"), out=3, finish=Finish(FinishCause.STOP_STRING, matched_stop="END"))])
-    assert asm.message()["stop_reason"] == "stop_sequence" and asm.message()["stop_sequence"] == "END"
-    assert events[-2].data["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    enc, rules = encoder(stop_sequences=["END"])
+    events, failure = run(enc, rules, [update(TextDelta("Hello"), out=3,
+                                              finish=Finish(FinishCause.STOP_STRING, matched_stop="END"))])
+    assert failure is None
+    assert enc.body()["stop_reason"] == "stop_sequence" and enc.body()["stop_sequence"] == "END"
+    assert data(events[-2])["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+
+
+TOOLS_AB = [{"name": "a", "input_schema": {}}, {"name": "b", "input_schema": {}}]
 
 
 def test_tool_choice_output_rules() -> None:
     call_a, call_b = ToolCall("call_1", "a", "{}"), ToolCall("call_2", "b", "{}")
     done = Finish(FinishCause.EOS)
     # Parallel disabled: the second call fails before it is emitted; the first was delivered.
-    asm = MessageAssembler(model="m", num_prompt_tokens=1, parallel=False, declared=frozenset({"a", "b"}))
-    events = run(asm, [update(call_a, out=3), update(TextDelta("x"), call_b, out=6, finish=done)])
-    assert asm.error is not None and asm.error.status == 500 and "second tool call" in asm.error.message
-    assert [e.data["content_block"]["name"] for e in events if e.event == "content_block_start"
-            and e.data["content_block"]["type"] == "tool_use"] == ["a"]
-    assert events[-1].event == "content_block_delta"  # the text before the violating call; no message_stop
+    enc, rules = encoder(tools=TOOLS_AB, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    events, failure = run(enc, rules, [update(call_a, out=3), update(TextDelta("x"), call_b, out=6, finish=done)])
+    check_failed(events, failure, "second tool call")
+    assert [data(e)["content_block"]["name"] for e in events if e.event == "content_block_start"
+            and data(e)["content_block"]["type"] == "tool_use"] == ["a"]
+    # the text before the violating call went out, then the error; no message_stop
+    assert events[-2].event == "content_block_delta" and data(events[-2])["delta"] == {"type": "text_delta",
+                                                                                         "text": "x"}
     # Required: no completed call fails at the end.
-    asm = MessageAssembler(model="m", num_prompt_tokens=1, choice=ToolChoice("required"), declared=frozenset({"a"}))
-    run(asm, [update(TextDelta("no"), out=2, finish=Finish(FinishCause.LENGTH))])
-    assert asm.error is not None and "no completed call" in asm.error.message
+    enc, rules = encoder(tools=TOOLS_AB[:1], tool_choice={"type": "any"})
+    events, failure = run(enc, rules, [update(TextDelta("no"), out=2, finish=Finish(FinishCause.LENGTH))])
+    check_failed(events, failure, "no completed call")
     # Named: answer text is omitted; another tool fails.
-    asm = MessageAssembler(model="m", num_prompt_tokens=1, choice=ToolChoice("named", "a"), declared=frozenset({"a"}))
-    run(asm, [update(TextDelta("chatter"), call_a, out=4, finish=done)])
-    assert asm.error is None and [b["type"] for b in asm.message()["content"]] == ["tool_use"]
-    asm = MessageAssembler(model="m", num_prompt_tokens=1, choice=ToolChoice("named", "a"))
-    run(asm, [update(call_b, out=4, finish=done)])
-    assert asm.error is not None and "called 'b'" in asm.error.message
+    enc, rules = encoder(tools=TOOLS_AB[:1], tool_choice={"type": "tool", "name": "a"})
+    events, failure = run(enc, rules, [update(TextDelta("chatter"), call_a, out=4, finish=done)])
+    assert failure is None and [b["type"] for b in enc.body()["content"]] == ["tool_use"]
+    assert not any(data(e).get("delta", {}).get("type") == "text_delta" for e in events)
+    enc, rules = encoder(tools=TOOLS_AB, tool_choice={"type": "tool", "name": "a"})
+    events, failure = run(enc, rules, [update(call_b, out=4, finish=done)])
+    check_failed(events, failure, "called 'b'")
+    assert not any(e.event == "content_block_start" for e in events)
+    # Arguments that are not a JSON object fail before the call is emitted.
+    enc, rules = encoder(tools=TOOLS_AB)
+    events, failure = run(enc, rules, [update(ToolCall("call_1", "a", "[1]"), out=4, finish=done)])
+    check_failed(events, failure, "not a JSON object")
+    assert not any(e.event == "content_block_start" for e in events)
     # A generation error.
-    asm = MessageAssembler(model="m", num_prompt_tokens=1)
-    run(asm, [update(TextDelta("x"), out=1, finish=Finish(FinishCause.ERROR, error="parser failed"))])
-    assert asm.error is not None and asm.error.message == "parser failed"
+    enc, rules = encoder()
+    events, failure = run(enc, rules, [update(TextDelta("x"), out=1,
+                                              finish=Finish(FinishCause.ERROR, error="parser failed"))])
+    check_failed(events, failure, "parser failed")
+    assert failure == "parser failed"
 
 
 def test_newer_sdk_fields() -> None:
@@ -320,9 +376,11 @@ def test_newer_sdk_fields() -> None:
 
 
 def test_omitted_thinking_keeps_block_and_marker_without_text() -> None:
-    asm = MessageAssembler(model="m", num_prompt_tokens=3, hide_thinking=True)
-    events = run(asm, [update(ReasoningDelta("secret"), TextDelta("Hi"), out=3, finish=Finish(FinishCause.EOS))])
-    assert asm.message()["content"] == [{"type": "thinking", "thinking": "", "signature": thinking_signature("")},
-                                        {"type": "text", "text": "Hi"}]
-    assert not any(e.data.get("delta", {}).get("type") == "thinking_delta" for e in events)
-    assert replay(events) == asm.message()
+    enc, rules = encoder(QWEN, thinking={"type": "adaptive", "display": "omitted"})
+    events, failure = run(enc, rules, [update(ReasoningDelta("secret"), TextDelta("Hi"), out=3,
+                                              finish=Finish(FinishCause.EOS))])
+    assert failure is None
+    assert enc.body()["content"] == [{"type": "thinking", "thinking": "", "signature": thinking_signature("")},
+                                     {"type": "text", "text": "Hi"}]
+    assert not any(data(e).get("delta", {}).get("type") == "thinking_delta" for e in events)
+    assert replay(events) == enc.body()

@@ -10,7 +10,9 @@ from collections.abc import Sequence
 import pytest
 
 from helios.domain.events import FinishCause
+from helios.domain.generation import ChildUpdate
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
+from helios.domain.model import TokenVocabulary
 from helios.engine.records import EngineFinish, RequestOutput
 from helios.frontends.openai.logprobs import (
     chat_logprobs_content,
@@ -19,7 +21,6 @@ from helios.frontends.openai.logprobs import (
     prompt_logprobs_json,
 )
 from helios.loaders.tokenizer import Tokenizer
-from helios.domain.generation import ChildUpdate
 from helios.serving.output import OutputProcessor
 
 
@@ -89,7 +90,9 @@ def test_token_clipped_by_a_string_stop_keeps_its_entry() -> None:
     assert kept == ids[:needed]
 
 
-class _FakeService:
+class _Vocab:
+    """A `TokenVocabulary`: a token's exact bytes from a table."""
+
     def __init__(self, table: dict[int, bytes]) -> None:
         self.table = table
 
@@ -97,55 +100,59 @@ class _FakeService:
         return self.table[token_id]
 
 
+def _vocab(table: dict[int, bytes]) -> TokenVocabulary:
+    return _Vocab(table)
+
+
 def test_chat_entries_exact_bytes_and_replacement_text() -> None:
-    svc = _FakeService({1: b"\xf0\x9f", 2: b"\x98\x80", 3: b"ok"})
-    content = chat_logprobs_content([_record(1, [(3, -0.1), (1, -0.5)]), _record(2)], svc, False)  # type: ignore[arg-type]
+    vocab = _vocab({1: b"\xf0\x9f", 2: b"\x98\x80", 3: b"ok"})
+    content = chat_logprobs_content([_record(1, [(3, -0.1), (1, -0.5)]), _record(2)], vocab, False)
     assert content[0]["token"] == "\ufffd" and content[0]["bytes"] == [0xF0, 0x9F]
     assert [e["token"] for e in content[0]["top_logprobs"]] == ["ok", "\ufffd"]
     assert bytes(content[0]["bytes"] + content[1]["bytes"]).decode() == "😀"
-    as_ids = chat_logprobs_content([_record(1, [(3, -0.1)])], svc, True)  # type: ignore[arg-type]
+    as_ids = chat_logprobs_content([_record(1, [(3, -0.1)])], vocab, True)
     assert as_ids[0]["token"] == "token_id:1" and as_ids[0]["bytes"] == [0xF0, 0x9F]
     assert as_ids[0]["top_logprobs"][0]["token"] == "token_id:3"
 
 
 def test_completion_maps_keep_the_first_entry_and_the_chosen_token() -> None:
-    svc = _FakeService({1: b"\xf0", 2: b"\x9f", 3: b"x", 4: b"y"})
+    vocab = _vocab({1: b"\xf0", 2: b"\x9f", 3: b"x", 4: b"y"})
     natural = completion_logprobs([TokenLogprob(4, -3.0, 9, ((1, -0.2), (2, -0.4), (3, -0.9)))], [5],
-                                  svc, False, explicit=False, start_offset=10)  # type: ignore[arg-type]
+                                  vocab, False, explicit=False, start_offset=10)
     assert natural["tokens"] == ["y"] and natural["token_logprobs"] == [-3.0] and natural["text_offset"] == [15]
     assert natural["top_logprobs"] == [{"y": -3.0, "\ufffd": -0.2, "x": -0.9}]  # 1 and 2 decode alike
     assert list(natural["top_logprobs"][0]) == ["y", "\ufffd", "x"]  # the chosen token first
-    by_id = completion_logprobs([TokenLogprob(4, -3.0, 9, ((1, -0.2), (2, -0.4)))], [0], svc, True,
-                                explicit=False)  # type: ignore[arg-type]
+    by_id = completion_logprobs([TokenLogprob(4, -3.0, 9, ((1, -0.2), (2, -0.4)))], [0], vocab, True,
+                                explicit=False)
     assert by_id["top_logprobs"] == [{"token_id:4": -3.0, "token_id:1": -0.2, "token_id:2": -0.4}]
-    explicit = completion_logprobs([TokenLogprob(4, -3.0, 9, ((3, -0.9), (4, -3.0)))], [0], svc, False,
-                                   explicit=True)  # type: ignore[arg-type]
+    explicit = completion_logprobs([TokenLogprob(4, -3.0, 9, ((3, -0.9), (4, -3.0)))], [0], vocab, False,
+                                   explicit=True)
     assert explicit["top_logprobs"] == [{"x": -0.9, "y": -3.0}]  # caller order, sampled appended
 
 
 def test_prompt_scores_encodings() -> None:
-    svc = _FakeService({5: b"The", 6: b" cat", 7: b" sat", 8: b"\xe2"})
+    vocab = _vocab({5: b"The", 6: b" cat", 7: b" sat", 8: b"\xe2"})
     scores = [None, PromptLogprob(6, -2.0, 3, ((7, -0.5, 1), (8, -1.0, 2), (6, -2.0, 3))),
               PromptLogprob(7, -0.1, 1, ((7, -0.1, 1), (6, -3.0, 2)))]
-    field = prompt_logprobs_json(scores, 1, svc)  # type: ignore[arg-type]
+    field = prompt_logprobs_json(scores, 1, vocab)
     assert field[0] is None
     assert field[1] == {"6": {"logprob": -2.0, "rank": 3, "decoded_token": " cat"},
                         "7": {"logprob": -0.5, "rank": 1, "decoded_token": " sat"}}
     assert field[2] == {"7": {"logprob": -0.1, "rank": 1, "decoded_token": " sat"}}
-    arrays, end = prompt_completion_logprobs([5, 6, 7], scores, 2, svc, True)  # type: ignore[arg-type]
+    arrays, end = prompt_completion_logprobs([5, 6, 7], scores, 2, vocab, True)
     assert arrays["tokens"] == ["token_id:5", "token_id:6", "token_id:7"]
     assert arrays["token_logprobs"] == [None, -2.0, -0.1]
     assert arrays["top_logprobs"][0] is None
     assert arrays["top_logprobs"][1] == {"token_id:6": -2.0, "token_id:7": -0.5, "token_id:8": -1.0}
     assert arrays["text_offset"] == [0, 3, 7] and end == 11  # decoded strings, not token_id strings
-    tail, _ = prompt_completion_logprobs([5, 6, 7], scores[2:], 2, svc, False, start_offset=7,  # type: ignore[arg-type]
+    tail, _ = prompt_completion_logprobs([5, 6, 7], scores[2:], 2, vocab, False, start_offset=7,
                                          first_position=2)
     assert tail["tokens"] == [" sat"] and tail["text_offset"] == [7]
 
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_prompt_field_always_has_the_actual_token(k: int) -> None:
-    svc = _FakeService({1: b"a", 2: b"b", 3: b"c", 4: b"d"})
+    vocab = _vocab({1: b"a", 2: b"b", 3: b"c", 4: b"d"})
     score = PromptLogprob(4, -9.0, 4, ((1, -0.1, 1), (2, -0.2, 2), (3, -0.3, 3)))
-    entry = prompt_logprobs_json([score], k, svc)[0]  # type: ignore[arg-type]
+    entry = prompt_logprobs_json([score], k, vocab)[0]
     assert entry is not None and next(iter(entry)) == "4" and len(entry) == k + 1

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Callable
-from types import ModuleType, SimpleNamespace
-from typing import Any, cast
+from types import ModuleType
+from typing import Any
 
 import attrs
 import pytest
 
 from helios.domain.model import ModelInfo
+from helios.domain.sampling import SamplingParams
 from helios.errors import BadRequest
 from helios.frontends.anthropic import messages
 from helios.frontends.fields import NATIVE_GENERATION_ROWS, FieldTable, Kind, rows
 from helios.frontends.openai import chat, completions, responses
 from helios.frontends.wire import NativeGenerationFields
-from helios.serving.pipeline import Service
 
 INFO = ModelInfo(
     model_id="org/model", aliases=("smol",), created=0, max_model_len=8192, vocab_size=1000,
@@ -25,7 +25,6 @@ INFO = ModelInfo(
     prompt_logprobs=True, sampling_defaults={}, sampling_ranges={}, recipe="qwen38", has_bos=True,
     has_reasoning=True, has_tools=True,
 )
-SVC = cast(Service, SimpleNamespace(info=INFO))
 USER = [{"role": "user", "content": "Hi"}]
 
 
@@ -39,11 +38,11 @@ class Protocol:
 
 PROTOCOLS: dict[str, Protocol] = {
     "chat": Protocol(chat.CHAT_FIELDS, chat.ChatWire, {"messages": USER},
-                     lambda o: chat.decode_chat(o, SVC)),
+                     lambda o: chat.decode_chat(o, INFO)),
     "completions": Protocol(completions.COMPLETION_FIELDS, completions.CompletionWire, {"prompt": "Hi"},
-                            lambda o: completions.decode_completion(o, SVC)),
+                            lambda o: completions.decode_completion(o, INFO)),
     "responses": Protocol(responses.RESPONSES_FIELDS, responses.ResponsesWire, {"input": "Hi"},
-                          lambda o: responses.decode_responses(o, SVC)),
+                          lambda o: responses.decode_responses(o, INFO)),
     "messages": Protocol(messages.MESSAGES_FIELDS, messages.MessagesWire, {"max_tokens": 16, "messages": USER},
                          lambda o: messages.decode_request(o, INFO)),
     "count_tokens": Protocol(messages.COUNT_TOKENS_FIELDS, messages.CountTokensWire, {"messages": USER},
@@ -261,8 +260,7 @@ def _json_is(value: Any, types: tuple[type, ...]) -> bool:
 def test_responses_echo_ignored_fields() -> None:
     plan = decode("responses", metadata={"k": "v"}, user="u", prompt_cache_key="p", safety_identifier="s",
                   max_tool_calls=3, service_tier="priority")
-    spec = SimpleNamespace(sampling=SimpleNamespace(temperature=1.0, top_p=1.0))
-    base = responses.response_base(plan, cast(Any, spec), "smol")
+    base = responses.response_base(plan, SamplingParams(temperature=1.0, top_p=1.0), "smol")
     assert base["metadata"] == {"k": "v"} and base["user"] == "u" and base["prompt_cache_key"] == "p"
     assert base["safety_identifier"] == "s" and base["max_tool_calls"] == 3
     assert base["service_tier"] == "default" and base["store"] is False
@@ -372,21 +370,21 @@ def codex_body() -> dict[str, Any]:
 
 
 def test_codex_body_decodes() -> None:
-    plan = responses.decode_responses(codex_body(), SVC)
+    plan = responses.decode_responses(codex_body(), INFO)
     assert plan.stream and plan.summary == "auto" and plan.conversation.parallel_tool_calls
     assert [m.role for m in plan.conversation.messages] == ["system", "developer", "user", "user"]
     assert [t.name for t in plan.conversation.tools] == ["shell_command", "mcp__docs__search"]
     assert plan.echo == {"prompt_cache_key": "019a2b3c-session"}
     bare = {k: v for k, v in codex_body().items()
             if k not in ("model", "store", "prompt_cache_key", "client_metadata")}
-    assert responses.decode_responses(bare, SVC) == plan
+    assert responses.decode_responses(bare, INFO) == plan
 
 
 def test_codex_web_search_is_refused_with_advice() -> None:
     body = codex_body()
     body["tools"] = [*body["tools"], {"type": "web_search", "external_web_access": False}]
     with pytest.raises(BadRequest, match='web_search = "disabled"'):
-        responses.decode_responses(body, SVC)
+        responses.decode_responses(body, INFO)
 
 
 def claude_code_body() -> dict[str, Any]:

@@ -4,7 +4,6 @@ fabricated ChildUpdate sequences (validated against the openai SDK's own models 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any, cast
 
 import pydantic
@@ -16,9 +15,11 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from helios.domain.conversation import ReasoningPart, TextPart, ToolCallPart, ToolChoice, ToolResultPart
 from helios.domain.events import Finish, FinishCause, OutputEvent, ReasoningDelta, TextDelta, ToolCall
+from helios.domain.generation import ChildUpdate, StreamEvent
 from helios.domain.logprobs import TokenLogprob
 from helios.domain.model import ModelInfo
-from helios.errors import BadRequest
+from helios.domain.sampling import SamplingParams
+from helios.errors import BadRequest, InternalError
 from helios.frontends.ollama import discovery
 from helios.frontends.openai.responses import (
     ResponseEncoder,
@@ -26,9 +27,10 @@ from helios.frontends.openai.responses import (
     ToolSet,
     decode_responses,
     decode_tools,
+    make_encoder,
 )
-from helios.domain.generation import ChildUpdate
-from helios.serving.pipeline import Service
+from helios.serving.drive import OutputRules
+from helios.serving.toolcheck import ToolCallCheck
 
 
 def info(**kw: Any) -> ModelInfo:
@@ -42,7 +44,7 @@ def info(**kw: Any) -> ModelInfo:
 
 
 def decode(obj: dict[str, Any], **kw: Any) -> ResponsesPlan:
-    return decode_responses(obj, cast(Service, SimpleNamespace(info=info(**kw))))
+    return decode_responses(obj, info(**kw))
 
 
 # -- decoding ---------------------------------------------------------------------------------------
@@ -199,8 +201,16 @@ def update(events: Sequence[OutputEvent] = (), token_ids: Sequence[int] = (), *,
                        num_reasoning_tokens=num_reasoning)
 
 
+class Encoded:
+    """An encoder and the output rules the drivers apply to its child (`helios.serving.drive`)."""
+
+    def __init__(self, enc: ResponseEncoder, rules: OutputRules) -> None:
+        self.enc, self.rules = enc, rules
+        self.failure: str | None = None
+
+
 def encoder(toolset: ToolSet | None = None, choice: ToolChoice | None = None, *, logprobs: bool = False,
-            parallel: bool = True, token_bytes: dict[int, bytes] | None = None) -> ResponseEncoder:
+            parallel: bool = True, token_bytes: dict[int, bytes] | None = None) -> Encoded:
     base: dict[str, Any] = {"background": False, "instructions": None, "max_output_tokens": None, "metadata": {}, "model": "smol",
             "parallel_tool_calls": parallel, "reasoning": {"effort": None, "summary": None}, "store": False,
             "temperature": 1.0, "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
@@ -210,17 +220,52 @@ def encoder(toolset: ToolSet | None = None, choice: ToolChoice | None = None, *,
         return [{"token": f"t{r.token_id}", "logprob": r.logprob, "bytes": [], "top_logprobs": []} for r in records]
 
     tb = token_bytes or {}
-    return ResponseEncoder(base=base, toolset=toolset or ToolSet(), tool_choice=choice or ToolChoice("auto"),
-                           parallel_tool_calls=parallel, logprob_content=content if logprobs else None,
-                           token_bytes=lambda t: tb.get(t, b"x"))
+    toolset = toolset or ToolSet()
+    enc = ResponseEncoder(base=base, toolset=toolset, logprob_content=content if logprobs else None,
+                          token_bytes=lambda t: tb.get(t, b"x"))
+    check = ToolCallCheck(choice or ToolChoice("auto"), parallel, frozenset(toolset.declared))
+    return Encoded(enc, OutputRules(check))
 
 
-def run(enc: ResponseEncoder, updates: Sequence[ChildUpdate]) -> list[dict[str, Any]]:
+def run(e: Encoded, updates: Sequence[ChildUpdate]) -> list[dict[str, Any]]:
+    """`helios.serving.drive.run_streamed` without IO: each update screened by the output rules and
+    fed; a failure (recorded in `e.failure`, what `run_buffered` raises) ends the stream with the
+    encoder's `fail` events, as does a stream that ends without a terminal record. Every event is
+    named by its type; returns their data."""
+    enc = e.enc
     events = enc.start()
     for u in updates:
-        events += enc.feed(u)
-    events += enc.end_of_stream()
-    return events
+        screened, failure = e.rules.screen(u)
+        events += enc.feed(0, screened)
+        if failure is not None:
+            e.failure = failure
+            return data(events + enc.fail(InternalError(failure)))
+        if enc.done:
+            break
+    if not enc.done:
+        e.failure = "generation ended without a terminal event"
+        return data(events + enc.fail(InternalError(e.failure)))
+    return data(events + enc.finish())
+
+
+def data(events: list[StreamEvent]) -> list[dict[str, Any]]:
+    out = []
+    for ev in events:
+        assert isinstance(ev.data, dict) and ev.event == ev.data["type"]
+        out.append(ev.data)
+    return out
+
+
+def check_failed(e: Encoded, events: list[dict[str, Any]], match: str) -> None:
+    """The response failed with `match`: streamed, one terminal response.failed carrying the error;
+    buffered, the driver raises it (a 500)."""
+    assert e.failure is not None and match in e.failure and InternalError(e.failure).status == 500
+    assert events[-1]["type"] == "response.failed"
+    assert sum(ev["type"] in ("response.failed", "response.completed", "response.incomplete") for ev in events) == 1
+    final = events[-1]["response"]
+    assert final["status"] == "failed" and final["error"] == {"code": "server_error", "message": e.failure}
+    assert e.enc.body() == final
+    check_with_sdk(events)
 
 
 def check_with_sdk(events: list[dict[str, Any]]) -> Any:
@@ -267,6 +312,7 @@ def test_reasoning_text_and_two_calls() -> None:
     ]
     state = check_with_sdk(events)
     final = events[-1]["response"]
+    assert enc.failure is None and enc.enc.body() == final
     assert final["status"] == "completed" and final["incomplete_details"] is None and final["error"] is None
     out = final["output"]
     assert [o["type"] for o in out] == ["reasoning", "message", "function_call", "custom_tool_call"]
@@ -291,8 +337,9 @@ def test_incomplete_on_length() -> None:
     enc = encoder()
     events = run(enc, [update([TextDelta("Once upon")], [1], num_output=1),
                        update([TextDelta(" a")], [2], finish=Finish(FinishCause.LENGTH), num_output=2)])
-    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["type"] == "response.incomplete" and enc.failure is None
     final = events[-1]["response"]
+    assert enc.enc.body() == final
     assert final["status"] == "incomplete" and final["incomplete_details"] == {"reason": "max_output_tokens"}
     assert final["output"][0]["status"] == "incomplete" and final["output"][0]["content"][0]["text"] == "Once upon a"
     check_with_sdk(events)
@@ -307,13 +354,21 @@ def test_failed_on_generation_error() -> None:
                                                  "response.failed"]
     final = events[-1]["response"]
     assert final["status"] == "failed" and final["error"]["message"] == "model output could not be parsed"
-    check_with_sdk(events)
+    assert final["output"][0]["status"] == "incomplete" and final["output"][0]["content"][0]["text"] == "Hi"
+    check_failed(enc, events, "model output could not be parsed")
+
+
+def test_failed_on_abort() -> None:
+    enc = encoder()
+    events = run(enc, [update([TextDelta("Hi")], [1], num_output=1, finish=Finish(FinishCause.ABORTED))])
+    check_failed(enc, events, "generation was aborted")
 
 
 def test_stream_without_terminal_record_fails() -> None:
     enc = encoder()
     events = run(enc, [update([TextDelta("Hi")], [1], num_output=1)])
     assert events[-1]["type"] == "response.failed"
+    check_failed(enc, events, "generation ended without a terminal event")
 
 
 def test_logprobs_only_for_answer_tokens() -> None:
@@ -338,27 +393,45 @@ def test_logprobs_only_for_answer_tokens() -> None:
 def test_named_choice_omits_text_and_rejects_other_tools() -> None:
     toolset, choice = decode_tools([{"type": "function", "name": "a"}, {"type": "function", "name": "b"}],
                                    {"type": "function", "name": "a"})
-    events = run(encoder(toolset, choice), [
+    enc = encoder(toolset, choice)
+    events = run(enc, [
         update([TextDelta("Sure.")], [1]),
         update([ToolCall("call_1", "a", "{}")], [2], finish=Finish(FinishCause.EOS)),
     ])
     assert [o["type"] for o in events[-1]["response"]["output"]] == ["function_call"]
-    assert events[-1]["type"] == "response.completed"
-    failed = run(encoder(toolset, choice), [update([ToolCall("call_1", "b", "{}")], [1])])
+    assert events[-1]["type"] == "response.completed" and enc.failure is None
+    assert not any(e["type"] == "response.output_text.delta" for e in events)
+    enc = encoder(toolset, choice)
+    failed = run(enc, [update([ToolCall("call_1", "b", "{}")], [1])])
     assert failed[-1]["type"] == "response.failed"
     assert not any(e["type"] == "response.output_item.added" for e in failed)
+    check_failed(enc, failed, "called 'b'")
 
 
 def test_required_without_a_call_fails_and_parallel_false_limits_calls() -> None:
     toolset, required = decode_tools([{"type": "function", "name": "a"}], "required")
-    events = run(encoder(toolset, required), [update([TextDelta("No.")], [1], finish=Finish(FinishCause.EOS))])
+    enc = encoder(toolset, required)
+    events = run(enc, [update([TextDelta("No.")], [1], finish=Finish(FinishCause.EOS))])
     assert events[-1]["type"] == "response.failed"
-    events = run(encoder(toolset, parallel=False), [
+    check_failed(enc, events, "no completed call")
+    enc = encoder(toolset, parallel=False)
+    events = run(enc, [
         update([ToolCall("call_1", "a", "{}")], [1]),
         update([ToolCall("call_2", "a", "{}")], [2], finish=Finish(FinishCause.EOS)),
     ])
     assert events[-1]["type"] == "response.failed"
     assert sum(e["type"] == "response.output_item.done" for e in events) == 1
+    check_failed(enc, events, "second tool call")
+
+
+def test_arguments_that_are_not_an_object_fail_before_the_call() -> None:
+    toolset, _ = decode_tools([{"type": "function", "name": "a"}], None)
+    enc = encoder(toolset)
+    events = run(enc, [update([TextDelta("Hi"), ToolCall("call_1", "a", "[1, 2]")], [1],
+                              finish=Finish(FinishCause.EOS))])
+    assert not any(e["type"] == "response.function_call_arguments.delta" for e in events)
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "Hi"
+    check_failed(enc, events, "not a JSON object")
 
 
 def test_namespaced_call_regains_its_namespace() -> None:
@@ -368,6 +441,32 @@ def test_namespaced_call_regains_its_namespace() -> None:
     item = events[-1]["response"]["output"][0]
     assert item["name"] == "read" and item["namespace"] == "fs" and item["call_id"].startswith("call_")
     check_with_sdk(events)
+
+
+class Vocab:
+    def token_bytes(self, token_id: int) -> bytes:
+        return {1: b"Hel", 2: b"lo"}.get(token_id, b"")
+
+
+def test_make_encoder_from_a_decoded_plan() -> None:
+    """The encoder the HTTP route builds: the request echoed on the Response, logprob entries
+    through the vocabulary (as token ids when asked)."""
+    plan = decode({"input": "hi", "instructions": "Be brief.", "max_output_tokens": 9, "metadata": {"k": "v"},
+                   "include": ["message.output_text.logprobs"], "top_logprobs": 1,
+                   "return_tokens_as_token_ids": True})
+    sampling = SamplingParams(temperature=0.5, top_p=0.75)
+    enc = make_encoder(plan, sampling, model="smol", vocab=Vocab())
+    events = run(Encoded(enc, OutputRules(ToolCallCheck.for_conversation(plan.conversation))), [
+        update([TextDelta("Hello")], [1, 2], logprobs=[lp(1), lp(2)], num_output=2),
+        update([], [3], finish=Finish(FinishCause.LENGTH), num_output=3),
+    ])
+    check_with_sdk(events)
+    final = events[-1]["response"]
+    assert final["status"] == "incomplete" and final == enc.body()
+    assert (final["model"], final["instructions"], final["max_output_tokens"]) == ("smol", "Be brief.", 9)
+    assert (final["temperature"], final["top_p"], final["metadata"], final["tool_choice"]) == (0.5, 0.75, {"k": "v"},
+                                                                                              "none")
+    assert [x["token"] for x in final["output"][0]["content"][0]["logprobs"]] == ["token_id:1", "token_id:2"]
 
 
 # -- Ollama discovery ---------------------------------------------------------------------------------

@@ -5,12 +5,12 @@ and what text, logprob entries and timestamps the output pipeline makes of it.""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
 from helios.domain.events import FinishCause, TextDelta
+from helios.domain.generation import ChildUpdate, GenerationOptions, TokenObservation, TokenStops
 from helios.domain.logprobs import TokenLogprob
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams
@@ -18,11 +18,9 @@ from helios.engine.kv.manager import KVCacheManager
 from helios.engine.records import EngineFinish, EngineRequest, RequestOutput, RunnerOutput
 from helios.engine.scheduler import Scheduler, SeqStatus
 from helios.errors import BadRequest
-from helios.frontends.common import TokenObservation, TokenStops, token_stop_reason
+from helios.frontends.common import token_stop_reason
 from helios.frontends.openai import chat, completions, responses
-from helios.domain.generation import ChildUpdate
 from helios.serving.output import OutputProcessor
-from helios.serving.pipeline import Service
 
 VOCAB = 1000
 INFO = ModelInfo(
@@ -31,12 +29,16 @@ INFO = ModelInfo(
     prompt_logprobs=True, sampling_defaults={}, sampling_ranges={}, recipe="qwen38", has_bos=True,
     has_reasoning=True, has_tools=True,
 )
-SVC = cast(Service, SimpleNamespace(info=INFO))
 DECODERS: dict[str, Callable[..., Any]] = {
-    "chat": lambda **f: chat.decode_chat({"messages": [{"role": "user", "content": "Hi"}], **f}, SVC),
-    "completions": lambda **f: completions.decode_completion({"prompt": "Hi", **f}, SVC),
-    "responses": lambda **f: responses.decode_responses({"input": "Hi", **f}, SVC),
+    "chat": lambda **f: chat.decode_chat({"messages": [{"role": "user", "content": "Hi"}], **f}, INFO),
+    "completions": lambda **f: completions.decode_completion({"prompt": "Hi", **f}, INFO),
+    "responses": lambda **f: responses.decode_responses({"input": "Hi", **f}, INFO),
 }
+
+
+def options(protocol: str, **fields: Any) -> GenerationOptions:
+    """The generation options the protocol's decode hands the serving path."""
+    return DECODERS[protocol](**fields).generation.options
 
 
 # -- validation -------------------------------------------------------------------------------------
@@ -44,14 +46,14 @@ DECODERS: dict[str, Callable[..., Any]] = {
 
 @pytest.mark.parametrize("protocol", list(DECODERS))
 def test_token_stops_reach_the_plan(protocol: str) -> None:
-    plan = DECODERS[protocol](stop_token_ids=[3], stop_token_sequences=[[5, 6], [7], [8, 9, 10]])
-    assert plan.token_stops == TokenStops((3,), ((5, 6), (7,), (8, 9, 10)))
+    opts = options(protocol, stop_token_ids=[3], stop_token_sequences=[[5, 6], [7], [8, 9, 10]])
+    assert opts.token_stops == TokenStops((3,), ((5, 6), (7,), (8, 9, 10)))
     omitted: list[int] | None
     for omitted in (None, []):
-        assert DECODERS[protocol](stop_token_sequences=omitted).token_stops == TokenStops()
+        assert options(protocol, stop_token_sequences=omitted).token_stops == TokenStops()
     # Sixteen in all, each up to 64 ids, is the limit.
-    plan = DECODERS[protocol](stop_token_ids=list(range(6)), stop_token_sequences=[[VOCAB - 1] * 64] * 10)
-    assert len(plan.token_stops.ids) + len(plan.token_stops.sequences) == 16
+    opts = options(protocol, stop_token_ids=list(range(6)), stop_token_sequences=[[VOCAB - 1] * 64] * 10)
+    assert len(opts.token_stops.ids) + len(opts.token_stops.sequences) == 16
 
 
 BAD_TOKEN_STOPS: list[tuple[dict[str, Any], str, str]] = [
@@ -83,23 +85,26 @@ def test_token_stop_violations_are_400(protocol: str, fields: dict[str, Any], me
 
 @pytest.mark.parametrize("protocol", ["chat", "completions"])
 def test_token_observation_options(protocol: str) -> None:
-    decode = DECODERS[protocol]
-    assert decode().observe == TokenObservation(False, False)
-    assert decode(return_token_ids=True).observe == TokenObservation(True, False)
-    assert decode(return_token_timestamps=True).observe == TokenObservation(True, True)  # implies the ids
-    assert decode(return_token_ids=True, return_token_timestamps=True).observe == TokenObservation(True, True)
-    assert decode(return_token_ids=False, return_token_timestamps=False).observe == TokenObservation(False, False)
+    def observe(**fields: Any) -> TokenObservation:
+        return options(protocol, **fields).observe
+
+    assert observe() == TokenObservation(False, False)
+    assert observe(return_token_ids=True) == TokenObservation(True, False)
+    assert observe(return_token_timestamps=True) == TokenObservation(True, True)  # implies the ids
+    assert observe(return_token_ids=True, return_token_timestamps=True) == TokenObservation(True, True)
+    assert observe(return_token_ids=False, return_token_timestamps=False) == TokenObservation(False, False)
     with pytest.raises(BadRequest, match="return_token_ids: false") as err:
-        decode(return_token_ids=False, return_token_timestamps=True)
+        observe(return_token_ids=False, return_token_timestamps=True)
     assert err.value.param == "return_token_timestamps"
     with pytest.raises(BadRequest, match="return_token_ids"):
-        decode(return_token_ids=1)
+        observe(return_token_ids=1)
 
 
 def test_responses_has_no_token_observations() -> None:
     for name in ("return_token_ids", "return_token_timestamps"):
         with pytest.raises(BadRequest, match="unrecognized"):
             DECODERS["responses"](**{name: True})
+    assert options("responses").observe == TokenObservation(False, False)
 
 
 def test_stop_reason_names_the_matched_sequence() -> None:
