@@ -37,6 +37,7 @@ class RequestContext:
     responded: bool = False
     slots: int = 0
     stream: EventStream | None = None
+    encoder: Encoder | None = None  # a generation's, so errors outside its driver end it its own way
     # Cancelled only by a graceful shutdown's abort phase (ServerState.drain).
     cancel_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
 
@@ -96,6 +97,7 @@ class RequestContext:
     async def generate(self, prepared: Prepared, encoder: Encoder, *, stream: bool) -> None:
         """Run a prepared generation through the one streamed or buffered driver."""
         svc = self.svc
+        self.encoder = encoder
         if stream:
             out = self.stream = EventStream(self.send, self.headers())
 

@@ -93,18 +93,22 @@ def protocol_of(path: str) -> str:
 
 
 async def render_error(ctx: RequestContext, exc: HeliosError) -> None:
-    """An error in the shape of the path's protocol: a JSON body before the response started, a
-    terminal error event on a stream that started (the drivers write their encoder's own terminal
-    error; this covers failures outside them)."""
+    """An error in the shape of the path's protocol: a JSON body before the response started; on a
+    stream that started, the generation encoder's own terminal error events (`Encoder.fail`: the
+    drivers write those for failures they see; this covers failures outside them)."""
     protocol = protocol_of(ctx.req.path)
     stream = ctx.stream
     if stream is not None and stream.started:
         if not stream.closed:
             try:
-                if protocol == "anthropic":
-                    await stream.send(StreamEvent(exc.to_anthropic(), "error"))
+                if ctx.encoder is not None:
+                    events = ctx.encoder.fail(exc)
+                elif protocol == "anthropic":
+                    events = [StreamEvent(exc.to_anthropic(), "error")]
                 else:
-                    await stream.send(StreamEvent(exc.to_openai()))
+                    events = [StreamEvent(exc.to_openai())]
+                for event in events:
+                    await stream.send(event)
                 await stream.close()
             except Exception:
                 pass

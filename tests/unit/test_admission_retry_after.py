@@ -10,8 +10,8 @@ from typing import Any
 import trio
 
 from helios.app import HeliosApp
-from helios.http.context import RequestContext as Ctx
 from helios.config import HeliosConfig, ServerConfig
+from helios.http.context import RequestContext as Ctx
 
 
 def _call(app: HeliosApp, path: str) -> tuple[int, dict[bytes, bytes], Any]:

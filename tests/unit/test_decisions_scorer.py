@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from helios.errors import BadRequest
-from helios.frontends.decisions.decisions import decode_decisions
-from helios.frontends.decisions.systemone import SchemaErrors, decode_systemone
 from helios.domain.decisions import (
     QuestionScore,
     choice_confidence,
@@ -14,6 +11,9 @@ from helios.domain.decisions import (
     first_argmax,
     score_confidence,
 )
+from helios.errors import BadRequest
+from helios.frontends.decisions.decisions import decode_decisions
+from helios.frontends.decisions.systemone import SchemaErrors, decode_systemone
 
 
 def test_choice_confidence() -> None:
