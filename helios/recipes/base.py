@@ -50,23 +50,18 @@ class EffortError(ValueError):
 
 @attrs.frozen
 class Range:
-    """Inclusive bounds. `max=None` means unbounded above and `min_exclusive` excludes `min`; both
-    are used only by the `plain` recipe, whose bounds are the sampler's validity limits."""
+    """Inclusive numeric bounds, as the card publishes them (`flare.sampling_ranges`)."""
 
     min: float
-    max: float | None
-    min_exclusive: bool = False
+    max: float
 
     def contains(self, value: float) -> bool:
-        above = value > self.min if self.min_exclusive else value >= self.min
-        return above and (self.max is None or value <= self.max)
+        return self.min <= value <= self.max
 
     def clamp(self, value: float) -> float:
-        if self.max is not None and value > self.max:
-            return self.max
-        return self.min if value < self.min else value
+        return min(max(value, self.min), self.max)
 
-    def to_json(self) -> dict[str, float | None]:
+    def to_json(self) -> dict[str, float]:
         return {"min": self.min, "max": self.max}
 
 
@@ -114,7 +109,7 @@ class Recipe:
             "frequency_penalty": float(d.frequency_penalty),
         }
 
-    def sampling_ranges_json(self) -> dict[str, dict[str, float | None] | None]:
+    def sampling_ranges_json(self) -> dict[str, dict[str, float] | None]:
         """`flare.sampling_ranges`: {min, max} per distribution parameter, null when fixed."""
         return {
             name: (self.ranges[name].to_json() if name in self.ranges else None)
@@ -261,13 +256,14 @@ def _validate(recipe: Recipe) -> None:
         default = getattr(recipe.defaults, name)
         if not (name == "top_k" and default == -1) and not bounds.contains(default):
             raise ValueError(f"recipe {recipe.name}: the {name} range does not contain its default")
-        if bounds.max is not None and bounds.max < bounds.min:
+        if bounds.max < bounds.min:
             raise ValueError(f"recipe {recipe.name}: empty {name} range")
+        # Every value within must be a valid sampler value (clamping lands on the bounds). top_k's
+        # lower bound may be -1 (off); the values between -1 and 1 (0, also off) are valid too.
+        ends = [bounds.min, bounds.max] if name != "top_k" or bounds.min != -1 else [bounds.max]
+        if not all(_valid_value(name, end) for end in ends):
+            raise ValueError(f"recipe {recipe.name}: the {name} range holds invalid sampler values")
         if recipe.out_of_range == "clamp":
-            # Clamping lands on the bounds, so they must be valid sampler values themselves.
-            ends = [bounds.min] if bounds.max is None else [bounds.min, bounds.max]
-            if not all(_valid_value(name, end) for end in ends):
-                raise ValueError(f"recipe {recipe.name}: the {name} range holds invalid sampler values")
             if name == "temperature" and bounds.min <= 0:
                 raise ValueError(f"recipe {recipe.name}: temperature bounds must be positive")
     if recipe.effort.default is not None and recipe.effort.default not in recipe.effort.levels:

@@ -170,11 +170,16 @@ RECIPES: dict[str, Recipe] = {
 }
 
 PLAIN_RANGES = {
-    "temperature": Range(0.0, None),
-    "top_p": Range(0.0, 1.0, min_exclusive=True),
-    "top_k": Range(-1, None),
+    # Inclusive, finite, and every value within is a valid sampler value (spec: a card's ranges are
+    # inclusive numeric bounds). Where the OpenAI API documents a range it is the one used
+    # (temperature 0..2, penalties -2..2); elsewhere the widest useful values: top_p down to 0.001
+    # (0 is not a nucleus), top_k up to the 32-bit maximum (-1 and 0 turn it off), a repetition
+    # penalty 0.01..10.
+    "temperature": Range(0.0, 2.0),
+    "top_p": Range(0.001, 1.0),
+    "top_k": Range(-1, 2**31 - 1),
     "min_p": Range(0.0, 1.0),
-    "repetition_penalty": Range(0.0, None, min_exclusive=True),
+    "repetition_penalty": Range(0.01, 10.0),
     "presence_penalty": Range(-2.0, 2.0),
     "frequency_penalty": Range(-2.0, 2.0),
 }
@@ -188,9 +193,10 @@ def plain_recipe(
     Defaults come from the model's generation_config (temperature, top_p, top_k, repetition_penalty,
     min_p when present and valid), else vLLM's neutral defaults (temperature 1, top_p 1, top-k off).
     There are no author recommendations to clamp to, so — as vLLM does — every request value inside
-    the sampler's validity limits is used as given (temperature >= 0 with 0 greedy, 0 < top_p <= 1,
-    top_k -1/0 (off) or >= 1, 0 <= min_p <= 1, repetition_penalty > 0, presence and frequency
-    penalties in [-2, 2]) and a value outside them is rejected with HTTP 400 rather than clamped.
+    `PLAIN_RANGES` is used as given (temperature 0..2 with 0 greedy, top_p 0.001..1, top_k -1/0 (off)
+    or 1..2**31-1, min_p 0..1, repetition_penalty 0.01..10, presence and frequency penalties -2..2)
+    and a value outside them is rejected with HTTP 400 rather than clamped. The card publishes the
+    same inclusive bounds.
     `output_parser` selects the output syntax (see `detect_parser_family`).
     """
     config = generation_config or {}

@@ -177,8 +177,8 @@ class Service:
     def resolve_sampling(self, req: SamplingRequest, choice_index: int = 0) -> SamplingParams:
         try:
             params = self._resolve_sampling(req)
-        except (ValueError, TypeError) as exc:
-            raise BadRequest(str(exc)) from None
+        except (ValueError, TypeError) as exc:  # a recipe's SamplingParameterError names its field
+            raise BadRequest(str(exc), param=getattr(exc, "parameter", None)) from None
         if params.seed is not None and choice_index:
             params = attrs.evolve(params, seed=params.seed + choice_index)
         return params

@@ -9,6 +9,8 @@
   (Chat and Messages dropped it; Responses already refused it).
 - Anthropic message-level control metadata (output_config, cache_control, ...) is ignored, not a 400.
 - Decompression and template/tokenizer work share one bounded frontend pool (there were two).
+- The plain recipe's card publishes inclusive numeric `sampling_ranges` ("Sampling defaults and
+  ranges"), and enforces exactly them (it published `{"min": 0.0, "max": null}`).
 """
 
 from __future__ import annotations
@@ -112,3 +114,26 @@ def test_message_level_control_metadata_is_ignored_on_messages(smol: ScriptedSer
 def test_decompression_and_template_work_share_one_pool(smol: ScriptedServer) -> None:
     assert smol.service.limiter is smol.app.frontend_limiter
     assert smol.app.frontend_limiter.total_tokens == smol.app.config.server.frontend_workers
+
+
+def test_the_plain_cards_sampling_ranges_are_inclusive_numbers_it_enforces(smol: ScriptedServer) -> None:
+    """The default model's card published `{"min": 0.0, "max": null}` while the spec says bounds are
+    inclusive numbers and null fixes a parameter at its default. Every published bound is now a
+    number that contains the default; a request at a bound is served, one past it is a 400."""
+    with smol.http() as http:
+        card = http.get("/v1/models").json()["data"][0]
+    ranges, defaults = card["flare"]["sampling_ranges"], card["flare"]["sampling_defaults"]
+    for name, bounds in ranges.items():
+        if bounds is None:
+            continue
+        assert isinstance(bounds["min"], int | float) and isinstance(bounds["max"], int | float), name
+        assert bounds["min"] <= defaults[name] <= bounds["max"] or (name == "top_k" and defaults[name] == -1), name
+    top = ranges["temperature"]["max"]
+    key = smol.book.add("Fine.")
+    ok = smol.openai().chat.completions.create(model="m", temperature=top, max_tokens=4,
+                                               messages=[{"role": "user", "content": f"Hi {key}"}])
+    assert ok.choices[0].message.content
+    with smol.http() as http:
+        r = http.post("/v1/chat/completions", json={"model": "m", "temperature": top + 0.5, "max_tokens": 4,
+                                                    "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"

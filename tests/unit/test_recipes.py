@@ -219,14 +219,18 @@ def test_plain_accepts_valid_values_as_given_and_rejects_the_rest():
         presence_penalty=-2.0,
         frequency_penalty=2.0,
     )
-    assert resolve_sampling(recipe, SamplingRequest(temperature=7.5, top_k=5)).temperature == 7.5
+    assert resolve_sampling(recipe, SamplingRequest(temperature=2.0, top_k=5)).temperature == 2.0
     for field, value in [
         ("temperature", -0.1),
+        ("temperature", 2.01),
         ("top_p", 0.0),
+        ("top_p", 0.0009),
         ("top_p", 1.01),
         ("top_k", -2),
         ("min_p", 1.5),
         ("repetition_penalty", 0.0),
+        ("repetition_penalty", 10.5),
+        ("top_k", 2**31),
         ("presence_penalty", 2.1),
         ("frequency_penalty", -2.1),
     ]:
@@ -234,10 +238,23 @@ def test_plain_accepts_valid_values_as_given_and_rejects_the_rest():
             resolve_sampling(recipe, SamplingRequest(**{field: value}))
 
 
-def test_plain_ranges_json():
-    ranges = plain_recipe().sampling_ranges_json()
-    assert ranges["temperature"] == {"min": 0.0, "max": None}
+def test_plain_ranges_json_are_the_enforced_inclusive_bounds():
+    """The card's bounds are inclusive numbers (spec), and exactly what the plain recipe enforces:
+    each bound is accepted as given, a step past it is a 400."""
+    recipe = plain_recipe()
+    ranges = recipe.sampling_ranges_json()
+    assert ranges["temperature"] == {"min": 0.0, "max": 2.0}
     assert ranges["presence_penalty"] == {"min": -2.0, "max": 2.0}
+    for name, bounds in ranges.items():
+        assert bounds is not None and all(isinstance(v, int | float) for v in bounds.values()), name
+        step = 1 if name == "top_k" else 1e-6
+        lo, hi = (int(bounds["min"]), int(bounds["max"])) if name == "top_k" else (bounds["min"], bounds["max"])
+        for end in (lo, hi):
+            resolved = getattr(resolve_sampling(recipe, SamplingRequest(**{name: end})), name)
+            assert resolved == (-1 if name == "top_k" and end <= 0 else end), name
+        for outside in (lo - step, hi + step):
+            with pytest.raises(SamplingParameterError):
+                resolve_sampling(recipe, SamplingRequest(**{name: outside}))
 
 
 def test_unknown_recipe_name():
