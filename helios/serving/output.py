@@ -81,7 +81,10 @@ class OutputProcessor:
         self._tail: list[int] = []  # the last generated ids, up to the longest token stop
         self._starts: list[int] = []  # per `_tail` entry: len(self.text) before its text was decoded
         self._held = 0  # trailing generated tokens whose text is held: a proper prefix of a sequence
-        self._held_ids: list[int] = []  # ids of released-later text, fed to the parser with it
+        # Generated ids not yet fed to the parser, each with len(self.text) after its text: an id goes
+        # to the parser with the release of the text it ends, never before (held text, by a string
+        # stop's lookahead or a token stop's prefix, keeps its ids back with it).
+        self._unfed: list[tuple[int, int]] = []
         self.origin = origin  # perf_counter of the request's admission (token timestamps)
         self.text = ""  # all text produced so far (after stop truncation)
         self.emitted = 0  # chars of self.text handed to the parser
@@ -108,12 +111,14 @@ class OutputProcessor:
                 if len(self._tail) > self._tail_len:
                     del self._tail[0], self._starts[0]
             if terminal and out.finish in (EngineFinish.EOS, EngineFinish.STOP_TOKEN):
+                self._unfed.append((len(self.text), tid))
                 continue  # the terminating token has no text
             before = len(self.text)
             offsets.append(self.num_decoded_chars)
             piece = self.detok.push(tid)
             self.num_decoded_chars += len(piece)
             self.text += piece
+            self._unfed.append((len(self.text), tid))
             if self._holding_stops:
                 self._held = self._held_tokens()
             if self.stop:
@@ -144,10 +149,11 @@ class OutputProcessor:
         limit = len(self.text) if finish is not None else len(self.text) - max(self.max_stop - 1, 0)
         if self._held:
             limit = min(limit, self._starts[-self._held])
-        # The ids fed with the released text: those of held tokens wait for their text.
-        feed_ids = [*self._held_ids, *token_ids]
-        self._held_ids = feed_ids[len(feed_ids) - self._held:] if self._held else []
-        feed_ids = feed_ids[: len(feed_ids) - self._held]
+        # The ids fed with the released text: those whose text ends within it (all, at the end).
+        num_fed = len(self._unfed) if finish is not None else next(
+            (k for k, (end, _) in enumerate(self._unfed) if end > limit), len(self._unfed))
+        feed_ids = [tid for _, tid in self._unfed[:num_fed]]
+        del self._unfed[:num_fed]
         events: list[OutputEvent] = []
         try:
             if limit > self.emitted:

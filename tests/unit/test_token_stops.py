@@ -4,12 +4,13 @@ and what text, logprob entries and timestamps the output pipeline makes of it.""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 
-from helios.domain.events import FinishCause, TextDelta
+from helios.domain.events import FinishCause, OutputEvent, TextDelta
 from helios.domain.generation import ChildUpdate, GenerationOptions, TokenObservation, TokenStops
 from helios.domain.logprobs import TokenLogprob
 from helios.domain.model import ModelInfo
@@ -270,3 +271,41 @@ def test_token_timestamps_count_from_the_origin() -> None:
     updates = _run([], [([1, 2], None), ([3], None), ([0], EngineFinish.EOS)], origin=99.5)
     assert [u.token_timestamps for u in updates] == [(0.5, 0.5), (1.5,), (2.5,)]
     assert _run([], [([1], None)])[0].token_timestamps == ()  # no origin, no timestamps
+
+
+class _Recorder:
+    """A parser that records what it is fed: the text and the ids that came with it."""
+
+    def __init__(self) -> None:
+        self.fed: list[tuple[str, list[int]]] = []
+
+    def feed(self, text: str, token_ids: Sequence[int]) -> list[OutputEvent]:
+        self.fed.append((text, list(token_ids)))
+        return [TextDelta(text)] if text else []
+
+    def finish(self, *, truncated: bool = False) -> list[OutputEvent]:
+        return []
+
+
+@pytest.mark.parametrize("stop, sequences", [(("fed",), ()), ((), ((7, 8, 9),)), (("cab",), ())])
+@pytest.mark.parametrize("seed", range(20))
+def test_ids_reach_the_parser_with_their_text(seed: int, stop: tuple[str, ...],
+                                              sequences: tuple[tuple[int, ...], ...]) -> None:
+    """Text held back (a string stop's lookahead, a token stop's prefix) keeps its token ids back with
+    it: at every feed, the ids fed so far decode to exactly the text fed so far. (The parsers read
+    delimiter tokens by id; an id that arrived an update before its text was a lone id.)"""
+    rng = random.Random(seed)
+    parser = _Recorder()
+    proc = OutputProcessor(CharDetokenizer(), stop=stop, stop_token_sequences=sequences, parser=parser)
+    ids = [rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 9]) for _ in range(rng.randint(1, 30))]
+    cursor = 0
+    while cursor < len(ids) and proc.finished is None:
+        step = ids[cursor: cursor + rng.randint(1, 3)]
+        cursor += len(step)
+        last = cursor >= len(ids)
+        u = proc.process(RequestOutput("r", tuple(step), finish=EngineFinish.LENGTH if last else None))
+        text = "".join(t for t, _ in parser.fed)
+        fed_ids = [i for _, i2 in parser.fed for i in i2]
+        if u.finish is None:
+            assert "".join(TEXT[i] for i in fed_ids) == text
+    assert [i for _, i2 in parser.fed for i in i2] == ids[:cursor]
