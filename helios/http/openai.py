@@ -49,7 +49,8 @@ async def create_response(ctx: RequestContext) -> None:
     plan = responses.decode_responses(obj, svc.info)
     ctx.admit(1)
     prepared = await svc.prepare(plan.generation)
-    encoder = responses.make_encoder(plan, prepared.children[0].sampling, model=svc.info.public_id, vocab=svc)
+    encoder = responses.make_encoder(plan, prepared.prompts, prepared.children[0].sampling, model=svc.info.public_id,
+                                     vocab=svc)
     await ctx.generate(prepared, encoder, stream=plan.stream)
 
 

@@ -381,10 +381,10 @@ def test_responses_stream_builds_the_buffered_body() -> None:
               update(call("a", '{"q": 1}'), out=3, reasoning=1, finish=EOS)]
     plan = responses.decode_responses({"input": "Hi", "tools": [{"type": "function", "name": "a"}]}, INFO)
     prep = prepared(plan.generation)
-    enc = responses.make_encoder(plan, SamplingParams(), model="smol", vocab=Vocab())
+    enc = responses.make_encoder(plan, [PROMPT], SamplingParams(), model="smol", vocab=Vocab())
     body, svc = buffer(enc, prep, script)
     assert svc.calls == [(1, "resp")] and body["status"] == "completed"
-    enc = responses.make_encoder(plan, SamplingParams(), model="smol", vocab=Vocab())
+    enc = responses.make_encoder(plan, [PROMPT], SamplingParams(), model="smol", vocab=Vocab())
     events, _ = stream(enc, prep, script)
     final = payloads(events)[-1]
     assert final["type"] == "response.completed" and events[-1].event == "response.completed"
@@ -486,7 +486,7 @@ def test_messages_error_finish_mid_stream() -> None:
 def test_responses_abort_mid_stream() -> None:
     plan = responses.decode_responses({"input": "Hi"}, INFO)
     script = [update(TextDelta("Hi")), update(finish=Finish(FinishCause.ABORTED))]
-    enc = responses.make_encoder(plan, SamplingParams(), model="smol", vocab=Vocab())
+    enc = responses.make_encoder(plan, [PROMPT], SamplingParams(), model="smol", vocab=Vocab())
     events, _ = stream(enc, prepared(plan.generation), script)
     assert [e.event for e in events] == [
         "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
@@ -495,7 +495,7 @@ def test_responses_abort_mid_stream() -> None:
     final = payloads(events)[-1]["response"]
     assert final["status"] == "failed" and final["error"] == {"code": "server_error",
                                                               "message": "generation was aborted"}
-    enc = responses.make_encoder(plan, SamplingParams(), model="smol", vocab=Vocab())
+    enc = responses.make_encoder(plan, [PROMPT], SamplingParams(), model="smol", vocab=Vocab())
     assert fail_buffered(enc, prepared(plan.generation), script).message == "generation was aborted"
 
 

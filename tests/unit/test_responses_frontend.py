@@ -15,7 +15,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from helios.domain.conversation import ReasoningPart, TextPart, ToolCallPart, ToolChoice, ToolResultPart
 from helios.domain.events import Finish, FinishCause, OutputEvent, ReasoningDelta, TextDelta, ToolCall
-from helios.domain.generation import ChildUpdate, StreamEvent
+from helios.domain.generation import ChildUpdate, PreparedPrompt, StreamEvent
 from helios.domain.logprobs import TokenLogprob
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams
@@ -221,8 +221,8 @@ def encoder(toolset: ToolSet | None = None, choice: ToolChoice | None = None, *,
 
     tb = token_bytes or {}
     toolset = toolset or ToolSet()
-    enc = ResponseEncoder(base=base, toolset=toolset, logprob_content=content if logprobs else None,
-                          token_bytes=lambda t: tb.get(t, b"x"))
+    enc = ResponseEncoder(base=base, toolset=toolset, prompts=[PreparedPrompt(tuple(range(11)), "prompt")],
+                          logprob_content=content if logprobs else None, token_bytes=lambda t: tb.get(t, b"x"))
     check = ToolCallCheck(choice or ToolChoice("auto"), parallel, frozenset(toolset.declared))
     return Encoded(enc, OutputRules(check))
 
@@ -455,7 +455,7 @@ def test_make_encoder_from_a_decoded_plan() -> None:
                    "include": ["message.output_text.logprobs"], "top_logprobs": 1,
                    "return_tokens_as_token_ids": True})
     sampling = SamplingParams(temperature=0.5, top_p=0.75)
-    enc = make_encoder(plan, sampling, model="smol", vocab=Vocab())
+    enc = make_encoder(plan, [PreparedPrompt((1, 2, 3), "hi")], sampling, model="smol", vocab=Vocab())
     events = run(Encoded(enc, OutputRules(ToolCallCheck.for_conversation(plan.conversation))), [
         update([TextDelta("Hello")], [1, 2], logprobs=[lp(1), lp(2)], num_output=2),
         update([], [3], finish=Finish(FinishCause.LENGTH), num_output=3),

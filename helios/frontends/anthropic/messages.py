@@ -45,11 +45,13 @@ from helios.domain.conversation import (
 )
 from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
 from helios.domain.generation import (
+    Accumulated,
     ChildUpdate,
     GenerationOptions,
     GenerationRequest,
     PreparedPrompt,
     StreamEvent,
+    usage_of,
 )
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingRequest
@@ -662,9 +664,8 @@ class MessagesEncoder:
         self.content: list[dict[str, Any]] = []
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
-        self.num_prompt_tokens = len(prompts[0].token_ids) if prompts else 0
-        self.num_cached_tokens = 0
-        self.num_output_tokens = 0
+        self.prompts = tuple(prompts)
+        self.acc = Accumulated()  # the counts usage is built from
         self.num_calls = 0
         self._open: BlockKind | None = None
 
@@ -673,18 +674,14 @@ class MessagesEncoder:
         return self.stop_reason is not None
 
     def start(self) -> list[StreamEvent]:
-        message = self._message_json([], None, None, self._usage(self.num_prompt_tokens, 0, 0))
+        message = self._message_json([], None, None, self.usage())
         return [StreamEvent({"type": "message_start", "message": message}, "message_start")]
 
     def feed(self, index: int, u: ChildUpdate) -> list[StreamEvent]:
         out: list[StreamEvent] = []
         if self.done:
             return out
-        if u.num_prompt_tokens:
-            self.num_prompt_tokens = u.num_prompt_tokens
-        if u.num_cached_tokens:
-            self.num_cached_tokens = u.num_cached_tokens
-        self.num_output_tokens = u.num_output_tokens
+        self.acc.add(u)
         for e in u.events:
             if isinstance(e, TextDelta):
                 if e.text:
@@ -721,8 +718,11 @@ class MessagesEncoder:
         return self._message_json(self.content, self.stop_reason, self.stop_sequence, self.usage())
 
     def usage(self) -> dict[str, Any]:
-        cached = min(self.num_cached_tokens, self.num_prompt_tokens)
-        return self._usage(self.num_prompt_tokens - cached, self.num_output_tokens, cached)
+        """Messages usage: input_tokens excludes what was read from the cache (cache_read_input_tokens)."""
+        usage = usage_of(self.prompts, [self.acc], 1)
+        cached = min(usage.cached_tokens, usage.prompt_tokens)
+        return {"input_tokens": usage.prompt_tokens - cached, "output_tokens": usage.completion_tokens,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -730,11 +730,6 @@ class MessagesEncoder:
                       usage: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": reason, "stop_sequence": sequence, "usage": usage}
-
-    @staticmethod
-    def _usage(num_input: int, num_output: int, num_cached: int) -> dict[str, Any]:
-        return {"input_tokens": num_input, "output_tokens": num_output,
-                "cache_creation_input_tokens": 0, "cache_read_input_tokens": num_cached}
 
     def _ensure_open(self, kind: Literal["text", "thinking"]) -> list[StreamEvent]:
         if self._open == kind:

@@ -49,11 +49,14 @@ from helios.domain.conversation import (
 )
 from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
 from helios.domain.generation import (
+    Accumulated,
     ChildUpdate,
     GenerationOptions,
     GenerationRequest,
+    PreparedPrompt,
     StreamEvent,
     TokenStops,
+    usage_of,
 )
 from helios.domain.logprobs import TokenLogprob
 from helios.domain.model import ModelInfo, TokenVocabulary
@@ -683,6 +686,7 @@ class ResponseEncoder:
         *,
         base: dict[str, Any],
         toolset: ToolSet,
+        prompts: Sequence[PreparedPrompt] = (),
         logprob_content: Callable[[Sequence[Any]], list[dict[str, Any]]] | None = None,
         token_bytes: Callable[[int], bytes] | None = None,
         response_id: str | None = None,
@@ -702,11 +706,9 @@ class ResponseEncoder:
         self._pending: list[Any] = []
         self._owed = 0
         self._reasoning_seen = 0
-        # usage
-        self._num_prompt = 0
-        self._num_output = 0
-        self._num_cached = 0
-        self._num_reasoning = 0
+        # usage: counted from the updates, the prompt as prepared
+        self._prompts = tuple(prompts)
+        self._acc = Accumulated()
         self.status: str = "in_progress"
         self.error: dict[str, Any] | None = None
         self.incomplete_reason: str | None = None
@@ -736,8 +738,7 @@ class ResponseEncoder:
     def _feed(self, u: ChildUpdate) -> list[dict[str, Any]]:
         if self.done:
             return []
-        self._num_prompt, self._num_output = u.num_prompt_tokens, u.num_output_tokens
-        self._num_cached, self._num_reasoning = u.num_cached_tokens, u.num_reasoning_tokens
+        self._acc.add(u)
         events: list[dict[str, Any]] = []
         self._queue_logprobs(u)
         for e in u.events:
@@ -768,12 +769,13 @@ class ResponseEncoder:
     def response(self) -> dict[str, Any]:
         usage = None
         if self.done:
+            u = usage_of(self._prompts, [self._acc], 1)
             usage = {
-                "input_tokens": self._num_prompt,
-                "input_tokens_details": {"cached_tokens": self._num_cached, "cache_write_tokens": 0},
-                "output_tokens": self._num_output,
-                "output_tokens_details": {"reasoning_tokens": self._num_reasoning},
-                "total_tokens": self._num_prompt + self._num_output,
+                "input_tokens": u.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
+                "output_tokens": u.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+                "total_tokens": u.total_tokens,
             }
         return {
             "id": self.id,
@@ -948,7 +950,7 @@ def _named(events: list[dict[str, Any]]) -> list[StreamEvent]:
     return [StreamEvent(e, e["type"]) for e in events]
 
 
-def make_encoder(plan: ResponsesPlan, sampling: SamplingParams, *, model: str,
+def make_encoder(plan: ResponsesPlan, prompts: Sequence[PreparedPrompt], sampling: SamplingParams, *, model: str,
                  vocab: TokenVocabulary) -> ResponseEncoder:
     as_ids = plan.wire.return_tokens_as_token_ids
 
@@ -958,6 +960,7 @@ def make_encoder(plan: ResponsesPlan, sampling: SamplingParams, *, model: str,
     return ResponseEncoder(
         base=response_base(plan, sampling, model),
         toolset=plan.toolset,
+        prompts=prompts,
         logprob_content=content if plan.num_top_logprobs is not None else None,
         token_bytes=vocab.token_bytes,
     )
