@@ -19,12 +19,29 @@ Per row, in this order (vLLM semantics):
    Other rows use inverse-CDF sampling in token-id order with one float64 uniform from the row's own
    CPU generator per step.
 
+Two paths, one result. Rows with nothing to do but a temperature and perhaps min-p (no penalties,
+bias, mask, top-k or top-p) take the vectorised path (`Sampler._sample_plain`): one argmax for the
+greedy ones, one scaled whole-vocabulary inverse-CDF draw for the others, with per-row parameters as
+tensors (`RowParams`, which the runner's persistent batch keeps per request). Every other row takes
+the general path. Both compute the same float operations on a row, so a row gets the same token on
+either (``Sampler(fast_path=False)`` sends every row through the general path; the tests compare).
+
 Reproducibility: a seeded row consumes exactly one uniform from its own generator per sampling step,
 and every other quantity it uses is computed from its own logits row, so the batch it runs in cannot
-change its tokens. Unseeded rows share the sampler's process generator. Generators live on the CPU
-even when the logits are on an accelerator: B scalars cross per step and no per-row kernel is
-launched. (An exponential race would also be batch-independent but draws V values per row and step;
-on the CPU it measured ten times slower than the inverse CDF, which needs one.)
+change its tokens. Unseeded rows share the sampler's process generator: one call per step draws the
+uniforms of every unseeded row that samples, in row order. Generators live on the CPU even when the
+logits are on an accelerator: the uniforms are written into one float64 tensor (one generator call
+per seeded row, one for all unseeded rows) that crosses to the device once; no per-row kernel is
+launched on the device. (An exponential race would also be batch-independent but draws V values per
+row and step; on the CPU it measured ten times slower than the inverse CDF, which needs one.)
+
+Host reads (device syncs): ``sample`` reads device values once per call, at the end: the sampled
+ids, together with every logprob record's numbers when any row asked for logprobs (one float64
+tensor). Only the general path's filters read more: a top-k or top-p row's candidate decisions, a
+wide nucleus's bucket cut; and a logprob row whose k-th alternative ties with a value beyond it
+reads once more to order the ties by id. Host values the vectorised path sends to an accelerator
+(uniforms, row indices) go through pinned memory in non-blocking copies, since a blocking
+host-to-device copy waits for the device as well (penalty and bias rows still copy blocking).
 """
 
 from __future__ import annotations
@@ -85,6 +102,44 @@ class SamplingRow:
         return self.has_penalties or bool(self.params.logit_bias)
 
 
+@attrs.frozen
+class RowParams:
+    """The vectorised path's per-row parameters as tensors on the logits' device, aligned with the
+    rows of one ``sample`` call. The runner's persistent batch keeps them per request and gathers
+    them each step; without them the sampler builds them from the rows."""
+
+    temperature: Tensor
+    """float32 [B]: ``row_temperature`` of each row (1.0 for greedy rows)."""
+    log_min_p: Tensor
+    """float32 [B]: ``row_log_min_p`` of each row (-inf where min-p is off)."""
+
+    @classmethod
+    def of(cls, rows: Sequence[SamplingRow], device: torch.device) -> RowParams:
+        return cls(
+            _to_device([row_temperature(r.params) for r in rows], torch.float32, device),
+            _to_device([row_log_min_p(r.params) for r in rows], torch.float32, device),
+        )
+
+
+def row_temperature(params: SamplingParams) -> float:
+    """The temperature a row's logits are divided by (1.0 for greedy rows, which are never divided)."""
+    return 1.0 if _is_greedy(params) else params.temperature
+
+
+def row_log_min_p(params: SamplingParams) -> float:
+    """log(min_p), the min-p threshold's offset from a row's peak logit; -inf where min-p is off."""
+    return math.log(params.min_p) if params.min_p > 0.0 else _NEG_INF
+
+
+def is_plain(row: SamplingRow, vocab_size: int) -> bool:
+    """Whether the row takes the vectorised path: greedy, or a temperature draw with at most min-p,
+    and nothing that transforms its logits (penalties, bias)."""
+    params = row.params
+    if row.transforms_logits:
+        return False
+    return _is_greedy(params) or (params.top_p >= 1.0 and not _top_k_active(params, vocab_size))
+
+
 # Logprob records are the domain's `TokenLogprob`: rank is 1 + the number of vocabulary entries with
 # a strictly greater logprob (ties share a rank); `top` holds the natural alternatives (id, logprob) by
 # decreasing logprob, then increasing id, or the explicit ids in caller order (first occurrence kept)
@@ -94,14 +149,17 @@ class SamplingRow:
 class Sampler:
     """Samples one token per row from a batch of logits; stateless apart from the process generator."""
 
-    def __init__(self, vocab_size: int, device: str | torch.device = "cpu") -> None:
-        """``device`` is where the logits live; generators and uniforms stay on the CPU."""
+    def __init__(self, vocab_size: int, device: str | torch.device = "cpu", *, fast_path: bool = True) -> None:
+        """``device`` is where the logits live; generators and uniforms stay on the CPU.
+        ``fast_path=False`` sends every row through the general path (a reference for tests)."""
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.fast_path = fast_path
         self._generator = torch.Generator()
         self._generator.seed()
+        self._buffer: Tensor | None = None
 
     @staticmethod
     def make_generator(seed: int | None) -> torch.Generator | None:
@@ -118,12 +176,14 @@ class Sampler:
         rows: Sequence[SamplingRow],
         *,
         token_mask: Tensor | None = None,
+        row_params: RowParams | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """One token per row, and its logprob record for the rows that asked for one.
 
         ``logits`` is [B, V'] of any float dtype with V' >= vocab_size (columns beyond the vocabulary
         are padding and ignored). ``token_mask`` is an optional [B, vocab_size] bool tensor, True where
-        a token is allowed. Neither tensor is modified.
+        a token is allowed. ``row_params``: the rows' `RowParams` when the caller keeps them (built
+        from the rows otherwise). No tensor passed in is modified.
         """
         num_rows = len(rows)
         if logits.dim() != 2 or logits.shape[0] != num_rows:
@@ -138,21 +198,94 @@ class Sampler:
             x = x.float()
         # x may be the caller's tensor: it is read, never written.
 
-        tokens = [0] * num_rows
         plain: list[int] = []
-        work: list[int] = []
+        general: list[int] = []
+        drawing: list[int] = []  # rows that consume a uniform (every row that is not greedy)
+        vectorise = self.fast_path and token_mask is None
         for i, row in enumerate(rows):
-            if token_mask is None and _is_greedy(row.params) and not row.transforms_logits:
+            if not _is_greedy(row.params):
+                drawing.append(i)
+            if vectorise and is_plain(row, vocab_size):
                 plain.append(i)
             else:
-                work.append(i)
-        if plain:
-            picked = _select_rows(x, plain, num_rows).argmax(dim=-1).tolist()
-            for i, token in zip(plain, picked, strict=True):
-                tokens[i] = token
-        if work:
-            self._sample_transformed(x, rows, work, token_mask, tokens)
-        return tokens, _generation_logprobs(x, rows, tokens)
+                general.append(i)
+        uniforms = _to_device(self._uniforms(rows, drawing), torch.float64, x.device) if drawing else None
+        if not general:
+            picked = self._sample_plain(x, rows, plain, uniforms, row_params)
+        else:
+            picked = self._sample_transformed(x, rows, general, token_mask, uniforms)
+            if plain:
+                picked = torch.empty(num_rows, dtype=torch.long, device=x.device).index_copy_(
+                    0, _index(general, x.device), picked)
+                picked.index_copy_(0, _index(plain, x.device),
+                                   self._sample_plain(x, rows, plain, uniforms, row_params))
+        return _read_tokens_and_logprobs(x, rows, picked)
+
+    def _sample_plain(
+        self,
+        x: Tensor,
+        rows: Sequence[SamplingRow],
+        plain: list[int],
+        uniforms: Tensor | None,
+        row_params: RowParams | None,
+    ) -> Tensor:
+        """The vectorised path for ``plain`` rows (greedy, or temperature and min-p only): their
+        sampled ids as a device tensor aligned with ``plain``, with no host read and no per-row
+        tensor operation. The float operations on a row are the general path's, so a row's token
+        does not depend on which path took it."""
+        num_rows = x.shape[0]
+        device = x.device
+        greedy: list[int] = []
+        drawn: list[int] = []
+        scaled = min_p = False
+        for j, i in enumerate(plain):
+            params = rows[i].params
+            if _is_greedy(params):
+                greedy.append(j)
+            else:
+                drawn.append(j)
+                scaled = scaled or params.temperature != 1.0
+                min_p = min_p or params.min_p > 0.0
+        if not drawn:
+            return _select_rows(x, plain, num_rows).argmax(dim=-1)
+        rows_drawn = [plain[j] for j in drawn]
+        index = _row_index(rows_drawn, num_rows, device)
+        # The scaled logits and then the weights live in the sampler's workspace (x is only read).
+        buffer = self._workspace(len(rows_drawn), x.shape[1], device)
+        w = x if index is None else torch.index_select(x, 0, index, out=buffer)
+        tensors = row_params if row_params is not None else RowParams.of(rows, device) if scaled or min_p else None
+        if scaled:
+            assert tensors is not None
+            temperature = tensors.temperature if index is None else tensors.temperature.index_select(0, index)
+            w = torch.div(w, temperature.unsqueeze(1), out=buffer)
+        peak = w.amax(dim=-1, keepdim=True)
+        excluded: Tensor | None = None
+        if min_p:
+            assert tensors is not None
+            log_min_p = tensors.log_min_p if index is None else tensors.log_min_p.index_select(0, index)
+            excluded = w < (peak.squeeze(1) + log_min_p).unsqueeze(1)
+        weights = torch.sub(w, _finite_peak(peak), out=buffer).exp_()
+        if excluded is not None:
+            weights.masked_fill_(excluded, 0.0)
+        assert uniforms is not None
+        u = uniforms if index is None else uniforms.index_select(0, index)
+        sampled = _blocked_inverse_cdf(weights, u)
+        if not greedy:
+            return sampled
+        picked = torch.empty(len(plain), dtype=torch.long, device=device)
+        picked.index_copy_(0, _index(drawn, device), sampled)
+        picked.index_copy_(0, _index(greedy, device), x.index_select(0, _index([plain[j] for j in greedy], device)).argmax(dim=-1))
+        return picked
+
+    def _workspace(self, num_rows: int, width: int, device: torch.device) -> Tensor:
+        """A float32 [num_rows, width] buffer kept between calls for the vectorised draw's weights
+        (a fresh vocabulary-sized tensor per step costs page faults on the CPU)."""
+        buffer = self._buffer
+        if buffer is None or buffer.device != device or buffer.shape[1] != width or buffer.shape[0] < num_rows:
+            rows = max(num_rows, 0 if buffer is None else buffer.shape[0])
+            with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+                buffer = self._buffer = torch.empty(rows, width, dtype=torch.float32, device=device)
+        return buffer[:num_rows]
 
     def _sample_transformed(
         self,
@@ -160,13 +293,14 @@ class Sampler:
         rows: Sequence[SamplingRow],
         work: list[int],
         token_mask: Tensor | None,
-        tokens: list[int],
-    ) -> None:
-        """Rows that need penalties, temperature, a mask or a random draw; fills ``tokens``."""
+        uniforms: Tensor | None,
+    ) -> Tensor:
+        """The general path: rows that need penalties, bias, a mask or filters. Their sampled ids as a
+        device tensor aligned with ``work``."""
         num_rows = x.shape[0]
         device = x.device
         work_rows = [rows[i] for i in work]
-        temperatures = [1.0 if _is_greedy(r.params) else r.params.temperature for r in work_rows]
+        temperatures = [row_temperature(r.params) for r in work_rows]
         index = _row_index(work, num_rows, device)
         scaled = any(t != 1.0 for t in temperatures)
         # w is this step's private copy: penalties, the mask and the draw write it in place.
@@ -189,30 +323,35 @@ class Sampler:
 
         greedy = [j for j, r in enumerate(work_rows) if _is_greedy(r.params)]
         drawn = [j for j, r in enumerate(work_rows) if not _is_greedy(r.params)]
-        if greedy:
-            picked = _select_rows(w, greedy, len(work)).argmax(dim=-1).tolist()
-            for j, token in zip(greedy, picked, strict=True):
-                tokens[work[j]] = token
-        if drawn:
-            ws = _select_rows(w, drawn, len(work))
-            draw_rows = [work_rows[j] for j in drawn]
-            survivors = _survivors(ws, [r.params for r in draw_rows])
-            uniforms = self._uniforms(draw_rows).to(device)
-            picked = _draw(ws, survivors, uniforms).tolist()
-            for j, token in zip(drawn, picked, strict=True):
-                tokens[work[j]] = token
+        if not drawn:
+            return w.argmax(dim=-1)
+        ws = _select_rows(w, drawn, len(work))
+        survivors = _survivors(ws, [work_rows[j].params for j in drawn])
+        assert uniforms is not None
+        drawn_index = _row_index([work[j] for j in drawn], num_rows, device)
+        sampled = _draw(ws, survivors, uniforms if drawn_index is None else uniforms.index_select(0, drawn_index))
+        if not greedy:
+            return sampled
+        picked = torch.empty(len(work), dtype=torch.long, device=device)
+        picked.index_copy_(0, _index(drawn, device), sampled)
+        picked.index_copy_(0, _index(greedy, device), _select_rows(w, greedy, len(work)).argmax(dim=-1))
+        return picked
 
-    def _uniforms(self, rows: Sequence[SamplingRow]) -> Tensor:
-        """One float64 uniform in [0, 1) per row: seeded rows from their own generator, in row order."""
-        num_unseeded = sum(1 for r in rows if r.generator is None)
-        shared = iter(torch.rand(num_unseeded, generator=self._generator, dtype=torch.float64).tolist())
-        values = [
-            next(shared)
-            if r.generator is None
-            else torch.rand(1, generator=r.generator, dtype=torch.float64).item()
-            for r in rows
-        ]
-        return torch.tensor(values, dtype=torch.float64)
+    def _uniforms(self, rows: Sequence[SamplingRow], drawing: list[int]) -> Tensor:
+        """[B] float64 uniforms in [0, 1) on the CPU for the ``drawing`` rows (0 elsewhere): seeded
+        rows from their own generator, the unseeded ones from the process generator in one call, in
+        row order. Written in place, never read back."""
+        unseeded = [i for i in drawing if rows[i].generator is None]
+        if len(unseeded) == len(rows):
+            return torch.rand(len(rows), generator=self._generator, dtype=torch.float64)
+        out = torch.zeros(len(rows), dtype=torch.float64)
+        if unseeded:
+            out[torch.tensor(unseeded)] = torch.rand(len(unseeded), generator=self._generator, dtype=torch.float64)
+        for i in drawing:
+            generator = rows[i].generator
+            if generator is not None:
+                out[i : i + 1].uniform_(generator=generator)
+        return out
 
 
 def apply_penalties(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -276,49 +415,78 @@ def prompt_logprobs(logits: Tensor, target_ids: Sequence[int], k: int) -> list[d
 # -- private helpers ------------------------------------------------------------------------------
 
 
-def _generation_logprobs(
-    x: Tensor, rows: Sequence[SamplingRow], tokens: list[int]
-) -> list[TokenLogprob | None]:
+def _read_tokens_and_logprobs(
+    x: Tensor, rows: Sequence[SamplingRow], picked: Tensor
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The sampled ids ([B] device tensor ``picked``) and the logprob records, in one host read.
+
+    Without logprob rows the read is ``picked`` alone. Otherwise every number the records need (the
+    chosen tokens' logprobs and ranks, the natural alternatives' values and ids, the explicit ids'
+    values) joins the ids in one float64 tensor, which holds the int64 ids and ranks exactly."""
     num_rows = len(rows)
     out: list[TokenLogprob | None] = [None] * num_rows
     wanted = [i for i, r in enumerate(rows) if r.wants_logprobs]
     if not wanted:
-        return out
+        return picked.tolist(), out
     vocab_size = x.shape[1]
-    lp = _log_softmax(_select_rows(x, wanted, num_rows))
-    chosen_ids = torch.tensor([tokens[i] for i in wanted], dtype=torch.long, device=lp.device)
-    chosen = lp.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
-    ranks = ((lp > chosen.unsqueeze(1)).sum(dim=-1) + 1).tolist()
-    chosen_values = chosen.tolist()
-
-    natural = [j for j, i in enumerate(wanted) if not rows[i].logprob_token_ids]
-    natural_top: list[list[tuple[int, float]]] = []
-    if natural:
-        ks = [rows[wanted[j]].num_top_logprobs or 0 for j in natural]
-        natural_top = _natural_top(_select_rows(lp, natural, len(wanted)), ks)
-    tops: dict[int, tuple[tuple[int, float], ...]] = {
-        j: tuple((token, _reported(value)) for token, value in top)
-        for j, top in zip(natural, natural_top, strict=True)
-    }
+    explicit: dict[int, list[int]] = {}  # position in wanted -> explicit ids (first occurrences)
     for j, i in enumerate(wanted):
-        explicit = rows[i].logprob_token_ids
-        if not explicit:
-            continue
-        ids = list(dict.fromkeys(int(t) for t in explicit))
-        if len(ids) > MAX_LOGPROB_TOKEN_IDS or any(not 0 <= t < vocab_size for t in ids):
-            raise ValueError(
-                f"logprob_token_ids must be at most {MAX_LOGPROB_TOKEN_IDS} ids within the vocabulary"
-            )
-        if tokens[i] not in ids:
-            ids.append(tokens[i])
-        values = lp[j, torch.tensor(ids, dtype=torch.long, device=lp.device)].tolist()
-        tops[j] = tuple((token, _reported(value)) for token, value in zip(ids, values, strict=True))
+        requested = rows[i].logprob_token_ids
+        if requested:
+            ids = list(dict.fromkeys(int(t) for t in requested))
+            if len(ids) > MAX_LOGPROB_TOKEN_IDS or any(not 0 <= t < vocab_size for t in ids):
+                raise ValueError(
+                    f"logprob_token_ids must be at most {MAX_LOGPROB_TOKEN_IDS} ids within the vocabulary"
+                )
+            explicit[j] = ids
+    device = x.device
+    num_wanted = len(wanted)
+    lp = _log_softmax(_select_rows(x, wanted, num_rows))
+    index = _row_index(wanted, num_rows, device)
+    chosen_ids = picked if index is None else picked.index_select(0, index)
+    chosen = lp.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
+    ranks = (lp > chosen.unsqueeze(1)).sum(dim=-1) + 1
+    parts = [picked.double(), chosen.double(), ranks.double()]
 
+    natural = [j for j in range(num_wanted) if j not in explicit]
+    ks = [rows[wanted[j]].num_top_logprobs or 0 for j in natural]
+    width = min(max(ks, default=0) + 1, vocab_size)  # one extra column shows a tie beyond the k-th
+    natural_lp: Tensor | None = None
+    if max(ks, default=0) > 0:
+        natural_lp = _select_rows(lp, natural, num_wanted)
+        values, indices = natural_lp.topk(width, dim=-1)
+        parts += [values.double().flatten(), indices.double().flatten()]
+    if explicit:
+        flat = [j * vocab_size + t for j, ids in explicit.items() for t in ids]
+        parts.append(lp.reshape(-1)[_to_device(flat, torch.long, device)].double())
+    data: list[float] = torch.cat(parts).tolist()  # the one host read
+
+    tokens = [int(t) for t in data[:num_rows]]
+    chosen_values = data[num_rows : num_rows + num_wanted]
+    rank_values = data[num_rows + num_wanted : num_rows + 2 * num_wanted]
+    at = num_rows + 2 * num_wanted
+    tops: dict[int, tuple[tuple[int, float], ...]] = {}
+    if natural_lp is not None:
+        size = len(natural) * width
+        values_l = [data[at + r * width : at + (r + 1) * width] for r in range(len(natural))]
+        indices_l = [[int(t) for t in data[at + size + r * width : at + size + (r + 1) * width]]
+                     for r in range(len(natural))]
+        at += 2 * size
+        for j, top in zip(natural, _top_lists(natural_lp, ks, values_l, indices_l), strict=True):
+            tops[j] = tuple((token, _reported(value)) for token, value in top)
+    for j, ids in explicit.items():
+        values_e = data[at : at + len(ids)]
+        at += len(ids)
+        entries = list(zip(ids, values_e, strict=True))
+        token = tokens[wanted[j]]
+        if token not in ids:
+            entries.append((token, chosen_values[j]))
+        tops[j] = tuple((t, _reported(v)) for t, v in entries)
     for j, i in enumerate(wanted):
         out[i] = TokenLogprob(
-            token_id=tokens[i], logprob=_reported(chosen_values[j]), rank=int(ranks[j]), top=tops[j]
+            token_id=tokens[i], logprob=_reported(chosen_values[j]), rank=int(rank_values[j]), top=tops.get(j, ())
         )
-    return out
+    return tokens, out
 
 
 def _log_softmax(x: Tensor) -> Tensor:
@@ -329,24 +497,32 @@ def _log_softmax(x: Tensor) -> Tensor:
 
 def _natural_top(lp: Tensor, ks: Sequence[int]) -> list[list[tuple[int, float]]]:
     """Per row, its ``ks[r]`` largest entries by decreasing value, then increasing id (exact on ties)."""
-    num_rows, vocab_size = lp.shape
+    vocab_size = lp.shape[1]
     kmax = min(max(ks, default=0), vocab_size)
     if kmax <= 0:
         return [[] for _ in ks]
     # One extra column tells whether the k-th value is tied with an entry outside the first k.
     width = min(kmax + 1, vocab_size)
     values, indices = lp.topk(width, dim=-1)
-    values_l: list[list[float]] = values.tolist()
-    indices_l: list[list[int]] = indices.tolist()
+    return _top_lists(lp, ks, values.tolist(), indices.tolist())
+
+
+def _top_lists(
+    lp: Tensor, ks: Sequence[int], values_l: list[list[float]], indices_l: list[list[int]]
+) -> list[list[tuple[int, float]]]:
+    """`_natural_top` from each row's leading ``topk`` values and ids (one more than its k where the
+    vocabulary allows). A row whose k-th value ties with the next one reads ``lp`` again for the
+    lowest-id tied entries."""
+    vocab_size = lp.shape[1]
     out: list[list[tuple[int, float]]] = []
-    for r in range(num_rows):
+    for r, (values, indices) in enumerate(zip(values_l, indices_l, strict=True)):
         k = min(ks[r], vocab_size)
         if k <= 0:
             out.append([])
             continue
-        kth = values_l[r][k - 1]
-        head = list(zip(indices_l[r][:k], values_l[r][:k], strict=True))
-        if k < width and values_l[r][k] == kth:
+        kth = values[k - 1]
+        head = list(zip(indices[:k], values[:k], strict=True))
+        if k < len(values) and values[k] == kth:
             # Ties straddle the boundary: keep every greater entry and the lowest-id tied ones.
             row = lp[r]
             greater = [(t, v) for t, v in head if v > kth]
@@ -745,7 +921,22 @@ def _row_index(selected: list[int], num_rows: int, device: torch.device) -> Tens
     """Index tensor for ``selected`` rows, or None when they are all rows in order."""
     if len(selected) == num_rows:
         return None
-    return torch.tensor(selected, dtype=torch.long, device=device)
+    return _to_device(selected, torch.long, device)
+
+
+def _index(selected: list[int], device: torch.device) -> Tensor:
+    return _to_device(selected, torch.long, device)
+
+
+def _to_device(values: list[int] | list[float] | Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Host values as a tensor on ``device``. On CUDA they cross through pinned memory in a
+    non-blocking copy: a blocking host-to-device copy synchronises the stream, a host sync too."""
+    t = values if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _select_rows(x: Tensor, selected: list[int], num_rows: int) -> Tensor:
@@ -754,4 +945,4 @@ def _select_rows(x: Tensor, selected: list[int], num_rows: int) -> Tensor:
 
 
 def _column(values: list[float], device: torch.device) -> Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return _to_device(values, torch.float32, device).unsqueeze(1)
