@@ -3,29 +3,51 @@
 The runner asks its backend for two things: the KV storage (allocated once, sized by the page
 pool) and, each step, a callable the model's layers use (`models.llama.AttentionBackend`: write the
 step's K/V into the cache, attend over each request's history). The KV cache manager decides which
-pages a request holds; the backend turns block tables into slot indices.
+pages a request holds; the runner's persistent batch (`runner.InputBatch`) keeps every running
+request's block table as a row of one device tensor, updated with new pages only, and hands the
+backend an `AttentionInputs` per step: that tensor, the step's slot mapping, and which tokens decode.
 
-`TorchPagedBackend` runs on the CPU and, as plain torch operations, on CUDA too. It keeps each
-running request's slot index (slot = page * page_size + offset for every position so far) from
-step to step and extends it by the new positions only, so a decode step costs O(batch) index work
-instead of rebuilding every request's full history. Requests whose pages were released (finished,
-aborted or preempted: `SchedulerOutput.freed`) are forgotten before the step is built.
+`TorchPagedBackend` runs on the CPU and, as plain torch operations, on CUDA too. It expands block
+table rows into slot indices on the device (slot = page * page_size + offset), so a step costs a few
+tensor operations whatever the batch, with no per-request index work on the host.
 
 A CUDA backend with FlashAttention / FlashInfer kernels and CUDA graphs for decode batch buckets
-would implement the same two methods; it is not written yet (no GPU has been available to verify
-one), so `[model] device = "cuda"` uses `TorchPagedBackend` with its tensors on the GPU.
+would take the same `AttentionInputs` (block tables and sequence lengths are what those kernels
+read); it is not written yet (no GPU has been available to verify one), so `[model] device = "cuda"`
+uses `TorchPagedBackend` with its tensors on the GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from collections.abc import Sequence as Seq
 from typing import Protocol
 
+import attrs
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from helios.engine.scheduler import ScheduledChunk
+
+@attrs.frozen
+class AttentionInputs:
+    """One step's attention metadata, built by the runner's persistent batch. Tensors are on the
+    device; the ints are host values the scheduler output already gave (no device read)."""
+
+    block_table: Tensor
+    """[rows, max_pages] int64, persistent: row r holds the pages of the request in batch row r
+    (entries past its pages are stale page ids, never read unmasked)."""
+    slot_mapping: Tensor
+    """[T] int64: the cache slot each token's K/V is written to."""
+    num_tokens: int
+    decode_tokens: Tensor | None
+    """[D] flattened index of each decode token (a one-token chunk after position 0)."""
+    decode_rows: Tensor | None
+    """[D] batch row of each decode token."""
+    decode_lens: Tensor | None
+    """[D] context length of each decode token (its position + 1)."""
+    decode_max_len: int
+    num_decode: int
+    prefills: tuple[tuple[int, int, int, int], ...]
+    """(first token index, length, batch row, first position) of every other chunk."""
 
 
 class AttentionBackend(Protocol):
@@ -34,11 +56,8 @@ class AttentionBackend(Protocol):
     name: str
     kv: KVCache
 
-    def forget(self, request_ids: Iterable[str]) -> None:
-        """Drop per-request state of requests whose pages were released."""
-
-    def build(self, chunks: Seq[ScheduledChunk], tables: Seq[list[int]]) -> PagedAttention:
-        """The step's attention callable for these chunks (block tables in chunk order)."""
+    def build(self, inputs: AttentionInputs) -> PagedAttention:
+        """The step's attention callable."""
         ...
 
 
@@ -52,35 +71,10 @@ class TorchPagedBackend:
         self.kv = KVCache(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device)
         self.page_size = page_size
         self.device = device
-        self._slots: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> (slot buffer, positions filled)
+        self._offsets = torch.arange(page_size, device=device)  # slot offsets within a page
 
-    def forget(self, request_ids: Iterable[str]) -> None:
-        for rid in request_ids:
-            self._slots.pop(rid, None)
-
-    def build(self, chunks: Seq[ScheduledChunk], tables: Seq[list[int]]) -> PagedAttention:
-        histories = [self.history(c.seq.request_id, table, c.start + c.length)
-                     for c, table in zip(chunks, tables, strict=True)]
-        return PagedAttention(self.kv, chunks, histories, self.device)
-
-    def history(self, request_id: str, table: list[int], end: int) -> torch.Tensor:
-        """The slots of positions 0 .. end-1, extended from what earlier steps computed."""
-        buf, filled = self._slots.get(request_id, (None, 0))
-        if buf is None or buf.numel() < end:
-            grown = torch.empty(max(64, 1 << (end - 1).bit_length()), dtype=torch.long)
-            if buf is not None:
-                grown[:filled] = buf[:filled]
-            buf = grown
-        if filled < end:
-            ps = self.page_size
-            if end - filled == 1:
-                buf[filled] = table[filled // ps] * ps + filled % ps
-            else:
-                pos = torch.arange(filled, end)
-                buf[filled:end] = torch.tensor(table, dtype=torch.long)[pos // ps] * ps + pos % ps
-            filled = end
-        self._slots[request_id] = (buf, filled)
-        return buf[:end]
+    def build(self, inputs: AttentionInputs) -> PagedAttention:
+        return PagedAttention(self.kv, inputs, self.page_size, self._offsets)
 
 
 class KVCache:
@@ -111,40 +105,34 @@ class KVCache:
 class PagedAttention:
     """One step's attention over the paged KV cache (the model's per-step `AttentionBackend`).
 
-    Index tensors are built once per step and shared by every layer."""
+    Index tensors are built once per step, on the device, and shared by every layer."""
 
-    def __init__(self, kv: KVCache, chunks: Seq[ScheduledChunk], slots: Seq[torch.Tensor],
-                 device: torch.device) -> None:
-        """`slots[i]`: the KV slots of positions 0 .. end of chunk i (the backend keeps them)."""
+    def __init__(self, kv: KVCache, inputs: AttentionInputs, page_size: int, offsets: Tensor) -> None:
         self.kv = kv
-        slot_rows: list[torch.Tensor] = []
-        self.decode_rows: list[int] = []  # flattened token index of each decode row
-        self.prefills: list[tuple[int, int, torch.Tensor, int]] = []  # (tok_start, length, slots, ctx_start)
-        decode_slots: list[torch.Tensor] = []
-        offset = 0
-        for c, history in zip(chunks, slots, strict=True):
-            slot_rows.append(history[c.start :])
-            if c.length == 1 and c.start > 0:
-                self.decode_rows.append(offset)
-                decode_slots.append(history)
-            else:
-                self.prefills.append((offset, c.length, history.to(device), c.start))
-            offset += c.length
-        self.num_tokens = offset
-        self.slot_mapping = torch.cat(slot_rows).to(device) if slot_rows else torch.empty(0, dtype=torch.long)
-        if decode_slots:
-            lens = torch.tensor([s.numel() for s in decode_slots])
-            idx = torch.nn.utils.rnn.pad_sequence(decode_slots, batch_first=True)  # zeros pad; masked below
-            lmax = idx.shape[1]
-            self.decode_idx = idx.to(device)
+        self.slot_mapping = inputs.slot_mapping
+        table = inputs.block_table
+        self.num_decode = inputs.num_decode
+        if inputs.num_decode:
+            assert inputs.decode_rows is not None and inputs.decode_lens is not None
+            lmax = inputs.decode_max_len
+            pages = table.index_select(0, inputs.decode_rows)[:, : -(-lmax // page_size)]
+            # [D, lmax] slots of positions 0 .. lmax - 1; a row's positions past its length are masked.
+            self.decode_idx = _expand(pages, page_size, offsets)[:, :lmax]
             self.decode_flat = self.decode_idx.reshape(-1)
             # Additive mask over (kv head, row) batches: 0 where a row attends, -inf on padding.
-            pad = torch.arange(lmax)[None, :] >= lens[:, None]
-            bias = torch.zeros(len(decode_slots), lmax).masked_fill_(pad, float("-inf"))
-            self.decode_bias = bias[None, :, None, :].expand(kv.k[0].shape[0], -1, -1, -1).reshape(
-                -1, 1, lmax).to(device=device, dtype=kv.k[0].dtype)
-            self.all_decode = len(self.decode_rows) == offset
-            self.decode_rows_t = torch.tensor(self.decode_rows, dtype=torch.long, device=device)
+            pad = torch.arange(lmax, device=table.device)[None, :] >= inputs.decode_lens[:, None]
+            dtype = kv.k[0].dtype
+            bias = torch.zeros(inputs.num_decode, lmax, dtype=dtype, device=table.device).masked_fill_(
+                pad, float("-inf"))
+            self.decode_bias = bias[None, :, None, :].expand(kv.k[0].shape[0], -1, -1, -1).reshape(-1, 1, lmax)
+            self.all_decode = inputs.num_decode == inputs.num_tokens
+            assert inputs.decode_tokens is not None
+            self.decode_tokens = inputs.decode_tokens
+        self.prefills: list[tuple[int, int, Tensor, int]] = []  # (tok_start, length, slots, ctx_start)
+        for tok_start, length, row, ctx_start in inputs.prefills:
+            end = ctx_start + length
+            pages = table[row : row + 1, : -(-end // page_size)]
+            self.prefills.append((tok_start, length, _expand(pages, page_size, offsets)[0, :end], ctx_start))
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache = self.kv.k[layer_idx]  # [kv_heads, slots, head_dim]
@@ -153,7 +141,7 @@ class PagedAttention:
         v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
         out = torch.empty_like(q)
         num_kv = k_cache.shape[0]
-        if self.decode_rows:
+        if self.num_decode:
             b, lmax = self.decode_idx.shape
             d = q.shape[-1]
             # One gather per layer gives [kv_heads * B, L, d] batches, contiguous, in (kv head, row)
@@ -161,14 +149,14 @@ class PagedAttention:
             # K/V is needed (query head h uses kv head h // group).
             kd = k_cache.index_select(1, self.decode_flat).view(num_kv * b, lmax, d)
             vd = v_cache.index_select(1, self.decode_flat).view(num_kv * b, lmax, d)
-            qd = q if self.all_decode else q.index_select(0, self.decode_rows_t)
+            qd = q if self.all_decode else q.index_select(0, self.decode_tokens)
             qg = qd.view(b, num_kv, -1, d).transpose(0, 1).reshape(num_kv * b, -1, d)
             scores = torch.baddbmm(self.decode_bias, qg, kd.transpose(1, 2), alpha=d**-0.5)
             o = torch.bmm(torch.softmax(scores, dim=-1), vd)  # [kv_heads * B, group, d]
             o = o.view(num_kv, b, -1, d).transpose(0, 1).reshape(b, -1, d)
             if self.all_decode:
                 return o
-            out.index_copy_(0, self.decode_rows_t, o)
+            out.index_copy_(0, self.decode_tokens, o)
         for tok_start, length, slots, ctx_start in self.prefills:
             qp = q[tok_start : tok_start + length].transpose(0, 1).unsqueeze(0)  # [1, nh, Lq, d]
             kp = k_cache.index_select(1, slots).unsqueeze(0)  # [1, nkv, Lk, d]
@@ -182,3 +170,8 @@ class PagedAttention:
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
             out[tok_start : tok_start + length] = o.squeeze(0).transpose(0, 1)
         return out
+
+
+def _expand(pages: Tensor, page_size: int, offsets: Tensor) -> Tensor:
+    """[R, P] page ids -> [R, P * page_size] slot ids, in position order."""
+    return (pages.unsqueeze(-1) * page_size + offsets).reshape(pages.shape[0], -1)

@@ -58,7 +58,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_manager, max_active=cfg.max_active,
                                    prefill_chunk_size=cfg.prefill_chunk_size, max_model_len=cfg.max_model_len)
         self.sampler = Sampler(model_config.vocab_size, device=self.device)
-        self.runner = ModelRunner(model, self.attention, self.kv_manager, self.sampler, self.device)
+        self.runner = ModelRunner(model, self.attention, self.kv_manager, self.sampler, self.device,
+                                  max_rows=cfg.max_active, max_model_len=cfg.max_model_len)
 
     # -- inbox handling ---------------------------------------------------------------------
     def add(self, request: EngineRequest) -> None:

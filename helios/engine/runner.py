@@ -2,28 +2,40 @@
 
 `ModelRunner.execute` owns everything that touches the model: it flattens the scheduled chunks of
 several requests into one [T] batch for every linear layer, runs attention through the paged
-backend below, scores prompt positions for requests that asked, and samples one token per request
-whose chunk ends its known tokens. It returns plain values (token ids and logprob records) keyed
-by request id; the scheduler commits them (`Scheduler.update`).
+backend, scores prompt positions for requests that asked, and samples one token per request whose
+chunk ends its known tokens. It returns plain values (token ids and logprob records) keyed by
+request id; the scheduler commits them (`Scheduler.update`).
 
-Attention goes through the engine's attention backend (`attention.py`).
+The step's tensors come from a persistent input batch (`InputBatch`): each running request holds a
+row from its first step until `SchedulerOutput.freed` names it, and the row's block table and
+sampling parameters live in preallocated device tensors written only when they change (new pages,
+a new request). Per step the host writes the token ids, positions and indices into one staging
+buffer that crosses to the device in one copy; the slot mapping is computed there from the block
+table. The step reads the device once, in the sampler: the sampled ids (`sampler.py`, "Host reads").
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, overload
 
+import attrs
 import torch
+from torch import Tensor
 
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
-from helios.engine.attention import AttentionBackend
+from helios.engine.attention import AttentionBackend, AttentionInputs
 from helios.engine.kv.manager import KVCacheManager
 from helios.engine.records import RunnerOutput
 from helios.engine.sampler import (
+    RowParams,
     Sampler,
     SamplingRow,
     prompt_scores,
+    row_log_min_p,
+    row_temperature,
 )
 from helios.engine.scheduler import RequestState, ScheduledChunk, SchedulerOutput
 
@@ -31,56 +43,37 @@ _SCORE_ROWS = 256  # prompt positions whose logits exist at once while scoring a
 
 
 class ModelRunner:
-    """Runs the model for one scheduled step; owns the KV tensors and the sampler."""
+    """Runs the model for one scheduled step; owns the persistent input batch and the sampler."""
 
     def __init__(self, model: Any, backend: AttentionBackend, manager: KVCacheManager, sampler: Sampler,
-                 device: torch.device) -> None:
+                 device: torch.device, *, max_rows: int = 64, max_model_len: int = 8192) -> None:
         self.model = model
         self.backend = backend
         self.manager = manager
         self.sampler = sampler
         self.device = device
+        self.batch = InputBatch(max_rows, -(-(max_model_len + 1) // manager.page_size), manager.page_size, device)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        self.backend.forget(sched.freed)
+        self.batch.release(sched.freed)
         if not sched.chunks:
             return RunnerOutput()
-        input_ids, positions, _ = build_inputs(sched.chunks, self.device)
-        tables = [self.manager.block_table(c.seq.request_id) for c in sched.chunks]
-        attn = self.backend.build(sched.chunks, tables)
-        sample_rows: list[int] = []
-        seqs: list[RequestState] = []
         scored: dict[str, tuple[PromptLogprob | None, ...]] = {}
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, attn)
-            offset = 0
-            for c in sched.chunks:
-                if c.seq.request.prompt_logprobs is not None and c.start < c.seq.num_prompt_tokens:
-                    scores = self._score_prompt_chunk(hidden, offset, c)
-                    if scores:
-                        scored[c.seq.request_id] = scores
-                if c.samples and c.seq.request.max_tokens > 0:
-                    sample_rows.append(offset + c.length - 1)
-                    seqs.append(c.seq)
-                offset += c.length
-            if not seqs:
+            step = self.batch.prepare(sched.chunks, self.manager)
+            hidden = self.model(step.input_ids, step.positions, self.backend.build(step.attention))
+            for offset, c in step.scoring:
+                scores = self._score_prompt_chunk(hidden, offset, c)
+                if scores:
+                    scored[c.seq.request_id] = scores
+            if not step.seqs:
                 return RunnerOutput(prompt_logprobs=scored)
-            logits = self.model.compute_logits(hidden[sample_rows])
-            rows = [
-                SamplingRow(
-                    params=s.request.sampling,
-                    generator=s.generator,
-                    prompt_token_ids=s.request.prompt_token_ids,  # the tuple itself, no per-step copy
-                    output_token_ids=s.output_token_ids,
-                    num_top_logprobs=s.request.num_top_logprobs,
-                    logprob_token_ids=s.request.logprob_token_ids,
-                )
-                for s in seqs
-            ]
-            token_ids, logprobs = self.sampler.sample(logits, rows)
+            rows = hidden if step.sample_tokens is None else hidden.index_select(0, step.sample_tokens)
+            logits = self.model.compute_logits(rows)
+            token_ids, logprobs = self.sampler.sample(logits, step.rows, row_params=step.row_params)
         sampled: dict[str, tuple[int, ...]] = {}
         records: dict[str, tuple[TokenLogprob, ...]] = {}
-        for s, t, lp in zip(seqs, token_ids, logprobs, strict=True):
+        for s, t, lp in zip(step.seqs, token_ids, logprobs, strict=True):
             sampled[s.request_id] = (t,)
             if lp is not None:
                 records[s.request_id] = (lp,)
@@ -112,18 +105,265 @@ class ModelRunner:
         return tuple(out)
 
 
-def build_inputs(chunks: Seq[ScheduledChunk], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Flattened input ids, positions, and the flattened index of each row that samples."""
-    ids: list[int] = []
-    positions: list[int] = []
-    sample_rows: list[int] = []
-    for c in chunks:
-        ids.extend(c.seq.token_ids[c.start : c.start + c.length])
-        positions.extend(range(c.start, c.start + c.length))
-        if c.samples:
-            sample_rows.append(len(ids) - 1)
-    return (
-        torch.tensor(ids, dtype=torch.long, device=device),
-        torch.tensor(positions, dtype=torch.long, device=device),
-        sample_rows,
-    )
+@attrs.frozen
+class StepBatch:
+    """One step's inputs, cut from the persistent batch."""
+
+    input_ids: Tensor
+    positions: Tensor
+    attention: AttentionInputs
+    seqs: list[RequestState]
+    """The requests that sample this step, in chunk order."""
+    rows: list[SamplingRow]
+    row_params: RowParams | None
+    sample_tokens: Tensor | None
+    """Flattened index of each sampling request's last token; None when every token samples."""
+    scoring: list[tuple[int, ScheduledChunk]]
+    """(first token index, chunk) of the chunks whose prompt positions are scored."""
+
+
+class InputBatch:
+    """The runner's persistent batch: one row per running request, kept from step to step.
+
+    A request gets a row the first step it runs and keeps it until `release` (the scheduler's
+    `freed`: finished, aborted or preempted). Per row, in preallocated device tensors: the block
+    table (only pages added since the last step are written; the KV cache manager's tables only
+    grow until freed), the temperature and log(min-p) of the sampler's vectorised path; and on the
+    host its `SamplingRow`, built once, whose output ids are a live view of the request's tokens.
+
+    Per step, the host lists (token ids, positions, the row of each token, new block-table entries,
+    sampling and decode indices) are written into one staging buffer, pinned on CUDA, which crosses
+    to the device in one copy; the slot mapping is computed on the device from the block table. On
+    CUDA the staging buffer is rewritten only after the previous step's copy has finished (an event
+    wait; the previous step's read of its sampled ids normally finished it already).
+    """
+
+    def __init__(self, max_rows: int, max_pages: int, page_size: int, device: torch.device) -> None:
+        self.device = device
+        self.page_size = page_size
+        self._pinned = device.type == "cuda"
+        with torch.inference_mode(False):
+            self.block_table = torch.zeros(max_rows, max_pages, dtype=torch.long, device=device)
+            self.temperature = torch.ones(max_rows, dtype=torch.float32, device=device)
+            self.log_min_p = torch.full((max_rows,), float("-inf"), dtype=torch.float32, device=device)
+        self._row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_rows - 1, -1, -1))  # pop() hands out the lowest row
+        self._num_pages = [0] * max_rows  # block-table entries written per row
+        self._rows: list[SamplingRow | None] = [None] * max_rows
+        self._staging = self._host_buffer(4096)
+        self._staging_np = self._staging.numpy()
+        self._staged = self._staging if device.type == "cpu" else self._device_buffer(4096)
+        self._copy_done: Any = None  # torch.cuda.Event of the last staging copy
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._row_of)
+
+    def row_of(self, request_id: str) -> int | None:
+        return self._row_of.get(request_id)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            row = self._row_of.pop(rid, None)
+            if row is not None:
+                self._free_rows.append(row)
+                self._rows[row] = None
+                self._num_pages[row] = 0
+
+    def prepare(self, chunks: Seq[ScheduledChunk], manager: KVCacheManager) -> StepBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        token_rows: list[int] = []
+        new_rows: list[int] = []
+        new_cols: list[int] = []
+        new_pages: list[int] = []
+        sample_tokens: list[int] = []
+        sample_rows: list[int] = []
+        decode_tokens: list[int] = []
+        decode_rows: list[int] = []
+        decode_lens: list[int] = []
+        prefills: list[tuple[int, int, int, int]] = []
+        scoring: list[tuple[int, ScheduledChunk]] = []
+        seqs: list[RequestState] = []
+        rows: list[SamplingRow] = []
+        offset = 0
+        for c in chunks:
+            seq = c.seq
+            row = self._row_of.get(seq.request_id)
+            if row is None:
+                row = self._admit(seq)
+            table = manager.block_table(seq.request_id)
+            known = self._num_pages[row]
+            if len(table) > known:
+                if len(table) > self.block_table.shape[1]:
+                    self._grow_pages(len(table))
+                new_rows.extend(itertools.repeat(row, len(table) - known))
+                new_cols.extend(range(known, len(table)))
+                new_pages.extend(table[known:])
+                self._num_pages[row] = len(table)
+            start, length = c.start, c.length
+            if length == 1:
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                token_rows.append(row)
+                if start > 0:
+                    decode_tokens.append(offset)
+                    decode_rows.append(row)
+                    decode_lens.append(start + 1)
+                else:
+                    prefills.append((offset, 1, row, 0))
+            else:
+                ids.extend(seq.token_ids[start : start + length])
+                positions.extend(range(start, start + length))
+                token_rows.extend(itertools.repeat(row, length))
+                prefills.append((offset, length, row, start))
+            if seq.request.prompt_logprobs is not None and start < seq.num_prompt_tokens:
+                scoring.append((offset, c))
+            offset += length
+            if c.samples and seq.request.max_tokens > 0:
+                sample_tokens.append(offset - 1)
+                sample_rows.append(row)
+                seqs.append(seq)
+                sampling_row = self._rows[row]
+                assert sampling_row is not None
+                rows.append(sampling_row)
+        num_tokens = offset
+
+        parts = (ids, positions, token_rows, new_rows, new_cols, new_pages, sample_tokens, sample_rows,
+                 decode_tokens, decode_rows, decode_lens)
+        staged = self._stage(parts)
+        ids_t, positions_t, token_rows_t, new_rows_t, new_cols_t, new_pages_t, sample_tokens_t, sample_rows_t, \
+            decode_tokens_t, decode_rows_t, decode_lens_t = staged
+        if new_rows:
+            self.block_table.index_put_((new_rows_t, new_cols_t), new_pages_t)
+        ps = self.page_size
+        slot_mapping = self.block_table[token_rows_t, positions_t // ps] * ps + positions_t % ps
+        attention = AttentionInputs(
+            block_table=self.block_table,
+            slot_mapping=slot_mapping,
+            num_tokens=num_tokens,
+            decode_tokens=decode_tokens_t if decode_tokens else None,
+            decode_rows=decode_rows_t if decode_tokens else None,
+            decode_lens=decode_lens_t if decode_tokens else None,
+            decode_max_len=max(decode_lens, default=0),
+            num_decode=len(decode_tokens),
+            prefills=tuple(prefills),
+        )
+        row_params = None
+        if seqs:
+            row_params = RowParams(self.temperature.index_select(0, sample_rows_t),
+                                   self.log_min_p.index_select(0, sample_rows_t))
+        return StepBatch(
+            input_ids=ids_t,
+            positions=positions_t,
+            attention=attention,
+            seqs=seqs,
+            rows=rows,
+            row_params=row_params,
+            sample_tokens=None if len(sample_tokens) == num_tokens else sample_tokens_t,
+            scoring=scoring,
+        )
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _admit(self, seq: RequestState) -> int:
+        if not self._free_rows:
+            self._grow_rows()
+        row = self._free_rows.pop()
+        self._row_of[seq.request_id] = row
+        self._num_pages[row] = 0
+        request = seq.request
+        params = request.sampling
+        self.temperature[row] = row_temperature(params)
+        self.log_min_p[row] = row_log_min_p(params)
+        self._rows[row] = SamplingRow(
+            params=params,
+            generator=seq.generator,
+            prompt_token_ids=request.prompt_token_ids,  # the tuple itself, no copy
+            output_token_ids=_OutputIds(seq.token_ids, seq.num_prompt_tokens),
+            num_top_logprobs=request.num_top_logprobs,
+            logprob_token_ids=request.logprob_token_ids,
+        )
+        return row
+
+    def _stage(self, parts: Seq[list[int]]) -> list[Tensor]:
+        """Writes ``parts`` into the staging buffer, moves it to the device in one copy, and returns
+        one device view per part."""
+        total = sum(len(p) for p in parts)
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the previous copy still reads the staging buffer
+        if total > self._staging.numel():
+            size = 1 << (total - 1).bit_length()
+            self._staging = self._host_buffer(size)
+            self._staging_np = self._staging.numpy()
+            self._staged = self._staging if self.device.type == "cpu" else self._device_buffer(size)
+        host = self._staging_np
+        flat: list[int] = []
+        for p in parts:
+            flat += p
+        host[:total] = flat
+        staged = self._staged
+        if staged is not self._staging:
+            staged[:total].copy_(self._staging[:total], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._copy_done = event
+        views: list[Tensor] = []
+        at = 0
+        for p in parts:
+            views.append(staged[at : at + len(p)])
+            at += len(p)
+        return views
+
+    def _host_buffer(self, size: int) -> Tensor:
+        with torch.inference_mode(False):
+            return torch.empty(size, dtype=torch.long, pin_memory=self._pinned)
+
+    def _device_buffer(self, size: int) -> Tensor:
+        with torch.inference_mode(False):
+            return torch.empty(size, dtype=torch.long, device=self.device)
+
+    def _grow_rows(self) -> None:
+        old = len(self._rows)
+        new = 2 * old
+        with torch.inference_mode(False):
+            self.block_table = _grown(self.block_table, (new, self.block_table.shape[1]), 0)
+            self.temperature = _grown(self.temperature, (new,), 1.0)
+            self.log_min_p = _grown(self.log_min_p, (new,), float("-inf"))
+        self._free_rows.extend(range(new - 1, old - 1, -1))
+        self._num_pages.extend([0] * (new - old))
+        self._rows.extend([None] * (new - old))
+
+    def _grow_pages(self, needed: int) -> None:
+        with torch.inference_mode(False):
+            width = max(needed, 2 * self.block_table.shape[1])
+            self.block_table = _grown(self.block_table, (self.block_table.shape[0], width), 0)
+
+
+def _grown(t: Tensor, shape: tuple[int, ...], fill: float) -> Tensor:
+    """A larger copy of ``t`` (``fill`` beyond the old extent)."""
+    out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+    out[tuple(slice(0, n) for n in t.shape)] = t
+    return out
+
+
+class _OutputIds(Seq[int]):
+    """A request's generated ids as a live view of its token list: no copy per step."""
+
+    __slots__ = ("_ids", "_start")
+
+    def __init__(self, ids: list[int], start: int) -> None:
+        self._ids = ids
+        self._start = start
+
+    def __len__(self) -> int:
+        return len(self._ids) - self._start
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._ids, self._start, None)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return self._ids[self._start :][index]

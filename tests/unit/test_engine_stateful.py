@@ -2,7 +2,8 @@
 
 A hypothesis state machine drives one EngineCore on the tiny random model with a deliberately
 small page pool (preemption happens often). After every step the KV cache manager's ownership
-rules hold (no page leaked, none owned twice except by design). At the end every token any request
+rules hold (no page leaked, none owned twice except by design) and the runner's persistent block
+table agrees with the manager's tables. At the end every token any request
 received, aborted ones included, carries the logprob that an independent dense forward in fp64
 gives it after the same history (within 1e-4), every request that was not aborted finished with
 its own cause, and every page is free again.
@@ -62,6 +63,18 @@ class EngineUnderLoad(RuleBasedStateMachine):
     def pages_are_owned_once(self) -> None:
         if hasattr(self, "core"):
             self.core.scheduler.check_integrity()
+
+    @invariant()
+    def batch_rows_follow_the_manager(self) -> None:
+        """The runner's persistent block table holds each running request's pages after every step."""
+        if not hasattr(self, "core"):
+            return
+        batch = self.core.runner.batch
+        for seq in self.core.scheduler.running:
+            row = batch.row_of(seq.request_id)
+            if row is not None:
+                table = self.core.kv_manager.block_table(seq.request_id)
+                assert batch.block_table[row, : len(table)].tolist() == table
 
     def teardown(self) -> None:
         if not hasattr(self, "core"):
