@@ -125,15 +125,18 @@ def test_the_newest_request_needing_a_page_never_evicts_one_already_scheduled() 
 
 
 def test_shared_pages_are_counted_and_freed_by_the_last_holder() -> None:
-    kv = KVCacheManager(num_pages=4, page_size=2)
+    kv = KVCacheManager(num_pages=4, page_size=2, enable_caching=True)
     assert kv.allocate_slots("a", 0, 4) == [0, 1]
-    kv.share("b", [0, 1])  # b starts with a's full pages (a shared prefix)
+    kv.cache_full_pages("a", [5, 6, 7, 8], 4)
+    pages, hashes = kv.lookup([5, 6, 7, 8, 9])  # b's prompt starts with a's two full pages
+    assert pages == [0, 1]
+    kv.allocate_cached("b", pages, hashes)
     assert kv.allocate_slots("b", 4, 1) == [2]
     assert kv.ref_counts == [2, 2, 1, 0] and kv.num_free == 1
     kv.check_integrity()
     kv.free("a")
     assert kv.ref_counts == [1, 1, 1, 0] and kv.num_free == 1
     kv.free("b")
-    assert kv.num_free == 4 and kv.ref_counts == [0, 0, 0, 0]
+    assert kv.num_free == 4 and kv.ref_counts == [0, 0, 0, 0] and kv.num_cached == 2  # kept, evictable
     kv.check_integrity()
     assert kv.allocate_slots("c", 0, 9) is None and kv.block_table("c") == []  # nothing half-allocated

@@ -1,39 +1,61 @@
-"""The KV cache manager: which pages each request holds, with reference counts.
+"""The KV cache manager: which pages each request holds, with reference counts, and the prefix cache.
 
 Ownership rules (vLLM v1's KV-manager split):
 
 - The manager alone changes page ownership. A request's block table (its page ids in position
-  order) is keyed by request id and only changes through `allocate_slots` and `free`; the
-  scheduler and the runner read it.
-- A page's reference count is the number of block tables holding it. Pages are free exactly when
-  their count is zero; `free` drops the request's references and returns pages that reach zero to
-  the free list (most recently freed last, so low ids are handed out first on a fresh pool).
-- A page may be held by several tables by design, through `share` (a prefix shared with another
-  request: the future prefix cache). Only the last page of a table is ever written, and `share`
-  takes only full pages, so a shared page is never written again.
-- Each page carries a `block_hash` slot for the prefix cache's hash chain (hash of the parent's
-  hash and the page's token ids); it is cleared when the page returns to the free list. Nothing
-  fills it yet.
+  order) is keyed by request id and only changes through `allocate_cached`, `allocate_slots` and
+  `free`; the scheduler and the runner read it.
+- A page's reference count is the number of block tables holding it. Every page is in exactly one
+  of three states: held (count > 0), free (count 0, no content worth keeping), or evictable
+  (count 0, a cached full page kept for reuse, least recently used first).
+- Prefix cache (`enable_caching`). A full page whose tokens' K/V are computed is identified by a
+  hash chain: blake2b-128 of (the parent page's hash, the model fingerprint, the page's token ids).
+  `cache_full_pages` registers a request's newly full pages; the first page registered under a
+  hash is the one found (a later page with the same content stays unregistered). `lookup` finds the
+  longest chain of registered pages for a prompt, never its whole prompt (at least one token is
+  computed, for the logits); `allocate_cached` starts an empty table with them (an evictable page
+  becomes held again).
+- Shared pages are never written: a table only gains pages at its end, hits are full pages, and
+  the runner writes K/V only at positions past a request's computed tokens, which lie in pages after
+  every cached one.
+- Eviction: `allocate_slots` takes free pages first, then the least recently used evictable page;
+  an evicted page's hash is unregistered, and `on_evict(hash, page)` (the host store's copy-out)
+  runs before the page is reused. `free` makes a request's registered pages evictable, its last
+  pages first in line, so a chain's shared head outlives its tail.
 
-`check_integrity` verifies all of this: counts equal the number of tables holding each page,
-free pages have count zero and are listed once, and no page is lost.
+`check_integrity` verifies all of this: counts equal the number of tables holding each page, every
+page is in exactly one state, and every registered hash names a page holding that hash.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+from array import array
+from collections.abc import Callable, Sequence
 
 import attrs
+
+ROOT_HASH = b"\x00" * 16
 
 
 @attrs.define
 class KVCacheManager:
     num_pages: int
     page_size: int
+    enable_caching: bool = False
+    fingerprint: bytes = b""
+    """Extra key of every chain hash: the model and KV layout (and, later, image identity)."""
+    on_evict: Callable[[int, int], None] | None = None
+    """Called with (block hash, page) before a cached page is reused (the host store copies it out)."""
     ref_counts: list[int] = attrs.field(init=False)
     block_hash: list[int | None] = attrs.field(init=False)
     _free: collections.deque[int] = attrs.field(init=False)
+    _evictable: collections.OrderedDict[int, None] = attrs.field(init=False, factory=collections.OrderedDict)
+    _cached: dict[int, int] = attrs.field(init=False, factory=dict)  # block hash -> page
     _tables: dict[str, list[int]] = attrs.field(init=False, factory=dict)
+    _chains: dict[str, list[int]] = attrs.field(init=False, factory=dict)  # request -> hashes of its full pages
+    num_evictions: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self.ref_counts = [0] * self.num_pages
@@ -43,7 +65,13 @@ class KVCacheManager:
     # -- reading ---------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation may take: free ones and evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Registered full pages (held or evictable): the cache's content."""
+        return len(self._cached)
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's pages in position order (empty when it holds none). Do not mutate."""
@@ -55,7 +83,87 @@ class KVCacheManager:
         return max(0, need - len(self.block_table(request_id)))
 
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.pages_needed(request_id, num_tokens) <= len(self._free)
+        return self.pages_needed(request_id, num_tokens) <= self.num_free
+
+    def can_admit(self, num_tokens: int, hits: Sequence[int]) -> bool:
+        """Whether a new request holding the cached pages `hits` can then grow to `num_tokens`:
+        evictable hits leave the pool when claimed, so they count against it."""
+        need = max(0, -(-num_tokens // self.page_size) - len(hits))
+        claimed = sum(1 for p in hits if self.ref_counts[p] == 0)
+        return need <= self.num_free - claimed
+
+    # -- the prefix cache --------------------------------------------------------------------------
+    def chain(self, token_ids: Sequence[int], num_pages: int, parent: int | None = None,
+              start_page: int = 0) -> list[int]:
+        """Hashes of full pages `start_page .. start_page + num_pages` of `token_ids`, chained from
+        `parent` (the hash of page `start_page - 1`; None at the root)."""
+        out: list[int] = []
+        prev = ROOT_HASH if parent is None else parent.to_bytes(16, "big")
+        ps = self.page_size
+        for i in range(start_page, start_page + num_pages):
+            h = hashlib.blake2b(prev, digest_size=16)
+            h.update(self.fingerprint)
+            h.update(array("q", token_ids[i * ps:(i + 1) * ps]).tobytes())
+            prev = h.digest()
+            out.append(int.from_bytes(prev, "big"))
+        return out
+
+    def lookup(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The longest chain of registered pages that starts `token_ids`, leaving at least its last
+        token to compute: (the pages, the prompt's chain hashes as far as they were computed)."""
+        if not self.enable_caching:
+            return [], []
+        limit = (len(token_ids) - 1) // self.page_size
+        hashes = self.chain(token_ids, limit)
+        pages: list[int] = []
+        for h in hashes:
+            page = self._cached.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages, hashes
+
+    def allocate_cached(self, request_id: str, pages: Sequence[int], hashes: Sequence[int]) -> None:
+        """Start `request_id`'s (empty) table with cached pages (its chain's first `len(pages)`
+        hashes); an evictable page becomes held again."""
+        table = self._tables.setdefault(request_id, [])
+        if table:
+            raise ValueError("cached pages must start an empty block table")
+        for page in pages:
+            if self.block_hash[page] is None:
+                raise ValueError(f"page {page} is not a cached page")
+            if self.ref_counts[page] == 0:
+                del self._evictable[page]
+            self.ref_counts[page] += 1
+        table.extend(pages)
+        self._chains[request_id] = list(hashes[: len(pages)])
+
+    def register(self, request_id: str, page: int, block_hash: int) -> None:
+        """Register a page the request holds (restored from the host store) under its chain hash."""
+        if self.block_hash[page] is None and block_hash not in self._cached:
+            self.block_hash[page] = block_hash
+            self._cached[block_hash] = page
+        self._chains.setdefault(request_id, []).append(block_hash)
+
+    def cache_full_pages(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Register the request's pages that `num_computed` tokens fill and that are not yet in its
+        chain (the tokens' K/V must be written: call after the step that computed them)."""
+        if not self.enable_caching:
+            return
+        table = self._tables.get(request_id)
+        if not table:
+            return
+        chain = self._chains.setdefault(request_id, [])
+        full = min(num_computed // self.page_size, len(table))
+        if full <= len(chain):
+            return
+        parent = chain[-1] if chain else None
+        for i, h in enumerate(self.chain(token_ids, full - len(chain), parent, len(chain)), start=len(chain)):
+            chain.append(h)
+            page = table[i]
+            if self.block_hash[page] is None and h not in self._cached:
+                self.block_hash[page] = h
+                self._cached[h] = page
 
     # -- changing ownership ------------------------------------------------------------------------
     def allocate_slots(self, request_id: str, num_computed: int, num_new_tokens: int,
@@ -67,38 +175,57 @@ class KVCacheManager:
         (speculative decoding)."""
         total = num_computed + num_new_tokens + num_lookahead
         n = self.pages_needed(request_id, total)
-        if n > len(self._free):
+        if n > self.num_free:
             return None
-        new = [self._free.popleft() for _ in range(n)]
+        new = [self._take() for _ in range(n)]
         for page in new:
             assert self.ref_counts[page] == 0
             self.ref_counts[page] = 1
         self._tables.setdefault(request_id, []).extend(new)
         return new
 
-    def share(self, request_id: str, pages: list[int]) -> None:
-        """Start `request_id`'s (empty) table with pages another table holds (a shared prefix)."""
-        table = self._tables.setdefault(request_id, [])
-        if table:
-            raise ValueError("a shared prefix must start an empty block table")
-        for page in pages:
-            if self.ref_counts[page] <= 0:
-                raise ValueError(f"page {page} is free; only held pages can be shared")
-            self.ref_counts[page] += 1
-        table.extend(pages)
-
     def free(self, request_id: str) -> None:
         """Drop every reference the request holds (idempotent)."""
         table = self._tables.pop(request_id, None)
+        self._chains.pop(request_id, None)
         if not table:
             return
-        # Reverse order: a request's first pages go back last, so the next allocation reuses
-        # its newest pages first (and page ids in tests stay exact).
+        # Reverse order: a request's first pages go back last, so the next allocation reuses its
+        # newest pages first (page ids in tests stay exact) and a cached chain's tail is evicted
+        # before its head.
         for page in reversed(table):
             self.ref_counts[page] -= 1
             if self.ref_counts[page] == 0:
-                self.block_hash[page] = None
-                self._free.appendleft(page)
+                if self.block_hash[page] is not None:
+                    self._evictable[page] = None
+                else:
+                    self._free.appendleft(page)
+
+    def reset_cache(self) -> int:
+        """Forget every evictable cached page (held pages keep their registration); returns how many."""
+        pages = list(self._evictable)
+        for page in pages:
+            self._uncache(page)
+            self._free.append(page)
+        self._evictable.clear()
+        return len(pages)
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        page, _ = self._evictable.popitem(last=False)
+        block_hash = self.block_hash[page]
+        if block_hash is not None and self.on_evict is not None:
+            self.on_evict(block_hash, page)
+        self._uncache(page)
+        self.num_evictions += 1
+        return page
+
+    def _uncache(self, page: int) -> None:
+        block_hash = self.block_hash[page]
+        if block_hash is not None and self._cached.get(block_hash) == page:
+            del self._cached[block_hash]
+        self.block_hash[page] = None
 
     # -- checks ------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -107,10 +234,17 @@ class KVCacheManager:
             assert self.ref_counts[page] == held[page], f"page {page}: count {self.ref_counts[page]} != {held[page]}"
         free = list(self._free)
         assert len(free) == len(set(free)), "a page is free twice"
-        assert all(self.ref_counts[p] == 0 for p in free), "a page is both held and free"
-        assert len(free) + len(held) == self.num_pages, "pages leaked"
+        assert all(self.ref_counts[p] == 0 and self.block_hash[p] is None for p in free), "a free page is held or cached"
+        assert all(self.ref_counts[p] == 0 and self.block_hash[p] is not None for p in self._evictable), \
+            "an evictable page is held or uncached"
+        assert not set(free) & set(self._evictable), "a page is both free and evictable"
+        assert len(free) + len(self._evictable) + len(held) == self.num_pages, "pages leaked"
         for table in self._tables.values():
             assert len(table) == len(set(table)), "a table holds a page twice"
+        for block_hash, page in self._cached.items():
+            assert self.block_hash[page] == block_hash, f"hash of page {page} does not match its registration"
+        registered = sum(1 for h in self.block_hash if h is not None)
+        assert registered == len(self._cached), "a page carries a hash it is not registered under"
 
 
 _EMPTY: list[int] = []
