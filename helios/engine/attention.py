@@ -60,6 +60,14 @@ class AttentionBackend(Protocol):
         """The step's attention callable."""
         ...
 
+    def read_page(self, page: int) -> bytes:
+        """One page's K/V for every layer, as bytes (the prefix cache's host-store copy-out)."""
+        ...
+
+    def write_page(self, page: int, data: bytes) -> bool:
+        """Fill a page from `read_page`'s bytes; False (nothing written) when they do not fit."""
+        ...
+
 
 class TorchPagedBackend:
     """Paged attention in plain torch: one gather per layer for all decode rows, SDPA per prefill."""
@@ -75,6 +83,12 @@ class TorchPagedBackend:
 
     def build(self, inputs: AttentionInputs) -> PagedAttention:
         return PagedAttention(self.kv, inputs, self.page_size, self._offsets)
+
+    def read_page(self, page: int) -> bytes:
+        return self.kv.read_page(page, self.page_size)
+
+    def write_page(self, page: int, data: bytes) -> bool:
+        return self.kv.write_page(page, self.page_size, data)
 
 
 class KVCache:
@@ -96,6 +110,28 @@ class KVCache:
         slots = num_pages * page_size
         self.k = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def read_page(self, page: int, page_size: int) -> bytes:
+        """Layer by layer, K then V, each [kv_heads, page_size, head_dim] in the cache's dtype."""
+        lo = page * page_size
+        parts = [t[:, lo:lo + page_size, :].contiguous().view(torch.uint8).flatten()
+                 for layer in zip(self.k, self.v, strict=True) for t in layer]
+        return bytes(torch.cat(parts).cpu().numpy().tobytes())
+
+    def write_page(self, page: int, page_size: int, data: bytes) -> bool:
+        k0 = self.k[0]
+        one = k0.shape[0] * page_size * k0.shape[2] * k0.element_size()
+        if len(data) != one * 2 * len(self.k):
+            return False
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        lo = page * page_size
+        at = 0
+        for layer in zip(self.k, self.v, strict=True):
+            for t in layer:
+                src = raw[at:at + one].view(t.dtype).view(t.shape[0], page_size, t.shape[2])
+                t[:, lo:lo + page_size, :].copy_(src.to(t.device))
+                at += one
+        return True
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -5,17 +5,20 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
 from helios.engine.attention import AttentionBackend, TorchPagedBackend
+from helios.engine.kv.host_store import HostStore
 from helios.engine.kv.manager import KVCacheManager
 from helios.engine.records import (
     Abort,
@@ -23,6 +26,7 @@ from helios.engine.records import (
     EngineFinish,
     EngineRequest,
     EngineStats,
+    HostCacheStats,
     InboxItem,
     RequestOutput,
     Shutdown,
@@ -40,6 +44,14 @@ class EngineConfig:
     max_active: int = 64
     prefill_chunk_size: int = 512
     max_model_len: int = 8192
+    prefix_caching: bool = True
+    """Reuse full KV pages of earlier requests (hash chains; see kv/manager.py)."""
+    fingerprint: bytes = b""
+    """The model and KV layout, part of every chain hash and of host-store record keys."""
+    host_memory_bytes: int = 0
+    """DRAM budget of the host store behind the prefix cache (0 with no disk: no host store)."""
+    disk_dir: str | None = None
+    disk_bytes: int = 0
 
 
 class EngineCore:
@@ -50,13 +62,21 @@ class EngineCore:
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
-        self.kv_manager = KVCacheManager(cfg.num_pages, cfg.page_size)
         self.attention: AttentionBackend = TorchPagedBackend(
             model_config.num_layers, cfg.num_pages, cfg.page_size, model_config.num_kv_heads,
             model_config.head_dim, dtype, self.device)
         self.kv = self.attention.kv
-        self.scheduler = Scheduler(self.kv_manager, max_active=cfg.max_active,
-                                   prefill_chunk_size=cfg.prefill_chunk_size, max_model_len=cfg.max_model_len)
+        fingerprint = _layout_fingerprint(cfg, model_config, dtype)
+        self.host_store = _host_store(cfg, fingerprint)
+        host = self.host_store
+        self.kv_manager = KVCacheManager(
+            cfg.num_pages, cfg.page_size, enable_caching=cfg.prefix_caching, fingerprint=fingerprint,
+            on_evict=(lambda h, page: host.put(h, self.attention.read_page(page))) if host is not None else None)
+        self.scheduler = Scheduler(
+            self.kv_manager, max_active=cfg.max_active, prefill_chunk_size=cfg.prefill_chunk_size,
+            max_model_len=cfg.max_model_len,
+            host_has=host.contains if host is not None else None,
+            restore=self._restore if host is not None else None)
         self.sampler = Sampler(model_config.vocab_size, device=self.device)
         self.runner = ModelRunner(model, self.attention, self.kv_manager, self.sampler, self.device,
                                   max_rows=cfg.max_active, max_model_len=cfg.max_model_len)
@@ -85,13 +105,51 @@ class EngineCore:
             prefill_tokens=self.scheduler.prefill_tokens,
             generated_tokens=self.scheduler.generated_tokens,
             decode_weight_bytes=self._weight_bytes(),
+            prefix_caching=self.kv_manager.enable_caching,
+            reused_tokens=self.scheduler.reused_tokens,
+            cached_pages=self.kv_manager.num_cached,
+            host=None if self.host_store is None else self._host_stats(),
         )
+
+    def close(self) -> None:
+        """Finish the host store's pending disk writes (the engine thread's exit)."""
+        if self.host_store is not None:
+            self.host_store.close()
+
+    def _restore(self, block_hash: int, page: int) -> bool:
+        assert self.host_store is not None
+        data = self.host_store.get(block_hash)
+        return data is not None and self.attention.write_page(page, data)
+
+    def _host_stats(self) -> HostCacheStats:
+        assert self.host_store is not None
+        st = self.host_store.stats
+        return HostCacheStats(
+            hits=self.scheduler.host_hits, reused_tokens=self.scheduler.host_reused_tokens,
+            memory_records=st.memory_records, disk_records=st.disk_records, parked_records=st.parked,
+            bytes_out=st.bytes_out, bytes_in=st.bytes_in, held=dict(st.held), dropped=dict(st.dropped),
+            skipped=st.skipped)
 
     def _weight_bytes(self) -> int:
         cached: int | None = getattr(self, "_decode_weight_bytes", None)
         if cached is None:
             cached = self._decode_weight_bytes = decode_weight_bytes(self.model)
         return cached
+
+
+def _layout_fingerprint(cfg: EngineConfig, model_config: Any, dtype: torch.dtype) -> bytes:
+    """The model fingerprint plus everything that shapes a page's bytes: two engines share cached
+    pages (and host-store records) only when all of it matches."""
+    layout = (f"{model_config.num_layers}:{model_config.num_kv_heads}:{model_config.head_dim}:{dtype}:"
+              f"{cfg.page_size}:torch_paged").encode()
+    return hashlib.blake2b(cfg.fingerprint + b"|" + layout, digest_size=16).digest()
+
+
+def _host_store(cfg: EngineConfig, fingerprint: bytes) -> HostStore | None:
+    if not cfg.prefix_caching or (cfg.host_memory_bytes <= 0 and not (cfg.disk_dir and cfg.disk_bytes > 0)):
+        return None
+    return HostStore(fingerprint, memory_bytes=cfg.host_memory_bytes, disk_dir=Path(cfg.disk_dir) if cfg.disk_dir else None,
+                     disk_bytes=cfg.disk_bytes)
 
 
 def decode_weight_bytes(model: Any) -> int:
@@ -211,6 +269,8 @@ class EngineThread:
                 self._fail_inbox(self.error)
             except BaseException:
                 log.exception("failing the engine's requests after its death failed")
+        finally:
+            self.core.close()
 
     def _fail_inbox(self, message: str) -> None:
         """Requests submitted but never taken in: they fail too (nothing will ever run them)."""

@@ -96,6 +96,24 @@ class RunnerOutput:
 
 
 @attrs.frozen
+class HostCacheStats:
+    hits: int
+    """Admissions that restored pages from the host store."""
+    reused_tokens: int
+    """Tokens those pages covered beyond the page pool's hit."""
+    memory_records: int
+    disk_records: int
+    parked_records: int
+    bytes_out: int
+    bytes_in: int
+    held: dict[str, int]
+    """Records taken in, by tier (dram, nvme)."""
+    dropped: dict[tuple[str, str], int]
+    """Records dropped, by (tier, reason): end_of_chain (budget), oversize, io_error."""
+    skipped: int
+
+
+@attrs.frozen
 class EngineStats:
     active: int
     pending: int
@@ -106,3 +124,10 @@ class EngineStats:
     generated_tokens: int
     decode_weight_bytes: int = 0
     """Bytes of weights one decode step reads for one request (0: the model declares none)."""
+    prefix_caching: bool = False
+    reused_tokens: int = 0
+    """Prompt tokens covered by page-pool prefix hits at admission (first admissions)."""
+    cached_pages: int = 0
+    """Registered full pages (held or evictable)."""
+    host: HostCacheStats | None = None
+    """The host store behind the prefix cache; None when there is none."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -60,6 +60,7 @@ class RequestState:
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
     num_prompt_scored: int = 0  # prompt positions whose scores went out (prompt_logprobs requests)
+    num_cached_tokens: int = 0  # prompt tokens reused at its first admission (usage's cached_tokens)
     grammar: Any = None
     reasoning_budget: Any = None
     proposer: Any = None
@@ -112,8 +113,14 @@ class Scheduler:
         max_active: int,
         prefill_chunk_size: int,
         max_model_len: int,
+        restore: Callable[[int, int], bool] | None = None,
+        host_has: Callable[[int], bool] | None = None,
     ) -> None:
         self.kv = kv
+        # The host store behind the prefix cache: `host_has(hash)` says whether it holds a page,
+        # `restore(hash, page)` fills a page from it (False: the record was missing or corrupt).
+        self.restore = restore
+        self.host_has = host_has
         self.max_active = max_active
         self.prefill_chunk_size = prefill_chunk_size
         self.max_model_len = max_model_len
@@ -125,6 +132,9 @@ class Scheduler:
         # Totals for the metrics: prompt tokens prefilled and tokens committed.
         self.prefill_tokens = 0
         self.generated_tokens = 0
+        self.reused_tokens = 0  # prompt tokens covered by page-pool prefix hits at admission
+        self.host_hits = 0  # admissions that restored pages from the host store
+        self.host_reused_tokens = 0  # tokens those restored pages covered
         self._freed: list[str] = []
 
     # -- membership -------------------------------------------------------------------------
@@ -217,9 +227,12 @@ class Scheduler:
         # 3. Admit waiting requests while slots, pages and budget allow.
         while self.waiting and budget > 0 and len(self.running) < self.max_active:
             seq = self.waiting[0]
+            # The longest cached prefix (none for prompt scoring, which needs every position's
+            # logits; its pages are still published for others).
+            hits, hashes = ([], []) if seq.request.prompt_logprobs is not None else kv.lookup(seq.token_ids)
             # Pages for the whole known context plus one generated token, so a prefill is never
             # stranded half-way for lack of pages.
-            if not kv.can_allocate(seq.request_id, len(seq.token_ids) + 1):
+            if not kv.can_admit(len(seq.token_ids) + 1, hits):
                 if not self.running and kv.num_free == kv.num_pages:
                     # It can never fit: fail it rather than wait forever.
                     self.waiting.popleft()
@@ -229,7 +242,16 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            kv.allocate_slots(seq.request_id, 0, len(seq.token_ids))
+            kv.allocate_cached(seq.request_id, hits, hashes)
+            restored = self._restore_from_host(seq, len(hits), hashes)
+            seq.num_computed = (len(hits) + restored) * kv.page_size
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed
+                self.reused_tokens += len(hits) * kv.page_size
+                if restored:
+                    self.host_hits += 1
+                    self.host_reused_tokens += restored * kv.page_size
+            kv.allocate_slots(seq.request_id, seq.num_computed, len(seq.token_ids) - seq.num_computed)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunk = self._prefill_chunk(seq, budget)
@@ -242,12 +264,15 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         """Commit what the runner produced: computed positions, tokens, stops, frees and outputs."""
-        outputs = [RequestOutput(s.request_id, (), finish=cause, num_prompt_tokens=s.num_prompt_tokens)
+        outputs = [RequestOutput(s.request_id, (), finish=cause, num_prompt_tokens=s.num_prompt_tokens,
+                                 num_cached_tokens=s.num_cached_tokens)
                    for s, cause in out.finished_early]
         for c in out.chunks:
             c.seq.num_computed = c.start + c.length
             if c.start < c.seq.num_prompt_tokens:
                 self.prefill_tokens += min(c.start + c.length, c.seq.num_prompt_tokens) - c.start
+            # Pages these tokens filled become findable (their K/V were written this step).
+            self.kv.cache_full_pages(c.seq.request_id, c.seq.token_ids, c.seq.num_computed)
         for c in out.chunks:
             seq = c.seq
             rid = seq.request_id
@@ -259,9 +284,11 @@ class Scheduler:
                 # A scoring-only request: its prefill is done and nothing is sampled.
                 self.finish(seq)
                 outputs.append(RequestOutput(rid, (), prompt_logprobs=scores, finish=EngineFinish.LENGTH,
-                                             num_prompt_tokens=seq.num_prompt_tokens))
+                                             num_prompt_tokens=seq.num_prompt_tokens,
+                                             num_cached_tokens=seq.num_cached_tokens))
             elif scores:
-                outputs.append(RequestOutput(rid, (), prompt_logprobs=scores, num_prompt_tokens=seq.num_prompt_tokens))
+                outputs.append(RequestOutput(rid, (), prompt_logprobs=scores, num_prompt_tokens=seq.num_prompt_tokens,
+                                             num_cached_tokens=seq.num_cached_tokens))
         return outputs
 
     def _commit(self, seq: RequestState, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] | None,
@@ -299,6 +326,7 @@ class Scheduler:
             prompt_logprobs=prompt_logprobs,
             finish=finish,
             num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     # -- helpers ----------------------------------------------------------------------------
@@ -309,6 +337,24 @@ class Scheduler:
             raise RuntimeError("pages for a running prefill were not reserved at admission")
         length = min(total - start, budget)
         return ScheduledChunk(seq, start, length, samples=start + length == total)
+
+    def _restore_from_host(self, seq: RequestState, num_hits: int, hashes: list[int]) -> int:
+        """Continue a page-pool hit with pages the host store holds: each is given a new page of the
+        request and filled from its record, until a record is absent or fails to verify (that
+        page then stays the request's, to be computed). Returns the pages restored."""
+        if self.restore is None or self.host_has is None:
+            return 0
+        kv = self.kv
+        restored = 0
+        for j in range(num_hits, len(hashes)):
+            if not self.host_has(hashes[j]):
+                break
+            new = kv.allocate_slots(seq.request_id, j * kv.page_size, kv.page_size)
+            if not new or not self.restore(hashes[j], new[0]):
+                break
+            kv.register(seq.request_id, new[0], hashes[j])
+            restored += 1
+        return restored
 
     def _newest_unscheduled(self, exclude: RequestState, scheduled: set[str]) -> RequestState | None:
         cands = [s for s in self.running if s is not exclude and s.request_id not in scheduled]
