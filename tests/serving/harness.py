@@ -307,9 +307,12 @@ def runtime_factory(family: Family, book: ScriptBook) -> Callable[[HeliosConfig]
         eos = tok.token_to_id(EOS_TEXT)
         assert eos is not None and eos in tok.eos_token_ids
         model = ScriptedModel(book, mc, eos)
+        # No prefix cache: the scripted model's K/V carry the identity of the request that computed
+        # them (which script it follows), not a function of the tokens, so a reused page would hand a
+        # new request another's script. Prefix reuse is tested with real models.
         ecfg = EngineConfig(page_size=cfg.engine.page_size, num_pages=cfg.engine.kv_pages,
                             max_active=cfg.engine.max_active, prefill_chunk_size=cfg.engine.prefill_chunk_size,
-                            max_model_len=cfg.model.max_model_len)
+                            max_model_len=cfg.model.max_model_len, prefix_caching=False)
         core = EngineCore(model, mc, ecfg, torch.float32, "cpu")
         info = ModelInfo(
             model_id=f"scripted-{family.name}",
