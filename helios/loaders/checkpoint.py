@@ -5,7 +5,13 @@
     model.load_weights(ckpt.tensors)
 
 ``Checkpoint.tensors`` is lazy: each tensor is read (and dequantized) from disk when it is accessed,
-so loading the model never holds two full copies of the weights. The progress callback is called with
+so loading the model never holds two full copies of the weights. ``Checkpoint.weights`` is the same
+in the checkpoint's own form: GGUF Q4_0/Q4_1/Q8_0 tensors as `GroupQuantized` codes (which a quantized
+`WeightFormat` keeps as they are), everything else dense as stored:
+
+    model = LlamaForCausalLM(ckpt.config, dtype=torch.bfloat16, weights=WeightFormat("int4"))
+    model.load_weights(ckpt.weights)
+ The progress callback is called with
 ``("reading", f)`` while metadata and tokenizer are read, and with ``("weights", f)`` as tensors are
 first materialized -- that is, during ``model.load_weights``.
 """
@@ -14,18 +20,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
 from torch import Tensor
 
 from helios.loaders.gguf_loader import GGUFFile
+from helios.loaders.gguf_reader import GGML_Q4_0, GGML_Q4_1
 from helios.loaders.safetensors_loader import read_hf_directory
 from helios.loaders.tokenizer import Tokenizer
 from helios.models.config import ModelConfig
+from helios.models.quant import WeightSource
 
 ProgressCallback = Callable[[str, float], None]
+_V = TypeVar("_V")
 
 
 @attrs.frozen
@@ -37,17 +46,20 @@ class Checkpoint:
     chat_template: str | None
     generation_config: dict[str, Any]
     source_path: str
+    weights: Mapping[str, WeightSource]
+    # Some decoder projections are stored as Q4_0/Q4_1 blocks, which an int4 format keeps as they are.
+    int4_codes: bool = False
 
 
-class LazyTensors(Mapping[str, Tensor]):
+class LazyTensors(Mapping[str, _V]):
     """Name -> tensor, produced on access (every access reads again: iterate once, keep what you need)."""
 
-    def __init__(self, thunks: Mapping[str, Callable[[], Tensor]], progress: ProgressCallback | None = None) -> None:
-        self._thunks = dict(thunks)
+    def __init__(self, thunks: Mapping[str, Callable[[], _V]], progress: ProgressCallback | None = None) -> None:
+        self._thunks: dict[str, Callable[[], _V]] = dict(thunks)
         self._progress = progress
         self._seen: set[str] = set()
 
-    def __getitem__(self, name: str) -> Tensor:
+    def __getitem__(self, name: str) -> _V:
         tensor = self._thunks[name]()
         if self._progress is not None and name not in self._seen:
             self._seen.add(name)
@@ -99,6 +111,9 @@ def _from_gguf(path: Path, dtype: torch.dtype, progress: ProgressCallback | None
         chat_template=file.chat_template,
         generation_config=generation_config,
         source_path=str(path),
+        weights=LazyTensors(file.weight_thunks(), progress),
+        int4_codes=any(kind in (GGML_Q4_0, GGML_Q4_1) for name, kind in file.tensor_types.items()
+                       if name.startswith("blk.")),
     )
 
 
@@ -112,6 +127,7 @@ def _from_hf_directory(path: Path, dtype: torch.dtype, progress: ProgressCallbac
         chat_template=directory.chat_template,
         generation_config=directory.generation_config,
         source_path=str(path),
+        weights=LazyTensors(directory.tensors, progress),
     )
 
 

@@ -1,9 +1,16 @@
 """GGUF files (llama.cpp's format): metadata -> ModelConfig and tokenizer, tensors -> HF names.
 
-Tensors are dequantized to float32 with ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0,
-Q4_1, Q4_K, Q5_K, Q6_K and the other types that package knows), renamed to Hugging Face names, and
-the q/k projection rows of ``llama``-architecture files are put back from llama.cpp's interleaved
-rotary order into the rotate-half (NeoX) order the model uses.
+The header is parsed by `helios.loaders.gguf_reader` and tensor data is memory-mapped. Each tensor
+is read in one of two forms, renamed to its Hugging Face name, with the q/k projection rows of
+``llama``-architecture files put back from llama.cpp's interleaved rotary order into the
+rotate-half (NeoX) order the model uses:
+
+* `GGUFFile.weight_thunks`: the checkpoint's own form. Q4_0, Q4_1 and Q8_0 blocks become
+  `GroupQuantized` codes (unpacked in torch, bit for bit), so a quantized weight format can keep them;
+  F32, F16 and BF16 tensors stay dense in their dtype; other types (K-quants, Q5_x, ...) are
+  dequantized to float32 by ``gguf.quants``.
+* `GGUFFile.tensor_thunks`: everything dense in one dtype (the dequantization of the above,
+  equal to ``gguf.quants.dequantize`` bit for bit).
 """
 
 from __future__ import annotations
@@ -14,15 +21,27 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import gguf
 import numpy as np
 import torch
 from torch import Tensor
 
+from helios.loaders.gguf_reader import (
+    GGML_BF16,
+    GGML_F16,
+    GGML_F32,
+    GGML_Q4_0,
+    GGML_Q4_1,
+    GGML_Q8_0,
+    GGUFTensorInfo,
+    block_layout,
+    read_gguf,
+)
 from helios.models.config import ModelConfig
 from helios.models.llama import rope_inv_freq
+from helios.models.quant import GroupQuantized, WeightSource, dense_of
 
 TensorThunk = Callable[[], Tensor]
+SourceThunk = Callable[[], WeightSource]
 
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _GLOBAL_NAMES = {
@@ -48,14 +67,13 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 
 class GGUFFile:
-    """An opened GGUF file: decoded metadata and lazily dequantized tensors."""
+    """An opened GGUF file: decoded metadata and lazily read tensors."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._reader = gguf.GGUFReader(self.path)
-        self.metadata: dict[str, Any] = {name: _field_value(field) for name, field in self._reader.fields.items()
-                                         if not name.startswith("GGUF.")}
-        self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
+        self._contents = read_gguf(self.path)
+        self.metadata: dict[str, Any] = self._contents.metadata
+        self._tensors: dict[str, GGUFTensorInfo] = self._contents.tensors
         self.config = self._build_config()
 
     @property
@@ -68,27 +86,58 @@ class GGUFFile:
         template = self.metadata.get("tokenizer.chat_template")
         return str(template) if template else None
 
+    @property
+    def tensor_types(self) -> dict[str, int]:
+        """GGUF tensor name -> ggml type."""
+        return {name: info.ggml_type for name, info in self._tensors.items()}
+
+    def read_source(self, gguf_name: str) -> WeightSource:
+        """One tensor in the checkpoint's own form (rows = outermost GGUF dimension): `GroupQuantized`
+        for Q4_0/Q4_1/Q8_0, the stored dtype for F32/F16/BF16, float32 for other types."""
+        info = self._tensors[gguf_name]
+        raw = self._contents.tensor_bytes(info)
+        kind = info.ggml_type
+        if kind == GGML_F32:
+            return raw.view(torch.float32).reshape(info.shape).clone()
+        if kind == GGML_F16:
+            return raw.view(torch.float16).reshape(info.shape).clone()
+        if kind == GGML_BF16:
+            return raw.view(torch.bfloat16).reshape(info.shape).clone()
+        if kind in (GGML_Q4_0, GGML_Q4_1, GGML_Q8_0) and len(info.shape) == 2:
+            return unpack_blocks(raw, kind, info.shape)
+        return torch.from_numpy(_numpy_dequantize(raw, info))
+
     def read_tensor(self, gguf_name: str) -> np.ndarray:
         """One tensor as float32, numpy layout (rows = outermost GGUF dimension)."""
-        tensor = self._tensors[gguf_name]
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        array = np.asarray(array, dtype=np.float32).reshape(shape)
-        return array if array.flags.writeable else array.copy()
+        return dense_of(self.read_source(gguf_name)).to(torch.float32).numpy()
+
+    def weight_thunks(self) -> dict[str, SourceThunk]:
+        """Hugging Face name -> function producing that weight in the checkpoint's form (`read_source`)."""
+        thunks: dict[str, SourceThunk] = {}
+        for gguf_name, hf_name, heads in self._names():
+            thunks[hf_name] = _make_source_thunk(self, gguf_name, heads)
+        return thunks
 
     def tensor_thunks(self, dtype: torch.dtype) -> dict[str, TensorThunk]:
         """Hugging Face name -> function producing that tensor in ``dtype`` (dequantized on each call)."""
+        thunks: dict[str, TensorThunk] = {}
+        for gguf_name, hf_name, heads in self._names():
+            thunks[hf_name] = _make_thunk(self, gguf_name, heads, dtype)
+        return thunks
+
+    def _names(self) -> list[tuple[str, str, int | None]]:
+        """(GGUF name, Hugging Face name, heads to un-permute the rows of or None) per tensor."""
         cfg = self.config
         permute_heads: dict[str, int] = {}
         if self.metadata.get("general.architecture") == "llama":
             permute_heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
-        thunks: dict[str, TensorThunk] = {}
+        out = []
         for gguf_name in self._tensors:
             if gguf_name == _ROPE_FREQS:
                 continue
             hf_name, heads = _hf_name(gguf_name, permute_heads)
-            thunks[hf_name] = _make_thunk(self, gguf_name, heads, dtype)
-        return thunks
+            out.append((gguf_name, hf_name, heads))
+        return out
 
     def _build_config(self) -> ModelConfig:
         meta = self.metadata
@@ -193,12 +242,59 @@ def _hf_name(gguf_name: str, permute_heads: Mapping[str, int]) -> tuple[str, int
     return f"model.layers.{layer}.{module}.{kind}", permute_heads.get(module)
 
 
+def unpack_blocks(raw: Tensor, ggml_type: int, shape: tuple[int, ...]) -> GroupQuantized:
+    """Q4_0 / Q4_1 / Q8_0 blocks (raw bytes of a [rows, cols] tensor) -> `GroupQuantized`, in torch.
+
+    Q4_0: float16 d, 16 bytes of nibbles (element j in the low nibble of byte j, element j + 16 in the
+    high one); w = d (q - 8). Q4_1: float16 d, float16 m, the same nibbles; w = d q + m. Q8_0: float16 d,
+    32 int8; w = d q."""
+    rows, cols = shape
+    per_block, block_bytes = block_layout(ggml_type)
+    blocks = raw.view(rows * cols // per_block, block_bytes)
+    groups = (rows, cols // per_block)
+    d = blocks[:, 0:2].contiguous().view(torch.float16).to(torch.float32).view(groups)
+    if ggml_type == GGML_Q8_0:
+        codes = blocks[:, 2:].contiguous().view(torch.int8).view(rows, cols)
+        return GroupQuantized(codes, d, torch.zeros_like(d), bits=8, group_size=per_block)
+    if ggml_type == GGML_Q4_1:
+        offset = blocks[:, 2:4].contiguous().view(torch.float16).to(torch.float32).view(groups)
+        nibbles = blocks[:, 4:]
+    else:
+        offset = d * -8
+        nibbles = blocks[:, 2:]
+    codes = torch.empty(blocks.shape[0], per_block, dtype=torch.uint8)
+    torch.bitwise_and(nibbles, 0x0F, out=codes[:, : per_block // 2])
+    torch.bitwise_right_shift(nibbles, 4, out=codes[:, per_block // 2 :])
+    return GroupQuantized(codes.view(rows, cols), d, offset, bits=4, group_size=per_block)
+
+
+def _numpy_dequantize(raw: Tensor, info: GGUFTensorInfo) -> np.ndarray:
+    """Types Helios does not unpack itself, through ``gguf.quants`` (float32, numpy layout)."""
+    import gguf
+
+    rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+    array = gguf.quants.dequantize(raw.numpy().reshape(rows, -1), gguf.GGMLQuantizationType(info.ggml_type))
+    return np.asarray(array, dtype=np.float32).reshape(info.shape)
+
+
+def _make_source_thunk(file: GGUFFile, gguf_name: str, permute_heads: int | None) -> SourceThunk:
+    def load() -> WeightSource:
+        value = file.read_source(gguf_name)
+        if permute_heads is None:
+            return value
+        if isinstance(value, GroupQuantized):
+            rows = torch.arange(value.shape[0])
+            return value.take_rows(unpermute_rotary_rows(rows, permute_heads))
+        return unpermute_rotary_rows(value, permute_heads).contiguous()
+
+    return load
+
+
 def _make_thunk(file: GGUFFile, gguf_name: str, permute_heads: int | None, dtype: torch.dtype) -> TensorThunk:
+    source = _make_source_thunk(file, gguf_name, permute_heads)
+
     def load() -> Tensor:
-        array = file.read_tensor(gguf_name)
-        if permute_heads is not None:
-            array = np.ascontiguousarray(unpermute_rotary_rows(array, permute_heads))
-        return torch.from_numpy(array).to(dtype)
+        return dense_of(source()).to(dtype)
 
     return load
 
@@ -216,21 +312,3 @@ def _infer_llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int, ori
         if np.allclose(plain / scaled, divisors, rtol=1e-3, atol=1e-3):
             return candidate
     raise NotImplementedError("GGUF rope_freqs do not match any known Llama-3 rope scaling")
-
-
-def _field_value(field: Any) -> Any:
-    """A GGUF metadata field as a Python value (str, int, float, bool or list of them)."""
-    if hasattr(field, "contents"):
-        return field.contents()
-    types = list(field.types)
-    if not types:
-        return None
-    value_type = gguf.GGUFValueType
-    if types[0] == value_type.ARRAY:
-        if types[-1] == value_type.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    if types[0] == value_type.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    scalar = field.parts[field.data[0]].tolist()[0]
-    return bool(scalar) if types[0] == value_type.BOOL else scalar

@@ -8,6 +8,11 @@ Layout choices for CPU speed: q/k/v are one matmul and gate/up another (weights 
 time); RoPE is applied to q and k in one pass, with cos/sin computed once per forward from the
 positions. RMSNorm runs in float32 whatever the weight dtype, and so do the logits (the output
 projection keeps a float32 copy for bf16/fp16 weights unless ``lm_head_fp32=False``).
+
+The projections' storage is a `helios.models.quant.WeightFormat`: dense in the model dtype by default,
+or grouped int4 / per-channel int8 (with an optional dense copy for large steps). `load_weights` takes
+dense tensors or `GroupQuantized` codes (GGUF Q4_0/Q4_1/Q8_0 blocks) and builds each fused projection
+in that format; `packed_state` / `load_packed_state` save and restore the built tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +26,26 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from helios.models.config import ModelConfig
+from helios.models.quant import (
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
+    UnloadedLinear,
+    WeightFormat,
+    WeightSource,
+    build_linear,
+    dense_of,
+)
+
+_LM_HEAD_FP32 = "lm_head_fp32"  # the float32 output projection's name in `packed_state`
+# The fused projections of a decoder layer: attribute -> the Hugging Face weight names (suffixes of
+# "model.layers.{i}.") that make up its row blocks, in order.
+PROJECTIONS = {
+    "qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "o_proj": ("self_attn.o_proj.weight",),
+    "gate_up_proj": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down_proj": ("mlp.down_proj.weight",),
+}
 
 
 class AttentionBackend(Protocol):
@@ -39,19 +64,25 @@ class LlamaForCausalLM(nn.Module):
     inv_freq: Tensor
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", *, lm_head_fp32: bool = True) -> None:
-        """``lm_head_fp32``: with bf16/fp16 weights, keep a float32 copy of the output projection so
-        logits are not rounded to the weight dtype. Rounding matters: bf16 logits near 25 are
-        multiples of 0.125, which turns the default model's first-token near tie into an exact one
-        (and the wrong answer). It costs a float32 vocab x hidden matrix of memory and its bandwidth
-        each step; with False, logits are computed in the weight dtype and upcast."""
+                 device: torch.device | str = "cpu", *, lm_head_fp32: bool = True,
+                 weights: WeightFormat | None = None) -> None:
+        """``dtype``: activations, norms' outputs, embeddings and the KV cache; dense projections
+        too unless ``weights`` says otherwise (default: dense in ``dtype``). ``lm_head_fp32``: with
+        bf16/fp16 weights, keep a float32 copy of the output projection, made from the checkpoint's
+        own values (not from the rounded copy), so logits are neither rounded to the weight dtype nor
+        computed from rounded weights. Rounding matters: bf16 logits near 25 are multiples of 0.125,
+        which turns the default model's first-token near tie into an exact one (and the wrong answer).
+        It costs a float32 vocab x hidden matrix of memory and its bandwidth each step; with False,
+        logits are computed in the weight dtype and upcast."""
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.weight_format = weights or WeightFormat()
         self.softmax_scale = config.head_dim ** -0.5
         self.embed_tokens = _param(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
         self.layers = nn.ModuleList(
-            _DecoderLayer(config, i, dtype, torch.device(device)) for i in range(config.num_layers)
+            _DecoderLayer(config, i, dtype, torch.device(device), self._placeholder_dtype())
+            for i in range(config.num_layers)
         )
         self.norm = _param(torch.ones(config.hidden_size, dtype=torch.float32, device=device))
         if config.tie_word_embeddings:
@@ -80,8 +111,10 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(hidden.float(), self._lm_head_fp32)
         return F.linear(hidden, self.lm_head).float()
 
-    def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
-        """Copy Hugging Face-named tensors into the fused parameters (converting dtype).
+    def load_weights(self, tensors: Mapping[str, WeightSource]) -> None:
+        """Build the parameters from Hugging Face-named weights: dense tensors (converted to the
+        target dtype) or `GroupQuantized` codes (kept as codes where the weight format allows, else
+        dequantized). Each fused projection is built once all its parts are read.
 
         Every expected tensor must be present, except ``lm_head.weight`` when the embeddings are tied
         (then an ``lm_head.weight`` is ignored, as transformers does). Unknown names raise.
@@ -90,31 +123,98 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         unexpected: list[str] = []
         targets = self._weight_targets()
+        shapes = self._projection_shapes()
+        pending: dict[tuple[int, str], list[WeightSource | None]] = {}
+        layers = self._decoder_layers()
         with torch.no_grad():
             for name in tensors:
                 if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                     continue
                 target = targets.get(name)
-                if target is None:
+                slot = shapes.get(name)
+                if target is None and slot is None:
                     unexpected.append(name)
                     continue
-                tensor = tensors[name]  # read (lazily, for checkpoints) only what is used
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"{name}: expected shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
-                target.copy_(tensor)
+                value = tensors[name]  # read (lazily, for checkpoints) only what is used
+                expected = tuple(target.shape) if target is not None else slot[2]  # type: ignore[index]
+                if tuple(value.shape) != expected:
+                    raise ValueError(f"{name}: expected shape {expected}, got {tuple(value.shape)}")
                 loaded.add(name)
+                if target is not None:
+                    dense = dense_of(value)
+                    target.copy_(dense)
+                    if self._wants_lm_head_fp32 and name == self._head_name():
+                        self._lm_head_fp32 = dense.to(device=self.device, dtype=torch.float32, copy=True)
+                    continue
+                layer_idx, attr, _, index, count = slot  # type: ignore[misc]
+                parts = pending.setdefault((layer_idx, attr), [None] * count)
+                parts[index] = value
+                if all(p is not None for p in parts):
+                    del pending[(layer_idx, attr)]
+                    module = build_linear([p for p in parts if p is not None], self.weight_format, self.dtype)
+                    layers[layer_idx].set_projection(attr, module.to(self.device))
         if unexpected:
             raise ValueError(f"unexpected weights: {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}")
-        missing = sorted(set(targets) - loaded)
+        missing = sorted((set(targets) | set(shapes)) - loaded)
         if missing:
             raise ValueError(f"missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        for layer in self._decoder_layers():
+        for layer in layers:
             layer.finish_loading()
-        if self._wants_lm_head_fp32:
+        if self._wants_lm_head_fp32 and self._lm_head_fp32 is None:
             self._lm_head_fp32 = self.lm_head.detach().float()
 
+    def packed_state(self) -> tuple[dict[str, Tensor], dict[str, str]]:
+        """The loaded weights as stored (packed int4, int8, dense copies, norms, embeddings) and the
+        kind of module each projection is, for `load_packed_state`."""
+        kinds = {f"layers.{i}.{attr}": _linear_kind(getattr(layer, attr))
+                 for i, layer in enumerate(self._decoder_layers()) for attr in PROJECTIONS}
+        state = self._stored_state()
+        if self._lm_head_fp32 is not None:
+            state[_LM_HEAD_FP32] = self._lm_head_fp32
+        return state, kinds
+
+    def load_packed_state(self, state: Mapping[str, Tensor], kinds: Mapping[str, str]) -> None:
+        """Restore what `packed_state` returned (from a model of the same config, dtype and format)."""
+        for i, layer in enumerate(self._decoder_layers()):
+            for attr in PROJECTIONS:
+                prefix = f"layers.{i}.{attr}."
+                kind = kinds.get(f"layers.{i}.{attr}")
+                if kind is None:
+                    raise ValueError(f"packed state lacks the kind of layers.{i}.{attr}")
+                layer.set_projection(attr, _linear_from_state(kind, {k[len(prefix):]: v for k, v in state.items()
+                                                                      if k.startswith(prefix)}))
+        expected = set(self._stored_state())
+        if self._wants_lm_head_fp32:
+            expected.add(_LM_HEAD_FP32)
+        if set(state) != expected:
+            raise ValueError(f"packed state does not match the model: missing {sorted(expected - set(state))[:4]}, "
+                             f"unexpected {sorted(set(state) - expected)[:4]}")
+        with torch.no_grad():
+            for name, target in self._stored_state(keep_vars=True).items():
+                if target.data_ptr() != state[name].data_ptr():
+                    target.copy_(state[name])
+        if self._wants_lm_head_fp32:
+            self._lm_head_fp32 = state[_LM_HEAD_FP32].to(self.device)
+        for layer in self._decoder_layers():
+            layer.finish_loading()
+
+    def _stored_state(self, keep_vars: bool = False) -> dict[str, Tensor]:
+        """state_dict without empty entries and without the tied head (the embedding holds it)."""
+        state = {name: t for name, t in self.state_dict(keep_vars=keep_vars).items() if t is not None}
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head", None)
+        return state
+
+    def _placeholder_dtype(self) -> torch.dtype | None:
+        """The dtype of the projections before loading: a dense format's, else None (none)."""
+        fmt = self.weight_format
+        return (fmt.dtype or self.dtype) if fmt.kind == "dense" else None
+
+    def _head_name(self) -> str:
+        return "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+
     def _weight_targets(self) -> dict[str, Tensor]:
-        """Hugging Face name -> the (view of the) parameter it fills."""
+        """Hugging Face name -> the (view of the) parameter it fills, for everything but the projections."""
         targets: dict[str, Tensor] = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
         if not self.config.tie_word_embeddings:
             targets["lm_head.weight"] = self.lm_head
@@ -122,6 +222,23 @@ class LlamaForCausalLM(nn.Module):
             for suffix, view in layer.weight_targets().items():
                 targets[f"model.layers.{i}.{suffix}"] = view
         return targets
+
+    def _projection_shapes(self) -> dict[str, tuple[int, str, tuple[int, int], int, int]]:
+        """Hugging Face name -> (layer, projection attribute, shape, part index, number of parts)."""
+        cfg = self.config
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        part_shapes = {
+            "self_attn.q_proj.weight": (cfg.q_size, hidden), "self_attn.k_proj.weight": (cfg.kv_size, hidden),
+            "self_attn.v_proj.weight": (cfg.kv_size, hidden), "self_attn.o_proj.weight": (hidden, cfg.q_size),
+            "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+            "mlp.down_proj.weight": (hidden, inter),
+        }
+        out: dict[str, tuple[int, str, tuple[int, int], int, int]] = {}
+        for i in range(cfg.num_layers):
+            for attr, suffixes in PROJECTIONS.items():
+                for index, suffix in enumerate(suffixes):
+                    out[f"model.layers.{i}.{suffix}"] = (i, attr, part_shapes[suffix], index, len(suffixes))
+        return out
 
     def _decoder_layers(self) -> list[_DecoderLayer]:
         return [cast(_DecoderLayer, layer) for layer in self.layers]
@@ -137,7 +254,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 class _DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device,
+                 dense_dtype: torch.dtype | None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.eps = config.rms_norm_eps
@@ -154,21 +272,30 @@ class _DecoderLayer(nn.Module):
             return _param(torch.empty(*shape, dtype=dt, device=device))
 
         self.input_norm = empty(hidden, dt=torch.float32)
-        self.qkv_proj = empty(qkv_rows, hidden)
+        # The projections (PROJECTIONS) are built by load_weights in the model's weight format; dense
+        # formats start with uninitialised dense parameters (so a model can also be filled in place).
+        def projection(rows: int, cols: int) -> nn.Module:
+            if dense_dtype is None:
+                return UnloadedLinear()
+            return DenseLinear(torch.empty(rows, cols, dtype=dense_dtype, device=device))
+
+        self.qkv_proj: nn.Module = projection(qkv_rows, hidden)
+        self.o_proj: nn.Module = projection(hidden, config.q_size)
+        self.gate_up_proj: nn.Module = projection(2 * config.intermediate_size, hidden)
+        self.down_proj: nn.Module = projection(hidden, config.intermediate_size)
         self.qkv_bias = empty(qkv_rows) if config.attention_bias else None
         # One weight for q and k heads side by side: [num_heads + num_kv_heads, head_dim].
         self.qk_norm = empty(config.num_heads + config.num_kv_heads, config.head_dim, dt=torch.float32) \
             if config.qk_norm else None
-        self.o_proj = empty(hidden, config.q_size)
         self.post_attention_norm = empty(hidden, dt=torch.float32)
-        self.gate_up_proj = empty(2 * config.intermediate_size, hidden)
-        self.down_proj = empty(hidden, config.intermediate_size)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         num_tokens = h.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
         x = _rms_norm(h, self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = self.qkv_proj(x)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, qk_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
@@ -176,23 +303,22 @@ class _DecoderLayer(nn.Module):
         qk = _apply_rope(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         out = attn(self.layer_idx, q, k, v)
-        h = h + F.linear(out.reshape(num_tokens, self.q_size), self.o_proj)
+        h = h + self.o_proj(out.reshape(num_tokens, self.q_size))
         x = _rms_norm(h, self.post_attention_norm, self.eps)
-        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return h + F.linear(F.silu(gate).mul_(up), self.down_proj)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return h + self.down_proj(F.silu(gate).mul_(up))
+
+    def set_projection(self, attr: str, module: nn.Module) -> None:
+        if attr not in PROJECTIONS:
+            raise KeyError(attr)
+        setattr(self, attr, module)
 
     def weight_targets(self) -> dict[str, Tensor]:
-        q, kv, inter = self.q_size, self.kv_size, self.intermediate_size
+        """Hugging Face suffix -> parameter (view) for the norms and biases (not the projections)."""
+        q, kv = self.q_size, self.kv_size
         targets: dict[str, Tensor] = {
             "input_layernorm.weight": self.input_norm,
-            "self_attn.q_proj.weight": self.qkv_proj[:q],
-            "self_attn.k_proj.weight": self.qkv_proj[q : q + kv],
-            "self_attn.v_proj.weight": self.qkv_proj[q + kv :],
-            "self_attn.o_proj.weight": self.o_proj,
             "post_attention_layernorm.weight": self.post_attention_norm,
-            "mlp.gate_proj.weight": self.gate_up_proj[:inter],
-            "mlp.up_proj.weight": self.gate_up_proj[inter:],
-            "mlp.down_proj.weight": self.down_proj,
         }
         if self.qkv_bias is not None:
             targets["self_attn.q_proj.bias"] = self.qkv_bias[:q]
@@ -235,6 +361,32 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= original / high) & (wavelen <= original / low)
     return torch.where(is_medium, blended, scaled)
+
+
+def _linear_kind(module: nn.Module) -> str:
+    if isinstance(module, DenseLinear):
+        return "dense"
+    if isinstance(module, Int4Linear):
+        return f"int4:{module.group_size}:{module.out_features}:{module.dense_above}"
+    if isinstance(module, Int8Linear):
+        return f"int8:{module.dense_above}"
+    raise ValueError(f"{type(module).__name__} has no packed form")
+
+
+def _linear_from_state(kind: str, state: Mapping[str, Tensor]) -> nn.Module:
+    name, *args = kind.split(":")
+    try:
+        if name == "dense":
+            return DenseLinear(state["weight"])
+        if name == "int4":
+            group_size, out_features, dense_above = (int(a) for a in args)
+            return Int4Linear(state["packed"], state["scales_and_zeros"], group_size, out_features,
+                              state.get("dense"), dense_above)
+        if name == "int8":
+            return Int8Linear(state["weight"], state["scales"], state.get("dense"), int(args[0]))
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"packed state of kind {kind!r} is incomplete: {exc}") from None
+    raise ValueError(f"unknown packed projection kind {kind!r}")
 
 
 def _param(tensor: Tensor) -> nn.Parameter:

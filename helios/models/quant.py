@@ -1,0 +1,256 @@
+"""Weight formats of the decoder's linear layers: dense float, grouped int4, per-channel int8.
+
+A checkpoint hands the model each weight either as a dense tensor or as `GroupQuantized` codes (what
+a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks hold); `build_linear` turns the parts of one fused projection
+(q, k, v or gate, up) into the module that multiplies by it:
+
+* `DenseLinear`: ``F.linear`` in float32, bfloat16 or float16.
+* `Int4Linear`: torch's grouped int4 weight-only matmul (``_weight_int4pack_mm_for_cpu``, groups of
+  32 along the input dimension, one scale and one zero point per group). Q4_0 and Q4_1 blocks map onto
+  it without re-quantizing: the 4-bit codes are copied as they are, scale = d and
+  zero = m + 8 d (the kernel computes ``(code - 8) * scale + zero``; Q4_0's m is -8 d). The kernel
+  takes activations, scales and zeros in bfloat16 (its float32 path is scalar code, 10-100x slower),
+  so scales and zeros are rounded to bfloat16 at packing and activations on entry.
+* `Int8Linear`: torch's per-output-channel int8 weight-only matmul (``_weight_int8pack_mm``),
+  bfloat16 activations. No GGUF type maps onto it exactly (Q8_0 has a scale per 32 weights): weights
+  are re-quantized symmetrically per row.
+
+A quantized projection may also keep a dense copy for steps of many rows (`WeightFormat.dense_above`):
+the int4 kernel is fastest for a few rows (decode), a dense bfloat16 GEMM for many (prefill, large
+batches); see docs/benchmarks.md, "Weight formats".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+GROUP_SIZE = 32  # GGUF's block size for Q4_0/Q4_1/Q8_0, and the int4 kernel's group size here
+QUANTIZED_KINDS = ("int4", "int8")
+
+
+@attrs.frozen(eq=False)
+class GroupQuantized:
+    """A [rows, cols] weight as integer codes with one affine map per row and group of columns:
+    ``w[n, k] = codes[n, k] * scale[n, k // group_size] + offset[n, k // group_size]`` in float32.
+
+    Q4_0: codes 0..15 (uint8), offset = -8 scale. Q4_1: codes 0..15, offset = the block minimum.
+    Q8_0: codes -128..127 (int8), offset 0. `dequantize` reproduces ggml's own dequantization
+    exactly (the products are exact in float32 for 4- and 8-bit codes times a float16 scale)."""
+
+    codes: Tensor  # uint8 (4-bit codes) or int8, [rows, cols]
+    scale: Tensor  # float32 [rows, cols // group_size]
+    offset: Tensor  # float32 [rows, cols // group_size]
+    bits: int
+    group_size: int = GROUP_SIZE
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.codes.shape[0]), int(self.codes.shape[1]))
+
+    def dequantize(self) -> Tensor:
+        """float32 [rows, cols], computed as ggml does (``codes * scale + offset``)."""
+        rows, cols = self.shape
+        codes = self.codes.view(rows, cols // self.group_size, self.group_size).to(torch.float32)
+        out = codes * self.scale.unsqueeze(-1) + self.offset.unsqueeze(-1)
+        return out.view(rows, cols)
+
+    def take_rows(self, index: Tensor) -> GroupQuantized:
+        return GroupQuantized(self.codes[index], self.scale[index], self.offset[index], self.bits, self.group_size)
+
+    def int4_scales_and_zeros(self) -> tuple[Tensor, Tensor]:
+        """float32 (scale, zero) of the int4 kernel's ``(code - 8) * scale + zero`` form."""
+        if self.bits != 4:
+            raise ValueError(f"{self.bits}-bit codes have no int4 form")
+        return self.scale, self.offset + 8 * self.scale
+
+
+WeightSource = Tensor | GroupQuantized
+
+
+def dense_of(weight: WeightSource) -> Tensor:
+    """The weight as a dense tensor (float32 when dequantized, else as stored)."""
+    return weight.dequantize() if isinstance(weight, GroupQuantized) else weight
+
+
+def quantize_int4(weight: Tensor, group_size: int = GROUP_SIZE) -> GroupQuantized:
+    """Asymmetric 4-bit quantization per group of ``group_size`` columns (Q4_1's scheme: scale =
+    (max - min) / 15, offset = min, codes rounded to nearest), for weights whose source is not already
+    4-bit. Lossy: each weight moves by up to half a step."""
+    rows, cols = weight.shape
+    w = weight.to(torch.float32).view(rows, cols // group_size, group_size)
+    low = w.amin(dim=-1)
+    high = w.amax(dim=-1)
+    scale = (high - low) / 15
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    codes = ((w - low.unsqueeze(-1)) * inverse.unsqueeze(-1)).round_().clamp_(0, 15).to(torch.uint8)
+    return GroupQuantized(codes.view(rows, cols), scale, low, bits=4, group_size=group_size)
+
+
+@attrs.frozen
+class WeightFormat:
+    """How the decoder layers' projections are stored and multiplied.
+
+    ``kind``: "dense" (``dtype`` is the storage dtype), "int4" or "int8". For the quantized kinds,
+    ``dense_dtype`` (optional) keeps a dense copy used by steps of more than ``dense_above`` rows, and
+    ``requantize`` says what happens to a projection whose source is not already in the kind's form
+    (int4: Q4_0/Q4_1 codes; int8: never): True quantizes it (lossy), False keeps it dense in
+    ``dense_dtype`` (or in the model dtype)."""
+
+    kind: str = "dense"
+    dtype: torch.dtype | None = None  # dense: the storage dtype (None: the model dtype)
+    dense_dtype: torch.dtype | None = None
+    dense_above: int = 0
+    requantize: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind not in ("dense", *QUANTIZED_KINDS):
+            raise ValueError(f"unknown weight format kind {self.kind!r}")
+
+    def describe(self) -> str:
+        if self.kind == "dense":
+            return f"dense {_dtype_name(self.dtype) if self.dtype else 'model dtype'}"
+        text = f"{self.kind} (bfloat16 activations into the kernel)"
+        if self.dense_dtype is not None:
+            text += f", dense {_dtype_name(self.dense_dtype)} copy for steps of more than {self.dense_above} rows"
+        if self.kind == "int4" and not self.requantize:
+            text += ", projections without Q4_0/Q4_1 codes kept dense"
+        return text
+
+    def cache_tag(self) -> str:
+        """What distinguishes the stored tensors of this format (for the packed-weight cache)."""
+        dense = _dtype_name(self.dense_dtype) if self.dense_dtype is not None else "-"
+        dtype = _dtype_name(self.dtype) if self.dtype is not None else "-"
+        return f"{self.kind}:{dtype}:{dense}:{int(self.requantize)}"
+
+
+class UnloadedLinear(nn.Module):
+    """A projection before `LlamaForCausalLM.load_weights` has run."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        raise RuntimeError("the model's weights are not loaded")
+
+
+class DenseLinear(nn.Module):
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if x.dtype == w.dtype:
+            return F.linear(x, w)
+        return F.linear(x.to(w.dtype), w).to(x.dtype)
+
+
+class Int4Linear(nn.Module):
+    """Grouped int4 weight-only matmul; ``packed`` is torch's CPU int4 layout ([N, K/2] uint8),
+    ``scales_and_zeros`` bfloat16 [K/group, N, 2]. ``dense`` (a buffer, so that the engine's count of
+    the bytes a decode step reads stays the int4 tensors) serves steps of more than ``dense_above`` rows."""
+
+    dense: Tensor | None
+
+    def __init__(self, packed: Tensor, scales_and_zeros: Tensor, group_size: int, out_features: int,
+                 dense: Tensor | None = None, dense_above: int = 0) -> None:
+        super().__init__()
+        self.packed = nn.Parameter(packed, requires_grad=False)
+        self.scales_and_zeros = nn.Parameter(scales_and_zeros, requires_grad=False)
+        self.group_size = group_size
+        self.out_features = out_features
+        self.register_buffer("dense", dense)
+        self.dense_above = dense_above
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.dense is not None and x.shape[0] > self.dense_above:
+            return _dense_matmul(x, self.dense)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed,
+                                                        self.group_size, self.scales_and_zeros)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    @classmethod
+    def pack(cls, weight: GroupQuantized, dense: Tensor | None = None, dense_above: int = 0) -> Int4Linear:
+        rows = weight.shape[0]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+        scale, zero = weight.int4_scales_and_zeros()
+        scales_and_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
+        return cls(packed, scales_and_zeros, weight.group_size, rows, dense, dense_above)
+
+
+class Int8Linear(nn.Module):
+    """Per-output-channel int8 weight-only matmul: ``weight`` int8 [N, K], ``scales`` bfloat16 [N]."""
+
+    dense: Tensor | None
+
+    def __init__(self, weight: Tensor, scales: Tensor, dense: Tensor | None = None, dense_above: int = 0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.scales = nn.Parameter(scales, requires_grad=False)
+        self.register_buffer("dense", dense)
+        self.dense_above = dense_above
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.dense is not None and x.shape[0] > self.dense_above:
+            return _dense_matmul(x, self.dense)
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight, self.scales)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    @classmethod
+    def quantize(cls, weight: Tensor, dense: Tensor | None = None, dense_above: int = 0) -> Int8Linear:
+        """Symmetric per-row quantization: scale = max |w| / 127 (rounded to bfloat16 first, so the
+        codes are rounded against the scale the kernel uses)."""
+        w = weight.to(torch.float32)
+        scales = (w.abs().amax(dim=1) / 127).to(torch.bfloat16)
+        s = scales.to(torch.float32)
+        inverse = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+        codes = (w * inverse[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        return cls(codes, scales, dense, dense_above)
+
+
+def build_linear(parts: Sequence[WeightSource], fmt: WeightFormat, model_dtype: torch.dtype) -> nn.Module:
+    """The module for one fused projection whose row blocks are ``parts`` (all with the same columns)."""
+    dense_dtype = fmt.dense_dtype or model_dtype
+    if fmt.kind == "dense":
+        return DenseLinear(_cat_dense(parts, fmt.dtype or model_dtype))
+    copy = _cat_dense(parts, fmt.dense_dtype) if fmt.dense_dtype is not None else None
+    cols = parts[0].shape[1]
+    if fmt.kind == "int4":
+        if cols % GROUP_SIZE:
+            return DenseLinear(copy if copy is not None else _cat_dense(parts, dense_dtype))
+        if all(_is_int4(p) for p in parts):
+            return Int4Linear.pack(_cat_quantized(parts), copy, fmt.dense_above)
+        if not fmt.requantize:
+            return DenseLinear(copy if copy is not None else _cat_dense(parts, dense_dtype))
+        quantized = [p if _is_int4(p) else quantize_int4(dense_of(p)) for p in parts]
+        return Int4Linear.pack(_cat_quantized(quantized), copy, fmt.dense_above)
+    return Int8Linear.quantize(_cat_dense(parts, torch.float32), copy, fmt.dense_above)
+
+
+def _is_int4(part: WeightSource) -> bool:
+    return isinstance(part, GroupQuantized) and part.bits == 4 and part.group_size == GROUP_SIZE
+
+
+def _cat_dense(parts: Sequence[WeightSource], dtype: torch.dtype) -> Tensor:
+    dense = [dense_of(p).to(dtype) for p in parts]
+    return dense[0].contiguous() if len(dense) == 1 else torch.cat(dense)
+
+
+def _cat_quantized(parts: Sequence[WeightSource]) -> GroupQuantized:
+    qs = [p for p in parts if isinstance(p, GroupQuantized)]
+    if len(qs) == 1:
+        return qs[0]
+    return GroupQuantized(torch.cat([q.codes for q in qs]), torch.cat([q.scale for q in qs]),
+                          torch.cat([q.offset for q in qs]), qs[0].bits, qs[0].group_size)
+
+
+def _dense_matmul(x: Tensor, w: Tensor) -> Tensor:
+    if x.dtype == w.dtype:
+        return F.linear(x, w)
+    return F.linear(x.to(w.dtype), w).to(x.dtype)
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.")
