@@ -13,6 +13,8 @@ import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# [model] weights: how the decoder's projections are stored and multiplied (helios.runtime.choose_weights).
+WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
 
 
 class ConfigError(ValueError):
@@ -68,6 +70,10 @@ class ServerConfig:
 class ModelConfigSection:
     path: str = ""  # GGUF file or Hugging Face directory; empty = the default model
     dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(["auto", "float32", "bfloat16", "float16"]))
+    # "auto" picks per machine and checkpoint at load (and logs why); see docs/benchmarks.md, "Weight formats".
+    weights: str = attrs.field(default="auto", validator=attrs.validators.in_(WEIGHT_FORMATS))
+    # Keep the built weights (packed int4, dense copies) in <model cache dir>/packed for a fast warm start.
+    weight_cache: bool = True
     device: str = "cpu"
     max_model_len: int = attrs.field(default=0, validator=_non_negative)  # 0 = the model's own limit
     recipe: str = ""  # empty = detect from the model
@@ -110,6 +116,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     _check_server_logging(data.get("server"))
+    _check_weights(data.get("model"))
     _check_shutdown_grace(data.get("server"))
     try:
         cfg = _converter.structure(data, HeliosConfig)
@@ -148,6 +155,17 @@ def _check_server_logging(server: Any) -> None:
         raise ConfigError(f"server.access_log must be true or false, got {server['access_log']!r}")
     if "log_level" in server and server["log_level"] not in LOG_LEVELS:
         raise ConfigError(f"server.log_level must be one of {', '.join(LOG_LEVELS)}, got {server['log_level']!r}")
+
+
+def _check_weights(model: Any) -> None:
+    """Plain messages for `weights` and `weight_cache` (cattrs would say only "invalid value", or
+    take any truthy string for a bool)."""
+    if not isinstance(model, dict):
+        return
+    if "weights" in model and model["weights"] not in WEIGHT_FORMATS:
+        raise ConfigError(f"model.weights must be one of {', '.join(WEIGHT_FORMATS)}, got {model['weights']!r}")
+    if "weight_cache" in model and not isinstance(model["weight_cache"], bool):
+        raise ConfigError(f"model.weight_cache must be true or false, got {model['weight_cache']!r}")
 
 
 def _check_shutdown_grace(server: Any) -> None:

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
+import platform
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from helios.config import HeliosConfig
 from helios.domain.model import ModelInfo
 from helios.engine.attention import KVCache
 from helios.engine.core import EngineConfig, EngineCore, EngineThread
+from helios.models.quant import WeightFormat
 from helios.serving.engine_client import EngineClient
 from helios.serving.pipeline import Service
 
@@ -78,6 +83,152 @@ def choose_dtype(name: str, device: str) -> torch.dtype:
     if device.startswith("cuda"):
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+# `weights = "auto"` on the CPU: the int4 kernel for steps of at most this many rows (decode), a dense
+# copy in the activation dtype above it. Crossovers of one pass over the default model's projections
+# on one thread (`tests/parity/bench_weight_formats.py linears`, docs/benchmarks.md "Weight
+# formats"): with AVX512-BF16, int4 11.7 ms against bf16 16.8 at 8 rows, 17.1 / 18.5 at 12, 20.7 /
+# 19.9 at 14; with torch's AVX2 kernels, int4 against fp32 47 / 59 ms at 16 rows, 93 / 90 at 32. AMX
+# was not measured; it gets the AVX512-BF16 threshold (its bf16 GEMMs only get faster).
+AUTO_DENSE_ABOVE = {"avx2": 24, "avx512_bf16": 12, "amx": 12}
+# The dense copy is skipped (int4 only) when it would take more than this share of available memory.
+AUTO_DENSE_COPY_MEMORY_SHARE = 0.5
+
+
+@attrs.frozen
+class WeightChoice:
+    """What `choose_weights` decided: the activation (and KV) dtype, the projections' format, why."""
+
+    dtype: torch.dtype
+    format: WeightFormat
+    reason: str
+
+    def describe(self) -> str:
+        return f"weights {self.format.describe()}, activations {str(self.dtype).removeprefix('torch.')}: {self.reason}"
+
+
+def choose_weights(weights: str, dtype: str, device: str, *, int4_codes: bool,
+                   projection_params: int = 0) -> WeightChoice:
+    """The configured `[model] weights` and `dtype` -> `WeightChoice`.
+
+    Explicit formats: "float32" / "bfloat16" are dense projections (activations in the same dtype
+    unless `dtype` says otherwise); "int4" / "int8" quantize every projection (int4 keeps Q4_0/Q4_1
+    codes as they are and quantizes the rest; int8 re-quantizes per row), with activations in
+    `choose_dtype(dtype)`. Both quantized kernels are CPU-only.
+
+    "auto": dense in `dtype` when `dtype` is set explicitly (the previous meaning of `--dtype`), and
+    on CUDA; dense in `choose_dtype("auto")` for checkpoints without Q4_0/Q4_1 codes (``int4_codes``:
+    re-quantizing would change the checkpoint's weights); else int4 for steps of up to
+    `AUTO_DENSE_ABOVE[capability]` rows with a dense copy in the activation dtype for larger steps
+    (dropped when that copy of ``projection_params`` weights would take more than half of the
+    available memory). An "amx" capability
+    counts only where the kernel grants AMX tile state (`amx_tile_granted`), else it is AVX512-BF16."""
+    if weights not in ("auto", "float32", "bfloat16", "int8", "int4"):
+        raise ValueError(f"unknown weights {weights!r}: expected auto, float32, bfloat16, int8 or int4")
+    on_cuda = device.startswith("cuda")
+    if weights in ("float32", "bfloat16"):
+        stored = torch.float32 if weights == "float32" else torch.bfloat16
+        act = stored if dtype == "auto" else choose_dtype(dtype, device)
+        return WeightChoice(act, WeightFormat("dense", stored), f"weights = {weights} configured")
+    if weights in ("int4", "int8"):
+        if on_cuda:
+            raise ValueError(f"weights = {weights} runs on the CPU only (device {device}); use auto, bfloat16 or float32")
+        if not quantized_kernel_works(weights):
+            raise ValueError(f"weights = {weights}: torch's {weights} weight-only matmul does not work in this build")
+        return WeightChoice(choose_dtype(dtype, device), WeightFormat(weights), f"weights = {weights} configured")
+    if dtype != "auto":
+        act = choose_dtype(dtype, device)
+        return WeightChoice(act, WeightFormat("dense", act), f"dtype = {dtype} configured")
+    act = choose_dtype("auto", device)
+    if on_cuda:
+        return WeightChoice(act, WeightFormat("dense", act), "CUDA: dense bfloat16")
+    capability, note = effective_cpu_capability()
+    if not int4_codes:
+        return WeightChoice(act, WeightFormat("dense", act),
+                            f"{capability}{note}; the checkpoint has no Q4_0/Q4_1 blocks to keep, and "
+                            "re-quantizing would change its weights")
+    if not quantized_kernel_works("int4"):
+        return WeightChoice(act, WeightFormat("dense", act), f"{capability}{note}; torch's int4 kernel does not work here")
+    act = torch.float32 if capability == "avx2" else torch.bfloat16
+    above = AUTO_DENSE_ABOVE[capability]
+    dense_name = str(act).removeprefix("torch.")
+    available = _available_memory()
+    dense_copy_bytes = projection_params * act.itemsize
+    if available is not None and dense_copy_bytes > AUTO_DENSE_COPY_MEMORY_SHARE * available:
+        return WeightChoice(act, WeightFormat("int4", requantize=False),
+                            f"{capability}{note}; keeps the checkpoint's 4-bit codes; no dense {dense_name} copy "
+                            f"for large steps ({dense_copy_bytes / 2**30:.1f} GiB of {available / 2**30:.1f} GiB available)")
+    return WeightChoice(act, WeightFormat("int4", dense_dtype=act, dense_above=above, requantize=False),
+                        f"{capability}{note}; keeps the checkpoint's 4-bit codes (int4 leads at decode sizes), "
+                        f"dense {dense_name} GEMMs lead above {above} rows")
+
+
+def effective_cpu_capability() -> tuple[str, str]:
+    """`cpu_capability()`, with "amx" downgraded to "avx512_bf16" where the kernel does not grant AMX
+    tile state (then oneDNN is also capped below AMX, unless ONEDNN_MAX_CPU_ISA is set). Returns the
+    capability and a note for the log ("" when nothing changed)."""
+    capability = cpu_capability()
+    if capability != "amx" or amx_tile_granted():
+        return capability, ""
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    return "avx512_bf16", " (AMX advertised but the kernel does not grant tile state: not used)"
+
+
+@functools.cache
+def amx_tile_granted() -> bool:
+    """Whether this process may use AMX tiles: Linux needs ARCH_REQ_XCOMP_PERM for XTILEDATA before
+    the first tile instruction (without it the instruction faults), and some virtual machines
+    advertise AMX in /proc/cpuinfo but refuse the request. Asks once, then reads the permitted set."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    sys_arch_prctl, arch_get_xcomp_perm, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1022, 0x1023, 18
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) != 0:
+            return False
+        permitted = ctypes.c_uint64(0)
+        if libc.syscall(sys_arch_prctl, arch_get_xcomp_perm, ctypes.byref(permitted)) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    return bool(permitted.value & (1 << xfeature_xtiledata))
+
+
+@functools.cache
+def quantized_kernel_works(kind: str) -> bool:
+    """A short probe: torch's int4 / int8 weight-only matmul exists in this build and agrees with a
+    dense matmul of the same dequantized weights on a small random problem."""
+    from helios.models.quant import Int4Linear, Int8Linear, quantize_int4
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 128, generator=generator)
+    x = torch.randn(3, 128, generator=generator)
+    try:
+        with torch.no_grad():
+            if kind == "int4":
+                q = quantize_int4(weight)
+                got = Int4Linear.pack(q)(x)
+                reference = x @ q.dequantize().t()
+            else:
+                layer = Int8Linear.quantize(weight)
+                got = layer(x)
+                reference = x @ (layer.weight.float() * layer.scales.float()[:, None]).t()
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        log.info("%s weight-only matmul unavailable: %s", kind, exc)
+        return False
+    scale = float(reference.abs().max())
+    return bool(torch.allclose(got, reference, rtol=0.0, atol=0.05 * scale))
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 _last_progress: list[tuple[str, int]] = [("", -1)]
@@ -147,10 +298,61 @@ def _is_default(path: str) -> bool:
     return p.name == GGUF_NAME and p.is_file() and p.stat().st_size == GGUF_SIZE
 
 
-def build_runtime(cfg: HeliosConfig) -> Runtime:
+@attrs.frozen(eq=False)
+class LoadedModel:
+    checkpoint: Any  # helios.loaders.checkpoint.Checkpoint
+    model: Any  # helios.models.llama.LlamaForCausalLM
+    choice: WeightChoice
+
+
+def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", device: str = "cpu",
+               cache_dir: str | Path | None = None, progress: Any = None) -> LoadedModel:
+    """Open a checkpoint, decide its weight format (`choose_weights`, logged) and build the model.
+
+    With ``cache_dir``, the built weights come from the packed-weight cache there when a verified
+    entry exists for this checkpoint, format and dtype (`helios.loaders.weight_cache`), and a new
+    entry is written after building them otherwise. The conversion (unpacking GGUF blocks, packing
+    int4, dense copies) runs on one thread: it is a few hundred small elementwise kernels, which
+    OpenMP's fork/join only slows down (badly so when other processes hold the other cores)."""
     from helios.loaders.checkpoint import load_checkpoint
-    from helios.loaders.default_model import ensure_default_model
+    from helios.loaders.weight_cache import PackedWeightCache, cache_key
     from helios.models.llama import LlamaForCausalLM
+
+    ckpt = load_checkpoint(path, torch.float32, progress=progress)
+    choice = choose_weights(weights, dtype, device, int4_codes=ckpt.int4_codes,
+                            projection_params=_projection_params(ckpt.config))
+    log.info("%s", choice.describe())
+    model = LlamaForCausalLM(ckpt.config, dtype=choice.dtype, device=device, weights=choice.format)
+    cache = PackedWeightCache(cache_dir) if cache_dir is not None and device == "cpu" else None
+    key = cache_key(path, choice.format.cache_tag(), choice.dtype) if cache is not None else ""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hit = cache.load(key) if cache is not None else None
+        if hit is not None:
+            model.load_packed_state(hit.state, hit.kinds)
+            log.info("weights from the packed-weight cache %s", hit.path)
+        else:
+            model.load_weights(ckpt.weights)
+            if cache is not None:
+                state, kinds = model.packed_state()
+                stored = cache.store(key, state, kinds)
+                if stored is not None:
+                    log.info("packed weights cached in %s", stored)
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+    return LoadedModel(ckpt, model, choice)
+
+
+def _projection_params(config: Any) -> int:
+    per_layer = (config.q_size + 2 * config.kv_size) * config.hidden_size + config.hidden_size * config.q_size \
+        + 3 * config.intermediate_size * config.hidden_size
+    return int(config.num_layers * per_layer)
+
+
+def build_runtime(cfg: HeliosConfig) -> Runtime:
+    from helios.loaders.default_model import default_cache_dir, ensure_default_model
     from helios.recipes import detect_parser_family, detect_recipe, get_recipe, plain_recipe
 
     threads = cfg.model.threads or os.cpu_count() or 1
@@ -158,14 +360,13 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     default_path = ensure_default_model() if not cfg.model.path else None
     path = cfg.model.path or str(default_path)
     device = cfg.model.device
-    dtype = choose_dtype(cfg.model.dtype, device)
     t0 = time.perf_counter()
-    print(f"Loading {path} ({dtype}, {device})", file=sys.stderr)
-    ckpt = load_checkpoint(path, dtype, progress=_progress)
-    model = LlamaForCausalLM(ckpt.config, dtype=dtype, device=device)
-    model.load_weights(ckpt.tensors)
-    model.eval()
-    print(f"Loaded {ckpt.model_id} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(f"Loading {path} ({device})", file=sys.stderr)
+    cache_dir = default_cache_dir() / "packed" if cfg.model.weight_cache else None
+    loaded = load_model(path, weights=cfg.model.weights, dtype=cfg.model.dtype, device=device, cache_dir=cache_dir,
+                        progress=_progress)
+    ckpt, model, dtype = loaded.checkpoint, loaded.model, loaded.choice.dtype
+    print(f"Loaded {ckpt.model_id} in {time.perf_counter() - t0:.1f} s: {loaded.choice.describe()}", file=sys.stderr)
 
     mc = ckpt.config
     max_model_len = cfg.model.max_model_len or mc.max_position_embeddings
