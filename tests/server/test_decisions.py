@@ -82,10 +82,12 @@ def test_systemone_and_decisions_share_the_scorer(server: LiveServer) -> None:
          "levels": [{"label": "Routine"}, {"label": "Urgent"}]},
     ]})
     a, b = one["answers"], two["answers"]
-    assert b[0]["probability"] == pytest.approx(a["refund"]["noul"], abs=1e-9)
+    # The second route reuses the first's cached state prefix, computed in other batches: float32
+    # batch-shape noise (about 1e-6 here), nothing more.
+    assert b[0]["probability"] == pytest.approx(a["refund"]["noul"], abs=1e-5)
     assert [x["probability"] for x in b[1]["probabilities"]] == pytest.approx(
-        list(a["team"]["probabilities"].values()), abs=1e-9)
-    assert b[2]["score"] == pytest.approx(a["urgency"]["score"], abs=1e-9)
+        list(a["team"]["probabilities"].values()), abs=1e-5)
+    assert b[2]["score"] == pytest.approx(a["urgency"]["score"], abs=1e-5)
     assert one["usage"]["input_tokens"] == two["usage"]["input_tokens"]
     assert one["usage"]["output_tokens"] == two["usage"]["output_tokens"] == 3
     # Decisions confidence is the winner's full-vocabulary probability: never above its normalized share.
@@ -188,7 +190,8 @@ def test_decisions_answers_in_order(server: LiveServer) -> None:
     assert set(predicate) == {"type", "name", "probability"} and 0.0 <= predicate["probability"] <= 1.0
     usage = result["usage"]
     assert usage["output_tokens"] == 3 and usage["total_tokens"] == usage["input_tokens"] + 3
-    assert usage["input_tokens_details"]["cached_tokens"] == 0
+    # Each question is its own chat with the same leading state message: later questions reuse its pages.
+    assert 0 < usage["input_tokens_details"]["cached_tokens"] < usage["input_tokens"]
     assert usage["input_tokens_details"]["cache_write_tokens"] == 0
     assert usage["output_tokens_details"] == {"reasoning_tokens": 0}
 

@@ -33,7 +33,10 @@ def test_default_model_metrics(server: LiveServer) -> None:
     after = snapshot(server)
     assert r.usage is not None and c.usage is not None
     assert after["generated_tokens"] - before["generated_tokens"] == r.usage.completion_tokens + c.usage.completion_tokens
-    assert after["prefill_tokens"] - before["prefill_tokens"] == r.usage.prompt_tokens + c.usage.prompt_tokens
+    # Prefill excludes prefix reuse (spec): what a request's cached_tokens covered was not prefilled.
+    reused = sum(u.prompt_tokens_details.cached_tokens for u in (r.usage, c.usage) if u.prompt_tokens_details)
+    assert after["prefill_tokens"] - before["prefill_tokens"] == r.usage.prompt_tokens + c.usage.prompt_tokens - reused
+    assert after["reused_tokens"] - before["reused_tokens"] == reused
     assert after["completed"] - before["completed"] == 2 and after["failed"] == before["failed"]
     if not EXTERNAL:  # SmolLM2-135M in float32, embeddings tied: ~106M layer parameters plus the 49152 x 576 head
         assert 400e6 < after["decode_weight_bytes"] < 700e6

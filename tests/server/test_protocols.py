@@ -67,7 +67,10 @@ def test_greedy_default_model_answers_paris(server: LiveServer) -> None:
     assert r.choices[0].finish_reason == "stop"
     assert r.model == model_name(server)
     assert r.usage is not None and r.usage.completion_tokens == 8  # 7 text tokens + <|im_end|>
-    assert r.usage.prompt_tokens_details is not None and r.usage.prompt_tokens_details.cached_tokens == 0
+    # Other tests may have sent this prompt before: whole pages of it can be reused, never all of it.
+    details = r.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    assert 0 <= details.cached_tokens < r.usage.prompt_tokens and details.cached_tokens % 16 == 0
 
 
 def test_streamed_text_equals_buffered_for_a_seed(server: LiveServer) -> None:
