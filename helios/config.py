@@ -26,7 +26,7 @@ def _positive(_inst: Any, attr: attrs.Attribute, value: int) -> None:  # type: i
         raise ConfigError(f"{attr.name} must be positive, got {value}")
 
 
-def _non_negative(_inst: Any, attr: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
+def _non_negative(_inst: Any, attr: attrs.Attribute, value: float) -> None:  # type: ignore[type-arg]
     if value < 0:
         raise ConfigError(f"{attr.name} must not be negative, got {value}")
 
@@ -93,10 +93,21 @@ class EngineSection:
 
 
 @attrs.frozen
+class CacheSection:
+    """The prefix cache (docs/operations.md, "Prefix cache")."""
+
+    prefix_caching: bool = True  # reuse full KV pages of earlier requests
+    host_memory_gib: float = attrs.field(default=1.0, validator=_non_negative)  # DRAM tier behind the page pool
+    disk_dir: str = ""  # the disk tier's directory (it survives a restart); empty: no disk tier
+    disk_gib: float = attrs.field(default=8.0, validator=_non_negative)
+
+
+@attrs.frozen
 class HeliosConfig:
     server: ServerConfig = ServerConfig()
     model: ModelConfigSection = ModelConfigSection()
     engine: EngineSection = EngineSection()
+    cache: CacheSection = CacheSection()
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -345,6 +346,19 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
     return LoadedModel(ckpt, model, choice)
 
 
+def model_fingerprint(path: str | Path, weights: str) -> bytes:
+    """What identifies the weights a KV page was computed with: the checkpoint's files (resolved
+    path, size and modification time of each) and how they were loaded (format, dtype). Part of every
+    prefix-cache chain hash, so the disk store never serves another model's pages."""
+    root = Path(path).expanduser().resolve()
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    h = hashlib.blake2b(weights.encode(), digest_size=16)
+    for f in files:
+        st = f.stat()
+        h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.digest()
+
+
 def _projection_params(config: Any) -> int:
     per_layer = (config.q_size + 2 * config.kv_size) * config.hidden_size + config.hidden_size * config.q_size \
         + 3 * config.intermediate_size * config.hidden_size
@@ -378,7 +392,12 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         num_pages = int(cfg.engine.kv_memory_gib * 2**30 // (per_token * page))
     num_pages = max(num_pages, -(-max_model_len // page) + 1)
     ecfg = EngineConfig(page_size=page, num_pages=num_pages, max_active=cfg.engine.max_active,
-                        prefill_chunk_size=cfg.engine.prefill_chunk_size, max_model_len=max_model_len)
+                        prefill_chunk_size=cfg.engine.prefill_chunk_size, max_model_len=max_model_len,
+                        prefix_caching=cfg.cache.prefix_caching,
+                        fingerprint=model_fingerprint(path, loaded.choice.describe()),
+                        host_memory_bytes=int(cfg.cache.host_memory_gib * 2**30),
+                        disk_dir=os.path.expanduser(cfg.cache.disk_dir) if cfg.cache.disk_dir else None,
+                        disk_bytes=int(cfg.cache.disk_gib * 2**30))
     core = EngineCore(model, mc, ecfg, dtype, device)
     name = cfg.model.recipe or detect_recipe(ckpt.model_id, mc.arch, ckpt.chat_template)
     is_default = default_path is not None or _is_default(path)

@@ -26,6 +26,7 @@ from helios.engine.records import (
     EngineFinish,
     EngineRequest,
     EngineStats,
+    Histogram,
     HostCacheStats,
     InboxItem,
     RequestOutput,
@@ -36,6 +37,10 @@ from helios.engine.sampler import Sampler
 from helios.engine.scheduler import Scheduler
 
 log = logging.getLogger("helios.engine")
+
+# Bounds of the host-store lookup histograms (tokens; nanoseconds: 10 µs .. 100 s).
+HOST_TOKEN_BUCKETS = (0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
+HOST_NS_BUCKETS = tuple(float(10**e) for e in range(4, 12))
 
 @attrs.frozen
 class EngineConfig:
@@ -72,6 +77,10 @@ class EngineCore:
         self.kv_manager = KVCacheManager(
             cfg.num_pages, cfg.page_size, enable_caching=cfg.prefix_caching, fingerprint=fingerprint,
             on_evict=(lambda h, page: host.put(h, self.attention.read_page(page))) if host is not None else None)
+        self._ns_per_token: float | None = None
+        self._missing_tokens = Histogram(HOST_TOKEN_BUCKETS)
+        self._transfer_ns = Histogram(HOST_NS_BUCKETS)
+        self._prefill_ns = Histogram(HOST_NS_BUCKETS)
         self.scheduler = Scheduler(
             self.kv_manager, max_active=cfg.max_active, prefill_chunk_size=cfg.prefill_chunk_size,
             max_model_len=cfg.max_model_len,
@@ -92,8 +101,23 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """schedule → execute → update: the whole algorithm (see scheduler.py's docstring)."""
         sched = self.scheduler.schedule()
+        t0 = time.perf_counter_ns()
         result = self.runner.execute(sched)
+        if self.host_store is not None:
+            self._account_host_lookups(sched.num_tokens, time.perf_counter_ns() - t0)
         return self.scheduler.update(sched, result)
+
+    def _account_host_lookups(self, num_tokens: int, step_ns: int) -> None:
+        """Fold this step's host-store lookups into the histograms; prefill time per token is an
+        exponential average over steps that ran tokens (its first value is the first step's)."""
+        if num_tokens:
+            per_token = step_ns / num_tokens
+            self._ns_per_token = per_token if self._ns_per_token is None else 0.9 * self._ns_per_token + 0.1 * per_token
+        for missing, transfer_ns in self.scheduler.host_lookups:
+            self._missing_tokens.observe(missing)
+            self._transfer_ns.observe(transfer_ns)
+            self._prefill_ns.observe(missing * (self._ns_per_token or 0.0))
+        self.scheduler.host_lookups.clear()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -128,7 +152,8 @@ class EngineCore:
             hits=self.scheduler.host_hits, reused_tokens=self.scheduler.host_reused_tokens,
             memory_records=st.memory_records, disk_records=st.disk_records, parked_records=st.parked,
             bytes_out=st.bytes_out, bytes_in=st.bytes_in, held=dict(st.held), dropped=dict(st.dropped),
-            skipped=st.skipped)
+            skipped=st.skipped, missing_tokens=self._missing_tokens.snapshot(),
+            transfer_ns=self._transfer_ns.snapshot(), prefill_ns=self._prefill_ns.snapshot())
 
     def _weight_bytes(self) -> int:
         cached: int | None = getattr(self, "_decode_weight_bytes", None)

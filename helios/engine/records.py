@@ -95,6 +95,32 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[PromptLogprob | None, ...]] = attrs.field(factory=dict)
 
 
+@attrs.define
+class Histogram:
+    """Cumulative counts of observations at or below each bound (`le`), their sum and number: what
+    a Prometheus histogram exports. Filled by the engine thread; `snapshot` is what crosses."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = attrs.field(init=False)
+    total: float = 0.0
+    count: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        self.counts = [0] * len(self.bounds)
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+    def snapshot(self) -> Histogram:
+        out = Histogram(self.bounds)
+        out.counts, out.total, out.count = list(self.counts), self.total, self.count
+        return out
+
+
 @attrs.frozen
 class HostCacheStats:
     hits: int
@@ -111,6 +137,13 @@ class HostCacheStats:
     dropped: dict[tuple[str, str], int]
     """Records dropped, by (tier, reason): end_of_chain (budget), oversize, io_error."""
     skipped: int
+    missing_tokens: Histogram | None = None
+    """Per host-store lookup (an admission with the host store present): prompt tokens left to
+    prefill after the page pool's and the host store's hits."""
+    transfer_ns: Histogram | None = None
+    """Per lookup: the time to bring its host-store pages into the page pool (measured)."""
+    prefill_ns: Histogram | None = None
+    """Per lookup: its missing tokens times the engine's recent prefill time per token (an estimate)."""
 
 
 @attrs.frozen

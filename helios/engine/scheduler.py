@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -135,6 +136,8 @@ class Scheduler:
         self.reused_tokens = 0  # prompt tokens covered by page-pool prefix hits at admission
         self.host_hits = 0  # admissions that restored pages from the host store
         self.host_reused_tokens = 0  # tokens those restored pages covered
+        # Per host-store lookup: tokens still to prefill, and the restore's time in ns.
+        self.host_lookups: list[tuple[int, int]] = []
         self._freed: list[str] = []
 
     # -- membership -------------------------------------------------------------------------
@@ -243,7 +246,11 @@ class Scheduler:
                 break
             self.waiting.popleft()
             kv.allocate_cached(seq.request_id, hits, hashes)
+            t0 = time.perf_counter_ns()
             restored = self._restore_from_host(seq, len(hits), hashes)
+            if self.host_has is not None and seq.request.prompt_logprobs is None:
+                num_missing = len(seq.token_ids) - (len(hits) + restored) * kv.page_size
+                self.host_lookups.append((num_missing, time.perf_counter_ns() - t0))
             seq.num_computed = (len(hits) + restored) * kv.page_size
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed

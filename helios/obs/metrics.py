@@ -12,9 +12,11 @@ time; request-side values are kept here, fed by the per-request record of helios
 - ``first_response`` is the median time from HTTP admission to the first offered answer or
   reasoning text over a 60 s sliding window (:class:`SlidingMedian`).
 
-Fields of features Helios does not have yet (speculative decoding, the learned drafter, prefix
-caching, the host prefix store, CUDA graph replay, reasoning budget cuts) read zero in the JSON
-snapshot, as the spec's readers take absent fields, and export nothing in Prometheus.
+Fields of features Helios does not have yet (speculative decoding, the learned drafter, CUDA graph
+replay, reasoning budget cuts) read zero in the JSON snapshot, as the spec's readers take absent
+fields, and export nothing in Prometheus. The prefix cache's families (reused_tokens, cached_pages)
+export while it is on, the host store's (host_*, held/dropped by tier, the three lookup
+histograms) while there is one; off, their JSON fields read zero.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 
@@ -63,13 +65,33 @@ EXPORTED: dict[str, tuple[str, str, str]] = {
 ENGINE_FIELDS = ("prefill_tokens", "generated_tokens", "decode_weight_bytes", "active", "pending", "free_pages",
                  "total_pages", "page_tokens")
 
+# The prefix cache (EngineStats.prefix_caching) and its host store (EngineStats.host).
+CACHE_EXPORTED: dict[str, tuple[str, str, str]] = {
+    "reused_tokens": ("flare_cache_reused_tokens_total", "counter", "Tokens covered by page-pool prefix-cache hits"),
+    "cached_pages": ("flare_cached_kv_pages", "gauge", "KV pages registered in the prefix cache"),
+}
+HOST_EXPORTED: dict[str, tuple[str, str, str]] = {
+    "host_hits": ("flare_host_cache_hits_total", "counter", "Host prefix-store lookups whose chain admission fetched"),
+    "host_reused_tokens": ("flare_host_cache_reused_tokens_total", "counter",
+                           "Tokens covered by host prefix-store chains beyond the page-pool hit"),
+    "host_memory_records": ("flare_host_cache_memory_records", "gauge", "Records in the host store's DRAM tier"),
+    "host_disk_records": ("flare_host_cache_disk_records", "gauge", "Records in the host store's disk tier"),
+    "host_bytes_out": ("flare_host_cache_bytes_out_total", "counter", "Bytes copied from KV pages to the host store"),
+    "host_bytes_in": ("flare_host_cache_bytes_in_total", "counter", "Bytes copied from the host store into KV pages"),
+}
+HOST_HISTOGRAMS = {
+    "missing_tokens": ("flare_host_cache_missing_tokens", "Prompt tokens left to prefill per host-store lookup"),
+    "transfer_ns": ("flare_host_cache_estimated_transfer_ns",
+                    "Time to bring a lookup's host-store pages into the page pool (measured), ns"),
+    "prefill_ns": ("flare_host_cache_estimated_prefill_ns",
+                   "A lookup's missing tokens times the recent prefill time per token, ns"),
+}
+
 # Fields of features that do not exist yet: zero in the JSON snapshot, absent from Prometheus.
 ABSENT_FEATURE_FIELDS: dict[str, int | bool] = {
     "draft_steps": 0, "verify_steps": 0, "verification_drafts": 0, "verification_rounds": 0, "accepted_drafts": 0,
     "draft_rounds": 0, "reasoning_budget_cuts": 0, "replay_gpu_ns": 0, "replay_readiness_wait_ns": 0,
-    "replay_readiness_samples": 0, "reused_tokens": 0, "cached_pages": 0, "host_hits": 0, "host_reused_tokens": 0,
-    "host_memory_records": 0, "host_disk_records": 0, "host_bytes_out": 0, "host_bytes_in": 0,
-    "learned_drafter": False,
+    "replay_readiness_samples": 0, "learned_drafter": False,
 }
 
 # Failure stages (the label of helios_requests_failed_by_stage_total). `grammar` has no source until
@@ -216,6 +238,10 @@ class ServingMetrics:
         return sum(self.failed_by_stage.values())
 
     # -- reading ------------------------------------------------------------------------------
+    def engine_stats(self) -> Any:
+        """The engine's latest EngineStats (None before start-up)."""
+        return self._source()[0]
+
     def snapshot(self) -> dict[str, Any]:
         """The JSON object of /metrics?format=json."""
         engine, slots = self._source()
@@ -224,6 +250,15 @@ class ServingMetrics:
         if engine is not None:
             for key in ENGINE_FIELDS:
                 snap[key] = int(getattr(engine, key, 0))
+        snap["reused_tokens"] = int(getattr(engine, "reused_tokens", 0))
+        snap["cached_pages"] = int(getattr(engine, "cached_pages", 0))
+        host = getattr(engine, "host", None)
+        snap["host_hits"] = host.hits if host is not None else 0
+        snap["host_reused_tokens"] = host.reused_tokens if host is not None else 0
+        snap["host_memory_records"] = host.memory_records if host is not None else 0
+        snap["host_disk_records"] = host.disk_records if host is not None else 0
+        snap["host_bytes_out"] = host.bytes_out if host is not None else 0
+        snap["host_bytes_in"] = host.bytes_in if host is not None else 0
         snap["completed"] = self.completed
         snap["failed"] = self.failed
         stat = slots.statistics() if slots is not None and hasattr(slots, "statistics") else None
@@ -255,6 +290,33 @@ class _SnapshotCollector:
                 yield CounterMetricFamily(name, doc, value=snap[key])
             else:
                 yield GaugeMetricFamily(name, doc, value=snap[key])
+        engine = m.engine_stats()
+        if engine is not None and getattr(engine, "prefix_caching", False):
+            yield from _families(CACHE_EXPORTED, snap)
+        host = getattr(engine, "host", None)
+        if host is not None:
+            yield from _families(HOST_EXPORTED, snap)
+            yield GaugeMetricFamily("flare_host_cache_parked_records",
+                                    "Complete DRAM copies awaiting disk writes", value=host.parked_records)
+            yield CounterMetricFamily("flare_host_cache_store_skipped", "Host-store puts of records already held",
+                                      value=host.skipped)
+            held = CounterMetricFamily("flare_host_cache_held", "Records the host store took in, by tier",
+                                       labels=["tier"])
+            for tier, n in host.held.items():
+                held.add_metric([tier], n)
+            yield held
+            dropped = CounterMetricFamily("flare_host_cache_dropped", "Records the host store dropped, by tier and "
+                                          "reason", labels=["tier", "reason"])
+            for (tier, reason), n in host.dropped.items():
+                dropped.add_metric([tier, reason], n)
+            yield dropped
+            for attr, (name, doc) in HOST_HISTOGRAMS.items():
+                hist = getattr(host, attr)
+                if hist is None:
+                    continue
+                buckets = [(_le(b), c) for b, c in zip(hist.bounds, hist.counts, strict=True)]
+                buckets.append(("+Inf", hist.count))
+                yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=hist.total)
         yield GaugeMetricFamily("flare_uptime_seconds", "Seconds since the server started",
                                 value=time.time() - m.started)
         by_stage = CounterMetricFamily("helios_requests_failed_by_stage_total",
@@ -267,6 +329,18 @@ class _SnapshotCollector:
             for family in hist.collect():
                 family.samples = [x for x in family.samples if not x.name.endswith("_created")]
                 yield family
+
+
+def _families(table: dict[str, tuple[str, str, str]], snap: dict[str, Any]) -> Iterator[Metric]:
+    for key, (name, kind, doc) in table.items():
+        if kind == "counter":
+            yield CounterMetricFamily(name, doc, value=snap[key])
+        else:
+            yield GaugeMetricFamily(name, doc, value=snap[key])
+
+
+def _le(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else str(bound)
 
 
 def wants_json(fmt: str | None, accept: str | None) -> bool:

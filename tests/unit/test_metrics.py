@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helios.asgi.admission import AdmissionSlots
 from helios.engine.core import EngineThread, decode_weight_bytes
-from helios.engine.records import EngineStats
+from helios.engine.records import EngineStats, Histogram, HostCacheStats
 from helios.models.config import ModelConfig
 from helios.models.llama import LlamaForCausalLM
 from helios.obs.access import RequestStats
@@ -42,6 +42,44 @@ def value(fams: dict[str, Any], name: str, sample: str | None = None, **labels: 
 
 
 # -- the collector ------------------------------------------------------------------------------------
+
+
+def _host_stats() -> HostCacheStats:
+    tokens = Histogram((0.0, 16.0, 64.0))
+    for v in (0, 10, 40, 100):
+        tokens.observe(v)
+    ns = Histogram((1e4, 1e6))
+    ns.observe(5e5)
+    return HostCacheStats(
+        hits=3, reused_tokens=48, memory_records=5, disk_records=7, parked_records=1, bytes_out=9000, bytes_in=4000,
+        held={"dram": 9, "nvme": 7}, dropped={("dram", "end_of_chain"): 0, ("nvme", "io_error"): 2}, skipped=1,
+        missing_tokens=tokens, transfer_ns=ns, prefill_ns=ns)
+
+
+def test_the_prefix_cache_and_host_store_export_their_families_with_real_values() -> None:
+    stats = attrs.evolve(STATS, prefix_caching=True, reused_tokens=320, cached_pages=40, host=_host_stats())
+    m = ServingMetrics(lambda: (stats, AdmissionSlots(8)))
+    snap = m.snapshot()
+    assert (snap["reused_tokens"], snap["cached_pages"], snap["host_hits"], snap["host_reused_tokens"]) == (320, 40, 3, 48)
+    assert (snap["host_memory_records"], snap["host_disk_records"], snap["host_bytes_out"], snap["host_bytes_in"]) == (
+        5, 7, 9000, 4000)
+    fams = families(m.prometheus())
+    assert value(fams, "flare_cache_reused_tokens", "flare_cache_reused_tokens_total") == 320
+    assert value(fams, "flare_cached_kv_pages") == 40
+    assert value(fams, "flare_host_cache_hits", "flare_host_cache_hits_total") == 3
+    assert value(fams, "flare_host_cache_disk_records") == 7
+    assert value(fams, "flare_host_cache_held", "flare_host_cache_held_total", tier="nvme") == 7
+    assert value(fams, "flare_host_cache_dropped", "flare_host_cache_dropped_total", tier="nvme",
+                 reason="io_error") == 2
+    hist = "flare_host_cache_missing_tokens"
+    assert fams[hist].type == "histogram"
+    assert [value(fams, hist, hist + "_bucket", le=le) for le in ("0", "16", "64", "+Inf")] == [1, 2, 3, 4]
+    assert value(fams, hist, hist + "_sum") == 150 and value(fams, hist, hist + "_count") == 4
+    assert value(fams, "flare_host_cache_estimated_transfer_ns", "flare_host_cache_estimated_transfer_ns_count") == 1
+    # The cache without a host store: its own families only.
+    bare = ServingMetrics(lambda: (attrs.evolve(stats, host=None), None))
+    names = {s.name for f in families(bare.prometheus()).values() for s in f.samples}
+    assert "flare_cached_kv_pages" in names and not any("host_cache" in n for n in names)
 
 
 def test_snapshot_reads_the_engine_and_admission_and_keeps_every_table_field() -> None:
@@ -281,6 +319,9 @@ class _Core:
 
     def stats(self) -> EngineStats:
         return STATS
+
+    def close(self) -> None:
+        pass
 
     def add(self, request: Any) -> None:
         self.scheduler.has_work = True
