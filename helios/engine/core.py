@@ -136,9 +136,17 @@ class EngineCore:
         )
 
     def close(self) -> None:
-        """Finish the host store's pending disk writes (the engine thread's exit)."""
-        if self.host_store is not None:
-            self.host_store.close()
+        """The engine thread's exit: with a disk tier, copy every cached page out to the host store
+        and write the DRAM tier to disk, so a restart with the same disk store finds them."""
+        host = self.host_store
+        if host is None:
+            return
+        if host.dir is not None:
+            kv = self.kv_manager
+            for page, block_hash in enumerate(kv.block_hash):
+                if block_hash is not None and not host.contains(block_hash):
+                    host.put(block_hash, self.attention.read_page(page))
+        host.close(persist=True)
 
     def _restore(self, block_hash: int, page: int) -> bool:
         assert self.host_store is not None

@@ -54,7 +54,7 @@ def test_dram_overflow_goes_to_disk_and_survives_a_restart(tmp_path: Path) -> No
     assert store.stats.memory_records == 2 and store.stats.disk_records == 4 and store.stats.parked == 0
     assert store.stats.held == {"dram": 6, "nvme": 4}
     assert store.get(0) == page(0)  # from disk, verified
-    store.close()
+    store.close(persist=False)  # the DRAM tier is lost
     again = HostStore(FP, memory_bytes=2000, disk_dir=tmp_path, disk_bytes=1 << 20)
     assert again.stats.disk_records == 4 and again.stats.memory_records == 0
     assert [again.get(i) for i in range(4)] == [page(i) for i in range(4)]
@@ -104,3 +104,14 @@ def test_a_damaged_record_is_dropped_never_served(tmp_path: Path, damage: str) -
     assert not again.contains(key)
     assert again.get(key) is None  # and it stays gone
     again.close()
+
+
+def test_close_persists_the_dram_tier(tmp_path: Path) -> None:
+    store = HostStore(FP, memory_bytes=10_000, disk_dir=tmp_path, disk_bytes=1 << 20)
+    store.put(1, page(1))
+    store.put(2, page(2))
+    assert store.stats.disk_records == 0
+    store.close()
+    again = HostStore(FP, memory_bytes=10_000, disk_dir=tmp_path, disk_bytes=1 << 20)
+    assert again.stats.disk_records == 2 and again.get(1) == page(1) and again.get(2) == page(2)
+    again.close(persist=False)

@@ -140,12 +140,22 @@ class HostStore:
             self.stats.bytes_in += len(data)
         return data
 
-    def close(self) -> None:
-        """Finish the pending disk writes and stop the writer."""
-        if self._writer is not None:
-            self._queue.put(None)
-            self._writer.join(timeout=30)
-            self._writer = None
+    def close(self, *, persist: bool = True) -> None:
+        """Finish the pending disk writes and stop the writer. With `persist`, the DRAM tier's
+        records are written to disk first (within its budget), so a restart finds them."""
+        if self._writer is None:
+            return
+        if persist:
+            with self._lock:
+                records = [(h, d) for h, d in self._memory.items()
+                           if h not in self._disk and h not in self._parked and len(d) + _HEADER <= self.disk_bytes]
+                for h, d in records:
+                    self._parked[h] = d
+                    self._queue.put((h, d))
+                self._gauges()
+        self._queue.put(None)
+        self._writer.join(timeout=60)
+        self._writer = None
 
     def flush(self) -> None:
         """Wait until every parked record is on disk (tests, shutdown)."""
