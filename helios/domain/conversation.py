@@ -84,3 +84,7 @@ class ConversationRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
+    cache_breakpoints: tuple[str, ...] = ()
+    """The text of the (at most four) user blocks a client marked as prefix-checkpoint boundaries
+    (Anthropic `cache_control`), in order: the prompt's pages up to the last one are kept in the
+    prefix cache with priority. Advisory; they never change the prompt."""

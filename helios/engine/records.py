@@ -39,6 +39,9 @@ class EngineRequest:
     prompt_logprobs: int | None = None
     """None: no prompt scores; 0..20: score every prompt position with that many natural alternatives.
     With ``max_tokens == 0`` the request only scores its prompt and finishes with LENGTH."""
+    retain_tokens: int = 0
+    """Prompt tokens up to the client's last prefix-checkpoint marker: their full pages are evicted
+    from the prefix cache only after every unmarked page."""
 
 
 @attrs.frozen

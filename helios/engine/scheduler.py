@@ -279,7 +279,8 @@ class Scheduler:
             if c.start < c.seq.num_prompt_tokens:
                 self.prefill_tokens += min(c.start + c.length, c.seq.num_prompt_tokens) - c.start
             # Pages these tokens filled become findable (their K/V were written this step).
-            self.kv.cache_full_pages(c.seq.request_id, c.seq.token_ids, c.seq.num_computed)
+            self.kv.cache_full_pages(c.seq.request_id, c.seq.token_ids, c.seq.num_computed,
+                                     c.seq.request.retain_tokens // self.kv.page_size)
         for c in out.chunks:
             seq = c.seq
             rid = seq.request_id

@@ -36,6 +36,8 @@ class ChildSpec:
     prompt_logprobs: int | None = None
     """This child's prompt scoring (None when another choice of its prompt scores it)."""
     parser_factory: Callable[[], OutputParser] | None = None
+    retain_tokens: int = 0
+    """Prompt tokens up to the client's last prefix-checkpoint marker (kept cached with priority)."""
 
 
 @attrs.frozen
@@ -220,10 +222,13 @@ class Service:
         opts = req.options
         parser_factory = None
         prompts: list[PreparedPrompt] = []
+        retain = 0
         if req.conversation is not None:
             text, ids = await self.render_chat(req.conversation)
             prompts.append(PreparedPrompt(tuple(ids), text))
             parser_factory = self.parser_factory(req.conversation, text)
+            if req.conversation.cache_breakpoints:
+                retain = await self._breakpoint_tokens(text, len(ids), req.conversation.cache_breakpoints)
         else:
             for p in req.prompts:
                 if isinstance(p, str):
@@ -250,8 +255,21 @@ class Service:
                     options=opts,
                     prompt_logprobs=opts.prompt_logprobs if opts.score_every_choice or i == 0 else None,
                     parser_factory=parser_factory,
+                    retain_tokens=retain,
                 ))
         return Prepared(req, tuple(prompts), tuple(children))
+
+    async def _breakpoint_tokens(self, prompt: str, num_tokens: int, breakpoints: Sequence[str]) -> int:
+        """Tokens of the rendered prompt up to the end of the last marked block found in it (each
+        searched after the previous one); 0 when none is found."""
+        end = at = 0
+        for text in breakpoints:
+            found = prompt.find(text, at)
+            if found >= 0:
+                end = at = found + len(text)
+        if not end:
+            return 0
+        return min(len(await self.tokenize(prompt[:end], add_special_tokens=False)), num_tokens)
 
     async def count_prompt_tokens(self, conv: ConversationRequest) -> int:
         """The tokens of the exact prompt a generation request with this conversation would submit."""
@@ -280,6 +298,7 @@ class Service:
                     num_top_logprobs=opts.num_top_logprobs,
                     logprob_token_ids=opts.logprob_token_ids,
                     prompt_logprobs=spec.prompt_logprobs,
+                    retain_tokens=spec.retain_tokens,
                 )
             )
             streams_meta.append((rid, spec))

@@ -117,3 +117,36 @@ def test_random_use_keeps_integrity(seed: int) -> None:
         m.free(rid)
     m.check_integrity()
     assert m.num_free == 24
+
+
+def test_retained_pages_are_evicted_last() -> None:
+    evicted: list[int] = []
+    m = kv(num_pages=8, on_evict=lambda h, p: evicted.append(p))
+    m.allocate_slots("marked", 0, 12)
+    m.cache_full_pages("marked", list(range(12)), 12, retain_pages=2)  # pages 0, 1 before a marker
+    m.allocate_slots("plain", 0, 12)
+    m.cache_full_pages("plain", list(range(100, 112)), 12)  # pages 3, 4, 5
+    m.free("marked")
+    m.free("plain")  # freed later: more recently used than the marked chain
+    m.check_integrity()
+    assert m.allocate_slots("x", 0, 4 * 6) is not None  # 2 free pages, then four evictions
+    assert evicted == [2, 5, 4, 3]  # every unmarked page, least recently used first, before a retained one
+    assert m.lookup(list(range(13)))[0] == [0, 1]
+    m.check_integrity()
+
+
+def test_anthropic_cache_control_markers_become_breakpoints() -> None:
+    from helios.frontends.anthropic.messages import cache_breakpoints
+
+    marked = {"type": "ephemeral"}
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "one", "cache_control": marked},
+                                     {"type": "text", "text": "two"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "ignored", "cache_control": marked}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "result",
+                                      "cache_control": marked}]},
+        {"role": "user", "content": "a string has no markers"},
+        *({"role": "user", "content": [{"type": "text", "text": f"m{i}", "cache_control": marked}]}
+          for i in range(5)),
+    ]
+    assert cache_breakpoints(messages) == ("one", "result", "m0", "m1")  # the first four on user blocks

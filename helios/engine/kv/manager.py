@@ -21,7 +21,9 @@ Ownership rules (vLLM v1's KV-manager split):
 - Eviction: `allocate_slots` takes free pages first, then the least recently used evictable page;
   an evicted page's hash is unregistered, and `on_evict(hash, page)` (the host store's copy-out)
   runs before the page is reused. `free` makes a request's registered pages evictable, its last
-  pages first in line, so a chain's shared head outlives its tail.
+  pages first in line, so a chain's shared head outlives its tail. Retained pages (those before a
+  client's prefix-checkpoint marker, `cache_full_pages(retain_pages=...)`) are evicted only when no
+  other evictable page is left.
 
 `check_integrity` verifies all of this: counts equal the number of tables holding each page, every
 page is in exactly one state, and every registered hash names a page holding that hash.
@@ -52,6 +54,9 @@ class KVCacheManager:
     block_hash: list[int | None] = attrs.field(init=False)
     _free: collections.deque[int] = attrs.field(init=False)
     _evictable: collections.OrderedDict[int, None] = attrs.field(init=False, factory=collections.OrderedDict)
+    _evictable_retained: collections.OrderedDict[int, None] = attrs.field(init=False,
+                                                                         factory=collections.OrderedDict)
+    _retained: set[int] = attrs.field(init=False, factory=set)  # cached pages a marker asked to keep
     _cached: dict[int, int] = attrs.field(init=False, factory=dict)  # block hash -> page
     _tables: dict[str, list[int]] = attrs.field(init=False, factory=dict)
     _chains: dict[str, list[int]] = attrs.field(init=False, factory=dict)  # request -> hashes of its full pages
@@ -66,7 +71,7 @@ class KVCacheManager:
     @property
     def num_free(self) -> int:
         """Pages an allocation may take: free ones and evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._evictable) + len(self._evictable_retained)
 
     @property
     def num_cached(self) -> int:
@@ -133,7 +138,8 @@ class KVCacheManager:
             if self.block_hash[page] is None:
                 raise ValueError(f"page {page} is not a cached page")
             if self.ref_counts[page] == 0:
-                del self._evictable[page]
+                self._evictable.pop(page, None)
+                self._evictable_retained.pop(page, None)
             self.ref_counts[page] += 1
         table.extend(pages)
         self._chains[request_id] = list(hashes[: len(pages)])
@@ -145,14 +151,19 @@ class KVCacheManager:
             self._cached[block_hash] = page
         self._chains.setdefault(request_id, []).append(block_hash)
 
-    def cache_full_pages(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+    def cache_full_pages(self, request_id: str, token_ids: Sequence[int], num_computed: int,
+                         retain_pages: int = 0) -> None:
         """Register the request's pages that `num_computed` tokens fill and that are not yet in its
-        chain (the tokens' K/V must be written: call after the step that computed them)."""
+        chain (the tokens' K/V must be written: call after the step that computed them). Its first
+        `retain_pages` pages (a client's prefix-checkpoint marker) are kept with priority."""
         if not self.enable_caching:
             return
         table = self._tables.get(request_id)
         if not table:
             return
+        for page in table[:retain_pages]:
+            if self.block_hash[page] is not None:
+                self._retained.add(page)
         chain = self._chains.setdefault(request_id, [])
         full = min(num_computed // self.page_size, len(table))
         if full <= len(chain):
@@ -164,6 +175,8 @@ class KVCacheManager:
             if self.block_hash[page] is None and h not in self._cached:
                 self.block_hash[page] = h
                 self._cached[h] = page
+                if i < retain_pages:
+                    self._retained.add(page)
 
     # -- changing ownership ------------------------------------------------------------------------
     def allocate_slots(self, request_id: str, num_computed: int, num_new_tokens: int,
@@ -196,24 +209,27 @@ class KVCacheManager:
         for page in reversed(table):
             self.ref_counts[page] -= 1
             if self.ref_counts[page] == 0:
-                if self.block_hash[page] is not None:
+                if page in self._retained:
+                    self._evictable_retained[page] = None
+                elif self.block_hash[page] is not None:
                     self._evictable[page] = None
                 else:
                     self._free.appendleft(page)
 
     def reset_cache(self) -> int:
         """Forget every evictable cached page (held pages keep their registration); returns how many."""
-        pages = list(self._evictable)
+        pages = [*self._evictable, *self._evictable_retained]
         for page in pages:
             self._uncache(page)
             self._free.append(page)
         self._evictable.clear()
+        self._evictable_retained.clear()
         return len(pages)
 
     def _take(self) -> int:
         if self._free:
             return self._free.popleft()
-        page, _ = self._evictable.popitem(last=False)
+        page, _ = (self._evictable or self._evictable_retained).popitem(last=False)
         block_hash = self.block_hash[page]
         if block_hash is not None and self.on_evict is not None:
             self.on_evict(block_hash, page)
@@ -222,6 +238,7 @@ class KVCacheManager:
         return page
 
     def _uncache(self, page: int) -> None:
+        self._retained.discard(page)
         block_hash = self.block_hash[page]
         if block_hash is not None and self._cached.get(block_hash) == page:
             del self._cached[block_hash]
@@ -235,10 +252,14 @@ class KVCacheManager:
         free = list(self._free)
         assert len(free) == len(set(free)), "a page is free twice"
         assert all(self.ref_counts[p] == 0 and self.block_hash[p] is None for p in free), "a free page is held or cached"
-        assert all(self.ref_counts[p] == 0 and self.block_hash[p] is not None for p in self._evictable), \
+        evictable = [*self._evictable, *self._evictable_retained]
+        assert all(self.ref_counts[p] == 0 and self.block_hash[p] is not None for p in evictable), \
             "an evictable page is held or uncached"
-        assert not set(free) & set(self._evictable), "a page is both free and evictable"
-        assert len(free) + len(self._evictable) + len(held) == self.num_pages, "pages leaked"
+        assert all(p in self._retained for p in self._evictable_retained), "a retained-list page is not retained"
+        assert all(self.block_hash[p] is not None for p in self._retained), "a retained page is not cached"
+        assert len(set(evictable)) == len(evictable), "a page is evictable twice"
+        assert not set(free) & set(evictable), "a page is both free and evictable"
+        assert len(free) + len(evictable) + len(held) == self.num_pages, "pages leaked"
         for table in self._tables.values():
             assert len(table) == len(set(table)), "a table holds a page twice"
         for block_hash, page in self._cached.items():

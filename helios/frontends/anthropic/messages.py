@@ -263,6 +263,7 @@ def _plan(w: CountTokensWire, info: ModelInfo, *, sampling: SamplingRequest, max
         add_generation_prompt=not continuation,
         continue_final_message=continuation,
         chat_template_kwargs=kwargs,
+        cache_breakpoints=cache_breakpoints(w.messages),
     )
     hide = w.thinking is not None and w.thinking.display == "omitted"
     return MessagesPlan(conv, max_tokens, stream, stops, budget, effort, hide)
@@ -320,6 +321,33 @@ def _system_parts(content: Any, where: str) -> tuple[Part, ...]:
             raise BadRequest(f"{where}[{j}]: system content must be text blocks", param=f"{where}[{j}]")
         parts.append(_text_block(b, f"{where}[{j}]"))
     return tuple(parts)
+
+
+def cache_breakpoints(messages: list[Any]) -> tuple[str, ...]:
+    """api.md: cache_control on a user message's text, image or tool_result block marks the end of
+    that block as a candidate prefix-checkpoint boundary, for the first four such blocks (elsewhere
+    it is ignored). Returns the text that ends each boundary (an image's is the text before it)."""
+    out: list[str] = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") != "user" or not isinstance(m.get("content"), list):
+            continue
+        last_text = ""
+        for b in m["content"]:
+            if not isinstance(b, dict):
+                continue
+            if b.get("type") == "text" and isinstance(b.get("text"), str):
+                last_text = b["text"]
+            elif b.get("type") == "tool_result":
+                content = b.get("content")
+                texts: list[str] = [content] if isinstance(content, str) else [
+                    str(c["text"]) for c in content or [] if isinstance(c, dict) and isinstance(c.get("text"), str)]
+                last_text = texts[-1] if texts else last_text
+            if b.get("type") in ("text", "image", "tool_result") and b.get("cache_control") is not None:
+                if last_text:
+                    out.append(last_text)
+                if len(out) == 4:
+                    return tuple(out)
+    return tuple(out)
 
 
 def _user_parts(content: Any, where: str) -> tuple[Part, ...]:
