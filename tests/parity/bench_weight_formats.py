@@ -14,6 +14,9 @@ builds swapped for one in that format (and the KV cache in that format's activat
 
 ``load``: seconds to open the default model and build it in each format, without and with the
 packed-weight cache (a fresh temporary cache directory: one miss that writes it, then one hit).
+
+``serve``: seconds from launching ``helios serve`` (``--command``, default this checkout's) to the
+first answer of a greedy chat request, and the "Loaded ... in N s" line it printed; ``--runs`` times.
 """
 
 from __future__ import annotations
@@ -160,6 +163,43 @@ def load(args: argparse.Namespace) -> None:
               f"cache hit {hit:.2f} s")
 
 
+def serve(args: argparse.Namespace) -> None:
+    import json
+    import os
+    import signal
+    import subprocess
+    import urllib.request
+
+    body = json.dumps({"model": "smol", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 16, "temperature": 0}).encode()
+    for run in range(args.runs):
+        port = 8931 + run
+        log_path = Path(tempfile.gettempdir()) / f"helios-first-answer-{os.getpid()}.log"
+        t0 = time.perf_counter()
+        with log_path.open("w") as log_file:
+            proc = subprocess.Popen([*args.command.split(), "serve", "--port", str(port), "--no-access-log"],
+                                    stdout=subprocess.DEVNULL, stderr=log_file)
+        answer = None
+        try:
+            while answer is None and time.perf_counter() - t0 < 120 and proc.poll() is None:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                                 headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(request, timeout=30) as response:
+                        answer = json.load(response)["choices"][0]["message"]["content"]
+                except OSError:
+                    time.sleep(0.05)
+            elapsed = time.perf_counter() - t0
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        loaded = next((line.strip() for line in log_path.read_text().splitlines() if line.startswith("Loaded")), "")
+        print(f"first answer after {elapsed:.2f} s: {answer!r}; {loaded[:60]}")
+
+
 def main() -> None:
     argv = sys.argv[1:]
     rest: list[str] = []
@@ -167,14 +207,16 @@ def main() -> None:
         rest = argv[argv.index("--") + 1:]
         argv = argv[: argv.index("--")]
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["linears", "step", "load"])
+    ap.add_argument("what", choices=["linears", "step", "load", "serve"])
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, torch.get_num_threads()])
     ap.add_argument("--seconds", type=float, default=1.0)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--command", default=f"{sys.executable} -m helios.cli")
     args = ap.parse_args(argv)
     args.rest = rest
-    {"linears": linears, "step": step, "load": load}[args.what](args)
+    {"linears": linears, "step": step, "load": load, "serve": serve}[args.what](args)
 
 
 if __name__ == "__main__":
