@@ -331,9 +331,14 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
     try:
         hit = cache.load(key) if cache is not None else None
         if hit is not None:
-            model.load_packed_state(hit.state, hit.kinds)
-            log.info("weights from the packed-weight cache %s", hit.path)
-        else:
+            try:
+                model.load_packed_state(hit.state, hit.kinds)
+                log.info("weights from the packed-weight cache %s", hit.path)
+            except (ValueError, KeyError, RuntimeError) as exc:
+                log.warning("packed-weight cache entry %s does not fit this model (%s); rebuilding", hit.path, exc)
+                hit.path.unlink(missing_ok=True)
+                hit = None
+        if hit is None:
             model.load_weights(ckpt.weights)
             if cache is not None:
                 state, kinds = model.packed_state()

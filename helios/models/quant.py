@@ -125,7 +125,7 @@ class WeightFormat:
         """What distinguishes the stored tensors of this format (for the packed-weight cache)."""
         dense = _dtype_name(self.dense_dtype) if self.dense_dtype is not None else "-"
         dtype = _dtype_name(self.dtype) if self.dtype is not None else "-"
-        return f"{self.kind}:{dtype}:{dense}:{int(self.requantize)}"
+        return f"{self.kind}:{dtype}:{dense}:{self.dense_above}:{int(self.requantize)}"
 
 
 class UnloadedLinear(nn.Module):

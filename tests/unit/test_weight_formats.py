@@ -32,7 +32,7 @@ from helios.models.quant import (
     build_linear,
     quantize_int4,
 )
-from helios.runtime import CPU_CAPABILITY_ENV, choose_weights, load_model
+from helios.runtime import AUTO_DENSE_ABOVE, CPU_CAPABILITY_ENV, choose_weights, load_model
 from tests.numerics import unit_roundoff
 from tests.unit.tiny_gguf import Q, write_tiny_gguf
 
@@ -316,6 +316,17 @@ def test_cache_miss_writes_and_hit_restores_the_same_model(tmp_path: Path, monke
     assert [type(m) for m in second.model.modules()] == [type(m) for m in first.model.modules()]
 
 
+def test_a_cached_model_follows_the_current_threshold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CPU_CAPABILITY_ENV, "avx512_bf16")
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    cache = tmp_path / "packed"
+    load_model(path, cache_dir=cache)
+    monkeypatch.setitem(AUTO_DENSE_ABOVE, "avx512_bf16", 3)
+    again = load_model(path, cache_dir=cache)
+    layers = [m for m in again.model.modules() if isinstance(m, Int4Linear)]
+    assert layers and all(m.dense_above == 3 for m in layers)
+
+
 def test_each_format_and_checkpoint_version_has_its_own_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     cache = tmp_path / "packed"
@@ -357,6 +368,26 @@ def test_a_corrupt_entry_is_rebuilt_never_served(tmp_path: Path, monkeypatch: py
     # The rebuilt entry replaced the bad one and is served next time.
     load_model(path, weights="auto", cache_dir=cache)
     assert builds == [1]
+
+
+def test_an_intact_entry_that_does_not_fit_the_model_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Checksums pass but the tensors are not this model's (say, a layout change without a new
+    LAYOUT_VERSION): rebuilt from the checkpoint, not a start-up failure."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    cache = tmp_path / "packed"
+    first = load_model(path, weights="int4", cache_dir=cache)
+    key = cache_key(path, first.choice.format.cache_tag(), first.choice.dtype)
+    entry = PackedWeightCache(cache).load(key)
+    assert entry is not None
+    state = dict(entry.state)
+    del state["layers.1.down_proj.packed"]
+    PackedWeightCache(cache).store(key, state, entry.kinds)
+    builds = _count_builds(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="helios.runtime"):
+        again = load_model(path, weights="int4", cache_dir=cache)
+    assert builds == [1] and any("does not fit this model" in r.message for r in caplog.records)
+    assert torch.equal(_logits(again.model), _logits(first.model))
 
 
 def test_an_entry_for_another_key_is_not_served(tmp_path: Path) -> None:
