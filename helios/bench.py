@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS: tuple[Endpoint, ...] = ("completions", "chat")
+# "throughput" is this module's workload; the others are helios.bench_cache's prefix-cache workloads.
+WORKLOADS: tuple[str, ...] = ("throughput", "shared-prefix", "agent-replay", "restart")
 
 # Optional request features, in the order they are dropped when the server rejects the request.
 _CONTINUOUS_USAGE = "stream_options.continuous_usage_stats"
@@ -138,6 +140,7 @@ class StreamRecord:
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens) per content chunk
     usage_completion_tokens: int | None = None
     usage_prompt_tokens: int | None = None
+    usage_cached_tokens: int | None = None  # prompt tokens the server reused from its prefix cache
     continuous_usage: bool = False
     finish_reason: str | None = None
 
@@ -178,6 +181,12 @@ def _chunk_text(obj: Mapping[str, Any], endpoint: Endpoint) -> str:
         if not isinstance(delta, dict):
             return ""
         parts = [delta.get(key) for key in ("content", "reasoning_content", "reasoning")]
+        calls = delta.get("tool_calls")
+        if isinstance(calls, list):  # a tool call's name and argument text count as output too
+            for call in calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict):
+                    parts.extend(function.get(key) for key in ("name", "arguments"))
         return "".join(p for p in parts if isinstance(p, str))
     text = choice.get("text")
     return text if isinstance(text, str) else ""
@@ -225,6 +234,7 @@ async def _read_events(resp: httpx.Response, rec: StreamRecord, endpoint: Endpoi
     seen_completion = 0
     done = False
     timing_prompt: Any = None
+    timing_cached: Any = None
     timing_completion: Any = None
     async for line in resp.aiter_lines():
         if not line.startswith("data:"):
@@ -246,7 +256,8 @@ async def _read_events(resp: httpx.Response, rec: StreamRecord, endpoint: Endpoi
             return
         timings = obj.get("timings")  # llama-server's own counters, used when it sends no usage
         if isinstance(timings, dict):
-            timing_prompt = timings.get("prompt_n")
+            timing_prompt = timings.get("prompt_n")  # tokens evaluated, without cache_n
+            timing_cached = timings.get("cache_n")
             timing_completion = timings.get("predicted_n")
         delta_tokens: int | None = None
         usage = obj.get("usage")
@@ -255,6 +266,9 @@ async def _read_events(resp: httpx.Response, rec: StreamRecord, endpoint: Endpoi
             prompt = usage.get("prompt_tokens")
             if isinstance(prompt, int):
                 rec.usage_prompt_tokens = prompt
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                rec.usage_cached_tokens = details["cached_tokens"]
             if isinstance(completion, int):
                 delta_tokens = completion - seen_completion
                 seen_completion = max(seen_completion, completion)
@@ -271,8 +285,11 @@ async def _read_events(resp: httpx.Response, rec: StreamRecord, endpoint: Endpoi
             rec.finish_reason = reason
     if not done and rec.error is None and not rec.chunks:
         rec.error = "stream ended without data"
+    cached = timing_cached if isinstance(timing_cached, int) else None
     if rec.usage_prompt_tokens is None and isinstance(timing_prompt, int):
-        rec.usage_prompt_tokens = timing_prompt
+        rec.usage_prompt_tokens = timing_prompt + (cached or 0)
+    if rec.usage_cached_tokens is None and cached is not None:
+        rec.usage_cached_tokens = cached
     if rec.usage_completion_tokens is None and isinstance(timing_completion, int):
         rec.usage_completion_tokens = timing_completion
 
@@ -573,12 +590,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``helios bench`` flags, for a subcommand parser."""
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="throughput",
+        help="throughput (default: concurrent streams, no prefix shared); shared-prefix (cold vs warm TTFT "
+        "of a ~1,500-token shared prefix); agent-replay (a recorded 12-turn agent session, each turn "
+        "resending the history); restart (a ~4,000-token prompt cold, then again after a server restart: "
+        "run twice with --state-file)",
+    )
+    parser.add_argument(
         "--streams",
         type=parse_streams,
         default=[1, 8, 32],
         help="comma-separated concurrency levels, run one after another (default 1,8,32)",
     )
-    parser.add_argument("--max-tokens", type=int, default=256, help="output tokens per stream (default 256)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="output tokens per request (default 256; shared-prefix 16, agent-replay 32, restart 16)",
+    )
     parser.add_argument(
         "--prompt-tokens",
         type=int,
@@ -587,7 +618,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     parser.add_argument("--api-key", default=None, help="bearer token for --url")
-    parser.add_argument("--endpoint", choices=ENDPOINTS, default="completions", help="API to drive")
+    parser.add_argument(
+        "--endpoint",
+        choices=ENDPOINTS,
+        default=None,
+        help="API to drive (default completions; shared-prefix: chat; agent-replay and restart are chat only)",
+    )
     parser.add_argument(
         "--requests-per-stream", type=int, default=1, help="sequential requests per concurrent stream"
     )
@@ -600,6 +636,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSON object merged into every request body; null removes a key, e.g. '{\"min_tokens\": null}'",
     )
     parser.add_argument("--no-warmup", action="store_true", help="skip the short warm-up round per level")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="shared-prefix rounds (fresh prefix each, default 3), agent replays (default 2), "
+        "restart prompts (default 3)",
+    )
+    parser.add_argument(
+        "--warm-requests",
+        type=int,
+        default=4,
+        help="shared-prefix: warm requests after each round's cold one (default 4)",
+    )
+    parser.add_argument(
+        "--state-file",
+        default="helios-bench-restart.json",
+        help="restart: where the cold phase leaves its nonces and TTFTs for the repeat phase",
+    )
     parser.add_argument("--baseline-url", default=None, help="second server to run the same workload on")
     parser.add_argument("--baseline-model", default=None, help="model name on the baseline server")
     parser.add_argument("--baseline-api-key", default=None, help="bearer token for --baseline-url")
@@ -710,9 +764,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run parsed ``add_arguments`` flags (for a ``helios`` subcommand parser); same codes as main."""
+    from helios import bench_cache
+
+    if args.max_tokens is None:
+        args.max_tokens = bench_cache.DEFAULT_MAX_TOKENS[args.workload]
+    if args.rounds is None:
+        args.rounds = bench_cache.DEFAULT_ROUNDS.get(args.workload, 1)
+    if args.endpoint is None:
+        args.endpoint = "completions" if args.workload == "throughput" else "chat"
     for flag, value in (
         ("--max-tokens", args.max_tokens),
         ("--requests-per-stream", args.requests_per_stream),
+        ("--rounds", args.rounds),
+        ("--warm-requests", args.warm_requests),
     ):
         if value < 1:
             print(f"helios bench: {flag} must be at least 1", file=sys.stderr)
@@ -720,6 +784,17 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.prompt_tokens is not None and args.prompt_tokens < 1:
         print("helios bench: --prompt-tokens must be at least 1", file=sys.stderr)
         return 2
+    if args.workload in bench_cache.CACHE_WORKLOADS:
+        try:
+            cache_report = trio.run(bench_cache.run_workload, args)
+        except (BenchError, ValueError, OSError) as exc:
+            print(f"helios bench: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+        text = json.dumps(cache_report, indent=2) if args.json else bench_cache.format_report(cache_report)
+        print(text, flush=True)
+        return 1 if bench_cache.count_errors(cache_report) else 0
     try:
         report = trio.run(_bench_all, args)
     except BenchError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import queue
 import socket
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import trio
 
-from helios import bench
+from helios import bench, bench_cache
 
 MODEL = "fake-model"
 
@@ -35,6 +36,15 @@ class FakeConfig:
     model: str = MODEL
     bodies: list[dict[str, Any]] = field(default_factory=list)
     counter: int = 0
+    # A toy prefix cache: reuse the longest word prefix shared with an earlier prompt, in pages of
+    # `page_words`; report it as prompt_tokens_details.cached_tokens (or llama-server's cache_n).
+    prefix_cache: bool = False
+    page_words: int = 4
+    prefill_s_per_token: float = 0.0  # added to ttft per prompt token not reused
+    metrics: bool = False  # answer GET /metrics?format=json with Helios's counters
+    seen: list[list[str]] = field(default_factory=list)
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
 
 
 def _has_field(body: dict[str, Any], name: str) -> bool:
@@ -79,6 +89,10 @@ async def _read_request(stream: trio.SocketStream) -> tuple[str, str, bytes]:
 async def _handle(cfg: FakeConfig, stream: trio.SocketStream) -> None:
     try:
         method, path, raw = await _read_request(stream)
+        if method == "GET" and path == "/metrics?format=json" and cfg.metrics:
+            payload = {"prefill_tokens": cfg.prefill_tokens, "reused_tokens": cfg.reused_tokens}
+            await _send(stream, "200 OK", "application/json", json.dumps(payload).encode())
+            return
         if method == "GET" and path == "/v1/models":
             payload = {"object": "list", "data": [{"id": cfg.model, "object": "model"}]}
             await _send(stream, "200 OK", "application/json", json.dumps(payload).encode())
@@ -107,8 +121,25 @@ async def _handle(cfg: FakeConfig, stream: trio.SocketStream) -> None:
 async def _stream_completion(
     cfg: FakeConfig, stream: trio.SocketStream, body: dict[str, Any], chat: bool
 ) -> None:
-    prompt = body["messages"][0]["content"] if chat else body["prompt"]
-    prompt_tokens = len(prompt.split()) * cfg.tokens_per_word + cfg.prompt_overhead
+    if chat:
+        parts = [json.dumps(body["tools"])] if body.get("tools") else []
+        for message in body["messages"]:
+            parts.append(message.get("content") or "")
+            parts.extend(json.dumps(call) for call in message.get("tool_calls") or [])
+        words = " ".join(parts).split()
+    else:
+        words = body["prompt"].split()
+    prompt_tokens = len(words) * cfg.tokens_per_word + cfg.prompt_overhead
+    cached = 0
+    if cfg.prefix_cache:
+        for old in cfg.seen:
+            n = 0
+            while n < min(len(old), len(words)) and old[n] == words[n]:
+                n += 1
+            cached = max(cached, n // cfg.page_words * cfg.page_words * cfg.tokens_per_word)
+        cfg.seen.append(words)
+    cfg.prefill_tokens += prompt_tokens - cached
+    cfg.reused_tokens += cached
     total = body["max_tokens"] if cfg.eos_at is None else min(cfg.eos_at, body["max_tokens"])
     options = body.get("stream_options") or {}
     continuous = cfg.send_usage and bool(options.get("continuous_usage_stats"))
@@ -116,7 +147,7 @@ async def _stream_completion(
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
         b"Connection: close\r\n\r\n"
     )
-    await trio.sleep(cfg.ttft)
+    await trio.sleep(cfg.ttft + (prompt_tokens - cached) * cfg.prefill_s_per_token)
     sent = 0
     while sent < total:
         n = min(cfg.tokens_per_chunk, total - sent)
@@ -130,18 +161,22 @@ async def _stream_completion(
         )
         chunk: dict[str, Any] = {"id": "x", "object": "chunk", "model": cfg.model, "choices": [choice]}
         if done and cfg.send_timings:
-            chunk["timings"] = {"prompt_n": prompt_tokens, "predicted_n": total, "predicted_ms": 1.0}
+            chunk["timings"] = {"prompt_n": prompt_tokens - cached, "predicted_n": total, "predicted_ms": 1.0}
+            if cfg.prefix_cache:
+                chunk["timings"]["cache_n"] = cached
         if continuous:
             chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": sent}
         await stream.send_all(f"data: {json.dumps(chunk)}\n\n".encode())
         if not done:
             await trio.sleep(cfg.itl)
     if cfg.send_usage and options.get("include_usage"):
-        usage = {
+        usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": total,
             "total_tokens": prompt_tokens + total,
         }
+        if cfg.prefix_cache:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         final = {"id": "x", "object": "chunk", "model": cfg.model, "choices": [], "usage": usage}
         await stream.send_all(f"data: {json.dumps(final)}\n\n".encode())
     await stream.send_all(b"data: [DONE]\n\n")
@@ -338,3 +373,202 @@ def test_helpers() -> None:
     assert summary["output_tok_s"] == 2.0 and summary["errors"] == 1 and summary["error_samples"] == ["x"]
     ratio = bench.ratios({"streams": 1, "output_tok_s": 10.0}, {"streams": 1, "output_tok_s": 5.0})
     assert ratio["output_tok_s"] == 2.0 and ratio["ttft_median"] is None
+
+
+# ------------------------------------------------------------------- prefix-cache workloads
+
+
+def _chat_bodies(cfg: FakeConfig, max_tokens: int) -> list[dict[str, Any]]:
+    return [b for b in _measured(cfg, max_tokens) if "messages" in b]
+
+
+def test_agent_conversation_data() -> None:
+    conv = bench_cache.load_agent_conversation()
+    assert conv.turns == 12
+    assert {t["function"]["name"] for t in conv.tools} >= {"shell", "read_file", "apply_patch"}
+    sizes = conv.rough_turn_tokens()
+    assert sizes == sorted(sizes) and len(set(sizes)) == 12  # every turn adds to the history
+    assert sizes[0] >= 1200  # system prompt and tool definitions
+    assert 5000 <= sizes[-1] <= 7500  # grows to about 6,000 tokens
+    calls = [m for m in conv.messages if m.get("tool_calls")]
+    assert len(calls) == 11 and conv.messages[-1]["role"] == "assistant"
+    assert all(json.loads(c["tool_calls"][0]["function"]["arguments"]) for c in calls)
+    turns = [conv.turn_messages(k, "abc") for k in range(conv.turns)]
+    for earlier, later in itertools.pairwise(turns):
+        assert later[: len(earlier)] == earlier  # each turn resends the whole history
+        assert later[len(earlier)]["role"] == "assistant"  # starting with the previous turn's answer
+    assert turns[0][0]["content"].startswith("[session abc] ")
+    assert turns[0][1]["role"] == "user" and len(turns[0]) == 2
+    assert 1000 <= bench_cache.rough_tokens(bench_cache.load_shared_prefix()) <= 2500
+    turn = bench_cache.restart_turn(conv)
+    assert abs(sizes[turn] - 4000) <= 600
+
+
+def test_bad_conversation_is_refused(tmp_path: Any) -> None:
+    path = tmp_path / "conv.json"
+    path.write_text(
+        json.dumps(
+            {
+                "system": "s",
+                "tools": [],
+                "messages": [
+                    {"role": "user", "content": "u"},
+                    {"role": "assistant", "content": None, "tool_calls": [{"id": "a", "function": {}}]},
+                    {"role": "user", "content": "too early"},
+                ],
+            }
+        )
+    )
+    with pytest.raises(ValueError, match="answered"):
+        bench_cache.load_agent_conversation(path)
+
+
+def test_ratio_math() -> None:
+    assert bench_cache.ttft_ratio([1.0, 3.0, 2.0], [0.1, 0.3, 0.2, 0.2]) == pytest.approx(0.1)
+    assert bench_cache.ttft_ratio([], [0.1]) is None
+    assert bench_cache.prefilled_share(1000, 850) == pytest.approx(0.15)
+    assert bench_cache.prefilled_share(1000, None) is None and bench_cache.prefilled_share(0, 0) is None
+    before = {"prefill_tokens": 10, "reused_tokens": 5, "host_hits": 0}
+    after = {"prefill_tokens": 110, "reused_tokens": 905, "host_hits": 2}
+    assert bench_cache.metrics_delta(before, after) == {
+        "prefill_tokens": 100,
+        "reused_tokens": 900,
+        "host_hits": 2,
+    }
+    assert bench_cache.metrics_delta(None, after) is None
+    assert bench_cache.summary_ratios(
+        {"wall_s": 2.0, "x": None, "errors": 0}, {"wall_s": 8.0, "errors": 1}
+    ) == {"wall_s": 0.25}
+    recs = [
+        bench.StreamRecord(t_send=0.0, chunks=[(0.5, 1)], usage_prompt_tokens=100, usage_cached_tokens=0),
+        bench.StreamRecord(t_send=1.0, chunks=[(1.1, 1)], usage_prompt_tokens=300, usage_cached_tokens=96),
+    ]
+    run = bench_cache.summarize_replay(recs, 2.0, {"prefill_tokens": 204, "reused_tokens": 96})
+    assert run["prompt_tokens"] == 400 and run["cached_tokens"] == 96
+    assert run["prefilled_share"] == pytest.approx(0.76) and run["metrics_prefilled_share"] == pytest.approx(
+        0.51
+    )
+    assert run["ttft_ms"] == [500.0, pytest.approx(100.0)]
+    recs[1].usage_cached_tokens = None  # a server that reports no reuse: no share, not a wrong one
+    assert bench_cache.summarize_replay(recs, 2.0, None)["prefilled_share"] is None
+    summary = bench_cache.summarize_replays([run, {**run, "wall_s": 4.0}])
+    assert summary["wall_s"] == 3.0 and summary["first_turn_ttft_ms"] == 500.0
+
+
+def test_cached_tokens_from_usage_and_llama_timings(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--workload", "shared-prefix", "--rounds", "1", "--warm-requests", "2", "--json"]
+    for cfg in (
+        FakeConfig(prefix_cache=True, ttft=0.002),
+        # llama-server without usage: timings.prompt_n counts only the tokens it evaluated
+        FakeConfig(prefix_cache=True, ttft=0.002, send_usage=False, send_timings=True),
+    ):
+        with fake_server(cfg) as url:
+            assert bench.main(["--url", url, *argv]) == 0
+        run = json.loads(capsys.readouterr().out)["target"]["runs"][0]
+        assert run["cold_cached_tokens"] == 0
+        assert run["prompt_tokens"] > 1000
+        assert all(run["prompt_tokens"] - 40 < c < run["prompt_tokens"] for c in run["warm_cached_tokens"])
+
+
+def test_shared_prefix_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = FakeConfig(prefix_cache=True, ttft=0.002, prefill_s_per_token=0.0001)
+    with fake_server(cfg) as url:
+        code = bench.main(["--url", url, "--workload", "shared-prefix", "--rounds", "2", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"] == "shared-prefix" and report["endpoint"] == "chat"
+    runs = report["target"]["runs"]
+    assert len(runs) == 2 and all(len(r["warm_ttft_ms"]) == 4 for r in runs)
+    assert all(r["cold_cached_tokens"] == 0 for r in runs)  # a fresh nonce per round: never a hit
+    assert all(c > 1000 for r in runs for c in r["warm_cached_tokens"])
+    summary = report["target"]["summary"]
+    assert summary["warm_over_cold"] < 0.5
+    assert summary["prompt_tokens"] > 1000 and summary["errors"] == 0
+    bodies = _chat_bodies(cfg, 16)
+    measured = bodies[-10:]  # 2 rounds x (1 cold + 4 warm), after the warm-up request
+    systems = [b["messages"][0]["content"] for b in measured]
+    assert len(set(systems[:5])) == 1 and len(set(systems[5:])) == 1 and systems[0] != systems[5]
+    assert len({b["messages"][1]["content"] for b in measured[:5]}) == 5  # distinct questions
+    assert bodies[0]["messages"][0]["content"] not in systems  # the warm-up shares nothing
+    assert all(b["stream"] and b["temperature"] == 0.0 for b in measured)
+
+
+def test_shared_prefix_completions_table(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = FakeConfig(prefix_cache=True, ttft=0.002)
+    with fake_server(cfg) as url:
+        code = bench.main(
+            ["--url", url, "--workload", "shared-prefix", "--endpoint", "completions", "--rounds", "1"]
+        )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "warm/cold" in out and "completions" in out
+    prompts = [b["prompt"] for b in _measured(cfg, 16)]
+    assert prompts[-1].startswith("[run ") and "Question:" in prompts[-1]
+
+
+def test_agent_replay_resends_history_with_baseline(capsys: pytest.CaptureFixture[str]) -> None:
+    fast = FakeConfig(prefix_cache=True, metrics=True, ttft=0.001, itl=0.0005, prefill_s_per_token=0.00002)
+    slow = FakeConfig(prefix_cache=False, ttft=0.001, itl=0.0005, prefill_s_per_token=0.0001, model="smol")
+    with fake_server(fast) as url, fake_server(slow) as baseline:
+        code = bench.main(
+            [
+                "--url",
+                url,
+                "--baseline-url",
+                baseline,
+                "--workload",
+                "agent-replay",
+                "--rounds",
+                "2",
+                "--json",
+            ]
+        )
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["turns"] == 12 and report["max_tokens"] == 32
+    for cfg in (fast, slow):
+        bodies = _chat_bodies(cfg, 32)
+        assert len(bodies) == 24
+        for replay in (bodies[:12], bodies[12:]):
+            assert len({b["messages"][0]["content"] for b in replay}) == 1  # one nonce per replay
+            for earlier, later in itertools.pairwise(replay):
+                assert later["messages"][: len(earlier["messages"])] == earlier["messages"]
+            assert all(b["tools"] and b["tools"][0]["type"] == "function" for b in replay)
+        assert bodies[0]["messages"][0]["content"] != bodies[12]["messages"][0]["content"]
+    target, base = report["target"], report["baseline"]
+    run = target["runs"][0]
+    assert len(run["ttft_ms"]) == 12 and run["errors"] == []
+    assert run["prompt_tokens"] == sum(t["prompt_tokens"] for t in run["turns"])
+    assert run["cached_tokens"] == sum(t["cached_tokens"] for t in run["turns"])
+    assert run["prefilled_share"] == pytest.approx(1 - run["cached_tokens"] / run["prompt_tokens"], abs=1e-4)
+    assert run["prefilled_share"] < 0.25  # the history is reused turn after turn
+    assert run["metrics"] == {
+        "prefill_tokens": run["prompt_tokens"] - run["cached_tokens"],
+        "reused_tokens": run["cached_tokens"],
+    }
+    assert run["metrics_prefilled_share"] == pytest.approx(run["prefilled_share"], abs=1e-3)
+    assert base["runs"][0]["cached_tokens"] is None and base["runs"][0]["metrics"] is None
+    assert base["summary"]["prefilled_share"] is None
+    assert report["ratios"]["wall_s"] < 1.0
+    assert report["ratios"]["wall_s"] == pytest.approx(
+        target["summary"]["wall_s"] / base["summary"]["wall_s"], abs=2e-3
+    )
+
+
+def test_restart_workload_two_phases(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    state = tmp_path / "state.json"
+    cfg = FakeConfig(prefix_cache=True, ttft=0.002, prefill_s_per_token=0.0001)
+    argv = ["--workload", "restart", "--rounds", "2", "--state-file", str(state), "--json"]
+    with fake_server(cfg) as url:
+        assert bench.main(["--url", url, *argv]) == 0
+        cold = json.loads(capsys.readouterr().out)["target"]
+        assert cold["phase"] == "cold" and state.exists()
+        assert cold["summary"]["warm_over_cold"] < 0.5
+        assert cold["summary"]["prompt_tokens"] > 1000  # words here: about 4,000 real tokens
+        assert bench.main(["--url", url, *argv]) == 0
+    repeat = json.loads(capsys.readouterr().out)["target"]
+    assert repeat["phase"] == "repeat" and not state.exists()
+    assert repeat["nonces"] == cold["nonces"]
+    assert repeat["summary"]["repeat_over_cold"] < 0.5 and repeat["summary"]["cold_ttft_ms"] is not None
+    bodies = _chat_bodies(cfg, 16)
+    assert [b["messages"] for b in bodies[-2:]] == [b["messages"] for b in bodies[:4:2]]

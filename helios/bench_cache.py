@@ -1,0 +1,726 @@
+"""Prefix-cache workloads for ``helios bench``: ``shared-prefix``, ``agent-replay`` and ``restart``.
+
+These complement the throughput workload of :mod:`helios.bench` (which defeats every prefix cache)
+by measuring what a prefix cache saves. They drive any OpenAI-compatible server with streamed,
+greedy requests, one at a time; with ``--baseline-url`` the same rounds alternate between the two
+servers, never concurrently.
+
+- ``shared-prefix``: a fixed ~1,500-token document (``bench_data/shared_prefix.txt``) as the system
+  prompt, then a short distinct question per request. Each round starts the document with a fresh
+  random nonce, so a round never hits an earlier round's (or run's) cache, while the requests of
+  one round share it: the first is cold, the rest are warm. Reports median cold and warm TTFT and
+  warm / cold.
+- ``agent-replay``: a recorded 12-turn coding-agent session with tool calls
+  (``bench_data/agent_replay.json``). Turn k sends the system prompt, the tools and every message
+  before the k-th assistant message as one Chat Completions request, as Codex and OpenCode do. The
+  system prompt starts with a fresh nonce per replay. Reports the replay's wall time, per-turn TTFT,
+  the prompt tokens sent, the tokens the server says it reused (``cached_tokens``; llama-server's
+  ``timings.cache_n`` when it sends no usage details) and the share actually prefilled, plus the
+  ``prefill_tokens``/``reused_tokens`` deltas of ``/metrics?format=json`` where the server has them.
+- ``restart``: a ~4,000-token prompt (the agent session's turn of about that size) sent cold, then,
+  in a second invocation after the server was restarted with the same disk store, sent again. The
+  first invocation stores the nonces and cold TTFTs in ``--state-file``; the second reads them and
+  reports the first repeat's TTFT against the cold one.
+
+EOS is suppressed where the server accepts it (as in :mod:`helios.bench`) so both servers decode
+the same number of tokens per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from helios.bench import (
+    WORKLOADS,
+    BenchError,
+    Endpoint,
+    StreamRecord,
+    _Setup,
+    _Target,
+    base_url,
+    build_body,
+    discover_model,
+    stream_once,
+)
+
+if TYPE_CHECKING:
+    import httpx
+
+CACHE_WORKLOADS: tuple[str, ...] = WORKLOADS[1:]
+DEFAULT_MAX_TOKENS: dict[str, int] = {
+    "throughput": 256,
+    "shared-prefix": 16,
+    "agent-replay": 32,
+    "restart": 16,
+}
+DEFAULT_ROUNDS: dict[str, int] = {"shared-prefix": 3, "agent-replay": 2, "restart": 3}
+DEFAULT_WARM_REQUESTS = 4
+RESTART_PROMPT_TOKENS = 4000
+METRIC_KEYS: tuple[str, ...] = (
+    "prefill_tokens",
+    "reused_tokens",
+    "generated_tokens",
+    "host_hits",
+    "host_reused_tokens",
+    "host_bytes_in",
+)
+
+DATA_DIR = Path(__file__).with_name("bench_data")
+SHARED_PREFIX_FILE = DATA_DIR / "shared_prefix.txt"
+AGENT_REPLAY_FILE = DATA_DIR / "agent_replay.json"
+
+# Short, distinct questions about the shared document: one per request of a round.
+QUESTIONS: tuple[str, ...] = (
+    "Until what time must an express parcel be handed over to count for the same day?",
+    "What is the heaviest parcel Tidewater accepts?",
+    "Which depots accept dangerous goods?",
+    "What does damage code D2 mean?",
+    "How long does an undeliverable parcel wait at the depot?",
+    "When is the Rotterdam depot open?",
+    "Within how many days must a customer claim for damage?",
+    "What is the liability limit for express shipments?",
+    "How much does the express surcharge cost?",
+    "Where can customers pay in cash?",
+    "How long are camera recordings kept?",
+    "How long may a line-haul driver drive in one day?",
+    "Who owns the section on customer claims?",
+    "When does an incident owner write the review?",
+)
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(6)
+
+
+def rough_tokens(value: Any) -> int:
+    """A rough token count (about 3.3 characters per token for prose, code and JSON alike)."""
+    text = value if isinstance(value, str) else json.dumps(value)
+    return round(len(text) / 3.3)
+
+
+def rough_request_tokens(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None) -> int:
+    """A rough prompt size of a chat request: tool definitions, message texts, tool calls, framing."""
+    total = rough_tokens(list(tools)) if tools else 0
+    for message in messages:
+        total += 4 + rough_tokens(message.get("content") or "")
+        for call in message.get("tool_calls") or []:
+            total += rough_tokens(call.get("function", {}))
+    return total
+
+
+# ------------------------------------------------------------------------------------------- data
+
+
+def load_shared_prefix(path: Path = SHARED_PREFIX_FILE) -> str:
+    return path.read_text(encoding="utf-8").strip()
+
+
+def shared_prefix_messages(nonce: str, document: str, question: str) -> list[dict[str, Any]]:
+    """The nonce starts the shared system prompt: one round shares it, other rounds never do."""
+    return [
+        {"role": "system", "content": f"[run {nonce}]\n{document}"},
+        {"role": "user", "content": question},
+    ]
+
+
+def shared_prefix_prompt(nonce: str, document: str, question: str) -> str:
+    """The Completions form of :func:`shared_prefix_messages`."""
+    return f"[run {nonce}]\n{document}\n\nQuestion: {question}\nAnswer:"
+
+
+@dataclass(frozen=True)
+class AgentConversation:
+    """A recorded agent session: system prompt, OpenAI tool definitions, and the messages."""
+
+    system: str
+    tools: list[dict[str, Any]]
+    messages: list[dict[str, Any]]
+
+    @property
+    def turn_starts(self) -> list[int]:
+        """Index into ``messages`` of each assistant message: turn k sends everything before it."""
+        return [i for i, m in enumerate(self.messages) if m["role"] == "assistant"]
+
+    @property
+    def turns(self) -> int:
+        return len(self.turn_starts)
+
+    def turn_messages(self, turn: int, nonce: str) -> list[dict[str, Any]]:
+        """The whole history turn ``turn`` (0-based) resends, the system prompt starting with the nonce."""
+        end = self.turn_starts[turn]
+        system = {"role": "system", "content": f"[session {nonce}] {self.system}"}
+        return [system, *(json.loads(json.dumps(m)) for m in self.messages[:end])]
+
+    def rough_turn_tokens(self) -> list[int]:
+        return [rough_request_tokens(self.turn_messages(k, "0" * 12), self.tools) for k in range(self.turns)]
+
+
+def load_agent_conversation(path: Path = AGENT_REPLAY_FILE) -> AgentConversation:
+    """Load and check the recorded session: every tool call is answered by the next tool messages."""
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    system, tools, messages = raw.get("system"), raw.get("tools"), raw.get("messages")
+    if not isinstance(system, str) or not isinstance(tools, list) or not isinstance(messages, list):
+        raise ValueError(f"{path}: wants a system string, a tools list and a messages list")
+    pending: list[str] = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role == "tool":
+            if not pending or message.get("tool_call_id") != pending.pop(0):
+                raise ValueError(f"{path}: message {i} answers no pending tool call")
+            continue
+        if pending:
+            raise ValueError(f"{path}: message {i} comes before tool calls {pending} were answered")
+        if role not in ("user", "assistant"):
+            raise ValueError(f"{path}: message {i} has role {role!r}")
+        pending = [call["id"] for call in message.get("tool_calls") or []]
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise ValueError(f"{path}: no assistant turn")
+    return AgentConversation(system, tools, messages)
+
+
+def restart_turn(conversation: AgentConversation, target_tokens: int = RESTART_PROMPT_TOKENS) -> int:
+    """The turn whose prompt is roughly closest to ``target_tokens``."""
+    sizes = conversation.rough_turn_tokens()
+    return min(range(len(sizes)), key=lambda k: abs(sizes[k] - target_tokens))
+
+
+def chat_body(
+    model: str,
+    messages: Sequence[Mapping[str, Any]],
+    max_tokens: int,
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    features: frozenset[str],
+    seed: int = 0,
+    extra_body: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A greedy streaming Chat Completions request with these messages (and tools)."""
+    body = build_body("chat", model, "", max_tokens, features=features, seed=seed)
+    body["messages"] = [dict(m) for m in messages]
+    if tools:
+        body["tools"] = [dict(t) for t in tools]
+    for key, value in (extra_body or {}).items():
+        if value is None:
+            body.pop(key, None)
+        else:
+            body[key] = value
+    return body
+
+
+# ------------------------------------------------------------------------------------------- math
+
+
+def median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def ratio(numerator: float | None, denominator: float | None, digits: int = 3) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return round(numerator / denominator, digits)
+
+
+def ttft_ratio(cold: Sequence[float], warm: Sequence[float]) -> float | None:
+    """Median warm TTFT over median cold TTFT."""
+    return ratio(median(warm), median(cold))
+
+
+def prefilled_share(prompt_tokens: int | None, cached_tokens: int | None) -> float | None:
+    """The share of the prompt tokens sent that the server actually prefilled: 1 - cached/prompt."""
+    if prompt_tokens is None or cached_tokens is None or prompt_tokens <= 0:
+        return None
+    return round(1.0 - cached_tokens / prompt_tokens, 4)
+
+
+def metrics_delta(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> dict[str, int] | None:
+    """Counter increases between two ``/metrics?format=json`` snapshots (None without both)."""
+    if before is None or after is None:
+        return None
+    out: dict[str, int] = {}
+    for key in METRIC_KEYS:
+        a, b = before.get(key), after.get(key)
+        if isinstance(a, int) and isinstance(b, int):
+            out[key] = b - a
+    return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 1)
+
+
+def _sum_or_none(values: Sequence[int | None]) -> int | None:
+    return None if not values or any(v is None for v in values) else sum(v for v in values if v is not None)
+
+
+def _errors(records: Sequence[StreamRecord]) -> list[str]:
+    return [r.error for r in records if r.error is not None]
+
+
+def summarize_shared_round(cold: StreamRecord, warm: Sequence[StreamRecord]) -> dict[str, Any]:
+    """One shared-prefix round: the cold request, then the warm ones sharing its prefix."""
+    warm_ttfts = [t for r in warm if r.error is None and (t := r.ttft) is not None]
+    cold_ttft = cold.ttft if cold.error is None else None
+    return {
+        "cold_ttft_ms": _ms(cold_ttft),
+        "warm_ttft_ms": [_ms(t) for t in warm_ttfts],
+        "warm_over_cold": ttft_ratio([cold_ttft] if cold_ttft is not None else [], warm_ttfts),
+        "prompt_tokens": cold.usage_prompt_tokens,
+        "cold_cached_tokens": cold.usage_cached_tokens,
+        "warm_cached_tokens": [r.usage_cached_tokens for r in warm],
+        "errors": _errors([cold, *warm]),
+    }
+
+
+def summarize_shared(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Medians over rounds: cold TTFT (one per round), warm TTFT (all warm requests), and warm / cold."""
+    cold = [r["cold_ttft_ms"] for r in rounds if r["cold_ttft_ms"] is not None]
+    warm = [t for r in rounds for t in r["warm_ttft_ms"]]
+    cached = [c for r in rounds for c in r["warm_cached_tokens"] if c is not None]
+    prompts = [r["prompt_tokens"] for r in rounds if r["prompt_tokens"] is not None]
+    return {
+        "cold_ttft_ms": median(cold),
+        "warm_ttft_ms": median(warm),
+        "warm_over_cold": ttft_ratio(cold, warm),
+        "prompt_tokens": median(prompts),
+        "warm_cached_tokens": median(cached),
+        "errors": sum(len(r["errors"]) for r in rounds),
+    }
+
+
+def summarize_replay(
+    records: Sequence[StreamRecord], wall: float, metrics: Mapping[str, int] | None
+) -> dict[str, Any]:
+    """One replay: wall time, per-turn figures, totals and the share of the prompt tokens prefilled."""
+    prompt = _sum_or_none([r.usage_prompt_tokens for r in records])
+    cached = _sum_or_none([r.usage_cached_tokens for r in records])
+    metric_share = None
+    if metrics and prompt and "prefill_tokens" in metrics:
+        metric_share = round(metrics["prefill_tokens"] / prompt, 4)
+    return {
+        "wall_s": round(wall, 3),
+        "turns": [
+            {
+                "ttft_ms": _ms(r.ttft),
+                "prompt_tokens": r.usage_prompt_tokens,
+                "cached_tokens": r.usage_cached_tokens,
+                "output_tokens": r.output_tokens if r.error is None else None,
+                "error": r.error,
+            }
+            for r in records
+        ],
+        "ttft_ms": [_ms(r.ttft) for r in records],
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefilled_share": prefilled_share(prompt, cached),
+        "output_tokens": sum(r.output_tokens for r in records if r.error is None),
+        "metrics": dict(metrics) if metrics is not None else None,
+        "metrics_prefilled_share": metric_share,
+        "errors": _errors(records),
+    }
+
+
+def summarize_replays(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Medians over replays."""
+
+    def med(key: str) -> float | None:
+        return median([r[key] for r in runs if r[key] is not None])
+
+    first = [t for r in runs if (t := r["ttft_ms"][0]) is not None] if runs else []
+    later = [t for r in runs for t in r["ttft_ms"][1:] if t is not None]
+    return {
+        "wall_s": med("wall_s"),
+        "prompt_tokens": med("prompt_tokens"),
+        "cached_tokens": med("cached_tokens"),
+        "prefilled_share": med("prefilled_share"),
+        "metrics_prefilled_share": med("metrics_prefilled_share"),
+        "first_turn_ttft_ms": median(first),
+        "later_turn_ttft_ms": median(later),
+        "output_tokens": med("output_tokens"),
+        "errors": sum(len(r["errors"]) for r in runs),
+    }
+
+
+# ---------------------------------------------------------------------------------------- servers
+
+
+@dataclass
+class _Server:
+    role: str
+    url: str
+    model: str | None
+    api_key: str | None
+    endpoint: Endpoint = "chat"
+    target: _Target | None = None
+    setup: _Setup | None = None
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    async def open(self, client: httpx.AsyncClient, args: argparse.Namespace) -> None:
+        """Discover the model and negotiate the optional fields (short one-token probes)."""
+        base = base_url(self.url)
+        self.url = base
+        if self.model is None:
+            self.model = await discover_model(client, base, self.api_key)
+        self.target = _Target(
+            client, base, self.model, self.api_key, self.endpoint, args.timeout, args.seed, args.extra_body
+        )
+        self.setup = await self.target.prepare(None)
+
+    async def send(self, body: Mapping[str, Any]) -> StreamRecord:
+        assert self.target is not None
+        t = self.target
+        return await stream_once(t.client, t.url, body, t.headers, t.endpoint, t.timeout)
+
+    def chat(
+        self, messages: Sequence[Mapping[str, Any]], max_tokens: int, tools: Any = None
+    ) -> dict[str, Any]:
+        assert self.target is not None and self.setup is not None and self.model is not None
+        return chat_body(
+            self.model,
+            messages,
+            max_tokens,
+            tools=tools,
+            features=self.setup.features,
+            seed=self.target.seed,
+            extra_body=self.target.extra_body,
+        )
+
+    def shared_body(self, nonce: str, document: str, question: str, max_tokens: int) -> dict[str, Any]:
+        if self.endpoint == "chat":
+            return self.chat(shared_prefix_messages(nonce, document, question), max_tokens)
+        assert self.target is not None and self.setup is not None and self.model is not None
+        return build_body(
+            "completions",
+            self.model,
+            shared_prefix_prompt(nonce, document, question),
+            max_tokens,
+            features=self.setup.features,
+            seed=self.target.seed,
+            extra_body=self.target.extra_body,
+        )
+
+    async def metrics(self) -> dict[str, Any] | None:
+        """``/metrics?format=json`` when the server has it (Helios); None otherwise."""
+        import httpx
+
+        assert self.target is not None
+        try:
+            resp = await self.target.client.get(
+                f"{self.url}/metrics", params={"format": "json"}, headers=self.target.headers
+            )
+            data = resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        if not isinstance(data, dict) or not isinstance(data.get("prefill_tokens"), int):
+            return None
+        return data
+
+    def describe(self) -> dict[str, Any]:
+        dropped = self.setup.dropped if self.setup else []
+        return {"url": self.url, "model": self.model, "dropped_fields": dropped, "runs": self.runs}
+
+
+def _progress(text: str) -> None:
+    import sys
+
+    print(text, file=sys.stderr, flush=True)
+
+
+async def _shared_round(
+    server: _Server, document: str, warm_requests: int, max_tokens: int
+) -> dict[str, Any]:
+    nonce = new_nonce()
+    cold = await server.send(server.shared_body(nonce, document, QUESTIONS[0], max_tokens))
+    warm = []
+    for i in range(1, warm_requests + 1):
+        question = QUESTIONS[i % len(QUESTIONS)]
+        warm.append(await server.send(server.shared_body(nonce, document, question, max_tokens)))
+    return summarize_shared_round(cold, warm)
+
+
+async def _replay(server: _Server, conversation: AgentConversation, max_tokens: int) -> dict[str, Any]:
+    nonce = new_nonce()
+    before = await server.metrics()
+    records: list[StreamRecord] = []
+    t_start = time.perf_counter()
+    for turn in range(conversation.turns):
+        body = server.chat(conversation.turn_messages(turn, nonce), max_tokens, conversation.tools)
+        records.append(await server.send(body))
+    wall = time.perf_counter() - t_start
+    after = await server.metrics()
+    return summarize_replay(records, wall, metrics_delta(before, after))
+
+
+def _server_list(args: argparse.Namespace) -> list[_Server]:
+    endpoint: Endpoint = args.endpoint if args.workload == "shared-prefix" else "chat"
+    servers = [_Server("target", args.url, args.model, args.api_key, endpoint)]
+    if args.baseline_url:
+        servers.append(
+            _Server("baseline", args.baseline_url, args.baseline_model, args.baseline_api_key, endpoint)
+        )
+    return servers
+
+
+def _client(args: argparse.Namespace) -> httpx.AsyncClient:
+    import httpx
+
+    http_timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 30.0))
+    limits = httpx.Limits(max_connections=4, max_keepalive_connections=4)
+    return httpx.AsyncClient(limits=limits, timeout=http_timeout, trust_env=False)
+
+
+async def run_workload(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``args.workload`` (one of CACHE_WORKLOADS) and return a JSON-ready report."""
+    if args.workload == "restart":
+        return await _run_restart(args)
+    servers = _server_list(args)
+    max_tokens: int = args.max_tokens
+    rounds: int = args.rounds
+    report: dict[str, Any] = {"workload": args.workload, "max_tokens": max_tokens, "rounds": rounds}
+    summarize: Callable[[Sequence[Mapping[str, Any]]], dict[str, Any]]
+    async with _client(args) as client:
+        for server in servers:
+            await server.open(client, args)
+        if args.workload == "shared-prefix":
+            document = load_shared_prefix()
+            report["warm_requests"] = args.warm_requests
+            report["endpoint"] = servers[0].endpoint
+            if not args.no_warmup:  # same shapes, a throwaway nonce: shares nothing with the rounds
+                for server in servers:
+                    await server.send(server.shared_body(new_nonce(), document, QUESTIONS[-1], max_tokens))
+            for r in range(rounds):  # alternate servers round by round: both see the same machine
+                for server in servers:
+                    _progress(f"{server.role} {server.url}: shared-prefix round {r + 1}/{rounds} ...")
+                    server.runs.append(await _shared_round(server, document, args.warm_requests, max_tokens))
+            summarize = summarize_shared
+        else:
+            conversation = load_agent_conversation()
+            report["turns"] = conversation.turns
+            if not args.no_warmup:
+                for server in servers:
+                    await server.send(
+                        server.chat(conversation.turn_messages(0, new_nonce()), 1, conversation.tools)
+                    )
+            for r in range(rounds):
+                for server in servers:
+                    _progress(f"{server.role} {server.url}: agent replay {r + 1}/{rounds} ...")
+                    server.runs.append(await _replay(server, conversation, max_tokens))
+            summarize = summarize_replays
+    for server in servers:
+        report[server.role] = {**server.describe(), "summary": summarize(server.runs)}
+    if len(servers) == 2:
+        report["ratios"] = summary_ratios(report["target"]["summary"], report["baseline"]["summary"])
+    return report
+
+
+def summary_ratios(target: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, float | None]:
+    """target / baseline for every numeric summary field both servers report."""
+    out: dict[str, float | None] = {}
+    for key, value in target.items():
+        other = baseline.get(key)
+        if key != "errors" and isinstance(value, int | float) and isinstance(other, int | float):
+            out[key] = ratio(float(value), float(other))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- restart
+
+
+def _load_state(path: Path) -> dict[str, Any]:
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except ValueError as exc:
+        raise BenchError(f"{path} is not a restart state file: {exc}") from exc
+    return state if isinstance(state, dict) else {}
+
+
+async def _run_restart(args: argparse.Namespace) -> dict[str, Any]:
+    """Cold phase (no state for the server): cold and in-memory warm TTFT of ``--rounds`` prompts of
+    about 4,000 tokens, nonces saved. Repeat phase (state found): the same prompts once each, on the
+    restarted server; the state is then cleared so the next invocation starts a new cold phase."""
+    path = Path(args.state_file)
+    state = _load_state(path)
+    conversation = load_agent_conversation()
+    turn = restart_turn(conversation)
+    servers = _server_list(args)
+    report: dict[str, Any] = {"workload": "restart", "state_file": str(path), "max_tokens": args.max_tokens}
+    async with _client(args) as client:
+        for server in servers:
+            await server.open(client, args)
+            saved = state.get(server.role)
+            if not isinstance(saved, dict) or saved.get("url") != server.url:
+                saved = None
+            if not args.no_warmup:
+                await server.send(
+                    server.chat(conversation.turn_messages(turn, new_nonce()), 1, conversation.tools)
+                )
+            before = await server.metrics()
+            if saved is None:
+                nonces = [new_nonce() for _ in range(args.rounds)]
+                cold, warm = [], []
+                for nonce in nonces:
+                    _progress(f"{server.role} {server.url}: restart workload, cold prompt ...")
+                    body = server.chat(
+                        conversation.turn_messages(turn, nonce), args.max_tokens, conversation.tools
+                    )
+                    cold.append(await server.send(body))
+                    warm.append(await server.send(body))
+                entry = {
+                    "phase": "cold",
+                    "url": server.url,
+                    "nonces": nonces,
+                    "turn": turn,
+                    "prompt_tokens": [r.usage_prompt_tokens for r in cold],
+                    "cold_ttft_ms": [_ms(r.ttft) for r in cold],
+                    "warm_ttft_ms": [_ms(r.ttft) for r in warm],
+                    "warm_cached_tokens": [r.usage_cached_tokens for r in warm],
+                    "errors": _errors([*cold, *warm]),
+                }
+                entry["summary"] = restart_summary(entry)
+                state[server.role] = {k: v for k, v in entry.items() if k != "phase"}
+            else:
+                repeats = []
+                for nonce in saved["nonces"]:
+                    _progress(f"{server.role} {server.url}: restart workload, first repeat ...")
+                    body = server.chat(
+                        conversation.turn_messages(saved["turn"], nonce), args.max_tokens, conversation.tools
+                    )
+                    repeats.append(await server.send(body))
+                entry = {
+                    **saved,
+                    "phase": "repeat",
+                    "repeat_ttft_ms": [_ms(r.ttft) for r in repeats],
+                    "repeat_cached_tokens": [r.usage_cached_tokens for r in repeats],
+                    "errors": saved.get("errors", []) + _errors(repeats),
+                }
+                entry["summary"] = restart_summary(entry)
+                state.pop(server.role, None)
+            entry["metrics"] = metrics_delta(before, await server.metrics())
+            entry["model"] = server.model
+            report[server.role] = entry
+    if state:
+        path.write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
+    elif path.exists():
+        path.unlink()
+    if len(servers) == 2:
+        report["ratios"] = summary_ratios(report["target"]["summary"], report["baseline"]["summary"])
+    return report
+
+
+def restart_summary(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """Medians of the cold, in-memory warm and (after the restart) first-repeat TTFTs, and the ratios."""
+
+    def med(key: str) -> float | None:
+        return median([v for v in entry.get(key) or [] if v is not None])
+
+    cold, warm, repeat = med("cold_ttft_ms"), med("warm_ttft_ms"), med("repeat_ttft_ms")
+    return {
+        "prompt_tokens": med("prompt_tokens"),
+        "cold_ttft_ms": cold,
+        "warm_ttft_ms": warm,
+        "warm_over_cold": ratio(warm, cold),
+        "repeat_ttft_ms": repeat,
+        "repeat_over_cold": ratio(repeat, cold),
+        "repeat_cached_tokens": med("repeat_cached_tokens"),
+        "errors": len(entry.get("errors") or []),
+    }
+
+
+# ------------------------------------------------------------------------------------------ table
+
+
+def _f(value: Any, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """A human-readable table for a CACHE_WORKLOADS report (latencies in ms)."""
+    roles = [r for r in ("target", "baseline") if r in report]
+    lines = [f"{role}: {report[role]['url']} (model {report[role]['model']})" for role in roles]
+    workload = report["workload"]
+    ratios = report.get("ratios")
+    if workload == "shared-prefix":
+        lines.append(
+            f"shared-prefix: {report['rounds']} round(s) x (1 cold + {report['warm_requests']} warm), "
+            f"max_tokens {report['max_tokens']}, {report['endpoint']}; TTFT medians in ms"
+        )
+        lines.append(
+            f"{'server':<9}{'prompt':>8}{'cold TTFT':>11}{'warm TTFT':>11}{'warm/cold':>11}{'cached':>8}{'errors':>8}"
+        )
+        for role in roles:
+            s = report[role]["summary"]
+            lines.append(
+                f"{role:<9}{_f(s['prompt_tokens'], '.0f'):>8}{_f(s['cold_ttft_ms']):>11}{_f(s['warm_ttft_ms']):>11}"
+                f"{_f(s['warm_over_cold'], '.3f'):>11}{_f(s['warm_cached_tokens'], '.0f'):>8}{s['errors']:>8}"
+            )
+        if ratios:
+            lines.append(
+                f"{'ratio':<9}{'':>8}{_f(ratios.get('cold_ttft_ms'), '.2f'):>11}"
+                f"{_f(ratios.get('warm_ttft_ms'), '.2f'):>11}{_f(ratios.get('warm_over_cold'), '.2f'):>11}"
+            )
+    elif workload == "agent-replay":
+        lines.append(
+            f"agent-replay: {report['turns']} turns, max_tokens {report['max_tokens']}, "
+            f"{report['rounds']} replay(s); medians; prefilled = 1 - cached/prompt (metrics: prefill_tokens/prompt)"
+        )
+        lines.append(
+            f"{'server':<9}{'wall s':>8}{'TTFT 1st':>10}{'TTFT later':>11}{'prompt':>8}{'cached':>8}"
+            f"{'prefilled':>10}{'metrics':>9}{'errors':>8}"
+        )
+        for role in roles:
+            s = report[role]["summary"]
+            lines.append(
+                f"{role:<9}{_f(s['wall_s'], '.2f'):>8}{_f(s['first_turn_ttft_ms']):>10}{_f(s['later_turn_ttft_ms']):>11}"
+                f"{_f(s['prompt_tokens'], '.0f'):>8}{_f(s['cached_tokens'], '.0f'):>8}"
+                f"{_f(s['prefilled_share'], '.3f'):>10}{_f(s['metrics_prefilled_share'], '.3f'):>9}{s['errors']:>8}"
+            )
+        if ratios:
+            lines.append(
+                f"{'ratio':<9}{_f(ratios.get('wall_s'), '.2f'):>8}{_f(ratios.get('first_turn_ttft_ms'), '.2f'):>10}"
+                f"{_f(ratios.get('later_turn_ttft_ms'), '.2f'):>11}"
+            )
+        for role in roles:
+            for i, run in enumerate(report[role]["runs"]):
+                ttfts = " ".join(_f(t, ".0f") for t in run["ttft_ms"])
+                lines.append(f"{role} replay {i + 1} per-turn TTFT ms: {ttfts}")
+    else:
+        lines.append(f"restart: state file {report['state_file']}; TTFT medians in ms")
+        lines.append(
+            f"{'server':<9}{'phase':>7}{'prompt':>8}{'cold':>9}{'warm':>9}{'repeat':>9}{'rep/cold':>10}"
+            f"{'cached':>8}{'errors':>8}"
+        )
+        for role in roles:
+            s = report[role]["summary"]
+            lines.append(
+                f"{role:<9}{report[role]['phase']:>7}{_f(s['prompt_tokens'], '.0f'):>8}{_f(s['cold_ttft_ms']):>9}"
+                f"{_f(s['warm_ttft_ms']):>9}{_f(s['repeat_ttft_ms']):>9}{_f(s['repeat_over_cold'], '.3f'):>10}"
+                f"{_f(s['repeat_cached_tokens'], '.0f'):>8}{s['errors']:>8}"
+            )
+        if any(report[role]["phase"] == "cold" for role in roles):
+            lines.append(
+                "cold phase stored; restart the server(s) (same disk store) and run the same command again"
+            )
+    for role in roles:
+        errors = report[role].get("errors")
+        if errors is None:
+            errors = [e for run in report[role]["runs"] for e in run["errors"]]
+        for sample in list(dict.fromkeys(errors))[:5]:
+            lines.append(f"error: {role}: {sample}")
+    return "\n".join(lines)
+
+
+def count_errors(report: Mapping[str, Any]) -> int:
+    total = 0
+    for role in ("target", "baseline"):
+        if role in report:
+            total += int(report[role]["summary"]["errors"])
+    return total
