@@ -8,6 +8,8 @@ import sys
 from functools import partial
 from typing import TYPE_CHECKING
 
+from helios.config import WEIGHT_FORMATS
+
 if TYPE_CHECKING:
     from helios.app import HeliosApp
 
@@ -28,6 +30,8 @@ def _serve(args: argparse.Namespace) -> int:
             overrides["model"]["path"] = args.model
         if args.dtype:
             overrides["model"]["dtype"] = args.dtype
+        if args.weights:
+            overrides["model"]["weights"] = args.weights
         if args.api_key_file:
             overrides["server"]["api_key"] = read_api_key_file(args.api_key_file)
         overrides["server"]["log_level"] = args.log_level
@@ -92,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--config", default=None, help="TOML configuration file (default: $HELIOS_CONFIG)")
     s.add_argument("--api-key-file", default=None, help="file holding the serving key (overrides [server] api_key)")
     s.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    s.add_argument("--weights", default=None, choices=list(WEIGHT_FORMATS),
+                   help="how the projections are stored and multiplied ([model] weights; default auto)")
     s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
                    help="log level (overrides [server] log_level; default info)")
     s.add_argument("--no-access-log", action="store_true",
