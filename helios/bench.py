@@ -644,6 +644,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "restart prompts (default 3)",
     )
     parser.add_argument(
+        "--agent-format",
+        choices=("tools", "text"),
+        default="tools",
+        help="agent-replay and restart: send OpenAI tools (default), or write tools and calls into the "
+        "messages as <tool_call>/<tool_response> text, for servers whose template drops tools",
+    )
+    parser.add_argument(
         "--warm-requests",
         type=int,
         default=4,

@@ -153,14 +153,72 @@ class AgentConversation:
     def turns(self) -> int:
         return len(self.turn_starts)
 
-    def turn_messages(self, turn: int, nonce: str) -> list[dict[str, Any]]:
-        """The whole history turn ``turn`` (0-based) resends, the system prompt starting with the nonce."""
+    def turn_messages(self, turn: int, nonce: str, fmt: str = "tools") -> list[dict[str, Any]]:
+        """The whole history turn ``turn`` (0-based) resends, the system prompt starting with the nonce.
+
+        ``fmt="text"`` writes the tools and the calls into the messages (:func:`tools_as_text`), for
+        servers whose chat template drops OpenAI tools; the request then carries no ``tools``.
+        """
         end = self.turn_starts[turn]
         system = {"role": "system", "content": f"[session {nonce}] {self.system}"}
-        return [system, *(json.loads(json.dumps(m)) for m in self.messages[:end])]
+        messages = [system, *(json.loads(json.dumps(m)) for m in self.messages[:end])]
+        return tools_as_text(messages, self.tools) if fmt == "text" else messages
+
+    def request_tools(self, fmt: str = "tools") -> list[dict[str, Any]] | None:
+        return self.tools if fmt == "tools" else None
 
     def rough_turn_tokens(self) -> list[int]:
         return [rough_request_tokens(self.turn_messages(k, "0" * 12), self.tools) for k in range(self.turns)]
+
+
+AGENT_FORMATS: tuple[str, ...] = ("tools", "text")
+_TOOLS_HEAD = (
+    "# Tools\n\nYou can call the functions listed below. Each line inside <tools></tools> describes "
+    "one function as JSON.\n<tools>"
+)
+_TOOLS_TAIL = (
+    "</tools>\n\nTo call a function, write a <tool_call></tool_call> block holding one JSON object "
+    'with its name and arguments:\n<tool_call>\n{"name": "function_name", "arguments": {}}\n</tool_call>\n'
+    "Results come back inside <tool_response></tool_response> blocks."
+)
+
+
+def tools_as_text(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The conversation with tools written as text (Hermes style): the tool list closes the system
+    prompt, calls become ``<tool_call>`` blocks after the assistant's text, and each run of tool
+    results becomes one user message of ``<tool_response>`` blocks. Every server then sees the same
+    prompt text, whatever its template does with OpenAI tools."""
+    listing = "\n".join(json.dumps(t.get("function", t), separators=(",", ":")) for t in tools)
+    out: list[dict[str, Any]] = []
+    results = False  # the last message out is a run of tool results
+    for i, message in enumerate(messages):
+        role, content = message["role"], message.get("content") or ""
+        if i == 0 and role == "system":
+            out.append({"role": "system", "content": f"{content}\n\n{_TOOLS_HEAD}\n{listing}\n{_TOOLS_TAIL}"})
+        elif role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if results:
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+            results = True
+            continue
+        elif role == "assistant" and message.get("tool_calls"):
+            blocks = []
+            for call in message["tool_calls"]:
+                function = call["function"]
+                arguments = json.loads(function["arguments"] or "{}")
+                blocks.append(
+                    f"<tool_call>\n{json.dumps({'name': function['name'], 'arguments': arguments})}\n</tool_call>"
+                )
+            text = "\n".join(blocks)
+            out.append({"role": "assistant", "content": f"{content}\n{text}" if content else text})
+        else:
+            out.append({"role": role, "content": content})
+        results = False
+    return out
 
 
 def load_agent_conversation(path: Path = AGENT_REPLAY_FILE) -> AgentConversation:
@@ -445,14 +503,16 @@ async def _shared_round(
     return summarize_shared_round(cold, warm)
 
 
-async def _replay(server: _Server, conversation: AgentConversation, max_tokens: int) -> dict[str, Any]:
+async def _replay(
+    server: _Server, conversation: AgentConversation, max_tokens: int, fmt: str
+) -> dict[str, Any]:
     nonce = new_nonce()
     before = await server.metrics()
     records: list[StreamRecord] = []
     t_start = time.perf_counter()
     for turn in range(conversation.turns):
-        body = server.chat(conversation.turn_messages(turn, nonce), max_tokens, conversation.tools)
-        records.append(await server.send(body))
+        messages = conversation.turn_messages(turn, nonce, fmt)
+        records.append(await server.send(server.chat(messages, max_tokens, conversation.request_tools(fmt))))
     wall = time.perf_counter() - t_start
     after = await server.metrics()
     return summarize_replay(records, wall, metrics_delta(before, after))
@@ -503,15 +563,15 @@ async def run_workload(args: argparse.Namespace) -> dict[str, Any]:
         else:
             conversation = load_agent_conversation()
             report["turns"] = conversation.turns
+            report["agent_format"] = fmt = args.agent_format
             if not args.no_warmup:
                 for server in servers:
-                    await server.send(
-                        server.chat(conversation.turn_messages(0, new_nonce()), 1, conversation.tools)
-                    )
+                    warmup = conversation.turn_messages(0, new_nonce(), fmt)
+                    await server.send(server.chat(warmup, 1, conversation.request_tools(fmt)))
             for r in range(rounds):
                 for server in servers:
                     _progress(f"{server.role} {server.url}: agent replay {r + 1}/{rounds} ...")
-                    server.runs.append(await _replay(server, conversation, max_tokens))
+                    server.runs.append(await _replay(server, conversation, max_tokens, fmt))
             summarize = summarize_replays
     for server in servers:
         report[server.role] = {**server.describe(), "summary": summarize(server.runs)}
@@ -552,7 +612,14 @@ async def _run_restart(args: argparse.Namespace) -> dict[str, Any]:
     conversation = load_agent_conversation()
     turn = restart_turn(conversation)
     servers = _server_list(args)
-    report: dict[str, Any] = {"workload": "restart", "state_file": str(path), "max_tokens": args.max_tokens}
+    fmt: str = args.agent_format
+    tools = conversation.request_tools(fmt)
+    report: dict[str, Any] = {
+        "workload": "restart",
+        "state_file": str(path),
+        "max_tokens": args.max_tokens,
+        "agent_format": fmt,
+    }
     async with _client(args) as client:
         for server in servers:
             await server.open(client, args)
@@ -560,18 +627,14 @@ async def _run_restart(args: argparse.Namespace) -> dict[str, Any]:
             if not isinstance(saved, dict) or saved.get("url") != server.url:
                 saved = None
             if not args.no_warmup:
-                await server.send(
-                    server.chat(conversation.turn_messages(turn, new_nonce()), 1, conversation.tools)
-                )
+                await server.send(server.chat(conversation.turn_messages(turn, new_nonce(), fmt), 1, tools))
             before = await server.metrics()
             if saved is None:
                 nonces = [new_nonce() for _ in range(args.rounds)]
                 cold, warm = [], []
                 for nonce in nonces:
                     _progress(f"{server.role} {server.url}: restart workload, cold prompt ...")
-                    body = server.chat(
-                        conversation.turn_messages(turn, nonce), args.max_tokens, conversation.tools
-                    )
+                    body = server.chat(conversation.turn_messages(turn, nonce, fmt), args.max_tokens, tools)
                     cold.append(await server.send(body))
                     warm.append(await server.send(body))
                 entry = {
@@ -579,6 +642,7 @@ async def _run_restart(args: argparse.Namespace) -> dict[str, Any]:
                     "url": server.url,
                     "nonces": nonces,
                     "turn": turn,
+                    "agent_format": fmt,
                     "prompt_tokens": [r.usage_prompt_tokens for r in cold],
                     "cold_ttft_ms": [_ms(r.ttft) for r in cold],
                     "warm_ttft_ms": [_ms(r.ttft) for r in warm],
@@ -591,8 +655,11 @@ async def _run_restart(args: argparse.Namespace) -> dict[str, Any]:
                 repeats = []
                 for nonce in saved["nonces"]:
                     _progress(f"{server.role} {server.url}: restart workload, first repeat ...")
+                    messages = conversation.turn_messages(
+                        saved["turn"], nonce, saved.get("agent_format", fmt)
+                    )
                     body = server.chat(
-                        conversation.turn_messages(saved["turn"], nonce), args.max_tokens, conversation.tools
+                        messages, args.max_tokens, conversation.request_tools(saved.get("agent_format", fmt))
                     )
                     repeats.append(await server.send(body))
                 entry = {
@@ -669,7 +736,7 @@ def format_report(report: Mapping[str, Any]) -> str:
             )
     elif workload == "agent-replay":
         lines.append(
-            f"agent-replay: {report['turns']} turns, max_tokens {report['max_tokens']}, "
+            f"agent-replay: {report['turns']} turns ({report['agent_format']} format), max_tokens {report['max_tokens']}, "
             f"{report['rounds']} replay(s); medians; prefilled = 1 - cached/prompt (metrics: prefill_tokens/prompt)"
         )
         lines.append(

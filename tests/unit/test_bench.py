@@ -572,3 +572,33 @@ def test_restart_workload_two_phases(tmp_path: Any, capsys: pytest.CaptureFixtur
     assert repeat["summary"]["repeat_over_cold"] < 0.5 and repeat["summary"]["cold_ttft_ms"] is not None
     bodies = _chat_bodies(cfg, 16)
     assert [b["messages"] for b in bodies[-2:]] == [b["messages"] for b in bodies[:4:2]]
+
+
+def test_agent_text_format() -> None:
+    conv = bench_cache.load_agent_conversation()
+    assert conv.request_tools("text") is None and conv.request_tools("tools") == conv.tools
+    turns = [conv.turn_messages(k, "abc", "text") for k in range(conv.turns)]
+    for earlier, later in itertools.pairwise(turns):
+        assert later[: len(earlier)] == earlier  # still a growing prefix
+    last = turns[-1]
+    assert {m["role"] for m in last} == {"system", "user", "assistant"}
+    assert last[0]["content"].startswith("[session abc] ") and '{"name":"apply_patch"' in last[0]["content"]
+    calls = [m["content"] for m in last if m["role"] == "assistant"]
+    assert len(calls) == 11 and all("<tool_call>\n{" in c for c in calls)
+    first_call = calls[0].split("<tool_call>\n", 1)[1].split("\n</tool_call>")[0]
+    assert json.loads(first_call)["name"] == "shell"
+    results = [m["content"] for m in last[2:] if m["role"] == "user"]
+    assert len(results) == 11 and all(r.startswith("<tool_response>\n") for r in results)
+    sizes = [bench_cache.rough_request_tokens(t) for t in turns]
+    assert 5000 <= sizes[-1] <= 7500
+
+
+def test_agent_replay_text_format_sends_no_tools(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = FakeConfig(prefix_cache=True, ttft=0.001, itl=0.0005)
+    with fake_server(cfg) as url:
+        argv = ["--workload", "agent-replay", "--agent-format", "text", "--rounds", "1", "--max-tokens", "4"]
+        assert bench.main(["--url", url, *argv]) == 0
+    assert "text format" in capsys.readouterr().out
+    bodies = _chat_bodies(cfg, 4)
+    assert len(bodies) == 12 and all("tools" not in b for b in bodies)
+    assert all(m["role"] != "tool" for b in bodies for m in b["messages"])
