@@ -14,6 +14,9 @@ long by the server's own usage count, and (c) a short round at full concurrency 
 Run ``python -m helios.bench --url http://127.0.0.1:8000 --streams 1,8`` (``helios bench`` once
 hooked into the CLI). ``--baseline-url`` runs the same workload against a second server, level by
 level and never concurrently, and adds target/baseline ratios (machines are noisy: compare ratios).
+
+``--workload shared-prefix | agent-replay | restart`` runs the prefix-cache workloads of
+:mod:`helios.bench_cache` instead, which share prefixes on purpose.
 """
 
 from __future__ import annotations
