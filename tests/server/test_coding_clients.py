@@ -53,6 +53,10 @@ default_max_tokens = 256
 [model]
 path = "@MODEL@"
 generation_config = {temperature = 0.0}
+# float32 weights: greedy transcripts are then the same on every CPU. (Under `auto`'s int4 on an
+# AVX512-BF16 machine the 135M model's answer to Claude Code's 21 kB prompt ran to its 1024-token
+# limit, which Claude Code reports as an API error; the bf16/int4 logits differ per machine.)
+weights = "float32"
 [engine]
 max_active = 8
 kv_memory_gib = 0.5
