@@ -62,6 +62,8 @@ class RequestState:
     num_preemptions: int = 0
     num_prompt_scored: int = 0  # prompt positions whose scores went out (prompt_logprobs requests)
     num_cached_tokens: int = 0  # prompt tokens reused at its first admission (usage's cached_tokens)
+    block_hashes: list[int] = attrs.field(factory=list)
+    """Prefix-cache chain hashes of its pages, computed once (extended as its tokens grow)."""
     grammar: Any = None
     reasoning_budget: Any = None
     proposer: Any = None
@@ -232,7 +234,8 @@ class Scheduler:
             seq = self.waiting[0]
             # The longest cached prefix (none for prompt scoring, which needs every position's
             # logits; its pages are still published for others).
-            hits, hashes = ([], []) if seq.request.prompt_logprobs is not None else kv.lookup(seq.token_ids)
+            scoring = seq.request.prompt_logprobs is not None
+            hits, _ = ([], []) if scoring else kv.lookup(seq.token_ids, seq.block_hashes)
             # Pages for the whole known context plus one generated token, so a prefill is never
             # stranded half-way for lack of pages.
             if not kv.can_admit(len(seq.token_ids) + 1, hits):
@@ -245,10 +248,11 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            kv.allocate_cached(seq.request_id, hits, hashes)
+            kv.allocate_cached(seq.request_id, hits, seq.block_hashes,
+                               seq.request.retain_tokens // kv.page_size)
             t0 = time.perf_counter_ns()
-            restored = self._restore_from_host(seq, len(hits), hashes)
-            if self.host_has is not None and seq.request.prompt_logprobs is None:
+            restored = 0 if scoring else self._restore_from_host(seq, len(hits))
+            if self.host_has is not None and not scoring:
                 num_missing = len(seq.token_ids) - (len(hits) + restored) * kv.page_size
                 self.host_lookups.append((num_missing, time.perf_counter_ns() - t0))
             seq.num_computed = (len(hits) + restored) * kv.page_size
@@ -346,15 +350,16 @@ class Scheduler:
         length = min(total - start, budget)
         return ScheduledChunk(seq, start, length, samples=start + length == total)
 
-    def _restore_from_host(self, seq: RequestState, num_hits: int, hashes: list[int]) -> int:
+    def _restore_from_host(self, seq: RequestState, num_hits: int) -> int:
         """Continue a page-pool hit with pages the host store holds: each is given a new page of the
         request and filled from its record, until a record is absent or fails to verify (that
         page then stays the request's, to be computed). Returns the pages restored."""
         if self.restore is None or self.host_has is None:
             return 0
         kv = self.kv
+        hashes = seq.block_hashes
         restored = 0
-        for j in range(num_hits, len(hashes)):
+        for j in range(num_hits, min(len(hashes), (len(seq.token_ids) - 1) // kv.page_size)):
             if not self.host_has(hashes[j]):
                 break
             new = kv.allocate_slots(seq.request_id, j * kv.page_size, kv.page_size)

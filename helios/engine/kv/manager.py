@@ -59,8 +59,10 @@ class KVCacheManager:
     _retained: set[int] = attrs.field(init=False, factory=set)  # cached pages a marker asked to keep
     _cached: dict[int, int] = attrs.field(init=False, factory=dict)  # block hash -> page
     _tables: dict[str, list[int]] = attrs.field(init=False, factory=dict)
-    _chains: dict[str, list[int]] = attrs.field(init=False, factory=dict)  # request -> hashes of its full pages
-    num_evictions: int = attrs.field(init=False, default=0)
+    # request -> the chain hashes of its pages (computed once, the scheduler's list when it passes
+    # one), and how many of its first pages are registered or known to be
+    _hashes: dict[str, list[int]] = attrs.field(init=False, factory=dict)
+    _num_registered: dict[str, int] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.ref_counts = [0] * self.num_pages
@@ -113,24 +115,35 @@ class KVCacheManager:
             out.append(int.from_bytes(prev, "big"))
         return out
 
-    def lookup(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    def extend_chain(self, token_ids: Sequence[int], hashes: list[int], num_pages: int) -> None:
+        """Extend `hashes` (the chain of `token_ids`' pages so far) in place to `num_pages` pages;
+        what is already there is never hashed again."""
+        if num_pages > len(hashes):
+            hashes.extend(self.chain(token_ids, num_pages - len(hashes), hashes[-1] if hashes else None,
+                                     len(hashes)))
+
+    def lookup(self, token_ids: Sequence[int], hashes: list[int] | None = None) -> tuple[list[int], list[int]]:
         """The longest chain of registered pages that starts `token_ids`, leaving at least its last
-        token to compute: (the pages, the prompt's chain hashes as far as they were computed)."""
+        token to compute: (the pages, the prompt's chain hashes). `hashes`, when given, is the chain
+        computed so far (a waiting request's): it is extended in place, not recomputed."""
+        hashes = [] if hashes is None else hashes
         if not self.enable_caching:
-            return [], []
+            return [], hashes
         limit = (len(token_ids) - 1) // self.page_size
-        hashes = self.chain(token_ids, limit)
+        self.extend_chain(token_ids, hashes, limit)
         pages: list[int] = []
-        for h in hashes:
+        for h in hashes[:limit]:
             page = self._cached.get(h)
             if page is None:
                 break
             pages.append(page)
         return pages, hashes
 
-    def allocate_cached(self, request_id: str, pages: Sequence[int], hashes: Sequence[int]) -> None:
-        """Start `request_id`'s (empty) table with cached pages (its chain's first `len(pages)`
-        hashes); an evictable page becomes held again."""
+    def allocate_cached(self, request_id: str, pages: Sequence[int], hashes: list[int],
+                        retain_pages: int = 0) -> None:
+        """Start `request_id`'s (empty) table with cached pages (the first `len(pages)` of its chain
+        `hashes`, which the manager keeps using); an evictable page becomes held again. Its first
+        `retain_pages` pages are kept with priority (a client's prefix-checkpoint marker)."""
         table = self._tables.setdefault(request_id, [])
         if table:
             raise ValueError("cached pages must start an empty block table")
@@ -141,42 +154,42 @@ class KVCacheManager:
                 self._evictable.pop(page, None)
                 self._evictable_retained.pop(page, None)
             self.ref_counts[page] += 1
+        self._retained.update(pages[:retain_pages])
         table.extend(pages)
-        self._chains[request_id] = list(hashes[: len(pages)])
+        self._hashes[request_id] = hashes
+        self._num_registered[request_id] = len(pages)
 
     def register(self, request_id: str, page: int, block_hash: int) -> None:
-        """Register a page the request holds (restored from the host store) under its chain hash."""
+        """Register the request's next page (restored from the host store) under its chain hash."""
         if self.block_hash[page] is None and block_hash not in self._cached:
             self.block_hash[page] = block_hash
             self._cached[block_hash] = page
-        self._chains.setdefault(request_id, []).append(block_hash)
+        self._num_registered[request_id] = self._num_registered.get(request_id, 0) + 1
 
     def cache_full_pages(self, request_id: str, token_ids: Sequence[int], num_computed: int,
                          retain_pages: int = 0) -> None:
-        """Register the request's pages that `num_computed` tokens fill and that are not yet in its
-        chain (the tokens' K/V must be written: call after the step that computed them). Its first
-        `retain_pages` pages (a client's prefix-checkpoint marker) are kept with priority."""
+        """Register the request's pages that `num_computed` tokens fill and that are not registered
+        yet (the tokens' K/V must be written: call after the step that computed them). Pages among
+        its first `retain_pages` are kept with priority."""
         if not self.enable_caching:
             return
         table = self._tables.get(request_id)
         if not table:
             return
-        for page in table[:retain_pages]:
-            if self.block_hash[page] is not None:
-                self._retained.add(page)
-        chain = self._chains.setdefault(request_id, [])
+        done = self._num_registered.get(request_id, 0)
         full = min(num_computed // self.page_size, len(table))
-        if full <= len(chain):
+        if full <= done:
             return
-        parent = chain[-1] if chain else None
-        for i, h in enumerate(self.chain(token_ids, full - len(chain), parent, len(chain)), start=len(chain)):
-            chain.append(h)
-            page = table[i]
+        hashes = self._hashes.setdefault(request_id, [])
+        self.extend_chain(token_ids, hashes, full)
+        for i in range(done, full):
+            h, page = hashes[i], table[i]
             if self.block_hash[page] is None and h not in self._cached:
                 self.block_hash[page] = h
                 self._cached[h] = page
                 if i < retain_pages:
                     self._retained.add(page)
+        self._num_registered[request_id] = full
 
     # -- changing ownership ------------------------------------------------------------------------
     def allocate_slots(self, request_id: str, num_computed: int, num_new_tokens: int,
@@ -200,7 +213,8 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Drop every reference the request holds (idempotent)."""
         table = self._tables.pop(request_id, None)
-        self._chains.pop(request_id, None)
+        self._hashes.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
         if not table:
             return
         # Reverse order: a request's first pages go back last, so the next allocation reuses its
@@ -216,16 +230,6 @@ class KVCacheManager:
                 else:
                     self._free.appendleft(page)
 
-    def reset_cache(self) -> int:
-        """Forget every evictable cached page (held pages keep their registration); returns how many."""
-        pages = [*self._evictable, *self._evictable_retained]
-        for page in pages:
-            self._uncache(page)
-            self._free.append(page)
-        self._evictable.clear()
-        self._evictable_retained.clear()
-        return len(pages)
-
     def _take(self) -> int:
         if self._free:
             return self._free.popleft()
@@ -234,7 +238,6 @@ class KVCacheManager:
         if block_hash is not None and self.on_evict is not None:
             self.on_evict(block_hash, page)
         self._uncache(page)
-        self.num_evictions += 1
         return page
 
     def _uncache(self, page: int) -> None:
