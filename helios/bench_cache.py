@@ -261,15 +261,10 @@ def chat_body(
     extra_body: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A greedy streaming Chat Completions request with these messages (and tools)."""
-    body = build_body("chat", model, "", max_tokens, features=features, seed=seed)
+    body = build_body("chat", model, "", max_tokens, features=features, seed=seed, extra_body=extra_body)
     body["messages"] = [dict(m) for m in messages]
     if tools:
         body["tools"] = [dict(t) for t in tools]
-    for key, value in (extra_body or {}).items():
-        if value is None:
-            body.pop(key, None)
-        else:
-            body[key] = value
     return body
 
 

@@ -32,6 +32,17 @@ CPU_CAPABILITY_ENV = "HELIOS_CPU_CAPABILITY"
 CPU_CAPABILITIES = ("avx2", "avx512_bf16", "amx")
 
 
+def cpu_flags() -> str:
+    """The CPU flags that decide Helios's kernels, as benchmarks name them ("unknown" without
+    /proc/cpuinfo)."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "unknown"
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return " ".join(f for f in wanted if f in flags)
+
+
 def detect_cpu_capability(cpuinfo: str | None = None) -> str:
     """What this CPU offers bfloat16 matmuls, from the flags in /proc/cpuinfo: "amx" (AMX-BF16),
     "avx512_bf16" (AVX512-BF16), else "avx2" (no native bf16 instructions; also the answer where

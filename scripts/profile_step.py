@@ -25,16 +25,7 @@ from helios.engine.records import EngineRequest
 from helios.loaders.checkpoint import load_checkpoint
 from helios.loaders.default_model import ensure_default_model
 from helios.models.llama import LlamaForCausalLM
-from helios.runtime import choose_dtype
-
-
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return " ".join(f for f in wanted if f in flags)
+from helios.runtime import choose_dtype, cpu_flags
 
 
 def split(stats: pstats.Stats, steps: int) -> str:

@@ -39,12 +39,3 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
-
-
-@attrs.frozen
-class StopConditions:
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    max_tokens: int = 16
-    include_stop_str_in_output: bool = False

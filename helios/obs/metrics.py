@@ -238,13 +238,11 @@ class ServingMetrics:
         return sum(self.failed_by_stage.values())
 
     # -- reading ------------------------------------------------------------------------------
-    def engine_stats(self) -> Any:
-        """The engine's latest EngineStats (None before start-up)."""
-        return self._source()[0]
-
     def snapshot(self) -> dict[str, Any]:
         """The JSON object of /metrics?format=json."""
-        engine, slots = self._source()
+        return self._snapshot(*self._source())
+
+    def _snapshot(self, engine: Any, slots: Any) -> dict[str, Any]:
         snap: dict[str, Any] = dict.fromkeys(EXPORTED, 0)
         snap.update(ABSENT_FEATURE_FIELDS)
         if engine is not None:
@@ -284,13 +282,13 @@ class _SnapshotCollector:
 
     def collect(self) -> Iterator[Metric]:
         m = self._metrics
-        snap = m.snapshot()
+        engine, slots = m._source()  # one read of the engine's stats per scrape
+        snap = m._snapshot(engine, slots)
         for key, (name, kind, doc) in EXPORTED.items():
             if kind == "counter":
                 yield CounterMetricFamily(name, doc, value=snap[key])
             else:
                 yield GaugeMetricFamily(name, doc, value=snap[key])
-        engine = m.engine_stats()
         if engine is not None and getattr(engine, "prefix_caching", False):
             yield from _families(CACHE_EXPORTED, snap)
         host = getattr(engine, "host", None)

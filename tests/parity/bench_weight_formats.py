@@ -35,19 +35,10 @@ import torch
 from helios.loaders.default_model import ensure_default_model
 from helios.models.llama import PROJECTIONS, LlamaForCausalLM
 from helios.models.quant import Int4Linear, Int8Linear
-from helios.runtime import choose_weights, detect_cpu_capability, load_model
+from helios.runtime import choose_weights, cpu_flags, detect_cpu_capability, load_model
 
 FORMATS = ("auto", "float32", "bfloat16", "int4", "int8")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return " ".join(f for f in wanted if f in flags)
 
 
 def best_ms(fn: Callable[[], Any], seconds: float) -> float:
