@@ -128,7 +128,6 @@ class Accumulated:
     text: str = ""
     reasoning: str = ""
     tool_calls: list[ToolCall] = attrs.field(factory=list)
-    blocks: list[OutputEvent] = attrs.field(factory=list)  # ordered, adjacent deltas merged
     token_ids: list[int] = attrs.field(factory=list)
     token_timestamps: list[float] = attrs.field(factory=list)
     logprobs: list[TokenLogprob] = attrs.field(factory=list)
@@ -148,12 +147,6 @@ class Accumulated:
                 self.reasoning += e.text
             elif isinstance(e, ToolCall):
                 self.tool_calls.append(e)
-            if self.blocks and type(self.blocks[-1]) is type(e) and isinstance(e, TextDelta | ReasoningDelta):
-                last = self.blocks[-1]
-                self.blocks[-1] = type(e)(last.text + e.text)  # type: ignore[union-attr]
-            elif not isinstance(e, Finish):
-                self.blocks.append(e)
-        self.num_reasoning_tokens = u.num_reasoning_tokens
         self.token_ids.extend(u.token_ids)
         self.token_timestamps.extend(u.token_timestamps)
         if u.logprobs:
@@ -163,6 +156,11 @@ class Accumulated:
             if self.prompt_logprobs is None:
                 self.prompt_logprobs = []
             self.prompt_logprobs.extend(u.prompt_logprobs)
+        self.add_counts(u)
+
+    def add_counts(self, u: ChildUpdate) -> None:
+        """Only the token counts and the finish (what usage is built from)."""
+        self.num_reasoning_tokens = u.num_reasoning_tokens
         self.num_prompt_tokens = u.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens = u.num_output_tokens
         self.num_cached_tokens = u.num_cached_tokens or self.num_cached_tokens

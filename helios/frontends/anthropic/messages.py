@@ -709,7 +709,7 @@ class MessagesEncoder:
         out: list[StreamEvent] = []
         if self.done:
             return out
-        self.acc.add(u)
+        self.acc.add_counts(u)  # the blocks are built here; the accumulator only counts
         for e in u.events:
             if isinstance(e, TextDelta):
                 if e.text:

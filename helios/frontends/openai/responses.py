@@ -738,7 +738,7 @@ class ResponseEncoder:
     def _feed(self, u: ChildUpdate) -> list[dict[str, Any]]:
         if self.done:
             return []
-        self._acc.add(u)
+        self._acc.add_counts(u)  # the items are built here; the accumulator only counts
         events: list[dict[str, Any]] = []
         self._queue_logprobs(u)
         for e in u.events:
