@@ -126,10 +126,20 @@ class PackedWeightCache:
         return None
 
 
+ALIGNMENT = 64  # bytes: torch's CPU allocator's alignment, which its packed-weight kernels assume
+
+
 def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The entry's tensors, each in its own 64-byte-aligned allocation.
+
+    safetensors aligns tensor data in the file to 8 bytes only, and the tensors it returns can sit at
+    those offsets; torch's CPU int8/int4 weight-only kernels (``_weight_int8pack_mm``,
+    ``_weight_int4pack_mm_for_cpu``) read their operands with aligned vector loads and crash on such a
+    pointer, so a misaligned tensor is copied once here."""
     with safe_open(str(path), framework="pt", device="cpu") as handle:
         metadata = dict(handle.metadata() or {})
-    return load_file(str(path)), metadata
+    tensors = load_file(str(path))
+    return {name: t if t.data_ptr() % ALIGNMENT == 0 else t.clone() for name, t in tensors.items()}, metadata
 
 
 def _crc32(tensor: Tensor) -> int:

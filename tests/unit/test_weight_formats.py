@@ -316,6 +316,23 @@ def test_cache_miss_writes_and_hit_restores_the_same_model(tmp_path: Path, monke
     assert [type(m) for m in second.model.modules()] == [type(m) for m in first.model.modules()]
 
 
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_cache_hit_gives_the_kernels_aligned_tensors(tmp_path: Path, weights: str) -> None:
+    """safetensors places tensors at 8-byte offsets; torch's int8/int4 CPU kernels use aligned vector
+    loads and crashed (SIGSEGV) on a restored weight at such an offset, so every restored tensor must sit
+    at the allocator's 64-byte alignment."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    cache = tmp_path / "packed"
+    load_model(path, weights=weights, cache_dir=cache)
+    hit = load_model(path, weights=weights, cache_dir=cache)
+    tensors = [t for m in hit.model.modules() if isinstance(m, (Int4Linear, Int8Linear))
+               for t in m.parameters()]
+    assert tensors
+    misaligned = [tuple(t.shape) for t in tensors if t.data_ptr() % 64]
+    assert misaligned == []
+    assert torch.isfinite(_logits(hit.model)).all()
+
+
 def test_a_cached_model_follows_the_current_threshold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CPU_CAPABILITY_ENV, "avx512_bf16")
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
