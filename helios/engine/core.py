@@ -133,6 +133,7 @@ class EngineCore:
             reused_tokens=self.scheduler.reused_tokens,
             cached_pages=self.kv_manager.num_cached,
             host=None if self.host_store is None else self._host_stats(),
+            reasoning_budget_cuts=self.scheduler.reasoning_budget_cuts,
         )
 
     def close(self) -> None:

@@ -22,6 +22,26 @@ class EngineFinish(enum.Enum):
 
 
 @attrs.frozen
+class ReasoningBudget:
+    """A hard cap on generated reasoning tokens (spec: ``thinking_token_budget``), in token ids.
+
+    The engine follows reasoning by single tokens only (`engine/reasoning_budget.py`): it is open
+    from the start when the prompt opened it (``close_token_id`` closes it), or when the first
+    generated token is one of ``opens`` (opener id -> its close id). While open, every generated
+    token counts, except one that closes reasoning or may end it (``end_token_ids``: a close
+    delimiter, a tool opener that ends reasoning); after such a token the budget is done. Once
+    ``max_tokens`` reasoning tokens are generated, the next token is the close token, forced in
+    place of the sampled one (counted as generated, without a logprob entry)."""
+
+    max_tokens: int
+    close_token_id: int | None = None
+    """The prompt left reasoning open; this token closes it (None: output starts undecided)."""
+    opens: tuple[tuple[int, int], ...] = ()
+    """(opener id, close id): a first generated opener opens reasoning, closed by its close id."""
+    end_token_ids: frozenset[int] = frozenset()
+
+
+@attrs.frozen
 class EngineRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -42,6 +62,7 @@ class EngineRequest:
     retain_tokens: int = 0
     """Prompt tokens up to the client's last prefix-checkpoint marker: their full pages are evicted
     from the prefix cache only after every unmarked page."""
+    reasoning_budget: ReasoningBudget | None = None
 
 
 @attrs.frozen
@@ -78,6 +99,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    forced: tuple[int, ...] = ()
+    """Indices into ``new_token_ids`` of tokens the engine forced in place of a sampled one (a
+    reasoning budget's close token). They count as generated and have no ``logprobs`` entry."""
     produced_at: float = attrs.field(factory=time.perf_counter, eq=False)
     """``time.perf_counter()`` when this record was made. The scheduler makes a step's records as it
     commits their tokens (`Scheduler._commit`), so for ``new_token_ids`` this is the time the engine
@@ -167,3 +191,5 @@ class EngineStats:
     """Registered full pages (held or evictable)."""
     host: HostCacheStats | None = None
     """The host store behind the prefix cache; None when there is none."""
+    reasoning_budget_cuts: int = 0
+    """Requests whose reasoning the engine closed at their hard token budget (a forced close)."""

@@ -4,7 +4,10 @@
 several requests into one [T] batch for every linear layer, runs attention through the paged
 backend, scores prompt positions for requests that asked, and samples one token per request whose
 chunk ends its known tokens. It returns plain values (token ids and logprob records) keyed by
-request id; the scheduler commits them (`Scheduler.update`).
+request id; the scheduler commits them (`Scheduler.update`). A chunk with a forced token
+(`ScheduledChunk.forced_token_id`, a reasoning budget's close) gets that token instead of its draw
+and no logprob record; every other row keeps its draw (the replacement is made on the host list of
+sampled ids, so it adds no device read).
 
 The step's tensors come from a persistent input batch (`InputBatch`): each running request holds a
 row from its first step until `SchedulerOutput.freed` names it, and the row's block table and
@@ -71,12 +74,18 @@ class ModelRunner:
             rows = hidden if step.sample_tokens is None else hidden.index_select(0, step.sample_tokens)
             logits = self.model.compute_logits(rows)
             token_ids, logprobs = self.sampler.sample(logits, step.rows, row_params=step.row_params)
+        for i, forced_id in step.forced:
+            # A forced token (a reasoning budget's close) replaces this row's draw; it has no logprob.
+            token_ids[i] = forced_id
+            logprobs[i] = None
         sampled: dict[str, tuple[int, ...]] = {}
         records: dict[str, tuple[TokenLogprob, ...]] = {}
-        for s, t, lp in zip(step.seqs, token_ids, logprobs, strict=True):
+        for s, t, lp, row in zip(step.seqs, token_ids, logprobs, step.rows, strict=True):
             sampled[s.request_id] = (t,)
             if lp is not None:
                 records[s.request_id] = (lp,)
+            elif row.wants_logprobs:
+                records[s.request_id] = ()  # a forced token: omitted from the logprobs
         return RunnerOutput(sampled=sampled, logprobs=records, prompt_logprobs=scored)
 
     def _score_prompt_chunk(self, hidden: torch.Tensor, offset: int,
@@ -120,6 +129,8 @@ class StepBatch:
     """Flattened index of each sampling request's last token; None when every token samples."""
     scoring: list[tuple[int, ScheduledChunk]]
     """(first token index, chunk) of the chunks whose prompt positions are scored."""
+    forced: list[tuple[int, int]] = attrs.field(factory=list)
+    """(index into ``seqs``, token id) of the rows whose next token is forced instead of sampled."""
 
 
 class InputBatch:
@@ -186,6 +197,7 @@ class InputBatch:
         scoring: list[tuple[int, ScheduledChunk]] = []
         seqs: list[RequestState] = []
         rows: list[SamplingRow] = []
+        forced: list[tuple[int, int]] = []
         offset = 0
         for c in chunks:
             seq = c.seq
@@ -223,6 +235,8 @@ class InputBatch:
             if c.samples and seq.request.max_tokens > 0:
                 sample_tokens.append(offset - 1)
                 sample_rows.append(row)
+                if c.forced_token_id is not None:
+                    forced.append((len(seqs), c.forced_token_id))
                 seqs.append(seq)
                 sampling_row = self._rows[row]
                 assert sampling_row is not None
@@ -262,6 +276,7 @@ class InputBatch:
             row_params=row_params,
             sample_tokens=None if len(sample_tokens) == num_tokens else sample_tokens_t,
             scoring=scoring,
+            forced=forced,
         )
 
     # -- helpers ----------------------------------------------------------------------------

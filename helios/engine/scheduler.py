@@ -32,6 +32,7 @@ import torch
 
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.engine.kv.manager import KVCacheManager
+from helios.engine.reasoning_budget import BudgetTracker
 from helios.engine.records import EngineFinish, EngineRequest, RequestOutput, RunnerOutput
 
 
@@ -47,8 +48,9 @@ class RequestState:
 
     Its pages are not here: the KV cache manager keys block tables by request id. The last three
     fields are the plug-in points of later features: a structured-output matcher (token masks and
-    forced tokens, applied by the runner before sampling), a reasoning-budget tracker (forces the
-    close token at the cap, checked in `update`) and a draft proposer (lookahead slots in
+    forced tokens, applied by the runner before sampling), a reasoning-budget tracker
+    (`reasoning_budget.BudgetTracker`: at the cap `schedule` puts the close token on the chunk as
+    its forced token, and `_commit` feeds it every committed token) and a draft proposer (lookahead slots in
     `allocate_slots`, several committed tokens per step in `RunnerOutput`).
     """
 
@@ -65,7 +67,7 @@ class RequestState:
     block_hashes: list[int] = attrs.field(factory=list)
     """Prefix-cache chain hashes of its pages, computed once (extended as its tokens grow)."""
     grammar: Any = None
-    reasoning_budget: Any = None
+    reasoning_budget: BudgetTracker | None = None
     proposer: Any = None
 
     @property
@@ -93,6 +95,9 @@ class ScheduledChunk:
     start: int  # first token index (== position) in seq.token_ids
     length: int
     samples: bool
+    forced_token_id: int | None = None
+    """The runner commits this token instead of the sampled one (no logprob entry): a reasoning
+    budget's close token. Only on a chunk that samples."""
 
 
 @attrs.frozen
@@ -141,6 +146,7 @@ class Scheduler:
         # Per host-store lookup: tokens still to prefill, and the restore's time in ns.
         self.host_lookups: list[tuple[int, int]] = []
         self._freed: list[str] = []
+        self.reasoning_budget_cuts = 0  # forced reasoning closes committed (flare_reasoning_budget_cuts_total)
 
     # -- membership -------------------------------------------------------------------------
     def add(self, request: EngineRequest, generator: torch.Generator | None) -> RequestState:
@@ -150,6 +156,7 @@ class Scheduler:
             num_prompt_tokens=len(request.prompt_token_ids),
             generator=generator,
             arrival=self._arrivals,
+            reasoning_budget=BudgetTracker(request.reasoning_budget) if request.reasoning_budget else None,
         )
         self._arrivals += 1
         self.waiting.append(seq)
@@ -213,7 +220,7 @@ class Scheduler:
                     self.finish(seq)
                 continue
             kv.allocate_slots(seq.request_id, seq.num_computed, total - seq.num_computed)
-            chunks.append(ScheduledChunk(seq, total - 1, 1, True))
+            chunks.append(ScheduledChunk(seq, total - 1, 1, True, self._forced_token(seq)))
             scheduled.add(seq.request_id)
             budget -= 1
         budget = max(budget, 0)
@@ -291,7 +298,8 @@ class Scheduler:
             scores = result.prompt_logprobs.get(rid)
             tokens = result.sampled.get(rid)
             if tokens:
-                outputs.append(self._commit(seq, tokens, result.logprobs.get(rid), scores))
+                forced = (0,) if c.forced_token_id is not None else ()
+                outputs.append(self._commit(seq, tokens, result.logprobs.get(rid), scores, forced))
             elif c.samples and seq.request.max_tokens == 0:
                 # A scoring-only request: its prefill is done and nothing is sampled.
                 self.finish(seq)
@@ -304,17 +312,24 @@ class Scheduler:
         return outputs
 
     def _commit(self, seq: RequestState, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] | None,
-                prompt_logprobs: tuple[PromptLogprob | None, ...] | None) -> RequestOutput:
+                prompt_logprobs: tuple[PromptLogprob | None, ...] | None,
+                forced: tuple[int, ...] = ()) -> RequestOutput:
         """Append the runner's tokens in order; the first that ends the request is the last kept.
 
         A token stop ends the request at the token that completes it: a `stop_token_ids` entry, or
         the last token of a `stop_token_sequences` entry that the generated tokens now end with
-        (generated tokens only: a sequence never matches across the prompt boundary)."""
+        (generated tokens only: a sequence never matches across the prompt boundary). `forced`:
+        indices of tokens the runner forced (no entry in `logprobs`)."""
         req = seq.request
         finish: EngineFinish | None = None
         kept = 0
+        budget = seq.reasoning_budget
         for token_id in tokens:
             seq.token_ids.append(token_id)
+            if budget is not None:
+                budget.observe(token_id)
+            if kept in forced:
+                self.reasoning_budget_cuts += 1
             kept += 1
             if token_id in req.stop_token_ids or any(
                 stop[-1] == token_id and len(stop) <= seq.num_output_tokens
@@ -331,11 +346,13 @@ class Scheduler:
         self.generated_tokens += kept
         if finish is not None:
             self.finish(seq)
+        kept_forced = tuple(i for i in forced if i < kept)
         return RequestOutput(
             seq.request_id,
             tuple(tokens[:kept]),
-            logprobs=None if logprobs is None else tuple(logprobs[:kept]),
+            logprobs=None if logprobs is None else tuple(logprobs[:kept - len(kept_forced)]),
             prompt_logprobs=prompt_logprobs,
+            forced=kept_forced,
             finish=finish,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
@@ -348,7 +365,24 @@ class Scheduler:
         if self.kv.allocate_slots(seq.request_id, start, total - start) is None:
             raise RuntimeError("pages for a running prefill were not reserved at admission")
         length = min(total - start, budget)
-        return ScheduledChunk(seq, start, length, samples=start + length == total)
+        samples = start + length == total
+        # A recomputed (preempted) request may be due its close token on its last prefill chunk.
+        return ScheduledChunk(seq, start, length, samples, self._forced_token(seq) if samples else None)
+
+    def _forced_token(self, seq: RequestState) -> int | None:
+        """The token the runner must commit next instead of sampling (None: sample): the reasoning
+        close at the budget, while output capacity remains and the grammar allows it."""
+        budget = seq.reasoning_budget
+        if budget is None:
+            return None
+        token = budget.forced_token()
+        if token is None:
+            return None
+        if seq.num_output_tokens >= seq.request.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return None  # no output capacity left (the request is ending with the length cause)
+        if not _grammar_allows(seq.grammar, token):
+            return None  # the constraint disallows the close: generation continues without it
+        return token
 
     def _restore_from_host(self, seq: RequestState, num_hits: int) -> int:
         """Continue a page-pool hit with pages the host store holds: each is given a new page of the
@@ -392,3 +426,17 @@ class Scheduler:
             assert len(kv.block_table(s.request_id)) * kv.page_size >= s.num_computed
         for s in self.waiting:
             assert not kv.block_table(s.request_id), "a waiting request holds pages"
+
+
+def _grammar_allows(grammar: Any, token_id: int) -> bool:
+    """Whether a request's structured-output matcher accepts `token_id` next (True without one).
+
+    The hook for the structured-output matcher (issue 13): one exposing ``is_token_allowed(id)`` is
+    asked; otherwise the close is allowed while the matcher does not mask this step (a constraint
+    covers the answer only, so reasoning is free) and refused while it masks."""
+    if grammar is None:
+        return True
+    check = getattr(grammar, "is_token_allowed", None)
+    if check is not None:
+        return bool(check(token_id))
+    return not getattr(grammar, "is_masking", False)

@@ -59,11 +59,13 @@ EXPORTED: dict[str, tuple[str, str, str]] = {
     "http_admission_in_use": ("flare_http_admission_in_use", "gauge",
                               "HTTP admission slots held (one per generated choice)"),
     "http_admission_total": ("flare_http_admission_slots", "gauge", "HTTP admission slots configured"),
+    "reasoning_budget_cuts": ("flare_reasoning_budget_cuts_total", "counter",
+                              "Requests whose reasoning was closed by their hard token budget"),
 }
 
 # Read from the engine's EngineStats.
 ENGINE_FIELDS = ("prefill_tokens", "generated_tokens", "decode_weight_bytes", "active", "pending", "free_pages",
-                 "total_pages", "page_tokens")
+                 "total_pages", "page_tokens", "reasoning_budget_cuts")
 
 # The prefix cache (EngineStats.prefix_caching) and its host store (EngineStats.host).
 CACHE_EXPORTED: dict[str, tuple[str, str, str]] = {
@@ -90,7 +92,7 @@ HOST_HISTOGRAMS = {
 # Fields of features that do not exist yet: zero in the JSON snapshot, absent from Prometheus.
 ABSENT_FEATURE_FIELDS: dict[str, int | bool] = {
     "draft_steps": 0, "verify_steps": 0, "verification_drafts": 0, "verification_rounds": 0, "accepted_drafts": 0,
-    "draft_rounds": 0, "reasoning_budget_cuts": 0, "replay_gpu_ns": 0, "replay_readiness_wait_ns": 0,
+    "draft_rounds": 0, "replay_gpu_ns": 0, "replay_readiness_wait_ns": 0,
     "replay_readiness_samples": 0, "learned_drafter": False,
 }
 

@@ -133,7 +133,7 @@ def test_prometheus_text_parses_and_exports_only_what_exists() -> None:
     for _key, (name, _kind, _doc) in EXPORTED.items():
         assert name in names, name
     for absent in ("draft", "verif", "speculative", "replay", "host_", "cached_kv_pages", "cache_reused",
-                   "reasoning_budget", "checkpoint", "learned", "graph"):
+                   "checkpoint", "learned", "graph"):
         assert not any(absent in n for n in names), absent
     # Every counter and gauge is flare_-prefixed; histograms and the stage breakdown are helios_.
     assert all(n.startswith(("flare_", "helios_")) for n in names)
