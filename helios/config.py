@@ -74,6 +74,9 @@ class ModelConfigSection:
     weights: str = attrs.field(default="auto", validator=attrs.validators.in_(WEIGHT_FORMATS))
     # Keep the built weights (packed int4, dense copies) in <model cache dir>/packed for a fast warm start.
     weight_cache: bool = True
+    # Helios's own CPU kernels (helios/models/cpu_kernels.py: the Q8_0 output projection and paged
+    # decode attention), built once with the machine's C++ compiler; false keeps the torch paths.
+    cpu_kernels: bool = True
     device: str = "cpu"
     max_model_len: int = attrs.field(default=0, validator=_non_negative)  # 0 = the model's own limit
     recipe: str = ""  # empty = detect from the model
@@ -175,8 +178,9 @@ def _check_weights(model: Any) -> None:
         return
     if "weights" in model and model["weights"] not in WEIGHT_FORMATS:
         raise ConfigError(f"model.weights must be one of {', '.join(WEIGHT_FORMATS)}, got {model['weights']!r}")
-    if "weight_cache" in model and not isinstance(model["weight_cache"], bool):
-        raise ConfigError(f"model.weight_cache must be true or false, got {model['weight_cache']!r}")
+    for flag in ("weight_cache", "cpu_kernels"):
+        if flag in model and not isinstance(model[flag], bool):
+            raise ConfigError(f"model.{flag} must be true or false, got {model[flag]!r}")
 
 
 def _check_shutdown_grace(server: Any) -> None:

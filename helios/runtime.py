@@ -318,6 +318,7 @@ class LoadedModel:
 
 
 def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", device: str = "cpu",
+    cache_key: str = ""  # the packed-weight cache entry's key ("" without a cache)
                cache_dir: str | Path | None = None, progress: Any = None) -> LoadedModel:
     """Open a checkpoint, decide its weight format (`choose_weights`, logged) and build the model.
 
@@ -331,12 +332,15 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
     from helios.models.llama import LlamaForCausalLM
 
     ckpt = load_checkpoint(path, torch.float32, progress=progress)
+    from helios.models import cpu_kernels
     choice = choose_weights(weights, dtype, device, int4_codes=ckpt.int4_codes,
                             projection_params=_projection_params(ckpt.config))
     log.info("%s", choice.describe())
-    model = LlamaForCausalLM(ckpt.config, dtype=choice.dtype, device=device, weights=choice.format)
+    q8_head = device == "cpu" and cpu_kernels.available()
+    model = LlamaForCausalLM(ckpt.config, dtype=choice.dtype, device=device, weights=choice.format, q8_head=q8_head)
     cache = PackedWeightCache(cache_dir) if cache_dir is not None and device == "cpu" else None
-    key = cache_key(path, choice.format.cache_tag(), choice.dtype) if cache is not None else ""
+    tag = choice.format.cache_tag() + ("+q8head" if q8_head else "")
+    key = cache_key(path, tag, choice.dtype) if cache is not None else ""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -359,7 +363,12 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
     finally:
         torch.set_num_threads(threads)
     model.eval()
-    return LoadedModel(ckpt, model, choice)
+    if device == "cpu" and not q8_head:
+        log.info("logits: %s output projection (Helios's CPU kernels: %s)", model.head_format,
+                 cpu_kernels.unavailable_reason())
+    else:
+        log.info("logits: %s output projection", model.head_format)
+    return LoadedModel(ckpt, model, choice, key)
 
 
 def model_fingerprint(path: str | Path, weights: str) -> bytes:
@@ -396,6 +405,9 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     loaded = load_model(path, weights=cfg.model.weights, dtype=cfg.model.dtype, device=device, cache_dir=cache_dir,
                         progress=_progress)
     ckpt, model, dtype = loaded.checkpoint, loaded.model, loaded.choice.dtype
+    from helios.models import cpu_kernels
+
+    cpu_kernels.set_enabled(cfg.model.cpu_kernels)
     print(f"Loaded {ckpt.model_id} in {time.perf_counter() - t0:.1f} s: {loaded.choice.describe()}", file=sys.stderr)
 
     mc = ckpt.config

@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from helios.models import cpu_kernels
 from helios.models.config import ModelConfig
 from helios.models.quant import (
     DenseLinear,
+    GroupQuantized,
     Int4Linear,
     Int8Linear,
     UnloadedLinear,
@@ -38,6 +40,7 @@ from helios.models.quant import (
 )
 
 _LM_HEAD_FP32 = "lm_head_fp32"  # the float32 output projection's name in `packed_state`
+_LM_HEAD_Q8 = ("lm_head_q8.codes", "lm_head_q8.scales")  # the Q8_0 output projection's, likewise
 # The fused projections of a decoder layer: attribute -> the Hugging Face weight names (suffixes of
 # "model.layers.{i}.") that make up its row blocks, in order.
 PROJECTIONS = {
@@ -65,7 +68,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", *, lm_head_fp32: bool = True,
-                 weights: WeightFormat | None = None) -> None:
+                 weights: WeightFormat | None = None, q8_head: bool = False) -> None:
         """``dtype``: activations, norms' outputs, embeddings and the KV cache; dense projections
         too unless ``weights`` says otherwise (default: dense in ``dtype``). ``lm_head_fp32``: with
         bf16/fp16 weights, keep a float32 copy of the output projection, made from the checkpoint's
@@ -73,7 +76,13 @@ class LlamaForCausalLM(nn.Module):
         computed from rounded weights. Rounding matters: bf16 logits near 25 are multiples of 0.125,
         which turns the default model's first-token near tie into an exact one (and the wrong answer).
         It costs a float32 vocab x hidden matrix of memory and its bandwidth each step; with False,
-        logits are computed in the weight dtype and upcast."""
+        logits are computed in the weight dtype and upcast.
+
+        ``q8_head``: when the checkpoint's output projection is a ggml Q8_0 weight (the default model's
+        tied embedding is), keep its int8 codes and block scales and compute logits with
+        `cpu_kernels.q8_linear`: the same float32 weights and float32 accumulation as the float32
+        copy, from a quarter of the bytes (the copy is then not made). CPU only; the caller checks
+        that the kernels are built."""
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -92,6 +101,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
         self._lm_head_fp32: Tensor | None = None
         self._wants_lm_head_fp32 = lm_head_fp32 and dtype != torch.float32
+        self._lm_head_q8: tuple[Tensor, Tensor] | None = None
+        self._wants_q8_head = q8_head
 
     @property
     def device(self) -> torch.device:
@@ -107,6 +118,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Logits [N, vocab_size] in float32 for hidden states [N, hidden_size]."""
+        if self._lm_head_q8 is not None:
+            return cpu_kernels.q8_linear(hidden, *self._lm_head_q8)
         if self._lm_head_fp32 is not None:
             return F.linear(hidden.float(), self._lm_head_fp32)
         return F.linear(hidden, self.lm_head).float()
@@ -143,7 +156,11 @@ class LlamaForCausalLM(nn.Module):
                 if target is not None:
                     dense = dense_of(value)
                     target.copy_(dense)
-                    if self._wants_lm_head_fp32 and name == self._head_name():
+                    if name == self._head_name() and self._wants_q8_head and _is_q8_0(value):
+                        assert isinstance(value, GroupQuantized)
+                        self._lm_head_q8 = (value.codes.to(torch.int8).contiguous(),
+                                            value.scale.to(torch.float32).contiguous())
+                    elif self._wants_lm_head_fp32 and name == self._head_name():
                         self._lm_head_fp32 = dense.to(device=self.device, dtype=torch.float32, copy=True)
                     continue
                 layer_idx, attr, _, index, count = slot  # type: ignore[misc]
@@ -160,8 +177,18 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
         for layer in layers:
             layer.finish_loading()
-        if self._wants_lm_head_fp32 and self._lm_head_fp32 is None:
+        if self._wants_lm_head_fp32 and self._lm_head_fp32 is None and self._lm_head_q8 is None:
             self._lm_head_fp32 = self.lm_head.detach().float()
+
+    @property
+    def head_format(self) -> str:
+        """How logits are computed: ``q8_0`` (the checkpoint's codes, `cpu_kernels.q8_linear`),
+        ``float32`` (a float32 copy) or the weight dtype's name."""
+        if self._lm_head_q8 is not None:
+            return "q8_0"
+        if self._lm_head_fp32 is not None:
+            return "float32"
+        return str(self.lm_head.dtype).removeprefix("torch.")
 
     def packed_state(self) -> tuple[dict[str, Tensor], dict[str, str]]:
         """The loaded weights as stored (packed int4, int8, dense copies, norms, embeddings) and the
@@ -171,6 +198,8 @@ class LlamaForCausalLM(nn.Module):
         state = self._stored_state()
         if self._lm_head_fp32 is not None:
             state[_LM_HEAD_FP32] = self._lm_head_fp32
+        if self._lm_head_q8 is not None:
+            state.update(zip(_LM_HEAD_Q8, self._lm_head_q8, strict=True))
         return state, kinds
 
     def load_packed_state(self, state: Mapping[str, Tensor], kinds: Mapping[str, str]) -> None:
@@ -184,7 +213,10 @@ class LlamaForCausalLM(nn.Module):
                 layer.set_projection(attr, _linear_from_state(kind, {k[len(prefix):]: v for k, v in state.items()
                                                                       if k.startswith(prefix)}))
         expected = set(self._stored_state())
-        if self._wants_lm_head_fp32:
+        q8 = self._wants_q8_head and all(name in state for name in _LM_HEAD_Q8)
+        if q8:
+            expected.update(_LM_HEAD_Q8)
+        elif self._wants_lm_head_fp32:
             expected.add(_LM_HEAD_FP32)
         if set(state) != expected:
             raise ValueError(f"packed state does not match the model: missing {sorted(expected - set(state))[:4]}, "
@@ -193,7 +225,10 @@ class LlamaForCausalLM(nn.Module):
             for name, target in self._stored_state(keep_vars=True).items():
                 if target.data_ptr() != state[name].data_ptr():
                     target.copy_(state[name])
-        if self._wants_lm_head_fp32:
+        if q8:
+            codes, scales = (state[name] for name in _LM_HEAD_Q8)
+            self._lm_head_q8 = (codes.contiguous(), scales.contiguous())
+        elif self._wants_lm_head_fp32:
             self._lm_head_fp32 = state[_LM_HEAD_FP32].to(self.device)
         for layer in self._decoder_layers():
             layer.finish_loading()
@@ -404,3 +439,9 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """NeoX (rotate-half) RoPE on [T, heads, head_dim] with tables from `_rope_tables`."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+def _is_q8_0(value: WeightSource) -> bool:
+    """A ggml Q8_0 weight: int8 codes, one scale per 32 columns, no offset."""
+    return (isinstance(value, GroupQuantized) and value.bits == 8 and value.group_size == cpu_kernels.Q8_GROUP
+            and value.codes.dtype == torch.int8 and not bool(value.offset.any()))

@@ -20,6 +20,7 @@ import torch
 
 from helios.loaders.checkpoint import load_checkpoint
 from helios.loaders.default_model import ensure_default_model
+from helios.models import cpu_kernels
 from helios.models.dense_attention import DenseAttention, greedy_generate
 from helios.models.llama import LlamaForCausalLM
 from helios.models.quant import GroupQuantized, Int4Linear
@@ -104,6 +105,14 @@ def _what_ran(lm: LoadedModel, rows: int) -> str:
     if fmt.dense_dtype is not None and rows > fmt.dense_above:
         return str(fmt.dense_dtype).removeprefix("torch.")
     return fmt.kind
+
+
+def test_the_output_projection_reads_the_q8_0_codes_where_the_kernels_are_built(
+        loaded: tuple[str, LoadedModel]) -> None:
+    """The default model's head is its tied Q8_0 embedding: with Helios's CPU kernels built, logits
+    come from its codes (so the float64 comparisons above check that kernel), else from a float32 copy."""
+    _, lm = loaded
+    assert lm.model.head_format == ("q8_0" if cpu_kernels.available() else "float32")
 
 
 def test_greedy_answer_in_every_format(loaded: tuple[str, LoadedModel], prompt_ids: list[int]) -> None:

@@ -394,7 +394,7 @@ def test_an_intact_entry_that_does_not_fit_the_model_is_rebuilt(tmp_path: Path, 
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     cache = tmp_path / "packed"
     first = load_model(path, weights="int4", cache_dir=cache)
-    key = cache_key(path, first.choice.format.cache_tag(), first.choice.dtype)
+    key = first.cache_key
     entry = PackedWeightCache(cache).load(key)
     assert entry is not None
     state = dict(entry.state)

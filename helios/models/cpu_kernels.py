@@ -1,0 +1,161 @@
+"""Helios's own CPU kernels (``csrc/cpu_kernels.cpp``), compiled on first use and cached on disk.
+
+Two operators that torch does not have in the form decode needs:
+
+- ``q8_linear``: a matmul straight from a ggml Q8_0 weight's int8 codes and block scales (exactly the
+  checkpoint's float32 values), a quarter of the bytes a float32 copy streams. The default model's
+  output projection is its tied Q8_0 embedding: 113 MB in float32, the largest read of a decode step.
+- ``paged_decode``: decode attention that reads each row's K/V in place from the paged cache instead
+  of gathering its whole history into a contiguous copy every layer of every step.
+
+The library is built with the machine's C++ compiler (``$CXX`` or ``c++``) against the installed torch,
+with ``-O3 -march=native -fopenmp`` (torch's own OpenMP runtime serves it: same soname), into
+``<cache dir>/kernels/<hash>/`` where the hash covers the source, the torch version, the compiler and
+the CPU's flags, so a second start only loads it (milliseconds). The build is atomic (a temporary
+file renamed into place), so processes racing to build it are safe. Without a compiler, or when the
+build fails, `available()` is False, one warning says why, and callers keep their torch paths.
+``HELIOS_CPU_KERNELS=0`` (or ``[model] cpu_kernels = false``) turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("helios.kernels")
+
+ENV = "HELIOS_CPU_KERNELS"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+Q8_GROUP = 32
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"loaded": None, "enabled": True, "why": ""}
+
+
+def set_enabled(enabled: bool) -> None:
+    """The configuration's switch (``[model] cpu_kernels``); the environment variable still wins."""
+    _state["enabled"] = enabled
+
+
+def enabled() -> bool:
+    env = os.environ.get(ENV, "").strip().lower()
+    if env in ("0", "false", "no", "off"):
+        return False
+    return bool(_state["enabled"])
+
+
+def available() -> bool:
+    """Whether the kernels can be used now (enabled, built and loaded); builds them on first call."""
+    if not enabled():
+        return False
+    loaded = _state["loaded"]
+    if loaded is None:
+        with _lock:
+            if _state["loaded"] is None:
+                _state["loaded"] = _load()
+            loaded = _state["loaded"]
+    return bool(loaded)
+
+
+def unavailable_reason() -> str:
+    return "turned off" if not enabled() else str(_state["why"])
+
+
+def q8_linear(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+    """``x @ W.T`` (float32) for ``W = codes * scales`` per 32-column block; ``codes`` int8 [N, K],
+    ``scales`` float32 [N, K / 32]."""
+    return torch.ops.helios.q8_linear(x.float().contiguous(), codes, scales)
+
+
+def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, rows: Tensor,
+                 lens: Tensor, page_size: int, scale: float) -> Tensor:
+    """Attention of one query token per row [D, heads, d] over its history in the paged cache
+    ([kv_heads, slots, d] each); row i reads block-table row ``rows[i]`` and its first ``lens[i]``
+    positions. Query head h uses kv head h // (heads / kv_heads)."""
+    return torch.ops.helios.paged_decode(q.contiguous(), k_cache, v_cache, block_table, rows, lens, page_size, scale)
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "helios" / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _load() -> bool:
+    if not SOURCE.is_file():
+        return _fail(f"{SOURCE.name} is not installed")
+    cxx = _compiler()
+    if cxx is None:
+        return _fail("no C++ compiler (set CXX or install g++)")
+    from torch.utils import cpp_extension
+
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), cxx.encode(), _cpu_flags().encode(),
+                                     sys.version.encode()])).hexdigest()[:20]
+    target = cache_dir() / key / "helios_cpu_kernels.so"
+    if not target.is_file():
+        started = time.perf_counter()
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _build(cxx, cpp_extension, target)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return _fail(f"the build failed: {exc}")
+        log.info("built the CPU kernels in %.1f s: %s", time.perf_counter() - started, target)
+    try:
+        torch.ops.load_library(str(target))
+    except (OSError, RuntimeError) as exc:
+        return _fail(f"loading {target} failed: {exc}")
+    return True
+
+
+def _build(cxx: str, cpp_extension: object, target: Path) -> None:
+    includes = cpp_extension.include_paths()  # type: ignore[attr-defined]
+    libdir = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in includes), str(SOURCE), "-o", tmp,
+           f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise subprocess.SubprocessError(done.stderr.strip()[-2000:] or f"exit {done.returncode}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _fail(why: str) -> bool:
+    _state["why"] = why
+    log.warning("CPU kernels unavailable (%s); using the torch paths", why)
+    return False

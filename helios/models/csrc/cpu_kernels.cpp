@@ -1,0 +1,375 @@
+// Helios CPU kernels, compiled on first use by helios/models/cpu_kernels.py (g++ -O3 -march=native
+// -fopenmp against the installed torch) and registered as torch operators in the `helios` namespace.
+//
+// helios::q8_linear(x, codes, scales): y = x @ W^T for W[n, k] = codes[n, k] * scales[n, k / 32],
+//   the exact float32 values of a ggml Q8_0 weight (an 8-bit code times a float16 scale needs at most
+//   19 significant bits), computed from the 1-byte codes: a quarter of the bytes of a float32 copy.
+//   x and the result are float32; accumulation is float32, as a float32 matmul's is.
+// helios::paged_decode(q, k_cache, v_cache, block_table, rows, lens, page_size, scale): one query
+//   token per row attending over its whole history, read in place from the paged cache (no gather of
+//   the history into a contiguous copy). Scores, softmax and the weighted sum are float32; histories
+//   are split into chunks of kChunk positions that run in parallel and are merged with their
+//   softmax statistics (flash-decoding), so one long row still uses every core.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;   // Q8_0 block
+constexpr int64_t kRowTile = 4;  // activation rows sharing one dequantized weight block
+constexpr int64_t kChunk = 256;  // history positions per attention work item
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline void store(float v, float* p) { *p = v; }
+inline void store(float v, c10::BFloat16* p) { *p = c10::BFloat16(v); }  // round to nearest even
+
+// Rows [0, MT) of x (row stride K) against weight rows [n0, n1): y[i * N + n]. Each 32-code block is
+// widened to float32 and scaled once (exact), then fused-multiply-added into per-row lane accumulators;
+// one horizontal sum per output. Written with intrinsics: the auto-vectorized form went through a
+// stack array (a store-forwarding stall per block) and ran 4x slower.
+template <int MT>
+inline void q8_rows(const float* __restrict__ xp, const int8_t* __restrict__ qp, const float* __restrict__ sp,
+                    float* __restrict__ yp, int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t blocks) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* __restrict__ qr = qp + n * K;
+    const float* __restrict__ sr = sp + n * blocks;
+#if defined(__AVX512F__)
+    __m512 acc[MT][2];
+    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512 sv = _mm512_set1_ps(sr[b]);
+      const int8_t* qb = qr + b * kGroup;
+      const __m512 w0 = _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))));
+      const __m512 w1 = _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))));
+      for (int i = 0; i < MT; ++i) {
+        const float* xr = xp + i * K + b * kGroup;
+        acc[i][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[i][1]);
+      }
+    }
+    for (int i = 0; i < MT; ++i) yp[i * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[MT][4];
+    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m256 sv = _mm256_set1_ps(sr[b]);
+      const int8_t* qb = qr + b * kGroup;
+      __m256 w[4];
+      for (int j = 0; j < 4; ++j) {
+        w[j] = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * j)))));
+      }
+      for (int i = 0; i < MT; ++i) {
+        const float* xr = xp + i * K + b * kGroup;
+        for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), acc[i][j]);
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      const __m256 v = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      yp[i * N + n] = _mm_cvtss_f32(h);
+    }
+#else
+    float acc[MT] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float s = sr[b];
+      for (int k = 0; k < kGroup; ++k) {
+        const float w = s * static_cast<float>(qr[b * kGroup + k]);
+        for (int i = 0; i < MT; ++i) acc[i] += w * xp[i * K + b * kGroup + k];
+      }
+    }
+    for (int i = 0; i < MT; ++i) yp[i * N + n] = acc[i];
+#endif
+  }
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && scales.dim() == 2, "q8_linear: 2-d operands");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && codes.scalar_type() == at::kChar &&
+                  scales.scalar_type() == at::kFloat,
+              "q8_linear: float32 x, int8 codes, float32 scales");
+  TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous(), "q8_linear: contiguous");
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(), "q8_linear: CPU");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.size(1) == K && K % kGroup == 0, "q8_linear: codes must be [N, K], K a multiple of 32");
+  TORCH_CHECK(scales.size(0) == N && scales.size(1) == K / kGroup, "q8_linear: scales must be [N, K/32]");
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* __restrict__ xp = x.data_ptr<float>();
+  const int8_t* __restrict__ qp = codes.data_ptr<int8_t>();
+  const float* __restrict__ sp = scales.data_ptr<float>();
+  float* __restrict__ yp = y.data_ptr<float>();
+  const int64_t blocks = K / kGroup;
+  at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+    int64_t m0 = 0;
+    for (; m0 + kRowTile <= M; m0 += kRowTile) q8_rows<kRowTile>(xp + m0 * K, qp, sp, yp + m0 * N, n0, n1, K, N, blocks);
+    switch (M - m0) {
+      case 3: q8_rows<3>(xp + m0 * K, qp, sp, yp + m0 * N, n0, n1, K, N, blocks); break;
+      case 2: q8_rows<2>(xp + m0 * K, qp, sp, yp + m0 * N, n0, n1, K, N, blocks); break;
+      case 1: q8_rows<1>(xp + m0 * K, qp, sp, yp + m0 * N, n0, n1, K, N, blocks); break;
+      default: break;
+    }
+  });
+  return y;
+}
+
+// A float32 vector of W lanes (AVX-512, AVX2 + FMA, or one scalar lane), with loads that widen
+// bfloat16 (exact: a bfloat16 is the top half of a float32).
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int64_t W = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+inline vec vround(vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vec vpow2i(vec n) {  // 2^n for integral n in [-126, 127]
+  const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+using vec = __m256;
+constexpr int64_t W = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline float vsum(vec v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+inline vec vround(vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vec vpow2i(vec n) {
+  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+}
+#else
+using vec = float;
+constexpr int64_t W = 1;
+inline vec vzero() { return 0.f; }
+inline vec vset1(float x) { return x; }
+inline vec vload(const float* p) { return *p; }
+inline vec vload(const c10::BFloat16* p) { return to_float(*p); }
+inline void vstore(float* p, vec v) { *p = v; }
+inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
+inline vec vadd(vec a, vec b) { return a + b; }
+inline vec vmul(vec a, vec b) { return a * b; }
+inline vec vsub(vec a, vec b) { return a - b; }
+inline vec vmax(vec a, vec b) { return std::max(a, b); }
+inline float vsum(vec v) { return v; }
+inline vec vround(vec v) { return std::nearbyint(v); }
+inline vec vpow2i(vec n) { return std::ldexp(1.f, static_cast<int>(n)); }
+#endif
+
+// exp(x) for x <= 0 (softmax arguments after the max is subtracted): x = n ln2 + r with |r| <= ln2/2,
+// e^r by its degree-6 Taylor polynomial (relative error below 2e-7), times 2^n. Below -87 the result
+// is flushed to 0 (e^-87 is under float32's normal range; such a weight is negligible next to the max's 1).
+inline vec vexp_nonpositive(vec x) {
+  x = vmax(x, vset1(-87.f));
+  const vec n = vround(vmul(x, vset1(1.44269504088896341f)));
+  vec r = vfma(n, vset1(-0.693145751953125f), x);  // ln2 split in two parts for an exact reduction
+  r = vfma(n, vset1(-1.428606820309417232e-06f), r);
+  vec p = vset1(1.f / 720.f);
+  p = vfma(p, r, vset1(1.f / 120.f));
+  p = vfma(p, r, vset1(1.f / 24.f));
+  p = vfma(p, r, vset1(1.f / 6.f));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.f));
+  p = vfma(p, r, vset1(1.f));
+  return vmul(p, vpow2i(n));
+}
+
+template <typename T>
+void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& table, const at::Tensor& rows, const at::Tensor& lens,
+                       int64_t page_size, double scale, at::Tensor& out) {
+  const int64_t D = q.size(0), H = q.size(1), dh = q.size(2);
+  const int64_t KV = k_cache.size(0), S = k_cache.size(1), P = table.size(1);
+  const int64_t G = H / KV, NV = dh / W;
+  const T* __restrict__ qp = q.data_ptr<T>();
+  const T* __restrict__ kp = k_cache.data_ptr<T>();
+  const T* __restrict__ vp = v_cache.data_ptr<T>();
+  const int64_t* __restrict__ tp = table.data_ptr<int64_t>();
+  const int64_t* __restrict__ rp = rows.data_ptr<int64_t>();
+  const int64_t* __restrict__ lp = lens.data_ptr<int64_t>();
+  T* __restrict__ op = out.data_ptr<T>();
+  int64_t max_len = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    TORCH_CHECK(lp[d] >= 1 && lp[d] <= P * page_size, "paged_decode: length outside the block table");
+    TORCH_CHECK(rp[d] >= 0 && rp[d] < table.size(0), "paged_decode: row outside the block table");
+    for (int64_t pg = 0; pg < (lp[d] + page_size - 1) / page_size; ++pg) {
+      const int64_t page = tp[rp[d] * P + pg];
+      TORCH_CHECK(page >= 0 && (page + 1) * page_size <= S, "paged_decode: page outside the cache");
+    }
+    max_len = std::max(max_len, lp[d]);
+  }
+  const int64_t chunks = (max_len + kChunk - 1) / kChunk;
+  const int64_t items = D * KV * chunks;
+  // Per (item, query of the group): the chunk's max score, its sum of exponentials, and the
+  // unnormalized output; merged below.
+  std::vector<float> part_max(items * G), part_sum(items * G), part_acc(items * G * dh);
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<vec> qv(G * NV), acc(G * NV), dots(G);
+    std::vector<float> scores(G * kChunk);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t c = item % chunks, kv = (item / chunks) % KV, d = item / (chunks * KV);
+      const int64_t len = lp[d], start = c * kChunk, end = std::min(len, start + kChunk);
+      float* mx = part_max.data() + item * G;
+      float* sm = part_sum.data() + item * G;
+      float* out_acc = part_acc.data() + item * G * dh;
+      if (start >= end) {
+        for (int64_t g = 0; g < G; ++g) { mx[g] = -std::numeric_limits<float>::infinity(); sm[g] = 0.f; }
+        std::fill(out_acc, out_acc + G * dh, 0.f);
+        continue;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qr = qp + (d * H + kv * G + g) * dh;
+        for (int64_t e = 0; e < NV; ++e) qv[g * NV + e] = vmul(vload(qr + e * W), vset1(fscale));
+      }
+      const int64_t* page_row = tp + rp[d] * P;
+      const int64_t n = end - start;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = start + j;
+        const T* __restrict__ kr = kp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh;
+        for (int64_t g = 0; g < G; ++g) dots[g] = vzero();
+        for (int64_t e = 0; e < NV; ++e) {
+          const vec kx = vload(kr + e * W);
+          for (int64_t g = 0; g < G; ++g) dots[g] = vfma(qv[g * NV + e], kx, dots[g]);
+        }
+        for (int64_t g = 0; g < G; ++g) scores[g * kChunk + j] = vsum(dots[g]);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sc = scores.data() + g * kChunk;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) m = std::max(m, sc[j]);
+        const vec mv = vset1(m);
+        vec total = vzero();
+        int64_t j = 0;
+        for (; j + W <= n; j += W) {
+          const vec ex = vexp_nonpositive(vsub(vload(sc + j), mv));
+          vstore(sc + j, ex);
+          total = vadd(total, ex);
+        }
+        float tail = vsum(total);
+        for (; j < n; ++j) { sc[j] = std::exp(sc[j] - m); tail += sc[j]; }
+        mx[g] = m;
+        sm[g] = tail;
+      }
+      for (int64_t e = 0; e < G * NV; ++e) acc[e] = vzero();
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = start + j;
+        const T* __restrict__ vr = vp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh;
+        for (int64_t e = 0; e < NV; ++e) {
+          const vec vx = vload(vr + e * W);
+          for (int64_t g = 0; g < G; ++g) acc[g * NV + e] = vfma(vset1(scores[g * kChunk + j]), vx, acc[g * NV + e]);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t e = 0; e < NV; ++e) vstore(out_acc + g * dh + e * W, acc[g * NV + e]);
+    }
+  });
+  at::parallel_for(0, D * H, 1, [&](int64_t j0, int64_t j1) {
+    std::vector<float> o(dh);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t d = j / H, h = j % H, kv = h / G, g = h % G;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part_max[((d * KV + kv) * chunks + c) * G + g]);
+      std::fill(o.begin(), o.end(), 0.f);
+      float total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t item = (d * KV + kv) * chunks + c;
+        const float sm = part_sum[item * G + g];
+        if (sm == 0.f) continue;
+        const float w = std::exp(part_max[item * G + g] - m);
+        total += sm * w;
+        const float* a = part_acc.data() + (item * G + g) * dh;
+        for (int64_t e = 0; e < dh; ++e) o[e] += w * a[e];
+      }
+      T* dst = op + (d * H + h) * dh;
+      for (int64_t e = 0; e < dh; ++e) store(o[e] / total, dst + e);
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_table, const at::Tensor& rows, const at::Tensor& lens,
+                        int64_t page_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "paged_decode: q [D,H,d], caches [KV,S,d]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_decode: q and the caches share a dtype");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  block_table.is_contiguous() && rows.is_contiguous() && lens.is_contiguous(),
+              "paged_decode: contiguous operands");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && rows.scalar_type() == at::kLong &&
+                  lens.scalar_type() == at::kLong, "paged_decode: int64 indices");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && q.size(2) == k_cache.size(2), "paged_decode: shapes");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "paged_decode: heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(2) % W == 0, "paged_decode: head size must be a multiple of the vector width");
+  TORCH_CHECK(rows.size(0) == q.size(0) && lens.size(0) == q.size(0) && page_size > 0, "paged_decode: rows");
+  at::Tensor out = at::empty_like(q);
+  if (q.size(0) == 0) return out;
+  if (q.scalar_type() == at::kFloat) {
+    paged_decode_impl<float>(q, k_cache, v_cache, block_table, rows, lens, page_size, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    paged_decode_impl<c10::BFloat16>(q, k_cache, v_cache, block_table, rows, lens, page_size, scale, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode: float32 or bfloat16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(helios, m) {
+  m.def("q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor rows, "
+        "Tensor lens, int page_size, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(helios, CPU, m) {
+  m.impl("q8_linear", TORCH_FN(q8_linear));
+  m.impl("paged_decode", TORCH_FN(paged_decode));
+}

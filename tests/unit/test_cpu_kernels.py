@@ -1,0 +1,238 @@
+"""Helios's CPU kernels (helios/models/cpu_kernels.py) against float64 references, and their wiring:
+the engine's decode attention and the model's output projection use them where they apply, and
+turning them off (or a machine without a compiler) keeps the torch paths."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from helios.engine.attention import AttentionInputs, TorchPagedBackend
+from helios.models import cpu_kernels
+from helios.models.config import ModelConfig
+from helios.models.llama import LlamaForCausalLM
+from helios.models.quant import GroupQuantized
+from tests.numerics import FP32_TOLERANCE, unit_roundoff
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason=f"Helios's CPU kernels are not built here: {cpu_kernels.unavailable_reason()}")
+
+
+# -- q8_linear -----------------------------------------------------------------------------------------
+
+
+def _q8_weight(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (rows, cols), generator=g, dtype=torch.int8)
+    scales = (torch.rand(rows, cols // 32, generator=g) * 0.02).half().float()  # ggml stores float16 scales
+    return codes, scales
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 33])
+def test_q8_linear_against_float64(m: int) -> None:
+    codes, scales = _q8_weight(1000, 576, seed=m)
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(100 + m))
+    w64 = (codes.double().view(1000, 18, 32) * scales.double()[:, :, None]).view(1000, 576)
+    expected = x.double() @ w64.t()
+    got = cpu_kernels.q8_linear(x, codes, scales)
+    assert got.dtype == torch.float32 and got.shape == (m, 1000)
+    # float32 accumulation of 576 products: relative to the sum of |products|, a few float32 ulps.
+    magnitude = (x.double().abs() @ w64.abs().t())
+    assert ((got.double() - expected).abs() / magnitude).max().item() < 1e-5
+
+
+def test_q8_linear_takes_bfloat16_activations_exactly() -> None:
+    """bfloat16 hidden states are widened (exactly) to float32 first: the same result as float32 input."""
+    codes, scales = _q8_weight(64, 64, seed=7)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert torch.equal(cpu_kernels.q8_linear(x, codes, scales), cpu_kernels.q8_linear(x.float(), codes, scales))
+
+
+def test_q8_linear_rejects_bad_operands() -> None:
+    codes, scales = _q8_weight(8, 64, seed=1)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_kernels.q8_linear(torch.randn(1, 48), codes[:, :48].contiguous(), scales)
+    with pytest.raises(RuntimeError, match="int8 codes"):
+        cpu_kernels.q8_linear(torch.randn(1, 64), codes.to(torch.int16), scales)
+
+
+# -- paged_decode --------------------------------------------------------------------------------------
+
+
+def _paged_case(lens: list[int], dtype: torch.dtype, page_size: int = 16, kv_heads: int = 3, heads: int = 9,
+                head_dim: int = 64, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A cache whose pages are handed out in shuffled order, a block table with one spare row (rows
+    are addressed through ``rows``, as the engine's persistent batch does), and queries."""
+    g = torch.Generator().manual_seed(seed)
+    per_row = [-(-n // page_size) for n in lens]
+    max_pages = max(per_row) + 2
+    num_pages = sum(per_row) + 5
+    order = torch.randperm(num_pages, generator=g)
+    table = torch.zeros(len(lens) + 1, max_pages, dtype=torch.int64)
+    rows = torch.randperm(len(lens) + 1, generator=g)[: len(lens)]
+    at = 0
+    for i, count in enumerate(per_row):
+        table[rows[i], :count] = order[at:at + count]
+        table[rows[i], count:] = order[-1]  # stale entries past a row's pages are never read
+        at += count
+    slots = num_pages * page_size
+    k = torch.randn(kv_heads, slots, head_dim, generator=g).to(dtype)
+    v = torch.randn(kv_heads, slots, head_dim, generator=g).to(dtype)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    return {"q": q, "k": k, "v": v, "table": table, "rows": rows, "lens": torch.tensor(lens, dtype=torch.int64),
+            "page_size": torch.tensor(page_size)}
+
+
+def _reference(case: dict[str, torch.Tensor]) -> torch.Tensor:
+    q, k, v, table = case["q"].double(), case["k"].double(), case["v"].double(), case["table"]
+    ps = int(case["page_size"])
+    kv_heads, heads, d = k.shape[0], q.shape[1], q.shape[2]
+    out = []
+    for i, n in enumerate(case["lens"].tolist()):
+        slots = (table[case["rows"][i]][:, None] * ps + torch.arange(ps)).flatten()[:n]
+        kk, vv = k[:, slots], v[:, slots]  # [kv, n, d]
+        qq = q[i].view(kv_heads, heads // kv_heads, d)
+        p = torch.softmax(qq @ kk.transpose(1, 2) / d**0.5, dim=-1)
+        out.append((p @ vv).reshape(heads, d))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[1], [255, 256, 257], [1000, 3, 513, 17], [4000]], ids=str)
+def test_paged_decode_against_float64(dtype: torch.dtype, lens: list[int]) -> None:
+    case = _paged_case(lens, dtype, seed=len(lens))
+    got = cpu_kernels.paged_decode(case["q"], case["k"], case["v"], case["table"], case["rows"], case["lens"],
+                                   int(case["page_size"]), case["q"].shape[-1] ** -0.5)
+    expected = _reference(case)
+    assert got.dtype == dtype and got.shape == case["q"].shape
+    # float32 math inside; a bfloat16 result is rounded once at the end (|outputs| < 4).
+    bound = 1e-5 if dtype == torch.float32 else 2 * unit_roundoff(dtype) * 4
+    assert (got.double() - expected).abs().max().item() < bound
+
+
+def test_paged_decode_handles_large_scores_without_overflow() -> None:
+    """Scores near float32's exp limit: the per-chunk max is subtracted before exponentiating."""
+    case = _paged_case([300, 40], torch.float32, seed=3)
+    case["q"] = case["q"] * 40
+    got = cpu_kernels.paged_decode(case["q"], case["k"], case["v"], case["table"], case["rows"], case["lens"],
+                                   int(case["page_size"]), case["q"].shape[-1] ** -0.5)
+    assert torch.isfinite(got).all()
+    assert (got.double() - _reference(case)).abs().max().item() < 1e-5
+
+
+def test_paged_decode_refuses_pages_outside_the_cache() -> None:
+    case = _paged_case([40], torch.float32)
+    case["table"][case["rows"][0], 0] = 10_000
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.paged_decode(case["q"], case["k"], case["v"], case["table"], case["rows"], case["lens"],
+                                 int(case["page_size"]), 0.125)
+
+
+# -- wiring --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_backend_decodes_through_the_kernel(dtype: torch.dtype) -> None:
+    """A step mixing decode rows and a prefill chunk: decode rows come from the kernel, the prefill
+    from SDPA; both against float64 over what the step wrote into the cache."""
+    ps, kv_heads, heads, d = 16, 3, 9, 64
+    backend = TorchPagedBackend(1, 64, ps, kv_heads, d, dtype, torch.device("cpu"))
+    assert backend.decode_kernel and backend.name == "cpu_paged_kernel"
+    g = torch.Generator().manual_seed(5)
+    table = torch.randperm(64, generator=g)[:60].view(3, 20).contiguous()
+    lens = [37, 300]  # two decode rows (rows 0 and 2) at these context lengths; row 1 prefills 20 tokens
+    for row, n in ((0, 36), (2, 299)):  # their histories, already in the cache
+        slots = (table[row][:, None] * ps + torch.arange(ps)).flatten()[:n]
+        backend.kv.k[0][:, slots] = torch.randn(kv_heads, n, d, generator=g).to(dtype)
+        backend.kv.v[0][:, slots] = torch.randn(kv_heads, n, d, generator=g).to(dtype)
+    positions = [36, *range(20), 299]
+    token_rows = [0, *[1] * 20, 2]
+    slot_mapping = torch.tensor([int(table[r, p // ps]) * ps + p % ps for r, p in zip(token_rows, positions, strict=True)])
+    inputs = AttentionInputs(block_table=table, slot_mapping=slot_mapping, num_tokens=22,
+                             decode_tokens=torch.tensor([0, 21]), decode_rows=torch.tensor([0, 2]),
+                             decode_lens=torch.tensor(lens), decode_max_len=300, num_decode=2,
+                             prefills=((1, 20, 1, 0),))
+    q = torch.randn(22, heads, d, generator=g).to(dtype)
+    k = torch.randn(22, kv_heads, d, generator=g).to(dtype)
+    v = torch.randn(22, kv_heads, d, generator=g).to(dtype)
+    out = backend.build(inputs)(0, q, k, v)
+    kc, vc = backend.kv.k[0].double(), backend.kv.v[0].double()
+
+    def attend(qi: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        qq = qi.double().view(kv_heads, heads // kv_heads, d)
+        p = torch.softmax(qq @ kc[:, slots].transpose(1, 2) / d**0.5, dim=-1)
+        return (p @ vc[:, slots]).reshape(heads, d)
+
+    expected = []
+    for t, (row, pos) in enumerate(zip(token_rows, positions, strict=True)):
+        slots = (table[row][:, None] * ps + torch.arange(ps)).flatten()[:pos + 1]
+        expected.append(attend(q[t], slots))
+    bound = FP32_TOLERANCE if dtype == torch.float32 else 8 * unit_roundoff(dtype) * 4
+    assert (out.double() - torch.stack(expected)).abs().max().item() < bound
+
+
+def test_turned_off_the_backend_gathers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    backend = TorchPagedBackend(1, 8, 16, 3, 64, torch.float32, torch.device("cpu"))
+    assert not backend.decode_kernel and backend.name == "torch_paged"
+    assert cpu_kernels.unavailable_reason() == "turned off"
+
+
+def test_float64_keeps_the_torch_path() -> None:
+    backend = TorchPagedBackend(1, 8, 16, 3, 64, torch.float64, torch.device("cpu"))
+    assert not backend.decode_kernel
+
+
+def _tiny_q8_model(q8_head: bool) -> LlamaForCausalLM:
+    cfg = ModelConfig(arch="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+    g = torch.Generator().manual_seed(11)
+    codes, scales = _q8_weight(96, 64, seed=11)
+    tensors: dict[str, object] = {
+        "model.embed_tokens.weight": GroupQuantized(codes, scales, torch.zeros_like(scales), 8, 32),
+        "model.norm.weight": torch.ones(64),
+    }
+    for name, shape in (("self_attn.q_proj", (64, 64)), ("self_attn.k_proj", (32, 64)), ("self_attn.v_proj", (32, 64)),
+                        ("self_attn.o_proj", (64, 64)), ("mlp.gate_proj", (128, 64)), ("mlp.up_proj", (128, 64)),
+                        ("mlp.down_proj", (64, 128))):
+        tensors[f"model.layers.0.{name}.weight"] = torch.randn(*shape, generator=g) * 0.05
+    tensors["model.layers.0.input_layernorm.weight"] = torch.ones(64)
+    tensors["model.layers.0.post_attention_layernorm.weight"] = torch.ones(64)
+    model = LlamaForCausalLM(cfg, dtype=torch.bfloat16, q8_head=q8_head)
+    model.load_weights(tensors)  # type: ignore[arg-type]
+    return model
+
+
+def test_a_q8_0_head_computes_logits_from_its_codes() -> None:
+    model = _tiny_q8_model(q8_head=True)
+    assert model.head_format == "q8_0"
+    hidden = torch.randn(5, 64).to(torch.bfloat16)
+    codes, scales = _q8_weight(96, 64, seed=11)
+    w64 = (codes.double().view(96, 2, 32) * scales.double()[:, :, None]).view(96, 64)
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    assert (logits.double() - hidden.double() @ w64.t()).abs().max().item() < 1e-5
+    # The same weights as the float32 copy the model keeps without the kernel.
+    plain = _tiny_q8_model(q8_head=False)
+    assert plain.head_format == "float32"
+    assert (plain.compute_logits(hidden) - logits).abs().max().item() < 1e-5
+    # And the packed-weight cache round trip keeps the codes.
+    state, kinds = model.packed_state()
+    assert state["lm_head_q8.codes"].dtype == torch.int8 and "lm_head_fp32" not in state
+    again = LlamaForCausalLM(model.config, dtype=torch.bfloat16, q8_head=True)
+    again.load_packed_state(state, kinds)
+    assert again.head_format == "q8_0" and torch.equal(again.compute_logits(hidden), logits)
+
+
+def test_kernels_without_a_compiler_fall_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(cpu_kernels, "_state", {"loaded": None, "enabled": True, "why": ""})
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="helios.kernels"):
+        assert not cpu_kernels.available()
+        assert not cpu_kernels.available()
+    assert [r.message for r in caplog.records].count(
+        "CPU kernels unavailable (no C++ compiler (set CXX or install g++)); using the torch paths") == 1
+    assert not TorchPagedBackend(1, 8, 16, 3, 64, torch.float32, torch.device("cpu")).decode_kernel
