@@ -315,10 +315,10 @@ class LoadedModel:
     checkpoint: Any  # helios.loaders.checkpoint.Checkpoint
     model: Any  # helios.models.llama.LlamaForCausalLM
     choice: WeightChoice
+    cache_key: str = ""  # the packed-weight cache entry's key ("" without a cache)
 
 
 def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", device: str = "cpu",
-    cache_key: str = ""  # the packed-weight cache entry's key ("" without a cache)
                cache_dir: str | Path | None = None, progress: Any = None) -> LoadedModel:
     """Open a checkpoint, decide its weight format (`choose_weights`, logged) and build the model.
 
@@ -329,10 +329,10 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
     OpenMP's fork/join only slows down (badly so when other processes hold the other cores)."""
     from helios.loaders.checkpoint import load_checkpoint
     from helios.loaders.weight_cache import PackedWeightCache, cache_key
+    from helios.models import cpu_kernels
     from helios.models.llama import LlamaForCausalLM
 
     ckpt = load_checkpoint(path, torch.float32, progress=progress)
-    from helios.models import cpu_kernels
     choice = choose_weights(weights, dtype, device, int4_codes=ckpt.int4_codes,
                             projection_params=_projection_params(ckpt.config))
     log.info("%s", choice.describe())
@@ -402,12 +402,12 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     t0 = time.perf_counter()
     print(f"Loading {path} ({device})", file=sys.stderr)
     cache_dir = default_cache_dir() / "packed" if cfg.model.weight_cache else None
-    loaded = load_model(path, weights=cfg.model.weights, dtype=cfg.model.dtype, device=device, cache_dir=cache_dir,
-                        progress=_progress)
-    ckpt, model, dtype = loaded.checkpoint, loaded.model, loaded.choice.dtype
     from helios.models import cpu_kernels
 
     cpu_kernels.set_enabled(cfg.model.cpu_kernels)
+    loaded = load_model(path, weights=cfg.model.weights, dtype=cfg.model.dtype, device=device, cache_dir=cache_dir,
+                        progress=_progress)
+    ckpt, model, dtype = loaded.checkpoint, loaded.model, loaded.choice.dtype
     print(f"Loaded {ckpt.model_id} in {time.perf_counter() - t0:.1f} s: {loaded.choice.describe()}", file=sys.stderr)
 
     mc = ckpt.config
