@@ -272,12 +272,15 @@ class Runtime:
         self.thread = EngineThread(core, self.client.sink)
 
     def start(self, trio_token: Any, limiter: Any = None) -> Service:
-        """Start the engine thread; the Service renders and tokenizes on `limiter` (the app's pool)."""
+        """Start the engine thread; the Service renders and tokenizes on `limiter` (the app's pool).
+        The Service is built first: its start-up checks (a `[server] thinking_token_budget` the
+        model cannot honour) refuse to start before the engine thread runs."""
         from helios.serving.service_factory import make_service
 
+        service = make_service(self, limiter)
         self.client.attach(self.thread, trio_token)
         self.thread.start()
-        return make_service(self, limiter)
+        return service
 
     def stop(self) -> None:
         self.thread.shutdown()

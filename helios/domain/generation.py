@@ -67,6 +67,12 @@ class GenerationOptions:
     score_every_choice: bool = False
     """False: only the first choice of each prompt scores it (the others share its scores)."""
     observe: TokenObservation = TokenObservation()
+    thinking_token_budget: int | None = None
+    """A hard cap on generated reasoning tokens (chat protocols; see serving/reasoning_budget.py)."""
+    thinking_token_budget_param: str | None = None
+    """The request field that gave the budget explicitly, named by the 400 when the model's
+    reasoning format cannot honour it; None: an advisory budget (Messages ``thinking.budget_tokens``,
+    the server default), dropped on such formats."""
 
 
 @attrs.frozen

@@ -128,3 +128,19 @@ def observation_fields(observe: TokenObservation, token_ids: Any, timestamps: An
         out["token_timestamps"] = list(timestamps)
     return out
 
+
+
+MAX_THINKING_BUDGET = 2**31 - 1
+
+
+def thinking_budget(value: int | None, default: int | None,
+                    param: str = "thinking_token_budget") -> tuple[int | None, str | None]:
+    """A Chat or Responses `thinking_token_budget` → (the budget, the field a 400 names when the
+    model's reasoning format cannot honour it; None for the `[server]` default, which start-up
+    validated and which is dropped where a request's format cannot honour it). An explicit budget is
+    a positive 32-bit integer; omitted or null takes the default."""
+    if value is None:
+        return default, None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_THINKING_BUDGET:
+        raise BadRequest(f"{param} must be a positive 32-bit integer", param=param)
+    return value, param

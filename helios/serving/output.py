@@ -15,7 +15,8 @@ terminating token, the longest is withheld. Text is cut where the detokenizer st
 sequence's first token, so a character whose bytes straddle that boundary goes with the sequence.
 Token ids, usage and logprobs are unchanged by the withholding: every generated token counts and is
 reported in `ChildUpdate.token_ids`, and every token but the terminating one keeps its logprob entry
-(the terminating token has none, as EOS has none), so a sequence's tokens before its last keep
+(the terminating token has none, as EOS has none; nor has a token the engine forced,
+`RequestOutput.forced`), so a sequence's tokens before its last keep
 theirs although their text is withheld, as vLLM keeps the logprobs of a string stop's tokens.
 """
 
@@ -114,7 +115,8 @@ class OutputProcessor:
                 self._unfed.append((len(self.text), tid))
                 continue  # the terminating token has no text
             before = len(self.text)
-            offsets.append(self.num_decoded_chars)
+            if i not in out.forced:  # a forced token (a reasoning budget's close) has no logprob entry
+                offsets.append(self.num_decoded_chars)
             piece = self.detok.push(tid)
             self.num_decoded_chars += len(piece)
             self.text += piece
@@ -169,7 +171,9 @@ class OutputProcessor:
             finish = Finish(FinishCause.ERROR, error=f"model output could not be parsed: {exc}")
         if finish is not None:
             self.finished = finish
-        num_entries = len(token_ids) - self._terminal(out, token_ids)
+        num_terminal = self._terminal(out, token_ids)
+        num_forced = sum(1 for i in out.forced if i < len(token_ids) - num_terminal)
+        num_entries = len(token_ids) - num_terminal - num_forced
         return ChildUpdate(
             events=events,
             token_ids=tuple(token_ids),

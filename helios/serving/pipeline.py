@@ -18,7 +18,7 @@ from helios.domain.conversation import ConversationRequest, ImagePart, ToolResul
 from helios.domain.generation import ChildUpdate, GenerationOptions, GenerationRequest, PreparedPrompt
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams, SamplingRequest
-from helios.engine.records import EngineRequest, RequestOutput
+from helios.engine.records import EngineRequest, ReasoningBudget, RequestOutput
 from helios.errors import BadRequest, ContextLengthExceeded
 from helios.obs import access
 from helios.serving.engine_client import EngineClient
@@ -38,6 +38,8 @@ class ChildSpec:
     parser_factory: Callable[[], OutputParser] | None = None
     retain_tokens: int = 0
     """Prompt tokens up to the client's last prefix-checkpoint marker (kept cached with priority)."""
+    reasoning_budget: ReasoningBudget | None = None
+    """The engine's reasoning cut for this child (`thinking_token_budget`), None: uncapped."""
 
 
 @attrs.frozen
@@ -129,6 +131,7 @@ class Service:
         eos_token_ids: Sequence[int],
         limiter: trio.CapacityLimiter | None = None,
         parser_factory: Callable[[ConversationRequest, str], Callable[[], OutputParser] | None] | None = None,
+        reasoning_budget: Callable[[ConversationRequest, str, int, str | None], ReasoningBudget | None] | None = None,
     ) -> None:
         self.info = info
         self.tokenizer = tokenizer
@@ -143,6 +146,7 @@ class Service:
         self.limiter = limiter if limiter is not None else trio.CapacityLimiter(2)
         self.started = time.time()
         self._parser_factory = parser_factory
+        self._reasoning_budget = reasoning_budget
         self._token_bytes: dict[int, bytes] = {}
 
     def parser_factory(self, conv: ConversationRequest, prompt: str) -> Callable[[], OutputParser] | None:
@@ -223,10 +227,15 @@ class Service:
         parser_factory = None
         prompts: list[PreparedPrompt] = []
         retain = 0
+        reasoning_budget = None
         if req.conversation is not None:
             text, ids = await self.render_chat(req.conversation)
             prompts.append(PreparedPrompt(tuple(ids), text))
             parser_factory = self.parser_factory(req.conversation, text)
+            if opts.thinking_token_budget is not None and self._reasoning_budget is not None:
+                # The rendered prompt says where the output starts (spec: thinking_token_budget).
+                reasoning_budget = self._reasoning_budget(req.conversation, text, opts.thinking_token_budget,
+                                                          opts.thinking_token_budget_param)
             if req.conversation.cache_breakpoints:
                 retain = await self._breakpoint_tokens(text, len(ids), req.conversation.cache_breakpoints)
         else:
@@ -256,6 +265,7 @@ class Service:
                     prompt_logprobs=opts.prompt_logprobs if opts.score_every_choice or i == 0 else None,
                     parser_factory=parser_factory,
                     retain_tokens=retain,
+                    reasoning_budget=reasoning_budget,
                 ))
         return Prepared(req, tuple(prompts), tuple(children))
 
@@ -299,6 +309,7 @@ class Service:
                     logprob_token_ids=opts.logprob_token_ids,
                     prompt_logprobs=spec.prompt_logprobs,
                     retain_tokens=spec.retain_tokens,
+                    reasoning_budget=spec.reasoning_budget,
                 )
             )
             streams_meta.append((rid, spec))

@@ -7,13 +7,15 @@ from typing import Any, Literal
 
 import attrs
 
-from helios.domain.conversation import ConversationRequest
+from helios.domain.conversation import ConversationRequest, Message, TextPart
 from helios.domain.sampling import SamplingParams, SamplingRequest
+from helios.engine.records import ReasoningBudget
 from helios.errors import BadRequest
 from helios.loaders.chat_template import ChatTemplate, ChatTemplateError
 from helios.serving.lowering import LoweringError, lower_conversation
 from helios.serving.output import OutputParser
 from helios.serving.pipeline import Service
+from helios.serving.reasoning_budget import ReasoningBudgets
 
 # Parser families whose tool syntax is Hermes JSON `<tool_call>` blocks, the syntax of the tool
 # prompt Helios writes itself (lowering rule 8); `plain` has no tool syntax and gains that one.
@@ -93,6 +95,21 @@ def make_service(rt: Any, limiter: Any = None) -> Service:
         return lambda: make_output_parser(family, tools=schemas, delimiter_token_ids=delimiter_ids[family],
                                           starts_in_reasoning=starts, parse_tools=parse_tools)
 
+    budgets = ReasoningBudgets(tok.token_to_id)
+
+    def reasoning_budget(conv: ConversationRequest, prompt: str, budget: int,
+                         param: str | None) -> ReasoningBudget | None:
+        family = tools.parser_family if conv.tools else recipe.output_parser
+        return budgets.for_request(family, prompt, budget, param)
+
+    if info.thinking_token_budget is not None:
+        # Start-up refuses a default the model cannot honour (spec: [server] thinking_token_budget),
+        # judged on the prompt a plain conversation renders to.
+        if template is None:
+            raise ValueError("[server] thinking_token_budget: this model has no chat template")
+        plain = ConversationRequest(messages=(Message("user", (TextPart("Hello"),)),))
+        budgets.check_default(recipe.output_parser, lower(plain))
+
     return Service(
         info=info,
         tokenizer=tok,
@@ -103,4 +120,5 @@ def make_service(rt: Any, limiter: Any = None) -> Service:
         eos_token_ids=rt.eos_token_ids,
         limiter=limiter,
         parser_factory=parsers,
+        reasoning_budget=reasoning_budget,
     )

@@ -55,6 +55,8 @@ class Ask:
     max_tokens: int = 256
     thinking: bool | None = None  # None: the template's default; False: reasoning disabled
     stop: tuple[str, ...] = ()  # string stops (Messages: stop_sequences)
+    budget: int | None = None  # thinking_token_budget (Messages: see budget_field)
+    budget_field: str = "thinking_token_budget"  # Messages: or "budget_tokens" (thinking enabled)
 
 
 @attrs.define
@@ -102,6 +104,8 @@ def chat_request(ask: Ask) -> dict[str, Any]:
         kw["extra_body"] = {"chat_template_kwargs": {"enable_thinking": False}}
     if ask.stop:
         kw["stop"] = list(ask.stop)
+    if ask.budget is not None:
+        kw["extra_body"] = {**kw.get("extra_body", {}), "thinking_token_budget": ask.budget}
     return kw
 
 
@@ -189,6 +193,10 @@ def messages_request(ask: Ask) -> dict[str, Any]:
         kw["thinking"] = {"type": "disabled"}
     if ask.stop:
         kw["stop_sequences"] = list(ask.stop)
+    if ask.budget is not None and ask.budget_field == "budget_tokens":
+        kw["thinking"] = {"type": "enabled", "budget_tokens": ask.budget}
+    elif ask.budget is not None:
+        kw["extra_body"] = {"thinking_token_budget": ask.budget}
     return kw
 
 
@@ -272,6 +280,8 @@ def responses_request(ask: Ask) -> dict[str, Any]:
         kw["reasoning"] = {"effort": "none"}
     if ask.stop:
         kw["extra_body"] = {"stop": list(ask.stop)}  # a native extension on Responses
+    if ask.budget is not None:
+        kw["extra_body"] = {**kw.get("extra_body", {}), "thinking_token_budget": ask.budget}
     return kw
 
 

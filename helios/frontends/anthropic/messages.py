@@ -146,7 +146,8 @@ MESSAGES_FIELDS: FieldTable = {
     "thinking": honoured("enabled, adaptive, disabled or between_tools; budget_tokens caps reasoning and "
                          "selects effort; display 'omitted' returns thinking blocks without their text"),
     "output_config": honoured("effort selects the template's level; format (structured output) is refused"),
-    "thinking_token_budget": honoured("Helios extension: hard cap on reasoning tokens"),
+    "thinking_token_budget": honoured("Helios extension: hard cap on reasoning tokens; at the cap the "
+                                      "reasoning close token is forced (400 where the model cannot close it)"),
     "max_tokens": honoured("output limit, reasoning included"),
     "stop_sequences": honoured("string stops: at most 4, 4096 UTF-8 bytes in all"),
     "stream": honoured("named SSE events"),
@@ -209,11 +210,16 @@ class MessagesPlan:
     thinking_token_budget: int | None  # effective hard reasoning cap (request, else server default)
     effort: str | None  # neutral effort level selected by the request, if any
     hide_thinking: bool = False  # thinking.display "omitted": blocks keep their place and marker, no text
+    thinking_token_budget_param: str | None = None
+    """``thinking_token_budget`` when the request gave that field (an unsupported format is a 400);
+    None when the cap came from ``thinking.budget_tokens`` or the server default (advisory there)."""
 
     @property
     def generation(self) -> GenerationRequest:
         return GenerationRequest(sampling=self.conversation.sampling,
-                                 options=GenerationOptions(max_tokens=self.max_tokens, stop=self.stops),
+                                 options=GenerationOptions(max_tokens=self.max_tokens, stop=self.stops,
+                                                           thinking_token_budget=self.thinking_token_budget,
+                                                           thinking_token_budget_param=self.thinking_token_budget_param),
                                  conversation=self.conversation, id_prefix="msg")
 
 
@@ -266,7 +272,9 @@ def _plan(w: CountTokensWire, info: ModelInfo, *, sampling: SamplingRequest, max
         cache_breakpoints=cache_breakpoints(w.messages),
     )
     hide = w.thinking is not None and w.thinking.display == "omitted"
-    return MessagesPlan(conv, max_tokens, stream, stops, budget, effort, hide)
+    budget_param = "thinking_token_budget" if w.thinking_token_budget is not None and budget is not None else None
+    return MessagesPlan(conv, max_tokens, stream, stops, budget, effort, hide,
+                        thinking_token_budget_param=budget_param)
 
 
 def decode_messages(system: Any, messages: list[Any]) -> tuple[Message, ...]:

@@ -39,6 +39,7 @@ from helios.frontends.common import (
     new_id,
     now,
     observation_fields,
+    thinking_budget,
     token_stop_reason,
     validate_stops,
     validate_token_stops,
@@ -116,7 +117,8 @@ CHAT_FIELDS: FieldTable = {
     "chat_template_kwargs": honoured("vLLM extension: chat-template variables"),
     "add_generation_prompt": honoured("vLLM extension: open an assistant turn"),
     "continue_final_message": honoured("vLLM extension: continue the final assistant message"),
-    "thinking_token_budget": honoured("Helios extension: hard cap on reasoning tokens"),
+    "thinking_token_budget": honoured("Helios extension: hard cap on reasoning tokens; at the cap the "
+                                      "reasoning close token is forced (400 where the model cannot close it)"),
     "prompt_logprobs": honoured("vLLM extension: prompt-position logprobs (buffered only)"),
     **NATIVE_GENERATION_ROWS,
     **TOKEN_OBSERVATION_ROWS,
@@ -348,8 +350,7 @@ def decode_chat(obj: dict[str, Any], info: ModelInfo) -> ChatPlan:
     token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, info.vocab_size,
                                        string_stops=stops)
     observe = decode_observation(w.return_token_ids, w.return_token_timestamps)
-    if w.thinking_token_budget is not None and not 0 < w.thinking_token_budget < 2**31:
-        raise BadRequest("thinking_token_budget must be a positive 32-bit integer", param="thinking_token_budget")
+    budget, budget_param = thinking_budget(w.thinking_token_budget, info.thinking_token_budget)
     num_top, explicit = validate_logprob_options(
         logprobs=w.logprobs, top_logprobs=w.top_logprobs, logprob_token_ids=w.logprob_token_ids, info=info
     )
@@ -387,6 +388,8 @@ def decode_chat(obj: dict[str, Any], info: ModelInfo) -> ChatPlan:
         logprob_token_ids=explicit,
         prompt_logprobs=prompt_k,  # every choice shares the prompt: the first one scores it
         observe=observe,
+        thinking_token_budget=budget,
+        thinking_token_budget_param=budget_param,
     )
     generation = GenerationRequest(
         sampling=conv.sampling, options=options, conversation=conv,

@@ -62,7 +62,7 @@ from helios.domain.logprobs import TokenLogprob
 from helios.domain.model import ModelInfo, TokenVocabulary
 from helios.domain.sampling import SamplingParams
 from helios.errors import BadRequest, HeliosError
-from helios.frontends.common import validate_stops, validate_token_stops
+from helios.frontends.common import thinking_budget, validate_stops, validate_token_stops
 from helios.frontends.fields import (
     NATIVE_GENERATION_ROWS,
     PROVIDER_ROWS,
@@ -132,7 +132,8 @@ RESPONSES_FIELDS: FieldTable = {
                         "reasoning.encrypted_content, are accepted and produce nothing"),
     "stream": honoured("named SSE events"),
     "chat_template_kwargs": honoured("vLLM extension: chat-template variables"),
-    "thinking_token_budget": honoured("Helios extension: hard cap on reasoning tokens"),
+    "thinking_token_budget": honoured("Helios extension: hard cap on reasoning tokens; at the cap the "
+                                      "reasoning close token is forced (400 where the model cannot close it)"),
     **NATIVE_GENERATION_ROWS,
     "model": PROVIDER_ROWS["model"],
     "user": ignored(PROVIDER_ROWS["user"].reason + _ECHOED, str),
@@ -516,6 +517,10 @@ class ResponsesPlan:
     text_config: dict[str, Any]
     echo: dict[str, Any] = attrs.field(factory=dict, eq=False)
     """`ECHOED_FIELDS` as sent: reported on the Response object, no effect on generation."""
+    thinking_token_budget: int | None = None
+    """The hard reasoning cap (the request's, else the server default)."""
+    thinking_token_budget_param: str | None = None
+    """``thinking_token_budget`` when the request gave it (an unsupported format is then a 400)."""
 
     @property
     def generation(self) -> GenerationRequest:
@@ -529,6 +534,8 @@ class ResponsesPlan:
             skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
             num_top_logprobs=self.num_top_logprobs,
             logprob_token_ids=self.logprob_token_ids,
+            thinking_token_budget=self.thinking_token_budget,
+            thinking_token_budget_param=self.thinking_token_budget_param,
         )
         return GenerationRequest(sampling=self.conversation.sampling, options=options,
                                  conversation=self.conversation, input_param="input",
@@ -541,8 +548,7 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
     w = structure(screen_fields(obj, RESPONSES_FIELDS), ResponsesWire)
     if w.max_output_tokens is not None and w.max_output_tokens < 1:
         raise BadRequest("max_output_tokens must be at least 1", param="max_output_tokens")
-    if w.thinking_token_budget is not None and not 0 < w.thinking_token_budget < 2**31:
-        raise BadRequest("thinking_token_budget must be a positive 32-bit integer", param="thinking_token_budget")
+    budget, budget_param = thinking_budget(w.thinking_token_budget, info.thinking_token_budget)
     text_config = _decode_text(w.text)
     include = w.include or []
     wants_logprobs = LOGPROBS_INCLUDE in include
@@ -568,7 +574,8 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
     )
     echo = {name: obj[name] for name in ECHOED_FIELDS if obj.get(name) is not None}
     return ResponsesPlan(w, conv, toolset, bool(w.stream), stops, token_stops, num_top, explicit, effort, summary,
-                         text_config, echo)
+                         text_config, echo, thinking_token_budget=budget,
+                         thinking_token_budget_param=budget_param)
 
 
 def _decode_text(text: Any) -> dict[str, Any]:
