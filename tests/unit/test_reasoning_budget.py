@@ -8,6 +8,8 @@ same step keep their own draws.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from helios.domain.sampling import SamplingParams
@@ -213,3 +215,40 @@ def test_a_grammar_that_masks_the_step_or_refuses_the_close_prevents_the_cut() -
     assert _grammar_allows(None, 9) and _grammar_allows(Free(), 9)
     assert not _grammar_allows(Masking(), 9)
     assert _grammar_allows(Asks(), 9) and not _grammar_allows(Asks(), 8)
+
+
+def test_preemption_keeps_the_budget_and_recompute_can_carry_the_close() -> None:
+    """Under page pressure (recompute preemption), every request's tokens equal a roomy run's: its
+    first `budget` tokens, the close, then the rest. A request preempted when its close was due gets
+    it on the last chunk of its recompute prefill."""
+    model = tiny_model()
+    prompts = [tuple((7 * i + 3 * j) % CFG.vocab_size for j in range(n)) for i, n in enumerate((3, 10, 17, 25))]
+    greedy = [t for p in prompts for t in _tokens(run(_core(model), [
+        EngineRequest("p", p, GREEDY, max_tokens=12, ignore_eos=True)])["p"])]
+    close = _unused(greedy)
+
+    def generate(num_pages: int) -> tuple[dict[str, list[int]], EngineCore, list[int]]:
+        core = EngineCore(model, CFG, EngineConfig(page_size=4, num_pages=num_pages, max_active=8,
+                                                   prefill_chunk_size=7, max_model_len=128), torch.float32)
+        forced_on_prefill: list[int] = []
+        schedule = core.scheduler.schedule
+
+        def watched() -> Any:
+            out = schedule()
+            forced_on_prefill.extend(c.forced_token_id for c in out.chunks
+                                     if c.forced_token_id is not None and c.length > 1)
+            return out
+
+        core.scheduler.schedule = watched  # type: ignore[method-assign]
+        reqs = [EngineRequest(f"r{i}", p, GREEDY, max_tokens=12, ignore_eos=True,
+                              reasoning_budget=ReasoningBudget(max_tokens=3 + i, close_token_id=close))
+                for i, p in enumerate(prompts)]
+        return {rid: _tokens(o) for rid, o in run(core, reqs).items()}, core, forced_on_prefill
+
+    roomy, _, none_on_prefill = generate(64)
+    tight, core, on_prefill = generate(14)  # 14 pages of 4 slots: preemption, one exactly at a cut
+    assert core.scheduler.num_preemptions > 0 and on_prefill == [close] and not none_on_prefill
+    assert tight == roomy
+    for i in range(4):
+        assert roomy[f"r{i}"][3 + i] == close and roomy[f"r{i}"].count(close) == 1
+    assert core.stats().reasoning_budget_cuts == 4
