@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import attrs
 
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.domain.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from helios.engine.structured import GrammarConstraint
 
 
 class EngineFinish(enum.Enum):
@@ -41,6 +45,10 @@ class ReasoningBudget:
     end_token_ids: frozenset[int] = frozenset()
 
 
+GRAMMAR_FAILURE = "structured output failed"
+"""How the error of a request its grammar failed begins (the metrics count it as a grammar failure)."""
+
+
 @attrs.frozen
 class EngineRequest:
     request_id: str
@@ -63,6 +71,8 @@ class EngineRequest:
     """Prompt tokens up to the client's last prefix-checkpoint marker: their full pages are evicted
     from the prefix cache only after every unmarked page."""
     reasoning_budget: ReasoningBudget | None = None
+    constraint: GrammarConstraint | None = None
+    """A compiled answer grammar (structured output; `engine/structured.py`), None: unconstrained."""
 
 
 @attrs.frozen
@@ -120,6 +130,9 @@ class RunnerOutput:
     sampled: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
     logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(factory=dict)
     prompt_logprobs: dict[str, tuple[PromptLogprob | None, ...]] = attrs.field(factory=dict)
+    failed: dict[str, str] = attrs.field(factory=dict)
+    """Requests the step failed, with why (a structured-output grammar rejected a committed token):
+    the scheduler commits their tokens and ends them with ERROR."""
 
 
 @attrs.define

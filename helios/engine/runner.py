@@ -31,7 +31,7 @@ from torch import Tensor
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.engine.attention import AttentionBackend, AttentionInputs
 from helios.engine.kv.manager import KVCacheManager
-from helios.engine.records import RunnerOutput
+from helios.engine.records import GRAMMAR_FAILURE, RunnerOutput
 from helios.engine.sampler import (
     RowParams,
     Sampler,
@@ -41,8 +41,10 @@ from helios.engine.sampler import (
     row_temperature,
 )
 from helios.engine.scheduler import RequestState, ScheduledChunk, SchedulerOutput
+from helios.engine.structured import GrammarBatch
 
 _SCORE_ROWS = 256  # prompt positions whose logits exist at once while scoring a prompt
+_MAX_FORCED = 16  # grammar-forced tokens committed after one sampled token
 
 
 class ModelRunner:
@@ -55,6 +57,7 @@ class ModelRunner:
         self.manager = manager
         self.sampler = sampler
         self.device = device
+        self.grammar = GrammarBatch(sampler.vocab_size)
         self.batch = InputBatch(max_rows, -(-(max_model_len + 1) // manager.page_size), manager.page_size, device)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -64,6 +67,8 @@ class ModelRunner:
         scored: dict[str, tuple[PromptLogprob | None, ...]] = {}
         with torch.inference_mode():
             step = self.batch.prepare(sched.chunks, self.manager)
+            # Constrained rows' token masks fill on a helper thread while the forward runs.
+            masks = self.grammar.start([s.grammar for s in step.seqs]) if self._any_grammar(step.seqs) else None
             hidden = self.model(step.input_ids, step.positions, self.backend.build(step.attention))
             for offset, c in step.scoring:
                 scores = self._score_prompt_chunk(hidden, offset, c)
@@ -73,20 +78,50 @@ class ModelRunner:
                 return RunnerOutput(prompt_logprobs=scored)
             rows = hidden if step.sample_tokens is None else hidden.index_select(0, step.sample_tokens)
             logits = self.model.compute_logits(rows)
-            token_ids, logprobs = self.sampler.sample(logits, step.rows, row_params=step.row_params)
+            token_mask, masked_rows = masks.result(self.sampler.vocab_size, logits.device) if masks else (None, None)
+            token_ids, logprobs = self.sampler.sample(logits, step.rows, token_mask=token_mask,
+                                                      masked_rows=masked_rows, row_params=step.row_params)
         for i, forced_id in step.forced:
             # A forced token (a reasoning budget's close) replaces this row's draw; it has no logprob.
             token_ids[i] = forced_id
             logprobs[i] = None
         sampled: dict[str, tuple[int, ...]] = {}
         records: dict[str, tuple[TokenLogprob, ...]] = {}
+        failed: dict[str, str] = {}
         for s, t, lp, row in zip(step.seqs, token_ids, logprobs, step.rows, strict=True):
             sampled[s.request_id] = (t,)
+            if s.grammar is not None:
+                forced = self._advance_grammar(s, t, row.wants_logprobs)
+                if forced is None:
+                    failed[s.request_id] = f"{GRAMMAR_FAILURE}: {s.grammar.error}"
+                elif forced:
+                    sampled[s.request_id] = (t, *forced)
             if lp is not None:
                 records[s.request_id] = (lp,)
             elif row.wants_logprobs:
                 records[s.request_id] = ()  # a forced token: omitted from the logprobs
-        return RunnerOutput(sampled=sampled, logprobs=records, prompt_logprobs=scored)
+        return RunnerOutput(sampled=sampled, logprobs=records, prompt_logprobs=scored, failed=failed)
+
+    @staticmethod
+    def _any_grammar(seqs: Seq[RequestState]) -> bool:
+        return any(s.grammar is not None for s in seqs)
+
+    @staticmethod
+    def _advance_grammar(seq: RequestState, token_id: int, wants_logprobs: bool) -> list[int] | None:
+        """Feed a committed token to the request's matcher and gate; the answer tokens the grammar
+        then forces (committed without sampling: not for logprob requests, at most
+        `_MAX_FORCED` per step, never past the output limit); None when the grammar rejects it."""
+        grammar = seq.grammar
+        if not grammar.advance(token_id):
+            return None
+        if wants_logprobs:
+            return []
+        room = min(_MAX_FORCED, seq.request.max_tokens - seq.num_output_tokens - 1)
+        forced = grammar.forced_tokens()[: max(room, 0)]
+        for k, t in enumerate(forced):
+            if not grammar.advance(t):
+                return forced[:k]
+        return forced
 
     def _score_prompt_chunk(self, hidden: torch.Tensor, offset: int,
                             chunk: ScheduledChunk) -> tuple[PromptLogprob | None, ...]:

@@ -176,14 +176,17 @@ class Sampler:
         rows: Sequence[SamplingRow],
         *,
         token_mask: Tensor | None = None,
+        masked_rows: Sequence[int] | None = None,
         row_params: RowParams | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """One token per row, and its logprob record for the rows that asked for one.
 
         ``logits`` is [B, V'] of any float dtype with V' >= vocab_size (columns beyond the vocabulary
-        are padding and ignored). ``token_mask`` is an optional [B, vocab_size] bool tensor, True where
-        a token is allowed. ``row_params``: the rows' `RowParams` when the caller keeps them (built
-        from the rows otherwise). No tensor passed in is modified.
+        are padding and ignored). ``token_mask`` is an optional bool tensor, True where a token is
+        allowed: [B, vocab_size] for every row, or, with ``masked_rows`` (row indices, increasing),
+        one row per masked row; the other rows are unmasked and keep the vectorised path.
+        ``row_params``: the rows' `RowParams` when the caller keeps them (built from the rows
+        otherwise). No tensor passed in is modified.
         """
         num_rows = len(rows)
         if logits.dim() != 2 or logits.shape[0] != num_rows:
@@ -201,11 +204,12 @@ class Sampler:
         plain: list[int] = []
         general: list[int] = []
         drawing: list[int] = []  # rows that consume a uniform (every row that is not greedy)
-        vectorise = self.fast_path and token_mask is None
+        vectorise = self.fast_path and (token_mask is None or masked_rows is not None)
+        masked = frozenset(masked_rows) if masked_rows is not None else frozenset()
         for i, row in enumerate(rows):
             if not _is_greedy(row.params):
                 drawing.append(i)
-            if vectorise and is_plain(row, vocab_size):
+            if vectorise and i not in masked and is_plain(row, vocab_size):
                 plain.append(i)
             else:
                 general.append(i)
@@ -213,7 +217,7 @@ class Sampler:
         if not general:
             picked = self._sample_plain(x, rows, plain, uniforms, row_params)
         else:
-            picked = self._sample_transformed(x, rows, general, token_mask, uniforms)
+            picked = self._sample_transformed(x, rows, general, token_mask, uniforms, masked_rows)
             if plain:
                 picked = torch.empty(num_rows, dtype=torch.long, device=x.device).index_copy_(
                     0, _index(general, x.device), picked)
@@ -294,6 +298,7 @@ class Sampler:
         work: list[int],
         token_mask: Tensor | None,
         uniforms: Tensor | None,
+        masked_rows: Sequence[int] | None = None,
     ) -> Tensor:
         """The general path: rows that need penalties, bias, a mask or filters. Their sampled ids as a
         device tensor aligned with ``work``."""
@@ -315,7 +320,16 @@ class Sampler:
             _apply_logit_bias(w, work_rows, scales)
         if any(r.has_penalties for r in work_rows):
             _apply_penalties(w, work_rows, scales)
-        if token_mask is not None:
+        if token_mask is not None and masked_rows is not None:
+            # One mask row per masked row: those of them in `work` get theirs.
+            where = {r: k for k, r in enumerate(masked_rows)}
+            pairs = [(j, where[i]) for j, i in enumerate(work) if i in where]
+            if pairs:
+                js = _index([j for j, _ in pairs], device)
+                ks = _index([k for _, k in pairs], token_mask.device)
+                allowed = token_mask[:, : self.vocab_size].index_select(0, ks).to(device)
+                w.index_copy_(0, js, w.index_select(0, js).masked_fill_(~allowed, _NEG_INF))
+        elif token_mask is not None:
             mask = token_mask[:, : self.vocab_size]
             if index is not None:
                 mask = mask.index_select(0, index.to(mask.device))

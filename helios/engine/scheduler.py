@@ -34,6 +34,9 @@ from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.engine.kv.manager import KVCacheManager
 from helios.engine.reasoning_budget import BudgetTracker
 from helios.engine.records import EngineFinish, EngineRequest, RequestOutput, RunnerOutput
+from helios.engine.structured import GrammarState
+
+_MAX_PENDING = 17  # a sampled token and up to 16 grammar-forced ones (runner._MAX_FORCED)
 
 
 class SeqStatus(enum.IntEnum):
@@ -157,6 +160,7 @@ class Scheduler:
             generator=generator,
             arrival=self._arrivals,
             reasoning_budget=BudgetTracker(request.reasoning_budget) if request.reasoning_budget else None,
+            grammar=GrammarState(request.constraint) if request.constraint is not None else None,
         )
         self._arrivals += 1
         self.waiting.append(seq)
@@ -202,7 +206,7 @@ class Scheduler:
 
         # 1. Decode: every running request past its prefill grows by one token.
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.status != SeqStatus.RUNNING or seq.is_prefilling:
+            if seq.status != SeqStatus.RUNNING or not _decodes(seq):
                 continue
             total = len(seq.token_ids)
             while not kv.can_allocate(seq.request_id, total):
@@ -219,17 +223,18 @@ class Scheduler:
                     finished_early.append((seq, EngineFinish.LENGTH))
                     self.finish(seq)
                 continue
-            kv.allocate_slots(seq.request_id, seq.num_computed, total - seq.num_computed)
-            chunks.append(ScheduledChunk(seq, total - 1, 1, True, self._forced_token(seq)))
+            num_new = total - seq.num_computed  # 1, or more after grammar-forced tokens
+            kv.allocate_slots(seq.request_id, seq.num_computed, num_new)
+            chunks.append(ScheduledChunk(seq, total - num_new, num_new, True, self._forced_token(seq)))
             scheduled.add(seq.request_id)
-            budget -= 1
+            budget -= num_new
         budget = max(budget, 0)
 
         # 2. Continue partial prefills of running requests, oldest first.
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if budget <= 0:
                 break
-            if seq.status != SeqStatus.RUNNING or not seq.is_prefilling:
+            if seq.status != SeqStatus.RUNNING or not seq.is_prefilling or seq.request_id in scheduled:
                 continue
             chunk = self._prefill_chunk(seq, budget)
             chunks.append(chunk)
@@ -297,7 +302,12 @@ class Scheduler:
             rid = seq.request_id
             scores = result.prompt_logprobs.get(rid)
             tokens = result.sampled.get(rid)
-            if tokens:
+            if rid in result.failed:  # a grammar rejected its token: it ends here, with the error
+                self.finish(seq)
+                outputs.append(RequestOutput(rid, (), finish=EngineFinish.ERROR, error=result.failed[rid],
+                                             num_prompt_tokens=seq.num_prompt_tokens,
+                                             num_cached_tokens=seq.num_cached_tokens))
+            elif tokens:
                 forced = (0,) if c.forced_token_id is not None else ()
                 outputs.append(self._commit(seq, tokens, result.logprobs.get(rid), scores, forced))
             elif c.samples and seq.request.max_tokens == 0:
@@ -426,6 +436,14 @@ class Scheduler:
             assert len(kv.block_table(s.request_id)) * kv.page_size >= s.num_computed
         for s in self.waiting:
             assert not kv.block_table(s.request_id), "a waiting request holds pages"
+
+
+def _decodes(seq: RequestState) -> bool:
+    """Whether a running request decodes this step: its prefill is done and the tokens it has not
+    computed are generated ones (one sampled token, or a few more the grammar forced; a recomputed
+    request with a longer generated tail finishes it as a prefill)."""
+    pending = len(seq.token_ids) - seq.num_computed
+    return pending == 1 or (seq.num_computed >= seq.num_prompt_tokens and 1 < pending <= _MAX_PENDING)
 
 
 def _grammar_allows(grammar: Any, token_id: int) -> bool:

@@ -1,0 +1,293 @@
+"""Structured output in the engine: llguidance matchers, the answer gate and the batch's token mask.
+
+A constrained request carries a `GrammarConstraint` (compiled before admission by the serving side,
+`helios.serving.structured`): an llguidance matcher template for the answer grammar, and the
+`Envelope` of the model family's reasoning and tool-call syntax in single token ids. The scheduler
+gives each such request a `GrammarState` (a private copy of the matcher plus the gate) and feeds it
+every committed token; the runner asks the batch's states for their masks.
+
+The gate: the constraint applies to the final answer only (spec, "Reasoning, sampling, and usage").
+Reasoning and tool-call envelopes stay free. The engine follows them by single tokens, as the
+spec's delimiter rule says ("Structured-output grammars ... end reasoning only at the delimiter
+token"):
+
+- REASONING: free sampling until the close token (or a tool opener, for families where a call ends
+  reasoning). The row is not masked at all.
+- OPEN: the answer has not started. Allowed: the answer grammar's first tokens, plus the family's
+  single-token tool opener, the reasoning opener (once, before anything else), whitespace-only
+  tokens right after a closed envelope (the `\\n\\n` after `</think>`; they are not answer text for
+  the grammar), and EOS once a tool call completed (a turn of calls only).
+- TOOL: free until the tool close token, then OPEN again.
+- ANSWER: the grammar's mask alone; the matcher consumes every token.
+
+A family without single-token delimiters has no gate: the answer grammar applies from the first
+token (the serving side documents that reasoning and calls are then unavailable).
+
+Masks: `GrammarBatch` fills one int32 bitmask row per masked request with llguidance's batched fill
+(`LLExecutor`, Rust threads, GIL released) on a helper thread while the model's forward pass runs,
+then unpacks it to the boolean [rows, vocab] mask `Sampler.sample(token_mask=..., masked_rows=...)`
+takes. Rows of unconstrained requests, and constrained ones inside a free envelope, are not in it
+and keep the sampler's vectorised path. Logprobs are taken from the raw logits before the mask.
+
+Forced tokens: after a committed answer token, when the grammar allows exactly one continuation
+(llguidance's `compute_ff_tokens`), the scheduler commits those tokens too, without sampling, and
+the next step computes them like a short prefill. Only for requests without logprobs (a forced
+token has no sampled distribution to report).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import llguidance
+import numpy as np
+import torch
+
+_WHITESPACE = frozenset(b" \t\r\n")
+
+
+@attrs.frozen
+class Envelope:
+    """The model family's free regions, in single token ids (None: the family has none, or the
+    tokenizer spells it in several tokens)."""
+
+    reasoning_open: int | None = None
+    reasoning_close: int | None = None
+    tool_open: int | None = None
+    tool_close: int | None = None
+    starts_in_reasoning: bool = False
+    """The prompt left reasoning open: output starts inside it."""
+    tool_call_ends_reasoning: bool = False
+    """A tool opener inside reasoning ends it (Qwen)."""
+
+    @property
+    def is_trivial(self) -> bool:
+        return not self.starts_in_reasoning and self.reasoning_open is None and self.tool_open is None
+
+
+class GrammarVocab:
+    """The model's tokenizer as llguidance sees it (built once per model; ~0.2 s for 49k tokens),
+    and the ids of whitespace-only tokens (the gate's separators)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.vocab_size: int = int(tokenizer.vocab_size)
+        self.eos_token_ids: tuple[int, ...] = tuple(tokenizer.eos_token_ids)
+        token_bytes = [bytes(b) for b in tokenizer.all_token_bytes()]
+        special = sorted(int(i) for i in tokenizer.special_token_ids)
+        self.whitespace_ids: frozenset[int] = frozenset(
+            i for i, b in enumerate(token_bytes) if b and i not in special and set(b) <= _WHITESPACE)
+        self.whitespace_array = np.array(sorted(self.whitespace_ids), dtype=np.int64)
+        wrapper = llguidance.TokenizerWrapper(_Tokenize(tokenizer, token_bytes, special))
+        self.ll_tokenizer = llguidance.LLTokenizer(wrapper, eos_token=list(self.eos_token_ids) or None)
+
+
+class _Tokenize:
+    """What `llguidance.TokenizerWrapper` reads: token bytes, special ids, EOS/BOS, an encoder."""
+
+    def __init__(self, tokenizer: Any, token_bytes: list[bytes], special: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+        self.bos_token_id = tokenizer.bos_token_id
+        self.tokens = token_bytes
+        self.special_token_ids = special
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+@attrs.frozen(eq=False)
+class GrammarConstraint:
+    """A compiled answer grammar for one request: what crosses into the engine in `EngineRequest`.
+
+    ``matcher`` is the compiled template (never advanced; each request runs a deep copy, which
+    shares the compiled grammar). ``vocab`` is the model's `GrammarVocab`."""
+
+    matcher: Any
+    vocab: GrammarVocab
+    envelope: Envelope = Envelope()
+    description: str = ""
+    """What the constraint is (for error messages): e.g. "response_format (json_schema)"."""
+    grammar: str = ""
+    """The llguidance grammar it was compiled from."""
+
+
+class Mode(enum.Enum):
+    REASONING = "reasoning"
+    OPEN = "open"
+    TOOL = "tool"
+    ANSWER = "answer"
+
+
+class GrammarState:
+    """One request's matcher and gate (module docstring). Not thread-safe: the engine thread and
+    the mask-fill helper it waits for use it in turn."""
+
+    def __init__(self, constraint: GrammarConstraint) -> None:
+        self.constraint = constraint
+        self.matcher = constraint.matcher.deep_copy()
+        env = constraint.envelope
+        self.envelope = env
+        self.mode = Mode.REASONING if env.starts_in_reasoning else (Mode.ANSWER if env.is_trivial else Mode.OPEN)
+        self.reasoned = env.starts_in_reasoning
+        self.after_envelope = False
+        self.num_calls = 0
+        self.error: str | None = None
+
+    @property
+    def is_masking(self) -> bool:
+        """Whether this step's sampling is constrained (False inside a free envelope)."""
+        return self.error is None and self.mode in (Mode.OPEN, Mode.ANSWER)
+
+    def extra_allowed(self) -> list[int]:
+        """Tokens the gate allows besides the grammar's mask (OPEN only)."""
+        if self.mode is not Mode.OPEN:
+            return []
+        env = self.envelope
+        extra = []
+        if env.tool_open is not None:
+            extra.append(env.tool_open)
+        if env.reasoning_open is not None and not self.reasoned and not self.after_envelope:
+            extra.append(env.reasoning_open)
+        if self.num_calls:
+            extra.extend(self.constraint.vocab.eos_token_ids)
+        return extra
+
+    def allows_whitespace(self) -> bool:
+        return self.mode is Mode.OPEN and self.after_envelope
+
+    def advance(self, token_id: int) -> bool:
+        """One committed token; False (and `error` set) when the grammar rejects it."""
+        if self.error is not None:
+            return False
+        env = self.envelope
+        mode = self.mode
+        if mode is Mode.REASONING:
+            if token_id == env.reasoning_close:
+                self.mode, self.after_envelope = Mode.OPEN, True
+            elif env.tool_call_ends_reasoning and token_id == env.tool_open:
+                self.mode = Mode.TOOL
+            return True
+        if mode is Mode.TOOL:
+            if token_id == env.tool_close:
+                self.mode, self.after_envelope = Mode.OPEN, True
+                self.num_calls += 1
+            return True
+        if mode is Mode.OPEN:
+            if token_id == env.tool_open:
+                self.mode = Mode.TOOL
+                return True
+            if token_id == env.reasoning_open and not self.reasoned and not self.after_envelope:
+                self.mode, self.reasoned = Mode.REASONING, True
+                return True
+            if self.after_envelope and token_id in self.constraint.vocab.whitespace_ids:
+                return True
+            if self.num_calls and token_id in self.constraint.vocab.eos_token_ids:
+                return True  # a turn of tool calls only ends here
+            self.mode = Mode.ANSWER
+        if not self.matcher.consume_token(token_id):
+            self.error = self.matcher.get_error() or f"token {token_id} is not allowed by the grammar"
+            return False
+        return True
+
+    def is_token_allowed(self, token_id: int) -> bool:
+        """Whether `token_id` may come next (a reasoning budget asks before forcing its close)."""
+        if self.error is not None:
+            return False
+        if self.mode in (Mode.REASONING, Mode.TOOL) or token_id in self.extra_allowed():
+            return True
+        if self.allows_whitespace() and token_id in self.constraint.vocab.whitespace_ids:
+            return True
+        return bool(self.matcher.validate_tokens([token_id]) == 1)
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the answer grammar forces next (only in ANSWER; empty when it has a choice)."""
+        if self.mode is not Mode.ANSWER or self.error is not None or self.matcher.is_stopped():
+            return []
+        return list(self.matcher.compute_ff_tokens())
+
+
+class GrammarBatch:
+    """The token masks of one step's constrained rows, filled in the background during the forward.
+
+    `start(states)` takes the step's sampling rows' `GrammarState`s (None for unconstrained rows)
+    and returns a `MaskJob`; `MaskJob.result()` waits for the fill and returns the boolean mask of
+    the masked rows and their row indices (None when no row is masked)."""
+
+    def __init__(self, vocab_size: int, *, num_threads: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self._executor: Any = None
+        self._num_threads = num_threads
+        self._helper: ThreadPoolExecutor | None = None
+        self._bitmask: torch.Tensor | None = None
+        self.num_fills = 0
+        self.fill_ns = 0
+        """Total time of the mask fills (the helper thread's, overlapped with the forward)."""
+
+    def start(self, states: Sequence[GrammarState | None]) -> MaskJob | None:
+        rows = [i for i, s in enumerate(states) if s is not None and s.is_masking]
+        if not rows:
+            return None
+        masked = [states[i] for i in rows]
+        assert all(s is not None for s in masked)
+        words = (self.vocab_size + 31) // 32
+        if self._bitmask is None or self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
+            with torch.inference_mode(False):
+                self._bitmask = torch.full((max(len(rows), 8), words), -1, dtype=torch.int32)
+            self._helper = self._helper or ThreadPoolExecutor(1, thread_name_prefix="helios-grammar")
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(self._num_threads)
+            self._helper = self._helper or ThreadPoolExecutor(1, thread_name_prefix="helios-grammar")
+        bitmask = self._bitmask[: len(rows)]
+        assert self._helper is not None
+        future = self._helper.submit(self._fill, [s.matcher for s in masked if s is not None], bitmask)
+        return MaskJob(self, future, rows, masked, bitmask)
+
+    def _fill(self, matchers: list[Any], bitmask: torch.Tensor) -> int:
+        t0 = time.perf_counter_ns()
+        # llguidance.torch.fill_next_token_bitmask_par, without importing torch.compile machinery.
+        self._executor.unsafe_compute_mask_ptr([(m, k) for k, m in enumerate(matchers)], bitmask.data_ptr(),
+                                               bitmask.shape[1] * 4, bitmask.shape[0])
+        return time.perf_counter_ns() - t0
+
+    def close(self) -> None:
+        if self._helper is not None:
+            self._helper.shutdown(wait=False)
+
+
+@attrs.define
+class MaskJob:
+    batch: GrammarBatch
+    future: Future[int]
+    rows: list[int]
+    states: list[Any]
+    bitmask: torch.Tensor
+
+    def result(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+        """The [len(rows), vocab_size] boolean mask (True: allowed) on ``device`` and the rows."""
+        elapsed = self.future.result()
+        self.batch.num_fills += 1
+        self.batch.fill_ns += elapsed
+        words = self.bitmask.numpy().view(np.uint8)
+        bits = np.unpackbits(words, axis=1, bitorder="little")
+        width = bits.shape[1]
+        if width >= vocab_size:
+            allowed = bits[:, :vocab_size].astype(bool)
+        else:  # tokens beyond the tokenizer's vocabulary (padding) are never allowed
+            allowed = np.zeros((bits.shape[0], vocab_size), dtype=bool)
+            allowed[:, :width] = bits.astype(bool)
+        for k, state in enumerate(self.states):
+            extra = [t for t in state.extra_allowed() if t < vocab_size]
+            if extra:
+                allowed[k, extra] = True
+            if state.allows_whitespace():
+                ws = state.constraint.vocab.whitespace_array
+                allowed[k, ws[ws < vocab_size]] = True
+        mask = torch.from_numpy(allowed)
+        return (mask if device.type == "cpu" else mask.to(device, non_blocking=True)), self.rows
