@@ -61,11 +61,21 @@ class Message:
 
 
 @attrs.frozen
+class ToolGrammar:
+    """A Responses custom tool's input grammar: ``syntax`` ``lark`` or ``regex``, and its text."""
+
+    syntax: Literal["lark", "regex"]
+    definition: str
+
+
+@attrs.frozen
 class Tool:
     name: str
     description: str | None
     parameters: dict[str, Any]
     kind: Literal["function", "custom"] = "function"
+    grammar: ToolGrammar | None = None
+    """Custom tools only: the completed input must match it exactly (validated, not constrained)."""
 
 
 @attrs.frozen

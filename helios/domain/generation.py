@@ -9,7 +9,7 @@ Every protocol's `decode()` yields a `GenerationRequest`; the serving path prepa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -47,6 +47,30 @@ class TokenObservation:
 
 
 @attrs.frozen
+class OutputConstraint:
+    """A structured-output constraint on the final answer (spec, "Reasoning, sampling, and usage").
+
+    ``kind``: ``json_schema`` (``spec`` the schema object), ``json_object`` (any JSON object),
+    ``regex`` (``spec`` the pattern), ``grammar`` (``spec`` a Lark grammar in llguidance's
+    dialect; GBNF with ``::=`` rules is converted), ``choice`` (``spec`` a list of strings; the
+    answer is exactly one of them). ``param`` is the request field it came from, for errors.
+    ``strict``: OpenAI's ``json_schema.strict``: the schema must follow OpenAI's strict subset
+    (every object closed with ``additionalProperties: false``, every property required); without it
+    unknown keywords are ignored (lenient compilation)."""
+
+    kind: Literal["json_schema", "json_object", "regex", "grammar", "choice"]
+    spec: Any = None
+    param: str = "response_format"
+    strict: bool = False
+    name: str | None = None
+    """The schema's name (OpenAI ``json_schema.name``), for the prompt instruction."""
+
+    @property
+    def is_json(self) -> bool:
+        return self.kind in ("json_schema", "json_object")
+
+
+@attrs.frozen
 class GenerationOptions:
     """What to generate and what to report, per child, whatever the protocol called the fields."""
 
@@ -73,6 +97,8 @@ class GenerationOptions:
     """The request field that gave the budget explicitly, named by the 400 when the model's
     reasoning format cannot honour it; None: an advisory budget (Messages ``thinking.budget_tokens``,
     the server default), dropped on such formats."""
+    constraint: OutputConstraint | None = None
+    """Structured output: the final answer follows this constraint (token masks in the engine)."""
 
 
 @attrs.frozen
@@ -91,6 +117,8 @@ class GenerationRequest:
     prompt scoring)."""
     input_param: str = "messages"
     output_param: str = "max_tokens"
+    stop_param: str = "stop"
+    """The wire name of the string stops (Messages: stop_sequences)."""
     """The wire names of the prompt and the output limit, for errors that point at them."""
     id_prefix: str = "req"
 

@@ -151,6 +151,8 @@ NATIVE_GENERATION_ROWS: dict[str, FieldPolicy] = {
     "include_stop_str_in_output": honoured("vLLM extension: matched string stop kept in the text"),
     "return_tokens_as_token_ids": honoured("vLLM extension: logprob tokens rendered as token:ID"),
     "logprob_token_ids": honoured("Helios extension: explicit logprob alternatives"),
+    "structured_outputs": honoured("vLLM extension: constrain the answer to json, regex, choice, grammar (Lark) "
+                                   "or json_object"),
 }
 """The rows of `wire.NativeGenerationFields`, which Chat Completions, Completions and Responses share."""
 

@@ -95,6 +95,7 @@ class NativeGenerationFields:
     include_stop_str_in_output: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     logprob_token_ids: list[int] | None = None
+    structured_outputs: Any = None
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import attrs
 
 from helios.domain.events import ReasoningDelta, TextDelta
-from helios.engine.records import EngineFinish
+from helios.engine.records import GRAMMAR_FAILURE, EngineFinish
 
 log = logging.getLogger("helios.access")
 
@@ -100,7 +100,8 @@ class RequestStats:
         """What the output pipeline made of one engine output (a RequestOutput and its ChildUpdate):
         an engine failure, and the first answer or reasoning text offered to the client."""
         if getattr(output, "finish", None) is EngineFinish.ERROR and self.failure is None:
-            self.failure = "execution"
+            grammar = str(getattr(output, "error", None) or "").startswith(GRAMMAR_FAILURE)
+            self.failure = "grammar" if grammar else "execution"
         if self.first_text is None and any(
             isinstance(e, TextDelta | ReasoningDelta) and e.text for e in getattr(update, "events", ())
         ):

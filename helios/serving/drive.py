@@ -122,7 +122,8 @@ class OutputRules:
     @classmethod
     def per_child(cls, prepared: Prepared) -> list[OutputRules]:
         conv = prepared.request.conversation
-        return [cls(ToolCallCheck.for_conversation(conv) if conv is not None else None) for _ in prepared.children]
+        return [cls(ToolCallCheck.for_conversation(conv, validators=prepared.tool_validators) if conv is not None
+                    else None) for _ in prepared.children]
 
     def screen(self, u: ChildUpdate) -> tuple[ChildUpdate, str | None]:
         """The update as the encoder may emit it, and why the request fails (None: it does not)."""

@@ -19,10 +19,12 @@ from helios.domain.generation import ChildUpdate, GenerationOptions, GenerationR
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams, SamplingRequest
 from helios.engine.records import EngineRequest, ReasoningBudget, RequestOutput
+from helios.engine.structured import Envelope, GrammarConstraint
 from helios.errors import BadRequest, ContextLengthExceeded
 from helios.obs import access
 from helios.serving.engine_client import EngineClient
 from helios.serving.output import OutputParser, OutputProcessor
+from helios.serving.structured import GrammarCompiler, ToolValidators, with_json_instruction
 
 
 @attrs.frozen
@@ -40,6 +42,8 @@ class ChildSpec:
     """Prompt tokens up to the client's last prefix-checkpoint marker (kept cached with priority)."""
     reasoning_budget: ReasoningBudget | None = None
     """The engine's reasoning cut for this child (`thinking_token_budget`), None: uncapped."""
+    constraint: GrammarConstraint | None = None
+    """The compiled answer constraint (structured output), with this prompt's envelope."""
 
 
 @attrs.frozen
@@ -50,6 +54,8 @@ class Prepared:
     request: GenerationRequest
     prompts: tuple[PreparedPrompt, ...]
     children: tuple[ChildSpec, ...]
+    tool_validators: ToolValidators = attrs.field(factory=dict)
+    """Custom tools with a grammar: name -> validator of a completed call's input."""
 
     @property
     def n(self) -> int:
@@ -132,6 +138,8 @@ class Service:
         limiter: trio.CapacityLimiter | None = None,
         parser_factory: Callable[[ConversationRequest, str], Callable[[], OutputParser] | None] | None = None,
         reasoning_budget: Callable[[ConversationRequest, str, int, str | None], ReasoningBudget | None] | None = None,
+        envelope_factory: Callable[[ConversationRequest, str], Envelope] | None = None,
+        compiler: GrammarCompiler | None = None,
     ) -> None:
         self.info = info
         self.tokenizer = tokenizer
@@ -147,6 +155,8 @@ class Service:
         self.started = time.time()
         self._parser_factory = parser_factory
         self._reasoning_budget = reasoning_budget
+        self._envelope_factory = envelope_factory
+        self.compiler = compiler if compiler is not None else GrammarCompiler(tokenizer)
         self._token_bytes: dict[int, bytes] = {}
 
     def parser_factory(self, conv: ConversationRequest, prompt: str) -> Callable[[], OutputParser] | None:
@@ -228,16 +238,30 @@ class Service:
         prompts: list[PreparedPrompt] = []
         retain = 0
         reasoning_budget = None
-        if req.conversation is not None:
-            text, ids = await self.render_chat(req.conversation)
+        constraint = opts.constraint
+        compiled: GrammarConstraint | None = None
+        validators: dict[str, Callable[[str], str | None]] = {}
+        conv = req.conversation
+        if constraint is not None:
+            _check_constraint_conflicts(req)
+        if conv is not None:
+            if constraint is not None and constraint.is_json:
+                conv = with_json_instruction(conv, constraint)
+            for tool in conv.tools:
+                if tool.grammar is not None:  # compiled before admission: a bad grammar is a 400
+                    validators[tool.name] = await self.compiler.tool_validator(tool)
+            text, ids = await self.render_chat(conv)
             prompts.append(PreparedPrompt(tuple(ids), text))
-            parser_factory = self.parser_factory(req.conversation, text)
+            parser_factory = self.parser_factory(conv, text)
             if opts.thinking_token_budget is not None and self._reasoning_budget is not None:
                 # The rendered prompt says where the output starts (spec: thinking_token_budget).
-                reasoning_budget = self._reasoning_budget(req.conversation, text, opts.thinking_token_budget,
+                reasoning_budget = self._reasoning_budget(conv, text, opts.thinking_token_budget,
                                                           opts.thinking_token_budget_param)
-            if req.conversation.cache_breakpoints:
-                retain = await self._breakpoint_tokens(text, len(ids), req.conversation.cache_breakpoints)
+            if constraint is not None:
+                envelope = self._envelope_factory(conv, text) if self._envelope_factory is not None else Envelope()
+                compiled = await self.compiler.constraint(constraint, envelope)
+            if conv.cache_breakpoints:
+                retain = await self._breakpoint_tokens(text, len(ids), conv.cache_breakpoints)
         else:
             for p in req.prompts:
                 if isinstance(p, str):
@@ -249,6 +273,8 @@ class Service:
                     prompts.append(PreparedPrompt(tuple(ids), p))
                 else:
                     prompts.append(PreparedPrompt(tuple(p), self.decode(p)))
+            if constraint is not None:  # raw prompts: no reasoning or tool envelope
+                compiled = await self.compiler.constraint(constraint)
         sampling = [self.resolve_sampling(req.sampling, i) for i in range(opts.n)]
         children: list[ChildSpec] = []
         for prompt in prompts:
@@ -266,8 +292,9 @@ class Service:
                     parser_factory=parser_factory,
                     retain_tokens=retain,
                     reasoning_budget=reasoning_budget,
+                    constraint=compiled,
                 ))
-        return Prepared(req, tuple(prompts), tuple(children))
+        return Prepared(req, tuple(prompts), tuple(children), validators)
 
     async def _breakpoint_tokens(self, prompt: str, num_tokens: int, breakpoints: Sequence[str]) -> int:
         """Tokens of the rendered prompt up to the end of the last marked block found in it (each
@@ -310,6 +337,7 @@ class Service:
                     prompt_logprobs=spec.prompt_logprobs,
                     retain_tokens=spec.retain_tokens,
                     reasoning_budget=spec.reasoning_budget,
+                    constraint=spec.constraint,
                 )
             )
             streams_meta.append((rid, spec))
@@ -349,6 +377,24 @@ class Service:
                 if len(leaves) == 1:
                     raise leaves[0] from None
                 raise
+
+
+def _check_constraint_conflicts(req: GenerationRequest) -> None:
+    """The combinations the spec refuses with an output constraint (HTTP 400): assistant
+    continuation (prefill), custom stops, ignore_eos."""
+    opts = req.options
+    what = f"{opts.constraint.param} (an output constraint)" if opts.constraint is not None else "an output constraint"
+    if opts.ignore_eos:
+        raise BadRequest(f"ignore_eos cannot be combined with {what}", param="ignore_eos")
+    if opts.stop:
+        raise BadRequest(f"{req.stop_param} cannot be combined with {what}", param=req.stop_param)
+    if opts.token_stops:
+        param = "stop_token_ids" if opts.token_stops.ids else "stop_token_sequences"
+        raise BadRequest(f"{param} cannot be combined with {what}", param=param)
+    conv = req.conversation
+    if conv is not None and conv.continue_final_message:
+        raise BadRequest(f"assistant continuation (a final assistant message to continue) cannot be combined "
+                         f"with {what}", param=req.input_param)
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:  # type: ignore[type-arg]

@@ -10,12 +10,14 @@ import attrs
 from helios.domain.conversation import ConversationRequest, Message, TextPart
 from helios.domain.sampling import SamplingParams, SamplingRequest
 from helios.engine.records import ReasoningBudget
+from helios.engine.structured import Envelope
 from helios.errors import BadRequest
 from helios.loaders.chat_template import ChatTemplate, ChatTemplateError
 from helios.serving.lowering import LoweringError, lower_conversation
 from helios.serving.output import OutputParser
 from helios.serving.pipeline import Service
 from helios.serving.reasoning_budget import ReasoningBudgets
+from helios.serving.structured import family_envelope
 
 # Parser families whose tool syntax is Hermes JSON `<tool_call>` blocks, the syntax of the tool
 # prompt Helios writes itself (lowering rule 8); `plain` has no tool syntax and gains that one.
@@ -54,7 +56,7 @@ def tool_support(template: ChatTemplate | None, family: str) -> ToolSupport:
 
 
 def make_service(rt: Any, limiter: Any = None) -> Service:
-    from helios.parsers import family_delimiters, make_output_parser, prompt_starts_in_reasoning
+    from helios.parsers import family_delimiters, get_family, make_output_parser, prompt_starts_in_reasoning
     from helios.recipes import resolve_sampling
 
     tok = rt.tokenizer
@@ -110,6 +112,21 @@ def make_service(rt: Any, limiter: Any = None) -> Service:
         plain = ConversationRequest(messages=(Message("user", (TextPart("Hello"),)),))
         budgets.check_default(recipe.output_parser, lower(plain))
 
+    def single_token(text: str) -> int | None:
+        ids = tok.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
+    def envelope(conv: ConversationRequest, prompt: str) -> Envelope:
+        """The free reasoning and tool envelopes around a constrained answer (engine/structured.py)."""
+        family = tools.parser_family if conv.tools else recipe.output_parser
+        spec = get_family(family)
+        reasoning = spec.reasoning
+        gated = (reasoning.open, reasoning.close) if reasoning is not None and reasoning.gated else None
+        return family_envelope(family, gated, single_token,
+                               starts_in_reasoning=prompt_starts_in_reasoning(family, prompt),
+                               tool_call_ends_reasoning=spec.tool_call_ends_reasoning,
+                               tools_enabled=bool(conv.tools) and conv.tool_choice.mode != "none")
+
     return Service(
         info=info,
         tokenizer=tok,
@@ -121,4 +138,5 @@ def make_service(rt: Any, limiter: Any = None) -> Service:
         limiter=limiter,
         parser_factory=parsers,
         reasoning_budget=reasoning_budget,
+        envelope_factory=envelope,
     )

@@ -20,12 +20,13 @@ protocol's error (HTTP 500 buffered, the encoder's terminal error events streame
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
 from helios.domain.conversation import ConversationRequest, ToolChoice
 from helios.domain.events import FinishCause, OutputEvent, TextDelta, ToolCall
+from helios.serving.structured import custom_tool_input
 
 
 @attrs.define
@@ -35,11 +36,14 @@ class ToolCallCheck:
     declared: frozenset[str] = frozenset()
     num_calls: int = 0  # calls accepted for emission
     num_satisfying: int = 0  # accepted calls that satisfy a required or named choice
+    validators: Mapping[str, Callable[[str], str | None]] = attrs.field(factory=dict)
+    """Custom tools with a grammar: name -> validator of the call's input (None: it matches)."""
 
     @classmethod
-    def for_conversation(cls, conv: ConversationRequest, declared: Iterable[str] | None = None) -> ToolCallCheck:
+    def for_conversation(cls, conv: ConversationRequest, declared: Iterable[str] | None = None,
+                         validators: Mapping[str, Callable[[str], str | None]] | None = None) -> ToolCallCheck:
         names = frozenset(t.name for t in conv.tools) if declared is None else frozenset(declared)
-        return cls(conv.tool_choice, conv.parallel_tool_calls, names)
+        return cls(conv.tool_choice, conv.parallel_tool_calls, names, validators=dict(validators or {}))
 
     @property
     def omits_text(self) -> bool:
@@ -54,6 +58,11 @@ class ToolCallCheck:
             return f"the model's arguments for '{call.name}' are not valid JSON"
         if not isinstance(args, dict):
             return f"the model's arguments for '{call.name}' are not a JSON object"
+        validate = self.validators.get(call.name)
+        if validate is not None:  # a custom tool's grammar: the exact input bytes, no repair
+            problem = validate(custom_tool_input(call.arguments))
+            if problem is not None:
+                return problem
         if self.choice.mode == "named" and call.name != self.choice.name:
             return f"tool_choice selects '{self.choice.name}', but the model called '{call.name}'"
         if not self.parallel and self.num_calls >= 1:

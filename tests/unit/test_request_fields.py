@@ -144,6 +144,9 @@ HONOURED: dict[str, dict[str, Any]] = {
     "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": False}},
     "prompt_logprobs": {"prompt_logprobs": 1},
     "parallel_tool_calls": {"parallel_tool_calls": False},
+    "structured_outputs": {"structured_outputs": {"regex": "[a-z]+"}},
+    "response_format": {"response_format": {"type": "json_schema",
+                                            "json_schema": {"name": "p", "schema": {"type": "object"}}}},
 }
 FUNCTION = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 HONOURED_BY_PROTOCOL: dict[str, dict[str, dict[str, Any]]] = {
@@ -269,7 +272,7 @@ def test_responses_echo_ignored_fields() -> None:
 # -- refused rows: 400 naming the field, param = the field ----------------------------------------------
 
 REFUSED: dict[str, Any] = {
-    "response_format": {"type": "json_object"}, "audio": {"voice": "alloy"},
+    "audio": {"voice": "alloy"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
     "web_search_options": {}, "functions": [{"name": "f"}], "function_call": "auto",
     "moderation": {"model": "omni-moderation-latest"}, "suffix": "end", "tools": [FUNCTION],
@@ -283,7 +286,7 @@ REFUSED: dict[str, Any] = {
 }
 # Refused rows' values that mean "off" and are accepted as absent.
 INERT: dict[str, Any] = {
-    "response_format": {"type": "text"}, "modalities": ["text"], "background": False,
+    "modalities": ["text"], "background": False,
     "truncation": "disabled", "context_management": [], "mcp_servers": [],
 }
 
@@ -317,10 +320,28 @@ def test_unknown_fields_stay_unrecognized(protocol: str) -> None:
     assert err.value.param == "no_such_field"
 
 
-def test_structured_output_stays_refused_on_messages() -> None:
-    with pytest.raises(BadRequest, match="not supported yet") as err:
-        decode("messages", output_config={"effort": "low", "format": {"type": "json_schema", "schema": {}}})
+def test_structured_output_formats_decode_into_one_constraint() -> None:
+    plan = decode("messages", output_config={"effort": "low", "format": {"type": "json_schema", "schema": {}}})
+    c = plan.generation.options.constraint
+    assert c is not None and c.kind == "json_schema" and c.param == "output_config.format"
+    with pytest.raises(BadRequest) as err:
+        decode("messages", output_config={"format": {"type": "json_schema"}})
     assert err.value.param == "output_config.format"
+    plan = decode("responses", text={"format": {"type": "json_schema", "name": "p", "strict": True,
+                                                "schema": {"type": "object"}}})
+    c = plan.generation.options.constraint
+    assert c is not None and c.kind == "json_schema" and c.strict and c.param == "text.format"
+    assert plan.text_config["format"]["name"] == "p"  # echoed on the Response object
+    plan = decode("chat", response_format={"type": "json_object"})
+    assert plan.generation.options.constraint.kind == "json_object"
+    plan = decode("completions", structured_outputs={"choice": ["yes", "no"]})
+    assert plan.generation.options.constraint.spec == ("yes", "no")
+    with pytest.raises(BadRequest) as err:
+        decode("chat", response_format={"type": "json_object"}, structured_outputs={"regex": "a"})
+    assert err.value.param == "structured_outputs"
+    with pytest.raises(BadRequest) as err:
+        decode("chat", structured_outputs={"regex": "a", "choice": ["a"]})
+    assert err.value.param == "structured_outputs"
 
 
 @pytest.mark.parametrize("kind", ["web_search", "web_search_preview", "file_search"])
@@ -435,8 +456,8 @@ def test_claude_code_count_tokens_and_title_requests() -> None:
     title = {"model": "claude-haiku-4-5", "max_tokens": 512, "messages": USER,
              "system": [{"type": "text", "text": "Generate a title."}], "metadata": body["metadata"],
              "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}
-    with pytest.raises(BadRequest, match=r"output_config\.format .* not supported yet"):
-        messages.decode_request(title, INFO)
+    plan = messages.decode_request(title, INFO)  # Claude Code's title request: a JSON answer
+    assert plan.generation.options.constraint.spec == {"type": "object"}
 
 
 def test_logit_bias_is_validated_and_reaches_the_sampling_request() -> None:

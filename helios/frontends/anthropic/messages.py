@@ -49,6 +49,7 @@ from helios.domain.generation import (
     ChildUpdate,
     GenerationOptions,
     GenerationRequest,
+    OutputConstraint,
     PreparedPrompt,
     StreamEvent,
     usage_of,
@@ -58,6 +59,7 @@ from helios.domain.sampling import SamplingRequest
 from helios.errors import BadRequest, HeliosError
 from helios.frontends.common import validate_stops
 from helios.frontends.fields import FieldTable, honoured, ignored, one_of, refused, screen_fields
+from helios.frontends.structured import decode_output_format
 from helios.frontends.wire import structure
 from helios.recipes import NEUTRAL_EFFORT_LEVELS, RECIPES, EffortError, resolve_effort
 
@@ -145,7 +147,8 @@ MESSAGES_FIELDS: FieldTable = {
     "tool_choice": honoured("auto, any, tool or none; disable_parallel_tool_use allows one call"),
     "thinking": honoured("enabled, adaptive, disabled or between_tools; budget_tokens caps reasoning and "
                          "selects effort; display 'omitted' returns thinking blocks without their text"),
-    "output_config": honoured("effort selects the template's level; format (structured output) is refused"),
+    "output_config": honoured("effort selects the template's level; format json_schema constrains the answer "
+                              "(reasoning and tool calls stay free)"),
     "thinking_token_budget": honoured("Helios extension: hard cap on reasoning tokens; at the cap the "
                                       "reasoning close token is forced (400 where the model cannot close it)"),
     "max_tokens": honoured("output limit, reasoning included"),
@@ -210,6 +213,7 @@ class MessagesPlan:
     thinking_token_budget: int | None  # effective hard reasoning cap (request, else server default)
     effort: str | None  # neutral effort level selected by the request, if any
     hide_thinking: bool = False  # thinking.display "omitted": blocks keep their place and marker, no text
+    constraint: OutputConstraint | None = None  # output_config.format: the answer's JSON schema
     thinking_token_budget_param: str | None = None
     """``thinking_token_budget`` when the request gave that field (an unsupported format is a 400);
     None when the cap came from ``thinking.budget_tokens`` or the server default (advisory there)."""
@@ -218,9 +222,10 @@ class MessagesPlan:
     def generation(self) -> GenerationRequest:
         return GenerationRequest(sampling=self.conversation.sampling,
                                  options=GenerationOptions(max_tokens=self.max_tokens, stop=self.stops,
+                                                           constraint=self.constraint,
                                                            thinking_token_budget=self.thinking_token_budget,
                                                            thinking_token_budget_param=self.thinking_token_budget_param),
-                                 conversation=self.conversation, id_prefix="msg")
+                                 conversation=self.conversation, id_prefix="msg", stop_param="stop_sequences")
 
 
 # -- decoding -------------------------------------------------------------------------------------
@@ -253,9 +258,7 @@ def decode_count_tokens(obj: dict[str, Any], info: ModelInfo) -> MessagesPlan:
 
 def _plan(w: CountTokensWire, info: ModelInfo, *, sampling: SamplingRequest, max_tokens: int | None,
           stream: bool, stops: tuple[str, ...]) -> MessagesPlan:
-    if w.output_config is not None and w.output_config.format is not None:
-        raise BadRequest("output_config.format (structured output) is not supported yet",
-                         param="output_config.format")
+    constraint = decode_output_format(w.output_config.format) if w.output_config is not None else None
     messages = decode_messages(w.system, w.messages)
     tools, choice, parallel = decode_tools(w.tools, w.tool_choice)
     budget, effort, kwargs = _decode_thinking(w, info)
@@ -273,7 +276,7 @@ def _plan(w: CountTokensWire, info: ModelInfo, *, sampling: SamplingRequest, max
     )
     hide = w.thinking is not None and w.thinking.display == "omitted"
     budget_param = "thinking_token_budget" if w.thinking_token_budget is not None and budget is not None else None
-    return MessagesPlan(conv, max_tokens, stream, stops, budget, effort, hide,
+    return MessagesPlan(conv, max_tokens, stream, stops, budget, effort, hide, constraint,
                         thinking_token_budget_param=budget_param)
 
 

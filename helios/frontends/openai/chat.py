@@ -62,6 +62,7 @@ from helios.frontends.openai.logprobs import (
     validate_logprob_options,
     validate_prompt_logprobs,
 )
+from helios.frontends.structured import decode_response_format, decode_structured_outputs, one_constraint
 from helios.frontends.wire import NativeGenerationFields, loads_strict, structure
 
 
@@ -97,6 +98,7 @@ class ChatWire(NativeGenerationFields):
     prompt_logprobs: int | None = None
     return_token_ids: bool | None = None
     return_token_timestamps: bool | None = None
+    response_format: Any = None
 
 
 CHAT_FIELDS: FieldTable = {
@@ -130,10 +132,8 @@ CHAT_FIELDS: FieldTable = {
                          message="verbosity must be 'low', 'medium' or 'high'"),
     "logit_bias": honoured("token id -> bias in [-100, 100], added before penalties and temperature; "
                            "logprobs stay raw (vLLM)"),
-    "response_format": refused(
-        "structured output is not built yet",
-        inert=lambda v: isinstance(v, dict) and v.get("type") == "text",
-        message="response_format other than text is not supported yet"),
+    "response_format": honoured("text, json_object or json_schema (strict as OpenAI defines it): the answer is "
+                                "constrained, reasoning and tool calls stay free"),
     "audio": refused("Helios generates text only; there is no audio output"),
     "modalities": refused("Helios generates text only", inert=one_of(["text"])),
     "prediction": refused("predicted outputs are not implemented"),
@@ -390,6 +390,8 @@ def decode_chat(obj: dict[str, Any], info: ModelInfo) -> ChatPlan:
         observe=observe,
         thinking_token_budget=budget,
         thinking_token_budget_param=budget_param,
+        constraint=one_constraint(decode_response_format(w.response_format),
+                                  decode_structured_outputs(w.structured_outputs)),
     )
     generation = GenerationRequest(
         sampling=conv.sampling, options=options, conversation=conv,

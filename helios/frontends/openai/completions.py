@@ -49,6 +49,7 @@ from helios.frontends.openai.logprobs import (
     validate_explicit_ids,
     validate_prompt_logprobs,
 )
+from helios.frontends.structured import decode_structured_outputs
 from helios.frontends.wire import NativeGenerationFields, structure
 
 
@@ -209,6 +210,7 @@ def decode_completion(obj: dict[str, Any], info: ModelInfo) -> CompletionPlan:
         # Buffered choices of one prompt share its scores; streamed ones frame their own.
         score_every_choice=stream,
         observe=decode_observation(w.return_token_ids, w.return_token_timestamps),
+        constraint=decode_structured_outputs(w.structured_outputs),
     )
     generation = GenerationRequest(
         sampling=decode_sampling(w, info.vocab_size),

@@ -45,6 +45,7 @@ from helios.domain.conversation import (
     Tool,
     ToolCallPart,
     ToolChoice,
+    ToolGrammar,
     ToolResultPart,
 )
 from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
@@ -53,6 +54,7 @@ from helios.domain.generation import (
     ChildUpdate,
     GenerationOptions,
     GenerationRequest,
+    OutputConstraint,
     PreparedPrompt,
     StreamEvent,
     TokenStops,
@@ -75,6 +77,12 @@ from helios.frontends.fields import (
 )
 from helios.frontends.openai.chat import decode_sampling
 from helios.frontends.openai.logprobs import chat_logprobs_content, validate_logprob_options
+from helios.frontends.structured import (
+    decode_structured_outputs,
+    decode_text_format,
+    one_constraint,
+    tool_contract,
+)
 from helios.frontends.wire import NativeGenerationFields, loads_strict, structure
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -127,7 +135,8 @@ RESPONSES_FIELDS: FieldTable = {
     "top_logprobs": honoured("alternatives per token, with include message.output_text.logprobs"),
     "reasoning": honoured("effort selects the template's level; summary is accepted and echoed, but readable "
                           "reasoning comes back as reasoning_text with an empty summary"),
-    "text": honoured("format text only (structured formats refused); verbosity is echoed"),
+    "text": honoured("format text, json_object or json_schema (the answer is constrained; reasoning and tool "
+                     "calls stay free); verbosity is echoed"),
     "include": honoured(f"{LOGPROBS_INCLUDE} fills logprobs; values Helios cannot fill, such as "
                         "reasoning.encrypted_content, are accepted and produce nothing"),
     "stream": honoured("named SSE events"),
@@ -268,14 +277,33 @@ def _decode_tool(t: dict[str, Any], where: str, namespace: str | None) -> tuple[
             raise BadRequest(f"{where}.parameters must be an object", param="tools")
         return Tool(flat, desc, params), DeclaredTool(flat, name, "function", namespace)
     fmt = t.get("format")
+    grammar = None
     if fmt is not None:
         if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
             raise BadRequest(f"{where}.format must be an object with a type", param="tools")
         if fmt["type"] == "grammar":
-            raise BadRequest("custom tool grammars (format type 'grammar') are not supported yet", param="tools")
-        if fmt["type"] != "text":
+            grammar = _tool_grammar(fmt, f"{where}.format")
+        elif fmt["type"] != "text":
             raise BadRequest(f"unsupported custom tool format '{fmt['type']}'", param="tools")
-    return Tool(flat, desc, {}, kind="custom"), DeclaredTool(flat, name, "custom", namespace)
+    if grammar is not None:
+        # The contract goes into the model's tool description; the completed input is validated
+        # against the grammar before the call is emitted (serving.structured), never constrained.
+        desc = tool_contract(desc, grammar)
+    return (Tool(flat, desc, {}, kind="custom", grammar=grammar),
+            DeclaredTool(flat, name, "custom", namespace))
+
+
+def _tool_grammar(fmt: dict[str, Any], where: str) -> ToolGrammar:
+    """A custom tool's ``{"type": "grammar", "syntax": "lark" | "regex", "definition": ...}``."""
+    extra = sorted(set(fmt) - {"type", "syntax", "definition"})
+    if extra:
+        raise BadRequest(f"unrecognized field(s) in {where}: {', '.join(extra)}", param="tools")
+    syntax, definition = fmt.get("syntax"), fmt.get("definition")
+    if syntax not in ("lark", "regex"):
+        raise BadRequest(f"{where}.syntax must be 'lark' or 'regex'", param="tools")
+    if not isinstance(definition, str) or not definition.strip():
+        raise BadRequest(f"{where}.definition must be a nonempty string", param="tools")
+    return ToolGrammar(syntax, definition)
 
 
 def _decode_tool_choice(choice: Any, declared: dict[str, DeclaredTool]) -> ToolChoice:
@@ -517,6 +545,8 @@ class ResponsesPlan:
     text_config: dict[str, Any]
     echo: dict[str, Any] = attrs.field(factory=dict, eq=False)
     """`ECHOED_FIELDS` as sent: reported on the Response object, no effect on generation."""
+    constraint: OutputConstraint | None = None
+    """Structured output: ``text.format`` json_object / json_schema or ``structured_outputs``."""
     thinking_token_budget: int | None = None
     """The hard reasoning cap (the request's, else the server default)."""
     thinking_token_budget_param: str | None = None
@@ -536,6 +566,7 @@ class ResponsesPlan:
             logprob_token_ids=self.logprob_token_ids,
             thinking_token_budget=self.thinking_token_budget,
             thinking_token_budget_param=self.thinking_token_budget_param,
+            constraint=self.constraint,
         )
         return GenerationRequest(sampling=self.conversation.sampling, options=options,
                                  conversation=self.conversation, input_param="input",
@@ -573,8 +604,10 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
         chat_template_kwargs={**effort_kwargs, **(w.chat_template_kwargs or {})},
     )
     echo = {name: obj[name] for name in ECHOED_FIELDS if obj.get(name) is not None}
+    constraint = one_constraint(decode_text_format((w.text or {}).get("format") if isinstance(w.text, dict) else None),
+                                decode_structured_outputs(w.structured_outputs))
     return ResponsesPlan(w, conv, toolset, bool(w.stream), stops, token_stops, num_top, explicit, effort, summary,
-                         text_config, echo, thinking_token_budget=budget,
+                         text_config, echo, constraint, thinking_token_budget=budget,
                          thinking_token_budget_param=budget_param)
 
 
@@ -587,14 +620,9 @@ def _decode_text(text: Any) -> dict[str, Any]:
     if extra:
         raise BadRequest(f"unrecognized field(s) in text: {', '.join(sorted(extra))}", param="text")
     fmt = text.get("format")
-    if fmt is not None:
-        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-            raise BadRequest("text.format must be an object with a type", param="text.format")
-        if fmt["type"] in ("json_schema", "json_object"):
-            raise BadRequest(f"text.format type '{fmt['type']}' is not supported yet", param="text.format")
-        if fmt["type"] != "text":
-            raise BadRequest(f"unsupported text.format type '{fmt['type']}'", param="text.format")
     out: dict[str, Any] = {"format": {"type": "text"}}
+    if isinstance(fmt, dict) and decode_text_format(fmt) is not None:  # the Response echoes it as given
+        out["format"] = dict(fmt)
     verbosity = text.get("verbosity")
     if verbosity is not None:
         if verbosity not in ("low", "medium", "high"):

@@ -1,0 +1,239 @@
+"""Structured output in the engine with the default model (SmolLM2-135M): llguidance masks on the
+constrained rows of a batch, raw logprobs, forced tokens, and property tests.
+
+Property tests (hypothesis, few examples each in CI; max_tokens small). The JSON schema subset
+they draw from, which every schema keeps to so that an answer always fits the output limit:
+
+- at most 3 properties per object, nesting depth at most 2, every property required or not;
+- values: ``boolean``, ``null``, ``integer`` with ``minimum``/``maximum`` in [-1000, 1000], ``string``
+  with ``maxLength`` <= 6 or an ``enum`` of short strings, ``array`` with ``maxItems`` <= 2 of
+  those, and nested objects; ``additionalProperties: false`` on every object.
+
+Regexes: concatenations of at most 4 pieces, each a literal word, a class ([a-z], [0-9], [A-F]) with a
+bounded repeat {1,n<=4}, or an alternation of two literals.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import llguidance
+import pytest
+import torch
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helios.domain.generation import OutputConstraint
+from helios.domain.sampling import SamplingParams
+from helios.engine.core import EngineConfig, EngineCore
+from helios.engine.records import EngineFinish, EngineRequest
+from helios.engine.structured import GrammarConstraint
+from helios.serving.structured import GrammarCompiler
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "<|im_start|>user\n{ask}<|im_end|>\n<|im_start|>assistant\n"
+
+
+class Served:
+    """The default model in a real EngineCore, with the serving side's grammar compiler."""
+
+    def __init__(self) -> None:
+        from helios.loaders.default_model import ensure_default_model
+        from helios.runtime import load_model
+
+        torch.manual_seed(0)
+        loaded = load_model(ensure_default_model(quiet=True), weights="float32")
+        self.tok = loaded.checkpoint.tokenizer
+        self.model, self.config = loaded.model, loaded.checkpoint.config
+        self.compiler = GrammarCompiler(self.tok)
+
+    def engine(self) -> EngineCore:
+        return EngineCore(self.model, self.config,
+                          EngineConfig(num_pages=256, max_active=16, prefill_chunk_size=512, max_model_len=1024,
+                                       prefix_caching=False), torch.float32)
+
+    def constraint(self, c: OutputConstraint) -> GrammarConstraint:
+        return trio.run(self.compiler.constraint, c)
+
+    def prompt(self, ask: str) -> tuple[int, ...]:
+        return tuple(self.tok.encode(PROMPT.format(ask=ask), add_special_tokens=False))
+
+    def request(self, rid: str, ask: str, seed: int, max_tokens: int, constraint: GrammarConstraint | None = None,
+                **kw: Any) -> EngineRequest:
+        return EngineRequest(rid, self.prompt(ask), SamplingParams(temperature=0.8, seed=seed), max_tokens,
+                             eos_token_ids=frozenset(self.tok.eos_token_ids), constraint=constraint, **kw)
+
+    def run(self, requests: list[EngineRequest], core: EngineCore | None = None) -> dict[str, Any]:
+        core = core or self.engine()
+        outs: dict[str, dict[str, Any]] = {r.request_id: {"ids": [], "finish": None, "logprobs": []}
+                                           for r in requests}
+        for r in requests:
+            core.add(r)
+        for _ in range(2000):
+            if not core.scheduler.has_work:
+                break
+            for o in core.step():
+                out = outs[o.request_id]
+                out["ids"].extend(o.new_token_ids)
+                out["logprobs"].extend(o.logprobs or ())
+                if o.finish is not None:
+                    out["finish"], out["error"] = o.finish, o.error
+            core.scheduler.check_integrity()
+        assert not core.scheduler.has_work
+        return outs
+
+    def text(self, ids: list[int]) -> str:
+        eos = set(self.tok.eos_token_ids)
+        return str(self.tok.decode([t for t in ids if t not in eos], skip_special_tokens=False))
+
+
+@pytest.fixture(scope="module")
+def served() -> Served:
+    return Served()
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+
+
+def test_constrained_rows_keep_to_their_masks_beside_unconstrained_neighbours(served: Served) -> None:
+    schema = served.constraint(OutputConstraint("json_schema", PERSON))
+    regex = served.constraint(OutputConstraint("regex", r"[A-Z][a-z]{2,5} [0-9]{2}"))
+    choice = served.constraint(OutputConstraint("choice", ("red", "green", "blue")))
+    asks = [("Describe a person as JSON.", schema), ("Name and number?", regex), ("A color?", choice)]
+    free = [served.request(f"free{i}", "Tell me a story.", seed=100 + i, max_tokens=24) for i in range(3)]
+    constrained = [served.request(f"c{i}", ask, seed=i, max_tokens=48, constraint=c)
+                   for i, (ask, c) in enumerate(asks)]
+    outs = served.run(constrained + free)
+
+    person = json.loads(served.text(outs["c0"]["ids"]))
+    jsonschema.validate(person, PERSON)
+    assert re.fullmatch(r"[A-Z][a-z]{2,5} [0-9]{2}", served.text(outs["c1"]["ids"]))
+    assert served.text(outs["c2"]["ids"]) in ("red", "green", "blue")
+    for i, (_, c) in enumerate(asks):
+        out = outs[f"c{i}"]
+        assert out["finish"] is EngineFinish.EOS
+        # An independent matcher accepts every generated token in order (the mask was respected).
+        answer = out["ids"][:-1]  # without the EOS
+        m = llguidance.LLMatcher(c.vocab.ll_tokenizer, c.grammar)
+        assert m.validate_tokens(answer) == len(answer)
+        assert m.consume_tokens(answer) and m.is_accepting()
+    # Unconstrained seeded neighbours are what they are alone: the mask touched only its rows.
+    alone = served.run([served.request(f"free{i}", "Tell me a story.", seed=100 + i, max_tokens=24)
+                        for i in range(3)])
+    for i in range(3):
+        assert outs[f"free{i}"]["ids"] == alone[f"free{i}"]["ids"]
+
+
+def test_logprobs_stay_raw_under_the_mask(served: Served) -> None:
+    """The chosen token's logprob is the unmasked distribution's: a constrained answer token that
+    the model alone finds unlikely keeps its low logprob (it is not renormalised over the mask)."""
+    c = served.constraint(OutputConstraint("choice", ("zebra",)))
+    core = served.engine()
+    req = served.request("lp", "Say hello.", seed=1, max_tokens=8, constraint=c, num_top_logprobs=1)
+    out = served.run([req], core)
+    assert served.text(out["lp"]["ids"]) == "zebra"
+    records = out["lp"]["logprobs"]
+    assert records and records[0].logprob < -5.0  # "z..." is far from the free model's first choice
+    assert records[0].top[0][0] != records[0].token_id  # the natural top alternative is not the mask's
+
+
+def test_forced_tokens_are_committed_without_sampling(served: Served) -> None:
+    """A long fixed literal: after its first token the grammar forces the rest; steps are fewer than
+    tokens (several committed per step) and the text is exact."""
+    literal = "The quick brown fox jumps over the lazy dog"
+    c = served.constraint(OutputConstraint("regex", re.escape(literal)))
+    core = served.engine()
+    core.add(served.request("ff", "Anything.", seed=3, max_tokens=40, constraint=c))
+    ids: list[int] = []
+    steps = 0
+    while core.scheduler.has_work:
+        for o in core.step():
+            ids.extend(o.new_token_ids)
+        steps += 1
+    assert served.text(ids) == literal
+    assert steps < len(ids) - 1  # prefill + far fewer decode steps than tokens
+
+
+def test_compile_errors_name_the_field(served: Served) -> None:
+    from helios.errors import BadRequest
+
+    for c in (OutputConstraint("regex", "[a-", param="structured_outputs.regex"),
+              OutputConstraint("grammar", "start: nothing_defined", param="structured_outputs.grammar"),
+              OutputConstraint("json_schema", {"type": "frob"}, param="response_format.json_schema", strict=True)):
+        with pytest.raises(BadRequest) as err:
+            served.constraint(c)
+        assert err.value.param == c.param and c.param in err.value.message
+
+
+def test_the_compiled_grammar_cache_is_keyed_by_the_canonical_schema(served: Served) -> None:
+    compiler = served.compiler
+    before = compiler.num_compiled
+    a = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "string"}}}
+    b = {"properties": {"y": {"type": "string"}, "x": {"type": "integer"}}, "type": "object"}
+    first = served.constraint(OutputConstraint("json_schema", a))
+    second = served.constraint(OutputConstraint("json_schema", b))
+    assert first.matcher is second.matcher and compiler.num_compiled == before + 1
+
+
+# -- property tests ---------------------------------------------------------------------------------
+
+_LEAF = st.one_of(
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.tuples(st.integers(-1000, 1000), st.integers(0, 1000)).map(
+        lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}),
+    st.integers(1, 6).map(lambda n: {"type": "string", "maxLength": n}),
+    st.lists(st.text("abcxyz", min_size=1, max_size=4), min_size=1, max_size=3, unique=True).map(
+        lambda xs: {"type": "string", "enum": xs}),
+)
+
+
+def _object(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    props = st.dictionaries(st.sampled_from(["a", "b", "id", "name", "ok"]), children, min_size=1, max_size=3)
+    return st.tuples(props, st.booleans()).map(lambda t: {
+        "type": "object", "properties": t[0], "additionalProperties": False,
+        **({"required": sorted(t[0])} if t[1] else {})})
+
+
+_VALUE = st.one_of(_LEAF, st.integers(1, 2).flatmap(
+    lambda n: _LEAF.map(lambda leaf: {"type": "array", "items": leaf, "maxItems": n})))
+SCHEMAS = _object(st.one_of(_VALUE, _object(_VALUE)))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                HealthCheck.too_slow])
+@given(schema=SCHEMAS, seed=st.integers(0, 2**31))
+def test_random_schemas_always_yield_valid_json(served: Served, schema: dict[str, Any], seed: int) -> None:
+    c = served.constraint(OutputConstraint("json_schema", schema))
+    out = served.run([served.request("j", "Reply with JSON.", seed=seed, max_tokens=160, constraint=c),
+                      served.request("n", "Say something.", seed=seed, max_tokens=8)])["j"]
+    assert out["finish"] is EngineFinish.EOS, (served.text(out["ids"]), out["finish"])
+    jsonschema.validate(json.loads(served.text(out["ids"])), schema)
+
+
+_PIECE = st.one_of(
+    st.sampled_from(["ab", "id-", "x", "_"]).map(re.escape),
+    st.tuples(st.sampled_from(["[a-z]", "[0-9]", "[A-F]"]), st.integers(1, 4)).map(lambda t: f"{t[0]}{{1,{t[1]}}}"),
+    st.tuples(st.sampled_from(["yes", "no", "cat"]), st.sampled_from(["dog", "maybe"])).map(
+        lambda t: f"({t[0]}|{t[1]})"),
+)
+REGEXES = st.lists(_PIECE, min_size=1, max_size=4).map("".join)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                HealthCheck.too_slow])
+@given(regex=REGEXES, seed=st.integers(0, 2**31))
+def test_random_regexes_yield_full_matches(served: Served, regex: str, seed: int) -> None:
+    c = served.constraint(OutputConstraint("regex", regex))
+    out = served.run([served.request("r", "Answer briefly.", seed=seed, max_tokens=48, constraint=c),
+                      served.request("n", "Hello!", seed=seed + 1, max_tokens=8)])["r"]
+    assert out["finish"] is EngineFinish.EOS
+    assert re.fullmatch(regex, served.text(out["ids"])), (regex, served.text(out["ids"]))
+
