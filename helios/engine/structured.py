@@ -191,7 +191,8 @@ class GrammarState:
             if self.num_calls and token_id in self.constraint.vocab.eos_token_ids:
                 return True  # a turn of tool calls only ends here
             self.mode = Mode.ANSWER
-        if not self.matcher.consume_token(token_id):
+        # A matcher in its error state masks everything but EOS and may still "accept" it: ask.
+        if not self.matcher.consume_token(token_id) or self.matcher.is_error():
             self.error = self.matcher.get_error() or f"token {token_id} is not allowed by the grammar"
             return False
         return True

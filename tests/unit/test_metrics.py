@@ -14,7 +14,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helios.asgi.admission import AdmissionSlots
 from helios.engine.core import EngineThread, decode_weight_bytes
-from helios.engine.records import EngineStats, Histogram, HostCacheStats
+from helios.engine.records import (
+    GRAMMAR_FAILURE,
+    EngineFinish,
+    EngineStats,
+    Histogram,
+    HostCacheStats,
+    RequestOutput,
+)
 from helios.models.config import ModelConfig
 from helios.models.llama import LlamaForCausalLM
 from helios.obs.access import RequestStats
@@ -264,6 +271,22 @@ def test_each_failed_request_counts_once_by_stage() -> None:
     assert value(fams, "helios_requests_failed_by_stage", total, stage="output") == 1
     assert value(fams, "helios_requests_failed_by_stage", total, stage="execution") == 1
     assert value(fams, "flare_requests_failed", "flare_requests_failed_total") == 3
+
+
+def test_grammar_failures_count_in_failed_under_their_own_stage() -> None:
+    """An engine child ended by its structured-output grammar is a grammar failure; another engine
+    error stays an execution one; both count in `failed`."""
+    m = ServingMetrics()
+    for error in (f"{GRAMMAR_FAILURE}: token 5 is not allowed", "engine failure: boom"):
+        s = finished(500)
+        s.observe_update(RequestOutput("r", (), finish=EngineFinish.ERROR, error=error), None)
+        m.finish_request(s)
+    snap = m.snapshot()
+    assert snap["failed"] == 2
+    fams = families(m.prometheus())
+    total = "helios_requests_failed_by_stage_total"
+    assert value(fams, "helios_requests_failed_by_stage", total, stage="grammar") == 1
+    assert value(fams, "helios_requests_failed_by_stage", total, stage="execution") == 1
 
 
 # -- decode weight bytes ------------------------------------------------------------------------------

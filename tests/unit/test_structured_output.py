@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from helios.domain.generation import OutputConstraint
 from helios.domain.sampling import SamplingParams
 from helios.engine.core import EngineConfig, EngineCore
-from helios.engine.records import EngineFinish, EngineRequest
+from helios.engine.records import GRAMMAR_FAILURE, EngineFinish, EngineRequest
 from helios.engine.structured import GrammarConstraint
 from helios.serving.structured import GrammarCompiler
 
@@ -159,6 +159,20 @@ def test_forced_tokens_are_committed_without_sampling(served: Served) -> None:
         steps += 1
     assert served.text(ids) == literal
     assert steps < len(ids) - 1  # prefill + far fewer decode steps than tokens
+
+
+def test_a_grammar_that_rejects_a_committed_token_ends_the_request_with_its_error(served: Served) -> None:
+    """The engine's failure path: a matcher that refuses a committed token (here a budget-forced
+    token the gate cannot know, simulated by a matcher already in its error state) ends that
+    request with the structured-output error, and its neighbour runs on."""
+    c = served.constraint(OutputConstraint("regex", "[a-z]{3}"))
+    broken = llguidance.LLMatcher(c.vocab.ll_tokenizer, llguidance.LLMatcher.grammar_from_regex("[a-"))
+    assert broken.is_error()
+    bad = GrammarConstraint(broken, c.vocab, grammar="[a-")
+    outs = served.run([served.request("bad", "Hi.", seed=1, max_tokens=8, constraint=bad),
+                       served.request("ok", "Hi.", seed=2, max_tokens=8, constraint=c)])
+    assert outs["bad"]["finish"] is EngineFinish.ERROR and outs["bad"]["error"].startswith(GRAMMAR_FAILURE)
+    assert outs["ok"]["finish"] is EngineFinish.EOS and re.fullmatch("[a-z]{3}", served.text(outs["ok"]["ids"]))
 
 
 def test_compile_errors_name_the_field(served: Served) -> None:
