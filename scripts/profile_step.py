@@ -1,9 +1,10 @@
 """Where an engine step's time goes: the default model, N concurrent streams in steady decode.
 
-    .venv/bin/python scripts/profile_step.py --streams 1 32 [--steps 40] [--dtype auto]
+    .venv/bin/python scripts/profile_step.py --streams 1 32 [--steps 40] [--weights auto] [--context 64]
 
-Builds the engine in process (no HTTP), admits N requests with 64-token prompts, runs until all
-are decoding, then times `--steps` decode steps and prints ms/step and the functions that took the
+Loads the default model as `helios serve` does (`runtime.load_model`: weight format, packed-weight
+cache, Helios's CPU kernels unless HELIOS_CPU_KERNELS=0), builds the engine in process (no HTTP),
+admits N requests with ``--context``-token prompts, runs until all are decoding, then times `--steps` decode steps and prints ms/step and the functions that took the
 most cumulative time (cProfile). Prints the CPU flags it ran on, and the step split into the model
 forward, the logits, the sampler and the rest (scheduler, input batch, attention metadata): the
 engine's own overhead, which other processes on the machine disturb less than the whole step.
@@ -22,10 +23,8 @@ import torch
 from helios.domain.sampling import SamplingParams
 from helios.engine.core import EngineConfig, EngineCore
 from helios.engine.records import EngineRequest
-from helios.loaders.checkpoint import load_checkpoint
-from helios.loaders.default_model import ensure_default_model
-from helios.models.llama import LlamaForCausalLM
-from helios.runtime import choose_dtype, cpu_flags
+from helios.loaders.default_model import default_cache_dir, ensure_default_model
+from helios.runtime import cpu_flags, load_model
 
 
 def split(stats: pstats.Stats, steps: int) -> str:
@@ -52,19 +51,23 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--weights", default="auto")
+    ap.add_argument("--context", type=int, default=64, help="prompt tokens per stream")
     args = ap.parse_args()
-    dtype = choose_dtype(args.dtype, args.device)
-    ckpt = load_checkpoint(str(ensure_default_model()), dtype)
-    model = LlamaForCausalLM(ckpt.config, dtype=dtype, device=args.device)
-    model.load_weights(ckpt.tensors)
-    model.eval()
-    print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}; threads {torch.get_num_threads()}; dtype {dtype}")
+    loaded = load_model(ensure_default_model(), weights=args.weights, dtype=args.dtype, device=args.device,
+                        cache_dir=default_cache_dir() / "packed")
+    ckpt, model, dtype = loaded.checkpoint, loaded.model, loaded.choice.dtype
+    print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}; threads {torch.get_num_threads()}; "
+          f"{loaded.choice.describe()}; logits: {model.head_format}")
     for n in args.streams:
-        core = EngineCore(model, ckpt.config, EngineConfig(page_size=16, num_pages=2048, max_active=64,
-                                                            prefill_chunk_size=512, max_model_len=2048),
+        tokens = args.context + args.steps + 64
+        core = EngineCore(model, ckpt.config, EngineConfig(page_size=16, num_pages=n * (-(-tokens // 16)) + 16,
+                                                            max_active=64, prefill_chunk_size=512,
+                                                            max_model_len=tokens + 16),
                           dtype, args.device)
+        print(f"attention backend: {core.attention.name}")
         for i in range(n):
-            prompt = tuple((17 * i + 31 * j) % 40000 + 100 for j in range(64))
+            prompt = tuple((17 * i + 31 * j) % 40000 + 100 for j in range(args.context))
             core.add(EngineRequest(f"s{i}", prompt, SamplingParams(temperature=1.0, seed=i),
                                    max_tokens=args.steps + 64, ignore_eos=True))
         while any(s.is_prefilling or s.num_computed == 0 for s in core.scheduler.running) or core.scheduler.waiting:
