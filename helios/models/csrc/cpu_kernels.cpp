@@ -31,6 +31,7 @@ namespace {
 constexpr int64_t kGroup = 32;   // Q8_0 block
 constexpr int64_t kRowTile = 4;  // activation rows sharing one dequantized weight block
 constexpr int64_t kChunk = 256;  // history positions per attention work item
+constexpr int64_t kSerialPositions = 4096;  // (kv head, position) pairs below which decode runs on one thread
 
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) {
@@ -251,7 +252,12 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   // unnormalized output; merged below.
   std::vector<float> part_max(items * G), part_sum(items * G), part_acc(items * G * dh);
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+  // Short histories are not worth a parallel region (its fork/join costs more than the work, and far
+  // more when another process holds a core): below kSerialPositions positions in all, one thread.
+  int64_t positions = 0;
+  for (int64_t d = 0; d < D; ++d) positions += lp[d];
+  const int64_t grain = positions * KV < kSerialPositions ? items : 1;
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     std::vector<vec> qv(G * NV), acc(G * NV), dots(G);
     std::vector<float> scores(G * kChunk);
     for (int64_t item = i0; item < i1; ++item) {
@@ -311,7 +317,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         for (int64_t e = 0; e < NV; ++e) vstore(out_acc + g * dh + e * W, acc[g * NV + e]);
     }
   });
-  at::parallel_for(0, D * H, 1, [&](int64_t j0, int64_t j1) {
+  at::parallel_for(0, D * H, grain == items ? D * H : 16, [&](int64_t j0, int64_t j1) {
     std::vector<float> o(dh);
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t d = j / H, h = j % H, kv = h / G, g = h % G;
