@@ -40,7 +40,13 @@ if TYPE_CHECKING:
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS: tuple[Endpoint, ...] = ("completions", "chat")
 # "throughput" is this module's workload; the others are helios.bench_cache's prefix-cache workloads.
-WORKLOADS: tuple[str, ...] = ("throughput", "shared-prefix", "agent-replay", "restart")
+WORKLOADS: tuple[str, ...] = ("throughput", "long-context", "ttfb", "shared-prefix", "agent-replay", "restart")
+# Presets of the throughput workload (issue 11's targets): (prompt tokens, output tokens, stream levels).
+# Flags given on the command line override them.
+THROUGHPUT_PRESETS: dict[str, tuple[int, int, list[int]]] = {
+    "long-context": (4000, 256, [1, 8]),  # decode over a ~4,000-token history
+    "ttfb": (512, 1, [1]),  # time to first byte of a 512-token prompt
+}
 
 # Optional request features, in the order they are dropped when the server rejects the request.
 _CONTINUOUS_USAGE = "stream_options.continuous_usage_stats"
@@ -596,7 +602,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload",
         choices=WORKLOADS,
         default="throughput",
-        help="throughput (default: concurrent streams, no prefix shared); shared-prefix (cold vs warm TTFT "
+        help="throughput (default: concurrent streams, no prefix shared); long-context (throughput with a "
+        "~4,000-token prompt, 256 tokens, 1 and 8 streams); ttfb (a 512-token prompt, one token, one stream); "
+        "shared-prefix (cold vs warm TTFT "
         "of a ~1,500-token shared prefix); agent-replay (a recorded 12-turn agent session, each turn "
         "resending the history); restart (a ~4,000-token prompt cold, then again after a server restart: "
         "run twice with --state-file)",
@@ -604,8 +612,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--streams",
         type=parse_streams,
-        default=[1, 8, 32],
-        help="comma-separated concurrency levels, run one after another (default 1,8,32)",
+        default=None,
+        help="comma-separated concurrency levels, run one after another (default 1,8,32; long-context 1,8; "
+        "ttfb 1)",
     )
     parser.add_argument(
         "--max-tokens",
@@ -776,6 +785,15 @@ def run_cli(args: argparse.Namespace) -> int:
     """Run parsed ``add_arguments`` flags (for a ``helios`` subcommand parser); same codes as main."""
     from helios import bench_cache
 
+    preset = THROUGHPUT_PRESETS.get(args.workload)
+    if preset is not None:
+        prompt_tokens, max_tokens, streams = preset
+        args.workload = "throughput"
+        args.prompt_tokens = prompt_tokens if args.prompt_tokens is None else args.prompt_tokens
+        args.max_tokens = max_tokens if args.max_tokens is None else args.max_tokens
+        args.streams = streams if args.streams is None else args.streams
+    if args.streams is None:
+        args.streams = [1, 8, 32]
     if args.max_tokens is None:
         args.max_tokens = bench_cache.DEFAULT_MAX_TOKENS[args.workload]
     if args.rounds is None:

@@ -1,7 +1,9 @@
 """`nox -s bench`: start Helios on a port, run `helios bench` against it, print JSON, stop it.
 
 Runs the issue's standard workload: 1, 8 and 32 concurrent streams of 256 output tokens, then the
-time to first token of a 512-token prompt. `--baseline-url URL` measures a peer server side by side.
+time to first byte of a 512-token prompt (`--workload ttfb`), then long-context decode (a ~4,000-token
+prompt and 256 tokens at 1 and 8 streams, `--workload long-context`; `--no-long-context` skips it).
+`--baseline-url URL` measures a peer server side by side.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", default="1,8,32")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--no-long-context", action="store_true")
     args = p.parse_args(argv)
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "helios.cli", "serve", "--port", str(args.port)]
@@ -47,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline_url:
             base += ["--baseline-url", args.baseline_url]
         rc = bench([*base, "--streams", args.streams, "--max-tokens", str(args.max_tokens)])
-        rc |= bench([*base, "--streams", "1", "--max-tokens", "16", "--prompt-tokens", str(args.prompt_tokens)])
+        rc |= bench([*base, "--workload", "ttfb", "--prompt-tokens", str(args.prompt_tokens)])
+        if not args.no_long_context:
+            rc |= bench([*base, "--workload", "long-context"])
         return rc
     finally:
         proc.terminate()

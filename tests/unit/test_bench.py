@@ -345,6 +345,21 @@ def test_cli_baseline_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert ratio["output_tok_s"] > 1.0
 
 
+@pytest.mark.parametrize(("argv", "prompt", "max_tokens", "levels"), [
+    (["--workload", "ttfb"], 512, 1, [1]),
+    (["--workload", "long-context"], 4000, 256, [1, 8]),
+    (["--workload", "long-context", "--prompt-tokens", "60", "--max-tokens", "4", "--streams", "2"], 60, 4, [2]),
+])
+def test_throughput_presets(capsys: pytest.CaptureFixture[str], argv: list[str], prompt: int, max_tokens: int,
+                            levels: list[int]) -> None:
+    """The issue's long-context and time-to-first-byte workloads are presets of throughput; flags win."""
+    with fake_server(FakeConfig(ttft=0.001, itl=0.0)) as url:
+        assert bench.main(["--url", url, "--json", "--no-warmup", *argv]) == 0
+    runs = json.loads(capsys.readouterr().out)["target"]["runs"]
+    assert [r["streams"] for r in runs] == levels
+    assert all(r["prompt_tokens_target"] == prompt and r["max_tokens"] == max_tokens for r in runs)
+
+
 def test_cli_table_and_unreachable(capsys: pytest.CaptureFixture[str]) -> None:
     with fake_server(FakeConfig(ttft=0.005)) as url:
         assert bench.main(["--url", url, "--streams", "2", "--max-tokens", "3", "--no-warmup"]) == 0
