@@ -79,6 +79,11 @@ class HeliosApp:
         if not self._config_given:
             state.configure(load_config())
         access.configure(state.config.server.log_level)
+        if state.config.server.api_key:
+            log.info("authentication: on (every route but /, /health and /metrics needs the serving key)")
+        else:
+            log.warning("authentication: off (no [server] api_key or --api-key-file): anyone who can reach "
+                        "this port can use the model")
         from helios.runtime import build_runtime  # torch-heavy; imported on start only
 
         factory = self._runtime_factory or build_runtime
@@ -118,6 +123,8 @@ class HeliosApp:
             await self._lifespan(receive, send)
         elif kind == "http":
             await self.dispatcher(scope, receive, send)
+        elif kind == "websocket":
+            await self.dispatcher.serve_websocket(scope, receive, send)
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:

@@ -140,6 +140,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
         raise ConfigError("invalid configuration: " + "; ".join(cattrs.transform_error(exc))) from None
     except Exception as exc:
         raise ConfigError(f"invalid configuration: {exc}") from None
+    if cfg.server.api_key and not cfg.server.api_key.strip():
+        raise ConfigError("server.api_key is only whitespace; set a key, or leave it empty to serve without "
+                          "authentication")
     if cfg.server.thinking_token_budget is not None and not 0 < cfg.server.thinking_token_budget < 2**31:
         raise ConfigError("server.thinking_token_budget must be a positive 32-bit integer")
     if not 0 <= cfg.server.max_top_logprobs <= 20:
@@ -193,7 +196,13 @@ def _check_shutdown_grace(server: Any) -> None:
 
 
 def read_api_key_file(path: str | Path) -> str:
+    """The serving key in a key file, surrounding whitespace removed. A file with no key in it is a
+    start-up error: silently serving without authentication is never what its author meant."""
     try:
-        return Path(path).read_text().strip()
-    except OSError as exc:
+        key = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read the API key file {path}: {exc}") from None
+    if not key:
+        raise ConfigError(f"the API key file {path} is empty (or only whitespace); put the serving key in it, "
+                          "or start without --api-key-file to serve without authentication")
+    return key

@@ -39,9 +39,10 @@ class HeliosError(Exception):
         type: str | None = None,
         headers: tuple[Header, ...] = (),
     ) -> None:
+        message = scalar_text(message)  # it may echo request text; rendering it must never fail
         super().__init__(message)
         self.message: str = message
-        self.param: str | None = param
+        self.param: str | None = None if param is None else scalar_text(param)
         self.code: str | None = code if code is not None else self.default_code
         self.type: str = type if type is not None else self.openai_type
         self.headers: tuple[Header, ...] = headers  # extra response headers (Allow, Retry-After)
@@ -60,6 +61,13 @@ class HeliosError(Exception):
 
     def to_ollama(self) -> dict[str, Any]:
         return {"error": self.message}
+
+
+def scalar_text(text: str) -> str:
+    """`text` with any lone UTF-16 surrogate replaced by U+FFFD, so it always encodes as UTF-8."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
 # --- the client's fault -------------------------------------------------------------------------

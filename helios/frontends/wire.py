@@ -8,6 +8,8 @@ offending parameter.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from typing import Any, TypeVar, get_args, get_origin
 
 import attrs
@@ -98,22 +100,85 @@ class NativeGenerationFields:
     structured_outputs: Any = None
 
 
-def parse_json_object(body: bytes) -> dict[str, Any]:
+def parse_json_object(body: bytes, limits: Sequence[CountLimit] = ()) -> dict[str, Any]:
+    """A request body as a JSON object, checked at the edge before anything else reads it: valid
+    UTF-8 JSON, nesting and text (`loads_strict`), then the route's item counts (`limits`)."""
     if not body:
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
         obj = loads_strict(body)
+    except JSONShapeError as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
     except (UnicodeDecodeError, RecursionError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise BadRequest(f"malformed JSON body: {exc}") from None
     if not isinstance(obj, dict):
         raise BadRequest("the request body must be a JSON object")
+    check_counts(obj, limits)
     return obj
+
+
+MAX_JSON_DEPTH = 64
+"""Arrays and objects nested in one JSON document (a request body, or a JSON string inside one such as
+tool-call arguments), the document itself counting as one. Far below what every recursive consumer
+(the chat template's `_plain` and `_container_ids`, Jinja's `tojson`, `json.dumps`) can take."""
+
+
+class JSONShapeError(ValueError):
+    """A JSON document nested deeper than MAX_JSON_DEPTH, or with a string (a key or a value) that is
+    not a sequence of Unicode scalar values (a lone surrogate such as "\\ud800"); `param` names where."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def loads_strict(text: str | bytes) -> Any:
     """json.loads without Python's extensions: NaN, ±Infinity and numbers that overflow to an
-    infinite float are not JSON (RFC 8259) and could not be written back out; ValueError."""
-    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    infinite float are not JSON (RFC 8259) and could not be written back out; ValueError. Every
+    decoded document then passes `check_document` (JSONShapeError, a ValueError)."""
+    obj = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    check_document(obj)
+    return obj
+
+
+def check_document(obj: Any) -> None:
+    """Nesting at most MAX_JSON_DEPTH and only Unicode scalar text (keys included): the one check
+    every decoded JSON document passes; iterative, so no document is too deep for it."""
+    if not _document_ok(obj):
+        raise _locate_problem(obj)
+
+
+@attrs.frozen
+class CountLimit:
+    """At most `max_items` items in the array at `path`: a top-level field ("messages") or a field of
+    every element of a limited array ("messages[].content"). Anything else (absent, not an array) is
+    left to the protocol's decoder."""
+
+    path: str
+    max_items: int
+
+
+def check_counts(obj: dict[str, Any], limits: Sequence[CountLimit]) -> None:
+    """The route's item counts, in the order given (a parent array's rule comes before its
+    children's, so walking a child rule touches at most the parent's limit of elements)."""
+    for limit in limits:
+        segments = limit.path.split("[].")
+        level: list[tuple[Any, str]] = [(obj, "")]
+        for k, name in enumerate(segments):
+            last = k == len(segments) - 1
+            nxt: list[tuple[Any, str]] = []
+            for container, where in level:
+                if not isinstance(container, dict) or not isinstance(container.get(name), list):
+                    continue
+                items = container[name]
+                here = f"{where}.{name}" if where else name
+                if last:
+                    if len(items) > limit.max_items:
+                        raise BadRequest(f"'{here}' has {len(items)} items; at most {limit.max_items} are accepted",
+                                         param=here)
+                else:
+                    nxt.extend((item, f"{here}[{i}]") for i, item in enumerate(items))
+            level = nxt
 
 
 def _reject_constant(name: str) -> Any:
@@ -173,3 +238,70 @@ def _note_of(exc: BaseException) -> str | None:
         if idx is not None:
             return str(idx)
     return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _is_scalar_text(text: str) -> bool:
+    return text.isascii() or _SURROGATE.search(text) is None
+
+
+def _document_ok(obj: Any) -> bool:
+    """The fast pass: no paths built, only containers on the stack."""
+    if type(obj) is str:
+        return _is_scalar_text(obj)
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return False
+        if type(value) is dict:
+            for key in value:
+                if not _is_scalar_text(key):
+                    return False
+            items: Any = value.values()
+        elif type(value) is list:
+            items = value
+        else:
+            continue
+        for item in items:
+            kind = type(item)
+            if kind is str:
+                if not _is_scalar_text(item):
+                    return False
+            elif kind is dict or kind is list:
+                stack.append((item, depth + 1))
+    return True
+
+
+def _locate_problem(obj: Any) -> JSONShapeError:
+    """The slow pass, after the fast one failed: the first problem in document order, with its path."""
+    stack: list[tuple[Any, int, str]] = [(obj, 1, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if isinstance(value, str):
+            if not _is_scalar_text(value):
+                return _text_error(where)
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            field = re.split(r"[.\[]", where, maxsplit=1)[0] or None  # the top-level field it is under
+            return JSONShapeError(f"{f'{field!r}' if field else 'the JSON document'} is nested more than "
+                                  f"{MAX_JSON_DEPTH} levels deep (arrays and objects); at most {MAX_JSON_DEPTH} "
+                                  "are accepted", field)
+        if isinstance(value, dict):
+            for key in value:
+                if not _is_scalar_text(key):
+                    return _text_error(f"{where}.<key>" if where else "<key>")
+            children = [(item, depth + 1, f"{where}.{key}" if where else key) for key, item in value.items()]
+        else:
+            children = [(item, depth + 1, f"{where}[{i}]") for i, item in enumerate(value)]
+        stack.extend(reversed(children))
+    return JSONShapeError("the JSON document is invalid", None)  # not reached after a failed fast pass
+
+
+def _text_error(where: str) -> JSONShapeError:
+    return JSONShapeError(f"{where or 'the JSON document'} is not valid Unicode text: it contains a lone UTF-16 "
+                          "surrogate (an unpaired \\ud800-\\udfff escape)", where or None)

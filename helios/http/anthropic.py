@@ -7,6 +7,7 @@ the body and decodes it with the Messages frontend. Errors on these paths take t
 
 from __future__ import annotations
 
+from helios.frontends import limits
 from helios.frontends.anthropic import messages
 from helios.http.context import RequestContext
 from helios.http.dispatch import Route
@@ -15,9 +16,9 @@ from helios.http.dispatch import Route
 async def create_message(ctx: RequestContext) -> None:
     ctx.auth(anthropic=True)
     messages.check_version(ctx.req.headers.get("anthropic-version"))
-    obj = await ctx.read_json()
+    obj = await ctx.read_json(limits.MESSAGES)
     svc = ctx.svc
-    plan = messages.decode_request(obj, svc.info)
+    plan = await ctx.offload(messages.decode_request, obj, svc.info)
     ctx.admit(1)
     prepared = await svc.prepare(plan.generation)
     encoder = messages.MessagesEncoder(plan, prepared.prompts, model=svc.info.public_id)
@@ -28,9 +29,10 @@ async def count_tokens(ctx: RequestContext) -> None:
     """The exact prompt a generation request would submit: input_tokens + cache_read_input_tokens."""
     ctx.auth(anthropic=True)
     messages.check_version(ctx.req.headers.get("anthropic-version"))
-    obj = await ctx.read_json()
+    obj = await ctx.read_json(limits.MESSAGES)
     svc = ctx.svc
-    plan = messages.decode_count_tokens(obj, svc.info)
+    plan = await ctx.offload(messages.decode_count_tokens, obj, svc.info)
+    ctx.admit(1)  # rendering and tokenizing take a slot like a generation's preparation
     await ctx.json({"input_tokens": await svc.count_prompt_tokens(plan.conversation)})
 
 

@@ -4,8 +4,8 @@ with a sibling task that cancels it when the client disconnects."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -14,7 +14,7 @@ from helios.asgi.auth import check_anthropic, check_bearer
 from helios.asgi.request import Request, read_body
 from helios.asgi.responses import send_json
 from helios.errors import BadRequest, ServiceUnavailable, TooManyRequests
-from helios.frontends.wire import parse_json_object
+from helios.frontends.wire import CountLimit, parse_json_object
 from helios.http.sse import EventStream
 from helios.http.state import ServerState
 from helios.obs import access
@@ -23,6 +23,8 @@ from helios.serving.pipeline import Prepared, Service
 
 # On every 429 for exhausted HTTP admission slots: a slot frees as soon as any response is delivered.
 RETRY_AFTER = ((b"retry-after", b"1"),)
+
+T = TypeVar("T")
 
 
 @attrs.define
@@ -70,8 +72,16 @@ class RequestContext:
                                     limiter=self.state.frontend_limiter, identity_only=identity_only)
         return self.body
 
-    async def read_json(self, *, identity_only: bool = False) -> dict[str, Any]:
-        return parse_json_object(await self.read_body(identity_only=identity_only))
+    async def read_json(self, limits: Sequence[CountLimit] = (), *, identity_only: bool = False) -> dict[str, Any]:
+        """The body as a JSON object: parsed and checked (nesting, text, the route's item `limits`)
+        on the frontend pool, before the request is decoded or admitted."""
+        body = await self.read_body(identity_only=identity_only)
+        return await self.offload(parse_json_object, body, limits)
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run pure CPU work (parsing, decoding) on the bounded frontend pool: a worker thread the
+        interpreter preempts every few milliseconds, so the event loop and the engine keep running."""
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.state.frontend_limiter)
 
     def admit(self, n: int) -> None:
         """Take one HTTP admission slot per generated choice (429 with `Retry-After: 1` when

@@ -14,7 +14,6 @@ from helios.asgi.request import parse_content_encoding
 from helios.domain.decisions import DecisionQuestion, QuestionScore
 from helios.errors import BadRequest, UnsupportedMediaType
 from helios.frontends.decisions import decisions, systemone
-from helios.frontends.wire import parse_json_object
 from helios.http.context import RequestContext
 from helios.http.dispatch import Route
 from helios.serving.decisions import DecisionScorer
@@ -25,7 +24,7 @@ async def system_one(ctx: RequestContext) -> None:
     _reject_multipart(ctx, text_only_route=False)
     body = await ctx.read_body()
     try:
-        plan = systemone.decode_systemone(systemone.parse_body(body))
+        plan = await ctx.offload(lambda: systemone.decode_systemone(systemone.parse_body(body)))
     except systemone.SchemaErrors as exc:
         await ctx.json(exc.body(), status=exc.status)
         return
@@ -36,7 +35,7 @@ async def system_one(ctx: RequestContext) -> None:
 async def decide(ctx: RequestContext) -> None:
     ctx.auth()
     _reject_multipart(ctx, text_only_route=True)
-    plan = decisions.decode_decisions(parse_json_object(await ctx.read_body()))
+    plan = await ctx.offload(decisions.decode_decisions, await ctx.read_json())
     await _score(ctx, plan.input, [q.question for q in plan.questions],
                  lambda scores, model: decisions.encode_decisions(plan, scores, model))
 

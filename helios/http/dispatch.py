@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from helios.asgi.request import ClientDisconnected, Request
-from helios.asgi.responses import send_json
+from helios.asgi.responses import JSON_CONTENT_TYPE, dumps, send_bytes
 from helios.asgi.routing import Router
 from helios.domain.generation import StreamEvent
-from helios.errors import HeliosError, InternalError, ServiceUnavailable
+from helios.errors import BadRequest, HeliosError, InternalError, ServiceUnavailable
 from helios.http.context import Handler, RequestContext
 from helios.http.state import ServerState
 from helios.obs import access
@@ -54,6 +54,22 @@ class Dispatcher:
             if state.config.server.access_log:
                 access.log.info("%s", access.format_line(stats, scope))
 
+    async def serve_websocket(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """A WebSocket handshake: refused with the same 400 an HTTP request gets (`transport_problem`),
+        sent as the ASGI WebSocket denial response; a server without that extension closes it (403)."""
+        if "websocket.http.response" not in (scope.get("extensions") or {}):
+            log.warning("refused a WebSocket connection to %s", scope.get("path", "/"))
+            await send({"type": "websocket.close", "code": 1008})
+            return
+
+        async def as_denial(message: dict[str, Any]) -> None:
+            kind = message.get("type", "")
+            if kind.startswith("http.response."):
+                message = {**message, "type": "websocket." + kind}
+            await send(message)
+
+        await self(scope, receive, as_denial)
+
     async def _serve(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         req = Request.from_scope(scope)
         method = req.method
@@ -63,6 +79,11 @@ class Dispatcher:
             method, send = "GET", _without_body(send)
         ctx = RequestContext(req, {}, receive, send, self.state, "req-" + uuid.uuid4().hex)
         try:
+            refused = transport_problem(scope, req)
+            if refused is not None:
+                log.warning("refused %s %s from %s: %s", req.method, req.path,
+                            req.client[0] if req.client else "-", refused.message)
+                raise refused
             handler, ctx.params = self.router.match(method, req.path)
             with ctx.cancel_scope:
                 await handler(ctx)
@@ -95,7 +116,10 @@ def protocol_of(path: str) -> str:
 async def render_error(ctx: RequestContext, exc: HeliosError) -> None:
     """An error in the shape of the path's protocol: a JSON body before the response started; on a
     stream that started, the generation encoder's own terminal error events (`Encoder.fail`: the
-    drivers write those for failures they see; this covers failures outside them)."""
+    drivers write those for failures they see; this covers failures outside them).
+
+    It never fails itself: a body that cannot be built or serialized is replaced by a fixed
+    server error in the same shape, so no request ends in a bare 500 without a body."""
     protocol = protocol_of(ctx.req.path)
     stream = ctx.stream
     if stream is not None and stream.started:
@@ -111,18 +135,53 @@ async def render_error(ctx: RequestContext, exc: HeliosError) -> None:
                     await stream.send(event)
                 await stream.close()
             except Exception:
-                pass
+                log.exception("could not end the stream of %s with its error event", ctx.req.path)
         return
     if ctx.responded:
         return
     ctx.responded = True
+    status, headers = exc.status, [*ctx.headers(), *exc.headers]
+    try:
+        body = dumps(_error_body(protocol, exc)).encode("utf-8")
+    except Exception:
+        log.exception("could not render a %d error on %s; answering 500", exc.status, ctx.req.path)
+        status, headers = 500, ctx.headers()
+        body = dumps(_error_body(protocol, InternalError("internal error: the error could not be rendered")))\
+            .encode("utf-8")
+    await send_bytes(ctx.send, status, body, JSON_CONTENT_TYPE, headers)
+
+
+SUPPORTED_HTTP_VERSIONS = frozenset({"1.0", "1.1", "2", "3"})
+CLOSE = ((b"connection", b"close"),)
+
+
+def transport_problem(scope: dict[str, Any], req: Request) -> HeliosError | None:
+    """What the transport asks that Helios does not do (spec, Transport: generation is HTTP JSON or
+    SSE; WebSockets are unsupported): a 400 in the path's protocol shape, answered before routing.
+
+    - a WebSocket upgrade (answered through the ASGI WebSocket denial response, `serve_websocket`);
+    - an HTTP version hypercorn's parser let through but no client speaks (HTTP/9.9): closed after;
+    - both Content-Length and Transfer-Encoding (RFC 9112 6.3: possible request smuggling; a server
+      may reject it and must close the connection after responding).
+    """
+    if scope.get("type") == "websocket":
+        return BadRequest("WebSocket connections are not supported; generation uses HTTP JSON, or SSE with "
+                          "stream: true")
+    version = str(scope.get("http_version", "1.1"))
+    if version not in SUPPORTED_HTTP_VERSIONS:
+        return BadRequest(f"HTTP/{version} is not supported; use HTTP/1.1 or HTTP/2", headers=CLOSE)
+    if "transfer-encoding" in req.headers and "content-length" in req.headers:
+        return BadRequest("a request must not carry both Content-Length and Transfer-Encoding (RFC 9112 6.3)",
+                          headers=CLOSE)
+    return None
+
+
+def _error_body(protocol: str, exc: HeliosError) -> dict[str, Any]:
     if protocol == "anthropic":
-        body = exc.to_anthropic()
-    elif protocol == "ollama" and exc.status not in (401,):
-        body = exc.to_ollama()
-    else:
-        body = exc.to_openai()
-    await send_json(ctx.send, exc.status, body, [*ctx.headers(), *exc.headers])
+        return exc.to_anthropic()
+    if protocol == "ollama" and exc.status not in (401,):
+        return exc.to_ollama()
+    return exc.to_openai()
 
 
 def _without_body(send: Any) -> Any:

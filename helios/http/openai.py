@@ -5,6 +5,7 @@ one driver, buffered or streamed."""
 
 from __future__ import annotations
 
+from helios.frontends import limits
 from helios.frontends.openai import chat, completions, models, responses
 from helios.http.context import RequestContext
 from helios.http.dispatch import Route
@@ -22,9 +23,9 @@ async def get_model(ctx: RequestContext) -> None:
 
 async def chat_completions(ctx: RequestContext) -> None:
     ctx.auth()
-    obj = await ctx.read_json()
+    obj = await ctx.read_json(limits.CHAT)
     svc = ctx.svc
-    plan = chat.decode_chat(obj, svc.info)
+    plan = await ctx.offload(chat.decode_chat, obj, svc.info)
     ctx.admit(plan.options.n)
     prepared = await svc.prepare(plan.generation)
     encoder = chat.ChatEncoder(plan, prepared.prompts, model=svc.info.public_id, vocab=svc)
@@ -33,20 +34,20 @@ async def chat_completions(ctx: RequestContext) -> None:
 
 async def text_completions(ctx: RequestContext) -> None:
     ctx.auth()
-    obj = await ctx.read_json()
+    obj = await ctx.read_json(limits.COMPLETIONS)
     svc = ctx.svc
-    plan = completions.decode_completion(obj, svc.info)
+    plan = await ctx.offload(completions.decode_completion, obj, svc.info)
+    ctx.admit(len(plan.generation.prompts) * plan.options.n)  # before any prompt is tokenized
     prepared = await svc.prepare(plan.generation)
-    ctx.admit(len(prepared.prompts) * plan.options.n)
     encoder = completions.CompletionEncoder(plan, prepared.prompts, model=svc.info.public_id, vocab=svc)
     await ctx.generate(prepared, encoder, stream=plan.stream)
 
 
 async def create_response(ctx: RequestContext) -> None:
     ctx.auth()
-    obj = await ctx.read_json()
+    obj = await ctx.read_json(limits.RESPONSES)
     svc = ctx.svc
-    plan = responses.decode_responses(obj, svc.info)
+    plan = await ctx.offload(responses.decode_responses, obj, svc.info)
     ctx.admit(1)
     prepared = await svc.prepare(plan.generation)
     encoder = responses.make_encoder(plan, prepared.prompts, prepared.children[0].sampling, model=svc.info.public_id,

@@ -54,6 +54,13 @@ _GPT2_STYLE_PRE = {"default": False, "gpt2": False, "gpt-2": False, "smollm": Tr
 _IGNORE_MERGES_PRE = frozenset({"llama3", "llama-v3", "llama-bpe"})
 _NFC_PRE = frozenset({"qwen2", "deepseek-r1-qwen"})
 
+CHUNK_CHARS = 1 << 16
+"""Characters per piece when a long text is encoded in pieces (`Tokenizer.encode`)."""
+# A cut point: the space between two ASCII letters. In the byte-level split patterns Helios accepts
+# (GPT-2's, Llama 3's, Qwen 2's), a letter run never takes the space after it and a space before a
+# letter always starts a new pre-token, so the whole text has a pre-token boundary right there.
+_SAFE_CUT = re.compile(r"[A-Za-z] (?=[A-Za-z])")
+
 _GGUF_TOKEN_CONTROL = 3
 _GGUF_TOKEN_USER_DEFINED = 4
 _GGUF_TOKEN_BYTE = 6
@@ -84,6 +91,9 @@ class Tokenizer:
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self._bytes_cache: dict[int, bytes] = {}
         self._unicode_to_byte = _unicode_to_byte() if byte_encoding == "byte_level" else {}
+        # Long texts are encoded in pieces when that gives exactly the whole text's ids (`encode`).
+        self.splittable: bool = _is_splittable(backend)
+        self.chunk_chars = CHUNK_CHARS
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -150,7 +160,20 @@ class Tokenizer:
         return self._backend
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`, computed so that nothing else stops while a long text tokenizes:
+
+        - through the backend's batch path, which releases the GIL while it works (its single
+          `encode` holds it throughout: a 30 MB prompt froze the event loop and the engine thread
+          for 16 s);
+        - in pieces of about `chunk_chars` characters when the tokenizer allows it (`splittable`),
+          cut only where the whole text's pre-tokenization has a boundary anyway (a space between two
+          ASCII letters), so the ids are exactly the whole text's. Each piece's ids become Python
+          objects in a short GIL hold, and the backend's working memory (about 130 bytes per input
+          byte) is bounded by the piece, not the prompt.
+        """
+        ids: list[int] = []
+        for piece in self._pieces(text):
+            ids.extend(self._backend.encode_batch([piece], add_special_tokens=False)[0].ids)
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None \
                 and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
@@ -158,6 +181,20 @@ class Tokenizer:
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [self.encode(text, add_special_tokens) for text in texts]
+
+    def _pieces(self, text: str) -> Iterable[str]:
+        size = self.chunk_chars
+        if not self.splittable or len(text) < 2 * size:
+            yield text
+            return
+        start = 0
+        while len(text) - start >= 2 * size:
+            cut = _SAFE_CUT.search(text, start + size)
+            if cut is None:
+                break
+            yield text[start:cut.start() + 1]
+            start = cut.start() + 1
+        yield text[start:]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -360,3 +397,39 @@ def _unicode_to_byte() -> dict[str, int]:
             table[chr(256 + shifted)] = b
             shifted += 1
     return table
+
+
+def _is_splittable(backend: tokenizers.Tokenizer) -> bool:
+    """Whether encoding a text in pieces cut at `_SAFE_CUT` gives exactly the whole text's ids:
+    byte-level pre-tokenization by a known split pattern (or GPT-2's built into ByteLevel), digit
+    splitting, no normalizer or only position-independent ones, and no added token that a cut could
+    split or that takes the whitespace around it."""
+    try:
+        spec = json.loads(backend.to_str())
+    except Exception:  # an unusual backend is simply not split
+        return False
+    for token in backend.get_added_tokens_decoder().values():
+        if token.lstrip or token.rstrip or token.single_word or any(ch.isspace() for ch in token.content):
+            return False
+    normalizer = spec.get("normalizer")
+    steps = normalizer.get("normalizers", []) if normalizer and normalizer.get("type") == "Sequence" else \
+        [normalizer] if normalizer else []
+    if any(step.get("type") not in ("NFC", "NFKC", "Lowercase") for step in steps):
+        return False
+    pre = spec.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    has_byte_level = has_split = False
+    for part in parts:
+        kind = part.get("type")
+        if kind == "ByteLevel":
+            has_byte_level = True
+            has_split = has_split or bool(part.get("use_regex", True))
+        elif kind == "Split":
+            pattern = part.get("pattern") or {}
+            if pattern.get("Regex") not in _SPLIT_PATTERNS.values() or part.get("invert") \
+                    or part.get("behavior") != "Isolated":
+                return False
+            has_split = True
+        elif kind != "Digits":
+            return False
+    return has_byte_level and has_split

@@ -1,0 +1,46 @@
+"""Item counts each route accepts, checked at the edge right after the JSON body is parsed and
+before it is decoded, admitted, lowered or tokenized (docs/operations.md, "Request limits").
+
+The counts that make a request expensive before the context check can see it are the collections
+that the decoder, the chat template and the tokenizer walk: messages and input items, the content
+parts of each, tool calls, tools, and token-id arrays. Each is bounded here; a body over a bound is
+a 400 naming the field. Other counts are bounded where the spec defines them, in each protocol's
+decoder (string stops: 4; token stops: 16 of at most 64 ids; logprob_token_ids: 128; decision
+questions: 64), which runs before admission too. Nesting and text validity are checked once for
+every JSON document (`wire.check_document`).
+"""
+
+from __future__ import annotations
+
+from helios.frontends.wire import CountLimit
+
+MAX_MESSAGES = 10_000
+"""Messages (Chat Completions, Messages, count_tokens) or input items (Responses) per request."""
+MAX_PARTS = 1_000
+"""Content parts (or tool calls) per message or input item, and blocks in a tool result or system array."""
+MAX_TOOLS = 512
+"""Declared tools per request."""
+MAX_TOKEN_IDS = 1 << 20
+"""Elements of a Completions `prompt` array: token ids, or prompts of a batch (a batch is further
+bounded by the admission slots it needs, checked before tokenization)."""
+
+CHAT = (
+    CountLimit("messages", MAX_MESSAGES),
+    CountLimit("messages[].content", MAX_PARTS),
+    CountLimit("messages[].tool_calls", MAX_PARTS),
+    CountLimit("tools", MAX_TOOLS),
+)
+COMPLETIONS = (CountLimit("prompt", MAX_TOKEN_IDS),)
+RESPONSES = (
+    CountLimit("input", MAX_MESSAGES),
+    CountLimit("input[].content", MAX_PARTS),
+    CountLimit("input[].output", MAX_PARTS),
+    CountLimit("tools", MAX_TOOLS),
+)
+MESSAGES = (
+    CountLimit("system", MAX_PARTS),
+    CountLimit("messages", MAX_MESSAGES),
+    CountLimit("messages[].content", MAX_PARTS),
+    CountLimit("messages[].content[].content", MAX_PARTS),
+    CountLimit("tools", MAX_TOOLS),
+)
