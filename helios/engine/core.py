@@ -35,6 +35,7 @@ from helios.engine.records import (
 from helios.engine.runner import ModelRunner
 from helios.engine.sampler import Sampler
 from helios.engine.scheduler import Scheduler
+from helios.engine.speculative import SpeculativeConfig
 
 log = logging.getLogger("helios.engine")
 
@@ -57,6 +58,8 @@ class EngineConfig:
     """DRAM budget of the host store behind the prefix cache (0 with no disk: no host store)."""
     disk_dir: str | None = None
     disk_bytes: int = 0
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    """Exact speculative decoding (engine/speculative.py); off by default."""
 
 
 class EngineCore:
@@ -85,7 +88,8 @@ class EngineCore:
             self.kv_manager, max_active=cfg.max_active, prefill_chunk_size=cfg.prefill_chunk_size,
             max_model_len=cfg.max_model_len,
             host_has=host.contains if host is not None else None,
-            restore=self._restore if host is not None else None)
+            restore=self._restore if host is not None else None,
+            speculative=cfg.speculative)
         self.sampler = Sampler(model_config.vocab_size, device=self.device)
         self.runner = ModelRunner(model, self.attention, self.kv_manager, self.sampler, self.device,
                                   max_rows=cfg.max_active, max_model_len=cfg.max_model_len)
@@ -134,6 +138,8 @@ class EngineCore:
             cached_pages=self.kv_manager.num_cached,
             host=None if self.host_store is None else self._host_stats(),
             reasoning_budget_cuts=self.scheduler.reasoning_budget_cuts,
+            speculative_mode=self.cfg.speculative.mode,
+            speculative=self.scheduler.spec_stats.snapshot(),
         )
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.domain.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from helios.engine.speculative import SpeculativeStats
     from helios.engine.structured import GrammarConstraint
 
 
@@ -206,3 +207,7 @@ class EngineStats:
     """The host store behind the prefix cache; None when there is none."""
     reasoning_budget_cuts: int = 0
     """Requests whose reasoning the engine closed at their hard token budget (a forced close)."""
+    speculative_mode: str = "off"
+    """``[speculative] mode``: off, ngram or adaptive."""
+    speculative: SpeculativeStats | None = None
+    """Speculation counters (verification rounds and drafts; engine/speculative.py)."""

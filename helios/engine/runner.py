@@ -7,7 +7,9 @@ chunk ends its known tokens. It returns plain values (token ids and logprob reco
 request id; the scheduler commits them (`Scheduler.update`). A chunk with a forced token
 (`ScheduledChunk.forced_token_id`, a reasoning budget's close) gets that token instead of its draw
 and no logprob record; every other row keeps its draw (the replacement is made on the host list of
-sampled ids, so it adds no device read).
+sampled ids, so it adds no device read). A chunk with speculative drafts (`ScheduledChunk.draft_token_ids`)
+samples each of its last k + 1 positions in the same `sample` call and commits the run of draws
+that match the drafts plus the first that does not (`_verify`; `engine/speculative.py`).
 
 The step's tensors come from a persistent input batch (`InputBatch`): each running request holds a
 row from its first step until `SchedulerOutput.freed` names it, and the row's block table and
@@ -36,6 +38,8 @@ from helios.engine.sampler import (
     RowParams,
     Sampler,
     SamplingRow,
+    consume_uniforms,
+    draws_uniform,
     prompt_scores,
     row_log_min_p,
     row_temperature,
@@ -62,6 +66,7 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.batch.release(sched.freed)
+        self.batch.rollback(sched.trimmed)
         if not sched.chunks:
             return RunnerOutput()
         scored: dict[str, tuple[PromptLogprob | None, ...]] = {}
@@ -79,8 +84,15 @@ class ModelRunner:
             rows = hidden if step.sample_tokens is None else hidden.index_select(0, step.sample_tokens)
             logits = self.model.compute_logits(rows)
             token_mask, masked_rows = masks.result(self.sampler.vocab_size, logits.device) if masks else (None, None)
+            if masked_rows is not None and step.first_rows is not None:
+                masked_rows = [step.first_rows[i] for i in masked_rows]  # request index -> logits row
+            rewind = self._generator_states(step)
             token_ids, logprobs = self.sampler.sample(logits, step.rows, token_mask=token_mask,
                                                       masked_rows=masked_rows, row_params=step.row_params)
+        if step.first_rows is not None:
+            token_ids, logprobs, verified = self._verify(step, token_ids, logprobs, rewind)
+        else:
+            verified = {}
         for i, forced_id in step.forced:
             # A forced token (a reasoning budget's close) replaces this row's draw; it has no logprob.
             token_ids[i] = forced_id
@@ -88,7 +100,13 @@ class ModelRunner:
         sampled: dict[str, tuple[int, ...]] = {}
         records: dict[str, tuple[TokenLogprob, ...]] = {}
         failed: dict[str, str] = {}
-        for s, t, lp, row in zip(step.seqs, token_ids, logprobs, step.rows, strict=True):
+        for s, t, lp, row in zip(step.seqs, token_ids, logprobs, step.sampler_rows, strict=True):
+            run = verified.get(s.request_id)
+            if run is not None:  # a verification round: its accepted drafts and its sampled token
+                sampled[s.request_id] = run[0]
+                if row.wants_logprobs:
+                    records[s.request_id] = run[1]
+                continue
             sampled[s.request_id] = (t,)
             if s.grammar is not None:
                 forced = self._advance_grammar(s, t, row.wants_logprobs)
@@ -101,6 +119,54 @@ class ModelRunner:
             elif row.wants_logprobs:
                 records[s.request_id] = ()  # a forced token: omitted from the logprobs
         return RunnerOutput(sampled=sampled, logprobs=records, prompt_logprobs=scored, failed=failed)
+
+    @staticmethod
+    def _generator_states(step: StepBatch) -> dict[int, Tensor]:
+        """The generator state of each seeded, drawing verification request before its draws (by
+        its index in ``step.seqs``): `_verify` rewinds it to the draws of its committed tokens."""
+        if step.first_rows is None:
+            return {}
+        out: dict[int, Tensor] = {}
+        for i, drafts in enumerate(step.drafts):
+            row = step.rows[step.first_rows[i]]
+            if drafts and row.generator is not None and draws_uniform(row.params):
+                out[i] = row.generator.get_state()
+        return out
+
+    @staticmethod
+    def _verify(step: StepBatch, token_ids: list[int], logprobs: list[TokenLogprob | None],
+                rewind: dict[int, Tensor]) -> tuple[list[int], list[TokenLogprob | None],
+                                                    dict[str, tuple[tuple[int, ...], tuple[TokenLogprob, ...]]]]:
+        """Per request, from the draws of all its rows: its first row's token and logprob (aligned
+        with ``step.seqs``) and, for verification rounds, the committed run and its logprob records.
+
+        Position i of a round was sampled from the target model's logits after the drafts before it
+        (the sampler row's output tokens include them). The run keeps positions while their draw
+        equals the draft and ends with the first draw that differs, or the bonus draw after the last
+        draft: each committed token is exactly the token decoding would have drawn. A seeded row's
+        generator is rewound to one draw per committed token."""
+        assert step.first_rows is not None
+        first_ids: list[int] = []
+        first_lps: list[TokenLogprob | None] = []
+        verified: dict[str, tuple[tuple[int, ...], tuple[TokenLogprob, ...]]] = {}
+        for i, (seq, at, drafts) in enumerate(zip(step.seqs, step.first_rows, step.drafts, strict=True)):
+            first_ids.append(token_ids[at])
+            first_lps.append(logprobs[at])
+            if not drafts:
+                continue
+            n = 0
+            while n < len(drafts) and token_ids[at + n] == drafts[n]:
+                n += 1
+            run = tuple(token_ids[at : at + n + 1])
+            lps = tuple(lp for lp in logprobs[at : at + n + 1] if lp is not None)
+            verified[seq.request_id] = (run, lps)
+            state = rewind.get(i)
+            if state is not None:
+                generator = step.rows[at].generator
+                assert generator is not None
+                generator.set_state(state)
+                consume_uniforms(generator, n + 1)
+        return first_ids, first_lps, verified
 
     @staticmethod
     def _any_grammar(seqs: Seq[RequestState]) -> bool:
@@ -159,13 +225,25 @@ class StepBatch:
     seqs: list[RequestState]
     """The requests that sample this step, in chunk order."""
     rows: list[SamplingRow]
+    """The sampler's rows, aligned with the logits: one per request, or one per verified position
+    of a verification round (its k drafts and the bonus position)."""
     row_params: RowParams | None
     sample_tokens: Tensor | None
-    """Flattened index of each sampling request's last token; None when every token samples."""
+    """Flattened index of each sampled position's token; None when every token samples."""
     scoring: list[tuple[int, ScheduledChunk]]
     """(first token index, chunk) of the chunks whose prompt positions are scored."""
     forced: list[tuple[int, int]] = attrs.field(factory=list)
     """(index into ``seqs``, token id) of the rows whose next token is forced instead of sampled."""
+    first_rows: list[int] | None = None
+    """With verification rounds in the step: each request's first row in ``rows`` (None: row i is
+    request i's)."""
+    drafts: list[tuple[int, ...]] = attrs.field(factory=list)
+    """With ``first_rows``: each request's drafts (empty for plain rows)."""
+
+    @property
+    def sampler_rows(self) -> list[SamplingRow]:
+        """Each request's own sampling row (its first), aligned with ``seqs``."""
+        return self.rows if self.first_rows is None else [self.rows[i] for i in self.first_rows]
 
 
 class InputBatch:
@@ -174,7 +252,7 @@ class InputBatch:
     A request gets a row the first step it runs and keeps it until `release` (the scheduler's
     `freed`: finished, aborted or preempted). Per row, in preallocated device tensors: the block
     table (only pages added since the last step are written; the KV cache manager's tables only
-    grow until freed), the temperature and log(min-p) of the sampler's vectorised path; and on the
+    grow until freed, except a speculative rollback, which `rollback` rewinds), the temperature and log(min-p) of the sampler's vectorised path; and on the
     host its `SamplingRow`, built once, whose output ids are a live view of the request's tokens.
 
     Per step, the host lists (token ids, positions, the row of each token, new block-table entries,
@@ -216,6 +294,14 @@ class InputBatch:
                 self._rows[row] = None
                 self._num_pages[row] = 0
 
+    def rollback(self, trimmed: Iterable[tuple[str, int]]) -> None:
+        """Speculative rollbacks: a row's block-table entries from ``pages kept`` on are rewritten
+        at its next step (the pages there may have been released and others taken since)."""
+        for rid, kept in trimmed:
+            row = self._row_of.get(rid)
+            if row is not None:
+                self._num_pages[row] = min(self._num_pages[row], kept)
+
     def prepare(self, chunks: Seq[ScheduledChunk], manager: KVCacheManager) -> StepBatch:
         ids: list[int] = []
         positions: list[int] = []
@@ -233,6 +319,8 @@ class InputBatch:
         seqs: list[RequestState] = []
         rows: list[SamplingRow] = []
         forced: list[tuple[int, int]] = []
+        first_rows: list[int] = []
+        step_drafts: list[tuple[int, ...]] = []
         offset = 0
         for c in chunks:
             seq = c.seq
@@ -260,7 +348,9 @@ class InputBatch:
                 else:
                     prefills.append((offset, 1, row, 0))
             else:
-                ids.extend(seq.token_ids[start : start + length])
+                drafts = c.draft_token_ids
+                ids.extend(seq.token_ids[start : start + length - len(drafts)])
+                ids.extend(drafts)
                 positions.extend(range(start, start + length))
                 token_rows.extend(itertools.repeat(row, length))
                 prefills.append((offset, length, row, start))
@@ -268,14 +358,20 @@ class InputBatch:
                 scoring.append((offset, c))
             offset += length
             if c.samples and seq.request.max_tokens > 0:
-                sample_tokens.append(offset - 1)
-                sample_rows.append(row)
-                if c.forced_token_id is not None:
-                    forced.append((len(seqs), c.forced_token_id))
-                seqs.append(seq)
                 sampling_row = self._rows[row]
                 assert sampling_row is not None
-                rows.append(sampling_row)
+                if c.forced_token_id is not None:
+                    forced.append((len(seqs), c.forced_token_id))
+                first_rows.append(len(rows))
+                step_drafts.append(c.draft_token_ids)
+                seqs.append(seq)
+                nd = c.num_drafts
+                # A verification round samples each of its k + 1 last positions; position j's row
+                # sees the drafts before it among its output tokens (penalties read them).
+                for j in range(nd + 1):
+                    sample_tokens.append(offset - 1 - nd + j)
+                    sample_rows.append(row)
+                    rows.append(_draft_row(sampling_row, c.draft_token_ids[:j]) if j else sampling_row)
         num_tokens = offset
 
         parts = (ids, positions, token_rows, new_rows, new_cols, new_pages, sample_tokens, sample_rows,
@@ -299,7 +395,7 @@ class InputBatch:
             prefills=tuple(prefills),
         )
         row_params = None
-        if seqs:
+        if rows:
             row_params = RowParams(self.temperature.index_select(0, sample_rows_t),
                                    self.log_min_p.index_select(0, sample_rows_t))
         return StepBatch(
@@ -312,6 +408,8 @@ class InputBatch:
             sample_tokens=None if len(sample_tokens) == num_tokens else sample_tokens_t,
             scoring=scoring,
             forced=forced,
+            first_rows=first_rows if len(rows) > len(seqs) else None,
+            drafts=step_drafts,
         )
 
     # -- helpers ----------------------------------------------------------------------------
@@ -387,6 +485,14 @@ class InputBatch:
         with torch.inference_mode(False):
             width = max(needed, 2 * self.block_table.shape[1])
             self.block_table = _grown(self.block_table, (self.block_table.shape[0], width), 0)
+
+
+def _draft_row(row: SamplingRow, drafts: tuple[int, ...]) -> SamplingRow:
+    """``row`` for a verified position after ``drafts``: output tokens extended by them when its
+    penalties read output tokens (the same row otherwise)."""
+    if not row.has_penalties:
+        return row
+    return attrs.evolve(row, output_token_ids=[*row.output_token_ids, *drafts])
 
 
 def _grown(t: Tensor, shape: tuple[int, ...], fill: float) -> Tensor:

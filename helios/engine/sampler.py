@@ -368,6 +368,20 @@ class Sampler:
         return out
 
 
+def draws_uniform(params: SamplingParams) -> bool:
+    """Whether a row with these parameters consumes a uniform per ``sample`` call (every row that
+    is not greedy)."""
+    return not _is_greedy(params)
+
+
+def consume_uniforms(generator: torch.Generator, count: int) -> None:
+    """Advance a seeded row's generator by ``count`` draws exactly as ``count`` sampling steps do
+    (speculative verification rewinds a generator to the draws of the tokens it committed)."""
+    one = torch.empty(1, dtype=torch.float64)
+    for _ in range(count):
+        one.uniform_(generator=generator)
+
+
 def apply_penalties(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
     """Applies each row's repetition, frequency and presence penalties to [B, V] float logits in place."""
     _apply_penalties(logits, rows, [1.0] * len(rows))

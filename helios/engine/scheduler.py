@@ -34,6 +34,13 @@ from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.engine.kv.manager import KVCacheManager
 from helios.engine.reasoning_budget import BudgetTracker
 from helios.engine.records import EngineFinish, EngineRequest, RequestOutput, RunnerOutput
+from helios.engine.speculative import (
+    DraftState,
+    NgramProposer,
+    SpeculativeConfig,
+    SpeculativeStats,
+    planned_depth,
+)
 from helios.engine.structured import GrammarState
 
 _MAX_PENDING = 17  # a sampled token and up to 16 grammar-forced ones (runner._MAX_FORCED)
@@ -53,8 +60,9 @@ class RequestState:
     fields are the plug-in points of later features: a structured-output matcher (token masks and
     forced tokens, applied by the runner before sampling), a reasoning-budget tracker
     (`reasoning_budget.BudgetTracker`: at the cap `schedule` puts the close token on the chunk as
-    its forced token, and `_commit` feeds it every committed token) and a draft proposer (lookahead slots in
-    `allocate_slots`, several committed tokens per step in `RunnerOutput`).
+    its forced token, and `_commit` feeds it every committed token) and speculative decoding's
+    `speculative.DraftState` (its proposer and depth: drafts ride on the decode chunk, their pages are
+    lookahead slots in `allocate_slots`, and the runner commits several tokens per step).
     """
 
     request: EngineRequest
@@ -71,7 +79,8 @@ class RequestState:
     """Prefix-cache chain hashes of its pages, computed once (extended as its tokens grow)."""
     grammar: Any = None
     reasoning_budget: BudgetTracker | None = None
-    proposer: Any = None
+    drafts: DraftState | None = None
+    """Set when the request speculates (speculation on; no grammar, no reasoning budget)."""
 
     @property
     def request_id(self) -> str:
@@ -101,6 +110,16 @@ class ScheduledChunk:
     forced_token_id: int | None = None
     """The runner commits this token instead of the sampled one (no logprob entry): a reasoning
     budget's close token. Only on a chunk that samples."""
+    draft_token_ids: tuple[int, ...] = ()
+    """Speculative drafts verified after the chunk's tokens: they are the chunk's last
+    ``len(draft_token_ids)`` positions (counted in ``length``), not in ``seq.token_ids``."""
+    decode_round: bool = False
+    """A decode (or verification) round of a request past its prefill: what the speculative
+    counters count (prefill chunks, resumed ones included, are not rounds)."""
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.draft_token_ids)
 
 
 @attrs.frozen
@@ -110,6 +129,9 @@ class SchedulerOutput:
     freed: tuple[str, ...] = ()
     """Requests whose pages were released since the previous step (finished, aborted, preempted):
     the runner drops its per-request state for them before building this step."""
+    trimmed: tuple[tuple[str, int], ...] = ()
+    """(request, pages kept) of the speculative rollbacks since the previous step: the tables'
+    entries from there on may have changed since the runner last copied them."""
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +148,7 @@ class Scheduler:
         max_model_len: int,
         restore: Callable[[int, int], bool] | None = None,
         host_has: Callable[[int], bool] | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.kv = kv
         # The host store behind the prefix cache: `host_has(hash)` says whether it holds a page,
@@ -149,7 +172,10 @@ class Scheduler:
         # Per host-store lookup: tokens still to prefill, and the restore's time in ns.
         self.host_lookups: list[tuple[int, int]] = []
         self._freed: list[str] = []
+        self._trimmed: dict[str, int] = {}
         self.reasoning_budget_cuts = 0  # forced reasoning closes committed (flare_reasoning_budget_cuts_total)
+        self.speculative = speculative or SpeculativeConfig()
+        self.spec_stats = SpeculativeStats()
 
     # -- membership -------------------------------------------------------------------------
     def add(self, request: EngineRequest, generator: torch.Generator | None) -> RequestState:
@@ -162,6 +188,9 @@ class Scheduler:
             reasoning_budget=BudgetTracker(request.reasoning_budget) if request.reasoning_budget else None,
             grammar=GrammarState(request.constraint) if request.constraint is not None else None,
         )
+        spec = self.speculative
+        if spec.enabled and seq.grammar is None and seq.reasoning_budget is None and request.max_tokens > 1:
+            seq.drafts = DraftState(NgramProposer(spec.min_ngram, spec.max_ngram), spec.max_depth)
         self._arrivals += 1
         self.waiting.append(seq)
         self.by_id[request.request_id] = seq
@@ -204,7 +233,9 @@ class Scheduler:
         budget = self.prefill_chunk_size
         kv = self.kv
 
-        # 1. Decode: every running request past its prefill grows by one token.
+        # 1. Decode: every running request past its prefill grows by one token (speculating ones
+        # verify their drafts in the same chunk).
+        num_decode = sum(1 for s in self.running if _decodes(s))
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status != SeqStatus.RUNNING or not _decodes(seq):
                 continue
@@ -224,10 +255,12 @@ class Scheduler:
                     self.finish(seq)
                 continue
             num_new = total - seq.num_computed  # 1, or more after grammar-forced tokens
-            kv.allocate_slots(seq.request_id, seq.num_computed, num_new)
-            chunks.append(ScheduledChunk(seq, total - num_new, num_new, True, self._forced_token(seq)))
+            drafts = self._drafts(seq, num_new, budget, num_decode, len(scheduled))
+            kv.allocate_slots(seq.request_id, seq.num_computed, num_new, len(drafts))
+            chunks.append(ScheduledChunk(seq, total - num_new, num_new + len(drafts), True, self._forced_token(seq),
+                                         drafts, decode_round=True))
             scheduled.add(seq.request_id)
-            budget -= num_new
+            budget -= num_new + len(drafts)
         budget = max(budget, 0)
 
         # 2. Continue partial prefills of running requests, oldest first.
@@ -283,7 +316,8 @@ class Scheduler:
             budget -= chunk.length
 
         freed, self._freed = tuple(self._freed), []
-        return SchedulerOutput(tuple(chunks), tuple(finished_early), freed)
+        trimmed, self._trimmed = tuple(self._trimmed.items()), {}
+        return SchedulerOutput(tuple(chunks), tuple(finished_early), freed, trimmed)
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         """Commit what the runner produced: computed positions, tokens, stops, frees and outputs."""
@@ -291,12 +325,14 @@ class Scheduler:
                                  num_cached_tokens=s.num_cached_tokens)
                    for s, cause in out.finished_early]
         for c in out.chunks:
-            c.seq.num_computed = c.start + c.length
+            # Drafts are computed only once verified: their positions are settled below.
+            c.seq.num_computed = c.start + c.length - c.num_drafts
             if c.start < c.seq.num_prompt_tokens:
                 self.prefill_tokens += min(c.start + c.length, c.seq.num_prompt_tokens) - c.start
             # Pages these tokens filled become findable (their K/V were written this step).
             self.kv.cache_full_pages(c.seq.request_id, c.seq.token_ids, c.seq.num_computed,
                                      c.seq.request.retain_tokens // self.kv.page_size)
+        widest = 0
         for c in out.chunks:
             seq = c.seq
             rid = seq.request_id
@@ -307,9 +343,15 @@ class Scheduler:
                 outputs.append(RequestOutput(rid, (), finish=EngineFinish.ERROR, error=result.failed[rid],
                                              num_prompt_tokens=seq.num_prompt_tokens,
                                              num_cached_tokens=seq.num_cached_tokens))
+            elif tokens and c.num_drafts:
+                widest = max(widest, c.num_drafts + 1)
+                outputs.append(self._commit_verified(c, tokens, result.logprobs.get(rid), scores))
             elif tokens:
                 forced = (0,) if c.forced_token_id is not None else ()
-                outputs.append(self._commit(seq, tokens, result.logprobs.get(rid), scores, forced))
+                output = self._commit(seq, tokens, result.logprobs.get(rid), scores, forced)
+                outputs.append(output)
+                if c.decode_round and output.new_token_ids:
+                    self.spec_stats.round(0, 0)
             elif c.samples and seq.request.max_tokens == 0:
                 # A scoring-only request: its prefill is done and nothing is sampled.
                 self.finish(seq)
@@ -319,7 +361,33 @@ class Scheduler:
             elif scores:
                 outputs.append(RequestOutput(rid, (), prompt_logprobs=scores, num_prompt_tokens=seq.num_prompt_tokens,
                                              num_cached_tokens=seq.num_cached_tokens))
+        if widest:
+            self.spec_stats.step(widest)
         return outputs
+
+    def _commit_verified(self, c: ScheduledChunk, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] | None,
+                         prompt_logprobs: tuple[PromptLogprob | None, ...] | None) -> RequestOutput:
+        """Commit a verification round: ``tokens`` are the accepted drafts and then the token sampled
+        at the first rejected (or the bonus) position. The accepted drafts' K/V are now computed and
+        their full pages registered; the pages of rejected positions are rolled back."""
+        seq = c.seq
+        accepted = len(tokens) - 1
+        if tokens[:accepted] != c.draft_token_ids[:accepted]:
+            raise RuntimeError("a verification round committed tokens that differ from its accepted drafts")
+        seq.num_computed = c.start + c.length - c.num_drafts + accepted
+        # Positions up to the accepted drafts hold accepted tokens (a stop among them ends the
+        # request, whose pages are freed right after): never a rejected draft.
+        self.kv.cache_full_pages(seq.request_id, [*seq.token_ids, *tokens[:accepted]], seq.num_computed,
+                                 seq.request.retain_tokens // self.kv.page_size)
+        output = self._commit(seq, tokens, logprobs, prompt_logprobs)
+        if seq.status != SeqStatus.FINISHED and self.kv.trim(seq.request_id, len(seq.token_ids)):
+            kept = len(self.kv.block_table(seq.request_id))
+            self._trimmed[seq.request_id] = min(kept, self._trimmed.get(seq.request_id, kept))
+        if output.new_token_ids:
+            self.spec_stats.round(c.num_drafts, min(accepted, len(output.new_token_ids)))
+        if seq.drafts is not None:
+            seq.drafts.observe(self.speculative, c.num_drafts, accepted)
+        return output
 
     def _commit(self, seq: RequestState, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] | None,
                 prompt_logprobs: tuple[PromptLogprob | None, ...] | None,
@@ -369,6 +437,30 @@ class Scheduler:
         )
 
     # -- helpers ----------------------------------------------------------------------------
+    def _drafts(self, seq: RequestState, num_new: int, budget: int, num_decode: int,
+                num_scheduled: int) -> tuple[int, ...]:
+        """A speculating request's drafts for this decode round (empty: plain decode). They stay
+        within its output and context limits (the bonus token included) and the step's token
+        budget, and take lookahead pages only while every decoding request not scheduled yet
+        could still grow by a page."""
+        state = seq.drafts
+        if state is None or num_new != 1:
+            return ()
+        depth = min(planned_depth(self.speculative, state, num_decode),
+                    seq.request.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - len(seq.token_ids) - 1,
+                    budget - num_new)
+        if depth <= 0:
+            return ()
+        drafts = state.proposer.propose(seq.token_ids, depth)
+        if drafts:
+            kv = self.kv
+            total = len(seq.token_ids)
+            need = kv.pages_needed(seq.request_id, total + len(drafts))
+            if need > kv.num_free - max(num_decode - num_scheduled - 1, 0):
+                return ()
+        return drafts
+
     def _prefill_chunk(self, seq: RequestState, budget: int) -> ScheduledChunk:
         total = len(seq.token_ids)
         start = seq.num_computed

@@ -3,8 +3,9 @@
 Ownership rules (vLLM v1's KV-manager split):
 
 - The manager alone changes page ownership. A request's block table (its page ids in position
-  order) is keyed by request id and only changes through `allocate_cached`, `allocate_slots` and
-  `free`; the scheduler and the runner read it.
+  order) is keyed by request id and only changes through `allocate_cached`, `allocate_slots`,
+  `trim` (speculative rollback of lookahead pages at its end) and `free`; the scheduler and the
+  runner read it.
 - A page's reference count is the number of block tables holding it. Every page is in exactly one
   of three states: held (count > 0), free (count 0, no content worth keeping), or evictable
   (count 0, a cached full page kept for reuse, least recently used first).
@@ -209,6 +210,23 @@ class KVCacheManager:
             self.ref_counts[page] = 1
         self._tables.setdefault(request_id, []).extend(new)
         return new
+
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Roll back the request's table to the pages `num_tokens` tokens need: the pages past them
+        (speculative lookahead whose drafts were rejected) go back to the free pool. Such pages are
+        never registered (only computed full pages are) nor shared. Returns the pages released."""
+        table = self._tables.get(request_id)
+        if not table:
+            return 0
+        keep = max(-(-num_tokens // self.page_size), self._num_registered.get(request_id, 0))
+        released = 0
+        while len(table) > keep:
+            page = table.pop()
+            self.ref_counts[page] -= 1
+            assert self.ref_counts[page] == 0 and self.block_hash[page] is None, "trimmed a shared or cached page"
+            self._free.appendleft(page)
+            released += 1
+        return released
 
     def free(self, request_id: str) -> None:
         """Drop every reference the request holds (idempotent)."""
