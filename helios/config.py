@@ -15,6 +15,9 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # [model] weights: how the decoder's projections are stored and multiplied (helios.runtime.choose_weights).
 WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
+# [speculative] mode (docs/operations.md, "Speculative decoding").
+SPECULATIVE_MODES = ("off", "ngram", "adaptive")
+MAX_SPECULATIVE_DEPTH = 16
 
 
 class ConfigError(ValueError):
@@ -105,12 +108,29 @@ class CacheSection:
     disk_gib: float = attrs.field(default=8.0, validator=_non_negative)
 
 
+def _depth(_inst: Any, attr: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
+    if isinstance(value, bool) or not 1 <= value <= MAX_SPECULATIVE_DEPTH:
+        raise ConfigError(f"{attr.name} must be within 1..{MAX_SPECULATIVE_DEPTH}, got {value!r}")
+
+
+@attrs.frozen
+class SpeculativeSection:
+    """Exact speculative decoding (helios/engine/speculative.py): drafts verified by the model in one
+    step, outputs identical in distribution (greedy: token-identical) to decoding without them."""
+
+    # off: no drafts; ngram: prompt-lookup drafts of max_depth tokens; adaptive: n-gram drafts whose
+    # length per request follows its recent acceptance and backs off in large batches.
+    mode: str = attrs.field(default="off", validator=attrs.validators.in_(SPECULATIVE_MODES))
+    max_depth: int = attrs.field(default=4, validator=_depth)  # drafts verified per request and step
+
+
 @attrs.frozen
 class HeliosConfig:
     server: ServerConfig = ServerConfig()
     model: ModelConfigSection = ModelConfigSection()
     engine: EngineSection = EngineSection()
     cache: CacheSection = CacheSection()
+    speculative: SpeculativeSection = SpeculativeSection()
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
@@ -132,6 +152,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     _check_server_logging(data.get("server"))
     _check_weights(data.get("model"))
     _check_shutdown_grace(data.get("server"))
+    _check_speculative(data.get("speculative"))
     try:
         cfg = _converter.structure(data, HeliosConfig)
     except ConfigError:
@@ -184,6 +205,17 @@ def _check_weights(model: Any) -> None:
     for flag in ("weight_cache", "cpu_kernels"):
         if flag in model and not isinstance(model[flag], bool):
             raise ConfigError(f"model.{flag} must be true or false, got {model[flag]!r}")
+
+
+def _check_speculative(section: Any) -> None:
+    """Plain messages for the [speculative] keys (cattrs would say only "invalid value")."""
+    if not isinstance(section, dict):
+        return
+    if "mode" in section and section["mode"] not in SPECULATIVE_MODES:
+        raise ConfigError(f"speculative.mode must be one of {', '.join(SPECULATIVE_MODES)}, got {section['mode']!r}")
+    depth = section.get("max_depth", 1)
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= MAX_SPECULATIVE_DEPTH:
+        raise ConfigError(f"speculative.max_depth must be an integer within 1..{MAX_SPECULATIVE_DEPTH}, got {depth!r}")
 
 
 def _check_shutdown_grace(server: Any) -> None:

@@ -21,6 +21,7 @@ from helios.config import HeliosConfig
 from helios.domain.model import ModelInfo
 from helios.engine.attention import KVCache
 from helios.engine.core import EngineConfig, EngineCore, EngineThread
+from helios.engine.speculative import SpeculativeConfig
 from helios.models.quant import WeightFormat
 from helios.serving.engine_client import EngineClient
 from helios.serving.pipeline import Service
@@ -428,7 +429,8 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                         fingerprint=model_fingerprint(path, loaded.choice.describe()),
                         host_memory_bytes=int(cfg.cache.host_memory_gib * 2**30),
                         disk_dir=os.path.expanduser(cfg.cache.disk_dir) if cfg.cache.disk_dir else None,
-                        disk_bytes=int(cfg.cache.disk_gib * 2**30))
+                        disk_bytes=int(cfg.cache.disk_gib * 2**30),
+                        speculative=SpeculativeConfig(mode=cfg.speculative.mode, max_depth=cfg.speculative.max_depth))
     core = EngineCore(model, mc, ecfg, dtype, device)
     name = cfg.model.recipe or detect_recipe(ckpt.model_id, mc.arch, ckpt.chat_template)
     is_default = default_path is not None or _is_default(path)
@@ -456,6 +458,8 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         has_bos=tok.bos_token_id is not None,
         thinking_token_budget=cfg.server.thinking_token_budget,
         has_reasoning=recipe.reasoning_parser is not None or recipe.output_parser not in ("plain", "hermes"),
+        speculative_mode=cfg.speculative.mode,
+        speculative_max_depth=cfg.speculative.max_depth if cfg.speculative.mode != "off" else 0,
         # has_tools is decided with the chat template, in serving.service_factory.tool_support.
     )
     return Runtime(cfg, core, info, tok, ckpt.chat_template, recipe, eos)

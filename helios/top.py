@@ -19,7 +19,7 @@ progressing decode or verification *request* rounds (zero-draft rounds included)
 ``decode_weight_bytes`` is declared in (one step for one request). ``verify_steps`` is not used: it
 counts completed graphs, whatever the number of requests in them, so it would not match a per-request
 byte count. When ``verification_rounds`` did not move over the interval (a server without speculative
-decoding, such as Helios today, exports it as zero) the change in ``generated_tokens`` stands in for
+decoding may export it as zero) the change in ``generated_tokens`` stands in for
 it: without speculation each progressing decode round of a request commits exactly one token. It
 over-counts slightly, by the one token each request samples at the end of its prefill. The view
 records which counter it used (``View.weights_counter``) and the dashboard prints it.

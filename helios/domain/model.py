@@ -29,6 +29,10 @@ class ModelInfo:
     has_reasoning: bool = False
     has_tools: bool = False
     has_vision: bool = False  # no vision model family is implemented yet
+    speculative_mode: str = "off"
+    """``[speculative] mode`` (off, ngram, adaptive): what the flare card reports as active."""
+    speculative_max_depth: int = 0
+    """Drafts verified per request round at most (0 while speculation is off)."""
 
     @property
     def public_id(self) -> str:

@@ -12,9 +12,11 @@ time; request-side values are kept here, fed by the per-request record of helios
 - ``first_response`` is the median time from HTTP admission to the first offered answer or
   reasoning text over a 60 s sliding window (:class:`SlidingMedian`).
 
-Fields of features Helios does not have yet (speculative decoding, the learned drafter, CUDA graph
-replay, reasoning budget cuts) read zero in the JSON snapshot, as the spec's readers take absent
-fields, and export nothing in Prometheus. The prefix cache's families (reused_tokens, cached_pages)
+Speculative decoding's counters (verify_steps, verification_drafts, verification_rounds,
+accepted_drafts, draft_rounds, and the by-width/by-depth families) come from the engine's
+``EngineStats.speculative`` and export while the engine reports them. Fields of features Helios does
+not have yet (the learned drafter, CUDA graph replay) read zero in the JSON snapshot, as the spec's
+readers take absent fields, and export nothing in Prometheus. The prefix cache's families (reused_tokens, cached_pages)
 export while it is on, the host store's (host_*, held/dropped by tier, the three lookup
 histograms) while there is one; off, their JSON fields read zero.
 """
@@ -89,10 +91,23 @@ HOST_HISTOGRAMS = {
                    "A lookup's missing tokens times the recent prefill time per token, ns"),
 }
 
+# Speculative decoding (EngineStats.speculative, engine/speculative.py's SpeculativeStats).
+# verify_steps is exported by the width of each step's widest verification row (its sum).
+SPECULATIVE_EXPORTED: dict[str, tuple[str, str, str]] = {
+    "verification_drafts": ("flare_verification_draft_tokens_total", "counter",
+                            "Draft positions planned for progressing request rounds, rejected drafts included"),
+    "verification_rounds": ("flare_verification_request_rounds_total", "counter",
+                            "Progressing decode or verification request rounds, zero-draft rounds included"),
+    "accepted_drafts": ("flare_accepted_draft_tokens_total", "counter",
+                        "Accepted draft tokens, excluding the bonus token"),
+    "draft_rounds": ("flare_draft_request_rounds_total", "counter", "Request rounds that offered at least one draft"),
+}
+SPECULATIVE_FIELDS = ("verify_steps", *SPECULATIVE_EXPORTED)
+
 # Fields of features that do not exist yet: zero in the JSON snapshot, absent from Prometheus.
+# draft_steps counts the learned drafter's positions: zero without one, as the spec says.
 ABSENT_FEATURE_FIELDS: dict[str, int | bool] = {
-    "draft_steps": 0, "verify_steps": 0, "verification_drafts": 0, "verification_rounds": 0, "accepted_drafts": 0,
-    "draft_rounds": 0, "replay_gpu_ns": 0, "replay_readiness_wait_ns": 0,
+    "draft_steps": 0, "replay_gpu_ns": 0, "replay_readiness_wait_ns": 0,
     "replay_readiness_samples": 0, "learned_drafter": False,
 }
 
@@ -250,6 +265,9 @@ class ServingMetrics:
         if engine is not None:
             for key in ENGINE_FIELDS:
                 snap[key] = int(getattr(engine, key, 0))
+        spec = getattr(engine, "speculative", None)
+        for key in SPECULATIVE_FIELDS:
+            snap[key] = int(getattr(spec, key, 0)) if spec is not None else 0
         snap["reused_tokens"] = int(getattr(engine, "reused_tokens", 0))
         snap["cached_pages"] = int(getattr(engine, "cached_pages", 0))
         host = getattr(engine, "host", None)
@@ -293,6 +311,9 @@ class _SnapshotCollector:
                 yield GaugeMetricFamily(name, doc, value=snap[key])
         if engine is not None and getattr(engine, "prefix_caching", False):
             yield from _families(CACHE_EXPORTED, snap)
+        spec = getattr(engine, "speculative", None)
+        if spec is not None:
+            yield from _speculative_families(spec, snap)
         host = getattr(engine, "host", None)
         if host is not None:
             yield from _families(HOST_EXPORTED, snap)
@@ -329,6 +350,26 @@ class _SnapshotCollector:
             for family in hist.collect():
                 family.samples = [x for x in family.samples if not x.name.endswith("_created")]
                 yield family
+
+
+def _speculative_families(spec: Any, snap: dict[str, Any]) -> Iterator[Metric]:
+    yield from _families(SPECULATIVE_EXPORTED, snap)
+    rounds = CounterMetricFamily("flare_speculative_rounds", "Steps whose forward verified drafts, by the width "
+                                 "(drafts + 1) of the step's widest verification row; their sum is verify_steps",
+                                 labels=["width"])
+    for width, n in sorted(spec.steps_by_width.items()):
+        rounds.add_metric([str(width)], n)
+    yield rounds
+    by_depth = CounterMetricFamily("flare_verification_request_rounds_by_depth",
+                                   "Progressing request rounds by planned draft depth", labels=["depth"])
+    for depth, n in sorted(spec.rounds_by_depth.items()):
+        by_depth.add_metric([str(depth)], n)
+    yield by_depth
+    accepted = CounterMetricFamily("flare_accepted_draft_tokens_by_depth",
+                                   "Accepted draft tokens by the round's planned draft depth", labels=["depth"])
+    for depth, n in sorted(spec.accepted_by_depth.items()):
+        accepted.add_metric([str(depth)], n)
+    yield accepted
 
 
 def _families(table: dict[str, tuple[str, str, str]], snap: dict[str, Any]) -> Iterator[Metric]:

@@ -372,3 +372,72 @@ def test_speculation_rounds_mix_with_prefill_chunks_in_one_step(mode: str) -> No
     assert out["s"] == want["s"][0]
     assert out["l"] == want["l"][0]
 
+
+# -- configuration, the card and the metrics -----------------------------------------------------
+
+
+def test_speculative_config_section_defaults_off_and_validates(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from helios.config import ConfigError, load_config
+
+    assert load_config().speculative.mode == "off"
+    path = Path(str(tmp_path)) / "h.toml"
+    path.write_text('[speculative]\nmode = "adaptive"\nmax_depth = 6\n')
+    cfg = load_config(path)
+    assert (cfg.speculative.mode, cfg.speculative.max_depth) == ("adaptive", 6)
+    for bad, message in (('mode = "eagle"', "speculative.mode must be one of off, ngram, adaptive"),
+                         ("max_depth = 0", "speculative.max_depth must be an integer within 1..16"),
+                         ("max_depth = true", "speculative.max_depth"), ("depth = 2", "depth")):
+        path.write_text(f"[speculative]\n{bad}\n")
+        with pytest.raises(ConfigError, match=message):
+            load_config(path)
+
+
+def test_the_flare_card_says_what_speculation_is_active() -> None:
+    from helios.domain.model import ModelInfo
+    from helios.frontends.openai.models import model_card
+
+    info = ModelInfo(model_id="m", aliases=(), created=0, max_model_len=64, vocab_size=V, default_max_tokens=16,
+                     max_concurrency=4, prefill_chunk_size=16, max_top_logprobs=20, prompt_logprobs=True,
+                     sampling_defaults={}, sampling_ranges={}, recipe="plain", has_bos=False)
+    assert model_card(info, 0)["flare"]["speculative"] == {
+        "mode": "off", "max_depth": 0, "proposers": [], "adaptive_depth": False, "history_drafts": False,
+        "learned_drafter": False}
+    on = attrs.evolve(info, speculative_mode="adaptive", speculative_max_depth=6)
+    assert model_card(on, 0)["flare"]["speculative"] == {
+        "mode": "adaptive", "max_depth": 6, "proposers": ["ngram"], "adaptive_depth": True, "history_drafts": False,
+        "learned_drafter": False}
+
+
+def test_engine_counters_reach_the_metrics_snapshot_and_prometheus() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from helios.obs.metrics import ServingMetrics
+
+    core = _engine(MODEL, torch.float32, "ngram", 4)
+    core.add(EngineRequest("r", _prompt([3, 7, 11, 5], 5, [2]), SamplingParams(temperature=0.0), max_tokens=30,
+                           ignore_eos=True))
+    while core.scheduler.has_work:
+        core.step()
+    stats = core.stats()
+    spec = stats.speculative
+    assert spec is not None and stats.speculative_mode == "ngram"
+    assert spec.accepted_drafts > 0 and spec.verification_rounds + spec.accepted_drafts == 29
+    snap = ServingMetrics(lambda: (stats, None)).snapshot()
+    for key in ("verify_steps", "verification_drafts", "verification_rounds", "accepted_drafts", "draft_rounds"):
+        assert snap[key] == getattr(spec, key), key
+    assert snap["learned_drafter"] is False and snap["draft_steps"] == 0
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(ServingMetrics(lambda: (stats, None)).prometheus())
+               for s in f.samples}
+    assert samples[("flare_accepted_draft_tokens_total", ())] == spec.accepted_drafts
+    assert samples[("flare_verification_draft_tokens_total", ())] == spec.verification_drafts
+    assert samples[("flare_verification_request_rounds_total", ())] == spec.verification_rounds
+    assert samples[("flare_draft_request_rounds_total", ())] == spec.draft_rounds
+    widths = {k: v for k, v in samples.items() if k[0] == "flare_speculative_rounds_total"}
+    assert sum(widths.values()) == spec.verify_steps > 0
+    depths = {dict(k[1])["depth"]: v for k, v in samples.items() if k[0] == "flare_verification_request_rounds_by_depth_total"}
+    assert sum(depths.values()) == spec.verification_rounds
+    assert sum(int(d) * n for d, n in depths.items()) == spec.verification_drafts  # DEPTH's numerator
+    assert not any("history" in name for name, _ in samples)  # no shared-history proposer exists

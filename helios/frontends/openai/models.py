@@ -55,6 +55,21 @@ def flare_object(info: ModelInfo) -> dict[str, Any]:
         "max_image_bytes": 0,
         "input_modalities": ["text"],
         "output_modalities": ["text"],
+        "speculative": speculative_object(info),
+    }
+
+
+def speculative_object(info: ModelInfo) -> dict[str, Any]:
+    """What speculative decoding is active (the spec leaves the card's field to the server): the
+    mode, its depth limit, the proposers that draft, and the two features that do not exist yet."""
+    on = info.speculative_mode != "off"
+    return {
+        "mode": info.speculative_mode,
+        "max_depth": info.speculative_max_depth if on else 0,
+        "proposers": ["ngram"] if on else [],
+        "adaptive_depth": info.speculative_mode == "adaptive",
+        "history_drafts": False,
+        "learned_drafter": False,
     }
 
 
