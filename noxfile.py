@@ -1,4 +1,4 @@
-"""nox sessions: tests, lint (ruff, mypy, import-linter layer contracts), bench, soak."""
+"""nox sessions: tests, lint (ruff, mypy, import-linter layer contracts), fuzz, bench, soak."""
 
 from __future__ import annotations
 
@@ -24,6 +24,20 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", "helios", "tests", "fuzz", "noxfile.py")
     session.run("mypy", "helios")
     session.run("lint-imports")
+
+
+@nox.session(python="3.11")
+def fuzz(session: nox.Session) -> None:
+    """The property-based fuzz suite at nightly size: $HELIOS_FUZZ_EXAMPLES examples per test (default
+    10,000; the hostile-input test of fuzz/test_fuzz_http.py runs that many per route). The normal
+    suite runs the same tests with small counts.
+
+    nox -s fuzz -- [pytest arguments, e.g. -k hostile]
+    """
+    session.install(*INSTALL, ".[test]")
+    examples = os.environ.get("HELIOS_FUZZ_EXAMPLES", "10000")
+    session.run("python", "-m", "pytest", "-q", "fuzz", "--timeout", "0", *session.posargs,
+                env={"HELIOS_FUZZ_EXAMPLES": examples})
 
 
 @nox.session(python="3.11")

@@ -369,3 +369,13 @@ def test_an_empty_key_file_is_a_startup_error(tmp_path: Path, content: str) -> N
                            str(key_file), "--port", "0"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert f"the API key file {key_file} is empty" in proc.stderr
+
+
+# -- found by the hostile-input fuzzer ---------------------------------------------------------------
+
+
+def test_an_unhashable_decision_question_type_is_400(hard: LiveServer) -> None:
+    """`"type": ["x"]` gave 500 TypeError (an array was looked up in a dict of question kinds)."""
+    r = post(hard, "/v1/decisions", {"model": "m", "input": "Charged twice",
+                                     "questions": [{"type": ["predicate"], "instructions": "Refund?"}]})
+    assert_400(r, "/v1/decisions", "questions")

@@ -143,7 +143,7 @@ def _question(i: int, q: Any) -> OrderedQuestion:
         raise BadRequest(f"{where} must be an object", param="questions")
     kind = q.get("type")
     fields = {"predicate": {"levels", "choices"}, "choice": {"levels"}, "score": {"choices"}}
-    if kind not in fields:
+    if not isinstance(kind, str) or kind not in fields:  # an array or object is not hashable
         raise BadRequest(f"{where}.type must be predicate, choice or score", param="questions")
     allowed = {"type", "name", "instructions", "choices", "levels"} - fields[kind]
     for key in q:
