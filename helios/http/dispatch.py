@@ -123,19 +123,21 @@ async def render_error(ctx: RequestContext, exc: HeliosError) -> None:
     protocol = protocol_of(ctx.req.path)
     stream = ctx.stream
     if stream is not None and stream.started:
-        if not stream.closed:
-            try:
-                if ctx.encoder is not None:
-                    events = ctx.encoder.fail(exc)
-                elif protocol == "anthropic":
-                    events = [StreamEvent(exc.to_anthropic(), "error")]
-                else:
-                    events = [StreamEvent(exc.to_openai())]
-                for event in events:
-                    await stream.send(event)
-                await stream.close()
+        if stream.closed:
+            return
+        try:
+            for event in ctx.encoder.fail(exc) if ctx.encoder is not None else [_error_event(ctx.req.path, exc)]:
+                await stream.send(event)
+        except Exception:
+            log.exception("could not end the stream of %s with its encoder's error events", ctx.req.path)
+            try:  # the protocol's plain terminal error event, which cannot fail to serialize
+                await stream.send(_error_event(ctx.req.path, InternalError("internal error")))
             except Exception:
-                log.exception("could not end the stream of %s with its error event", ctx.req.path)
+                log.exception("could not end the stream of %s with an error event", ctx.req.path)
+        try:
+            await stream.close()
+        except Exception:
+            log.exception("could not close the stream of %s", ctx.req.path)
         return
     if ctx.responded:
         return
@@ -174,6 +176,18 @@ def transport_problem(scope: dict[str, Any], req: Request) -> HeliosError | None
         return BadRequest("a request must not carry both Content-Length and Transfer-Encoding (RFC 9112 6.3)",
                           headers=CLOSE)
     return None
+
+
+def _error_event(path: str, exc: HeliosError) -> StreamEvent:
+    """A terminal stream error in the path's protocol shape, for a stream without a generation encoder
+    (or one whose own failure events could not be sent): Messages' `error` event, the Responses
+    streaming `error` event, or the Chat-style error object."""
+    if protocol_of(path) == "anthropic":
+        return StreamEvent(exc.to_anthropic(), "error")
+    if path.startswith("/v1/responses"):
+        return StreamEvent({"type": "error", "code": exc.code or exc.type, "message": exc.message,
+                            "param": exc.param}, "error")
+    return StreamEvent(exc.to_openai())
 
 
 def _error_body(protocol: str, exc: HeliosError) -> dict[str, Any]:

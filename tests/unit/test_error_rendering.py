@@ -68,3 +68,44 @@ def test_messages_and_params_are_always_utf8() -> None:
     assert exc.param is not None
     exc.param.encode("utf-8")
     assert exc.message.endswith("value é")
+
+
+class BrokenEncoder:
+    """An encoder whose failure events cannot be serialized (as a Responses echo of a lone surrogate
+    could not be before decode refused them)."""
+
+    def fail(self, error: HeliosError) -> list[Any]:
+        from helios.domain.generation import StreamEvent
+
+        return [StreamEvent({"type": "response.failed", "response": {"metadata": {"k": float("nan")}}},
+                            "response.failed")]
+
+
+@pytest.mark.parametrize(("path", "shape"), [("/v1/responses", '"type":"error"'), ("/v1/messages", '"api_error"'),
+                                             ("/v1/chat/completions", '"server_error"')])
+def test_a_started_stream_always_ends_with_a_terminal_error_in_its_protocols_shape(path: str, shape: str) -> None:
+    from helios.errors import InternalError
+    from helios.http.sse import EventStream
+
+    async def handler(ctx: RequestContext) -> None:
+        ctx.stream = EventStream(ctx.send, ctx.headers())
+        ctx.encoder = BrokenEncoder()  # type: ignore[assignment]
+        await ctx.stream.start()
+        raise InternalError("the generation failed")
+
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    dispatcher = Dispatcher(ServerState(HeliosConfig()), [("POST", path, handler)])
+    trio.run(dispatcher, {"type": "http", "method": "POST", "path": path, "headers": []}, receive, send)
+    assert sent[0]["status"] == 200
+    text = b"".join(m.get("body", b"") for m in sent[1:]).decode()
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}  # closed
+    assert "response.failed" not in text and shape in text, text
+    if path != "/v1/chat/completions":
+        assert "event: error" in text
