@@ -102,18 +102,21 @@ class NativeGenerationFields:
 
 def parse_json_object(body: bytes, limits: Sequence[CountLimit] = ()) -> dict[str, Any]:
     """A request body as a JSON object, checked at the edge before anything else reads it: valid
-    UTF-8 JSON, nesting and text (`loads_strict`), then the route's item counts (`limits`)."""
+    UTF-8 JSON, the route's item counts (`limits`: cheap, so first), then nesting and text (the
+    `check_document` that `loads_strict` applies to every JSON document)."""
     if not body:
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
-        obj = loads_strict(body)
-    except JSONShapeError as exc:
-        raise BadRequest(str(exc), param=exc.param) from None
+        obj = _loads(body)
     except (UnicodeDecodeError, RecursionError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise BadRequest(f"malformed JSON body: {exc}") from None
     if not isinstance(obj, dict):
         raise BadRequest("the request body must be a JSON object")
     check_counts(obj, limits)
+    try:
+        check_document(obj)
+    except JSONShapeError as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
     return obj
 
 
@@ -136,9 +139,13 @@ def loads_strict(text: str | bytes) -> Any:
     """json.loads without Python's extensions: NaN, ±Infinity and numbers that overflow to an
     infinite float are not JSON (RFC 8259) and could not be written back out; ValueError. Every
     decoded document then passes `check_document` (JSONShapeError, a ValueError)."""
-    obj = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    obj = _loads(text)
     check_document(obj)
     return obj
+
+
+def _loads(text: str | bytes) -> Any:
+    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
 
 
 def check_document(obj: Any) -> None:
