@@ -183,7 +183,9 @@ class ModelRunner:
         if wants_logprobs:
             return []
         room = min(_MAX_FORCED, seq.request.max_tokens - seq.num_output_tokens - 1)
-        forced = grammar.forced_tokens()[: max(room, 0)]
+        if room <= 0:
+            return []
+        forced = grammar.forced_tokens()[:room]
         for k, t in enumerate(forced):
             if not grammar.advance(t):
                 return forced[:k]

@@ -11,7 +11,9 @@ Per row, in this order (vLLM semantics):
 4. Temperature (skipped for greedy rows). The bias and the penalties are applied to the scaled
    logits with the same scale, which equals applying them first: both commute with a positive
    temperature.
-5. The optional token mask (grammar): disallowed tokens get ``-inf``.
+5. The optional token mask (grammar): disallowed tokens get ``-inf``. Per-row grammar masks
+   (``masked_rows``) do not send a row off the vectorised path: it fills its masked rows in its
+   workspace.
 6. Filters: top-k, then top-p over the top-k renormalised distribution, then min-p. Every filter keeps
    all tokens tied with its boundary value, so ties never depend on a sort's order.
 7. The draw. Greedy rows (``SamplingParams.is_greedy``, or a temperature below 1e-5) take the argmax,
@@ -204,25 +206,32 @@ class Sampler:
         plain: list[int] = []
         general: list[int] = []
         drawing: list[int] = []  # rows that consume a uniform (every row that is not greedy)
-        vectorise = self.fast_path and (token_mask is None or masked_rows is not None)
-        masked = frozenset(masked_rows) if masked_rows is not None else frozenset()
+        # Per-row masks (grammar rows): row -> its disallowed tokens. Each path sets them to -inf in
+        # its own working copy (the vectorised one in its workspace, no extra copy), after the
+        # temperature, which equals masking before it (-inf stays -inf); logprobs read `x`.
+        masks: dict[int, Tensor] | None = None
+        if token_mask is not None and masked_rows is not None:
+            disallowed = ~token_mask[:, :vocab_size].to(x.device)
+            masks = {r: disallowed[k] for k, r in enumerate(masked_rows)}
+            token_mask = None
+        vectorise = self.fast_path and token_mask is None
         for i, row in enumerate(rows):
             if not _is_greedy(row.params):
                 drawing.append(i)
-            if vectorise and i not in masked and is_plain(row, vocab_size):
+            if vectorise and is_plain(row, vocab_size):
                 plain.append(i)
             else:
                 general.append(i)
         uniforms = _to_device(self._uniforms(rows, drawing), torch.float64, x.device) if drawing else None
         if not general:
-            picked = self._sample_plain(x, rows, plain, uniforms, row_params)
+            picked = self._sample_plain(x, rows, plain, uniforms, row_params, masks)
         else:
-            picked = self._sample_transformed(x, rows, general, token_mask, uniforms, masked_rows)
+            picked = self._sample_transformed(x, rows, general, token_mask, uniforms, masks)
             if plain:
                 picked = torch.empty(num_rows, dtype=torch.long, device=x.device).index_copy_(
                     0, _index(general, x.device), picked)
                 picked.index_copy_(0, _index(plain, x.device),
-                                   self._sample_plain(x, rows, plain, uniforms, row_params))
+                                   self._sample_plain(x, rows, plain, uniforms, row_params, masks))
         return _read_tokens_and_logprobs(x, rows, picked)
 
     def _sample_plain(
@@ -232,11 +241,13 @@ class Sampler:
         plain: list[int],
         uniforms: Tensor | None,
         row_params: RowParams | None,
+        masks: dict[int, Tensor] | None = None,
     ) -> Tensor:
         """The vectorised path for ``plain`` rows (greedy, or temperature and min-p only): their
         sampled ids as a device tensor aligned with ``plain``, with no host read and no per-row
-        tensor operation. The float operations on a row are the general path's, so a row's token
-        does not depend on which path took it."""
+        tensor operation (but one masking fill per grammar-masked row, ``masks``). The float
+        operations on a row are the general path's, so a row's token does not depend on which path
+        took it."""
         num_rows = x.shape[0]
         device = x.device
         greedy: list[int] = []
@@ -251,7 +262,7 @@ class Sampler:
                 scaled = scaled or params.temperature != 1.0
                 min_p = min_p or params.min_p > 0.0
         if not drawn:
-            return _select_rows(x, plain, num_rows).argmax(dim=-1)
+            return _argmax_rows(x, plain, num_rows, masks)
         rows_drawn = [plain[j] for j in drawn]
         index = _row_index(rows_drawn, num_rows, device)
         # The scaled logits and then the weights live in the sampler's workspace (x is only read).
@@ -262,6 +273,12 @@ class Sampler:
             assert tensors is not None
             temperature = tensors.temperature if index is None else tensors.temperature.index_select(0, index)
             w = torch.div(w, temperature.unsqueeze(1), out=buffer)
+        masked = [(k, masks[i]) for k, i in enumerate(rows_drawn) if i in masks] if masks else []
+        if masked:
+            if w is x:
+                w = buffer.copy_(x)
+            for k, disallowed in masked:
+                w[k].masked_fill_(disallowed, _NEG_INF)
         peak = w.amax(dim=-1, keepdim=True)
         excluded: Tensor | None = None
         if min_p:
@@ -278,7 +295,7 @@ class Sampler:
             return sampled
         picked = torch.empty(len(plain), dtype=torch.long, device=device)
         picked.index_copy_(0, _index(drawn, device), sampled)
-        picked.index_copy_(0, _index(greedy, device), x.index_select(0, _index([plain[j] for j in greedy], device)).argmax(dim=-1))
+        picked.index_copy_(0, _index(greedy, device), _argmax_rows(x, [plain[j] for j in greedy], num_rows, masks))
         return picked
 
     def _workspace(self, num_rows: int, width: int, device: torch.device) -> Tensor:
@@ -298,7 +315,7 @@ class Sampler:
         work: list[int],
         token_mask: Tensor | None,
         uniforms: Tensor | None,
-        masked_rows: Sequence[int] | None = None,
+        masks: dict[int, Tensor] | None = None,
     ) -> Tensor:
         """The general path: rows that need penalties, bias, a mask or filters. Their sampled ids as a
         device tensor aligned with ``work``."""
@@ -320,16 +337,11 @@ class Sampler:
             _apply_logit_bias(w, work_rows, scales)
         if any(r.has_penalties for r in work_rows):
             _apply_penalties(w, work_rows, scales)
-        if token_mask is not None and masked_rows is not None:
-            # One mask row per masked row: those of them in `work` get theirs.
-            where = {r: k for k, r in enumerate(masked_rows)}
-            pairs = [(j, where[i]) for j, i in enumerate(work) if i in where]
-            if pairs:
-                js = _index([j for j, _ in pairs], device)
-                ks = _index([k for _, k in pairs], token_mask.device)
-                allowed = token_mask[:, : self.vocab_size].index_select(0, ks).to(device)
-                w.index_copy_(0, js, w.index_select(0, js).masked_fill_(~allowed, _NEG_INF))
-        elif token_mask is not None:
+        if masks:
+            for j, i in enumerate(work):
+                if i in masks:
+                    w[j].masked_fill_(masks[i], _NEG_INF)
+        if token_mask is not None:
             mask = token_mask[:, : self.vocab_size]
             if index is not None:
                 mask = mask.index_select(0, index.to(mask.device))
@@ -515,6 +527,16 @@ def _read_tokens_and_logprobs(
             token_id=tokens[i], logprob=_reported(chosen_values[j]), rank=int(rank_values[j]), top=tops.get(j, ())
         )
     return tokens, out
+
+
+def _argmax_rows(x: Tensor, selected: list[int], num_rows: int, masks: dict[int, Tensor] | None) -> Tensor:
+    """Greedy picks of the ``selected`` rows; a grammar-masked row's among its allowed tokens."""
+    picked = _select_rows(x, selected, num_rows).argmax(dim=-1)
+    if masks:
+        for j, i in enumerate(selected):
+            if i in masks:
+                picked[j] = x[i].masked_fill(masks[i], _NEG_INF).argmax()
+    return picked
 
 
 def _log_softmax(x: Tensor) -> Tensor:

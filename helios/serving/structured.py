@@ -86,7 +86,8 @@ class GrammarCompiler:
                 self._vocab = GrammarVocab(self._tokenizer)
             return self._vocab
 
-    async def compile(self, grammar: str, key: str, param: str, where: str | None = None) -> Any:
+    async def compile(self, grammar: str, key: str, param: str, where: str | None = None, *,
+                      json_slices: bool = False) -> Any:
         """The compiled matcher template of an llguidance grammar; BadRequest naming `param` (and
         `where`, the message's subject, default `param`) when it does not compile or compilation
         exceeds the time limit."""
@@ -99,7 +100,8 @@ class GrammarCompiler:
 
         def work() -> Any:
             vocab = self.vocab
-            return llguidance.LLMatcher(vocab.ll_tokenizer, grammar, log_level=0,
+            tokenizer = vocab.json_tokenizer if json_slices else vocab.ll_tokenizer
+            return llguidance.LLMatcher(tokenizer, grammar, log_level=0,
                                         limits=llguidance.LLParserLimits(**_LIMITS))
 
         with trio.move_on_after(self.time_limit_s) as scope:
@@ -116,7 +118,7 @@ class GrammarCompiler:
 
     async def constraint(self, c: OutputConstraint, envelope: Envelope = Envelope()) -> GrammarConstraint:
         grammar = answer_grammar(c)
-        matcher = await self.compile(grammar, canonical_key(c), c.param)
+        matcher = await self.compile(grammar, canonical_key(c), c.param, json_slices=c.is_json)
         return GrammarConstraint(matcher, self.vocab, envelope, description=f"{c.param} ({c.kind})", grammar=grammar)
 
     async def tool_validator(self, tool: Tool, param: str = "tools") -> Callable[[str], str | None]:

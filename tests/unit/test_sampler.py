@@ -317,6 +317,41 @@ def test_token_mask_restricts_draws_but_not_logprobs() -> None:
         assert first.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[tokens[0]]), abs=1e-6)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, min_p=0.05),
+                                    GREEDY, SamplingParams(temperature=0.8, top_k=5),
+                                    SamplingParams(temperature=0.9, repetition_penalty=1.2)])
+def test_per_row_masks_equal_the_full_mask_on_the_general_path(params: SamplingParams) -> None:
+    """Grammar masks for some rows (`masked_rows`, the vectorised path fills them in its workspace)
+    give the same seeded tokens as the reference general path with a full-batch mask; unmasked rows
+    beside them are unchanged, and logprobs stay raw."""
+    torch.manual_seed(0)
+    vocab = 300
+    logits = torch.randn(5, vocab) * 3
+    allowed = torch.rand(2, vocab) < 0.1
+    masked_rows = [1, 3]
+    full = torch.ones(5, vocab, dtype=torch.bool)
+    full[masked_rows] = allowed
+
+    def draw(sampler: Sampler, **kw: object) -> list[list[int]]:
+        out = []
+        for step in range(8):
+            rows = [_row(params, seed=100 * step + i, output=[1, 2], num_top_logprobs=1 if i == 1 else None)
+                    for i in range(5)]
+            tokens, logprobs = sampler.sample(logits, rows, **kw)  # type: ignore[arg-type]
+            lp = logprobs[1]
+            assert lp is not None and lp.top[0][0] == int(logits[1].argmax())  # raw, not masked
+            out.append(tokens)
+        return out
+
+    fast = draw(Sampler(vocab), token_mask=allowed, masked_rows=masked_rows)
+    reference = draw(Sampler(vocab, fast_path=False), token_mask=full)
+    unmasked = draw(Sampler(vocab))
+    assert fast == reference
+    for tokens, free in zip(fast, unmasked, strict=True):
+        assert all(bool(allowed[k, tokens[r]]) for k, r in enumerate(masked_rows))
+        assert [tokens[i] for i in (0, 2, 4)] == [free[i] for i in (0, 2, 4)]
+
+
 # -- penalties ------------------------------------------------------------------------------------------
 
 
