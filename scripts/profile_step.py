@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--weights", default="auto")
     ap.add_argument("--context", type=int, default=64, help="prompt tokens per stream")
+    ap.add_argument("--plain", action="store_true", help="also time the steps without cProfile first")
     args = ap.parse_args()
     loaded = load_model(ensure_default_model(), weights=args.weights, dtype=args.dtype, device=args.device,
                         cache_dir=default_cache_dir() / "packed")
@@ -60,7 +61,7 @@ def main() -> None:
     print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}; threads {torch.get_num_threads()}; "
           f"{loaded.choice.describe()}; logits: {model.head_format}")
     for n in args.streams:
-        tokens = args.context + args.steps + 64
+        tokens = args.context + 2 * args.steps + 64
         core = EngineCore(model, ckpt.config, EngineConfig(page_size=16, num_pages=n * (-(-tokens // 16)) + 16,
                                                             max_active=64, prefill_chunk_size=512,
                                                             max_model_len=tokens + 16),
@@ -69,11 +70,17 @@ def main() -> None:
         for i in range(n):
             prompt = tuple((17 * i + 31 * j) % 40000 + 100 for j in range(args.context))
             core.add(EngineRequest(f"s{i}", prompt, SamplingParams(temperature=1.0, seed=i),
-                                   max_tokens=args.steps + 64, ignore_eos=True))
+                                   max_tokens=2 * args.steps + 64, ignore_eos=True))
         while any(s.is_prefilling or s.num_computed == 0 for s in core.scheduler.running) or core.scheduler.waiting:
             core.step()
         for _ in range(3):
             core.step()
+        if args.plain:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                core.step()
+            plain = (time.perf_counter() - t0) * 1e3 / args.steps
+            print(f"\n== {n} stream(s), no profiler: {plain:.1f} ms/step, {n * 1e3 / plain:.1f} tok/s")
         prof = cProfile.Profile()
         t0 = time.perf_counter()
         prof.enable()
