@@ -267,6 +267,8 @@ class Writer:
 
 # -- runtime ----------------------------------------------------------------------------------------
 
+ModelFactory = Callable[[ScriptedConfig, int], torch.nn.Module]
+
 
 @attrs.frozen
 class Family:
@@ -296,9 +298,11 @@ def serving_config() -> HeliosConfig:
     )
 
 
-def runtime_factory(family: Family, book: ScriptBook) -> Callable[[HeliosConfig], Runtime]:
+def runtime_factory(family: Family, book: ScriptBook, *, model_factory: ModelFactory | None = None,
+                    prefix_caching: bool = False) -> Callable[[HeliosConfig], Runtime]:
     """What HeliosApp's lifespan calls: a real Runtime (engine thread, EngineClient) around the
-    scripted model."""
+    scripted model, or around the model `model_factory` builds (called with the model shape, the EOS
+    id and, once the engine exists, `attach(core)` on the model if it has one)."""
 
     def build(cfg: HeliosConfig) -> Runtime:
         tok = book.tok
@@ -306,14 +310,16 @@ def runtime_factory(family: Family, book: ScriptBook) -> Callable[[HeliosConfig]
         mc = ScriptedConfig(vocab_size=tok.vocab_size)
         eos = tok.token_to_id(EOS_TEXT)
         assert eos is not None and eos in tok.eos_token_ids
-        model = ScriptedModel(book, mc, eos)
-        # No prefix cache: the scripted model's K/V carry the identity of the request that computed
+        model = ScriptedModel(book, mc, eos) if model_factory is None else model_factory(mc, eos)
+        # No prefix cache for ScriptedModel: its K/V carry the identity of the request that computed
         # them (which script it follows), not a function of the tokens, so a reused page would hand a
-        # new request another's script. Prefix reuse is tested with real models.
+        # new request another's script. (agent_model.AgentModel's K/V are a function of the tokens.)
         ecfg = EngineConfig(page_size=cfg.engine.page_size, num_pages=cfg.engine.kv_pages,
                             max_active=cfg.engine.max_active, prefill_chunk_size=cfg.engine.prefill_chunk_size,
-                            max_model_len=cfg.model.max_model_len, prefix_caching=False)
+                            max_model_len=cfg.model.max_model_len, prefix_caching=prefix_caching)
         core = EngineCore(model, mc, ecfg, torch.float32, "cpu")
+        if hasattr(model, "attach"):
+            model.attach(core)
         info = ModelInfo(
             model_id=f"scripted-{family.name}",
             aliases=tuple(cfg.server.aliases),
@@ -343,12 +349,15 @@ def runtime_factory(family: Family, book: ScriptBook) -> Callable[[HeliosConfig]
 
 
 class ScriptedServer:
-    """HeliosApp served by hypercorn's trio worker in a background thread, on a real socket."""
+    """HeliosApp served by hypercorn's trio worker in a background thread, on a real socket.
+    `config` and `model_factory` replace the harness's serving configuration and scripted model."""
 
-    def __init__(self, family: Family) -> None:
+    def __init__(self, family: Family, *, config: HeliosConfig | None = None,
+                 model_factory: ModelFactory | None = None, prefix_caching: bool = False) -> None:
         self.family = family
         self.book = ScriptBook(scripted_tokenizer())
-        self.app = HeliosApp(serving_config(), runtime_factory=runtime_factory(family, self.book))
+        factory = runtime_factory(family, self.book, model_factory=model_factory, prefix_caching=prefix_caching)
+        self.app = HeliosApp(config or serving_config(), runtime_factory=factory)
         self.url = ""
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
