@@ -17,6 +17,14 @@ servers, never concurrently.
   the prompt tokens sent, the tokens the server says it reused (``cached_tokens``; llama-server's
   ``timings.cache_n`` when it sends no usage details) and the share actually prefilled, plus the
   ``prefill_tokens``/``reused_tokens`` deltas of ``/metrics?format=json`` where the server has them.
+  With ``--replay-file`` it replays a coding client's recorded requests instead
+  (:class:`Recording`: what ``tests/server/test_coding_clients.py`` writes with
+  ``HELIOS_CLIENT_RECORD_DIR``): each request is sent as the client sent it, to its own route
+  (Responses, Messages or Chat Completions), with the server's model name and the output limit set
+  to ``--max-tokens``. Reports the replay's wall time, each request's prompt and cached tokens from
+  the response's usage, and the tokens each server says it prefilled: Helios's
+  ``/metrics?format=json`` ``prefill_tokens``, llama-server's ``llamacpp:prompt_tokens_total``
+  (``--metrics``).
 - ``restart``: a ~4,000-token prompt (the agent session's turn of about that size) sent cold, then,
   in a second invocation after the server was restarted with the same disk store, sent again. The
   first invocation stores the nonces and cold TTFTs in ``--state-file``; the second reads them and
@@ -33,7 +41,7 @@ import json
 import secrets
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -268,6 +276,229 @@ def chat_body(
     return body
 
 
+# ---------------------------------------------------------------------------------- client replays
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One request a coding client sent: its route (with any query) and its JSON body."""
+
+    path: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Recording:
+    """A coding client's requests during one task, in the order it sent them."""
+
+    client: str
+    requests: list[RecordedRequest]
+
+
+REPLAY_ROUTES: tuple[str, ...] = ("/v1/chat/completions", "/v1/responses", "/v1/messages")
+
+
+def load_recording(path: Path) -> Recording:
+    """``{"client": str, "requests": [{"path": str, "body": {...}}, ...]}``; only generation routes."""
+    raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(raw, dict) or not isinstance(raw.get("requests"), list):
+        raise ValueError(f"{path}: wants an object with a requests list")
+    requests = []
+    for i, item in enumerate(raw["requests"]):
+        if not isinstance(item, dict) or not isinstance(item.get("path"), str) or not isinstance(item.get("body"), dict):
+            raise ValueError(f"{path}: request {i} wants a path string and a body object")
+        if item["path"].split("?")[0] not in REPLAY_ROUTES:
+            raise ValueError(f"{path}: request {i} goes to {item['path']}, not one of {', '.join(REPLAY_ROUTES)}")
+        requests.append(RecordedRequest(item["path"], item["body"]))
+    if not requests:
+        raise ValueError(f"{path}: no requests")
+    return Recording(str(raw.get("client") or Path(path).stem), requests)
+
+
+def replay_body(request: RecordedRequest, model: str, max_tokens: int | None) -> dict[str, Any]:
+    """The recorded body for another server: its model name, the output limit in the route's own
+    field (when given), and usage asked for on a streamed Chat Completions request."""
+    body = json.loads(json.dumps(request.body))
+    body["model"] = model
+    route = request.path.split("?")[0]
+    if route == "/v1/chat/completions":
+        if max_tokens is not None:
+            body.pop("max_completion_tokens", None)
+            body["max_tokens"] = max_tokens
+        if body.get("stream"):
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    elif max_tokens is not None:
+        body["max_output_tokens" if route == "/v1/responses" else "max_tokens"] = max_tokens
+    return body
+
+
+@dataclass
+class ResponseUsage:
+    """Token counts a response reported, whatever its protocol (None where it said nothing)."""
+
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_tokens: int | None = None
+
+    def absorb(self, usage: Mapping[str, Any]) -> None:
+        """One ``usage`` object: Chat Completions, Responses or Anthropic Messages (whose
+        ``input_tokens`` leave out the cache reads and writes)."""
+
+        def num(key: str, within: Mapping[str, Any] = usage) -> int | None:
+            value = within.get(key)
+            return value if isinstance(value, int) else None
+
+        if "prompt_tokens" in usage:
+            self.prompt_tokens = num("prompt_tokens")
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and num("cached_tokens", details) is not None:
+                self.cached_tokens = num("cached_tokens", details)
+        elif "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
+            parts = [num(k) for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")]
+            self.prompt_tokens = sum(p or 0 for p in parts)
+            self.cached_tokens = parts[1] or 0
+        elif num("input_tokens") is not None:
+            self.prompt_tokens = num("input_tokens")
+            details = usage.get("input_tokens_details")
+            if isinstance(details, dict) and num("cached_tokens", details) is not None:
+                self.cached_tokens = num("cached_tokens", details)
+        output = num("completion_tokens") if "completion_tokens" in usage else num("output_tokens")
+        if output is not None:
+            self.output_tokens = output
+
+
+def _usage_objects(obj: Any) -> Iterator[Mapping[str, Any]]:
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key == "usage" and isinstance(value, dict):
+                yield value
+            else:
+                yield from _usage_objects(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from _usage_objects(value)
+
+
+def response_usage(payload: bytes | str) -> ResponseUsage:
+    """The usage a response reported: a JSON body, or the last counts of a server-sent event stream."""
+    text = payload.decode("utf-8", errors="replace") if isinstance(payload, bytes) else payload
+    objects: list[Any] = []
+    if text.lstrip().startswith("{"):
+        try:
+            objects.append(json.loads(text))
+        except ValueError:
+            pass
+    else:
+        for line in text.splitlines():
+            data = line[len("data:"):].strip() if line.startswith("data:") else ""
+            if data and data != "[DONE]":
+                try:
+                    objects.append(json.loads(data))
+                except ValueError:
+                    continue
+    usage = ResponseUsage()
+    for obj in objects:
+        for found in _usage_objects(obj):
+            usage.absorb(found)
+    return usage
+
+
+@dataclass
+class ReplayRecord:
+    status: int | None
+    seconds: float
+    usage: ResponseUsage
+    error: str | None = None
+
+
+async def _post_recorded(
+    client: httpx.AsyncClient, url: str, body: Mapping[str, Any], headers: Mapping[str, str], timeout: float
+) -> ReplayRecord:
+    """Send one recorded request and read its whole answer (a stream or one body)."""
+    import httpx
+    import trio
+
+    t0 = time.perf_counter()
+    status: int | None = None
+    try:
+        with trio.fail_after(timeout):
+            async with client.stream("POST", url, json=body, headers=headers) as resp:
+                status = resp.status_code
+                payload = await resp.aread()
+    except trio.TooSlowError:
+        return ReplayRecord(status, time.perf_counter() - t0, ResponseUsage(), f"timed out after {timeout:g} s")
+    except httpx.HTTPError as exc:
+        return ReplayRecord(status, time.perf_counter() - t0, ResponseUsage(), f"{type(exc).__name__}: {exc}")
+    seconds = time.perf_counter() - t0
+    error = None if status == 200 else f"HTTP {status}: {payload.decode('utf-8', errors='replace')[:300]}"
+    if error is None and any(f"event: {e}".encode() in payload for e in ("error", "response.failed")):
+        error = f"stream error: {payload.decode('utf-8', errors='replace')[-300:]}"
+    return ReplayRecord(status, seconds, response_usage(payload), error)
+
+
+def summarize_recorded(
+    records: Sequence[ReplayRecord], wall: float, metrics: Mapping[str, int] | None
+) -> dict[str, Any]:
+    """One replay of a recording: wall time, per-request figures, totals, and the server's own
+    count of prefilled tokens where it has one."""
+    prompt = _sum_or_none([r.usage.prompt_tokens for r in records])
+    cached = _sum_or_none([r.usage.cached_tokens for r in records])
+    prefilled = metrics.get("prefill_tokens") if metrics else None
+    return {
+        "wall_s": round(wall, 3),
+        "requests": [
+            {
+                "seconds": round(r.seconds, 3),
+                "status": r.status,
+                "prompt_tokens": r.usage.prompt_tokens,
+                "cached_tokens": r.usage.cached_tokens,
+                "output_tokens": r.usage.output_tokens,
+                "error": r.error,
+            }
+            for r in records
+        ],
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefilled_share": prefilled_share(prompt, cached),
+        "prefilled_tokens": prefilled,
+        "output_tokens": _sum_or_none([r.usage.output_tokens for r in records]),
+        "metrics": dict(metrics) if metrics is not None else None,
+        "errors": [r.error for r in records if r.error is not None],
+    }
+
+
+def summarize_recorded_replays(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Medians over replays of a recording."""
+
+    def med(key: str) -> float | None:
+        return median([r[key] for r in runs if r[key] is not None])
+
+    return {
+        "wall_s": med("wall_s"),
+        "prompt_tokens": med("prompt_tokens"),
+        "cached_tokens": med("cached_tokens"),
+        "prefilled_share": med("prefilled_share"),
+        "prefilled_tokens": med("prefilled_tokens"),
+        "output_tokens": med("output_tokens"),
+        "errors": sum(len(r["errors"]) for r in runs),
+    }
+
+
+def parse_prometheus_counters(text: str) -> dict[str, int]:
+    """llama-server's ``/metrics`` (``--metrics``) as the JSON snapshot's names: prompt tokens it
+    evaluated (``prefill_tokens``) and tokens it generated."""
+    names = {"llamacpp:prompt_tokens_total": "prefill_tokens", "llamacpp:tokens_predicted_total": "generated_tokens"}
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] in names:
+            try:
+                out[names[parts[0]]] = int(float(parts[1]))
+            except ValueError:
+                continue
+    return out
+
+
 # ------------------------------------------------------------------------------------------- math
 
 
@@ -431,6 +662,12 @@ class _Server:
         t = self.target
         return await stream_once(t.client, t.url, body, t.headers, t.endpoint, t.timeout)
 
+    async def send_recorded(self, request: RecordedRequest, max_tokens: int | None) -> ReplayRecord:
+        assert self.target is not None and self.model is not None
+        headers = {**self.target.headers, "anthropic-version": "2023-06-01"}
+        body = replay_body(request, self.model, max_tokens)
+        return await _post_recorded(self.target.client, self.url + request.path, body, headers, self.target.timeout)
+
     def chat(
         self, messages: Sequence[Mapping[str, Any]], max_tokens: int, tools: Any = None
     ) -> dict[str, Any]:
@@ -468,7 +705,12 @@ class _Server:
             resp = await self.target.client.get(
                 f"{self.url}/metrics", params={"format": "json"}, headers=self.target.headers
             )
-            data = resp.json() if resp.status_code == 200 else None
+            if resp.status_code != 200:
+                return None
+            if "json" not in resp.headers.get("content-type", ""):
+                counters = parse_prometheus_counters(resp.text)  # llama-server --metrics
+                return dict(counters) if "prefill_tokens" in counters else None
+            data = resp.json()
         except (httpx.HTTPError, ValueError):
             return None
         if not isinstance(data, dict) or not isinstance(data.get("prefill_tokens"), int):
@@ -513,6 +755,22 @@ async def _replay(
     return summarize_replay(records, wall, metrics_delta(before, after))
 
 
+async def _replay_recorded(server: _Server, recording: Recording, max_tokens: int | None) -> dict[str, Any]:
+    assert server.target is not None and server.model is not None
+    headers = {**server.target.headers, "anthropic-version": "2023-06-01"}
+    before = await server.metrics()
+    records: list[ReplayRecord] = []
+    t_start = time.perf_counter()
+    for request in recording.requests:
+        body = replay_body(request, server.model, max_tokens)
+        records.append(
+            await _post_recorded(server.target.client, server.url + request.path, body, headers, server.target.timeout)
+        )
+    wall = time.perf_counter() - t_start
+    after = await server.metrics()
+    return summarize_recorded(records, wall, metrics_delta(before, after))
+
+
 def _server_list(args: argparse.Namespace) -> list[_Server]:
     endpoint: Endpoint = args.endpoint if args.workload == "shared-prefix" else "chat"
     servers = [_Server("target", args.url, args.model, args.api_key, endpoint)]
@@ -555,6 +813,19 @@ async def run_workload(args: argparse.Namespace) -> dict[str, Any]:
                     _progress(f"{server.role} {server.url}: shared-prefix round {r + 1}/{rounds} ...")
                     server.runs.append(await _shared_round(server, document, args.warm_requests, max_tokens))
             summarize = summarize_shared
+        elif getattr(args, "replay_file", None):
+            recording = load_recording(Path(args.replay_file))
+            report["replay_file"] = str(args.replay_file)
+            report["client"] = recording.client
+            report["requests"] = len(recording.requests)
+            if not args.no_warmup:  # the first request for one token: its prefix is cached after this
+                for server in servers:
+                    await server.send_recorded(recording.requests[0], 1)
+            for r in range(rounds):
+                for server in servers:
+                    _progress(f"{server.role} {server.url}: {recording.client} replay {r + 1}/{rounds} ...")
+                    server.runs.append(await _replay_recorded(server, recording, max_tokens))
+            summarize = summarize_recorded_replays
         else:
             conversation = load_agent_conversation()
             report["turns"] = conversation.turns
@@ -729,6 +1000,30 @@ def format_report(report: Mapping[str, Any]) -> str:
                 f"{'ratio':<9}{'':>8}{_f(ratios.get('cold_ttft_ms'), '.2f'):>11}"
                 f"{_f(ratios.get('warm_ttft_ms'), '.2f'):>11}{_f(ratios.get('warm_over_cold'), '.2f'):>11}"
             )
+    elif workload == "agent-replay" and "replay_file" in report:
+        lines.append(
+            f"agent-replay of {report['replay_file']} ({report['client']}, {report['requests']} requests), "
+            f"max_tokens {report['max_tokens']}, {report['rounds']} replay(s); medians; "
+            "prefilled = the server's own count (Helios prefill_tokens, llama-server prompt_tokens_total)"
+        )
+        lines.append(
+            f"{'server':<9}{'wall s':>8}{'prompt':>8}{'cached':>8}{'prefilled':>10}{'output':>8}{'errors':>8}"
+        )
+        for role in roles:
+            s = report[role]["summary"]
+            lines.append(
+                f"{role:<9}{_f(s['wall_s'], '.2f'):>8}{_f(s['prompt_tokens'], '.0f'):>8}"
+                f"{_f(s['cached_tokens'], '.0f'):>8}{_f(s['prefilled_tokens'], '.0f'):>10}"
+                f"{_f(s['output_tokens'], '.0f'):>8}{s['errors']:>8}"
+            )
+        if ratios:
+            lines.append(f"{'ratio':<9}{_f(ratios.get('wall_s'), '.2f'):>8}")
+        for role in roles:
+            for i, run in enumerate(report[role]["runs"]):
+                cells = " ".join(
+                    f"{_f(r['prompt_tokens'], '.0f')}/{_f(r['cached_tokens'], '.0f')}" for r in run["requests"]
+                )
+                lines.append(f"{role} replay {i + 1} per-request prompt/cached tokens: {cells}")
     elif workload == "agent-replay":
         lines.append(
             f"agent-replay: {report['turns']} turns ({report['agent_format']} format), max_tokens {report['max_tokens']}, "

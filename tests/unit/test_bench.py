@@ -617,3 +617,88 @@ def test_agent_replay_text_format_sends_no_tools(capsys: pytest.CaptureFixture[s
     bodies = _chat_bodies(cfg, 4)
     assert len(bodies) == 12 and all("tools" not in b for b in bodies)
     assert all(m["role"] != "tool" for b in bodies for m in b["messages"])
+
+
+# -- replaying a coding client's recorded requests ---------------------------------------------------
+
+
+def _recording(tmp_path: Any, requests: list[dict[str, Any]], client: str = "opencode") -> Any:
+    path = tmp_path / f"{client}.json"
+    path.write_text(json.dumps({"client": client, "requests": requests}))
+    return path
+
+
+def test_replay_file_sends_the_recorded_requests_in_order(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    system = {"role": "system", "content": "You are opencode. " * 20}
+    turns = [[system, {"role": "user", "content": "Fix calc.py please"}]]
+    for i in range(3):
+        turns.append([*turns[-1], {"role": "assistant", "content": f"step {i} done"},
+                      {"role": "user", "content": f"result {i}"}])
+    recorded = [{"path": "/v1/chat/completions",
+                 "body": {"model": "scripted", "messages": m, "max_tokens": 1024, "stream": True}} for m in turns]
+    path = _recording(tmp_path, recorded)
+    cfg = FakeConfig(prefix_cache=True, metrics=True, ttft=0.001, itl=0.0005)
+    with fake_server(cfg) as url:
+        code = bench.main(["--url", url, "--workload", "agent-replay", "--replay-file", str(path), "--rounds", "1",
+                           "--max-tokens", "4", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["client"], report["requests"]) == ("opencode", 4)
+    warmup, *replayed = cfg.bodies[-5:]  # after the one-token probes of the setup
+    assert warmup["max_tokens"] == 1 and warmup["messages"] == turns[0]
+    assert [b["messages"] for b in replayed] == turns
+    assert all(b["model"] == MODEL and b["max_tokens"] == 4 and b["stream_options"] == {"include_usage": True}
+               for b in replayed)
+    run = report["target"]["runs"][0]
+    assert [r["status"] for r in run["requests"]] == [200] * 4 and run["errors"] == []
+    cached = [r["cached_tokens"] for r in run["requests"]]
+    assert cached[0] > 0 and cached == sorted(cached) and cached[-1] > cached[0]  # the warm-up cached turn 1
+    assert run["prompt_tokens"] == sum(r["prompt_tokens"] for r in run["requests"])
+    assert run["prefilled_tokens"] == run["prompt_tokens"] - run["cached_tokens"]  # the server's own count
+    assert report["target"]["summary"]["wall_s"] == run["wall_s"]
+
+
+def test_replay_body_sets_the_model_and_each_routes_output_limit() -> None:
+    body = {"model": "scripted", "input": [], "stream": True}
+    responses = bench_cache.replay_body(bench_cache.RecordedRequest("/v1/responses", body), "smol", 8)
+    assert responses == {"model": "smol", "input": [], "stream": True, "max_output_tokens": 8}
+    assert body == {"model": "scripted", "input": [], "stream": True}  # the recording is left alone
+    messages = bench_cache.RecordedRequest("/v1/messages?beta=true", {"model": "x", "max_tokens": 1024})
+    assert bench_cache.replay_body(messages, "smol", 8) == {"model": "smol", "max_tokens": 8}
+    assert bench_cache.replay_body(messages, "smol", None) == {"model": "smol", "max_tokens": 1024}
+    chat = bench_cache.RecordedRequest("/v1/chat/completions", {"model": "x", "max_completion_tokens": 5})
+    assert bench_cache.replay_body(chat, "smol", 8) == {"model": "smol", "max_tokens": 8}
+
+
+def test_response_usage_reads_every_protocol() -> None:
+    def sse(*events: dict[str, Any]) -> bytes:
+        return "".join(f"event: {e.get('type', 'x')}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
+
+    responses = sse({"type": "response.created", "response": {"usage": None}},
+                    {"type": "response.completed", "response": {"usage": {
+                        "input_tokens": 2753, "input_tokens_details": {"cached_tokens": 2700}, "output_tokens": 35}}})
+    assert bench_cache.response_usage(responses) == bench_cache.ResponseUsage(2753, 2700, 35)
+    messages = sse({"type": "message_start", "message": {"usage": {
+                        "input_tokens": 66, "cache_read_input_tokens": 16816, "cache_creation_input_tokens": 0,
+                        "output_tokens": 1}}},
+                   {"type": "message_delta", "usage": {"output_tokens": 51}})
+    assert bench_cache.response_usage(messages) == bench_cache.ResponseUsage(16882, 16816, 51)
+    chat = (b'data: {"choices": [{"delta": {"content": "x"}}], "usage": null}\n\n'
+            b'data: {"choices": [], "usage": {"prompt_tokens": 5429, "completion_tokens": 28, '
+            b'"prompt_tokens_details": {"cached_tokens": 5376}}}\n\ndata: [DONE]\n\n')
+    assert bench_cache.response_usage(chat) == bench_cache.ResponseUsage(5429, 5376, 28)
+    body = json.dumps({"usage": {"input_tokens": 12, "output_tokens": 3}}).encode()
+    assert bench_cache.response_usage(body) == bench_cache.ResponseUsage(12, None, 3)
+    assert bench_cache.response_usage(b"not json") == bench_cache.ResponseUsage()
+
+
+def test_recordings_are_checked_and_llama_metrics_read(tmp_path: Any) -> None:
+    ok = _recording(tmp_path, [{"path": "/v1/messages?beta=true", "body": {"model": "m"}}], "claude")
+    assert bench_cache.load_recording(ok).requests[0].path == "/v1/messages?beta=true"
+    for bad in ([], [{"path": "/v1/models", "body": {}}], [{"path": "/v1/responses"}]):
+        with pytest.raises(ValueError):
+            bench_cache.load_recording(_recording(tmp_path, bad))
+    text = ("# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
+            "# TYPE llamacpp:prompt_tokens_total counter\nllamacpp:prompt_tokens_total 1234\n"
+            "llamacpp:tokens_predicted_total 56\nllamacpp:requests_processing 0\n")
+    assert bench_cache.parse_prometheus_counters(text) == {"prefill_tokens": 1234, "generated_tokens": 56}
