@@ -1,10 +1,18 @@
-"""Real coding clients against a live Helios: one non-interactive turn each.
+"""Real coding clients against a live Helios: one turn on the default model, then an agent task.
 
 Codex (`codex exec`, Responses), Claude Code (`claude -p`, normal and `--bare`, Messages) and
 OpenCode (`opencode run`, Chat Completions) are installed from npm at pinned versions, configured
 with the blocks of docs/clients.md (so the documented configuration is the tested one) and pointed
-at a recording proxy in front of Helios serving the default model. Each must exit 0 without
-printing an error, and every request it sent must get a 2xx.
+at a recording proxy. Each must exit 0 without printing an error, and every request it sent must
+get a 2xx.
+
+- One non-interactive turn each against Helios serving the default model.
+- The agent task (inspect, edit, test) in a temporary git repository, against an in-process Helios
+  serving the scripted agent model (tests/serving/agent_model.py) with the prefix cache on: the
+  file must change exactly as scripted, the test command must run, each step must follow the
+  previous tool result, and every request of the loop after the first must report cached prompt
+  tokens. HELIOS_CLIENT_RECORD_DIR keeps each client's requests for `helios bench --workload
+  agent-replay --replay-file`.
 
 Gated by FLARE_RUN_CLIENT_TESTS=1 (`./dev test` sets it); FLARE_API_TEST_URL selects an external
 server. Needs npm and the registry on first use; the clients are cached in ~/.cache/helios/clients
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import http.server
+import itertools
 import json
 import os
 import re
@@ -31,7 +40,18 @@ import attrs
 import httpx
 import pytest
 
+from helios.bench_cache import REPLAY_ROUTES, response_usage
 from tests.server.conftest import EXTERNAL, LiveServer, start_server, stop_server
+from tests.serving.agent_model import (
+    AGENT_MAX_MODEL_LEN,
+    ANSWER,
+    CALC_AFTER,
+    TASK,
+    AgentTask,
+    agent_server,
+    write_project,
+)
+from tests.serving.harness import FAMILIES, TEMPLATES, ScriptedServer
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("FLARE_RUN_CLIENT_TESTS") != "1",
@@ -77,14 +97,29 @@ def doc_block(tag: str) -> str:
     return str(found[0])
 
 
-def localized(text: str, base_url: str, model: str) -> str:
-    return re.sub(r"\bsmol\b", model, text.replace(DOC_URL, base_url))
+def localized(text: str, base_url: str, model: str, capacity: int | None = None) -> str:
+    """A documented block for this server: its URL, its model id and (given) its context capacity
+    in place of the default model's 8192."""
+    text = re.sub(r"\bsmol\b", model, text.replace(DOC_URL, base_url))
+    return re.sub(r"\b8192\b", str(capacity), text) if capacity is not None else text
 
 
 def run_args(tag: str) -> list[str]:
     """The documented command line, split like a shell would (it has only double quotes)."""
     line = doc_block(tag).strip()
     return [a[1:-1] if a.startswith('"') else a for a in re.findall(r'"[^"]*"|\S+', line)]
+
+
+def write_codex_home(codex_home: Path, base_url: str, model: str, capacity: int | None = None) -> None:
+    """config.toml and the model catalog beside it, from docs/clients.md."""
+    codex_home.mkdir(parents=True, exist_ok=True)
+    config = localized(doc_block("codex-config"), base_url, model, capacity)
+    (codex_home / "config.toml").write_text(config)
+    catalog = localized(doc_block("codex-catalog"), base_url, model, capacity)
+    name = re.search(r'^model_catalog_json = "([^"]+)"', config, re.M)
+    assert name is not None, "the documented Codex configuration names no model catalog"
+    assert json.loads(catalog)["models"][0]["slug"] == model  # the documented block is valid JSON
+    (codex_home / name.group(1)).write_text(catalog)
 
 
 def claude_env(base_url: str, model: str) -> dict[str, str]:
@@ -138,6 +173,8 @@ class Recorded:
     status: int | None = None
     complete: bool = False
     summary: str = ""
+    body: bytes = b""
+    response: bytearray = attrs.Factory(bytearray)
 
 
 class RecordingProxy:
@@ -157,7 +194,7 @@ class RecordingProxy:
 
             def forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                rec = Recorded(self.command, self.path, summary=_summary(body))
+                rec = Recorded(self.command, self.path, summary=_summary(body), body=body)
                 with proxy._lock:
                     proxy.records.append(rec)
                 headers = {k: v for k, v in self.headers.items()
@@ -183,6 +220,7 @@ class RecordingProxy:
                     self.send_header("transfer-encoding", "chunked")
                     self.end_headers()
                     for chunk in r.iter_raw():
+                        rec.response += chunk
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                         self.wfile.flush()
                     self.wfile.write(b"0\r\n\r\n")
@@ -292,8 +330,7 @@ def check_turn(name: str, proc: subprocess.CompletedProcess[str], records: list[
 
 def test_codex_exec(client_bin: Path, proxy: RecordingProxy, project: Path, model_id: str) -> None:
     codex_home = project.parent / "home" / ".codex"
-    codex_home.mkdir(parents=True)
-    (codex_home / "config.toml").write_text(localized(doc_block("codex-config"), proxy.url, model_id))
+    write_codex_home(codex_home, proxy.url, model_id)
     proxy.take()
     proc = run_client(run_args("codex-run"), project, {"CODEX_HOME": str(codex_home)}, client_bin)
     check_turn("codex", proc, proxy.take(), "/v1/responses")
@@ -318,3 +355,123 @@ def test_opencode_run(client_bin: Path, proxy: RecordingProxy, project: Path, mo
     proxy.take()
     proc = run_client(run_args("opencode-run"), project, {}, client_bin)
     check_turn("opencode", proc, proxy.take(), "/v1/chat/completions")
+
+
+# -- the agent task ---------------------------------------------------------------------------------
+
+AGENT_FAMILY = "qwen3"  # Qwen3's template: Hermes JSON <tool_call> blocks, tools in the system prompt
+
+
+@pytest.fixture(scope="module")
+def agent() -> Iterator[tuple[ScriptedServer, AgentTask]]:
+    if TEMPLATES is None:
+        pytest.skip("shared/fixtures/chat_templates not found (shared/ lies beside the repository)")
+    task = AgentTask(AGENT_FAMILY)
+    server = agent_server(FAMILIES[AGENT_FAMILY], task).start()
+    yield server, task
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def agent_proxy(agent: tuple[ScriptedServer, AgentTask]) -> Iterator[RecordingProxy]:
+    p = RecordingProxy(agent[0].url, None)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def task_project(tmp_path: Path, agent: tuple[ScriptedServer, AgentTask]) -> Path:
+    """A git repository holding calc.py (with the bug) and test_calc.py, and a private HOME."""
+    work = tmp_path / "project"
+    work.mkdir()
+    write_project(work)
+    git = ["git", "-c", "user.name=Helios test", "-c", "user.email=test@helios.invalid"]
+    subprocess.run(["git", "init", "-q"], cwd=work, check=True)
+    subprocess.run([*git, "add", "."], cwd=work, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "calc"], cwd=work, check=True)
+    (tmp_path / "home").mkdir()
+    agent[1].workdir = str(work)
+    return work
+
+
+def task_args(tag: str) -> list[str]:
+    args = run_args(tag)
+    assert TASK in args, f"docs/clients.md's helios:{tag} line does not give the task: {args}"
+    return args
+
+
+def run_task(name: str, client: str, args: list[str], env: dict[str, str], project: Path, bin_dir: Path,
+             proxy: RecordingProxy, task: AgentTask, generation: str) -> None:
+    proxy.take()
+    first = len(task.decisions)
+    proc = run_client(args, project, env, bin_dir)
+    records = proxy.take()
+    decisions = task.decisions[first:]
+    check_turn(name, proc, records, generation)
+    record_requests(name, records)
+
+    # The loop: the requests of this client's task (its background requests answer "OK.").
+    loop = [r for r in records if r.path.split("?")[0] == generation and TASK.encode() in r.body
+            and AgentTask.client_of(set(_tool_names(r.body))) == client]
+    usages = [response_usage(bytes(r.response)) for r in loop]
+    print(f"{name}: task turns (prompt tokens / cached tokens):")
+    for i, u in enumerate(usages):
+        print(f"  turn {i + 1}: {u.prompt_tokens} / {u.cached_tokens}")
+    steps = [d.step for d in decisions if d.client == client]
+    assert steps == [0, 1, 2, 3], f"{name}: the model played steps {steps}, not read, edit, test, answer"
+    assert (project / "calc.py").read_text() == CALC_AFTER, f"{name}: calc.py is not as scripted"
+    assert (project / "tests-ran.txt").read_text() == "passed\n", f"{name}: the test command did not pass"
+    assert ANSWER in proc.stdout, f"{name} did not print the final answer"
+    assert len(loop) == 4, f"{name}: {len(loop)} task requests, not 4"
+    assert all(u.prompt_tokens for u in usages), f"{name}: a task request reported no prompt tokens"
+    uncached = [i + 1 for i, u in enumerate(usages) if i > 0 and not u.cached_tokens]
+    assert not uncached, f"{name}: turns {uncached} reported no cached prompt tokens: {usages}"
+    # Each turn's prompt extends the previous one's: most of it comes from the prefix cache.
+    short = [(prev, u) for prev, u in itertools.pairwise(usages)
+             if (u.cached_tokens or 0) < (prev.prompt_tokens or 0) * 9 // 10]
+    assert not short, f"{name}: turns reused less than 90% of the previous turn's prompt: {short}"
+
+
+def _tool_names(body: bytes) -> list[str]:
+    tools = json.loads(body).get("tools") or []
+    return [str(t.get("name") or t.get("function", {}).get("name")) for t in tools if isinstance(t, dict)]
+
+
+def record_requests(name: str, records: list[Recorded]) -> None:
+    """With HELIOS_CLIENT_RECORD_DIR: the client's generation requests, for the replay benchmark."""
+    out = os.environ.get("HELIOS_CLIENT_RECORD_DIR")
+    if not out:
+        return
+    requests = [{"path": r.path, "body": json.loads(r.body)} for r in records
+                if r.method == "POST" and r.path.split("?")[0] in REPLAY_ROUTES]
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"{name}.json").write_text(json.dumps({"client": name, "requests": requests}, indent=1) + "\n")
+
+
+def test_codex_task(client_bin: Path, agent: tuple[ScriptedServer, AgentTask], agent_proxy: RecordingProxy,
+                    task_project: Path) -> None:
+    codex_home = task_project.parent / "home" / ".codex"
+    write_codex_home(codex_home, agent_proxy.url, "scripted", AGENT_MAX_MODEL_LEN)
+    run_task("codex", "codex", task_args("codex-task-run"), {"CODEX_HOME": str(codex_home)}, task_project,
+             client_bin, agent_proxy, agent[1], "/v1/responses")
+
+
+@pytest.mark.parametrize("bare", [False, True], ids=["normal", "bare"])
+def test_claude_task(client_bin: Path, agent: tuple[ScriptedServer, AgentTask], agent_proxy: RecordingProxy,
+                     task_project: Path, bare: bool) -> None:
+    args = task_args("claude-task-run")
+    if bare:
+        args.insert(args.index("-p") + 1, "--bare")
+    run_task("claude-bare" if bare else "claude", "claude", args, claude_env(agent_proxy.url, "scripted"),
+             task_project, client_bin, agent_proxy, agent[1], "/v1/messages")
+
+
+def test_opencode_task(client_bin: Path, agent: tuple[ScriptedServer, AgentTask], agent_proxy: RecordingProxy,
+                       task_project: Path) -> None:
+    config_dir = task_project.parent / "home" / ".config" / "opencode"
+    config_dir.mkdir(parents=True)
+    config = localized(doc_block("opencode-config"), agent_proxy.url, "scripted", AGENT_MAX_MODEL_LEN)
+    json.loads(config)
+    (config_dir / "opencode.json").write_text(config)
+    run_task("opencode", "opencode", task_args("opencode-task-run"), {}, task_project, client_bin, agent_proxy,
+             agent[1], "/v1/chat/completions")
