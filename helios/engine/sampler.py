@@ -73,6 +73,7 @@ _NEG_INF = float("-inf")
 _BLOCK = 256  # tokens per block of the full-vocabulary inverse CDF
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
 _MIN_TEMPERATURE = 1e-5
+_EXP_FLOOR = -80.0  # exp(-80) is a normal float32 (~1.8e-35); below about -87 exp underflows (slowly)
 
 
 @attrs.define
@@ -209,10 +210,9 @@ class Sampler:
         # Per-row masks (grammar rows): row -> its disallowed tokens. Each path sets them to -inf in
         # its own working copy (the vectorised one in its workspace, no extra copy), after the
         # temperature, which equals masking before it (-inf stays -inf); logprobs read `x`.
-        masks: dict[int, Tensor] | None = None
+        masks: RowMasks | None = None
         if token_mask is not None and masked_rows is not None:
-            disallowed = ~token_mask[:, :vocab_size].to(x.device)
-            masks = {r: disallowed[k] for k, r in enumerate(masked_rows)}
+            masks = RowMasks({r: k for k, r in enumerate(masked_rows)}, ~token_mask[:, :vocab_size].to(x.device))
             token_mask = None
         vectorise = self.fast_path and token_mask is None
         for i, row in enumerate(rows):
@@ -241,7 +241,7 @@ class Sampler:
         plain: list[int],
         uniforms: Tensor | None,
         row_params: RowParams | None,
-        masks: dict[int, Tensor] | None = None,
+        masks: RowMasks | None = None,
     ) -> Tensor:
         """The vectorised path for ``plain`` rows (greedy, or temperature and min-p only): their
         sampled ids as a device tensor aligned with ``plain``, with no host read and no per-row
@@ -273,19 +273,26 @@ class Sampler:
             assert tensors is not None
             temperature = tensors.temperature if index is None else tensors.temperature.index_select(0, index)
             w = torch.div(w, temperature.unsqueeze(1), out=buffer)
-        masked = [(k, masks[i]) for k, i in enumerate(rows_drawn) if i in masks] if masks else []
-        if masked:
+        if masks is not None and masks.touches(rows_drawn):
             if w is x:
                 w = buffer.copy_(x)
-            for k, disallowed in masked:
-                w[k].masked_fill_(disallowed, _NEG_INF)
+            masks.apply(w, rows_drawn)
         peak = w.amax(dim=-1, keepdim=True)
         excluded: Tensor | None = None
         if min_p:
             assert tensors is not None
             log_min_p = tensors.log_min_p if index is None else tensors.log_min_p.index_select(0, index)
             excluded = w < (peak.squeeze(1) + log_min_p).unsqueeze(1)
-        weights = torch.sub(w, _finite_peak(peak), out=buffer).exp_()
+        weights = torch.sub(w, _finite_peak(peak), out=buffer)
+        if masks is not None and masks.touches(rows_drawn):
+            # exp of -inf (or of anything that underflows) takes a slow path on the CPU, several
+            # times slower than the whole row: masked rows are floored first and their masked
+            # tokens zeroed after. Unmasked rows are untouched.
+            masks.floor(weights, rows_drawn, _EXP_FLOOR)
+            weights.exp_()
+            masks.apply(weights, rows_drawn, 0.0)
+        else:
+            weights.exp_()
         if excluded is not None:
             weights.masked_fill_(excluded, 0.0)
         assert uniforms is not None
@@ -315,7 +322,7 @@ class Sampler:
         work: list[int],
         token_mask: Tensor | None,
         uniforms: Tensor | None,
-        masks: dict[int, Tensor] | None = None,
+        masks: RowMasks | None = None,
     ) -> Tensor:
         """The general path: rows that need penalties, bias, a mask or filters. Their sampled ids as a
         device tensor aligned with ``work``."""
@@ -337,10 +344,8 @@ class Sampler:
             _apply_logit_bias(w, work_rows, scales)
         if any(r.has_penalties for r in work_rows):
             _apply_penalties(w, work_rows, scales)
-        if masks:
-            for j, i in enumerate(work):
-                if i in masks:
-                    w[j].masked_fill_(masks[i], _NEG_INF)
+        if masks is not None:
+            masks.apply(w, work)
         if token_mask is not None:
             mask = token_mask[:, : self.vocab_size]
             if index is not None:
@@ -529,14 +534,55 @@ def _read_tokens_and_logprobs(
     return tokens, out
 
 
-def _argmax_rows(x: Tensor, selected: list[int], num_rows: int, masks: dict[int, Tensor] | None) -> Tensor:
+def _argmax_rows(x: Tensor, selected: list[int], num_rows: int, masks: RowMasks | None) -> Tensor:
     """Greedy picks of the ``selected`` rows; a grammar-masked row's among its allowed tokens."""
-    picked = _select_rows(x, selected, num_rows).argmax(dim=-1)
-    if masks:
-        for j, i in enumerate(selected):
-            if i in masks:
-                picked[j] = x[i].masked_fill(masks[i], _NEG_INF).argmax()
-    return picked
+    if masks is None or not masks.touches(selected):
+        return _select_rows(x, selected, num_rows).argmax(dim=-1)
+    w = x.index_select(0, _index(selected, x.device))
+    masks.apply(w, selected)
+    return w.argmax(dim=-1)
+
+
+@attrs.frozen
+class RowMasks:
+    """Grammar masks of some rows of one ``sample`` call: batch row -> index into ``disallowed``
+    ([M, vocab] bool, True where a token is not allowed)."""
+
+    where: dict[int, int]
+    disallowed: Tensor
+
+    def touches(self, rows: Sequence[int]) -> bool:
+        return any(i in self.where for i in rows)
+
+    def apply(self, w: Tensor, rows: Sequence[int], value: float = _NEG_INF) -> None:
+        """Sets the disallowed tokens of ``w`` (row j holds batch row ``rows[j]``) to ``value`` in
+        place. On the CPU through numpy, one single-threaded pass per row (a torch op per row pays
+        the intra-op thread pool's wake-up each time)."""
+        pairs = self._pairs(rows)
+        if not pairs:
+            return
+        if w.device.type == "cpu":
+            wn, dn = w.numpy(), self.disallowed.numpy()
+            for j, k in pairs:
+                np.putmask(wn[j], dn[k], value)
+            return
+        js = _index([j for j, _ in pairs], w.device)
+        ks = _index([k for _, k in pairs], w.device)
+        w.index_copy_(0, js, w.index_select(0, js).masked_fill_(self.disallowed.index_select(0, ks), value))
+
+    def floor(self, w: Tensor, rows: Sequence[int], low: float) -> None:
+        """Raises the masked rows of ``w`` to at least ``low`` in place."""
+        pairs = self._pairs(rows)
+        if w.device.type == "cpu":
+            wn = w.numpy()
+            for j, _ in pairs:
+                np.maximum(wn[j], low, out=wn[j])
+        elif pairs:
+            js = _index([j for j, _ in pairs], w.device)
+            w.index_copy_(0, js, w.index_select(0, js).clamp_min_(low))
+
+    def _pairs(self, rows: Sequence[int]) -> list[tuple[int, int]]:
+        return [(j, self.where[i]) for j, i in enumerate(rows) if i in self.where]
 
 
 def _log_softmax(x: Tensor) -> Tensor:
