@@ -111,8 +111,9 @@ ABSENT_FEATURE_FIELDS: dict[str, int | bool] = {
     "replay_readiness_samples": 0, "learned_drafter": False,
 }
 
-# Failure stages (the label of helios_requests_failed_by_stage_total). `grammar` has no source until
-# structured output exists, so its series appears only once one is counted.
+# Failure stages (the label of helios_requests_failed_by_stage_total). `grammar`: the engine's
+# structured-output matcher failed a request (rare: masks prevent it), so its series appears only
+# once one is counted.
 FAILURE_STAGES = ("admission", "execution", "grammar", "output")
 _PRESET_STAGES = ("admission", "execution", "output")
 
