@@ -20,8 +20,9 @@ servers, never concurrently.
   With ``--replay-file`` it replays a coding client's recorded requests instead
   (:class:`Recording`: what ``tests/server/test_coding_clients.py`` writes with
   ``HELIOS_CLIENT_RECORD_DIR``): each request is sent as the client sent it, to its own route
-  (Responses, Messages or Chat Completions), with the server's model name and the output limit set
-  to ``--max-tokens``. Reports the replay's wall time, each request's prompt and cached tokens from
+  (Responses, Messages or Chat Completions), with the server's model name, the output limit set
+  to ``--max-tokens`` and a fresh nonce starting the prompt per replay (each replay starts cold,
+  as the client's session did). Reports the replay's wall time, each request's prompt and cached tokens from
   the response's usage, and the tokens each server says it prefilled: Helios's
   ``/metrics?format=json`` ``prefill_tokens``, llama-server's ``llamacpp:prompt_tokens_total``
   (``--metrics``).
@@ -315,9 +316,13 @@ def load_recording(path: Path) -> Recording:
     return Recording(str(raw.get("client") or Path(path).stem), requests)
 
 
-def replay_body(request: RecordedRequest, model: str, max_tokens: int | None) -> dict[str, Any]:
+def replay_body(
+    request: RecordedRequest, model: str, max_tokens: int | None, nonce: str | None = None
+) -> dict[str, Any]:
     """The recorded body for another server: its model name, the output limit in the route's own
-    field (when given), and usage asked for on a streamed Chat Completions request."""
+    field (when given), usage asked for on a streamed Chat Completions request, and ``[session
+    nonce]`` at the start of the prompt (when given), so that a replay shares no prefix with an
+    earlier one while its requests share theirs as the client's did."""
     body = json.loads(json.dumps(request.body))
     body["model"] = model
     route = request.path.split("?")[0]
@@ -329,7 +334,34 @@ def replay_body(request: RecordedRequest, model: str, max_tokens: int | None) ->
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     elif max_tokens is not None:
         body["max_output_tokens" if route == "/v1/responses" else "max_tokens"] = max_tokens
+    if nonce is not None:
+        _prefix_prompt(body, route, f"[session {nonce}] ")
     return body
+
+
+def _prefix_prompt(body: dict[str, Any], route: str, prefix: str) -> None:
+    """Put ``prefix`` before the first text of the prompt: Messages' ``system``, Responses'
+    ``instructions``, else the first message's (or input item's) first text."""
+    first_key = {"/v1/messages": "system", "/v1/responses": "instructions"}.get(route)
+    if first_key and body.get(first_key):
+        holder: Any = body
+        key: Any = first_key
+    else:
+        items = body.get("input" if route == "/v1/responses" else "messages")
+        if isinstance(items, str):
+            body["input"] = prefix + items
+            return
+        if not isinstance(items, list) or not items or not isinstance(items[0], dict):
+            return
+        holder, key = items[0], "content"
+    value = holder.get(key)
+    if isinstance(value, str):
+        holder[key] = prefix + value
+        return
+    for part in value if isinstance(value, list) else []:
+        if isinstance(part, dict) and isinstance(part.get("text"), str):
+            part["text"] = prefix + part["text"]
+            return
 
 
 @dataclass
@@ -662,10 +694,12 @@ class _Server:
         t = self.target
         return await stream_once(t.client, t.url, body, t.headers, t.endpoint, t.timeout)
 
-    async def send_recorded(self, request: RecordedRequest, max_tokens: int | None) -> ReplayRecord:
+    async def send_recorded(
+        self, request: RecordedRequest, max_tokens: int | None, nonce: str | None = None
+    ) -> ReplayRecord:
         assert self.target is not None and self.model is not None
         headers = {**self.target.headers, "anthropic-version": "2023-06-01"}
-        body = replay_body(request, self.model, max_tokens)
+        body = replay_body(request, self.model, max_tokens, nonce)
         return await _post_recorded(self.target.client, self.url + request.path, body, headers, self.target.timeout)
 
     def chat(
@@ -758,11 +792,12 @@ async def _replay(
 async def _replay_recorded(server: _Server, recording: Recording, max_tokens: int | None) -> dict[str, Any]:
     assert server.target is not None and server.model is not None
     headers = {**server.target.headers, "anthropic-version": "2023-06-01"}
+    nonce = new_nonce()
     before = await server.metrics()
     records: list[ReplayRecord] = []
     t_start = time.perf_counter()
     for request in recording.requests:
-        body = replay_body(request, server.model, max_tokens)
+        body = replay_body(request, server.model, max_tokens, nonce)
         records.append(
             await _post_recorded(server.target.client, server.url + request.path, body, headers, server.target.timeout)
         )
@@ -818,9 +853,9 @@ async def run_workload(args: argparse.Namespace) -> dict[str, Any]:
             report["replay_file"] = str(args.replay_file)
             report["client"] = recording.client
             report["requests"] = len(recording.requests)
-            if not args.no_warmup:  # the first request for one token: its prefix is cached after this
+            if not args.no_warmup:  # the first request for one token, with a nonce no replay shares
                 for server in servers:
-                    await server.send_recorded(recording.requests[0], 1)
+                    await server.send_recorded(recording.requests[0], 1, new_nonce())
             for r in range(rounds):
                 for server in servers:
                     _progress(f"{server.role} {server.url}: {recording.client} replay {r + 1}/{rounds} ...")

@@ -645,14 +645,17 @@ def test_replay_file_sends_the_recorded_requests_in_order(tmp_path: Any, capsys:
     report = json.loads(capsys.readouterr().out)
     assert (report["client"], report["requests"]) == ("opencode", 4)
     warmup, *replayed = cfg.bodies[-5:]  # after the one-token probes of the setup
-    assert warmup["max_tokens"] == 1 and warmup["messages"] == turns[0]
-    assert [b["messages"] for b in replayed] == turns
+    assert warmup["max_tokens"] == 1 and warmup["messages"][1:] == turns[0][1:]
+    nonce = replayed[0]["messages"][0]["content"][: len("[session 0123456789ab] ")]
+    assert nonce.startswith("[session ") and not warmup["messages"][0]["content"].startswith(nonce)
+    for sent, recorded in zip(replayed, turns, strict=True):  # one nonce for the replay, before the system text
+        assert sent["messages"] == [{**recorded[0], "content": nonce + recorded[0]["content"]}, *recorded[1:]]
     assert all(b["model"] == MODEL and b["max_tokens"] == 4 and b["stream_options"] == {"include_usage": True}
                for b in replayed)
     run = report["target"]["runs"][0]
     assert [r["status"] for r in run["requests"]] == [200] * 4 and run["errors"] == []
     cached = [r["cached_tokens"] for r in run["requests"]]
-    assert cached[0] > 0 and cached == sorted(cached) and cached[-1] > cached[0]  # the warm-up cached turn 1
+    assert cached[0] == 0 and cached == sorted(cached) and cached[1] > 0  # a cold start, then reuse
     assert run["prompt_tokens"] == sum(r["prompt_tokens"] for r in run["requests"])
     assert run["prefilled_tokens"] == run["prompt_tokens"] - run["cached_tokens"]  # the server's own count
     assert report["target"]["summary"]["wall_s"] == run["wall_s"]
@@ -668,6 +671,23 @@ def test_replay_body_sets_the_model_and_each_routes_output_limit() -> None:
     assert bench_cache.replay_body(messages, "smol", None) == {"model": "smol", "max_tokens": 1024}
     chat = bench_cache.RecordedRequest("/v1/chat/completions", {"model": "x", "max_completion_tokens": 5})
     assert bench_cache.replay_body(chat, "smol", 8) == {"model": "smol", "max_tokens": 8}
+
+
+@pytest.mark.parametrize(("path", "body", "expected"), [
+    ("/v1/messages", {"system": [{"type": "text", "text": "You are Claude Code."}], "messages": []},
+     {"system": [{"type": "text", "text": "[session n] You are Claude Code."}], "messages": []}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]},
+     {"messages": [{"role": "user", "content": "[session n] hi"}]}),
+    ("/v1/responses", {"instructions": "Be Codex.", "input": "hi"}, {"instructions": "[session n] Be Codex.",
+                                                                    "input": "hi"}),
+    ("/v1/responses", {"input": [{"role": "developer", "content": [{"type": "input_text", "text": "Be Codex."}]}]},
+     {"input": [{"role": "developer", "content": [{"type": "input_text", "text": "[session n] Be Codex."}]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "Be OpenCode."}]},
+     {"messages": [{"role": "system", "content": "[session n] Be OpenCode."}]}),
+])
+def test_replay_nonce_starts_the_prompt(path: str, body: dict[str, Any], expected: dict[str, Any]) -> None:
+    sent = bench_cache.replay_body(bench_cache.RecordedRequest(path, body), "m", None, "n")
+    assert sent == {"model": "m", **expected}
 
 
 def test_response_usage_reads_every_protocol() -> None:
