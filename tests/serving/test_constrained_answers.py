@@ -118,6 +118,21 @@ def test_prompt_opened_reasoning_and_function_tags_under_a_regex(coder: Scripted
     assert out.reasoning.strip() == "free < > { text" and out.text.strip() == "ABC-12"
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "stream"])
+def test_raw_completions_follow_structured_outputs(qwen3: ScriptedServer, stream: bool) -> None:
+    """Raw prompts have no envelope: the regex applies from the first token, and a script that
+    breaks it is masked into it."""
+    key = qwen3.book.add("not digits at all")
+    client = qwen3.openai()
+    kw: dict[str, Any] = {"model": "m", "prompt": f"Three digits: {key}", "max_tokens": 16,
+                          "extra_body": {"structured_outputs": {"regex": "[0-9]{3}"}}}
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+    else:
+        text = client.completions.create(**kw).choices[0].text
+    assert len(text) == 3 and text.isdigit(), text
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_conflicts_with_a_constraint_are_400s(qwen3: ScriptedServer, protocol: str) -> None:
     fmt = _format(protocol, CITY)
