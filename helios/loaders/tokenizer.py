@@ -68,6 +68,14 @@ _SPM_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPM_SPACE = "\u2581"
 
 
+class PromptTooLong(Exception):
+    """A text has more tokens than the caller's `max_tokens` (`Tokenizer.encode`): their exact number."""
+
+    def __init__(self, num_tokens: int) -> None:
+        super().__init__(f"{num_tokens} tokens")
+        self.num_tokens = num_tokens
+
+
 class Tokenizer:
     """Text <-> token ids for one model.
 
@@ -159,7 +167,7 @@ class Tokenizer:
     def backend(self) -> tokenizers.Tokenizer:
         return self._backend
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, *, max_tokens: int | None = None) -> list[int]:
         """Token ids of `text`, computed so that nothing else stops while a long text tokenizes:
 
         - through the backend's batch path, which releases the GIL while it works (its single
@@ -170,13 +178,31 @@ class Tokenizer:
           ASCII letters), so the ids are exactly the whole text's. Each piece's ids become Python
           objects in a short GIL hold, and the backend's working memory (about 130 bytes per input
           byte) is bounded by the piece, not the prompt.
+
+        With `max_tokens`, a text of more tokens raises PromptTooLong with their exact number, and
+        its ids past the limit are never made into Python objects (an over-context prompt of 30 MB
+        would be millions of them, and building and freeing them are long GIL holds).
         """
         ids: list[int] = []
+        num_tokens = 0
+        first: int | None = None
         for piece in self._pieces(text):
-            ids.extend(self._backend.encode_batch([piece], add_special_tokens=False)[0].ids)
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None \
-                and ids[:1] != [self.bos_token_id]:
-            ids.insert(0, self.bos_token_id)
+            encoding = self._backend.encode_batch([piece], add_special_tokens=False)[0]
+            num_tokens += len(encoding)
+            if max_tokens is not None and num_tokens > max_tokens:
+                if first is None and len(encoding):  # without building the piece's ids: an added
+                    bos_text = self.bos_token  # token at the very start is matched before anything else
+                    first = self.bos_token_id if bos_text and text.startswith(bos_text) else -1
+                ids.clear()
+                continue
+            ids.extend(encoding.ids)
+            if first is None and ids:
+                first = ids[0]
+        bos = self.bos_token_id if add_special_tokens and self.add_bos_token and first != self.bos_token_id else None
+        if max_tokens is not None and num_tokens + (bos is not None) > max_tokens:
+            raise PromptTooLong(num_tokens + (bos is not None))
+        if bos is not None:
+            ids.insert(0, bos)
         return ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 import trio
@@ -21,6 +21,7 @@ from helios.domain.sampling import SamplingParams, SamplingRequest
 from helios.engine.records import EngineRequest, ReasoningBudget, RequestOutput
 from helios.engine.structured import Envelope, GrammarConstraint
 from helios.errors import BadRequest, ContextLengthExceeded
+from helios.loaders.tokenizer import PromptTooLong
 from helios.obs import access
 from helios.serving.engine_client import EngineClient
 from helios.serving.output import OutputParser, OutputProcessor
@@ -170,7 +171,8 @@ class Service:
         return b
 
     # -- preparation ------------------------------------------------------------------------
-    async def render_chat(self, conv: ConversationRequest) -> tuple[str, list[int]]:
+    async def render_chat(self, conv: ConversationRequest, max_tokens: int | None = None) -> tuple[str, list[int]]:
+        """The rendered prompt and its ids; over `max_tokens` tokens, PromptTooLong (`Tokenizer.encode`)."""
         if not self.info.has_vision and _has_images(conv):
             # An image must never be dropped silently: a text-only model cannot see it.
             raise BadRequest(f"model {self.info.public_id} does not accept image input (it is text-only)",
@@ -178,13 +180,14 @@ class Service:
 
         def work() -> tuple[str, list[int]]:
             text = self._lower(conv)
-            return text, self.tokenizer.encode(text, add_special_tokens=False)
+            return text, self.tokenizer.encode(text, add_special_tokens=False, max_tokens=max_tokens)
 
         return await trio.to_thread.run_sync(work, limiter=self.limiter)
 
-    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
         return await trio.to_thread.run_sync(
-            lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens), limiter=self.limiter
+            lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens, max_tokens=max_tokens),
+            limiter=self.limiter,
         )
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -250,7 +253,10 @@ class Service:
             for tool in conv.tools:
                 if tool.grammar is not None:  # compiled before admission: a bad grammar is a 400
                     validators[tool.name] = await self.compiler.tool_validator(tool)
-            text, ids = await self.render_chat(conv)
+            try:  # an over-context prompt is counted, never turned into millions of ids
+                text, ids = await self.render_chat(conv, max_tokens=self.info.max_model_len)
+            except PromptTooLong as exc:
+                self._over_context(exc.num_tokens, req)
             prompts.append(PreparedPrompt(tuple(ids), text))
             parser_factory = self.parser_factory(conv, text)
             if opts.thinking_token_budget is not None and self._reasoning_budget is not None:
@@ -265,7 +271,11 @@ class Service:
         else:
             for p in req.prompts:
                 if isinstance(p, str):
-                    ids = await self.tokenize(p, add_special_tokens=req.add_special_tokens)
+                    try:
+                        ids = await self.tokenize(p, add_special_tokens=req.add_special_tokens,
+                                                  max_tokens=self.info.max_model_len)
+                    except PromptTooLong as exc:
+                        self._over_context(exc.num_tokens, req)
                     if not ids:
                         if not self.info.has_bos:
                             raise BadRequest("empty text prompts need a model with a BOS token", param=req.input_param)
@@ -309,9 +319,19 @@ class Service:
         return min(len(await self.tokenize(prompt[:end], add_special_tokens=False)), num_tokens)
 
     async def count_prompt_tokens(self, conv: ConversationRequest) -> int:
-        """The tokens of the exact prompt a generation request with this conversation would submit."""
-        _, ids = await self.render_chat(conv)
+        """The tokens of the exact prompt a generation request with this conversation would submit
+        (counted only: the ids are never built)."""
+        try:
+            _, ids = await self.render_chat(conv, max_tokens=0)
+        except PromptTooLong as exc:
+            return exc.num_tokens
         return len(ids)
+
+    def _over_context(self, num_tokens: int, req: GenerationRequest) -> NoReturn:
+        """The protocol's context error for a prompt the tokenizer counted past the context."""
+        self.output_budget(num_tokens, req.options.max_tokens, input_param=req.input_param,
+                           output_param=req.output_param)
+        raise AssertionError(f"a prompt of {num_tokens} tokens passed the context check")
 
     # -- generation -------------------------------------------------------------------------
     @contextlib.asynccontextmanager

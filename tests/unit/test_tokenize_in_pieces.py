@@ -89,3 +89,18 @@ def test_a_long_prompt_tokenizes_without_holding_the_gil() -> None:
     assert len(ids) == 2 * (len(text) // 12) + 1  # "hello", " world", " hello", ..., and the final " "
     assert elapsed > 0.5 and len(gaps) > 20
     assert max(gaps) < 0.1, f"another thread stopped for {max(gaps) * 1000:.0f} ms of a {elapsed:.1f} s tokenization"
+
+
+def test_max_tokens_counts_without_building_the_ids(small_pieces: Tokenizer) -> None:
+    from helios.loaders.tokenizer import PromptTooLong
+
+    text = "hello world " * 40
+    full = small_pieces.encode(text)
+    assert small_pieces.encode(text, max_tokens=len(full)) == full
+    with pytest.raises(PromptTooLong) as err:
+        small_pieces.encode(text, max_tokens=len(full) - 1)
+    assert err.value.num_tokens == len(full)
+    with pytest.raises(PromptTooLong) as err:
+        small_pieces.encode(text, max_tokens=0)
+    assert err.value.num_tokens == len(full)
+    assert small_pieces.encode("", add_special_tokens=False, max_tokens=0) == []
