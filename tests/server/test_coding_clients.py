@@ -401,7 +401,7 @@ def task_args(tag: str) -> list[str]:
 
 
 def run_task(name: str, client: str, args: list[str], env: dict[str, str], project: Path, bin_dir: Path,
-             proxy: RecordingProxy, task: AgentTask, generation: str) -> None:
+             proxy: RecordingProxy, task: AgentTask, generation: str) -> list[Recorded]:
     proxy.take()
     first = len(task.decisions)
     proc = run_client(args, project, env, bin_dir)
@@ -430,6 +430,7 @@ def run_task(name: str, client: str, args: list[str], env: dict[str, str], proje
     short = [(prev, u) for prev, u in itertools.pairwise(usages)
              if (u.cached_tokens or 0) < (prev.prompt_tokens or 0) * 9 // 10]
     assert not short, f"{name}: turns reused less than 90% of the previous turn's prompt: {short}"
+    return loop
 
 
 def _tool_names(body: bytes) -> list[str]:
@@ -452,8 +453,13 @@ def test_codex_task(client_bin: Path, agent: tuple[ScriptedServer, AgentTask], a
                     task_project: Path) -> None:
     codex_home = task_project.parent / "home" / ".codex"
     write_codex_home(codex_home, agent_proxy.url, "scripted", AGENT_MAX_MODEL_LEN)
-    run_task("codex", "codex", task_args("codex-task-run"), {"CODEX_HOME": str(codex_home)}, task_project,
-             client_bin, agent_proxy, agent[1], "/v1/responses")
+    loop = run_task("codex", "codex", task_args("codex-task-run"), {"CODEX_HOME": str(codex_home)}, task_project,
+                     client_bin, agent_proxy, agent[1], "/v1/responses")
+    # The catalog's freeform apply_patch: a custom tool with Codex's Lark grammar, which Helios
+    # compiled before admission and checked the scripted patch against before emitting the call.
+    patch_tools = [t for t in json.loads(loop[1].body)["tools"] if t.get("name") == "apply_patch"]
+    assert [(t["type"], t["format"]["type"], t["format"]["syntax"]) for t in patch_tools] == [
+        ("custom", "grammar", "lark")], patch_tools
 
 
 @pytest.mark.parametrize("bare", [False, True], ids=["normal", "bare"])
