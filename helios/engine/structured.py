@@ -251,14 +251,16 @@ class GrammarBatch:
             return None
         masked = [states[i] for i in rows]
         assert all(s is not None for s in masked)
-        words = (self.vocab_size + 31) // 32
+        # llguidance wants exactly one bit per token of its tokenizer (the model's logits may be
+        # padded wider; `MaskJob.result` fits the mask to them).
+        words = (masked[0].constraint.vocab.ll_tokenizer.vocab_size + 31) // 32  # type: ignore[union-attr]
         if self._bitmask is None or self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
             with torch.inference_mode(False):
                 self._bitmask = torch.full((max(len(rows), 8), words), -1, dtype=torch.int32)
-            self._helper = self._helper or ThreadPoolExecutor(1, thread_name_prefix="helios-grammar")
         if self._executor is None:
             self._executor = llguidance.LLExecutor(self._num_threads)
-            self._helper = self._helper or ThreadPoolExecutor(1, thread_name_prefix="helios-grammar")
+        if self._helper is None and self.overlap:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="helios-grammar")
         bitmask = self._bitmask[: len(rows)]
         matchers = [s.matcher for s in masked if s is not None]
         if self.overlap:
@@ -297,12 +299,12 @@ class MaskJob:
         self.batch.fill_ns += elapsed
         words = self.bitmask.numpy().view(np.uint8)
         bits = np.unpackbits(words, axis=1, bitorder="little")
-        width = bits.shape[1]
+        width = min(bits.shape[1], self.states[0].constraint.vocab.ll_tokenizer.vocab_size)
         if width >= vocab_size:
             allowed = bits[:, :vocab_size].astype(bool)
         else:  # tokens beyond the tokenizer's vocabulary (padding) are never allowed
             allowed = np.zeros((bits.shape[0], vocab_size), dtype=bool)
-            allowed[:, :width] = bits.astype(bool)
+            allowed[:, :width] = bits[:, :width].astype(bool)
         for k, state in enumerate(self.states):
             extra = [t for t in state.extra_allowed() if t < vocab_size]
             if extra:

@@ -31,7 +31,7 @@ from helios.domain.generation import OutputConstraint
 from helios.domain.sampling import SamplingParams
 from helios.engine.core import EngineConfig, EngineCore
 from helios.engine.records import GRAMMAR_FAILURE, EngineFinish, EngineRequest
-from helios.engine.structured import GrammarConstraint
+from helios.engine.structured import GrammarBatch, GrammarConstraint, GrammarState
 from helios.serving.structured import GrammarCompiler
 
 pytestmark = pytest.mark.slow
@@ -173,6 +173,22 @@ def test_a_grammar_that_rejects_a_committed_token_ends_the_request_with_its_erro
                        served.request("ok", "Hi.", seed=2, max_tokens=8, constraint=c)])
     assert outs["bad"]["finish"] is EngineFinish.ERROR and outs["bad"]["error"].startswith(GRAMMAR_FAILURE)
     assert outs["ok"]["finish"] is EngineFinish.EOS and re.fullmatch("[a-z]{3}", served.text(outs["ok"]["ids"]))
+
+
+def test_masks_fit_logits_wider_than_the_tokenizer(served: Served) -> None:
+    """Models often pad their output vocabulary past the tokenizer's (Qwen: 151936 vs 151669):
+    llguidance fills exactly one bit per tokenizer token, and the padding columns are never allowed."""
+    c = served.constraint(OutputConstraint("choice", ("yes", "no")))
+    num_tokens = c.vocab.ll_tokenizer.vocab_size
+    padded = num_tokens + 70
+    state = GrammarState(c)
+    job = GrammarBatch(padded, overlap=False).start([None, state])
+    assert job is not None
+    mask, rows = job.result(padded, torch.device("cpu"))
+    assert rows == [1] and mask.shape == (1, padded)
+    assert not mask[0, num_tokens:].any()
+    allowed = mask[0].nonzero().flatten().tolist()
+    assert allowed and all(served.tok.decode([t]) in ("y", "ye", "yes", "n", "no") for t in allowed)
 
 
 def test_compile_errors_name_the_field(served: Served) -> None:
