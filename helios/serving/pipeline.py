@@ -137,7 +137,7 @@ class Service:
         lower: Callable[[ConversationRequest], str],
         eos_token_ids: Sequence[int],
         limiter: trio.CapacityLimiter | None = None,
-        parser_factory: Callable[[ConversationRequest, str], Callable[[], OutputParser] | None] | None = None,
+        parser_factory: Callable[..., Callable[[], OutputParser] | None] | None = None,
         reasoning_budget: Callable[[ConversationRequest, str, int, str | None], ReasoningBudget | None] | None = None,
         envelope_factory: Callable[[ConversationRequest, str], Envelope] | None = None,
         compiler: GrammarCompiler | None = None,
@@ -160,9 +160,13 @@ class Service:
         self.compiler = compiler if compiler is not None else GrammarCompiler(tokenizer)
         self._token_bytes: dict[int, bytes] = {}
 
-    def parser_factory(self, conv: ConversationRequest, prompt: str) -> Callable[[], OutputParser] | None:
-        """The model family's reasoning/tool parser for this conversation (None: plain text)."""
-        return self._parser_factory(conv, prompt) if self._parser_factory is not None else None
+    def parser_factory(self, conv: ConversationRequest, prompt: str,
+                       structured: bool = False) -> Callable[[], OutputParser] | None:
+        """The model family's reasoning/tool parser for this conversation (None: plain text);
+        ``structured``: an output constraint is active (the parser's structured-output mode)."""
+        if self._parser_factory is None:
+            return None
+        return self._parser_factory(conv, prompt, structured) if structured else self._parser_factory(conv, prompt)
 
     def token_bytes(self, token_id: int) -> bytes:
         b = self._token_bytes.get(token_id)
@@ -258,7 +262,7 @@ class Service:
             except PromptTooLong as exc:
                 self._over_context(exc.num_tokens, req)
             prompts.append(PreparedPrompt(tuple(ids), text))
-            parser_factory = self.parser_factory(conv, text)
+            parser_factory = self.parser_factory(conv, text, structured=constraint is not None)
             if opts.thinking_token_budget is not None and self._reasoning_budget is not None:
                 # The rendered prompt says where the output starts (spec: thinking_token_budget).
                 reasoning_budget = self._reasoning_budget(conv, text, opts.thinking_token_budget,

@@ -85,7 +85,7 @@ def make_service(rt: Any, limiter: Any = None) -> Service:
 
     delimiter_ids = {f: delimiters(f) for f in {recipe.output_parser, tools.parser_family}}
 
-    def parsers(conv: ConversationRequest, prompt: str) -> Callable[[], OutputParser] | None:
+    def parsers(conv: ConversationRequest, prompt: str, structured: bool = False) -> Callable[[], OutputParser] | None:
         # Text tools parse calls only when the request presented tools: a model never told of
         # any writes `<tool_call>` as text.
         family = tools.parser_family if conv.tools else recipe.output_parser
@@ -95,7 +95,8 @@ def make_service(rt: Any, limiter: Any = None) -> Service:
         starts = prompt_starts_in_reasoning(family, prompt)
         parse_tools = conv.tool_choice.mode != "none"
         return lambda: make_output_parser(family, tools=schemas, delimiter_token_ids=delimiter_ids[family],
-                                          starts_in_reasoning=starts, parse_tools=parse_tools)
+                                          starts_in_reasoning=starts, parse_tools=parse_tools,
+                                          structured_output=structured)
 
     budgets = ReasoningBudgets(tok.token_to_id)
 

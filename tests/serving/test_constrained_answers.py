@@ -18,7 +18,15 @@ import openai
 import pytest
 
 from tests.serving import protocols
-from tests.serving.harness import ScriptedServer, Writer
+from tests.serving.harness import (
+    Family,
+    ScriptBook,
+    ScriptedServer,
+    Writer,
+    runtime_factory,
+    scripted_tokenizer,
+    serving_config,
+)
 from tests.serving.protocols import FINISH, PROTOCOLS, Ask, Outcome, run
 
 CITY = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
@@ -167,6 +175,33 @@ def test_conflicts_with_a_constraint_are_400s(qwen3: ScriptedServer, protocol: s
         r = httpx.post(qwen3.url + route, json={**body, "response_format": None,
                                                  "structured_outputs": {"regex": "[a-"}}, timeout=30)
         assert r.status_code == 400 and "structured_outputs.regex" in r.text and "regex" in r.json()["error"]["param"]
+
+
+def test_the_parsers_structured_output_mode_is_on_under_a_constraint(servers: dict[str, ScriptedServer]) -> None:
+    """DeepSeek DSML families: under a constraint, markup inside the structured answer stays answer
+    text (the parser's structured-output mode, which `Service.prepare` turns on)."""
+    from helios.domain.conversation import ConversationRequest, Message, TextPart
+    from helios.domain.events import TextDelta
+    from helios.parsers.errors import ToolParseError
+    from helios.recipes import plain_recipe
+    from helios.serving.service_factory import make_service
+
+    assert servers is not None  # the fixture skips when the template fixtures are absent
+    family = Family("deepseek_v4", "qwen3.jinja", lambda: plain_recipe(output_parser="deepseek_v4"))
+    service = make_service(runtime_factory(family, ScriptBook(scripted_tokenizer()))(serving_config()))
+    conv = ConversationRequest(messages=(Message("user", (TextPart("hi"),)),))
+    answer = '{"m": "<｜DSML｜tool_calls><｜DSML｜invoke name=\\"f\\">"}'
+    factory = service.parser_factory(conv, "prompt<think>", structured=True)
+    assert factory is not None
+    parser = factory()
+    events = parser.feed("plan</think>" + answer, ()) + parser.finish()
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == answer
+    plain = service.parser_factory(conv, "prompt<think>")
+    assert plain is not None
+    with pytest.raises(ToolParseError):  # without a constraint the markup is parsed (unterminated here)
+        parser = plain()
+        parser.feed("plan</think>" + answer, ())
+        parser.finish()
 
 
 # -- Codex's freeform apply_patch: a custom tool with a Lark grammar ---------------------------------------
