@@ -16,7 +16,9 @@ hooked into the CLI). ``--baseline-url`` runs the same workload against a second
 level and never concurrently, and adds target/baseline ratios (machines are noisy: compare ratios).
 
 ``--workload shared-prefix | agent-replay | restart`` runs the prefix-cache workloads of
-:mod:`helios.bench_cache` instead, which share prefixes on purpose.
+:mod:`helios.bench_cache` instead, which share prefixes on purpose; ``--workload editing`` runs
+:mod:`helios.bench_edit` (one stream repeats a ~1,100-token source file with a few edits: the case
+prompt-lookup speculation is for).
 """
 
 from __future__ import annotations
@@ -600,14 +602,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument(
         "--workload",
-        choices=WORKLOADS,
+        choices=(*WORKLOADS, "editing"),
         default="throughput",
         help="throughput (default: concurrent streams, no prefix shared); long-context (throughput with a "
         "~4,000-token prompt, 256 tokens, 1 and 8 streams); ttfb (a 512-token prompt, one token, one stream); "
         "shared-prefix (cold vs warm TTFT "
         "of a ~1,500-token shared prefix); agent-replay (a recorded 12-turn agent session, each turn "
         "resending the history); restart (a ~4,000-token prompt cold, then again after a server restart: "
-        "run twice with --state-file)",
+        "run twice with --state-file); editing (one stream repeats a ~1,100-token source file with three "
+        "edits, greedy: speculative decoding's case; --rounds, default 2; --max-tokens, default 1400)",
     )
     parser.add_argument(
         "--streams",
@@ -792,6 +795,8 @@ def run_cli(args: argparse.Namespace) -> int:
     """Run parsed ``add_arguments`` flags (for a ``helios`` subcommand parser); same codes as main."""
     from helios import bench_cache
 
+    if args.workload == "editing":
+        return _run_editing(args)
     preset = THROUGHPUT_PRESETS.get(args.workload)
     if preset is not None:
         prompt_tokens, max_tokens, streams = preset
@@ -842,6 +847,25 @@ def run_cli(args: argparse.Namespace) -> int:
         run["errors"] for role in ("target", "baseline") for run in report.get(role, {}).get("runs", [])
     )
     return 1 if errors else 0
+
+
+def _run_editing(args: argparse.Namespace) -> int:
+    from helios import bench_edit
+
+    args.max_tokens = bench_edit.DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
+    args.rounds = bench_edit.DEFAULT_ROUNDS if args.rounds is None else args.rounds
+    if args.max_tokens < 1 or args.rounds < 1:
+        print("helios bench: --max-tokens and --rounds must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        report = trio.run(bench_edit.run_workload, args)
+    except BenchError as exc:
+        print(f"helios bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(json.dumps(report, indent=2) if args.json else bench_edit.format_report(report), flush=True)
+    return 1 if bench_edit.count_errors(report) else 0
 
 
 if __name__ == "__main__":
