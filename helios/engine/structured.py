@@ -262,21 +262,40 @@ class GrammarBatch:
         if self._helper is None and self.overlap:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="helios-grammar")
         bitmask = self._bitmask[: len(rows)]
-        matchers = [s.matcher for s in masked if s is not None]
+        states_masked = [s for s in masked if s is not None]
         if self.overlap:
             assert self._helper is not None
-            future = self._helper.submit(self._fill, matchers, bitmask)
+            future = self._helper.submit(self._fill, states_masked, bitmask)
         else:
             future = Future()
-            future.set_result(self._fill(matchers, bitmask))
-        return MaskJob(self, future, rows, masked, bitmask)
+            future.set_result(self._fill(states_masked, bitmask))
+        return MaskJob(self, future, rows)
 
-    def _fill(self, matchers: list[Any], bitmask: torch.Tensor) -> int:
+    def _fill(self, states: list[GrammarState], bitmask: torch.Tensor) -> tuple[np.ndarray, int]:
+        """The masked rows' boolean masks over the model's vocabulary, and the fill's time in ns:
+        llguidance's batched fill (GIL released), then the bits unpacked and the gate's extra
+        tokens added, all off the engine thread when overlapped."""
         t0 = time.perf_counter_ns()
         # llguidance.torch.fill_next_token_bitmask_par, without importing torch.compile machinery.
-        self._executor.unsafe_compute_mask_ptr([(m, k) for k, m in enumerate(matchers)], bitmask.data_ptr(),
+        self._executor.unsafe_compute_mask_ptr([(s.matcher, k) for k, s in enumerate(states)], bitmask.data_ptr(),
                                                bitmask.shape[1] * 4, bitmask.shape[0])
-        return time.perf_counter_ns() - t0
+        elapsed = time.perf_counter_ns() - t0
+        vocab_size = self.vocab_size
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        width = min(bits.shape[1], states[0].constraint.vocab.ll_tokenizer.vocab_size)
+        if width >= vocab_size:
+            allowed = bits[:, :vocab_size].view(np.bool_)
+        else:  # tokens beyond the tokenizer's vocabulary (padding) are never allowed
+            allowed = np.zeros((bits.shape[0], vocab_size), dtype=np.bool_)
+            allowed[:, :width] = bits[:, :width].view(np.bool_)
+        for k, state in enumerate(states):
+            extra = [t for t in state.extra_allowed() if t < vocab_size]
+            if extra:
+                allowed[k, extra] = True
+            if state.allows_whitespace():
+                ws = state.constraint.vocab.whitespace_array
+                allowed[k, ws[ws < vocab_size]] = True
+        return allowed, elapsed
 
     def close(self) -> None:
         if self._helper is not None:
@@ -285,33 +304,19 @@ class GrammarBatch:
 
 @attrs.define
 class MaskJob:
+    """One step's mask fill, running or done."""
+
     batch: GrammarBatch
-    future: Future[int]
+    future: Future[tuple[np.ndarray, int]]
     rows: list[int]
-    states: list[Any]
-    bitmask: torch.Tensor
 
     def result(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
         """The [len(rows), vocab_size] boolean mask (True: allowed) on ``device`` and the rows."""
         t0 = time.perf_counter_ns()
-        elapsed = self.future.result()
+        allowed, elapsed = self.future.result()
+        assert allowed.shape[1] == vocab_size
         self.batch.num_fills += 1
         self.batch.fill_ns += elapsed
-        words = self.bitmask.numpy().view(np.uint8)
-        bits = np.unpackbits(words, axis=1, bitorder="little")
-        width = min(bits.shape[1], self.states[0].constraint.vocab.ll_tokenizer.vocab_size)
-        if width >= vocab_size:
-            allowed = bits[:, :vocab_size].astype(bool)
-        else:  # tokens beyond the tokenizer's vocabulary (padding) are never allowed
-            allowed = np.zeros((bits.shape[0], vocab_size), dtype=bool)
-            allowed[:, :width] = bits[:, :width].astype(bool)
-        for k, state in enumerate(self.states):
-            extra = [t for t in state.extra_allowed() if t < vocab_size]
-            if extra:
-                allowed[k, extra] = True
-            if state.allows_whitespace():
-                ws = state.constraint.vocab.whitespace_array
-                allowed[k, ws[ws < vocab_size]] = True
         mask = torch.from_numpy(allowed)
         if device.type != "cpu":
             mask = mask.to(device, non_blocking=True)
