@@ -49,6 +49,10 @@ from helios.engine.structured import GrammarBatch
 
 _SCORE_ROWS = 256  # prompt positions whose logits exist at once while scoring a prompt
 _MAX_FORCED = 16  # grammar-forced tokens committed after one sampled token
+# Shorter forced runs are sampled token by token: committed at once they make the row's next chunk
+# a short prefill (its own attention call per layer, and more rows for every projection), which on
+# the CPU cost more than the decode steps it saves (docs/benchmarks.md, "Structured output").
+_MIN_FORCED = 8
 
 
 class ModelRunner:
@@ -175,17 +179,20 @@ class ModelRunner:
     @staticmethod
     def _advance_grammar(seq: RequestState, token_id: int, wants_logprobs: bool) -> list[int] | None:
         """Feed a committed token to the request's matcher and gate; the answer tokens the grammar
-        then forces (committed without sampling: not for logprob requests, at most
-        `_MAX_FORCED` per step, never past the output limit); None when the grammar rejects it."""
+        then forces (committed without sampling: runs of at least `_MIN_FORCED`, at most
+        `_MAX_FORCED` per step, not for logprob requests, never past the output limit); None when
+        the grammar rejects it."""
         grammar = seq.grammar
         if not grammar.advance(token_id):
             return None
         if wants_logprobs:
             return []
         room = min(_MAX_FORCED, seq.request.max_tokens - seq.num_output_tokens - 1)
-        if room <= 0:
+        if room < _MIN_FORCED:
             return []
         forced = grammar.forced_tokens()[:room]
+        if len(forced) < _MIN_FORCED:
+            return []
         for k, t in enumerate(forced):
             if not grammar.advance(t):
                 return forced[:k]
