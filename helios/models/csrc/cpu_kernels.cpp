@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -222,6 +223,23 @@ inline vec vexp_nonpositive(vec x) {
   return vmul(p, vpow2i(n));
 }
 
+#if defined(__AVX512F__)
+// Lane i of the result is the sum of the 16 lanes of d[i]: pairs are summed within 128-bit lanes
+// (unpack lo/hi of floats, then of float pairs), then the four 128-bit lanes are transposed and summed.
+inline __m512 reduce16(const __m512* d) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xEE));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x44), _mm512_shuffle_f32x4(y[2], y[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+#endif
+
 template <typename T>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& table, const at::Tensor& rows, const at::Tensor& lens,
@@ -259,7 +277,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int64_t grain = positions * KV < kSerialPositions ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     std::vector<vec> qv(G * NV), acc(G * NV), dots(G);
-    std::vector<float> scores(G * kChunk);
+    std::vector<float> scores(G * kChunk), kblock(16 * dh);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t c = item % chunks, kv = (item / chunks) % KV, d = item / (chunks * KV);
       const int64_t len = lp[d], start = c * kChunk, end = std::min(len, start + kChunk);
@@ -277,7 +295,57 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       }
       const int64_t* page_row = tp + rp[d] * P;
       const int64_t n = end - start;
-      for (int64_t j = 0; j < n; ++j) {
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      // Blocks of 16 positions: each query's 16 dot-product vectors are summed into one vector of 16
+      // scores by a transposing reduction (reduce16), about 3 operations per score instead of the 8 of
+      // a horizontal sum each; K rows are widened to float32 once per block, not once per query.
+      for (; j + 16 <= n; j += 16) {
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (dh % 32 == 0) {
+            // bfloat16 K against the bfloat16 query with AVX512-BF16 dot products: each pair of
+            // products is exact in float32 and accumulated in float32; the scale is applied after.
+            const T* rows16[16];
+            for (int64_t p = 0; p < 16; ++p) {
+              const int64_t pos = start + j + p;
+              rows16[p] = kp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh;
+            }
+            const int64_t pairs = dh / 32;
+            for (int64_t g = 0; g < G; ++g) {
+              const T* qr = qp + (d * H + kv * G + g) * dh;
+              vec dv[16];
+              for (int64_t p = 0; p < 16; ++p) {
+                __m512 a = _mm512_setzero_ps();
+                for (int64_t c = 0; c < pairs; ++c) {
+                  a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qr + c * 32),
+                                       (__m512bh)_mm512_loadu_si512(rows16[p] + c * 32));
+                }
+                dv[p] = a;
+              }
+              _mm512_storeu_ps(scores.data() + g * kChunk + j, _mm512_mul_ps(reduce16(dv), vset1(fscale)));
+            }
+            continue;
+          }
+        }
+#endif
+        for (int64_t p = 0; p < 16; ++p) {
+          const int64_t pos = start + j + p;
+          const T* __restrict__ kr = kp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh;
+          for (int64_t e = 0; e < NV; ++e) vstore(kblock.data() + p * dh + e * W, vload(kr + e * W));
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          vec d[16];
+          for (int64_t p = 0; p < 16; ++p) {
+            vec a = vzero();
+            for (int64_t e = 0; e < NV; ++e) a = vfma(qv[g * NV + e], _mm512_loadu_ps(kblock.data() + p * dh + e * W), a);
+            d[p] = a;
+          }
+          _mm512_storeu_ps(scores.data() + g * kChunk + j, reduce16(d));
+        }
+      }
+#endif
+      for (; j < n; ++j) {
         const int64_t pos = start + j;
         const T* __restrict__ kr = kp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh;
         for (int64_t g = 0; g < G; ++g) dots[g] = vzero();
