@@ -113,12 +113,13 @@ class DraftState:
     depth: int
 
     def observe(self, cfg: SpeculativeConfig, proposed: int, accepted: int) -> None:
-        """Adaptive depth after a verified round: one more than the drafts accepted, doubled after a
-        round that accepted all of them (at most ``max_depth``, at least 1)."""
+        """Adaptive depth after a verified round: doubled after a round that accepted every draft;
+        after a rejection, one more than the drafts accepted but at least half the drafts offered
+        (one miss in a long copy does not collapse the depth). At most ``max_depth``, at least 1."""
         if cfg.mode != "adaptive" or proposed == 0:
             return
-        self.depth = min(cfg.max_depth, 2 * proposed if accepted == proposed else accepted + 1)
-        self.depth = max(self.depth, 1)
+        depth = 2 * proposed if accepted == proposed else max(accepted + 1, proposed // 2)
+        self.depth = max(min(cfg.max_depth, depth), 1)
 
 
 def planned_depth(cfg: SpeculativeConfig, state: DraftState, num_decode: int) -> int:

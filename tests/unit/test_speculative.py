@@ -80,10 +80,12 @@ def test_adaptive_depth_follows_acceptance_and_backs_off_in_large_batches() -> N
     cfg = SpeculativeConfig(mode="adaptive", max_depth=6)
     state = DraftState(NgramProposer(), depth=6)
     state.observe(cfg, proposed=6, accepted=1)
-    assert state.depth == 2
-    state.observe(cfg, proposed=2, accepted=2)
-    assert state.depth == 4
-    state.observe(cfg, proposed=4, accepted=0)
+    assert state.depth == 3  # half the drafts offered
+    state.observe(cfg, proposed=3, accepted=2)
+    assert state.depth == 3  # the accepted ones and one more
+    state.observe(cfg, proposed=3, accepted=3)
+    assert state.depth == 6  # doubled, at most max_depth
+    state.observe(cfg, proposed=1, accepted=0)
     assert state.depth == 1
     state.observe(cfg, proposed=1, accepted=1)
     assert state.depth == 2
