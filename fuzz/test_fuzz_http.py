@@ -145,18 +145,20 @@ ECHO_PATHS: dict[str, list[tuple[Any, ...]]] = {
         ("tool_choice", "function", "name"), ("tools", 0, "function", "name"), ("tools",),
         ("tools", 0, "function", "description"), ("tools", 0, "function", "parameters"), ("stop",),
         ("stop", 0), ("chat_template_kwargs", "k"), ("response_format", "type"), ("logit_bias",), (KEY,),
+        ("response_format", "json_schema", "schema"),
         ("messages", 0, KEY), ("reasoning_effort",), ("stop_token_ids",), ("logprob_token_ids",),
     ],
     "/v1/completions": [
         ("model",), ("prompt",), ("prompt", 0), ("prompt", 1), ("stop",), ("stop", 0), ("suffix",), ("echo",),
-        ("stop_token_sequences",), ("logit_bias",), (KEY,),
+        ("stop_token_sequences",), ("logit_bias",), ("structured_outputs", "json"), ("structured_outputs", "regex"),
+        ("structured_outputs", "choice"), (KEY,),
     ],
     "/v1/responses": [
         ("model",), ("input",), ("input", 0, "content"), ("input", 0, "content", 0, "type"),
         ("input", 0, "content", 0, "text"), ("input", 0, "role"), ("input", 0, "type"), ("instructions",),
         ("metadata", "k"), ("metadata", KEY), ("user",), ("tools", 0, "description"), ("tools", 0, "name"),
         ("tools", 0, "parameters"), ("tools",), ("tool_choice", "name"), ("text", "format", "type"),
-        ("reasoning", "effort"), ("include", 0), ("previous_response_id",), (KEY,),
+        ("reasoning", "effort"), ("include", 0), ("previous_response_id",), (KEY,), ("text", "format", "schema"),
     ],
     "/v1/messages": [
         ("model",), ("messages", 0, "content"), ("messages", 0, "content", 0, "type"),
@@ -165,6 +167,7 @@ ECHO_PATHS: dict[str, list[tuple[Any, ...]]] = {
         ("tools", 0, "description"), ("tools", 0, "input_schema"), ("tools",), ("tool_choice", "name"),
         ("tool_choice", "type"), ("metadata", "user_id"), ("thinking", "type"), (KEY,),
         ("messages", 1, "content", 0, "input"), ("messages", 0, "content", 0, "content"),
+        ("output_config", "format", "schema"),
     ],
     "/v1/messages/count_tokens": [
         ("model",), ("messages", 0, "content"), ("messages",), ("system",), ("tools", 0, "name"), ("tools",),
@@ -183,6 +186,7 @@ ECHO_PATHS: dict[str, list[tuple[Any, ...]]] = {
 SURROGATES = ["\ud800", "\udfff", "\udc00", "\ud83d", "a\ud800b", "\ude00\ud83d"]
 hostile_text = st.one_of(
     st.sampled_from(SURROGATES),
+    st.sampled_from(["[" * 3000 + "]" * 3000, '{"enum": ["\\ud800"]}', '{"a": ' * 200 + "1" + "}" * 200]),  # JSON text
     st.tuples(st.text(max_size=6), st.sampled_from(SURROGATES), st.text(max_size=6)).map("".join),
     st.text(st.characters(categories=["Cs", "Lo", "Zs", "Cc"]), min_size=1, max_size=8),
     st.text(max_size=12),

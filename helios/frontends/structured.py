@@ -20,6 +20,7 @@ from typing import Any
 from helios.domain.conversation import ToolGrammar
 from helios.domain.generation import OutputConstraint
 from helios.errors import BadRequest
+from helios.frontends.wire import loads_strict
 
 _NATIVE_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's StructuredOutputsParams options that tune its own backends; accepted and inert here.
@@ -50,7 +51,12 @@ def decode_structured_outputs(value: Any, param: str = "structured_outputs") -> 
             raise BadRequest(f"{where} must be true", param=param)
         return OutputConstraint("json_object", param=where)
     if kind == "json":
-        if not isinstance(spec, dict | str):
+        if isinstance(spec, str):  # its JSON text, decoded here with every JSON document's checks
+            try:
+                spec = loads_strict(spec)
+            except ValueError as exc:
+                raise BadRequest(f"{where}: the JSON schema is not valid JSON: {exc}", param=param) from None
+        if not isinstance(spec, dict):
             raise BadRequest(f"{where} must be a JSON schema (an object or its JSON text)", param=param)
         return OutputConstraint("json_schema", spec, param=where)
     if kind in ("regex", "grammar"):

@@ -108,7 +108,9 @@ def parse_json_object(body: bytes, limits: Sequence[CountLimit] = ()) -> dict[st
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
         obj = _loads(body)
-    except (UnicodeDecodeError, RecursionError, ValueError) as exc:  # JSONDecodeError is a ValueError
+    except JSONShapeError as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise BadRequest(f"malformed JSON body: {exc}") from None
     if not isinstance(obj, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -145,7 +147,11 @@ def loads_strict(text: str | bytes) -> Any:
 
 
 def _loads(text: str | bytes) -> Any:
-    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    try:
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:  # the parser recurses per level: far past MAX_JSON_DEPTH
+        raise JSONShapeError(f"the JSON document is nested more than {MAX_JSON_DEPTH} levels deep (arrays and "
+                             f"objects); at most {MAX_JSON_DEPTH} are accepted", None) from None
 
 
 def check_document(obj: Any) -> None:

@@ -44,10 +44,10 @@ default_max_tokens = 4
 [model]
 path = "@MODEL@"
 dtype = "float32"
-max_model_len = 512
+max_model_len = 1024
 [engine]
 max_active = 4
-kv_memory_gib = 0.1
+kv_memory_gib = 0.5
 """
 HEADERS = {"authorization": f"Bearer {KEY}", "anthropic-version": "2023-06-01", "content-type": "application/json"}
 USER = [{"role": "user", "content": "Hi"}]
@@ -110,7 +110,7 @@ OVER_COUNT = [
 class Holder:
     """Streams that hold HTTP admission slots until closed."""
 
-    def __init__(self, server: LiveServer, n: int, max_tokens: int = 400) -> None:
+    def __init__(self, server: LiveServer, n: int, max_tokens: int = 1000) -> None:
         self.client = httpx.Client(base_url=server.url, headers=HEADERS, timeout=120)
         body = {"model": "m", "prompt": "Once upon a time", "max_tokens": max_tokens, "n": n, "stream": True,
                 "ignore_eos": True}
@@ -175,7 +175,7 @@ def test_maximum_size_prompt_stops_neither_health_nor_streams(hard: LiveServer) 
 
     def stream(i: int) -> None:
         with httpx.Client(base_url=hard.url, headers=HEADERS, timeout=120) as c:
-            body = {"model": "m", "prompt": f"Story {i}:", "max_tokens": 480, "stream": True, "ignore_eos": True}
+            body = {"model": "m", "prompt": f"Story {i}:", "max_tokens": 1000, "stream": True, "ignore_eos": True}
             with c.stream("POST", "/v1/completions", json=body) as r:
                 for line in r.iter_lines():
                     if stop.is_set():
@@ -274,6 +274,10 @@ def nesting_cases(depth: int) -> list[tuple[str, dict[str, Any]]]:
             *USER, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",
                                                       "input": {"a": nested(depth - 6)}}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]}),
+        ("/v1/responses", {"model": "m", "max_output_tokens": 1, "input": [
+            *USER, {"type": "function_call", "call_id": "c1", "name": "f",
+                    "arguments": json.dumps({"a": nested(depth - 1)})},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}),
     ]
 
 
@@ -289,6 +293,20 @@ def test_nesting_beyond_the_limit_is_400(hard: LiveServer, depth: int) -> None:
     for path, body in nesting_cases(depth):
         message = assert_400(post(hard, path, body), path)
         assert f"{MAX_JSON_DEPTH} levels" in message or "arguments must be a JSON object" in message, message
+
+
+def test_tool_call_arguments_nested_past_the_parser_are_400(hard: LiveServer) -> None:
+    """Arguments are JSON text inside the body: 3,000 levels made the parser itself recurse too deep
+    (Responses: 500 RecursionError)."""
+    deep = "[" * 3000 + "]" * 3000
+    chat = {"model": "m", "max_tokens": 1, "messages": [*USER, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
+    responses = {"model": "m", "max_output_tokens": 1, "input": [
+        *USER, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}
+    for path, body in [("/v1/chat/completions", chat), ("/v1/responses", responses)]:
+        assert_400(post(hard, path, body), path)
 
 
 # -- 5 and 7. transport --------------------------------------------------------------------------------
@@ -379,3 +397,14 @@ def test_an_unhashable_decision_question_type_is_400(hard: LiveServer) -> None:
     r = post(hard, "/v1/decisions", {"model": "m", "input": "Charged twice",
                                      "questions": [{"type": ["predicate"], "instructions": "Refund?"}]})
     assert_400(r, "/v1/decisions", "questions")
+
+
+@pytest.mark.parametrize("schema", ["[" * 3000 + "]" * 3000, '{"type": "string", "enum": ["\\ud800"]}'],
+                         ids=["nested-3000", "lone-surrogate"])
+def test_a_schema_given_as_json_text_is_checked_like_any_json_document(hard: LiveServer, schema: str) -> None:
+    """`structured_outputs.json` as JSON text was parsed after admission without the nesting check:
+    3,000 levels gave 500 RecursionError."""
+    r = post(hard, "/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 1,
+                                       "structured_outputs": {"json": schema}})
+    message = assert_400(r, "/v1/completions", "structured_outputs")
+    assert "levels" in message or "surrogate" in message, message
