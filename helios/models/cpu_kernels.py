@@ -9,7 +9,8 @@ Two operators that torch does not have in the form decode needs:
   of gathering its whole history into a contiguous copy every layer of every step.
 
 The library is built with the machine's C++ compiler (``$CXX`` or ``c++``) against the installed torch,
-with ``-O3 -march=native -fopenmp`` (torch's own OpenMP runtime serves it: same soname), into
+with ``-O3 -march=native -fopenmp`` (torch's own OpenMP runtime serves it: same soname; the tests
+also build it for ``HELIOS_CPU_KERNELS_ARCH=haswell`` and ``x86-64``, the AVX2 and scalar paths), into
 ``<cache dir>/kernels/<hash>/`` where the hash covers the source, the torch version, the compiler and
 the CPU's flags, so a second start only loads it (milliseconds). The build is atomic (a temporary
 file renamed into place), so processes racing to build it are safe. Without a compiler, or when the
@@ -36,6 +37,7 @@ from torch import Tensor
 log = logging.getLogger("helios.kernels")
 
 ENV = "HELIOS_CPU_KERNELS"
+ARCH_ENV = "HELIOS_CPU_KERNELS_ARCH"  # the -march the kernels are built for (default: native)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 Q8_GROUP = 32
 
@@ -118,14 +120,15 @@ def _load() -> bool:
     from torch.utils import cpp_extension
 
     source = SOURCE.read_bytes()
+    arch = os.environ.get(ARCH_ENV) or "native"
     key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), cxx.encode(), _cpu_flags().encode(),
-                                     sys.version.encode()])).hexdigest()[:20]
+                                     sys.version.encode(), arch.encode()])).hexdigest()[:20]
     target = cache_dir() / key / "helios_cpu_kernels.so"
     if not target.is_file():
         started = time.perf_counter()
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            _build(cxx, cpp_extension, target)
+            _build(cxx, cpp_extension, target, arch)
         except (OSError, subprocess.SubprocessError) as exc:
             return _fail(f"the build failed: {exc}")
         log.info("built the CPU kernels in %.1f s: %s", time.perf_counter() - started, target)
@@ -136,13 +139,13 @@ def _load() -> bool:
     return True
 
 
-def _build(cxx: str, cpp_extension: object, target: Path) -> None:
+def _build(cxx: str, cpp_extension: object, target: Path, arch: str) -> None:
     includes = cpp_extension.include_paths()  # type: ignore[attr-defined]
     libdir = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
+    cmd = [cxx, "-O3", f"-march={arch}", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in includes), str(SOURCE), "-o", tmp,
            f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}"]
     try:

@@ -5,6 +5,10 @@ turning them off (or a machine without a compiler) keeps the torch paths."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,7 +123,8 @@ def test_paged_decode_handles_large_scores_without_overflow() -> None:
     got = cpu_kernels.paged_decode(case["q"], case["k"], case["v"], case["table"], case["rows"], case["lens"],
                                    int(case["page_size"]), case["q"].shape[-1] ** -0.5)
     assert torch.isfinite(got).all()
-    assert (got.double() - _reference(case)).abs().max().item() < 1e-5
+    # Scores of magnitude ~300 carry float32 rounding of ~1e-5 relative into the weights.
+    assert (got.double() - _reference(case)).abs().max().item() < FP32_TOLERANCE
 
 
 def test_paged_decode_refuses_pages_outside_the_cache() -> None:
@@ -238,3 +243,16 @@ def test_kernels_without_a_compiler_fall_back_with_one_warning(monkeypatch: pyte
     assert [r.message for r in caplog.records].count(
         "CPU kernels unavailable (no C++ compiler (set CXX or install g++)); using the torch paths") == 1
     assert not TorchPagedBackend(1, 8, 16, 3, 64, torch.float32, torch.device("cpu")).decode_kernel
+
+
+@pytest.mark.parametrize("arch", ["haswell", "x86-64"], ids=["avx2_fma", "scalar"])
+def test_the_other_instruction_set_paths_against_float64(arch: str) -> None:
+    """The kernels have AVX-512, AVX2+FMA and scalar paths; -march=native builds only one of them here.
+    Build the others (HELIOS_CPU_KERNELS_ARCH) in a child process and run the float64 comparisons there."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", __file__,
+         "-k", "against_float64 and not other_instruction_set or through_the_kernel or overflow"],
+        cwd=root, env=dict(os.environ, **{cpu_kernels.ARCH_ENV: arch}), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout
