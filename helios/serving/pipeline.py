@@ -251,6 +251,8 @@ class Service:
         conv = req.conversation
         if constraint is not None:
             _check_constraint_conflicts(req)
+            # Compiled first (a 400 before any rendering); the envelope comes with the prompt.
+            compiled = await self.compiler.constraint(constraint)
         if conv is not None:
             if constraint is not None and constraint.is_json:
                 conv = with_json_instruction(conv, constraint)
@@ -267,9 +269,8 @@ class Service:
                 # The rendered prompt says where the output starts (spec: thinking_token_budget).
                 reasoning_budget = self._reasoning_budget(conv, text, opts.thinking_token_budget,
                                                           opts.thinking_token_budget_param)
-            if constraint is not None:
-                envelope = self._envelope_factory(conv, text) if self._envelope_factory is not None else Envelope()
-                compiled = await self.compiler.constraint(constraint, envelope)
+            if compiled is not None and self._envelope_factory is not None:
+                compiled = attrs.evolve(compiled, envelope=self._envelope_factory(conv, text))
             if conv.cache_breakpoints:
                 retain = await self._breakpoint_tokens(text, len(ids), conv.cache_breakpoints)
         else:
@@ -287,8 +288,6 @@ class Service:
                     prompts.append(PreparedPrompt(tuple(ids), p))
                 else:
                     prompts.append(PreparedPrompt(tuple(p), self.decode(p)))
-            if constraint is not None:  # raw prompts: no reasoning or tool envelope
-                compiled = await self.compiler.constraint(constraint)
         sampling = [self.resolve_sampling(req.sampling, i) for i in range(opts.n)]
         children: list[ChildSpec] = []
         for prompt in prompts:

@@ -105,7 +105,10 @@ class GrammarCompiler:
                                         limits=llguidance.LLParserLimits(**_LIMITS))
 
         with trio.move_on_after(self.time_limit_s) as scope:
-            matcher = await trio.to_thread.run_sync(work, limiter=self.limiter, abandon_on_cancel=True)
+            try:
+                matcher = await trio.to_thread.run_sync(work, limiter=self.limiter, abandon_on_cancel=True)
+            except _MALFORMED as exc:  # text llguidance cannot take (a lone surrogate): the client's
+                raise BadRequest(f"{where}: invalid grammar: {type(exc).__name__}: {exc}", param=param) from None
         if scope.cancelled_caught:
             raise BadRequest(f"{where}: the grammar did not compile within {self.time_limit_s:g} s", param=param)
         if matcher.is_error():
@@ -117,8 +120,12 @@ class GrammarCompiler:
         return matcher
 
     async def constraint(self, c: OutputConstraint, envelope: Envelope = Envelope()) -> GrammarConstraint:
-        grammar = answer_grammar(c)
-        matcher = await self.compile(grammar, canonical_key(c), c.param, json_slices=c.is_json)
+        try:
+            grammar = answer_grammar(c)
+            key = canonical_key(c)
+        except _MALFORMED as exc:  # e.g. JSON text nested past the recursion limit, lone surrogates
+            raise BadRequest(f"{c.param}: invalid {c.kind}: {type(exc).__name__}: {exc}", param=c.param) from None
+        matcher = await self.compile(grammar, key, c.param, json_slices=c.is_json)
         return GrammarConstraint(matcher, self.vocab, envelope, description=f"{c.param} ({c.kind})", grammar=grammar)
 
     async def tool_validator(self, tool: Tool, param: str = "tools") -> Callable[[str], str | None]:
@@ -126,7 +133,10 @@ class GrammarCompiler:
         grammar exactly, else why not."""
         assert tool.grammar is not None
         where = f"{param}: custom tool '{tool.name}' format"
-        grammar = tool_grammar(tool.grammar, param)
+        try:
+            grammar = tool_grammar(tool.grammar, param)
+        except _MALFORMED as exc:
+            raise BadRequest(f"{where}: invalid grammar: {type(exc).__name__}: {exc}", param=param) from None
         matcher = await self.compile(grammar, f"tool:{tool.grammar.syntax}:{tool.grammar.definition}", param, where)
         vocab = self.vocab
         syntax = tool.grammar.syntax
@@ -296,6 +306,9 @@ def custom_tool_input(arguments: str) -> str:
 
 
 ToolValidators = Mapping[str, Callable[[str], str | None]]
+
+# What malformed client text can raise on its way into llguidance (besides its own error state).
+_MALFORMED = (ValueError, TypeError, UnicodeError, RecursionError, OverflowError)
 
 
 # -- private helpers ------------------------------------------------------------------------------

@@ -175,6 +175,15 @@ def test_conflicts_with_a_constraint_are_400s(qwen3: ScriptedServer, protocol: s
         r = httpx.post(qwen3.url + route, json={**body, "response_format": None,
                                                  "structured_outputs": {"regex": "[a-"}}, timeout=30)
         assert r.status_code == 400 and "structured_outputs.regex" in r.text and "regex" in r.json()["error"]["param"]
+        prefills = len(qwen3.book.prefills)
+        for hostile in ({"json": '{"enum": ["\\ud800"]}'}, {"json": "[" * 3000 + "]" * 3000},
+                        {"grammar": "start: " + "(" * 400 + '"a"' + ")" * 400}, {"choice": ["a", ""]}):
+            r = httpx.post(qwen3.url + route, json={**body, "response_format": None, "structured_outputs": hostile},
+                           timeout=30)
+            assert r.status_code in (200, 400), (hostile, r.status_code, r.text)
+            if r.status_code == 400:
+                assert r.json()["error"]["param"].startswith("structured_outputs"), r.text
+        assert len(qwen3.book.prefills) <= prefills + 1  # only a valid one may reach the engine
 
 
 def test_the_parsers_structured_output_mode_is_on_under_a_constraint(servers: dict[str, ScriptedServer]) -> None:
