@@ -25,14 +25,14 @@ token (the serving side documents that reasoning and calls are then unavailable)
 
 Masks: `GrammarBatch` fills one int32 bitmask row per masked request with llguidance's batched fill
 (`LLExecutor`, Rust threads, GIL released) on a helper thread while the model's forward pass runs,
-then unpacks it to the boolean [rows, vocab] mask `Sampler.sample(token_mask=..., masked_rows=...)`
-takes. Rows of unconstrained requests, and constrained ones inside a free envelope, are not in it
+and unpacks it there to the boolean [rows, vocab] mask `Sampler.sample(token_mask=...,
+masked_rows=...)` takes. Rows of unconstrained requests, and constrained ones inside a free envelope, are not in it
 and keep the sampler's vectorised path. Logprobs are taken from the raw logits before the mask.
 
 Forced tokens: after a committed answer token, when the grammar allows exactly one continuation
-(llguidance's `compute_ff_tokens`), the scheduler commits those tokens too, without sampling, and
-the next step computes them like a short prefill. Only for requests without logprobs (a forced
-token has no sampled distribution to report).
+for at least 8 tokens (llguidance's `compute_ff_tokens`), the runner commits those tokens too,
+without sampling, and the next step computes them like a short prefill (`runner._advance_grammar`).
+Only for requests without logprobs (a forced token has no sampled distribution to report).
 """
 
 from __future__ import annotations
