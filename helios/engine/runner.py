@@ -67,6 +67,10 @@ class ModelRunner:
         self.device = device
         self.grammar = GrammarBatch(sampler.vocab_size)
         self.batch = InputBatch(max_rows, -(-(max_model_len + 1) // manager.page_size), manager.page_size, device)
+        # With the CPU paged-decode kernel, verification rows attend as decode tokens: it reads their
+        # context in place, where the prefill path gathers it per row and layer (at 1,000 tokens of
+        # context, one stream, 4 drafts: 67 ms a step against 131 ms, a plain decode step 46 ms).
+        self.batch.verify_as_decode = bool(getattr(backend, "decode_kernel", False))
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.batch.release(sched.freed)
@@ -287,6 +291,9 @@ class InputBatch:
         self._staging_np = self._staging.numpy()
         self._staged = self._staging if device.type == "cpu" else self._device_buffer(4096)
         self._copy_done: Any = None  # torch.cuda.Event of the last staging copy
+        self.verify_as_decode = False
+        """Verification rows attend as decode tokens (True: one per position, context length
+        position + 1) or as one prefill chunk over their context (SDPA, causal from its start)."""
 
     @property
     def num_rows(self) -> int:
@@ -362,7 +369,14 @@ class InputBatch:
                 ids.extend(drafts)
                 positions.extend(range(start, start + length))
                 token_rows.extend(itertools.repeat(row, length))
-                prefills.append((offset, length, row, start))
+                if drafts and self.verify_as_decode:
+                    # Each verified position attends like a decode token of its row: the step's K/V
+                    # are written before attention, so position p sees exactly positions 0..p.
+                    decode_tokens.extend(range(offset, offset + length))
+                    decode_rows.extend(itertools.repeat(row, length))
+                    decode_lens.extend(range(start + 1, start + length + 1))
+                else:
+                    prefills.append((offset, length, row, start))
             if seq.request.prompt_logprobs is not None and start < seq.num_prompt_tokens:
                 scoring.append((offset, c))
             offset += length

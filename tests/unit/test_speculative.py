@@ -91,7 +91,8 @@ def test_adaptive_depth_follows_acceptance_and_backs_off_in_large_batches() -> N
     assert state.depth == 2
     state.depth = 6
     assert planned_depth(cfg, state, 1) == 6
-    assert planned_depth(cfg, state, 8) == BATCH_DRAFT_TOKENS // 8 - 1
+    assert planned_depth(cfg, state, 2) == BATCH_DRAFT_TOKENS // 2 - 1 > 0
+    assert planned_depth(cfg, state, 8) == max(BATCH_DRAFT_TOKENS // 8 - 1, 0)
     assert planned_depth(cfg, state, BATCH_DRAFT_TOKENS) == 0
     fixed = SpeculativeConfig(mode="ngram", max_depth=3)
     state = DraftState(NgramProposer(), depth=3)
@@ -197,13 +198,14 @@ def _sampling(kind: int, seed: int) -> SamplingParams:
 @settings(max_examples=12, deadline=None)
 @given(specs=st.lists(request_spec, min_size=1, max_size=6), second_wave=st.booleans(),
        mode=st.sampled_from(["ngram", "adaptive"]), depth=st.integers(1, 6), max_active=st.integers(1, 4),
-       chunk=st.integers(4, 24), num_pages=st.sampled_from([14, 24, 64]))
+       chunk=st.integers(4, 24), num_pages=st.sampled_from([14, 24, 64]), verify_as_decode=st.booleans())
 def test_outputs_are_identical_with_speculation_on_and_off(
         specs: list[tuple[list[int], int, list[int], int, int, bool]], second_wave: bool, mode: str, depth: int,
-        max_active: int, chunk: int, num_pages: int) -> None:
+        max_active: int, chunk: int, num_pages: int, verify_as_decode: bool) -> None:
     """Greedy (with and without penalties) and seeded sampled requests (plain and top-k/top-p with
     penalties) get the same tokens and logprobs with speculation as without, in mixed batches, under
-    page pressure (preemption) and, in a second wave of the same prompts, with prefix-cache hits."""
+    page pressure (preemption) and, in a second wave of the same prompts, with prefix-cache hits;
+    verification rows attend as prefill chunks or as decode tokens (the gather path in float64)."""
     waves = [[EngineRequest(f"r{i}", _prompt(pat, rep, tail), _sampling(kind, i), max_tokens=mt, ignore_eos=True,
                             num_top_logprobs=1 if lp else None)
               for i, (pat, rep, tail, mt, kind, lp) in enumerate(specs)]]
@@ -212,6 +214,7 @@ def test_outputs_are_identical_with_speculation_on_and_off(
     kw = {"max_active": max_active, "prefill_chunk_size": chunk, "num_pages": num_pages}
     off = _drive(_engine(MODEL64, torch.float64, "off", depth, **kw), waves)
     spec = _engine(MODEL64, torch.float64, mode, depth, **kw)
+    spec.runner.batch.verify_as_decode = verify_as_decode
     on = _drive(spec, waves)
     for rid, (tokens, lps, finish) in off.items():
         assert on[rid][0] == tokens, rid
@@ -224,16 +227,19 @@ def test_outputs_are_identical_with_speculation_on_and_off(
     assert stats.verification_rounds == sum(stats.rounds_by_depth.values())
 
 
-def test_greedy_runs_accept_drafts_and_match_float32_logprobs_within_1e_5() -> None:
-    """On the production path (float32, the CPU decode kernel beside SDPA verification rows) a
-    batch of repetitive prompts accepts many drafts, and every committed token and logprob (with
-    top alternatives) equals decoding without speculation within 1e-5."""
+@pytest.mark.parametrize("verify_as_decode", [True, False])
+def test_greedy_runs_accept_drafts_and_match_float32_logprobs_within_1e_5(verify_as_decode: bool) -> None:
+    """On the production path (float32, the CPU decode kernel where it is built) a batch of
+    repetitive prompts accepts many drafts, and every committed token and logprob (with top
+    alternatives) equals decoding without speculation within 1e-5, whether verification rows attend
+    as decode tokens or as prefill chunks (SDPA over their context)."""
     requests = [EngineRequest(f"r{i}", _prompt([3 + i, 7, 11 + i, 5], 5, [2]), SamplingParams(temperature=0.0),
                               max_tokens=40, ignore_eos=True, num_top_logprobs=3) for i in range(4)]
     full: dict[str, dict[str, list]] = {}
     cores = {}
     for mode in ("off", "ngram", "adaptive"):
         core = cores[mode] = _engine(MODEL, torch.float32, mode, 5)
+        core.runner.batch.verify_as_decode = verify_as_decode
         for r in requests:
             core.add(r)
         got: dict[str, list] = {r.request_id: [] for r in requests}
