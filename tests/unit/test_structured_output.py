@@ -242,7 +242,7 @@ SCHEMAS = _object(st.one_of(_VALUE, _object(_VALUE)))
 @given(schema=SCHEMAS, seed=st.integers(0, 2**31))
 def test_random_schemas_always_yield_valid_json(served: Served, schema: dict[str, Any], seed: int) -> None:
     c = served.constraint(OutputConstraint("json_schema", schema))
-    out = served.run([served.request("j", "Reply with JSON.", seed=seed, max_tokens=160, constraint=c),
+    out = served.run([served.request("j", "Reply with JSON.", seed=seed, max_tokens=256, constraint=c),
                       served.request("n", "Say something.", seed=seed, max_tokens=8)])["j"]
     assert out["finish"] is EngineFinish.EOS, (served.text(out["ids"]), out["finish"])
     jsonschema.validate(json.loads(served.text(out["ids"])), schema)
