@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 _WHITESPACE = frozenset(b" \t\r\n")
+_MAX_SEPARATORS = 4  # whitespace-only tokens the gate lets through after a closed envelope
 
 
 @attrs.frozen
@@ -146,6 +147,7 @@ class GrammarState:
         self.mode = Mode.REASONING if env.starts_in_reasoning else (Mode.ANSWER if env.is_trivial else Mode.OPEN)
         self.reasoned = env.starts_in_reasoning
         self.after_envelope = False
+        self.num_separators = 0  # whitespace tokens since the last closed envelope
         self.num_calls = 0
         self.error: str | None = None
 
@@ -169,7 +171,8 @@ class GrammarState:
         return extra
 
     def allows_whitespace(self) -> bool:
-        return self.mode is Mode.OPEN and self.after_envelope
+        """Whitespace-only tokens right after a closed envelope (a few: never a run to the limit)."""
+        return self.mode is Mode.OPEN and self.after_envelope and self.num_separators < _MAX_SEPARATORS
 
     def advance(self, token_id: int) -> bool:
         """One committed token; False (and `error` set) when the grammar rejects it."""
@@ -179,13 +182,13 @@ class GrammarState:
         mode = self.mode
         if mode is Mode.REASONING:
             if token_id == env.reasoning_close:
-                self.mode, self.after_envelope = Mode.OPEN, True
+                self.mode, self.after_envelope, self.num_separators = Mode.OPEN, True, 0
             elif env.tool_call_ends_reasoning and token_id == env.tool_open:
                 self.mode = Mode.TOOL
             return True
         if mode is Mode.TOOL:
             if token_id == env.tool_close:
-                self.mode, self.after_envelope = Mode.OPEN, True
+                self.mode, self.after_envelope, self.num_separators = Mode.OPEN, True, 0
                 self.num_calls += 1
             return True
         if mode is Mode.OPEN:
@@ -195,7 +198,8 @@ class GrammarState:
             if token_id == env.reasoning_open and not self.reasoned and not self.after_envelope:
                 self.mode, self.reasoned = Mode.REASONING, True
                 return True
-            if self.after_envelope and token_id in self.constraint.vocab.whitespace_ids:
+            if self.allows_whitespace() and token_id in self.constraint.vocab.whitespace_ids:
+                self.num_separators += 1
                 return True
             if self.num_calls and token_id in self.constraint.vocab.eos_token_ids:
                 return True  # a turn of tool calls only ends here
@@ -214,6 +218,8 @@ class GrammarState:
             return True
         if self.allows_whitespace() and token_id in self.constraint.vocab.whitespace_ids:
             return True
+        if token_id in self.constraint.vocab.eos_token_ids:
+            return bool(self.matcher.is_accepting())
         return bool(self.matcher.validate_tokens([token_id]) == 1)
 
     def forced_tokens(self) -> list[int]:

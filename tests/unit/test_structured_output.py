@@ -19,6 +19,7 @@ import json
 import re
 from typing import Any
 
+import attrs
 import jsonschema
 import llguidance
 import pytest
@@ -31,7 +32,7 @@ from helios.domain.generation import OutputConstraint
 from helios.domain.sampling import SamplingParams
 from helios.engine.core import EngineConfig, EngineCore
 from helios.engine.records import GRAMMAR_FAILURE, EngineFinish, EngineRequest
-from helios.engine.structured import GrammarBatch, GrammarConstraint, GrammarState
+from helios.engine.structured import Envelope, GrammarBatch, GrammarConstraint, GrammarState
 from helios.serving.structured import GrammarCompiler
 
 pytestmark = pytest.mark.slow
@@ -173,6 +174,31 @@ def test_a_grammar_that_rejects_a_committed_token_ends_the_request_with_its_erro
                        served.request("ok", "Hi.", seed=2, max_tokens=8, constraint=c)])
     assert outs["bad"]["finish"] is EngineFinish.ERROR and outs["bad"]["error"].startswith(GRAMMAR_FAILURE)
     assert outs["ok"]["finish"] is EngineFinish.EOS and re.fullmatch("[a-z]{3}", served.text(outs["ok"]["ids"]))
+
+
+def test_the_gate_leaves_reasoning_and_tool_envelopes_free(served: Served) -> None:
+    """The gate's states over single-token delimiters (here SmolLM2's spare special tokens 3-6):
+    free reasoning, a few separators, a free tool call, EOS after a call, then the grammar alone."""
+    base = served.constraint(OutputConstraint("regex", "[a-z]{3}"))
+    env = Envelope(reasoning_open=3, reasoning_close=4, tool_open=5, tool_close=6)
+    state = GrammarState(attrs.evolve(base, envelope=env))
+    ws = next(iter(base.vocab.whitespace_ids))
+    word = served.tok.encode("abc", add_special_tokens=False)
+    eos = served.tok.eos_token_ids[0]
+    assert state.is_masking and state.is_token_allowed(3) and state.is_token_allowed(5)
+    assert not state.is_token_allowed(4) and not state.is_token_allowed(ws) and not state.is_token_allowed(eos)
+    assert state.advance(3) and not state.is_masking  # reasoning: anything goes
+    assert state.advance(ws) and state.advance(word[0]) and state.advance(4)
+    assert state.is_masking and not state.is_token_allowed(3)  # reasoning happens once
+    for _ in range(4):  # a few separators after </think>, then no more
+        assert state.is_token_allowed(ws) and state.advance(ws)
+    assert not state.is_token_allowed(ws)
+    assert state.advance(5) and not state.is_masking  # a free tool call
+    assert state.advance(word[0]) and state.advance(6)
+    assert state.is_token_allowed(eos)  # a turn of calls may end here
+    assert all(state.advance(t) for t in word) and state.mode.value == "answer"
+    assert not state.is_token_allowed(5) and state.is_token_allowed(eos)
+    assert not state.advance(word[0]) and state.error  # a fourth letter breaks [a-z]{3}
 
 
 def test_masks_fit_logits_wider_than_the_tokenizer(served: Served) -> None:
