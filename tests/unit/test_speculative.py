@@ -449,3 +449,28 @@ def test_engine_counters_reach_the_metrics_snapshot_and_prometheus() -> None:
     assert sum(depths.values()) == spec.verification_rounds
     assert sum(int(d) * n for d, n in depths.items()) == spec.verification_drafts  # DEPTH's numerator
     assert not any("history" in name for name, _ in samples)  # no shared-history proposer exists
+
+
+def test_a_verification_step_reads_the_device_once() -> None:
+    """Verification rounds keep the step's one host read (the sampled ids with the logprob records):
+    the run is decided on the host list, and a seeded row's generator is rewound on the CPU."""
+    from tests.unit.test_input_batch import count_host_reads
+
+    core = _engine(MODEL, torch.float32, "ngram", 4)
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.3, seed=1),
+             SamplingParams(temperature=0.0, repetition_penalty=1.2)]
+    for i, params in enumerate(kinds):
+        core.add(EngineRequest(f"r{i}", _prompt([3 + i, 7, 11, 5], 5, [2]), params, max_tokens=40, ignore_eos=True,
+                               num_top_logprobs=2 if i == 0 else None))
+    while core.scheduler.waiting or any(s.is_prefilling or s.num_computed == 0 for s in core.scheduler.running):
+        core.step()
+    verified = 0
+    for _ in range(12):
+        sched_before = core.stats().speculative
+        with count_host_reads() as reads:
+            outputs = core.step()
+        assert outputs and reads.count("tolist") == 1 and set(reads) == {"tolist"}, reads
+        after = core.stats().speculative
+        assert sched_before is not None and after is not None
+        verified += after.verify_steps - sched_before.verify_steps
+    assert verified > 0
