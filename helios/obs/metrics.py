@@ -313,7 +313,8 @@ class _SnapshotCollector:
         if engine is not None and getattr(engine, "prefix_caching", False):
             yield from _families(CACHE_EXPORTED, snap)
         spec = getattr(engine, "speculative", None)
-        if spec is not None:
+        if spec is not None and getattr(engine, "speculative_mode", "off") != "off":
+            # Like the cache families: exported while the feature runs, not as zeros when it is off.
             yield from _speculative_families(spec, snap)
         host = getattr(engine, "host", None)
         if host is not None:

@@ -448,6 +448,12 @@ def test_engine_counters_reach_the_metrics_snapshot_and_prometheus() -> None:
     depths = {dict(k[1])["depth"]: v for k, v in samples.items() if k[0] == "flare_verification_request_rounds_by_depth_total"}
     assert sum(depths.values()) == spec.verification_rounds
     assert sum(int(d) * n for d, n in depths.items()) == spec.verification_drafts  # DEPTH's numerator
+    # With speculation off the families are not exported (a feature that is not running reports nothing).
+    off = _engine(MODEL, torch.float32, "off", 4).stats()
+    assert off.speculative_mode == "off"
+    names = {s.name for f in text_string_to_metric_families(ServingMetrics(lambda: (off, None)).prometheus())
+             for s in f.samples}
+    assert not any("draft" in n or "verif" in n or "speculative" in n for n in names)
     assert not any("history" in name for name, _ in samples)  # no shared-history proposer exists
 
 
