@@ -270,7 +270,7 @@ class Runtime:
         self.recipe = recipe
         self.eos_token_ids = eos_token_ids
         self.client = EngineClient(max_in_flight=cfg.engine.max_active + cfg.server.model_queue_size)
-        self.thread = EngineThread(core, self.client.sink)
+        self.thread = EngineThread(core, self.client.sink, threads=cfg.model.threads or os.cpu_count() or 1)
 
     def start(self, trio_token: Any, limiter: Any = None) -> Service:
         """Start the engine thread; the Service renders and tokenizes on `limiter` (the app's pool).
@@ -398,8 +398,13 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     from helios.loaders.default_model import default_cache_dir, ensure_default_model
     from helios.recipes import detect_parser_family, detect_recipe, get_recipe, plain_recipe
 
-    threads = cfg.model.threads or os.cpu_count() or 1
-    torch.set_num_threads(threads)
+    # Everything torch does on this (the main) thread stays on one OpenMP thread; the engine thread
+    # sets `[model] threads` for itself when it starts (EngineThread). A multi-thread OpenMP team
+    # here would stay alive beside the engine's, and once libgomp manages more threads than there
+    # are CPUs it stops spinning and wakes its workers through futexes at every parallel region:
+    # torch's int4 matmul then took 41-52 us per call on the engine thread instead of 15 us, and a
+    # 1-stream decode step 13.4 ms instead of 7.1 (docs/benchmarks.md).
+    torch.set_num_threads(1)
     default_path = ensure_default_model() if not cfg.model.path else None
     path = cfg.model.path or str(default_path)
     device = cfg.model.device

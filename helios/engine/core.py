@@ -223,7 +223,12 @@ class EngineThread:
     raise and must be cheap (the async side wakes up and drains its own queue).
     """
 
-    def __init__(self, core: EngineCore, sink: Callable[[list[RequestOutput]], None]) -> None:
+    def __init__(self, core: EngineCore, sink: Callable[[list[RequestOutput]], None], *,
+                 threads: int | None = None) -> None:
+        """``threads``: the torch (OpenMP) threads this thread's steps use, set on the thread itself
+        when it starts (None: leave torch's setting). The process should run no multi-thread torch
+        work on other threads: see `runtime.build_runtime`."""
+        self._threads = threads
         self.core = core
         self._sink = sink
         self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
@@ -327,6 +332,8 @@ class EngineThread:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self._threads:
+            torch.set_num_threads(self._threads)
         running = True
         while running:
             self.heartbeat = time.monotonic()
