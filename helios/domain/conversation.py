@@ -6,6 +6,7 @@ ConversationRequest through the chat template; no protocol translates through an
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 import attrs
@@ -98,3 +99,19 @@ class ConversationRequest:
     """The text of the (at most four) user blocks a client marked as prefix-checkpoint boundaries
     (Anthropic `cache_control`), in order: the prompt's pages up to the last one are kept in the
     prefix cache with priority. Advisory; they never change the prompt."""
+
+
+def custom_tool_input(arguments: str) -> str:
+    """A custom tool's text input from the {"input": string} function the model saw: the one reading
+    both the Responses encoder (the emitted custom call) and the output check (grammar validation) use."""
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    if isinstance(parsed, dict):
+        if isinstance(parsed.get("input"), str):
+            return str(parsed["input"])
+        values = list(parsed.values())
+        if len(values) == 1 and isinstance(values[0], str):
+            return str(values[0])
+    return arguments

@@ -289,22 +289,6 @@ def family_envelope(family: str | None, reasoning: tuple[tuple[str, ...], tuple[
                     starts_in_reasoning=starts_in_reasoning, tool_call_ends_reasoning=tool_call_ends_reasoning)
 
 
-def custom_tool_input(arguments: str) -> str:
-    """A custom tool's text input from the {"input": string} function the model saw (the same
-    reading the Responses encoder applies)."""
-    try:
-        parsed = json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
-    if isinstance(parsed, dict):
-        if isinstance(parsed.get("input"), str):
-            return str(parsed["input"])
-        values = list(parsed.values())
-        if len(values) == 1 and isinstance(values[0], str):
-            return str(values[0])
-    return arguments
-
-
 ToolValidators = Mapping[str, Callable[[str], str | None]]
 
 # What malformed client text can raise on its way into llguidance (besides its own error state).

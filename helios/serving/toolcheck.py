@@ -24,9 +24,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
-from helios.domain.conversation import ConversationRequest, ToolChoice
+from helios.domain.conversation import ConversationRequest, ToolChoice, custom_tool_input
 from helios.domain.events import FinishCause, OutputEvent, TextDelta, ToolCall
-from helios.serving.structured import custom_tool_input
 
 
 @attrs.define

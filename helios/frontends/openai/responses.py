@@ -47,6 +47,7 @@ from helios.domain.conversation import (
     ToolChoice,
     ToolGrammar,
     ToolResultPart,
+    custom_tool_input,
 )
 from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
 from helios.domain.generation import (
@@ -852,7 +853,7 @@ class ResponseEncoder:
         self._call_ids.add(call_id)
         index = len(self._output)
         if tool.kind == "custom":
-            item_id, value = _new_id("ctc"), _custom_input(tc.arguments)
+            item_id, value = _new_id("ctc"), custom_tool_input(tc.arguments)
             item: dict[str, Any] = {"type": "custom_tool_call", "id": item_id, "call_id": call_id,
                                     "name": tool.name, "input": ""}
         else:
@@ -960,21 +961,6 @@ class ResponseEncoder:
     @staticmethod
     def _where(item: _OpenItem) -> dict[str, Any]:
         return {"item_id": item.id, "output_index": item.output_index, "content_index": 0}
-
-
-def _custom_input(arguments: str) -> str:
-    """A custom tool's text input from the {"input": string} function the model saw."""
-    try:
-        parsed = json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
-    if isinstance(parsed, dict):
-        if isinstance(parsed.get("input"), str):
-            return str(parsed["input"])
-        values = list(parsed.values())
-        if len(values) == 1 and isinstance(values[0], str):
-            return values[0]
-    return arguments
 
 
 def _new_id(prefix: str) -> str:
