@@ -132,6 +132,11 @@ def build_body(
         if _CONTINUOUS_USAGE in features:
             options["continuous_usage_stats"] = True
         body["stream_options"] = options
+    return merge_extra_body(body, extra_body)
+
+
+def merge_extra_body(body: dict[str, Any], extra_body: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``extra_body`` merged into ``body`` in place: a key set to None is removed."""
     for key, value in (extra_body or {}).items():
         if value is None:
             body.pop(key, None)

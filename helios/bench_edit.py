@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from helios.bench import StreamRecord, _headers, base_url, discover_model, stream_once
+from helios.bench import StreamRecord, _headers, base_url, discover_model, merge_extra_body, stream_once
 
 if TYPE_CHECKING:
     import httpx
@@ -55,12 +55,7 @@ def edit_body(model: str, source: str, max_tokens: int, *, usage: bool = True,
                             "temperature": 0.0, "stream": True}
     if usage:
         body["stream_options"] = {"include_usage": True}
-    for key, value in (extra_body or {}).items():
-        if value is None:
-            body.pop(key, None)
-        else:
-            body[key] = value
-    return body
+    return merge_extra_body(body, extra_body)
 
 
 def summarize_round(rec: StreamRecord, before: Mapping[str, Any] | None,
