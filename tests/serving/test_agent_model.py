@@ -22,7 +22,7 @@ from tests.serving.agent_model import ANSWER, PATCH, TASK, TEST_COMMAND, AgentTa
 from tests.serving.harness import FAMILIES, TEMPLATES, ScriptedServer
 from tests.serving.test_constrained_answers import APPLY_PATCH
 
-WORKDIR = "/work/project"
+WORKDIR = "project"  # the client-side working directory the scripted calls name (never opened here)
 SYSTEM = "You are a coding agent. Use the tools to inspect, edit and test the project. " * 40
 
 
