@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -51,6 +52,24 @@ GRAMMAR_FAILURE = "structured output failed"
 
 
 @attrs.frozen
+class ImageInput:
+    """One image of a prompt, as the engine needs it (the contract: `domain/images.py`).
+
+    The image's placeholder tokens lie in ``prompt_token_ids[offset : offset + length]`` (framing
+    tokens between its tiles included); the k-th token of that span equal to the model's image token
+    id takes row k of the image's ``tokens`` feature rows. ``identity`` (content digest and processing
+    settings) enters the prefix-cache hash of every page the span touches. ``load`` returns the
+    model's prepared input (decoded and preprocessed pixels); the engine calls it only when some of
+    the span must be computed, never for a span a cached prefix covers."""
+
+    offset: int
+    length: int
+    tokens: int
+    identity: str
+    load: Callable[[], Any] = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen
 class EngineRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -74,6 +93,8 @@ class EngineRequest:
     reasoning_budget: ReasoningBudget | None = None
     constraint: GrammarConstraint | None = None
     """A compiled answer grammar (structured output; `engine/structured.py`), None: unconstrained."""
+    images: tuple[ImageInput, ...] = ()
+    """The prompt's images in prompt order, spans disjoint (vision models only)."""
 
 
 @attrs.frozen
