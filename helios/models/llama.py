@@ -108,10 +108,18 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.device
 
-    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
-        """Hidden states after the final norm, [T, hidden_size], for flat ``input_ids``/``positions`` [T]."""
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend, *,
+                embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Hidden states after the final norm, [T, hidden_size], for flat ``input_ids``/``positions`` [T].
+
+        ``embeds = (rows, features)``: rows (1-D long, indices into the T flattened tokens) take the
+        given features ([len(rows), hidden_size], the model dtype) in place of their token embeddings
+        before layer 0 (image features at their placeholder tokens; `helios.models.vision`)."""
         cos, sin = self._rope_tables(positions)
         h = F.embedding(input_ids, self.embed_tokens)
+        if embeds is not None:
+            rows, features = embeds
+            h = h.index_copy(0, rows.to(h.device), features.to(device=h.device, dtype=h.dtype))
         for layer in self.layers:
             h = layer(h, cos, sin, attn)
         return _rms_norm(h, self.norm, self.config.rms_norm_eps)

@@ -1,0 +1,1 @@
+"""Vision-language model families: image preprocessing, vision encoders, connectors (`base.VisionTower`)."""
