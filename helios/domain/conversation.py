@@ -22,7 +22,11 @@ class TextPart:
 @attrs.frozen
 class ImagePart:
     media_type: str
-    data: bytes
+    """The media type the client declared (``serving/images.py`` checks it against the bytes)."""
+    data: bytes = attrs.field(repr=False)
+    where: str = attrs.field(default="", eq=False)
+    """Where in the request the image was (``messages[0].content[1]``), for error messages; not part
+    of the image's identity."""
 
 
 @attrs.frozen

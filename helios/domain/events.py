@@ -48,6 +48,9 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    image_tokens: int = 0
+    """Image feature tokens included in ``prompt_tokens`` (``multimodal_tokens.image``); framing
+    tokens around images count in ``prompt_tokens`` only."""
 
     @property
     def total_tokens(self) -> int:

@@ -130,6 +130,8 @@ class PreparedPrompt:
 
     token_ids: tuple[int, ...]
     text: str
+    image_tokens: int = 0
+    """Image feature tokens among ``token_ids`` (the admitted images' costs; framing excluded)."""
 
 
 @attrs.define
@@ -211,6 +213,7 @@ def usage_of(prompts: Sequence[PreparedPrompt], children: Sequence[Accumulated],
         completion_tokens=sum(c.num_output_tokens for c in children),
         cached_tokens=cached,
         reasoning_tokens=sum(c.num_reasoning_tokens for c in children),
+        image_tokens=sum(p.image_tokens for p in prompts),
     )
 
 

@@ -67,3 +67,24 @@ class VisionProfile(Protocol):
     def cost(self, width: int, height: int) -> ImageCost:
         """The cost of an image of this decoded size, computed from the size alone."""
         ...
+
+
+@attrs.frozen
+class VisionLimits:
+    """The image limits a server admits under (the ``flare`` card's image fields; all zero for a
+    text-only model). ``serving/images.py`` enforces them; the card and ``/api/show`` report them."""
+
+    max_images_per_prompt: int = 0
+    max_image_tokens_per_prompt: int = 0
+    image_feature_window_tokens: int = 0
+    max_image_tokens_per_image: int = 0
+    max_image_pixels: int = 0
+    max_image_bytes: int = 0
+
+    @property
+    def accepts_images(self) -> bool:
+        return self.max_images_per_prompt > 0
+
+    def card_fields(self) -> dict[str, int]:
+        """The six card fields, in the spec's order."""
+        return attrs.asdict(self)

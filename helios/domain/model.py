@@ -6,6 +6,8 @@ from typing import Any, Protocol
 
 import attrs
 
+from helios.domain.images import VisionLimits
+
 
 @attrs.frozen
 class ModelInfo:
@@ -28,7 +30,10 @@ class ModelInfo:
     thinking_token_budget: int | None = None
     has_reasoning: bool = False
     has_tools: bool = False
-    has_vision: bool = False  # no vision model family is implemented yet
+    has_vision: bool = False
+    """A vision-language model is loaded (``/api/show`` reports ``vision``, the card ``image``)."""
+    vision: VisionLimits = VisionLimits()
+    """The image limits (all zero for a text-only model)."""
     speculative_mode: str = "off"
     """``[speculative] mode`` (off, ngram, adaptive): what the flare card reports as active."""
     speculative_max_depth: int = 0

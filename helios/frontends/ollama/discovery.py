@@ -35,7 +35,7 @@ def details() -> dict[str, Any]:
 
 def capabilities(info: ModelInfo) -> list[str]:
     caps = ["completion"]
-    if getattr(info, "has_vision", False):
+    if info.has_vision:
         caps.append("vision")
     if info.has_tools:
         caps.append("tools")
@@ -45,14 +45,18 @@ def capabilities(info: ModelInfo) -> list[str]:
 
 
 def model_info(info: ModelInfo) -> dict[str, Any]:
-    """general.name plus the flare.* limits. general.architecture names the flare.* prefix so that
-    clients which look up `<architecture>.context_length` find the serving limit."""
-    return {
+    """general.name plus the flare.* limits (a vision model's image limits too, under the flare
+    card's names). general.architecture names the flare.* prefix so that clients which look up
+    `<architecture>.context_length` find the serving limit."""
+    out: dict[str, Any] = {
         "general.architecture": FORMAT,
         "general.name": info.public_id,
         f"{FORMAT}.context_length": info.max_model_len,
         f"{FORMAT}.vocab_size": info.vocab_size,
     }
+    if info.has_vision:  # the image limits, as the flare card names them
+        out.update({f"{FORMAT}.{k}": v for k, v in info.vision.card_fields().items()})
+    return out
 
 
 def digest(info: ModelInfo) -> str:

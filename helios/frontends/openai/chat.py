@@ -427,6 +427,8 @@ def usage_json(usage: Usage, *, details: bool = True) -> dict[str, Any]:
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if usage.image_tokens:  # image requests: the image feature tokens already in prompt_tokens
+        out["prompt_tokens_details"]["multimodal_tokens"] = {"image": usage.image_tokens}
     if details:
         out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from helios.domain.images import VisionLimits
 from helios.domain.model import ModelInfo
 from helios.errors import NotFound
 
@@ -47,13 +48,9 @@ def flare_object(info: ModelInfo) -> dict[str, Any]:
         "sampling_defaults": info.sampling_defaults,
         "thinking_token_budget": info.thinking_token_budget,
         "sampling_ranges": info.sampling_ranges,
-        "max_images_per_prompt": 0,
-        "max_image_tokens_per_prompt": 0,
-        "image_feature_window_tokens": 0,
-        "max_image_tokens_per_image": 0,
-        "max_image_pixels": 0,
-        "max_image_bytes": 0,
-        "input_modalities": ["text"],
+        # The image limits (spec: all zero for a text-only core), then the modalities.
+        **(info.vision.card_fields() if info.has_vision else VisionLimits().card_fields()),
+        "input_modalities": ["text", "image"] if info.has_vision else ["text"],
         "output_modalities": ["text"],
         "speculative": speculative_object(info),
     }
