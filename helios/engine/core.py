@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from helios.engine.attention import AttentionBackend, TorchPagedBackend
+from helios.engine.images import ImageEncoder
 from helios.engine.kv.host_store import HostStore
 from helios.engine.kv.manager import KVCacheManager
 from helios.engine.records import (
@@ -66,7 +67,9 @@ class EngineCore:
     """Owns the model, the KV cache, the scheduler and the sampler. Not thread-safe: one thread runs it."""
 
     def __init__(self, model: Any, model_config: Any, cfg: EngineConfig, dtype: torch.dtype,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", *, vision: ImageEncoder | None = None) -> None:
+        """``vision``: the vision tower of a vision-language model (None: text only); the runner
+        encodes requests' images with it (`engine/images.py`)."""
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
@@ -92,7 +95,7 @@ class EngineCore:
             speculative=cfg.speculative)
         self.sampler = Sampler(model_config.vocab_size, device=self.device)
         self.runner = ModelRunner(model, self.attention, self.kv_manager, self.sampler, self.device,
-                                  max_rows=cfg.max_active, max_model_len=cfg.max_model_len)
+                                  max_rows=cfg.max_active, max_model_len=cfg.max_model_len, vision=vision)
 
     # -- inbox handling ---------------------------------------------------------------------
     def add(self, request: EngineRequest) -> None:

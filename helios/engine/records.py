@@ -153,8 +153,11 @@ class RunnerOutput:
     logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(factory=dict)
     prompt_logprobs: dict[str, tuple[PromptLogprob | None, ...]] = attrs.field(factory=dict)
     failed: dict[str, str] = attrs.field(factory=dict)
-    """Requests the step failed, with why (a structured-output grammar rejected a committed token):
-    the scheduler commits their tokens and ends them with ERROR."""
+    """Requests the step failed, with why (a structured-output grammar rejected a committed token,
+    an image could not be prepared): the scheduler commits their tokens and ends them with ERROR."""
+    not_run: frozenset[str] = frozenset()
+    """Failed requests whose chunk did not run at all (an image's load or encode failed): none of
+    their positions count as computed and none of their pages are registered."""
 
 
 @attrs.define

@@ -11,6 +11,12 @@ sampled ids, so it adds no device read). A chunk with speculative drafts (`Sched
 samples each of its last k + 1 positions in the same `sample` call and commits the run of draws
 that match the drafts plus the first that does not (`_verify`; `engine/speculative.py`).
 
+Image prompts (`records.ImageInput`): the rows of a chunk's image placeholder tokens take the image's
+features (`images.FeatureWindows`: loaded and encoded when a chunk first needs them, kept in one
+bounded window per request until the image's last placeholder is consumed) through the model's
+``embeds`` argument; prompt scores at placeholder positions are null. A request whose image cannot
+be prepared fails alone: its chunk is left out of the step (`RunnerOutput.not_run`).
+
 The step's tensors come from a persistent input batch (`InputBatch`): each running request holds a
 row from its first step until `SchedulerOutput.freed` names it, and the row's block table and
 sampling parameters live in preallocated device tensors written only when they change (new pages,
@@ -32,6 +38,7 @@ from torch import Tensor
 
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.engine.attention import AttentionBackend, AttentionInputs
+from helios.engine.images import FeatureWindows, ImageEncoder, ImageError, StepEmbeds
 from helios.engine.kv.manager import KVCacheManager
 from helios.engine.records import GRAMMAR_FAILURE, RunnerOutput
 from helios.engine.sampler import (
@@ -59,8 +66,10 @@ class ModelRunner:
     """Runs the model for one scheduled step; owns the persistent input batch and the sampler."""
 
     def __init__(self, model: Any, backend: AttentionBackend, manager: KVCacheManager, sampler: Sampler,
-                 device: torch.device, *, max_rows: int = 64, max_model_len: int = 8192) -> None:
+                 device: torch.device, *, max_rows: int = 64, max_model_len: int = 8192,
+                 vision: ImageEncoder | None = None) -> None:
         self.model = model
+        self.images = FeatureWindows(vision)
         self.backend = backend
         self.manager = manager
         self.sampler = sampler
@@ -74,21 +83,33 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.batch.release(sched.freed)
+        self.images.release(sched.freed)
         self.batch.rollback(sched.trimmed)
         if not sched.chunks:
             return RunnerOutput()
         scored: dict[str, tuple[PromptLogprob | None, ...]] = {}
+        chunks: Seq[ScheduledChunk] = sched.chunks
+        embeds: StepEmbeds | None = None
+        image_failed: dict[str, str] = {}
         with torch.inference_mode():
-            step = self.batch.prepare(sched.chunks, self.manager)
+            if any(_touches_images(c) for c in chunks):
+                chunks, embeds, image_failed = self._image_embeds(chunks)
+                if not chunks:
+                    return RunnerOutput(failed=image_failed, not_run=frozenset(image_failed))
+            step = self.batch.prepare(chunks, self.manager)
             # Constrained rows' token masks fill on a helper thread while the forward runs.
             masks = self.grammar.start([s.grammar for s in step.seqs]) if self._any_grammar(step.seqs) else None
-            hidden = self.model(step.input_ids, step.positions, self.backend.build(step.attention))
+            attn = self.backend.build(step.attention)
+            if embeds is not None and embeds.rows:
+                hidden = self.model(step.input_ids, step.positions, attn, embeds=embeds.tensors(self.device))
+            else:
+                hidden = self.model(step.input_ids, step.positions, attn)
             for offset, c in step.scoring:
                 scores = self._score_prompt_chunk(hidden, offset, c)
                 if scores:
                     scored[c.seq.request_id] = scores
             if not step.seqs:
-                return RunnerOutput(prompt_logprobs=scored)
+                return RunnerOutput(prompt_logprobs=scored, failed=image_failed, not_run=frozenset(image_failed))
             rows = hidden if step.sample_tokens is None else hidden.index_select(0, step.sample_tokens)
             logits = self.model.compute_logits(rows)
             token_mask, masked_rows = masks.result(self.sampler.vocab_size, logits.device) if masks else (None, None)
@@ -107,7 +128,7 @@ class ModelRunner:
             logprobs[i] = None
         sampled: dict[str, tuple[int, ...]] = {}
         records: dict[str, tuple[TokenLogprob, ...]] = {}
-        failed: dict[str, str] = {}
+        failed: dict[str, str] = dict(image_failed)
         for s, t, lp, row in zip(step.seqs, token_ids, logprobs, step.sampler_rows, strict=True):
             run = verified.get(s.request_id)
             if run is not None:  # a verification round: its accepted drafts and its sampled token
@@ -126,7 +147,32 @@ class ModelRunner:
                 records[s.request_id] = (lp,)
             elif row.wants_logprobs:
                 records[s.request_id] = ()  # a forced token: omitted from the logprobs
-        return RunnerOutput(sampled=sampled, logprobs=records, prompt_logprobs=scored, failed=failed)
+        return RunnerOutput(sampled=sampled, logprobs=records, prompt_logprobs=scored, failed=failed,
+                            not_run=frozenset(image_failed))
+
+    def _image_embeds(self, chunks: Seq[ScheduledChunk]) -> tuple[list[ScheduledChunk], StepEmbeds, dict[str, str]]:
+        """The step's image rows (indices into the flattened chunks that run) and their features;
+        chunks of requests whose image could not be prepared are left out, with why."""
+        kept: list[ScheduledChunk] = []
+        embeds = StepEmbeds([], [])
+        failed: dict[str, str] = {}
+        offset = 0
+        for c in chunks:
+            seq = c.seq
+            if _touches_images(c):
+                mine = StepEmbeds([], [])
+                end = min(c.start + c.length - c.num_drafts, seq.num_prompt_tokens)
+                try:
+                    self.images.chunk_embeds(seq.request_id, seq.token_ids, seq.request.images, c.start, end,
+                                             offset, mine)
+                except ImageError as exc:
+                    failed[seq.request_id] = str(exc)
+                    continue
+                embeds.rows.extend(mine.rows)
+                embeds.features.extend(mine.features)
+            kept.append(c)
+            offset += c.length
+        return kept, embeds, failed
 
     @staticmethod
     def _generator_states(step: StepBatch) -> dict[int, Tensor]:
@@ -217,12 +263,16 @@ class ModelRunner:
         first = max(chunk.start + 1, seq.num_prompt_scored)
         last = min(chunk.start + chunk.length, seq.num_prompt_tokens - 1)  # inclusive target positions
         vocab_size = self.sampler.vocab_size
+        images = seq.request.images
         for lo in range(first, last + 1, _SCORE_ROWS):
             hi = min(lo + _SCORE_ROWS, last + 1)
             rows = hidden[offset + lo - 1 - chunk.start : offset + hi - 1 - chunk.start]
             logits = self.model.compute_logits(rows)[:, :vocab_size]
-            for score in prompt_scores(logits, seq.token_ids[lo:hi], k):
-                out.append(PromptLogprob(score.token_id, score.logprob, score.rank, score.top))
+            for p, score in enumerate(prompt_scores(logits, seq.token_ids[lo:hi], k), lo):
+                if images and self.images.is_placeholder(seq.token_ids, images, p):
+                    out.append(None)  # an image position has no prompt score (spec: prompt_logprobs)
+                else:
+                    out.append(PromptLogprob(score.token_id, score.logprob, score.rank, score.top))
         if last >= first:
             seq.num_prompt_scored = last + 1
         return tuple(out)
@@ -508,6 +558,12 @@ class InputBatch:
         with torch.inference_mode(False):
             width = max(needed, 2 * self.block_table.shape[1])
             self.block_table = _grown(self.block_table, (self.block_table.shape[0], width), 0)
+
+
+def _touches_images(c: ScheduledChunk) -> bool:
+    """Whether the chunk covers prompt positions up to the end of the request's last image span."""
+    images = c.seq.request.images
+    return bool(images) and c.start < images[-1].offset + images[-1].length
 
 
 def _draft_row(row: SamplingRow, drafts: tuple[int, ...]) -> SamplingRow:

@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
-from helios.engine.kv.manager import KVCacheManager
+from helios.engine.kv.manager import ImageKey, KVCacheManager
 from helios.engine.reasoning_budget import BudgetTracker
 from helios.engine.records import EngineFinish, EngineRequest, RequestOutput, RunnerOutput
 from helios.engine.speculative import (
@@ -77,6 +77,8 @@ class RequestState:
     num_cached_tokens: int = 0  # prompt tokens reused at its first admission (usage's cached_tokens)
     block_hashes: list[int] = attrs.field(factory=list)
     """Prefix-cache chain hashes of its pages, computed once (extended as its tokens grow)."""
+    image_keys: tuple[ImageKey, ...] = ()
+    """Its images' spans and identities, in every chain hash of a page a span overlaps."""
     grammar: Any = None
     reasoning_budget: BudgetTracker | None = None
     drafts: DraftState | None = None
@@ -187,6 +189,7 @@ class Scheduler:
             arrival=self._arrivals,
             reasoning_budget=BudgetTracker(request.reasoning_budget) if request.reasoning_budget else None,
             grammar=GrammarState(request.constraint) if request.constraint is not None else None,
+            image_keys=tuple((im.offset, im.offset + im.length, im.identity.encode()) for im in request.images),
         )
         spec = self.speculative
         if spec.enabled and seq.grammar is None and seq.reasoning_budget is None and request.max_tokens > 1:
@@ -280,7 +283,7 @@ class Scheduler:
             # The longest cached prefix (none for prompt scoring, which needs every position's
             # logits; its pages are still published for others).
             scoring = seq.request.prompt_logprobs is not None
-            hits, _ = ([], []) if scoring else kv.lookup(seq.token_ids, seq.block_hashes)
+            hits, _ = ([], []) if scoring else kv.lookup(seq.token_ids, seq.block_hashes, seq.image_keys)
             # Pages for the whole known context plus one generated token, so a prefill is never
             # stranded half-way for lack of pages.
             if not kv.can_admit(len(seq.token_ids) + 1, hits):
@@ -325,13 +328,15 @@ class Scheduler:
                                  num_cached_tokens=s.num_cached_tokens)
                    for s, cause in out.finished_early]
         for c in out.chunks:
+            if c.seq.request_id in result.not_run:
+                continue  # its chunk never ran (an image could not be prepared): it fails below
             # Drafts are computed only once verified: their positions are settled below.
             c.seq.num_computed = c.start + c.length - c.num_drafts
             if c.start < c.seq.num_prompt_tokens:
                 self.prefill_tokens += min(c.start + c.length, c.seq.num_prompt_tokens) - c.start
             # Pages these tokens filled become findable (their K/V were written this step).
             self.kv.cache_full_pages(c.seq.request_id, c.seq.token_ids, c.seq.num_computed,
-                                     c.seq.request.retain_tokens // self.kv.page_size)
+                                     c.seq.request.retain_tokens // self.kv.page_size, c.seq.image_keys)
         widest = 0
         for c in out.chunks:
             seq = c.seq
@@ -378,7 +383,7 @@ class Scheduler:
         # Positions up to the accepted drafts hold accepted tokens (a stop among them ends the
         # request, whose pages are freed right after): never a rejected draft.
         self.kv.cache_full_pages(seq.request_id, [*seq.token_ids, *tokens[:accepted]], seq.num_computed,
-                                 seq.request.retain_tokens // self.kv.page_size)
+                                 seq.request.retain_tokens // self.kv.page_size, seq.image_keys)
         output = self._commit(seq, tokens, logprobs, prompt_logprobs)
         if seq.status != SeqStatus.FINISHED and self.kv.trim(seq.request_id, len(seq.token_ids)):
             kept = len(self.kv.block_table(seq.request_id))

@@ -10,7 +10,10 @@ Ownership rules (vLLM v1's KV-manager split):
   of three states: held (count > 0), free (count 0, no content worth keeping), or evictable
   (count 0, a cached full page kept for reuse, least recently used first).
 - Prefix cache (`enable_caching`). A full page whose tokens' K/V are computed is identified by a
-  hash chain: blake2b-128 of (the parent page's hash, the model fingerprint, the page's token ids).
+  hash chain: blake2b-128 of (the parent page's hash, the model fingerprint, the page's token ids,
+  and the identity and span of every image whose placeholder span overlaps the page: `ImageKey`).
+  The same tokens with another image (or the same image under other processing settings) never
+  hit; a page no image overlaps hashes exactly as in a text-only prompt.
   `cache_full_pages` registers a request's newly full pages; the first page registered under a
   hash is the one found (a later page with the same content stays unregistered). `lookup` finds the
   longest chain of registered pages for a prompt, never its whole prompt (at least one token is
@@ -41,6 +44,10 @@ import attrs
 
 ROOT_HASH = b"\x00" * 16
 
+ImageKey = tuple[int, int, bytes]
+"""(first position, end position, identity) of one image's placeholder span in a prompt: part of
+the chain hash of every page the span overlaps (`engine.records.ImageInput`)."""
+
 
 @attrs.define
 class KVCacheManager:
@@ -48,7 +55,7 @@ class KVCacheManager:
     page_size: int
     enable_caching: bool = False
     fingerprint: bytes = b""
-    """Extra key of every chain hash: the model and KV layout (and, later, image identity)."""
+    """Extra key of every chain hash: the model and KV layout (image identities are per page: `ImageKey`)."""
     on_evict: Callable[[int, int], None] | None = None
     """Called with (block hash, page) before a cached page is reused (the host store copies it out)."""
     ref_counts: list[int] = attrs.field(init=False)
@@ -102,9 +109,10 @@ class KVCacheManager:
 
     # -- the prefix cache --------------------------------------------------------------------------
     def chain(self, token_ids: Sequence[int], num_pages: int, parent: int | None = None,
-              start_page: int = 0) -> list[int]:
+              start_page: int = 0, images: Sequence[ImageKey] = ()) -> list[int]:
         """Hashes of full pages `start_page .. start_page + num_pages` of `token_ids`, chained from
-        `parent` (the hash of page `start_page - 1`; None at the root)."""
+        `parent` (the hash of page `start_page - 1`; None at the root). A page that an image's span
+        in `images` overlaps hashes that image's span and identity after its tokens."""
         out: list[int] = []
         prev = ROOT_HASH if parent is None else parent.to_bytes(16, "big")
         ps = self.page_size
@@ -112,26 +120,32 @@ class KVCacheManager:
             h = hashlib.blake2b(prev, digest_size=16)
             h.update(self.fingerprint)
             h.update(array("q", token_ids[i * ps:(i + 1) * ps]).tobytes())
+            for start, end, identity in images:
+                if start < (i + 1) * ps and end > i * ps:
+                    h.update(b"image" + array("q", (start, end, len(identity))).tobytes() + identity)
             prev = h.digest()
             out.append(int.from_bytes(prev, "big"))
         return out
 
-    def extend_chain(self, token_ids: Sequence[int], hashes: list[int], num_pages: int) -> None:
+    def extend_chain(self, token_ids: Sequence[int], hashes: list[int], num_pages: int,
+                     images: Sequence[ImageKey] = ()) -> None:
         """Extend `hashes` (the chain of `token_ids`' pages so far) in place to `num_pages` pages;
         what is already there is never hashed again."""
         if num_pages > len(hashes):
             hashes.extend(self.chain(token_ids, num_pages - len(hashes), hashes[-1] if hashes else None,
-                                     len(hashes)))
+                                     len(hashes), images))
 
-    def lookup(self, token_ids: Sequence[int], hashes: list[int] | None = None) -> tuple[list[int], list[int]]:
+    def lookup(self, token_ids: Sequence[int], hashes: list[int] | None = None,
+               images: Sequence[ImageKey] = ()) -> tuple[list[int], list[int]]:
         """The longest chain of registered pages that starts `token_ids`, leaving at least its last
         token to compute: (the pages, the prompt's chain hashes). `hashes`, when given, is the chain
-        computed so far (a waiting request's): it is extended in place, not recomputed."""
+        computed so far (a waiting request's): it is extended in place, not recomputed. `images`:
+        the prompt's image spans and identities (the same on every call for one request)."""
         hashes = [] if hashes is None else hashes
         if not self.enable_caching:
             return [], hashes
         limit = (len(token_ids) - 1) // self.page_size
-        self.extend_chain(token_ids, hashes, limit)
+        self.extend_chain(token_ids, hashes, limit, images)
         pages: list[int] = []
         for h in hashes[:limit]:
             page = self._cached.get(h)
@@ -168,10 +182,10 @@ class KVCacheManager:
         self._num_registered[request_id] = self._num_registered.get(request_id, 0) + 1
 
     def cache_full_pages(self, request_id: str, token_ids: Sequence[int], num_computed: int,
-                         retain_pages: int = 0) -> None:
+                         retain_pages: int = 0, images: Sequence[ImageKey] = ()) -> None:
         """Register the request's pages that `num_computed` tokens fill and that are not registered
         yet (the tokens' K/V must be written: call after the step that computed them). Pages among
-        its first `retain_pages` are kept with priority."""
+        its first `retain_pages` are kept with priority. `images` as in `lookup`."""
         if not self.enable_caching:
             return
         table = self._tables.get(request_id)
@@ -182,7 +196,7 @@ class KVCacheManager:
         if full <= done:
             return
         hashes = self._hashes.setdefault(request_id, [])
-        self.extend_chain(token_ids, hashes, full)
+        self.extend_chain(token_ids, hashes, full, images)
         for i in range(done, full):
             h, page = hashes[i], table[i]
             if self.block_hash[page] is None and h not in self._cached:
