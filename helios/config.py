@@ -125,12 +125,31 @@ class SpeculativeSection:
 
 
 @attrs.frozen
+class VisionSection:
+    """Image input (helios/serving/images.py; docs/vision.md). A limit of 0 is derived from the
+    model and the context (serving.images.derive_limits); a text-only model's limits are all zero
+    whatever is set here."""
+
+    max_images_per_prompt: int = attrs.field(default=0, validator=_non_negative)
+    max_image_tokens_per_prompt: int = attrs.field(default=0, validator=_non_negative)
+    max_image_tokens_per_image: int = attrs.field(default=0, validator=_non_negative)
+    image_feature_window_tokens: int = attrs.field(default=0, validator=_non_negative)
+    max_image_pixels: int = attrs.field(default=0, validator=_non_negative)
+    max_image_bytes: int = attrs.field(default=0, validator=_non_negative)
+    # Host caches: decoded images and the model's prepared inputs (bytes), source descriptions (entries).
+    decoded_cache_mib: float = attrs.field(default=256.0, validator=_non_negative)
+    prepared_cache_mib: float = attrs.field(default=512.0, validator=_non_negative)
+    source_cache_entries: int = attrs.field(default=4096, validator=_non_negative)
+
+
+@attrs.frozen
 class HeliosConfig:
     server: ServerConfig = ServerConfig()
     model: ModelConfigSection = ModelConfigSection()
     engine: EngineSection = EngineSection()
     cache: CacheSection = CacheSection()
     speculative: SpeculativeSection = SpeculativeSection()
+    vision: VisionSection = VisionSection()
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
