@@ -29,6 +29,7 @@ class ServerState:
         self.runtime: Any = None
         self.created = int(time.time())
         self.metrics = metrics.ServingMetrics(self._metrics_source)
+        self.metrics.input_stats = self._input_stats
         # Graceful shutdown (drain): admitted generation requests by id(ctx), until they finish.
         self.in_flight: dict[int, RequestContext] = {}
         self.draining = False
@@ -105,6 +106,13 @@ class ServerState:
                 if stats is None or (stats.active == 0 and stats.pending == 0) or not svc.engine.healthy:
                     return
                 await trio.sleep(0.05)
+
+    def _input_stats(self) -> dict[str, int] | None:
+        """The image-input caches' counters while the loaded model takes images (else None)."""
+        images = getattr(self.service, "images", None)
+        if images is None or not images.accepts_images:
+            return None
+        return dict(images.store.stats())
 
     def _metrics_source(self) -> tuple[Any, Any]:
         """What the serving metrics read at scrape time: engine stats (None before start-up) and

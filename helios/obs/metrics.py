@@ -104,6 +104,27 @@ SPECULATIVE_EXPORTED: dict[str, tuple[str, str, str]] = {
 }
 SPECULATIVE_FIELDS = ("verify_steps", *SPECULATIVE_EXPORTED)
 
+# Image input (serving/images.py ImageStore.stats(): JSON name -> value): exported while the loaded
+# model takes images; the JSON object always carries them (zero for a text-only model).
+def _input_table() -> dict[str, tuple[str, str, str]]:
+    rows = {
+        "input_decoded_images_total": ("counter", "Full decodes of image data (admission's validation, reloads)"),
+        "input_prepared_images_total": ("counter", "Images the vision model's preprocessing ran for"),
+        "input_rejected_images_total": ("counter", "Images rejected by validation or a per-image limit"),
+        "input_source_cache_entries": ("gauge", "Image source descriptions held"),
+        "input_decoded_cache_bytes": ("gauge", "Host bytes of decoded images held"),
+        "input_prepared_cache_bytes": ("gauge", "Host bytes of prepared vision inputs held"),
+    }
+    for cache, what in (("source", "image source descriptions"), ("decoded", "decoded images"),
+                        ("prepared", "prepared vision inputs")):
+        rows[f"input_{cache}_cache_hits_total"] = ("counter", f"Lookups of {what} that hit")
+        rows[f"input_{cache}_cache_misses_total"] = ("counter", f"Lookups of {what} that missed")
+        rows[f"input_{cache}_cache_evictions_total"] = ("counter", f"Entries of {what} evicted for space")
+    return {k: ("flare_" + k, kind, doc) for k, (kind, doc) in rows.items()}
+
+
+INPUT_EXPORTED = _input_table()
+
 # Fields of features that do not exist yet: zero in the JSON snapshot, absent from Prometheus.
 # draft_steps counts the learned drafter's positions: zero without one, as the spec says.
 ABSENT_FEATURE_FIELDS: dict[str, int | bool] = {
@@ -217,6 +238,8 @@ class ServingMetrics:
         self.e2e = Histogram("helios_e2e_request_latency_seconds",
                              "Time from the HTTP request's arrival to its last response byte, completed requests",
                              buckets=E2E_BUCKETS, registry=None)
+        self.input_stats: Callable[[], dict[str, int] | None] = lambda: None
+        """The image-input caches' counters (serving.images.ImageStore.stats), None: no image input."""
         self.registry = CollectorRegistry()
         self.registry.register(_SnapshotCollector(self))
 
@@ -278,6 +301,9 @@ class ServingMetrics:
         snap["host_disk_records"] = host.disk_records if host is not None else 0
         snap["host_bytes_out"] = host.bytes_out if host is not None else 0
         snap["host_bytes_in"] = host.bytes_in if host is not None else 0
+        inputs = self.input_stats() or {}
+        for key in INPUT_EXPORTED:
+            snap[key] = int(inputs.get(key, 0))
         snap["completed"] = self.completed
         snap["failed"] = self.failed
         stat = slots.statistics() if slots is not None and hasattr(slots, "statistics") else None
@@ -340,6 +366,8 @@ class _SnapshotCollector:
                 buckets = [(_le(b), c) for b, c in zip(hist.bounds, hist.counts, strict=True)]
                 buckets.append(("+Inf", hist.count))
                 yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=hist.total)
+        if m.input_stats() is not None:
+            yield from _families(INPUT_EXPORTED, snap)
         yield GaugeMetricFamily("flare_uptime_seconds", "Seconds since the server started",
                                 value=time.time() - m.started)
         by_stage = CounterMetricFamily("helios_requests_failed_by_stage_total",

@@ -331,3 +331,20 @@ def test_webp_size_is_read_before_pillow_allocates(kw: dict[str, Any]) -> None:
     assert webp_size(animated("WEBP")) == (32, 32)
     small = admission(VisionLimits(4, 300, 256, 256, 299 * 170, 200_000))
     assert rejected([part(data, "image/webp")], small) == "image 1 is 300x170 = 51000 pixels; max_image_pixels is 50830"
+
+
+def test_input_metrics_in_prometheus_and_json() -> None:
+    from helios.obs.metrics import INPUT_EXPORTED, ServingMetrics
+
+    assert set(INPUT_EXPORTED) == set(ImageStore().stats())
+    m = ServingMetrics()
+    snap = m.snapshot()
+    assert all(snap[k] == 0 for k in INPUT_EXPORTED)  # text-only: zeros in JSON, nothing exported
+    assert "flare_input_" not in m.prometheus()
+    store = ImageStore()
+    admission(store=store).admit([part(PNG)])
+    m.input_stats = store.stats
+    snap = m.snapshot()
+    assert snap["input_decoded_images_total"] == 1 and snap["input_source_cache_misses_total"] == 1
+    text = m.prometheus()
+    assert "flare_input_decoded_images_total 1.0" in text and "# TYPE flare_input_decoded_cache_bytes gauge" in text
