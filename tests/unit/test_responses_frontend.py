@@ -144,8 +144,8 @@ def test_assistant_turn_splits_when_order_restarts() -> None:
     {"input": [{"type": "item_reference", "id": "msg_1"}]},
     {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "opaque"}]},
     {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
-    {"input": [{"role": "user", "content": [{"type": "input_image",
-                                             "image_url": "data:image/png;base64,iVBORw0KGgo="}]}]},
+    {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]},
+    {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/gif;base64,R0lG"}]}]},
     {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
     {"input": [{"role": "tool", "content": "x"}]},
 ])

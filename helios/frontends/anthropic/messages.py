@@ -449,7 +449,7 @@ def _image_block(b: dict[str, Any], where: str) -> ImagePart:
         raw = base64.b64decode(data, validate=True)
     except (ValueError, binascii.Error):
         raise BadRequest(f"{where}: invalid base64 image data", param=f"{where}.source.data") from None
-    return ImagePart(str(media), raw)
+    return ImagePart(str(media), raw, where)
 
 
 def _tool_result_block(b: dict[str, Any], where: str) -> ToolResultPart:

@@ -183,7 +183,7 @@ def _image_from_url(url: Any, where: str) -> ImagePart:
         raw = base64.b64decode(data, validate=True)
     except ValueError:
         raise BadRequest(f"{where}: invalid base64 image data") from None
-    return ImagePart(media, raw)
+    return ImagePart(media, raw, where)
 
 
 def decode_messages(messages: list[Any]) -> tuple[Message, ...]:

@@ -338,7 +338,7 @@ def _decode_tool_choice(choice: Any, declared: dict[str, DeclaredTool]) -> ToolC
 _RANK = {ReasoningPart: 0, TextPart: 1, ImagePart: 1, ToolCallPart: 2}
 
 
-def decode_input(raw: Any, instructions: str | None, *, allow_images: bool) -> tuple[Message, ...]:
+def decode_input(raw: Any, instructions: str | None) -> tuple[Message, ...]:
     """Responses input (a string or items) → neutral messages. `instructions` lead as a system message.
 
     Consecutive assistant-side items (reasoning, assistant messages, function and custom calls) form
@@ -375,7 +375,7 @@ def decode_input(raw: Any, instructions: str | None, *, allow_images: bool) -> t
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise BadRequest(f"{where}.role must be one of user, system, developer, assistant", param="input")
-            parts = _message_content(item.get("content"), where, role, allow_images)
+            parts = _message_content(item.get("content"), where, role)
             if role == "assistant":
                 for p in parts:
                     assistant(p)
@@ -409,7 +409,7 @@ def decode_input(raw: Any, instructions: str | None, *, allow_images: bool) -> t
         elif kind in ("function_call_output", "custom_tool_call_output"):
             flush()
             call_id = _nonempty_str(item, "call_id", where)
-            content = _tool_output(item.get("output"), where, allow_images)
+            content = _tool_output(item.get("output"), where)
             out.append(Message("tool", (ToolResultPart(call_id, content),)))
         elif kind == "item_reference":
             raise BadRequest(f"{where}: item references need stored responses, which Helios does not keep; "
@@ -459,7 +459,7 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
     return "\n\n".join(t for t in texts if t)
 
 
-def _message_content(content: Any, where: str, role: str, allow_images: bool) -> tuple[Part, ...]:
+def _message_content(content: Any, where: str, role: str) -> tuple[Part, ...]:
     if isinstance(content, str):
         return (TextPart(content),)
     if not isinstance(content, list):
@@ -481,7 +481,7 @@ def _message_content(content: Any, where: str, role: str, allow_images: bool) ->
         elif t == "input_image":
             if role != "user":
                 raise BadRequest(f"{pw}: images are accepted in user messages and tool outputs only", param="input")
-            parts.append(_image(p, pw, allow_images))
+            parts.append(_image(p, pw))
         elif t == "input_file":
             raise BadRequest(f"{pw}: file inputs are not supported", param="input")
         else:
@@ -489,7 +489,7 @@ def _message_content(content: Any, where: str, role: str, allow_images: bool) ->
     return tuple(parts)
 
 
-def _tool_output(output: Any, where: str, allow_images: bool) -> tuple[TextPart | ImagePart, ...]:
+def _tool_output(output: Any, where: str) -> tuple[TextPart | ImagePart, ...]:
     if isinstance(output, str):
         return (TextPart(output),)
     if not isinstance(output, list):
@@ -504,17 +504,22 @@ def _tool_output(output: Any, where: str, allow_images: bool) -> tuple[TextPart 
                 raise BadRequest(f"{pw}.text must be a string", param="input")
             parts.append(TextPart(p["text"]))
         elif p["type"] == "input_image":
-            parts.append(_image(p, pw, allow_images))
+            parts.append(_image(p, pw))
         else:
             raise BadRequest(f"unsupported tool output part type '{p['type']}' in {where}", param="input")
     return tuple(parts)
 
 
-def _image(p: dict[str, Any], where: str, allow_images: bool) -> ImagePart:
+def _image(p: dict[str, Any], where: str) -> ImagePart:
+    """A base64 data URL's image; the serving side checks its bytes, the limits and that the model
+    takes images (a text-only model's 400 names the model, as on every route)."""
     url = p.get("image_url")
-    if p.get("file_id") is not None or not isinstance(url, str) or not url.startswith("data:"):
-        raise BadRequest(f"{where}: images must be base64 data URLs; remote downloads and file ids are "
-                         "unsupported", param="input")
+    if p.get("file_id") is not None:
+        raise BadRequest(f"{where}: file_id images are unsupported (there is no file store); send the image "
+                         "as a base64 data URL in image_url", param="input")
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise BadRequest(f"{where}: images must be base64 data URLs; remote image downloads are unsupported",
+                         param="input")
     head, _, data = url.partition(",")
     media = head[5:].split(";")[0]
     if media not in ("image/png", "image/jpeg", "image/webp") or ";base64" not in head:
@@ -523,9 +528,7 @@ def _image(p: dict[str, Any], where: str, allow_images: bool) -> ImagePart:
         raw = base64.b64decode(data, validate=True)
     except ValueError:
         raise BadRequest(f"{where}: invalid base64 image data", param="input") from None
-    if not allow_images:
-        raise BadRequest("this model does not accept image input", param="input")
-    return ImagePart(media, raw)
+    return ImagePart(media, raw, where)
 
 
 # -- the request ----------------------------------------------------------------------------------
@@ -595,7 +598,7 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
                                        string_stops=stops)
     toolset, choice = decode_tools(w.tools, w.tool_choice)
     effort, summary, effort_kwargs = _decode_reasoning(w.reasoning, info)
-    messages = decode_input(w.input, w.instructions, allow_images=info.has_vision)
+    messages = decode_input(w.input, w.instructions)
     conv = ConversationRequest(
         messages=messages,
         tools=toolset.tools,
