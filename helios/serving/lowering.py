@@ -420,3 +420,52 @@ def _has_tool_calls(messages: Sequence[Message]) -> bool:
 
 def _only_images(parts: Sequence[TextPart | ImagePart]) -> list[ImagePart]:
     return [p for p in parts if isinstance(p, ImagePart)]
+
+
+# -- images in the rendered prompt ----------------------------------------------------------------
+
+
+def expand_image_markers(text: str, marker: str, expansions: Sequence[str]) -> str:
+    """The rendered prompt with its k-th image marker (the template's ``{"type": "image"}`` block,
+    the profile's image token text) replaced by ``expansions[k]`` (the image's `ImageCost.prompt_text`).
+
+    Raises LoweringError when the markers and the images do not pair up one to one: the template
+    dropped an image block, or the conversation's text contains the literal marker."""
+    pieces = text.split(marker)
+    if len(pieces) - 1 != len(expansions):
+        raise LoweringError(
+            f"the rendered prompt has {len(pieces) - 1} image markers ({marker}) for {len(expansions)} "
+            f"image{'s' if len(expansions) != 1 else ''}: the chat template did not present every image, or the "
+            f"text contains the literal image marker {marker}")
+    out = [pieces[0]]
+    for expansion, piece in zip(expansions, pieces[1:], strict=True):
+        out.append(expansion)
+        out.append(piece)
+    return "".join(out)
+
+
+def image_spans(token_ids: Sequence[int], image_token_id: int, tokens: Sequence[int],
+                marker: str = "") -> list[tuple[int, int]]:
+    """(offset, length) of each image's span in the tokenized prompt: the k-th image owns the next
+    ``tokens[k]`` placeholder tokens; its span runs from its first placeholder to its last (framing
+    tokens between its tiles included).
+
+    Raises LoweringError when the prompt's placeholder tokens are not exactly ``sum(tokens)`` (the
+    text contains the image token, or an expansion did not tokenize to its placeholders): never a
+    silent mismatch between features and positions."""
+    positions = [i for i, t in enumerate(token_ids) if t == image_token_id]
+    want = sum(tokens)
+    if len(positions) != want:
+        what = f" ({marker})" if marker else ""
+        raise LoweringError(
+            f"the prompt has {len(positions)} image placeholder tokens{what} where its {len(tokens)} "
+            f"image{'s' if len(tokens) != 1 else ''} need {want}: the text must not contain the image token")
+    spans: list[tuple[int, int]] = []
+    at = 0
+    for n in tokens:
+        if n <= 0:
+            raise LoweringError("an image costs no image tokens under this model's profile")
+        first, last = positions[at], positions[at + n - 1]
+        spans.append((first, last - first + 1))
+        at += n
+    return spans

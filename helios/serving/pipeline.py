@@ -2,6 +2,13 @@
 
 Frontends (sans-IO protocol code) hand over domain records and get ChildUpdate streams back; they
 never see the engine. Chat templates render and prompts tokenize in a bounded worker pool.
+
+Images (a vision-language model: `ImagePrompting`; docs/vision.md "Engine integration"): the
+template renders each presented image as the profile's marker (``<image>``); the images are admitted
+(`serving.images.ImageAdmission`: validation, decoding, costs and budgets), the k-th marker becomes
+the k-th image's `ImageCost.prompt_text`, the prompt is tokenized, and the k-th image owns the next
+``cost.tokens`` placeholder tokens (`lowering.image_spans`). A count that does not pair up is a 400,
+never a silent mismatch; the prompt with its images must fit the context like any other.
 """
 
 from __future__ import annotations
@@ -9,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
 import trio
@@ -18,14 +25,18 @@ from helios.domain.conversation import ConversationRequest, ImagePart, ToolResul
 from helios.domain.generation import ChildUpdate, GenerationOptions, GenerationRequest, PreparedPrompt
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams, SamplingRequest
-from helios.engine.records import EngineRequest, ReasoningBudget, RequestOutput
+from helios.engine.records import EngineRequest, ImageInput, ReasoningBudget, RequestOutput
 from helios.engine.structured import Envelope, GrammarConstraint
 from helios.errors import BadRequest, ContextLengthExceeded
 from helios.loaders.tokenizer import PromptTooLong
 from helios.obs import access
 from helios.serving.engine_client import EngineClient
+from helios.serving.lowering import LoweredPrompt, LoweringError, expand_image_markers, image_spans
 from helios.serving.output import OutputParser, OutputProcessor
 from helios.serving.structured import GrammarCompiler, ToolValidators, with_json_instruction
+
+if TYPE_CHECKING:
+    from helios.serving.images import ImageAdmission
 
 
 @attrs.frozen
@@ -45,6 +56,33 @@ class ChildSpec:
     """The engine's reasoning cut for this child (`thinking_token_budget`), None: uncapped."""
     constraint: GrammarConstraint | None = None
     """The compiled answer constraint (structured output), with this prompt's envelope."""
+    images: tuple[ImageInput, ...] = ()
+    """The prompt's admitted images, with their placeholder spans (vision models)."""
+
+
+@attrs.frozen
+class ImagePrompting:
+    """A vision-language model's side of prompt preparation."""
+
+    admission: ImageAdmission
+    """Validation, costs, budgets and host caches (``serving/images.py``)."""
+    image_token: str
+    """The marker the template renders per image, and the placeholder token's text."""
+    image_token_id: int
+    prepare: Callable[[Any], Any]
+    """The vision tower's ``prepare``: decoded image -> the input its ``encode`` takes."""
+
+
+@attrs.frozen
+class RenderedPrompt:
+    """A conversation rendered and tokenized: the prompt text (images expanded), its ids, and its
+    images as the engine takes them."""
+
+    text: str
+    token_ids: list[int]
+    images: tuple[ImageInput, ...] = ()
+    image_tokens: int = 0
+    """Image feature tokens among ``token_ids`` (usage's ``multimodal_tokens.image``)."""
 
 
 @attrs.frozen
@@ -134,13 +172,14 @@ class Service:
         chat_template: Any,
         engine: EngineClient,
         resolve_sampling: Callable[[SamplingRequest], SamplingParams],
-        lower: Callable[[ConversationRequest], str],
+        lower: Callable[[ConversationRequest], str | LoweredPrompt],
         eos_token_ids: Sequence[int],
         limiter: trio.CapacityLimiter | None = None,
         parser_factory: Callable[..., Callable[[], OutputParser] | None] | None = None,
         reasoning_budget: Callable[[ConversationRequest, str, int, str | None], ReasoningBudget | None] | None = None,
         envelope_factory: Callable[[ConversationRequest, str], Envelope] | None = None,
         compiler: GrammarCompiler | None = None,
+        vision: ImagePrompting | None = None,
     ) -> None:
         self.info = info
         self.tokenizer = tokenizer
@@ -159,6 +198,10 @@ class Service:
         self._envelope_factory = envelope_factory
         self.compiler = compiler if compiler is not None else GrammarCompiler(tokenizer)
         self._token_bytes: dict[int, bytes] = {}
+        self.vision = vision
+        """The image side of a vision-language model (None: text only)."""
+        self.images: ImageAdmission | None = vision.admission if vision is not None else None
+        """The image admission and its host caches (the metrics read its store's counters)."""
 
     def parser_factory(self, conv: ConversationRequest, prompt: str,
                        structured: bool = False) -> Callable[[], OutputParser] | None:
@@ -177,14 +220,49 @@ class Service:
     # -- preparation ------------------------------------------------------------------------
     async def render_chat(self, conv: ConversationRequest, max_tokens: int | None = None) -> tuple[str, list[int]]:
         """The rendered prompt and its ids; over `max_tokens` tokens, PromptTooLong (`Tokenizer.encode`)."""
-        if not self.info.has_vision and _has_images(conv):
+        rendered = await self.render(conv, max_tokens)
+        return rendered.text, rendered.token_ids
+
+    async def render(self, conv: ConversationRequest, max_tokens: int | None = None,
+                     param: str = "messages") -> RenderedPrompt:
+        """Render and tokenize a conversation, its images admitted and expanded (module docstring).
+
+        Blocking work (the template, image admission with its decoding, the tokenizer) runs on the
+        frontend pool. ``param``: the request field image errors name."""
+        has_images = _has_images(conv)
+        if not self.info.has_vision and has_images:
             # An image must never be dropped silently: a text-only model cannot see it.
             raise BadRequest(f"model {self.info.public_id} does not accept image input (it is text-only)",
-                             param="messages")
+                             param=param)
+        vision = self.vision
 
-        def work() -> tuple[str, list[int]]:
-            text = self._lower(conv)
-            return text, self.tokenizer.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+        def work() -> RenderedPrompt:
+            lowered = self._lower(conv)
+            text, parts = (lowered, ()) if isinstance(lowered, str) else (lowered.text, lowered.images)
+            if vision is None:
+                return RenderedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False, max_tokens=max_tokens))
+            if len(parts) != _count_images(conv):
+                raise BadRequest(f"{_count_images(conv) - len(parts)} of the request's images are in system or "
+                                 "developer messages, which cannot present images; send them in a user message",
+                                 param=param)
+            admitted = vision.admission.admit(parts, param=param) if parts else None
+            costs = admitted.costs if admitted is not None else ()
+            try:
+                text = expand_image_markers(text, vision.image_token, [c.prompt_text for c in costs])
+                ids = self.tokenizer.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+                spans = image_spans(ids, vision.image_token_id, [c.tokens for c in costs], vision.image_token)
+            except LoweringError as exc:
+                raise BadRequest(str(exc), param=param) from None
+            if admitted is None:
+                return RenderedPrompt(text, ids)
+            store = vision.admission.store
+            profile = vision.admission.profile
+            settings = profile.settings_key if profile is not None else ""
+            inputs = tuple(
+                ImageInput(offset, length, image.cost.tokens, image.identity,
+                           store.prepared_loader(image, settings, vision.prepare))
+                for (offset, length), image in zip(spans, admitted.images, strict=True))
+            return RenderedPrompt(text, ids, inputs, admitted.tokens)
 
         return await trio.to_thread.run_sync(work, limiter=self.limiter)
 
@@ -243,6 +321,7 @@ class Service:
         opts = req.options
         parser_factory = None
         prompts: list[PreparedPrompt] = []
+        images: tuple[ImageInput, ...] = ()
         retain = 0
         reasoning_budget = None
         constraint = opts.constraint
@@ -259,11 +338,12 @@ class Service:
             for tool in conv.tools:
                 if tool.grammar is not None:  # compiled before admission: a bad grammar is a 400
                     validators[tool.name] = await self.compiler.tool_validator(tool)
-            try:  # an over-context prompt is counted, never turned into millions of ids
-                text, ids = await self.render_chat(conv, max_tokens=self.info.max_model_len)
+            try:  # an over-context prompt is counted, never turned into millions of ids (nor truncated)
+                rendered = await self.render(conv, max_tokens=self.info.max_model_len, param=req.input_param)
             except PromptTooLong as exc:
                 self._over_context(exc.num_tokens, req)
-            prompts.append(PreparedPrompt(tuple(ids), text))
+            text, ids, images = rendered.text, rendered.token_ids, rendered.images
+            prompts.append(PreparedPrompt(tuple(ids), text, image_tokens=rendered.image_tokens))
             parser_factory = self.parser_factory(conv, text, structured=constraint is not None)
             if opts.thinking_token_budget is not None and self._reasoning_budget is not None:
                 # The rendered prompt says where the output starts (spec: thinking_token_budget).
@@ -306,6 +386,7 @@ class Service:
                     retain_tokens=retain,
                     reasoning_budget=reasoning_budget,
                     constraint=compiled,
+                    images=images,
                 ))
         return Prepared(req, tuple(prompts), tuple(children), validators)
 
@@ -361,6 +442,7 @@ class Service:
                     retain_tokens=spec.retain_tokens,
                     reasoning_budget=spec.reasoning_budget,
                     constraint=spec.constraint,
+                    images=spec.images,
                 )
             )
             streams_meta.append((rid, spec))
@@ -428,10 +510,15 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:  # type: ignore[t
 
 
 def _has_images(conv: ConversationRequest) -> bool:
+    return _count_images(conv) > 0
+
+
+def _count_images(conv: ConversationRequest) -> int:
+    n = 0
     for message in conv.messages:
         for part in message.parts:
             if isinstance(part, ImagePart):
-                return True
-            if isinstance(part, ToolResultPart) and any(isinstance(c, ImagePart) for c in part.content):
-                return True
-    return False
+                n += 1
+            elif isinstance(part, ToolResultPart):
+                n += sum(1 for c in part.content if isinstance(c, ImagePart))
+    return n

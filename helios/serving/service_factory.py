@@ -13,9 +13,9 @@ from helios.engine.records import ReasoningBudget
 from helios.engine.structured import Envelope
 from helios.errors import BadRequest
 from helios.loaders.chat_template import ChatTemplate, ChatTemplateError
-from helios.serving.lowering import LoweringError, lower_conversation
+from helios.serving.lowering import LoweredPrompt, LoweringError, lower_conversation
 from helios.serving.output import OutputParser
-from helios.serving.pipeline import Service
+from helios.serving.pipeline import ImagePrompting, Service
 from helios.serving.reasoning_budget import ReasoningBudgets
 from helios.serving.structured import family_envelope
 
@@ -65,14 +65,14 @@ def make_service(rt: Any, limiter: Any = None) -> Service:
     tools = tool_support(template, recipe.output_parser)
     info = attrs.evolve(rt.info, has_tools=tools.mode is not None)
 
-    def lower(conv: ConversationRequest) -> str:
+    def lower(conv: ConversationRequest) -> LoweredPrompt:
         if template is None:
             raise BadRequest("this model has no chat template; use /v1/completions")
         if conv.tools and conv.tool_choice.mode != "none" and tools.mode is None:
             raise BadRequest(f"model {info.public_id} does not support tools: {tools.reason}", param="tools")
         try:
             return lower_conversation(conv, template, bos_token=tok.bos_token or "",
-                                      eos_token=tok.eos_token or "", text_tools=tools.mode == "text").text
+                                      eos_token=tok.eos_token or "", text_tools=tools.mode == "text")
         except (LoweringError, ChatTemplateError) as exc:
             raise BadRequest(f"chat template error: {exc}") from None
 
@@ -111,7 +111,7 @@ def make_service(rt: Any, limiter: Any = None) -> Service:
         if template is None:
             raise ValueError("[server] thinking_token_budget: this model has no chat template")
         plain = ConversationRequest(messages=(Message("user", (TextPart("Hello"),)),))
-        budgets.check_default(recipe.output_parser, lower(plain))
+        budgets.check_default(recipe.output_parser, lower(plain).text)
 
     def single_token(text: str) -> int | None:
         ids = tok.encode(text, add_special_tokens=False)
@@ -128,6 +128,13 @@ def make_service(rt: Any, limiter: Any = None) -> Service:
                                tool_call_ends_reasoning=spec.tool_call_ends_reasoning,
                                tools_enabled=bool(conv.tools) and conv.tool_choice.mode != "none")
 
+    # A vision-language model: its tower (prepare, the placeholder token) and the image admission.
+    tower = getattr(rt, "vision", None)
+    admission = getattr(rt, "admission", None)
+    vision = None
+    if tower is not None and admission is not None:
+        vision = ImagePrompting(admission, tower.profile.image_token, tower.image_token_id, tower.prepare)
+
     return Service(
         info=info,
         tokenizer=tok,
@@ -140,4 +147,5 @@ def make_service(rt: Any, limiter: Any = None) -> Service:
         parser_factory=parsers,
         reasoning_budget=reasoning_budget,
         envelope_factory=envelope,
+        vision=vision,
     )
