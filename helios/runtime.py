@@ -23,6 +23,7 @@ from helios.engine.attention import KVCache
 from helios.engine.core import EngineConfig, EngineCore, EngineThread
 from helios.engine.speculative import SpeculativeConfig
 from helios.models.quant import WeightFormat
+from helios.models.vision.base import VisionTower
 from helios.serving.engine_client import EngineClient
 from helios.serving.pipeline import Service
 
@@ -320,6 +321,7 @@ class LoadedModel:
     model: Any  # helios.models.llama.LlamaForCausalLM
     choice: WeightChoice
     cache_key: str = ""  # the packed-weight cache entry's key ("" without a cache)
+    vision: VisionTower | None = None  # a vision-language checkpoint's image encoder, else None
 
 
 def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", device: str = "cpu",
@@ -372,7 +374,17 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
                  cpu_kernels.unavailable_reason())
     else:
         log.info("logits: %s output projection", model.head_format)
-    return LoadedModel(ckpt, model, choice, key)
+    vision = None
+    if ckpt.vision is not None:
+        from helios.models.vision.registry import load_vision_tower
+
+        v = ckpt.vision
+        # The tower is dense in the activation dtype (no quantized format): its features replace
+        # token embeddings of that dtype.
+        vision = load_vision_tower(v.family, v.config, v.preprocessor, v.processor, v.tensors,
+                                   dtype=choice.dtype, device=device)
+        log.info("vision: %s tower, %s", v.family, vision.profile.settings_key)
+    return LoadedModel(ckpt, model, choice, key, vision)
 
 
 def model_fingerprint(path: str | Path, weights: str) -> bytes:
@@ -465,6 +477,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         has_reasoning=recipe.reasoning_parser is not None or recipe.output_parser not in ("plain", "hermes"),
         speculative_mode=cfg.speculative.mode,
         speculative_max_depth=cfg.speculative.max_depth if cfg.speculative.mode != "off" else 0,
+        has_vision=loaded.vision is not None,
         # has_tools is decided with the chat template, in serving.service_factory.tool_support.
     )
     return Runtime(cfg, core, info, tok, ckpt.chat_template, recipe, eos)

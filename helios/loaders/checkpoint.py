@@ -49,6 +49,19 @@ class Checkpoint:
     weights: Mapping[str, WeightSource]
     # Some decoder projections are stored as Q4_0/Q4_1 blocks, which an int4 format keeps as they are.
     int4_codes: bool = False
+    vision: VisionCheckpoint | None = None
+    """A vision-language checkpoint's vision side (``tensors``/``weights`` are its text model's)."""
+
+
+@attrs.frozen
+class VisionCheckpoint:
+    """What `helios.models.vision.registry.load_vision_tower` builds a vision tower from."""
+
+    family: str
+    config: dict[str, Any]
+    preprocessor: dict[str, Any]
+    processor: dict[str, Any]
+    tensors: Mapping[str, Tensor]
 
 
 class LazyTensors(Mapping[str, _V]):
@@ -128,6 +141,10 @@ def _from_hf_directory(path: Path, dtype: torch.dtype, progress: ProgressCallbac
         generation_config=directory.generation_config,
         source_path=str(path),
         weights=LazyTensors(directory.tensors, progress),
+        vision=None if directory.vision is None else VisionCheckpoint(
+            family=directory.vision.family, config=directory.vision.config,
+            preprocessor=directory.vision.preprocessor, processor=directory.vision.processor,
+            tensors=LazyTensors(directory.vision.tensors)),
     )
 
 

@@ -23,6 +23,28 @@ TensorThunk = Callable[[], Tensor]
 _INDEX_FILE = "model.safetensors.index.json"
 
 
+# Vision-language checkpoints Helios reads (the family name `helios.models.vision.registry` knows):
+# model_type -> family. Their text model is the Llama-family decoder under ``model.text_model.``.
+VISION_FAMILIES = {"idefics3": "idefics3", "smolvlm": "idefics3"}
+_TEXT_PREFIX = "model.text_model."
+
+
+@attrs.frozen
+class VisionFiles:
+    """The vision side of a vision-language directory: its family, the config files that describe the
+    encoder and the image processor, and the vision weights (still on disk)."""
+
+    family: str
+    config: dict[str, Any]
+    """The whole ``config.json``."""
+    preprocessor: dict[str, Any]
+    """``preprocessor_config.json`` ({} when absent)."""
+    processor: dict[str, Any]
+    """``processor_config.json`` ({} when absent)."""
+    tensors: dict[str, TensorThunk]
+    """Every weight that is not the text model's, by its Hugging Face name."""
+
+
 @attrs.frozen
 class HFDirectory:
     """What a Hugging Face model directory holds, with tensors still on disk."""
@@ -34,6 +56,7 @@ class HFDirectory:
     tokenizer: Tokenizer
     chat_template: str | None
     generation_config: dict[str, Any]
+    vision: VisionFiles | None = None
 
 
 def read_hf_directory(path: str | Path, dtype: torch.dtype) -> HFDirectory:
@@ -41,7 +64,14 @@ def read_hf_directory(path: str | Path, dtype: torch.dtype) -> HFDirectory:
     raw_config = _read_json(root / "config.json")
     if raw_config is None:
         raise FileNotFoundError(f"{root} has no config.json")
-    config = ModelConfig.from_hf_config(raw_config)
+    family = VISION_FAMILIES.get(str(raw_config.get("model_type", "")))
+    text_config = raw_config
+    if family is not None:
+        text_config = dict(raw_config.get("text_config") or {})
+        if "tie_word_embeddings" in raw_config:  # the outer config decides whether lm_head is tied
+            text_config["tie_word_embeddings"] = raw_config["tie_word_embeddings"]
+        text_config.setdefault("model_type", "llama")
+    config = ModelConfig.from_hf_config(text_config)
     generation_config = _read_json(root / "generation_config.json") or {}
     tokenizer_config = _read_json(root / "tokenizer_config.json") or {}
     chat_template = read_chat_template(root, tokenizer_config)
@@ -49,8 +79,31 @@ def read_hf_directory(path: str | Path, dtype: torch.dtype) -> HFDirectory:
     if not tokenizer_json.is_file():
         raise FileNotFoundError(f"{root} has no tokenizer.json")
     tokenizer = Tokenizer.from_hf_files(tokenizer_json, tokenizer_config, generation_config, chat_template)
-    return HFDirectory(path=root, config=config, raw_config=raw_config, tensors=safetensors_thunks(root, dtype),
-                       tokenizer=tokenizer, chat_template=chat_template, generation_config=generation_config)
+    tensors = safetensors_thunks(root, dtype)
+    vision = None
+    if family is not None:
+        tensors, vision_tensors = _split_text_weights(tensors)
+        vision = VisionFiles(family=family, config=raw_config,
+                             preprocessor=_read_json(root / "preprocessor_config.json") or {},
+                             processor=_read_json(root / "processor_config.json") or {}, tensors=vision_tensors)
+    return HFDirectory(path=root, config=config, raw_config=raw_config, tensors=tensors,
+                       tokenizer=tokenizer, chat_template=chat_template, generation_config=generation_config,
+                       vision=vision)
+
+
+def _split_text_weights(tensors: dict[str, TensorThunk]) -> tuple[dict[str, TensorThunk], dict[str, TensorThunk]]:
+    """A vision-language checkpoint's weights -> (the text model's, renamed ``model.text_model.X`` ->
+    ``model.X``, with ``lm_head.weight``; everything else)."""
+    text: dict[str, TensorThunk] = {}
+    other: dict[str, TensorThunk] = {}
+    for name, thunk in tensors.items():
+        if name.startswith(_TEXT_PREFIX):
+            text["model." + name[len(_TEXT_PREFIX):]] = thunk
+        elif name == "lm_head.weight":
+            text[name] = thunk
+        else:
+            other[name] = thunk
+    return text, other
 
 
 def safetensors_thunks(root: Path, dtype: torch.dtype) -> dict[str, TensorThunk]:
