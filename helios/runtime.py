@@ -262,8 +262,14 @@ class Runtime:
     """The loaded model, its engine thread and the Service the frontends use."""
 
     def __init__(self, cfg: HeliosConfig, core: EngineCore, info: ModelInfo, tokenizer: Any, template: Any,
-                 recipe: Any, eos_token_ids: tuple[int, ...]) -> None:
+                 recipe: Any, eos_token_ids: tuple[int, ...], *, vision: VisionTower | None = None,
+                 admission: Any = None) -> None:
+        """``vision``: a vision-language model's tower (the engine encodes with it, the Service prepares
+        with it); ``admission``: the server's `serving.images.ImageAdmission` (its limits are on
+        ``info.vision``)."""
         self.cfg = cfg
+        self.vision = vision
+        self.admission = admission
         self.core = core
         self.info = info
         self.tokenizer = tokenizer
@@ -448,7 +454,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                         disk_dir=os.path.expanduser(cfg.cache.disk_dir) if cfg.cache.disk_dir else None,
                         disk_bytes=int(cfg.cache.disk_gib * 2**30),
                         speculative=SpeculativeConfig(mode=cfg.speculative.mode, max_depth=cfg.speculative.max_depth))
-    core = EngineCore(model, mc, ecfg, dtype, device)
+    core = EngineCore(model, mc, ecfg, dtype, device, vision=loaded.vision)
     name = cfg.model.recipe or detect_recipe(ckpt.model_id, mc.arch, ckpt.chat_template)
     is_default = default_path is not None or _is_default(path)
     generation_config = generation_defaults(ckpt.generation_config, cfg.model.generation_config, default_model=is_default)
@@ -480,4 +486,11 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         has_vision=loaded.vision is not None,
         # has_tools is decided with the chat template, in serving.service_factory.tool_support.
     )
-    return Runtime(cfg, core, info, tok, ckpt.chat_template, recipe, eos)
+    from helios.serving.images import build_admission
+
+    # Image admission (limits, budgets, host caches; all-zero limits for a text-only model).
+    admission = build_admission(cfg.vision, model=info.public_id,
+                                profile=loaded.vision.profile if loaded.vision is not None else None,
+                                max_model_len=max_model_len, max_body_bytes=cfg.server.max_body_bytes)
+    info = attrs.evolve(info, vision=admission.limits)
+    return Runtime(cfg, core, info, tok, ckpt.chat_template, recipe, eos, vision=loaded.vision, admission=admission)
