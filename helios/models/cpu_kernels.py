@@ -88,6 +88,27 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tenso
     return torch.ops.helios.paged_decode(q.contiguous(), k_cache, v_cache, block_table, rows, lens, page_size, scale)
 
 
+def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(s, rms_norm(s) * weight)`` for ``s = h + delta`` (``s = h`` without delta); ``h`` [N, D]
+    contiguous float32 or bfloat16, ``weight`` float32 [D]. Math in float32; ``s`` is rounded to the
+    dtype before it is normalized, as the separate torch ops round it."""
+    out: tuple[Tensor, Tensor] = torch.ops.helios.add_rms_norm(h, delta, weight, eps)
+    return out
+
+
+def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE in place on ``x`` [T, heads, d] (last dim contiguous) with ``cos`` and the
+    sign-folded ``sin`` tables of T x d values: ``x * cos + roll(x, d/2) * sin``."""
+    out: Tensor = torch.ops.helios.rope_(x, cos, sin)
+    return out
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """``silu(g) * u`` for ``gate_up = [g | u]`` ([N, 2I] contiguous) -> [N, I]."""
+    out: Tensor = torch.ops.helios.silu_mul(gate_up)
+    return out
+
+
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "helios" / "kernels"

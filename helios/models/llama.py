@@ -120,9 +120,11 @@ class LlamaForCausalLM(nn.Module):
         if embeds is not None:
             rows, features = embeds
             h = h.index_copy(0, rows.to(h.device), features.to(device=h.device, dtype=h.dtype))
+        fused = h.device.type == "cpu" and cpu_kernels.available()
+        delta: Tensor | None = None
         for layer in self.layers:
-            h = layer(h, cos, sin, attn)
-        return _rms_norm(h, self.norm, self.config.rms_norm_eps)
+            h, delta = layer(h, delta, cos, sin, attn, fused)
+        return _add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps, fused)[1]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Logits [N, vocab_size] in float32 for hidden states [N, hidden_size]."""
@@ -332,10 +334,15 @@ class _DecoderLayer(nn.Module):
             if config.qk_norm else None
         self.post_attention_norm = empty(hidden, dt=torch.float32)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+    def forward(self, h: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, attn: AttentionBackend,
+                fused: bool = False) -> tuple[Tensor, Tensor]:
+        """One decoder layer on the residual stream ``h`` plus the previous layer's MLP output ``delta``
+        (None before layer 0): returns the stream after attention and this layer's MLP output, so the
+        next residual add is fused with the next norm. ``fused``: Helios's CPU kernels do the residual
+        add + RMSNorm, the rotary embedding and the SwiGLU activation (`models/cpu_kernels.py`)."""
         num_tokens = h.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
-        x = _rms_norm(h, self.input_norm, self.eps)
+        h, x = _add_rms_norm(h, delta, self.input_norm, self.eps, fused)
         qkv = self.qkv_proj(x)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
@@ -343,13 +350,16 @@ class _DecoderLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
             qk = _rms_norm(qk, self.qk_norm, self.eps)
-        qk = _apply_rope(qk, cos, sin)
+        qk = cpu_kernels.rope_(qk, cos, sin) if fused else _apply_rope(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         out = attn(self.layer_idx, q, k, v)
-        h = h + self.o_proj(out.reshape(num_tokens, self.q_size))
-        x = _rms_norm(h, self.post_attention_norm, self.eps)
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return h + self.down_proj(F.silu(gate).mul_(up))
+        h, x = _add_rms_norm(h, self.o_proj(out.reshape(num_tokens, self.q_size)), self.post_attention_norm,
+                             self.eps, fused)
+        gate_up = self.gate_up_proj(x)
+        if fused:
+            return h, self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return h, self.down_proj(F.silu(gate).mul_(up))
 
     def set_projection(self, attr: str, module: nn.Module) -> None:
         if attr not in PROJECTIONS:
@@ -434,6 +444,14 @@ def _linear_from_state(kind: str, state: Mapping[str, Tensor]) -> nn.Module:
 
 def _param(tensor: Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
+
+
+def _add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float, fused: bool) -> tuple[Tensor, Tensor]:
+    """``(s, rms_norm(s))`` for the residual stream ``s = h + delta`` (``h`` when delta is None)."""
+    if fused and h.is_contiguous() and (delta is None or delta.is_contiguous()):
+        return cpu_kernels.add_rms_norm(h, delta, weight, eps)
+    s = h if delta is None else h + delta
+    return s, _rms_norm(s, weight, eps)
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -233,6 +233,101 @@ def test_a_q8_0_head_computes_logits_from_its_codes() -> None:
     assert again.head_format == "q8_0" and torch.equal(again.compute_logits(hidden), logits)
 
 
+# -- the decoder layer's elementwise kernels ---------------------------------------------------------------
+
+
+def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs() / want.abs().clamp_min(1e-3)).max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 70])  # 70 rows split across threads
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_against_float64(dtype: torch.dtype, rows: int, with_delta: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    h = (torch.randn(rows, 200, generator=g) * 3).to(dtype)  # 200: not a multiple of the vector width
+    delta = torch.randn(rows, 200, generator=g).to(dtype) if with_delta else None
+    w = torch.randn(200, generator=g)
+    s, y = cpu_kernels.add_rms_norm(h, delta, w, 1e-5)
+    expected_s = h if delta is None else h + delta  # torch's add rounds once to the dtype, as the kernel does
+    assert torch.equal(s, expected_s) and s.dtype == dtype
+    s64 = s.double()
+    want = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    # float32 math, then one rounding to the dtype.
+    bound = 4 * FP32_TOLERANCE / 100 if dtype == torch.float32 else 2 * unit_roundoff(dtype)
+    assert y.dtype == dtype and _rel_error(y, want) < bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_on_a_strided_view_against_float64(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, d = 40, 6, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    before = qkv.clone()
+    qk = qkv[:, : (heads + kv_heads) * d].view(tokens, heads + kv_heads, d)  # rows strided, as in the layer
+    angles = torch.rand(tokens, d // 2, generator=g, dtype=torch.float64) * 50
+    cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None, :]
+    sin = torch.cat((-angles.sin(), angles.sin()), -1)[:, None, :]
+    x = qk.double()
+    want = x * cos + x.roll(d // 2, dims=-1) * sin
+    out = cpu_kernels.rope_(qk, cos.to(dtype).contiguous(), sin.to(dtype).contiguous())
+    assert out.data_ptr() == qk.data_ptr()
+    magnitude = x.abs().sum(-1, keepdim=True) / d
+    err = ((qk.double() - want).abs() / magnitude).max().item()
+    assert err < (1e-5 if dtype == torch.float32 else 8 * unit_roundoff(dtype))  # tables rounded too
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], before[:, (heads + kv_heads) * d :])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_against_float64(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(4)
+    gu = (torch.randn(37, 2 * 200, generator=g) * 8).to(dtype)
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # far tails and zero
+    x = gu.double()
+    want = torch.nn.functional.silu(x[:, :200]) * x[:, 200:]
+    got = cpu_kernels.silu_mul(gu)
+    assert got.shape == (37, 200) and got.dtype == dtype
+    scale = x[:, :200].abs() * x[:, 200:].abs() + 1e-30
+    bound = 1e-6 if dtype == torch.float32 else 2 * unit_roundoff(dtype)
+    assert ((got.double() - want).abs() / scale).max().item() < bound
+
+
+def test_the_fused_layer_path_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole model forward with the kernels equals the torch ops' forward within float32 rounding."""
+    calls: dict[str, int] = {}
+    for name in ("add_rms_norm", "rope_", "silu_mul"):
+        def counted(*args: object, _name: str = name, _f: object = getattr(cpu_kernels, name)) -> object:
+            calls[_name] = calls.get(_name, 0) + 1
+            return _f(*args)  # type: ignore[operator]
+        monkeypatch.setattr(cpu_kernels, name, counted)
+    cfg = ModelConfig(arch="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    ids = torch.randint(0, 96, (9,))
+    positions = torch.arange(9)
+
+    def dense(_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k = k.repeat_interleave(2, dim=1)
+        v = v.repeat_interleave(2, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / 4.0
+        scores = scores.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+    with torch.inference_mode():
+        fused = model(ids, positions, dense)
+        cpu_kernels.set_enabled(False)
+        try:
+            plain = model(ids, positions, dense)
+        finally:
+            cpu_kernels.set_enabled(True)
+    assert (fused - plain).abs().max().item() < FP32_TOLERANCE
+    assert calls == {"add_rms_norm": 5, "rope_": 2, "silu_mul": 2}  # 2 per layer + the final norm; 1; 1
+
+
 def test_kernels_without_a_compiler_fall_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(cpu_kernels, "_state", {"loaded": None, "enabled": True, "why": ""})
