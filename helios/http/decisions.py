@@ -7,34 +7,55 @@ operational errors use the Chat Completions error shape, System One schema failu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from helios.asgi.request import parse_content_encoding
+from helios.domain.conversation import ImagePart
 from helios.domain.decisions import DecisionQuestion, QuestionScore
 from helios.errors import BadRequest, UnsupportedMediaType
-from helios.frontends.decisions import decisions, systemone
+from helios.frontends.decisions import decisions, multipart, systemone
 from helios.http.context import RequestContext
 from helios.http.dispatch import Route
 from helios.serving.decisions import DecisionScorer
 
 
 async def system_one(ctx: RequestContext) -> None:
+    """JSON, or (image assets) uncompressed multipart/form-data whose first part is the JSON request
+    and whose other parts are the assets' images."""
     ctx.auth()
-    _reject_multipart(ctx, text_only_route=False)
-    body = await ctx.read_body()
+    content_type = (ctx.req.headers.get("content-type") or "").strip()
+    is_multipart = content_type.lower().startswith("multipart/")
+    if is_multipart and parse_content_encoding(ctx.req.headers.get_list("content-encoding")):
+        raise UnsupportedMediaType("multipart request bodies must use identity Content-Encoding")
+    body = await ctx.read_body(identity_only=is_multipart)
+    info = ctx.svc.info
+    danger = (ctx.req.headers.get(systemone.DANGER_ZONE_HEADER) or "").strip().lower() == "true"
+
+    def decode() -> systemone.SystemOnePlan:
+        parts: list[multipart.FormPart] = []
+        raw = body
+        if is_multipart:
+            parts = multipart.parse_form_data(body, content_type)
+            if not parts or parts[0].content_type != "application/json":
+                raise BadRequest("the first part of a multipart System One request must be the application/json "
+                                 "request")
+            raw, parts = parts[0].data, parts[1:]
+        return systemone.decode_systemone(systemone.parse_body(raw), model=info.public_id, vision=info.has_vision,
+                                          danger_zone=danger, parts=parts)
+
     try:
-        plan = await ctx.offload(lambda: systemone.decode_systemone(systemone.parse_body(body)))
+        plan = await ctx.offload(decode)
     except systemone.SchemaErrors as exc:
         await ctx.json(exc.body(), status=exc.status)
         return
     await _score(ctx, plan.state, [q.question for q in plan.questions],
-                 lambda scores, model: systemone.encode_systemone(plan, scores, model))
+                 lambda scores, model: systemone.encode_systemone(plan, scores, model), dict(plan.images))
 
 
 async def decide(ctx: RequestContext) -> None:
     ctx.auth()
-    _reject_multipart(ctx, text_only_route=True)
+    _reject_multipart(ctx)
     plan = await ctx.offload(decisions.decode_decisions, await ctx.read_json())
     await _score(ctx, plan.input, [q.question for q in plan.questions],
                  lambda scores, model: decisions.encode_decisions(plan, scores, model))
@@ -47,29 +68,28 @@ ROUTES: list[Route] = [
 
 
 async def _score(ctx: RequestContext, state: str, questions: Sequence[DecisionQuestion],
-                 encode: Callable[[Sequence[QuestionScore], str], dict[str, Any]]) -> None:
+                 encode: Callable[[Sequence[QuestionScore], str], dict[str, Any]],
+                 images: Mapping[str, ImagePart] | None = None) -> None:
     svc = ctx.svc
     scorer = DecisionScorer(svc)
     ctx.admit(1)
     result: dict[str, Any] = {}
 
     async def run() -> None:
-        result.update(encode(await scorer.score(state, questions), svc.info.public_id))
+        scores = await (scorer.score(state, questions, images) if images else scorer.score(state, questions))
+        result.update(encode(scores, svc.info.public_id))
 
     await ctx.run_cancellable(run)
     if result:
         await ctx.json(result)
 
 
-def _reject_multipart(ctx: RequestContext, *, text_only_route: bool) -> None:
+def _reject_multipart(ctx: RequestContext) -> None:
     content_type = (ctx.req.headers.get("content-type") or "").strip().lower()
     if not content_type.startswith("multipart/"):
         return
     if parse_content_encoding(ctx.req.headers.get_list("content-encoding")):
         raise UnsupportedMediaType("multipart request bodies must use identity Content-Encoding")
-    if text_only_route:
-        raise BadRequest("multipart bodies are not supported on this text-only route")
-    raise BadRequest("multipart image assets need TypeSafe-Danger-Zone-Images: true and a vision core; this "
-                     "model is text-only")
+    raise BadRequest("multipart bodies are not supported on this text-only route")
 
 

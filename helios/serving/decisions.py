@@ -20,14 +20,16 @@ and the protocol frontends turn them into their own answers.
 from __future__ import annotations
 
 import math
+import re
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from helios.domain.conversation import ConversationRequest, Message, TextPart
+from helios.domain.conversation import ConversationRequest, ImagePart, Message, TextPart
 from helios.domain.decisions import DecisionQuestion, QuestionScore
 from helios.domain.generation import GenerationOptions
 from helios.domain.sampling import SamplingRequest
+from helios.engine.records import ImageInput
 from helios.errors import BadRequest, InternalError
 from helios.serving.pipeline import ChildSpec, Service
 
@@ -49,14 +51,18 @@ class DecisionScorer:
         if svc.chat_template is None:
             raise BadRequest("this model has no chat template, which decisions need")
 
-    async def score(self, state: str, questions: Sequence[DecisionQuestion]) -> list[QuestionScore]:
+    async def score(self, state: str, questions: Sequence[DecisionQuestion],
+                    images: Mapping[str, ImagePart] | None = None) -> list[QuestionScore]:
+        """``images``: System One image assets, marker text -> image; an image is presented wherever
+        its marker stands in the state or a question's texts."""
         out = []
         for q in questions:  # sequentially: each question may reuse the state prefix of the one before
-            out.append(await self.score_one(state, q))
+            out.append(await self.score_one(state, q, images or {}))
         return out
 
-    async def score_one(self, state: str, question: DecisionQuestion) -> QuestionScore:
-        prompt_ids, labels, label_ids = await self._compile(state, question)
+    async def score_one(self, state: str, question: DecisionQuestion,
+                        images: Mapping[str, ImagePart] | None = None) -> QuestionScore:
+        prompt_ids, labels, label_ids, inputs = await self._compile(state, question, images or {})
         svc = self.svc
         svc.output_budget(len(prompt_ids), 1)
         spec = ChildSpec(
@@ -65,6 +71,7 @@ class DecisionScorer:
             max_tokens=1,
             options=GenerationOptions(max_tokens=1, ignore_eos=True, num_top_logprobs=0,
                                       logprob_token_ids=tuple(label_ids)),
+            images=inputs,
         )
         records: list[Any] = []
         num_prompt = num_output = num_cached = 0
@@ -81,16 +88,18 @@ class DecisionScorer:
         return QuestionScore(probabilities, tuple(labels), num_prompt or len(prompt_ids), num_output, num_cached)
 
     # -- prompt compilation ------------------------------------------------------------------------
-    async def _compile(self, state: str, q: DecisionQuestion) -> tuple[list[int], list[str], list[int]]:
+    async def _compile(self, state: str, q: DecisionQuestion, images: Mapping[str, ImagePart]
+                       ) -> tuple[list[int], list[str], list[int], tuple[ImageInput, ...]]:
         families = self._families(q)
         if not families:
             raise BadRequest(f"this model offers fewer single-token labels than the {len(q.options)} options "
                              "of a question")
         for labels in families:
-            text, ids = await self.svc.render_chat(self._conversation(state, q, labels))
+            rendered = await self.svc.render(self._conversation(state, q, labels, images), param="assets")
+            text, ids = rendered.text, rendered.token_ids
             label_ids = await self._verify(text, ids, labels)
             if label_ids is not None:
-                return ids, labels, label_ids
+                return ids, labels, label_ids, rendered.images
         raise BadRequest("the chat template leaves no distinct single-token answer labels after its generation "
                          "prompt; this model's template is incompatible with decisions")
 
@@ -116,7 +125,8 @@ class DecisionScorer:
             return None
         return label_ids
 
-    def _conversation(self, state: str, q: DecisionQuestion, labels: Sequence[str]) -> ConversationRequest:
+    def _conversation(self, state: str, q: DecisionQuestion, labels: Sequence[str],
+                      images: Mapping[str, ImagePart] | None = None) -> ConversationRequest:
         shown = [label.strip() for label in labels]
         if q.kind == "binary":
             body = (f"Question: {q.instructions}\n\n"
@@ -127,10 +137,31 @@ class DecisionScorer:
             lines = "\n".join(f"{label}. {option}" for label, option in zip(shown, q.options, strict=True))
             body = (f"Question: {q.instructions}\n\n{heading}\n{lines}\n\n"
                     f"Reply with the label of the {what} that fits the state best.\nAnswer:")
-        return ConversationRequest(
-            messages=(
+        if images:
+            # Images are presented in user turns only: the state moves ahead of the question in the
+            # one user turn (still a prefix shared by every question of the request).
+            messages = (
+                Message("system", (TextPart(STATE_PREAMBLE),)),
+                Message("user", _with_images(f"State:\n{state}\n\n{body}", images)),
+            )
+        else:
+            messages = (
                 Message("system", (TextPart(f"{STATE_PREAMBLE}\n\nState:\n{state}"),)),
                 Message("user", (TextPart(body),)),
-            ),
-            chat_template_kwargs={"enable_thinking": False},
-        )
+            )
+        return ConversationRequest(messages=messages, chat_template_kwargs={"enable_thinking": False})
+
+
+def _with_images(text: str, images: Mapping[str, ImagePart]) -> tuple[TextPart | ImagePart, ...]:
+    """Text with an image at each of its markers, in order of appearance."""
+    pattern = re.compile("|".join(re.escape(m) for m in images))
+    parts: list[TextPart | ImagePart] = []
+    pos = 0
+    for match in pattern.finditer(text):
+        if match.start() > pos:
+            parts.append(TextPart(text[pos:match.start()]))
+        parts.append(images[match.group()])
+        pos = match.end()
+    if pos < len(text):
+        parts.append(TextPart(text[pos:]))
+    return tuple(parts)

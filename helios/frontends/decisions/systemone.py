@@ -1,8 +1,15 @@
 """POST /v1/systemone: the TypeSafe System One schema (noul, choice and score questions).
 
 Schema failures are Jev-style HTTP 422 bodies, ``{"detail": [{"type", "loc", "msg", "input"}, ...]}``
-with every failure found; malformed JSON, image assets on this text-only core and unsupported question
-kinds are 400 in the Chat Completions error shape.
+with every failure found; malformed JSON, image assets without ``TypeSafe-Danger-Zone-Images: true``
+or on a text-only model, malformed or unused assets and unsupported question kinds are 400 in the
+Chat Completions error shape.
+
+Image assets (api.md, System One): ``assets`` maps a reference to ``{"type": "image", "format":
+"png"|"jpeg", "data_base64": ...}`` or, in a multipart/form-data body, ``{"part": NAME}`` (the part
+wins over data_base64; every part belongs to exactly one asset). A reference replaces string values
+of the state, instructions and criteria (a whole-value match first, then nonoverlapping matches left
+to right); keys remain text and legends keep the original references. Unused assets are rejected.
 
 Answers: noul is P(yes) normalized over the two labels; choice returns the most probable criterion
 (the first on a tie), the named probabilities and the Jev choice confidence; score returns the
@@ -12,11 +19,16 @@ Jev score confidence. Normalizing label probabilities is not an empirical calibr
 
 from __future__ import annotations
 
+import base64
+import binascii
+import re
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
+from helios.domain.conversation import ImagePart
 from helios.domain.decisions import (
     DecisionQuestion,
     QuestionScore,
@@ -28,6 +40,7 @@ from helios.domain.decisions import (
     score_confidence,
 )
 from helios.errors import BadRequest, UnprocessableEntity
+from helios.frontends.decisions.multipart import FormPart
 from helios.frontends.wire import loads_strict
 
 MAX_QUESTIONS = 64
@@ -61,6 +74,17 @@ class NamedQuestion:
 class SystemOnePlan:
     state: str
     questions: tuple[NamedQuestion, ...]
+    images: tuple[tuple[str, ImagePart], ...] = ()
+    """Image assets: the marker text that stands for each asset wherever a reference replaced a
+    value in ``state`` and the questions' texts (a private-use delimiter and a per-request nonce, so
+    no client text can forge one), and the asset's image. The scorer presents an image at each
+    marker."""
+
+
+ASSET_FIELDS = frozenset({"type", "format", "data_base64", "part"})
+ASSET_FORMATS = {"png": "image/png", "jpeg": "image/jpeg", "jpg": "image/jpeg"}
+_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"))
+DANGER_ZONE_HEADER = "typesafe-danger-zone-images"
 
 
 def parse_body(body: bytes) -> Any:
@@ -72,7 +96,11 @@ def parse_body(body: bytes) -> Any:
         raise BadRequest(f"malformed JSON body: {exc}") from None
 
 
-def decode_systemone(obj: Any) -> SystemOnePlan:
+def decode_systemone(obj: Any, *, model: str = "", vision: bool = False, danger_zone: bool = False,
+                     parts: Sequence[FormPart] = ()) -> SystemOnePlan:
+    """The request's plan. ``vision``: the loaded model takes images; ``danger_zone``: the request
+    carried ``TypeSafe-Danger-Zone-Images: true``; ``parts``: the image parts of a multipart body
+    (after its JSON part)."""
     errors: list[dict[str, Any]] = []
     if not isinstance(obj, dict):
         raise SchemaErrors([_error("dict_type", ["body"], "Input should be a valid dictionary", obj)])
@@ -109,10 +137,128 @@ def decode_systemone(obj: Any) -> SystemOnePlan:
         raise BadRequest(f"question type '{unsupported[0]}' is not supported; use noul, choice or score",
                          param="questions")
     assets = obj.get("assets")
-    if assets:
-        raise BadRequest("image assets need TypeSafe-Danger-Zone-Images: true and a vision core; this model is "
-                         "text-only", param="assets")
-    return SystemOnePlan(render_state(obj["state"]), tuple(questions))
+    if assets is None and not parts:
+        return SystemOnePlan(render_state(obj["state"]), tuple(questions))
+    if not danger_zone:
+        raise BadRequest("image assets require the TypeSafe-Danger-Zone-Images: true header", param="assets")
+    if not vision:
+        raise BadRequest(f"model {model} does not accept image input (it is text-only)", param="assets")
+    images = _assets(assets, parts)
+    nonce = secrets.token_hex(8)
+    markers = {key: f"\ue000{nonce}#{i}\ue001" for i, key in enumerate(images)}
+    used: set[str] = set()
+    replaced = _with_references(obj, _Replacer(markers, used))
+    unused = [key for key in images if key not in used]
+    if unused:
+        raise BadRequest(f"asset '{unused[0]}' is not referenced by the state, instructions or criteria; unused "
+                         "assets are rejected", param="assets")
+    by_name = {q.name: q for q in questions}
+    again: list[NamedQuestion] = []
+    for name, q in replaced["questions"].items():
+        decoded = _question(name, q, errors, unsupported)
+        assert decoded is not None  # replacing strings keeps a valid question valid
+        # Keys remain text, and a legend keeps the original levels (references included).
+        again.append(attrs.evolve(decoded, keys=by_name[name].keys, levels=by_name[name].levels))
+    return SystemOnePlan(render_state(replaced["state"]), tuple(again),
+                         tuple((markers[key], image) for key, image in images.items()))
+
+
+def _assets(assets: Any, parts: Sequence[FormPart]) -> dict[str, ImagePart]:
+    """Each asset's image: from its multipart part (which takes precedence) or its data_base64."""
+    if not isinstance(assets, dict) or not assets:
+        raise BadRequest("assets must be a nonempty object that maps each reference to an image asset", param="assets")
+    by_part: dict[str, FormPart] = {}
+    for part in parts:
+        if part.name in by_part:
+            raise BadRequest(f"multipart part names must be unique; '{part.name}' repeats", param="assets")
+        by_part[part.name] = part
+    owner: dict[str, str] = {}
+    images: dict[str, ImagePart] = {}
+    for key, asset in assets.items():
+        where = f"assets.{key}"
+        if not key:
+            raise BadRequest("asset references must be nonempty strings", param="assets")
+        if not isinstance(asset, dict):
+            raise BadRequest(f"{where} must be an object", param="assets")
+        extra = sorted(set(asset) - ASSET_FIELDS)
+        if extra:
+            raise BadRequest(f"{where}: unknown field(s) {', '.join(extra)}; an image asset has type, format, "
+                             "data_base64 or part", param="assets")
+        if asset.get("type", "image") != "image":
+            raise BadRequest(f"{where}: only image assets are supported, not {asset.get('type')!r}", param="assets")
+        fmt = asset.get("format")
+        if fmt is not None and (not isinstance(fmt, str) or fmt.lower() not in ASSET_FORMATS):
+            raise BadRequest(f"{where}.format must be png or jpeg", param="assets")
+        name, encoded = asset.get("part"), asset.get("data_base64")
+        if name is not None:
+            if not isinstance(name, str) or name not in by_part:
+                raise BadRequest(f"{where}.part names {name!r}, which is not a part of this multipart body",
+                                 param="assets")
+            if name in owner:
+                raise BadRequest(f"multipart part '{name}' belongs to both assets '{owner[name]}' and '{key}'; every "
+                                 "part must belong to exactly one asset", param="assets")
+            owner[name] = key
+            data = by_part[name].data
+        elif isinstance(encoded, str):
+            try:
+                data = base64.b64decode(encoded, validate=True)
+            except (ValueError, binascii.Error):
+                raise BadRequest(f"{where}.data_base64 is not valid base64", param="assets") from None
+        else:
+            raise BadRequest(f"{where} needs data_base64 (a base64 string) or a multipart part", param="assets")
+        actual = next((media for magic, media in _MAGIC if data.startswith(magic)), None)
+        if actual is None:
+            raise BadRequest(f"{where} is not PNG or JPEG data; System One image assets are PNG or JPEG",
+                             param="assets")
+        declared = ASSET_FORMATS[fmt.lower()] if isinstance(fmt, str) else actual
+        images[key] = ImagePart(declared, data, where)
+    stray = [p.name for p in parts if p.name not in owner]
+    if stray:
+        raise BadRequest(f"multipart part '{stray[0]}' belongs to no asset; every part must belong to exactly one "
+                         "asset", param="assets")
+    return images
+
+
+class _Replacer:
+    """References to assets in one string value: a whole-value match first, then nonoverlapping
+    matches from left to right (the longest reference at a position)."""
+
+    def __init__(self, markers: dict[str, str], used: set[str]) -> None:
+        self.markers = markers
+        self.used = used
+        self.pattern = re.compile("|".join(re.escape(k) for k in sorted(markers, key=len, reverse=True)))
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, str):
+            if value in self.markers:
+                self.used.add(value)
+                return self.markers[value]
+            return self.pattern.sub(self._one, value)
+        if isinstance(value, dict):  # keys remain text
+            return {k: self(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self(v) for v in value]
+        return value
+
+    def _one(self, match: re.Match[str]) -> str:
+        self.used.add(match.group())
+        return self.markers[match.group()]
+
+
+def _with_references(obj: dict[str, Any], replace: _Replacer) -> dict[str, Any]:
+    """The request with references replaced in the state and in each question's instructions and
+    criteria values (criteria keys remain text)."""
+    questions = {}
+    for name, q in obj["questions"].items():
+        q = dict(q)
+        if "instructions" in q:
+            q["instructions"] = replace(q["instructions"])
+        if isinstance(q.get("criteria"), dict):
+            q["criteria"] = {k: replace(v) for k, v in q["criteria"].items()}
+        elif isinstance(q.get("criteria"), list):
+            q["criteria"] = [replace(v) for v in q["criteria"]]
+        questions[name] = q
+    return {**obj, "state": replace(obj["state"]), "questions": questions}
 
 
 def encode_systemone(plan: SystemOnePlan, scores: Sequence[QuestionScore], model: str) -> dict[str, Any]:
