@@ -198,7 +198,7 @@ def _tower(loaded: LoadedModel) -> Idefics3Tower:
 
 
 def test_loading(tiny: tuple[Any, Any, LoadedModel]) -> None:
-    hf_model, _, loaded = tiny
+    hf_model, processor, loaded = tiny
     tower = _tower(loaded)
     assert loaded.checkpoint.vision is not None and loaded.checkpoint.vision.family == "idefics3"
     assert loaded.checkpoint.config.vocab_size == VOCAB and loaded.checkpoint.config.num_layers == 2
@@ -208,6 +208,13 @@ def test_loading(tiny: tuple[Any, Any, LoadedModel]) -> None:
                                                              image_seq_len=SEQ_LEN)
     assert tower.profile.max_image_tokens_per_image == (3 * 3 + 1) * SEQ_LEN
     assert tower.profile.image_token == "<image>"
+    # Helios's own tokenizer reads the expansion as transformers does: one id per <image>, the
+    # framing tokens as their special ids.
+    for w, h in [(96, 64), (10, 10)]:
+        cost = tower.profile.cost(w, h)
+        ids = loaded.checkpoint.tokenizer.encode(cost.prompt_text, add_special_tokens=False)
+        assert ids == processor.tokenizer(cost.prompt_text, add_special_tokens=False)["input_ids"]
+        assert ids.count(tower.image_token_id) == cost.tokens
 
 
 def test_encoder_connector_and_features(tiny: tuple[Any, Any, LoadedModel]) -> None:
