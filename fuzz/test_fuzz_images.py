@@ -4,16 +4,25 @@ or raises BadRequest (a 400) — never another exception, never a decode of an o
 Inputs: arbitrary bytes, valid PNG / JPEG / WebP (static and animated) with random bit flips, byte
 insertions, deletions and truncations, and valid headers that claim huge sizes (decompression bombs),
 each declared with a random media type. Examples: $HELIOS_FUZZ_EXAMPLES, or 300 per test.
+
+Over HTTP, the same bytes go to Chat, Messages, Responses and System One on the tiny Idefics3 server
+(tests/serving/tiny_vlm.py): every answer is a 200 or a 400, never a 5xx, and /health stays 200
+($HELIOS_FUZZ_EXAMPLES, or 40 examples of four requests each).
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import math
 import os
 import struct
 import zlib
+from collections.abc import Iterator
+from typing import Any
 
+import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -129,3 +138,49 @@ def test_mutated_images(data: bytes, media: str) -> None:
 @given(st.lists(st.tuples(st.one_of(valid_images, mutated()), media_types), min_size=1, max_size=5))
 def test_several_images(items: list[tuple[bytes, str]]) -> None:
     _admit([ImagePart(media, data, f"messages[{i}].content[0]") for i, (data, media) in enumerate(items)])
+
+
+# -- over HTTP: a vision server never answers an image with a 5xx ------------------------------------
+SERVER_FUZZ = settings(FUZZ, max_examples=int(EXAMPLES or 40))
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    pytest.importorskip("transformers")
+    from helios.config import VisionSection
+    from tests.serving.tiny_vlm import VisionServer, build_checkpoint, serving_config
+
+    checkpoint = build_checkpoint(tmp_path_factory.mktemp("fuzz-vlm"))
+    srv = VisionServer(serving_config(checkpoint, vision=VisionSection(max_image_pixels=200 * 200),
+                                      max_model_len=2048)).start()
+    yield srv
+    srv.stop()
+
+
+def _bodies(data: bytes, media: str) -> list[tuple[str, dict[str, str], Any]]:
+    enc = base64.b64encode(data).decode()
+    url = f"data:{media or 'image/png'};base64,{enc}"
+    return [
+        ("/v1/chat/completions", {}, {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "?"}, {"type": "image_url", "image_url": {"url": url}}]}]}),
+        ("/v1/messages", {"anthropic-version": "2023-06-01"}, {"model": "m", "max_tokens": 1, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {
+                "type": "base64", "media_type": media or "image/png", "data": enc}}]}]}),
+        ("/v1/responses", {}, {"model": "m", "max_output_tokens": 1, "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": url}]}]}),
+        ("/v1/systemone", {"TypeSafe-Danger-Zone-Images": "true"}, {
+            "model": "m", "state": "img", "assets": {"img": {"data_base64": enc}},
+            "questions": {"q": {"type": "choice", "criteria": {"a": None, "b": None}}}}),
+    ]
+
+
+@pytest.mark.slow
+@SERVER_FUZZ
+@given(data=st.one_of(valid_images, mutated(), st.binary(max_size=512)), media=media_types)
+def test_http_image_bodies_never_get_a_5xx(vlm: Any, data: bytes, media: str) -> None:
+    with httpx.Client(base_url=vlm.url, timeout=60) as http:
+        for path, headers, body in _bodies(data, media):
+            r = http.post(path, json=body, headers=headers)
+            assert r.status_code < 500, (path, r.status_code, r.text)
+            assert r.status_code in (200, 400), (path, r.status_code, r.text)
+        assert http.get("/health").status_code == 200
