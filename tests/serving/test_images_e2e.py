@@ -11,17 +11,21 @@ whose text carries the image marker is rejected."""
 
 from __future__ import annotations
 
+import io
 import itertools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from PIL import Image
 
 from helios.config import VisionSection
-from tests.serving.tiny_vlm import VisionServer, b64, build_checkpoint, png, serving_config
+from tests.serving.tiny_vlm import VisionServer, b64, build_checkpoint, hf_processor, png, serving_config
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 ROUTES = ("chat", "messages", "responses")
 _unique = itertools.count()
@@ -277,3 +281,43 @@ def test_a_prompt_over_the_context_with_its_images_is_a_context_error(tight: Vis
     response = post(tight, "chat", [user("chat", "x" * 150, png(96, 20, seed=80))], max_tokens=8)
     msg = error_message("chat", response)
     assert "context" in msg and "256" in msg
+
+
+def test_the_served_prompt_and_logits_match_transformers(server: VisionServer, checkpoint: Path) -> None:
+    """The whole path (template marker, expansion, spans, admission, preparation, encode, injection)
+    against transformers' processor and Idefics3ForConditionalGeneration on the same checkpoint."""
+    text = fresh("Compare")
+    images = [png(40, 30, seed=90), png(25, 60, seed=91)]
+    body = ok(post(server, "chat", [user("chat", text, *images)], max_tokens=1, logprobs=True,
+                   return_tokens_as_token_ids=True))
+    processor = hf_processor()
+    pil = [Image.open(io.BytesIO(i)) for i in images]
+    rendered = f"<|im_start|>user\n{text}<image><image><end_of_utterance>\n<|im_start|>assistant\n"
+    inputs = processor(text=rendered, images=pil, return_tensors="pt")
+    assert body["usage"]["prompt_tokens"] == inputs["input_ids"].shape[1]
+    model = transformers.Idefics3ForConditionalGeneration.from_pretrained(checkpoint, torch_dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        reference = torch.log_softmax(model(**inputs).logits[0, -1].double(), dim=-1)
+    top = body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert [int(t["token"].removeprefix("token_id:")) for t in top] == torch.topk(reference, 5).indices.tolist()
+    for t in top:
+        assert t["logprob"] == pytest.approx(float(reference[int(t["token"].removeprefix("token_id:"))]), abs=1e-4)
+
+
+def test_speculative_decoding_and_structured_output_after_an_image(server: VisionServer, checkpoint: Path) -> None:
+    messages = [user("chat", fresh("Repeat abcabcabcabc"), png(40, 30, seed=95))]
+    plain = ok(post(server, "chat", messages, max_tokens=24))
+    spec_server = VisionServer(serving_config(checkpoint, speculative="ngram")).start()
+    try:
+        spec = ok(post(spec_server, "chat", messages, max_tokens=24))
+    finally:
+        spec_server.stop()
+    assert answer("chat", spec) == answer("chat", plain)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}}
+    body = ok(post(server, "chat", [user("chat", fresh("Is it red"), png(40, 30, seed=96))], max_tokens=48,
+                   response_format=fmt))
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert isinstance(json.loads(answer("chat", body))["ok"], bool)

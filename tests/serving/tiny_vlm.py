@@ -31,6 +31,7 @@ from helios.config import (
     HeliosConfig,
     ModelConfigSection,
     ServerConfig,
+    SpeculativeSection,
     VisionSection,
 )
 
@@ -59,16 +60,23 @@ def _tokenizer_backend() -> Any:
     return backend
 
 
-def build_checkpoint(root: Path) -> Path:
-    """Write the tiny checkpoint into ``root`` (created) and return it."""
+def hf_processor() -> Any:
+    """transformers' Idefics3 processor with the checkpoint's settings (the reference)."""
     transformers = pytest.importorskip("transformers")
     pil_idefics3 = pytest.importorskip("transformers.models.idefics3.image_processing_pil_idefics3")
-    root.mkdir(parents=True, exist_ok=True)
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=_tokenizer_backend())
     image_processor = pil_idefics3.Idefics3ImageProcessorPil(size={"longest_edge": LONGEST},
                                                              max_image_size={"longest_edge": TILE})
-    processor = transformers.Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
-                                               image_seq_len=SEQ_LEN)
+    return transformers.Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                          image_seq_len=SEQ_LEN)
+
+
+def build_checkpoint(root: Path) -> Path:
+    """Write the tiny checkpoint into ``root`` (created) and return it."""
+    transformers = pytest.importorskip("transformers")
+    root.mkdir(parents=True, exist_ok=True)
+    processor = hf_processor()
+    tokenizer = processor.tokenizer
     config = transformers.Idefics3Config(
         text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -108,8 +116,9 @@ def b64(data: bytes) -> str:
 
 
 def serving_config(path: Path, *, chunk: int = 4096, vision: VisionSection | None = None,
-                   max_model_len: int = 1024) -> HeliosConfig:
+                   max_model_len: int = 1024, speculative: str = "off") -> HeliosConfig:
     return HeliosConfig(
+        speculative=SpeculativeSection(mode=speculative),
         server=ServerConfig(aliases=["vlm"], default_max_tokens=16, frontend_workers=2, access_log=False),
         model=ModelConfigSection(path=str(path), dtype="float32", weights="float32", weight_cache=False,
                                  max_model_len=max_model_len, threads=1),
