@@ -37,7 +37,7 @@ import hashlib
 import io
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import attrs
@@ -510,7 +510,3 @@ def build_admission(section: VisionSection, *, model: str, profile: VisionProfil
     )
     return ImageAdmission(model=model, profile=profile, limits=limits, store=store)
 
-
-def input_metric_names() -> Mapping[str, str]:
-    """JSON name -> Prometheus name of the ``flare_input_*`` metrics."""
-    return {k: "flare_" + k for k in ImageStore().stats()}
