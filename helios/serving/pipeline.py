@@ -242,8 +242,8 @@ class Service:
             if vision is None:
                 return RenderedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False, max_tokens=max_tokens))
             if len(parts) != _count_images(conv):
-                raise BadRequest(f"{_count_images(conv) - len(parts)} of the request's images are in system or "
-                                 "developer messages, which cannot present images; send them in a user message",
+                raise BadRequest("images in system or developer messages cannot be presented to the model (this "
+                                 f"request has {_count_images(conv) - len(parts)}); send them in a user message",
                                  param=param)
             admitted = vision.admission.admit(parts, param=param) if parts else None
             costs = admitted.costs if admitted is not None else ()

@@ -277,6 +277,23 @@ def test_the_image_marker_in_text_is_rejected(server: VisionServer) -> None:
     assert error_message("chat", response).startswith("the rendered prompt has 1 image markers (<image>) for 0 images")
 
 
+def test_an_image_in_a_system_message_is_rejected_not_dropped(server: VisionServer) -> None:
+    system = {"role": "system", "content": [{"type": "text", "text": "Be brief."}, image_block("chat", png(20, 20, 1))]}
+    response = post(server, "chat", [system, {"role": "user", "content": fresh()}])
+    assert error_message("chat", response) == (
+        "images in system or developer messages cannot be presented to the model (this request has 1); send them "
+        "in a user message")
+
+
+def test_count_tokens_counts_the_expanded_prompt(server: VisionServer) -> None:
+    messages = [user("messages", fresh(), png(40, 30, seed=85))]
+    with server.http() as c:
+        counted = c.post("/v1/messages/count_tokens", json={"model": "vlm", "messages": messages})
+    assert counted.status_code == 200, counted.text
+    body = ok(post(server, "messages", messages, max_tokens=1))
+    assert counted.json()["input_tokens"] == prompt_tokens("messages", body)
+
+
 def test_a_prompt_over_the_context_with_its_images_is_a_context_error(tight: VisionServer) -> None:
     response = post(tight, "chat", [user("chat", "x" * 150, png(96, 20, seed=80))], max_tokens=8)
     msg = error_message("chat", response)
