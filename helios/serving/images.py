@@ -413,9 +413,11 @@ def open_image(media: str, data: bytes, max_pixels: int | None = None) -> Image.
     ``max_image_pixels`` that follows replaces pillow's global ``MAX_IMAGE_PIXELS`` bomb check, so the
     configured limit is the one that applies and a rejection states the observed size."""
     fp = io.BytesIO(data)
-    if media == "image/webp" and max_pixels is not None and (size := webp_size(data)) is not None:
-        # pillow's WebP plugin allocates the whole canvas while it opens the file: check first.
-        if size[0] * size[1] > max_pixels:
+    if max_pixels is not None:
+        # pillow's WebP plugin allocates the whole canvas while it opens the file, and its MPO
+        # (multi-picture JPEG) plugin applies pillow's global bomb check: the header's size first.
+        size = webp_size(data) if media == "image/webp" else jpeg_size(data) if media == "image/jpeg" else None
+        if size is not None and size[0] * size[1] > max_pixels:
             raise OversizedImage(*size)
     if media == "image/png":
         return PngImagePlugin.PngImageFile(fp)
@@ -444,6 +446,33 @@ def webp_size(data: bytes) -> tuple[int, int] | None:
     if kind == b"VP8L" and len(data) >= 25 and data[20] == 0x2F:
         bits = int.from_bytes(data[21:25], "little")
         return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    return None
+
+
+_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """The (width, height) of a JPEG's first frame header (SOFn), None if none precedes the scan."""
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0x01, *range(0xD0, 0xD9)):  # no length
+            i += 2
+            continue
+        if marker == 0xDA:  # start of scan: no frame header before it
+            return None
+        length = int.from_bytes(data[i + 2:i + 4], "big")
+        if marker in _SOF:
+            if i + 9 > n:
+                return None
+            return int.from_bytes(data[i + 7:i + 9], "big"), int.from_bytes(data[i + 5:i + 7], "big")
+        i += 2 + length
     return None
 
 

@@ -348,3 +348,44 @@ def test_input_metrics_in_prometheus_and_json() -> None:
     assert snap["input_decoded_images_total"] == 1 and snap["input_source_cache_misses_total"] == 1
     text = m.prometheus()
     assert "flare_input_decoded_images_total 1.0" in text and "# TYPE flare_input_decoded_cache_bytes gauge" in text
+
+
+def test_jpeg_size_is_read_before_pillow_opens() -> None:
+    from helios.serving.images import jpeg_size
+
+    for kw in ({}, {"progressive": True}, {"quality": 5}):
+        assert jpeg_size(encode("JPEG", (123, 45), **kw)) == (123, 45)
+    assert jpeg_size(b"\xff\xd8\xff") is None and jpeg_size(PNG) is None
+    small = admission(VisionLimits(4, 300, 256, 256, 100 * 44, 200_000))
+    assert rejected([part(encode("JPEG", (123, 45)), "image/jpeg")], small) == (
+        "image 1 is 123x45 = 5535 pixels; max_image_pixels is 4400")
+
+
+def test_vision_config_section() -> None:
+    from helios.config import ConfigError, load_config
+
+    cfg = load_config(overrides={"vision": {"max_image_pixels": 1000, "decoded_cache_mib": 8}})
+    assert cfg.vision.max_image_pixels == 1000 and cfg.vision.decoded_cache_mib == 8
+    with pytest.raises(ConfigError):
+        load_config(overrides={"vision": {"max_image_bytes": -1}})
+    with pytest.raises(ConfigError):
+        load_config(overrides={"vision": {"max_images": 3}})
+
+
+def test_chat_usage_reports_image_tokens() -> None:
+    from helios.domain.events import Usage
+    from helios.frontends.openai.chat import usage_json
+
+    assert "multimodal_tokens" not in usage_json(Usage(10, 2))["prompt_tokens_details"]
+    assert usage_json(Usage(100, 2, image_tokens=64))["prompt_tokens_details"] == {
+        "cached_tokens": 0, "multimodal_tokens": {"image": 64}}
+
+
+def test_multi_picture_jpeg_is_its_first_picture() -> None:
+    buf = io.BytesIO()
+    first, second = Image.new("RGB", (40, 30), (250, 0, 0)), Image.new("RGB", (40, 30), (0, 0, 250))
+    first.save(buf, format="MPO", save_all=True, append_images=[second])
+    store = ImageStore()
+    (img,) = admission(store=store).admit([part(buf.getvalue(), "image/jpeg")]).images
+    assert (img.source.media_type, img.source.width, img.source.height) == ("image/jpeg", 40, 30)
+    assert store.loader(img)().getpixel((5, 5))[0] > 200
