@@ -318,3 +318,26 @@ def test_chunked_prefill_splits_an_image(tiny: tuple[Any, Any, LoadedModel]) -> 
             parts.append(model(ids[start:end], torch.arange(start, end), attn,
                                embeds=(rows[inside] - start, features[inside])))
     assert (torch.cat(parts) - whole).abs().max() < FP32_TOLERANCE
+
+
+def test_bfloat16_tower(tiny: tuple[Any, Any, LoadedModel]) -> None:
+    """The tower in bfloat16 (what ``dtype = auto`` picks on AVX512-BF16 CPUs) stays within a few
+    bf16 roundings of the float32 reference, relative to the features' magnitude."""
+    from helios.models.vision.registry import load_vision_tower
+    from tests.numerics import tolerance_for
+
+    hf_model, processor, loaded = tiny
+    v = loaded.checkpoint.vision
+    tower = load_vision_tower(v.family, v.config, v.preprocessor, v.processor, v.tensors, dtype=torch.bfloat16)
+    image = _image(96, 64, seed=30)
+    inputs = processor(text="<image>", images=[image], return_tensors="pt")
+    with torch.no_grad():
+        expected = hf_model.model.get_image_features(inputs["pixel_values"], inputs["pixel_attention_mask"]) \
+            .pooler_output[0]
+        got = tower.encode(tower.prepare(image))
+    assert got.dtype == torch.bfloat16
+    scale = float(expected.abs().max())
+    diff = float((got.float() - expected).abs().max())
+    print(f"bf16 features: max abs diff {diff:.3g} at scale {scale:.3g}")
+    # Weights, pixels and every layer's output are rounded to bf16 (measured: ~2.3 roundings here).
+    assert diff < tolerance_for(torch.bfloat16, scale, roundings=8)
