@@ -40,7 +40,7 @@ class Tower(torch.nn.Module):
 
     def encode(self, prepared: Any) -> torch.Tensor:
         self.calls += 1
-        return self.proj(prepared)
+        return self.proj(prepared.to(self.proj.weight.device))
 
 
 def tiny_model() -> LlamaForCausalLM:
@@ -101,11 +101,16 @@ def text(seed: int, n: int) -> list[int]:
     return torch.randint(0, 80, (n,), generator=g).tolist()
 
 
-def engine(chunk: int = 64, num_pages: int = 64, **kw: Any) -> tuple[EngineCore, Tower, LlamaForCausalLM]:
+def engine(chunk: int = 64, num_pages: int = 64, device: str = "cpu",
+           **kw: Any) -> tuple[EngineCore, Tower, LlamaForCausalLM]:
+    """The engine (on ``device``) and a CPU copy of its model and tower for the dense reference."""
     model, tower = tiny_model(), Tower()
     cfg = EngineConfig(page_size=4, num_pages=num_pages, max_active=8, prefill_chunk_size=chunk, max_model_len=160,
                        **kw)
-    return EngineCore(model, CFG, cfg, torch.float32, "cpu", vision=tower), tower, model
+    if device == "cpu":
+        return EngineCore(model, CFG, cfg, torch.float32, "cpu", vision=tower), tower, model
+    return (EngineCore(tiny_model().to(device), CFG, cfg, torch.float32, device, vision=Tower().to(device)),
+            tower, model)
 
 
 def run(core: EngineCore, requests: list[EngineRequest], max_steps: int = 400,
@@ -157,17 +162,22 @@ def tokens_of(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                   reason="no CUDA device (CPU CI skips CUDA tests)"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("chunk", [64, 5, 3, 1])
-def test_features_land_at_placeholders_across_chunk_boundaries(chunk: int) -> None:
+def test_features_land_at_placeholders_across_chunk_boundaries(chunk: int, device: str) -> None:
     """Chunk sizes that split images anywhere (3 and 5 split inside tiles, 1 token at a time) give
-    the dense forward's logprobs; each image is encoded once, and a window lives only while a
-    request's prefill stopped inside an image."""
-    core, tower, model = engine(chunk=chunk)
+    the dense forward's logprobs (on CUDA too, against the CPU reference); each image is encoded
+    once, and a window lives only while a request's prefill stopped inside an image."""
+    core, tower, model = engine(chunk=chunk, device=device)
     loads = Loads()
     ids, images = build([text(1, 5), ("image", 7), text(2, 3), ("image", 8), text(3, 2)], loads)
     windows: list[int] = []
     outs = run(core, [request("a", ids, images)], each_step=lambda: windows.append(core.runner.images.num_windows))
-    assert loads.count == {7: 1, 8: 1} and tower.calls == 2
+    assert loads.count == {7: 1, 8: 1} and core.runner.images.encoded == 2
     got = tokens_of(outs["a"])
     ref = dense_logprobs(model, tower, ids, images)
     assert got[0] == int(ref[-1].argmax())
