@@ -368,6 +368,14 @@ class Service:
                     prompts.append(PreparedPrompt(tuple(ids), p))
                 else:
                     prompts.append(PreparedPrompt(tuple(p), self.decode(p)))
+            if self.vision is not None:
+                token = self.vision.image_token_id
+                if any(token in prompt.token_ids for prompt in prompts):
+                    # Only an image's features may fill a placeholder (transformers' processor refuses
+                    # the token without an image too); raw prompts take no images.
+                    raise BadRequest(f"the prompt contains the image placeholder token {self.vision.image_token}, "
+                                     "which only an image can fill; raw prompts take no images",
+                                     param=req.input_param)
         sampling = [self.resolve_sampling(req.sampling, i) for i in range(opts.n)]
         children: list[ChildSpec] = []
         for prompt in prompts:

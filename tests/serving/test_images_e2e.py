@@ -277,6 +277,20 @@ def test_the_image_marker_in_text_is_rejected(server: VisionServer) -> None:
     assert error_message("chat", response).startswith("the rendered prompt has 1 image markers (<image>) for 0 images")
 
 
+@pytest.mark.parametrize("prompt", ["a raw <image> prompt", [5, 6, 7]])
+def test_a_raw_prompt_with_the_image_token_is_rejected(server: VisionServer, prompt: Any) -> None:
+    if isinstance(prompt, list):
+        prompt = [*prompt, server.tower.image_token_id]
+    with server.http() as c:
+        response = c.post("/v1/completions", json={"model": "vlm", "prompt": prompt, "max_tokens": 1})
+    assert error_message("completions", response) == (
+        "the prompt contains the image placeholder token <image>, which only an image can fill; raw prompts take "
+        "no images")
+    with server.http() as c:
+        fine = c.post("/v1/completions", json={"model": "vlm", "prompt": "a raw prompt", "max_tokens": 1})
+    assert fine.status_code == 200, fine.text
+
+
 def test_an_image_in_a_system_message_is_rejected_not_dropped(server: VisionServer) -> None:
     system = {"role": "system", "content": [{"type": "text", "text": "Be brief."}, image_block("chat", png(20, 20, 1))]}
     response = post(server, "chat", [system, {"role": "user", "content": fresh()}])
