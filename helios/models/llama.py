@@ -120,7 +120,7 @@ class LlamaForCausalLM(nn.Module):
         if embeds is not None:
             rows, features = embeds
             h = h.index_copy(0, rows.to(h.device), features.to(device=h.device, dtype=h.dtype))
-        fused = h.device.type == "cpu" and cpu_kernels.available()
+        fused = h.device.type == "cpu" and h.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
         delta: Tensor | None = None
         for layer in self.layers:
             h, delta = layer(h, delta, cos, sin, attn, fused)
