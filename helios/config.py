@@ -122,6 +122,8 @@ class SpeculativeSection:
     # length per request follows its recent acceptance and backs off in large batches.
     mode: str = attrs.field(default="off", validator=attrs.validators.in_(SPECULATIVE_MODES))
     max_depth: int = attrs.field(default=4, validator=_depth)  # drafts verified per request and step
+    # Also draft from the recent outputs of other requests (the shared decoded history).
+    history: bool = True
 
 
 @attrs.frozen
@@ -232,6 +234,8 @@ def _check_speculative(section: Any) -> None:
         return
     if "mode" in section and section["mode"] not in SPECULATIVE_MODES:
         raise ConfigError(f"speculative.mode must be one of {', '.join(SPECULATIVE_MODES)}, got {section['mode']!r}")
+    if "history" in section and not isinstance(section["history"], bool):
+        raise ConfigError(f"speculative.history must be true or false, got {section['history']!r}")
     depth = section.get("max_depth", 1)
     if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= MAX_SPECULATIVE_DEPTH:
         raise ConfigError(f"speculative.max_depth must be an integer within 1..{MAX_SPECULATIVE_DEPTH}, got {depth!r}")

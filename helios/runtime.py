@@ -453,7 +453,8 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                         host_memory_bytes=int(cfg.cache.host_memory_gib * 2**30),
                         disk_dir=os.path.expanduser(cfg.cache.disk_dir) if cfg.cache.disk_dir else None,
                         disk_bytes=int(cfg.cache.disk_gib * 2**30),
-                        speculative=SpeculativeConfig(mode=cfg.speculative.mode, max_depth=cfg.speculative.max_depth))
+                        speculative=SpeculativeConfig(mode=cfg.speculative.mode, max_depth=cfg.speculative.max_depth,
+                                                      history=cfg.speculative.history))
     core = EngineCore(model, mc, ecfg, dtype, device, vision=loaded.vision)
     name = cfg.model.recipe or detect_recipe(ckpt.model_id, mc.arch, ckpt.chat_template)
     is_default = default_path is not None or _is_default(path)
@@ -483,6 +484,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         has_reasoning=recipe.reasoning_parser is not None or recipe.output_parser not in ("plain", "hermes"),
         speculative_mode=cfg.speculative.mode,
         speculative_max_depth=cfg.speculative.max_depth if cfg.speculative.mode != "off" else 0,
+        speculative_history=cfg.speculative.mode != "off" and cfg.speculative.history,
         has_vision=loaded.vision is not None,
         # has_tools is decided with the chat template, in serving.service_factory.tool_support.
     )

@@ -36,6 +36,8 @@ class ModelInfo:
     """The image limits (all zero for a text-only model)."""
     speculative_mode: str = "off"
     """``[speculative] mode`` (off, ngram, adaptive): what the flare card reports as active."""
+    speculative_history: bool = False
+    """Speculating requests also draft from other requests' recent outputs (the shared history)."""
     speculative_max_depth: int = 0
     """Drafts verified per request round at most (0 while speculation is off)."""
 

@@ -142,6 +142,7 @@ class EngineCore:
             host=None if self.host_store is None else self._host_stats(),
             reasoning_budget_cuts=self.scheduler.reasoning_budget_cuts,
             speculative_mode=self.cfg.speculative.mode,
+            history_drafts=self.scheduler.history is not None,
             speculative=self.scheduler.spec_stats.snapshot(),
         )
 

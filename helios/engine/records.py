@@ -233,5 +233,7 @@ class EngineStats:
     """Requests whose reasoning the engine closed at their hard token budget (a forced close)."""
     speculative_mode: str = "off"
     """``[speculative] mode``: off, ngram or adaptive."""
+    history_drafts: bool = False
+    """Speculating requests also draft from the shared decoded history (flare_history_drafts_enabled)."""
     speculative: SpeculativeStats | None = None
     """Speculation counters (verification rounds and drafts; engine/speculative.py)."""

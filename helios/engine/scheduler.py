@@ -36,7 +36,11 @@ from helios.engine.reasoning_budget import BudgetTracker
 from helios.engine.records import EngineFinish, EngineRequest, RequestOutput, RunnerOutput
 from helios.engine.speculative import (
     DraftState,
+    FirstOf,
+    HistoryProposer,
     NgramProposer,
+    Proposer,
+    SharedHistory,
     SpeculativeConfig,
     SpeculativeStats,
     planned_depth,
@@ -178,6 +182,11 @@ class Scheduler:
         self.reasoning_budget_cuts = 0  # forced reasoning closes committed (flare_reasoning_budget_cuts_total)
         self.speculative = speculative or SpeculativeConfig()
         self.spec_stats = SpeculativeStats()
+        spec_cfg = self.speculative
+        self.history: SharedHistory | None = (
+            SharedHistory(spec_cfg.min_ngram, spec_cfg.max_ngram, spec_cfg.history_tokens)
+            if spec_cfg.enabled and spec_cfg.history else None)
+        """The shared decoded history the speculating requests draft from (None: off)."""
 
     # -- membership -------------------------------------------------------------------------
     def add(self, request: EngineRequest, generator: torch.Generator | None) -> RequestState:
@@ -193,7 +202,10 @@ class Scheduler:
         )
         spec = self.speculative
         if spec.enabled and seq.grammar is None and seq.reasoning_budget is None and request.max_tokens > 1:
-            seq.drafts = DraftState(NgramProposer(spec.min_ngram, spec.max_ngram), spec.max_depth)
+            own = NgramProposer(spec.min_ngram, spec.max_ngram)
+            proposer: Proposer = own if self.history is None else FirstOf(
+                own, HistoryProposer(self.history, request.request_id))
+            seq.drafts = DraftState(proposer, spec.max_depth)
         self._arrivals += 1
         self.waiting.append(seq)
         self.by_id[request.request_id] = seq
@@ -389,7 +401,8 @@ class Scheduler:
             kept = len(self.kv.block_table(seq.request_id))
             self._trimmed[seq.request_id] = min(kept, self._trimmed.get(seq.request_id, kept))
         if output.new_token_ids:
-            self.spec_stats.round(c.num_drafts, min(accepted, len(output.new_token_ids)))
+            self.spec_stats.round(c.num_drafts, min(accepted, len(output.new_token_ids)),
+                                  seq.drafts.last_kind if seq.drafts is not None else None)
         if seq.drafts is not None:
             seq.drafts.observe(self.speculative, c.num_drafts, accepted)
         return output
@@ -427,6 +440,8 @@ class Scheduler:
             if finish is not None:
                 break
         self.generated_tokens += kept
+        if self.history is not None and seq.drafts is not None:
+            self.history.extend(seq.request_id, seq.token_ids, seq.num_prompt_tokens)
         if finish is not None:
             self.finish(seq)
         kept_forced = tuple(i for i in forced if i < kept)
@@ -458,6 +473,7 @@ class Scheduler:
         if depth <= 0:
             return ()
         drafts = state.proposer.propose(seq.token_ids, depth)
+        state.last_kind = getattr(state.proposer, "last_kind", state.proposer.kind) if drafts else None
         if drafts:
             kv = self.kv
             total = len(seq.token_ids)

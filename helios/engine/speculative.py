@@ -24,13 +24,17 @@ Requests with a grammar matcher or a reasoning-budget tracker never speculate (b
 committed tokens one at a time); stops and max_tokens truncate an accepted run (`Scheduler._commit`).
 
 Proposers (`Proposer`): `NgramProposer`, prompt lookup over the request's own prompt and output
-(vLLM's ``ngram`` / llama.cpp's lookup decoding). The interface takes the request's tokens and a
-depth, so a shared decoded-history proposer or a learned drafter fits behind it; neither exists yet
-(``flare_history_drafts_enabled`` is 0, ``learned_drafter`` false).
+(vLLM's ``ngram`` / llama.cpp's lookup decoding), then `HistoryProposer`, lookup in the shared
+decoded history (`SharedHistory`: the recent outputs of every speculating request, so one request's
+output drafts another's: parallel choices of one prompt, a batch of similar edits, an agent
+re-sending what another session produced). `FirstOf` asks them in that order. The interface takes
+the request's tokens and a depth, so a learned drafter fits behind it; none exists
+(``learned_drafter`` is false).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -54,6 +58,10 @@ class SpeculativeConfig:
     max_depth: int = 4
     min_ngram: int = 2
     max_ngram: int = 4
+    history: bool = True
+    """Also draft from the shared decoded history of other requests (`SharedHistory`)."""
+    history_tokens: int = 65536
+    """The shared history's size: output tokens of the most recent requests kept and indexed."""
 
     @property
     def enabled(self) -> bool:
@@ -108,12 +116,118 @@ class NgramProposer:
         return ()
 
 
+class SharedHistory:
+    """The decoded outputs of recent requests, indexed by n-gram, shared by every request's proposer.
+
+    Engine-thread state. `extend` indexes a request's newly committed output tokens (each token
+    once); `lookup` finds the latest occurrence, in another request's output, of the longest suffix
+    of n (``max_n`` down to ``min_n``) tokens of the asking request and returns what followed it
+    there. At most ``capacity`` tokens are kept: the least recently extended outputs are dropped
+    with their index entries."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 4, capacity: int = 65536) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.sizes = tuple(range(max_n, min_n - 1, -1))
+        self.capacity = capacity
+        self._outputs: OrderedDict[str, list[int]] = OrderedDict()
+        self._index: dict[int, dict[tuple[int, ...], tuple[str, int]]] = {n: {} for n in self.sizes}
+        self._size = 0
+        self.lookups = 0
+        self.hits = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self._size
+
+    def extend(self, request_id: str, token_ids: Sequence[int], offset: int = 0) -> None:
+        """Index the request's output, ``token_ids[offset:]`` (it only grows), past what was indexed."""
+        kept = self._outputs.get(request_id)
+        if kept is None:
+            kept = self._outputs[request_id] = []
+        else:
+            self._outputs.move_to_end(request_id)
+        start = len(kept)
+        if offset + start >= len(token_ids):
+            return
+        kept.extend(token_ids[offset + start :])
+        self._size += len(kept) - start
+        # An n-gram ending at e (exclusive) has a continuation once e < len(kept); index the n-grams
+        # whose continuation's first token just arrived.
+        for n, index in self._index.items():
+            for e in range(max(start, n), len(kept)):
+                index[tuple(kept[e - n : e])] = (request_id, e)
+        while self._size > self.capacity and len(self._outputs) > 1:
+            self._drop_oldest()
+
+    def lookup(self, token_ids: Sequence[int], depth: int, exclude: str | None = None) -> tuple[int, ...]:
+        """Up to ``depth`` tokens that followed the latest occurrence of the longest suffix of
+        ``token_ids`` in another request's output (``exclude``: the asking request)."""
+        if depth <= 0:
+            return ()
+        self.lookups += 1
+        end = len(token_ids)
+        for n in self.sizes:
+            if n > end:
+                continue
+            found = self._index[n].get(tuple(token_ids[end - n : end]))
+            if found is None or found[0] == exclude:
+                continue
+            output = self._outputs[found[0]]
+            self.hits += 1
+            return tuple(output[found[1] : found[1] + depth])
+        return ()
+
+    def _drop_oldest(self) -> None:
+        request_id, output = self._outputs.popitem(last=False)
+        self._size -= len(output)
+        for n, index in self._index.items():
+            for e in range(n, len(output)):
+                key = tuple(output[e - n : e])
+                if index.get(key, (None, 0))[0] == request_id:
+                    del index[key]
+
+
+class HistoryProposer:
+    """Drafts from the shared decoded history (`SharedHistory`), never from the asking request itself."""
+
+    kind = "history"
+
+    def __init__(self, history: SharedHistory, request_id: str) -> None:
+        self.history = history
+        self.request_id = request_id
+
+    def propose(self, token_ids: Sequence[int], depth: int) -> tuple[int, ...]:
+        return self.history.lookup(token_ids, depth, exclude=self.request_id)
+
+
+class FirstOf:
+    """Proposers asked in order; the first that has drafts gives them (`kind` names it)."""
+
+    def __init__(self, *proposers: Proposer) -> None:
+        self.proposers = proposers
+        self.kind = "+".join(p.kind for p in proposers)
+        self.last_kind: str | None = None
+        """The proposer whose drafts the last call returned (None: no drafts)."""
+
+    def propose(self, token_ids: Sequence[int], depth: int) -> tuple[int, ...]:
+        for proposer in self.proposers:
+            drafts = proposer.propose(token_ids, depth)
+            if drafts:
+                self.last_kind = proposer.kind
+                return drafts
+        self.last_kind = None
+        return ()
+
+
 @attrs.define
 class DraftState:
     """One speculating request's proposer and planned depth (adaptive mode moves it)."""
 
     proposer: Proposer
     depth: int
+    last_kind: str | None = None
+    """The proposer kind of the drafts planned last (``history``: the shared history's)."""
 
     def observe(self, cfg: SpeculativeConfig, proposed: int, accepted: int) -> None:
         """Adaptive depth after a verified round: doubled after a round that accepted every draft;
@@ -155,8 +269,15 @@ class SpeculativeStats:
     """verification_rounds by the round's planned depth (drafts offered)."""
     accepted_by_depth: dict[int, int] = attrs.field(factory=dict)
     """accepted_drafts by the round's planned depth."""
+    history_draft_rounds: int = 0
+    """Request rounds whose drafts came from the shared decoded history (part of draft_rounds)."""
+    history_accepted_drafts: int = 0
+    """Accepted drafts of those rounds (part of accepted_drafts)."""
 
-    def round(self, drafts: int, accepted: int) -> None:
+    def round(self, drafts: int, accepted: int, kind: str | None = None) -> None:
+        if drafts and kind == HistoryProposer.kind:
+            self.history_draft_rounds += 1
+            self.history_accepted_drafts += accepted
         self.verification_rounds += 1
         self.verification_drafts += drafts
         self.accepted_drafts += accepted
@@ -172,4 +293,5 @@ class SpeculativeStats:
     def snapshot(self) -> SpeculativeStats:
         return SpeculativeStats(self.verify_steps, self.verification_drafts, self.verification_rounds,
                                 self.accepted_drafts, self.draft_rounds, dict(self.steps_by_width),
-                                dict(self.rounds_by_depth), dict(self.accepted_by_depth))
+                                dict(self.rounds_by_depth), dict(self.accepted_by_depth),
+                                self.history_draft_rounds, self.history_accepted_drafts)

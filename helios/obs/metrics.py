@@ -101,6 +101,10 @@ SPECULATIVE_EXPORTED: dict[str, tuple[str, str, str]] = {
     "accepted_drafts": ("flare_accepted_draft_tokens_total", "counter",
                         "Accepted draft tokens, excluding the bonus token"),
     "draft_rounds": ("flare_draft_request_rounds_total", "counter", "Request rounds that offered at least one draft"),
+    "history_draft_rounds": ("flare_history_draft_request_rounds_total", "counter",
+                             "Request rounds whose drafts came from the shared decoded history"),
+    "history_accepted_drafts": ("flare_history_accepted_draft_tokens_total", "counter",
+                                "Accepted draft tokens of rounds drafted from the shared decoded history"),
 }
 SPECULATIVE_FIELDS = ("verify_steps", *SPECULATIVE_EXPORTED)
 
@@ -342,6 +346,9 @@ class _SnapshotCollector:
         if spec is not None and getattr(engine, "speculative_mode", "off") != "off":
             # Like the cache families: exported while the feature runs, not as zeros when it is off.
             yield from _speculative_families(spec, snap)
+            yield GaugeMetricFamily("flare_history_drafts_enabled",
+                                    "1 when speculating requests also draft from the shared decoded history",
+                                    value=int(bool(getattr(engine, "history_drafts", False))))
         host = getattr(engine, "host", None)
         if host is not None:
             yield from _families(HOST_EXPORTED, snap)

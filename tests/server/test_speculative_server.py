@@ -48,7 +48,8 @@ def test_speculation_gives_the_same_greedy_answer_over_http(server: LiveServer, 
     with speculative.http() as http:
         card = http.get("/v1/models").json()["data"][0]["flare"]["speculative"]
         before = http.get("/metrics?format=json").json()
-    assert card["mode"] == "adaptive" and card["max_depth"] == 6 and card["proposers"] == ["ngram"]
+    assert card["mode"] == "adaptive" and card["max_depth"] == 6 and card["proposers"] == ["ngram", "history"]
+    assert card["history_drafts"] is True
     want = answer(server)
     got = answer(speculative)
     assert got.choices[0].message.content == want.choices[0].message.content

@@ -28,6 +28,7 @@ from helios.engine.speculative import (
     BATCH_DRAFT_TOKENS,
     DraftState,
     NgramProposer,
+    SharedHistory,
     SpeculativeConfig,
     SpeculativeStats,
     planned_depth,
@@ -74,6 +75,65 @@ def test_ngram_proposer_index_grows_incrementally_and_matches_a_scan() -> None:
                 want = tuple(tokens[e : e + 3])
                 break
         assert got == want, len(tokens)
+
+
+def test_shared_history_drafts_from_other_requests_outputs() -> None:
+    h = SharedHistory(min_n=2, max_n=3)
+    h.extend("a", [90, 91, 1, 2, 3, 4, 5, 6], offset=2)  # a's prompt is 90 91; its output 1..6
+    # Another request whose tokens end with "2 3" (the longest match, 3-gram "1 2 3", wins when present).
+    assert h.lookup([7, 1, 2, 3], 3, exclude="b") == (4, 5, 6)
+    assert h.lookup([7, 8, 2, 3], 2, exclude="b") == (4, 5)
+    assert h.lookup([7, 8, 2, 3], 2, exclude="a") == ()  # a's own output is its own proposer's business
+    assert h.lookup([90, 91], 3, exclude="b") == ()  # prompts are not history
+    assert h.lookup([1, 2], 0) == ()
+    # Growing outputs are indexed incrementally; the latest occurrence wins.
+    h.extend("b", [50, 2, 3, 9, 9], offset=1)
+    assert h.lookup([0, 2, 3], 2, exclude="c") == (9, 9)
+    h.extend("a", [90, 91, 1, 2, 3, 4, 5, 6, 2, 3, 8], offset=2)  # a moves to most recent; 2 3 -> 8 now
+    assert h.lookup([0, 2, 3], 2, exclude="c") == (8,)
+    assert h.num_tokens == 9 + 4
+
+
+def test_shared_history_drops_the_oldest_outputs_and_their_index() -> None:
+    h = SharedHistory(min_n=2, max_n=2, capacity=10)
+    h.extend("a", [1, 2, 3, 4, 5, 6])
+    h.extend("b", [11, 12, 13, 14])
+    assert h.lookup([0, 1, 2], 2, exclude="x") == (3, 4)
+    h.extend("c", [21, 22, 23])  # 13 tokens > 10: a (the least recently extended) goes
+    assert h.num_tokens == 7
+    assert h.lookup([0, 1, 2], 2, exclude="x") == ()
+    assert h.lookup([0, 11, 12], 2, exclude="x") == (13, 14)
+    assert all(rid != "a" for index in h._index.values() for rid, _ in index.values())
+
+
+def test_a_request_drafts_from_an_earlier_requests_output() -> None:
+    """The second request of the same prompt gets drafts from the first one's output (its own prompt
+    does not hold them), accepts them, and its tokens equal decoding without speculation; without the
+    shared history it accepts fewer drafts."""
+    prompt = (5, 17, 3, 29, 11, 2, 23)
+    first = EngineRequest("first", prompt, SamplingParams(temperature=0.0), max_tokens=40, ignore_eos=True)
+    second = attrs.evolve(first, request_id="second")
+    off = _drive(_engine(MODEL, torch.float32, "off", 4, max_model_len=128), [[first], [second]])
+
+    def second_round(history: bool) -> tuple[list[int], SpeculativeStats, SpeculativeStats]:
+        core = _engine(MODEL, torch.float32, "ngram", 4, max_model_len=128)
+        if not history:
+            core.scheduler.history = None
+        assert _drive(core, [[first]])["first"][0] == off["first"][0]
+        before = core.stats().speculative
+        tokens = _drive(core, [[second]])["second"][0]
+        after = core.stats().speculative
+        assert before is not None and after is not None
+        return tokens, before, after
+
+    tokens, before, after = second_round(history=True)
+    assert tokens == off["second"][0]
+    assert before.history_draft_rounds == 0  # the first request had no other output to draft from
+    assert after.history_draft_rounds > 0 and after.history_accepted_drafts > 0
+    plain_tokens, plain_before, plain_after = second_round(history=False)
+    assert plain_tokens == off["second"][0] and plain_after.history_draft_rounds == 0
+    assert (after.accepted_drafts - before.accepted_drafts
+            > plain_after.accepted_drafts - plain_before.accepted_drafts)
 
 
 def test_adaptive_depth_follows_acceptance_and_backs_off_in_large_batches() -> None:
@@ -393,8 +453,11 @@ def test_speculative_config_section_defaults_off_and_validates(tmp_path: object)
     path = Path(str(tmp_path)) / "h.toml"
     path.write_text('[speculative]\nmode = "adaptive"\nmax_depth = 6\n')
     cfg = load_config(path)
-    assert (cfg.speculative.mode, cfg.speculative.max_depth) == ("adaptive", 6)
+    assert (cfg.speculative.mode, cfg.speculative.max_depth, cfg.speculative.history) == ("adaptive", 6, True)
+    path.write_text('[speculative]\nmode = "ngram"\nhistory = false\n')
+    assert load_config(path).speculative.history is False
     for bad, message in (('mode = "eagle"', "speculative.mode must be one of off, ngram, adaptive"),
+                         ('history = "yes"', "speculative.history must be true or false"),
                          ("max_depth = 0", "speculative.max_depth must be an integer within 1..16"),
                          ("max_depth = true", "speculative.max_depth"), ("depth = 2", "depth")):
         path.write_text(f"[speculative]\n{bad}\n")
@@ -416,6 +479,10 @@ def test_the_flare_card_says_what_speculation_is_active() -> None:
     assert model_card(on, 0)["flare"]["speculative"] == {
         "mode": "adaptive", "max_depth": 6, "proposers": ["ngram"], "adaptive_depth": True, "history_drafts": False,
         "learned_drafter": False}
+    shared = attrs.evolve(on, speculative_history=True)
+    assert model_card(shared, 0)["flare"]["speculative"] == {
+        "mode": "adaptive", "max_depth": 6, "proposers": ["ngram", "history"], "adaptive_depth": True,
+        "history_drafts": True, "learned_drafter": False}
 
 
 def test_engine_counters_reach_the_metrics_snapshot_and_prometheus() -> None:
@@ -454,7 +521,9 @@ def test_engine_counters_reach_the_metrics_snapshot_and_prometheus() -> None:
     names = {s.name for f in text_string_to_metric_families(ServingMetrics(lambda: (off, None)).prometheus())
              for s in f.samples}
     assert not any("draft" in n or "verif" in n or "speculative" in n for n in names)
-    assert not any("history" in name for name, _ in samples)  # no shared-history proposer exists
+    # The shared history is on (the default): its gauge and counters (one request: nothing to draft from).
+    assert samples[("flare_history_drafts_enabled", ())] == 1
+    assert samples[("flare_history_draft_request_rounds_total", ())] == spec.history_draft_rounds == 0
 
 
 def test_a_verification_step_reads_the_device_once() -> None:

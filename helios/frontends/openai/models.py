@@ -63,9 +63,9 @@ def speculative_object(info: ModelInfo) -> dict[str, Any]:
     return {
         "mode": info.speculative_mode,
         "max_depth": info.speculative_max_depth if on else 0,
-        "proposers": ["ngram"] if on else [],
+        "proposers": (["ngram", "history"] if info.speculative_history else ["ngram"]) if on else [],
         "adaptive_depth": info.speculative_mode == "adaptive",
-        "history_drafts": False,
+        "history_drafts": on and info.speculative_history,
         "learned_drafter": False,
     }
 
