@@ -179,11 +179,18 @@ class StreamRecord:
         return out
 
     def decode_rate(self) -> float | None:
-        """Tokens per second after the first content chunk."""
+        """Tokens per second after the first content chunk.
+
+        Without per-chunk usage a chunk counts as one token, but a chunk may carry several (a
+        speculative step commits several tokens at once, and servers send them as one chunk): when
+        the final usage reports more tokens than that, the tokens after the first chunk are the
+        usage's total less one (the first chunk is the first step's one token)."""
         if len(self.chunks) < 2:
             return None
         span = self.chunks[-1][0] - self.chunks[0][0]
         tokens = sum(max(n, 1) for _, n in self.chunks[1:])
+        if not self.continuous_usage and self.usage_completion_tokens is not None:
+            tokens = max(tokens, self.usage_completion_tokens - 1)
         return tokens / span if span > 0 else None
 
 

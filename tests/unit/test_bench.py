@@ -390,6 +390,20 @@ def test_helpers() -> None:
     assert ratio["output_tok_s"] == 2.0 and ratio["ttft_median"] is None
 
 
+def test_decode_rate_counts_the_tokens_of_multi_token_chunks() -> None:
+    """A speculative step sends several tokens in one chunk: without per-chunk usage the rate comes
+    from the final usage (less the first chunk's token), not from the chunk count."""
+    chunks = [(1.0, 1), (1.5, 1), (2.0, 1)]  # 3 chunks, 1 s apart at the ends
+    plain = bench.StreamRecord(t_send=0.0, chunks=list(chunks))
+    assert plain.decode_rate() == pytest.approx(2.0)  # no usage: one token per chunk
+    bursts = bench.StreamRecord(t_send=0.0, chunks=list(chunks), usage_completion_tokens=9)
+    assert bursts.decode_rate() == pytest.approx(8.0)
+    # Per-chunk usage (vLLM's continuous_usage_stats) already counts each chunk's tokens.
+    counted = bench.StreamRecord(t_send=0.0, chunks=[(1.0, 1), (1.5, 4), (2.0, 4)], usage_completion_tokens=9,
+                                 continuous_usage=True)
+    assert counted.decode_rate() == pytest.approx(8.0)
+
+
 # ------------------------------------------------------------------- prefix-cache workloads
 
 
