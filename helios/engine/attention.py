@@ -78,14 +78,19 @@ class AttentionBackend(Protocol):
 
 class TorchPagedBackend:
     """Paged attention: decode rows through the CPU kernel where it applies (else one gather per layer
-    for all decode rows), SDPA per prefill chunk."""
+    for all decode rows); prefill chunks through the CPU prefill kernel where it applies (a bfloat16
+    cache on a CPU with AVX512-BF16), else a gather and SDPA per chunk."""
 
     name = "torch_paged"
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, *, decode_kernel: bool | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, *, decode_kernel: bool | None = None,
+                 prefill_kernel: bool | None = None) -> None:
         """``decode_kernel``: use `cpu_kernels.paged_decode` for decode rows (None: wherever it
-        applies: a CPU cache in float32 or bfloat16, a head size of a multiple of 16, the kernels built)."""
+        applies: a CPU cache in float32 or bfloat16, a head size of a multiple of 16, the kernels built).
+        ``prefill_kernel``: use `cpu_kernels.paged_prefill` for prefill chunks (None: wherever it
+        applies: a bfloat16 CPU cache, a head size of a multiple of 32 up to 128, the kernels built
+        with AVX512-BF16)."""
         self.kv = KVCache(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device)
         self.page_size = page_size
         self.device = device
@@ -93,11 +98,17 @@ class TorchPagedBackend:
         applies = (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                    and head_dim % 16 == 0)
         self.decode_kernel = applies and (cpu_kernels.available() if decode_kernel is None else decode_kernel)
+        prefill_applies = (torch.device(device).type == "cpu" and dtype == torch.bfloat16
+                           and head_dim % 32 == 0 and head_dim <= 128)
+        self.prefill_kernel = prefill_applies and (
+            cpu_kernels.available() and cpu_kernels.paged_prefill_supported() if prefill_kernel is None
+            else prefill_kernel)
         if self.decode_kernel:
             self.name = "cpu_paged_kernel"
 
     def build(self, inputs: AttentionInputs) -> PagedAttention:
-        return PagedAttention(self.kv, inputs, self.page_size, self._offsets, decode_kernel=self.decode_kernel)
+        return PagedAttention(self.kv, inputs, self.page_size, self._offsets, decode_kernel=self.decode_kernel,
+                              prefill_kernel=self.prefill_kernel)
 
     def read_page(self, page: int) -> bytes:
         return self.kv.read_page(page, self.page_size)
@@ -159,8 +170,9 @@ class PagedAttention:
     Index tensors are built once per step, on the device, and shared by every layer."""
 
     def __init__(self, kv: KVCache, inputs: AttentionInputs, page_size: int, offsets: Tensor, *,
-                 decode_kernel: bool = False) -> None:
+                 decode_kernel: bool = False, prefill_kernel: bool = False) -> None:
         self.kv = kv
+        self.prefill_kernel = prefill_kernel
         self.slot_mapping = inputs.slot_mapping
         table = inputs.block_table
         self.num_decode = inputs.num_decode
@@ -227,6 +239,10 @@ class PagedAttention:
                 return o
             out.index_copy_(0, self.decode_tokens, o)
         for tok_start, length, slots, ctx_start in self.prefills:
+            if self.prefill_kernel:
+                out[tok_start : tok_start + length] = cpu_kernels.paged_prefill(
+                    q[tok_start : tok_start + length], k_cache, v_cache, slots, ctx_start, q.shape[-1] ** -0.5)
+                continue
             qp = q[tok_start : tok_start + length].transpose(0, 1).unsqueeze(0)  # [1, nh, Lq, d]
             kp = k_cache.index_select(1, slots).unsqueeze(0)  # [1, nkv, Lk, d]
             vp = v_cache.index_select(1, slots).unsqueeze(0)

@@ -109,6 +109,21 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return out
 
 
+def paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, ctx_start: int,
+                  scale: float) -> Tensor:
+    """bfloat16 causal attention of a prefill chunk ``q`` [L, heads, d] (positions ``ctx_start`` ..
+    ``ctx_start + L - 1``) over its context, read in place from the cache ([kv_heads, slots, d]
+    each): position p's K/V are at ``slots[p]``. Query head h uses kv head h // (heads / kv_heads)."""
+    out: Tensor = torch.ops.helios.paged_prefill(q.contiguous(), k_cache, v_cache, slots, ctx_start, scale)
+    return out
+
+
+def paged_prefill_supported() -> bool:
+    """Whether `paged_prefill` was built (AVX512-BF16: bfloat16 pair dot products; without them
+    torch's SDPA is the faster prefill attention)."""
+    return bool(torch.ops.helios.paged_prefill_supported())
+
+
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "helios" / "kernels"

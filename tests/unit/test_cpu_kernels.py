@@ -135,6 +135,82 @@ def test_paged_decode_refuses_pages_outside_the_cache() -> None:
                                  int(case["page_size"]), 0.125)
 
 
+# -- paged_prefill -------------------------------------------------------------------------------------
+
+needs_prefill_kernel = pytest.mark.skipif(
+    not cpu_kernels.paged_prefill_supported(), reason="paged_prefill is built only with AVX512-BF16")
+
+
+def _prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                       start: int) -> torch.Tensor:
+    length, heads, d = q.shape
+    kv_heads = k.shape[0]
+    kk = k[:, slots[: start + length]].double().repeat_interleave(heads // kv_heads, 0)
+    vv = v[:, slots[: start + length]].double().repeat_interleave(heads // kv_heads, 0)
+    scores = torch.einsum("lhd,hpd->hlp", q.double(), kk) / d**0.5
+    causal = torch.arange(start + length)[None, :] <= (start + torch.arange(length))[:, None]
+    return torch.einsum("hlp,hpd->lhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), vv)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize(("length", "start"), [(1, 0), (5, 0), (64, 0), (65, 0), (37, 3), (130, 250), (16, 1000)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_prefill_matches_float64(length: int, start: int, head_dim: int) -> None:
+    """Chunks from the first position and over cached context, across query-tile (64) and key-block
+    (64) boundaries, GQA 9/3 heads, K/V at shuffled slots."""
+    g = torch.Generator().manual_seed(length + start)
+    k = torch.randn(3, 2048, head_dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(3, 2048, head_dim, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(2048, generator=g)[: start + length].contiguous()
+    q = torch.randn(length, 9, head_dim, generator=g).to(torch.bfloat16)
+    got = cpu_kernels.paged_prefill(q, k, v, slots, start, head_dim**-0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    # bfloat16 inputs, float32 scores, probabilities rounded to bfloat16 for the weighted sum, one
+    # rounding of the result: a few bfloat16 roundings of the values' magnitude (|v| < 5).
+    bound = 4 * unit_roundoff(torch.bfloat16) * 5
+    assert (got.double() - _prefill_reference(q, k, v, slots, start)).abs().max().item() < bound
+
+
+@needs_prefill_kernel
+def test_paged_prefill_refuses_bad_operands() -> None:
+    k = torch.zeros(3, 64, 64, dtype=torch.bfloat16)
+    q = torch.zeros(4, 9, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.paged_prefill(q, k, k, torch.tensor([0, 1, 2, 640]), 0, 0.125)
+    with pytest.raises(RuntimeError, match="a slot per position"):
+        cpu_kernels.paged_prefill(q, k, k, torch.tensor([0, 1, 2]), 0, 0.125)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_kernels.paged_prefill(q.float(), k.float(), k.float(), torch.arange(4), 0, 0.125)
+
+
+@needs_prefill_kernel
+def test_the_engine_backend_prefills_over_cached_context_with_the_kernel() -> None:
+    """A prefill chunk of 70 tokens after 150 cached positions: the kernel's output against float64
+    and against the SDPA path of the same backend with the kernel turned off."""
+    ps, kv_heads, heads, d = 16, 3, 9, 64
+    outs = []
+    for use_kernel in (True, False):
+        backend = TorchPagedBackend(1, 64, ps, kv_heads, d, torch.bfloat16, torch.device("cpu"),
+                                    prefill_kernel=use_kernel)
+        assert backend.prefill_kernel is use_kernel
+        g = torch.Generator().manual_seed(9)
+        table = torch.randperm(64, generator=g)[:20].view(1, 20).contiguous()
+        slots = (table[0][:, None] * ps + torch.arange(ps)).flatten()
+        backend.kv.k[0][:, slots[:150]] = torch.randn(kv_heads, 150, d, generator=g).to(torch.bfloat16)
+        backend.kv.v[0][:, slots[:150]] = torch.randn(kv_heads, 150, d, generator=g).to(torch.bfloat16)
+        inputs = AttentionInputs(block_table=table, slot_mapping=slots[150:220].contiguous(), num_tokens=70,
+                                 decode_tokens=None, decode_rows=None, decode_lens=None, decode_max_len=0,
+                                 num_decode=0, prefills=((0, 70, 0, 150),))
+        q = torch.randn(70, heads, d, generator=g).to(torch.bfloat16)
+        k = torch.randn(70, kv_heads, d, generator=g).to(torch.bfloat16)
+        v = torch.randn(70, kv_heads, d, generator=g).to(torch.bfloat16)
+        out = backend.build(inputs)(0, q, k, v)
+        expected = _prefill_reference(q, backend.kv.k[0], backend.kv.v[0], slots, 150)
+        assert (out.double() - expected).abs().max().item() < 4 * unit_roundoff(torch.bfloat16) * 5
+        outs.append(out)
+    assert (outs[0].double() - outs[1].double()).abs().max().item() < 8 * unit_roundoff(torch.bfloat16) * 5
+
+
 # -- wiring --------------------------------------------------------------------------------------------
 
 

@@ -446,6 +446,162 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// ---- paged_prefill: a prefill chunk's causal attention over its context, read in place ----------------
+// Query token i of the chunk (position ctx_start + i) attends to positions 0 .. ctx_start + i, whose
+// K/V lie in the cache at slots[position]. Flash-attention order: a work item is one kv head and a
+// tile of kQTile query tokens (their G query heads share the K/V reads); each key block of kKBlock
+// positions is laid out once per item for bfloat16 pair dot products (vdpbf16ps: K as (dim, dim+1)
+// pairs per position, V as (position, position+1) pairs per dim), scores are float32 with an online
+// softmax (running max and sum per query row), the probabilities are rounded to bfloat16 for the
+// weighted sum of V (as bfloat16 flash attention does), accumulated in float32. No gather of the
+// history into a contiguous copy, no mask tensor. Built only with AVX512-BF16 (bfloat16 caches):
+// elsewhere torch's SDPA is faster than float32 code could be (it is at the FMA roofline).
+constexpr int64_t kQTile = 64;
+constexpr int64_t kKBlock = 64;
+
+bool paged_prefill_supported() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+void paged_prefill_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* slots, int64_t L,
+                        int64_t H, int64_t KV, int64_t S, int64_t dh, int64_t ctx_start, float scale, uint16_t* out) {
+  const int64_t G = H / KV;
+  const int64_t tiles = (L + kQTile - 1) / kQTile;
+  const int64_t dp = dh / 2;    // dim pairs
+  const int64_t nd = dh / 16;   // float vectors per row of the head dim
+  constexpr int64_t NV = kKBlock / 16;
+  at::parallel_for(0, KV * tiles, 1, [&](int64_t w0, int64_t w1) {
+    const int64_t M = kQTile * G;
+    std::vector<uint32_t> kt(dp * kKBlock), vt((kKBlock / 2) * dh);
+    std::vector<float> o(M * dh), sc(M * kKBlock), mx(M), sm(M);
+    std::vector<uint16_t> pb(kKBlock);
+    std::vector<const uint32_t*> qrow(M);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t kh = w / tiles, t0 = (w % tiles) * kQTile, t1 = std::min(L, t0 + kQTile);
+      const int64_t rows = (t1 - t0) * G;  // row r: token t0 + r / G, head kh * G + r % G
+      for (int64_t r = 0; r < rows; ++r) {
+        qrow[r] = reinterpret_cast<const uint32_t*>(q + ((t0 + r / G) * H + kh * G + r % G) * dh);
+        mx[r] = -std::numeric_limits<float>::infinity();
+        sm[r] = 0.f;
+      }
+      std::fill(o.begin(), o.begin() + rows * dh, 0.f);
+      const int64_t end = ctx_start + t1;  // positions this tile sees at most
+      for (int64_t p0 = 0; p0 < end; p0 += kKBlock) {
+        const int64_t n = std::min(kKBlock, end - p0);
+        for (int64_t j = 0; j < kKBlock; ++j) {
+          if (j < n) {
+            const int64_t slot = slots[p0 + j];
+            const uint32_t* kr = reinterpret_cast<const uint32_t*>(kc + (kh * S + slot) * dh);
+            for (int64_t e = 0; e < dp; ++e) kt[e * kKBlock + j] = kr[e];
+          } else {
+            for (int64_t e = 0; e < dp; ++e) kt[e * kKBlock + j] = 0;
+          }
+        }
+        for (int64_t j = 0; j < kKBlock; j += 2) {
+          const uint16_t* v0 = j < n ? vc + (kh * S + slots[p0 + j]) * dh : nullptr;
+          const uint16_t* v1 = j + 1 < n ? vc + (kh * S + slots[p0 + j + 1]) * dh : nullptr;
+          uint32_t* dst = vt.data() + (j / 2) * dh;
+          for (int64_t e = 0; e < dh; ++e)
+            dst[e] = (v0 ? v0[e] : 0u) | (static_cast<uint32_t>(v1 ? v1[e] : 0u) << 16);
+        }
+        const __m512 vscale = _mm512_set1_ps(scale);
+        for (int64_t r = 0; r < rows; r += 2) {
+          const bool two = r + 1 < rows;
+          __m512 a0[NV], a1[NV];
+          for (int64_t c = 0; c < NV; ++c) a0[c] = a1[c] = _mm512_setzero_ps();
+          const uint32_t* q0 = qrow[r];
+          const uint32_t* q1 = two ? qrow[r + 1] : q0;
+          for (int64_t e = 0; e < dp; ++e) {
+            const __m512bh b0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(q0[e]));
+            const __m512bh b1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(q1[e]));
+            const uint32_t* kr = kt.data() + e * kKBlock;
+            for (int64_t c = 0; c < NV; ++c) {
+              const __m512bh kv = (__m512bh)_mm512_loadu_si512(kr + c * 16);
+              a0[c] = _mm512_dpbf16_ps(a0[c], b0, kv);
+              a1[c] = _mm512_dpbf16_ps(a1[c], b1, kv);
+            }
+          }
+          for (int64_t c = 0; c < NV; ++c) {
+            _mm512_storeu_ps(sc.data() + r * kKBlock + c * 16, _mm512_mul_ps(a0[c], vscale));
+            if (two) _mm512_storeu_ps(sc.data() + (r + 1) * kKBlock + c * 16, _mm512_mul_ps(a1[c], vscale));
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* sr = sc.data() + r * kKBlock;
+          const int64_t last = ctx_start + t0 + r / G;  // the last position row r attends to
+          const int64_t valid = std::min(n, std::max<int64_t>(last - p0 + 1, 0));
+          if (valid == 0) continue;
+          for (int64_t j = valid; j < kKBlock; ++j) sr[j] = -std::numeric_limits<float>::infinity();
+          __m512 bmv = _mm512_loadu_ps(sr);
+          for (int64_t c = 1; c < NV; ++c) bmv = _mm512_max_ps(bmv, _mm512_loadu_ps(sr + c * 16));
+          const float m_new = std::max(mx[r], _mm512_reduce_max_ps(bmv));
+          const float corr = std::exp(mx[r] - m_new);
+          __m512 tot = _mm512_setzero_ps();
+          for (int64_t c = 0; c < NV; ++c) {
+            const __m512 pv = vexp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + c * 16), _mm512_set1_ps(m_new)));
+            tot = _mm512_add_ps(tot, pv);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.data() + c * 16), (__m256i)_mm512_cvtneps_pbh(pv));
+          }
+          sm[r] = sm[r] * corr + _mm512_reduce_add_ps(tot);
+          mx[r] = m_new;
+          float* orow = o.data() + r * dh;
+          __m512 acc[8];
+          const __m512 vc_corr = _mm512_set1_ps(corr);
+          for (int64_t c = 0; c < nd; ++c) acc[c] = _mm512_mul_ps(_mm512_loadu_ps(orow + c * 16), vc_corr);
+          const uint32_t* p32 = reinterpret_cast<const uint32_t*>(pb.data());
+          for (int64_t jp = 0; jp < (valid + 1) / 2; ++jp) {
+            const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(p32[jp]));
+            const uint32_t* vr = vt.data() + jp * dh;
+            for (int64_t c = 0; c < nd; ++c)
+              acc[c] = _mm512_dpbf16_ps(acc[c], pj, (__m512bh)_mm512_loadu_si512(vr + c * 16));
+          }
+          for (int64_t c = 0; c < nd; ++c) _mm512_storeu_ps(orow + c * 16, acc[c]);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        c10::BFloat16* dst = reinterpret_cast<c10::BFloat16*>(out) + ((t0 + r / G) * H + kh * G + r % G) * dh;
+        const float inv = 1.f / sm[r];
+        for (int64_t e = 0; e < dh; ++e) store(o[r * dh + e] * inv, dst + e);
+      }
+    }
+  });
+}
+#endif
+
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& slots, int64_t ctx_start, double scale) {
+  TORCH_CHECK(paged_prefill_supported(), "paged_prefill: built only for CPUs with AVX512-BF16");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "paged_prefill: q [L,H,d], caches [KV,S,d]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16, "paged_prefill: bfloat16 q and caches");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous(),
+              "paged_prefill: contiguous operands");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1, "paged_prefill: int64 slots");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && q.size(2) == k_cache.size(2), "paged_prefill: shapes");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "paged_prefill: heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= 128, "paged_prefill: head size a multiple of 32, at most 128");
+  TORCH_CHECK(ctx_start >= 0 && slots.size(0) >= ctx_start + q.size(0), "paged_prefill: a slot per position");
+  const int64_t S = k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ctx_start + q.size(0); ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < S, "paged_prefill: a slot outside the cache");
+  at::Tensor out = at::empty_like(q);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (q.size(0) > 0)
+    paged_prefill_bf16(reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()),
+                       reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>()),
+                       reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>()), sp, q.size(0), q.size(1),
+                       k_cache.size(0), S, q.size(2), ctx_start, static_cast<float>(scale),
+                       reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()));
+#endif
+  return out;
+}
+
 // ---- The decoder layer's elementwise operations, one operator each instead of 3-6 torch ops ----
 // Math is float32; a bfloat16 result is rounded once (to nearest even). Rows are independent, so
 // large batches (prefill) split rows across threads and small ones (decode) run on the caller's.
@@ -609,6 +765,12 @@ TORCH_LIBRARY(helios, m) {
   m.def("add_rms_norm(Tensor h, Tensor? delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, int ctx_start, float scale) -> Tensor");
+  m.def("paged_prefill_supported() -> bool");
+}
+
+TORCH_LIBRARY_FRAGMENT(helios, m) {
+  m.impl("paged_prefill_supported", &paged_prefill_supported);
 }
 
 TORCH_LIBRARY_IMPL(helios, CPU, m) {
@@ -617,4 +779,5 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("add_rms_norm", TORCH_FN(add_rms_norm));
   m.impl("rope_", TORCH_FN(rope_));
   m.impl("silu_mul", TORCH_FN(silu_mul));
+  m.impl("paged_prefill", TORCH_FN(paged_prefill));
 }
