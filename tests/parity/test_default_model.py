@@ -159,3 +159,27 @@ def test_bfloat16_keeps_float32_logits(checkpoint: Checkpoint, chat_prompt_ids: 
     assert the > ell
     out = greedy_generate(model, chat_prompt_ids, max_new_tokens=24, eos_token_ids=tok.eos_token_ids)
     assert tok.decode(out) == "The capital of France is Paris."
+
+
+def test_the_engine_answers_paris_with_the_runtime_choice(gguf_path: Path, chat_prompt_ids: list[int]) -> None:
+    """What `helios serve` runs: the runtime's `auto` weights and dtype, the engine's paged attention
+    (its CPU prefill and decode kernels where they apply), greedy. The first token is a near tie
+    ('The' 25.33 against 'L' 25.24 in float32): a kernel that rounds more than the dtype's own
+    arithmetic (a bfloat16 prefill kernel that rounded its probabilities to bfloat16 did) flips it."""
+    from helios.domain.sampling import SamplingParams
+    from helios.engine.core import EngineConfig, EngineCore
+    from helios.engine.records import EngineRequest
+    from helios.runtime import load_model
+
+    loaded = load_model(gguf_path)
+    core = EngineCore(loaded.model, loaded.checkpoint.config,
+                      EngineConfig(page_size=16, num_pages=16, max_active=2, prefill_chunk_size=512, max_model_len=256),
+                      loaded.choice.dtype)
+    core.add(EngineRequest("paris", tuple(chat_prompt_ids), SamplingParams(temperature=0.0), max_tokens=12,
+                           eos_token_ids=frozenset(loaded.checkpoint.tokenizer.eos_token_ids)))
+    tokens: list[int] = []
+    while core.scheduler.has_work:
+        for out in core.step():
+            tokens += out.new_token_ids
+    tok = loaded.checkpoint.tokenizer
+    assert tok.decode([t for t in tokens if t not in tok.eos_token_ids]) == "The capital of France is Paris."

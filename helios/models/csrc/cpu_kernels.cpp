@@ -450,12 +450,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 // Query token i of the chunk (position ctx_start + i) attends to positions 0 .. ctx_start + i, whose
 // K/V lie in the cache at slots[position]. Flash-attention order: a work item is one kv head and a
 // tile of kQTile query tokens (their G query heads share the K/V reads); each key block of kKBlock
-// positions is laid out once per item for bfloat16 pair dot products (vdpbf16ps: K as (dim, dim+1)
-// pairs per position, V as (position, position+1) pairs per dim), scores are float32 with an online
-// softmax (running max and sum per query row), the probabilities are rounded to bfloat16 for the
-// weighted sum of V (as bfloat16 flash attention does), accumulated in float32. No gather of the
-// history into a contiguous copy, no mask tensor. Built only with AVX512-BF16 (bfloat16 caches):
-// elsewhere torch's SDPA is faster than float32 code could be (it is at the FMA roofline).
+// positions is laid out once per item: K as (dim, dim+1) bfloat16 pairs per position for pair dot
+// products (vdpbf16ps: the products of bfloat16 values are exact in float32), V widened to float32.
+// Scores are float32 with an online softmax (running max and sum per query row); the weighted sum
+// of V uses the float32 probabilities (rounding them to bfloat16, as bfloat16 flash attention does,
+// moved the default model's near-tie first token). No gather of the history into a contiguous
+// copy, no mask tensor. Built only with AVX512-BF16 (bfloat16 caches): elsewhere torch's SDPA is
+// as fast as float32 code can be (it is at the FMA roofline).
 constexpr int64_t kQTile = 64;
 constexpr int64_t kKBlock = 64;
 
@@ -477,9 +478,8 @@ void paged_prefill_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
   constexpr int64_t NV = kKBlock / 16;
   at::parallel_for(0, KV * tiles, 1, [&](int64_t w0, int64_t w1) {
     const int64_t M = kQTile * G;
-    std::vector<uint32_t> kt(dp * kKBlock), vt((kKBlock / 2) * dh);
-    std::vector<float> o(M * dh), sc(M * kKBlock), mx(M), sm(M);
-    std::vector<uint16_t> pb(kKBlock);
+    std::vector<uint32_t> kt(dp * kKBlock);
+    std::vector<float> vf(kKBlock * dh), o(M * dh), sc(M * kKBlock), mx(M), sm(M), corr(M);
     std::vector<const uint32_t*> qrow(M);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t kh = w / tiles, t0 = (w % tiles) * kQTile, t1 = std::min(L, t0 + kQTile);
@@ -502,12 +502,9 @@ void paged_prefill_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
             for (int64_t e = 0; e < dp; ++e) kt[e * kKBlock + j] = 0;
           }
         }
-        for (int64_t j = 0; j < kKBlock; j += 2) {
-          const uint16_t* v0 = j < n ? vc + (kh * S + slots[p0 + j]) * dh : nullptr;
-          const uint16_t* v1 = j + 1 < n ? vc + (kh * S + slots[p0 + j + 1]) * dh : nullptr;
-          uint32_t* dst = vt.data() + (j / 2) * dh;
-          for (int64_t e = 0; e < dh; ++e)
-            dst[e] = (v0 ? v0[e] : 0u) | (static_cast<uint32_t>(v1 ? v1[e] : 0u) << 16);
+        for (int64_t j = 0; j < n; ++j) {
+          const c10::BFloat16* vr = reinterpret_cast<const c10::BFloat16*>(vc + (kh * S + slots[p0 + j]) * dh);
+          for (int64_t c = 0; c < nd; ++c) _mm512_storeu_ps(vf.data() + j * dh + c * 16, vload(vr + c * 16));
         }
         const __m512 vscale = _mm512_set1_ps(scale);
         for (int64_t r = 0; r < rows; r += 2) {
@@ -531,36 +528,61 @@ void paged_prefill_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
             if (two) _mm512_storeu_ps(sc.data() + (r + 1) * kKBlock + c * 16, _mm512_mul_ps(a1[c], vscale));
           }
         }
+        // Online softmax per row: probabilities in place of the scores (0 past the row's last
+        // position), the row's correction of its earlier sum.
+        int64_t most = 0;  // the most positions any row of the tile attends to in this block
         for (int64_t r = 0; r < rows; ++r) {
           float* sr = sc.data() + r * kKBlock;
           const int64_t last = ctx_start + t0 + r / G;  // the last position row r attends to
           const int64_t valid = std::min(n, std::max<int64_t>(last - p0 + 1, 0));
-          if (valid == 0) continue;
+          most = std::max(most, valid);
+          if (valid == 0) {
+            corr[r] = 1.f;
+            std::fill(sr, sr + kKBlock, 0.f);
+            continue;
+          }
           for (int64_t j = valid; j < kKBlock; ++j) sr[j] = -std::numeric_limits<float>::infinity();
           __m512 bmv = _mm512_loadu_ps(sr);
           for (int64_t c = 1; c < NV; ++c) bmv = _mm512_max_ps(bmv, _mm512_loadu_ps(sr + c * 16));
           const float m_new = std::max(mx[r], _mm512_reduce_max_ps(bmv));
-          const float corr = std::exp(mx[r] - m_new);
+          corr[r] = std::exp(mx[r] - m_new);
           __m512 tot = _mm512_setzero_ps();
           for (int64_t c = 0; c < NV; ++c) {
-            const __m512 pv = vexp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + c * 16), _mm512_set1_ps(m_new)));
+            __m512 pv = vexp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + c * 16), _mm512_set1_ps(m_new)));
+            const int64_t left = valid - c * 16;  // lanes of this vector the row attends to
+            if (left < 16) pv = _mm512_maskz_mov_ps(left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1), pv);
             tot = _mm512_add_ps(tot, pv);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.data() + c * 16), (__m256i)_mm512_cvtneps_pbh(pv));
+            _mm512_storeu_ps(sr + c * 16, pv);
           }
-          sm[r] = sm[r] * corr + _mm512_reduce_add_ps(tot);
+          sm[r] = sm[r] * corr[r] + _mm512_reduce_add_ps(tot);
           mx[r] = m_new;
-          float* orow = o.data() + r * dh;
-          __m512 acc[8];
-          const __m512 vc_corr = _mm512_set1_ps(corr);
-          for (int64_t c = 0; c < nd; ++c) acc[c] = _mm512_mul_ps(_mm512_loadu_ps(orow + c * 16), vc_corr);
-          const uint32_t* p32 = reinterpret_cast<const uint32_t*>(pb.data());
-          for (int64_t jp = 0; jp < (valid + 1) / 2; ++jp) {
-            const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(p32[jp]));
-            const uint32_t* vr = vt.data() + jp * dh;
-            for (int64_t c = 0; c < nd; ++c)
-              acc[c] = _mm512_dpbf16_ps(acc[c], pj, (__m512bh)_mm512_loadu_si512(vr + c * 16));
+        }
+        // Weighted sum of V, two rows at a time sharing each V load.
+        for (int64_t r = 0; r < rows; r += 2) {
+          const bool two = r + 1 < rows;
+          float* o0 = o.data() + r * dh;
+          float* o1 = two ? o0 + dh : o0;
+          const float* s0 = sc.data() + r * kKBlock;
+          const float* s1 = two ? s0 + kKBlock : s0;
+          __m512 a0[8], a1[8];
+          const __m512 c0 = _mm512_set1_ps(corr[r]), c1 = _mm512_set1_ps(two ? corr[r + 1] : 1.f);
+          for (int64_t c = 0; c < nd; ++c) {
+            a0[c] = _mm512_mul_ps(_mm512_loadu_ps(o0 + c * 16), c0);
+            a1[c] = _mm512_mul_ps(_mm512_loadu_ps(o1 + c * 16), c1);
           }
-          for (int64_t c = 0; c < nd; ++c) _mm512_storeu_ps(orow + c * 16, acc[c]);
+          for (int64_t j = 0; j < most; ++j) {
+            const __m512 p0v = _mm512_set1_ps(s0[j]), p1v = _mm512_set1_ps(s1[j]);
+            const float* vr = vf.data() + j * dh;
+            for (int64_t c = 0; c < nd; ++c) {
+              const __m512 vv = _mm512_loadu_ps(vr + c * 16);
+              a0[c] = _mm512_fmadd_ps(p0v, vv, a0[c]);
+              a1[c] = _mm512_fmadd_ps(p1v, vv, a1[c]);
+            }
+          }
+          for (int64_t c = 0; c < nd; ++c) {
+            _mm512_storeu_ps(o0 + c * 16, a0[c]);
+            if (two) _mm512_storeu_ps(o1 + c * 16, a1[c]);
+          }
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
