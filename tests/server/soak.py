@@ -337,6 +337,19 @@ def _error_message(body: bytes) -> str:
 
 
 async def run_one(client: httpx.AsyncClient, plan: Plan) -> Result:
+    """One planned request. A reader that disconnects mid-stream uses a connection of its own (a
+    client without keep-alive): closing a response early under load could otherwise leave its
+    connection for httpx's pool to hand to a concurrent request, which then fails with a ReadError
+    that no server behaviour caused (seen once in a full-suite run: the server logged a request
+    that disconnected 4 ms after arriving, while the client reported a transport error)."""
+    if plan.reader != "disconnect":
+        return await _run_one(client, plan)
+    async with httpx.AsyncClient(base_url=client.base_url, timeout=client.timeout,
+                                 limits=httpx.Limits(max_connections=1, max_keepalive_connections=0)) as own:
+        return await _run_one(own, plan)
+
+
+async def _run_one(client: httpx.AsyncClient, plan: Plan) -> Result:
     t0 = time.perf_counter()
     headers = {"anthropic-version": "2023-06-01"} if plan.protocol == "messages" else {}
     res = Result(plan.protocol, plan.reader, "error", 0, 0.0, burst=plan.burst)
