@@ -25,14 +25,12 @@ from helios.models.vision.idefics3 import Idefics3Tower
 from helios.models.vision.idefics3_processor import Idefics3ImageProcessor, Idefics3ImageSettings
 from helios.runtime import LoadedModel, load_model
 from tests.numerics import FP32_TOLERANCE
+from tests.serving.tiny_vlm import LONGEST, SEQ_LEN, TILE, idefics3_config, randomize, tokenizer_backend
 
 transformers = pytest.importorskip("transformers")
 pil_idefics3 = pytest.importorskip("transformers.models.idefics3.image_processing_pil_idefics3")
 
-SPECIAL = ["<|endoftext|>", "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
-           *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
-VOCAB = 300
-TILE, LONGEST, SEQ_LEN = 32, 96, 16
+VOCAB = 300  # a few ids past the tokenizer's 297
 SMOLVLM = dict(size={"longest_edge": 2048}, max_image_size={"longest_edge": 512}, resample=1)
 
 
@@ -104,7 +102,7 @@ def test_processor_bit_exact_other_settings(kwargs: dict[str, Any]) -> None:
 
 
 def _processor(seq_len: int, **image_kwargs: Any) -> Any:
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=_tokenizer_backend())
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer_backend())
     image_processor = pil_idefics3.Idefics3ImageProcessorPil(**image_kwargs)
     return transformers.Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=seq_len)
 
@@ -144,47 +142,17 @@ def test_geometry_matches_the_processor(width: int, height: int, split: bool) ->
 
 # --- the tiny model ------------------------------------------------------------------------------
 
-def _tokenizer_backend() -> Any:
-    tokenizers = pytest.importorskip("tokenizers")
-    keep = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255]
-    spelled = {b: chr(b) for b in keep}
-    for offset, b in enumerate(b for b in range(256) if b not in spelled):
-        spelled[b] = chr(256 + offset)
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={spelled[b]: b for b in range(256)}, merges=[]))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = tokenizers.decoders.ByteLevel()
-    backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    return backend
-
-
-def _randomize(model: torch.nn.Module) -> None:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            else:
-                param.copy_(0.15 * torch.randn_like(param))
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, LoadedModel]:
     root = tmp_path_factory.mktemp("idefics3")
     processor = _processor(SEQ_LEN, size={"longest_edge": LONGEST}, max_image_size={"longest_edge": TILE})
     image_token_id = processor.tokenizer.convert_tokens_to_ids("<image>")
-    config = transformers.Idefics3Config(
-        text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096, rms_norm_eps=1e-5),
-        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                           patch_size=4, image_size=TILE),
-        scale_factor=2, image_token_id=image_token_id)
-    hf_model = transformers.Idefics3ForConditionalGeneration(config)
-    _randomize(hf_model)
+    hf_model = transformers.Idefics3ForConditionalGeneration(idefics3_config(VOCAB, image_token_id))
+    randomize(hf_model, 0.15)
     hf_model.eval()
     hf_model.save_pretrained(root)
     processor.save_pretrained(root)
-    _tokenizer_backend().save(str(root / "tokenizer.json"))
+    tokenizer_backend().save(str(root / "tokenizer.json"))
     template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     (root / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|endoftext|>", "chat_template": template, "add_bos_token": False}))

@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Self
 
 import attrs
 import httpx
@@ -348,32 +348,19 @@ def runtime_factory(family: Family, book: ScriptBook, *, model_factory: ModelFac
 # -- an in-process hypercorn server -----------------------------------------------------------------
 
 
-class ScriptedServer:
-    """HeliosApp served by hypercorn's trio worker in a background thread, on a real socket.
-    `config` and `model_factory` replace the harness's serving configuration and scripted model."""
+class AppServer:
+    """A HeliosApp served by hypercorn's trio worker in a background thread, on a real socket."""
 
-    def __init__(self, family: Family, *, config: HeliosConfig | None = None,
-                 model_factory: ModelFactory | None = None, prefix_caching: bool = False) -> None:
-        self.family = family
-        self.book = ScriptBook(scripted_tokenizer())
-        factory = runtime_factory(family, self.book, model_factory=model_factory, prefix_caching=prefix_caching)
-        self.app = HeliosApp(config or serving_config(), runtime_factory=factory)
+    def __init__(self, app: HeliosApp, name: str) -> None:
+        self.app = app
+        self.name = name
         self.url = ""
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
 
-    @property
-    def tok(self) -> Tokenizer:
-        return self.book.tok
-
-    @property
-    def service(self) -> Service:
-        assert self.app.service is not None
-        return self.app.service
-
-    def start(self) -> ScriptedServer:
+    def start(self) -> Self:
         from hypercorn.config import Config
         from hypercorn.trio import serve
 
@@ -396,19 +383,19 @@ class ScriptedServer:
             except BaseException as exc:
                 self._failure = exc
 
-        self._thread = threading.Thread(target=run, name=f"hypercorn-{self.family.name}", daemon=True)
+        self._thread = threading.Thread(target=run, name=f"hypercorn-{self.name}", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self._failure is not None or not self._thread.is_alive():
-                raise RuntimeError(f"scripted server failed to start: {self._failure!r}")
+                raise RuntimeError(f"{self.name} server failed to start: {self._failure!r}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
-        raise RuntimeError("scripted server did not become healthy")
+        raise RuntimeError(f"{self.name} server did not become healthy")
 
     def stop(self) -> None:
         if self._token is not None and self._stop is not None:
@@ -424,6 +411,30 @@ class ScriptedServer:
         assert self._token is not None
         return trio.from_thread.run(fn, *args, trio_token=self._token)
 
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, headers={"anthropic-version": "2023-06-01"})
+
+
+class ScriptedServer(AppServer):
+    """The scripted model's HeliosApp on a real socket. `config` and `model_factory` replace the
+    harness's serving configuration and scripted model."""
+
+    def __init__(self, family: Family, *, config: HeliosConfig | None = None,
+                 model_factory: ModelFactory | None = None, prefix_caching: bool = False) -> None:
+        self.family = family
+        self.book = ScriptBook(scripted_tokenizer())
+        factory = runtime_factory(family, self.book, model_factory=model_factory, prefix_caching=prefix_caching)
+        super().__init__(HeliosApp(config or serving_config(), runtime_factory=factory), family.name)
+
+    @property
+    def tok(self) -> Tokenizer:
+        return self.book.tok
+
+    @property
+    def service(self) -> Service:
+        assert self.app.service is not None
+        return self.app.service
+
     # -- clients -----------------------------------------------------------------------------------
     def openai(self) -> Any:
         import openai
@@ -436,8 +447,6 @@ class ScriptedServer:
         return anthropic.Anthropic(base_url=self.url, api_key="unused", max_retries=0, timeout=60,
                                    default_headers={"anthropic-version": "2023-06-01"})
 
-    def http(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=60, headers={"anthropic-version": "2023-06-01"})
 
 
 def _free_port() -> int:

@@ -13,16 +13,11 @@ from __future__ import annotations
 import base64
 import io
 import json
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
-import trio
 
 from helios.app import HeliosApp
 from helios.config import (
@@ -34,6 +29,7 @@ from helios.config import (
     SpeculativeSection,
     VisionSection,
 )
+from tests.serving.harness import AppServer
 
 SPECIAL = ["<|endoftext|>", "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
            *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
@@ -47,7 +43,8 @@ TEMPLATE = (
 )
 
 
-def _tokenizer_backend() -> Any:
+def tokenizer_backend() -> Any:
+    """A byte-level BPE tokenizer (one token per byte, no merges) holding Idefics3's special tokens."""
     tokenizers = pytest.importorskip("tokenizers")
     keep = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255]
     spelled = {b: chr(b) for b in keep}
@@ -64,11 +61,35 @@ def hf_processor() -> Any:
     """transformers' Idefics3 processor with the checkpoint's settings (the reference)."""
     transformers = pytest.importorskip("transformers")
     pil_idefics3 = pytest.importorskip("transformers.models.idefics3.image_processing_pil_idefics3")
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=_tokenizer_backend())
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer_backend())
     image_processor = pil_idefics3.Idefics3ImageProcessorPil(size={"longest_edge": LONGEST},
                                                              max_image_size={"longest_edge": TILE})
     return transformers.Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                           image_seq_len=SEQ_LEN)
+
+
+def idefics3_config(vocab_size: int, image_token_id: int) -> Any:
+    """The tiny Idefics3Config: a 2-layer Llama text model and a 2-layer SigLIP encoder (32-pixel
+    tiles of 4-pixel patches), pixel-shuffle scale 2."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.Idefics3Config(
+        text_config=dict(model_type="llama", vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=4096, rms_norm_eps=1e-5),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           patch_size=4, image_size=TILE),
+        scale_factor=2, image_token_id=image_token_id)
+
+
+def randomize(model: torch.nn.Module, scale: float) -> None:
+    """Seeded random weights: norm weights near 1, everything else of standard deviation ``scale``."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(scale * torch.randn_like(param))
 
 
 def build_checkpoint(root: Path) -> Path:
@@ -77,24 +98,12 @@ def build_checkpoint(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     processor = hf_processor()
     tokenizer = processor.tokenizer
-    config = transformers.Idefics3Config(
-        text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096, rms_norm_eps=1e-5),
-        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                           patch_size=4, image_size=TILE),
-        scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
-    model = transformers.Idefics3ForConditionalGeneration(config)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            else:
-                param.copy_(0.5 * torch.randn_like(param))
+    model = transformers.Idefics3ForConditionalGeneration(
+        idefics3_config(VOCAB, tokenizer.convert_tokens_to_ids("<image>")))
+    randomize(model, 0.5)
     model.save_pretrained(root)
     processor.save_pretrained(root)
-    _tokenizer_backend().save(str(root / "tokenizer.json"))
+    tokenizer_backend().save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|endoftext|>", "chat_template": TEMPLATE, "add_bos_token": False}))
     return root
@@ -128,16 +137,11 @@ def serving_config(path: Path, *, chunk: int = 4096, vision: VisionSection | Non
     )
 
 
-class VisionServer:
+class VisionServer(AppServer):
     """HeliosApp with the real build_runtime, on a real socket (hypercorn's trio worker in a thread)."""
 
     def __init__(self, config: HeliosConfig) -> None:
-        self.app = HeliosApp(config)
-        self.url = ""
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._stop: trio.Event | None = None
-        self._thread: threading.Thread | None = None
-        self._failure: BaseException | None = None
+        super().__init__(HeliosApp(config), "vision")
 
     @property
     def core(self) -> Any:
@@ -146,54 +150,3 @@ class VisionServer:
     @property
     def tower(self) -> Any:
         return self.app.runtime.vision
-
-    def start(self) -> VisionServer:
-        from hypercorn.config import Config
-        from hypercorn.trio import serve
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        config = Config()
-        config.bind = [f"127.0.0.1:{port}"]
-        config.accesslog = None
-        config.errorlog = None
-        config.graceful_timeout = 0.5
-        self.url = f"http://127.0.0.1:{port}"
-
-        async def main() -> None:
-            self._token = trio.lowlevel.current_trio_token()
-            self._stop = trio.Event()
-            await serve(self.app, config, shutdown_trigger=self._stop.wait)  # type: ignore[arg-type]
-
-        def run() -> None:
-            try:
-                trio.run(main)
-            except BaseException as exc:
-                self._failure = exc
-
-        self._thread = threading.Thread(target=run, name="hypercorn-vlm", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self._failure is not None or not self._thread.is_alive():
-                raise RuntimeError(f"vision server failed to start: {self._failure!r}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("vision server did not become healthy")
-
-    def stop(self) -> None:
-        if self._token is not None and self._stop is not None:
-            try:
-                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-            except trio.RunFinishedError:
-                pass
-        if self._thread is not None:
-            self._thread.join(30)
-
-    def http(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=60, headers={"anthropic-version": "2023-06-01"})
