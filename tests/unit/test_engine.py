@@ -3,12 +3,14 @@ batching and preemption must reproduce an independent dense single-sequence forw
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from helios.domain.sampling import SamplingParams
 from helios.engine.core import EngineConfig, EngineCore
-from helios.engine.records import EngineFinish, EngineRequest
+from helios.engine.records import EngineFinish, EngineRequest, RequestOutput
 from helios.models.config import ModelConfig
 from helios.models.dense_attention import DenseAttention
 from helios.models.llama import LlamaForCausalLM
@@ -26,8 +28,11 @@ def tiny_model() -> LlamaForCausalLM:
     return model
 
 
-def run(core: EngineCore, requests: list[EngineRequest], max_steps: int = 500) -> dict[str, list]:
-    outs: dict[str, list] = {r.request_id: [] for r in requests}
+def run(core: EngineCore, requests: list[EngineRequest], max_steps: int = 500,
+        each_step: Callable[[], None] | None = None) -> dict[str, list[RequestOutput]]:
+    """Add the requests and step until no work is left (integrity checked after every step;
+    ``each_step`` runs after it too); every request's outputs in order."""
+    outs: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
     for r in requests:
         core.add(r)
     for _ in range(max_steps):
@@ -36,6 +41,8 @@ def run(core: EngineCore, requests: list[EngineRequest], max_steps: int = 500) -
         for o in core.step():
             outs[o.request_id].append(o)
         core.scheduler.check_integrity()
+        if each_step is not None:
+            each_step()
     assert not core.scheduler.has_work
     return outs
 

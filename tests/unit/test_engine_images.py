@@ -21,6 +21,7 @@ from helios.engine.speculative import SpeculativeConfig
 from helios.models.config import ModelConfig
 from helios.models.dense_attention import DenseAttention
 from helios.models.llama import LlamaForCausalLM
+from tests.unit.test_engine import run
 
 CFG = ModelConfig(arch="llama", vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=256)
@@ -111,23 +112,6 @@ def engine(chunk: int = 64, num_pages: int = 64, device: str = "cpu",
         return EngineCore(model, CFG, cfg, torch.float32, "cpu", vision=tower), tower, model
     return (EngineCore(tiny_model().to(device), CFG, cfg, torch.float32, device, vision=Tower().to(device)),
             tower, model)
-
-
-def run(core: EngineCore, requests: list[EngineRequest], max_steps: int = 400,
-        each_step: Callable[[], None] | None = None) -> dict[str, list[RequestOutput]]:
-    outs: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
-    for r in requests:
-        core.add(r)
-    for _ in range(max_steps):
-        if not core.scheduler.has_work:
-            break
-        for o in core.step():
-            outs[o.request_id].append(o)
-        core.scheduler.check_integrity()
-        if each_step is not None:
-            each_step()
-    assert not core.scheduler.has_work
-    return outs
 
 
 def request(rid: str, ids: list[int], images: tuple[ImageInput, ...], max_tokens: int = 4,
