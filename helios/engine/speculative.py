@@ -133,8 +133,6 @@ class SharedHistory:
         self._outputs: OrderedDict[str, list[int]] = OrderedDict()
         self._index: dict[int, dict[tuple[int, ...], tuple[str, int]]] = {n: {} for n in self.sizes}
         self._size = 0
-        self.lookups = 0
-        self.hits = 0
 
     @property
     def num_tokens(self) -> int:
@@ -165,7 +163,6 @@ class SharedHistory:
         ``token_ids`` in another request's output (``exclude``: the asking request)."""
         if depth <= 0:
             return ()
-        self.lookups += 1
         end = len(token_ids)
         for n in self.sizes:
             if n > end:
@@ -174,7 +171,6 @@ class SharedHistory:
             if found is None or found[0] == exclude:
                 continue
             output = self._outputs[found[0]]
-            self.hits += 1
             return tuple(output[found[1] : found[1] + depth])
         return ()
 
