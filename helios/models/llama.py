@@ -36,7 +36,9 @@ from helios.models.quant import (
     WeightFormat,
     WeightSource,
     build_linear,
+    dense_matmul,
     dense_of,
+    pack_onednn,
 )
 
 _LM_HEAD_FP32 = "lm_head_fp32"  # the float32 output projection's name in `packed_state`
@@ -100,6 +102,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = _param(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
         self._lm_head_fp32: Tensor | None = None
+        self._lm_head_onednn: Tensor | None = None  # `pack_onednn_weights`
         self._wants_lm_head_fp32 = lm_head_fp32 and dtype != torch.float32
         self._lm_head_q8: tuple[Tensor, Tensor] | None = None
         self._wants_q8_head = q8_head
@@ -131,8 +134,21 @@ class LlamaForCausalLM(nn.Module):
         if self._lm_head_q8 is not None:
             return cpu_kernels.q8_linear(hidden, *self._lm_head_q8)
         if self._lm_head_fp32 is not None:
-            return F.linear(hidden.float(), self._lm_head_fp32)
-        return F.linear(hidden, self.lm_head).float()
+            return dense_matmul(hidden.float(), self._lm_head_fp32, self._lm_head_onednn)
+        return dense_matmul(hidden, self.lm_head, self._lm_head_onednn).float()
+
+    def pack_onednn_weights(self) -> int:
+        """Once the weights are loaded (CPU): give every dense projection, and the float32 output
+        projection, a oneDNN-packed copy where oneDNN's prepacked linear is faster here
+        (`quant.pack_onednn`). Returns how many tensors were packed. Loading weights again drops them."""
+        count = sum(pack_onednn(getattr(layer, attr)) for layer in self._decoder_layers() for attr in PROJECTIONS)
+        head = self._lm_head_fp32 if self._lm_head_fp32 is not None else self.lm_head.detach()
+        if self._lm_head_q8 is None:
+            holder = DenseLinear(head)
+            if pack_onednn(holder):
+                self._lm_head_onednn = holder.onednn
+                count += 1
+        return count
 
     def load_weights(self, tensors: Mapping[str, WeightSource]) -> None:
         """Build the parameters from Hugging Face-named weights: dense tensors (converted to the
@@ -143,6 +159,7 @@ class LlamaForCausalLM(nn.Module):
         (then an ``lm_head.weight`` is ignored, as transformers does). Unknown names raise.
         """
         cfg = self.config
+        self._lm_head_onednn = None
         loaded: set[str] = set()
         unexpected: list[str] = []
         targets = self._weight_targets()
@@ -214,6 +231,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_packed_state(self, state: Mapping[str, Tensor], kinds: Mapping[str, str]) -> None:
         """Restore what `packed_state` returned (from a model of the same config, dtype and format)."""
+        self._lm_head_onednn = None
         for i, layer in enumerate(self._decoder_layers()):
             for attr in PROJECTIONS:
                 prefix = f"layers.{i}.{attr}."

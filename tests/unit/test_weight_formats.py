@@ -30,6 +30,8 @@ from helios.models.quant import (
     Int8Linear,
     WeightFormat,
     build_linear,
+    onednn_linear_works,
+    pack_onednn,
     quantize_int4,
 )
 from helios.runtime import AUTO_DENSE_ABOVE, CPU_CAPABILITY_ENV, choose_weights, load_model
@@ -209,15 +211,28 @@ def _q4_1_weight(rows: int, cols: int, seed: int) -> GroupQuantized:
     return unpack_blocks(torch.from_numpy(np.ascontiguousarray(blocks)).reshape(-1), GGML_Q4_1, (rows, cols))
 
 
+@pytest.mark.parametrize("onednn", [False, True], ids=["torch", "onednn"])
 @pytest.mark.parametrize("rows", [1, 32])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int4", "int8"])
-def test_quantized_matmul_against_float64(kind: str, act: torch.dtype, rows: int) -> None:
+def test_quantized_matmul_against_float64(kind: str, act: torch.dtype, rows: int, onednn: bool) -> None:
+    """Each format against the checkpoint's weights in float64. ``onednn``: the dense matmuls (the
+    dense formats, and the quantized ones' dense copy, used above 4 rows here) run from the
+    oneDNN-packed weight (`pack_onednn`) where the probe enables it for that dtype."""
     torch.manual_seed(rows)
     source = _q4_1_weight(96, 160, seed=rows)
     w64 = source.dequantize().double()  # the checkpoint's weights (exactly gguf.quants' dequantization)
-    fmt = WeightFormat("dense", getattr(torch, kind)) if kind in ("float32", "bfloat16") else WeightFormat(kind)
+    dense_copy = {"dense_dtype": act, "dense_above": 4} if onednn else {}
+    fmt = WeightFormat("dense", getattr(torch, kind)) if kind in ("float32", "bfloat16") \
+        else WeightFormat(kind, **dense_copy)  # type: ignore[arg-type]
     module = build_linear([source], fmt, act)
+    if onednn:
+        stored = fmt.dtype if fmt.kind == "dense" else act
+        assert pack_onednn(module) == onednn_linear_works(stored)
+        if module.onednn is None:
+            pytest.skip(f"oneDNN's prepacked linear is not used for {stored} on this machine")
+        if kind in ("int4", "int8") and rows > 4:
+            kind = str(act).removeprefix("torch.")  # the dense copy answers: its bound, not the codes'
     x = torch.randn(rows, 160).to(act)
     with torch.no_grad():
         got = module(x).double()
@@ -314,6 +329,32 @@ def test_cache_miss_writes_and_hit_restores_the_same_model(tmp_path: Path, monke
     assert builds == [1]  # the hit did not rebuild
     assert torch.equal(_logits(first.model), _logits(second.model))
     assert [type(m) for m in second.model.modules()] == [type(m) for m in first.model.modules()]
+
+
+@pytest.mark.parametrize("weights", ["auto", "bfloat16", "float32"])
+def test_load_model_packs_the_dense_gemms_for_onednn_and_keeps_the_logits(tmp_path: Path, weights: str) -> None:
+    """`load_model` gives every dense projection (and a float32 head) a oneDNN-packed copy where the
+    probe enables oneDNN for its dtype; the logits stay those of the unpacked model (float32
+    accumulation both ways; only the summation order may differ)."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    loaded = load_model(path, weights=weights, cache_dir=tmp_path / "packed")
+    model = loaded.model
+    dense = [m for m in model.modules() if isinstance(m, DenseLinear) or getattr(m, "dense", None) is not None]
+    assert dense
+    for m in dense:
+        weight = m.weight if isinstance(m, DenseLinear) else m.dense
+        assert (m.onednn is not None) == onednn_linear_works(weight.dtype)
+    if all(m.onednn is None for m in dense):
+        pytest.skip("oneDNN's prepacked linear is not used on this machine")
+    ids, positions = torch.tensor([1, 5, 9, 3, 7, 2, 8, 4]), torch.arange(8)
+    with torch.no_grad():
+        packed = model.compute_logits(model(ids, positions, DenseAttention.for_model(model)))
+        for m in dense:
+            m.onednn = None
+        model._lm_head_onednn = None
+        plain = model.compute_logits(model(ids, positions, DenseAttention.for_model(model)))
+    tolerance = 1e-4 if loaded.choice.dtype == torch.float32 else 0.05
+    assert torch.allclose(packed, plain, rtol=0, atol=tolerance * float(plain.abs().max()))
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
