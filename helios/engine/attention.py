@@ -211,6 +211,11 @@ class PagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache = self.kv.k[layer_idx]  # [kv_heads, slots, head_dim]
         v_cache = self.kv.v[layer_idx]
+        if self.num_decode and self.decode_kernel and self.all_decode:
+            # One operator: this step's K/V into the cache, then the paged decode over it.
+            return cpu_kernels.write_paged_decode(q, k, v, k_cache, v_cache, self.slot_mapping, self.table,
+                                                  self.decode_rows, self.decode_lens, self.page_size,
+                                                  q.shape[-1] ** -0.5)
         k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
         out = torch.empty_like(q)

@@ -88,6 +88,15 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tenso
     return torch.ops.helios.paged_decode(q.contiguous(), k_cache, v_cache, block_table, rows, lens, page_size, scale)
 
 
+def write_paged_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                       block_table: Tensor, rows: Tensor, lens: Tensor, page_size: int, scale: float) -> Tensor:
+    """`paged_decode` after writing this step's ``k``, ``v`` ([D, kv_heads, d], any strides) into the
+    caches at ``slot_mapping`` [D]: a whole all-decode layer's attention in one operator."""
+    out: Tensor = torch.ops.helios.write_paged_decode(q, k, v, k_cache, v_cache, slot_mapping, block_table, rows,
+                                                      lens, page_size, scale)
+    return out
+
+
 def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``(s, rms_norm(s) * weight)`` for ``s = h + delta`` (``s = h`` without delta); ``h`` [N, D]
     contiguous float32 or bfloat16, ``weight`` float32 [D]. Math in float32; ``s`` is rounded to the

@@ -254,6 +254,42 @@ def test_the_engine_backend_decodes_through_the_kernel(dtype: torch.dtype) -> No
     assert (out.double() - torch.stack(expected)).abs().max().item() < bound
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_all_decode_step_writes_and_attends_in_one_operator(dtype: torch.dtype) -> None:
+    """Every token a decode row: `write_paged_decode` stores the step's K/V (strided views of one
+    fused qkv tensor, as the model hands them over) at their slots and attends over the cache; the
+    cache must hold exactly those values and the output match float64 over it."""
+    ps, kv_heads, heads, d = 16, 3, 9, 64
+    backend = TorchPagedBackend(1, 64, ps, kv_heads, d, dtype, torch.device("cpu"))
+    g = torch.Generator().manual_seed(11)
+    table = torch.randperm(64, generator=g)[:40].view(2, 20).contiguous()
+    lens = [45, 300]
+    for row, n in enumerate(lens):
+        slots = (table[row][:, None] * ps + torch.arange(ps)).flatten()[: n - 1]
+        backend.kv.k[0][:, slots] = torch.randn(kv_heads, n - 1, d, generator=g).to(dtype)
+        backend.kv.v[0][:, slots] = torch.randn(kv_heads, n - 1, d, generator=g).to(dtype)
+    slot_mapping = torch.tensor([int(table[r, (n - 1) // ps]) * ps + (n - 1) % ps for r, n in enumerate(lens)])
+    inputs = AttentionInputs(block_table=table, slot_mapping=slot_mapping, num_tokens=2,
+                             decode_tokens=torch.tensor([0, 1]), decode_rows=torch.tensor([0, 1]),
+                             decode_lens=torch.tensor(lens), decode_max_len=300, num_decode=2, prefills=())
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    q = qkv[:, : heads * d].view(2, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(2, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(2, kv_heads, d)
+    out = backend.build(inputs)(0, q, k, v)
+    assert torch.equal(backend.kv.k[0][:, slot_mapping], k.transpose(0, 1))
+    assert torch.equal(backend.kv.v[0][:, slot_mapping], v.transpose(0, 1))
+    kc, vc = backend.kv.k[0].double(), backend.kv.v[0].double()
+    expected = []
+    for row, n in enumerate(lens):
+        slots = (table[row][:, None] * ps + torch.arange(ps)).flatten()[:n]
+        qq = q[row].double().view(kv_heads, heads // kv_heads, d)
+        p = torch.softmax(qq @ kc[:, slots].transpose(1, 2) / d**0.5, dim=-1)
+        expected.append((p @ vc[:, slots]).reshape(heads, d))
+    bound = FP32_TOLERANCE if dtype == torch.float32 else 8 * unit_roundoff(dtype) * 4
+    assert (out.double() - torch.stack(expected)).abs().max().item() < bound
+
+
 def test_turned_off_the_backend_gathers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_kernels.ENV, "0")
     backend = TorchPagedBackend(1, 8, 16, 3, 64, torch.float32, torch.device("cpu"))

@@ -10,6 +10,8 @@
 //   the history into a contiguous copy). Scores, softmax and the weighted sum are float32; histories
 //   are split into chunks of kChunk positions that run in parallel and are merged with their
 //   softmax statistics (flash-decoding), so one long row still uses every core.
+// helios::write_paged_decode(q, k, v, k_cache, v_cache, slot_mapping, ...): the step's K/V written
+//   into the caches at their slots, then paged_decode: an all-decode layer's attention in one call.
 // helios::add_rms_norm(h, delta, weight, eps), helios::rope_(x, cos, sin), helios::silu_mul(gu): the
 //   decoder layer's residual add + RMSNorm, rotary embedding (in place) and SwiGLU activation, each
 //   one operator where torch needs 3-6 (at one decode token a layer spent ~35 us in those small ops).
@@ -778,6 +780,16 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
+// K/V of this step's tokens into the cache at their slots, then decode attention over it: one
+// operator per layer for an all-decode step (what a compiled decode step calls; eager uses it too).
+at::Tensor write_paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                              at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                              const at::Tensor& rows, const at::Tensor& lens, int64_t page_size, double scale) {
+  k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.scalar_type()));
+  v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.scalar_type()));
+  return paged_decode(q.contiguous(), k_cache, v_cache, block_table, rows, lens, page_size, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(helios, m) {
@@ -789,6 +801,8 @@ TORCH_LIBRARY(helios, m) {
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, int ctx_start, float scale) -> Tensor");
   m.def("paged_prefill_supported() -> bool");
+  m.def("write_paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_FRAGMENT(helios, m) {
@@ -802,4 +816,5 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("rope_", TORCH_FN(rope_));
   m.impl("silu_mul", TORCH_FN(silu_mul));
   m.impl("paged_prefill", TORCH_FN(paged_prefill));
+  m.impl("write_paged_decode", TORCH_FN(write_paged_decode));
 }
