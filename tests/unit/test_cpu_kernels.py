@@ -116,6 +116,20 @@ def test_paged_decode_against_float64(dtype: torch.dtype, lens: list[int]) -> No
     assert (got.double() - expected).abs().max().item() < bound
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
+                         [(4, 4, 64), (8, 2, 64), (12, 2, 64), (6, 2, 128), (8, 2, 128), (16, 2, 64), (8, 1, 128)],
+                         ids=str)
+def test_paged_decode_shapes_against_float64(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Query groups of 1-8 heads and head sizes 64 and 128: the weighted sum of V is specialised for
+    the (group, head size) pairs whose accumulators fit in registers, generic for the others."""
+    case = _paged_case([7, 300, 1], dtype, kv_heads=kv_heads, heads=heads, head_dim=head_dim, seed=heads + head_dim)
+    got = cpu_kernels.paged_decode(case["q"], case["k"], case["v"], case["table"], case["rows"], case["lens"],
+                                   int(case["page_size"]), head_dim ** -0.5)
+    bound = 1e-5 if dtype == torch.float32 else 2 * unit_roundoff(dtype) * 4
+    assert (got.double() - _reference(case)).abs().max().item() < bound
+
+
 def test_paged_decode_handles_large_scores_without_overflow() -> None:
     """Scores near float32's exp limit: the per-chunk max is subtracted before exponentiating."""
     case = _paged_case([300, 40], torch.float32, seed=3)
