@@ -168,7 +168,7 @@ def _prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots:
 
 @needs_prefill_kernel
 @pytest.mark.parametrize(("length", "start"), [(1, 0), (5, 0), (64, 0), (65, 0), (37, 3), (130, 250), (16, 1000)])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 def test_paged_prefill_matches_float64(length: int, start: int, head_dim: int) -> None:
     """Chunks from the first position and over cached context, across query-tile (64) and key-block
     (64) boundaries, GQA 9/3 heads, K/V at shuffled slots."""

@@ -566,6 +566,38 @@ bool paged_prefill_supported() {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// o[r] = o[r] * corr[r] + sum_j p[r][j] * V[j] for R consecutive rows (output rows dh apart, score rows
+// kKBlock apart) over the block's first `most` positions; ND float vectors per head row. Compile-time
+// sizes keep the R x ND accumulators in registers and share each V load across the R rows.
+template <int ND, int R>
+inline void prefill_pv(float* __restrict__ o, const float* __restrict__ p, const float* __restrict__ corr,
+                       const float* __restrict__ vf, int64_t most, int64_t dh) {
+  __m512 a[R][ND];
+  for (int r = 0; r < R; ++r) {
+    const __m512 cr = _mm512_set1_ps(corr[r]);
+    for (int c = 0; c < ND; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dh + c * 16), cr);
+  }
+  for (int64_t j = 0; j < most; ++j) {
+    __m512 vv[ND];
+    for (int c = 0; c < ND; ++c) vv[c] = _mm512_loadu_ps(vf + j * dh + c * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r * kKBlock + j]);
+      for (int c = 0; c < ND; ++c) a[r][c] = _mm512_fmadd_ps(pr, vv[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + r * dh + c * 16, a[r][c]);
+}
+
+// prefill_pv over rows [0, rows) in groups of R; returns the first row not done (rows % R remain).
+template <int ND, int R>
+inline int64_t prefill_pv_rows(float* o, const float* sc, const float* corr, const float* vf, int64_t rows,
+                               int64_t most, int64_t dh) {
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) prefill_pv<ND, R>(o + r * dh, sc + r * kKBlock, corr + r, vf, most, dh);
+  return r;
+}
+
 void paged_prefill_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* slots, int64_t L,
                         int64_t H, int64_t KV, int64_t S, int64_t dh, int64_t ctx_start, float scale, uint16_t* out) {
   const int64_t G = H / KV;
@@ -654,31 +686,20 @@ void paged_prefill_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
           sm[r] = sm[r] * corr[r] + _mm512_reduce_add_ps(tot);
           mx[r] = m_new;
         }
-        // Weighted sum of V, two rows at a time sharing each V load.
-        for (int64_t r = 0; r < rows; r += 2) {
-          const bool two = r + 1 < rows;
-          float* o0 = o.data() + r * dh;
-          float* o1 = two ? o0 + dh : o0;
-          const float* s0 = sc.data() + r * kKBlock;
-          const float* s1 = two ? s0 + kKBlock : s0;
-          __m512 a0[8], a1[8];
-          const __m512 c0 = _mm512_set1_ps(corr[r]), c1 = _mm512_set1_ps(two ? corr[r + 1] : 1.f);
-          for (int64_t c = 0; c < nd; ++c) {
-            a0[c] = _mm512_mul_ps(_mm512_loadu_ps(o0 + c * 16), c0);
-            a1[c] = _mm512_mul_ps(_mm512_loadu_ps(o1 + c * 16), c1);
-          }
-          for (int64_t j = 0; j < most; ++j) {
-            const __m512 p0v = _mm512_set1_ps(s0[j]), p1v = _mm512_set1_ps(s1[j]);
-            const float* vr = vf.data() + j * dh;
-            for (int64_t c = 0; c < nd; ++c) {
-              const __m512 vv = _mm512_loadu_ps(vr + c * 16);
-              a0[c] = _mm512_fmadd_ps(p0v, vv, a0[c]);
-              a1[c] = _mm512_fmadd_ps(p1v, vv, a1[c]);
-            }
-          }
-          for (int64_t c = 0; c < nd; ++c) {
-            _mm512_storeu_ps(o0 + c * 16, a0[c]);
-            if (two) _mm512_storeu_ps(o1 + c * 16, a1[c]);
+        // Weighted sum of V, several rows at a time sharing each V load, accumulators in registers.
+        int64_t r = 0;
+        switch (nd) {
+          case 2: r = prefill_pv_rows<2, 4>(o.data(), sc.data(), corr.data(), vf.data(), rows, most, dh); break;
+          case 4: r = prefill_pv_rows<4, 4>(o.data(), sc.data(), corr.data(), vf.data(), rows, most, dh); break;
+          case 6: r = prefill_pv_rows<6, 2>(o.data(), sc.data(), corr.data(), vf.data(), rows, most, dh); break;
+          default: r = prefill_pv_rows<8, 2>(o.data(), sc.data(), corr.data(), vf.data(), rows, most, dh); break;
+        }
+        for (; r < rows; ++r) {
+          switch (nd) {
+            case 2: prefill_pv<2, 1>(o.data() + r * dh, sc.data() + r * kKBlock, corr.data() + r, vf.data(), most, dh); break;
+            case 4: prefill_pv<4, 1>(o.data() + r * dh, sc.data() + r * kKBlock, corr.data() + r, vf.data(), most, dh); break;
+            case 6: prefill_pv<6, 1>(o.data() + r * dh, sc.data() + r * kKBlock, corr.data() + r, vf.data(), most, dh); break;
+            default: prefill_pv<8, 1>(o.data() + r * dh, sc.data() + r * kKBlock, corr.data() + r, vf.data(), most, dh); break;
           }
         }
       }
