@@ -896,13 +896,35 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
+// cache[:, slots[t]] = x[t] for x [T, kv_heads, d] (any strides between tokens and heads, the head
+// dimension contiguous) and a contiguous cache [kv_heads, S, d] of the same dtype: row copies (at one
+// decode token index_copy_'s dispatch cost more than the copy). Other layouts take index_copy_.
+void write_slots(const at::Tensor& x, at::Tensor& cache, const at::Tensor& slots) {
+  TORCH_CHECK(x.dim() == 3 && cache.dim() == 3 && x.size(1) == cache.size(0) && x.size(2) == cache.size(2) &&
+                  slots.dim() == 1 && slots.size(0) == x.size(0) && slots.scalar_type() == at::kLong,
+              "write_paged_decode: k/v [T, kv_heads, d], caches [kv_heads, S, d], one int64 slot per token");
+  if (x.scalar_type() != cache.scalar_type() || x.stride(2) != 1 || !cache.is_contiguous() || !slots.is_contiguous()) {
+    cache.index_copy_(1, slots, x.transpose(0, 1).to(cache.scalar_type()));
+    return;
+  }
+  const int64_t T = x.size(0), KV = x.size(1), dh = x.size(2), S = cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "write_paged_decode: a slot outside the cache");
+  const int64_t bytes = dh * static_cast<int64_t>(x.element_size());
+  const char* src = static_cast<const char*>(x.data_ptr());
+  char* dst = static_cast<char*>(cache.data_ptr());
+  const int64_t st = x.stride(0) * x.element_size(), sh = x.stride(1) * x.element_size();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < KV; ++h) std::memcpy(dst + ((h * S + sp[t]) * bytes), src + t * st + h * sh, bytes);
+}
+
 // K/V of this step's tokens into the cache at their slots, then decode attention over it: one
 // operator per layer for an all-decode step (what a compiled decode step calls; eager uses it too).
 at::Tensor write_paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                               at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table,
                               const at::Tensor& rows, const at::Tensor& lens, int64_t page_size, double scale) {
-  k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.scalar_type()));
-  v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.scalar_type()));
+  write_slots(k, k_cache, slot_mapping);
+  write_slots(v, v_cache, slot_mapping);
   return paged_decode(q.contiguous(), k_cache, v_cache, block_table, rows, lens, page_size, scale);
 }
 
