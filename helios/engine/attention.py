@@ -208,6 +208,15 @@ class PagedAttention:
             pages = table[row : row + 1, : -(-end // page_size)]
             self.prefills.append((tok_start, length, _expand(pages, page_size, offsets)[0, :end], ctx_start))
 
+    def all_decode_args(self, layer_idx: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int] | None:
+        """For a step of decode tokens only, served by the CPU kernel: what `write_paged_decode` needs
+        for this layer (k_cache, v_cache, slot_mapping, block_table, rows, lens, page_size), so a model
+        can run the layer as one operator; None otherwise."""
+        if not (self.num_decode and self.decode_kernel and self.all_decode):
+            return None
+        return (self.kv.k[layer_idx], self.kv.v[layer_idx], self.slot_mapping, self.table, self.decode_rows,
+                self.decode_lens, self.page_size)
+
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache = self.kv.k[layer_idx]  # [kv_heads, slots, head_dim]
         v_cache = self.kv.v[layer_idx]

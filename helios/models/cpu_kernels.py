@@ -31,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 
+import attrs
 import torch
 from torch import Tensor
 
@@ -94,6 +95,29 @@ def write_paged_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache
     caches at ``slot_mapping`` [D]: a whole all-decode layer's attention in one operator."""
     out: Tensor = torch.ops.helios.write_paged_decode(q, k, v, k_cache, v_cache, slot_mapping, block_table, rows,
                                                       lens, page_size, scale)
+    return out
+
+
+@attrs.frozen
+class Int4Layer:
+    """A decoder layer's int4 projections for `int4_decode_layer`: (packed, scales_and_zeros) of qkv,
+    o, gate/up and down, flattened, and their group size."""
+
+    weights: tuple[Tensor, ...]
+    group_size: int
+
+
+def int4_decode_layer(h: Tensor, delta: Tensor | None, input_norm: Tensor, post_norm: Tensor, layer: Int4Layer,
+                      cos: Tensor, sin: Tensor, decode: tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int],
+                      eps: float, heads: int, kv_heads: int) -> tuple[Tensor, Tensor]:
+    """One decoder layer of an all-decode step (`_DecoderLayer.forward` with the fused kernels) as
+    one operator: RMSNorm, the int4 qkv projection, RoPE, the K/V write and paged attention
+    (``decode`` = k_cache, v_cache, slot_mapping, block_table, rows, lens, page_size), the o
+    projection, the second norm and the SwiGLU MLP. Returns (stream, MLP output) like the layer."""
+    k_cache, v_cache, slot_mapping, table, rows, lens, page_size = decode
+    out: tuple[Tensor, Tensor] = torch.ops.helios.int4_decode_layer(
+        h, delta, input_norm, post_norm, *layer.weights, layer.group_size, cos, sin, k_cache, v_cache, slot_mapping,
+        table, rows, lens, page_size, k_cache.shape[-1] ** -0.5, eps, heads, kv_heads)
     return out
 
 

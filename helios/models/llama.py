@@ -351,14 +351,26 @@ class _DecoderLayer(nn.Module):
         self.qk_norm = empty(config.num_heads + config.num_kv_heads, config.head_dim, dt=torch.float32) \
             if config.qk_norm else None
         self.post_attention_norm = empty(hidden, dt=torch.float32)
+        self._int4: cpu_kernels.Int4Layer | None = None  # finish_loading: the one-operator decode layer's weights
+        self._int4_rows = 0
 
     def forward(self, h: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, attn: AttentionBackend,
                 fused: bool = False) -> tuple[Tensor, Tensor]:
         """One decoder layer on the residual stream ``h`` plus the previous layer's MLP output ``delta``
         (None before layer 0): returns the stream after attention and this layer's MLP output, so the
         next residual add is fused with the next norm. ``fused``: Helios's CPU kernels do the residual
-        add + RMSNorm, the rotary embedding and the SwiGLU activation (`models/cpu_kernels.py`)."""
+        add + RMSNorm, the rotary embedding and the SwiGLU activation (`models/cpu_kernels.py`).
+
+        With the kernels, int4 projections for this many rows, and an all-decode step whose attention
+        offers `all_decode_args`, the whole layer is one operator (`cpu_kernels.int4_decode_layer`:
+        the same operators in the same order, without the Python between them)."""
         num_tokens = h.shape[0]
+        if fused and self._int4 is not None and num_tokens <= self._int4_rows:
+            decode = getattr(attn, "all_decode_args", None)
+            args = decode(self.layer_idx) if decode is not None else None
+            if args is not None:
+                return cpu_kernels.int4_decode_layer(h, delta, self.input_norm, self.post_attention_norm, self._int4,
+                                                     cos, sin, args, self.eps, self.num_heads, self.num_kv_heads)
         qk_heads = self.num_heads + self.num_kv_heads
         h, x = _add_rms_norm(h, delta, self.input_norm, self.eps, fused)
         qkv = self.qkv_proj(x)
@@ -383,6 +395,22 @@ class _DecoderLayer(nn.Module):
         if attr not in PROJECTIONS:
             raise KeyError(attr)
         setattr(self, attr, module)
+        self._int4 = None  # until finish_loading looks at the new set
+
+    def _find_int4(self) -> None:
+        """Whether the one-operator decode layer applies: every projection int4 with one group size,
+        no q/k/v bias, no q/k norm. Sets ``_int4`` (packed weights and scales, in PROJECTIONS order,
+        and the group size) and ``_int4_rows`` (the most rows every projection serves from its codes)."""
+        self._int4 = None
+        mods = [getattr(self, attr) for attr in PROJECTIONS]
+        if self.qkv_bias is not None or self.qk_norm is not None or not all(isinstance(m, Int4Linear) for m in mods):
+            return
+        linears = cast(list[Int4Linear], mods)
+        if len({m.group_size for m in linears}) != 1:
+            return
+        self._int4 = cpu_kernels.Int4Layer(tuple(t for m in linears for t in (m.packed, m.scales_and_zeros)),
+                                           linears[0].group_size)
+        self._int4_rows = min((m.dense_above if m.dense is not None else 1 << 62) for m in linears)
 
     def weight_targets(self) -> dict[str, Tensor]:
         """Hugging Face suffix -> parameter (view) for the norms and biases (not the projections)."""
@@ -402,6 +430,7 @@ class _DecoderLayer(nn.Module):
         return targets
 
     def finish_loading(self) -> None:
+        self._find_int4()
         if self.qk_norm is not None:
             with torch.no_grad():
                 self.qk_norm[1 : self.num_heads].copy_(self.qk_norm[0].expand(self.num_heads - 1, -1))

@@ -13,12 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from helios.domain.sampling import SamplingParams
 from helios.engine.attention import AttentionInputs, TorchPagedBackend
+from helios.engine.core import EngineConfig, EngineCore
+from helios.engine.records import EngineRequest
 from helios.models import cpu_kernels
 from helios.models.config import ModelConfig
 from helios.models.llama import LlamaForCausalLM
 from helios.models.quant import GroupQuantized
+from helios.runtime import load_model
 from tests.numerics import FP32_TOLERANCE, unit_roundoff
+from tests.unit.tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason=f"Helios's CPU kernels are not built here: {cpu_kernels.unavailable_reason()}")
@@ -452,6 +457,54 @@ def test_the_fused_layer_path_matches_the_torch_path(monkeypatch: pytest.MonkeyP
             cpu_kernels.set_enabled(True)
     assert (fused - plain).abs().max().item() < FP32_TOLERANCE
     assert calls == {"add_rms_norm": 5, "rope_": 2, "silu_mul": 2}  # 2 per layer + the final norm; 1; 1
+
+
+@pytest.mark.parametrize("weights", ["int4", "auto"])
+def test_the_one_operator_decode_layer_gives_the_layer_by_layer_tokens_exactly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weights: str) -> None:
+    """With int4 projections, an all-decode step runs each decoder layer as `int4_decode_layer`: the
+    same operators in the same order as `_DecoderLayer.forward`, so the greedy tokens and their
+    logprobs are equal to the layer-by-layer path's, not just close. Three streams, so rows of one
+    step sit at different positions and pages; prefill steps keep the layer-by-layer path."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    loaded = load_model(path, weights=weights)
+    model = loaded.model
+    layers = list(model.layers)
+    assert all(layer._int4 is not None for layer in layers)
+    calls: list[int] = []
+    real = cpu_kernels.int4_decode_layer
+
+    def counted(h: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(h.shape[0])
+        return real(h, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_kernels, "int4_decode_layer", counted)
+
+    def generate() -> dict[str, tuple[list[int], list[float]]]:
+        core = EngineCore(model, loaded.checkpoint.config,
+                          EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=64,
+                                       max_model_len=128), loaded.choice.dtype, "cpu")
+        for i, length in enumerate((5, 11, 3)):
+            prompt = tuple((7 * i + 3 * j) % 90 + 1 for j in range(length))
+            core.add(EngineRequest(f"r{i}", prompt, SamplingParams(temperature=0.0), max_tokens=12,
+                                   ignore_eos=True, num_top_logprobs=0))
+        out: dict[str, tuple[list[int], list[float]]] = {}
+        while core.scheduler.has_work:
+            for o in core.step():
+                ids, lps = out.setdefault(o.request_id, ([], []))
+                ids.extend(o.new_token_ids)
+                lps.extend(lp.logprob for lp in (o.logprobs or ()))
+        return out
+
+    with torch.inference_mode():
+        fused = generate()
+        assert calls and max(calls) == 3 and len(calls) % len(layers) == 0
+        for layer in layers:
+            monkeypatch.setattr(layer, "_int4", None)
+        calls.clear()
+        plain = generate()
+    assert calls == []
+    assert fused == plain and all(len(ids) == 12 for ids, _ in fused.values())
 
 
 def test_kernels_without_a_compiler_fall_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,

@@ -19,6 +19,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -928,6 +929,37 @@ at::Tensor write_paged_decode(const at::Tensor& q, const at::Tensor& k, const at
   return paged_decode(q.contiguous(), k_cache, v_cache, block_table, rows, lens, page_size, scale);
 }
 
+// ---- int4_decode_layer: one decoder layer of a decode step with int4 projections ----------------------
+// What `_DecoderLayer.forward` does with the fused kernels, torch's int4 weight-only matmul and an
+// all-decode step's paged attention, as one operator: the same operators in the same order (so the
+// same results), without the ~20 Python-level calls per layer, which at one decode row cost about as
+// much as the layer's attention. No q/k/v bias, no q/k norm (those models keep the Python path).
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group, const at::Tensor& sz) {
+  at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), packed, group, sz);
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor> int4_decode_layer(
+    const at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, const at::Tensor& qkv_w, const at::Tensor& qkv_sz, const at::Tensor& o_w,
+    const at::Tensor& o_sz, const at::Tensor& gu_w, const at::Tensor& gu_sz, const at::Tensor& down_w,
+    const at::Tensor& down_sz, int64_t group, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+    at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& rows,
+    const at::Tensor& lens, int64_t page_size, double scale, double eps, int64_t heads, int64_t kv_heads) {
+  const int64_t T = h.size(0), dh = k_cache.size(2);
+  auto [stream, x] = add_rms_norm(h, delta, input_norm, eps);
+  at::Tensor qkv = int4_mm(x, qkv_w, group, qkv_sz);
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dh, "int4_decode_layer: qkv width");
+  at::Tensor qk = rope_(qkv.narrow(1, 0, (heads + kv_heads) * dh).view({T, heads + kv_heads, dh}), cos, sin);
+  at::Tensor v = qkv.narrow(1, (heads + kv_heads) * dh, kv_heads * dh).view({T, kv_heads, dh});
+  at::Tensor attn = write_paged_decode(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), v, k_cache, v_cache,
+                                       slot_mapping, block_table, rows, lens, page_size, scale);
+  at::Tensor o = int4_mm(attn.reshape({T, heads * dh}), o_w, group, o_sz);
+  auto [stream2, x2] = add_rms_norm(stream, o, post_norm, eps);
+  at::Tensor down = int4_mm(silu_mul(int4_mm(x2, gu_w, group, gu_sz)), down_w, group, down_sz);
+  return {stream2, down};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(helios, m) {
@@ -939,6 +971,11 @@ TORCH_LIBRARY(helios, m) {
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, int ctx_start, float scale) -> Tensor");
   m.def("paged_prefill_supported() -> bool");
+  m.def("int4_decode_layer(Tensor h, Tensor? delta, Tensor input_norm, Tensor post_norm, Tensor qkv_w, "
+        "Tensor qkv_sz, Tensor o_w, Tensor o_sz, Tensor gu_w, Tensor gu_sz, Tensor down_w, Tensor down_sz, "
+        "int group, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale, float eps, int heads, "
+        "int kv_heads) -> (Tensor, Tensor)");
   m.def("write_paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale) -> Tensor");
 }
@@ -955,4 +992,5 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("silu_mul", TORCH_FN(silu_mul));
   m.impl("paged_prefill", TORCH_FN(paged_prefill));
   m.impl("write_paged_decode", TORCH_FN(write_paged_decode));
+  m.impl("int4_decode_layer", TORCH_FN(int4_decode_layer));
 }
