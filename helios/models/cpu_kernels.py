@@ -121,6 +121,19 @@ def int4_decode_layer(h: Tensor, delta: Tensor | None, input_norm: Tensor, post_
     return out
 
 
+def onednn_decode_layer(h: Tensor, delta: Tensor | None, input_norm: Tensor, post_norm: Tensor,
+                        weights: tuple[Tensor, Tensor, Tensor, Tensor], cos: Tensor, sin: Tensor,
+                        decode: tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int], eps: float, heads: int,
+                        kv_heads: int) -> tuple[Tensor, Tensor]:
+    """`int4_decode_layer` with the projections through oneDNN's prepacked linear: ``weights`` are
+    the qkv, o, gate/up and down weights as `quant.pack_onednn` packed them."""
+    k_cache, v_cache, slot_mapping, table, rows, lens, page_size = decode
+    out: tuple[Tensor, Tensor] = torch.ops.helios.onednn_decode_layer(
+        h, delta, input_norm, post_norm, *weights, cos, sin, k_cache, v_cache, slot_mapping, table, rows, lens,
+        page_size, k_cache.shape[-1] ** -0.5, eps, heads, kv_heads)
+    return out
+
+
 def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``(s, rms_norm(s) * weight)`` for ``s = h + delta`` (``s = h`` without delta); ``h`` [N, D]
     contiguous float32 or bfloat16, ``weight`` float32 [D]. Math in float32; ``s`` is rounded to the

@@ -142,6 +142,8 @@ class LlamaForCausalLM(nn.Module):
         projection, a oneDNN-packed copy where oneDNN's prepacked linear is faster here
         (`quant.pack_onednn`). Returns how many tensors were packed. Loading weights again drops them."""
         count = sum(pack_onednn(getattr(layer, attr)) for layer in self._decoder_layers() for attr in PROJECTIONS)
+        for layer in self._decoder_layers():
+            layer.find_fused_decode()
         head = self._lm_head_fp32 if self._lm_head_fp32 is not None else self.lm_head.detach()
         if self._lm_head_q8 is None:
             holder = DenseLinear(head)
@@ -351,8 +353,11 @@ class _DecoderLayer(nn.Module):
         self.qk_norm = empty(config.num_heads + config.num_kv_heads, config.head_dim, dt=torch.float32) \
             if config.qk_norm else None
         self.post_attention_norm = empty(hidden, dt=torch.float32)
-        self._int4: cpu_kernels.Int4Layer | None = None  # finish_loading: the one-operator decode layer's weights
+        # find_fused_decode: the one-operator decode layers' weights and the step sizes they serve.
+        self._int4: cpu_kernels.Int4Layer | None = None
         self._int4_rows = 0
+        self._onednn: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+        self._onednn_above = 0
 
     def forward(self, h: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, attn: AttentionBackend,
                 fused: bool = False) -> tuple[Tensor, Tensor]:
@@ -365,12 +370,20 @@ class _DecoderLayer(nn.Module):
         offers `all_decode_args`, the whole layer is one operator (`cpu_kernels.int4_decode_layer`:
         the same operators in the same order, without the Python between them)."""
         num_tokens = h.shape[0]
-        if fused and self._int4 is not None and num_tokens <= self._int4_rows:
+        int4 = self._int4 is not None and num_tokens <= self._int4_rows
+        onednn = self._onednn is not None and num_tokens > self._onednn_above
+        if fused and (int4 or onednn):
             decode = getattr(attn, "all_decode_args", None)
             args = decode(self.layer_idx) if decode is not None else None
-            if args is not None:
+            if args is not None and int4:
+                assert self._int4 is not None
                 return cpu_kernels.int4_decode_layer(h, delta, self.input_norm, self.post_attention_norm, self._int4,
                                                      cos, sin, args, self.eps, self.num_heads, self.num_kv_heads)
+            if args is not None:
+                assert self._onednn is not None
+                return cpu_kernels.onednn_decode_layer(h, delta, self.input_norm, self.post_attention_norm,
+                                                       self._onednn, cos, sin, args, self.eps, self.num_heads,
+                                                       self.num_kv_heads)
         qk_heads = self.num_heads + self.num_kv_heads
         h, x = _add_rms_norm(h, delta, self.input_norm, self.eps, fused)
         qkv = self.qkv_proj(x)
@@ -396,21 +409,30 @@ class _DecoderLayer(nn.Module):
             raise KeyError(attr)
         setattr(self, attr, module)
         self._int4 = None  # until finish_loading looks at the new set
+        self._onednn = None
 
-    def _find_int4(self) -> None:
-        """Whether the one-operator decode layer applies: every projection int4 with one group size,
-        no q/k/v bias, no q/k norm. Sets ``_int4`` (packed weights and scales, in PROJECTIONS order,
-        and the group size) and ``_int4_rows`` (the most rows every projection serves from its codes)."""
+    def find_fused_decode(self) -> None:
+        """Where the one-operator decode layers apply (no q/k/v bias, no q/k norm):
+        ``_int4`` (packed weights and scales in PROJECTIONS order, and the group size) when every
+        projection is int4 with one group size, for steps of up to ``_int4_rows`` rows (above those,
+        a dense copy answers); ``_onednn`` (the four oneDNN-packed weights) when every projection
+        multiplies through one (`quant.pack_onednn`) for steps of more than ``_onednn_above`` rows.
+        Called by `finish_loading` and after packing."""
         self._int4 = None
+        self._onednn = None
         mods = [getattr(self, attr) for attr in PROJECTIONS]
-        if self.qkv_bias is not None or self.qk_norm is not None or not all(isinstance(m, Int4Linear) for m in mods):
+        if self.qkv_bias is not None or self.qk_norm is not None:
             return
-        linears = cast(list[Int4Linear], mods)
-        if len({m.group_size for m in linears}) != 1:
-            return
-        self._int4 = cpu_kernels.Int4Layer(tuple(t for m in linears for t in (m.packed, m.scales_and_zeros)),
-                                           linears[0].group_size)
-        self._int4_rows = min((m.dense_above if m.dense is not None else 1 << 62) for m in linears)
+        if all(isinstance(m, Int4Linear) for m in mods):
+            linears = cast(list[Int4Linear], mods)
+            if len({m.group_size for m in linears}) == 1:
+                self._int4 = cpu_kernels.Int4Layer(tuple(t for m in linears for t in (m.packed, m.scales_and_zeros)),
+                                                   linears[0].group_size)
+                self._int4_rows = min((m.dense_above if m.dense is not None else 1 << 62) for m in linears)
+        packed = [getattr(m, "onednn", None) for m in mods]
+        if all(p is not None for p in packed):
+            self._onednn = cast(tuple[Tensor, Tensor, Tensor, Tensor], tuple(packed))
+            self._onednn_above = max(0 if isinstance(m, DenseLinear) else int(m.dense_above) for m in mods)
 
     def weight_targets(self) -> dict[str, Tensor]:
         """Hugging Face suffix -> parameter (view) for the norms and biases (not the projections)."""
@@ -430,7 +452,7 @@ class _DecoderLayer(nn.Module):
         return targets
 
     def finish_loading(self) -> None:
-        self._find_int4()
+        self.find_fused_decode()
         if self.qk_norm is not None:
             with torch.no_grad():
                 self.qk_norm[1 : self.num_heads].copy_(self.qk_norm[0].expand(self.num_heads - 1, -1))

@@ -21,7 +21,7 @@ from helios.models import cpu_kernels
 from helios.models.config import ModelConfig
 from helios.models.llama import LlamaForCausalLM
 from helios.models.quant import GroupQuantized
-from helios.runtime import load_model
+from helios.runtime import AUTO_DENSE_ABOVE, effective_cpu_capability, load_model
 from tests.numerics import FP32_TOLERANCE, unit_roundoff
 from tests.unit.tiny_gguf import write_tiny_gguf
 
@@ -459,26 +459,34 @@ def test_the_fused_layer_path_matches_the_torch_path(monkeypatch: pytest.MonkeyP
     assert calls == {"add_rms_norm": 5, "rope_": 2, "silu_mul": 2}  # 2 per layer + the final norm; 1; 1
 
 
-@pytest.mark.parametrize("weights", ["int4", "auto"])
+@pytest.mark.parametrize(("weights", "dense_above", "op"), [
+    ("int4", None, "int4_decode_layer"), ("auto", None, "int4_decode_layer"),
+    ("auto", 1, "onednn_decode_layer"), ("bfloat16", None, "onednn_decode_layer"),
+    ("float32", None, "onednn_decode_layer")])
 def test_the_one_operator_decode_layer_gives_the_layer_by_layer_tokens_exactly(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weights: str) -> None:
-    """With int4 projections, an all-decode step runs each decoder layer as `int4_decode_layer`: the
-    same operators in the same order as `_DecoderLayer.forward`, so the greedy tokens and their
-    logprobs are equal to the layer-by-layer path's, not just close. Three streams, so rows of one
-    step sit at different positions and pages; prefill steps keep the layer-by-layer path."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weights: str, dense_above: int | None, op: str) -> None:
+    """An all-decode step runs each decoder layer as one operator: `int4_decode_layer` where the
+    projections are int4 for that many rows, `onednn_decode_layer` where they multiply through
+    oneDNN-packed weights (a dense format, or auto's dense copy above its threshold, here lowered to
+    1 row). The same operators in the same order as `_DecoderLayer.forward`, so the greedy tokens and
+    their logprobs are equal to the layer-by-layer path's, not just close. Three streams, so rows of
+    one step sit at different positions and pages; prefill steps keep the layer-by-layer path."""
+    if dense_above is not None:
+        monkeypatch.setitem(AUTO_DENSE_ABOVE, effective_cpu_capability()[0], dense_above)
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     loaded = load_model(path, weights=weights)
     model = loaded.model
     layers = list(model.layers)
-    assert all(layer._int4 is not None for layer in layers)
+    if op == "onednn_decode_layer" and not all(layer._onednn is not None for layer in layers):
+        pytest.skip("oneDNN's prepacked linear is not used for this dtype on this machine")
     calls: list[int] = []
-    real = cpu_kernels.int4_decode_layer
+    real = getattr(cpu_kernels, op)
 
     def counted(h: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
         calls.append(h.shape[0])
-        return real(h, *args)  # type: ignore[arg-type]
+        return real(h, *args)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(cpu_kernels, "int4_decode_layer", counted)
+    monkeypatch.setattr(cpu_kernels, op, counted)
 
     def generate() -> dict[str, tuple[list[int], list[float]]]:
         core = EngineCore(model, loaded.checkpoint.config,
@@ -501,6 +509,7 @@ def test_the_one_operator_decode_layer_gives_the_layer_by_layer_tokens_exactly(
         assert calls and max(calls) == 3 and len(calls) % len(layers) == 0
         for layer in layers:
             monkeypatch.setattr(layer, "_int4", None)
+            monkeypatch.setattr(layer, "_onednn", None)
         calls.clear()
         plain = generate()
     assert calls == []

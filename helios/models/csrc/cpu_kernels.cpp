@@ -20,6 +20,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -929,14 +931,54 @@ at::Tensor write_paged_decode(const at::Tensor& q, const at::Tensor& k, const at
   return paged_decode(q.contiguous(), k_cache, v_cache, block_table, rows, lens, page_size, scale);
 }
 
-// ---- int4_decode_layer: one decoder layer of a decode step with int4 projections ----------------------
-// What `_DecoderLayer.forward` does with the fused kernels, torch's int4 weight-only matmul and an
-// all-decode step's paged attention, as one operator: the same operators in the same order (so the
-// same results), without the ~20 Python-level calls per layer, which at one decode row cost about as
-// much as the layer's attention. No q/k/v bias, no q/k norm (those models keep the Python path).
+// ---- decode layers: one decoder layer of an all-decode step as one operator ----------------------------
+// What `_DecoderLayer.forward` does with the fused kernels, the layer's projections and an all-decode
+// step's paged attention, as one operator: the same operators in the same order (so the same
+// results), without the ~20 Python-level calls per layer, which at one decode row cost about as much
+// as the layer's attention. No q/k/v bias, no q/k norm (those models keep the Python path). The
+// projections are torch's int4 weight-only matmul (int4_decode_layer) or oneDNN's prepacked linear
+// (onednn_decode_layer, the weights `quant.pack_onednn` packed), as `quant` would run them.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group, const at::Tensor& sz) {
   at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), packed, group, sz);
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+// quant.dense_matmul with a oneDNN-packed weight: x converted to the weight's dtype and back.
+at::Tensor onednn_mm(const at::Tensor& x, const at::Tensor& packed) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const bool convert = x.scalar_type() != packed.scalar_type();
+  torch::jit::Stack stack;
+  stack.emplace_back((convert ? x.to(packed.scalar_type()) : x).contiguous());
+  stack.emplace_back(packed);
+  stack.emplace_back(c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(c10::IValue());
+  op.callBoxed(&stack);
+  at::Tensor y = stack.back().toTensor();
+  return convert ? y.to(x.scalar_type()) : y;
+}
+
+// mm(i, x): projection i (0 qkv, 1 o, 2 gate/up, 3 down) of x.
+template <typename MM>
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const MM& mm, const at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+    at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& rows,
+    const at::Tensor& lens, int64_t page_size, double scale, double eps, int64_t heads, int64_t kv_heads) {
+  const int64_t T = h.size(0), dh = k_cache.size(2);
+  auto [stream, x] = add_rms_norm(h, delta, input_norm, eps);
+  at::Tensor qkv = mm(0, x);
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dh, "decode layer: qkv width");
+  at::Tensor qk = rope_(qkv.narrow(1, 0, (heads + kv_heads) * dh).view({T, heads + kv_heads, dh}), cos, sin);
+  at::Tensor v = qkv.narrow(1, (heads + kv_heads) * dh, kv_heads * dh).view({T, kv_heads, dh});
+  at::Tensor attn = write_paged_decode(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), v, k_cache, v_cache,
+                                       slot_mapping, block_table, rows, lens, page_size, scale);
+  at::Tensor o = mm(1, attn.reshape({T, heads * dh}));
+  auto [stream2, x2] = add_rms_norm(stream, o, post_norm, eps);
+  at::Tensor down = mm(3, silu_mul(mm(2, x2)));
+  return {stream2, down};
 }
 
 std::tuple<at::Tensor, at::Tensor> int4_decode_layer(
@@ -946,18 +988,23 @@ std::tuple<at::Tensor, at::Tensor> int4_decode_layer(
     const at::Tensor& down_sz, int64_t group, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
     at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& rows,
     const at::Tensor& lens, int64_t page_size, double scale, double eps, int64_t heads, int64_t kv_heads) {
-  const int64_t T = h.size(0), dh = k_cache.size(2);
-  auto [stream, x] = add_rms_norm(h, delta, input_norm, eps);
-  at::Tensor qkv = int4_mm(x, qkv_w, group, qkv_sz);
-  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dh, "int4_decode_layer: qkv width");
-  at::Tensor qk = rope_(qkv.narrow(1, 0, (heads + kv_heads) * dh).view({T, heads + kv_heads, dh}), cos, sin);
-  at::Tensor v = qkv.narrow(1, (heads + kv_heads) * dh, kv_heads * dh).view({T, kv_heads, dh});
-  at::Tensor attn = write_paged_decode(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), v, k_cache, v_cache,
-                                       slot_mapping, block_table, rows, lens, page_size, scale);
-  at::Tensor o = int4_mm(attn.reshape({T, heads * dh}), o_w, group, o_sz);
-  auto [stream2, x2] = add_rms_norm(stream, o, post_norm, eps);
-  at::Tensor down = int4_mm(silu_mul(int4_mm(x2, gu_w, group, gu_sz)), down_w, group, down_sz);
-  return {stream2, down};
+  const at::Tensor* w[4] = {&qkv_w, &o_w, &gu_w, &down_w};
+  const at::Tensor* sz[4] = {&qkv_sz, &o_sz, &gu_sz, &down_sz};
+  auto mm = [&](int i, const at::Tensor& x) { return int4_mm(x, *w[i], group, *sz[i]); };
+  return decode_layer(mm, h, delta, input_norm, post_norm, cos, sin, k_cache, v_cache, slot_mapping, block_table,
+                      rows, lens, page_size, scale, eps, heads, kv_heads);
+}
+
+std::tuple<at::Tensor, at::Tensor> onednn_decode_layer(
+    const at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, const at::Tensor& qkv_w, const at::Tensor& o_w, const at::Tensor& gu_w,
+    const at::Tensor& down_w, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+    at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& rows,
+    const at::Tensor& lens, int64_t page_size, double scale, double eps, int64_t heads, int64_t kv_heads) {
+  const at::Tensor* w[4] = {&qkv_w, &o_w, &gu_w, &down_w};
+  auto mm = [&](int i, const at::Tensor& x) { return onednn_mm(x, *w[i]); };
+  return decode_layer(mm, h, delta, input_norm, post_norm, cos, sin, k_cache, v_cache, slot_mapping, block_table,
+                      rows, lens, page_size, scale, eps, heads, kv_heads);
 }
 
 }  // namespace
@@ -976,6 +1023,10 @@ TORCH_LIBRARY(helios, m) {
         "int group, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale, float eps, int heads, "
         "int kv_heads) -> (Tensor, Tensor)");
+  m.def("onednn_decode_layer(Tensor h, Tensor? delta, Tensor input_norm, Tensor post_norm, Tensor qkv_w, "
+        "Tensor o_w, Tensor gu_w, Tensor down_w, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale, float eps, "
+        "int heads, int kv_heads) -> (Tensor, Tensor)");
   m.def("write_paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale) -> Tensor");
 }
@@ -993,4 +1044,10 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("paged_prefill", TORCH_FN(paged_prefill));
   m.impl("write_paged_decode", TORCH_FN(write_paged_decode));
   m.impl("int4_decode_layer", TORCH_FN(int4_decode_layer));
+  m.impl("onednn_decode_layer", TORCH_FN(onednn_decode_layer));
+}
+
+// The oneDNN-packed weights are MkldnnCPU tensors, and the dispatcher picks that key for the call.
+TORCH_LIBRARY_IMPL(helios, MkldnnCPU, m) {
+  m.impl("onednn_decode_layer", TORCH_FN(onednn_decode_layer));
 }
