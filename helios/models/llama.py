@@ -225,6 +225,11 @@ class LlamaForCausalLM(nn.Module):
         kinds = {f"layers.{i}.{attr}": _linear_kind(getattr(layer, attr))
                  for i, layer in enumerate(self._decoder_layers()) for attr in PROJECTIONS}
         state = self._stored_state()
+        for i, layer in enumerate(self._decoder_layers()):
+            for attr in PROJECTIONS:
+                module = getattr(layer, attr)
+                if isinstance(module, (Int4Linear, Int8Linear)) and module.dense is None and module.onednn is not None:
+                    state[f"layers.{i}.{attr}.dense"] = module.onednn.to_dense()  # `pack_onednn` dropped it
         if self._lm_head_fp32 is not None:
             state[_LM_HEAD_FP32] = self._lm_head_fp32
         if self._lm_head_q8 is not None:
@@ -428,7 +433,8 @@ class _DecoderLayer(nn.Module):
             if len({m.group_size for m in linears}) == 1:
                 self._int4 = cpu_kernels.Int4Layer(tuple(t for m in linears for t in (m.packed, m.scales_and_zeros)),
                                                    linears[0].group_size)
-                self._int4_rows = min((m.dense_above if m.dense is not None else 1 << 62) for m in linears)
+                self._int4_rows = min((m.dense_above if m.dense is not None or m.onednn is not None else 1 << 62)
+                                      for m in linears)
         packed = [getattr(m, "onednn", None) for m in mods]
         if all(p is not None for p in packed):
             self._onednn = cast(tuple[Tensor, Tensor, Tensor, Tensor], tuple(packed))

@@ -24,7 +24,9 @@ oneDNN's prepacked linear is correct and faster here (`pack_onednn`, called once
 loaded): the same products and float32 accumulation as ``F.linear`` (bfloat16 results are bit-equal
 in the probe), without re-laying-out the weight on every call. At 32 rows the default model's bf16
 projections took 12.3 ms a step against 20.0 (docs/benchmarks.md). The packed copy is an opaque
-oneDNN tensor: the plain weight stays for the packed-weight cache and everything that reads it.
+oneDNN tensor. A quantized projection's dense copy is replaced by it (the plain copy is recovered
+with ``to_dense()`` when the weights are saved); a `DenseLinear` keeps its plain weight, a parameter
+the engine counts.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ class Int4Linear(nn.Module):
         self.onednn: Tensor | None = None  # `pack_onednn`: the dense copy prepacked for oneDNN
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.dense is not None and x.shape[0] > self.dense_above:
+        if (self.dense is not None or self.onednn is not None) and x.shape[0] > self.dense_above:
             return dense_matmul(x, self.dense, self.onednn)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed,
                                                         self.group_size, self.scales_and_zeros)
@@ -205,7 +207,7 @@ class Int8Linear(nn.Module):
         self.onednn: Tensor | None = None  # `pack_onednn`: the dense copy prepacked for oneDNN
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.dense is not None and x.shape[0] > self.dense_above:
+        if (self.dense is not None or self.onednn is not None) and x.shape[0] > self.dense_above:
             return dense_matmul(x, self.dense, self.onednn)
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight, self.scales)
         return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -267,6 +269,10 @@ def pack_onednn(module: nn.Module) -> bool:
     if not onednn_linear_works(weight.dtype):
         return False
     module.onednn = _onednn_pack(weight.detach())
+    if isinstance(module, (Int4Linear, Int8Linear)):
+        # The packed copy serves the large steps alone; `LlamaForCausalLM.packed_state` recovers the
+        # plain one from it (`to_dense()`) if the weights are saved again.
+        module.dense = None
     return True
 
 
@@ -322,13 +328,14 @@ def _onednn_linear(x: Tensor, packed: Tensor) -> Tensor:
     return out
 
 
-def dense_matmul(x: Tensor, w: Tensor, onednn: Tensor | None = None) -> Tensor:
+def dense_matmul(x: Tensor, w: Tensor | None, onednn: Tensor | None = None) -> Tensor:
     """``x @ w.T`` in ``w``'s dtype (``x`` converted there and the result back), from ``onednn``
-    (`pack_onednn`'s copy of ``w``) when given."""
+    (`pack_onednn`'s copy of ``w``, which then may stand alone: ``w`` None) when given."""
     if onednn is not None:
-        if x.dtype == w.dtype:
+        if x.dtype == onednn.dtype:
             return _onednn_linear(x, onednn)
-        return _onednn_linear(x.to(w.dtype), onednn).to(x.dtype)
+        return _onednn_linear(x.to(onednn.dtype), onednn).to(x.dtype)
+    assert w is not None
     if x.dtype == w.dtype:
         return F.linear(x, w)
     return F.linear(x.to(w.dtype), w).to(x.dtype)

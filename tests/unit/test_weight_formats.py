@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from helios.config import WEIGHT_FORMATS, ConfigError, load_config
+from helios.loaders.checkpoint import load_checkpoint
 from helios.loaders.gguf_loader import GGUFFile, unpack_blocks
 from helios.loaders.gguf_reader import GGML_Q4_0, GGML_Q4_1, GGML_Q8_0
 from helios.loaders.weight_cache import PackedWeightCache, cache_key
@@ -339,13 +340,25 @@ def test_load_model_packs_the_dense_gemms_for_onednn_and_keeps_the_logits(tmp_pa
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     loaded = load_model(path, weights=weights, cache_dir=tmp_path / "packed")
     model = loaded.model
-    dense = [m for m in model.modules() if isinstance(m, DenseLinear) or getattr(m, "dense", None) is not None]
+    dense = [m for m in model.modules() if isinstance(m, DenseLinear) or getattr(m, "dense_above", 0) > 0]
     assert dense
+    works = onednn_linear_works(loaded.choice.format.dense_dtype or loaded.choice.format.dtype or loaded.choice.dtype)
     for m in dense:
-        weight = m.weight if isinstance(m, DenseLinear) else m.dense
-        assert (m.onednn is not None) == onednn_linear_works(weight.dtype)
-    if all(m.onednn is None for m in dense):
+        assert (m.onednn is not None) == works
+        if not isinstance(m, DenseLinear):
+            assert (m.dense is None) == works  # the packed copy replaces a quantized projection's dense copy
+    if not works:
         pytest.skip("oneDNN's prepacked linear is not used on this machine")
+    # Saving the packed model again gives the dense copies back exactly (`to_dense()` of the packed
+    # one), as a model built from the checkpoint without packing holds them.
+    saved, _ = model.packed_state()
+    ckpt = load_checkpoint(path, torch.float32)
+    reference = LlamaForCausalLM(ckpt.config, dtype=loaded.choice.dtype, weights=loaded.choice.format)
+    reference.load_weights(ckpt.weights)
+    copies = {name: t for name, t in reference.state_dict().items() if name.endswith(".dense") and t is not None}
+    assert bool(copies) == (weights == "auto")
+    for name, tensor in copies.items():
+        assert torch.equal(saved[name], tensor), name
     ids, positions = torch.tensor([1, 5, 9, 3, 7, 2, 8, 4]), torch.arange(8)
     with torch.no_grad():
         packed = model.compute_logits(model(ids, positions, DenseAttention.for_model(model)))
