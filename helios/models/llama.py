@@ -371,9 +371,10 @@ class _DecoderLayer(nn.Module):
         next residual add is fused with the next norm. ``fused``: Helios's CPU kernels do the residual
         add + RMSNorm, the rotary embedding and the SwiGLU activation (`models/cpu_kernels.py`).
 
-        With the kernels, int4 projections for this many rows, and an all-decode step whose attention
-        offers `all_decode_args`, the whole layer is one operator (`cpu_kernels.int4_decode_layer`:
-        the same operators in the same order, without the Python between them)."""
+        With the kernels, an all-decode step whose attention offers `all_decode_args`, and
+        projections that are all int4 (`cpu_kernels.int4_decode_layer`) or all oneDNN-packed
+        (`cpu_kernels.onednn_decode_layer`) for this many rows, the whole layer is one operator: the
+        same operators in the same order, without the Python between them (`find_fused_decode`)."""
         num_tokens = h.shape[0]
         int4 = self._int4 is not None and num_tokens <= self._int4_rows
         onednn = self._onednn is not None and num_tokens > self._onednn_above

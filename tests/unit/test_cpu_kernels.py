@@ -459,12 +459,13 @@ def test_the_fused_layer_path_matches_the_torch_path(monkeypatch: pytest.MonkeyP
     assert calls == {"add_rms_norm": 5, "rope_": 2, "silu_mul": 2}  # 2 per layer + the final norm; 1; 1
 
 
-@pytest.mark.parametrize(("weights", "dense_above", "op"), [
-    ("int4", None, "int4_decode_layer"), ("auto", None, "int4_decode_layer"),
-    ("auto", 1, "onednn_decode_layer"), ("bfloat16", None, "onednn_decode_layer"),
-    ("float32", None, "onednn_decode_layer")])
+@pytest.mark.parametrize(("weights", "dtype", "dense_above", "op"), [
+    ("int4", "auto", None, "int4_decode_layer"), ("int4", "float32", None, "int4_decode_layer"),
+    ("auto", "auto", None, "int4_decode_layer"), ("auto", "auto", 1, "onednn_decode_layer"),
+    ("bfloat16", "auto", None, "onednn_decode_layer"), ("float32", "auto", None, "onednn_decode_layer")])
 def test_the_one_operator_decode_layer_gives_the_layer_by_layer_tokens_exactly(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weights: str, dense_above: int | None, op: str) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weights: str, dtype: str, dense_above: int | None,
+        op: str) -> None:
     """An all-decode step runs each decoder layer as one operator: `int4_decode_layer` where the
     projections are int4 for that many rows, `onednn_decode_layer` where they multiply through
     oneDNN-packed weights (a dense format, or auto's dense copy above its threshold, here lowered to
@@ -474,7 +475,7 @@ def test_the_one_operator_decode_layer_gives_the_layer_by_layer_tokens_exactly(
     if dense_above is not None:
         monkeypatch.setitem(AUTO_DENSE_ABOVE, effective_cpu_capability()[0], dense_above)
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
-    loaded = load_model(path, weights=weights)
+    loaded = load_model(path, weights=weights, dtype=dtype)
     model = loaded.model
     layers = list(model.layers)
     if op == "onednn_decode_layer" and not all(layer._onednn is not None for layer in layers):
