@@ -14,14 +14,13 @@ Prints the best of ``--repeats`` runs in ms, and the CPU flags it ran on.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from helios.models import cpu_kernels
-from helios.models.quant import DenseLinear, dense_matmul, onednn_linear_works, pack_onednn
+from helios.models.quant import DenseLinear, best_time, dense_matmul, onednn_linear_works, pack_onednn
 from helios.runtime import cpu_flags
 
 LAYERS = 30
@@ -29,13 +28,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    return best_time(fn, repeats) * 1e3
 
 
 def decode_attention(rows: int, context: int, repeats: int) -> None:

@@ -208,7 +208,7 @@ class PagedAttention:
             pages = table[row : row + 1, : -(-end // page_size)]
             self.prefills.append((tok_start, length, _expand(pages, page_size, offsets)[0, :end], ctx_start))
 
-    def all_decode_args(self, layer_idx: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int] | None:
+    def all_decode_args(self, layer_idx: int) -> cpu_kernels.DecodeArgs | None:
         """For a step of decode tokens only, served by the CPU kernel: what `write_paged_decode` needs
         for this layer (k_cache, v_cache, slot_mapping, block_table, rows, lens, page_size), so a model
         can run the layer as one operator; None otherwise."""
@@ -218,13 +218,12 @@ class PagedAttention:
                 self.decode_lens, self.page_size)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        decode = self.all_decode_args(layer_idx)
+        if decode is not None:
+            # One operator: this step's K/V into the cache, then the paged decode over it.
+            return cpu_kernels.write_paged_decode(q, k, v, *decode, q.shape[-1] ** -0.5)
         k_cache = self.kv.k[layer_idx]  # [kv_heads, slots, head_dim]
         v_cache = self.kv.v[layer_idx]
-        if self.num_decode and self.decode_kernel and self.all_decode:
-            # One operator: this step's K/V into the cache, then the paged decode over it.
-            return cpu_kernels.write_paged_decode(q, k, v, k_cache, v_cache, self.slot_mapping, self.table,
-                                                  self.decode_rows, self.decode_lens, self.page_size,
-                                                  q.shape[-1] ** -0.5)
         k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
         out = torch.empty_like(q)

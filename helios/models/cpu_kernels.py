@@ -98,6 +98,11 @@ def write_paged_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache
     return out
 
 
+# An all-decode step's attention inputs for one layer, as `write_paged_decode` takes them after q, k, v:
+# (k_cache, v_cache, slot_mapping, block_table, rows, lens, page_size).
+DecodeArgs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]
+
+
 @attrs.frozen
 class Int4Layer:
     """A decoder layer's int4 projections for `int4_decode_layer`: (packed, scales_and_zeros) of qkv,
@@ -108,7 +113,7 @@ class Int4Layer:
 
 
 def int4_decode_layer(h: Tensor, delta: Tensor | None, input_norm: Tensor, post_norm: Tensor, layer: Int4Layer,
-                      cos: Tensor, sin: Tensor, decode: tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int],
+                      cos: Tensor, sin: Tensor, decode: DecodeArgs,
                       eps: float, heads: int, kv_heads: int) -> tuple[Tensor, Tensor]:
     """One decoder layer of an all-decode step (`_DecoderLayer.forward` with the fused kernels) as
     one operator: RMSNorm, the int4 qkv projection, RoPE, the K/V write and paged attention
@@ -123,7 +128,7 @@ def int4_decode_layer(h: Tensor, delta: Tensor | None, input_norm: Tensor, post_
 
 def onednn_decode_layer(h: Tensor, delta: Tensor | None, input_norm: Tensor, post_norm: Tensor,
                         weights: tuple[Tensor, Tensor, Tensor, Tensor], cos: Tensor, sin: Tensor,
-                        decode: tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int], eps: float, heads: int,
+                        decode: DecodeArgs, eps: float, heads: int,
                         kv_heads: int) -> tuple[Tensor, Tensor]:
     """`int4_decode_layer` with the projections through oneDNN's prepacked linear: ``weights`` are
     the qkv, o, gate/up and down weights as `quant.pack_onednn` packed them."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -296,8 +296,8 @@ def onednn_linear_works(dtype: torch.dtype) -> bool:
             if not torch.allclose(got.float(), want.float(), rtol=tolerance, atol=tolerance):
                 log.info("oneDNN prepacked linear (%s) disagrees with F.linear: not used", _dtype_name(dtype))
                 return False
-            onednn_s = _best_time(lambda: _onednn_linear(x, packed))
-            torch_s = _best_time(lambda: F.linear(x, weight))
+            onednn_s = best_time(lambda: _onednn_linear(x, packed))
+            torch_s = best_time(lambda: F.linear(x, weight))
     except (RuntimeError, NotImplementedError, AttributeError) as exc:
         log.info("oneDNN prepacked linear (%s) unavailable: %s", _dtype_name(dtype), exc)
         return False
@@ -307,8 +307,8 @@ def onednn_linear_works(dtype: torch.dtype) -> bool:
     return works
 
 
-def _best_time(fn: object, repeats: int = 15) -> float:
-    assert callable(fn)
+def best_time(fn: Callable[[], object], repeats: int = 15) -> float:
+    """Seconds of the fastest of ``repeats`` calls of ``fn`` (after one warm-up call)."""
     fn()
     best = float("inf")
     for _ in range(repeats):
