@@ -376,8 +376,8 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
         torch.set_num_threads(threads)
     model.eval()
     if device == "cpu":
-        packed = model.pack_onednn_weights()
-        log.info("oneDNN-packed dense GEMMs: %d tensors", packed)
+        packed = model.pack_cpu_weights()
+        log.info("CPU-packed weights (oneDNN GEMMs, bfloat16 Q8_0 head): %d tensors", packed)
     if device == "cpu" and not q8_head:
         log.info("logits: %s output projection (Helios's CPU kernels: %s)", model.head_format,
                  cpu_kernels.unavailable_reason())

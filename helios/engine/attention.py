@@ -101,7 +101,7 @@ class TorchPagedBackend:
         prefill_applies = (torch.device(device).type == "cpu" and dtype == torch.bfloat16
                            and head_dim % 32 == 0 and head_dim <= 128)
         self.prefill_kernel = prefill_applies and (
-            cpu_kernels.available() and cpu_kernels.paged_prefill_supported() if prefill_kernel is None
+            cpu_kernels.available() and cpu_kernels.bf16_kernels_supported() if prefill_kernel is None
             else prefill_kernel)
         if self.decode_kernel:
             self.name = "cpu_paged_kernel"

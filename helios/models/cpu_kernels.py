@@ -81,6 +81,27 @@ def q8_linear(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
     return torch.ops.helios.q8_linear(x.float().contiguous(), codes, scales)
 
 
+def pack_q8_bf16(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor, int]:
+    """A Q8_0 weight's codes (int8 [N, K]) and block scales (float32 [N, K / 32]) in `q8_linear_bf16`'s
+    layout: codes as bfloat16 pairs in 16-output tiles [ceil(N/16), K/2, 16, 2] (exact: each code is a
+    small integer), scales [ceil(N/16), K/32, 16]; the padding outputs have zero codes and scales."""
+    n, k = codes.shape
+    tiles = -(-n // 16)
+    pad = tiles * 16 - n
+    c = torch.nn.functional.pad(codes.to(torch.bfloat16), (0, 0, 0, pad))
+    s = torch.nn.functional.pad(scales.to(torch.float32), (0, 0, 0, pad))
+    packed = c.view(tiles, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return packed, s.view(tiles, 16, k // 32).permute(0, 2, 1).contiguous(), n
+
+
+def q8_linear_bf16(x: Tensor, codes: Tensor, scales: Tensor, n: int) -> Tensor:
+    """`q8_linear` for bfloat16 ``x`` [M, K] from `pack_q8_bf16`'s tensors: float32 [M, n], the same
+    values (exact products of codes and activations, float32 sums, each block's sum scaled once).
+    Needs AVX512-BF16 (`bf16_kernels_supported`)."""
+    out: Tensor = torch.ops.helios.q8_linear_bf16(x.contiguous(), codes, scales, n)
+    return out
+
+
 def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, rows: Tensor,
                  lens: Tensor, page_size: int, scale: float) -> Tensor:
     """Attention of one query token per row [D, heads, d] over its history in the paged cache
@@ -169,10 +190,10 @@ def paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, ct
     return out
 
 
-def paged_prefill_supported() -> bool:
-    """Whether `paged_prefill` was built (AVX512-BF16: bfloat16 pair dot products; without them
-    torch's SDPA is the faster prefill attention)."""
-    return bool(torch.ops.helios.paged_prefill_supported())
+def bf16_kernels_supported() -> bool:
+    """Whether the bfloat16 pair-dot-product kernels were built (AVX512-BF16): `paged_prefill` (without
+    it torch's SDPA is the faster prefill attention) and `q8_linear_bf16`."""
+    return bool(torch.ops.helios.bf16_kernels_supported())
 
 
 def cache_dir() -> Path:

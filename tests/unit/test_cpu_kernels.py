@@ -67,6 +67,38 @@ def test_q8_linear_rejects_bad_operands() -> None:
         cpu_kernels.q8_linear(torch.randn(1, 64), codes.to(torch.int16), scales)
 
 
+needs_bf16_kernels = pytest.mark.skipif(
+    not cpu_kernels.bf16_kernels_supported(), reason="the bfloat16 kernels are built only with AVX512-BF16")
+
+
+@needs_bf16_kernels
+@pytest.mark.parametrize(("m", "n"), [(1, 1000), (4, 1000), (5, 1000), (8, 37), (33, 1000), (12, 48)])
+def test_q8_linear_bf16_matches_float64(m: int, n: int) -> None:
+    """bfloat16 activations against the checkpoint's Q8_0 values: exact products, float32 sums; output
+    counts that do not fill the last 16-output tile (37, 1000) read the zero padding and drop it."""
+    codes, scales = _q8_weight(n, 576, seed=m)
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(200 + m)).to(torch.bfloat16)
+    w64 = (codes.double().view(n, 18, 32) * scales.double()[:, :, None]).view(n, 576)
+    packed = cpu_kernels.pack_q8_bf16(codes, scales)
+    assert packed[0].shape == (-(-n // 16), 288, 16, 2) and packed[2] == n
+    got = cpu_kernels.q8_linear_bf16(x, *packed)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    magnitude = x.double().abs() @ w64.abs().t()
+    assert ((got.double() - x.double() @ w64.t()).abs() / magnitude).max().item() < 1e-5
+    # The int8 kernel on the same operands: the same values up to float32 summation order.
+    assert ((got.double() - cpu_kernels.q8_linear(x, codes, scales).double()).abs() / magnitude).max().item() < 2e-6
+
+
+@needs_bf16_kernels
+def test_q8_linear_bf16_rejects_bad_operands() -> None:
+    codes, scales = _q8_weight(32, 64, seed=1)
+    packed = cpu_kernels.pack_q8_bf16(codes, scales)
+    with pytest.raises(RuntimeError, match="bfloat16 x"):
+        cpu_kernels.q8_linear_bf16(torch.randn(2, 64), *packed)
+    with pytest.raises(RuntimeError, match="fill the last tile"):
+        cpu_kernels.q8_linear_bf16(torch.randn(2, 64).to(torch.bfloat16), packed[0], packed[1], 40)
+
+
 # -- paged_decode --------------------------------------------------------------------------------------
 
 
@@ -157,7 +189,7 @@ def test_paged_decode_refuses_pages_outside_the_cache() -> None:
 # -- paged_prefill -------------------------------------------------------------------------------------
 
 needs_prefill_kernel = pytest.mark.skipif(
-    not cpu_kernels.paged_prefill_supported(), reason="paged_prefill is built only with AVX512-BF16")
+    not cpu_kernels.bf16_kernels_supported(), reason="paged_prefill is built only with AVX512-BF16")
 
 
 def _prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -362,6 +394,36 @@ def test_a_q8_0_head_computes_logits_from_its_codes() -> None:
     again = LlamaForCausalLM(model.config, dtype=torch.bfloat16, q8_head=True)
     again.load_packed_state(state, kinds)
     assert again.head_format == "q8_0" and torch.equal(again.compute_logits(hidden), logits)
+
+
+@needs_bf16_kernels
+def test_a_packed_q8_0_head_takes_the_bfloat16_kernel_from_q8_bf16_rows() -> None:
+    """After `pack_cpu_weights` a bfloat16 model's Q8_0 head runs `q8_linear_bf16` for batches of
+    Q8_BF16_ROWS rows or more and `q8_linear` below: the same logits either way (float32 sums)."""
+    from helios.models.llama import Q8_BF16_ROWS
+
+    model = _tiny_q8_model(q8_head=True)
+    hidden = torch.randn(Q8_BF16_ROWS + 3, 64, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    before = model.compute_logits(hidden)
+    assert model.pack_cpu_weights() >= 1
+    calls: list[int] = []
+    original = cpu_kernels.q8_linear_bf16
+
+    def counted(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return original(x, *args)  # type: ignore[arg-type]
+
+    cpu_kernels.q8_linear_bf16 = counted  # type: ignore[assignment]
+    try:
+        after = model.compute_logits(hidden)
+        small = model.compute_logits(hidden[: Q8_BF16_ROWS - 1])
+    finally:
+        cpu_kernels.q8_linear_bf16 = original  # type: ignore[assignment]
+    assert calls == [Q8_BF16_ROWS + 3]
+    assert torch.equal(small, before[: Q8_BF16_ROWS - 1])
+    assert torch.allclose(after, before, rtol=0, atol=2e-6 * float(before.abs().max()))
+    model.load_packed_state(*model.packed_state())  # loading weights again drops the packed copy
+    assert model._lm_head_q8_bf16 is None
 
 
 # -- the decoder layer's elementwise kernels ---------------------------------------------------------------
