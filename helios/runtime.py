@@ -457,7 +457,8 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                         disk_dir=os.path.expanduser(cfg.cache.disk_dir) if cfg.cache.disk_dir else None,
                         disk_bytes=int(cfg.cache.disk_gib * 2**30),
                         speculative=SpeculativeConfig(mode=cfg.speculative.mode, max_depth=cfg.speculative.max_depth,
-                                                      history=cfg.speculative.history))
+                                                      history=cfg.speculative.history),
+                        token_vocab_size=ckpt.tokenizer.vocab_size)
     core = EngineCore(model, mc, ecfg, dtype, device, vision=loaded.vision)
     name = cfg.model.recipe or detect_recipe(ckpt.model_id, mc.arch, ckpt.chat_template)
     is_default = default_path is not None or _is_default(path)

@@ -61,6 +61,9 @@ class EngineConfig:
     disk_bytes: int = 0
     speculative: SpeculativeConfig = SpeculativeConfig()
     """Exact speculative decoding (engine/speculative.py); off by default."""
+    token_vocab_size: int | None = None
+    """The ids the tokenizer knows (None: all of the model's). A checkpoint may pad its embedding rows
+    past the tokenizer's vocabulary; the padding ids are never sampled or offered as logprobs."""
 
 
 class EngineCore:
@@ -93,7 +96,8 @@ class EngineCore:
             host_has=host.contains if host is not None else None,
             restore=self._restore if host is not None else None,
             speculative=cfg.speculative)
-        self.sampler = Sampler(model_config.vocab_size, device=self.device)
+        vocab = model_config.vocab_size
+        self.sampler = Sampler(min(vocab, cfg.token_vocab_size or vocab), device=self.device)
         self.runner = ModelRunner(model, self.attention, self.kv_manager, self.sampler, self.device,
                                   max_rows=cfg.max_active, max_model_len=cfg.max_model_len, vision=vision)
 

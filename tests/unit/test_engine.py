@@ -137,3 +137,33 @@ def test_abort_frees_pages_within_a_step() -> None:
     assert core.kv_manager.num_free < 32
     out = core.abort(["a"])
     assert out[0].finish is EngineFinish.ABORTED and core.kv_manager.num_free == 32
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_sampled_or_offered() -> None:
+    """A checkpoint may pad its embedding rows past the tokenizer's vocabulary: with
+    ``token_vocab_size`` the engine samples and ranks logprobs over the tokenizer's ids only, even
+    when the padding ids have the largest logits."""
+    model = tiny_model()
+    known = CFG.vocab_size - 6
+    plain_logits = model.compute_logits
+
+    def padded_first(hidden: torch.Tensor) -> torch.Tensor:
+        logits = plain_logits(hidden)
+        logits[:, known:] += 100.0
+        return logits
+
+    model.compute_logits = padded_first  # type: ignore[method-assign]
+    reqs = [EngineRequest("greedy", (1, 2, 3), SamplingParams(temperature=0.0), max_tokens=6, ignore_eos=True,
+                          num_top_logprobs=5),
+            EngineRequest("sampled", (4, 5), SamplingParams(temperature=1.0, seed=3), max_tokens=6, ignore_eos=True,
+                          num_top_logprobs=5)]
+    for vocab, padded in ((None, True), (known, False)):
+        core = EngineCore(model, CFG, EngineConfig(page_size=4, num_pages=32, max_active=4, max_model_len=64,
+                                                   token_vocab_size=vocab), torch.float32)
+        outs = run(core, reqs)
+        ids = [t for r in reqs for o in outs[r.request_id] for t in o.new_token_ids]
+        ranked = [t for r in reqs for o in outs[r.request_id] for lp in (o.logprobs or ()) for t, _ in lp.top]
+        assert len(ids) == 12 and len(ranked) == 60
+        # Without the limit the padding wins every step (the check can fail); with it, never.
+        assert all(t >= known for t in ids) == padded
+        assert any(t >= known for t in ranked + ids) == padded
