@@ -381,6 +381,9 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
     if device == "cpu" and not q8_head:
         log.info("logits: %s output projection (Helios's CPU kernels: %s)", model.head_format,
                  cpu_kernels.unavailable_reason())
+    elif model.head_bf16_rows is not None:
+        log.info("logits: %s output projection (bfloat16 pair dot products from %d rows)", model.head_format,
+                 model.head_bf16_rows)
     else:
         log.info("logits: %s output projection", model.head_format)
     vision = None

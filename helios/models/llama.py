@@ -232,6 +232,11 @@ class LlamaForCausalLM(nn.Module):
             return "float32"
         return str(self.lm_head.dtype).removeprefix("torch.")
 
+    @property
+    def head_bf16_rows(self) -> int | None:
+        """From how many rows the Q8_0 head takes `q8_linear_bf16` (None: it never does here)."""
+        return Q8_BF16_ROWS if self._lm_head_q8_bf16 is not None else None
+
     def packed_state(self) -> tuple[dict[str, Tensor], dict[str, str]]:
         """The loaded weights as stored (packed int4, int8, dense copies, norms, embeddings) and the
         kind of module each projection is, for `load_packed_state`."""

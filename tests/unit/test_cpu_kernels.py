@@ -405,7 +405,9 @@ def test_a_packed_q8_0_head_takes_the_bfloat16_kernel_from_q8_bf16_rows() -> Non
     model = _tiny_q8_model(q8_head=True)
     hidden = torch.randn(Q8_BF16_ROWS + 3, 64, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
     before = model.compute_logits(hidden)
+    assert model.head_bf16_rows is None
     assert model.pack_cpu_weights() >= 1
+    assert model.head_bf16_rows == Q8_BF16_ROWS
     calls: list[int] = []
     original = cpu_kernels.q8_linear_bf16
 
