@@ -59,6 +59,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 PINNED = ("@openai/codex@0.171.0", "@anthropic-ai/claude-code@2.1.296", "opencode-ai@1.18.33")
+# The Codex version the spec qualifies the Responses route with (shared/spec/api.md, Codex): its turns
+# run too, from an install of their own, beside the newer pinned one.
+SPEC_CODEX = "@openai/codex@0.162.1"
 DOC = Path(__file__).resolve().parents[2] / "docs" / "clients.md"
 DOC_URL = "http://127.0.0.1:8000"
 RUN_TIMEOUT = 900
@@ -142,25 +145,41 @@ def client_packages() -> tuple[str, ...]:
     return tuple(sorted(chosen.values()))
 
 
-@pytest.fixture(scope="module")
-def client_bin() -> Path:
+def install_clients(packages: tuple[str, ...], names: tuple[str, ...]) -> Path:
+    """npm-install `packages` into a prefix of their own (kept between runs); the folder of their binaries."""
     npm = shutil.which("npm")
     if npm is None:
         pytest.skip("npm is not installed")
-    packages = client_packages()
     root = Path(os.environ.get("HELIOS_CLIENTS_DIR") or Path.home() / ".cache" / "helios" / "clients")
     prefix = root / hashlib.sha256(" ".join(packages).encode()).hexdigest()[:16]
     bin_dir = prefix / "node_modules" / ".bin"
-    if not all((bin_dir / name).exists() for name in ("codex", "claude", "opencode")):
+    if not all((bin_dir / name).exists() for name in names):
         prefix.mkdir(parents=True, exist_ok=True)
         subprocess.run(
             [npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund", "--loglevel=error", *packages],
             check=True, timeout=900,
         )
-    for name in ("codex", "claude", "opencode"):
+    for name in names:
         version = subprocess.run([str(bin_dir / name), "--version"], capture_output=True, text=True, timeout=60)
         print(f"{name}: {version.stdout.strip()}")
     return bin_dir
+
+
+@pytest.fixture(scope="module")
+def client_bin() -> Path:
+    return install_clients(client_packages(), ("codex", "claude", "opencode"))
+
+
+@pytest.fixture(scope="module")
+def spec_codex_bin() -> Path:
+    return install_clients((SPEC_CODEX,), ("codex",))
+
+
+@pytest.fixture(params=["pinned", "spec"], ids=lambda p: "codex-pinned" if p == "pinned" else SPEC_CODEX.rsplit("@", 1)[1])
+def codex_bin(request: pytest.FixtureRequest) -> Path:
+    """Each Codex version the tests qualify: the pinned one (or HELIOS_CLIENT_VERSIONS's) and the spec's."""
+    fixture = "client_bin" if request.param == "pinned" else "spec_codex_bin"
+    return Path(request.getfixturevalue(fixture))
 
 
 # -- a recording proxy ------------------------------------------------------------------------------
@@ -328,11 +347,11 @@ def check_turn(name: str, proc: subprocess.CompletedProcess[str], records: list[
 # -- the turns --------------------------------------------------------------------------------------
 
 
-def test_codex_exec(client_bin: Path, proxy: RecordingProxy, project: Path, model_id: str) -> None:
+def test_codex_exec(codex_bin: Path, proxy: RecordingProxy, project: Path, model_id: str) -> None:
     codex_home = project.parent / "home" / ".codex"
     write_codex_home(codex_home, proxy.url, model_id)
     proxy.take()
-    proc = run_client(run_args("codex-run"), project, {"CODEX_HOME": str(codex_home)}, client_bin)
+    proc = run_client(run_args("codex-run"), project, {"CODEX_HOME": str(codex_home)}, codex_bin)
     check_turn("codex", proc, proxy.take(), "/v1/responses")
 
 
@@ -449,12 +468,13 @@ def record_requests(name: str, records: list[Recorded]) -> None:
     (Path(out) / f"{name}.json").write_text(json.dumps({"client": name, "requests": requests}, indent=1) + "\n")
 
 
-def test_codex_task(client_bin: Path, agent: tuple[ScriptedServer, AgentTask], agent_proxy: RecordingProxy,
-                    task_project: Path) -> None:
+def test_codex_task(codex_bin: Path, agent: tuple[ScriptedServer, AgentTask], agent_proxy: RecordingProxy,
+                    task_project: Path, request: pytest.FixtureRequest) -> None:
     codex_home = task_project.parent / "home" / ".codex"
     write_codex_home(codex_home, agent_proxy.url, "scripted", AGENT_MAX_MODEL_LEN)
-    loop = run_task("codex", "codex", task_args("codex-task-run"), {"CODEX_HOME": str(codex_home)}, task_project,
-                     client_bin, agent_proxy, agent[1], "/v1/responses")
+    name = "codex" if request.node.callspec.params["codex_bin"] == "pinned" else f"codex-{SPEC_CODEX.rsplit('@', 1)[1]}"
+    loop = run_task(name, "codex", task_args("codex-task-run"), {"CODEX_HOME": str(codex_home)}, task_project,
+                     codex_bin, agent_proxy, agent[1], "/v1/responses")
     # The catalog's freeform apply_patch: a custom tool with Codex's Lark grammar, which Helios
     # compiled before admission and checked the scripted patch against before emitting the call.
     patch_tools = [t for t in json.loads(loop[1].body)["tools"] if t.get("name") == "apply_patch"]
