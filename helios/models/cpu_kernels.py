@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -125,38 +126,33 @@ DecodeArgs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]
 
 
 @attrs.frozen
-class Int4Layer:
-    """A decoder layer's int4 projections for `int4_decode_layer`: (packed, scales_and_zeros) of qkv,
-    o, gate/up and down, flattened, and their group size."""
+class FusedLayer:
+    """A decoder layer's weights for `decode_layers`: its two RMSNorm weights and its projections,
+    int4 ((packed, scales_and_zeros) of qkv, o, gate/up and down, flattened; ``group`` their group size)
+    or oneDNN-packed (the four weights as `quant.pack_onednn` packed them; ``group`` 0)."""
 
+    input_norm: Tensor
+    post_norm: Tensor
     weights: tuple[Tensor, ...]
-    group_size: int
+    group: int
 
 
-def int4_decode_layer(h: Tensor, delta: Tensor | None, input_norm: Tensor, post_norm: Tensor, layer: Int4Layer,
-                      cos: Tensor, sin: Tensor, decode: DecodeArgs,
-                      eps: float, heads: int, kv_heads: int) -> tuple[Tensor, Tensor]:
-    """One decoder layer of an all-decode step (`_DecoderLayer.forward` with the fused kernels) as
-    one operator: RMSNorm, the int4 qkv projection, RoPE, the K/V write and paged attention
-    (``decode`` = k_cache, v_cache, slot_mapping, block_table, rows, lens, page_size), the o
-    projection, the second norm and the SwiGLU MLP. Returns (stream, MLP output) like the layer."""
-    k_cache, v_cache, slot_mapping, table, rows, lens, page_size = decode
-    out: tuple[Tensor, Tensor] = torch.ops.helios.int4_decode_layer(
-        h, delta, input_norm, post_norm, *layer.weights, layer.group_size, cos, sin, k_cache, v_cache, slot_mapping,
-        table, rows, lens, page_size, k_cache.shape[-1] ** -0.5, eps, heads, kv_heads)
-    return out
-
-
-def onednn_decode_layer(h: Tensor, delta: Tensor | None, input_norm: Tensor, post_norm: Tensor,
-                        weights: tuple[Tensor, Tensor, Tensor, Tensor], cos: Tensor, sin: Tensor,
-                        decode: DecodeArgs, eps: float, heads: int,
-                        kv_heads: int) -> tuple[Tensor, Tensor]:
-    """`int4_decode_layer` with the projections through oneDNN's prepacked linear: ``weights`` are
-    the qkv, o, gate/up and down weights as `quant.pack_onednn` packed them."""
-    k_cache, v_cache, slot_mapping, table, rows, lens, page_size = decode
-    out: tuple[Tensor, Tensor] = torch.ops.helios.onednn_decode_layer(
-        h, delta, input_norm, post_norm, *weights, cos, sin, k_cache, v_cache, slot_mapping, table, rows, lens,
-        page_size, k_cache.shape[-1] ** -0.5, eps, heads, kv_heads)
+def decode_layers(h: Tensor, delta: Tensor | None, layers: Sequence[FusedLayer], decode: Sequence[DecodeArgs],
+                  cos: Tensor, sin: Tensor, eps: float, heads: int, kv_heads: int) -> tuple[Tensor, Tensor]:
+    """Consecutive decoder layers of an all-decode step (`_DecoderLayer.forward` with the fused
+    kernels) as one operator: per layer RMSNorm, the qkv projection, RoPE, the K/V write and paged
+    attention (``decode[i]`` = layer i's k_cache, v_cache and the step's slot_mapping, block_table,
+    rows, lens, page_size), the o projection, the second norm and the SwiGLU MLP. The layers share one
+    projection kind (``group``). Returns (stream, MLP output) of the last layer, like the layer."""
+    group = layers[0].group
+    if any(layer.group != group for layer in layers) or len(decode) != len(layers):
+        raise ValueError("decode_layers: one projection kind and one set of decode arguments per layer")
+    _, _, slot_mapping, table, rows, lens, page_size = decode[0]
+    out: tuple[Tensor, Tensor] = torch.ops.helios.decode_layers(
+        h, delta, [layer.input_norm for layer in layers], [layer.post_norm for layer in layers],
+        [w for layer in layers for w in layer.weights], group, cos, sin, [d[0] for d in decode],
+        [d[1] for d in decode], slot_mapping, table, rows, lens, page_size, decode[0][0].shape[-1] ** -0.5, eps, heads,
+        kv_heads)
     return out
 
 

@@ -131,8 +131,25 @@ class LlamaForCausalLM(nn.Module):
             h = h.index_copy(0, rows.to(h.device), features.to(device=h.device, dtype=h.dtype))
         fused = h.device.type == "cpu" and h.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
         delta: Tensor | None = None
-        for layer in self.layers:
-            h, delta = layer(h, delta, cos, sin, attn, fused)
+        layers = self._decoder_layers()
+        i = 0
+        while i < len(layers):
+            # An all-decode step: each run of layers with one fused projection kind is one operator.
+            run = layers[i].fused_decode(h.shape[0], attn) if fused else None
+            if run is None:
+                h, delta = layers[i](h, delta, cos, sin, attn, fused)
+                i += 1
+                continue
+            runs = [run]
+            while i + len(runs) < len(layers):
+                more = layers[i + len(runs)].fused_decode(h.shape[0], attn)
+                if more is None or more[0].group != run[0].group:
+                    break
+                runs.append(more)
+            first = layers[i]
+            h, delta = cpu_kernels.decode_layers(h, delta, [r[0] for r in runs], [r[1] for r in runs], cos, sin,
+                                                 first.eps, first.num_heads, first.num_kv_heads)
+            i += len(runs)
         return _add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps, fused)[1]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
@@ -378,9 +395,9 @@ class _DecoderLayer(nn.Module):
             if config.qk_norm else None
         self.post_attention_norm = empty(hidden, dt=torch.float32)
         # find_fused_decode: the one-operator decode layers' weights and the step sizes they serve.
-        self._int4: cpu_kernels.Int4Layer | None = None
+        self._int4: cpu_kernels.FusedLayer | None = None
         self._int4_rows = 0
-        self._onednn: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+        self._onednn: cpu_kernels.FusedLayer | None = None
         self._onednn_above = 0
 
     def forward(self, h: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, attn: AttentionBackend,
@@ -389,26 +406,9 @@ class _DecoderLayer(nn.Module):
         (None before layer 0): returns the stream after attention and this layer's MLP output, so the
         next residual add is fused with the next norm. ``fused``: Helios's CPU kernels do the residual
         add + RMSNorm, the rotary embedding and the SwiGLU activation (`models/cpu_kernels.py`).
-
-        With the kernels, an all-decode step whose attention offers `all_decode_args`, and
-        projections that are all int4 (`cpu_kernels.int4_decode_layer`) or all oneDNN-packed
-        (`cpu_kernels.onednn_decode_layer`) for this many rows, the whole layer is one operator: the
-        same operators in the same order, without the Python between them (`find_fused_decode`)."""
+        (In an all-decode step the model runs the layers `fused_decode` offers as one operator
+        instead: the same operators in the same order.)"""
         num_tokens = h.shape[0]
-        int4 = self._int4 is not None and num_tokens <= self._int4_rows
-        onednn = self._onednn is not None and num_tokens > self._onednn_above
-        if fused and (int4 or onednn):
-            decode = getattr(attn, "all_decode_args", None)
-            args = decode(self.layer_idx) if decode is not None else None
-            if args is not None and int4:
-                assert self._int4 is not None
-                return cpu_kernels.int4_decode_layer(h, delta, self.input_norm, self.post_attention_norm, self._int4,
-                                                     cos, sin, args, self.eps, self.num_heads, self.num_kv_heads)
-            if args is not None:
-                assert self._onednn is not None
-                return cpu_kernels.onednn_decode_layer(h, delta, self.input_norm, self.post_attention_norm,
-                                                       self._onednn, cos, sin, args, self.eps, self.num_heads,
-                                                       self.num_kv_heads)
         qk_heads = self.num_heads + self.num_kv_heads
         h, x = _add_rms_norm(h, delta, self.input_norm, self.eps, fused)
         qkv = self.qkv_proj(x)
@@ -436,6 +436,21 @@ class _DecoderLayer(nn.Module):
         self._int4 = None  # until finish_loading looks at the new set
         self._onednn = None
 
+    def fused_decode(self, num_tokens: int, attn: AttentionBackend) -> tuple[cpu_kernels.FusedLayer,
+                                                                              cpu_kernels.DecodeArgs] | None:
+        """This layer as `cpu_kernels.decode_layers` runs it, for an all-decode step of ``num_tokens``
+        rows whose attention offers `all_decode_args`: its weights (int4 up to ``_int4_rows`` rows,
+        oneDNN-packed above ``_onednn_above``) and its decode arguments; None where it does not apply."""
+        if self._int4 is not None and num_tokens <= self._int4_rows:
+            layer = self._int4
+        elif self._onednn is not None and num_tokens > self._onednn_above:
+            layer = self._onednn
+        else:
+            return None
+        decode = getattr(attn, "all_decode_args", None)
+        args: cpu_kernels.DecodeArgs | None = decode(self.layer_idx) if decode is not None else None
+        return (layer, args) if args is not None else None
+
     def find_fused_decode(self) -> None:
         """Where the one-operator decode layers apply (no q/k/v bias, no q/k norm):
         ``_int4`` (packed weights and scales in PROJECTIONS order, and the group size) when every
@@ -451,13 +466,15 @@ class _DecoderLayer(nn.Module):
         if all(isinstance(m, Int4Linear) for m in mods):
             linears = cast(list[Int4Linear], mods)
             if len({m.group_size for m in linears}) == 1:
-                self._int4 = cpu_kernels.Int4Layer(tuple(t for m in linears for t in (m.packed, m.scales_and_zeros)),
-                                                   linears[0].group_size)
+                self._int4 = cpu_kernels.FusedLayer(
+                    self.input_norm, self.post_attention_norm,
+                    tuple(t for m in linears for t in (m.packed, m.scales_and_zeros)), linears[0].group_size)
                 self._int4_rows = min((m.dense_above if m.dense is not None or m.onednn is not None else 1 << 62)
                                       for m in linears)
         packed = [getattr(m, "onednn", None) for m in mods]
         if all(p is not None for p in packed):
-            self._onednn = cast(tuple[Tensor, Tensor, Tensor, Tensor], tuple(packed))
+            self._onednn = cpu_kernels.FusedLayer(self.input_norm, self.post_attention_norm,
+                                                  tuple(cast(Tensor, p) for p in packed), 0)
             self._onednn_above = max(0 if isinstance(m, DenseLinear) else int(m.dense_above) for m in mods)
 
     def weight_targets(self) -> dict[str, Tensor]:

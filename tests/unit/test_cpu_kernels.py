@@ -523,15 +523,14 @@ def test_the_fused_layer_path_matches_the_torch_path(monkeypatch: pytest.MonkeyP
     assert calls == {"add_rms_norm": 5, "rope_": 2, "silu_mul": 2}  # 2 per layer + the final norm; 1; 1
 
 
-@pytest.mark.parametrize(("weights", "dtype", "dense_above", "op"), [
-    ("int4", "auto", None, "int4_decode_layer"), ("int4", "float32", None, "int4_decode_layer"),
-    ("auto", "auto", None, "int4_decode_layer"), ("auto", "auto", 1, "onednn_decode_layer"),
-    ("bfloat16", "auto", None, "onednn_decode_layer"), ("float32", "auto", None, "onednn_decode_layer")])
-def test_the_one_operator_decode_layer_gives_the_layer_by_layer_tokens_exactly(
+@pytest.mark.parametrize(("weights", "dtype", "dense_above", "kind"), [
+    ("int4", "auto", None, "int4"), ("int4", "float32", None, "int4"), ("auto", "auto", None, "int4"),
+    ("auto", "auto", 1, "onednn"), ("bfloat16", "auto", None, "onednn"), ("float32", "auto", None, "onednn")])
+def test_the_one_operator_decode_layers_give_the_layer_by_layer_tokens_exactly(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weights: str, dtype: str, dense_above: int | None,
-        op: str) -> None:
-    """An all-decode step runs each decoder layer as one operator: `int4_decode_layer` where the
-    projections are int4 for that many rows, `onednn_decode_layer` where they multiply through
+        kind: str) -> None:
+    """An all-decode step runs its decoder layers as one operator (`decode_layers`): int4 projections
+    where they are int4 for that many rows, oneDNN's prepacked linear where they multiply through
     oneDNN-packed weights (a dense format, or auto's dense copy above its threshold, here lowered to
     1 row). The same operators in the same order as `_DecoderLayer.forward`, so the greedy tokens and
     their logprobs are equal to the layer-by-layer path's, not just close. Three streams, so rows of
@@ -542,16 +541,17 @@ def test_the_one_operator_decode_layer_gives_the_layer_by_layer_tokens_exactly(
     loaded = load_model(path, weights=weights, dtype=dtype)
     model = loaded.model
     layers = list(model.layers)
-    if op == "onednn_decode_layer" and not all(layer._onednn is not None for layer in layers):
+    if kind == "onednn" and not all(layer._onednn is not None for layer in layers):
         pytest.skip("oneDNN's prepacked linear is not used for this dtype on this machine")
-    calls: list[int] = []
-    real = getattr(cpu_kernels, op)
+    calls: list[tuple[int, int, bool]] = []  # (rows, layers, int4) per call
+    real = cpu_kernels.decode_layers
 
-    def counted(h: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(h.shape[0])
-        return real(h, *args)  # type: ignore[no-any-return]
+    def counted(h: torch.Tensor, delta: torch.Tensor | None, fused: list[cpu_kernels.FusedLayer],
+                *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append((h.shape[0], len(fused), fused[0].group > 0))
+        return real(h, delta, fused, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(cpu_kernels, op, counted)
+    monkeypatch.setattr(cpu_kernels, "decode_layers", counted)
 
     def generate() -> dict[str, tuple[list[int], list[float]]]:
         core = EngineCore(model, loaded.checkpoint.config,
@@ -571,14 +571,22 @@ def test_the_one_operator_decode_layer_gives_the_layer_by_layer_tokens_exactly(
 
     with torch.inference_mode():
         fused = generate()
-        assert calls and max(calls) == 3 and len(calls) % len(layers) == 0
+        # One call per all-decode step, covering every layer, of the expected kind.
+        assert calls and max(rows for rows, _, _ in calls) == 3
+        assert {(n, int4) for _, n, int4 in calls} == {(len(layers), kind == "int4")}
+        # A layer without the fused form splits the run: the layers around it are runs of their own.
+        monkeypatch.setattr(layers[1], "_int4", None)
+        monkeypatch.setattr(layers[1], "_onednn", None)
+        calls.clear()
+        split = generate()
+        assert calls and {n for _, n, _ in calls} == {1, len(layers) - 2} - {0}
         for layer in layers:
             monkeypatch.setattr(layer, "_int4", None)
             monkeypatch.setattr(layer, "_onednn", None)
         calls.clear()
         plain = generate()
     assert calls == []
-    assert fused == plain and all(len(ids) == 12 for ids, _ in fused.values())
+    assert fused == plain == split and all(len(ids) == 12 for ids, _ in fused.values())
 
 
 def test_kernels_without_a_compiler_fall_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,

@@ -1044,13 +1044,13 @@ at::Tensor write_paged_decode(const at::Tensor& q, const at::Tensor& k, const at
   return paged_decode(q.contiguous(), k_cache, v_cache, block_table, rows, lens, page_size, scale);
 }
 
-// ---- decode layers: one decoder layer of an all-decode step as one operator ----------------------------
+// ---- decode layers: the decoder layers of an all-decode step as one operator ------------------------------
 // What `_DecoderLayer.forward` does with the fused kernels, the layer's projections and an all-decode
-// step's paged attention, as one operator: the same operators in the same order (so the same
-// results), without the ~20 Python-level calls per layer, which at one decode row cost about as much
-// as the layer's attention. No q/k/v bias, no q/k norm (those models keep the Python path). The
-// projections are torch's int4 weight-only matmul (int4_decode_layer) or oneDNN's prepacked linear
-// (onednn_decode_layer, the weights `quant.pack_onednn` packed), as `quant` would run them.
+// step's paged attention, for a run of consecutive layers in one operator: the same operators in the
+// same order (so the same results), without the ~20 Python-level calls per layer, which at one decode
+// row cost about as much as the layer's attention, nor a dispatch per layer. No q/k/v bias, no q/k
+// norm (those models keep the Python path). The projections are torch's int4 weight-only matmul or
+// oneDNN's prepacked linear (the weights `quant.pack_onednn` packed), as `quant` would run them.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group, const at::Tensor& sz) {
   at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), packed, group, sz);
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
@@ -1094,30 +1094,40 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   return {stream2, down};
 }
 
-std::tuple<at::Tensor, at::Tensor> int4_decode_layer(
-    const at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, const at::Tensor& qkv_w, const at::Tensor& qkv_sz, const at::Tensor& o_w,
-    const at::Tensor& o_sz, const at::Tensor& gu_w, const at::Tensor& gu_sz, const at::Tensor& down_w,
-    const at::Tensor& down_sz, int64_t group, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-    at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& rows,
-    const at::Tensor& lens, int64_t page_size, double scale, double eps, int64_t heads, int64_t kv_heads) {
-  const at::Tensor* w[4] = {&qkv_w, &o_w, &gu_w, &down_w};
-  const at::Tensor* sz[4] = {&qkv_sz, &o_sz, &gu_sz, &down_sz};
-  auto mm = [&](int i, const at::Tensor& x) { return int4_mm(x, *w[i], group, *sz[i]); };
-  return decode_layer(mm, h, delta, input_norm, post_norm, cos, sin, k_cache, v_cache, slot_mapping, block_table,
-                      rows, lens, page_size, scale, eps, heads, kv_heads);
-}
-
-std::tuple<at::Tensor, at::Tensor> onednn_decode_layer(
-    const at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, const at::Tensor& qkv_w, const at::Tensor& o_w, const at::Tensor& gu_w,
-    const at::Tensor& down_w, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-    at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& rows,
-    const at::Tensor& lens, int64_t page_size, double scale, double eps, int64_t heads, int64_t kv_heads) {
-  const at::Tensor* w[4] = {&qkv_w, &o_w, &gu_w, &down_w};
-  auto mm = [&](int i, const at::Tensor& x) { return onednn_mm(x, *w[i]); };
-  return decode_layer(mm, h, delta, input_norm, post_norm, cos, sin, k_cache, v_cache, slot_mapping, block_table,
-                      rows, lens, page_size, scale, eps, heads, kv_heads);
+// Consecutive decoder layers of an all-decode step, each as `decode_layer`, in one operator (one
+// dispatch instead of one per layer). `group` > 0: every layer's projections are int4 with that group
+// size, `weights` holding (packed, scales_and_zeros) of qkv, o, gate/up and down per layer; `group`
+// == 0: they are oneDNN-packed, four weights per layer. Returns the last layer's (stream, MLP output).
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& h, const std::optional<at::Tensor>& delta, at::TensorList input_norms,
+    at::TensorList post_norms, at::TensorList weights, int64_t group, const at::Tensor& cos, const at::Tensor& sin,
+    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_table,
+    const at::Tensor& rows, const at::Tensor& lens, int64_t page_size, double scale, double eps, int64_t heads,
+    int64_t kv_heads) {
+  const int64_t L = static_cast<int64_t>(input_norms.size());
+  const int64_t per = group > 0 ? 8 : 4;
+  TORCH_CHECK(L > 0 && static_cast<int64_t>(post_norms.size()) == L && static_cast<int64_t>(k_caches.size()) == L &&
+                  static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(weights.size()) == L * per,
+              "decode_layers: per layer two norms, a K and a V cache, and ", per, " weights");
+  at::Tensor stream = h;
+  std::optional<at::Tensor> d = delta;
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = &weights[l * per];
+    at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+    std::tuple<at::Tensor, at::Tensor> out;
+    if (group > 0) {
+      auto mm = [&](int i, const at::Tensor& x) { return int4_mm(x, w[2 * i], group, w[2 * i + 1]); };
+      out = decode_layer(mm, stream, d, input_norms[l], post_norms[l], cos, sin, k_cache, v_cache, slot_mapping,
+                         block_table, rows, lens, page_size, scale, eps, heads, kv_heads);
+    } else {
+      auto mm = [&](int i, const at::Tensor& x) { return onednn_mm(x, w[i]); };
+      out = decode_layer(mm, stream, d, input_norms[l], post_norms[l], cos, sin, k_cache, v_cache, slot_mapping,
+                         block_table, rows, lens, page_size, scale, eps, heads, kv_heads);
+    }
+    stream = std::get<0>(out);
+    d = std::get<1>(out);
+  }
+  return {stream, *d};
 }
 
 }  // namespace
@@ -1132,15 +1142,10 @@ TORCH_LIBRARY(helios, m) {
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, int ctx_start, float scale) -> Tensor");
   m.def("bf16_kernels_supported() -> bool");
-  m.def("int4_decode_layer(Tensor h, Tensor? delta, Tensor input_norm, Tensor post_norm, Tensor qkv_w, "
-        "Tensor qkv_sz, Tensor o_w, Tensor o_sz, Tensor gu_w, Tensor gu_sz, Tensor down_w, Tensor down_sz, "
-        "int group, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+  m.def("decode_layers(Tensor h, Tensor? delta, Tensor[] input_norms, Tensor[] post_norms, Tensor[] weights, "
+        "int group, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, "
         "Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale, float eps, int heads, "
         "int kv_heads) -> (Tensor, Tensor)");
-  m.def("onednn_decode_layer(Tensor h, Tensor? delta, Tensor input_norm, Tensor post_norm, Tensor qkv_w, "
-        "Tensor o_w, Tensor gu_w, Tensor down_w, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale, float eps, "
-        "int heads, int kv_heads) -> (Tensor, Tensor)");
   m.def("write_paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale) -> Tensor");
 }
@@ -1158,11 +1163,10 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("silu_mul", TORCH_FN(silu_mul));
   m.impl("paged_prefill", TORCH_FN(paged_prefill));
   m.impl("write_paged_decode", TORCH_FN(write_paged_decode));
-  m.impl("int4_decode_layer", TORCH_FN(int4_decode_layer));
-  m.impl("onednn_decode_layer", TORCH_FN(onednn_decode_layer));
+  m.impl("decode_layers", TORCH_FN(decode_layers));
 }
 
 // The oneDNN-packed weights are MkldnnCPU tensors, and the dispatcher picks that key for the call.
 TORCH_LIBRARY_IMPL(helios, MkldnnCPU, m) {
-  m.impl("onednn_decode_layer", TORCH_FN(onednn_decode_layer));
+  m.impl("decode_layers", TORCH_FN(decode_layers));
 }
