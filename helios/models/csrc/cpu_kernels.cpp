@@ -687,7 +687,14 @@ inline void prefill_pv(float* __restrict__ o, const float* __restrict__ p, const
   }
   for (int64_t j = 0; j < most; ++j) {
     __m512 vv[ND];
-    for (int c = 0; c < ND; ++c) vv[c] = _mm512_loadu_ps(vf + j * dh + c * 16);
+    for (int c = 0; c < ND; ++c) {
+      // Keep the V vector in a register: left to itself the compiler folds the load into each row's
+      // FMA (R loads of it instead of one), and the loop became load-bound. (The barrier is on a
+      // local: on the array element itself the compiler also stored each vector to the stack.)
+      __m512 v = _mm512_loadu_ps(vf + j * dh + c * 16);
+      __asm__("" : "+v"(v));
+      vv[c] = v;
+    }
     for (int r = 0; r < R; ++r) {
       const __m512 pr = _mm512_set1_ps(p[r * kKBlock + j]);
       for (int c = 0; c < ND; ++c) a[r][c] = _mm512_fmadd_ps(pr, vv[c], a[r][c]);
