@@ -704,12 +704,13 @@ inline void prefill_pv(float* __restrict__ o, const float* __restrict__ p, const
     for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + r * dh + c * 16, a[r][c]);
 }
 
-// prefill_pv over rows [0, rows) in groups of R; returns the first row not done (rows % R remain).
+// prefill_pv over rows [0, rows) in groups of R, each group over the positions its last row attends
+// to (valid[r], non-decreasing in r: rows go by query token); returns the first row not done.
 template <int ND, int R>
 inline int64_t prefill_pv_rows(float* o, const float* sc, const float* corr, const float* vf, int64_t rows,
-                               int64_t most, int64_t dh) {
+                               const int64_t* valid, int64_t dh) {
   int64_t r = 0;
-  for (; r + R <= rows; r += R) prefill_pv<ND, R>(o + r * dh, sc + r * kKBlock, corr + r, vf, most, dh);
+  for (; r + R <= rows; r += R) prefill_pv<ND, R>(o + r * dh, sc + r * kKBlock, corr + r, vf, valid[r + R - 1], dh);
   return r;
 }
 
@@ -728,6 +729,7 @@ void paged_prefill_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
     const int64_t M = kQTile * G;
     std::vector<uint32_t> kt(dp * kKBlock);
     std::vector<float> vf(kKBlock * dh), o(M * dh), sc(M * kKBlock), mx(M), sm(M), corr(M);
+    std::vector<int64_t> vd(M);  // per row: the positions of the current key block it attends to
     std::vector<const uint32_t*> qrow(M);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t zi = w / KV, tile = zi % 2 == 0 ? zi / 2 : tiles - 1 - zi / 2;
@@ -756,35 +758,36 @@ void paged_prefill_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
           for (int64_t c = 0; c < nd; ++c) _mm512_storeu_ps(vf.data() + j * dh + c * 16, vload(vr + c * 16));
         }
         const __m512 vscale = _mm512_set1_ps(scale);
-        for (int64_t r = 0; r < rows; r += 2) {
-          const bool two = r + 1 < rows;
-          __m512 a0[NV], a1[NV];
-          for (int64_t c = 0; c < NV; ++c) a0[c] = a1[c] = _mm512_setzero_ps();
-          const uint32_t* q0 = qrow[r];
-          const uint32_t* q1 = two ? qrow[r + 1] : q0;
+        // Four query rows per pass: 16 independent accumulator chains, enough to keep the pair dot
+        // products at their throughput rather than their latency (two rows gave 8 chains).
+        constexpr int64_t kQK = 4;
+        for (int64_t r = 0; r < rows; r += kQK) {
+          __m512 a[kQK][NV];
+          const uint32_t* qr[kQK];
+          for (int64_t i = 0; i < kQK; ++i) {
+            qr[i] = qrow[std::min(r + i, rows - 1)];  // past the last row: recompute it, not stored
+            for (int64_t c = 0; c < NV; ++c) a[i][c] = _mm512_setzero_ps();
+          }
           for (int64_t e = 0; e < dp; ++e) {
-            const __m512bh b0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(q0[e]));
-            const __m512bh b1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(q1[e]));
             const uint32_t* kr = kt.data() + e * kKBlock;
-            for (int64_t c = 0; c < NV; ++c) {
-              const __m512bh kv = (__m512bh)_mm512_loadu_si512(kr + c * 16);
-              a0[c] = _mm512_dpbf16_ps(a0[c], b0, kv);
-              a1[c] = _mm512_dpbf16_ps(a1[c], b1, kv);
+            __m512bh kv[NV];
+            for (int64_t c = 0; c < NV; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kr + c * 16);
+            for (int64_t i = 0; i < kQK; ++i) {
+              const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[i][e]));
+              for (int64_t c = 0; c < NV; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], b, kv[c]);
             }
           }
-          for (int64_t c = 0; c < NV; ++c) {
-            _mm512_storeu_ps(sc.data() + r * kKBlock + c * 16, _mm512_mul_ps(a0[c], vscale));
-            if (two) _mm512_storeu_ps(sc.data() + (r + 1) * kKBlock + c * 16, _mm512_mul_ps(a1[c], vscale));
-          }
+          for (int64_t i = 0; i < kQK && r + i < rows; ++i)
+            for (int64_t c = 0; c < NV; ++c)
+              _mm512_storeu_ps(sc.data() + (r + i) * kKBlock + c * 16, _mm512_mul_ps(a[i][c], vscale));
         }
         // Online softmax per row: probabilities in place of the scores (0 past the row's last
         // position), the row's correction of its earlier sum.
-        int64_t most = 0;  // the most positions any row of the tile attends to in this block
         for (int64_t r = 0; r < rows; ++r) {
           float* sr = sc.data() + r * kKBlock;
           const int64_t last = ctx_start + t0 + r / G;  // the last position row r attends to
           const int64_t valid = std::min(n, std::max<int64_t>(last - p0 + 1, 0));
-          most = std::max(most, valid);
+          vd[r] = valid;
           if (valid == 0) {
             corr[r] = 1.f;
             std::fill(sr, sr + kKBlock, 0.f);
@@ -806,20 +809,22 @@ void paged_prefill_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
           sm[r] = sm[r] * corr[r] + _mm512_reduce_add_ps(tot);
           mx[r] = m_new;
         }
-        // Weighted sum of V, several rows at a time sharing each V load, accumulators in registers.
+        // Weighted sum of V, several rows at a time sharing each V load, accumulators in registers;
+        // in the diagonal block a group stops at its last row's last position.
         int64_t r = 0;
+        const int64_t* vp = vd.data();
         switch (nd) {
-          case 2: r = prefill_pv_rows<2, 4>(o.data(), sc.data(), corr.data(), vf.data(), rows, most, dh); break;
-          case 4: r = prefill_pv_rows<4, 4>(o.data(), sc.data(), corr.data(), vf.data(), rows, most, dh); break;
-          case 6: r = prefill_pv_rows<6, 2>(o.data(), sc.data(), corr.data(), vf.data(), rows, most, dh); break;
-          default: r = prefill_pv_rows<8, 2>(o.data(), sc.data(), corr.data(), vf.data(), rows, most, dh); break;
+          case 2: r = prefill_pv_rows<2, 4>(o.data(), sc.data(), corr.data(), vf.data(), rows, vp, dh); break;
+          case 4: r = prefill_pv_rows<4, 4>(o.data(), sc.data(), corr.data(), vf.data(), rows, vp, dh); break;
+          case 6: r = prefill_pv_rows<6, 2>(o.data(), sc.data(), corr.data(), vf.data(), rows, vp, dh); break;
+          default: r = prefill_pv_rows<8, 2>(o.data(), sc.data(), corr.data(), vf.data(), rows, vp, dh); break;
         }
         for (; r < rows; ++r) {
           switch (nd) {
-            case 2: prefill_pv<2, 1>(o.data() + r * dh, sc.data() + r * kKBlock, corr.data() + r, vf.data(), most, dh); break;
-            case 4: prefill_pv<4, 1>(o.data() + r * dh, sc.data() + r * kKBlock, corr.data() + r, vf.data(), most, dh); break;
-            case 6: prefill_pv<6, 1>(o.data() + r * dh, sc.data() + r * kKBlock, corr.data() + r, vf.data(), most, dh); break;
-            default: prefill_pv<8, 1>(o.data() + r * dh, sc.data() + r * kKBlock, corr.data() + r, vf.data(), most, dh); break;
+            case 2: prefill_pv<2, 1>(o.data() + r * dh, sc.data() + r * kKBlock, corr.data() + r, vf.data(), vd[r], dh); break;
+            case 4: prefill_pv<4, 1>(o.data() + r * dh, sc.data() + r * kKBlock, corr.data() + r, vf.data(), vd[r], dh); break;
+            case 6: prefill_pv<6, 1>(o.data() + r * dh, sc.data() + r * kKBlock, corr.data() + r, vf.data(), vd[r], dh); break;
+            default: prefill_pv<8, 1>(o.data() + r * dh, sc.data() + r * kKBlock, corr.data() + r, vf.data(), vd[r], dh); break;
           }
         }
       }
