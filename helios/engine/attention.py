@@ -224,8 +224,11 @@ class PagedAttention:
             return cpu_kernels.write_paged_decode(q, k, v, *decode, q.shape[-1] ** -0.5)
         k_cache = self.kv.k[layer_idx]  # [kv_heads, slots, head_dim]
         v_cache = self.kv.v[layer_idx]
-        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+        if self.decode_kernel:  # the CPU kernels serve this cache: row copies
+            cpu_kernels.write_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        else:
+            k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+            v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
         out = torch.empty_like(q)
         num_kv = k_cache.shape[0]
         if self.num_decode and self.decode_kernel:

@@ -111,6 +111,12 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tenso
     return torch.ops.helios.paged_decode(q.contiguous(), k_cache, v_cache, block_table, rows, lens, page_size, scale)
 
 
+def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """``k``, ``v`` ([T, kv_heads, d], any strides between tokens and heads) into the caches
+    ([kv_heads, slots, d]) at ``slot_mapping`` [T]: row copies (other dtypes or layouts: index_copy_)."""
+    torch.ops.helios.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
 def write_paged_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                        block_table: Tensor, rows: Tensor, lens: Tensor, page_size: int, scale: float) -> Tensor:
     """`paged_decode` after writing this step's ``k``, ``v`` ([D, kv_heads, d], any strides) into the

@@ -1030,14 +1030,14 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 void write_slots(const at::Tensor& x, at::Tensor& cache, const at::Tensor& slots) {
   TORCH_CHECK(x.dim() == 3 && cache.dim() == 3 && x.size(1) == cache.size(0) && x.size(2) == cache.size(2) &&
                   slots.dim() == 1 && slots.size(0) == x.size(0) && slots.scalar_type() == at::kLong,
-              "write_paged_decode: k/v [T, kv_heads, d], caches [kv_heads, S, d], one int64 slot per token");
+              "write_kv: k/v [T, kv_heads, d], caches [kv_heads, S, d], one int64 slot per token");
   if (x.scalar_type() != cache.scalar_type() || x.stride(2) != 1 || !cache.is_contiguous() || !slots.is_contiguous()) {
     cache.index_copy_(1, slots, x.transpose(0, 1).to(cache.scalar_type()));
     return;
   }
   const int64_t T = x.size(0), KV = x.size(1), dh = x.size(2), S = cache.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "write_paged_decode: a slot outside the cache");
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "write_kv: a slot outside the cache");
   const int64_t bytes = dh * static_cast<int64_t>(x.element_size());
   const char* src = static_cast<const char*>(x.data_ptr());
   char* dst = static_cast<char*>(cache.data_ptr());
@@ -1046,13 +1046,20 @@ void write_slots(const at::Tensor& x, at::Tensor& cache, const at::Tensor& slots
     for (int64_t h = 0; h < KV; ++h) std::memcpy(dst + ((h * S + sp[t]) * bytes), src + t * st + h * sh, bytes);
 }
 
+// K/V of this step's tokens into the caches at their slots (any step; `write_paged_decode` does it for
+// an all-decode one).
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  write_slots(k, k_cache, slot_mapping);
+  write_slots(v, v_cache, slot_mapping);
+}
+
 // K/V of this step's tokens into the cache at their slots, then decode attention over it: one
 // operator per layer for an all-decode step (what a compiled decode step calls; eager uses it too).
 at::Tensor write_paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                               at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table,
                               const at::Tensor& rows, const at::Tensor& lens, int64_t page_size, double scale) {
-  write_slots(k, k_cache, slot_mapping);
-  write_slots(v, v_cache, slot_mapping);
+  write_kv(k, v, k_cache, v_cache, slot_mapping);
   return paged_decode(q.contiguous(), k_cache, v_cache, block_table, rows, lens, page_size, scale);
 }
 
@@ -1158,6 +1165,7 @@ TORCH_LIBRARY(helios, m) {
         "int group, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, "
         "Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale, float eps, int heads, "
         "int kv_heads) -> (Tensor, Tensor)");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("write_paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale) -> Tensor");
 }
@@ -1175,6 +1183,7 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("silu_mul", TORCH_FN(silu_mul));
   m.impl("paged_prefill", TORCH_FN(paged_prefill));
   m.impl("write_paged_decode", TORCH_FN(write_paged_decode));
+  m.impl("write_kv", TORCH_FN(write_kv));
   m.impl("decode_layers", TORCH_FN(decode_layers));
 }
 
