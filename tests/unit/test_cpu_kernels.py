@@ -305,6 +305,29 @@ def test_the_engine_backend_decodes_through_the_kernel(dtype: torch.dtype) -> No
     assert (out.double() - torch.stack(expected)).abs().max().item() < bound
 
 
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.float32, torch.bfloat16)])
+def test_write_kv_puts_strided_rows_at_their_slots(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """A prefill or mixed step's K/V (strided views of one fused qkv tensor) land at their slots, and
+    nowhere else: row copies, or index_copy_ with the conversion when the dtypes differ."""
+    kv_heads, d, slots_total = 3, 64, 80
+    g = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(kv_heads, slots_total, d, generator=g).to(cache_dtype)
+    v_cache = torch.randn(kv_heads, slots_total, d, generator=g).to(cache_dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(slots_total, generator=g)[:37].contiguous()
+    qkv = torch.randn(37, (9 + 2 * kv_heads) * d, generator=g).to(dtype)
+    k = qkv[:, 9 * d : (9 + kv_heads) * d].view(37, kv_heads, d)
+    v = qkv[:, (9 + kv_heads) * d :].view(37, kv_heads, d)
+    cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
+    want_k[:, slots] = k.transpose(0, 1).to(cache_dtype)
+    want_v[:, slots] = v.transpose(0, 1).to(cache_dtype)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    if dtype == cache_dtype:
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            cpu_kernels.write_kv(k[:1], v[:1], k_cache, v_cache, torch.tensor([slots_total]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_all_decode_step_writes_and_attends_in_one_operator(dtype: torch.dtype) -> None:
     """Every token a decode row: `write_paged_decode` stores the step's K/V (strided views of one
