@@ -170,7 +170,8 @@ class LlamaForCausalLM(nn.Module):
         if (self._lm_head_q8 is not None and self.dtype == torch.bfloat16 and cpu_kernels.available()
                 and cpu_kernels.bf16_kernels_supported()):
             self._lm_head_q8_bf16 = cpu_kernels.pack_q8_bf16(*self._lm_head_q8)
-        count = int(self._lm_head_q8_bf16 is not None) + sum(pack_onednn(getattr(layer, attr)) for layer in self._decoder_layers() for attr in PROJECTIONS)
+        count = int(self._lm_head_q8_bf16 is not None)
+        count += sum(pack_onednn(getattr(layer, attr)) for layer in self._decoder_layers() for attr in PROJECTIONS)
         for layer in self._decoder_layers():
             layer.find_fused_decode()
         head = self._lm_head_fp32 if self._lm_head_fp32 is not None else self.lm_head.detach()

@@ -568,7 +568,7 @@ bool bf16_kernels_supported();  // AVX512-BF16 built in (defined with paged_pref
 template <int R, int T>
 inline void q8bf16_tile(const uint16_t* __restrict__ x, int64_t K, const uint32_t* __restrict__ wv,
                         const float* __restrict__ st, int64_t nt0, int64_t blocks, float* __restrict__ y,
-                        int64_t N, int64_t Np) {
+                        int64_t N) {
   const int64_t kp = K / 2;  // pairs per row
   __m512 tot[R][T];
   for (int r = 0; r < R; ++r)
@@ -600,18 +600,17 @@ inline void q8bf16_tile(const uint16_t* __restrict__ x, int64_t K, const uint32_
     const __mmask16 mask = left == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + n, mask, tot[r][t]);
   }
-  (void)Np;
 }
 
 template <int T>
 inline void q8bf16_rows(const uint16_t* x, int64_t M, int64_t K, const uint32_t* wv, const float* st, int64_t nt0,
-                        int64_t blocks, float* y, int64_t N, int64_t Np) {
+                        int64_t blocks, float* y, int64_t N) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) q8bf16_tile<4, T>(x + m * K, K, wv, st, nt0, blocks, y + m * N, N, Np);
+  for (; m + 4 <= M; m += 4) q8bf16_tile<4, T>(x + m * K, K, wv, st, nt0, blocks, y + m * N, N);
   switch (M - m) {
-    case 3: q8bf16_tile<3, T>(x + m * K, K, wv, st, nt0, blocks, y + m * N, N, Np); break;
-    case 2: q8bf16_tile<2, T>(x + m * K, K, wv, st, nt0, blocks, y + m * N, N, Np); break;
-    case 1: q8bf16_tile<1, T>(x + m * K, K, wv, st, nt0, blocks, y + m * N, N, Np); break;
+    case 3: q8bf16_tile<3, T>(x + m * K, K, wv, st, nt0, blocks, y + m * N, N); break;
+    case 2: q8bf16_tile<2, T>(x + m * K, K, wv, st, nt0, blocks, y + m * N, N); break;
+    case 1: q8bf16_tile<1, T>(x + m * K, K, wv, st, nt0, blocks, y + m * N, N); break;
     default: break;
   }
 }
@@ -633,7 +632,6 @@ at::Tensor q8_linear_bf16(const at::Tensor& x, const at::Tensor& wv, const at::T
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(wv.data_ptr<c10::BFloat16>());
   const float* sp = st.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t Np = tiles * 16;
   constexpr int64_t kT = 3;  // 16-output tiles per work item: 12 block and 12 total accumulators at 4 rows
   const int64_t items = (tiles + kT - 1) / kT;
   if (M > 0)
@@ -641,9 +639,9 @@ at::Tensor q8_linear_bf16(const at::Tensor& x, const at::Tensor& wv, const at::T
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t nt0 = i * kT;
         switch (std::min(kT, tiles - nt0)) {
-          case 3: q8bf16_rows<3>(xp, M, K, wp, sp, nt0, blocks, yp, N, Np); break;
-          case 2: q8bf16_rows<2>(xp, M, K, wp, sp, nt0, blocks, yp, N, Np); break;
-          default: q8bf16_rows<1>(xp, M, K, wp, sp, nt0, blocks, yp, N, Np); break;
+          case 3: q8bf16_rows<3>(xp, M, K, wp, sp, nt0, blocks, yp, N); break;
+          case 2: q8bf16_rows<2>(xp, M, K, wp, sp, nt0, blocks, yp, N); break;
+          default: q8bf16_rows<1>(xp, M, K, wp, sp, nt0, blocks, yp, N); break;
         }
       }
     });
@@ -1054,8 +1052,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   write_slots(v, v_cache, slot_mapping);
 }
 
-// K/V of this step's tokens into the cache at their slots, then decode attention over it: one
-// operator per layer for an all-decode step (what a compiled decode step calls; eager uses it too).
+// K/V of this step's tokens into the cache at their slots, then decode attention over it: an
+// all-decode step's attention for one layer (`PagedAttention`, and `decode_layer` below).
 at::Tensor write_paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                               at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table,
                               const at::Tensor& rows, const at::Tensor& lens, int64_t page_size, double scale) {
