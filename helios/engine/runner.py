@@ -100,17 +100,22 @@ class ModelRunner:
             # Constrained rows' token masks fill on a helper thread while the forward runs.
             masks = self.grammar.start([s.grammar for s in step.seqs]) if self._any_grammar(step.seqs) else None
             attn = self.backend.build(step.attention)
+            # Without prompt scoring only the sampled rows' hidden states are read: the model's last
+            # layer computes its MLP for those alone (a prefill chunk that ends no prompt: for none).
+            keep = step.sample_tokens if not step.scoring else None
             if embeds is not None and embeds.rows:
-                hidden = self.model(step.input_ids, step.positions, attn, embeds=embeds.tensors(self.device))
+                hidden = self.model(step.input_ids, step.positions, attn, embeds=embeds.tensors(self.device),
+                                    keep=keep)
             else:
-                hidden = self.model(step.input_ids, step.positions, attn)
+                hidden = self.model(step.input_ids, step.positions, attn, keep=keep)
             for offset, c in step.scoring:
                 scores = self._score_prompt_chunk(hidden, offset, c)
                 if scores:
                     scored[c.seq.request_id] = scores
             if not step.seqs:
                 return RunnerOutput(prompt_logprobs=scored, failed=image_failed, not_run=frozenset(image_failed))
-            rows = hidden if step.sample_tokens is None else hidden.index_select(0, step.sample_tokens)
+            rows = hidden if keep is not None or step.sample_tokens is None else hidden.index_select(
+                0, step.sample_tokens)
             logits = self.model.compute_logits(rows)
             token_mask, masked_rows = masks.result(self.sampler.vocab_size, logits.device) if masks else (None, None)
             if masked_rows is not None and step.first_rows is not None:

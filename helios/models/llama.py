@@ -118,12 +118,20 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.device
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend, *,
-                embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                embeds: tuple[Tensor, Tensor] | None = None, keep: Tensor | None = None) -> Tensor:
         """Hidden states after the final norm, [T, hidden_size], for flat ``input_ids``/``positions`` [T].
 
         ``embeds = (rows, features)``: rows (1-D long, indices into the T flattened tokens) take the
         given features ([len(rows), hidden_size], the model dtype) in place of their token embeddings
-        before layer 0 (image features at their placeholder tokens; `helios.models.vision`)."""
+        before layer 0 (image features at their placeholder tokens; `helios.models.vision`).
+
+        ``keep`` (1-D long, indices into the T tokens): only these rows' hidden states are wanted
+        (those that get logits), returned in that order, [len(keep), hidden_size]. Every token still
+        goes through every layer up to the last one's attention (their K/V are written to the cache),
+        but the last layer's o projection, norm and MLP, and the final norm, run for the kept rows only:
+        a 512-token prompt's first token needs one row of them, not 512. Each row's values are its
+        own (attention, projections and norms are row by row), though a projection may pick another
+        kernel for fewer rows."""
         cos, sin = self._rope_tables(positions)
         h = F.embedding(input_ids, self.embed_tokens)
         if embeds is not None:
@@ -137,7 +145,10 @@ class LlamaForCausalLM(nn.Module):
             # An all-decode step: each run of layers with one fused projection kind is one operator.
             run = layers[i].fused_decode(h.shape[0], attn) if fused else None
             if run is None:
-                h, delta = layers[i](h, delta, cos, sin, attn, fused)
+                last = i == len(layers) - 1
+                h, delta = layers[i](h, delta, cos, sin, attn, fused, keep=keep if last else None)
+                if last:
+                    keep = None  # applied
                 i += 1
                 continue
             runs = [run]
@@ -150,6 +161,10 @@ class LlamaForCausalLM(nn.Module):
             h, delta = cpu_kernels.decode_layers(h, delta, [r[0] for r in runs], [r[1] for r in runs], cos, sin,
                                                  first.eps, first.num_heads, first.num_kv_heads)
             i += len(runs)
+        if keep is not None:  # the last layer ran inside a fused run (an all-decode step)
+            h, delta = h.index_select(0, keep), cast(Tensor, delta).index_select(0, keep)
+        if h.shape[0] == 0:
+            return h
         return _add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps, fused)[1]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
@@ -402,11 +417,13 @@ class _DecoderLayer(nn.Module):
         self._onednn_above = 0
 
     def forward(self, h: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, attn: AttentionBackend,
-                fused: bool = False) -> tuple[Tensor, Tensor]:
+                fused: bool = False, *, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """One decoder layer on the residual stream ``h`` plus the previous layer's MLP output ``delta``
         (None before layer 0): returns the stream after attention and this layer's MLP output, so the
         next residual add is fused with the next norm. ``fused``: Helios's CPU kernels do the residual
         add + RMSNorm, the rotary embedding and the SwiGLU activation (`models/cpu_kernels.py`).
+        ``keep``: after attention (every token's K/V written, every token attended), only these rows
+        go on; both results have len(keep) rows (none: the MLP is skipped).
         (In an all-decode step the model runs the layers `fused_decode` offers as one operator
         instead: the same operators in the same order.)"""
         num_tokens = h.shape[0]
@@ -422,6 +439,11 @@ class _DecoderLayer(nn.Module):
         qk = cpu_kernels.rope_(qk, cos, sin) if fused else _apply_rope(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         out = attn(self.layer_idx, q, k, v)
+        if keep is not None:
+            num_tokens = keep.shape[0]
+            h, out = h.index_select(0, keep), out.index_select(0, keep)
+            if num_tokens == 0:
+                return h, h
         h, x = _add_rms_norm(h, self.o_proj(out.reshape(num_tokens, self.q_size)), self.post_attention_norm,
                              self.eps, fused)
         gate_up = self.gate_up_proj(x)

@@ -183,7 +183,12 @@ class AgentModel(torch.nn.Module):
         core.runner.backend = self.backend
         self.page_size = core.cfg.page_size
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, *,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self._forward(input_ids, positions, attn)
+        return hidden if keep is None else hidden.index_select(0, keep)  # the model's `keep` contract
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
         assert self.backend is not None and self.backend.inputs is not None, "AgentModel.attach was not called"
         inputs = self.backend.inputs
         cache = self.backend.kv.v[0][0, :, 0]  # [slots]: the token id stored at each slot

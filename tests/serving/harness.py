@@ -191,7 +191,12 @@ class ScriptedModel(torch.nn.Module):
         self._seqs: dict[int, _Seq] = {}
         self._ids = itertools.count(1)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, *,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self._forward(input_ids, positions, attn)
+        return hidden if keep is None else hidden.index_select(0, keep)  # the model's `keep` contract
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
         ids, pos = input_ids.tolist(), positions.tolist()
         num = len(ids)
         carrier = torch.zeros(num, dtype=torch.float32)
