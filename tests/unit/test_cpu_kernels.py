@@ -204,7 +204,8 @@ def _prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots:
 
 
 @needs_prefill_kernel
-@pytest.mark.parametrize(("length", "start"), [(1, 0), (5, 0), (64, 0), (65, 0), (37, 3), (130, 250), (16, 1000)])
+@pytest.mark.parametrize(("length", "start"), [(1, 0), (5, 0), (64, 0), (65, 0), (37, 3), (130, 250), (16, 1000),
+                                               (321, 0)])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 def test_paged_prefill_matches_float64(length: int, start: int, head_dim: int) -> None:
     """Chunks from the first position and over cached context, across query-tile (64) and key-block
@@ -220,6 +221,28 @@ def test_paged_prefill_matches_float64(length: int, start: int, head_dim: int) -
     # rounding of the result: a few bfloat16 roundings of the values' magnitude (|v| < 5).
     bound = 4 * unit_roundoff(torch.bfloat16) * 5
     assert (got.double() - _prefill_reference(q, k, v, slots, start)).abs().max().item() < bound
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize(("length", "start"), [(513, 0), (200, 77)])
+def test_paged_prefill_gives_the_same_bits_on_any_number_of_threads(length: int, start: int) -> None:
+    """The threads take (query tile, kv head) items from a shared counter, costliest first: which
+    thread computes an item, and in what order, must not change a bit of it."""
+    g = torch.Generator().manual_seed(length)
+    k = torch.randn(3, 1024, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(3, 1024, 64, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(1024, generator=g)[: start + length].contiguous()
+    q = torch.randn(length, 9, 64, generator=g).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(cpu_kernels.paged_prefill(q, k, v, slots, start, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert bool(outs[0].isfinite().all()) and outs[0].abs().sum().item() > 0
 
 
 @needs_prefill_kernel
