@@ -4,6 +4,8 @@
 
 - ``paged_decode``: Helios's decode attention over all 30 layers, bf16 caches with shuffled 16-position
   pages, 9 query heads over 3 kv heads of 64: 32 rows x 300 positions and 1 row x 4,000 positions.
+- ``paged_prefill``: Helios's prefill attention of one layer (same heads), a chunk of 511, 512, 513, 600
+  and 1,000 tokens from position 0 and one of 512 over 1,500 cached positions (AVX512-BF16 only).
 - dense bf16 / float32 projections of all 30 layers (qkv 960x576, o 576x576, gate/up 3072x576, down
   576x1536) through ``F.linear`` and through the oneDNN-packed weights `quant.pack_onednn` gives them,
   at 1, 13, 32 and 512 rows.
@@ -52,6 +54,17 @@ def decode_attention(rows: int, context: int, repeats: int) -> None:
           f"({kv_bytes / 1e6:.0f} MB of K/V, {kv_bytes / ms / 1e6:.1f} GB/s)")
 
 
+def prefill_attention(length: int, start: int, repeats: int) -> None:
+    kv_heads, heads, dim = 3, 9, 64
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(kv_heads, 4096, dim, generator=gen).bfloat16()
+    v = torch.randn(kv_heads, 4096, dim, generator=gen).bfloat16()
+    slots = torch.randperm(4096, generator=gen)[: start + length].contiguous()
+    q = torch.randn(length, heads, dim, generator=gen).bfloat16()
+    ms = best_ms(lambda: cpu_kernels.paged_prefill(q, k, v, slots, start, dim**-0.5), repeats)
+    print(f"paged_prefill {length:>4} tokens after {start:>4} positions, one layer: {ms:6.3f} ms")
+
+
 def projections(dtype: torch.dtype, rows: int, repeats: int) -> None:
     gen = torch.Generator().manual_seed(1)
     layers = [[DenseLinear(torch.randn(n, k, generator=gen).to(dtype)) for n, k in SHAPES] for _ in range(LAYERS)]
@@ -85,6 +98,9 @@ def main() -> None:
     if cpu_kernels.available():
         decode_attention(32, 300, args.repeats)
         decode_attention(1, 4000, args.repeats)
+        if cpu_kernels.bf16_kernels_supported():
+            for length, start in ((511, 0), (512, 0), (513, 0), (600, 0), (1000, 0), (512, 1500)):
+                prefill_attention(length, start, 2 * args.repeats)
     else:
         print(f"Helios's CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
     for dtype in (torch.bfloat16, torch.float32):
