@@ -147,8 +147,7 @@ class LlamaForCausalLM(nn.Module):
             if run is None:
                 last = i == len(layers) - 1
                 h, delta = layers[i](h, delta, cos, sin, attn, fused, keep=keep if last else None)
-                if last:
-                    keep = None  # applied
+                keep = None if last else keep  # the last layer applied it
                 i += 1
                 continue
             runs = [run]

@@ -564,7 +564,8 @@ bool bf16_kernels_supported();  // AVX512-BF16 built in (defined with paged_pref
 // the block's sum is then scaled once and accumulated in float32 -- the same values as q8_linear's
 // float32 path (which scales each code first), in another summation order, at about twice its speed
 // once several rows share each weight load. The codes are kept as bfloat16 pairs in 16-output tiles
-// ([N/16, K/2, 16, 2], from `pack_q8_bf16`), twice the bytes of the int8 codes: rows=1 stays on q8_linear.
+// ([N/16, K/2, 16, 2], from `pack_q8_bf16`), twice the bytes of the int8 codes: steps of fewer rows than
+// `Q8_BF16_ROWS` (models/llama.py) stay on q8_linear.
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 template <int R, int T>
 inline void q8bf16_tile(const uint16_t* __restrict__ x, int64_t K, const uint32_t* __restrict__ wv,
