@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from helios.models import cpu_kernels
+from helios.models.interface import DecodeArgs, RecurrentBatch
 
 
 @attrs.frozen
@@ -208,7 +209,10 @@ class PagedAttention:
             pages = table[row : row + 1, : -(-end // page_size)]
             self.prefills.append((tok_start, length, _expand(pages, page_size, offsets)[0, :end], ctx_start))
 
-    def all_decode_args(self, layer_idx: int) -> cpu_kernels.DecodeArgs | None:
+    def recurrent(self, layer_idx: int) -> RecurrentBatch:
+        raise NotImplementedError("recurrent-state layers are not served by this backend yet")
+
+    def all_decode_args(self, layer_idx: int) -> DecodeArgs | None:
         """For a step of decode tokens only, served by the CPU kernel: what `write_paged_decode` needs
         for this layer (k_cache, v_cache, slot_mapping, block_table, rows, lens, page_size), so a model
         can run the layer as one operator; None otherwise."""
@@ -217,11 +221,14 @@ class PagedAttention:
         return (self.kv.k[layer_idx], self.kv.v[layer_idx], self.slot_mapping, self.table, self.decode_rows,
                 self.decode_lens, self.page_size)
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float | None = None) -> torch.Tensor:
+        sdpa_scale = scale  # None: SDPA's own default, 1 / sqrt(head_dim)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         decode = self.all_decode_args(layer_idx)
         if decode is not None:
             # One operator: this step's K/V into the cache, then the paged decode over it.
-            return cpu_kernels.write_paged_decode(q, k, v, *decode, q.shape[-1] ** -0.5)
+            return cpu_kernels.write_paged_decode(q, k, v, *decode, scale)
         k_cache = self.kv.k[layer_idx]  # [kv_heads, slots, head_dim]
         v_cache = self.kv.v[layer_idx]
         if self.decode_kernel:  # the CPU kernels serve this cache: row copies
@@ -234,7 +241,7 @@ class PagedAttention:
         if self.num_decode and self.decode_kernel:
             qd = q if self.all_decode else q.index_select(0, self.decode_tokens)
             o = cpu_kernels.paged_decode(qd, k_cache, v_cache, self.table, self.decode_rows, self.decode_lens,
-                                         self.page_size, q.shape[-1] ** -0.5)
+                                         self.page_size, scale)
             if self.all_decode:
                 return o
             out.index_copy_(0, self.decode_tokens, o)
@@ -248,7 +255,7 @@ class PagedAttention:
             vd = v_cache.index_select(1, self.decode_flat).view(num_kv * b, lmax, d)
             qd = q if self.all_decode else q.index_select(0, self.decode_tokens)
             qg = qd.view(b, num_kv, -1, d).transpose(0, 1).reshape(num_kv * b, -1, d)
-            scores = torch.baddbmm(self.decode_bias, qg, kd.transpose(1, 2), alpha=d**-0.5)
+            scores = torch.baddbmm(self.decode_bias, qg, kd.transpose(1, 2), alpha=scale)
             o = torch.bmm(torch.softmax(scores, dim=-1), vd)  # [kv_heads * B, group, d]
             o = o.view(num_kv, b, -1, d).transpose(0, 1).reshape(b, -1, d)
             if self.all_decode:
@@ -257,18 +264,18 @@ class PagedAttention:
         for tok_start, length, slots, ctx_start in self.prefills:
             if self.prefill_kernel:
                 out[tok_start : tok_start + length] = cpu_kernels.paged_prefill(
-                    q[tok_start : tok_start + length], k_cache, v_cache, slots, ctx_start, q.shape[-1] ** -0.5)
+                    q[tok_start : tok_start + length], k_cache, v_cache, slots, ctx_start, scale)
                 continue
             qp = q[tok_start : tok_start + length].transpose(0, 1).unsqueeze(0)  # [1, nh, Lq, d]
             kp = k_cache.index_select(1, slots).unsqueeze(0)  # [1, nkv, Lk, d]
             vp = v_cache.index_select(1, slots).unsqueeze(0)
             if ctx_start == 0:
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True, scale=sdpa_scale)
             else:
                 qpos = torch.arange(ctx_start, ctx_start + length, device=q.device)
                 kpos = torch.arange(ctx_start + length, device=q.device)
                 mask = kpos[None, :] <= qpos[:, None]
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True, scale=sdpa_scale)
             out[tok_start : tok_start + length] = o.squeeze(0).transpose(0, 1)
         return out
 

@@ -37,6 +37,7 @@ from helios.engine.runner import ModelRunner
 from helios.engine.sampler import Sampler
 from helios.engine.scheduler import Scheduler
 from helios.engine.speculative import SpeculativeConfig
+from helios.models.interface import CausalLM
 
 log = logging.getLogger("helios.engine")
 
@@ -69,7 +70,7 @@ class EngineConfig:
 class EngineCore:
     """Owns the model, the KV cache, the scheduler and the sampler. Not thread-safe: one thread runs it."""
 
-    def __init__(self, model: Any, model_config: Any, cfg: EngineConfig, dtype: torch.dtype,
+    def __init__(self, model: CausalLM, model_config: Any, cfg: EngineConfig, dtype: torch.dtype,
                  device: str | torch.device = "cpu", *, vision: ImageEncoder | None = None) -> None:
         """``vision``: the vision tower of a vision-language model (None: text only); the runner
         encodes requests' images with it (`engine/images.py`)."""
@@ -181,7 +182,7 @@ class EngineCore:
     def _weight_bytes(self) -> int:
         cached: int | None = getattr(self, "_decode_weight_bytes", None)
         if cached is None:
-            cached = self._decode_weight_bytes = decode_weight_bytes(self.model)
+            cached = self._decode_weight_bytes = self.model.decode_weight_bytes()
         return cached
 
 
@@ -198,30 +199,6 @@ def _host_store(cfg: EngineConfig, fingerprint: bytes) -> HostStore | None:
         return None
     return HostStore(fingerprint, memory_bytes=cfg.host_memory_bytes, disk_dir=Path(cfg.disk_dir) if cfg.disk_dir else None,
                      disk_bytes=cfg.disk_bytes)
-
-
-def decode_weight_bytes(model: Any) -> int:
-    """Bytes of weights one decode step reads for one request: every parameter once (tied ones
-    once), except that the input embedding contributes only the one row it looks up, and the output
-    projection counts as the tensor the logits are computed from (LlamaForCausalLM keeps a float32
-    copy of a bf16/fp16 head). A model without parameters (a test double) reads 0."""
-    if not isinstance(model, torch.nn.Module):
-        return 0
-
-    def size(t: torch.Tensor) -> int:
-        return int(t.numel() * t.element_size())
-
-    embed = getattr(model, "embed_tokens", None)
-    head = getattr(model, "lm_head", None)
-    head_copy = getattr(model, "_lm_head_fp32", None)
-    special = [t for t in (embed, head) if isinstance(t, torch.Tensor)]
-    total = sum(size(p) for p in model.parameters() if not any(p is t for t in special))  # tied: once
-    if isinstance(embed, torch.Tensor) and embed.dim() == 2 and embed.shape[0]:
-        total += size(embed[0])  # the lookup reads one row per token
-    logits = head_copy if isinstance(head_copy, torch.Tensor) else head
-    if isinstance(logits, torch.Tensor):
-        total += size(logits)
-    return total
 
 
 class EngineThread:

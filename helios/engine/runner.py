@@ -53,6 +53,7 @@ from helios.engine.sampler import (
 )
 from helios.engine.scheduler import RequestState, ScheduledChunk, SchedulerOutput
 from helios.engine.structured import GrammarBatch
+from helios.models.interface import CausalLM
 
 _SCORE_ROWS = 256  # prompt positions whose logits exist at once while scoring a prompt
 _MAX_FORCED = 16  # grammar-forced tokens committed after one sampled token
@@ -65,7 +66,7 @@ _MIN_FORCED = 8
 class ModelRunner:
     """Runs the model for one scheduled step; owns the persistent input batch and the sampler."""
 
-    def __init__(self, model: Any, backend: AttentionBackend, manager: KVCacheManager, sampler: Sampler,
+    def __init__(self, model: CausalLM, backend: AttentionBackend, manager: KVCacheManager, sampler: Sampler,
                  device: torch.device, *, max_rows: int = 64, max_model_len: int = 8192,
                  vision: ImageEncoder | None = None) -> None:
         self.model = model

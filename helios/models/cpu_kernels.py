@@ -36,6 +36,8 @@ import attrs
 import torch
 from torch import Tensor
 
+from helios.models.interface import DecodeArgs
+
 log = logging.getLogger("helios.kernels")
 
 ENV = "HELIOS_CPU_KERNELS"
@@ -126,9 +128,6 @@ def write_paged_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache
     return out
 
 
-# An all-decode step's attention inputs for one layer, as `write_paged_decode` takes them after q, k, v:
-# (k_cache, v_cache, slot_mapping, block_table, rows, lens, page_size).
-DecodeArgs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]
 
 
 @attrs.frozen

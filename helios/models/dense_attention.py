@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from helios.models.interface import DecodeArgs, RecurrentBatch
 from helios.models.llama import LlamaForCausalLM
 
 
@@ -54,7 +55,13 @@ class DenseAttention:
     def reset(self) -> None:
         self._lengths = [0] * len(self._lengths)
 
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def all_decode_args(self, layer_idx: int) -> DecodeArgs | None:
+        return None  # not the paged cache: the layers run one by one
+
+    def recurrent(self, layer_idx: int) -> RecurrentBatch:
+        raise NotImplementedError("DenseAttention keeps attention layers only")
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
         num_new = q.shape[0]
         start = self._lengths[layer_idx]
         end = start + num_new
@@ -71,15 +78,15 @@ class DenseAttention:
         if num_new == 1:
             # Decode: the query heads sharing a kv head act as that head's queries; no causal mask.
             qg = q.view(1, self.num_kv_heads, self.group_size, self.head_dim)
-            return F.scaled_dot_product_attention(qg, keys, values).view(1, self.num_heads, self.head_dim)
+            return F.scaled_dot_product_attention(qg, keys, values, scale=scale).view(1, self.num_heads, self.head_dim)
         qh = q.transpose(0, 1).unsqueeze(0)
         gqa = self.group_size > 1
         if start == 0:
-            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=gqa, scale=scale)
         else:
             # Query i sits at absolute position start + i and sees keys 0 .. start + i.
             mask = torch.ones(num_new, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
-            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=gqa, scale=scale)
         return out[0].transpose(0, 1)
 
     def _alloc(self, capacity: int) -> Tensor:

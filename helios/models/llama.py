@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Protocol, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from helios.models import cpu_kernels
 from helios.models.config import ModelConfig
+from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec
 from helios.models.quant import (
     DenseLinear,
     GroupQuantized,
@@ -56,18 +57,6 @@ PROJECTIONS = {
     "gate_up_proj": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "down_proj": ("mlp.down_proj.weight",),
 }
-
-
-class AttentionBackend(Protocol):
-    """Causal attention over the flattened batch.
-
-    ``q``: [T, num_heads, head_dim]; ``k``, ``v``: [T, num_kv_heads, head_dim], RoPE already applied,
-    possibly non-contiguous views. Returns [T, num_heads, head_dim] in q's dtype. Scores are scaled by
-    ``head_dim ** -0.5`` (`LlamaForCausalLM.softmax_scale`); query head ``h`` uses kv head
-    ``h // (num_heads // num_kv_heads)``.
-    """
-
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
 
 
 class LlamaForCausalLM(nn.Module):
@@ -117,7 +106,31 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.device
 
-    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend, *,
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def cache_specs(self) -> tuple[CacheSpec, ...]:
+        """Every layer keeps full-attention K/V (a sliding window in the config is not applied)."""
+        spec = FullAttentionSpec(self.config.num_kv_heads, self.config.head_dim)
+        return (spec,) * self.config.num_layers
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads for one request: every parameter once (tied ones
+        once), except that the input embedding contributes only the one row it looks up, and the
+        output projection counts as the tensor the logits are computed from (the float32 copy of a
+        bf16/fp16 head, where there is one)."""
+
+        def size(t: Tensor) -> int:
+            return int(t.numel() * t.element_size())
+
+        embed, head = self.embed_tokens, self.lm_head
+        total = sum(size(p) for p in self.parameters() if p is not embed and p is not head)  # tied: once
+        if embed.dim() == 2 and embed.shape[0]:
+            total += size(embed[0])  # the lookup reads one row per token
+        return total + size(self._lm_head_fp32 if self._lm_head_fp32 is not None else head)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionContext, *,
                 embeds: tuple[Tensor, Tensor] | None = None, keep: Tensor | None = None) -> Tensor:
         """Hidden states after the final norm, [T, hidden_size], for flat ``input_ids``/``positions`` [T].
 
@@ -415,7 +428,7 @@ class _DecoderLayer(nn.Module):
         self._onednn: cpu_kernels.FusedLayer | None = None
         self._onednn_above = 0
 
-    def forward(self, h: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, attn: AttentionBackend,
+    def forward(self, h: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, attn: AttentionContext,
                 fused: bool = False, *, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """One decoder layer on the residual stream ``h`` plus the previous layer's MLP output ``delta``
         (None before layer 0): returns the stream after attention and this layer's MLP output, so the
@@ -458,7 +471,7 @@ class _DecoderLayer(nn.Module):
         self._int4 = None  # until finish_loading looks at the new set
         self._onednn = None
 
-    def fused_decode(self, num_tokens: int, attn: AttentionBackend) -> tuple[cpu_kernels.FusedLayer,
+    def fused_decode(self, num_tokens: int, attn: AttentionContext) -> tuple[cpu_kernels.FusedLayer,
                                                                               cpu_kernels.DecodeArgs] | None:
         """This layer as `cpu_kernels.decode_layers` runs it, for an all-decode step of ``num_tokens``
         rows whose attention offers `all_decode_args`: its weights (int4 up to ``_int4_rows`` rows,
@@ -469,8 +482,7 @@ class _DecoderLayer(nn.Module):
             layer = self._onednn
         else:
             return None
-        decode = getattr(attn, "all_decode_args", None)
-        args: cpu_kernels.DecodeArgs | None = decode(self.layer_idx) if decode is not None else None
+        args = attn.all_decode_args(self.layer_idx)
         return (layer, args) if args is not None else None
 
     def find_fused_decode(self) -> None:

@@ -38,6 +38,7 @@ from tests.serving.harness import (
     NEG,
     Family,
     ScriptedConfig,
+    ScriptedInterface,
     ScriptedServer,
     Writer,
     scripted_tokenizer,
@@ -158,7 +159,7 @@ class _CapturingBackend:
         return self.inner.write_page(page, data)
 
 
-class AgentModel(torch.nn.Module):
+class AgentModel(ScriptedInterface, torch.nn.Module):
     """`forward(input_ids, positions, attn) -> hidden` (each row's next token id) and
     `compute_logits`, like `ScriptedModel`; see the module docstring."""
 

@@ -42,6 +42,7 @@ from helios.config import EngineSection, HeliosConfig, ModelConfigSection, Serve
 from helios.domain.model import ModelInfo
 from helios.engine.core import EngineConfig, EngineCore
 from helios.loaders.tokenizer import Tokenizer
+from helios.models.interface import FullAttentionSpec
 from helios.recipes import Recipe, get_recipe, plain_recipe
 from helios.runtime import Runtime
 from helios.serving.pipeline import Service
@@ -173,13 +174,33 @@ class ScriptedConfig:
     head_dim: int = 2
 
 
+class ScriptedInterface:
+    """The `models.interface.CausalLM` members the engine reads, for the scripted test models."""
+
+    config: ScriptedConfig
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def cache_specs(self) -> tuple[FullAttentionSpec, ...]:
+        return (FullAttentionSpec(self.config.num_kv_heads, self.config.head_dim),) * self.config.num_layers
+
+    def decode_weight_bytes(self) -> int:
+        return 0  # no weights
+
+
 @attrs.define
 class _Seq:
     script: tuple[int, ...]
     num_prompt_tokens: int
 
 
-class ScriptedModel(torch.nn.Module):
+class ScriptedModel(ScriptedInterface, torch.nn.Module):
     """`forward(input_ids, positions, attn) -> hidden` and `compute_logits(hidden) -> [N, vocab]`:
     hidden carries each row's next token id; logits put all mass on it."""
 

@@ -1,0 +1,174 @@
+"""The one interface between the engine and a model module: what the runner calls, what a layer
+calls back, and what each layer keeps in the cache.
+
+The engine (`engine/runner.py`, `engine/core.py`) knows a model only through `CausalLM`; a model's
+layers know the engine's step only through `AttentionContext`. Neither imports the other: a new
+architecture is a module under `helios/models/` plus its registry entry (`models/registry.py`), with
+no change in the runner, the scheduler, the KV cache manager or the loaders.
+
+Cache specs (vLLM v1's KV-cache specs are the anchor). Every layer declares what it keeps:
+
+- `FullAttentionSpec`: K and V rows for every token (``num_kv_heads`` x ``head_dim`` each).
+- `SlidingWindowSpec`: the same rows, but a token attends only to the last ``window`` positions
+  (itself included: query position p sees key positions p - window + 1 .. p, transformers'
+  sliding-window mask), so pages that fall out of every such layer's window are reusable.
+- `LatentAttentionSpec`: one compressed row of ``row_dim`` elements per token (multi-head latent
+  attention keeps the latent and the rotary key, not expanded K/V).
+- `RecurrentStateSpec`: a fixed state per request (tensors of ``shapes``), no per-token rows; a
+  prefix is reused only through a snapshot of the state.
+
+The KV cache manager groups the layers with equal specs and allocates pages (or state slots) per
+group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+import torch
+from torch import Tensor
+
+DecodeArgs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]
+"""What the CPU decode operators need for one layer of an all-decode step: (k_cache, v_cache,
+slot_mapping, block_table, rows, lens, page_size) (`cpu_kernels.write_paged_decode`)."""
+
+
+@attrs.frozen
+class FullAttentionSpec:
+    """K and V of every token: causal attention over the whole context."""
+
+    num_kv_heads: int
+    head_dim: int
+
+    def elements_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+
+@attrs.frozen
+class SlidingWindowSpec:
+    """K and V of every token, attended only within the last ``window`` positions (the query's
+    own included)."""
+
+    num_kv_heads: int
+    head_dim: int
+    window: int
+
+    def __attrs_post_init__(self) -> None:
+        if self.window <= 0:
+            raise ValueError(f"a sliding window must be positive, got {self.window}")
+
+    def elements_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+
+@attrs.frozen
+class LatentAttentionSpec:
+    """One compressed row of ``row_dim`` elements per token (latent attention)."""
+
+    row_dim: int
+
+    def elements_per_token(self) -> int:
+        return self.row_dim
+
+
+@attrs.frozen
+class RecurrentStateSpec:
+    """A fixed per-request state: one tensor of each shape in ``shapes``, in ``dtype`` (None: the
+    model's dtype). Nothing is kept per token."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype | None = None
+
+    def elements_per_token(self) -> int:
+        return 0
+
+    def elements_per_request(self) -> int:
+        total = 0
+        for shape in self.shapes:
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+
+CacheSpec = FullAttentionSpec | SlidingWindowSpec | LatentAttentionSpec | RecurrentStateSpec
+"""What one layer keeps in the cache."""
+
+PAGED_SPECS = (FullAttentionSpec, SlidingWindowSpec, LatentAttentionSpec)
+"""The specs whose layers keep rows per token in pages."""
+
+
+@attrs.frozen
+class RecurrentBatch:
+    """One step's view of a recurrent-state layer's cache.
+
+    ``states``: the layer's state tensors, each [num_slots, *shape] (persistent across steps; the
+    layer reads and updates the rows of its chunks' slots in place). ``spans``: (first token index
+    in the flattened batch, length, state slot, first position) of every chunk of the step, in
+    batch order; a chunk whose first position is 0 starts from a zero state (the layer clears its
+    slot first)."""
+
+    states: tuple[Tensor, ...]
+    spans: tuple[tuple[int, int, int, int], ...]
+
+
+@runtime_checkable
+class AttentionContext(Protocol):
+    """One step's cache, as a model's layers see it (the engine's `PagedAttention`, or
+    `dense_attention.DenseAttention` for one sequence).
+
+    ``__call__``: attention for layer ``layer_idx`` (full or sliding-window: the context knows the
+    layer's spec). ``q``: [T, num_heads, head_dim]; ``k``, ``v``: [T, num_kv_heads, head_dim],
+    rotary embedding already applied, possibly non-contiguous views. Writes the step's K/V into the
+    cache, then attends causally. Returns [T, num_heads, head_dim] in q's dtype. Scores are scaled
+    by ``scale`` (None: ``head_dim ** -0.5``); query head h uses kv head h // (num_heads //
+    num_kv_heads).
+
+    ``all_decode_args``: for a step of decode tokens only that the CPU decode operators serve, what
+    they need for this layer (so a model may run the layer as one operator); None otherwise.
+
+    ``recurrent``: a recurrent-state layer's state and the step's chunks."""
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor: ...
+
+    def all_decode_args(self, layer_idx: int) -> DecodeArgs | None: ...
+
+    def recurrent(self, layer_idx: int) -> RecurrentBatch: ...
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """What the engine's runner calls: the typed model interface of every architecture module."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the logits (the embedding's rows; may exceed the tokenizer's vocabulary)."""
+        ...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Activations and the KV cache's dtype."""
+        ...
+
+    def cache_specs(self) -> Sequence[CacheSpec]:
+        """What each layer keeps, one spec per layer in layer order."""
+        ...
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, ctx: AttentionContext, *,
+                 embeds: tuple[Tensor, Tensor] | None = None, keep: Tensor | None = None) -> Tensor:
+        """Hidden states after the final norm for a flattened batch: ``input_ids`` and ``positions``
+        [T] (several requests' chunks concatenated); ``embeds = (rows, features)`` replaces those
+        rows' token embeddings; ``keep``: only these rows' hidden states are returned (in that
+        order), the others still write the cache."""
+        ...
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """float32 logits [N, vocab_size] of hidden states [N, hidden]."""
+        ...
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads for one request (0: undeclared)."""
+        ...
