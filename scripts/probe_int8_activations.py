@@ -1,5 +1,5 @@
 """Would int8 activations keep the default model's answers? The evidence behind not multiplying
-prefill projections in int8 (docs/benchmarks.md, seventh session).
+prefill projections in int8 (docs/benchmarks.md, "512-token TTFT, each server alone").
 
     .venv/bin/python scripts/probe_int8_activations.py [--weights float32]
 
