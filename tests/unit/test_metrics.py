@@ -13,7 +13,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from helios.asgi.admission import AdmissionSlots
-from helios.engine.core import EngineThread, decode_weight_bytes
+from helios.engine.core import EngineThread
 from helios.engine.records import (
     GRAMMAR_FAILURE,
     EngineFinish,
@@ -312,14 +312,9 @@ def test_decode_weight_bytes(tied: bool, dtype: torch.dtype) -> None:
         expected = everything - embed * es + cfg.hidden_size * es + head
     else:
         expected = everything - 2 * embed * es + cfg.hidden_size * es + head
-    assert decode_weight_bytes(model) == expected
+    assert model.decode_weight_bytes() == expected
     # The layers dominate nothing here, but a decode step never reads the whole embedding table.
-    assert decode_weight_bytes(model) < everything + head
-
-
-def test_decode_weight_bytes_without_parameters_is_zero() -> None:
-    assert decode_weight_bytes(torch.nn.Module()) == 0
-    assert decode_weight_bytes(object()) == 0
+    assert model.decode_weight_bytes() < everything + head
 
 
 # -- the engine thread's health ---------------------------------------------------------------------
