@@ -18,7 +18,9 @@ in that format; `packed_state` / `load_packed_state` save and restore the built 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
+from functools import partial
 from typing import cast
 
 import torch
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from helios.models import cpu_kernels, packing
-from helios.models.config import ModelConfig
+from helios.models.config import LLAMA_FAMILY, ROPE_FREQS, ModelConfig, config_from_gguf
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec
 from helios.models.packing import LM_HEAD_FP32, LM_HEAD_Q8
 from helios.models.packing import Q8_BF16_ROWS as Q8_BF16_ROWS  # re-exported: compute_logits' threshold
@@ -40,6 +42,7 @@ from helios.models.quant import (
     dense_matmul,
     dense_of,
 )
+from helios.models.registry import Architecture, ArchitectureConfig, BuildOptions, GGUFSource, GGUFTensor
 
 __all__ = ["PROJECTIONS", "Q8_BF16_ROWS", "LlamaForCausalLM", "rope_inv_freq"]
 # The fused projections of a decoder layer: attribute -> the Hugging Face weight names (suffixes of
@@ -556,3 +559,90 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """NeoX (rotate-half) RoPE on [T, heads, head_dim] with tables from `_rope_tables`."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+
+# -- weight names and registry entries -------------------------------------------------------------------
+
+# llama.cpp's GGUF tensor names -> the Hugging Face names `load_weights` takes.
+GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)")
+
+
+def gguf_to_hf_name(gguf_name: str) -> str:
+    """A llama-family GGUF tensor's Hugging Face name (NotImplementedError for names it has none for)."""
+    if gguf_name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[gguf_name]
+    match = _GGUF_LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in GGUF_LAYER_NAMES:
+        raise NotImplementedError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart here")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{GGUF_LAYER_NAMES[part]}.{kind}"
+
+
+def gguf_tensor(config: ArchitectureConfig, gguf_name: str, *, interleaved_rotary: bool) -> GGUFTensor | None:
+    """Where a GGUF tensor goes; llama.cpp's ``llama`` files store q/k rows in interleaved rotary
+    order (``interleaved_rotary``), which are put back into the rotate-half order `forward` uses."""
+    if gguf_name == ROPE_FREQS:
+        return None  # read into the config's rope scaling
+    name = gguf_to_hf_name(gguf_name)
+    if interleaved_rotary:
+        assert isinstance(config, ModelConfig)
+        if ".self_attn.q_proj." in name:
+            return GGUFTensor(name, config.num_heads)
+        if ".self_attn.k_proj." in name:
+            return GGUFTensor(name, config.num_kv_heads)
+    return GGUFTensor(name)
+
+
+def build(config: ArchitectureConfig, options: BuildOptions) -> LlamaForCausalLM:
+    assert isinstance(config, ModelConfig), type(config)
+    return LlamaForCausalLM(config, dtype=options.dtype, device=options.device, weights=options.weights,
+                            q8_head=options.q8_head)
+
+
+def _gguf_config(arch: str) -> partial[ModelConfig]:
+    return partial(_config_from_gguf, arch=arch)
+
+
+def _config_from_gguf(source: GGUFSource, *, arch: str) -> ModelConfig:
+    return config_from_gguf(source, arch)
+
+
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM"}
+# GGUF general.architecture per variant (llama.cpp writes Mistral checkpoints as "llama"); only
+# "llama" files interleave the q/k rotary rows.
+_GGUF_ARCHITECTURES = {"llama": ("llama",), "mistral": (), "qwen2": ("qwen2",), "qwen3": ("qwen3",)}
+
+ARCHITECTURES = tuple(
+    Architecture(
+        name=variant,
+        hf_model_types=(variant,),
+        hf_architectures=(_HF_ARCHITECTURES[variant],),
+        gguf_architectures=_GGUF_ARCHITECTURES[variant],
+        config_from_hf=ModelConfig.from_hf_config,
+        config_from_gguf=_gguf_config(variant) if _GGUF_ARCHITECTURES[variant] else None,
+        gguf_tensor=partial(gguf_tensor, interleaved_rotary=variant == "llama") if _GGUF_ARCHITECTURES[variant] else None,
+        build=build,
+    )
+    for variant in LLAMA_FAMILY
+)
+"""The llama family's registry entries (`helios.models.registry`): one per variant."""
