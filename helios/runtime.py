@@ -12,20 +12,29 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from helios.config import HeliosConfig
 from helios.domain.model import ModelInfo
-from helios.engine.attention import KVCache
 from helios.engine.core import EngineConfig, EngineCore, EngineThread
 from helios.engine.speculative import SpeculativeConfig
+from helios.models.interface import CausalLM
 from helios.models.quant import WeightFormat
 from helios.models.vision.base import VisionTower
 from helios.serving.engine_client import EngineClient
 from helios.serving.pipeline import Service
+
+if TYPE_CHECKING:
+    import trio
+
+    from helios.loaders.checkpoint import Checkpoint, ProgressCallback
+    from helios.loaders.tokenizer import Tokenizer
+    from helios.models.registry import LoadableCausalLM
+    from helios.recipes import Recipe
+    from helios.serving.images import ImageAdmission
 
 log = logging.getLogger("helios.runtime")
 
@@ -261,9 +270,9 @@ def _progress(stage: str, fraction: float) -> None:
 class Runtime:
     """The loaded model, its engine thread and the Service the frontends use."""
 
-    def __init__(self, cfg: HeliosConfig, core: EngineCore, info: ModelInfo, tokenizer: Any, template: Any,
-                 recipe: Any, eos_token_ids: tuple[int, ...], *, vision: VisionTower | None = None,
-                 admission: Any = None) -> None:
+    def __init__(self, cfg: HeliosConfig, core: EngineCore, info: ModelInfo, tokenizer: Tokenizer,
+                 template: str | None, recipe: Recipe, eos_token_ids: tuple[int, ...], *,
+                 vision: VisionTower | None = None, admission: ImageAdmission | None = None) -> None:
         """``vision``: a vision-language model's tower (the engine encodes with it, the Service prepares
         with it); ``admission``: the server's `serving.images.ImageAdmission` (its limits are on
         ``info.vision``)."""
@@ -279,7 +288,7 @@ class Runtime:
         self.client = EngineClient(max_in_flight=cfg.engine.max_active + cfg.server.model_queue_size)
         self.thread = EngineThread(core, self.client.sink, threads=cfg.model.threads or os.cpu_count() or 1)
 
-    def start(self, trio_token: Any, limiter: Any = None) -> Service:
+    def start(self, trio_token: trio.lowlevel.TrioToken, limiter: trio.CapacityLimiter | None = None) -> Service:
         """Start the engine thread; the Service renders and tokenizes on `limiter` (the app's pool).
         The Service is built first: its start-up checks (a `[server] thinking_token_budget` the
         model cannot honour) refuse to start before the engine thread runs."""
@@ -323,16 +332,17 @@ def _is_default(path: str) -> bool:
 
 @attrs.frozen(eq=False)
 class LoadedModel:
-    checkpoint: Any  # helios.loaders.checkpoint.Checkpoint
-    model: Any  # helios.models.llama.LlamaForCausalLM
+    checkpoint: Checkpoint
+    model: LoadableCausalLM  # built by the checkpoint's registry entry
     choice: WeightChoice
     cache_key: str = ""  # the packed-weight cache entry's key ("" without a cache)
     vision: VisionTower | None = None  # a vision-language checkpoint's image encoder, else None
 
 
 def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", device: str = "cpu",
-               cache_dir: str | Path | None = None, progress: Any = None) -> LoadedModel:
-    """Open a checkpoint, decide its weight format (`choose_weights`, logged) and build the model.
+               cache_dir: str | Path | None = None, progress: ProgressCallback | None = None) -> LoadedModel:
+    """Open a checkpoint, decide its weight format (`choose_weights`, logged) and build the model
+    through the checkpoint's registry entry (`helios.models.registry`: config -> module -> weights).
 
     With ``cache_dir``, the built weights come from the packed-weight cache there when a verified
     entry exists for this checkpoint, format and dtype (`helios.loaders.weight_cache`), and a new
@@ -342,14 +352,15 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
     from helios.loaders.checkpoint import load_checkpoint
     from helios.loaders.weight_cache import PackedWeightCache, cache_key
     from helios.models import cpu_kernels
-    from helios.models.llama import LlamaForCausalLM
+    from helios.models.registry import BuildOptions
 
     ckpt = load_checkpoint(path, torch.float32, progress=progress)
     choice = choose_weights(weights, dtype, device, int4_codes=ckpt.int4_codes,
-                            projection_params=_projection_params(ckpt.config))
+                            projection_params=ckpt.config.projection_params())
     log.info("%s", choice.describe())
     q8_head = device == "cpu" and cpu_kernels.available()
-    model = LlamaForCausalLM(ckpt.config, dtype=choice.dtype, device=device, weights=choice.format, q8_head=q8_head)
+    model = ckpt.architecture.build(ckpt.config, BuildOptions(dtype=choice.dtype, device=device,
+                                                              weights=choice.format, q8_head=q8_head))
     cache = PackedWeightCache(cache_dir) if cache_dir is not None and device == "cpu" else None
     tag = choice.format.cache_tag() + ("+q8head" if q8_head else "")
     key = cache_key(path, tag, choice.dtype) if cache is not None else ""
@@ -412,12 +423,6 @@ def model_fingerprint(path: str | Path, weights: str) -> bytes:
     return h.digest()
 
 
-def _projection_params(config: Any) -> int:
-    per_layer = (config.q_size + 2 * config.kv_size) * config.hidden_size + config.hidden_size * config.q_size \
-        + 3 * config.intermediate_size * config.hidden_size
-    return int(config.num_layers * per_layer)
-
-
 def build_runtime(cfg: HeliosConfig) -> Runtime:
     from helios.loaders.default_model import default_cache_dir, ensure_default_model
     from helios.recipes import detect_parser_family, detect_recipe, get_recipe, plain_recipe
@@ -440,7 +445,8 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     cpu_kernels.set_enabled(cfg.model.cpu_kernels)
     loaded = load_model(path, weights=cfg.model.weights, dtype=cfg.model.dtype, device=device, cache_dir=cache_dir,
                         progress=_progress)
-    ckpt, model, dtype = loaded.checkpoint, loaded.model, loaded.choice.dtype
+    ckpt, dtype = loaded.checkpoint, loaded.choice.dtype
+    model: CausalLM = loaded.model
     print(f"Loaded {ckpt.model_id} in {time.perf_counter() - t0:.1f} s: {loaded.choice.describe()}", file=sys.stderr)
 
     mc = ckpt.config
@@ -449,7 +455,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     page = cfg.engine.page_size
     num_pages = cfg.engine.kv_pages
     if num_pages == 0:
-        per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+        per_token = sum(spec.elements_per_token() for spec in model.cache_specs()) * dtype.itemsize
         num_pages = int(cfg.engine.kv_memory_gib * 2**30 // (per_token * page))
     num_pages = max(num_pages, -(-max_model_len // page) + 1)
     ecfg = EngineConfig(page_size=page, num_pages=num_pages, max_active=cfg.engine.max_active,

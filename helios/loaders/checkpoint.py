@@ -1,15 +1,19 @@
 """One entry point for model files: a GGUF file or a Hugging Face directory -> `Checkpoint`.
 
     ckpt = load_checkpoint(path, torch.bfloat16, progress=report)
-    model = LlamaForCausalLM(ckpt.config, dtype=torch.bfloat16)
+    model = ckpt.architecture.build(ckpt.config, BuildOptions(dtype=torch.bfloat16))
     model.load_weights(ckpt.tensors)
+
+``ckpt.architecture`` is the `helios.models.registry` entry the checkpoint names (an unknown one fails
+here, with one line naming the supported ones); ``ckpt.config`` is that family's config and the
+tensors carry the family's names.
 
 ``Checkpoint.tensors`` is lazy: each tensor is read (and dequantized) from disk when it is accessed,
 so loading the model never holds two full copies of the weights. ``Checkpoint.weights`` is the same
 in the checkpoint's own form: GGUF Q4_0/Q4_1/Q8_0 tensors as `GroupQuantized` codes (which a quantized
 `WeightFormat` keeps as they are), everything else dense as stored:
 
-    model = LlamaForCausalLM(ckpt.config, dtype=torch.bfloat16, weights=WeightFormat("int4"))
+    model = ckpt.architecture.build(ckpt.config, BuildOptions(dtype=torch.bfloat16, weights=WeightFormat("int4")))
     model.load_weights(ckpt.weights)
  The progress callback is called with
 ``("reading", f)`` while metadata and tokenizer are read, and with ``("weights", f)`` as tensors are
@@ -30,8 +34,8 @@ from helios.loaders.gguf_loader import GGUFFile
 from helios.loaders.gguf_reader import GGML_Q4_0, GGML_Q4_1
 from helios.loaders.safetensors_loader import read_hf_directory
 from helios.loaders.tokenizer import Tokenizer
-from helios.models.config import ModelConfig
 from helios.models.quant import WeightSource
+from helios.models.registry import Architecture, ArchitectureConfig
 
 ProgressCallback = Callable[[str, float], None]
 _V = TypeVar("_V")
@@ -40,7 +44,9 @@ _V = TypeVar("_V")
 @attrs.frozen
 class Checkpoint:
     model_id: str
-    config: ModelConfig
+    config: ArchitectureConfig
+    architecture: Architecture
+    """The `helios.models.registry` entry ``config`` belongs to (it builds the model)."""
     tensors: Mapping[str, Tensor]
     tokenizer: Tokenizer
     chat_template: str | None
@@ -119,6 +125,7 @@ def _from_gguf(path: Path, dtype: torch.dtype, progress: ProgressCallback | None
     return Checkpoint(
         model_id=path.stem,  # the file name, as llama.cpp reports it; general.name is often a training tag
         config=file.config,
+        architecture=file.architecture,
         tensors=LazyTensors(file.tensor_thunks(dtype), progress),
         tokenizer=tokenizer,
         chat_template=file.chat_template,
@@ -135,6 +142,7 @@ def _from_hf_directory(path: Path, dtype: torch.dtype, progress: ProgressCallbac
     return Checkpoint(
         model_id=path.resolve().name,
         config=directory.config,
+        architecture=directory.architecture,
         tensors=LazyTensors(directory.tensors, progress),
         tokenizer=directory.tokenizer,
         chat_template=directory.chat_template,

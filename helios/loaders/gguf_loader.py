@@ -1,9 +1,11 @@
-"""GGUF files (llama.cpp's format): metadata -> ModelConfig and tokenizer, tensors -> HF names.
+"""GGUF files (llama.cpp's format): metadata -> the family's config and a tokenizer, tensors -> the
+family's names.
 
-The header is parsed by `helios.loaders.gguf_reader` and tensor data is memory-mapped. Each tensor
-is read in one of two forms, renamed to its Hugging Face name, with the q/k projection rows of
-``llama``-architecture files put back from llama.cpp's interleaved rotary order into the
-rotate-half (NeoX) order the model uses:
+The header is parsed by `helios.loaders.gguf_reader` and tensor data is memory-mapped. The
+architecture is the registry's entry for ``general.architecture`` (`helios.models.registry.for_gguf`):
+its parser builds the config from the metadata, and its tensor map renames each tensor (and says
+which q/k projections llama.cpp stored in interleaved rotary order, put back here into the
+rotate-half order, `unpermute_rotary_rows`). Each tensor is read in one of two forms:
 
 * `GGUFFile.weight_thunks`: the checkpoint's own form. Q4_0, Q4_1 and Q8_0 blocks become
   `GroupQuantized` codes (unpacked in torch, bit for bit), so a quantized weight format can keep them;
@@ -15,12 +17,10 @@ rotate-half (NeoX) order the model uses:
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import attrs
 import numpy as np
 import torch
 from torch import Tensor
@@ -36,35 +36,12 @@ from helios.loaders.gguf_reader import (
     block_layout,
     read_gguf,
 )
-from helios.models.config import ModelConfig
-from helios.models.llama import rope_inv_freq
+from helios.models import registry
 from helios.models.quant import GroupQuantized, WeightSource, dense_of
+from helios.models.registry import Architecture, ArchitectureConfig
 
 TensorThunk = Callable[[], Tensor]
 SourceThunk = Callable[[], WeightSource]
-
-_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)")
-_ROPE_FREQS = "rope_freqs.weight"
-
 
 class GGUFFile:
     """An opened GGUF file: decoded metadata and lazily read tensors."""
@@ -74,7 +51,8 @@ class GGUFFile:
         self._contents = read_gguf(self.path)
         self.metadata: dict[str, Any] = self._contents.metadata
         self._tensors: dict[str, GGUFTensorInfo] = self._contents.tensors
-        self.config = self._build_config()
+        self.architecture: Architecture = registry.for_gguf(str(self.metadata.get("general.architecture")))
+        self.config: ArchitectureConfig = self.architecture.parse_gguf(self)
 
     @property
     def model_name(self) -> str | None:
@@ -85,6 +63,11 @@ class GGUFFile:
     def chat_template(self) -> str | None:
         template = self.metadata.get("tokenizer.chat_template")
         return str(template) if template else None
+
+    @property
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """GGUF tensor name -> shape (outermost dimension first)."""
+        return {name: info.shape for name, info in self._tensors.items()}
 
     @property
     def tensor_types(self) -> dict[str, int]:
@@ -112,94 +95,27 @@ class GGUFFile:
         return dense_of(self.read_source(gguf_name)).to(torch.float32).numpy()
 
     def weight_thunks(self) -> dict[str, SourceThunk]:
-        """Hugging Face name -> function producing that weight in the checkpoint's form (`read_source`)."""
+        """The family's name -> function producing that weight in the checkpoint's form (`read_source`)."""
         thunks: dict[str, SourceThunk] = {}
         for gguf_name, hf_name, heads in self._names():
             thunks[hf_name] = _make_source_thunk(self, gguf_name, heads)
         return thunks
 
     def tensor_thunks(self, dtype: torch.dtype) -> dict[str, TensorThunk]:
-        """Hugging Face name -> function producing that tensor in ``dtype`` (dequantized on each call)."""
+        """The family's name -> function producing that tensor in ``dtype`` (dequantized on each call)."""
         thunks: dict[str, TensorThunk] = {}
         for gguf_name, hf_name, heads in self._names():
             thunks[hf_name] = _make_thunk(self, gguf_name, heads, dtype)
         return thunks
 
     def _names(self) -> list[tuple[str, str, int | None]]:
-        """(GGUF name, Hugging Face name, heads to un-permute the rows of or None) per tensor."""
-        cfg = self.config
-        permute_heads: dict[str, int] = {}
-        if self.metadata.get("general.architecture") == "llama":
-            permute_heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
+        """(GGUF name, the family's name, heads to un-permute the rows of or None) per loaded tensor."""
         out = []
         for gguf_name in self._tensors:
-            if gguf_name == _ROPE_FREQS:
-                continue
-            hf_name, heads = _hf_name(gguf_name, permute_heads)
-            out.append((gguf_name, hf_name, heads))
+            target = self.architecture.gguf_name(self.config, gguf_name)
+            if target is not None:
+                out.append((gguf_name, target.name, target.rotary_heads))
         return out
-
-    def _build_config(self) -> ModelConfig:
-        meta = self.metadata
-        arch = str(meta.get("general.architecture"))
-        if arch not in _GGUF_ARCHS:
-            raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (llama, qwen2, qwen3)")
-
-        def key(name: str, default: Any = None) -> Any:
-            value = meta.get(f"{arch}.{name}", default)
-            if value is None:
-                raise ValueError(f"GGUF metadata lacks {arch}.{name}")
-            return value
-
-        hidden = int(key("embedding_length"))
-        num_heads = int(key("attention.head_count"))
-        num_kv_heads = key("attention.head_count_kv", num_heads)
-        if isinstance(num_kv_heads, list):
-            if len(set(num_kv_heads)) != 1:
-                raise NotImplementedError("per-layer kv head counts are not supported")
-            num_kv_heads = num_kv_heads[0]
-        head_dim = int(key("attention.key_length", hidden // num_heads))
-        rope_dims = meta.get(f"{arch}.rope.dimension_count")
-        if rope_dims is not None and int(rope_dims) != head_dim:
-            raise NotImplementedError(f"partial rotary embeddings ({rope_dims} of {head_dim}) are not supported")
-        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []) \
-            or int(self._tensors["token_embd.weight"].shape[-1])
-        ffn = key("feed_forward_length")
-        if isinstance(ffn, list):
-            ffn = ffn[0]
-        return ModelConfig(
-            arch=_GGUF_ARCHS[arch],
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(ffn),
-            num_layers=int(key("block_count")),
-            num_heads=num_heads,
-            num_kv_heads=int(num_kv_heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            rope_scaling=self._rope_scaling(arch, head_dim),
-            max_position_embeddings=int(key("context_length", 4096)),
-            tie_word_embeddings="output.weight" not in self._tensors,
-            attention_bias="blk.0.attn_q.bias" in self._tensors,
-            qk_norm="blk.0.attn_q_norm.weight" in self._tensors,
-        )
-
-    def _rope_scaling(self, arch: str, head_dim: int) -> dict[str, Any] | None:
-        meta = self.metadata
-        kind = meta.get(f"{arch}.rope.scaling.type")
-        factor = float(meta.get(f"{arch}.rope.scaling.factor") or 0.0)
-        if kind == "linear" and factor > 0:
-            return {"rope_type": "linear", "factor": factor}
-        if kind not in (None, "none", "linear"):
-            raise NotImplementedError(f"GGUF rope scaling {kind!r} is not supported")
-        if _ROPE_FREQS in self._tensors:
-            # Llama 3.1+: llama.cpp stores the per-frequency divisors instead of the parameters.
-            divisors = self.read_tensor(_ROPE_FREQS).reshape(-1)
-            original = int(meta.get(f"{arch}.rope.scaling.original_context_length") or 8192)
-            return _infer_llama3_scaling(divisors, float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-                                         head_dim, original)
-        return None
 
 
 def unpermute_rotary_rows(weight: Tensor | np.ndarray, num_heads: int) -> Any:
@@ -224,22 +140,6 @@ def permute_rotary_rows(weight: Tensor | np.ndarray, num_heads: int) -> Any:
     if isinstance(weight, np.ndarray):
         return weight.reshape(num_heads, 2, half, *rest).swapaxes(1, 2).reshape(weight.shape)
     return weight.reshape(num_heads, 2, half, *rest).transpose(1, 2).reshape(weight.shape)
-
-
-def gguf_to_hf_name(gguf_name: str) -> str:
-    name, _ = _hf_name(gguf_name, {})
-    return name
-
-
-def _hf_name(gguf_name: str, permute_heads: Mapping[str, int]) -> tuple[str, int | None]:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name], None
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
-        raise NotImplementedError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart here")
-    layer, part, kind = match.groups()
-    module = _LAYER_NAMES[part]
-    return f"model.layers.{layer}.{module}.{kind}", permute_heads.get(module)
 
 
 def unpack_blocks(raw: Tensor, ggml_type: int, shape: tuple[int, ...]) -> GroupQuantized:
@@ -297,18 +197,3 @@ def _make_thunk(file: GGUFFile, gguf_name: str, permute_heads: int | None, dtype
         return dense_of(source()).to(dtype)
 
     return load
-
-
-def _infer_llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int, original: int) -> dict[str, Any]:
-    """Recover Llama-3 rope parameters from llama.cpp's per-frequency divisors."""
-    base = ModelConfig(arch="llama", vocab_size=1, hidden_size=head_dim, intermediate_size=1, num_layers=1,
-                       num_heads=1, num_kv_heads=1, head_dim=head_dim, rope_theta=theta)
-    plain = rope_inv_freq(base).numpy()
-    factor = float(divisors.max())
-    for low, high in ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0)):
-        candidate = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
-                     "original_max_position_embeddings": original}
-        scaled = rope_inv_freq(attrs.evolve(base, rope_scaling=candidate)).numpy()
-        if np.allclose(plain / scaled, divisors, rtol=1e-3, atol=1e-3):
-            return candidate
-    raise NotImplementedError("GGUF rope_freqs do not match any known Llama-3 rope scaling")

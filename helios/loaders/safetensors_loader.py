@@ -1,7 +1,11 @@
 """Hugging Face model directories: config.json, *.safetensors (single or sharded), tokenizer files.
 
 Tensors are memory-mapped (``safetensors.safe_open``) and read one at a time when the model loads
-them, so peak memory stays near the size of the model itself.
+them, so peak memory stays near the size of the model itself. The architecture (and so the config
+parser) is the registry's answer for ``config.json`` (`helios.models.registry.for_hf_config`); a
+vision-language checkpoint's text model is found through its family
+(`helios.models.vision.registry.vision_family`). Weight names pass through as stored (the families'
+modules take Hugging Face names).
 """
 
 from __future__ import annotations
@@ -17,16 +21,12 @@ from safetensors import safe_open
 from torch import Tensor
 
 from helios.loaders.tokenizer import Tokenizer
-from helios.models.config import ModelConfig
+from helios.models import registry
+from helios.models.registry import Architecture, ArchitectureConfig
+from helios.models.vision.registry import VisionFamily, vision_family
 
 TensorThunk = Callable[[], Tensor]
 _INDEX_FILE = "model.safetensors.index.json"
-
-
-# Vision-language checkpoints Helios reads (the family name `helios.models.vision.registry` knows):
-# model_type -> family. Their text model is the Llama-family decoder under ``model.text_model.``.
-VISION_FAMILIES = {"idefics3": "idefics3", "smolvlm": "idefics3"}
-_TEXT_PREFIX = "model.text_model."
 
 
 @attrs.frozen
@@ -50,7 +50,8 @@ class HFDirectory:
     """What a Hugging Face model directory holds, with tensors still on disk."""
 
     path: Path
-    config: ModelConfig
+    config: ArchitectureConfig
+    architecture: Architecture
     raw_config: dict[str, Any]
     tensors: dict[str, TensorThunk]
     tokenizer: Tokenizer
@@ -64,14 +65,10 @@ def read_hf_directory(path: str | Path, dtype: torch.dtype) -> HFDirectory:
     raw_config = _read_json(root / "config.json")
     if raw_config is None:
         raise FileNotFoundError(f"{root} has no config.json")
-    family = VISION_FAMILIES.get(str(raw_config.get("model_type", "")))
-    text_config = raw_config
-    if family is not None:
-        text_config = dict(raw_config.get("text_config") or {})
-        if "tie_word_embeddings" in raw_config:  # the outer config decides whether lm_head is tied
-            text_config["tie_word_embeddings"] = raw_config["tie_word_embeddings"]
-        text_config.setdefault("model_type", "llama")
-    config = ModelConfig.from_hf_config(text_config)
+    family = vision_family(raw_config)
+    text_config = raw_config if family is None else family.text_config(raw_config)
+    architecture = registry.for_hf_config(text_config)
+    config = architecture.parse_hf_config(text_config)
     generation_config = _read_json(root / "generation_config.json") or {}
     tokenizer_config = _read_json(root / "tokenizer_config.json") or {}
     chat_template = read_chat_template(root, tokenizer_config)
@@ -82,25 +79,25 @@ def read_hf_directory(path: str | Path, dtype: torch.dtype) -> HFDirectory:
     tensors = safetensors_thunks(root, dtype)
     vision = None
     if family is not None:
-        tensors, vision_tensors = _split_text_weights(tensors)
-        vision = VisionFiles(family=family, config=raw_config,
+        tensors, vision_tensors = _split_text_weights(tensors, family)
+        vision = VisionFiles(family=family.name, config=raw_config,
                              preprocessor=_read_json(root / "preprocessor_config.json") or {},
                              processor=_read_json(root / "processor_config.json") or {}, tensors=vision_tensors)
-    return HFDirectory(path=root, config=config, raw_config=raw_config, tensors=tensors,
+    return HFDirectory(path=root, config=config, architecture=architecture, raw_config=raw_config, tensors=tensors,
                        tokenizer=tokenizer, chat_template=chat_template, generation_config=generation_config,
                        vision=vision)
 
 
-def _split_text_weights(tensors: dict[str, TensorThunk]) -> tuple[dict[str, TensorThunk], dict[str, TensorThunk]]:
-    """A vision-language checkpoint's weights -> (the text model's, renamed ``model.text_model.X`` ->
-    ``model.X``, with ``lm_head.weight``; everything else)."""
+def _split_text_weights(tensors: dict[str, TensorThunk],
+                        family: VisionFamily) -> tuple[dict[str, TensorThunk], dict[str, TensorThunk]]:
+    """A vision-language checkpoint's weights -> (the text model's, renamed by the family
+    (`VisionFamily.text_weight_name`); everything else)."""
     text: dict[str, TensorThunk] = {}
     other: dict[str, TensorThunk] = {}
     for name, thunk in tensors.items():
-        if name.startswith(_TEXT_PREFIX):
-            text["model." + name[len(_TEXT_PREFIX):]] = thunk
-        elif name == "lm_head.weight":
-            text[name] = thunk
+        text_name = family.text_weight_name(name)
+        if text_name is not None:
+            text[text_name] = thunk
         else:
             other[name] = thunk
     return text, other

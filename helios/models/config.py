@@ -1,18 +1,23 @@
 """Architecture hyper-parameters of the Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3).
 
-`ModelConfig` is the one description the model, the loaders and the engine share. It is built from a
-Hugging Face ``config.json`` (`ModelConfig.from_hf_config`) or from GGUF metadata (see
-`helios.loaders.gguf_loader`).
+`ModelConfig` is the llama family's config (`helios.models.registry` serves its four entries from
+`helios.models.llama`). It is built from a Hugging Face ``config.json`` (`ModelConfig.from_hf_config`)
+or from GGUF metadata (`ModelConfig.from_gguf`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+import numpy as np
 
-SUPPORTED_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+if TYPE_CHECKING:
+    from helios.models.registry import GGUFSource
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+"""The variants `ModelConfig` describes (its ``arch``; each a registry entry)."""
 SUPPORTED_ROPE_TYPES = frozenset({"linear", "llama3"})
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -46,8 +51,8 @@ class ModelConfig:
     sliding_window: int | None = None
 
     def __attrs_post_init__(self) -> None:
-        if self.arch not in SUPPORTED_ARCHS:
-            raise ValueError(f"unsupported architecture {self.arch!r}; supported: {sorted(SUPPORTED_ARCHS)}")
+        if self.arch not in LLAMA_FAMILY:
+            raise ValueError(f"architecture {self.arch!r} is not of the llama family ({', '.join(LLAMA_FAMILY)})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -73,12 +78,18 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def projection_params(self) -> int:
+        """Weights in the decoder layers' projections (q, k, v, o, gate, up, down)."""
+        per_layer = (self.q_size + 2 * self.kv_size) * self.hidden_size + self.hidden_size * self.q_size \
+            + 3 * self.intermediate_size * self.hidden_size
+        return int(self.num_layers * per_layer)
+
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` (transformers 4.x and 5.x spellings)."""
         arch = str(config.get("model_type", ""))
-        if arch not in SUPPORTED_ARCHS:
-            raise ValueError(f"unsupported model_type {arch!r}; supported: {sorted(SUPPORTED_ARCHS)}")
+        if arch not in LLAMA_FAMILY:
+            raise ValueError(f"unsupported model_type {arch!r}; supported: {list(LLAMA_FAMILY)}")
         hidden_size = int(config["hidden_size"])
         num_heads = int(config["num_attention_heads"])
         head_dim = config.get("head_dim") or hidden_size // num_heads
@@ -131,3 +142,91 @@ def normalize_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] 
     if kind == "linear" and float(out.get("factor", 1.0)) == 1.0:
         return None
     return out
+
+
+# -- GGUF metadata -------------------------------------------------------------------------------------
+
+ROPE_FREQS = "rope_freqs.weight"
+"""llama.cpp's per-frequency RoPE divisors (Llama 3.1+): metadata, not a weight."""
+
+
+def config_from_gguf(source: GGUFSource, arch: str) -> ModelConfig:
+    """A llama-family config (``arch``) from GGUF metadata (keys under ``general.architecture``'s
+    prefix) and the file's tensor names."""
+    meta = source.metadata
+    tensors = source.tensor_shapes
+    prefix = str(meta.get("general.architecture"))
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{prefix}.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {prefix}.{name}")
+        return value
+
+    hidden = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    num_kv_heads = key("attention.head_count_kv", num_heads)
+    if isinstance(num_kv_heads, list):
+        if len(set(num_kv_heads)) != 1:
+            raise NotImplementedError("per-layer kv head counts are not supported")
+        num_kv_heads = num_kv_heads[0]
+    head_dim = int(key("attention.key_length", hidden // num_heads))
+    rope_dims = meta.get(f"{prefix}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise NotImplementedError(f"partial rotary embeddings ({rope_dims} of {head_dim}) are not supported")
+    vocab = meta.get(f"{prefix}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []) \
+        or int(tensors["token_embd.weight"][-1])
+    ffn = key("feed_forward_length")
+    if isinstance(ffn, list):
+        ffn = ffn[0]
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(ffn),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(num_kv_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(source, prefix, head_dim),
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+    )
+
+
+def _gguf_rope_scaling(source: GGUFSource, prefix: str, head_dim: int) -> dict[str, Any] | None:
+    meta = source.metadata
+    kind = meta.get(f"{prefix}.rope.scaling.type")
+    factor = float(meta.get(f"{prefix}.rope.scaling.factor") or 0.0)
+    if kind == "linear" and factor > 0:
+        return {"rope_type": "linear", "factor": factor}
+    if kind not in (None, "none", "linear"):
+        raise NotImplementedError(f"GGUF rope scaling {kind!r} is not supported")
+    if ROPE_FREQS in source.tensor_shapes:
+        # Llama 3.1+: llama.cpp stores the per-frequency divisors instead of the parameters.
+        divisors = source.read_tensor(ROPE_FREQS).reshape(-1)
+        original = int(meta.get(f"{prefix}.rope.scaling.original_context_length") or 8192)
+        return _infer_llama3_scaling(divisors, float(meta.get(f"{prefix}.rope.freq_base", 10000.0)),
+                                     head_dim, original)
+    return None
+
+
+def _infer_llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int, original: int) -> dict[str, Any]:
+    """Recover Llama-3 rope parameters from llama.cpp's per-frequency divisors."""
+    from helios.models.llama import rope_inv_freq
+
+    base = ModelConfig(arch="llama", vocab_size=1, hidden_size=head_dim, intermediate_size=1, num_layers=1,
+                       num_heads=1, num_kv_heads=1, head_dim=head_dim, rope_theta=theta)
+    plain = rope_inv_freq(base).numpy()
+    factor = float(divisors.max())
+    for low, high in ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0)):
+        candidate = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                     "original_max_position_embeddings": original}
+        scaled = rope_inv_freq(attrs.evolve(base, rope_scaling=candidate)).numpy()
+        if np.allclose(plain / scaled, divisors, rtol=1e-3, atol=1e-3):
+            return candidate
+    raise NotImplementedError("GGUF rope_freqs do not match any known Llama-3 rope scaling")

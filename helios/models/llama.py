@@ -18,37 +18,33 @@ in that format; `packed_state` / `load_packed_state` save and restore the built 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
+from functools import partial
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from helios.models import cpu_kernels
-from helios.models.config import ModelConfig
+from helios.models import cpu_kernels, packing
+from helios.models.config import LLAMA_FAMILY, ROPE_FREQS, ModelConfig, config_from_gguf
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec
+from helios.models.packing import LM_HEAD_FP32, LM_HEAD_Q8
+from helios.models.packing import Q8_BF16_ROWS as Q8_BF16_ROWS  # re-exported: compute_logits' threshold
 from helios.models.quant import (
     DenseLinear,
     GroupQuantized,
-    Int4Linear,
-    Int8Linear,
     UnloadedLinear,
     WeightFormat,
     WeightSource,
     build_linear,
     dense_matmul,
     dense_of,
-    pack_onednn,
 )
+from helios.models.registry import Architecture, ArchitectureConfig, BuildOptions, GGUFSource, GGUFTensor
 
-_LM_HEAD_FP32 = "lm_head_fp32"  # the float32 output projection's name in `packed_state`
-_LM_HEAD_Q8 = ("lm_head_q8.codes", "lm_head_q8.scales")  # the Q8_0 output projection's, likewise
-# From this many rows a bfloat16 model's Q8_0 head takes `cpu_kernels.q8_linear_bf16` (bfloat16 pair dot
-# products, twice the bytes of the int8 codes per step); below it `q8_linear` reads the int8 codes. On
-# a 2-core AVX512-BF16 machine the two are even near 8 rows (1.45 against 1.33 ms for 49,152 outputs);
-# at 32 rows q8_linear_bf16 takes 2.9 ms against 5.8.
-Q8_BF16_ROWS = 8
+__all__ = ["PROJECTIONS", "Q8_BF16_ROWS", "LlamaForCausalLM", "rope_inv_freq"]
 # The fused projections of a decoder layer: attribute -> the Hugging Face weight names (suffixes of
 # "model.layers.{i}.") that make up its row blocks, in order.
 PROJECTIONS = {
@@ -194,19 +190,15 @@ class LlamaForCausalLM(nn.Module):
         projection, a oneDNN-packed copy where oneDNN's prepacked linear is faster here
         (`quant.pack_onednn`); give a Q8_0 head of a bfloat16 model its `q8_linear_bf16` layout where
         the CPU has AVX512-BF16. Returns how many tensors were packed. Loading weights again drops them."""
-        if (self._lm_head_q8 is not None and self.dtype == torch.bfloat16 and cpu_kernels.available()
-                and cpu_kernels.bf16_kernels_supported()):
-            self._lm_head_q8_bf16 = cpu_kernels.pack_q8_bf16(*self._lm_head_q8)
+        self._lm_head_q8_bf16 = packing.q8_bf16_layout(self._lm_head_q8, self.dtype)
         count = int(self._lm_head_q8_bf16 is not None)
-        count += sum(pack_onednn(getattr(layer, attr)) for layer in self._decoder_layers() for attr in PROJECTIONS)
+        count += packing.pack_projections_onednn(self._decoder_layers(), tuple(PROJECTIONS))
         for layer in self._decoder_layers():
             layer.find_fused_decode()
         head = self._lm_head_fp32 if self._lm_head_fp32 is not None else self.lm_head.detach()
         if self._lm_head_q8 is None:
-            holder = DenseLinear(head)
-            if pack_onednn(holder):
-                self._lm_head_onednn = holder.onednn
-                count += 1
+            self._lm_head_onednn = packing.pack_head_onednn(head)
+            count += int(self._lm_head_onednn is not None)
         return count
 
     def load_weights(self, tensors: Mapping[str, WeightSource]) -> None:
@@ -243,10 +235,9 @@ class LlamaForCausalLM(nn.Module):
                 if target is not None:
                     dense = dense_of(value)
                     target.copy_(dense)
-                    if name == self._head_name() and self._wants_q8_head and _is_q8_0(value):
+                    if name == self._head_name() and self._wants_q8_head and packing.is_q8_0(value):
                         assert isinstance(value, GroupQuantized)
-                        self._lm_head_q8 = (value.codes.to(torch.int8).contiguous(),
-                                            value.scale.to(torch.float32).contiguous())
+                        self._lm_head_q8 = packing.q8_codes(value)
                     elif self._wants_lm_head_fp32 and name == self._head_name():
                         self._lm_head_fp32 = dense.to(device=self.device, dtype=torch.float32, copy=True)
                     continue
@@ -285,38 +276,31 @@ class LlamaForCausalLM(nn.Module):
     def packed_state(self) -> tuple[dict[str, Tensor], dict[str, str]]:
         """The loaded weights as stored (packed int4, int8, dense copies, norms, embeddings) and the
         kind of module each projection is, for `load_packed_state`."""
-        kinds = {f"layers.{i}.{attr}": _linear_kind(getattr(layer, attr))
-                 for i, layer in enumerate(self._decoder_layers()) for attr in PROJECTIONS}
+        layers = self._decoder_layers()
+        kinds = packing.projection_kinds(layers, tuple(PROJECTIONS))
         state = self._stored_state()
-        for i, layer in enumerate(self._decoder_layers()):
-            for attr in PROJECTIONS:
-                module = getattr(layer, attr)
-                if isinstance(module, (Int4Linear, Int8Linear)) and module.dense is None and module.onednn is not None:
-                    state[f"layers.{i}.{attr}.dense"] = module.onednn.to_dense()  # `pack_onednn` dropped it
+        state.update(packing.dropped_dense_copies(layers, tuple(PROJECTIONS)))  # `pack_onednn` dropped them
         if self._lm_head_fp32 is not None:
-            state[_LM_HEAD_FP32] = self._lm_head_fp32
+            state[LM_HEAD_FP32] = self._lm_head_fp32
         if self._lm_head_q8 is not None:
-            state.update(zip(_LM_HEAD_Q8, self._lm_head_q8, strict=True))
+            state.update(zip(LM_HEAD_Q8, self._lm_head_q8, strict=True))
         return state, kinds
 
     def load_packed_state(self, state: Mapping[str, Tensor], kinds: Mapping[str, str]) -> None:
         """Restore what `packed_state` returned (from a model of the same config, dtype and format)."""
         self._lm_head_onednn = None
         self._lm_head_q8_bf16 = None
-        for i, layer in enumerate(self._decoder_layers()):
-            for attr in PROJECTIONS:
-                prefix = f"layers.{i}.{attr}."
-                kind = kinds.get(f"layers.{i}.{attr}")
-                if kind is None:
-                    raise ValueError(f"packed state lacks the kind of layers.{i}.{attr}")
-                layer.set_projection(attr, _linear_from_state(kind, {k[len(prefix):]: v for k, v in state.items()
-                                                                      if k.startswith(prefix)}))
+        layers = self._decoder_layers()
+        for layer, modules in zip(layers, packing.restore_projections(layers, tuple(PROJECTIONS), state, kinds),
+                                  strict=True):
+            for attr, module in zip(PROJECTIONS, modules, strict=True):
+                layer.set_projection(attr, module)
         expected = set(self._stored_state())
-        q8 = self._wants_q8_head and all(name in state for name in _LM_HEAD_Q8)
+        q8 = self._wants_q8_head and all(name in state for name in LM_HEAD_Q8)
         if q8:
-            expected.update(_LM_HEAD_Q8)
+            expected.update(LM_HEAD_Q8)
         elif self._wants_lm_head_fp32:
-            expected.add(_LM_HEAD_FP32)
+            expected.add(LM_HEAD_FP32)
         if set(state) != expected:
             raise ValueError(f"packed state does not match the model: missing {sorted(expected - set(state))[:4]}, "
                              f"unexpected {sorted(set(state) - expected)[:4]}")
@@ -325,19 +309,16 @@ class LlamaForCausalLM(nn.Module):
                 if target.data_ptr() != state[name].data_ptr():
                     target.copy_(state[name])
         if q8:
-            codes, scales = (state[name] for name in _LM_HEAD_Q8)
+            codes, scales = (state[name] for name in LM_HEAD_Q8)
             self._lm_head_q8 = (codes.contiguous(), scales.contiguous())
         elif self._wants_lm_head_fp32:
-            self._lm_head_fp32 = state[_LM_HEAD_FP32].to(self.device)
+            self._lm_head_fp32 = state[LM_HEAD_FP32].to(self.device)
         for layer in self._decoder_layers():
             layer.finish_loading()
 
     def _stored_state(self, keep_vars: bool = False) -> dict[str, Tensor]:
         """state_dict without empty entries and without the tied head (the embedding holds it)."""
-        state = {name: t for name, t in self.state_dict(keep_vars=keep_vars).items() if t is not None}
-        if self.config.tie_word_embeddings:
-            state.pop("lm_head", None)
-        return state
+        return packing.stored_state(self, tied_head=self.config.tie_word_embeddings, keep_vars=keep_vars)
 
     def _placeholder_dtype(self) -> torch.dtype | None:
         """The dtype of the projections before loading: a dense format's, else None (none)."""
@@ -497,19 +478,12 @@ class _DecoderLayer(nn.Module):
         mods = [getattr(self, attr) for attr in PROJECTIONS]
         if self.qkv_bias is not None or self.qk_norm is not None:
             return
-        if all(isinstance(m, Int4Linear) for m in mods):
-            linears = cast(list[Int4Linear], mods)
-            if len({m.group_size for m in linears}) == 1:
-                self._int4 = cpu_kernels.FusedLayer(
-                    self.input_norm, self.post_attention_norm,
-                    tuple(t for m in linears for t in (m.packed, m.scales_and_zeros)), linears[0].group_size)
-                self._int4_rows = min((m.dense_above if m.dense is not None or m.onednn is not None else 1 << 62)
-                                      for m in linears)
-        packed = [getattr(m, "onednn", None) for m in mods]
-        if all(p is not None for p in packed):
-            self._onednn = cpu_kernels.FusedLayer(self.input_norm, self.post_attention_norm,
-                                                  tuple(cast(Tensor, p) for p in packed), 0)
-            self._onednn_above = max(0 if isinstance(m, DenseLinear) else int(m.dense_above) for m in mods)
+        int4 = packing.fused_int4_layer(mods, self.input_norm, self.post_attention_norm)
+        if int4 is not None:
+            self._int4, self._int4_rows = int4
+        onednn = packing.fused_onednn_layer(mods, self.input_norm, self.post_attention_norm)
+        if onednn is not None:
+            self._onednn, self._onednn_above = onednn
 
     def weight_targets(self) -> dict[str, Tensor]:
         """Hugging Face suffix -> parameter (view) for the norms and biases (not the projections)."""
@@ -562,32 +536,6 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-def _linear_kind(module: nn.Module) -> str:
-    if isinstance(module, DenseLinear):
-        return "dense"
-    if isinstance(module, Int4Linear):
-        return f"int4:{module.group_size}:{module.out_features}:{module.dense_above}"
-    if isinstance(module, Int8Linear):
-        return f"int8:{module.dense_above}"
-    raise ValueError(f"{type(module).__name__} has no packed form")
-
-
-def _linear_from_state(kind: str, state: Mapping[str, Tensor]) -> nn.Module:
-    name, *args = kind.split(":")
-    try:
-        if name == "dense":
-            return DenseLinear(state["weight"])
-        if name == "int4":
-            group_size, out_features, dense_above = (int(a) for a in args)
-            return Int4Linear(state["packed"], state["scales_and_zeros"], group_size, out_features,
-                              state.get("dense"), dense_above)
-        if name == "int8":
-            return Int8Linear(state["weight"], state["scales"], state.get("dense"), int(args[0]))
-    except (KeyError, ValueError) as exc:
-        raise ValueError(f"packed state of kind {kind!r} is incomplete: {exc}") from None
-    raise ValueError(f"unknown packed projection kind {kind!r}")
-
-
 def _param(tensor: Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
@@ -613,7 +561,88 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
-def _is_q8_0(value: WeightSource) -> bool:
-    """A ggml Q8_0 weight: int8 codes, one scale per 32 columns, no offset."""
-    return (isinstance(value, GroupQuantized) and value.bits == 8 and value.group_size == cpu_kernels.Q8_GROUP
-            and value.codes.dtype == torch.int8 and not bool(value.offset.any()))
+
+# -- weight names and registry entries -------------------------------------------------------------------
+
+# llama.cpp's GGUF tensor names -> the Hugging Face names `load_weights` takes.
+GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)")
+
+
+def gguf_to_hf_name(gguf_name: str) -> str:
+    """A llama-family GGUF tensor's Hugging Face name (NotImplementedError for names it has none for)."""
+    if gguf_name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[gguf_name]
+    match = _GGUF_LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in GGUF_LAYER_NAMES:
+        raise NotImplementedError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart here")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{GGUF_LAYER_NAMES[part]}.{kind}"
+
+
+def gguf_tensor(config: ArchitectureConfig, gguf_name: str, *, interleaved_rotary: bool) -> GGUFTensor | None:
+    """Where a GGUF tensor goes; llama.cpp's ``llama`` files store q/k rows in interleaved rotary
+    order (``interleaved_rotary``), which are put back into the rotate-half order `forward` uses."""
+    if gguf_name == ROPE_FREQS:
+        return None  # read into the config's rope scaling
+    name = gguf_to_hf_name(gguf_name)
+    if interleaved_rotary:
+        assert isinstance(config, ModelConfig)
+        if ".self_attn.q_proj." in name:
+            return GGUFTensor(name, config.num_heads)
+        if ".self_attn.k_proj." in name:
+            return GGUFTensor(name, config.num_kv_heads)
+    return GGUFTensor(name)
+
+
+def build(config: ArchitectureConfig, options: BuildOptions) -> LlamaForCausalLM:
+    assert isinstance(config, ModelConfig), type(config)
+    return LlamaForCausalLM(config, dtype=options.dtype, device=options.device, weights=options.weights,
+                            q8_head=options.q8_head)
+
+
+def _gguf_config(arch: str) -> partial[ModelConfig]:
+    return partial(_config_from_gguf, arch=arch)
+
+
+def _config_from_gguf(source: GGUFSource, *, arch: str) -> ModelConfig:
+    return config_from_gguf(source, arch)
+
+
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM"}
+# GGUF general.architecture per variant (llama.cpp writes Mistral checkpoints as "llama"); only
+# "llama" files interleave the q/k rotary rows.
+_GGUF_ARCHITECTURES = {"llama": ("llama",), "mistral": (), "qwen2": ("qwen2",), "qwen3": ("qwen3",)}
+
+ARCHITECTURES = tuple(
+    Architecture(
+        name=variant,
+        hf_model_types=(variant,),
+        hf_architectures=(_HF_ARCHITECTURES[variant],),
+        gguf_architectures=_GGUF_ARCHITECTURES[variant],
+        config_from_hf=ModelConfig.from_hf_config,
+        config_from_gguf=_gguf_config(variant) if _GGUF_ARCHITECTURES[variant] else None,
+        gguf_tensor=partial(gguf_tensor, interleaved_rotary=variant == "llama") if _GGUF_ARCHITECTURES[variant] else None,
+        build=build,
+    )
+    for variant in LLAMA_FAMILY
+)
+"""The llama family's registry entries (`helios.models.registry`): one per variant."""

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from helios.loaders.default_model import ensure_default_model
-from helios.loaders.gguf_loader import GGUFFile, gguf_to_hf_name, permute_rotary_rows, unpermute_rotary_rows
+from helios.loaders.gguf_loader import GGUFFile, permute_rotary_rows, unpermute_rotary_rows
 from helios.loaders.gguf_reader import GGUFFormatError, read_gguf
+from helios.models.llama import gguf_to_hf_name
 from helios.models.quant import GroupQuantized
 from tests.unit.tiny_gguf import Q, write_tiny_gguf
 

@@ -1,8 +1,9 @@
 """Vision-language families by name: the one place that maps a checkpoint's vision side to a tower.
 
-A second family (Qwen2.5-VL, Gemma 3) adds its module under ``helios/models/vision/`` and a branch
-here; the loaders name the family from ``config.json`` (``helios.loaders.safetensors_loader``), and the
-engine sees only `VisionTower`.
+A second family (Qwen2.5-VL, Gemma 3) adds its module under ``helios/models/vision/``, a `VisionFamily`
+in `VISION_MODEL_TYPES` and a branch in `load_vision_tower`; the loaders ask `vision_family` about a
+``config.json`` (``helios.loaders.safetensors_loader``) and split the text model's weights and config
+off with it; the engine sees only `VisionTower`.
 """
 
 from __future__ import annotations
@@ -10,12 +11,50 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import torch
 from torch import Tensor
 
 from helios.models.vision.base import VisionTower
 
 FAMILIES = ("idefics3",)
+
+
+@attrs.frozen
+class VisionFamily:
+    """How a vision-language checkpoint holds its text model: ``text_prefix`` of the text model's
+    weight names (``<prefix>X`` is the text architecture's ``model.X``; ``lm_head.weight`` is the text
+    model's too) and the text config's ``model_type`` where ``text_config`` does not say."""
+
+    name: str
+    text_prefix: str
+    default_text_model_type: str
+
+    def text_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The text model's ``config.json`` part (the outer config decides whether lm_head is tied)."""
+        text = dict(config.get("text_config") or {})
+        if "tie_word_embeddings" in config:
+            text["tie_word_embeddings"] = config["tie_word_embeddings"]
+        text.setdefault("model_type", self.default_text_model_type)
+        return text
+
+    def text_weight_name(self, name: str) -> str | None:
+        """A checkpoint weight's name in the text model's naming, or None for the vision side's."""
+        if name.startswith(self.text_prefix):
+            return "model." + name[len(self.text_prefix):]
+        if name == "lm_head.weight":
+            return name
+        return None
+
+
+_IDEFICS3 = VisionFamily("idefics3", text_prefix="model.text_model.", default_text_model_type="llama")
+VISION_MODEL_TYPES = {"idefics3": _IDEFICS3, "smolvlm": _IDEFICS3}
+"""``config.json`` model_type -> the vision-language family."""
+
+
+def vision_family(config: Mapping[str, Any]) -> VisionFamily | None:
+    """The vision-language family of a ``config.json``, None for a text-only model."""
+    return VISION_MODEL_TYPES.get(str(config.get("model_type", "")))
 
 
 def load_vision_tower(family: str, config: Mapping[str, Any], preprocessor: Mapping[str, Any],

@@ -1,0 +1,160 @@
+"""Weight packing and fusion shared by architecture modules: what a model's built weights are saved as
+(`packed_state`, for `helios.loaders.weight_cache`) and restored from, the CPU packing decisions made
+once the weights are loaded (oneDNN-packed dense GEMMs, the Q8_0 output projection's bfloat16 layout)
+and which layers the one-operator CPU decode (`cpu_kernels.decode_layers`) can run.
+
+An architecture module names its projections (attribute names on each decoder layer) and its
+norms; everything here works on those names and the `helios.models.quant` modules, with no
+architecture math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+
+from helios.models import cpu_kernels
+from helios.models.quant import DenseLinear, GroupQuantized, Int4Linear, Int8Linear, WeightSource, pack_onednn
+
+LM_HEAD_FP32 = "lm_head_fp32"  # the float32 output projection's name in a packed state
+LM_HEAD_Q8 = ("lm_head_q8.codes", "lm_head_q8.scales")  # the Q8_0 output projection's, likewise
+# From this many rows a bfloat16 model's Q8_0 head takes `cpu_kernels.q8_linear_bf16` (bfloat16 pair dot
+# products, twice the bytes of the int8 codes per step); below it `q8_linear` reads the int8 codes. On
+# a 2-core AVX512-BF16 machine the two are even near 8 rows (1.45 against 1.33 ms for 49,152 outputs);
+# at 32 rows q8_linear_bf16 takes 2.9 ms against 5.8.
+Q8_BF16_ROWS = 8
+
+
+def linear_kind(module: nn.Module) -> str:
+    """The packed-state kind of a projection module (`linear_from_state` rebuilds it)."""
+    if isinstance(module, DenseLinear):
+        return "dense"
+    if isinstance(module, Int4Linear):
+        return f"int4:{module.group_size}:{module.out_features}:{module.dense_above}"
+    if isinstance(module, Int8Linear):
+        return f"int8:{module.dense_above}"
+    raise ValueError(f"{type(module).__name__} has no packed form")
+
+
+def linear_from_state(kind: str, state: Mapping[str, Tensor]) -> nn.Module:
+    """The projection module of packed-state ``kind`` from its tensors (names relative to it)."""
+    name, *args = kind.split(":")
+    try:
+        if name == "dense":
+            return DenseLinear(state["weight"])
+        if name == "int4":
+            group_size, out_features, dense_above = (int(a) for a in args)
+            return Int4Linear(state["packed"], state["scales_and_zeros"], group_size, out_features,
+                              state.get("dense"), dense_above)
+        if name == "int8":
+            return Int8Linear(state["weight"], state["scales"], state.get("dense"), int(args[0]))
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"packed state of kind {kind!r} is incomplete: {exc}") from None
+    raise ValueError(f"unknown packed projection kind {kind!r}")
+
+
+def projection_kinds(layers: Sequence[nn.Module], projections: Sequence[str]) -> dict[str, str]:
+    """``layers.{i}.{attr}`` -> `linear_kind` of every projection of every layer."""
+    return {f"layers.{i}.{attr}": linear_kind(getattr(layer, attr))
+            for i, layer in enumerate(layers) for attr in projections}
+
+
+def dropped_dense_copies(layers: Sequence[nn.Module], projections: Sequence[str]) -> dict[str, Tensor]:
+    """The plain dense copies of quantized projections that `quant.pack_onednn` replaced by their
+    oneDNN-packed form (recovered with ``to_dense()``), under their packed-state names."""
+    state: dict[str, Tensor] = {}
+    for i, layer in enumerate(layers):
+        for attr in projections:
+            module = getattr(layer, attr)
+            if isinstance(module, (Int4Linear, Int8Linear)) and module.dense is None and module.onednn is not None:
+                state[f"layers.{i}.{attr}.dense"] = module.onednn.to_dense()
+    return state
+
+
+def restore_projections(layers: Sequence[nn.Module], projections: Sequence[str], state: Mapping[str, Tensor],
+                        kinds: Mapping[str, str]) -> list[list[nn.Module]]:
+    """Rebuild every layer's projections from a packed state: per layer, the modules in
+    ``projections`` order (the caller installs them)."""
+    out: list[list[nn.Module]] = []
+    for i in range(len(layers)):
+        row: list[nn.Module] = []
+        for attr in projections:
+            prefix = f"layers.{i}.{attr}."
+            kind = kinds.get(f"layers.{i}.{attr}")
+            if kind is None:
+                raise ValueError(f"packed state lacks the kind of layers.{i}.{attr}")
+            row.append(linear_from_state(kind, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}))
+        out.append(row)
+    return out
+
+
+def stored_state(model: nn.Module, *, tied_head: bool, keep_vars: bool = False) -> dict[str, Tensor]:
+    """``model.state_dict`` without empty entries and, with ``tied_head``, without ``lm_head`` (the
+    embedding holds it)."""
+    state = {name: t for name, t in model.state_dict(keep_vars=keep_vars).items() if t is not None}
+    if tied_head:
+        state.pop("lm_head", None)
+    return state
+
+
+def is_q8_0(value: WeightSource) -> bool:
+    """A ggml Q8_0 weight: int8 codes, one scale per 32 columns, no offset."""
+    return (isinstance(value, GroupQuantized) and value.bits == 8 and value.group_size == cpu_kernels.Q8_GROUP
+            and value.codes.dtype == torch.int8 and not bool(value.offset.any()))
+
+
+def q8_codes(value: GroupQuantized) -> tuple[Tensor, Tensor]:
+    """A Q8_0 weight's int8 codes and float32 block scales, as `cpu_kernels.q8_linear` takes them."""
+    return value.codes.to(torch.int8).contiguous(), value.scale.to(torch.float32).contiguous()
+
+
+def q8_bf16_layout(q8: tuple[Tensor, Tensor] | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, int] | None:
+    """A Q8_0 output projection's `q8_linear_bf16` layout for a bfloat16 model where the CPU has
+    AVX512-BF16 (None otherwise)."""
+    if q8 is not None and dtype == torch.bfloat16 and cpu_kernels.available() and cpu_kernels.bf16_kernels_supported():
+        return cpu_kernels.pack_q8_bf16(*q8)
+    return None
+
+
+def pack_head_onednn(head: Tensor) -> Tensor | None:
+    """A oneDNN-packed copy of a dense output projection where oneDNN's prepacked linear is faster."""
+    holder = DenseLinear(head)
+    return holder.onednn if pack_onednn(holder) else None
+
+
+def pack_projections_onednn(layers: Sequence[nn.Module], projections: Sequence[str]) -> int:
+    """`quant.pack_onednn` on every projection of every layer; how many were packed."""
+    return sum(pack_onednn(getattr(layer, attr)) for layer in layers for attr in projections)
+
+
+def fused_int4_layer(mods: Sequence[nn.Module], input_norm: Tensor,
+                     post_attention_norm: Tensor) -> tuple[cpu_kernels.FusedLayer, int] | None:
+    """The one-operator int4 decode layer of a layer whose projections ``mods`` (in the kernel's
+    order) are all int4 with one group size, and the most rows it serves (above those, a dense
+    copy answers); None where it does not apply."""
+    if not all(isinstance(m, Int4Linear) for m in mods):
+        return None
+    linears = cast(list[Int4Linear], list(mods))
+    if len({m.group_size for m in linears}) != 1:
+        return None
+    layer = cpu_kernels.FusedLayer(input_norm, post_attention_norm,
+                                   tuple(t for m in linears for t in (m.packed, m.scales_and_zeros)),
+                                   linears[0].group_size)
+    rows = min((m.dense_above if m.dense is not None or m.onednn is not None else 1 << 62) for m in linears)
+    return layer, rows
+
+
+def fused_onednn_layer(mods: Sequence[nn.Module], input_norm: Tensor,
+                       post_attention_norm: Tensor) -> tuple[cpu_kernels.FusedLayer, int] | None:
+    """The one-operator oneDNN decode layer of a layer whose projections ``mods`` all multiply
+    through a oneDNN-packed weight (`quant.pack_onednn`), and the rows above which it serves; None
+    where it does not apply."""
+    packed = [getattr(m, "onednn", None) for m in mods]
+    if not all(p is not None for p in packed):
+        return None
+    layer = cpu_kernels.FusedLayer(input_norm, post_attention_norm, tuple(cast(Tensor, p) for p in packed), 0)
+    above = max(0 if isinstance(m, DenseLinear) else int(cast(Int4Linear | Int8Linear, m).dense_above) for m in mods)
+    return layer, above
