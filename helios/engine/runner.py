@@ -26,7 +26,7 @@ row from its first step until `SchedulerOutput.freed` names it, and the row's bl
 sampling parameters live in preallocated device tensors written only when they change (new pages,
 a new request). Per step the host writes the token ids, positions and indices into one staging
 buffer that crosses to the device in one copy; the slot mapping is computed there from the block
-table. The step reads the device once, in the sampler: the sampled ids (`sampler.py`, "Host reads").
+table. The step reads the device once, in the sampler: the sampled ids (`sampling/sampler.py`, "Host reads").
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from helios.engine.attention import AttentionBackend, AttentionInputs
 from helios.engine.images import FeatureWindows, ImageEncoder, ImageError, StepEmbeds
 from helios.engine.kv.manager import KVCacheManager
 from helios.engine.records import RunnerOutput
-from helios.engine.sampler import (
+from helios.engine.sampling import (
     RowParams,
     Sampler,
     SamplingRow,
