@@ -21,7 +21,7 @@ import time
 import torch
 import trio
 
-import helios.engine.runner as runner_module
+import helios.engine.output_tracker as output_tracker
 from helios.domain.generation import OutputConstraint
 from helios.domain.sampling import SamplingParams
 from helios.engine.core import EngineConfig, EngineCore
@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--llg-threads", type=int, default=None, help="llguidance executor threads (default: its own)")
     args = ap.parse_args()
     if args.no_forced:
-        runner_module._MAX_FORCED = 0
+        output_tracker.MAX_FORCED = 0
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(ensure_default_model(quiet=True), weights=args.weights, cache_dir=default_cache_dir() / "packed")

@@ -34,7 +34,7 @@ from helios.engine.records import (
     Shutdown,
 )
 from helios.engine.runner import ModelRunner
-from helios.engine.sampler import Sampler
+from helios.engine.sampling import Sampler
 from helios.engine.scheduler import Scheduler
 from helios.engine.speculative import SpeculativeConfig
 from helios.models.interface import CausalLM

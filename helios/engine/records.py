@@ -144,17 +144,18 @@ class RequestOutput:
 class RunnerOutput:
     """What one forward produced, by request id: the runner → scheduler boundary record.
 
-    ``sampled`` holds the committed token ids in order (one per decoding request today; several
-    under speculative verification, the accepted drafts plus the bonus token), ``logprobs`` their
-    records in the same order (only for requests that asked), ``prompt_logprobs`` the prompt
-    positions scored in this step's chunks."""
+    ``sampled`` holds each sampling request's tokens in order (its draw, or the chunk's forced
+    token; under speculative verification the accepted drafts plus the bonus token), ``logprobs``
+    their records in the same order (only for requests that asked; none for a forced token),
+    ``prompt_logprobs`` the prompt positions scored in this step's chunks. The scheduler commits
+    them, with any grammar-forced tokens after a sampled one (`Scheduler.update`)."""
 
     sampled: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
     logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(factory=dict)
     prompt_logprobs: dict[str, tuple[PromptLogprob | None, ...]] = attrs.field(factory=dict)
     failed: dict[str, str] = attrs.field(factory=dict)
-    """Requests the step failed, with why (a structured-output grammar rejected a committed token,
-    an image could not be prepared): the scheduler commits their tokens and ends them with ERROR."""
+    """Requests the step failed, with why (an image could not be prepared): the scheduler ends them
+    with ERROR."""
     not_run: frozenset[str] = frozenset()
     """Failed requests whose chunk did not run at all (an image's load or encode failed): none of
     their positions count as computed and none of their pages are registered."""

@@ -4,12 +4,16 @@
 several requests into one [T] batch for every linear layer, runs attention through the paged
 backend, scores prompt positions for requests that asked, and samples one token per request whose
 chunk ends its known tokens. It returns plain values (token ids and logprob records) keyed by
-request id; the scheduler commits them (`Scheduler.update`). A chunk with a forced token
-(`ScheduledChunk.forced_token_id`, a reasoning budget's close) gets that token instead of its draw
-and no logprob record; every other row keeps its draw (the replacement is made on the host list of
-sampled ids, so it adds no device read). A chunk with speculative drafts (`ScheduledChunk.draft_token_ids`)
-samples each of its last k + 1 positions in the same `sample` call and commits the run of draws
-that match the drafts plus the first that does not (`_verify`; `engine/speculative.py`).
+request id, and changes no request state: it reads the requests' tokens and their output trackers'
+token masks, and takes everything else from the scheduled chunks; the scheduler commits what it
+returns (`Scheduler.update`, which also advances grammars and commits grammar-forced tokens). A
+chunk with a forced token (`ScheduledChunk.forced_token_id`, a reasoning budget's close) gets that
+token instead of its draw and no logprob record; every other row keeps its draw (the replacement is
+made on the host list of sampled ids, so it adds no device read). A chunk that scores its prompt
+scores the positions `ScheduledChunk.prompt_targets` names. A chunk with speculative drafts
+(`ScheduledChunk.draft_token_ids`) samples each of its last k + 1 positions in the same `sample`
+call and returns the run of draws that match the drafts plus the first that does not (`_verify`;
+`engine/speculative.py`).
 
 Image prompts (`records.ImageInput`): the rows of a chunk's image placeholder tokens take the image's
 features (`images.FeatureWindows`: loaded and encoded when a chunk first needs them, kept in one
@@ -22,7 +26,7 @@ row from its first step until `SchedulerOutput.freed` names it, and the row's bl
 sampling parameters live in preallocated device tensors written only when they change (new pages,
 a new request). Per step the host writes the token ids, positions and indices into one staging
 buffer that crosses to the device in one copy; the slot mapping is computed there from the block
-table. The step reads the device once, in the sampler: the sampled ids (`sampler.py`, "Host reads").
+table. The step reads the device once, in the sampler: the sampled ids (`sampling/sampler.py`, "Host reads").
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.engine.attention import AttentionBackend, AttentionInputs
 from helios.engine.images import FeatureWindows, ImageEncoder, ImageError, StepEmbeds
 from helios.engine.kv.manager import KVCacheManager
-from helios.engine.records import GRAMMAR_FAILURE, RunnerOutput
-from helios.engine.sampler import (
+from helios.engine.records import RunnerOutput
+from helios.engine.sampling import (
     RowParams,
     Sampler,
     SamplingRow,
@@ -56,15 +60,12 @@ from helios.engine.structured import GrammarBatch
 from helios.models.interface import CausalLM
 
 _SCORE_ROWS = 256  # prompt positions whose logits exist at once while scoring a prompt
-_MAX_FORCED = 16  # grammar-forced tokens committed after one sampled token
-# Shorter forced runs are sampled token by token: committed at once they make the row's next chunk
-# a short prefill (its own attention call per layer, and more rows for every projection), which on
-# the CPU cost more than the decode steps it saves (docs/benchmarks.md, "Structured output").
-_MIN_FORCED = 8
 
 
 class ModelRunner:
-    """Runs the model for one scheduled step; owns the persistent input batch and the sampler."""
+    """Runs the model for one scheduled step; owns the persistent input batch and the sampler.
+
+    `execute` changes no `RequestState`: what it returns is committed by `Scheduler.update`."""
 
     def __init__(self, model: CausalLM, backend: AttentionBackend, manager: KVCacheManager, sampler: Sampler,
                  device: torch.device, *, max_rows: int = 64, max_model_len: int = 8192,
@@ -99,7 +100,7 @@ class ModelRunner:
                     return RunnerOutput(failed=image_failed, not_run=frozenset(image_failed))
             step = self.batch.prepare(chunks, self.manager)
             # Constrained rows' token masks fill on a helper thread while the forward runs.
-            masks = self.grammar.start([s.grammar for s in step.seqs]) if self._any_grammar(step.seqs) else None
+            masks = self.grammar.start([s.tracker for s in step.seqs]) if self._any_tracker(step.seqs) else None
             attn = self.backend.build(step.attention)
             # Without prompt scoring only the sampled rows' hidden states are read: the model's last
             # layer computes its MLP for those alone (a prefill chunk that ends no prompt: for none).
@@ -134,7 +135,6 @@ class ModelRunner:
             logprobs[i] = None
         sampled: dict[str, tuple[int, ...]] = {}
         records: dict[str, tuple[TokenLogprob, ...]] = {}
-        failed: dict[str, str] = dict(image_failed)
         for s, t, lp, row in zip(step.seqs, token_ids, logprobs, step.sampler_rows, strict=True):
             run = verified.get(s.request_id)
             if run is not None:  # a verification round: its accepted drafts and its sampled token
@@ -143,17 +143,11 @@ class ModelRunner:
                     records[s.request_id] = run[1]
                 continue
             sampled[s.request_id] = (t,)
-            if s.grammar is not None:
-                forced = self._advance_grammar(s, t, row.wants_logprobs)
-                if forced is None:
-                    failed[s.request_id] = f"{GRAMMAR_FAILURE}: {s.grammar.error}"
-                elif forced:
-                    sampled[s.request_id] = (t, *forced)
             if lp is not None:
                 records[s.request_id] = (lp,)
             elif row.wants_logprobs:
                 records[s.request_id] = ()  # a forced token: omitted from the logprobs
-        return RunnerOutput(sampled=sampled, logprobs=records, prompt_logprobs=scored, failed=failed,
+        return RunnerOutput(sampled=sampled, logprobs=records, prompt_logprobs=scored, failed=image_failed,
                             not_run=frozenset(image_failed))
 
     def _image_embeds(self, chunks: Seq[ScheduledChunk]) -> tuple[list[ScheduledChunk], StepEmbeds, dict[str, str]]:
@@ -229,45 +223,21 @@ class ModelRunner:
         return first_ids, first_lps, verified
 
     @staticmethod
-    def _any_grammar(seqs: Seq[RequestState]) -> bool:
-        return any(s.grammar is not None for s in seqs)
-
-    @staticmethod
-    def _advance_grammar(seq: RequestState, token_id: int, wants_logprobs: bool) -> list[int] | None:
-        """Feed a committed token to the request's matcher and gate; the answer tokens the grammar
-        then forces (committed without sampling: runs of at least `_MIN_FORCED`, at most
-        `_MAX_FORCED` per step, not for logprob requests, never past the output limit); None when
-        the grammar rejects it."""
-        grammar = seq.grammar
-        if not grammar.advance(token_id):
-            return None
-        if wants_logprobs:
-            return []
-        room = min(_MAX_FORCED, seq.request.max_tokens - seq.num_output_tokens - 1)
-        if room < _MIN_FORCED:
-            return []
-        forced = grammar.forced_tokens()[:room]
-        if len(forced) < _MIN_FORCED:
-            return []
-        for k, t in enumerate(forced):
-            if not grammar.advance(t):
-                return forced[:k]
-        return forced
+    def _any_tracker(seqs: Seq[RequestState]) -> bool:
+        return any(s.tracker is not None for s in seqs)
 
     def _score_prompt_chunk(self, hidden: torch.Tensor, offset: int,
                             chunk: ScheduledChunk) -> tuple[PromptLogprob | None, ...]:
         """Scores of the prompt positions this chunk's rows predict (row p predicts token p + 1).
 
         Logits exist for at most `_SCORE_ROWS` rows at a time, never for the whole prompt. Positions
-        already scored before a preemption are not scored again."""
+        already scored before a preemption are not scored again (`ScheduledChunk.prompt_targets`)."""
         seq = chunk.seq
         k = seq.request.prompt_logprobs or 0
         out: list[PromptLogprob | None] = []
-        if seq.num_prompt_scored == 0 and chunk.start == 0:
+        null_first, first, last = chunk.prompt_targets()  # inclusive target positions
+        if null_first:
             out.append(None)  # position 0 has nothing before it
-            seq.num_prompt_scored = 1
-        first = max(chunk.start + 1, seq.num_prompt_scored)
-        last = min(chunk.start + chunk.length, seq.num_prompt_tokens - 1)  # inclusive target positions
         vocab_size = self.sampler.vocab_size
         images = seq.request.images
         for lo in range(first, last + 1, _SCORE_ROWS):
@@ -279,8 +249,6 @@ class ModelRunner:
                     out.append(None)  # an image position has no prompt score (spec: prompt_logprobs)
                 else:
                     out.append(PromptLogprob(score.token_id, score.logprob, score.rank, score.top))
-        if last >= first:
-            seq.num_prompt_scored = last + 1
         return tuple(out)
 
 

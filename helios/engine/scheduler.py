@@ -7,6 +7,14 @@ The step (nano-vllm's shape, with vLLM v1's named boundary records):
     scheduler.update(SchedulerOutput, RunnerOutput) -> [RequestOutput]
                                                       commit tokens, stop checks, frees
 
+The runner reads request state but changes none: every change to a `RequestState` is made here.
+`schedule` writes on each chunk what the runner needs to know (its tokens, the token forced in place
+of its draw, the prompt positions it scores, its drafts); `update` commits what came back. A request
+with a grammar or a reasoning budget has one `output_tracker.OutputTracker`, fed every committed
+token once in `update`: it says which token is forced next (the budget's close), which
+grammar-forced tokens follow a sampled one (committed in the same step, after it), and whether the
+grammar rejected a token (the request then fails with `records.GRAMMAR_FAILURE`).
+
 Every step, all running requests that finished their prefill decode one token, and the remaining
 token budget (`prefill_chunk_size`) goes to prefill chunks, oldest first. Requests join at any step
 once pages for their whole prompt are free and a slot is open, and leave the batch the step they
@@ -25,15 +33,14 @@ import collections
 import enum
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import attrs
 import torch
 
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.engine.kv.manager import ImageKey, KVCacheManager
-from helios.engine.reasoning_budget import BudgetTracker
-from helios.engine.records import EngineFinish, EngineRequest, RequestOutput, RunnerOutput
+from helios.engine.output_tracker import MAX_FORCED, OutputTracker
+from helios.engine.records import GRAMMAR_FAILURE, EngineFinish, EngineRequest, RequestOutput, RunnerOutput
 from helios.engine.speculative import (
     DraftState,
     FirstOf,
@@ -45,9 +52,8 @@ from helios.engine.speculative import (
     SpeculativeStats,
     planned_depth,
 )
-from helios.engine.structured import GrammarState
 
-_MAX_PENDING = 17  # a sampled token and up to 16 grammar-forced ones (runner._MAX_FORCED)
+_MAX_PENDING = 1 + MAX_FORCED  # a sampled token and the grammar-forced ones committed after it
 
 
 class SeqStatus(enum.IntEnum):
@@ -60,13 +66,14 @@ class SeqStatus(enum.IntEnum):
 class RequestState:
     """What the step needs to know about one request, owned by the scheduler.
 
-    Its pages are not here: the KV cache manager keys block tables by request id. The last three
-    fields are the plug-in points of later features: a structured-output matcher (token masks and
-    forced tokens, applied by the runner before sampling), a reasoning-budget tracker
-    (`reasoning_budget.BudgetTracker`: at the cap `schedule` puts the close token on the chunk as
-    its forced token, and `_commit` feeds it every committed token) and speculative decoding's
-    `speculative.DraftState` (its proposer and depth: drafts ride on the decode chunk, their pages are
-    lookahead slots in `allocate_slots`, and the runner commits several tokens per step).
+    Its pages are not here: the KV cache manager keys block tables by request id. The last two
+    fields are the plug-in points of later features: the output tracker of a request with a grammar
+    or a reasoning budget (`output_tracker.OutputTracker`: the runner reads its token mask; `update`
+    feeds it every committed token, commits the grammar-forced tokens it names and fails the
+    request when the grammar rejects a token; at the budget's cap `schedule` puts the close token on
+    the chunk as its forced token) and speculative decoding's `speculative.DraftState` (its proposer
+    and depth: drafts ride on the decode chunk, their pages are lookahead slots in `allocate_slots`,
+    and the runner samples several positions per step).
     """
 
     request: EngineRequest
@@ -83,8 +90,8 @@ class RequestState:
     """Prefix-cache chain hashes of its pages, computed once (extended as its tokens grow)."""
     image_keys: tuple[ImageKey, ...] = ()
     """Its images' spans and identities, in every chain hash of a page a span overlaps."""
-    grammar: Any = None
-    reasoning_budget: BudgetTracker | None = None
+    tracker: OutputTracker | None = None
+    """Its grammar gate and reasoning budget (None: it has neither)."""
     drafts: DraftState | None = None
     """Set when the request speculates (speculation on; no grammar, no reasoning budget)."""
 
@@ -114,7 +121,7 @@ class ScheduledChunk:
     length: int
     samples: bool
     forced_token_id: int | None = None
-    """The runner commits this token instead of the sampled one (no logprob entry): a reasoning
+    """The runner returns this token instead of the row's draw (no logprob entry): a reasoning
     budget's close token. Only on a chunk that samples."""
     draft_token_ids: tuple[int, ...] = ()
     """Speculative drafts verified after the chunk's tokens: they are the chunk's last
@@ -122,10 +129,27 @@ class ScheduledChunk:
     decode_round: bool = False
     """A decode (or verification) round of a request past its prefill: what the speculative
     counters count (prefill chunks, resumed ones included, are not rounds)."""
+    score_from: int = 0
+    """Prompt positions already scored when it was scheduled (``RequestState.num_prompt_scored``;
+    prompt_logprobs requests): a recomputed prefill after a preemption scores none of them again."""
 
     @property
     def num_drafts(self) -> int:
         return len(self.draft_token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its rows predict prompt positions whose scores were asked for."""
+        return self.seq.request.prompt_logprobs is not None and self.start < self.seq.num_prompt_tokens
+
+    def prompt_targets(self) -> tuple[bool, int, int]:
+        """For a chunk that `scores_prompt`: whether it emits position 0's null score, and the first
+        and last (inclusive) prompt positions it scores (row p predicts position p + 1; none when
+        first > last)."""
+        null_first = self.score_from == 0 and self.start == 0  # position 0 has nothing before it
+        first = max(self.start + 1, 1 if null_first else self.score_from)
+        last = min(self.start + self.length, self.seq.num_prompt_tokens - 1)
+        return null_first, first, last
 
 
 @attrs.frozen
@@ -196,12 +220,11 @@ class Scheduler:
             num_prompt_tokens=len(request.prompt_token_ids),
             generator=generator,
             arrival=self._arrivals,
-            reasoning_budget=BudgetTracker(request.reasoning_budget) if request.reasoning_budget else None,
-            grammar=GrammarState(request.constraint) if request.constraint is not None else None,
+            tracker=OutputTracker.of(request),
             image_keys=tuple((im.offset, im.offset + im.length, im.identity.encode()) for im in request.images),
         )
         spec = self.speculative
-        if spec.enabled and seq.grammar is None and seq.reasoning_budget is None and request.max_tokens > 1:
+        if spec.enabled and seq.tracker is None and request.max_tokens > 1:
             own = NgramProposer(spec.min_ngram, spec.max_ngram)
             proposer: Proposer = own if self.history is None else FirstOf(
                 own, HistoryProposer(self.history, request.request_id))
@@ -273,7 +296,7 @@ class Scheduler:
             drafts = self._drafts(seq, num_new, budget, num_decode, len(scheduled))
             kv.allocate_slots(seq.request_id, seq.num_computed, num_new, len(drafts))
             chunks.append(ScheduledChunk(seq, total - num_new, num_new + len(drafts), True, self._forced_token(seq),
-                                         drafts, decode_round=True))
+                                         drafts, decode_round=True, score_from=seq.num_prompt_scored))
             scheduled.add(seq.request_id)
             budget -= num_new + len(drafts)
         budget = max(budget, 0)
@@ -335,7 +358,9 @@ class Scheduler:
         return SchedulerOutput(tuple(chunks), tuple(finished_early), freed, trimmed)
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        """Commit what the runner produced: computed positions, tokens, stops, frees and outputs."""
+        """Commit what the runner produced: computed positions, prompt-scoring progress, tokens
+        (through the output trackers: grammar-forced tokens after a sampled one, a grammar's
+        rejection), stops, frees and outputs."""
         outputs = [RequestOutput(s.request_id, (), finish=cause, num_prompt_tokens=s.num_prompt_tokens,
                                  num_cached_tokens=s.num_cached_tokens)
                    for s, cause in out.finished_early]
@@ -346,6 +371,12 @@ class Scheduler:
             c.seq.num_computed = c.start + c.length - c.num_drafts
             if c.start < c.seq.num_prompt_tokens:
                 self.prefill_tokens += min(c.start + c.length, c.seq.num_prompt_tokens) - c.start
+                if c.scores_prompt:
+                    null_first, first, last = c.prompt_targets()
+                    if last >= first:
+                        c.seq.num_prompt_scored = last + 1
+                    elif null_first:
+                        c.seq.num_prompt_scored = 1
             # Pages these tokens filled become findable (their K/V were written this step).
             self.kv.cache_full_pages(c.seq.request_id, c.seq.token_ids, c.seq.num_computed,
                                      c.seq.request.retain_tokens // self.kv.page_size, c.seq.image_keys)
@@ -355,9 +386,12 @@ class Scheduler:
             rid = seq.request_id
             scores = result.prompt_logprobs.get(rid)
             tokens = result.sampled.get(rid)
-            if rid in result.failed:  # a grammar rejected its token: it ends here, with the error
+            error = result.failed.get(rid)
+            if tokens and error is None and seq.tracker is not None:
+                tokens, error = self._track(seq, seq.tracker, tokens)
+            if error is not None:  # a grammar rejected its token, or an image failed: it ends here
                 self.finish(seq)
-                outputs.append(RequestOutput(rid, (), finish=EngineFinish.ERROR, error=result.failed[rid],
+                outputs.append(RequestOutput(rid, (), finish=EngineFinish.ERROR, error=error,
                                              num_prompt_tokens=seq.num_prompt_tokens,
                                              num_cached_tokens=seq.num_cached_tokens))
             elif tokens and c.num_drafts:
@@ -381,6 +415,21 @@ class Scheduler:
         if widest:
             self.spec_stats.step(widest)
         return outputs
+
+    def _track(self, seq: RequestState, tracker: OutputTracker,
+               tokens: tuple[int, ...]) -> tuple[tuple[int, ...], str | None]:
+        """Feed a sampled (or budget-forced) token to the request's tracker: the tokens to commit (it,
+        then the grammar-forced run after it: none for logprob requests, never past the output
+        limit), or the grammar's rejection. Requests with a tracker never speculate: ``tokens`` is
+        the one token of the step."""
+        (token_id,) = tokens
+        if not tracker.advance(token_id):
+            return (), f"{GRAMMAR_FAILURE}: {tracker.error}"
+        req = seq.request
+        if tracker.matcher is None or req.num_top_logprobs is not None or req.logprob_token_ids:
+            return tokens, None
+        forced = tracker.forced_run(req.max_tokens - seq.num_output_tokens - 1)
+        return ((token_id, *forced) if forced else tokens), None
 
     def _commit_verified(self, c: ScheduledChunk, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] | None,
                          prompt_logprobs: tuple[PromptLogprob | None, ...] | None) -> RequestOutput:
@@ -415,15 +464,13 @@ class Scheduler:
         A token stop ends the request at the token that completes it: a `stop_token_ids` entry, or
         the last token of a `stop_token_sequences` entry that the generated tokens now end with
         (generated tokens only: a sequence never matches across the prompt boundary). `forced`:
-        indices of tokens the runner forced (no entry in `logprobs`)."""
+        indices of the budget-forced tokens (no entry in `logprobs`). Output trackers were fed the
+        tokens already (`_track`)."""
         req = seq.request
         finish: EngineFinish | None = None
         kept = 0
-        budget = seq.reasoning_budget
         for token_id in tokens:
             seq.token_ids.append(token_id)
-            if budget is not None:
-                budget.observe(token_id)
             if kept in forced:
                 self.reasoning_budget_cuts += 1
             kept += 1
@@ -490,22 +537,19 @@ class Scheduler:
         length = min(total - start, budget)
         samples = start + length == total
         # A recomputed (preempted) request may be due its close token on its last prefill chunk.
-        return ScheduledChunk(seq, start, length, samples, self._forced_token(seq) if samples else None)
+        return ScheduledChunk(seq, start, length, samples, self._forced_token(seq) if samples else None,
+                              score_from=seq.num_prompt_scored)
 
     def _forced_token(self, seq: RequestState) -> int | None:
-        """The token the runner must commit next instead of sampling (None: sample): the reasoning
-        close at the budget, while output capacity remains and the grammar allows it."""
-        budget = seq.reasoning_budget
-        if budget is None:
-            return None
-        token = budget.forced_token()
-        if token is None:
+        """The token the runner must return next instead of its draw (None: sample): the tracker's
+        (the reasoning close at the budget, when the grammar allows it), while output capacity
+        remains."""
+        tracker = seq.tracker
+        if tracker is None:
             return None
         if seq.num_output_tokens >= seq.request.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return None  # no output capacity left (the request is ending with the length cause)
-        if not _grammar_allows(seq.grammar, token):
-            return None  # the constraint disallows the close: generation continues without it
-        return token
+        return tracker.forced_token()
 
     def _restore_from_host(self, seq: RequestState, num_hits: int) -> int:
         """Continue a page-pool hit with pages the host store holds: each is given a new page of the
@@ -557,17 +601,3 @@ def _decodes(seq: RequestState) -> bool:
     request with a longer generated tail finishes it as a prefill)."""
     pending = len(seq.token_ids) - seq.num_computed
     return pending == 1 or (seq.num_computed >= seq.num_prompt_tokens and 1 < pending <= _MAX_PENDING)
-
-
-def _grammar_allows(grammar: Any, token_id: int) -> bool:
-    """Whether a request's structured-output matcher accepts `token_id` next (True without one).
-
-    The hook for the structured-output matcher (issue 13): one exposing ``is_token_allowed(id)`` is
-    asked; otherwise the close is allowed while the matcher does not mask this step (a constraint
-    covers the answer only, so reasoning is free) and refused while it masks."""
-    if grammar is None:
-        return True
-    check = getattr(grammar, "is_token_allowed", None)
-    if check is not None:
-        return bool(check(token_id))
-    return not getattr(grammar, "is_masking", False)

@@ -1,55 +1,37 @@
-"""Structured output in the engine: llguidance matchers, the answer gate and the batch's token mask.
+"""Structured output in the engine: llguidance vocabularies, compiled constraints and the batch's token mask.
 
 A constrained request carries a `GrammarConstraint` (compiled before admission by the serving side,
 `helios.serving.structured`): an llguidance matcher template for the answer grammar, and the
 `Envelope` of the model family's reasoning and tool-call syntax in single token ids. The scheduler
-gives each such request a `GrammarState` (a private copy of the matcher plus the gate) and feeds it
-every committed token; the runner asks the batch's states for their masks.
-
-The gate: the constraint applies to the final answer only (spec, "Reasoning, sampling, and usage").
-Reasoning and tool-call envelopes stay free. The engine follows them by single tokens, as the
-spec's delimiter rule says ("Structured-output grammars ... end reasoning only at the delimiter
-token"):
-
-- REASONING: free sampling until the close token (or a tool opener, for families where a call ends
-  reasoning). The row is not masked at all.
-- OPEN: the answer has not started. Allowed: the answer grammar's first tokens, plus the family's
-  single-token tool opener, the reasoning opener (once, before anything else), whitespace-only
-  tokens right after a closed envelope (the `\\n\\n` after `</think>`; they are not answer text for
-  the grammar), and EOS once a tool call completed (a turn of calls only).
-- TOOL: free until the tool close token, then OPEN again.
-- ANSWER: the grammar's mask alone; the matcher consumes every token.
-
-A family without single-token delimiters has no gate: the answer grammar applies from the first
-token (the serving side documents that reasoning and calls are then unavailable).
+gives each such request an `output_tracker.OutputTracker` (a private copy of the matcher plus the
+gate that leaves reasoning and tool envelopes free, and any reasoning budget) and feeds it every
+committed token; grammar-forced tokens are committed there too. The runner asks the batch's trackers
+for their masks.
 
 Masks: `GrammarBatch` fills one int32 bitmask row per masked request with llguidance's batched fill
 (`LLExecutor`, Rust threads, GIL released) on a helper thread while the model's forward pass runs,
 and unpacks it there to the boolean [rows, vocab] mask `Sampler.sample(token_mask=...,
-masked_rows=...)` takes. Rows of unconstrained requests, and constrained ones inside a free envelope, are not in it
-and keep the sampler's vectorised path. Logprobs are taken from the raw logits before the mask.
-
-Forced tokens: after a committed answer token, when the grammar allows exactly one continuation
-for at least 8 tokens (llguidance's `compute_ff_tokens`), the runner commits those tokens too,
-without sampling, and the next step computes them like a short prefill (`runner._advance_grammar`).
-Only for requests without logprobs (a forced token has no sampled distribution to report).
+masked_rows=...)` takes. Rows of unconstrained requests, and constrained ones inside a free envelope,
+are not in it and keep the sampler's vectorised path. Logprobs are taken from the raw logits before
+the mask.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import llguidance
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    from helios.engine.output_tracker import OutputTracker
+
 _WHITESPACE = frozenset(b" \t\r\n")
-_MAX_SEPARATORS = 4  # whitespace-only tokens the gate lets through after a closed envelope
 
 
 @attrs.frozen
@@ -128,111 +110,10 @@ class GrammarConstraint:
     """The llguidance grammar it was compiled from."""
 
 
-class Mode(enum.Enum):
-    REASONING = "reasoning"
-    OPEN = "open"
-    TOOL = "tool"
-    ANSWER = "answer"
-
-
-class GrammarState:
-    """One request's matcher and gate (module docstring). Not thread-safe: the engine thread and
-    the mask-fill helper it waits for use it in turn."""
-
-    def __init__(self, constraint: GrammarConstraint) -> None:
-        self.constraint = constraint
-        self.matcher = constraint.matcher.deep_copy()
-        env = constraint.envelope
-        self.envelope = env
-        self.mode = Mode.REASONING if env.starts_in_reasoning else (Mode.ANSWER if env.is_trivial else Mode.OPEN)
-        self.reasoned = env.starts_in_reasoning
-        self.after_envelope = False
-        self.num_separators = 0  # whitespace tokens since the last closed envelope
-        self.num_calls = 0
-        self.error: str | None = None
-
-    @property
-    def is_masking(self) -> bool:
-        """Whether this step's sampling is constrained (False inside a free envelope)."""
-        return self.error is None and self.mode in (Mode.OPEN, Mode.ANSWER)
-
-    def extra_allowed(self) -> list[int]:
-        """Tokens the gate allows besides the grammar's mask (OPEN only)."""
-        if self.mode is not Mode.OPEN:
-            return []
-        env = self.envelope
-        extra = []
-        if env.tool_open is not None:
-            extra.append(env.tool_open)
-        if env.reasoning_open is not None and not self.reasoned and not self.after_envelope:
-            extra.append(env.reasoning_open)
-        if self.num_calls:
-            extra.extend(self.constraint.vocab.eos_token_ids)
-        return extra
-
-    def allows_whitespace(self) -> bool:
-        """Whitespace-only tokens right after a closed envelope (a few: never a run to the limit)."""
-        return self.mode is Mode.OPEN and self.after_envelope and self.num_separators < _MAX_SEPARATORS
-
-    def advance(self, token_id: int) -> bool:
-        """One committed token; False (and `error` set) when the grammar rejects it."""
-        if self.error is not None:
-            return False
-        env = self.envelope
-        mode = self.mode
-        if mode is Mode.REASONING:
-            if token_id == env.reasoning_close:
-                self.mode, self.after_envelope, self.num_separators = Mode.OPEN, True, 0
-            elif env.tool_call_ends_reasoning and token_id == env.tool_open:
-                self.mode = Mode.TOOL
-            return True
-        if mode is Mode.TOOL:
-            if token_id == env.tool_close:
-                self.mode, self.after_envelope, self.num_separators = Mode.OPEN, True, 0
-                self.num_calls += 1
-            return True
-        if mode is Mode.OPEN:
-            if token_id == env.tool_open:
-                self.mode = Mode.TOOL
-                return True
-            if token_id == env.reasoning_open and not self.reasoned and not self.after_envelope:
-                self.mode, self.reasoned = Mode.REASONING, True
-                return True
-            if self.allows_whitespace() and token_id in self.constraint.vocab.whitespace_ids:
-                self.num_separators += 1
-                return True
-            if self.num_calls and token_id in self.constraint.vocab.eos_token_ids:
-                return True  # a turn of tool calls only ends here
-            self.mode = Mode.ANSWER
-        # A matcher in its error state masks everything but EOS and may still "accept" it: ask.
-        if not self.matcher.consume_token(token_id) or self.matcher.is_error():
-            self.error = self.matcher.get_error() or f"token {token_id} is not allowed by the grammar"
-            return False
-        return True
-
-    def is_token_allowed(self, token_id: int) -> bool:
-        """Whether `token_id` may come next (a reasoning budget asks before forcing its close)."""
-        if self.error is not None:
-            return False
-        if self.mode in (Mode.REASONING, Mode.TOOL) or token_id in self.extra_allowed():
-            return True
-        if self.allows_whitespace() and token_id in self.constraint.vocab.whitespace_ids:
-            return True
-        if token_id in self.constraint.vocab.eos_token_ids:
-            return bool(self.matcher.is_accepting())
-        return bool(self.matcher.validate_tokens([token_id]) == 1)
-
-    def forced_tokens(self) -> list[int]:
-        """The tokens the answer grammar forces next (only in ANSWER; empty when it has a choice)."""
-        if self.mode is not Mode.ANSWER or self.error is not None or self.matcher.is_stopped():
-            return []
-        return list(self.matcher.compute_ff_tokens())
-
-
 class GrammarBatch:
     """The token masks of one step's constrained rows, filled in the background during the forward.
 
-    `start(states)` takes the step's sampling rows' `GrammarState`s (None for unconstrained rows)
+    `start(states)` takes the step's sampling rows' `OutputTracker`s (None for rows without one)
     and returns a `MaskJob`; `MaskJob.result()` waits for the fill and returns the boolean mask of
     the masked rows and their row indices (None when no row is masked)."""
 
@@ -251,15 +132,17 @@ class GrammarBatch:
         """Total time the engine thread spent in `MaskJob.result`: waiting for a fill the forward did
         not hide, and unpacking the bitmask into the sampler's mask (the exposed cost)."""
 
-    def start(self, states: Sequence[GrammarState | None]) -> MaskJob | None:
+    def start(self, states: Sequence[OutputTracker | None]) -> MaskJob | None:
         rows = [i for i, s in enumerate(states) if s is not None and s.is_masking]
         if not rows:
             return None
-        masked = [states[i] for i in rows]
-        assert all(s is not None for s in masked)
+        masked = [s for s in states if s is not None and s.is_masking]
+        # One model, one vocabulary: every constraint of the step shares its `GrammarVocab`.
+        vocab = masked[0].constraint.vocab if masked[0].constraint is not None else None
+        assert vocab is not None  # a masking tracker has a grammar
         # llguidance wants exactly one bit per token of its tokenizer (the model's logits may be
         # padded wider; `MaskJob.result` fits the mask to them).
-        words = (masked[0].constraint.vocab.ll_tokenizer.vocab_size + 31) // 32  # type: ignore[union-attr]
+        words = (vocab.ll_tokenizer.vocab_size + 31) // 32
         if self._bitmask is None or self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
             with torch.inference_mode(False):
                 self._bitmask = torch.full((max(len(rows), 8), words), -1, dtype=torch.int32)
@@ -268,16 +151,16 @@ class GrammarBatch:
         if self._helper is None and self.overlap:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="helios-grammar")
         bitmask = self._bitmask[: len(rows)]
-        states_masked = [s for s in masked if s is not None]
         if self.overlap:
             assert self._helper is not None
-            future = self._helper.submit(self._fill, states_masked, bitmask)
+            future = self._helper.submit(self._fill, masked, vocab, bitmask)
         else:
             future = Future()
-            future.set_result(self._fill(states_masked, bitmask))
+            future.set_result(self._fill(masked, vocab, bitmask))
         return MaskJob(self, future, rows)
 
-    def _fill(self, states: list[GrammarState], bitmask: torch.Tensor) -> tuple[np.ndarray, int]:
+    def _fill(self, states: list[OutputTracker], vocab: GrammarVocab,
+              bitmask: torch.Tensor) -> tuple[np.ndarray, int]:
         """The masked rows' boolean masks over the model's vocabulary, and the fill's time in ns:
         llguidance's batched fill (GIL released), then the bits unpacked and the gate's extra
         tokens added, all off the engine thread when overlapped."""
@@ -288,7 +171,7 @@ class GrammarBatch:
         elapsed = time.perf_counter_ns() - t0
         vocab_size = self.vocab_size
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
-        width = min(bits.shape[1], states[0].constraint.vocab.ll_tokenizer.vocab_size)
+        width = min(bits.shape[1], vocab.ll_tokenizer.vocab_size)
         if width >= vocab_size:
             allowed = bits[:, :vocab_size].view(np.bool_)
         else:  # tokens beyond the tokenizer's vocabulary (padding) are never allowed
@@ -299,7 +182,7 @@ class GrammarBatch:
             if extra:
                 allowed[k, extra] = True
             if state.allows_whitespace():
-                ws = state.constraint.vocab.whitespace_array
+                ws = vocab.whitespace_array
                 allowed[k, ws[ws < vocab_size]] = True
         return allowed, elapsed
 

@@ -16,7 +16,7 @@ import torch
 from helios.domain.sampling import SamplingParams
 from helios.engine.core import EngineConfig, EngineCore
 from helios.engine.records import EngineRequest
-from helios.engine.sampler import Sampler
+from helios.engine.sampling import Sampler
 from tests.unit.test_engine import CFG, run, tiny_model
 from tests.unit.test_sampler import GREEDY, _row
 

@@ -11,7 +11,7 @@ from helios.domain.logprobs import PromptLogprob
 from helios.domain.sampling import SamplingParams
 from helios.engine.core import EngineConfig, EngineCore
 from helios.engine.records import EngineFinish, EngineRequest, RequestOutput
-from helios.engine.sampler import (
+from helios.engine.sampling import (
     prompt_scores,
 )
 from helios.models.config import ModelConfig

@@ -1,6 +1,6 @@
 """The engine's reasoning budget: a forced close token replaces one row's draw at the cap.
 
-The tracker (`helios.engine.reasoning_budget`) follows committed token ids; the scheduler puts the
+The tracker (`helios.engine.output_tracker`) follows committed token ids; the scheduler puts the
 close token on the chunk of a request whose budget is spent (`ScheduledChunk.forced_token_id`); the
 runner commits it instead of that row's sampled token, without a logprob record. Other rows of the
 same step keep their own draws.
@@ -14,7 +14,7 @@ import torch
 
 from helios.domain.sampling import SamplingParams
 from helios.engine.core import EngineConfig, EngineCore
-from helios.engine.reasoning_budget import BudgetState, BudgetTracker
+from helios.engine.output_tracker import BudgetState, OutputTracker
 from helios.engine.records import EngineFinish, EngineRequest, ReasoningBudget
 from tests.unit.test_engine import CFG, run, tiny_model
 from tests.unit.test_input_batch import count_host_reads
@@ -45,44 +45,44 @@ def _unused(tokens: list[int]) -> int:
 
 
 def test_tracker_counts_open_reasoning_and_forces_the_close_at_the_cap() -> None:
-    t = BudgetTracker(ReasoningBudget(max_tokens=3, close_token_id=9))
-    assert t.state is BudgetState.OPEN and t.forced_token() is None
+    t = OutputTracker(budget=ReasoningBudget(max_tokens=3, close_token_id=9))
+    assert t.budget_state is BudgetState.OPEN and t.forced_token() is None
     for token in (1, 2):
-        t.observe(token)
+        t.advance(token)
         assert t.forced_token() is None
-    t.observe(3)
+    t.advance(3)
     assert t.num_reasoning_tokens == 3 and t.forced_token() == 9
-    t.observe(9)  # the forced close is committed: the budget is done
-    assert t.state is BudgetState.DONE and t.forced_token() is None
+    t.advance(9)  # the forced close is committed: the budget is done
+    assert t.budget_state is BudgetState.DONE and t.forced_token() is None
 
 
 def test_tracker_done_when_reasoning_closed_earlier_or_a_tool_opener_appears() -> None:
-    closed = BudgetTracker(ReasoningBudget(max_tokens=2, close_token_id=9))
-    closed.observe(9)
+    closed = OutputTracker(budget=ReasoningBudget(max_tokens=2, close_token_id=9))
+    closed.advance(9)
     for token in (1, 2, 3, 4):
-        closed.observe(token)
-    assert closed.state is BudgetState.DONE and closed.forced_token() is None
-    tool = BudgetTracker(ReasoningBudget(max_tokens=2, close_token_id=9, end_token_ids=frozenset({7})))
-    tool.observe(1)
-    tool.observe(7)  # a tool opener may end reasoning: no cut after it
-    tool.observe(2)
-    assert tool.state is BudgetState.DONE and tool.forced_token() is None
+        closed.advance(token)
+    assert closed.budget_state is BudgetState.DONE and closed.forced_token() is None
+    tool = OutputTracker(budget=ReasoningBudget(max_tokens=2, close_token_id=9, end_token_ids=frozenset({7})))
+    tool.advance(1)
+    tool.advance(7)  # a tool opener may end reasoning: no cut after it
+    tool.advance(2)
+    assert tool.budget_state is BudgetState.DONE and tool.forced_token() is None
 
 
 def test_tracker_opens_only_on_a_first_generated_opener() -> None:
-    opened = BudgetTracker(ReasoningBudget(max_tokens=2, opens=((4, 9), (5, 8))))
-    assert opened.state is BudgetState.START and opened.forced_token() is None
-    opened.observe(5)  # the opener itself does not count
-    opened.observe(1)
+    opened = OutputTracker(budget=ReasoningBudget(max_tokens=2, opens=((4, 9), (5, 8))))
+    assert opened.budget_state is BudgetState.START and opened.forced_token() is None
+    opened.advance(5)  # the opener itself does not count
+    opened.advance(1)
     assert opened.forced_token() is None
-    opened.observe(2)
+    opened.advance(2)
     assert opened.forced_token() == 8  # the close that matches this opener
-    content = BudgetTracker(ReasoningBudget(max_tokens=2, opens=((4, 9),)))
-    content.observe(1)  # output starts in content: accepted without a cut
-    content.observe(4)
+    content = OutputTracker(budget=ReasoningBudget(max_tokens=2, opens=((4, 9),)))
+    content.advance(1)  # output starts in content: accepted without a cut
+    content.advance(4)
     for token in (1, 2, 3):
-        content.observe(token)
-    assert content.state is BudgetState.DONE and content.forced_token() is None
+        content.advance(token)
+    assert content.budget_state is BudgetState.DONE and content.forced_token() is None
 
 
 # -- the engine -------------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def test_a_forced_step_still_reads_the_device_once() -> None:
     core.step()  # prefill: the first tokens
     core.step()  # the 2nd reasoning token
     seq = core.scheduler.by_id["b"]
-    assert seq.reasoning_budget is not None and seq.reasoning_budget.forced_token() == close
+    assert seq.tracker is not None and seq.tracker.forced_token() == close
     with count_host_reads() as reads:
         outputs = core.step()
     assert reads == ["tolist"]
@@ -198,23 +198,29 @@ def test_a_forced_step_still_reads_the_device_once() -> None:
 
 
 def test_a_grammar_that_masks_the_step_or_refuses_the_close_prevents_the_cut() -> None:
-    """The scheduler's grammar hook: no matcher, or one that does not mask this step (reasoning is
-    free), allows the close; a masking matcher without an answer, or one that refuses it, does not."""
-    from helios.engine.scheduler import _grammar_allows
+    """The tracker's grammar check on the close: no grammar, or one that does not mask this step
+    (reasoning is free), allows it; a masking grammar that refuses it prevents the cut."""
+    from helios.engine.structured import Envelope, GrammarConstraint
 
-    class Free:
-        is_masking = False
+    class Matcher:  # an llguidance matcher whose answer may start with token 9 only
+        def deep_copy(self) -> Matcher:
+            return self
 
-    class Masking:
-        is_masking = True
+        def validate_tokens(self, ids: list[int]) -> int:
+            return 1 if ids == [9] else 0
 
-    class Asks:
-        def is_token_allowed(self, token_id: int) -> bool:
-            return token_id == 9
+    class Vocab:
+        eos_token_ids = ()
+        whitespace_ids = frozenset()
 
-    assert _grammar_allows(None, 9) and _grammar_allows(Free(), 9)
-    assert not _grammar_allows(Masking(), 9)
-    assert _grammar_allows(Asks(), 9) and not _grammar_allows(Asks(), 8)
+    def tracker(envelope: Envelope | None, close: int) -> OutputTracker:
+        constraint = None if envelope is None else GrammarConstraint(Matcher(), Vocab(), envelope)  # type: ignore[arg-type]
+        return OutputTracker(constraint, ReasoningBudget(max_tokens=0, close_token_id=close))
+
+    free = Envelope(reasoning_close=8, starts_in_reasoning=True)
+    assert tracker(None, 8).forced_token() == 8 and tracker(free, 8).forced_token() == 8
+    assert tracker(Envelope(), 8).is_masking and tracker(Envelope(), 8).forced_token() is None
+    assert tracker(Envelope(), 9).forced_token() == 9
 
 
 def test_preemption_keeps_the_budget_and_recompute_can_carry_the_close() -> None:

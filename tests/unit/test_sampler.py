@@ -11,18 +11,16 @@ import torch
 
 from helios.domain.logprobs import TokenLogprob
 from helios.domain.sampling import SamplingParams
-from helios.engine.sampler import (
+from helios.engine.sampling import (
     NONFINITE_LOGPROB,
     RowParams,
     Sampler,
     SamplingRow,
-    _blocked_inverse_cdf,
-    _draw,
-    _inverse_cdf,
-    _survivors,
     apply_penalties,
     prompt_logprobs,
 )
+from helios.engine.sampling.draw import blocked_inverse_cdf, draw, inverse_cdf
+from helios.engine.sampling.filters import filter_survivors
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -218,13 +216,13 @@ def test_filter_thresholds_match_a_full_sort(vocab_size: int) -> None:
     ]
     for params in settings:
         batch = [params] * len(rows)
-        thresholds = _survivors(logits, batch).thresholds
+        thresholds = filter_survivors(logits, batch).thresholds
         if thresholds is None:  # top-k 3000 over 1000 tokens filters nothing
             thresholds = torch.full((len(rows),), float("-inf"))
         for r in range(len(rows)):
             kept = set((logits[r] >= thresholds[r]).nonzero().flatten().tolist())
             assert kept == _brute_force_kept(logits[r], params), (params, r)
-    assert _survivors(logits, [SamplingParams()] * len(rows)).thresholds is None
+    assert filter_survivors(logits, [SamplingParams()] * len(rows)).thresholds is None
 
 
 def test_candidate_draw_equals_the_full_vocabulary_draw() -> None:
@@ -239,14 +237,14 @@ def test_candidate_draw_equals_the_full_vocabulary_draw() -> None:
         SamplingParams(top_k=2500),
         SamplingParams(min_p=0.1),
     ]
-    survivors = _survivors(logits, params)
+    survivors = filter_survivors(logits, params)
     assert survivors.candidate_rows == [0, 1, 2, 3, 4]
-    full = _survivors(logits, params)
+    full = filter_survivors(logits, params)
     full.candidate_rows = []
     for _ in range(20):
         uniforms = torch.rand(6, generator=gen, dtype=torch.float64)
-        by_candidates = _draw(logits.clone(), survivors, uniforms)
-        assert torch.equal(by_candidates, _draw(logits.clone(), full, uniforms))
+        by_candidates = draw(logits.clone(), survivors, uniforms)
+        assert torch.equal(by_candidates, draw(logits.clone(), full, uniforms))
 
 
 def test_wide_nucleus_never_samples_outside_it() -> None:
@@ -294,8 +292,8 @@ def test_blocked_inverse_cdf_equals_the_flat_one_and_skips_zero_weights() -> Non
     edges = torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64)
     for u in [*torch.rand(200, generator=gen, dtype=torch.float64).tolist(), *edges.tolist()]:
         uniforms = torch.full((4,), u, dtype=torch.float64)
-        blocked = _blocked_inverse_cdf(weights, uniforms)
-        assert torch.equal(blocked, _inverse_cdf(weights, uniforms))
+        blocked = blocked_inverse_cdf(weights, uniforms)
+        assert torch.equal(blocked, inverse_cdf(weights, uniforms))
         assert bool((weights.gather(1, blocked.unsqueeze(1)) > 0).all())
 
 

@@ -31,8 +31,9 @@ from hypothesis import strategies as st
 from helios.domain.generation import OutputConstraint
 from helios.domain.sampling import SamplingParams
 from helios.engine.core import EngineConfig, EngineCore
+from helios.engine.output_tracker import OutputTracker
 from helios.engine.records import GRAMMAR_FAILURE, EngineFinish, EngineRequest
-from helios.engine.structured import Envelope, GrammarBatch, GrammarConstraint, GrammarState
+from helios.engine.structured import Envelope, GrammarBatch, GrammarConstraint
 from helios.serving.structured import GrammarCompiler
 
 pytestmark = pytest.mark.slow
@@ -181,7 +182,7 @@ def test_the_gate_leaves_reasoning_and_tool_envelopes_free(served: Served) -> No
     free reasoning, a few separators, a free tool call, EOS after a call, then the grammar alone."""
     base = served.constraint(OutputConstraint("regex", "[a-z]{3}"))
     env = Envelope(reasoning_open=3, reasoning_close=4, tool_open=5, tool_close=6)
-    state = GrammarState(attrs.evolve(base, envelope=env))
+    state = OutputTracker(attrs.evolve(base, envelope=env))
     ws = next(iter(base.vocab.whitespace_ids))
     word = served.tok.encode("abc", add_special_tokens=False)
     eos = served.tok.eos_token_ids[0]
@@ -207,7 +208,7 @@ def test_masks_fit_logits_wider_than_the_tokenizer(served: Served) -> None:
     c = served.constraint(OutputConstraint("choice", ("yes", "no")))
     num_tokens = c.vocab.ll_tokenizer.vocab_size
     padded = num_tokens + 70
-    state = GrammarState(c)
+    state = OutputTracker(c)
     job = GrammarBatch(padded, overlap=False).start([None, state])
     assert job is not None
     mask, rows = job.result(padded, torch.device("cpu"))
