@@ -31,7 +31,7 @@ class EngineFinish(enum.Enum):
 class ReasoningBudget:
     """A hard cap on generated reasoning tokens (spec: ``thinking_token_budget``), in token ids.
 
-    The engine follows reasoning by single tokens only (`engine/reasoning_budget.py`): it is open
+    The engine follows reasoning by single tokens only (`engine/output_tracker.py`): it is open
     from the start when the prompt opened it (``close_token_id`` closes it), or when the first
     generated token is one of ``opens`` (opener id -> its close id). While open, every generated
     token counts, except one that closes reasoning or may end it (``end_token_ids``: a close
