@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
+import trio
 
 from helios.domain.conversation import ConversationRequest, Message, TextPart
 from helios.domain.sampling import SamplingParams, SamplingRequest
 from helios.engine.records import ReasoningBudget
-from helios.engine.structured import Envelope
 from helios.errors import BadRequest
 from helios.loaders.chat_template import ChatTemplate, ChatTemplateError
+from helios.parsers import OutputParser
 from helios.serving.lowering import LoweredPrompt, LoweringError, lower_conversation
-from helios.serving.output import OutputParser
 from helios.serving.pipeline import ImagePrompting, Service
 from helios.serving.reasoning_budget import ReasoningBudgets
 from helios.serving.structured import family_envelope
+
+if TYPE_CHECKING:
+    from helios.engine.structured import Envelope
+    from helios.runtime import Runtime
 
 # Parser families whose tool syntax is Hermes JSON `<tool_call>` blocks, the syntax of the tool
 # prompt Helios writes itself (lowering rule 8); `plain` has no tool syntax and gains that one.
@@ -55,7 +59,7 @@ def tool_support(template: ChatTemplate | None, family: str) -> ToolSupport:
     )
 
 
-def make_service(rt: Any, limiter: Any = None) -> Service:
+def make_service(rt: Runtime, limiter: trio.CapacityLimiter | None = None) -> Service:
     from helios.parsers import family_delimiters, get_family, make_output_parser, prompt_starts_in_reasoning
     from helios.recipes import resolve_sampling
 
