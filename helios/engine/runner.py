@@ -36,11 +36,12 @@ import attrs
 import torch
 from torch import Tensor
 
+from helios.domain.events import FailureKind
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.engine.attention import AttentionBackend, AttentionInputs
 from helios.engine.images import FeatureWindows, ImageEncoder, ImageError, StepEmbeds
 from helios.engine.kv.manager import KVCacheManager
-from helios.engine.records import GRAMMAR_FAILURE, RunnerOutput
+from helios.engine.records import GRAMMAR_FAILURE, EngineFailure, RunnerOutput
 from helios.engine.sampler import (
     RowParams,
     Sampler,
@@ -91,7 +92,7 @@ class ModelRunner:
         scored: dict[str, tuple[PromptLogprob | None, ...]] = {}
         chunks: Seq[ScheduledChunk] = sched.chunks
         embeds: StepEmbeds | None = None
-        image_failed: dict[str, str] = {}
+        image_failed: dict[str, EngineFailure] = {}
         with torch.inference_mode():
             if any(_touches_images(c) for c in chunks):
                 chunks, embeds, image_failed = self._image_embeds(chunks)
@@ -134,7 +135,7 @@ class ModelRunner:
             logprobs[i] = None
         sampled: dict[str, tuple[int, ...]] = {}
         records: dict[str, tuple[TokenLogprob, ...]] = {}
-        failed: dict[str, str] = dict(image_failed)
+        failed: dict[str, EngineFailure] = dict(image_failed)
         for s, t, lp, row in zip(step.seqs, token_ids, logprobs, step.sampler_rows, strict=True):
             run = verified.get(s.request_id)
             if run is not None:  # a verification round: its accepted drafts and its sampled token
@@ -146,7 +147,7 @@ class ModelRunner:
             if s.grammar is not None:
                 forced = self._advance_grammar(s, t, row.wants_logprobs)
                 if forced is None:
-                    failed[s.request_id] = f"{GRAMMAR_FAILURE}: {s.grammar.error}"
+                    failed[s.request_id] = EngineFailure(FailureKind.GRAMMAR, f"{GRAMMAR_FAILURE}: {s.grammar.error}")
                 elif forced:
                     sampled[s.request_id] = (t, *forced)
             if lp is not None:
@@ -156,12 +157,12 @@ class ModelRunner:
         return RunnerOutput(sampled=sampled, logprobs=records, prompt_logprobs=scored, failed=failed,
                             not_run=frozenset(image_failed))
 
-    def _image_embeds(self, chunks: Seq[ScheduledChunk]) -> tuple[list[ScheduledChunk], StepEmbeds, dict[str, str]]:
+    def _image_embeds(self, chunks: Seq[ScheduledChunk]) -> tuple[list[ScheduledChunk], StepEmbeds, dict[str, EngineFailure]]:
         """The step's image rows (indices into the flattened chunks that run) and their features;
         chunks of requests whose image could not be prepared are left out, with why."""
         kept: list[ScheduledChunk] = []
         embeds = StepEmbeds([], [])
-        failed: dict[str, str] = {}
+        failed: dict[str, EngineFailure] = {}
         offset = 0
         for c in chunks:
             seq = c.seq
@@ -172,7 +173,7 @@ class ModelRunner:
                     self.images.chunk_embeds(seq.request_id, seq.token_ids, seq.request.images, c.start, end,
                                              offset, mine)
                 except ImageError as exc:
-                    failed[seq.request_id] = str(exc)
+                    failed[seq.request_id] = EngineFailure(FailureKind.IMAGE, str(exc))
                     continue
                 embeds.rows.extend(mine.rows)
                 embeds.features.extend(mine.features)

@@ -357,7 +357,8 @@ class Scheduler:
             tokens = result.sampled.get(rid)
             if rid in result.failed:  # a grammar rejected its token: it ends here, with the error
                 self.finish(seq)
-                outputs.append(RequestOutput(rid, (), finish=EngineFinish.ERROR, error=result.failed[rid],
+                outputs.append(RequestOutput(rid, (), finish=EngineFinish.ERROR, error=result.failed[rid].message,
+                                             failure=result.failed[rid].kind,
                                              num_prompt_tokens=seq.num_prompt_tokens,
                                              num_cached_tokens=seq.num_cached_tokens))
             elif tokens and c.num_drafts:
