@@ -1,4 +1,4 @@
-"""helios.bench against a tiny in-process OpenAI-compatible SSE server (plain trio sockets)."""
+"""helios.clients.bench against a tiny in-process OpenAI-compatible SSE server (plain trio sockets)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import trio
 
-from helios import bench, bench_cache
+from helios.clients import bench, bench_cache
 
 MODEL = "fake-model"
 

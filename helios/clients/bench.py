@@ -11,13 +11,13 @@ Before measuring, a few one-token probes (a) find which optional request fields 
 ``stream_options``), (b) calibrate the filler length so the prompt is about ``prompt_tokens`` tokens
 long by the server's own usage count, and (c) a short round at full concurrency warms the server up.
 
-Run ``python -m helios.bench --url http://127.0.0.1:8000 --streams 1,8`` (``helios bench`` once
+Run ``python -m helios.clients.bench --url http://127.0.0.1:8000 --streams 1,8`` (``helios bench`` once
 hooked into the CLI). ``--baseline-url`` runs the same workload against a second server, level by
 level and never concurrently, and adds target/baseline ratios (machines are noisy: compare ratios).
 
 ``--workload shared-prefix | agent-replay | restart`` runs the prefix-cache workloads of
-:mod:`helios.bench_cache` instead, which share prefixes on purpose; ``--workload editing`` runs
-:mod:`helios.bench_edit` (one stream repeats a ~1,100-token source file with a few edits: the case
+:mod:`helios.clients.bench_cache` instead, which share prefixes on purpose; ``--workload editing`` runs
+:mod:`helios.clients.bench_edit` (one stream repeats a ~1,100-token source file with a few edits: the case
 prompt-lookup speculation is for).
 """
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS: tuple[Endpoint, ...] = ("completions", "chat")
-# "throughput" is this module's workload; the others are helios.bench_cache's prefix-cache workloads.
+# "throughput" is this module's workload; the others are bench_cache's prefix-cache workloads.
 WORKLOADS: tuple[str, ...] = ("throughput", "long-context", "ttfb", "shared-prefix", "agent-replay", "restart")
 # Presets of the throughput workload (issue 11's targets): (prompt tokens, output tokens, stream levels).
 # Flags given on the command line override them.
@@ -805,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run parsed ``add_arguments`` flags (for a ``helios`` subcommand parser); same codes as main."""
-    from helios import bench_cache
+    from helios.clients import bench_cache
 
     if args.workload == "editing":
         return _run_editing(args)
@@ -862,7 +862,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def _run_editing(args: argparse.Namespace) -> int:
-    from helios import bench_edit
+    from helios.clients import bench_edit
 
     args.max_tokens = bench_edit.DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
     args.rounds = bench_edit.DEFAULT_ROUNDS if args.rounds is None else args.rounds
