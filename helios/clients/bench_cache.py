@@ -47,8 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from helios.clients.bench import (
-    WORKLOADS,
+from helios.clients.stream import (
     BenchError,
     Endpoint,
     StreamRecord,
@@ -63,7 +62,7 @@ from helios.clients.bench import (
 if TYPE_CHECKING:
     import httpx
 
-CACHE_WORKLOADS: tuple[str, ...] = WORKLOADS[1:]
+CACHE_WORKLOADS: tuple[str, ...] = ("long-context", "ttfb", "shared-prefix", "agent-replay", "restart")
 DEFAULT_MAX_TOKENS: dict[str, int] = {
     "throughput": 256,
     "shared-prefix": 16,

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from helios.clients.bench import (
+from helios.clients.stream import (
     StreamRecord,
     _headers,
     base_url,
