@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import attrs
 import trio
@@ -36,8 +36,11 @@ from helios.serving.output import OutputProcessor
 from helios.serving.structured import GrammarCompiler, ToolValidators, with_json_instruction
 
 if TYPE_CHECKING:
+    from PIL import Image
+
     from helios.engine.structured import Envelope, GrammarConstraint
     from helios.loaders.chat_template import ChatTemplate
+    from helios.models.vision.base import PreparedImage
     from helios.serving.images import ImageAdmission
 
 
@@ -50,7 +53,7 @@ class ImagePrompting:
     image_token: str
     """The marker the template renders per image, and the placeholder token's text."""
     image_token_id: int
-    prepare: Callable[[Any], Any]
+    prepare: Callable[[Image.Image], PreparedImage]
     """The vision tower's ``prepare``: decoded image -> the input its ``encode`` takes."""
 
 
