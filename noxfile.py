@@ -48,7 +48,7 @@ def bench(session: nox.Session) -> None:
     """
     session.install(*INSTALL, ".")
     port = os.environ.get("HELIOS_BENCH_PORT", "8011")
-    session.run("python", "-m", "helios.benchserve", "--port", port, *session.posargs)
+    session.run("python", "-m", "helios.clients.benchserve", "--port", port, *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -110,11 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        from helios.bench import main as bench_main
+        from helios.clients.bench import main as bench_main
 
         return bench_main(argv[1:])
     if argv and argv[0] == "top":
-        from helios.top import main as top_main
+        from helios.clients.top import main as top_main
 
         return top_main(argv[1:])
     args = parser.parse_args(argv)

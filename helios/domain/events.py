@@ -22,6 +22,17 @@ class FinishCause(enum.Enum):
     ERROR = "error"  # execution or output-validation failure
 
 
+class FailureKind(enum.Enum):
+    """What failed a request the engine ended with an error (``RequestOutput.failure``, set with
+    every ERROR finish). The metrics' failure stage comes from it: GRAMMAR is the ``grammar`` stage,
+    every other kind ``execution``."""
+
+    GRAMMAR = "grammar"  # its structured-output grammar rejected a committed token
+    IMAGE = "image"  # one of its images could not be loaded or encoded
+    ENGINE = "engine"  # an engine step raised, or the engine stopped before the request ended
+    SHUTDOWN = "shutdown"  # the server's drain ended it (graceful shutdown's abort phase)
+
+
 @attrs.frozen
 class TextDelta:
     text: str

@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import torch
 
+from helios.domain.events import FailureKind
 from helios.engine.attention import AttentionBackend, TorchPagedBackend
 from helios.engine.images import ImageEncoder
 from helios.engine.kv.host_store import HostStore
@@ -311,7 +312,8 @@ class EngineThread:
             except queue.Empty:
                 break
             if isinstance(item, Add):
-                outs.append(RequestOutput(item.request.request_id, (), finish=EngineFinish.ERROR, error=message))
+                outs.append(RequestOutput(item.request.request_id, (), finish=EngineFinish.ERROR, error=message,
+                                          failure=FailureKind.ENGINE))
         if outs:
             self._sink(outs)
 
@@ -346,6 +348,7 @@ class EngineThread:
         outs = []
         for s in seqs:
             sched.finish(s)
-            outs.append(RequestOutput(s.request_id, (), finish=EngineFinish.ERROR, error=message))
+            outs.append(RequestOutput(s.request_id, (), finish=EngineFinish.ERROR, error=message,
+                                      failure=FailureKind.ENGINE))
         if outs:
             self._sink(outs)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from helios.domain.events import FailureKind
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.domain.sampling import SamplingParams
 
@@ -48,7 +49,15 @@ class ReasoningBudget:
 
 
 GRAMMAR_FAILURE = "structured output failed"
-"""How the error of a request its grammar failed begins (the metrics count it as a grammar failure)."""
+"""How the error message of a request its grammar failed begins (its kind: `FailureKind.GRAMMAR`)."""
+
+
+@attrs.frozen
+class EngineFailure:
+    """Why the runner failed one request in a step: the kind, and the error message it ends with."""
+
+    kind: FailureKind
+    message: str
 
 
 @attrs.frozen
@@ -131,6 +140,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    failure: FailureKind | None = None
+    """What failed the request, with every ERROR finish (``error`` says it in words)."""
     forced: tuple[int, ...] = ()
     """Indices into ``new_token_ids`` of tokens the engine forced in place of a sampled one (a
     reasoning budget's close token). They count as generated and have no ``logprobs`` entry."""
@@ -153,7 +164,7 @@ class RunnerOutput:
     sampled: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
     logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.field(factory=dict)
     prompt_logprobs: dict[str, tuple[PromptLogprob | None, ...]] = attrs.field(factory=dict)
-    failed: dict[str, str] = attrs.field(factory=dict)
+    failed: dict[str, EngineFailure] = attrs.field(factory=dict)
     """Requests the step failed, with why (an image could not be prepared): the scheduler ends them
     with ERROR."""
     not_run: frozenset[str] = frozenset()

@@ -40,11 +40,12 @@ import attrs
 import torch
 from torch import Tensor
 
+from helios.domain.events import FailureKind
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.engine.attention import AttentionBackend, AttentionInputs
 from helios.engine.images import FeatureWindows, ImageEncoder, ImageError, StepEmbeds
 from helios.engine.kv.manager import KVCacheManager
-from helios.engine.records import RunnerOutput
+from helios.engine.records import EngineFailure, RunnerOutput
 from helios.engine.sampling import (
     RowParams,
     Sampler,
@@ -92,7 +93,7 @@ class ModelRunner:
         scored: dict[str, tuple[PromptLogprob | None, ...]] = {}
         chunks: Seq[ScheduledChunk] = sched.chunks
         embeds: StepEmbeds | None = None
-        image_failed: dict[str, str] = {}
+        image_failed: dict[str, EngineFailure] = {}
         with torch.inference_mode():
             if any(_touches_images(c) for c in chunks):
                 chunks, embeds, image_failed = self._image_embeds(chunks)
@@ -150,12 +151,12 @@ class ModelRunner:
         return RunnerOutput(sampled=sampled, logprobs=records, prompt_logprobs=scored, failed=image_failed,
                             not_run=frozenset(image_failed))
 
-    def _image_embeds(self, chunks: Seq[ScheduledChunk]) -> tuple[list[ScheduledChunk], StepEmbeds, dict[str, str]]:
+    def _image_embeds(self, chunks: Seq[ScheduledChunk]) -> tuple[list[ScheduledChunk], StepEmbeds, dict[str, EngineFailure]]:
         """The step's image rows (indices into the flattened chunks that run) and their features;
         chunks of requests whose image could not be prepared are left out, with why."""
         kept: list[ScheduledChunk] = []
         embeds = StepEmbeds([], [])
-        failed: dict[str, str] = {}
+        failed: dict[str, EngineFailure] = {}
         offset = 0
         for c in chunks:
             seq = c.seq
@@ -166,7 +167,7 @@ class ModelRunner:
                     self.images.chunk_embeds(seq.request_id, seq.token_ids, seq.request.images, c.start, end,
                                              offset, mine)
                 except ImageError as exc:
-                    failed[seq.request_id] = str(exc)
+                    failed[seq.request_id] = EngineFailure(FailureKind.IMAGE, str(exc))
                     continue
                 embeds.rows.extend(mine.rows)
                 embeds.features.extend(mine.features)

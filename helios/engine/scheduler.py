@@ -37,10 +37,18 @@ from collections.abc import Callable, Iterable
 import attrs
 import torch
 
+from helios.domain.events import FailureKind
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.engine.kv.manager import ImageKey, KVCacheManager
 from helios.engine.output_tracker import MAX_FORCED, OutputTracker
-from helios.engine.records import GRAMMAR_FAILURE, EngineFinish, EngineRequest, RequestOutput, RunnerOutput
+from helios.engine.records import (
+    GRAMMAR_FAILURE,
+    EngineFailure,
+    EngineFinish,
+    EngineRequest,
+    RequestOutput,
+    RunnerOutput,
+)
 from helios.engine.speculative import (
     DraftState,
     FirstOf,
@@ -391,7 +399,8 @@ class Scheduler:
                 tokens, error = self._track(seq, seq.tracker, tokens)
             if error is not None:  # a grammar rejected its token, or an image failed: it ends here
                 self.finish(seq)
-                outputs.append(RequestOutput(rid, (), finish=EngineFinish.ERROR, error=error,
+                outputs.append(RequestOutput(rid, (), finish=EngineFinish.ERROR, error=error.message,
+                                             failure=error.kind,
                                              num_prompt_tokens=seq.num_prompt_tokens,
                                              num_cached_tokens=seq.num_cached_tokens))
             elif tokens and c.num_drafts:
@@ -417,14 +426,14 @@ class Scheduler:
         return outputs
 
     def _track(self, seq: RequestState, tracker: OutputTracker,
-               tokens: tuple[int, ...]) -> tuple[tuple[int, ...], str | None]:
+               tokens: tuple[int, ...]) -> tuple[tuple[int, ...], EngineFailure | None]:
         """Feed a sampled (or budget-forced) token to the request's tracker: the tokens to commit (it,
         then the grammar-forced run after it: none for logprob requests, never past the output
         limit), or the grammar's rejection. Requests with a tracker never speculate: ``tokens`` is
         the one token of the step."""
         (token_id,) = tokens
         if not tracker.advance(token_id):
-            return (), f"{GRAMMAR_FAILURE}: {tracker.error}"
+            return (), EngineFailure(FailureKind.GRAMMAR, f"{GRAMMAR_FAILURE}: {tracker.error}")
         req = seq.request
         if tracker.matcher is None or req.num_top_logprobs is not None or req.logprob_token_ids:
             return tokens, None

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from helios.asgi.accept import prefers_json
 from helios.asgi.responses import send_text
-from helios.errors import ServiceUnavailable
+from helios.errors import BadRequest, ServiceUnavailable
 from helios.http.context import RequestContext
 from helios.http.dispatch import Route
 from helios.obs import metrics
@@ -35,11 +36,22 @@ async def health(ctx: RequestContext) -> None:
 
 async def serving_metrics(ctx: RequestContext) -> None:
     fmt = ctx.req.query_value("format")
-    if metrics.wants_json(fmt, ctx.req.headers.get("accept")):
+    if wants_json(fmt, ctx.req.headers.get("accept")):
         await ctx.json(ctx.state.metrics.snapshot())
     else:
         ctx.responded = True
         await send_text(ctx.send, 200, ctx.state.metrics.prometheus(), content_type=metrics.CONTENT_TYPE)
+
+
+def wants_json(fmt: str | None, accept: str | None) -> bool:
+    """GET /metrics' format: ``?format=json|prometheus``, else the Accept header's preference."""
+    if fmt is not None:
+        if fmt == "json":
+            return True
+        if fmt == "prometheus":
+            return False
+        raise BadRequest(f"unknown metrics format '{fmt}'; use json or prometheus", param="format")
+    return prefers_json(accept)
 
 
 ROUTES: list[Route] = [

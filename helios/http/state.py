@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
@@ -14,10 +14,19 @@ from helios.config import HeliosConfig
 from helios.obs import metrics
 from helios.serving.pipeline import Service
 
-if TYPE_CHECKING:
-    from helios.http.context import RequestContext
-
 log = logging.getLogger("helios")
+
+
+class InFlight(Protocol):
+    """What the drain needs of an admitted generation request (`http.context.RequestContext`)."""
+
+    @property
+    def started(self) -> bool:
+        """Its response started (a stream's headers went out)."""
+        ...
+
+    @property
+    def cancel_scope(self) -> trio.CancelScope: ...
 
 
 class ServerState:
@@ -31,7 +40,7 @@ class ServerState:
         self.metrics = metrics.ServingMetrics(self._metrics_source)
         self.metrics.input_stats = self._input_stats
         # Graceful shutdown (drain): admitted generation requests by id(ctx), until they finish.
-        self.in_flight: dict[int, RequestContext] = {}
+        self.in_flight: dict[int, InFlight] = {}
         self.draining = False
         self.drained = 0  # in flight when the drain began and finished within the grace period
         self.aborted = 0  # still in flight at the deadline, ended by the server
@@ -85,7 +94,7 @@ class ServerState:
         """End the drain's grace period now (a second SIGINT/SIGTERM on `helios serve`)."""
         self._abort_now.set()
 
-    def _abort(self, ctxs: list[RequestContext]) -> None:
+    def _abort(self, ctxs: list[InFlight]) -> None:
         for ctx in ctxs:
             if not ctx.started:
                 ctx.cancel_scope.cancel()  # the dispatcher answers 503

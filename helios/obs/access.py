@@ -22,18 +22,32 @@ import contextvars
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import attrs
 
-from helios.domain.events import ReasoningDelta, TextDelta
-from helios.engine.records import GRAMMAR_FAILURE, EngineFinish
+from helios.domain.events import FailureKind, OutputEvent, ReasoningDelta, TextDelta
 
 log = logging.getLogger("helios.access")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 _current: contextvars.ContextVar[RequestStats | None] = contextvars.ContextVar("helios_request_stats", default=None)
+
+
+class EngineOutcome(Protocol):
+    """What the access record reads of one engine output (the engine's RequestOutput)."""
+
+    @property
+    def failure(self) -> FailureKind | None: ...
+
+
+class OfferedEvents(Protocol):
+    """What it reads of the update the output pipeline made of it (serving's ChildUpdate)."""
+
+    @property
+    def events(self) -> Sequence[OutputEvent]: ...
 
 
 class LifecycleSink(Protocol):
@@ -96,14 +110,15 @@ class RequestStats:
             if last is not None and self.sink is not None:
                 self.sink.inter_token_latency(now - last, added)
 
-    def observe_update(self, output: Any, update: Any) -> None:
+    def observe_update(self, output: EngineOutcome, update: OfferedEvents | None) -> None:
         """What the output pipeline made of one engine output (a RequestOutput and its ChildUpdate):
-        an engine failure, and the first answer or reasoning text offered to the client."""
-        if getattr(output, "finish", None) is EngineFinish.ERROR and self.failure is None:
-            grammar = str(getattr(output, "error", None) or "").startswith(GRAMMAR_FAILURE)
-            self.failure = "grammar" if grammar else "execution"
-        if self.first_text is None and any(
-            isinstance(e, TextDelta | ReasoningDelta) and e.text for e in getattr(update, "events", ())
+        an engine failure (its kind names the stage: grammar, else execution), and the first answer
+        or reasoning text offered to the client."""
+        kind = output.failure
+        if kind is not None and self.failure is None:
+            self.failure = "grammar" if kind is FailureKind.GRAMMAR else "execution"
+        if self.first_text is None and update is not None and any(
+            isinstance(e, TextDelta | ReasoningDelta) and e.text for e in update.events
         ):
             self.first_text = now = time.perf_counter()
             if self.admitted is not None and self.sink is not None:

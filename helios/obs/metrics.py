@@ -419,17 +419,3 @@ def _families(table: dict[str, tuple[str, str, str]], snap: dict[str, Any]) -> I
 
 def _le(bound: float) -> str:
     return str(int(bound)) if float(bound).is_integer() else str(bound)
-
-
-def wants_json(fmt: str | None, accept: str | None) -> bool:
-    from helios.errors import BadRequest
-
-    if fmt is not None:
-        if fmt == "json":
-            return True
-        if fmt == "prometheus":
-            return False
-        raise BadRequest(f"unknown metrics format '{fmt}'; use json or prometheus", param="format")
-    from helios.asgi.accept import prefers_json
-
-    return prefers_json(accept)

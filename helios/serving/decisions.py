@@ -31,7 +31,7 @@ from helios.domain.generation import GenerationOptions
 from helios.domain.sampling import SamplingRequest
 from helios.engine.records import ImageInput
 from helios.errors import BadRequest, InternalError
-from helios.serving.pipeline import ChildSpec, Service
+from helios.serving.pipeline import Service
 
 STATE_PREAMBLE = "Evaluate the state below. Each question about it is answered with one label only."
 BINARY_FAMILIES: tuple[tuple[str, str], ...] = (("Yes", "No"), (" Yes", " No"), ("yes", "no"), (" yes", " no"))
@@ -65,17 +65,13 @@ class DecisionScorer:
         prompt_ids, labels, label_ids, inputs = await self._compile(state, question, images or {})
         svc = self.svc
         svc.output_budget(len(prompt_ids), 1)
-        spec = ChildSpec(
-            prompt_token_ids=tuple(prompt_ids),
-            sampling=svc.resolve_sampling(SamplingRequest(seed=0)),
-            max_tokens=1,
-            options=GenerationOptions(max_tokens=1, ignore_eos=True, num_top_logprobs=0,
-                                      logprob_token_ids=tuple(label_ids)),
-            images=inputs,
-        )
+        options = GenerationOptions(max_tokens=1, ignore_eos=True, num_top_logprobs=0,
+                                    logprob_token_ids=tuple(label_ids))
+        child = svc.engine_request(tuple(prompt_ids), svc.resolve_sampling(SamplingRequest(seed=0)), 1, options,
+                                   prefix="dec", images=inputs)
         records: list[Any] = []
         num_prompt = num_output = num_cached = 0
-        async with svc.generate([spec], prefix="dec") as streams:
+        async with svc.generate([child], options) as streams:
             async for u in streams[0]:
                 if u.finish is not None and u.finish.error is not None:
                     raise InternalError(u.finish.error)

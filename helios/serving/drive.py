@@ -68,7 +68,7 @@ async def run_buffered(svc: Service, prepared: Prepared, encoder: Encoder) -> di
     """Generate every child to its end and return the encoder's body; a failure raises."""
     if prepared.children:
         rules = OutputRules.per_child(prepared)
-        async with svc.generate(prepared.children, prefix=prepared.request.id_prefix) as streams:
+        async with svc.generate(prepared.children, prepared.request.options, prepared.parser_factory) as streams:
             async for i, u in merged(streams):
                 screened, failure = rules[i].screen(u)
                 encoder.feed(i, screened)
@@ -96,7 +96,7 @@ async def run_streamed(svc: Service, prepared: Prepared, encoder: Encoder, sink:
         await write(encoder.finish())
         return
     rules = OutputRules.per_child(prepared)
-    async with svc.generate(prepared.children, prefix=prepared.request.id_prefix) as streams:
+    async with svc.generate(prepared.children, prepared.request.options, prepared.parser_factory) as streams:
         await sink.start()
         await write(encoder.start())
         async for i, u in merged(streams):

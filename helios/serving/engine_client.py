@@ -17,6 +17,7 @@ from typing import Protocol
 
 import trio
 
+from helios.domain.events import FailureKind
 from helios.engine.records import EngineFinish, EngineRequest, EngineStats, RequestOutput
 from helios.errors import ServiceUnavailable
 
@@ -101,7 +102,8 @@ class EngineClient:
         for rid in rids:
             ch = self._channels.pop(rid)
             try:
-                ch.send_nowait(RequestOutput(rid, (), finish=EngineFinish.ERROR, error=message))
+                ch.send_nowait(RequestOutput(rid, (), finish=EngineFinish.ERROR, error=message,
+                                             failure=FailureKind.SHUTDOWN))
             except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
                 pass  # the reader still ends: its channel closes below
             ch.close()

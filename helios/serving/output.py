@@ -25,9 +25,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from helios.domain.events import Finish, FinishCause, OutputEvent, TextDelta
+from helios.domain.events import Finish, FinishCause, OutputEvent
 from helios.domain.generation import ChildUpdate
 from helios.engine.records import EngineFinish, RequestOutput
+from helios.parsers import OutputParser, PlainParser
 
 _CAUSES = {
     EngineFinish.EOS: FinishCause.EOS,
@@ -41,21 +42,6 @@ _CAUSES = {
 class Detokenizer(Protocol):
     def push(self, token_id: int) -> str: ...
     def flush(self) -> str: ...
-
-
-class OutputParser(Protocol):
-    def feed(self, text: str, token_ids: Sequence[int]) -> list[OutputEvent]: ...
-    def finish(self, *, truncated: bool = False) -> list[OutputEvent]: ...
-
-
-class PassthroughParser:
-    """Raw completions and models without reasoning or tool syntax: text is answer text."""
-
-    def feed(self, text: str, token_ids: Sequence[int]) -> list[OutputEvent]:
-        return [TextDelta(text)] if text else []
-
-    def finish(self, *, truncated: bool = False) -> list[OutputEvent]:
-        return []
 
 
 class OutputProcessor:
@@ -73,7 +59,8 @@ class OutputProcessor:
         self.stop = tuple(s for s in stop if s)
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.include_stop = include_stop_str_in_output
-        self.parser: OutputParser = parser or PassthroughParser()
+        # Raw completions and models without reasoning or tool syntax: text is answer text.
+        self.parser: OutputParser = parser or PlainParser()
         # Token stops (one-token ones included) that the engine may end the request on; the text of
         # a matched one is withheld (module docstring).
         self.token_stops = tuple(tuple(t) for t in stop_token_sequences if t)

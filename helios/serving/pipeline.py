@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import attrs
 import trio
@@ -26,38 +26,22 @@ from helios.domain.generation import ChildUpdate, GenerationOptions, GenerationR
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams, SamplingRequest
 from helios.engine.records import EngineRequest, ImageInput, ReasoningBudget, RequestOutput
-from helios.engine.structured import Envelope, GrammarConstraint
 from helios.errors import BadRequest, ContextLengthExceeded
-from helios.loaders.tokenizer import PromptTooLong
+from helios.loaders.tokenizer import PromptTooLong, Tokenizer
 from helios.obs import access
+from helios.parsers import OutputParser
 from helios.serving.engine_client import EngineClient
 from helios.serving.lowering import LoweredPrompt, LoweringError, expand_image_markers, image_spans
-from helios.serving.output import OutputParser, OutputProcessor
+from helios.serving.output import OutputProcessor
 from helios.serving.structured import GrammarCompiler, ToolValidators, with_json_instruction
 
 if TYPE_CHECKING:
+    from PIL import Image
+
+    from helios.engine.structured import Envelope, GrammarConstraint
+    from helios.loaders.chat_template import ChatTemplate
+    from helios.models.vision.base import PreparedImage
     from helios.serving.images import ImageAdmission
-
-
-@attrs.frozen
-class ChildSpec:
-    """One engine child: a prompt, its resolved sampling, its output limit and the request's options."""
-
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    max_tokens: int
-    options: GenerationOptions = GenerationOptions()
-    prompt_logprobs: int | None = None
-    """This child's prompt scoring (None when another choice of its prompt scores it)."""
-    parser_factory: Callable[[], OutputParser] | None = None
-    retain_tokens: int = 0
-    """Prompt tokens up to the client's last prefix-checkpoint marker (kept cached with priority)."""
-    reasoning_budget: ReasoningBudget | None = None
-    """The engine's reasoning cut for this child (`thinking_token_budget`), None: uncapped."""
-    constraint: GrammarConstraint | None = None
-    """The compiled answer constraint (structured output), with this prompt's envelope."""
-    images: tuple[ImageInput, ...] = ()
-    """The prompt's admitted images, with their placeholder spans (vision models)."""
 
 
 @attrs.frozen
@@ -69,7 +53,7 @@ class ImagePrompting:
     image_token: str
     """The marker the template renders per image, and the placeholder token's text."""
     image_token_id: int
-    prepare: Callable[[Any], Any]
+    prepare: Callable[[Image.Image], PreparedImage]
     """The vision tower's ``prepare``: decoded image -> the input its ``encode`` takes."""
 
 
@@ -87,14 +71,17 @@ class RenderedPrompt:
 
 @attrs.frozen
 class Prepared:
-    """A request ready to submit: its prompts as tokenized and its children (prompts x n, in order;
-    child i generates for prompt i // n)."""
+    """A request ready to submit: its prompts as tokenized and its children's engine requests
+    (prompts x n, in order; child i generates for prompt i // n)."""
 
     request: GenerationRequest
     prompts: tuple[PreparedPrompt, ...]
-    children: tuple[ChildSpec, ...]
+    children: tuple[EngineRequest, ...]
+    """What the engine runs, one request per child, built here once (`Service.engine_request`)."""
     tool_validators: ToolValidators = attrs.field(factory=dict)
     """Custom tools with a grammar: name -> validator of a completed call's input."""
+    parser_factory: Callable[[], OutputParser] | None = None
+    """The model family's output parser, one per child (None: plain text)."""
 
     @property
     def n(self) -> int:
@@ -168,8 +155,8 @@ class Service:
         self,
         *,
         info: ModelInfo,
-        tokenizer: Any,
-        chat_template: Any,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate | None,
         engine: EngineClient,
         resolve_sampling: Callable[[SamplingRequest], SamplingParams],
         lower: Callable[[ConversationRequest], str | LoweredPrompt],
@@ -377,26 +364,59 @@ class Service:
                                      "which only an image can fill; raw prompts take no images",
                                      param=req.input_param)
         sampling = [self.resolve_sampling(req.sampling, i) for i in range(opts.n)]
-        children: list[ChildSpec] = []
+        children: list[EngineRequest] = []
         for prompt in prompts:
             budget = self.output_budget(len(prompt.token_ids), opts.max_tokens,
                                         input_param=req.input_param, output_param=req.output_param)
             if not req.submit:
                 continue
             for i in range(opts.n):
-                children.append(ChildSpec(
-                    prompt_token_ids=prompt.token_ids,
-                    sampling=sampling[i],
-                    max_tokens=budget,
-                    options=opts,
+                children.append(self.engine_request(
+                    prompt.token_ids, sampling[i], budget, opts, prefix=req.id_prefix,
                     prompt_logprobs=opts.prompt_logprobs if opts.score_every_choice or i == 0 else None,
-                    parser_factory=parser_factory,
-                    retain_tokens=retain,
-                    reasoning_budget=reasoning_budget,
-                    constraint=compiled,
-                    images=images,
+                    retain_tokens=retain, reasoning_budget=reasoning_budget, constraint=compiled, images=images,
                 ))
-        return Prepared(req, tuple(prompts), tuple(children), validators)
+        return Prepared(req, tuple(prompts), tuple(children), validators, parser_factory)
+
+    def engine_request(
+        self,
+        prompt_token_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        max_tokens: int,
+        options: GenerationOptions,
+        *,
+        prefix: str,
+        prompt_logprobs: int | None = None,
+        retain_tokens: int = 0,
+        reasoning_budget: ReasoningBudget | None = None,
+        constraint: GrammarConstraint | None = None,
+        images: tuple[ImageInput, ...] = (),
+    ) -> EngineRequest:
+        """One engine child under a new request id (``prefix``-n): the prompt, its resolved sampling
+        and output limit, and the engine's share of the request's options (token stops, EOS,
+        logprobs). ``prompt_logprobs``: this child's prompt scoring (None when another choice of its
+        prompt scores it); ``retain_tokens``: prompt tokens up to the client's last prefix-checkpoint
+        marker; ``reasoning_budget``: the reasoning cut (`thinking_token_budget`); ``constraint``: the
+        compiled answer constraint with this prompt's envelope; ``images``: the prompt's admitted
+        images with their placeholder spans."""
+        stops = options.token_stops
+        return EngineRequest(
+            request_id=self.engine.new_request_id(prefix),
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            stop_token_ids=frozenset(stops.ids).union(s[0] for s in stops.sequences if len(s) == 1),
+            stop_token_sequences=tuple(s for s in stops.sequences if len(s) > 1),
+            ignore_eos=options.ignore_eos,
+            num_top_logprobs=options.num_top_logprobs,
+            logprob_token_ids=options.logprob_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            retain_tokens=retain_tokens,
+            reasoning_budget=reasoning_budget,
+            constraint=constraint,
+            images=images,
+        )
 
     async def _breakpoint_tokens(self, prompt: str, num_tokens: int, breakpoints: Sequence[str]) -> int:
         """Tokens of the rendered prompt up to the end of the last marked block found in it (each
@@ -427,52 +447,29 @@ class Service:
 
     # -- generation -------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def generate(self, children: Sequence[ChildSpec], prefix: str = "req") -> AsyncIterator[list[ChildStream]]:
-        reqs = []
-        streams_meta = []
-        for spec in children:
-            rid = self.engine.new_request_id(prefix)
-            opts = spec.options
-            reqs.append(
-                EngineRequest(
-                    request_id=rid,
-                    prompt_token_ids=spec.prompt_token_ids,
-                    sampling=spec.sampling,
-                    max_tokens=spec.max_tokens,
-                    eos_token_ids=self.eos_token_ids,
-                    stop_token_ids=frozenset(opts.token_stops.ids).union(
-                        s[0] for s in opts.token_stops.sequences if len(s) == 1),
-                    stop_token_sequences=tuple(s for s in opts.token_stops.sequences if len(s) > 1),
-                    ignore_eos=opts.ignore_eos,
-                    num_top_logprobs=opts.num_top_logprobs,
-                    logprob_token_ids=opts.logprob_token_ids,
-                    prompt_logprobs=spec.prompt_logprobs,
-                    retain_tokens=spec.retain_tokens,
-                    reasoning_budget=spec.reasoning_budget,
-                    constraint=spec.constraint,
-                    images=spec.images,
-                )
-            )
-            streams_meta.append((rid, spec))
+    async def generate(self, children: Sequence[EngineRequest], options: GenerationOptions,
+                       parser_factory: Callable[[], OutputParser] | None = None) -> AsyncIterator[list[ChildStream]]:
+        """Submit the children (`Prepared.children`, or `engine_request`s) and stream their updates:
+        each child's outputs through its own `OutputProcessor` (the request's string stops, token
+        stops and detokenizer options; a parser from ``parser_factory``)."""
         stats = access.current()
         generation = stats.new_generation() if stats is not None else 0
         # Token timestamps count from the request's HTTP admission (from here without one).
         origin = stats.admitted if stats is not None and stats.admitted is not None else time.perf_counter()
         prompt_groups: dict[tuple[int, ...], int] = {}  # children of one prompt count it once
-        async with self.engine.open_children(reqs) as receivers:
+        async with self.engine.open_children(children) as receivers:
             streams = []
-            for (rid, spec), recv in zip(streams_meta, receivers, strict=True):
-                opts = spec.options
+            for child, recv in zip(children, receivers, strict=True):
                 proc = OutputProcessor(
-                    self.tokenizer.incremental_detokenizer(skip_special_tokens=opts.skip_special_tokens),
-                    stop=opts.stop,
-                    include_stop_str_in_output=opts.include_stop_str_in_output,
-                    parser=spec.parser_factory() if spec.parser_factory else None,
-                    stop_token_sequences=(*((i,) for i in opts.token_stops.ids), *opts.token_stops.sequences),
+                    self.tokenizer.incremental_detokenizer(skip_special_tokens=options.skip_special_tokens),
+                    stop=options.stop,
+                    include_stop_str_in_output=options.include_stop_str_in_output,
+                    parser=parser_factory() if parser_factory else None,
+                    stop_token_sequences=(*((i,) for i in options.token_stops.ids), *options.token_stops.sequences),
                     origin=origin,
                 )
-                key = (generation, prompt_groups.setdefault(spec.prompt_token_ids, len(prompt_groups)))
-                streams.append(ChildStream(rid, recv, proc, self.engine, stats, key))
+                key = (generation, prompt_groups.setdefault(child.prompt_token_ids, len(prompt_groups)))
+                streams.append(ChildStream(child.request_id, recv, proc, self.engine, stats, key))
             if len(streams) == 1:
                 yield streams
                 return

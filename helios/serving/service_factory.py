@@ -2,26 +2,58 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import attrs
+import trio
 
 from helios.domain.conversation import ConversationRequest, Message, TextPart
+from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams, SamplingRequest
 from helios.engine.records import ReasoningBudget
-from helios.engine.structured import Envelope
 from helios.errors import BadRequest
 from helios.loaders.chat_template import ChatTemplate, ChatTemplateError
+from helios.loaders.tokenizer import Tokenizer
+from helios.parsers import OutputParser
+from helios.serving.engine_client import EngineClient
 from helios.serving.lowering import LoweredPrompt, LoweringError, lower_conversation
-from helios.serving.output import OutputParser
 from helios.serving.pipeline import ImagePrompting, Service
 from helios.serving.reasoning_budget import ReasoningBudgets
 from helios.serving.structured import family_envelope
 
+if TYPE_CHECKING:
+    from helios.engine.structured import Envelope
+    from helios.models.vision.base import VisionTower
+    from helios.recipes.base import Recipe
+    from helios.serving.images import ImageAdmission
+
 # Parser families whose tool syntax is Hermes JSON `<tool_call>` blocks, the syntax of the tool
 # prompt Helios writes itself (lowering rule 8); `plain` has no tool syntax and gains that one.
 TEXT_TOOL_FAMILIES = {"plain": "hermes", "hermes": "hermes", "think_hermes": "think_hermes", "qwen3": "qwen3"}
+
+
+class LoadedModel(Protocol):
+    """What the Service is built from (`helios.runtime.Runtime`, the composition root's): the loaded
+    model's tokenizer, chat template source, recipe and description, the engine client, and a
+    vision-language model's tower and image admission (None for a text model)."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    @property
+    def template(self) -> str | None: ...
+    @property
+    def recipe(self) -> Recipe: ...
+    @property
+    def info(self) -> ModelInfo: ...
+    @property
+    def client(self) -> EngineClient: ...
+    @property
+    def eos_token_ids(self) -> Sequence[int]: ...
+    @property
+    def vision(self) -> VisionTower | None: ...
+    @property
+    def admission(self) -> ImageAdmission | None: ...
 
 
 @attrs.frozen
@@ -55,7 +87,7 @@ def tool_support(template: ChatTemplate | None, family: str) -> ToolSupport:
     )
 
 
-def make_service(rt: Any, limiter: Any = None) -> Service:
+def make_service(rt: LoadedModel, limiter: trio.CapacityLimiter | None = None) -> Service:
     from helios.parsers import family_delimiters, get_family, make_output_parser, prompt_starts_in_reasoning
     from helios.recipes import resolve_sampling
 
@@ -129,8 +161,8 @@ def make_service(rt: Any, limiter: Any = None) -> Service:
                                tools_enabled=bool(conv.tools) and conv.tool_choice.mode != "none")
 
     # A vision-language model: its tower (prepare, the placeholder token) and the image admission.
-    tower = getattr(rt, "vision", None)
-    admission = getattr(rt, "admission", None)
+    tower = rt.vision
+    admission = rt.admission
     vision = None
     if tower is not None and admission is not None:
         vision = ImagePrompting(admission, tower.profile.image_token, tower.image_token_id, tower.prepare)

@@ -29,13 +29,16 @@ import attrs
 import llguidance
 import trio
 
+from helios.domain.conversation import ConversationRequest, Message, TextPart, Tool, ToolGrammar
+from helios.domain.generation import OutputConstraint
+from helios.errors import BadRequest
+
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-from helios.domain.conversation import ConversationRequest, Message, TextPart, Tool, ToolGrammar
-from helios.domain.generation import OutputConstraint
-from helios.engine.structured import Envelope, GrammarConstraint, GrammarVocab
-from helios.errors import BadRequest
+    # The engine's grammar records live beside its torch bitmask code: imported where they are
+    # built, so importing the serving path (and the ASGI app) imports no torch.
+    from helios.engine.structured import Envelope, GrammarConstraint, GrammarVocab
 
 COMPILE_TIME_LIMIT_S = 10.0
 CACHE_SIZE = 256
@@ -83,6 +86,8 @@ class GrammarCompiler:
         """The tokenizer as llguidance sees it (built on first use, in a worker thread)."""
         with self._vocab_lock:
             if self._vocab is None:
+                from helios.engine.structured import GrammarVocab
+
                 self._vocab = GrammarVocab(self._tokenizer)
             return self._vocab
 
@@ -119,14 +124,18 @@ class GrammarCompiler:
             self._cache.popitem(last=False)
         return matcher
 
-    async def constraint(self, c: OutputConstraint, envelope: Envelope = Envelope()) -> GrammarConstraint:
+    async def constraint(self, c: OutputConstraint, envelope: Envelope | None = None) -> GrammarConstraint:
+        """The compiled answer constraint of ``c`` (``envelope``: its free reasoning and tool
+        envelopes, none by default)."""
+        from helios.engine.structured import Envelope, GrammarConstraint
+
         try:
             grammar = answer_grammar(c)
             key = canonical_key(c)
         except _MALFORMED as exc:  # e.g. JSON text nested past the recursion limit, lone surrogates
             raise BadRequest(f"{c.param}: invalid {c.kind}: {type(exc).__name__}: {exc}", param=c.param) from None
         matcher = await self.compile(grammar, key, c.param, json_slices=c.is_json)
-        return GrammarConstraint(matcher, self.vocab, envelope, description=f"{c.param} ({c.kind})", grammar=grammar)
+        return GrammarConstraint(matcher, self.vocab, envelope if envelope is not None else Envelope(), description=f"{c.param} ({c.kind})", grammar=grammar)
 
     async def tool_validator(self, tool: Tool, param: str = "tools") -> Callable[[str], str | None]:
         """A validator of a custom tool's completed input: None when the input matches the tool's
@@ -271,6 +280,8 @@ def family_envelope(family: str | None, reasoning: tuple[tuple[str, ...], tuple[
                     token_id: Callable[[str], int | None], *, starts_in_reasoning: bool,
                     tool_call_ends_reasoning: bool, tools_enabled: bool) -> Envelope:
     """The engine's gate for a family: its reasoning and tool delimiters as single token ids."""
+    from helios.engine.structured import Envelope
+
     r_open = r_close = None
     if reasoning is not None:
         opens, closes = reasoning

@@ -40,7 +40,7 @@ import attrs
 import httpx
 import pytest
 
-from helios.bench_cache import REPLAY_ROUTES, response_usage
+from helios.clients.bench_cache import REPLAY_ROUTES, response_usage
 from tests.server.conftest import EXTERNAL, LiveServer, start_server, stop_server
 from tests.serving.agent_model import (
     AGENT_MAX_MODEL_LEN,

@@ -270,7 +270,7 @@ def test_parse_accept_positions_and_qualities() -> None:
 
 
 def test_metrics_format_query() -> None:
-    from helios.obs.metrics import wants_json
+    from helios.http.ops import wants_json
 
     assert wants_json("json", "text/plain") is True
     assert wants_json("prometheus", "application/json") is False

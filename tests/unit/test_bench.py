@@ -1,4 +1,4 @@
-"""helios.bench against a tiny in-process OpenAI-compatible SSE server (plain trio sockets)."""
+"""helios.clients.bench against a tiny in-process OpenAI-compatible SSE server (plain trio sockets)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import trio
 
-from helios import bench, bench_cache
+from helios.clients import bench, bench_cache
+from helios.clients.stream import make_prompt
 
 MODEL = "fake-model"
 
@@ -378,7 +379,7 @@ def test_helpers() -> None:
     assert bench.percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
     assert bench.percentile([5.0], 99) == 5.0
     assert bench.parse_streams("1, 8,32") == [1, 8, 32]
-    prompt = bench.make_prompt("abc", 5)
+    prompt = make_prompt("abc", 5)
     assert prompt.startswith("abc ") and len(prompt.split()) == 6
     rec = bench.StreamRecord(t_send=0.0, chunks=[(0.1, 1), (0.2, 2), (0.3, 1)])
     assert rec.ttft == pytest.approx(0.1)

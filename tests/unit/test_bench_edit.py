@@ -1,4 +1,4 @@
-"""helios bench --workload editing (helios/bench_edit.py) against the in-process fake SSE server."""
+"""helios bench --workload editing (helios/clients/bench_edit.py) against the in-process fake SSE server."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from helios import bench, bench_edit
-from helios.bench import StreamRecord
+from helios.clients import bench, bench_edit
+from helios.clients.bench import StreamRecord
 from tests.unit.test_bench import MODEL, FakeConfig, fake_server
 
 

@@ -14,15 +14,22 @@ import trio
 
 from helios.domain.conversation import ToolChoice
 from helios.domain.events import Finish, FinishCause, OutputEvent, ReasoningDelta, TextDelta, ToolCall
-from helios.domain.generation import ChildUpdate, GenerationRequest, PreparedPrompt, StreamEvent
+from helios.domain.generation import (
+    ChildUpdate,
+    GenerationOptions,
+    GenerationRequest,
+    PreparedPrompt,
+    StreamEvent,
+)
 from helios.domain.logprobs import TokenLogprob
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams
+from helios.engine.records import EngineRequest
 from helios.errors import InternalError
 from helios.frontends.anthropic import messages
 from helios.frontends.openai import chat, completions, responses
 from helios.serving.drive import Encoder, OutputRules, run_buffered, run_streamed
-from helios.serving.pipeline import ChildSpec, Prepared, Service
+from helios.serving.pipeline import Prepared, Service
 from helios.serving.toolcheck import ToolCallCheck
 
 INFO = ModelInfo(
@@ -135,7 +142,8 @@ def prepared(generation: GenerationRequest, prompts: Sequence[PreparedPrompt] = 
              num_children: int | None = None) -> Prepared:
     """What `Service.prepare` would make of `generation` for these prompts (children = prompts x n)."""
     n = generation.options.n if num_children is None else num_children
-    children = tuple(ChildSpec(p.token_ids, SamplingParams(), 16, generation.options) for p in prompts for _ in range(n))
+    children = tuple(EngineRequest(f"{generation.id_prefix}-{k}", p.token_ids, SamplingParams(), 16)
+                     for k, p in enumerate(p for p in prompts for _ in range(n)))
     return Prepared(generation, tuple(prompts), children if num_children != 0 else ())
 
 
@@ -183,12 +191,13 @@ class FakeService:
     def __init__(self, *scripts: Sequence[ChildUpdate], sink: Sink | None = None) -> None:
         self.scripts = scripts
         self.sink = sink
-        self.calls: list[tuple[int, str]] = []
+        self.calls: list[tuple[int, str]] = []  # children, and the prefix of their request ids
         self.streams: list[ScriptedStream] = []
 
     @contextlib.asynccontextmanager
-    async def generate(self, children: Sequence[ChildSpec], prefix: str = "req") -> AsyncIterator[list[ScriptedStream]]:
-        self.calls.append((len(children), prefix))
+    async def generate(self, children: Sequence[EngineRequest], options: GenerationOptions,
+                       parser_factory: Any = None) -> AsyncIterator[list[ScriptedStream]]:
+        self.calls.append((len(children), children[0].request_id.rsplit("-", 1)[0]))
         assert len(children) == len(self.scripts)
         if self.sink is not None:
             assert not self.sink.started, "the children are enqueued before the headers go out"

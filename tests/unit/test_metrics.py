@@ -13,6 +13,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from helios.asgi.admission import AdmissionSlots
+from helios.domain.events import FailureKind
 from helios.engine.core import EngineThread
 from helios.engine.records import (
     GRAMMAR_FAILURE,
@@ -194,6 +195,7 @@ def test_first_response_from_admission_to_first_offered_text() -> None:
     @attrs.define
     class Out:
         finish: Any = None
+        failure: Any = None
 
     s.observe_update(Out(), Update([TextDelta("")]))  # nothing offered yet
     s.observe_update(Out(), Update([ToolCall("id", "f", "{}")]))  # a tool call is not answer text
@@ -277,9 +279,10 @@ def test_grammar_failures_count_in_failed_under_their_own_stage() -> None:
     """An engine child ended by its structured-output grammar is a grammar failure; another engine
     error stays an execution one; both count in `failed`."""
     m = ServingMetrics()
-    for error in (f"{GRAMMAR_FAILURE}: token 5 is not allowed", "engine failure: boom"):
+    for error, kind in ((f"{GRAMMAR_FAILURE}: token 5 is not allowed", FailureKind.GRAMMAR),
+                        ("engine failure: boom", FailureKind.ENGINE)):
         s = finished(500)
-        s.observe_update(RequestOutput("r", (), finish=EngineFinish.ERROR, error=error), None)
+        s.observe_update(RequestOutput("r", (), finish=EngineFinish.ERROR, error=error, failure=kind), None)
         m.finish_request(s)
     snap = m.snapshot()
     assert snap["failed"] == 2

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from helios import cli
-from helios.top import Poll, braille_chart, build_view, poll_once, render
+from helios.clients.top import Poll, braille_chart, build_view, poll_once, render
 
 
 def _snap(**fields: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import httpx
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m helios.benchserve")
+    p = argparse.ArgumentParser(prog="python -m helios.clients.benchserve")
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--model", default=None, help="model path for Helios (default model when omitted)")
     p.add_argument("--baseline-url", default=None)
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        from helios.bench import main as bench
+        from helios.clients.bench import main as bench
 
         base = ["--url", url, "--json"]
         if args.baseline_url:

@@ -1,6 +1,6 @@
 """Prefix-cache workloads for ``helios bench``: ``shared-prefix``, ``agent-replay`` and ``restart``.
 
-These complement the throughput workload of :mod:`helios.bench` (which defeats every prefix cache)
+These complement the throughput workload of :mod:`helios.clients.bench` (which defeats every prefix cache)
 by measuring what a prefix cache saves. They drive any OpenAI-compatible server with streamed,
 greedy requests, one at a time; with ``--baseline-url`` the same rounds alternate between the two
 servers, never concurrently.
@@ -31,7 +31,7 @@ servers, never concurrently.
   first invocation stores the nonces and cold TTFTs in ``--state-file``; the second reads them and
   reports the first repeat's TTFT against the cold one.
 
-EOS is suppressed where the server accepts it (as in :mod:`helios.bench`) so both servers decode
+EOS is suppressed where the server accepts it (as in :mod:`helios.clients.bench`) so both servers decode
 the same number of tokens per request.
 """
 
@@ -47,8 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from helios.bench import (
-    WORKLOADS,
+from helios.clients.stream import (
     BenchError,
     Endpoint,
     StreamRecord,
@@ -63,7 +62,7 @@ from helios.bench import (
 if TYPE_CHECKING:
     import httpx
 
-CACHE_WORKLOADS: tuple[str, ...] = WORKLOADS[1:]
+CACHE_WORKLOADS: tuple[str, ...] = ("long-context", "ttfb", "shared-prefix", "agent-replay", "restart")
 DEFAULT_MAX_TOKENS: dict[str, int] = {
     "throughput": 256,
     "shared-prefix": 16,

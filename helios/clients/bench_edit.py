@@ -21,7 +21,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from helios.bench import StreamRecord, _headers, base_url, discover_model, merge_extra_body, stream_once
+from helios.clients.stream import (
+    StreamRecord,
+    _headers,
+    base_url,
+    discover_model,
+    merge_extra_body,
+    stream_once,
+)
 
 if TYPE_CHECKING:
     import httpx
