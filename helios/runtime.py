@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from helios.loaders.checkpoint import Checkpoint, ProgressCallback
     from helios.loaders.tokenizer import Tokenizer
-    from helios.models.registry import LoadableCausalLM
+    from helios.models.architecture import LoadableCausalLM
     from helios.recipes import Recipe
     from helios.serving.images import ImageAdmission
 
@@ -352,7 +352,7 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
     from helios.loaders.checkpoint import load_checkpoint
     from helios.loaders.weight_cache import PackedWeightCache, cache_key
     from helios.models import cpu_kernels
-    from helios.models.registry import BuildOptions
+    from helios.models.architecture import BuildOptions
 
     ckpt = load_checkpoint(path, torch.float32, progress=progress)
     choice = choose_weights(weights, dtype, device, int4_codes=ckpt.int4_codes,

@@ -21,15 +21,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 import llguidance
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from helios.engine.output_tracker import OutputTracker
 
 _WHITESPACE = frozenset(b" \t\r\n")
 
@@ -110,6 +107,23 @@ class GrammarConstraint:
     """The llguidance grammar it was compiled from."""
 
 
+class MaskSource(Protocol):
+    """What a step's mask fill reads of one constrained row (`output_tracker.OutputTracker`)."""
+
+    @property
+    def is_masking(self) -> bool: ...
+
+    @property
+    def constraint(self) -> GrammarConstraint | None: ...
+
+    @property
+    def matcher(self) -> Any: ...
+
+    def extra_allowed(self) -> Sequence[int]: ...
+
+    def allows_whitespace(self) -> bool: ...
+
+
 class GrammarBatch:
     """The token masks of one step's constrained rows, filled in the background during the forward.
 
@@ -132,7 +146,7 @@ class GrammarBatch:
         """Total time the engine thread spent in `MaskJob.result`: waiting for a fill the forward did
         not hide, and unpacking the bitmask into the sampler's mask (the exposed cost)."""
 
-    def start(self, states: Sequence[OutputTracker | None]) -> MaskJob | None:
+    def start(self, states: Sequence[MaskSource | None]) -> MaskJob | None:
         rows = [i for i, s in enumerate(states) if s is not None and s.is_masking]
         if not rows:
             return None
@@ -159,7 +173,7 @@ class GrammarBatch:
             future.set_result(self._fill(masked, vocab, bitmask))
         return MaskJob(self, future, rows)
 
-    def _fill(self, states: list[OutputTracker], vocab: GrammarVocab,
+    def _fill(self, states: list[MaskSource], vocab: GrammarVocab,
               bitmask: torch.Tensor) -> tuple[np.ndarray, int]:
         """The masked rows' boolean masks over the model's vocabulary, and the fill's time in ns:
         llguidance's batched fill (GIL released), then the bits unpacked and the gate's extra

@@ -34,8 +34,8 @@ from helios.loaders.gguf_loader import GGUFFile
 from helios.loaders.gguf_reader import GGML_Q4_0, GGML_Q4_1
 from helios.loaders.safetensors_loader import read_hf_directory
 from helios.loaders.tokenizer import Tokenizer
+from helios.models.architecture import Architecture, ArchitectureConfig
 from helios.models.quant import WeightSource
-from helios.models.registry import Architecture, ArchitectureConfig
 
 ProgressCallback = Callable[[str, float], None]
 _V = TypeVar("_V")

@@ -37,8 +37,8 @@ from helios.loaders.gguf_reader import (
     read_gguf,
 )
 from helios.models import registry
+from helios.models.architecture import Architecture, ArchitectureConfig
 from helios.models.quant import GroupQuantized, WeightSource, dense_of
-from helios.models.registry import Architecture, ArchitectureConfig
 
 TensorThunk = Callable[[], Tensor]
 SourceThunk = Callable[[], WeightSource]

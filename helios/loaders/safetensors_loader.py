@@ -22,7 +22,7 @@ from torch import Tensor
 
 from helios.loaders.tokenizer import Tokenizer
 from helios.models import registry
-from helios.models.registry import Architecture, ArchitectureConfig
+from helios.models.architecture import Architecture, ArchitectureConfig
 from helios.models.vision.registry import VisionFamily, vision_family
 
 TensorThunk = Callable[[], Tensor]

@@ -7,14 +7,17 @@ or from GGUF metadata (`ModelConfig.from_gguf`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
+import torch
+from torch import Tensor
 
 if TYPE_CHECKING:
-    from helios.models.registry import GGUFSource
+    from helios.models.architecture import GGUFSource
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 """The variants `ModelConfig` describes (its ``arch``; each a registry entry)."""
@@ -217,8 +220,6 @@ def _gguf_rope_scaling(source: GGUFSource, prefix: str, head_dim: int) -> dict[s
 
 def _infer_llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int, original: int) -> dict[str, Any]:
     """Recover Llama-3 rope parameters from llama.cpp's per-frequency divisors."""
-    from helios.models.llama import rope_inv_freq
-
     base = ModelConfig(arch="llama", vocab_size=1, hidden_size=head_dim, intermediate_size=1, num_layers=1,
                        num_heads=1, num_kv_heads=1, head_dim=head_dim, rope_theta=theta)
     plain = rope_inv_freq(base).numpy()
@@ -230,3 +231,27 @@ def _infer_llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int, ori
         if np.allclose(plain / scaled, divisors, rtol=1e-3, atol=1e-3):
             return candidate
     raise NotImplementedError("GGUF rope_freqs do not match any known Llama-3 rope scaling")
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Inverse RoPE frequencies [head_dim // 2] in float32, with linear or Llama-3 scaling applied."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # Llama 3: long wavelengths are slowed down by `factor`, short ones kept, the band between
+    # interpolated smoothly in 1/wavelength.
+    low = float(scaling["low_freq_factor"])
+    high = float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(is_medium, blended, scaled)

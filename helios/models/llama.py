@@ -17,7 +17,6 @@ in that format; `packed_state` / `load_packed_state` save and restore the built 
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from functools import partial
@@ -28,7 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from helios.models import cpu_kernels, packing
-from helios.models.config import LLAMA_FAMILY, ROPE_FREQS, ModelConfig, config_from_gguf
+from helios.models.architecture import Architecture, ArchitectureConfig, BuildOptions, GGUFSource, GGUFTensor
+from helios.models.config import LLAMA_FAMILY, ROPE_FREQS, ModelConfig, config_from_gguf, rope_inv_freq
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec
 from helios.models.packing import LM_HEAD_FP32, LM_HEAD_Q8
 from helios.models.packing import Q8_BF16_ROWS as Q8_BF16_ROWS  # re-exported: compute_logits' threshold
@@ -42,7 +42,6 @@ from helios.models.quant import (
     dense_matmul,
     dense_of,
 )
-from helios.models.registry import Architecture, ArchitectureConfig, BuildOptions, GGUFSource, GGUFTensor
 
 __all__ = ["PROJECTIONS", "Q8_BF16_ROWS", "LlamaForCausalLM", "rope_inv_freq"]
 # The fused projections of a decoder layer: attribute -> the Hugging Face weight names (suffixes of
@@ -510,30 +509,6 @@ class _DecoderLayer(nn.Module):
                 self.qk_norm[self.num_heads + 1 :].copy_(
                     self.qk_norm[self.num_heads].expand(self.num_kv_heads - 1, -1)
                 )
-
-
-def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """Inverse RoPE frequencies [head_dim // 2] in float32, with linear or Llama-3 scaling applied."""
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor = float(scaling["factor"])
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    # Llama 3: long wavelengths are slowed down by `factor`, short ones kept, the band between
-    # interpolated smoothly in 1/wavelength.
-    low = float(scaling["low_freq_factor"])
-    high = float(scaling["high_freq_factor"])
-    original = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
-    smooth = (original / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= original / high) & (wavelen <= original / low)
-    return torch.where(is_medium, blended, scaled)
 
 
 def _param(tensor: Tensor) -> nn.Parameter:
