@@ -1,6 +1,6 @@
 """Microbenchmarks of the decode step's big operators, on random data of the default model's shapes.
 
-    .venv/bin/python scripts/bench_kernels.py [--repeats 10] [--only kquant]
+    .venv/bin/python scripts/bench_kernels.py [--repeats 10] [--only kquant] [--threads N]
 
 - ``paged_decode``: Helios's decode attention over all 30 layers, bf16 caches with shuffled 16-position
   pages, 9 query heads over 3 kv heads of 64: 32 rows x 300 positions and 1 row x 4,000 positions.
@@ -137,7 +137,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--only", choices=["kquant"], help="run one section")
+    ap.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's own)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}; threads {torch.get_num_threads()}")
     if args.only == "kquant":
         if not cpu_kernels.available():

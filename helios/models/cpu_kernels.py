@@ -10,8 +10,9 @@ Operators that torch does not have in the form decode needs, among them:
 - ``kquant_linear`` / ``kquant_dequantize``: matmul and dequantization straight from a GGUF weight's
   blocks (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0; `kquant.BlockQuantized` holds them), 4.5 to 8.5 bits a
   weight where float32 is 32: decode GEMV for one to a few rows, a small GEMM (rows in tiles of 4 on
-  AVX-512, 2 on AVX2, sharing each decoded sub-block) for more; `kquant.KQuantLinear` hands larger
-  steps to a dense copy or to a dequantize-then-GEMM past its crossovers.
+  AVX-512, 2 on AVX2, sharing each decoded sub-block; columns in chunks that keep a tile's activations
+  in L1) for more; `kquant.KQuantLinear` hands larger steps to a dense copy or to a
+  dequantize-then-GEMM past its crossovers. Output rows are split over torch's threads.
 
 K-quant numerics contract. Weights: every block is read as sub-blocks of 32 weights and each weight
 is computed in float32 exactly as ``gguf.quants.dequantize`` computes it (bit for bit, signed zeros

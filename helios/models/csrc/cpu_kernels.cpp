@@ -1217,33 +1217,66 @@ inline float half_bits_to_float(const uint8_t* p) {
   return out;
 }
 
-// A block's scales: a[s] for weights 16 s .. 16 s + 15, b[c] for sub-block c (0 where the type has none).
+// A float16 field, widened (exact; F16C's conversion where the build has it).
+inline float half_to_float(const uint8_t* p) {
+#if defined(__F16C__)
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+#else
+  return half_bits_to_float(p);
+#endif
+}
+
+// A block's scales: a[c] for sub-block c's 32 weights (Q6_K: a[s] for weights 16 s .. 16 s + 15) and
+// b[c] (the types without an offset leave it unset).
 struct KqHeader {
-  float a[16];
-  float b[8];
+  alignas(32) float a[16];
+  alignas(32) float b[8];
 };
 
 template <int T>
 inline void kq_header(const uint8_t* blk, KqHeader& h) {
   if constexpr (T == kQ8_0 || T == kQ5_0) {
-    h.a[0] = h.a[1] = half_bits_to_float(blk);
-    h.b[0] = 0.f;
+    h.a[0] = half_to_float(blk);
   } else if constexpr (T == kQ5_1) {
-    h.a[0] = h.a[1] = half_bits_to_float(blk);
-    h.b[0] = half_bits_to_float(blk + 2);
+    h.a[0] = half_to_float(blk);
+    h.b[0] = half_to_float(blk + 2);
   } else if constexpr (T == kQ4_K || T == kQ5_K) {
-    const float d = half_bits_to_float(blk), dmin = half_bits_to_float(blk + 2);
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+#if defined(__AVX2__)
+    // the 6-bit scales and mins unpacked to bytes with word operations (as ggml does)
+    uint32_t u[4];
+    std::memcpy(u, blk + 4, 12);
+    constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t mins_lo = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = mins_lo;
+    u[0] &= k1;
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2))));
+    _mm256_store_ps(h.a, _mm256_mul_ps(_mm256_set1_ps(d), sc));       // exact
+    _mm256_store_ps(h.b, _mm256_mul_ps(_mm256_set1_ps(-dmin), m));    // exact: -(dmin m); w = a q - dmin m
+#else
     const uint8_t* s = blk + 4;
     for (int j = 0; j < 8; ++j) {
       const int sc = j < 4 ? (s[j] & 63) : ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
       const int m = j < 4 ? (s[j + 4] & 63) : ((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-      h.a[2 * j] = h.a[2 * j + 1] = d * static_cast<float>(sc);  // exact
-      h.b[j] = -(dmin * static_cast<float>(m));                   // exact; w = a q - dmin m
+      h.a[j] = d * static_cast<float>(sc);        // exact
+      h.b[j] = -(dmin * static_cast<float>(m));  // exact; w = a q - dmin m
     }
+#endif
   } else {  // Q6_K
-    const float d = half_bits_to_float(blk + 208);
+    const float d = half_to_float(blk + 208);
+#if defined(__AVX2__)
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+    const __m256 dv = _mm256_set1_ps(d);
+    _mm256_store_ps(h.a, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));  // exact
+    _mm256_store_ps(h.a + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+#else
     for (int j = 0; j < 16; ++j) h.a[j] = d * static_cast<float>(static_cast<int8_t>(blk[192 + j]));  // exact
-    for (int j = 0; j < 8; ++j) h.b[j] = 0.f;
+#endif
   }
 }
 
@@ -1330,7 +1363,8 @@ struct Kq32 { float v[32]; };
 template <int T>
 inline Kq32 kq_weights(const uint8_t* blk, int c, const KqHeader& h) {
   constexpr bool affine = KqTraits<T>::affine;
-  const float a0 = h.a[2 * c], a1 = h.a[2 * c + 1], b = h.b[c];
+  const float a0 = T == kQ6_K ? h.a[2 * c] : h.a[c], a1 = T == kQ6_K ? h.a[2 * c + 1] : a0;
+  const float b = affine ? h.b[c] : 0.f;
   Kq32 w;
 #if defined(__AVX512F__)
   const __m256i q = kq_codes<T>(blk, c);
@@ -1427,51 +1461,85 @@ inline float kq_sum(const Kq32& acc) {
 #endif
 }
 
+#ifndef HELIOS_KQ_TILE
+#define HELIOS_KQ_TILE 4
+#endif
 #if defined(__AVX512F__)
-constexpr int kKqTile = 4;  // activation rows sharing one decoded weight sub-block
+constexpr int kKqTile = HELIOS_KQ_TILE;  // activation rows sharing one decoded weight sub-block
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kKqTile = 2;
 #else
 constexpr int kKqTile = 4;
 #endif
+constexpr int64_t kKqPanel = 16384;  // bytes of activations (MT rows x one column chunk) kept in L1
 
-// Rows [0, MT) of x (row stride K) against weight row n: y[i * N + n].
+inline void kq_load(Kq32& acc, const float* p) {
+#if defined(__AVX512F__)
+  acc.v[0] = _mm512_loadu_ps(p);
+  acc.v[1] = _mm512_loadu_ps(p + 16);
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (int j = 0; j < 4; ++j) acc.v[j] = _mm256_loadu_ps(p + 8 * j);
+#else
+  for (int l = 0; l < 32; ++l) acc.v[l] = p[l];
+#endif
+}
+
+// Rows [0, MT) of x (row stride K) against weight rows [n0, n1): y[i * N + n]. The columns are taken
+// in chunks of `bpc` blocks, so that the MT rows' chunk of x stays in L1 while every weight row of the
+// range passes over it; between chunks each output's 32 lane sums are parked in `park` (exactly:
+// the summation order is the one the `KqAcc` comment states, whatever the chunking).
 template <int T, int MT>
-inline void kq_rows(const float* __restrict__ xp, const uint8_t* __restrict__ wp, float* __restrict__ yp, int64_t n,
-                    int64_t K, int64_t N) {
+void kq_tile(const float* __restrict__ xp, const uint8_t* __restrict__ wp, float* __restrict__ yp,
+             float* __restrict__ park, int64_t n0, int64_t n1, int64_t K, int64_t N) {
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
   constexpr int subs = static_cast<int>(per / 32);
+  constexpr int64_t bpc = std::max<int64_t>(1, kKqPanel / (4 * MT * per));
   const int64_t nb = K / per;
-  const uint8_t* row = wp + n * nb * bytes;
-  Kq32 acc[MT];
-  for (int i = 0; i < MT; ++i) kq_zero(acc[i]);
   KqHeader h;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * bytes;
-    kq_header<T>(blk, h);
-    for (int c = 0; c < subs; ++c) {
-      const Kq32 w = kq_weights<T>(blk, c, h);
-      const float* xb = xp + b * per + 32 * c;
-      for (int i = 0; i < MT; ++i) kq_fma(acc[i], w, xb + i * K);
+  for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
+    const int64_t b1 = std::min(nb, b0 + bpc);
+    for (int64_t n = n0; n < n1; ++n) {
+      Kq32 acc[MT];
+      float* parked = park + (n - n0) * MT * 32;
+      for (int i = 0; i < MT; ++i) {
+        if (b0 == 0) kq_zero(acc[i]); else kq_load(acc[i], parked + 32 * i);
+      }
+      const uint8_t* row = wp + n * nb * bytes;
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* blk = row + b * bytes;
+        kq_header<T>(blk, h);
+        for (int c = 0; c < subs; ++c) {
+          const Kq32 w = kq_weights<T>(blk, c, h);
+          const float* xb = xp + b * per + 32 * c;
+          for (int i = 0; i < MT; ++i) kq_fma(acc[i], w, xb + i * K);
+        }
+      }
+      for (int i = 0; i < MT; ++i) {
+        if (b1 == nb) yp[i * N + n] = kq_sum(acc[i]); else kq_store(acc[i], parked + 32 * i);
+      }
     }
   }
-  for (int i = 0; i < MT; ++i) yp[i * N + n] = kq_sum(acc[i]);
+}
+
+// The last M < kKqTile rows: one tile of exactly M rows.
+template <int T, int MT>
+inline void kq_tail(int64_t M, const float* xp, const uint8_t* wp, float* yp, float* park, int64_t n0, int64_t n1,
+                    int64_t K, int64_t N) {
+  if constexpr (MT > 0) {
+    if (M == MT) kq_tile<T, MT>(xp, wp, yp, park, n0, n1, K, N);
+    else kq_tail<T, MT - 1>(M, xp, wp, yp, park, n0, n1, K, N);
+  }
 }
 
 template <int T>
 void kq_linear_impl(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t K, int64_t N) {
   const int64_t grain = std::max<int64_t>(1, 32768 / K);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      int64_t m0 = 0;
-      for (; m0 + kKqTile <= M; m0 += kKqTile) kq_rows<T, kKqTile>(xp + m0 * K, wp, yp + m0 * N, n, K, N);
-      switch (M - m0) {
-        case 3: kq_rows<T, 3>(xp + m0 * K, wp, yp + m0 * N, n, K, N); break;
-        case 2: kq_rows<T, 2>(xp + m0 * K, wp, yp + m0 * N, n, K, N); break;
-        case 1: kq_rows<T, 1>(xp + m0 * K, wp, yp + m0 * N, n, K, N); break;
-        default: break;
-      }
-    }
+    std::vector<float> park(static_cast<size_t>((n1 - n0) * kKqTile * 32));
+    float* pk = park.data();
+    int64_t m0 = 0;
+    for (; m0 + kKqTile <= M; m0 += kKqTile) kq_tile<T, kKqTile>(xp + m0 * K, wp, yp + m0 * N, pk, n0, n1, K, N);
+    kq_tail<T, kKqTile - 1>(M - m0, xp + m0 * K, wp, yp + m0 * N, pk, n0, n1, K, N);
   });
 }
 
