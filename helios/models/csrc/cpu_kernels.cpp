@@ -1484,38 +1484,44 @@ inline void kq_load(Kq32& acc, const float* p) {
 #endif
 }
 
+constexpr int64_t kKqRowBlock = 32;  // weight rows whose lane sums are parked together
+
 // Rows [0, MT) of x (row stride K) against weight rows [n0, n1): y[i * N + n]. The columns are taken
-// in chunks of `bpc` blocks, so that the MT rows' chunk of x stays in L1 while every weight row of the
-// range passes over it; between chunks each output's 32 lane sums are parked in `park` (exactly:
-// the summation order is the one the `KqAcc` comment states, whatever the chunking).
+// in chunks of `bpc` blocks, so that the MT rows' chunk of x stays in L1 while a block of weight rows
+// passes over it; between chunks each output's 32 lane sums are parked (exactly: the summation order
+// is the one the `KqAcc` comment states, whatever the chunking).
 template <int T, int MT>
-void kq_tile(const float* __restrict__ xp, const uint8_t* __restrict__ wp, float* __restrict__ yp,
-             float* __restrict__ park, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+void kq_tile(const float* __restrict__ xp, const uint8_t* __restrict__ wp, float* __restrict__ yp, int64_t n0,
+             int64_t n1, int64_t K, int64_t N) {
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
   constexpr int subs = static_cast<int>(per / 32);
   constexpr int64_t bpc = std::max<int64_t>(1, kKqPanel / (4 * MT * per));
   const int64_t nb = K / per;
+  alignas(64) float park[kKqRowBlock * MT * 32];
   KqHeader h;
-  for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
-    const int64_t b1 = std::min(nb, b0 + bpc);
-    for (int64_t n = n0; n < n1; ++n) {
-      Kq32 acc[MT];
-      float* parked = park + (n - n0) * MT * 32;
-      for (int i = 0; i < MT; ++i) {
-        if (b0 == 0) kq_zero(acc[i]); else kq_load(acc[i], parked + 32 * i);
-      }
-      const uint8_t* row = wp + n * nb * bytes;
-      for (int64_t b = b0; b < b1; ++b) {
-        const uint8_t* blk = row + b * bytes;
-        kq_header<T>(blk, h);
-        for (int c = 0; c < subs; ++c) {
-          const Kq32 w = kq_weights<T>(blk, c, h);
-          const float* xb = xp + b * per + 32 * c;
-          for (int i = 0; i < MT; ++i) kq_fma(acc[i], w, xb + i * K);
+  for (int64_t r0 = n0; r0 < n1; r0 += kKqRowBlock) {
+    const int64_t r1 = std::min(n1, r0 + kKqRowBlock);
+    for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
+      const int64_t b1 = std::min(nb, b0 + bpc);
+      for (int64_t n = r0; n < r1; ++n) {
+        Kq32 acc[MT];
+        float* parked = park + (n - r0) * MT * 32;
+        for (int i = 0; i < MT; ++i) {
+          if (b0 == 0) kq_zero(acc[i]); else kq_load(acc[i], parked + 32 * i);
         }
-      }
-      for (int i = 0; i < MT; ++i) {
-        if (b1 == nb) yp[i * N + n] = kq_sum(acc[i]); else kq_store(acc[i], parked + 32 * i);
+        const uint8_t* row = wp + n * nb * bytes;
+        for (int64_t b = b0; b < b1; ++b) {
+          const uint8_t* blk = row + b * bytes;
+          kq_header<T>(blk, h);
+          for (int c = 0; c < subs; ++c) {
+            const Kq32 w = kq_weights<T>(blk, c, h);
+            const float* xb = xp + b * per + 32 * c;
+            for (int i = 0; i < MT; ++i) kq_fma(acc[i], w, xb + i * K);
+          }
+        }
+        for (int i = 0; i < MT; ++i) {
+          if (b1 == nb) yp[i * N + n] = kq_sum(acc[i]); else kq_store(acc[i], parked + 32 * i);
+        }
       }
     }
   }
@@ -1523,11 +1529,11 @@ void kq_tile(const float* __restrict__ xp, const uint8_t* __restrict__ wp, float
 
 // The last M < kKqTile rows: one tile of exactly M rows.
 template <int T, int MT>
-inline void kq_tail(int64_t M, const float* xp, const uint8_t* wp, float* yp, float* park, int64_t n0, int64_t n1,
-                    int64_t K, int64_t N) {
+inline void kq_tail(int64_t M, const float* xp, const uint8_t* wp, float* yp, int64_t n0, int64_t n1, int64_t K,
+                    int64_t N) {
   if constexpr (MT > 0) {
-    if (M == MT) kq_tile<T, MT>(xp, wp, yp, park, n0, n1, K, N);
-    else kq_tail<T, MT - 1>(M, xp, wp, yp, park, n0, n1, K, N);
+    if (M == MT) kq_tile<T, MT>(xp, wp, yp, n0, n1, K, N);
+    else kq_tail<T, MT - 1>(M, xp, wp, yp, n0, n1, K, N);
   }
 }
 
@@ -1535,11 +1541,9 @@ template <int T>
 void kq_linear_impl(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t K, int64_t N) {
   const int64_t grain = std::max<int64_t>(1, 32768 / K);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    std::vector<float> park(static_cast<size_t>((n1 - n0) * kKqTile * 32));
-    float* pk = park.data();
     int64_t m0 = 0;
-    for (; m0 + kKqTile <= M; m0 += kKqTile) kq_tile<T, kKqTile>(xp + m0 * K, wp, yp + m0 * N, pk, n0, n1, K, N);
-    kq_tail<T, kKqTile - 1>(M - m0, xp + m0 * K, wp, yp + m0 * N, pk, n0, n1, K, N);
+    for (; m0 + kKqTile <= M; m0 += kKqTile) kq_tile<T, kKqTile>(xp + m0 * K, wp, yp + m0 * N, n0, n1, K, N);
+    kq_tail<T, kKqTile - 1>(M - m0, xp + m0 * K, wp, yp + m0 * N, n0, n1, K, N);
   });
 }
 
