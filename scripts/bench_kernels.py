@@ -14,6 +14,8 @@
   multiple of 256, so K-quant files store it in Q5_0 / Q8_0) and down 896x4864, at 1, 8 and 32 rows,
   with float32 and bfloat16 activations, against the dense matmul of the dequantized weight (float32
   and bfloat16 ``F.linear``) and against dequantize-then-float32-GEMM (`KQuantLinear`'s unpack path).
+  Each figure is per weight, over a pass through enough distinct copies of it (96 MB) that the
+  weights come from memory, not from the L3 cache, as a whole model's do in a decode step.
 
 Prints the best of ``--repeats`` runs in ms, and the CPU flags it ran on.
 """
@@ -21,6 +23,7 @@ Prints the best of ``--repeats`` runs in ms, and the CPU flags it ran on.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 import torch
@@ -117,19 +120,32 @@ def kquant(ggml_type: int, out: int, k: int, repeats: int) -> None:
         kquant_rows(weight, torch.randn(rows, k, generator=gen), repeats)
 
 
+STREAM_BYTES = 96e6  # more than this machine's L3: each timed pass streams its weights from memory
+
+
+def copies_of(t: torch.Tensor) -> list[torch.Tensor]:
+    """Enough distinct copies of ``t`` that one pass over them all does not fit in the caches."""
+    return [t.clone() for _ in range(max(1, math.ceil(STREAM_BYTES / (t.numel() * t.element_size()))))]
+
+
+def per_copy_ms(fn: Callable[[torch.Tensor], object], copies: list[torch.Tensor], repeats: int) -> float:
+    return best_ms(lambda: [fn(c) for c in copies], repeats) / len(copies)
+
+
 def kquant_rows(weight: BlockQuantized, x: torch.Tensor, repeats: int) -> None:
     (out, k), t = weight.shape, weight.ggml_type
     w32 = weight.dequantize()
-    w16, xb = w32.to(torch.bfloat16), x.to(torch.bfloat16)
+    xb = x.to(torch.bfloat16)
     mb = weight.blocks.numel() / 1e6
+    blocks, dense32, dense16 = copies_of(weight.blocks), copies_of(w32), copies_of(w32.to(torch.bfloat16))
     with torch.inference_mode():
-        f32 = best_ms(lambda: cpu_kernels.kquant_linear(x, weight.blocks, t, out), repeats)
-        bf16 = best_ms(lambda: cpu_kernels.kquant_linear(xb, weight.blocks, t, out), repeats)
-        dense32 = best_ms(lambda: F.linear(x, w32), repeats)
-        dense16 = best_ms(lambda: F.linear(xb, w16), repeats)
-        unpack = best_ms(lambda: F.linear(x, weight.dequantize()), repeats)
+        f32 = per_copy_ms(lambda b: cpu_kernels.kquant_linear(x, b, t, out), blocks, repeats)
+        bf16 = per_copy_ms(lambda b: cpu_kernels.kquant_linear(xb, b, t, out), blocks, repeats)
+        d32 = per_copy_ms(lambda w: F.linear(x, w), dense32, repeats)
+        d16 = per_copy_ms(lambda w: F.linear(xb, w), dense16, repeats)
+        unpack = per_copy_ms(lambda b: F.linear(x, cpu_kernels.kquant_dequantize(b, t, out, k)), blocks[:4], repeats)
     print(f"kquant {weight.name} {out}x{k} ({mb:.2f} MB) x {x.shape[0]:>2} rows: kquant_linear f32 {f32:6.3f} ms "
-          f"({mb / f32:4.1f} GB/s), bf16 {bf16:6.3f} ms | dense F.linear f32 {dense32:6.3f} ms, bf16 {dense16:6.3f} ms "
+          f"({mb / f32:4.1f} GB/s), bf16 {bf16:6.3f} ms | dense F.linear f32 {d32:6.3f} ms, bf16 {d16:6.3f} ms "
           f"| dequantize + f32 GEMM {unpack:6.3f} ms")
 
 

@@ -155,6 +155,20 @@ def test_kquant_linear_rows_do_not_depend_on_the_batch_or_threads(ggml_type: int
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
+def test_kquant_linear_long_rows_against_float64(ggml_type: int) -> None:
+    """Rows long enough (16,640 columns) that a tile of rows takes the columns in chunks, parking its
+    lane sums between them: within the bound, and the same bits as each row alone (whole rows)."""
+    out, k = 7, 16640
+    blocks = torch.from_numpy(random_blocks(ggml_type, out, k, seed=ggml_type))
+    w = torch.from_numpy(gguf_dequantize(blocks.numpy(), ggml_type))
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(5))
+    got = cpu_kernels.kquant_linear(x, blocks, ggml_type, out)
+    assert ((got.double() - x.double() @ w.double().t()).abs() <= error_bound(x, w)).all()
+    for i in range(5):
+        assert torch.equal(cpu_kernels.kquant_linear(x[i:i + 1], blocks, ggml_type, out), got[i:i + 1])
+
+
 def test_kquant_linear_rejects_bad_operands() -> None:
     blocks = torch.from_numpy(random_blocks(14, 4, 256, seed=0))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
@@ -294,7 +308,7 @@ def test_the_other_instruction_set_builds(arch: str, tmp_path: Path) -> None:
     env = dict(os.environ, **{cpu_kernels.ARCH_ENV: arch})
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", __file__,
-         "-k", "bit_for_bit or against_float64 or bfloat16_activations or do_not_depend"],
+         "-k", "bit_for_bit or against_float64 or bfloat16_activations or do_not_depend or long_rows"],
         cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout

@@ -1471,7 +1471,11 @@ constexpr int kKqTile = 2;
 #else
 constexpr int kKqTile = 4;
 #endif
-constexpr int64_t kKqPanel = 16384;  // bytes of activations (MT rows x one column chunk) kept in L1
+#ifndef HELIOS_KQ_PANEL
+#define HELIOS_KQ_PANEL 65536
+#endif
+constexpr int64_t kKqPanel = HELIOS_KQ_PANEL;  // bytes of activations (MT rows x one column chunk) kept in L2
+constexpr int64_t kKqWhole = 131072;  // up to this many bytes of a tile's activations (in L2), no column chunks
 
 inline void kq_load(Kq32& acc, const float* p) {
 #if defined(__AVX512F__)
@@ -1486,17 +1490,19 @@ inline void kq_load(Kq32& acc, const float* p) {
 
 constexpr int64_t kKqRowBlock = 32;  // weight rows whose lane sums are parked together
 
-// Rows [0, MT) of x (row stride K) against weight rows [n0, n1): y[i * N + n]. The columns are taken
-// in chunks of `bpc` blocks, so that the MT rows' chunk of x stays in L1 while a block of weight rows
-// passes over it; between chunks each output's 32 lane sums are parked (exactly: the summation order
-// is the one the `KqAcc` comment states, whatever the chunking).
+// Rows [0, MT) of x (row stride K) against weight rows [n0, n1): y[i * N + n]. Long rows are taken in
+// column chunks of `bpc` blocks, so that the MT rows' chunk of x stays in L2 while a block of weight
+// rows passes over it; between chunks each output's 32 lane sums are parked (exactly: the summation
+// order is the one the `KqAcc` comment states, whatever the chunking).
 template <int T, int MT>
 void kq_tile(const float* __restrict__ xp, const uint8_t* __restrict__ wp, float* __restrict__ yp, int64_t n0,
              int64_t n1, int64_t K, int64_t N) {
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
   constexpr int subs = static_cast<int>(per / 32);
-  constexpr int64_t bpc = std::max<int64_t>(1, kKqPanel / (4 * MT * per));
   const int64_t nb = K / per;
+  // whole rows while the tile's activations fit in L2 (chunked passes over the weight rows defeat the
+  // hardware prefetchers: with 16 KB chunks one row's decode ran at half speed from memory)
+  const int64_t bpc = MT * K * 4 <= kKqWhole ? nb : std::max<int64_t>(1, kKqPanel / (4 * MT * per));
   alignas(64) float park[kKqRowBlock * MT * 32];
   KqHeader h;
   for (int64_t r0 = n0; r0 < n1; r0 += kKqRowBlock) {
