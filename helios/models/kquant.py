@@ -76,6 +76,11 @@ class BlockQuantized:
         array = gguf.quants.dequantize(self.blocks.numpy(), gguf.GGMLQuantizationType(self.ggml_type))
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(rows, cols)
 
+    def dequantize_rows(self, index: Tensor) -> Tensor:
+        """float32 [len(index), cols]: rows ``index`` only (an embedding lookup), bit for bit as
+        `dequantize` gives them."""
+        return self.take_rows(index).dequantize()
+
     def take_rows(self, index: Tensor) -> BlockQuantized:
         """The weight's rows ``index`` (rows are whole blocks, so this is a row gather of the bytes)."""
         blocks = self.blocks[index].contiguous()

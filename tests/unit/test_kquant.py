@@ -192,6 +192,7 @@ def test_block_quantized_checks_its_layout_and_takes_rows() -> None:
     assert w.name == "Q5_K" and torch.equal(dense_of(w), torch.from_numpy(gguf_dequantize(w.blocks.numpy(), 13)))
     index = torch.tensor([4, 0, 2])
     assert torch.equal(w.take_rows(index).dequantize(), w.dequantize()[index])
+    assert torch.equal(w.dequantize_rows(index), w.dequantize()[index])
     again = BlockQuantized.from_bytes(w.blocks.flatten(), 13, (6, 512))
     assert torch.equal(again.blocks, w.blocks)
     with pytest.raises(ValueError, match="multiples of 256"):
