@@ -1,12 +1,41 @@
 """Helios's own CPU kernels (``csrc/cpu_kernels.cpp``), compiled on first use and cached on disk.
 
-Two operators that torch does not have in the form decode needs:
+Operators that torch does not have in the form decode needs, among them:
 
 - ``q8_linear``: a matmul straight from a ggml Q8_0 weight's int8 codes and block scales (exactly the
   checkpoint's float32 values), a quarter of the bytes a float32 copy streams. The default model's
   output projection is its tied Q8_0 embedding: 113 MB in float32, the largest read of a decode step.
 - ``paged_decode``: decode attention that reads each row's K/V in place from the paged cache instead
   of gathering its whole history into a contiguous copy every layer of every step.
+- ``kquant_linear`` / ``kquant_dequantize``: matmul and dequantization straight from a GGUF weight's
+  blocks (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0; `kquant.BlockQuantized` holds them), 4.5 to 8.5 bits a
+  weight where float32 is 32: decode GEMV for one to a few rows, a small GEMM (rows in tiles of 4 on
+  AVX-512, 2 on AVX2, sharing each decoded sub-block; columns in chunks that keep a tile's activations
+  in L1) for more; `kquant.KQuantLinear` hands larger steps to a dense copy or to a
+  dequantize-then-GEMM past its crossovers. Output rows are split over torch's threads.
+
+K-quant numerics contract. Weights: every block is read as sub-blocks of 32 weights and each weight
+is computed in float32 exactly as ``gguf.quants.dequantize`` computes it (bit for bit, signed zeros
+included; the tests compare), per type (d, dmin, m: the block's float16 fields, widened exactly):
+
+- Q8_0 (32 weights, 34 bytes): ``w = d * q``, q int8. Exact (an 11-bit by 8-bit product).
+- Q5_0 (32, 22): ``w = d * (q - 16)``, q the 5-bit code (a nibble and one bit of ``qh``). Exact.
+- Q5_1 (32, 24): ``w = d * q + m``, q 5-bit. The product is exact; one rounding, the addition's.
+- Q4_K (256, 144): 8 sub-blocks j of 32, 6-bit scale sc_j and min m_j (12 packed bytes):
+  ``w = (d * sc_j) * q - dmin * m_j``, q 4-bit. All products are exact (at most 21 bits); one rounding,
+  the subtraction's (computed as an FMA with ``-(dmin * m_j)``: the same bits, the product being exact).
+- Q5_K (256, 176): as Q4_K with q 5-bit (a nibble and one bit of ``qh``). One rounding.
+- Q6_K (256, 210): 16 groups j of 16, int8 scale sc_j: ``w = (d * sc_j) * (q - 32)``, q 6-bit.
+  Exact (at most 24 bits).
+
+Products and sums (every type alike): y[m, n] = sum over k of x[m, k] * w[n, k], x float32 or
+bfloat16 widened exactly (no rounding of activations: not to 8 bits, not at all), float32
+accumulation in a fixed order: 32 lanes, lane l a chain of fused multiply-adds over k = l (mod 32) in
+increasing k, then the lanes summed by a tree (l + 16, + 8, + 4, + 2, + 1). The order depends on
+nothing else: the AVX-512 and AVX2 builds give the same bits, a row gives the same bits alone or in
+any batch and on any number of threads. The scalar build (no FMA) rounds each product before adding
+it. Error: at most (K / 32 + 6) * 2**-24 times the sum of |x * w| over k. bfloat16 activations give a
+bfloat16 result: the float32 sum rounded to nearest even (one more rounding, 2**-8 relative).
 
 The library is built with the machine's C++ compiler (``$CXX`` or ``c++``) against the installed torch,
 with ``-O3 -march=native -fopenmp`` (torch's own OpenMP runtime serves it: same soname; the tests
@@ -102,6 +131,31 @@ def q8_linear_bf16(x: Tensor, codes: Tensor, scales: Tensor, n: int) -> Tensor:
     values (exact products of codes and activations, float32 sums, each block's sum scaled once).
     Needs AVX512-BF16 (`bf16_kernels_supported`)."""
     out: Tensor = torch.ops.helios.q8_linear_bf16(x.contiguous(), codes, scales, n)
+    return out
+
+
+# ggml type ids of the block formats `kquant_linear` and `kquant_dequantize` read, and their layouts
+# (weights per block, bytes per block), as gguf.GGML_QUANT_SIZES has them.
+KQUANT_LAYOUTS: dict[int, tuple[int, int]] = {6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
+                                              14: (256, 210)}
+KQUANT_NAMES: dict[int, str] = {6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+
+
+def kquant_linear(x: Tensor, blocks: Tensor, ggml_type: int, out_features: int) -> Tensor:
+    """``x @ W.T`` for ``x`` [M, K] float32 or bfloat16 and ``W`` [out_features, K] held as its GGUF
+    blocks of ``ggml_type`` (contiguous uint8, ``out_features * K / per * bytes`` of them, any shape):
+    [M, out_features] in ``x``'s dtype. Each weight is decoded in registers to its exact float32 value
+    (`kquant_dequantize`'s), bfloat16 ``x`` is widened exactly, and the products are summed in float32
+    in a fixed order (the module docstring's numerics contract); bfloat16 results are the float32 sums
+    rounded to nearest even."""
+    out: Tensor = torch.ops.helios.kquant_linear(x, blocks, ggml_type, out_features)
+    return out
+
+
+def kquant_dequantize(blocks: Tensor, ggml_type: int, out_features: int, in_features: int) -> Tensor:
+    """The float32 [out_features, in_features] values of a weight held as GGUF blocks of ``ggml_type``
+    (contiguous uint8): ``gguf.quants.dequantize``'s, bit for bit."""
+    out: Tensor = torch.ops.helios.kquant_dequantize(blocks, ggml_type, out_features, in_features)
     return out
 
 

@@ -14,6 +14,10 @@ a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks hold); `build_linear` turns the parts of
 * `Int8Linear`: torch's per-output-channel int8 weight-only matmul (``_weight_int8pack_mm``),
   bfloat16 activations. No GGUF type maps onto it exactly (Q8_0 has a scale per 32 weights): weights
   are re-quantized symmetrically per row.
+* `kquant.KQuantLinear`: GGUF Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 / Q8_0 blocks (`kquant.BlockQuantized`)
+  kept as they are, multiplied by Helios's CPU kernel (`cpu_kernels.kquant_linear`: exact weights,
+  float32 or bfloat16 activations as given, float32 sums). `build_linear` makes one when every part of
+  a projection is blocks, under either quantized kind.
 
 A quantized projection may also keep a dense copy for steps of many rows (`WeightFormat.dense_above`):
 the int4 kernel is fastest for a few rows (decode), a dense bfloat16 GEMM for many (prefill, large
@@ -35,11 +39,15 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Union
 
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from helios.models.kquant import BlockQuantized
 
 log = logging.getLogger("helios.weights")
 
@@ -84,11 +92,14 @@ class GroupQuantized:
 
 
 WeightSource = Tensor | GroupQuantized
+# What `build_linear` and `dense_of` also take: `kquant.BlockQuantized`, GGUF K-quant / Q5_x / Q8_0 blocks
+# kept as they are (a forward reference: kquant imports this module).
+BuildSource = Union[WeightSource, "BlockQuantized"]
 
 
-def dense_of(weight: WeightSource) -> Tensor:
+def dense_of(weight: BuildSource) -> Tensor:
     """The weight as a dense tensor (float32 when dequantized, else as stored)."""
-    return weight.dequantize() if isinstance(weight, GroupQuantized) else weight
+    return weight if isinstance(weight, Tensor) else weight.dequantize()
 
 
 def quantize_int4(weight: Tensor, group_size: int = GROUP_SIZE) -> GroupQuantized:
@@ -224,12 +235,19 @@ class Int8Linear(nn.Module):
         return cls(codes, scales, dense, dense_above)
 
 
-def build_linear(parts: Sequence[WeightSource], fmt: WeightFormat, model_dtype: torch.dtype) -> nn.Module:
-    """The module for one fused projection whose row blocks are ``parts`` (all with the same columns)."""
+def build_linear(parts: Sequence[BuildSource], fmt: WeightFormat, model_dtype: torch.dtype) -> nn.Module:
+    """The module for one fused projection whose row blocks are ``parts`` (all with the same columns).
+
+    Parts that are all `kquant.BlockQuantized` (GGUF Q4_K/Q5_K/Q6_K/Q5_0/Q5_1/Q8_0 blocks) become a
+    `kquant.KQuantLinear` under either quantized kind, with the format's dense copy, when the CPU
+    kernels are available; otherwise they are dequantized like any other source."""
     dense_dtype = fmt.dense_dtype or model_dtype
     if fmt.kind == "dense":
         return DenseLinear(_cat_dense(parts, fmt.dtype or model_dtype))
     copy = _cat_dense(parts, fmt.dense_dtype) if fmt.dense_dtype is not None else None
+    kquant = _build_kquant(parts, copy, fmt.dense_above)
+    if kquant is not None:
+        return kquant
     cols = parts[0].shape[1]
     if fmt.kind == "int4":
         if cols % GROUP_SIZE:
@@ -243,16 +261,26 @@ def build_linear(parts: Sequence[WeightSource], fmt: WeightFormat, model_dtype: 
     return Int8Linear.quantize(_cat_dense(parts, torch.float32), copy, fmt.dense_above)
 
 
-def _is_int4(part: WeightSource) -> bool:
+def _build_kquant(parts: Sequence[BuildSource], copy: Tensor | None, dense_above: int) -> nn.Module | None:
+    from helios.models import cpu_kernels
+    from helios.models.kquant import BlockQuantized, KQuantLinear
+
+    blocks = [p for p in parts if isinstance(p, BlockQuantized)]
+    if len(blocks) != len(parts) or not cpu_kernels.available():
+        return None
+    return KQuantLinear(blocks, copy, dense_above)
+
+
+def _is_int4(part: BuildSource) -> bool:
     return isinstance(part, GroupQuantized) and part.bits == 4 and part.group_size == GROUP_SIZE
 
 
-def _cat_dense(parts: Sequence[WeightSource], dtype: torch.dtype) -> Tensor:
+def _cat_dense(parts: Sequence[BuildSource], dtype: torch.dtype) -> Tensor:
     dense = [dense_of(p).to(dtype) for p in parts]
     return dense[0].contiguous() if len(dense) == 1 else torch.cat(dense)
 
 
-def _cat_quantized(parts: Sequence[WeightSource]) -> GroupQuantized:
+def _cat_quantized(parts: Sequence[BuildSource]) -> GroupQuantized:
     qs = [p for p in parts if isinstance(p, GroupQuantized)]
     if len(qs) == 1:
         return qs[0]
@@ -269,9 +297,12 @@ def pack_onednn(module: nn.Module) -> bool:
     if not onednn_linear_works(weight.dtype):
         return False
     module.onednn = _onednn_pack(weight.detach())
-    if isinstance(module, (Int4Linear, Int8Linear)):
-        # The packed copy serves the large steps alone; `LlamaForCausalLM.packed_state` recovers the
-        # plain one from it (`to_dense()`) if the weights are saved again.
+    from helios.models.kquant import KQuantLinear
+
+    if isinstance(module, (Int4Linear, Int8Linear, KQuantLinear)):
+        # A quantized projection: the packed copy serves the large steps alone; for Int4Linear and
+        # Int8Linear `LlamaForCausalLM.packed_state` recovers the plain one from it (`to_dense()`) if
+        # the weights are saved again (KQuantLinear has no packed form there yet).
         module.dense = None
     return True
 

@@ -12,6 +12,10 @@
 //   softmax statistics (flash-decoding), so one long row still uses every core.
 // helios::write_paged_decode(q, k, v, k_cache, v_cache, slot_mapping, ...): the step's K/V written
 //   into the caches at their slots, then paged_decode: an all-decode layer's attention in one call.
+// helios::kquant_linear(x, blocks, ggml_type, out_features), helios::kquant_dequantize(blocks, ggml_type,
+//   out_features, in_features): a GGUF Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 / Q8_0 weight used from its
+//   blocks; each weight decoded to its exact float32 value (gguf.quants.dequantize's, bit for bit) and
+//   accumulated in float32 in a fixed order (the contract: cpu_kernels.py's docstring).
 // helios::add_rms_norm(h, delta, weight, eps), helios::rope_(x, cos, sin), helios::silu_mul(gu): the
 //   decoder layer's residual add + RMSNorm, rotary embedding (in place) and SwiGLU activation, each
 //   one operator where torch needs 3-6 (at one decode token a layer spent ~35 us in those small ops).
@@ -1161,6 +1165,462 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   return {stream, *d};
 }
 
+
+// ---- k-quant blocks: GGUF Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and Q8_0 weights used in their file form ----------
+// A weight [N, K] is its GGUF bytes: N rows of K / per blocks of `bytes` bytes each. Every block is read
+// as sub-blocks of 32 weights; sub-block c's weight l is w = a * code (+ b), with a per 16 weights and b
+// per 32, exactly as gguf.quants.dequantize computes it in float32: a and b are exact products of a
+// float16 scale and a small integer (at most 18 significant bits), a * code is exact too (at most 24
+// bits), so each weight has at most one rounding (the "+ b" of Q5_1, Q4_K, Q5_K), and an FMA gives the
+// same bits as numpy's multiply-then-add. kquant_dequantize writes those values; kquant_linear decodes
+// them in registers and accumulates x * w in float32 (see `KqAcc` for the summation order).
+constexpr int kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+
+template <int T> struct KqTraits;
+template <> struct KqTraits<kQ5_0> { static constexpr int64_t per = 32, bytes = 22; static constexpr bool affine = false; };
+template <> struct KqTraits<kQ5_1> { static constexpr int64_t per = 32, bytes = 24; static constexpr bool affine = true; };
+template <> struct KqTraits<kQ8_0> { static constexpr int64_t per = 32, bytes = 34; static constexpr bool affine = false; };
+template <> struct KqTraits<kQ4_K> { static constexpr int64_t per = 256, bytes = 144; static constexpr bool affine = true; };
+template <> struct KqTraits<kQ5_K> { static constexpr int64_t per = 256, bytes = 176; static constexpr bool affine = true; };
+template <> struct KqTraits<kQ6_K> { static constexpr int64_t per = 256, bytes = 210; static constexpr bool affine = false; };
+
+inline std::pair<int64_t, int64_t> kq_layout(int64_t type) {
+  switch (type) {
+    case kQ5_0: return {KqTraits<kQ5_0>::per, KqTraits<kQ5_0>::bytes};
+    case kQ5_1: return {KqTraits<kQ5_1>::per, KqTraits<kQ5_1>::bytes};
+    case kQ8_0: return {KqTraits<kQ8_0>::per, KqTraits<kQ8_0>::bytes};
+    case kQ4_K: return {KqTraits<kQ4_K>::per, KqTraits<kQ4_K>::bytes};
+    case kQ5_K: return {KqTraits<kQ5_K>::per, KqTraits<kQ5_K>::bytes};
+    case kQ6_K: return {KqTraits<kQ6_K>::per, KqTraits<kQ6_K>::bytes};
+    default: TORCH_CHECK(false, "kquant: ggml type ", type, " is not one of Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), "
+                         "Q5_K (13), Q6_K (14)");
+  }
+}
+
+// IEEE half -> float, exact (subnormals included).
+inline float half_bits_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    const float v = static_cast<float>(mant) * 5.9604644775390625e-08f;  // mant * 2^-24, exact
+    std::memcpy(&bits, &v, 4);
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// A float16 field, widened (exact; F16C's conversion where the build has it).
+inline float half_to_float(const uint8_t* p) {
+#if defined(__F16C__)
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+#else
+  return half_bits_to_float(p);
+#endif
+}
+
+// A block's scales: a[c] for sub-block c's 32 weights (Q6_K: a[s] for weights 16 s .. 16 s + 15) and
+// b[c] (the types without an offset leave it unset).
+struct KqHeader {
+  alignas(32) float a[16];
+  alignas(32) float b[8];
+};
+
+template <int T>
+inline void kq_header(const uint8_t* blk, KqHeader& h) {
+  if constexpr (T == kQ8_0 || T == kQ5_0) {
+    h.a[0] = half_to_float(blk);
+  } else if constexpr (T == kQ5_1) {
+    h.a[0] = half_to_float(blk);
+    h.b[0] = half_to_float(blk + 2);
+  } else if constexpr (T == kQ4_K || T == kQ5_K) {
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+#if defined(__AVX2__)
+    // the 6-bit scales and mins unpacked to bytes with word operations (as ggml does)
+    uint32_t u[4];
+    std::memcpy(u, blk + 4, 12);
+    constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t mins_lo = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = mins_lo;
+    u[0] &= k1;
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2))));
+    _mm256_store_ps(h.a, _mm256_mul_ps(_mm256_set1_ps(d), sc));       // exact
+    _mm256_store_ps(h.b, _mm256_mul_ps(_mm256_set1_ps(-dmin), m));    // exact: -(dmin m); w = a q - dmin m
+#else
+    const uint8_t* s = blk + 4;
+    for (int j = 0; j < 8; ++j) {
+      const int sc = j < 4 ? (s[j] & 63) : ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+      const int m = j < 4 ? (s[j + 4] & 63) : ((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+      h.a[j] = d * static_cast<float>(sc);        // exact
+      h.b[j] = -(dmin * static_cast<float>(m));  // exact; w = a q - dmin m
+    }
+#endif
+  } else {  // Q6_K
+    const float d = half_to_float(blk + 208);
+#if defined(__AVX2__)
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+    const __m256 dv = _mm256_set1_ps(d);
+    _mm256_store_ps(h.a, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));  // exact
+    _mm256_store_ps(h.a + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+#else
+    for (int j = 0; j < 16; ++j) h.a[j] = d * static_cast<float>(static_cast<int8_t>(blk[192 + j]));  // exact
+#endif
+  }
+}
+
+// The 32 codes of sub-block c as int8 (the signed types with their offset applied: Q5_0 q - 16, Q6_K q - 32).
+template <int T>
+inline void kq_codes_scalar(const uint8_t* blk, int c, int8_t* q) {
+  for (int l = 0; l < 32; ++l) {
+    int v;
+    if constexpr (T == kQ8_0) {
+      v = static_cast<int8_t>(blk[2 + l]);
+    } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+      const uint8_t* qh = blk + (T == kQ5_0 ? 2 : 4);
+      const uint8_t* qs = qh + 4;
+      const uint32_t hbits = static_cast<uint32_t>(qh[0]) | (static_cast<uint32_t>(qh[1]) << 8) |
+                             (static_cast<uint32_t>(qh[2]) << 16) | (static_cast<uint32_t>(qh[3]) << 24);
+      const int lo = l < 16 ? (qs[l] & 0xF) : (qs[l - 16] >> 4);
+      v = lo | static_cast<int>(((hbits >> l) & 1u) << 4);
+      if (T == kQ5_0) v -= 16;
+    } else if constexpr (T == kQ4_K) {
+      v = (blk[16 + 32 * (c / 2) + l] >> (4 * (c % 2))) & 0xF;
+    } else if constexpr (T == kQ5_K) {
+      v = ((blk[48 + 32 * (c / 2) + l] >> (4 * (c % 2))) & 0xF) | (((blk[16 + l] >> c) & 1) << 4);
+    } else {  // Q6_K
+      const int half = c / 4, k = c % 4;
+      const int lo = (blk[half * 64 + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0xF;
+      const int hi = (blk[128 + half * 32 + l] >> (2 * k)) & 3;
+      v = (lo | (hi << 4)) - 32;
+    }
+    q[l] = static_cast<int8_t>(v);
+  }
+}
+
+#if defined(__AVX2__)
+// bit j of the 32 bits at p -> 0xFF / 0x00 in byte j (ggml's bytes_from_bits_32)
+inline __m256i kq_bytes_from_bits(const uint8_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)), shuf),
+                                        _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+template <int T>
+inline __m256i kq_codes(const uint8_t* blk, int c) {
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  if constexpr (T == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+    const uint8_t* qh = blk + (T == kQ5_0 ? 2 : 4);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 4));
+    const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), nib);
+    const __m256i v = _mm256_or_si256(lo, _mm256_and_si256(kq_bytes_from_bits(qh), _mm256_set1_epi8(0x10)));
+    return T == kQ5_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(16)) : v;
+  } else if constexpr (T == kQ4_K) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * (c / 2)));
+    return _mm256_and_si256(c % 2 ? _mm256_srli_epi16(q, 4) : q, nib);
+  } else if constexpr (T == kQ5_K) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 48 + 32 * (c / 2)));
+    const __m256i lo = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(q, 4) : q, nib);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, c), _mm256_set1_epi8(1)), 4);
+    return _mm256_or_si256(lo, hi);
+  } else {  // Q6_K
+    const int half = c / 4, k = c % 4;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + half * 64 + 32 * (k % 2)));
+    const __m256i lo = _mm256_and_si256(k / 2 ? _mm256_srli_epi16(ql, 4) : ql, nib);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + half * 32));
+    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), _mm256_set1_epi8(3)), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+  }
+}
+#endif
+
+// 32 float32 lanes (weights or one output's partial sums): 2 x 16 (AVX-512), 4 x 8 (AVX2), 32 scalars.
+#if defined(__AVX512F__)
+struct Kq32 { __m512 v[2]; };
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Kq32 { __m256 v[4]; };
+#else
+struct Kq32 { float v[32]; };
+#endif
+
+template <int T>
+inline Kq32 kq_weights(const uint8_t* blk, int c, const KqHeader& h) {
+  constexpr bool affine = KqTraits<T>::affine;
+  const float a0 = T == kQ6_K ? h.a[2 * c] : h.a[c], a1 = T == kQ6_K ? h.a[2 * c + 1] : a0;
+  const float b = affine ? h.b[c] : 0.f;
+  Kq32 w;
+#if defined(__AVX512F__)
+  const __m256i q = kq_codes<T>(blk, c);
+  const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+  const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+  if constexpr (affine) {
+    w.v[0] = _mm512_fmadd_ps(_mm512_set1_ps(a0), q0, _mm512_set1_ps(b));
+    w.v[1] = _mm512_fmadd_ps(_mm512_set1_ps(a1), q1, _mm512_set1_ps(b));
+  } else {
+    w.v[0] = _mm512_mul_ps(_mm512_set1_ps(a0), q0);
+    w.v[1] = _mm512_mul_ps(_mm512_set1_ps(a1), q1);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256i q = kq_codes<T>(blk, c);
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int j = 0; j < 4; ++j) {
+    const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[j]));
+    const __m256 a = _mm256_set1_ps(j < 2 ? a0 : a1);
+    w.v[j] = affine ? _mm256_fmadd_ps(a, qf, _mm256_set1_ps(b)) : _mm256_mul_ps(a, qf);
+  }
+#else
+  int8_t q[32];
+  kq_codes_scalar<T>(blk, c, q);
+  for (int l = 0; l < 32; ++l) {
+    const float a = l < 16 ? a0 : a1;
+    w.v[l] = affine ? a * static_cast<float>(q[l]) + b : a * static_cast<float>(q[l]);  // a * q is exact
+  }
+#endif
+  return w;
+}
+
+inline void kq_zero(Kq32& acc) {
+#if defined(__AVX512F__)
+  acc.v[0] = acc.v[1] = _mm512_setzero_ps();
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (auto& v : acc.v) v = _mm256_setzero_ps();
+#else
+  for (auto& v : acc.v) v = 0.f;
+#endif
+}
+
+inline void kq_store(const Kq32& w, float* out) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(out, w.v[0]);
+  _mm512_storeu_ps(out + 16, w.v[1]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + 8 * j, w.v[j]);
+#else
+  for (int l = 0; l < 32; ++l) out[l] = w.v[l];
+#endif
+}
+
+// KqAcc: lane l (0..31) of an output's accumulator takes x[k] * w[k] for the k = l (mod 32), in
+// increasing k, each by a fused multiply-add (one rounding per step; the scalar build, without FMA,
+// rounds the product too). The 32 lanes are then summed by a fixed tree: p[l] + p[l + 16], then + 8,
+// + 4, + 2, + 1 (lane 0 holds the result). AVX-512 and AVX2 builds give the same bits.
+inline void kq_fma(Kq32& acc, const Kq32& w, const float* x) {
+#if defined(__AVX512F__)
+  acc.v[0] = _mm512_fmadd_ps(w.v[0], _mm512_loadu_ps(x), acc.v[0]);
+  acc.v[1] = _mm512_fmadd_ps(w.v[1], _mm512_loadu_ps(x + 16), acc.v[1]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (int j = 0; j < 4; ++j) acc.v[j] = _mm256_fmadd_ps(w.v[j], _mm256_loadu_ps(x + 8 * j), acc.v[j]);
+#else
+  for (int l = 0; l < 32; ++l) {
+#if defined(__FMA__)
+    acc.v[l] = std::fma(w.v[l], x[l], acc.v[l]);
+#else
+    acc.v[l] = acc.v[l] + w.v[l] * x[l];
+#endif
+  }
+#endif
+}
+
+inline float kq_sum(const Kq32& acc) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
+  const __m512 q = _mm512_add_ps(acc.v[0], acc.v[1]);  // l + 16
+  const __m256 r = _mm256_add_ps(_mm512_castps512_ps256(q),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(q), 1)));  // + 8
+#else
+  const __m256 r = _mm256_add_ps(_mm256_add_ps(acc.v[0], acc.v[2]), _mm256_add_ps(acc.v[1], acc.v[3]));
+#endif
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));  // + 4
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                          // + 2
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));                                           // + 1
+  return _mm_cvtss_f32(s);
+#else
+  float p[32];
+  for (int l = 0; l < 32; ++l) p[l] = acc.v[l];
+  for (int width = 16; width >= 1; width /= 2)
+    for (int l = 0; l < width; ++l) p[l] = p[l] + p[l + width];
+  return p[0];
+#endif
+}
+
+#ifndef HELIOS_KQ_TILE
+#define HELIOS_KQ_TILE 4
+#endif
+#if defined(__AVX512F__)
+constexpr int kKqTile = HELIOS_KQ_TILE;  // activation rows sharing one decoded weight sub-block
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kKqTile = 2;
+#else
+constexpr int kKqTile = 4;
+#endif
+#ifndef HELIOS_KQ_PANEL
+#define HELIOS_KQ_PANEL 65536
+#endif
+constexpr int64_t kKqPanel = HELIOS_KQ_PANEL;  // bytes of activations (MT rows x one column chunk) kept in L2
+constexpr int64_t kKqWhole = 131072;  // up to this many bytes of a tile's activations (in L2), no column chunks
+
+inline void kq_load(Kq32& acc, const float* p) {
+#if defined(__AVX512F__)
+  acc.v[0] = _mm512_loadu_ps(p);
+  acc.v[1] = _mm512_loadu_ps(p + 16);
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (int j = 0; j < 4; ++j) acc.v[j] = _mm256_loadu_ps(p + 8 * j);
+#else
+  for (int l = 0; l < 32; ++l) acc.v[l] = p[l];
+#endif
+}
+
+constexpr int64_t kKqRowBlock = 32;  // weight rows whose lane sums are parked together
+
+// Rows [0, MT) of x (row stride K) against weight rows [n0, n1): y[i * N + n]. Long rows are taken in
+// column chunks of `bpc` blocks, so that the MT rows' chunk of x stays in L2 while a block of weight
+// rows passes over it; between chunks each output's 32 lane sums are parked (exactly: the summation
+// order is the one the `KqAcc` comment states, whatever the chunking).
+template <int T, int MT>
+void kq_tile(const float* __restrict__ xp, const uint8_t* __restrict__ wp, float* __restrict__ yp, int64_t n0,
+             int64_t n1, int64_t K, int64_t N) {
+  constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
+  constexpr int subs = static_cast<int>(per / 32);
+  const int64_t nb = K / per;
+  // whole rows while the tile's activations fit in L2 (chunked passes over the weight rows defeat the
+  // hardware prefetchers: with 16 KB chunks one row's decode ran at half speed from memory)
+  const int64_t bpc = MT * K * 4 <= kKqWhole ? nb : std::max<int64_t>(1, kKqPanel / (4 * MT * per));
+  alignas(64) float park[kKqRowBlock * MT * 32];
+  KqHeader h;
+  for (int64_t r0 = n0; r0 < n1; r0 += kKqRowBlock) {
+    const int64_t r1 = std::min(n1, r0 + kKqRowBlock);
+    for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
+      const int64_t b1 = std::min(nb, b0 + bpc);
+      for (int64_t n = r0; n < r1; ++n) {
+        Kq32 acc[MT];
+        float* parked = park + (n - r0) * MT * 32;
+        for (int i = 0; i < MT; ++i) {
+          if (b0 == 0) kq_zero(acc[i]); else kq_load(acc[i], parked + 32 * i);
+        }
+        const uint8_t* row = wp + n * nb * bytes;
+        for (int64_t b = b0; b < b1; ++b) {
+          const uint8_t* blk = row + b * bytes;
+          kq_header<T>(blk, h);
+          for (int c = 0; c < subs; ++c) {
+            const Kq32 w = kq_weights<T>(blk, c, h);
+            const float* xb = xp + b * per + 32 * c;
+            for (int i = 0; i < MT; ++i) kq_fma(acc[i], w, xb + i * K);
+          }
+        }
+        for (int i = 0; i < MT; ++i) {
+          if (b1 == nb) yp[i * N + n] = kq_sum(acc[i]); else kq_store(acc[i], parked + 32 * i);
+        }
+      }
+    }
+  }
+}
+
+// The last M < kKqTile rows: one tile of exactly M rows.
+template <int T, int MT>
+inline void kq_tail(int64_t M, const float* xp, const uint8_t* wp, float* yp, int64_t n0, int64_t n1, int64_t K,
+                    int64_t N) {
+  if constexpr (MT > 0) {
+    if (M == MT) kq_tile<T, MT>(xp, wp, yp, n0, n1, K, N);
+    else kq_tail<T, MT - 1>(M, xp, wp, yp, n0, n1, K, N);
+  }
+}
+
+template <int T>
+void kq_linear_impl(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t K, int64_t N) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / K);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    int64_t m0 = 0;
+    for (; m0 + kKqTile <= M; m0 += kKqTile) kq_tile<T, kKqTile>(xp + m0 * K, wp, yp + m0 * N, n0, n1, K, N);
+    kq_tail<T, kKqTile - 1>(M - m0, xp + m0 * K, wp, yp + m0 * N, n0, n1, K, N);
+  });
+}
+
+template <int T>
+void kq_dequantize_impl(const uint8_t* wp, float* out, int64_t N, int64_t K) {
+  constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
+  constexpr int subs = static_cast<int>(per / 32);
+  const int64_t nb = K / per;
+  at::parallel_for(0, N * nb, std::max<int64_t>(1, 65536 / per), [&](int64_t b0, int64_t b1) {
+    KqHeader h;
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* blk = wp + b * bytes;
+      kq_header<T>(blk, h);
+      for (int c = 0; c < subs; ++c) kq_store(kq_weights<T>(blk, c, h), out + b * per + 32 * c);
+    }
+  });
+}
+
+// Dispatch on the ggml type: f.template operator()<T>() for T one of the six.
+template <typename F>
+void kq_dispatch(int64_t type, F&& f) {
+  switch (type) {
+    case kQ5_0: f(std::integral_constant<int, kQ5_0>{}); break;
+    case kQ5_1: f(std::integral_constant<int, kQ5_1>{}); break;
+    case kQ8_0: f(std::integral_constant<int, kQ8_0>{}); break;
+    case kQ4_K: f(std::integral_constant<int, kQ4_K>{}); break;
+    case kQ5_K: f(std::integral_constant<int, kQ5_K>{}); break;
+    case kQ6_K: f(std::integral_constant<int, kQ6_K>{}); break;
+    default: kq_layout(type);  // raises
+  }
+}
+
+void kq_check_blocks(const at::Tensor& blocks, int64_t type, int64_t N, int64_t K, const char* what) {
+  const auto [per, bytes] = kq_layout(type);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.device().is_cpu(),
+              what, ": blocks are a contiguous uint8 CPU tensor");
+  TORCH_CHECK(N >= 0 && K > 0 && K % per == 0, what, ": in_features must be a positive multiple of ", per);
+  TORCH_CHECK(blocks.numel() == N * (K / per) * bytes, what, ": ", blocks.numel(), " bytes of blocks, expected ",
+              N * (K / per) * bytes, " for a [", N, ", ", K, "] weight");
+}
+
+// y = x @ W^T for x [M, K] (float32 or bfloat16, widened exactly) and W [N, K] in GGUF blocks of `type`;
+// the result in x's dtype (bfloat16: the float32 sum rounded to nearest even).
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "kquant_linear: x is a 2-d float32 or bfloat16 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  kq_check_blocks(blocks, type, N, K, "kquant_linear");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, xf.options());
+  if (M > 0 && N > 0) {
+    const float* xp = xf.data_ptr<float>();
+    const uint8_t* wp = blocks.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    kq_dispatch(type, [&](auto t) { kq_linear_impl<decltype(t)::value>(xp, wp, yp, M, K, N); });
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// W [N, K] in GGUF blocks of `type` -> float32, equal to gguf.quants.dequantize bit for bit.
+at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type, int64_t N, int64_t K) {
+  kq_check_blocks(blocks, type, N, K, "kquant_dequantize");
+  at::Tensor out = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
+  if (N > 0) {
+    const uint8_t* wp = blocks.data_ptr<uint8_t>();
+    float* op = out.data_ptr<float>();
+    kq_dispatch(type, [&](auto t) { kq_dequantize_impl<decltype(t)::value>(wp, op, N, K); });
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(helios, m) {
@@ -1180,6 +1640,8 @@ TORCH_LIBRARY(helios, m) {
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("write_paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale) -> Tensor");
+  m.def("kquant_linear(Tensor x, Tensor blocks, int ggml_type, int out_features) -> Tensor");
+  m.def("kquant_dequantize(Tensor blocks, int ggml_type, int out_features, int in_features) -> Tensor");
 }
 
 TORCH_LIBRARY_FRAGMENT(helios, m) {
@@ -1197,6 +1659,8 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("write_paged_decode", TORCH_FN(write_paged_decode));
   m.impl("write_kv", TORCH_FN(write_kv));
   m.impl("decode_layers", TORCH_FN(decode_layers));
+  m.impl("kquant_linear", TORCH_FN(kquant_linear));
+  m.impl("kquant_dequantize", TORCH_FN(kquant_dequantize));
 }
 
 // The oneDNN-packed weights are MkldnnCPU tensors, and the dispatcher picks that key for the call.

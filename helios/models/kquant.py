@@ -1,0 +1,152 @@
+"""GGUF block-quantized weights (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0) kept in their file form.
+
+A `BlockQuantized` weight is the raw GGUF bytes of one [out, in] matrix (each row ``in / per``
+blocks of ``bytes`` bytes, `cpu_kernels.KQUANT_LAYOUTS`), its ggml type and its shape: 4.5 (Q4_K) to
+8.5 (Q8_0) bits a weight, where a float32 copy streams 32. `KQuantLinear` multiplies by it with
+`cpu_kernels.kquant_linear`, which decodes each block to its exact float32 values in registers (the
+numerics contract per type is in the `cpu_kernels` docstring): no rounding of the weights or of the
+activations beyond float32 accumulation. Like `quant.Int4Linear` it may keep a dense copy for steps of
+more than ``dense_above`` rows (prefill, large batches), where a dense GEMM is faster; without one,
+steps of more than ``unpack_above`` rows dequantize the weight for the call and run a float32 GEMM.
+On the 2-core AVX-512 development machine (`scripts/bench_kernels.py --only kquant`, a busy machine)
+the kernel took about half the dense bfloat16 matmul's time and a fifth of the float32 one's at one
+row, about the bfloat16 one's at 8 rows and two to three times it at 32: a bfloat16 dense copy past
+about 8 rows is the faster choice where memory allows; the dequantize-then-GEMM only ties the kernel
+at 32 rows.
+
+`quant.build_linear` makes a `KQuantLinear` of a fused projection whose parts are all
+`BlockQuantized` (parts of different types become segments of one module) under a quantized weight
+format. Without the CPU kernels (not built, or turned off) the module dequantizes through
+``gguf.quants`` on each call: correct, slow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from helios.models import cpu_kernels
+from helios.models.quant import dense_matmul
+
+KQUANT_TYPES = tuple(cpu_kernels.KQUANT_LAYOUTS)
+
+
+@attrs.frozen(eq=False)
+class BlockQuantized:
+    """A [rows, cols] weight as its GGUF blocks: ``blocks`` uint8 [rows, cols / per * bytes] (row n's
+    blocks in file order), ``ggml_type`` one of `KQUANT_TYPES`, ``shape`` (rows, cols)."""
+
+    blocks: Tensor
+    ggml_type: int
+    shape: tuple[int, int]
+
+    def __attrs_post_init__(self) -> None:
+        if self.ggml_type not in cpu_kernels.KQUANT_LAYOUTS:
+            raise ValueError(f"ggml type {self.ggml_type} is not one of the block types {KQUANT_TYPES}")
+        rows, cols = self.shape
+        per, nbytes = cpu_kernels.KQUANT_LAYOUTS[self.ggml_type]
+        if cols % per:
+            raise ValueError(f"{self.name} needs columns in multiples of {per}, not {cols}")
+        if self.blocks.dtype != torch.uint8 or tuple(self.blocks.shape) != (rows, cols // per * nbytes):
+            raise ValueError(f"{self.name} blocks of a {rows}x{cols} weight are uint8 [{rows}, {cols // per * nbytes}], "
+                             f"not {self.blocks.dtype} {list(self.blocks.shape)}")
+
+    @classmethod
+    def from_bytes(cls, raw: Tensor, ggml_type: int, shape: tuple[int, int]) -> BlockQuantized:
+        """From a GGUF tensor's data (uint8, any shape, ``shape`` in numpy order: rows outermost)."""
+        return cls(raw.reshape(shape[0], -1).contiguous(), ggml_type, (int(shape[0]), int(shape[1])))
+
+    @property
+    def name(self) -> str:
+        return cpu_kernels.KQUANT_NAMES.get(self.ggml_type, str(self.ggml_type))
+
+    def dequantize(self) -> Tensor:
+        """float32 [rows, cols], equal to ``gguf.quants.dequantize`` bit for bit (the kernel when the
+        CPU kernels are available, else ``gguf.quants`` itself)."""
+        rows, cols = self.shape
+        if cpu_kernels.available():
+            return cpu_kernels.kquant_dequantize(self.blocks.contiguous(), self.ggml_type, rows, cols)
+        import gguf
+
+        array = gguf.quants.dequantize(self.blocks.numpy(), gguf.GGMLQuantizationType(self.ggml_type))
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(rows, cols)
+
+    def dequantize_rows(self, index: Tensor) -> Tensor:
+        """float32 [len(index), cols]: rows ``index`` only (an embedding lookup), bit for bit as
+        `dequantize` gives them."""
+        return self.take_rows(index).dequantize()
+
+    def take_rows(self, index: Tensor) -> BlockQuantized:
+        """The weight's rows ``index`` (rows are whole blocks, so this is a row gather of the bytes)."""
+        blocks = self.blocks[index].contiguous()
+        return BlockQuantized(blocks, self.ggml_type, (int(blocks.shape[0]), self.shape[1]))
+
+
+def concat_rows(parts: Sequence[BlockQuantized]) -> list[BlockQuantized]:
+    """Consecutive parts of one type joined into one weight (a fused projection's row blocks)."""
+    joined: list[BlockQuantized] = []
+    for part in parts:
+        last = joined[-1] if joined else None
+        if last is not None and last.ggml_type == part.ggml_type and last.shape[1] == part.shape[1]:
+            blocks = torch.cat([last.blocks, part.blocks])
+            joined[-1] = BlockQuantized(blocks, part.ggml_type, (last.shape[0] + part.shape[0], part.shape[1]))
+        else:
+            joined.append(part)
+    return joined
+
+
+class KQuantLinear(nn.Module):
+    """``x @ W.T`` for ``W`` held as GGUF blocks: one or more row segments (``blocks[i]`` of
+    ``types[i]``, ``outs[i]`` rows each; the output is their concatenation), ``x`` [N, in] float32 or
+    bfloat16 -> [N, out] in ``x``'s dtype. ``dense`` (a buffer, like `quant.Int4Linear`'s, so the
+    engine's count of the bytes a decode step reads stays the blocks) serves steps of more than
+    ``dense_above`` rows; without it, steps of more than ``unpack_above`` rows (None: never)
+    dequantize the weight to float32 for the call and run ``F.linear`` in float32."""
+
+    dense: Tensor | None
+
+    def __init__(self, parts: Sequence[BlockQuantized], dense: Tensor | None = None, dense_above: int = 0,
+                 unpack_above: int | None = None) -> None:
+        super().__init__()
+        segments = concat_rows(parts)
+        if not segments or any(s.shape[1] != segments[0].shape[1] for s in segments):
+            raise ValueError("KQuantLinear: one or more weights with the same columns")
+        self.blocks = nn.ParameterList([nn.Parameter(s.blocks, requires_grad=False) for s in segments])
+        self.types = tuple(s.ggml_type for s in segments)
+        self.outs = tuple(s.shape[0] for s in segments)
+        self.in_features = segments[0].shape[1]
+        self.out_features = sum(self.outs)
+        self.register_buffer("dense", dense)
+        self.dense_above = dense_above
+        self.unpack_above = unpack_above
+        self.onednn: Tensor | None = None  # `quant.pack_onednn`: the dense copy prepacked for oneDNN
+
+    def weights(self) -> list[BlockQuantized]:
+        return [BlockQuantized(b, t, (o, self.in_features)) for b, t, o in zip(self.blocks, self.types, self.outs,
+                                                                                strict=True)]
+
+    def dequantize(self) -> Tensor:
+        """The weight's float32 values [out, in] (exact)."""
+        parts = [w.dequantize() for w in self.weights()]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.shape[0]
+        if (self.dense is not None or self.onednn is not None) and rows > self.dense_above:
+            return dense_matmul(x, self.dense, self.onednn)
+        kernels = cpu_kernels.available() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+        if not kernels or (self.unpack_above is not None and rows > self.unpack_above):
+            y = F.linear(x.to(torch.float32), self.dequantize())
+            return y if y.dtype == x.dtype else y.to(x.dtype)
+        outs = [cpu_kernels.kquant_linear(x, b, t, o) for b, t, o in zip(self.blocks, self.types, self.outs,
+                                                                         strict=True)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def extra_repr(self) -> str:
+        kinds = "+".join(f"{cpu_kernels.KQUANT_NAMES[t]}[{o}]" for t, o in zip(self.types, self.outs, strict=True))
+        return f"{kinds} x {self.in_features}, dense_above={self.dense_above}, unpack_above={self.unpack_above}"

@@ -1,0 +1,337 @@
+"""GGUF block weights (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0) used in their file form: Helios's
+dequantization against ``gguf.quants.dequantize`` (bit for bit), ``kquant_linear`` against float64
+matmuls of the dequantized weights, `KQuantLinear`'s paths, and the AVX2 and scalar builds.
+
+Tolerance of ``kquant_linear`` (float32 accumulation, the order in the `cpu_kernels` docstring): each
+output's 32 lanes take K / 32 fused multiply-adds each, then 5 tree additions, so every product goes
+through at most K / 32 + 5 roundings (one more, the product's, in the scalar build without FMA). With
+u = 2**-24 the error is below (K / 32 + 6) u times the sum of |x w| (the standard bound for recursive
+summation, n u / (1 - n u), is within 1% of n u here). bfloat16 results add one rounding: 2**-8 of |y|.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helios.models import cpu_kernels
+from helios.models.kquant import BlockQuantized, KQuantLinear, concat_rows
+from helios.models.quant import DenseLinear, WeightFormat, build_linear, dense_matmul, dense_of, pack_onednn
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason=f"Helios's CPU kernels are not built here: {cpu_kernels.unavailable_reason()}")
+
+TYPES = sorted(cpu_kernels.KQUANT_LAYOUTS)
+NAMES = [cpu_kernels.KQUANT_NAMES[t] for t in TYPES]
+# byte offsets of each type's float16 fields within a block (d, and dmin / m where the type has one)
+FP16_FIELDS = {6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+U = 2.0**-24
+
+
+def random_blocks(ggml_type: int, rows: int, cols: int, seed: int, *, full_range: bool = False) -> np.ndarray:
+    """uint8 [rows, row bytes] of valid blocks: random codes and sub-block scales (every byte pattern
+    is valid there), finite float16 scales: anything finite (subnormals, zeros of both signs, 65504)
+    with ``full_range``, else about N(0, 0.01)."""
+    per, nbytes = cpu_kernels.KQUANT_LAYOUTS[ggml_type]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // per, nbytes), dtype=np.uint8)
+    for off in FP16_FIELDS[ggml_type]:
+        if full_range:
+            bits = rng.integers(0, 1 << 16, size=blocks.shape[0], dtype=np.uint16)
+            bits = np.where((bits & 0x7C00) == 0x7C00, bits & 0x83FF, bits).astype(np.uint16)  # no inf / nan
+            half = bits.view(np.float16)
+        else:
+            half = (rng.standard_normal(blocks.shape[0]) * 0.01).astype(np.float16)
+        blocks[:, off:off + 2] = half.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def gguf_dequantize(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
+    out = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(ggml_type))
+    return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def bits(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    a = t.numpy() if isinstance(t, torch.Tensor) else t
+    return a.view(np.uint32)
+
+
+def error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(K / 32 + 6) u times the sum of |x w| per output (module docstring)."""
+    k = x.shape[1]
+    return (k / 32 + 6) * U * (x.double().abs() @ w.double().abs().t())
+
+
+# -- dequantization --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
+@pytest.mark.parametrize(("rows", "cols"), [(5, 512), (33, 256), (1, 1024)])
+def test_dequantize_equals_gguf_bit_for_bit(ggml_type: int, rows: int, cols: int) -> None:
+    blocks = random_blocks(ggml_type, rows, cols, seed=ggml_type * 100 + rows, full_range=True)
+    want = gguf_dequantize(blocks, ggml_type)
+    got = cpu_kernels.kquant_dequantize(torch.from_numpy(blocks), ggml_type, rows, cols)
+    assert got.dtype == torch.float32 and got.shape == (rows, cols)
+    assert np.array_equal(bits(got), bits(want))  # signed zeros included
+
+
+@pytest.mark.parametrize("ggml_type", [6, 7, 8], ids=["Q5_0", "Q5_1", "Q8_0"])
+def test_dequantize_equals_gguf_on_quantized_weights(ggml_type: int) -> None:
+    """Blocks as gguf.quants.quantize writes them (the types it can quantize), from weights with outliers."""
+    rng = np.random.default_rng(ggml_type)
+    weight = (rng.standard_normal((9, 256)) * rng.choice([0.01, 1.0, 30.0], size=(9, 1))).astype(np.float32)
+    blocks = gguf.quants.quantize(weight, gguf.GGMLQuantizationType(ggml_type))
+    got = cpu_kernels.kquant_dequantize(torch.from_numpy(blocks), ggml_type, 9, 256)
+    assert np.array_equal(bits(got), bits(gguf_dequantize(blocks, ggml_type)))
+
+
+def test_dequantize_rejects_bad_operands() -> None:
+    blocks = torch.from_numpy(random_blocks(12, 2, 256, seed=0))
+    with pytest.raises(RuntimeError, match="not one of"):
+        cpu_kernels.kquant_dequantize(blocks, 2, 2, 256)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        cpu_kernels.kquant_dequantize(blocks, 12, 2, 128)
+    with pytest.raises(RuntimeError, match="bytes of blocks"):
+        cpu_kernels.kquant_dequantize(blocks, 12, 3, 256)
+    with pytest.raises(RuntimeError, match="uint8"):
+        cpu_kernels.kquant_dequantize(blocks.to(torch.int16), 12, 2, 256)
+
+
+# -- kquant_linear ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
+@pytest.mark.parametrize("m", [1, 3, 8, 33])
+@pytest.mark.parametrize(("out", "k"), [(37, 512), (33, 768)])
+def test_kquant_linear_against_float64(ggml_type: int, m: int, out: int, k: int) -> None:
+    blocks = random_blocks(ggml_type, out, k, seed=ggml_type + m + out)
+    w = torch.from_numpy(gguf_dequantize(blocks, ggml_type))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k))
+    got = cpu_kernels.kquant_linear(x, torch.from_numpy(blocks), ggml_type, out)
+    assert got.dtype == torch.float32 and got.shape == (m, out)
+    err = (got.double() - x.double() @ w.double().t()).abs()
+    assert (err <= error_bound(x, w)).all()
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
+@pytest.mark.parametrize("m", [1, 3, 8, 33])
+def test_kquant_linear_bfloat16_activations(ggml_type: int, m: int) -> None:
+    """bfloat16 x is widened exactly: the float32 result rounded to nearest even, within one bf16
+    rounding of the float64 reference."""
+    out, k = 41, 512
+    blocks = torch.from_numpy(random_blocks(ggml_type, out, k, seed=7 * ggml_type + m))
+    w = torch.from_numpy(gguf_dequantize(blocks.numpy(), ggml_type))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    got = cpu_kernels.kquant_linear(x, blocks, ggml_type, out)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, out)
+    assert torch.equal(got, cpu_kernels.kquant_linear(x.float(), blocks, ggml_type, out).to(torch.bfloat16))
+    want = x.double() @ w.double().t()
+    assert ((got.double() - want).abs() <= error_bound(x, w) * (1 + 2.0**-8) + 2.0**-8 * want.abs()).all()
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
+def test_kquant_linear_rows_do_not_depend_on_the_batch_or_threads(ggml_type: int) -> None:
+    """The summation order is per output: a row's result is the same bits alone, in any batch, on
+    any number of threads."""
+    out, k = 67, 512
+    blocks = torch.from_numpy(random_blocks(ggml_type, out, k, seed=ggml_type))
+    x = torch.randn(33, k, generator=torch.Generator().manual_seed(3))
+    batch = cpu_kernels.kquant_linear(x, blocks, ggml_type, out)
+    for i in (0, 5, 32):
+        assert torch.equal(cpu_kernels.kquant_linear(x[i:i + 1], blocks, ggml_type, out), batch[i:i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_kernels.kquant_linear(x, blocks, ggml_type, out), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
+def test_kquant_linear_long_rows_against_float64(ggml_type: int) -> None:
+    """Rows long enough (16,640 columns) that a tile of rows takes the columns in chunks, parking its
+    lane sums between them: within the bound, and the same bits as each row alone (whole rows)."""
+    out, k = 7, 16640
+    blocks = torch.from_numpy(random_blocks(ggml_type, out, k, seed=ggml_type))
+    w = torch.from_numpy(gguf_dequantize(blocks.numpy(), ggml_type))
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(5))
+    got = cpu_kernels.kquant_linear(x, blocks, ggml_type, out)
+    assert ((got.double() - x.double() @ w.double().t()).abs() <= error_bound(x, w)).all()
+    for i in range(5):
+        assert torch.equal(cpu_kernels.kquant_linear(x[i:i + 1], blocks, ggml_type, out), got[i:i + 1])
+
+
+def test_kquant_linear_rejects_bad_operands() -> None:
+    blocks = torch.from_numpy(random_blocks(14, 4, 256, seed=0))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpu_kernels.kquant_linear(torch.randn(2, 256).double(), blocks, 14, 4)
+    with pytest.raises(RuntimeError, match="bytes of blocks"):
+        cpu_kernels.kquant_linear(torch.randn(2, 256), blocks, 14, 5)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        cpu_kernels.kquant_linear(torch.randn(2, 128), blocks, 14, 4)
+    assert cpu_kernels.kquant_linear(torch.randn(0, 256), blocks, 14, 4).shape == (0, 4)
+
+
+# -- BlockQuantized and KQuantLinear ---------------------------------------------------------------------
+
+
+def _weight(ggml_type: int, rows: int, cols: int, seed: int) -> BlockQuantized:
+    return BlockQuantized(torch.from_numpy(random_blocks(ggml_type, rows, cols, seed)), ggml_type, (rows, cols))
+
+
+def test_block_quantized_checks_its_layout_and_takes_rows() -> None:
+    w = _weight(13, 6, 512, seed=1)
+    assert w.name == "Q5_K" and torch.equal(dense_of(w), torch.from_numpy(gguf_dequantize(w.blocks.numpy(), 13)))
+    index = torch.tensor([4, 0, 2])
+    assert torch.equal(w.take_rows(index).dequantize(), w.dequantize()[index])
+    assert torch.equal(w.dequantize_rows(index), w.dequantize()[index])
+    again = BlockQuantized.from_bytes(w.blocks.flatten(), 13, (6, 512))
+    assert torch.equal(again.blocks, w.blocks)
+    with pytest.raises(ValueError, match="multiples of 256"):
+        BlockQuantized(w.blocks, 13, (6, 500))
+    with pytest.raises(ValueError, match="uint8"):
+        BlockQuantized(w.blocks[:, :-1], 13, (6, 512))
+    with pytest.raises(ValueError, match="not one of"):
+        BlockQuantized(w.blocks, 2, (6, 512))
+
+
+def test_block_quantized_dequantizes_through_gguf_without_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = _weight(14, 3, 256, seed=2)
+    want = w.dequantize()
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert torch.equal(w.dequantize(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kquant_linear_module_segments_and_paths(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused projection of mixed types (Q4_K q, k and Q6_K v, as a Q4_K_M file has): each segment
+    through the kernel, outputs concatenated; same-type neighbours share one segment."""
+    parts = [_weight(12, 32, 512, 1), _weight(12, 16, 512, 2), _weight(14, 16, 512, 3)]
+    module = KQuantLinear(parts)
+    assert module.types == (12, 14) and module.outs == (48, 16) and module.out_features == 64
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0)).to(dtype)
+    y = module(x)
+    assert y.dtype == dtype and y.shape == (5, 64)
+    each = [cpu_kernels.kquant_linear(x, p.blocks, p.ggml_type, p.shape[0]) for p in parts]
+    assert torch.equal(y, torch.cat(each, dim=1))
+    w = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(module.dequantize(), w)
+    # unpack-then-GEMM past `unpack_above` rows: the exact weights in a float32 F.linear
+    module.unpack_above = 4
+    assert torch.equal(module(x), F.linear(x.float(), w).to(dtype))
+    assert torch.equal(module(x[:4]), y[:4])
+    # without the kernels: the same F.linear on every call
+    module.unpack_above = None
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert torch.equal(module(x), F.linear(x.float(), w).to(dtype))
+
+
+@pytest.mark.parametrize("dense_dtype", [torch.float32, torch.bfloat16])
+def test_the_dense_copy_serves_steps_past_the_crossover(dense_dtype: torch.dtype) -> None:
+    weight = _weight(12, 40, 512, seed=4)
+    dense = weight.dequantize().to(dense_dtype)
+    module = KQuantLinear([weight], dense, dense_above=8)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(module(x), dense_matmul(x, dense))  # 9 rows > 8: the dense matmul
+    assert torch.equal(module(x[:8]), cpu_kernels.kquant_linear(x[:8], weight.blocks, 12, 40))
+
+
+def test_build_linear_keeps_block_parts_under_a_quantized_format() -> None:
+    parts = [_weight(12, 64, 256, 5), _weight(14, 32, 256, 6)]
+    fmt = WeightFormat(kind="int4", dense_dtype=torch.bfloat16, dense_above=16)
+    module = build_linear(parts, fmt, torch.bfloat16)
+    assert isinstance(module, KQuantLinear) and module.dense_above == 16
+    assert module.dense is not None and module.dense.dtype == torch.bfloat16
+    w = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(module.dense, w.to(torch.bfloat16))
+    dense = build_linear(parts, WeightFormat(kind="dense", dtype=torch.float32), torch.bfloat16)
+    assert isinstance(dense, DenseLinear) and torch.equal(dense.weight, w)
+    # a part that is not blocks: the existing paths, from the dequantized values
+    mixed = build_linear([parts[0], torch.zeros(8, 256)], WeightFormat(kind="int8"), torch.bfloat16)
+    assert not isinstance(mixed, KQuantLinear)
+
+
+def test_pack_onednn_replaces_the_dense_copy() -> None:
+    weight = _weight(12, 48, 256, seed=8)
+    module = KQuantLinear([weight], weight.dequantize(), dense_above=4)
+    if not pack_onednn(module):
+        pytest.skip("oneDNN's prepacked linear is not used on this machine")
+    assert module.dense is None and module.onednn is not None
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(2))
+    assert torch.allclose(module(x), F.linear(x, weight.dequantize()), rtol=1e-5, atol=1e-5)
+    assert torch.equal(module(x[:4]), cpu_kernels.kquant_linear(x[:4], weight.blocks, 12, 48))
+
+
+def test_concat_rows_joins_neighbours_of_one_type() -> None:
+    a, b, c = _weight(8, 3, 64, 1), _weight(8, 2, 64, 2), _weight(6, 4, 64, 3)
+    joined = concat_rows([a, b, c, a])
+    assert [(j.ggml_type, j.shape) for j in joined] == [(8, (5, 64)), (6, (4, 64)), (8, (3, 64))]
+
+
+# -- the other instruction-set builds --------------------------------------------------------------------
+
+
+def _arch_operands(ggml_type: int) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = torch.from_numpy(random_blocks(ggml_type, 29, 768, seed=ggml_type))
+    return blocks, torch.randn(5, 768, generator=torch.Generator().manual_seed(ggml_type))
+
+
+def _arch_cases() -> dict[str, torch.Tensor]:
+    """Fixed operands' kquant_linear results (float32 and bfloat16 activations) for every type."""
+    out: dict[str, torch.Tensor] = {}
+    for t in TYPES:
+        blocks, x = _arch_operands(t)
+        out[f"{t}:f32"] = cpu_kernels.kquant_linear(x, blocks, t, 29)
+        out[f"{t}:bf16"] = cpu_kernels.kquant_linear(x.to(torch.bfloat16), blocks, t, 29)
+    return out
+
+
+def _dump_arch_cases(path: str) -> None:
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+    torch.save(_arch_cases(), path)
+
+
+@pytest.mark.parametrize("arch", ["haswell", "x86-64"], ids=["avx2_fma", "scalar"])
+def test_the_other_instruction_set_builds(arch: str, tmp_path: Path) -> None:
+    """-march=native builds one of the AVX-512, AVX2+FMA and scalar paths; build the others
+    (HELIOS_CPU_KERNELS_ARCH) in child processes, run the exactness and float64 tests there, and
+    compare their results with this build's: the AVX2 and AVX-512 paths sum in the same order (the
+    same bits); the scalar one rounds each product first (within the error bound)."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, **{cpu_kernels.ARCH_ENV: arch})
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", __file__,
+         "-k", "bit_for_bit or against_float64 or bfloat16_activations or do_not_depend or long_rows"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout
+    dump = tmp_path / "cases.pt"
+    code = f"from tests.unit.test_kquant import _dump_arch_cases; _dump_arch_cases({str(dump)!r})"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(env, PYTHONPATH=str(root)),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs, ours = torch.load(dump), _arch_cases()
+    flags = set(cpu_kernels._cpu_flags().split())
+    same_order = arch == "haswell" and {"avx2", "fma"} <= flags  # this build is AVX2 or AVX-512 too
+    for t in TYPES:
+        blocks, x = _arch_operands(t)
+        w = torch.from_numpy(gguf_dequantize(blocks.numpy(), t))
+        want, bound = x.double() @ w.double().t(), error_bound(x, w)
+        for key in (f"{t}:f32", f"{t}:bf16"):
+            if same_order:
+                assert torch.equal(theirs[key], ours[key]), key
+            elif key.endswith("f32"):
+                assert ((theirs[key].double() - want).abs() <= bound).all(), key
+            else:  # the float32 sum's error, then one bfloat16 rounding of a value at most |want| + bound
+                xb = x.to(torch.bfloat16)
+                want_b, bound_b = xb.double() @ w.double().t(), error_bound(xb, w)
+                err = (theirs[key].double() - want_b).abs()
+                assert (err <= bound_b + 2.0**-8 * (want_b.abs() + bound_b)).all(), key
