@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from helios.models import cpu_kernels
+from helios.models.dense import dense_matmul
 from helios.models.kquant import BlockQuantized
-from helios.models.quant import DenseLinear, best_time, dense_matmul, onednn_linear_works, pack_onednn
+from helios.models.quant import DenseLinear, best_time, onednn_linear_works, pack_onednn
 from helios.runtime import cpu_flags
 
 LAYERS = 30

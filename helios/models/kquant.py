@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from helios.models import cpu_kernels
-from helios.models.quant import dense_matmul
+from helios.models.dense import dense_matmul
 
 KQUANT_TYPES = tuple(cpu_kernels.KQUANT_LAYOUTS)
 

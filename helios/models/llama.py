@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from helios.models import cpu_kernels, packing
 from helios.models.architecture import Architecture, ArchitectureConfig, BuildOptions, GGUFSource, GGUFTensor
 from helios.models.config import LLAMA_FAMILY, ROPE_FREQS, ModelConfig, config_from_gguf, rope_inv_freq
+from helios.models.dense import dense_matmul
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec
 from helios.models.packing import LM_HEAD_FP32, LM_HEAD_Q8
 from helios.models.packing import Q8_BF16_ROWS as Q8_BF16_ROWS  # re-exported: compute_logits' threshold
@@ -39,7 +40,6 @@ from helios.models.quant import (
     WeightFormat,
     WeightSource,
     build_linear,
-    dense_matmul,
     dense_of,
 )
 

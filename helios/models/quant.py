@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from helios.models.dense import dense_matmul, onednn_linear
+
 if TYPE_CHECKING:
     from helios.models.kquant import BlockQuantized
 
@@ -321,13 +323,13 @@ def onednn_linear_works(dtype: torch.dtype) -> bool:
     try:
         with torch.no_grad():
             packed = _onednn_pack(weight)
-            got = _onednn_linear(x, packed)
+            got = onednn_linear(x, packed)
             want = F.linear(x, weight)
             tolerance = 1e-4 if dtype == torch.float32 else 1e-2
             if not torch.allclose(got.float(), want.float(), rtol=tolerance, atol=tolerance):
                 log.info("oneDNN prepacked linear (%s) disagrees with F.linear: not used", _dtype_name(dtype))
                 return False
-            onednn_s = best_time(lambda: _onednn_linear(x, packed))
+            onednn_s = best_time(lambda: onednn_linear(x, packed))
             torch_s = best_time(lambda: F.linear(x, weight))
     except (RuntimeError, NotImplementedError, AttributeError) as exc:
         log.info("oneDNN prepacked linear (%s) unavailable: %s", _dtype_name(dtype), exc)
@@ -352,24 +354,6 @@ def best_time(fn: Callable[[], object], repeats: int = 15) -> float:
 def _onednn_pack(weight: Tensor) -> Tensor:
     packed: Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
     return packed
-
-
-def _onednn_linear(x: Tensor, packed: Tensor) -> Tensor:
-    out: Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
-    return out
-
-
-def dense_matmul(x: Tensor, w: Tensor | None, onednn: Tensor | None = None) -> Tensor:
-    """``x @ w.T`` in ``w``'s dtype (``x`` converted there and the result back), from ``onednn``
-    (`pack_onednn`'s copy of ``w``, which then may stand alone: ``w`` None) when given."""
-    if onednn is not None:
-        if x.dtype == onednn.dtype:
-            return _onednn_linear(x, onednn)
-        return _onednn_linear(x.to(onednn.dtype), onednn).to(x.dtype)
-    assert w is not None
-    if x.dtype == w.dtype:
-        return F.linear(x, w)
-    return F.linear(x.to(w.dtype), w).to(x.dtype)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from helios.models import cpu_kernels
+from helios.models.dense import dense_matmul
 from helios.models.kquant import BlockQuantized, KQuantLinear, concat_rows
-from helios.models.quant import DenseLinear, WeightFormat, build_linear, dense_matmul, dense_of, pack_onednn
+from helios.models.quant import DenseLinear, WeightFormat, build_linear, dense_of, pack_onednn
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason=f"Helios's CPU kernels are not built here: {cpu_kernels.unavailable_reason()}")
