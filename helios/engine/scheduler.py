@@ -31,7 +31,8 @@ import attrs
 import torch
 
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
-from helios.engine.kv.manager import ImageKey, KVCacheManager
+from helios.engine.kv.coordinator import KVManager
+from helios.engine.kv.manager import ImageKey
 from helios.engine.reasoning_budget import BudgetTracker
 from helios.engine.records import EngineFinish, EngineRequest, RequestOutput, RunnerOutput
 from helios.engine.speculative import (
@@ -147,7 +148,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self,
-        kv: KVCacheManager,
+        kv: KVManager,
         *,
         max_active: int,
         prefill_chunk_size: int,
