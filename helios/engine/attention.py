@@ -137,7 +137,13 @@ class TorchPagedBackend:
         return cls(layout.num_layers, num_pages, page_size, 0, 0, dtype, device, decode_kernel=decode_kernel,
                    prefill_kernel=prefill_kernel, layout=layout, num_state_slots=num_state_slots)
 
-    def build(self, inputs: AttentionInputs) -> PagedAttention:
+    def build(self, inputs: AttentionInputs) -> PagedAttention | GroupAttention:
+        """The step's `models.interface.AttentionContext`: with one full-attention group (every
+        Llama-family model) that group's `GroupAttention` itself (no per-layer dispatch)."""
+        if self.layout.is_single_full:
+            return GroupAttention(self.kv, self.layout.groups[0], inputs, inputs.block_table, inputs.slot_mapping,
+                                  self.page_size, self._offsets, decode_kernel=self.decode_kernel,
+                                  prefill_kernel=self.prefill_kernel)
         return PagedAttention(self.kv, inputs, self.page_size, self._offsets, decode_kernel=self.decode_kernel,
                               prefill_kernel=self.prefill_kernel, layout=self.layout,
                               group_kernels=self.group_kernels)
@@ -237,7 +243,9 @@ class KVCache:
 
 
 class PagedAttention:
-    """One step's attention over the paged cache (`models.interface.AttentionContext`).
+    """One step's attention over the paged cache of several groups
+    (`models.interface.AttentionContext`): each layer goes to its group's `GroupAttention`, a
+    recurrent layer gets its states and the step's spans.
 
     Index tensors are built once per step per paged group, on the device, and shared by every
     layer of the group."""
@@ -248,7 +256,7 @@ class PagedAttention:
         layout = kv.layout if layout is None else layout
         self.inputs = inputs
         self.kv = kv
-        self._by_layer: list[_GroupStep | None] = [None] * layout.num_layers
+        self._by_layer: list[GroupAttention | None] = [None] * layout.num_layers
         self._spans = inputs.recurrent_spans
         for g, group in enumerate(layout.paged_groups):
             if isinstance(group.spec, LatentAttentionSpec):
@@ -259,7 +267,7 @@ class PagedAttention:
             else:
                 table, slot_mapping = inputs.group_tables[g - 1]
                 dk, pk = group_kernels[g]
-            step = _GroupStep(kv, group, inputs, table, slot_mapping, page_size, offsets, decode_kernel=dk,
+            step = GroupAttention(kv, group, inputs, table, slot_mapping, page_size, offsets, decode_kernel=dk,
                               prefill_kernel=pk)
             for i in group.layers:
                 self._by_layer[i] = step
@@ -282,8 +290,9 @@ class PagedAttention:
         return step(layer_idx, q, k, v, scale)
 
 
-class _GroupStep:
-    """One step's attention index tensors for one full-attention or sliding-window group."""
+class GroupAttention:
+    """One step's attention over one full-attention or sliding-window group: its index tensors,
+    built once per step and shared by the group's layers."""
 
     def __init__(self, kv: KVCache, group: CacheGroup, inputs: AttentionInputs, table: Tensor, slot_mapping: Tensor,
                  page_size: int, offsets: Tensor, *, decode_kernel: bool, prefill_kernel: bool) -> None:
@@ -344,6 +353,9 @@ class _GroupStep:
             pages = table[row : row + 1, lo : -(-end // page_size)]
             slots = _expand(pages, page_size, offsets)[0, first - lo * page_size : end - lo * page_size]
             self.prefills.append((tok_start, length, slots, ctx_start, first))
+
+    def recurrent(self, layer_idx: int) -> RecurrentBatch:
+        raise TypeError(f"layer {layer_idx} is an attention layer, not a recurrent one")
 
     def all_decode_args(self, layer_idx: int) -> DecodeArgs | None:
         if not (self.num_decode and self.decode_kernel and self.all_decode and self.full):

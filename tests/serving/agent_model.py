@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from helios.config import EngineSection, HeliosConfig, ModelConfigSection, ServerConfig
-from helios.engine.attention import AttentionInputs, PagedAttention, TorchPagedBackend
+from helios.engine.attention import AttentionInputs, GroupAttention, PagedAttention, TorchPagedBackend
 from helios.loaders.tokenizer import Tokenizer
 from tests.serving.harness import (
     DEFAULT_REPLY,
@@ -148,7 +148,7 @@ class _CapturingBackend:
         self.kv = inner.kv
         self.inputs: AttentionInputs | None = None
 
-    def build(self, inputs: AttentionInputs) -> PagedAttention:
+    def build(self, inputs: AttentionInputs) -> PagedAttention | GroupAttention:
         self.inputs = inputs
         return self.inner.build(inputs)
 

@@ -1,5 +1,8 @@
 """The KV cache manager: which pages each request holds, with reference counts, and the prefix cache.
 
+One page pool: a model whose layers all keep full attention uses one `KVCacheManager`; other
+layouts use one per paged cache group behind `kv/coordinator.py`'s `KVCacheCoordinator`.
+
 Ownership rules (vLLM v1's KV-manager split):
 
 - The manager alone changes page ownership. A request's block table (its page ids in position
