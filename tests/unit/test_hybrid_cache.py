@@ -14,6 +14,7 @@ from helios.engine.kv.coordinator import KVCacheCoordinator, SlidingWindowPool, 
 from helios.engine.kv.layout import CacheLayout
 from helios.engine.records import EngineRequest, RequestOutput
 from helios.engine.speculative import SpeculativeConfig
+from helios.models import cpu_kernels
 from helios.models.interface import CausalLM, FullAttentionSpec, RecurrentStateSpec, SlidingWindowSpec
 from tests.unit.hybrid_model import HybridModel, build_hybrid_model
 from tests.unit.test_engine import run
@@ -109,16 +110,19 @@ def test_layers_with_equal_specs_form_one_group() -> None:
 # -- the engine against the reference --------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("num_pages", "chunk"), [(64, 7), (64, 3), (12, 5)],
-                         ids=["roomy", "small-chunks", "preempting"])
-def test_hybrid_engine_matches_reference(num_pages: int, chunk: int) -> None:
+@pytest.mark.parametrize(("num_pages", "chunk", "head_dim"), [(64, 7, 8), (64, 3, 8), (12, 5, 8), (64, 7, 16)],
+                         ids=["roomy", "small-chunks", "preempting", "cpu-kernels"])
+def test_hybrid_engine_matches_reference(num_pages: int, chunk: int, head_dim: int) -> None:
     """Requests of 3 to 21 prompt tokens (most longer than the window) interleaved, chunked prefill,
     12 decode steps each (well past the window); with 12 pages of 4 tokens, preemption and
-    recompute. After every step: integrity, every decoding request holds only the sliding pages its
-    window reaches, and the free pages are overwritten with garbage."""
-    model = build_hybrid_model()
+    recompute; with a head size of 16, the CPU decode kernel where it applies (the full layer, and
+    the sliding layers while every context is within the window). After every step: integrity,
+    every decoding request holds only the sliding pages its window reaches, and the free pages are
+    overwritten with garbage."""
+    model = build_hybrid_model({"head_dim": head_dim})
     core = EngineCore(model, EngineConfig(page_size=PS, num_pages=num_pages, max_active=4, prefill_chunk_size=chunk,
                                           max_model_len=128), torch.float32)
+    assert core.attention.decode_kernel == (head_dim == 16 and cpu_kernels.available())
     kv = core.kv_manager
     assert isinstance(kv, KVCacheCoordinator) and not kv.enable_caching  # a recurrent group: no prefix cache
     sliding = kv.sliding[0]
