@@ -468,7 +468,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                         speculative=SpeculativeConfig(mode=cfg.speculative.mode, max_depth=cfg.speculative.max_depth,
                                                       history=cfg.speculative.history),
                         token_vocab_size=ckpt.tokenizer.vocab_size)
-    core = EngineCore(model, mc, ecfg, dtype, device, vision=loaded.vision)
+    core = EngineCore(model, ecfg, dtype, device, vision=loaded.vision)
     name = cfg.model.recipe or detect_recipe(ckpt.model_id, mc.arch, ckpt.chat_template)
     is_default = default_path is not None or _is_default(path)
     generation_config = generation_defaults(ckpt.generation_config, cfg.model.generation_config, default_model=is_default)

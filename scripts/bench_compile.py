@@ -55,7 +55,7 @@ def register_fakes() -> None:
 
 def run(loaded: Any, mode: str, streams: int, steps: int) -> tuple[float, float, list[list[int]]]:
     model = loaded.model
-    core = EngineCore(model, loaded.checkpoint.config,
+    core = EngineCore(model,
                       EngineConfig(page_size=16, num_pages=3000, max_active=64, prefill_chunk_size=2048,
                                    max_model_len=4096), loaded.choice.dtype)
     for i in range(streams):

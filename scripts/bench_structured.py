@@ -81,7 +81,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     loaded = load_model(ensure_default_model(quiet=True), weights=args.weights, cache_dir=default_cache_dir() / "packed")
     tok = loaded.checkpoint.tokenizer
-    core = EngineCore(loaded.model, loaded.checkpoint.config,
+    core = EngineCore(loaded.model,
                       EngineConfig(num_pages=1024, max_active=max(16, args.streams), prefill_chunk_size=2048,
                                    max_model_len=2048, prefix_caching=False), loaded.choice.dtype)
     core.runner.grammar = GrammarBatch(core.sampler.vocab_size, num_threads=args.llg_threads,

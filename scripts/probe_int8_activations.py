@@ -57,7 +57,7 @@ def main() -> None:
                                          add_generation_prompt=True))
         for on in (False, True):
             rounding["on"] = on
-            core = EngineCore(loaded.model, loaded.checkpoint.config,
+            core = EngineCore(loaded.model,
                               EngineConfig(page_size=16, num_pages=64, max_active=4, prefill_chunk_size=512,
                                            max_model_len=1024), loaded.choice.dtype)
             core.add(EngineRequest("r", tuple(ids), SamplingParams(temperature=0.0), max_tokens=12,

@@ -37,7 +37,7 @@ def main() -> None:
     print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}; threads {torch.get_num_threads()}; "
           f"{loaded.choice.describe()}")
     model = loaded.model
-    core = EngineCore(model, loaded.checkpoint.config,
+    core = EngineCore(model,
                       EngineConfig(page_size=16, num_pages=2000, max_active=8, prefill_chunk_size=max(args.tokens),
                                    max_model_len=max(args.tokens) + 16), loaded.choice.dtype)
     serial = itertools.count()

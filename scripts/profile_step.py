@@ -57,12 +57,12 @@ def main() -> None:
     args = ap.parse_args()
     loaded = load_model(ensure_default_model(), weights=args.weights, dtype=args.dtype, device=args.device,
                         cache_dir=default_cache_dir() / "packed")
-    ckpt, model, dtype = loaded.checkpoint, loaded.model, loaded.choice.dtype
+    model, dtype = loaded.model, loaded.choice.dtype
     print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}; threads {torch.get_num_threads()}; "
           f"{loaded.choice.describe()}; logits: {model.head_format}")
     for n in args.streams:
         tokens = args.context + 2 * args.steps + 64
-        core = EngineCore(model, ckpt.config, EngineConfig(page_size=16, num_pages=n * (-(-tokens // 16)) + 16,
+        core = EngineCore(model, EngineConfig(page_size=16, num_pages=n * (-(-tokens // 16)) + 16,
                                                             max_active=64, prefill_chunk_size=512,
                                                             max_model_len=tokens + 16),
                           dtype, args.device)

@@ -1,20 +1,34 @@
-"""Attention backends: each owns a KV layout and builds every step's attention metadata.
+"""The paged attention backend: the cache storage of every layer and each step's attention.
 
-The runner asks its backend for two things: the KV storage (allocated once, sized by the page
-pool) and, each step, a callable the model's layers use (`models.llama.AttentionBackend`: write the
-step's K/V into the cache, attend over each request's history). The KV cache manager decides which
-pages a request holds; the runner's persistent batch (`runner.InputBatch`) keeps every running
-request's block table as a row of one device tensor, updated with new pages only, and hands the
-backend an `AttentionInputs` per step: that tensor, the step's slot mapping, and which tokens decode.
+The runner asks its backend for two things: the storage (allocated once, sized by the page pools
+and the state slots) and, each step, the `models.interface.AttentionContext` the model's layers
+call (`PagedAttention`: write the step's K/V into the cache, attend over each request's history;
+or a recurrent layer's state and chunks). The KV manager decides which pages a request holds, per
+cache group (`kv/coordinator.py`); the runner's persistent batch (`runner.InputBatch`) keeps every
+running request's block table of each paged group as a row of one device tensor, updated with new
+pages only, and hands the backend an `AttentionInputs` per step: those tensors, the step's slot
+mapping per group, which tokens decode, and the recurrent chunks.
+
+Storage (`KVCache`), per layer by its group's spec: K and V of a full-attention or sliding-window
+layer as [num_kv_heads, slots, head_dim] (a sliding group has one spare page, its `NULL`
+placeholder), the rows of a latent-attention layer as [slots, row_dim], and the state tensors of a
+recurrent layer as [num_state_slots, *shape]. Slot = page * page_size + offset, in the layer's own
+group's pages.
 
 `TorchPagedBackend` runs on the CPU and, as plain torch operations, on CUDA too. It expands block
 table rows into slot indices on the device (slot = page * page_size + offset), so a step costs a few
 tensor operations whatever the batch, with no per-request index work on the host. On the CPU, decode
-attention (one query token per row) runs Helios's own kernel (`helios.models.cpu_kernels.paged_decode`)
-when it is built: it reads each row's K/V in place through the block table, in float32, split over
-history chunks that run in parallel, instead of gathering every row's whole history into a contiguous
-copy in every layer of every step (at 4k tokens of context and 8 rows the gather path took 13-20 ms
-per layer, the kernel 2-3 ms). Prefill chunks keep SDPA over their gathered context.
+attention (one query token per row) of a full-attention layer runs Helios's own kernel
+(`helios.models.cpu_kernels.paged_decode`) when it is built: it reads each row's K/V in place
+through the block table, in float32, split over history chunks that run in parallel, instead of
+gathering every row's whole history into a contiguous copy in every layer of every step (at 4k
+tokens of context and 8 rows the gather path took 13-20 ms per layer, the kernel 2-3 ms). Prefill
+chunks keep SDPA over their gathered context, or the `paged_prefill` kernel on a bfloat16 cache.
+
+A sliding-window layer (query position p sees keys p - window + 1 .. p) uses the kernels only while
+every context of the step is within its window; otherwise decode rows gather their last ``window``
+positions (one index tensor for all rows) and prefill chunks their window before the chunk, with the
+window in the mask. `all_decode_args` (the one-operator decode layer) is for full-attention layers.
 
 A CUDA backend with FlashAttention / FlashInfer kernels and CUDA graphs for decode batch buckets
 would take the same `AttentionInputs` (block tables and sequence lengths are what those kernels
@@ -24,15 +38,22 @@ uses `TorchPagedBackend` with its tensors on the GPU.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
 
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from helios.engine.kv.layout import CacheGroup, CacheLayout
 from helios.models import cpu_kernels
-from helios.models.interface import DecodeArgs, RecurrentBatch
+from helios.models.interface import (
+    DecodeArgs,
+    FullAttentionSpec,
+    LatentAttentionSpec,
+    RecurrentBatch,
+    SlidingWindowSpec,
+)
 
 
 @attrs.frozen
@@ -41,10 +62,10 @@ class AttentionInputs:
     device; the ints are host values the scheduler output already gave (no device read)."""
 
     block_table: Tensor
-    """[rows, max_pages] int64, persistent: row r holds the pages of the request in batch row r
-    (entries past its pages are stale page ids, never read unmasked)."""
+    """[rows, max_pages] int64, persistent: row r holds the pages of the request in batch row r in
+    the primary group (group 0; entries past its pages are stale page ids, never read unmasked)."""
     slot_mapping: Tensor
-    """[T] int64: the cache slot each token's K/V is written to."""
+    """[T] int64: the cache slot each token's K/V is written to (group 0)."""
     num_tokens: int
     decode_tokens: Tensor | None
     """[D] flattened index of each decode token (a one-token chunk after position 0)."""
@@ -56,25 +77,11 @@ class AttentionInputs:
     num_decode: int
     prefills: tuple[tuple[int, int, int, int], ...]
     """(first token index, length, batch row, first position) of every other chunk."""
-
-
-class AttentionBackend(Protocol):
-    """The engine-side interface of an attention implementation."""
-
-    name: str
-    kv: KVCache
-
-    def build(self, inputs: AttentionInputs) -> PagedAttention:
-        """The step's attention callable."""
-        ...
-
-    def read_page(self, page: int) -> bytes:
-        """One page's K/V for every layer, as bytes (the prefix cache's host-store copy-out)."""
-        ...
-
-    def write_page(self, page: int, data: bytes) -> bool:
-        """Fill a page from `read_page`'s bytes; False (nothing written) when they do not fit."""
-        ...
+    group_tables: tuple[tuple[Tensor, Tensor], ...] = ()
+    """(block table, slot mapping) of paged groups 1, 2, ... (same rows, same positions)."""
+    recurrent_spans: tuple[tuple[int, int, int, int], ...] = ()
+    """(first token index, length, state slot, first position) of every chunk, in batch order, for a
+    layout with recurrent groups (`models.interface.RecurrentBatch`)."""
 
 
 class TorchPagedBackend:
@@ -86,42 +93,74 @@ class TorchPagedBackend:
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, *, decode_kernel: bool | None = None,
-                 prefill_kernel: bool | None = None) -> None:
-        """``decode_kernel``: use `cpu_kernels.paged_decode` for decode rows (None: wherever it
+                 prefill_kernel: bool | None = None, layout: CacheLayout | None = None,
+                 num_state_slots: int = 0) -> None:
+        """``num_layers`` full-attention layers of ``num_kv_heads`` x ``head_dim``, or, given
+        ``layout``, its groups (the three shape arguments are then unused; `for_layout`).
+        ``num_state_slots``: the state slots of every recurrent layer.
+
+        ``decode_kernel``: use `cpu_kernels.paged_decode` for decode rows (None: wherever it
         applies: a CPU cache in float32 or bfloat16, a head size of a multiple of 16, the kernels built).
         ``prefill_kernel``: use `cpu_kernels.paged_prefill` for prefill chunks (None: wherever it
         applies: a bfloat16 CPU cache, a head size of a multiple of 32 up to 128, the kernels built
         with AVX512-BF16)."""
-        self.kv = KVCache(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device)
+        if layout is None:
+            layout = CacheLayout.from_specs([FullAttentionSpec(num_kv_heads, head_dim)] * num_layers)
+        self.layout = layout
+        self.kv = KVCache.for_layout(layout, num_pages, page_size, dtype, device, num_state_slots)
         self.page_size = page_size
         self.device = device
         self._offsets = torch.arange(page_size, device=device)  # slot offsets within a page
-        applies = (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-                   and head_dim % 16 == 0)
-        self.decode_kernel = applies and (cpu_kernels.available() if decode_kernel is None else decode_kernel)
-        prefill_applies = (torch.device(device).type == "cpu" and dtype == torch.bfloat16
-                           and head_dim % 32 == 0 and head_dim <= 128)
-        self.prefill_kernel = prefill_applies and (
-            cpu_kernels.available() and cpu_kernels.bf16_kernels_supported() if prefill_kernel is None
-            else prefill_kernel)
+        cpu = torch.device(device).type == "cpu"
+        built = cpu_kernels.available() if decode_kernel is None else decode_kernel
+        prefill_built = (cpu_kernels.available() and cpu_kernels.bf16_kernels_supported() if prefill_kernel is None
+                         else prefill_kernel)
+        # Per paged group: (decode kernel, prefill kernel) where they apply to its K/V.
+        self.group_kernels: list[tuple[bool, bool]] = []
+        for group in layout.paged_groups:
+            spec = group.spec
+            if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+                self.group_kernels.append((False, False))
+                continue
+            d = spec.head_dim
+            applies = cpu and dtype in (torch.float32, torch.bfloat16) and d % 16 == 0
+            prefill_applies = cpu and dtype == torch.bfloat16 and d % 32 == 0 and d <= 128
+            self.group_kernels.append((applies and built, prefill_applies and prefill_built))
+        self.decode_kernel, self.prefill_kernel = self.group_kernels[0]
         if self.decode_kernel:
             self.name = "cpu_paged_kernel"
 
-    def build(self, inputs: AttentionInputs) -> PagedAttention:
+    @classmethod
+    def for_layout(cls, layout: CacheLayout, num_pages: int, page_size: int, dtype: torch.dtype,
+                   device: torch.device, *, num_state_slots: int = 0, decode_kernel: bool | None = None,
+                   prefill_kernel: bool | None = None) -> TorchPagedBackend:
+        return cls(layout.num_layers, num_pages, page_size, 0, 0, dtype, device, decode_kernel=decode_kernel,
+                   prefill_kernel=prefill_kernel, layout=layout, num_state_slots=num_state_slots)
+
+    def build(self, inputs: AttentionInputs) -> PagedAttention | GroupAttention:
+        """The step's `models.interface.AttentionContext`: with one full-attention group (every
+        Llama-family model) that group's `GroupAttention` itself (no per-layer dispatch)."""
+        if self.layout.is_single_full:
+            return GroupAttention(self.kv, self.layout.groups[0], inputs, inputs.block_table, inputs.slot_mapping,
+                                  self.page_size, self._offsets, decode_kernel=self.decode_kernel,
+                                  prefill_kernel=self.prefill_kernel)
         return PagedAttention(self.kv, inputs, self.page_size, self._offsets, decode_kernel=self.decode_kernel,
-                              prefill_kernel=self.prefill_kernel)
+                              prefill_kernel=self.prefill_kernel, layout=self.layout,
+                              group_kernels=self.group_kernels)
 
-    def read_page(self, page: int) -> bytes:
-        return self.kv.read_page(page, self.page_size)
+    def read_page(self, page: int, group: int = 0) -> bytes:
+        return self.kv.read_page(page, self.page_size, group)
 
-    def write_page(self, page: int, data: bytes) -> bool:
-        return self.kv.write_page(page, self.page_size, data)
+    def write_page(self, page: int, data: bytes, group: int = 0) -> bool:
+        return self.kv.write_page(page, self.page_size, data, group)
 
 
 class KVCache:
-    """Per-layer K and V tensors of shape [num_kv_heads, num_slots, head_dim].
+    """The cache storage, per layer by its spec: K and V tensors of shape
+    [num_kv_heads, num_slots, head_dim] (`k`, `v`, keyed by layer index), latent rows [num_slots,
+    row_dim] (`rows`), recurrent states (`states`, each [num_state_slots, *shape]).
 
-    Head-major, so gathering a batch's history is one `index_select` over slots per layer that
+    Head-major K/V, so gathering a batch's history is one `index_select` over slots per layer that
     yields [kv_heads, B * L, head_dim] blocks attention can use without another copy."""
 
     def __init__(
@@ -134,89 +173,192 @@ class KVCache:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
     ) -> None:
-        slots = num_pages * page_size
-        self.k = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        layout = CacheLayout.from_specs([FullAttentionSpec(num_kv_heads, head_dim)] * num_layers)
+        self._allocate(layout, num_pages, page_size, dtype, device, 0)
 
-    def read_page(self, page: int, page_size: int) -> bytes:
-        """Layer by layer, K then V, each [kv_heads, page_size, head_dim] in the cache's dtype."""
+    @classmethod
+    def for_layout(cls, layout: CacheLayout, num_pages: int, page_size: int, dtype: torch.dtype,
+                   device: str | torch.device = "cpu", num_state_slots: int = 0) -> KVCache:
+        kv = cls.__new__(cls)
+        kv._allocate(layout, num_pages, page_size, dtype, device, num_state_slots)
+        return kv
+
+    def _allocate(self, layout: CacheLayout, num_pages: int, page_size: int, dtype: torch.dtype,
+                  device: str | torch.device, num_state_slots: int) -> None:
+        self.layout = layout
+        self.k: dict[int, Tensor] = {}
+        self.v: dict[int, Tensor] = {}
+        self.rows: dict[int, Tensor] = {}
+        self.states: dict[int, tuple[Tensor, ...]] = {}
+        for group in layout.groups:
+            spec = group.spec
+            # A sliding-window group's spare page is its placeholder (`SlidingWindowPool.null_page`).
+            slots = (num_pages + (1 if isinstance(spec, SlidingWindowSpec) else 0)) * page_size
+            for i in group.layers:
+                if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+                    self.k[i] = torch.zeros(spec.num_kv_heads, slots, spec.head_dim, dtype=dtype, device=device)
+                    self.v[i] = torch.zeros(spec.num_kv_heads, slots, spec.head_dim, dtype=dtype, device=device)
+                elif isinstance(spec, LatentAttentionSpec):
+                    self.rows[i] = torch.zeros(slots, spec.row_dim, dtype=dtype, device=device)
+                else:
+                    self.states[i] = tuple(torch.zeros(num_state_slots, *shape, dtype=spec.dtype or dtype,
+                                                       device=device) for shape in spec.shapes)
+
+    def _page_views(self, page: int, page_size: int, group: int) -> list[Tensor]:
+        """The group's tensors' views of one page, layer by layer (K then V, or the rows)."""
         lo = page * page_size
-        parts = [t[:, lo:lo + page_size, :].contiguous().view(torch.uint8).flatten()
-                 for layer in zip(self.k, self.v, strict=True) for t in layer]
+        out: list[Tensor] = []
+        for i in self.layout.paged_groups[group].layers:
+            if i in self.k:
+                out.append(self.k[i][:, lo:lo + page_size, :])
+                out.append(self.v[i][:, lo:lo + page_size, :])
+            else:
+                out.append(self.rows[i][lo:lo + page_size])
+        return out
+
+    def read_page(self, page: int, page_size: int, group: int = 0) -> bytes:
+        """One page of a paged group, layer by layer, K then V, each [kv_heads, page_size, head_dim]
+        in the cache's dtype (a latent layer: its [page_size, row_dim] rows)."""
+        parts = [t.contiguous().view(torch.uint8).flatten() for t in self._page_views(page, page_size, group)]
         return bytes(torch.cat(parts).cpu().numpy().tobytes())
 
-    def write_page(self, page: int, page_size: int, data: bytes) -> bool:
-        k0 = self.k[0]
-        one = k0.shape[0] * page_size * k0.shape[2] * k0.element_size()
-        if len(data) != one * 2 * len(self.k):
+    def write_page(self, page: int, page_size: int, data: bytes, group: int = 0) -> bool:
+        """Fill a page from `read_page`'s bytes; False (nothing written) when they do not fit."""
+        views = self._page_views(page, page_size, group)
+        if len(data) != sum(t.numel() * t.element_size() for t in views):
             return False
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        lo = page * page_size
         at = 0
-        for layer in zip(self.k, self.v, strict=True):
-            for t in layer:
-                src = raw[at:at + one].view(t.dtype).view(t.shape[0], page_size, t.shape[2])
-                t[:, lo:lo + page_size, :].copy_(src.to(t.device))
-                at += one
+        for t in views:
+            one = t.numel() * t.element_size()
+            t.copy_(raw[at:at + one].view(t.dtype).view(t.shape).to(t.device))
+            at += one
         return True
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes per token of ``num_layers`` full-attention layers (`CacheLayout.bytes_per_token`
+        for any layout)."""
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 class PagedAttention:
-    """One step's attention over the paged KV cache (the model's per-step `AttentionBackend`).
+    """One step's attention over the paged cache of several groups
+    (`models.interface.AttentionContext`): each layer goes to its group's `GroupAttention`, a
+    recurrent layer gets its states and the step's spans.
 
-    Index tensors are built once per step, on the device, and shared by every layer."""
+    Index tensors are built once per step per paged group, on the device, and shared by every
+    layer of the group."""
 
     def __init__(self, kv: KVCache, inputs: AttentionInputs, page_size: int, offsets: Tensor, *,
-                 decode_kernel: bool = False, prefill_kernel: bool = False) -> None:
+                 decode_kernel: bool = False, prefill_kernel: bool = False, layout: CacheLayout | None = None,
+                 group_kernels: Sequence[tuple[bool, bool]] = ()) -> None:
+        layout = kv.layout if layout is None else layout
+        self.inputs = inputs
         self.kv = kv
+        self._by_layer: list[GroupAttention | None] = [None] * layout.num_layers
+        self._spans = inputs.recurrent_spans
+        for g, group in enumerate(layout.paged_groups):
+            if isinstance(group.spec, LatentAttentionSpec):
+                continue
+            if g == 0:
+                table, slot_mapping = inputs.block_table, inputs.slot_mapping
+                dk, pk = decode_kernel, prefill_kernel
+            else:
+                table, slot_mapping = inputs.group_tables[g - 1]
+                dk, pk = group_kernels[g]
+            step = GroupAttention(kv, group, inputs, table, slot_mapping, page_size, offsets, decode_kernel=dk,
+                              prefill_kernel=pk)
+            for i in group.layers:
+                self._by_layer[i] = step
+
+    def recurrent(self, layer_idx: int) -> RecurrentBatch:
+        return RecurrentBatch(self.kv.states[layer_idx], self._spans)
+
+    def all_decode_args(self, layer_idx: int) -> DecodeArgs | None:
+        """For a step of decode tokens only of a full-attention layer, served by the CPU kernel:
+        what `write_paged_decode` needs for this layer (k_cache, v_cache, slot_mapping, block_table,
+        rows, lens, page_size), so a model can run the layer as one operator; None otherwise."""
+        step = self._by_layer[layer_idx]
+        return None if step is None else step.all_decode_args(layer_idx)
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float | None = None) -> torch.Tensor:
+        step = self._by_layer[layer_idx]
+        if step is None:
+            raise TypeError(f"layer {layer_idx} keeps no K/V (its cache spec is not an attention spec)")
+        return step(layer_idx, q, k, v, scale)
+
+
+class GroupAttention:
+    """One step's attention over one full-attention or sliding-window group: its index tensors,
+    built once per step and shared by the group's layers."""
+
+    def __init__(self, kv: KVCache, group: CacheGroup, inputs: AttentionInputs, table: Tensor, slot_mapping: Tensor,
+                 page_size: int, offsets: Tensor, *, decode_kernel: bool, prefill_kernel: bool) -> None:
+        self.kv = kv
+        window = self.window = group.window
+        self.write_kernel = decode_kernel  # the CPU kernels serve this cache: row copies
+        if window is not None:
+            # The kernels see whole contexts: only while every one of the step is within the window.
+            if inputs.decode_max_len > window:
+                decode_kernel = False
+            if any(ctx + n > window for _, n, _, ctx in inputs.prefills):
+                prefill_kernel = False
+        self.full = window is None
         self.prefill_kernel = prefill_kernel
-        self.slot_mapping = inputs.slot_mapping
-        table = inputs.block_table
+        self.slot_mapping = slot_mapping
         self.num_decode = inputs.num_decode
         self.decode_kernel = decode_kernel
         self.page_size = page_size
+        self.all_decode = inputs.num_decode == inputs.num_tokens
         if inputs.num_decode and decode_kernel:
             assert inputs.decode_rows is not None and inputs.decode_lens is not None
             assert inputs.decode_tokens is not None
             self.table = table
             self.decode_rows = inputs.decode_rows
             self.decode_lens = inputs.decode_lens
-            self.all_decode = inputs.num_decode == inputs.num_tokens
             self.decode_tokens = inputs.decode_tokens
         elif inputs.num_decode:
             assert inputs.decode_rows is not None and inputs.decode_lens is not None
             lmax = inputs.decode_max_len
-            pages = table.index_select(0, inputs.decode_rows)[:, : -(-lmax // page_size)]
-            # [D, lmax] slots of positions 0 .. lmax - 1; a row's positions past its length are masked.
-            self.decode_idx = _expand(pages, page_size, offsets)[:, :lmax]
+            num_kv = next(kv.k[i] for i in group.layers).shape[0]
+            dtype = kv.k[group.layers[0]].dtype
+            if window is not None and lmax > window:
+                # Each row's last `window` positions (lens - window .. lens - 1); before 0: masked.
+                pos = inputs.decode_lens[:, None] - window + torch.arange(window, device=table.device)[None, :]
+                pad = pos < 0
+                pos = pos.clamp(min=0)
+                pages = table.index_select(0, inputs.decode_rows).gather(1, pos // page_size)
+                self.decode_idx = pages * page_size + pos % page_size
+                lmax = window
+            else:
+                pages = table.index_select(0, inputs.decode_rows)[:, : -(-lmax // page_size)]
+                # [D, lmax] slots of positions 0 .. lmax - 1; a row's positions past its length are masked.
+                self.decode_idx = _expand(pages, page_size, offsets)[:, :lmax]
+                pad = torch.arange(lmax, device=table.device)[None, :] >= inputs.decode_lens[:, None]
             self.decode_flat = self.decode_idx.reshape(-1)
             # Additive mask over (kv head, row) batches: 0 where a row attends, -inf on padding.
-            pad = torch.arange(lmax, device=table.device)[None, :] >= inputs.decode_lens[:, None]
-            dtype = kv.k[0].dtype
             bias = torch.zeros(inputs.num_decode, lmax, dtype=dtype, device=table.device).masked_fill_(
                 pad, float("-inf"))
-            self.decode_bias = bias[None, :, None, :].expand(kv.k[0].shape[0], -1, -1, -1).reshape(-1, 1, lmax)
-            self.all_decode = inputs.num_decode == inputs.num_tokens
+            self.decode_bias = bias[None, :, None, :].expand(num_kv, -1, -1, -1).reshape(-1, 1, lmax)
             assert inputs.decode_tokens is not None
             self.decode_tokens = inputs.decode_tokens
-        self.prefills: list[tuple[int, int, Tensor, int]] = []  # (tok_start, length, slots, ctx_start)
+        # (tok_start, length, slots, ctx_start, first key position)
+        self.prefills: list[tuple[int, int, Tensor, int, int]] = []
         for tok_start, length, row, ctx_start in inputs.prefills:
             end = ctx_start + length
-            pages = table[row : row + 1, : -(-end // page_size)]
-            self.prefills.append((tok_start, length, _expand(pages, page_size, offsets)[0, :end], ctx_start))
+            first = 0 if window is None else max(0, ctx_start - window + 1)
+            lo = first // page_size
+            pages = table[row : row + 1, lo : -(-end // page_size)]
+            slots = _expand(pages, page_size, offsets)[0, first - lo * page_size : end - lo * page_size]
+            self.prefills.append((tok_start, length, slots, ctx_start, first))
 
     def recurrent(self, layer_idx: int) -> RecurrentBatch:
-        raise NotImplementedError("recurrent-state layers are not served by this backend yet")
+        raise TypeError(f"layer {layer_idx} is an attention layer, not a recurrent one")
 
     def all_decode_args(self, layer_idx: int) -> DecodeArgs | None:
-        """For a step of decode tokens only, served by the CPU kernel: what `write_paged_decode` needs
-        for this layer (k_cache, v_cache, slot_mapping, block_table, rows, lens, page_size), so a model
-        can run the layer as one operator; None otherwise."""
-        if not (self.num_decode and self.decode_kernel and self.all_decode):
+        if not (self.num_decode and self.decode_kernel and self.all_decode and self.full):
             return None
         return (self.kv.k[layer_idx], self.kv.v[layer_idx], self.slot_mapping, self.table, self.decode_rows,
                 self.decode_lens, self.page_size)
@@ -231,7 +373,7 @@ class PagedAttention:
             return cpu_kernels.write_paged_decode(q, k, v, *decode, scale)
         k_cache = self.kv.k[layer_idx]  # [kv_heads, slots, head_dim]
         v_cache = self.kv.v[layer_idx]
-        if self.decode_kernel:  # the CPU kernels serve this cache: row copies
+        if self.write_kernel:  # the CPU kernels serve this cache: row copies
             cpu_kernels.write_kv(k, v, k_cache, v_cache, self.slot_mapping)
         else:
             k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
@@ -261,7 +403,8 @@ class PagedAttention:
             if self.all_decode:
                 return o
             out.index_copy_(0, self.decode_tokens, o)
-        for tok_start, length, slots, ctx_start in self.prefills:
+        window = self.window
+        for tok_start, length, slots, ctx_start, first in self.prefills:
             if self.prefill_kernel:
                 out[tok_start : tok_start + length] = cpu_kernels.paged_prefill(
                     q[tok_start : tok_start + length], k_cache, v_cache, slots, ctx_start, scale)
@@ -269,12 +412,14 @@ class PagedAttention:
             qp = q[tok_start : tok_start + length].transpose(0, 1).unsqueeze(0)  # [1, nh, Lq, d]
             kp = k_cache.index_select(1, slots).unsqueeze(0)  # [1, nkv, Lk, d]
             vp = v_cache.index_select(1, slots).unsqueeze(0)
-            if ctx_start == 0:
+            if ctx_start == 0 and (window is None or length <= window):
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True, scale=sdpa_scale)
             else:
                 qpos = torch.arange(ctx_start, ctx_start + length, device=q.device)
-                kpos = torch.arange(ctx_start + length, device=q.device)
+                kpos = torch.arange(first, ctx_start + length, device=q.device)
                 mask = kpos[None, :] <= qpos[:, None]
+                if window is not None:
+                    mask &= kpos[None, :] > qpos[:, None] - window
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True, scale=sdpa_scale)
             out[tok_start : tok_start + length] = o.squeeze(0).transpose(0, 1)
         return out

@@ -12,15 +12,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 import attrs
 import torch
 
 from helios.domain.events import FailureKind
-from helios.engine.attention import AttentionBackend, TorchPagedBackend
+from helios.engine.attention import TorchPagedBackend
 from helios.engine.images import ImageEncoder
+from helios.engine.kv.coordinator import KVCacheCoordinator, KVManager, group_key
 from helios.engine.kv.host_store import HostStore
+from helios.engine.kv.layout import CacheLayout
 from helios.engine.kv.manager import KVCacheManager
 from helios.engine.records import (
     Abort,
@@ -71,23 +73,45 @@ class EngineConfig:
 class EngineCore:
     """Owns the model, the KV cache, the scheduler and the sampler. Not thread-safe: one thread runs it."""
 
-    def __init__(self, model: CausalLM, model_config: Any, cfg: EngineConfig, dtype: torch.dtype,
+    def __init__(self, model: CausalLM, cfg: EngineConfig, dtype: torch.dtype,
                  device: str | torch.device = "cpu", *, vision: ImageEncoder | None = None) -> None:
-        """``vision``: the vision tower of a vision-language model (None: text only); the runner
-        encodes requests' images with it (`engine/images.py`)."""
+        """The cache follows ``model.cache_specs()``: layers with equal specs form a group
+        (`kv/layout.py`), each paged group ``cfg.num_pages`` pages, each recurrent group one state
+        slot per running request. ``dtype``: the cache's. ``vision``: the vision tower of a
+        vision-language model (None: text only); the runner encodes requests' images with it
+        (`engine/images.py`)."""
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
-        self.attention: AttentionBackend = TorchPagedBackend(
-            model_config.num_layers, cfg.num_pages, cfg.page_size, model_config.num_kv_heads,
-            model_config.head_dim, dtype, self.device)
+        self.layout = layout = CacheLayout.from_specs(model.cache_specs())
+        self.attention = TorchPagedBackend.for_layout(layout, cfg.num_pages, cfg.page_size, dtype, self.device,
+                                                      num_state_slots=cfg.max_active)
         self.kv = self.attention.kv
-        fingerprint = _layout_fingerprint(cfg, model_config, dtype)
-        self.host_store = _host_store(cfg, fingerprint)
+        fingerprint = _layout_fingerprint(cfg, layout, dtype)
+        # A recurrent group's state cannot be restored at a prefix (no snapshots yet): no prefix
+        # cache, and no speculation (rejected drafts would need a state rollback).
+        caching = cfg.prefix_caching and not layout.has_recurrent
+        self.host_store = _host_store(cfg, fingerprint, caching)
         host = self.host_store
-        self.kv_manager = KVCacheManager(
-            cfg.num_pages, cfg.page_size, enable_caching=cfg.prefix_caching, fingerprint=fingerprint,
-            on_evict=(lambda h, page: host.put(h, self.attention.read_page(page))) if host is not None else None)
+        self.kv_manager: KVManager
+        host_has: Callable[[int], bool] | None = None
+        restore: Callable[[int, int], bool] | None = None
+        if layout.is_single_full:
+            self.kv_manager = KVCacheManager(
+                cfg.num_pages, cfg.page_size, enable_caching=caching, fingerprint=fingerprint,
+                on_evict=(lambda h, page: host.put(h, self.attention.read_page(page))) if host is not None else None)
+            if host is not None:
+                host_has, restore = host.contains, self._restore
+        else:
+            self.kv_manager = KVCacheCoordinator(
+                layout, cfg.num_pages, cfg.page_size, enable_caching=caching, fingerprint=fingerprint,
+                num_state_slots=cfg.max_active,
+                on_evict=(lambda g, h, page: host.put(group_key(h, g), self.attention.read_page(page, g)))
+                if host is not None else None)
+            if host is not None:
+                groups = range(len(layout.paged_groups))
+                host_has = lambda h: all(host.contains(group_key(h, g)) for g in groups)  # noqa: E731
+                restore = self._restore_groups
         self._ns_per_token: float | None = None
         self._missing_tokens = Histogram(HOST_TOKEN_BUCKETS)
         self._transfer_ns = Histogram(HOST_NS_BUCKETS)
@@ -95,10 +119,9 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv_manager, max_active=cfg.max_active, prefill_chunk_size=cfg.prefill_chunk_size,
             max_model_len=cfg.max_model_len,
-            host_has=host.contains if host is not None else None,
-            restore=self._restore if host is not None else None,
-            speculative=cfg.speculative)
-        vocab = model_config.vocab_size
+            host_has=host_has, restore=restore,
+            speculative=cfg.speculative if not layout.has_recurrent else SpeculativeConfig())
+        vocab = model.vocab_size
         self.sampler = Sampler(min(vocab, cfg.token_vocab_size or vocab), device=self.device)
         self.runner = ModelRunner(model, self.attention, self.kv_manager, self.sampler, self.device,
                                   max_rows=cfg.max_active, max_model_len=cfg.max_model_len, vision=vision)
@@ -160,15 +183,28 @@ class EngineCore:
             return
         if host.dir is not None:
             kv = self.kv_manager
-            for page, block_hash in enumerate(kv.block_hash):
-                if block_hash is not None and not host.contains(block_hash):
-                    host.put(block_hash, self.attention.read_page(page))
+            pools = kv.groups if isinstance(kv, KVCacheCoordinator) else [cast(KVCacheManager, kv)]
+            for g, pool in enumerate(pools):
+                for page, block_hash in enumerate(pool.block_hash):
+                    if block_hash is not None and not host.contains(group_key(block_hash, g)):
+                        host.put(group_key(block_hash, g), self.attention.read_page(page, g))
         host.close(persist=True)
 
     def _restore(self, block_hash: int, page: int) -> bool:
         assert self.host_store is not None
         data = self.host_store.get(block_hash)
         return data is not None and self.attention.write_page(page, data)
+
+    def _restore_groups(self, block_hash: int, page: int) -> bool:
+        """A host restore into the page of every paged group the last allocation gave (``page``:
+        group 0's): each group's record of the page, or False."""
+        assert self.host_store is not None and isinstance(self.kv_manager, KVCacheCoordinator)
+        pages = next(t for t in self.kv_manager.last_new if t[0] == page)
+        for g, p in enumerate(pages):
+            data = self.host_store.get(group_key(block_hash, g))
+            if data is None or not self.attention.write_page(p, data, g):
+                return False
+        return True
 
     def _host_stats(self) -> HostCacheStats:
         assert self.host_store is not None
@@ -187,16 +223,16 @@ class EngineCore:
         return cached
 
 
-def _layout_fingerprint(cfg: EngineConfig, model_config: Any, dtype: torch.dtype) -> bytes:
-    """The model fingerprint plus everything that shapes a page's bytes: two engines share cached
-    pages (and host-store records) only when all of it matches."""
-    layout = (f"{model_config.num_layers}:{model_config.num_kv_heads}:{model_config.head_dim}:{dtype}:"
-              f"{cfg.page_size}:torch_paged").encode()
-    return hashlib.blake2b(cfg.fingerprint + b"|" + layout, digest_size=16).digest()
+def _layout_fingerprint(cfg: EngineConfig, layout: CacheLayout, dtype: torch.dtype) -> bytes:
+    """The model fingerprint plus everything that shapes a page's bytes (every group's spec and
+    layers, the dtype, the page size, the backend): two engines share cached pages (and host-store
+    records) only when all of it matches."""
+    text = f"{layout.describe(dtype)}:{cfg.page_size}:torch_paged".encode()
+    return hashlib.blake2b(cfg.fingerprint + b"|" + text, digest_size=16).digest()
 
 
-def _host_store(cfg: EngineConfig, fingerprint: bytes) -> HostStore | None:
-    if not cfg.prefix_caching or (cfg.host_memory_bytes <= 0 and not (cfg.disk_dir and cfg.disk_bytes > 0)):
+def _host_store(cfg: EngineConfig, fingerprint: bytes, caching: bool) -> HostStore | None:
+    if not caching or (cfg.host_memory_bytes <= 0 and not (cfg.disk_dir and cfg.disk_bytes > 0)):
         return None
     return HostStore(fingerprint, memory_bytes=cfg.host_memory_bytes, disk_dir=Path(cfg.disk_dir) if cfg.disk_dir else None,
                      disk_bytes=cfg.disk_bytes)

@@ -42,9 +42,9 @@ from torch import Tensor
 
 from helios.domain.events import FailureKind
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
-from helios.engine.attention import AttentionBackend, AttentionInputs
+from helios.engine.attention import AttentionInputs, TorchPagedBackend
 from helios.engine.images import FeatureWindows, ImageEncoder, ImageError, StepEmbeds
-from helios.engine.kv.manager import KVCacheManager
+from helios.engine.kv.coordinator import KVCacheCoordinator, KVManager
 from helios.engine.records import EngineFailure, RunnerOutput
 from helios.engine.sampling import (
     RowParams,
@@ -68,7 +68,7 @@ class ModelRunner:
 
     `execute` changes no `RequestState`: what it returns is committed by `Scheduler.update`."""
 
-    def __init__(self, model: CausalLM, backend: AttentionBackend, manager: KVCacheManager, sampler: Sampler,
+    def __init__(self, model: CausalLM, backend: TorchPagedBackend, manager: KVManager, sampler: Sampler,
                  device: torch.device, *, max_rows: int = 64, max_model_len: int = 8192,
                  vision: ImageEncoder | None = None) -> None:
         self.model = model
@@ -78,7 +78,9 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.grammar = GrammarBatch(sampler.vocab_size)
-        self.batch = InputBatch(max_rows, -(-(max_model_len + 1) // manager.page_size), manager.page_size, device)
+        layout = backend.layout
+        self.batch = InputBatch(max_rows, -(-(max_model_len + 1) // manager.page_size), manager.page_size, device,
+                                num_groups=len(layout.paged_groups), recurrent=layout.has_recurrent)
         # With the CPU paged-decode kernel, verification rows attend as decode tokens: it reads their
         # context in place, where the prefill path gathers it per row and layer (at 1,000 tokens of
         # context, one stream, 4 drafts: 67 ms a step against 131 ms, a plain decode step 46 ms).
@@ -289,9 +291,13 @@ class InputBatch:
 
     A request gets a row the first step it runs and keeps it until `release` (the scheduler's
     `freed`: finished, aborted or preempted). Per row, in preallocated device tensors: the block
-    table (only pages added since the last step are written; the KV cache manager's tables only
-    grow until freed, except a speculative rollback, which `rollback` rewinds), the temperature and log(min-p) of the sampler's vectorised path; and on the
-    host its `SamplingRow`, built once, whose output ids are a live view of the request's tokens.
+    table of every paged cache group (`block_tables`; `block_table` is group 0's; only pages added
+    since the last step are written: the KV manager's tables are position-aligned across groups and
+    only grow until freed, except a speculative rollback, which `rollback` rewinds, and a
+    sliding-window group's placeholders for pages out of every window, entries no query reads
+    again), the temperature and log(min-p) of the sampler's vectorised path; and on the host its
+    `SamplingRow`, built once, whose output ids are a live view of the request's tokens. With
+    recurrent groups, each chunk's state slot goes into the step's `recurrent_spans`.
 
     Per step, the host lists (token ids, positions, the row of each token, new block-table entries,
     sampling and decode indices) are written into one staging buffer, pinned on CUDA, which crosses
@@ -300,12 +306,15 @@ class InputBatch:
     wait; the previous step's read of its sampled ids normally finished it already).
     """
 
-    def __init__(self, max_rows: int, max_pages: int, page_size: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, max_pages: int, page_size: int, device: torch.device, *,
+                 num_groups: int = 1, recurrent: bool = False) -> None:
         self.device = device
         self.page_size = page_size
         self._pinned = device.type == "cuda"
+        self._recurrent = recurrent
         with torch.inference_mode(False):
-            self.block_table = torch.zeros(max_rows, max_pages, dtype=torch.long, device=device)
+            self.block_tables = [torch.zeros(max_rows, max_pages, dtype=torch.long, device=device)
+                                 for _ in range(num_groups)]
             self.temperature = torch.ones(max_rows, dtype=torch.float32, device=device)
             self.log_min_p = torch.full((max_rows,), float("-inf"), dtype=torch.float32, device=device)
         self._row_of: dict[str, int] = {}
@@ -319,6 +328,11 @@ class InputBatch:
         self.verify_as_decode = False
         """Verification rows attend as decode tokens (True: one per position, context length
         position + 1) or as one prefill chunk over their context (SDPA, causal from its start)."""
+
+    @property
+    def block_table(self) -> Tensor:
+        """Group 0's block tables, [rows, max_pages]."""
+        return self.block_tables[0]
 
     @property
     def num_rows(self) -> int:
@@ -343,7 +357,7 @@ class InputBatch:
             if row is not None:
                 self._num_pages[row] = min(self._num_pages[row], kept)
 
-    def prepare(self, chunks: Seq[ScheduledChunk], manager: KVCacheManager) -> StepBatch:
+    def prepare(self, chunks: Seq[ScheduledChunk], manager: KVManager) -> StepBatch:
         ids: list[int] = []
         positions: list[int] = []
         token_rows: list[int] = []
@@ -362,6 +376,13 @@ class InputBatch:
         forced: list[tuple[int, int]] = []
         first_rows: list[int] = []
         step_drafts: list[tuple[int, ...]] = []
+        # Several cache groups: the other paged groups' new entries, and the recurrent chunks.
+        coord = manager if isinstance(manager, KVCacheCoordinator) else None
+        extra: list[list[int]] | None = None
+        spans: list[tuple[int, int, int, int]] | None = None
+        if coord is not None:
+            extra = [[] for _ in self.block_tables[1:]]
+            spans = [] if self._recurrent else None
         offset = 0
         for c in chunks:
             seq = c.seq
@@ -376,8 +397,15 @@ class InputBatch:
                 new_rows.extend(itertools.repeat(row, len(table) - known))
                 new_cols.extend(range(known, len(table)))
                 new_pages.extend(table[known:])
+                if extra:
+                    assert coord is not None
+                    for pages, other in zip(extra, coord.tables(seq.request_id)[1:], strict=True):
+                        pages.extend(other[known:])
                 self._num_pages[row] = len(table)
             start, length = c.start, c.length
+            if spans is not None:
+                assert coord is not None
+                spans.append((offset, length, coord.state_slot(seq.request_id), start))
             if length == 1:
                 ids.append(seq.token_ids[start])
                 positions.append(start)
@@ -422,15 +450,24 @@ class InputBatch:
                     rows.append(_draft_row(sampling_row, c.draft_token_ids[:j]) if j else sampling_row)
         num_tokens = offset
 
-        parts = (ids, positions, token_rows, new_rows, new_cols, new_pages, sample_tokens, sample_rows,
-                 decode_tokens, decode_rows, decode_lens)
+        parts = [ids, positions, token_rows, new_rows, new_cols, new_pages, sample_tokens, sample_rows,
+                 decode_tokens, decode_rows, decode_lens]
+        if extra:
+            parts += extra
         staged = self._stage(parts)
         ids_t, positions_t, token_rows_t, new_rows_t, new_cols_t, new_pages_t, sample_tokens_t, sample_rows_t, \
-            decode_tokens_t, decode_rows_t, decode_lens_t = staged
+            decode_tokens_t, decode_rows_t, decode_lens_t = staged[:11]
         if new_rows:
             self.block_table.index_put_((new_rows_t, new_cols_t), new_pages_t)
         ps = self.page_size
         slot_mapping = self.block_table[token_rows_t, positions_t // ps] * ps + positions_t % ps
+        group_tables: tuple[tuple[Tensor, Tensor], ...] = ()
+        if extra:
+            if new_rows:
+                for table_t, pages_t in zip(self.block_tables[1:], staged[11:], strict=True):
+                    table_t.index_put_((new_rows_t, new_cols_t), pages_t)
+            blk, off = positions_t // ps, positions_t % ps
+            group_tables = tuple((t, t[token_rows_t, blk] * ps + off) for t in self.block_tables[1:])
         attention = AttentionInputs(
             block_table=self.block_table,
             slot_mapping=slot_mapping,
@@ -441,6 +478,8 @@ class InputBatch:
             decode_max_len=max(decode_lens, default=0),
             num_decode=len(decode_tokens),
             prefills=tuple(prefills),
+            group_tables=group_tables,
+            recurrent_spans=tuple(spans) if spans else (),
         )
         row_params = None
         if rows:
@@ -522,7 +561,7 @@ class InputBatch:
         old = len(self._rows)
         new = 2 * old
         with torch.inference_mode(False):
-            self.block_table = _grown(self.block_table, (new, self.block_table.shape[1]), 0)
+            self.block_tables = [_grown(t, (new, t.shape[1]), 0) for t in self.block_tables]
             self.temperature = _grown(self.temperature, (new,), 1.0)
             self.log_min_p = _grown(self.log_min_p, (new,), float("-inf"))
         self._free_rows.extend(range(new - 1, old - 1, -1))
@@ -532,7 +571,7 @@ class InputBatch:
     def _grow_pages(self, needed: int) -> None:
         with torch.inference_mode(False):
             width = max(needed, 2 * self.block_table.shape[1])
-            self.block_table = _grown(self.block_table, (self.block_table.shape[0], width), 0)
+            self.block_tables = [_grown(t, (t.shape[0], width), 0) for t in self.block_tables]
 
 
 def _touches_images(c: ScheduledChunk) -> bool:

@@ -39,7 +39,8 @@ import torch
 
 from helios.domain.events import FailureKind
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
-from helios.engine.kv.manager import ImageKey, KVCacheManager
+from helios.engine.kv.coordinator import KVManager
+from helios.engine.kv.manager import ImageKey
 from helios.engine.output_tracker import MAX_FORCED, OutputTracker
 from helios.engine.records import (
     GRAMMAR_FAILURE,
@@ -179,7 +180,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self,
-        kv: KVCacheManager,
+        kv: KVManager,
         *,
         max_active: int,
         prefill_chunk_size: int,

@@ -172,7 +172,7 @@ def test_the_engine_answers_paris_with_the_runtime_choice(gguf_path: Path, chat_
     from helios.runtime import load_model
 
     loaded = load_model(gguf_path)
-    core = EngineCore(loaded.model, loaded.checkpoint.config,
+    core = EngineCore(loaded.model,
                       EngineConfig(page_size=16, num_pages=16, max_active=2, prefill_chunk_size=512, max_model_len=256),
                       loaded.choice.dtype)
     core.add(EngineRequest("paris", tuple(chat_prompt_ids), SamplingParams(temperature=0.0), max_tokens=12,
@@ -203,7 +203,7 @@ def test_a_batch_answers_paris_like_one_row(gguf_path: Path, chat_prompt_ids: li
     the, ell = tok.token_to_id("The"), tok.token_to_id("L")
 
     def run(rows: int) -> list[tuple[str, dict[int, float]]]:
-        core = EngineCore(loaded.model, loaded.checkpoint.config,
+        core = EngineCore(loaded.model,
                           EngineConfig(page_size=16, num_pages=64, max_active=16, prefill_chunk_size=512,
                                        max_model_len=256, prefix_caching=False), loaded.choice.dtype)
         for i in range(rows):

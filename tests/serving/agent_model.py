@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from helios.config import EngineSection, HeliosConfig, ModelConfigSection, ServerConfig
-from helios.engine.attention import AttentionBackend, AttentionInputs, PagedAttention
+from helios.engine.attention import AttentionInputs, GroupAttention, PagedAttention, TorchPagedBackend
 from helios.loaders.tokenizer import Tokenizer
 from tests.serving.harness import (
     DEFAULT_REPLY,
@@ -142,21 +142,21 @@ class AgentTask:
 class _CapturingBackend:
     """The engine's attention backend, recording each step's `AttentionInputs` for the model."""
 
-    def __init__(self, inner: AttentionBackend) -> None:
+    def __init__(self, inner: TorchPagedBackend) -> None:
         self.inner = inner
         self.name = inner.name
         self.kv = inner.kv
         self.inputs: AttentionInputs | None = None
 
-    def build(self, inputs: AttentionInputs) -> PagedAttention:
+    def build(self, inputs: AttentionInputs) -> PagedAttention | GroupAttention:
         self.inputs = inputs
         return self.inner.build(inputs)
 
-    def read_page(self, page: int) -> bytes:
-        return self.inner.read_page(page)
+    def read_page(self, page: int, group: int = 0) -> bytes:
+        return self.inner.read_page(page, group)
 
-    def write_page(self, page: int, data: bytes) -> bool:
-        return self.inner.write_page(page, data)
+    def write_page(self, page: int, data: bytes, group: int = 0) -> bool:
+        return self.inner.write_page(page, data, group)
 
 
 class AgentModel(ScriptedInterface, torch.nn.Module):

@@ -343,7 +343,7 @@ def runtime_factory(family: Family, book: ScriptBook, *, model_factory: ModelFac
         ecfg = EngineConfig(page_size=cfg.engine.page_size, num_pages=cfg.engine.kv_pages,
                             max_active=cfg.engine.max_active, prefill_chunk_size=cfg.engine.prefill_chunk_size,
                             max_model_len=cfg.model.max_model_len, prefix_caching=prefix_caching)
-        core = EngineCore(model, mc, ecfg, torch.float32, "cpu")
+        core = EngineCore(model, ecfg, torch.float32, "cpu")
         if hasattr(model, "attach"):
             model.attach(core)
         info = ModelInfo(

@@ -600,7 +600,7 @@ def test_the_one_operator_decode_layers_give_the_layer_by_layer_tokens_exactly(
     monkeypatch.setattr(cpu_kernels, "decode_layers", counted)
 
     def generate() -> dict[str, tuple[list[int], list[float]]]:
-        core = EngineCore(model, loaded.checkpoint.config,
+        core = EngineCore(model,
                           EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=64,
                                        max_model_len=128), loaded.choice.dtype, "cpu")
         for i, length in enumerate((5, 11, 3)):

@@ -63,7 +63,7 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available
 def test_engine_matches_dense_reference(num_pages: int, device: str) -> None:
     """On CUDA too, against the same dense fp64 reference on the CPU (TF32 is off by default)."""
     model = tiny_model()
-    core = EngineCore(tiny_model().to(device), CFG, EngineConfig(page_size=4, num_pages=num_pages, max_active=8,
+    core = EngineCore(tiny_model().to(device), EngineConfig(page_size=4, num_pages=num_pages, max_active=8,
                                                                prefill_chunk_size=7, max_model_len=128),
                       torch.float32, device)
     prompts = [[(7 * i + 3 * j) % CFG.vocab_size for j in range(n)] for i, n in enumerate((3, 10, 17, 25))]
@@ -94,7 +94,7 @@ def test_seeded_output_is_independent_of_the_batch() -> None:
     model = tiny_model()
 
     def generate(others: int) -> list[int]:
-        core = EngineCore(model, CFG, EngineConfig(page_size=4, num_pages=128, max_active=8, prefill_chunk_size=16,
+        core = EngineCore(model, EngineConfig(page_size=4, num_pages=128, max_active=8, prefill_chunk_size=16,
                                                    max_model_len=128), torch.float32)
         reqs = [EngineRequest("target", (5, 6, 7, 8), SamplingParams(temperature=0.8, top_p=0.9, seed=42),
                               max_tokens=16, ignore_eos=True)]
@@ -109,7 +109,7 @@ def test_seeded_output_is_independent_of_the_batch() -> None:
 
 def test_eos_and_stop_tokens_finish_at_the_token() -> None:
     model = tiny_model()
-    core = EngineCore(model, CFG, EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=32,
+    core = EngineCore(model, EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=32,
                                                max_model_len=128), torch.float32)
     first = run(core, [EngineRequest("probe", (1, 2, 3), SamplingParams(temperature=0.0), max_tokens=5)])["probe"]
     greedy = [t for o in first for t in o.new_token_ids]
@@ -130,7 +130,7 @@ def test_eos_and_stop_tokens_finish_at_the_token() -> None:
 
 def test_abort_frees_pages_within_a_step() -> None:
     model = tiny_model()
-    core = EngineCore(model, CFG, EngineConfig(page_size=4, num_pages=32, max_active=4, prefill_chunk_size=8,
+    core = EngineCore(model, EngineConfig(page_size=4, num_pages=32, max_active=4, prefill_chunk_size=8,
                                                max_model_len=128), torch.float32)
     core.add(EngineRequest("a", tuple(range(1, 20)), SamplingParams(temperature=0.0), max_tokens=50))
     core.step()
@@ -158,7 +158,7 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_sampled_or_offered() -> No
             EngineRequest("sampled", (4, 5), SamplingParams(temperature=1.0, seed=3), max_tokens=6, ignore_eos=True,
                           num_top_logprobs=5)]
     for vocab, padded in ((None, True), (known, False)):
-        core = EngineCore(model, CFG, EngineConfig(page_size=4, num_pages=32, max_active=4, max_model_len=64,
+        core = EngineCore(model, EngineConfig(page_size=4, num_pages=32, max_active=4, max_model_len=64,
                                                    token_vocab_size=vocab), torch.float32)
         outs = run(core, reqs)
         ids = [t for r in reqs for o in outs[r.request_id] for t in o.new_token_ids]

@@ -31,7 +31,7 @@ def test_default_model_answers_paris_on_cuda() -> None:
 
     prompt = ChatTemplate(ckpt.chat_template).render([{"role": "user", "content": "What is the capital of France?"}])
     ids = tok.encode(prompt, add_special_tokens=False)
-    core = EngineCore(model, ckpt.config, EngineConfig(page_size=16, num_pages=64, max_active=4,
+    core = EngineCore(model, EngineConfig(page_size=16, num_pages=64, max_active=4,
                                                        prefill_chunk_size=512, max_model_len=1024),
                       torch.float32, "cuda")
     outs = run(core, [EngineRequest("q", tuple(ids), SamplingParams(temperature=0.0), max_tokens=24,

@@ -109,8 +109,8 @@ def engine(chunk: int = 64, num_pages: int = 64, device: str = "cpu",
     cfg = EngineConfig(page_size=4, num_pages=num_pages, max_active=8, prefill_chunk_size=chunk, max_model_len=160,
                        **kw)
     if device == "cpu":
-        return EngineCore(model, CFG, cfg, torch.float32, "cpu", vision=tower), tower, model
-    return (EngineCore(tiny_model().to(device), CFG, cfg, torch.float32, device, vision=Tower().to(device)),
+        return EngineCore(model, cfg, torch.float32, "cpu", vision=tower), tower, model
+    return (EngineCore(tiny_model().to(device), cfg, torch.float32, device, vision=Tower().to(device)),
             tower, model)
 
 
@@ -273,7 +273,7 @@ def test_an_image_that_cannot_be_prepared_fails_only_its_request() -> None:
 
 def test_a_text_only_engine_fails_image_requests_with_a_reason() -> None:
     model = tiny_model()
-    core = EngineCore(model, CFG, EngineConfig(page_size=4, num_pages=32, max_active=4, prefill_chunk_size=16,
+    core = EngineCore(model, EngineConfig(page_size=4, num_pages=32, max_active=4, prefill_chunk_size=16,
                                                max_model_len=128), torch.float32, "cpu")
     ids, images = build([text(1, 3), ("image", 7)], Loads())
     outs = run(core, [request("a", ids, images)])

@@ -42,8 +42,8 @@ class EngineUnderLoad(RuleBasedStateMachine):
     def start(self, chunk: int, max_active: int, host: bool) -> None:
         cfg = EngineConfig(page_size=4, num_pages=NUM_PAGES, max_active=max_active, prefill_chunk_size=chunk,
                            max_model_len=64, host_memory_bytes=(1 << 20) if host else 0)
-        self.core = EngineCore(MODEL64, CFG, cfg, torch.float64)
-        self.twin = EngineCore(MODEL64, CFG, attrs.evolve(cfg, prefix_caching=False, host_memory_bytes=0),
+        self.core = EngineCore(MODEL64, cfg, torch.float64)
+        self.twin = EngineCore(MODEL64, attrs.evolve(cfg, prefix_caching=False, host_memory_bytes=0),
                                torch.float64)
         self.prompts: dict[str, list[int]] = {}
         self.outputs: dict[str, list[RequestOutput]] = {}

@@ -17,7 +17,7 @@ from helios.domain.sampling import SamplingParams
 from helios.engine.core import EngineConfig, EngineCore
 from helios.engine.records import EngineRequest
 from helios.engine.sampling import Sampler
-from tests.unit.test_engine import CFG, run, tiny_model
+from tests.unit.test_engine import run, tiny_model
 from tests.unit.test_sampler import GREEDY, _row
 
 _TENSOR_READS = ("tolist", "item", "numpy", "cpu", "equal", "__bool__", "__int__", "__float__", "__index__",
@@ -90,7 +90,7 @@ def test_sampler_reads_the_device_once() -> None:
 
 
 def _core(max_active: int = 8) -> EngineCore:
-    return EngineCore(tiny_model(), CFG, EngineConfig(page_size=4, num_pages=128, max_active=max_active,
+    return EngineCore(tiny_model(), EngineConfig(page_size=4, num_pages=128, max_active=max_active,
                                                       prefill_chunk_size=64, max_model_len=128), torch.float32)
 
 

@@ -19,7 +19,7 @@ Run = dict[str, tuple[list[int], list[float], int]]  # request id -> (tokens, lo
 
 
 def _generate(loaded: Any, prompts: dict[str, tuple[int, ...]], *, chunk: int, score: str | None = None) -> Run:
-    core = EngineCore(loaded.model, loaded.checkpoint.config,
+    core = EngineCore(loaded.model,
                       EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=chunk,
                                    max_model_len=128), loaded.choice.dtype, "cpu")
     for rid, prompt in prompts.items():

@@ -36,7 +36,7 @@ def model() -> LlamaForCausalLM:
 
 def _core(model: LlamaForCausalLM, chunk: int, num_pages: int = 64) -> EngineCore:
     cfg = EngineConfig(page_size=4, num_pages=num_pages, max_active=4, prefill_chunk_size=chunk, max_model_len=128)
-    return EngineCore(model, model.config, cfg, torch.float32)
+    return EngineCore(model, cfg, torch.float32)
 
 
 def _run(core: EngineCore, *requests: EngineRequest) -> dict[str, list[RequestOutput]]:

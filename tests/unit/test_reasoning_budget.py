@@ -24,7 +24,7 @@ PROMPT = (5, 6, 7, 8)
 
 
 def _core(model: torch.nn.Module) -> EngineCore:
-    return EngineCore(model, CFG, EngineConfig(page_size=4, num_pages=128, max_active=8, prefill_chunk_size=64,
+    return EngineCore(model, EngineConfig(page_size=4, num_pages=128, max_active=8, prefill_chunk_size=64,
                                                max_model_len=128), torch.float32)
 
 
@@ -234,7 +234,7 @@ def test_preemption_keeps_the_budget_and_recompute_can_carry_the_close() -> None
     close = _unused(greedy)
 
     def generate(num_pages: int) -> tuple[dict[str, list[int]], EngineCore, list[int]]:
-        core = EngineCore(model, CFG, EngineConfig(page_size=4, num_pages=num_pages, max_active=8,
+        core = EngineCore(model, EngineConfig(page_size=4, num_pages=num_pages, max_active=8,
                                                    prefill_chunk_size=7, max_model_len=128), torch.float32)
         forced_on_prefill: list[int] = []
         schedule = core.scheduler.schedule

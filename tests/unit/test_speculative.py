@@ -182,7 +182,7 @@ def _engine(model: torch.nn.Module, dtype: torch.dtype, mode: str, depth: int, *
     cfg = EngineConfig(**{"page_size": 4, "num_pages": 64, "max_active": 4, "prefill_chunk_size": 16,
                           "max_model_len": 96, **kw})  # type: ignore[arg-type]
     cfg = attrs.evolve(cfg, speculative=SpeculativeConfig(mode=mode, max_depth=depth))
-    return EngineCore(model, CFG, cfg, dtype)
+    return EngineCore(model, cfg, dtype)
 
 
 def _check_registered_pages(core: EngineCore) -> None:

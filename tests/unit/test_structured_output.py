@@ -55,7 +55,7 @@ class Served:
         self.compiler = GrammarCompiler(self.tok)
 
     def engine(self) -> EngineCore:
-        return EngineCore(self.model, self.config,
+        return EngineCore(self.model,
                           EngineConfig(num_pages=256, max_active=16, prefill_chunk_size=512, max_model_len=1024,
                                        prefix_caching=False), torch.float32)
 

@@ -1,5 +1,8 @@
 """The KV cache manager: which pages each request holds, with reference counts, and the prefix cache.
 
+One page pool: a model whose layers all keep full attention uses one `KVCacheManager`; other
+layouts use one per paged cache group behind `kv/coordinator.py`'s `KVCacheCoordinator`.
+
 Ownership rules (vLLM v1's KV-manager split):
 
 - The manager alone changes page ownership. A request's block table (its page ids in position
@@ -281,7 +284,10 @@ class KVCacheManager:
 
     # -- checks ------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        held = collections.Counter(p for table in self._tables.values() for p in table)
+        self._check_tables(list(self._tables.values()))
+
+    def _check_tables(self, tables: Sequence[Sequence[int]]) -> None:
+        held = collections.Counter(p for table in tables for p in table)
         for page in range(self.num_pages):
             assert self.ref_counts[page] == held[page], f"page {page}: count {self.ref_counts[page]} != {held[page]}"
         free = list(self._free)
@@ -295,7 +301,7 @@ class KVCacheManager:
         assert len(set(evictable)) == len(evictable), "a page is evictable twice"
         assert not set(free) & set(evictable), "a page is both free and evictable"
         assert len(free) + len(evictable) + len(held) == self.num_pages, "pages leaked"
-        for table in self._tables.values():
+        for table in tables:
             assert len(table) == len(set(table)), "a table holds a page twice"
         for block_hash, page in self._cached.items():
             assert self.block_hash[page] == block_hash, f"hash of page {page} does not match its registration"
