@@ -24,7 +24,7 @@ def _snapshot(seq: RequestState) -> tuple[Any, ...]:
 def test_execute_changes_no_request_state() -> None:
     """Prompt scoring over several chunks, a reasoning budget's forced close, seeded and greedy rows:
     every step's `execute` leaves each request as `schedule` left it, and `update` then advances it."""
-    core = EngineCore(tiny_model(), CFG, EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=6,
+    core = EngineCore(tiny_model(), EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=6,
                                                       max_model_len=128), torch.float32)
     prompt = tuple((5 * j + 3) % CFG.vocab_size for j in range(11))
     core.add(EngineRequest("score", prompt, SamplingParams(temperature=0.7, seed=1), 6, ignore_eos=True,
