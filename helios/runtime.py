@@ -20,6 +20,7 @@ import torch
 from helios.config import HeliosConfig
 from helios.domain.model import ModelInfo
 from helios.engine.core import EngineConfig, EngineCore, EngineThread
+from helios.engine.kv.layout import CacheLayout
 from helios.engine.speculative import SpeculativeConfig
 from helios.models.interface import CausalLM
 from helios.models.quant import WeightFormat
@@ -455,8 +456,10 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     page = cfg.engine.page_size
     num_pages = cfg.engine.kv_pages
     if num_pages == 0:
-        per_token = sum(spec.elements_per_token() for spec in model.cache_specs()) * dtype.itemsize
-        num_pages = int(cfg.engine.kv_memory_gib * 2**30 // (per_token * page))
+        # Recurrent layers' per-request states come out of the same budget as the pages.
+        layout = CacheLayout.from_specs(model.cache_specs())
+        budget = cfg.engine.kv_memory_gib * 2**30 - layout.bytes_per_request(dtype) * cfg.engine.max_active
+        num_pages = int(max(budget, 0) // (layout.bytes_per_token(dtype) * page))
     num_pages = max(num_pages, -(-max_model_len // page) + 1)
     ecfg = EngineConfig(page_size=page, num_pages=num_pages, max_active=cfg.engine.max_active,
                         prefill_chunk_size=cfg.engine.prefill_chunk_size, max_model_len=max_model_len,
