@@ -113,6 +113,7 @@ class EngineCore:
                 host_has = lambda h: all(host.contains(group_key(h, g)) for g in groups)  # noqa: E731
                 restore = self._restore_groups
         self._ns_per_token: float | None = None
+        self._decode_weight_bytes: int | None = None  # the model's, asked once (`stats`)
         self._missing_tokens = Histogram(HOST_TOKEN_BUCKETS)
         self._transfer_ns = Histogram(HOST_NS_BUCKETS)
         self._prefill_ns = Histogram(HOST_NS_BUCKETS)
@@ -217,7 +218,7 @@ class EngineCore:
             transfer_ns=self._transfer_ns.snapshot(), prefill_ns=self._prefill_ns.snapshot())
 
     def _weight_bytes(self) -> int:
-        cached: int | None = getattr(self, "_decode_weight_bytes", None)
+        cached = self._decode_weight_bytes
         if cached is None:
             cached = self._decode_weight_bytes = self.model.decode_weight_bytes()
         return cached

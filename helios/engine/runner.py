@@ -84,7 +84,7 @@ class ModelRunner:
         # With the CPU paged-decode kernel, verification rows attend as decode tokens: it reads their
         # context in place, where the prefill path gathers it per row and layer (at 1,000 tokens of
         # context, one stream, 4 drafts: 67 ms a step against 131 ms, a plain decode step 46 ms).
-        self.batch.verify_as_decode = bool(getattr(backend, "decode_kernel", False))
+        self.batch.verify_as_decode = backend.decode_kernel
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.batch.release(sched.freed)

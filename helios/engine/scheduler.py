@@ -530,7 +530,7 @@ class Scheduler:
         if depth <= 0:
             return ()
         drafts = state.proposer.propose(seq.token_ids, depth)
-        state.last_kind = getattr(state.proposer, "last_kind", state.proposer.kind) if drafts else None
+        state.last_kind = state.proposer.last_kind if drafts else None
         if drafts:
             kv = self.kv
             total = len(seq.token_ids)

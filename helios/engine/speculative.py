@@ -73,6 +73,8 @@ class Proposer(Protocol):
     far (prompt and committed output; the list only grows)."""
 
     kind: str
+    last_kind: str | None
+    """The kind of the proposer whose drafts the last `propose` returned (a plain proposer: its own)."""
 
     def propose(self, token_ids: Sequence[int], depth: int) -> tuple[int, ...]:
         """Up to ``depth`` tokens likely to follow ``token_ids`` (empty: no guess)."""
@@ -87,6 +89,7 @@ class NgramProposer:
     since the last call, so a call costs the new tokens, not the whole context."""
 
     kind = "ngram"
+    last_kind: str | None = "ngram"
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
@@ -188,6 +191,7 @@ class HistoryProposer:
     """Drafts from the shared decoded history (`SharedHistory`), never from the asking request itself."""
 
     kind = "history"
+    last_kind: str | None = "history"
 
     def __init__(self, history: SharedHistory, request_id: str) -> None:
         self.history = history
