@@ -1,8 +1,8 @@
 """One decoder for the Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
 
 The model sees a flat batch: the tokens of several sequences concatenated into ``T`` rows, each with
-its absolute position. Attention across the rows of one sequence is the job of an `AttentionBackend`
-(the engine's paged backend, or `helios.models.dense_attention.DenseAttention` for one sequence).
+its absolute position. Attention across the rows of one sequence is the job of an `interface.AttentionContext`
+(the engine's `PagedAttention`, or `helios.models.dense_attention.DenseAttention` for one sequence).
 
 Layout choices for CPU speed: q/k/v are one matmul and gate/up another (weights concatenated at load
 time); RoPE is applied to q and k in one pass, with cos/sin computed once per forward from the
