@@ -133,7 +133,13 @@ class HeliosApp:
                 try:
                     await self.startup()
                 except Exception as exc:
-                    log.exception("start-up failed")
+                    if isinstance(exc, (ValueError, OSError)):
+                        # What the model or its files say is wrong (an unsupported architecture, a
+                        # missing or malformed file): its one line, the traceback only at debug level.
+                        log.error("start-up failed: %s", exc)
+                        log.debug("start-up failure", exc_info=True)
+                    else:
+                        log.exception("start-up failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
                 await send({"type": "lifespan.startup.complete"})

@@ -55,8 +55,14 @@ def _serve(args: argparse.Namespace) -> int:
     hc.graceful_timeout = grace
     hc.shutdown_timeout = grace + 60
     print(f"Helios serving on http://{cfg.server.host}:{cfg.server.port}", file=sys.stderr)
-    trio.run(partial(serve, app, hc, shutdown_trigger=partial(_drain_on_signal, app)))  # type: ignore[arg-type]
-    return 0
+    from hypercorn.utils import LifespanFailureError
+
+    failed = False
+    try:
+        trio.run(partial(serve, app, hc, shutdown_trigger=partial(_drain_on_signal, app)))  # type: ignore[arg-type]
+    except* LifespanFailureError:
+        failed = True  # the app logged why, in one line for a model it cannot serve
+    return 1 if failed else 0
 
 
 async def _drain_on_signal(app: HeliosApp) -> None:

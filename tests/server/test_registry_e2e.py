@@ -195,3 +195,17 @@ def test_concurrent_requests_each_equal_their_reference(served: tuple[AppServer,
     for i in range(len(texts)):
         body = results[i].model_dump()
         assert body["choices"][0]["token_ids"] == _greedy_reference(model, body["prompt_token_ids"], 16), texts[i]
+
+
+def test_helios_serve_of_an_unknown_architecture_fails_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "foo", "architectures": ["FooForCausalLM"]}))
+    proc = subprocess.run([sys.executable, "-m", "helios.cli", "serve", str(tmp_path), "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "unsupported architecture" in line]
+    assert len(lines) == 1, proc.stderr
+    assert "'foo'" in lines[0] and "supported: " in lines[0] and "qwen2" in lines[0]
