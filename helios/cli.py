@@ -1,4 +1,4 @@
-"""`helios serve | bench`."""
+"""`helios serve | models | bench | top`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from helios.config import WEIGHT_FORMATS
@@ -43,6 +44,19 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"helios: {exc}", file=sys.stderr)
         return 2
+    if cfg.model.path:  # a catalog name: fetched now (with a progress bar), before the server starts
+        from helios.loaders import catalog
+
+        try:
+            entry = catalog.lookup(cfg.model.path)
+            if entry is not None:
+                catalog.ensure_entry(entry)
+        except catalog.UnknownModel as exc:
+            print(f"helios: {exc}", file=sys.stderr)
+            return 2
+        except (OSError, RuntimeError) as exc:
+            print(f"helios: cannot fetch {cfg.model.path}: {exc}", file=sys.stderr)
+            return 1
     logging.getLogger().setLevel(cfg.server.log_level.upper())
     app = HeliosApp(cfg)
     hc = HyperConfig()
@@ -63,6 +77,58 @@ def _serve(args: argparse.Namespace) -> int:
     except* LifespanFailureError:
         failed = True  # the app logged why, in one line for a model it cannot serve
     return 1 if failed else 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    """`helios models`: the catalog (name, size, whether it is cached, its path), then what the
+    model cache holds."""
+    from helios.loaders import catalog
+
+    cache = catalog.default_cache_dir()
+    rows = [("NAME", "SIZE", "CACHED", "PATH")]
+    for entry in catalog.ENTRIES:
+        name = entry.name + (" (default)" if entry.name == catalog.DEFAULT_NAME else "")
+        cached = "yes" if catalog.cached_path(entry, cache) is not None else "no"
+        rows.append((name, _size(entry.size), cached, str(cache / entry.file_name)))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), r[3]]).rstrip())
+    print()
+    by_file = {e.file_name: e for e in catalog.ENTRIES}
+    items = sorted(cache.iterdir()) if cache.is_dir() else []
+    total = 0
+    lines = []
+    for item in items:
+        size = _tree_size(item)
+        total += size
+        found = by_file.get(item.name)
+        if item.is_dir() and item.name == "packed":
+            what = "packed-weight cache"
+        elif item.name.startswith(".") and (item.name.endswith(".partial") or item.name.startswith(".download-")):
+            what = "a download in progress or interrupted"
+        elif found is not None:
+            what = found.name if catalog.cached_path(found, cache) is not None else f"{found.name} (wrong size)"
+        else:
+            what = "not in the catalog"
+        lines.append((item.name + ("/" if item.is_dir() else ""), _size(size), what))
+    print(f"cache {cache}: " + (f"{len(items)} entries, {_size(total)}" if items else "empty"))
+    width = max((len(n) for n, _, _ in lines), default=0)
+    for name, shown, what in lines:
+        print(f"  {name.ljust(width)}  {shown:>9}  {what}")
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _tree_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
 
 async def _drain_on_signal(app: HeliosApp) -> None:
@@ -96,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="helios", description="Helios LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve a model (default: SmolLM2-135M-Instruct)")
-    s.add_argument("model", nargs="?", help="a GGUF file or a Hugging Face model directory")
+    s.add_argument("model", nargs="?",
+                   help="a GGUF file, a Hugging Face model directory or a catalog name (see `helios models`)")
     s.add_argument("--host", default=None)
     s.add_argument("--port", type=int, default=None)
     s.add_argument("--config", default=None, help="TOML configuration file (default: $HELIOS_CONFIG)")
@@ -111,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--shutdown-grace", type=float, default=None, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, how long in-flight requests may finish before they are aborted "
                         "(overrides [server] shutdown_grace_seconds; default 30)")
+    sub.add_parser("models", help="list the model catalog (name, size, cached, path) and the model cache")
     sub.add_parser("bench", help="benchmark an OpenAI-compatible server", add_help=False)
     sub.add_parser("top", help="live terminal dashboard of a server's /metrics", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
@@ -126,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "models":
+        return _models(args)
     return 2
 
 

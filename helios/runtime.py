@@ -304,13 +304,15 @@ class Runtime:
         self.thread.shutdown()
 
 
-def model_aliases(configured: Sequence[str], *, default_model: bool) -> tuple[str, ...]:
-    """The configured aliases in order; the default model also answers to its short names."""
+def model_aliases(configured: Sequence[str], *, default_model: bool, catalog_name: str = "") -> tuple[str, ...]:
+    """The configured aliases in order; the default model also answers to its short names, and a
+    catalog model to its catalog name (after those). The first one is the id /v1/models reports, so
+    the default model stays `smol` and another catalog model is reported by its catalog name."""
     from helios.loaders.default_model import DEFAULT_MODEL_ALIASES
 
     aliases = [a for a in configured if a]
-    if default_model:
-        aliases += [a for a in DEFAULT_MODEL_ALIASES if a not in aliases]
+    extra = [*(DEFAULT_MODEL_ALIASES if default_model else ()), *([catalog_name] if catalog_name else [])]
+    aliases += [a for a in extra if a not in aliases]
     return tuple(aliases)
 
 
@@ -324,11 +326,18 @@ def generation_defaults(
     return {**checkpoint, **(DEFAULT_MODEL_GENERATION_CONFIG if default_model else {}), **configured}
 
 
-def _is_default(path: str) -> bool:
-    from helios.loaders.default_model import GGUF_NAME, GGUF_SIZE
+def resolve_model(spec: str) -> tuple[str, str]:
+    """``[model] path`` (or `helios serve MODEL`) as (the file or folder to load, its catalog name):
+    empty means the default model; a catalog name is fetched into the cache the first time; an
+    existing path is loaded as it is, and a catalog model's cached file keeps its catalog name.
+    Anything else raises `catalog.UnknownModel`, listing the known names."""
+    from helios.loaders import catalog
 
-    p = Path(path)
-    return p.name == GGUF_NAME and p.is_file() and p.stat().st_size == GGUF_SIZE
+    entry = catalog.lookup(spec) if spec else catalog.DEFAULT_ENTRY
+    if entry is None:
+        found = catalog.entry_for_file(spec)
+        return spec, found.name if found is not None else ""
+    return str(catalog.ensure_entry(entry)), entry.name
 
 
 @attrs.frozen(eq=False)
@@ -425,7 +434,7 @@ def model_fingerprint(path: str | Path, weights: str) -> bytes:
 
 
 def build_runtime(cfg: HeliosConfig) -> Runtime:
-    from helios.loaders.default_model import default_cache_dir, ensure_default_model
+    from helios.loaders.catalog import DEFAULT_NAME, default_cache_dir
     from helios.recipes import detect_parser_family, detect_recipe, get_recipe, plain_recipe
 
     # Everything torch does on this (the main) thread stays on one OpenMP thread; the engine thread
@@ -435,8 +444,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     # torch's int4 matmul then took 41-52 us per call on the engine thread instead of 15 us, and a
     # 1-stream decode step 13.4 ms instead of 7.1 (docs/benchmarks.md).
     torch.set_num_threads(1)
-    default_path = ensure_default_model() if not cfg.model.path else None
-    path = cfg.model.path or str(default_path)
+    path, catalog_name = resolve_model(cfg.model.path)
     device = cfg.model.device
     t0 = time.perf_counter()
     print(f"Loading {path} ({device})", file=sys.stderr)
@@ -473,7 +481,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                         token_vocab_size=ckpt.tokenizer.vocab_size)
     core = EngineCore(model, ecfg, dtype, device, vision=loaded.vision)
     name = cfg.model.recipe or detect_recipe(ckpt.model_id, mc.arch, ckpt.chat_template)
-    is_default = default_path is not None or _is_default(path)
+    is_default = catalog_name == DEFAULT_NAME
     generation_config = generation_defaults(ckpt.generation_config, cfg.model.generation_config, default_model=is_default)
     if name == "plain":
         recipe = plain_recipe(generation_config, output_parser=detect_parser_family(ckpt.chat_template))
@@ -483,7 +491,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     eos = tuple(tok.eos_token_ids)
     info = ModelInfo(
         model_id=ckpt.model_id,
-        aliases=model_aliases(cfg.server.aliases, default_model=is_default),
+        aliases=model_aliases(cfg.server.aliases, default_model=is_default, catalog_name=catalog_name),
         created=int(time.time()),
         max_model_len=max_model_len,
         vocab_size=mc.vocab_size,
