@@ -25,7 +25,7 @@ from helios.models.architecture import BuildOptions, LoadableCausalLM
 from helios.models.dense_attention import DenseAttention, greedy_generate
 from helios.models.gemma3 import Gemma3Config, Gemma3ForCausalLM, config_from_gguf
 from helios.models.interface import FullAttentionSpec, SlidingWindowSpec
-from tests.numerics import FP32_TOLERANCE
+from tests.numerics import FP32_TOLERANCE, tolerance_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -125,7 +125,7 @@ def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
     expected = _hf_logits(hf_model, PROMPT)
     got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
     diff = (got - expected).abs().max().item()
-    print(f"{root.name} prompt fp32: max abs logit diff {diff:.3g} (max |logit| {expected.abs().max():.3g})")
+    print(f"{root.name} prompt fp32: max abs logit diff {diff:.6g} (max |logit| {expected.abs().max():.3g})")
     assert expected.abs().max().item() > 1.0
     assert diff < FP32_TOLERANCE
 
@@ -345,3 +345,18 @@ def test_real_270m_first_logits() -> None:
     print(f"gemma-3-270m Q4_K_M first logits fp32: max abs diff {diff:.3g} (max |logit| {expected.abs().max():.3g})")
     assert int(got[-1].argmax()) == int(expected[-1].argmax())
     assert diff < FP32_TOLERANCE
+
+
+def test_bfloat16_close_to_float32(pair: tuple[torch.nn.Module, Path]) -> None:
+    """bfloat16 activations (the embedding scale rounded to bfloat16 first, as transformers does)."""
+    hf_model, root = pair
+    checkpoint = load_checkpoint(root, torch.bfloat16)
+    model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.bfloat16))
+    model.load_weights(checkpoint.tensors)
+    assert isinstance(model, Gemma3ForCausalLM) and float(model.embed_scale) == 8.0
+    expected = _hf_logits(hf_model, PROMPT)
+    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    diff = (got - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    print(f"{root.name} prompt bf16 vs fp32 reference: max abs logit diff {diff:.3g} (max |logit| {scale:.3g})")
+    assert diff < tolerance_for(torch.bfloat16, scale, roundings=13)
