@@ -64,14 +64,7 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type")
-            if kind not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: None, 'linear', 'llama3'")
-            needed = ("factor",) if kind == "linear" else _LLAMA3_ROPE_KEYS
-            missing = [key for key in needed if key not in self.rope_scaling]
-            if missing:
-                raise ValueError(f"rope_scaling {kind!r} lacks {missing}")
+        check_rope_scaling(self.rope_scaling)
 
     @property
     def q_size(self) -> int:
@@ -127,6 +120,18 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             sliding_window=int(sliding_window) if sliding_window else None,
         )
+
+
+def check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
+    """Raise ValueError unless ``scaling`` is None or a linear / Llama-3 rope scaling dict."""
+    if scaling is not None:
+        kind = scaling.get("rope_type")
+        if kind not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: None, 'linear', 'llama3'")
+        needed = ("factor",) if kind == "linear" else _LLAMA3_ROPE_KEYS
+        missing = [key for key in needed if key not in scaling]
+        if missing:
+            raise ValueError(f"rope_scaling {kind!r} lacks {missing}")
 
 
 def normalize_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -235,10 +240,14 @@ def _infer_llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int, ori
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
     """Inverse RoPE frequencies [head_dim // 2] in float32, with linear or Llama-3 scaling applied."""
-    dim = config.head_dim
+    return inv_freq_of(config.head_dim, config.rope_theta, config.rope_scaling)
+
+
+def inv_freq_of(dim: int, theta: float, scaling: Mapping[str, Any] | None) -> Tensor:
+    """Inverse RoPE frequencies [dim // 2] in float32 for base ``theta``, with a `normalize_rope_scaling`
+    dict's linear or Llama-3 scaling applied (None: plain RoPE)."""
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
-    scaling = config.rope_scaling
+    inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
     factor = float(scaling["factor"])

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from helios.models.interface import DecodeArgs, RecurrentBatch
-from helios.models.llama import LlamaForCausalLM
+from helios.models.decoder import FusedDecoderLM
+from helios.models.interface import DecodeArgs, RecurrentBatch, SlidingWindowSpec
 
 
 class DenseAttention:
@@ -24,11 +24,14 @@ class DenseAttention:
     layer, then attends the new queries over everything stored (causally within the chunk). GQA:
     prefill lets SDPA share each kv head across its query group (``enable_gqa``, i.e. a repeat);
     decode folds the query group into the query-length axis instead, so K/V are never copied.
+
+    ``windows``: per layer, None (full causal attention) or a sliding window w: a query at position p
+    sees only keys p - w + 1 .. p (`SlidingWindowSpec`). Every key is still kept.
     """
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 initial_capacity: int = 256) -> None:
+                 initial_capacity: int = 256, windows: Sequence[int | None] | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -40,12 +43,17 @@ class DenseAttention:
         self._keys = [self._alloc(capacity) for _ in range(num_layers)]
         self._values = [self._alloc(capacity) for _ in range(num_layers)]
         self._lengths = [0] * num_layers
+        self._windows: list[int | None] = list(windows) if windows is not None else [None] * num_layers
+        if len(self._windows) != num_layers:
+            raise ValueError(f"{len(self._windows)} windows for {num_layers} layers")
 
     @classmethod
-    def for_model(cls, model: LlamaForCausalLM, initial_capacity: int = 256) -> DenseAttention:
+    def for_model(cls, model: FusedDecoderLM, initial_capacity: int = 256) -> DenseAttention:
+        """For ``model``'s layers, with the sliding windows its cache specs declare."""
         cfg = model.config
+        windows = [spec.window if isinstance(spec, SlidingWindowSpec) else None for spec in model.cache_specs()]
         return cls(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
-                   device=model.embed_tokens.device, initial_capacity=initial_capacity)
+                   device=model.embed_tokens.device, initial_capacity=initial_capacity, windows=windows)
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +80,9 @@ class DenseAttention:
         keys[start:end] = k
         values[start:end] = v
         self._lengths[layer_idx] = end
+        window = self._windows[layer_idx]
+        if window is not None:
+            return self._windowed(q, keys, values, start, end, window, scale)
         # [1, num_kv_heads, end, head_dim] views of the token-major cache.
         keys = keys[:end].transpose(0, 1).unsqueeze(0)
         values = values[:end].transpose(0, 1).unsqueeze(0)
@@ -89,6 +100,22 @@ class DenseAttention:
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=gqa, scale=scale)
         return out[0].transpose(0, 1)
 
+    def _windowed(self, q: Tensor, keys: Tensor, values: Tensor, start: int, end: int, window: int,
+                  scale: float | None) -> Tensor:
+        """Attention of the queries at positions start .. end - 1 over keys within ``window``."""
+        first = max(0, start + 1 - window)  # the first key the first query sees
+        keys = keys[first:end].transpose(0, 1).unsqueeze(0)
+        values = values[first:end].transpose(0, 1).unsqueeze(0)
+        if end - start == 1:
+            qg = q.view(1, self.num_kv_heads, self.group_size, self.head_dim)
+            return F.scaled_dot_product_attention(qg, keys, values, scale=scale).view(1, self.num_heads, self.head_dim)
+        query_pos = torch.arange(start, end, device=q.device)[:, None]
+        key_pos = torch.arange(first, end, device=q.device)[None, :]
+        mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
+                                             enable_gqa=self.group_size > 1, scale=scale)
+        return out[0].transpose(0, 1)
+
     def _alloc(self, capacity: int) -> Tensor:
         return torch.empty(capacity, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
 
@@ -104,7 +131,7 @@ class DenseAttention:
 
 
 @torch.inference_mode()
-def greedy_generate(model: LlamaForCausalLM, prompt_ids: Sequence[int], max_new_tokens: int,
+def greedy_generate(model: FusedDecoderLM, prompt_ids: Sequence[int], max_new_tokens: int,
                     eos_token_ids: Iterable[int] = ()) -> list[int]:
     """Greedy continuation of ``prompt_ids`` (the stop token, if reached, is included)."""
     stop = frozenset(eos_token_ids)

@@ -29,32 +29,26 @@ from torch import Tensor, nn
 from helios.models import cpu_kernels, packing
 from helios.models.architecture import Architecture, ArchitectureConfig, BuildOptions, GGUFSource, GGUFTensor
 from helios.models.config import LLAMA_FAMILY, ROPE_FREQS, ModelConfig, config_from_gguf, rope_inv_freq
-from helios.models.dense import dense_matmul
-from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec
-from helios.models.packing import LM_HEAD_FP32, LM_HEAD_Q8
-from helios.models.packing import Q8_BF16_ROWS as Q8_BF16_ROWS  # re-exported: compute_logits' threshold
-from helios.models.quant import (
-    DenseLinear,
-    GroupQuantized,
-    UnloadedLinear,
-    WeightFormat,
-    WeightSource,
-    build_linear,
-    dense_of,
+from helios.models.decoder import (
+    PROJECTIONS,
+    DecoderLayer,
+    FusedDecoderLM,
+    add_rms_norm,
+    apply_rope,
+    broadcast_qk_norm,
+    param,
+    rms_norm,
+    rope_tables,
 )
+from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec
+from helios.models.packing import Q8_BF16_ROWS as Q8_BF16_ROWS  # re-exported: compute_logits' threshold
+from helios.models.quant import DenseLinear, UnloadedLinear, WeightFormat
 
 __all__ = ["PROJECTIONS", "Q8_BF16_ROWS", "LlamaForCausalLM", "rope_inv_freq"]
-# The fused projections of a decoder layer: attribute -> the Hugging Face weight names (suffixes of
-# "model.layers.{i}.") that make up its row blocks, in order.
-PROJECTIONS = {
-    "qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "o_proj": ("self_attn.o_proj.weight",),
-    "gate_up_proj": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "down_proj": ("mlp.down_proj.weight",),
-}
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(FusedDecoderLM):
+    config: ModelConfig
     inv_freq: Tensor
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
@@ -74,56 +68,18 @@ class LlamaForCausalLM(nn.Module):
         `cpu_kernels.q8_linear`: the same float32 weights and float32 accumulation as the float32
         copy, from a quarter of the bytes (the copy is then not made). CPU only; the caller checks
         that the kernels are built."""
-        super().__init__()
-        self.config = config
-        self.dtype = dtype
-        self.weight_format = weights or WeightFormat()
+        super().__init__(config, dtype, device, lm_head_fp32=lm_head_fp32, weights=weights, q8_head=q8_head)
         self.softmax_scale = config.head_dim ** -0.5
-        self.embed_tokens = _param(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
-        self.layers = nn.ModuleList(
-            _DecoderLayer(config, i, dtype, torch.device(device), self._placeholder_dtype())
-            for i in range(config.num_layers)
-        )
-        self.norm = _param(torch.ones(config.hidden_size, dtype=torch.float32, device=device))
-        if config.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
-        else:
-            self.lm_head = _param(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
-        self._lm_head_fp32: Tensor | None = None
-        self._lm_head_onednn: Tensor | None = None  # `pack_cpu_weights`
-        self._wants_lm_head_fp32 = lm_head_fp32 and dtype != torch.float32
-        self._lm_head_q8: tuple[Tensor, Tensor] | None = None
-        self._lm_head_q8_bf16: tuple[Tensor, Tensor, int] | None = None  # `pack_cpu_weights`
-        self._wants_q8_head = q8_head
 
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.device
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
+    def _build_layers(self, device: torch.device, dense_dtype: torch.dtype | None) -> list[DecoderLayer]:
+        cfg = self.config
+        return [_DecoderLayer(cfg, i, self.dtype, device, dense_dtype) for i in range(cfg.num_layers)]
 
     def cache_specs(self) -> tuple[CacheSpec, ...]:
         """Every layer keeps full-attention K/V (a sliding window in the config is not applied)."""
         spec = FullAttentionSpec(self.config.num_kv_heads, self.config.head_dim)
         return (spec,) * self.config.num_layers
-
-    def decode_weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads for one request: every parameter once (tied ones
-        once), except that the input embedding contributes only the one row it looks up, and the
-        output projection counts as the tensor the logits are computed from (the float32 copy of a
-        bf16/fp16 head, where there is one)."""
-
-        def size(t: Tensor) -> int:
-            return int(t.numel() * t.element_size())
-
-        embed, head = self.embed_tokens, self.lm_head
-        total = sum(size(p) for p in self.parameters() if p is not embed and p is not head)  # tied: once
-        if embed.dim() == 2 and embed.shape[0]:
-            total += size(embed[0])  # the lookup reads one row per token
-        return total + size(self._lm_head_fp32 if self._lm_head_fp32 is not None else head)
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionContext, *,
                 embeds: tuple[Tensor, Tensor] | None = None, keep: Tensor | None = None) -> Tensor:
@@ -174,200 +130,15 @@ class LlamaForCausalLM(nn.Module):
             return h
         return _add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps, fused)[1]
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """Logits [N, vocab_size] in float32 for hidden states [N, hidden_size]."""
-        if self._lm_head_q8 is not None:
-            if self._lm_head_q8_bf16 is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] >= Q8_BF16_ROWS:
-                return cpu_kernels.q8_linear_bf16(hidden, *self._lm_head_q8_bf16)
-            return cpu_kernels.q8_linear(hidden, *self._lm_head_q8)
-        if self._lm_head_fp32 is not None:
-            return dense_matmul(hidden.float(), self._lm_head_fp32, self._lm_head_onednn)
-        return dense_matmul(hidden, self.lm_head, self._lm_head_onednn).float()
-
-    def pack_cpu_weights(self) -> int:
-        """Once the weights are loaded (CPU): give every dense projection, and the float32 output
-        projection, a oneDNN-packed copy where oneDNN's prepacked linear is faster here
-        (`quant.pack_onednn`); give a Q8_0 head of a bfloat16 model its `q8_linear_bf16` layout where
-        the CPU has AVX512-BF16. Returns how many tensors were packed. Loading weights again drops them."""
-        self._lm_head_q8_bf16 = packing.q8_bf16_layout(self._lm_head_q8, self.dtype)
-        count = int(self._lm_head_q8_bf16 is not None)
-        count += packing.pack_projections_onednn(self._decoder_layers(), tuple(PROJECTIONS))
-        for layer in self._decoder_layers():
-            layer.find_fused_decode()
-        head = self._lm_head_fp32 if self._lm_head_fp32 is not None else self.lm_head.detach()
-        if self._lm_head_q8 is None:
-            self._lm_head_onednn = packing.pack_head_onednn(head)
-            count += int(self._lm_head_onednn is not None)
-        return count
-
-    def load_weights(self, tensors: Mapping[str, WeightSource]) -> None:
-        """Build the parameters from Hugging Face-named weights: dense tensors (converted to the
-        target dtype) or `GroupQuantized` codes (kept as codes where the weight format allows, else
-        dequantized). Each fused projection is built once all its parts are read.
-
-        Every expected tensor must be present, except ``lm_head.weight`` when the embeddings are tied
-        (then an ``lm_head.weight`` is ignored, as transformers does). Unknown names raise.
-        """
-        cfg = self.config
-        self._lm_head_onednn = None
-        self._lm_head_q8_bf16 = None
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        targets = self._weight_targets()
-        shapes = self._projection_shapes()
-        pending: dict[tuple[int, str], list[WeightSource | None]] = {}
-        layers = self._decoder_layers()
-        with torch.no_grad():
-            for name in tensors:
-                if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                    continue
-                target = targets.get(name)
-                slot = shapes.get(name)
-                if target is None and slot is None:
-                    unexpected.append(name)
-                    continue
-                value = tensors[name]  # read (lazily, for checkpoints) only what is used
-                expected = tuple(target.shape) if target is not None else slot[2]  # type: ignore[index]
-                if tuple(value.shape) != expected:
-                    raise ValueError(f"{name}: expected shape {expected}, got {tuple(value.shape)}")
-                loaded.add(name)
-                if target is not None:
-                    dense = dense_of(value)
-                    target.copy_(dense)
-                    if name == self._head_name() and self._wants_q8_head and packing.is_q8_0(value):
-                        assert isinstance(value, GroupQuantized)
-                        self._lm_head_q8 = packing.q8_codes(value)
-                    elif self._wants_lm_head_fp32 and name == self._head_name():
-                        self._lm_head_fp32 = dense.to(device=self.device, dtype=torch.float32, copy=True)
-                    continue
-                layer_idx, attr, _, index, count = slot  # type: ignore[misc]
-                parts = pending.setdefault((layer_idx, attr), [None] * count)
-                parts[index] = value
-                if all(p is not None for p in parts):
-                    del pending[(layer_idx, attr)]
-                    module = build_linear([p for p in parts if p is not None], self.weight_format, self.dtype)
-                    layers[layer_idx].set_projection(attr, module.to(self.device))
-        if unexpected:
-            raise ValueError(f"unexpected weights: {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}")
-        missing = sorted((set(targets) | set(shapes)) - loaded)
-        if missing:
-            raise ValueError(f"missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        for layer in layers:
-            layer.finish_loading()
-        if self._wants_lm_head_fp32 and self._lm_head_fp32 is None and self._lm_head_q8 is None:
-            self._lm_head_fp32 = self.lm_head.detach().float()
-
-    @property
-    def head_format(self) -> str:
-        """How logits are computed: ``q8_0`` (the checkpoint's codes, `cpu_kernels.q8_linear`),
-        ``float32`` (a float32 copy) or the weight dtype's name."""
-        if self._lm_head_q8 is not None:
-            return "q8_0"
-        if self._lm_head_fp32 is not None:
-            return "float32"
-        return str(self.lm_head.dtype).removeprefix("torch.")
-
-    @property
-    def head_bf16_rows(self) -> int | None:
-        """From how many rows the Q8_0 head takes `q8_linear_bf16` (None: it never does here)."""
-        return Q8_BF16_ROWS if self._lm_head_q8_bf16 is not None else None
-
-    def packed_state(self) -> tuple[dict[str, Tensor], dict[str, str]]:
-        """The loaded weights as stored (packed int4, int8, dense copies, norms, embeddings) and the
-        kind of module each projection is, for `load_packed_state`."""
-        layers = self._decoder_layers()
-        kinds = packing.projection_kinds(layers, tuple(PROJECTIONS))
-        state = self._stored_state()
-        state.update(packing.dropped_dense_copies(layers, tuple(PROJECTIONS)))  # `pack_onednn` dropped them
-        if self._lm_head_fp32 is not None:
-            state[LM_HEAD_FP32] = self._lm_head_fp32
-        if self._lm_head_q8 is not None:
-            state.update(zip(LM_HEAD_Q8, self._lm_head_q8, strict=True))
-        return state, kinds
-
-    def load_packed_state(self, state: Mapping[str, Tensor], kinds: Mapping[str, str]) -> None:
-        """Restore what `packed_state` returned (from a model of the same config, dtype and format)."""
-        self._lm_head_onednn = None
-        self._lm_head_q8_bf16 = None
-        layers = self._decoder_layers()
-        for layer, modules in zip(layers, packing.restore_projections(layers, tuple(PROJECTIONS), state, kinds),
-                                  strict=True):
-            for attr, module in zip(PROJECTIONS, modules, strict=True):
-                layer.set_projection(attr, module)
-        expected = set(self._stored_state())
-        q8 = self._wants_q8_head and all(name in state for name in LM_HEAD_Q8)
-        if q8:
-            expected.update(LM_HEAD_Q8)
-        elif self._wants_lm_head_fp32:
-            expected.add(LM_HEAD_FP32)
-        if set(state) != expected:
-            raise ValueError(f"packed state does not match the model: missing {sorted(expected - set(state))[:4]}, "
-                             f"unexpected {sorted(set(state) - expected)[:4]}")
-        with torch.no_grad():
-            for name, target in self._stored_state(keep_vars=True).items():
-                if target.data_ptr() != state[name].data_ptr():
-                    target.copy_(state[name])
-        if q8:
-            codes, scales = (state[name] for name in LM_HEAD_Q8)
-            self._lm_head_q8 = (codes.contiguous(), scales.contiguous())
-        elif self._wants_lm_head_fp32:
-            self._lm_head_fp32 = state[LM_HEAD_FP32].to(self.device)
-        for layer in self._decoder_layers():
-            layer.finish_loading()
-
-    def _stored_state(self, keep_vars: bool = False) -> dict[str, Tensor]:
-        """state_dict without empty entries and without the tied head (the embedding holds it)."""
-        return packing.stored_state(self, tied_head=self.config.tie_word_embeddings, keep_vars=keep_vars)
-
-    def _placeholder_dtype(self) -> torch.dtype | None:
-        """The dtype of the projections before loading: a dense format's, else None (none)."""
-        fmt = self.weight_format
-        return (fmt.dtype or self.dtype) if fmt.kind == "dense" else None
-
-    def _head_name(self) -> str:
-        return "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
-
-    def _weight_targets(self) -> dict[str, Tensor]:
-        """Hugging Face name -> the (view of the) parameter it fills, for everything but the projections."""
-        targets: dict[str, Tensor] = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
-        if not self.config.tie_word_embeddings:
-            targets["lm_head.weight"] = self.lm_head
-        for i, layer in enumerate(self._decoder_layers()):
-            for suffix, view in layer.weight_targets().items():
-                targets[f"model.layers.{i}.{suffix}"] = view
-        return targets
-
-    def _projection_shapes(self) -> dict[str, tuple[int, str, tuple[int, int], int, int]]:
-        """Hugging Face name -> (layer, projection attribute, shape, part index, number of parts)."""
-        cfg = self.config
-        hidden, inter = cfg.hidden_size, cfg.intermediate_size
-        part_shapes = {
-            "self_attn.q_proj.weight": (cfg.q_size, hidden), "self_attn.k_proj.weight": (cfg.kv_size, hidden),
-            "self_attn.v_proj.weight": (cfg.kv_size, hidden), "self_attn.o_proj.weight": (hidden, cfg.q_size),
-            "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
-            "mlp.down_proj.weight": (hidden, inter),
-        }
-        out: dict[str, tuple[int, str, tuple[int, int], int, int]] = {}
-        for i in range(cfg.num_layers):
-            for attr, suffixes in PROJECTIONS.items():
-                for index, suffix in enumerate(suffixes):
-                    out[f"model.layers.{i}.{suffix}"] = (i, attr, part_shapes[suffix], index, len(suffixes))
-        return out
-
     def _decoder_layers(self) -> list[_DecoderLayer]:
         return [cast(_DecoderLayer, layer) for layer in self.layers]
 
     def _rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sign-folded sin, [T, 1, head_dim], so that rope(x) = x*cos + roll(x, d/2)*sin."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        cos = freqs.cos()
-        sin = freqs.sin()
-        cos = torch.cat((cos, cos), dim=-1)
-        sin = torch.cat((-sin, sin), dim=-1)
-        return cos.to(self.dtype).unsqueeze(1), sin.to(self.dtype).unsqueeze(1)
+        return rope_tables(positions, self.inv_freq, self.dtype)
 
 
-class _DecoderLayer(nn.Module):
+class _DecoderLayer(DecoderLayer):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device,
                  dense_dtype: torch.dtype | None) -> None:
         super().__init__()
@@ -504,37 +275,13 @@ class _DecoderLayer(nn.Module):
     def finish_loading(self) -> None:
         self.find_fused_decode()
         if self.qk_norm is not None:
-            with torch.no_grad():
-                self.qk_norm[1 : self.num_heads].copy_(self.qk_norm[0].expand(self.num_heads - 1, -1))
-                self.qk_norm[self.num_heads + 1 :].copy_(
-                    self.qk_norm[self.num_heads].expand(self.num_kv_heads - 1, -1)
-                )
+            broadcast_qk_norm(self.qk_norm, self.num_heads, self.num_kv_heads)
 
 
-def _param(tensor: Tensor) -> nn.Parameter:
-    return nn.Parameter(tensor, requires_grad=False)
-
-
-def _add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float, fused: bool) -> tuple[Tensor, Tensor]:
-    """``(s, rms_norm(s))`` for the residual stream ``s = h + delta`` (``h`` when delta is None)."""
-    if fused and h.is_contiguous() and (delta is None or delta.is_contiguous()):
-        return cpu_kernels.add_rms_norm(h, delta, weight, eps)
-    s = h if delta is None else h + delta
-    return s, _rms_norm(s, weight, eps)
-
-
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last dim, computed in float32; ``weight`` is float32 and broadcastable."""
-    if x.dtype == torch.float32:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
-
-
-def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """NeoX (rotate-half) RoPE on [T, heads, head_dim] with tables from `_rope_tables`."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
-
+_param = param
+_add_rms_norm = add_rms_norm
+_rms_norm = rms_norm
+_apply_rope = apply_rope
 
 
 # -- weight names and registry entries -------------------------------------------------------------------
@@ -561,15 +308,16 @@ GGUF_LAYER_NAMES = {
 _GGUF_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)")
 
 
-def gguf_to_hf_name(gguf_name: str) -> str:
-    """A llama-family GGUF tensor's Hugging Face name (NotImplementedError for names it has none for)."""
+def gguf_to_hf_name(gguf_name: str, layer_names: Mapping[str, str] = GGUF_LAYER_NAMES) -> str:
+    """A llama-family GGUF tensor's Hugging Face name (NotImplementedError for names it has none for);
+    ``layer_names``: another family's per-layer names (the global ones are shared)."""
     if gguf_name in GGUF_GLOBAL_NAMES:
         return GGUF_GLOBAL_NAMES[gguf_name]
     match = _GGUF_LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in GGUF_LAYER_NAMES:
+    if match is None or match.group(2) not in layer_names:
         raise NotImplementedError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart here")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{GGUF_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{layer_names[part]}.{kind}"
 
 
 def gguf_tensor(config: ArchitectureConfig, gguf_name: str, *, interleaved_rotary: bool) -> GGUFTensor | None:
