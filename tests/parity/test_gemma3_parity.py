@@ -33,7 +33,6 @@ VOCAB = 272
 WINDOW = 4
 PROMPT = [3, 250, 17, 99, 101, 5, 64, 200, 31, 7, 140, 271, 12, 44]  # 14 tokens > WINDOW
 REAL_FILE_ENV = "HELIOS_GEMMA3_270M_GGUF"
-REAL_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 
 def _hf_config(variant: str) -> object:
