@@ -30,12 +30,12 @@ import attrs
 import torch
 from torch import Tensor
 
-from helios.loaders.gguf_loader import GGUFFile
+from helios.loaders.gguf_loader import BLOCK_TYPES, GGUFFile
 from helios.loaders.gguf_reader import GGML_Q4_0, GGML_Q4_1
 from helios.loaders.safetensors_loader import read_hf_directory
 from helios.loaders.tokenizer import Tokenizer
 from helios.models.architecture import Architecture, ArchitectureConfig
-from helios.models.quant import WeightSource
+from helios.models.quant import BuildSource
 
 ProgressCallback = Callable[[str, float], None]
 _V = TypeVar("_V")
@@ -52,9 +52,12 @@ class Checkpoint:
     chat_template: str | None
     generation_config: dict[str, Any]
     source_path: str
-    weights: Mapping[str, WeightSource]
+    weights: Mapping[str, BuildSource]
     # Some decoder projections are stored as Q4_0/Q4_1 blocks, which an int4 format keeps as they are.
     int4_codes: bool = False
+    # Some decoder projections are stored as K-quant / Q5_0 / Q5_1 blocks (`kquant.BlockQuantized`),
+    # which a format with ``keep_blocks`` keeps as they are (with any Q8_0 beside them).
+    block_codes: bool = False
     vision: VisionCheckpoint | None = None
     """A vision-language checkpoint's vision side (``tensors``/``weights`` are its text model's)."""
 
@@ -134,6 +137,7 @@ def _from_gguf(path: Path, dtype: torch.dtype, progress: ProgressCallback | None
         weights=LazyTensors(file.weight_thunks(), progress),
         int4_codes=any(kind in (GGML_Q4_0, GGML_Q4_1) for name, kind in file.tensor_types.items()
                        if name.startswith("blk.")),
+        block_codes=any(kind in BLOCK_TYPES for name, kind in file.tensor_types.items() if name.startswith("blk.")),
     )
 
 
