@@ -415,6 +415,8 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
                     log.info("packed weights cached in %s", stored)
     finally:
         torch.set_num_threads(threads)
+    if ckpt.release_pages is not None:
+        ckpt.release_pages()  # the file's pages the build copied (those still in use fault back in)
     model.eval()
     log.info("kept: %s", kept_weights(model))
     if device == "cpu":

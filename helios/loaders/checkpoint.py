@@ -58,6 +58,8 @@ class Checkpoint:
     # Some decoder projections are stored as K-quant / Q5_0 / Q5_1 blocks (`kquant.BlockQuantized`),
     # which a format with ``keep_blocks`` keeps as they are (with any Q8_0 beside them).
     block_codes: bool = False
+    # Once the model is built: drop the resident pages of a memory-mapped file (GGUF), if any.
+    release_pages: Callable[[], None] | None = None
     vision: VisionCheckpoint | None = None
     """A vision-language checkpoint's vision side (``tensors``/``weights`` are its text model's)."""
 
@@ -138,6 +140,7 @@ def _from_gguf(path: Path, dtype: torch.dtype, progress: ProgressCallback | None
         int4_codes=any(kind in (GGML_Q4_0, GGML_Q4_1) for name, kind in file.tensor_types.items()
                        if name.startswith("blk.")),
         block_codes=any(kind in BLOCK_TYPES for name, kind in file.tensor_types.items() if name.startswith("blk.")),
+        release_pages=file.release_pages,
     )
 
 

@@ -59,6 +59,10 @@ class GGUFFile:
         self.architecture: Architecture = registry.for_gguf(str(self.metadata.get("general.architecture")))
         self.config: ArchitectureConfig = self.architecture.parse_gguf(self)
 
+    def release_pages(self) -> None:
+        """`GGUFContents.release_pages`: call once the model's weights are built."""
+        self._contents.release_pages()
+
     @property
     def model_name(self) -> str | None:
         name = self.metadata.get("general.name")
