@@ -11,7 +11,8 @@ tensors carry the family's names.
 ``Checkpoint.tensors`` is lazy: each tensor is read (and dequantized) from disk when it is accessed,
 so loading the model never holds two full copies of the weights. ``Checkpoint.weights`` is the same
 in the checkpoint's own form: GGUF Q4_0/Q4_1/Q8_0 tensors as `GroupQuantized` codes (which a quantized
-`WeightFormat` keeps as they are), everything else dense as stored:
+`WeightFormat` keeps as they are), Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 matrices as `kquant.BlockQuantized` blocks
+(kept by a quantized format's `kquant.KQuantLinear`), everything else dense as stored:
 
     model = ckpt.architecture.build(ckpt.config, BuildOptions(dtype=torch.bfloat16, weights=WeightFormat("int4")))
     model.load_weights(ckpt.weights)
