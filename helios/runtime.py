@@ -118,6 +118,16 @@ def choose_dtype(name: str, device: str) -> torch.dtype:
 AUTO_DENSE_ABOVE = {"avx2": 24, "avx512_bf16": 12, "amx": 12}
 # The dense copy is skipped (int4 only) when it would take more than this share of available memory.
 AUTO_DENSE_COPY_MEMORY_SHARE = 0.5
+# `weights = "auto"` with K-quant blocks: whether the projections also keep a dense copy in the
+# activation dtype for large steps. Not by default: on Qwen2.5-Coder-0.5B Q4_K_M a bfloat16 copy is
+# 0.7 GB beside the 0.35 GB of blocks, past issue 26's memory target (file size + KV pool + 600 MB).
+AUTO_BLOCKS_DENSE_COPY = False
+# ... and without one, steps of more than this many rows dequantize each projection per call into the
+# activation dtype and run a dense GEMM. On the 0.5B file's Q5_0 (4864 x 896) and Q6_K (896 x 4864)
+# projections, one thread of a busy 2-core AVX512-BF16 machine, bfloat16 activations: kernel against
+# dequantize-then-bf16-GEMM 2.6 / 7.8 and 4.6 / 3.2 ms at 16 rows, 9.3 / 8.1 and 6.3 / 3.7 at 32,
+# 86 / 24 and 85 / 24 at 512 (a resident bf16 copy: 22 and 21).
+AUTO_BLOCKS_UNPACK_ABOVE = 32
 
 
 @attrs.frozen
@@ -133,7 +143,7 @@ class WeightChoice:
 
 
 def choose_weights(weights: str, dtype: str, device: str, *, int4_codes: bool,
-                   projection_params: int = 0) -> WeightChoice:
+                   projection_params: int = 0, block_codes: bool = False) -> WeightChoice:
     """The configured `[model] weights` and `dtype` -> `WeightChoice`.
 
     Explicit formats: "float32" / "bfloat16" are dense projections (activations in the same dtype
@@ -147,7 +157,13 @@ def choose_weights(weights: str, dtype: str, device: str, *, int4_codes: bool,
     `AUTO_DENSE_ABOVE[capability]` rows with a dense copy in the activation dtype for larger steps
     (dropped when that copy of ``projection_params`` weights would take more than half of the
     available memory). An "amx" capability
-    counts only where the kernel grants AMX tile state (`amx_tile_granted`), else it is AVX512-BF16."""
+    counts only where the kernel grants AMX tile state (`amx_tile_granted`), else it is AVX512-BF16.
+
+    "auto" for checkpoints with K-quant / Q5_0 / Q5_1 projection blocks (``block_codes``) where
+    Helios's CPU kernels are available: every GGUF block kept as it is (``keep_blocks``: projections
+    as `kquant.KQuantLinear`, Q8_0 ones too, Q4_0/Q4_1 as int4; the token embedding looked up from
+    its blocks; the head multiplied from its blocks or Q8_0 codes, float32 logits), activations in
+    `choose_dtype("auto")`, and no dense copy (`AUTO_BLOCKS_DENSE_COPY`)."""
     if weights not in ("auto", "float32", "bfloat16", "int8", "int4"):
         raise ValueError(f"unknown weights {weights!r}: expected auto, float32, bfloat16, int8 or int4")
     on_cuda = device.startswith("cuda")
@@ -168,6 +184,14 @@ def choose_weights(weights: str, dtype: str, device: str, *, int4_codes: bool,
     if on_cuda:
         return WeightChoice(act, WeightFormat("dense", act), "CUDA: dense bfloat16")
     capability, note = effective_cpu_capability()
+    if block_codes and _cpu_kernels_available():
+        dense = AUTO_BLOCKS_DENSE_COPY
+        fmt = WeightFormat("int4", dense_dtype=act if dense else None,
+                           dense_above=AUTO_DENSE_ABOVE[capability] if dense else 0, requantize=False,
+                           keep_blocks=True, unpack_above=None if dense else AUTO_BLOCKS_UNPACK_ABOVE)
+        why = ("dense copy for large steps" if dense else
+               "no resident dense copy (it would double the weights' memory)")
+        return WeightChoice(act, fmt, f"{capability}{note}; keeps the checkpoint's GGUF blocks, {why}")
     if not int4_codes:
         return WeightChoice(act, WeightFormat("dense", act),
                             f"{capability}{note}; the checkpoint has no Q4_0/Q4_1 blocks to keep, and "
@@ -243,6 +267,12 @@ def quantized_kernel_works(kind: str) -> bool:
         return False
     scale = float(reference.abs().max())
     return bool(torch.allclose(got, reference, rtol=0.0, atol=0.05 * scale))
+
+
+def _cpu_kernels_available() -> bool:
+    from helios.models import cpu_kernels
+
+    return cpu_kernels.available()
 
 
 def _available_memory() -> int | None:
@@ -366,7 +396,7 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
 
     ckpt = load_checkpoint(path, torch.float32, progress=progress)
     choice = choose_weights(weights, dtype, device, int4_codes=ckpt.int4_codes,
-                            projection_params=ckpt.config.projection_params())
+                            projection_params=ckpt.config.projection_params(), block_codes=ckpt.block_codes)
     log.info("%s", choice.describe())
     q8_head = device == "cpu" and cpu_kernels.available()
     model = ckpt.architecture.build(ckpt.config, BuildOptions(dtype=choice.dtype, device=device,
@@ -395,7 +425,10 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
                     log.info("packed weights cached in %s", stored)
     finally:
         torch.set_num_threads(threads)
+    if ckpt.release_pages is not None:
+        ckpt.release_pages()  # the file's pages the build copied (those still in use fault back in)
     model.eval()
+    log.info("kept: %s", kept_weights(model))
     if device == "cpu":
         packed = model.pack_cpu_weights()
         log.info("CPU-packed weights (oneDNN GEMMs, bfloat16 Q8_0 head): %d tensors", packed)
@@ -418,6 +451,41 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
                                    dtype=choice.dtype, device=device)
         log.info("vision: %s tower, %s", v.family, vision.profile.settings_key)
     return LoadedModel(ckpt, model, choice, key, vision)
+
+
+def kept_weights(model: Any) -> str:
+    """What the loaded model holds its weights as: projections per module kind (with the GGUF block
+    types of `kquant.KQuantLinear` ones), and the embedding's and head's form where the model says."""
+    from collections import Counter
+
+    from helios.models import cpu_kernels
+    from helios.models.kquant import KQuantLinear
+    from helios.models.quant import DenseLinear, Int4Linear, Int8Linear
+
+    kinds: Counter[str] = Counter()
+    blocks: Counter[str] = Counter()
+    for module in model.modules():
+        if isinstance(module, KQuantLinear):
+            kinds["kquant"] += 1
+            blocks.update(cpu_kernels.KQUANT_NAMES[t] for t in module.types)
+            if module.dense is not None:
+                kinds["kquant dense copies"] += 1
+        elif isinstance(module, Int4Linear):
+            kinds["int4"] += 1
+        elif isinstance(module, Int8Linear):
+            kinds["int8"] += 1
+        elif isinstance(module, DenseLinear):
+            kinds[f"dense {str(module.weight.dtype).removeprefix('torch.')}"] += 1
+    text = "projections " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    if blocks:
+        text += " (block segments: " + ", ".join(f"{n} {k}" for k, n in sorted(blocks.items())) + ")"
+    embed = getattr(model, "embed_format", None)
+    head = getattr(model, "head_format", None)
+    if embed:
+        text += f"; embedding {embed}"
+    if head:
+        text += f"; head {head}"
+    return text
 
 
 def model_fingerprint(path: str | Path, weights: str) -> bytes:

@@ -1,6 +1,8 @@
-"""Where a prompt's prefill time goes: the default model, one request at a time, in process.
+"""Where a prompt's prefill time goes: the default model (or ``--model PATH``), one request at a time,
+in process.
 
     .venv/bin/python scripts/profile_prefill.py [--tokens 512 513] [--runs 7] [--profile] [--ab-keep]
+        [--model PATH]
 
 Loads the default model as `helios serve` does, builds the engine in process (no HTTP) and times the
 prefill of one ``--tokens``-token prompt (``max_tokens=1``, distinct prompts, so no prefix cache hit):
@@ -32,8 +34,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--ab-keep", action="store_true")
+    ap.add_argument("--model", default=None, metavar="PATH",
+                    help="a GGUF file or model directory (default: the default model)")
     args = ap.parse_args()
-    loaded = load_model(ensure_default_model(), cache_dir=default_cache_dir() / "packed")
+    loaded = load_model(args.model or ensure_default_model(), cache_dir=default_cache_dir() / "packed")
     print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}; threads {torch.get_num_threads()}; "
           f"{loaded.choice.describe()}")
     model = loaded.model

@@ -1,6 +1,8 @@
-"""Where an engine step's time goes: the default model, N concurrent streams in steady decode.
+"""Where an engine step's time goes: the default model (or ``--model PATH``), N concurrent streams in
+steady decode.
 
     .venv/bin/python scripts/profile_step.py --streams 1 32 [--steps 40] [--weights auto] [--context 64]
+        [--model PATH]
 
 Loads the default model as `helios serve` does (`runtime.load_model`: weight format, packed-weight
 cache, Helios's CPU kernels unless HELIOS_CPU_KERNELS=0), builds the engine in process (no HTTP),
@@ -54,8 +56,10 @@ def main() -> None:
     ap.add_argument("--weights", default="auto")
     ap.add_argument("--context", type=int, default=64, help="prompt tokens per stream")
     ap.add_argument("--plain", action="store_true", help="also time the steps without cProfile first")
+    ap.add_argument("--model", default=None, metavar="PATH",
+                    help="a GGUF file or model directory (default: the default model)")
     args = ap.parse_args()
-    loaded = load_model(ensure_default_model(), weights=args.weights, dtype=args.dtype, device=args.device,
+    loaded = load_model(args.model or ensure_default_model(), weights=args.weights, dtype=args.dtype, device=args.device,
                         cache_dir=default_cache_dir() / "packed")
     model, dtype = loaded.model, loaded.choice.dtype
     print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}; threads {torch.get_num_threads()}; "

@@ -11,7 +11,8 @@ tensors carry the family's names.
 ``Checkpoint.tensors`` is lazy: each tensor is read (and dequantized) from disk when it is accessed,
 so loading the model never holds two full copies of the weights. ``Checkpoint.weights`` is the same
 in the checkpoint's own form: GGUF Q4_0/Q4_1/Q8_0 tensors as `GroupQuantized` codes (which a quantized
-`WeightFormat` keeps as they are), everything else dense as stored:
+`WeightFormat` keeps as they are), Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 matrices as `kquant.BlockQuantized` blocks
+(kept by a quantized format's `kquant.KQuantLinear`), everything else dense as stored:
 
     model = ckpt.architecture.build(ckpt.config, BuildOptions(dtype=torch.bfloat16, weights=WeightFormat("int4")))
     model.load_weights(ckpt.weights)
@@ -30,12 +31,12 @@ import attrs
 import torch
 from torch import Tensor
 
-from helios.loaders.gguf_loader import GGUFFile
+from helios.loaders.gguf_loader import BLOCK_TYPES, GGUFFile
 from helios.loaders.gguf_reader import GGML_Q4_0, GGML_Q4_1
 from helios.loaders.safetensors_loader import read_hf_directory
 from helios.loaders.tokenizer import Tokenizer
 from helios.models.architecture import Architecture, ArchitectureConfig
-from helios.models.quant import WeightSource
+from helios.models.quant import BuildSource
 
 ProgressCallback = Callable[[str, float], None]
 _V = TypeVar("_V")
@@ -52,9 +53,14 @@ class Checkpoint:
     chat_template: str | None
     generation_config: dict[str, Any]
     source_path: str
-    weights: Mapping[str, WeightSource]
+    weights: Mapping[str, BuildSource]
     # Some decoder projections are stored as Q4_0/Q4_1 blocks, which an int4 format keeps as they are.
     int4_codes: bool = False
+    # Some decoder projections are stored as K-quant / Q5_0 / Q5_1 blocks (`kquant.BlockQuantized`),
+    # which a format with ``keep_blocks`` keeps as they are (with any Q8_0 beside them).
+    block_codes: bool = False
+    # Once the model is built: drop the resident pages of a memory-mapped file (GGUF), if any.
+    release_pages: Callable[[], None] | None = None
     vision: VisionCheckpoint | None = None
     """A vision-language checkpoint's vision side (``tensors``/``weights`` are its text model's)."""
 
@@ -134,6 +140,8 @@ def _from_gguf(path: Path, dtype: torch.dtype, progress: ProgressCallback | None
         weights=LazyTensors(file.weight_thunks(), progress),
         int4_codes=any(kind in (GGML_Q4_0, GGML_Q4_1) for name, kind in file.tensor_types.items()
                        if name.startswith("blk.")),
+        block_codes=any(kind in BLOCK_TYPES for name, kind in file.tensor_types.items() if name.startswith("blk.")),
+        release_pages=file.release_pages,
     )
 
 

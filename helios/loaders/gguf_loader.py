@@ -9,8 +9,10 @@ rotate-half order, `unpermute_rotary_rows`). Each tensor is read in one of two f
 
 * `GGUFFile.weight_thunks`: the checkpoint's own form. Q4_0, Q4_1 and Q8_0 blocks become
   `GroupQuantized` codes (unpacked in torch, bit for bit), so a quantized weight format can keep them;
-  F32, F16 and BF16 tensors stay dense in their dtype; other types (K-quants, Q5_x, ...) are
-  dequantized to float32 by ``gguf.quants``.
+  Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 matrices stay `kquant.BlockQuantized` (the file's bytes, for
+  `kquant.KQuantLinear`; a format with ``keep_blocks`` turns Q8_0 codes back into blocks beside them);
+  F32, F16 and BF16 tensors stay dense in their dtype; other types are dequantized to float32 by
+  ``gguf.quants``.
 * `GGUFFile.tensor_thunks`: everything dense in one dtype (the dequantization of the above,
   equal to ``gguf.quants.dequantize`` bit for bit).
 """
@@ -38,10 +40,13 @@ from helios.loaders.gguf_reader import (
 )
 from helios.models import registry
 from helios.models.architecture import Architecture, ArchitectureConfig
-from helios.models.quant import GroupQuantized, WeightSource, dense_of
+from helios.models.kquant import BlockQuantized
+from helios.models.quant import BuildSource, GroupQuantized, dense_of
 
 TensorThunk = Callable[[], Tensor]
-SourceThunk = Callable[[], WeightSource]
+SourceThunk = Callable[[], BuildSource]
+# ggml types kept as `BlockQuantized` (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K); Q8_0 stays `GroupQuantized` codes.
+BLOCK_TYPES = (6, 7, 12, 13, 14)
 
 class GGUFFile:
     """An opened GGUF file: decoded metadata and lazily read tensors."""
@@ -53,6 +58,10 @@ class GGUFFile:
         self._tensors: dict[str, GGUFTensorInfo] = self._contents.tensors
         self.architecture: Architecture = registry.for_gguf(str(self.metadata.get("general.architecture")))
         self.config: ArchitectureConfig = self.architecture.parse_gguf(self)
+
+    def release_pages(self) -> None:
+        """`GGUFContents.release_pages`: call once the model's weights are built."""
+        self._contents.release_pages()
 
     @property
     def model_name(self) -> str | None:
@@ -74,9 +83,10 @@ class GGUFFile:
         """GGUF tensor name -> ggml type."""
         return {name: info.ggml_type for name, info in self._tensors.items()}
 
-    def read_source(self, gguf_name: str) -> WeightSource:
+    def read_source(self, gguf_name: str) -> BuildSource:
         """One tensor in the checkpoint's own form (rows = outermost GGUF dimension): `GroupQuantized`
-        for Q4_0/Q4_1/Q8_0, the stored dtype for F32/F16/BF16, float32 for other types."""
+        for Q4_0/Q4_1/Q8_0, `BlockQuantized` for Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 matrices (a view of the
+        memory-mapped file: no copy), the stored dtype for F32/F16/BF16, float32 for other types."""
         info = self._tensors[gguf_name]
         raw = self._contents.tensor_bytes(info)
         kind = info.ggml_type
@@ -88,6 +98,8 @@ class GGUFFile:
             return raw.view(torch.bfloat16).reshape(info.shape).clone()
         if kind in (GGML_Q4_0, GGML_Q4_1, GGML_Q8_0) and len(info.shape) == 2:
             return unpack_blocks(raw, kind, info.shape)
+        if kind in BLOCK_TYPES and len(info.shape) == 2:
+            return BlockQuantized.from_bytes(raw, kind, (info.shape[0], info.shape[1]))
         return torch.from_numpy(_numpy_dequantize(raw, info))
 
     def read_tensor(self, gguf_name: str) -> np.ndarray:
@@ -178,11 +190,11 @@ def _numpy_dequantize(raw: Tensor, info: GGUFTensorInfo) -> np.ndarray:
 
 
 def _make_source_thunk(file: GGUFFile, gguf_name: str, permute_heads: int | None) -> SourceThunk:
-    def load() -> WeightSource:
+    def load() -> BuildSource:
         value = file.read_source(gguf_name)
         if permute_heads is None:
             return value
-        if isinstance(value, GroupQuantized):
+        if isinstance(value, (GroupQuantized, BlockQuantized)):
             rows = torch.arange(value.shape[0])
             return value.take_rows(unpermute_rotary_rows(rows, permute_heads))
         return unpermute_rotary_rows(value, permute_heads).contiguous()

@@ -69,6 +69,18 @@ class GGUFContents:
             warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable"
             return torch.frombuffer(self._buffer, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
 
+    def release_pages(self) -> None:
+        """Drop this process's resident pages of the mapping (``MADV_DONTNEED``: the mapping is
+        read-only and file-backed, so a later read just faults the page in again from the page
+        cache). Once the weights are built, the pages of tensors that were copied (fused projections,
+        unpacked codes) would otherwise stay in the process's resident set beside their copies."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if advice is not None and hasattr(self._buffer, "madvise"):
+            try:
+                self._buffer.madvise(advice)
+            except (OSError, ValueError):
+                pass
+
 
 def read_gguf(path: str | Path) -> GGUFContents:
     """Parse the header of a GGUF file and map its tensor data."""

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from helios.models.interface import CausalLM
-from helios.models.quant import WeightFormat, WeightSource
+from helios.models.quant import BuildSource, WeightFormat
 
 
 class UnsupportedArchitecture(ValueError):
@@ -79,7 +79,7 @@ class LoadableCausalLM(CausalLM, Protocol):
     """A `CausalLM` as the runtime loads it: from the family's named weights, or from its own packed
     state (`helios.loaders.weight_cache`), then packed for the CPU."""
 
-    def load_weights(self, tensors: Mapping[str, WeightSource]) -> None:
+    def load_weights(self, tensors: Mapping[str, BuildSource]) -> None:
         """Build the parameters from the family's (Hugging Face) weight names."""
         ...
 

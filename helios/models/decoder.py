@@ -17,15 +17,19 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol, cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from helios.models import cpu_kernels, packing
 from helios.models.dense import dense_matmul
 from helios.models.interface import CacheSpec
+from helios.models.kquant import BlockQuantized
 from helios.models.packing import LM_HEAD_FP32, LM_HEAD_Q8, Q8_BF16_ROWS
-from helios.models.quant import GroupQuantized, WeightFormat, WeightSource, build_linear, dense_of
+from helios.models.quant import BuildSource, GroupQuantized, WeightFormat, build_linear, dense_of, q8_0_blocks
 
-__all__ = ["PROJECTIONS", "DecoderLayer", "DecoderShape", "FusedDecoderLM", "add_rms_norm", "apply_rope",
+EMBED_BLOCKS = "embed_blocks"  # a keep_blocks model's token embedding blocks, in a packed state
+LM_HEAD_BLOCKS = "lm_head_blocks"  # its output projection's blocks ("empty" kind: an untied Q8_0 head's codes alone)
+__all__ = ["EMBED_BLOCKS", "LM_HEAD_BLOCKS", "PROJECTIONS", "DecoderLayer", "DecoderShape", "FusedDecoderLM", "add_rms_norm", "apply_rope",
            "broadcast_qk_norm", "param", "rms_norm", "rope_tables"]
 
 # The fused projections of a decoder layer: attribute -> the Hugging Face weight names (suffixes of
@@ -112,6 +116,12 @@ class FusedDecoderLM(nn.Module):
         self._lm_head_q8: tuple[Tensor, Tensor] | None = None
         self._lm_head_q8_bf16: tuple[Tensor, Tensor, int] | None = None  # `pack_cpu_weights`
         self._wants_q8_head = q8_head
+        # A ``keep_blocks`` weight format: the token embedding's GGUF blocks (looked up row by row,
+        # `BlockQuantized.dequantize_rows`) and an output projection multiplied from its blocks
+        # (`cpu_kernels.kquant_linear`, float32 activations and logits); the dense parameters are then
+        # empty.
+        self._embed_blocks: BlockQuantized | None = None
+        self._lm_head_blocks: BlockQuantized | None = None
 
     def _build_layers(self, device: torch.device, dense_dtype: torch.dtype | None) -> list[DecoderLayer]:
         """The decoder layers (``dense_dtype``: the dense projections' placeholder dtype, None for
@@ -145,13 +155,28 @@ class FusedDecoderLM(nn.Module):
 
         embed, head = self.embed_tokens, self.lm_head
         total = sum(size(p) for p in self.parameters() if p is not embed and p is not head)  # tied: once
-        if embed.dim() == 2 and embed.shape[0]:
+        if self._embed_blocks is not None:
+            total += size(self._embed_blocks.blocks[0])
+        elif embed.dim() == 2 and embed.shape[0]:
             total += size(embed[0])  # the lookup reads one row per token
+        if self._lm_head_blocks is not None:
+            return total + size(self._lm_head_blocks.blocks)
+        if self._lm_head_q8 is not None and head.shape[0] == 0:
+            return total + sum(size(t) for t in self._lm_head_q8)
         return total + size(self._lm_head_fp32 if self._lm_head_fp32 is not None else head)
 
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """The token embeddings of ``input_ids`` [T] -> [T, hidden_size] in the model dtype."""
+        if self._embed_blocks is not None:
+            return self._embed_blocks.dequantize_rows(input_ids.to(torch.long).cpu()).to(device=self.device,
+                                                                                       dtype=self.dtype)
+        return F.embedding(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Logits [N, vocab_size] in float32 for hidden states [N, hidden_size]."""
+        if self._lm_head_blocks is not None:
+            head = self._lm_head_blocks
+            return cpu_kernels.kquant_linear(hidden.float().contiguous(), head.blocks, head.ggml_type, head.shape[0])
         if self._lm_head_q8 is not None:
             if self._lm_head_q8_bf16 is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] >= Q8_BF16_ROWS:
                 return cpu_kernels.q8_linear_bf16(hidden, *self._lm_head_q8_bf16)
@@ -165,7 +190,10 @@ class FusedDecoderLM(nn.Module):
         projection, a oneDNN-packed copy where oneDNN's prepacked linear is faster here
         (`quant.pack_onednn`); give a Q8_0 head of a bfloat16 model its `q8_linear_bf16` layout where
         the CPU has AVX512-BF16. Returns how many tensors were packed. Loading weights again drops them."""
-        self._lm_head_q8_bf16 = packing.q8_bf16_layout(self._lm_head_q8, self.dtype)
+        # A keep_blocks model (memory first) keeps its Q8_0 head's codes alone: the bfloat16 layout is
+        # twice their bytes (272 MB for a 151,936 x 896 head) and only serves steps of 8 or more rows.
+        keep_q8_only = self.weight_format.keep_blocks
+        self._lm_head_q8_bf16 = None if keep_q8_only else packing.q8_bf16_layout(self._lm_head_q8, self.dtype)
         count = int(self._lm_head_q8_bf16 is not None)
         count += packing.pack_projections_onednn(self._decoder_layers(), tuple(PROJECTIONS))
         for layer in self._decoder_layers():
@@ -176,7 +204,7 @@ class FusedDecoderLM(nn.Module):
             count += int(self._lm_head_onednn is not None)
         return count
 
-    def load_weights(self, tensors: Mapping[str, WeightSource]) -> None:
+    def load_weights(self, tensors: Mapping[str, BuildSource]) -> None:
         """Build the parameters from Hugging Face-named weights: dense tensors (converted to the
         target dtype) or `GroupQuantized` codes (kept as codes where the weight format allows, else
         dequantized). Each fused projection is built once all its parts are read.
@@ -187,11 +215,14 @@ class FusedDecoderLM(nn.Module):
         cfg = self.config
         self._lm_head_onednn = None
         self._lm_head_q8_bf16 = None
+        self._embed_blocks = None
+        self._lm_head_blocks = None
+        blocks: dict[str, BlockQuantized] = {}  # keep_blocks: the embedding's / head's blocks
         loaded: set[str] = set()
         unexpected: list[str] = []
         targets = self._weight_targets()
         shapes = self._projection_shapes()
-        pending: dict[tuple[int, str], list[WeightSource | None]] = {}
+        pending: dict[tuple[int, str], list[BuildSource | None]] = {}
         layers = self._decoder_layers()
         with torch.no_grad():
             for name in tensors:
@@ -204,16 +235,29 @@ class FusedDecoderLM(nn.Module):
                     continue
                 value = tensors[name]  # read (lazily, for checkpoints) only what is used
                 expected = tuple(target.shape) if target is not None else slot[2]  # type: ignore[index]
+                if name in self._blocks_names():
+                    expected = (cfg.vocab_size, cfg.hidden_size)
                 if tuple(value.shape) != expected:
                     raise ValueError(f"{name}: expected shape {expected}, got {tuple(value.shape)}")
                 loaded.add(name)
+                kept = self._as_blocks(name, value)
+                if kept is not None:
+                    blocks[name] = kept
+                    continue
                 if target is not None:
+                    if target.shape[0] == 0:  # emptied by a previous load that kept blocks
+                        target = self._restore_dense(name)
+                    q8_head = name == self._head_name() and self._wants_q8_head and packing.is_q8_0(value)
+                    if q8_head:
+                        assert isinstance(value, GroupQuantized)
+                        self._lm_head_q8 = packing.q8_codes(value)
+                        if name in self._blocks_names() and not cfg.tie_word_embeddings:
+                            continue  # keep_blocks: the codes alone (`_install_blocks` empties lm_head)
                     dense = dense_of(value)
                     dense = self._checkpoint_value(name, dense)
                     target.copy_(dense)
-                    if name == self._head_name() and self._wants_q8_head and packing.is_q8_0(value):
-                        assert isinstance(value, GroupQuantized)
-                        self._lm_head_q8 = packing.q8_codes(value)
+                    if q8_head:
+                        pass
                     elif self._wants_lm_head_fp32 and name == self._head_name():
                         self._lm_head_fp32 = dense.to(device=self.device, dtype=torch.float32, copy=True)
                     continue
@@ -231,13 +275,80 @@ class FusedDecoderLM(nn.Module):
             raise ValueError(f"missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
         for layer in layers:
             layer.finish_loading()
-        if self._wants_lm_head_fp32 and self._lm_head_fp32 is None and self._lm_head_q8 is None:
+        self._install_blocks(blocks)
+        if (self._wants_lm_head_fp32 and self._lm_head_fp32 is None and self._lm_head_q8 is None
+                and self._lm_head_blocks is None):
             self._lm_head_fp32 = self.lm_head.detach().float()
+
+    def _blocks_names(self) -> tuple[str, ...]:
+        """The weights a ``keep_blocks`` format may keep as blocks: the embedding and the head."""
+        if not self.weight_format.keep_blocks:
+            return ()
+        return ("model.embed_tokens.weight",) if self.config.tie_word_embeddings else \
+            ("model.embed_tokens.weight", "lm_head.weight")
+
+    def _as_blocks(self, name: str, value: BuildSource) -> BlockQuantized | None:
+        """``value`` as the blocks to keep for the embedding or head ``name`` (None: load it dense).
+        A Q8_0 head the model multiplies with `cpu_kernels.q8_linear` (``q8_head``) stays on that
+        path; a tied Q8_0 embedding then stays dense (the q8 head needs its codes, the lookup a
+        dense table)."""
+        if name not in self._blocks_names() or not cpu_kernels.available() or self.device.type != "cpu":
+            return None
+        q8 = packing.is_q8_0(value)
+        if q8 and self._wants_q8_head and name == self._head_name():
+            return None
+        if isinstance(value, BlockQuantized):
+            return value
+        if q8:
+            assert isinstance(value, GroupQuantized)
+            return q8_0_blocks(value)
+        return None
+
+    def _install_blocks(self, blocks: Mapping[str, BlockQuantized]) -> None:
+        """Keep the embedding's and head's blocks (`_as_blocks`), emptying their dense parameters."""
+        hidden = self.config.hidden_size
+        embed = blocks.get("model.embed_tokens.weight")
+        head = embed if self.config.tie_word_embeddings else blocks.get("lm_head.weight")
+        if embed is not None:
+            self._embed_blocks = embed
+            self.embed_tokens = param(torch.empty(0, hidden, dtype=self.dtype, device=self.device))
+            if self.config.tie_word_embeddings:
+                self.lm_head = self.embed_tokens
+        if head is not None:
+            self._lm_head_blocks = head
+            self._lm_head_fp32 = None
+            if not self.config.tie_word_embeddings:
+                self.lm_head = param(torch.empty(0, hidden, dtype=self.dtype, device=self.device))
+        elif self.weight_format.keep_blocks and self._lm_head_q8 is not None and not self.config.tie_word_embeddings:
+            # A q8 head needs no dense copy (the engine reads logits from the codes).
+            self.lm_head = param(torch.empty(0, hidden, dtype=self.dtype, device=self.device))
+
+    def _restore_dense(self, name: str) -> Tensor:
+        """A full-size dense parameter again for ``name`` (the embedding or head), after an emptied one."""
+        cfg = self.config
+        fresh = param(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, device=self.device))
+        if name == "model.embed_tokens.weight":
+            self.embed_tokens = fresh
+            if cfg.tie_word_embeddings:
+                self.lm_head = fresh
+        else:
+            self.lm_head = fresh
+        return fresh
+
+    @property
+    def embed_format(self) -> str:
+        """How token embeddings are held: ``<type> blocks`` (looked up from the GGUF blocks) or the dtype."""
+        if self._embed_blocks is not None:
+            return f"{self._embed_blocks.name} blocks"
+        return str(self.embed_tokens.dtype).removeprefix("torch.")
 
     @property
     def head_format(self) -> str:
         """How logits are computed: ``q8_0`` (the checkpoint's codes, `cpu_kernels.q8_linear`),
-        ``float32`` (a float32 copy) or the weight dtype's name."""
+        ``<type> blocks`` (`cpu_kernels.kquant_linear`, float32), ``float32`` (a float32 copy) or the
+        weight dtype's name."""
+        if self._lm_head_blocks is not None:
+            return f"{self._lm_head_blocks.name} blocks"
         if self._lm_head_q8 is not None:
             return "q8_0"
         if self._lm_head_fp32 is not None:
@@ -260,18 +371,26 @@ class FusedDecoderLM(nn.Module):
             state[LM_HEAD_FP32] = self._lm_head_fp32
         if self._lm_head_q8 is not None:
             state.update(zip(LM_HEAD_Q8, self._lm_head_q8, strict=True))
+        for key, kept in ((EMBED_BLOCKS, self._embed_blocks), (LM_HEAD_BLOCKS, self._lm_head_blocks)):
+            if kept is not None:
+                state[key] = kept.blocks
+                kinds[key] = f"blocks:{kept.ggml_type}:{kept.shape[0]}:{kept.shape[1]}"
+        if self.lm_head.shape[0] == 0 and LM_HEAD_BLOCKS not in kinds:
+            kinds[LM_HEAD_BLOCKS] = "empty"  # a keep_blocks model's untied Q8_0 head: the codes alone
         return state, kinds
 
     def load_packed_state(self, state: Mapping[str, Tensor], kinds: Mapping[str, str]) -> None:
         """Restore what `packed_state` returned (from a model of the same config, dtype and format)."""
         self._lm_head_onednn = None
         self._lm_head_q8_bf16 = None
+        self._restore_blocks(state, kinds)
         layers = self._decoder_layers()
         for layer, modules in zip(layers, packing.restore_projections(layers, tuple(PROJECTIONS), state, kinds),
                                   strict=True):
             for attr, module in zip(PROJECTIONS, modules, strict=True):
                 layer.set_projection(attr, module)
         expected = set(self._stored_state())
+        expected.update(key for key in (EMBED_BLOCKS, LM_HEAD_BLOCKS) if kinds.get(key, "empty") != "empty")
         q8 = self._wants_q8_head and all(name in state for name in LM_HEAD_Q8)
         if q8:
             expected.update(LM_HEAD_Q8)
@@ -287,10 +406,29 @@ class FusedDecoderLM(nn.Module):
         if q8:
             codes, scales = (state[name] for name in LM_HEAD_Q8)
             self._lm_head_q8 = (codes.contiguous(), scales.contiguous())
-        elif self._wants_lm_head_fp32:
+        elif self._wants_lm_head_fp32 and self._lm_head_blocks is None:
             self._lm_head_fp32 = state[LM_HEAD_FP32].to(self.device)
         for layer in self._decoder_layers():
             layer.finish_loading()
+
+    def _restore_blocks(self, state: Mapping[str, Tensor], kinds: Mapping[str, str]) -> None:
+        """The embedding's and head's blocks of a packed state (`packed_state`), or full-size dense
+        parameters again where the state has none."""
+        self._embed_blocks = None
+        self._lm_head_blocks = None
+        kept: dict[str, BlockQuantized] = {}
+        for key, name in ((EMBED_BLOCKS, "model.embed_tokens.weight"), (LM_HEAD_BLOCKS, "lm_head.weight")):
+            kind = kinds.get(key, "")
+            if kind.startswith("blocks:"):
+                ggml_type, rows, cols = (int(v) for v in kind.split(":")[1:])
+                kept[name] = BlockQuantized(state[key], ggml_type, (rows, cols))
+        if self.embed_tokens.shape[0] == 0 and "model.embed_tokens.weight" not in kept:
+            self._restore_dense("model.embed_tokens.weight")
+        if self.lm_head.shape[0] == 0 and "lm_head.weight" not in kept and kinds.get(LM_HEAD_BLOCKS) != "empty":
+            self._restore_dense("lm_head.weight")
+        if kinds.get(LM_HEAD_BLOCKS) == "empty" and not self.config.tie_word_embeddings:
+            self.lm_head = param(torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device))
+        self._install_blocks(kept)
 
     def _stored_state(self, keep_vars: bool = False) -> dict[str, Tensor]:
         """state_dict without empty entries and without the tied head (the embedding holds it)."""

@@ -297,7 +297,7 @@ class Gemma3ForCausalLM(FusedDecoderLM):
         tables: dict[bool, tuple[Tensor, Tensor]] = {}
         for sliding in set(cfg.sliding_layers):
             tables[sliding] = rope_tables(positions, self.local_inv_freq if sliding else self.inv_freq, self.dtype)
-        h = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        h = self.embed(input_ids) * self.embed_scale
         if embeds is not None:
             rows, features = embeds
             h = h.index_copy(0, rows.to(h.device), features.to(device=h.device, dtype=h.dtype))

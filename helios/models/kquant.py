@@ -106,12 +106,14 @@ class KQuantLinear(nn.Module):
     bfloat16 -> [N, out] in ``x``'s dtype. ``dense`` (a buffer, like `quant.Int4Linear`'s, so the
     engine's count of the bytes a decode step reads stays the blocks) serves steps of more than
     ``dense_above`` rows; without it, steps of more than ``unpack_above`` rows (None: never)
-    dequantize the weight to float32 for the call and run ``F.linear`` in float32."""
+    dequantize the weight for the call and run ``F.linear`` in ``unpack_dtype`` (float32: exact
+    weights; bfloat16, a prefill's choice without a dense copy's memory: the weights rounded as a
+    bfloat16 dense copy would round them, bfloat16 GEMM speed plus one dequantization per call)."""
 
     dense: Tensor | None
 
     def __init__(self, parts: Sequence[BlockQuantized], dense: Tensor | None = None, dense_above: int = 0,
-                 unpack_above: int | None = None) -> None:
+                 unpack_above: int | None = None, unpack_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         segments = concat_rows(parts)
         if not segments or any(s.shape[1] != segments[0].shape[1] for s in segments):
@@ -124,6 +126,7 @@ class KQuantLinear(nn.Module):
         self.register_buffer("dense", dense)
         self.dense_above = dense_above
         self.unpack_above = unpack_above
+        self.unpack_dtype = unpack_dtype
         self.onednn: Tensor | None = None  # `quant.pack_onednn`: the dense copy prepacked for oneDNN
 
     def weights(self) -> list[BlockQuantized]:
@@ -141,7 +144,8 @@ class KQuantLinear(nn.Module):
             return dense_matmul(x, self.dense, self.onednn)
         kernels = cpu_kernels.available() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
         if not kernels or (self.unpack_above is not None and rows > self.unpack_above):
-            y = F.linear(x.to(torch.float32), self.dequantize())
+            dtype = self.unpack_dtype if kernels else torch.float32
+            y = F.linear(x.to(dtype), self.dequantize().to(dtype))
             return y if y.dtype == x.dtype else y.to(x.dtype)
         outs = [cpu_kernels.kquant_linear(x, b, t, o) for b, t, o in zip(self.blocks, self.types, self.outs,
                                                                          strict=True)]
@@ -149,4 +153,5 @@ class KQuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kinds = "+".join(f"{cpu_kernels.KQUANT_NAMES[t]}[{o}]" for t, o in zip(self.types, self.outs, strict=True))
-        return f"{kinds} x {self.in_features}, dense_above={self.dense_above}, unpack_above={self.unpack_above}"
+        return (f"{kinds} x {self.in_features}, dense_above={self.dense_above}, unpack_above={self.unpack_above}, "
+                f"unpack_dtype={str(self.unpack_dtype).removeprefix('torch.')}")

@@ -97,7 +97,7 @@ class LlamaForCausalLM(FusedDecoderLM):
         own (attention, projections and norms are row by row), though a projection may pick another
         kernel for fewer rows."""
         cos, sin = self._rope_tables(positions)
-        h = F.embedding(input_ids, self.embed_tokens)
+        h = self.embed(input_ids)
         if embeds is not None:
             rows, features = embeds
             h = h.index_copy(0, rows.to(h.device), features.to(device=h.device, dtype=h.dtype))

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from helios.models import cpu_kernels
-from helios.models.quant import DenseLinear, GroupQuantized, Int4Linear, Int8Linear, WeightSource, pack_onednn
+from helios.models.kquant import BlockQuantized, KQuantLinear
+from helios.models.quant import BuildSource, DenseLinear, GroupQuantized, Int4Linear, Int8Linear, pack_onednn
 
 LM_HEAD_FP32 = "lm_head_fp32"  # the float32 output projection's name in a packed state
 LM_HEAD_Q8 = ("lm_head_q8.codes", "lm_head_q8.scales")  # the Q8_0 output projection's, likewise
@@ -36,6 +37,12 @@ def linear_kind(module: nn.Module) -> str:
         return f"int4:{module.group_size}:{module.out_features}:{module.dense_above}"
     if isinstance(module, Int8Linear):
         return f"int8:{module.dense_above}"
+    if isinstance(module, KQuantLinear):
+        types = "+".join(str(t) for t in module.types)
+        outs = "+".join(str(o) for o in module.outs)
+        unpack = -1 if module.unpack_above is None else module.unpack_above
+        unpack_dtype = str(module.unpack_dtype).removeprefix("torch.")
+        return f"kquant:{types}:{outs}:{module.in_features}:{module.dense_above}:{unpack}:{unpack_dtype}"
     raise ValueError(f"{type(module).__name__} has no packed form")
 
 
@@ -51,6 +58,13 @@ def linear_from_state(kind: str, state: Mapping[str, Tensor]) -> nn.Module:
                               state.get("dense"), dense_above)
         if name == "int8":
             return Int8Linear(state["weight"], state["scales"], state.get("dense"), int(args[0]))
+        if name == "kquant":
+            types, outs = ([int(v) for v in a.split("+")] for a in args[:2])
+            cols, dense_above, unpack = (int(a) for a in args[2:5])
+            unpack_dtype = getattr(torch, args[5])
+            parts = [BlockQuantized(state[f"blocks.{i}"], t, (o, cols))
+                     for i, (t, o) in enumerate(zip(types, outs, strict=True))]
+            return KQuantLinear(parts, state.get("dense"), dense_above, None if unpack < 0 else unpack, unpack_dtype)
     except (KeyError, ValueError) as exc:
         raise ValueError(f"packed state of kind {kind!r} is incomplete: {exc}") from None
     raise ValueError(f"unknown packed projection kind {kind!r}")
@@ -69,7 +83,8 @@ def dropped_dense_copies(layers: Sequence[nn.Module], projections: Sequence[str]
     for i, layer in enumerate(layers):
         for attr in projections:
             module = getattr(layer, attr)
-            if isinstance(module, (Int4Linear, Int8Linear)) and module.dense is None and module.onednn is not None:
+            if (isinstance(module, (Int4Linear, Int8Linear, KQuantLinear)) and module.dense is None
+                    and module.onednn is not None):
                 state[f"layers.{i}.{attr}.dense"] = module.onednn.to_dense()
     return state
 
@@ -100,7 +115,7 @@ def stored_state(model: nn.Module, *, tied_head: bool, keep_vars: bool = False) 
     return state
 
 
-def is_q8_0(value: WeightSource) -> bool:
+def is_q8_0(value: BuildSource) -> bool:
     """A ggml Q8_0 weight: int8 codes, one scale per 32 columns, no offset."""
     return (isinstance(value, GroupQuantized) and value.bits == 8 and value.group_size == cpu_kernels.Q8_GROUP
             and value.codes.dtype == torch.int8 and not bool(value.offset.any()))

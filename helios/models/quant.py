@@ -39,7 +39,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, TypeGuard, Union
 
 import attrs
 import torch
@@ -133,6 +133,15 @@ class WeightFormat:
     dense_dtype: torch.dtype | None = None
     dense_above: int = 0
     requantize: bool = True
+    # GGUF block weights kept as blocks (`kquant.BlockQuantized`): projections whose parts are all
+    # blocks become `kquant.KQuantLinear` (always, under a quantized kind); with ``keep_blocks`` Q8_0
+    # parts count as blocks too (converted exactly, `q8_0_blocks`), and the model keeps a block token
+    # embedding (looked up row by row) and a block output projection as blocks.
+    keep_blocks: bool = False
+    # `kquant.KQuantLinear` without a dense copy: steps of more than this many rows dequantize the
+    # weight for the call into the dense dtype (``dense_dtype`` or the model dtype) and run a dense
+    # GEMM (None: the kernel at every size).
+    unpack_above: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.kind not in ("dense", *QUANTIZED_KINDS):
@@ -144,6 +153,16 @@ class WeightFormat:
         text = f"{self.kind} (bfloat16 activations into the kernel)"
         if self.dense_dtype is not None:
             text += f", dense {_dtype_name(self.dense_dtype)} copy for steps of more than {self.dense_above} rows"
+        if self.keep_blocks:
+            text = (f"{self.kind} where Q4_0/Q4_1 codes, GGUF blocks (K-quants, Q5_x, Q8_0) kept as they are "
+                    "(Helios's kquant_linear: exact weights, float32 sums)")
+            if self.dense_dtype is not None:
+                text += f", dense {_dtype_name(self.dense_dtype)} copy for steps of more than {self.dense_above} rows"
+            else:
+                text += ", no dense copy"
+            if self.unpack_above is not None:
+                text += f"; steps of more than {self.unpack_above} rows dequantize per call into a dense GEMM"
+            return text
         if self.kind == "int4" and not self.requantize:
             text += ", projections without Q4_0/Q4_1 codes kept dense"
         return text
@@ -152,7 +171,8 @@ class WeightFormat:
         """What distinguishes the stored tensors of this format (for the packed-weight cache)."""
         dense = _dtype_name(self.dense_dtype) if self.dense_dtype is not None else "-"
         dtype = _dtype_name(self.dtype) if self.dtype is not None else "-"
-        return f"{self.kind}:{dtype}:{dense}:{self.dense_above}:{int(self.requantize)}"
+        return f"{self.kind}:{dtype}:{dense}:{self.dense_above}:{int(self.requantize)}" + (
+            f":blocks:{self.unpack_above}" if self.keep_blocks else "")
 
 
 class UnloadedLinear(nn.Module):
@@ -246,8 +266,10 @@ def build_linear(parts: Sequence[BuildSource], fmt: WeightFormat, model_dtype: t
     dense_dtype = fmt.dense_dtype or model_dtype
     if fmt.kind == "dense":
         return DenseLinear(_cat_dense(parts, fmt.dtype or model_dtype))
+    if fmt.keep_blocks:
+        parts = [q8_0_blocks(p) if _is_q8_0(p) else p for p in parts]
     copy = _cat_dense(parts, fmt.dense_dtype) if fmt.dense_dtype is not None else None
-    kquant = _build_kquant(parts, copy, fmt.dense_above)
+    kquant = _build_kquant(parts, copy, fmt.dense_above, fmt.unpack_above, dense_dtype)
     if kquant is not None:
         return kquant
     cols = parts[0].shape[1]
@@ -263,14 +285,35 @@ def build_linear(parts: Sequence[BuildSource], fmt: WeightFormat, model_dtype: t
     return Int8Linear.quantize(_cat_dense(parts, torch.float32), copy, fmt.dense_above)
 
 
-def _build_kquant(parts: Sequence[BuildSource], copy: Tensor | None, dense_above: int) -> nn.Module | None:
+def _build_kquant(parts: Sequence[BuildSource], copy: Tensor | None, dense_above: int, unpack_above: int | None,
+                  unpack_dtype: torch.dtype) -> nn.Module | None:
     from helios.models import cpu_kernels
     from helios.models.kquant import BlockQuantized, KQuantLinear
 
     blocks = [p for p in parts if isinstance(p, BlockQuantized)]
     if len(blocks) != len(parts) or not cpu_kernels.available():
         return None
-    return KQuantLinear(blocks, copy, dense_above)
+    if unpack_above is None:
+        return KQuantLinear(blocks, copy, dense_above)
+    return KQuantLinear(blocks, copy, dense_above, unpack_above, unpack_dtype)
+
+
+def q8_0_blocks(weight: GroupQuantized) -> BlockQuantized:
+    """A Q8_0 weight's `GroupQuantized` codes back as its GGUF blocks (float16 d, 32 int8 codes), exactly:
+    the scales were widened from float16."""
+    from helios.models.kquant import BlockQuantized
+
+    rows, cols = weight.shape
+    groups = cols // GROUP_SIZE
+    d = weight.scale.to(torch.float16).contiguous().view(torch.uint8).view(rows, groups, 2)
+    codes = weight.codes.to(torch.int8).contiguous().view(torch.uint8).view(rows, groups, GROUP_SIZE)
+    blocks = torch.cat((d, codes), dim=2).view(rows, groups * (GROUP_SIZE + 2))
+    return BlockQuantized(blocks, 8, (rows, cols))
+
+
+def _is_q8_0(part: BuildSource) -> TypeGuard[GroupQuantized]:
+    return (isinstance(part, GroupQuantized) and part.bits == 8 and part.group_size == GROUP_SIZE
+            and part.codes.dtype == torch.int8 and not bool(part.offset.any()))
 
 
 def _is_int4(part: BuildSource) -> bool:
@@ -302,9 +345,9 @@ def pack_onednn(module: nn.Module) -> bool:
     from helios.models.kquant import KQuantLinear
 
     if isinstance(module, (Int4Linear, Int8Linear, KQuantLinear)):
-        # A quantized projection: the packed copy serves the large steps alone; for Int4Linear and
-        # Int8Linear `LlamaForCausalLM.packed_state` recovers the plain one from it (`to_dense()`) if
-        # the weights are saved again (KQuantLinear has no packed form there yet).
+        # A quantized projection: the packed copy serves the large steps alone;
+        # `LlamaForCausalLM.packed_state` recovers the plain one from it (`to_dense()`) if the weights
+        # are saved again.
         module.dense = None
     return True
 

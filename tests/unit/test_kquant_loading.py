@@ -1,0 +1,238 @@
+"""GGUF K-quant / Q5_x / Q8_0 files loaded in their block form (issue 26): a tiny GGUF written with
+``gguf.GGUFWriter`` whose projections are Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 / Q8_0 blocks loads as
+`kquant.KQuantLinear` (the embedding and head as blocks too), its logits equal those of a float32
+dense model built from ``gguf.quants.dequantize`` of the same bytes (the independent reference), the
+packed-weight cache round-trip gives the same logits bit for bit, and ``weights = "auto"`` keeps
+the blocks.
+
+Tolerance: both models compute in float32 from the same float32 weights (the kernel decodes each
+weight exactly, `cpu_kernels` docstring), so they differ only by the order of float32 sums. Each
+matmul's error is below (K / 32 + 6) 2**-24 sum |x w| in the kernel and of the same order in torch's
+GEMM; through two layers of norms, attention and SwiGLU that stays far below 1e-4 relative to the
+logits' scale here (measured: 1e-6 to 3e-6), which is the bound asserted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from helios.loaders.checkpoint import load_checkpoint
+from helios.loaders.gguf_loader import GGUFFile, unpermute_rotary_rows
+from helios.loaders.weight_cache import PackedWeightCache
+from helios.models import cpu_kernels
+from helios.models.architecture import BuildOptions
+from helios.models.dense_attention import DenseAttention
+from helios.models.kquant import BlockQuantized, KQuantLinear
+from helios.models.llama import LlamaForCausalLM
+from helios.models.quant import WeightFormat, build_linear, q8_0_blocks
+from helios.runtime import choose_weights, kept_weights
+from tests.unit.test_kquant import random_blocks
+from tests.unit.tiny_gguf import Q
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason=f"Helios's CPU kernels are not built here: {cpu_kernels.unavailable_reason()}")
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 300
+HEAD_DIM = HIDDEN // HEADS
+BLOCKS = WeightFormat("int4", requantize=False, keep_blocks=True)
+# Per layer: each projection part's type (q, k, v mixed in one fused projection, like llama.cpp's
+# Q4_K_M files, whose 896-column Qwen projections fall back to Q5_0 / Q8_0).
+LAYER_TYPES = [
+    {"attn_q": Q.Q4_K, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "attn_output": Q.Q6_K, "ffn_gate": Q.Q5_K,
+     "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K},
+    {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q5_1, "attn_output": Q.Q8_0, "ffn_gate": Q.Q5_0,
+     "ffn_up": Q.Q5_0, "ffn_down": Q.Q4_K},
+]
+
+
+def write_kquant_gguf(path: Path, *, arch: str = "qwen2", embed: Q = Q.Q6_K, output: Q | None = None,
+                      seed: int = 0) -> Path:
+    """A tiny random model of ``arch`` (qwen2: q/k/v biases, no row permutation; llama: permuted
+    q/k rows) with valid random block bytes; ``output`` None ties the head to the embedding."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_string("general.name", "tiny-kquant")
+    for key, value in (("block_count", LAYERS), ("context_length", 256), ("embedding_length", HIDDEN),
+                       ("feed_forward_length", INTER), ("attention.head_count", HEADS),
+                       ("attention.head_count_kv", KV_HEADS)):
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    tokens = [chr(0x100 + i) for i in range(256)] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens += [f"t{i}" for i in range(VOCAB - len(tokens))]
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3, 3, 3] + [1] * (VOCAB - 259))
+    writer.add_token_merges([])
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 258)
+    counter = iter(range(1, 1 << 20))
+
+    def blocks(name: str, qtype: Q, rows: int, cols: int) -> None:
+        data = random_blocks(int(qtype), rows, cols, seed * 1000 + next(counter))
+        writer.add_tensor(name, data, raw_dtype=qtype)
+
+    def dense(name: str, array: np.ndarray) -> None:
+        writer.add_tensor(name, array.astype(np.float32))
+
+    blocks("token_embd.weight", embed, VOCAB, HIDDEN)
+    if output is not None:
+        blocks("output.weight", output, VOCAB, HIDDEN)
+    dense("output_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+              "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+              "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
+    for layer in range(LAYERS):
+        dense(f"blk.{layer}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
+        dense(f"blk.{layer}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
+        for part, (rows, cols) in shapes.items():
+            blocks(f"blk.{layer}.{part}.weight", LAYER_TYPES[layer][part], rows, cols)
+        if arch == "qwen2":
+            for part in ("attn_q", "attn_k", "attn_v"):
+                dense(f"blk.{layer}.{part}.bias", 0.1 * rng.standard_normal(shapes[part][0]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def reference_model(path: Path) -> LlamaForCausalLM:
+    """The float32 dense model of the file's weights as the gguf package dequantizes them (its own
+    reader and ``gguf.quants.dequantize``; no Helios kernel), q/k rows un-permuted for llama files."""
+    file = GGUFFile(path)
+    reader = gguf.GGUFReader(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        target = file.architecture.gguf_name(file.config, t.name)
+        if target is None:
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        array = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if target.rotary_heads is not None:
+            array = unpermute_rotary_rows(array, target.rotary_heads)
+        tensors[target.name] = torch.from_numpy(np.array(array))
+    model = LlamaForCausalLM(file.config, torch.float32, weights=WeightFormat("dense", torch.float32))
+    model.load_weights(tensors)
+    return model
+
+
+def blocks_model(path: Path, dtype: torch.dtype = torch.float32, fmt: WeightFormat = BLOCKS) -> LlamaForCausalLM:
+    ckpt = load_checkpoint(path)
+    model = ckpt.architecture.build(ckpt.config, BuildOptions(dtype=dtype, weights=fmt, q8_head=True))
+    assert isinstance(model, LlamaForCausalLM)
+    model.load_weights(ckpt.weights)
+    return model
+
+
+@torch.inference_mode()
+def logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    """Float32 logits of every prompt position, then of two decode steps (the one-row path)."""
+    attn = DenseAttention.for_model(model, initial_capacity=len(ids) + 4)
+    hidden = model(torch.tensor(ids), torch.arange(len(ids)), attn)
+    rows = [model.compute_logits(hidden)]
+    for step in range(2):
+        token = int(rows[-1][-1].argmax())
+        hidden = model(torch.tensor([token]), torch.tensor([len(ids) + step]), attn)
+        rows.append(model.compute_logits(hidden))
+    return torch.cat(rows)
+
+
+PROMPT = [257, 12, 200, 31, 99, 4, 150, 258, 7, 77, 120]
+VARIANTS = {  # arch, embedding type, output type (None: tied)
+    "qwen2-q5_0-embed-q8_0-head": ("qwen2", Q.Q5_0, Q.Q8_0),
+    "qwen2-tied-q6_k": ("qwen2", Q.Q6_K, None),
+    "llama-q8_0-embed-q4_k-head": ("llama", Q.Q8_0, Q.Q4_K),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_block_weights_load_as_kquant_and_match_the_dequantized_reference(tmp_path: Path, variant: str) -> None:
+    arch, embed, output = VARIANTS[variant]
+    path = write_kquant_gguf(tmp_path / "tiny.gguf", arch=arch, embed=embed, output=output)
+    model = blocks_model(path)
+    for layer in model.layers:
+        for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            assert isinstance(getattr(layer, attr), KQuantLinear), (attr, getattr(layer, attr))
+    assert model.embed_format == f"{embed.name} blocks"
+    if output == Q.Q8_0:
+        assert model.head_format == "q8_0"  # the Q8_0 codes and `q8_linear`: float32, exact
+    else:
+        assert model.head_format == f"{(output or embed).name} blocks"
+    assert model.embed_tokens.shape[0] == 0 and model.lm_head.shape[0] == 0  # no dense copies kept
+    kept = kept_weights(model)
+    assert "8 kquant" in kept and "dense" not in kept, kept
+    got = logits(model, PROMPT)
+    want = logits(reference_model(path), PROMPT)
+    assert got.dtype == torch.float32
+    scale = float(want.abs().max())
+    error = float((got - want).abs().max())
+    assert error <= 1e-4 * scale, (error, scale)
+
+
+def test_the_packed_cache_round_trip_gives_the_same_logits_bit_for_bit(tmp_path: Path) -> None:
+    path = write_kquant_gguf(tmp_path / "tiny.gguf", embed=Q.Q5_0, output=Q.Q8_0)
+    fmt = WeightFormat("int4", requantize=False, keep_blocks=True, unpack_above=4)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = blocks_model(path, dtype, fmt)
+        want = logits(model, PROMPT)  # 11 prompt rows: the dequantize-per-call path; decode: the kernel
+        state, kinds = model.packed_state()
+        cache = PackedWeightCache(tmp_path / "packed")
+        key = f"tiny:{dtype}"
+        assert cache.store(key, state, kinds) is not None
+        hit = cache.load(key)
+        assert hit is not None
+        ckpt = load_checkpoint(path)
+        fresh = ckpt.architecture.build(ckpt.config, BuildOptions(dtype=dtype, weights=fmt, q8_head=True))
+        assert isinstance(fresh, LlamaForCausalLM)
+        fresh.load_packed_state(hit.state, hit.kinds)
+        assert fresh.embed_format == model.embed_format and fresh.head_format == model.head_format
+        for a, b in zip(model.layers, fresh.layers, strict=True):
+            assert isinstance(b.gate_up_proj, KQuantLinear)
+            assert (a.gate_up_proj.types, a.gate_up_proj.unpack_above, a.gate_up_proj.unpack_dtype) == \
+                (b.gate_up_proj.types, b.gate_up_proj.unpack_above, b.gate_up_proj.unpack_dtype)
+        fresh.pack_cpu_weights()
+        assert torch.equal(logits(fresh, PROMPT), want), dtype
+
+
+def test_auto_keeps_blocks_without_a_dense_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HELIOS_CPU_CAPABILITY", "avx512_bf16")
+    choice = choose_weights("auto", "auto", "cpu", int4_codes=False, block_codes=True, projection_params=10**9)
+    assert choice.format.keep_blocks and choice.format.dense_dtype is None
+    assert choice.format.unpack_above is not None
+    assert "GGUF blocks" in choice.reason and "GGUF blocks" in choice.format.describe()
+    assert choice.format.cache_tag() != WeightFormat("int4", requantize=False).cache_tag()
+    # without block codes: as before
+    plain = choose_weights("auto", "auto", "cpu", int4_codes=False)
+    assert not plain.format.keep_blocks and plain.format.kind == "dense"
+
+
+def test_q8_0_codes_turn_back_into_their_blocks_exactly() -> None:
+    from helios.loaders.gguf_loader import unpack_blocks
+
+    raw = random_blocks(8, 6, 64, 3)
+    codes = unpack_blocks(torch.from_numpy(raw).reshape(-1), 8, (6, 64))
+    blocks = q8_0_blocks(codes)
+    assert torch.equal(blocks.blocks, torch.from_numpy(raw))
+    assert torch.equal(blocks.dequantize(), codes.dequantize())
+    # Q8_0 parts beside blocks join one KQuantLinear only under keep_blocks
+    other = BlockQuantized(torch.from_numpy(random_blocks(6, 4, 64, 4)), 6, (4, 64))
+    assert isinstance(build_linear([other, codes], BLOCKS, torch.float32), KQuantLinear)
+    assert not isinstance(build_linear([other, codes], WeightFormat("int4", requantize=False), torch.float32),
+                          KQuantLinear)
+
+
+def test_llama_rows_of_blocks_are_unpermuted(tmp_path: Path) -> None:
+    path = write_kquant_gguf(tmp_path / "tiny.gguf", arch="llama", embed=Q.Q8_0, output=Q.Q4_K)
+    file = GGUFFile(path)
+    source = file.weight_thunks()["model.layers.0.self_attn.q_proj.weight"]()
+    assert isinstance(source, BlockQuantized) and source.name == "Q4_K"
+    dense = file.tensor_thunks(torch.float32)["model.layers.0.self_attn.q_proj.weight"]()
+    raw = torch.from_numpy(file.read_tensor("blk.0.attn_q.weight"))
+    assert torch.equal(source.dequantize(), dense)
+    assert torch.equal(dense, unpermute_rotary_rows(raw, HEADS))
