@@ -25,8 +25,47 @@ SUPPORTED_ROPE_TYPES = frozenset({"linear", "llama3"})
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
+class DecoderDims:
+    """What the decoder families' configs share (`ModelConfig`, `gemma3.Gemma3Config`): the checks of
+    their shape and the sizes derived from it."""
+
+    if TYPE_CHECKING:
+        vocab_size: int
+        hidden_size: int
+        intermediate_size: int
+        num_layers: int
+        num_heads: int
+        num_kv_heads: int
+        head_dim: int
+        max_position_embeddings: int
+
+    def check_dims(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def projection_params(self) -> int:
+        """Weights in the decoder layers' projections (q, k, v, o, gate, up, down)."""
+        per_layer = (self.q_size + 2 * self.kv_size) * self.hidden_size + self.hidden_size * self.q_size \
+            + 3 * self.intermediate_size * self.hidden_size
+        return int(self.num_layers * per_layer)
+
+
 @attrs.frozen(kw_only=True)
-class ModelConfig:
+class ModelConfig(DecoderDims):
     """Shape and numerics of one decoder-only transformer of the Llama family.
 
     ``rope_scaling`` is None for plain RoPE, or a dict whose ``"rope_type"`` is ``"linear"``
@@ -56,29 +95,8 @@ class ModelConfig:
     def __attrs_post_init__(self) -> None:
         if self.arch not in LLAMA_FAMILY:
             raise ValueError(f"architecture {self.arch!r} is not of the llama family ({', '.join(LLAMA_FAMILY)})")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        self.check_dims()
         check_rope_scaling(self.rope_scaling)
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def projection_params(self) -> int:
-        """Weights in the decoder layers' projections (q, k, v, o, gate, up, down)."""
-        per_layer = (self.q_size + 2 * self.kv_size) * self.hidden_size + self.hidden_size * self.q_size \
-            + 3 * self.intermediate_size * self.hidden_size
-        return int(self.num_layers * per_layer)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelConfig:

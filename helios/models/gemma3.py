@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from helios.models import cpu_kernels
 from helios.models.architecture import Architecture, ArchitectureConfig, BuildOptions, GGUFSource, GGUFTensor
-from helios.models.config import check_rope_scaling, inv_freq_of, normalize_rope_scaling
+from helios.models.config import DecoderDims, check_rope_scaling, inv_freq_of, normalize_rope_scaling
 from helios.models.decoder import (
     PROJECTIONS,
     DecoderLayer,
@@ -57,7 +57,7 @@ _DEFAULT_PATTERN = 6  # transformers' and llama.cpp's default: every 6th layer g
 
 
 @attrs.frozen(kw_only=True)
-class Gemma3Config:
+class Gemma3Config(DecoderDims):
     """Shape and numerics of a Gemma 3 text decoder.
 
     ``sliding_layers``: per layer, True for a sliding-window layer (window ``sliding_window``), False
@@ -87,33 +87,12 @@ class Gemma3Config:
     norms_shifted: bool = False
 
     def __attrs_post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        self.check_dims()
         if len(self.sliding_layers) != self.num_layers:
             raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
         if any(self.sliding_layers) and not (self.sliding_window and self.sliding_window > 0):
             raise ValueError(f"sliding layers need a positive sliding_window, got {self.sliding_window}")
         check_rope_scaling(self.rope_scaling)
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def projection_params(self) -> int:
-        """Weights in the decoder layers' projections (q, k, v, o, gate, up, down)."""
-        per_layer = (self.q_size + 2 * self.kv_size) * self.hidden_size + self.hidden_size * self.q_size \
-            + 3 * self.intermediate_size * self.hidden_size
-        return int(self.num_layers * per_layer)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> Gemma3Config:
