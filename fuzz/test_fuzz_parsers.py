@@ -28,7 +28,8 @@ FRAGMENTS = [
     "<|tool_call_end|>", "<|tool_calls_section_end|>", "<|open|>", "<|close|>", "<|sep|>", "think", "response",
     "tools", 'call tool="f"', 'argument key="a" type="number"', "json", "message", "<|end_of_msg|>",
     "<|start|>", "assistant", "<|channel|>", "analysis", "final", "commentary", " to=functions.f", "<|message|>",
-    "<|end|>", "<|call|>", "<|return|>", "<|constrain|>", "1", "true", "null", "NaN",
+    "<|end|>", "<|call|>", "<|return|>", "<|constrain|>", "1", "true", "null", "NaN", "```", "```json\n",
+    '{"name": "f", "arguments": {"a": 1}}\n```',
 ]  # fmt: skip
 
 text_strategy = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=6)), max_size=40).map("".join)

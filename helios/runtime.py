@@ -555,6 +555,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         recipe = plain_recipe(generation_config, output_parser=detect_parser_family(ckpt.chat_template))
     else:
         recipe = get_recipe(name, generation_config=generation_config)
+    log.info("recipe %s, output parser %s", recipe.name, recipe.output_parser)
     tok = ckpt.tokenizer
     eos = tuple(tok.eos_token_ids)
     info = ModelInfo(
@@ -573,7 +574,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         recipe=recipe.name,
         has_bos=tok.bos_token_id is not None,
         thinking_token_budget=cfg.server.thinking_token_budget,
-        has_reasoning=recipe.reasoning_parser is not None or recipe.output_parser not in ("plain", "hermes"),
+        has_reasoning=recipe.reasoning_parser is not None or recipe.output_parser not in ("plain", "hermes", "qwen2_5"),
         speculative_mode=cfg.speculative.mode,
         speculative_max_depth=cfg.speculative.max_depth if cfg.speculative.mode != "off" else 0,
         speculative_history=cfg.speculative.mode != "off" and cfg.speculative.history,

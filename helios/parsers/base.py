@@ -127,6 +127,7 @@ class ToolSyntax:
 
     openers: tuple[str, ...] = ()
     trailing: tuple[str, ...] = ()  # closing tags swallowed right after a call (`</tool_call>`)
+    leading: tuple[str, ...] = ()  # openers that start a call only before any answer text (Qwen2.5 JSON)
 
     def parse(self, text: str, final: bool) -> Step:
         raise NotImplementedError
@@ -440,6 +441,8 @@ class StreamingParser(OutputParser):
             found.extend((literal, _Kind.OPEN) for literal in self._reasoning.open)
         if self._tools is not None:
             found.extend((literal, _Kind.TOOL) for literal in self._tools.openers)
+            if not self._emitter.has_text:
+                found.extend((literal, _Kind.TOOL) for literal in self._tools.leading)
             if self._after_call:
                 found.extend((literal, _Kind.TRAILING) for literal in self._tools.trailing)
         for literal, action in self._markers.items():
@@ -523,6 +526,7 @@ class _Emitter:
         self._reasoning: bool | None = None
         self._at_boundary = True
         self.has_output = False  # answer text or a call was published
+        self.has_text = False  # answer text was published
 
     def text(self, reasoning: bool, text: str) -> bool:
         """Returns True when non-whitespace text was emitted."""
@@ -545,6 +549,7 @@ class _Emitter:
         self._append(ReasoningDelta(out) if reasoning else TextDelta(out))
         if not reasoning:
             self.has_output = True
+            self.has_text = True
         return True
 
     def call(self, event: ToolCall) -> None:

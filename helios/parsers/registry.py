@@ -22,6 +22,7 @@ from helios.parsers.tools import (
     HarmonySyntax,
     JsonEnvelopeSyntax,
     MiniMaxSyntax,
+    Qwen25Syntax,
     SectionSyntax,
     XtmlSyntax,
 )
@@ -102,6 +103,13 @@ FAMILIES: dict[str, ParserFamily] = _family(
         "Hermes JSON <tool_call> (object or list), no reasoning",
         None,
         lambda tools: JsonEnvelopeSyntax(),
+    ),
+    ParserFamily(
+        "qwen2_5",
+        "Qwen2.5 / Qwen2.5-Coder: Hermes JSON <tool_call>, or a leading bare / ```json-fenced call object"
+        " naming a declared tool; no reasoning",
+        None,
+        Qwen25Syntax,
     ),
     ParserFamily(
         "think_hermes",

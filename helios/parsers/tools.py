@@ -127,6 +127,122 @@ class JsonEnvelopeSyntax(ToolSyntax):
         return Parsed(end + len(self._close), _json_calls(text[pos:end]))
 
 
+class Qwen25Syntax(JsonEnvelopeSyntax):
+    """Qwen2.5 / Qwen2.5-Coder: Hermes `<tool_call>` JSON, and the bare forms the small Coder models
+    write instead although their template asks for the tags (as llama.cpp's Hermes parser accepts).
+
+    - A fenced object: "```json\\n{"name": …, "arguments": {…}}\\n```" (the language tag is optional;
+      a fenced list of such objects is several calls; at the natural end of output the closing
+      fence may be missing).
+    - A bare object: `{"name": …, "arguments": {…}}`, complete when its braces balance.
+
+    The bare forms count only before any answer text (`leading`), only when the JSON's first key is
+    `"name"`, and only when it is a call object through and through: keys `name` and `arguments` (or
+    `parameters`), nothing else, and a declared tool's name. Anything else stays text, so a code
+    block or a JSON answer is never taken for a call.
+    """
+
+    leading = ("```", "{")
+
+    def __init__(self, tools: ToolSchemas) -> None:
+        super().__init__()
+        self._tools = tools
+
+    def parse(self, text: str, final: bool) -> Step:
+        if text.startswith("```"):
+            return self._fenced(text, final)
+        if text.startswith("{"):
+            return self._bare(text, final)
+        return super().parse(text, final)
+
+    def _fenced(self, text: str, final: bool) -> Step:
+        pos = 3
+        state = prefix_state(text, pos, ("json",))
+        if state == "partial" and len(text) > pos:
+            return NOT_CALL if final else UNDECIDED
+        if state == "match":
+            pos += len("json")
+        pos = skip_ws(text, pos)
+        if pos == len(text):
+            return NOT_CALL if final else UNDECIDED
+        head = self._head(text, pos + 1 if text[pos] == "[" else pos, final)
+        if head is not None:
+            return head
+        end = text.find("```", pos)
+        if end < 0 and not final:
+            return Waiting("```", pos)
+        calls = _declared_calls(text[pos:end] if end >= 0 else text[pos:], self._tools)
+        if end < 0:  # the output ended inside the fence: a complete call object is still a call
+            return NOT_CALL if calls is None else Parsed(len(text), calls)
+        return NOT_CALL if calls is None else Parsed(end + 3, calls)
+
+    def _bare(self, text: str, final: bool) -> Step:
+        head = self._head(text, 0, final)
+        if head is not None:
+            return head
+        end = _object_end(text)
+        if end < 0:
+            return NOT_CALL if final else Waiting("}", len(text))
+        calls = _declared_calls(text[:end], self._tools)
+        return NOT_CALL if calls is None else Parsed(end, calls)
+
+    @staticmethod
+    def _head(text: str, pos: int, final: bool) -> Step | None:
+        """None when text[pos:] opens an object whose first key is "name"; else the Step to return."""
+        pos = skip_ws(text, pos)
+        if pos == len(text):
+            return NOT_CALL if final else UNDECIDED
+        if text[pos] != "{":
+            return NOT_CALL
+        state = prefix_state(text, skip_ws(text, pos + 1), ('"name"',))
+        if state == "partial":
+            return NOT_CALL if final else UNDECIDED
+        return None if state == "match" else NOT_CALL
+
+
+def _object_end(text: str) -> int:
+    """Index just past the JSON object starting at text[0] (strings and escapes respected), or -1."""
+    depth = 0
+    in_string = False
+    escaped = False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return -1
+
+
+def _declared_calls(body: str, tools: ToolSchemas) -> tuple[ParsedCall, ...] | None:
+    """The calls a bare JSON body spells, or None when it is not strictly call objects naming
+    declared tools."""
+    try:
+        value = loads_json(body.strip())
+    except ToolParseError:
+        return None
+    items = value if isinstance(value, list) and value else [value]
+    for item in items:
+        if not isinstance(item, dict) or not set(item) <= {"name", "arguments", "parameters"}:
+            return None
+        if item.get("name") not in tools:
+            return None
+    try:
+        return _json_calls(body)
+    except ToolParseError:
+        return None
+
+
 class GlmSyntax(ToolSyntax):
     """GLM 4.5-5.x: `<tool_call>NAME<arg_key>k</arg_key><arg_value>v</arg_value>…</tool_call>`."""
 

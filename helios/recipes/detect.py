@@ -35,6 +35,11 @@ _ID_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 _QWEN38 = re.compile(rf"qwen{_SEP}3{_SEP}8(?!\d)")
 _MOE_HINT = re.compile(r"flash|next|moe|(?<![a-z0-9])a\d+(\.\d+)?b")
+# Qwen2.5's tools instruction and default identity. Qwen3 templates repeat both but also mention
+# <think>; MiMo-VL's (Qwen2.5-VL-derived, reasoning without <think> in its template) has the
+# instruction under its own identity.
+_QWEN25_TOOLS = "return a json object with function name and arguments within <tool_call>"
+_QWEN25_IDENTITY = "You are Qwen, created by Alibaba Cloud"
 _ARCH_RULES: tuple[tuple[str, str], ...] = (
     ("gemma4", "gemma4"),
     ("nemotronh", "nemotron_h"),
@@ -105,6 +110,8 @@ def detect_parser_family(chat_template: str | None) -> str:
         return "nemotron_v2"
     if "<function=" in t and "<parameter=" in t:
         return "qwen3_coder"
+    if "<tool_call>" in t and "<think>" not in t and _QWEN25_TOOLS in t and _QWEN25_IDENTITY in t:
+        return "qwen2_5"
     if "<tool_call>" in t:
         # Reasoning tags are harmless when a model never writes them (MiMo-VL thinks without its
         # template mentioning <think>).

@@ -52,6 +52,7 @@ TOOL_TAGS: dict[str, tuple[str, str]] = {
     "mimo": ("<tool_call>", "</tool_call>"),
     "hermes": ("<tool_call>", "</tool_call>"),
     "think_hermes": ("<tool_call>", "</tool_call>"),
+    "qwen2_5": ("<tool_call>", "</tool_call>"),
     "glm": ("<tool_call>", "</tool_call>"),
     "nemotron_v2": ("<TOOLCALL>", "</TOOLCALL>"),
     "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
