@@ -32,7 +32,7 @@ from helios.runtime import cpu_flags, load_model
 def split(stats: pstats.Stats, steps: int) -> str:
     """ms/step (cumulative, under cProfile) of the step's parts, from the profile's own entries."""
     wanted = {"step": ("engine/core.py", "step"), "forward": ("models/llama.py", "forward"),
-              "logits": ("models/llama.py", "compute_logits"), "sample": ("engine/sampling/sampler.py", "sample")}
+              "logits": ("models/decoder.py", "compute_logits"), "sample": ("engine/sampling/sampler.py", "sample")}
     found = dict.fromkeys(wanted, 0.0)
     entries = stats.stats  # type: ignore[attr-defined]
     for (filename, _line, func), (_cc, _nc, _tt, ct, _callers) in entries.items():
