@@ -157,28 +157,8 @@ class SlidingWindowPool(KVCacheManager):
         self._num_registered[request_id] = len(pages)
         self._num_released[request_id] = leading
 
-    def cache_full_pages(self, request_id: str, token_ids: Sequence[int], num_computed: int,
-                         retain_pages: int = 0, images: Sequence[ImageKey] = ()) -> None:
-        if not self.enable_caching:
-            return
-        table = self._tables.get(request_id)
-        if not table:
-            return
-        done = self._num_registered.get(request_id, 0)
-        full = min(num_computed // self.page_size, len(table))
-        if full <= done:
-            return
-        hashes = self._hashes.setdefault(request_id, [])
-        self.extend_chain(token_ids, hashes, full, images)
-        null = self.null_page
-        for i in range(done, full):
-            h, page = hashes[i], table[i]
-            if page != null and self.block_hash[page] is None and h not in self._cached:
-                self.block_hash[page] = h
-                self._cached[h] = page
-                if i < retain_pages:
-                    self._retained.add(page)
-        self._num_registered[request_id] = full
+    def _registers(self, page: int) -> bool:
+        return page != self.null_page  # a released position holds no page to register
 
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)

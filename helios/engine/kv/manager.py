@@ -202,12 +202,17 @@ class KVCacheManager:
         self.extend_chain(token_ids, hashes, full, images)
         for i in range(done, full):
             h, page = hashes[i], table[i]
-            if self.block_hash[page] is None and h not in self._cached:
+            if self._registers(page) and self.block_hash[page] is None and h not in self._cached:
                 self.block_hash[page] = h
                 self._cached[h] = page
                 if i < retain_pages:
                     self._retained.add(page)
         self._num_registered[request_id] = full
+
+    def _registers(self, page: int) -> bool:
+        """Whether a table entry is a page `cache_full_pages` may register (a sliding-window pool's
+        placeholder for a released position is not)."""
+        return True
 
     # -- changing ownership ------------------------------------------------------------------------
     def allocate_slots(self, request_id: str, num_computed: int, num_new_tokens: int,
