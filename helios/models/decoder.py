@@ -75,10 +75,24 @@ class DecoderShape(Protocol):
     @property
     def tie_word_embeddings(self) -> bool: ...
 
+    @property
+    def rms_norm_eps(self) -> float: ...
+
 
 class DecoderLayer(nn.Module):
     """A decoder layer as `FusedDecoderLM` loads it: the `PROJECTIONS` attributes, its other
     weights by Hugging Face suffix, and the hooks run once they are in place."""
+
+    def __init__(self, config: DecoderShape, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.eps = config.rms_norm_eps
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.intermediate_size = config.intermediate_size
 
     def weight_targets(self) -> dict[str, Tensor]:
         """Hugging Face suffix -> parameter (view) for everything but the projections."""

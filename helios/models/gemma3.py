@@ -306,15 +306,7 @@ class Gemma3ForCausalLM(FusedDecoderLM):
 class _Gemma3Layer(DecoderLayer):
     def __init__(self, config: Gemma3Config, layer_idx: int, dtype: torch.dtype, device: torch.device,
                  dense_dtype: torch.dtype | None) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.eps = config.rms_norm_eps
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
-        self.intermediate_size = config.intermediate_size
+        super().__init__(config, layer_idx)
         self.scale = config.query_pre_attn_scalar ** -0.5
         hidden = config.hidden_size
 

@@ -141,15 +141,7 @@ class LlamaForCausalLM(FusedDecoderLM):
 class _DecoderLayer(DecoderLayer):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device,
                  dense_dtype: torch.dtype | None) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.eps = config.rms_norm_eps
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
-        self.intermediate_size = config.intermediate_size
+        super().__init__(config, layer_idx)
         hidden = config.hidden_size
         qkv_rows = config.q_size + 2 * config.kv_size
 
