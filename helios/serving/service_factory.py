@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 TEXT_TOOL_FAMILIES = {"plain": "hermes", "hermes": "hermes", "think_hermes": "think_hermes", "qwen3": "qwen3"}
 
 
-class LoadedModel(Protocol):
+class ServedModel(Protocol):
     """What the Service is built from (`helios.runtime.Runtime`, the composition root's): the loaded
     model's tokenizer, chat template source, recipe and description, the engine client, and a
     vision-language model's tower and image admission (None for a text model)."""
@@ -87,7 +87,7 @@ def tool_support(template: ChatTemplate | None, family: str) -> ToolSupport:
     )
 
 
-def make_service(rt: LoadedModel, limiter: trio.CapacityLimiter | None = None) -> Service:
+def make_service(rt: ServedModel, limiter: trio.CapacityLimiter | None = None) -> Service:
     from helios.parsers import family_delimiters, get_family, make_output_parser, prompt_starts_in_reasoning
     from helios.recipes import resolve_sampling
 
