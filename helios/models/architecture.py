@@ -151,3 +151,28 @@ class Architecture:
         if self.gguf_tensor is None:
             raise UnsupportedArchitecture(f"architecture {self.name!r} has no GGUF form")
         return self.gguf_tensor(config, gguf_name)
+
+
+def gguf_key(source: GGUFSource) -> Callable[..., Any]:
+    """``key(name, default=None)``: the metadata value ``<general.architecture>.<name>`` of a GGUF
+    file (``default`` when absent; ValueError naming the key when neither is there)."""
+    meta = source.metadata
+    prefix = str(meta.get("general.architecture"))
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{prefix}.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {prefix}.{name}")
+        return value
+
+    return key
+
+
+def gguf_kv_heads(key: Callable[..., Any], num_heads: int) -> int:
+    """``attention.head_count_kv`` (a number, or one per layer: then they must be equal)."""
+    value = key("attention.head_count_kv", num_heads)
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise NotImplementedError("per-layer kv head counts are not supported")
+        value = value[0]
+    return int(value)

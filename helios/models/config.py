@@ -16,8 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from helios.models.architecture import GGUFSource
+from helios.models.architecture import GGUFSource, gguf_key, gguf_kv_heads
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 """The variants `ModelConfig` describes (its ``arch``; each a registry entry)."""
@@ -182,20 +181,11 @@ def config_from_gguf(source: GGUFSource, arch: str) -> ModelConfig:
     meta = source.metadata
     tensors = source.tensor_shapes
     prefix = str(meta.get("general.architecture"))
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{prefix}.{name}", default)
-        if value is None:
-            raise ValueError(f"GGUF metadata lacks {prefix}.{name}")
-        return value
+    key = gguf_key(source)
 
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
-    num_kv_heads = key("attention.head_count_kv", num_heads)
-    if isinstance(num_kv_heads, list):
-        if len(set(num_kv_heads)) != 1:
-            raise NotImplementedError("per-layer kv head counts are not supported")
-        num_kv_heads = num_kv_heads[0]
+    num_kv_heads = gguf_kv_heads(key, num_heads)
     head_dim = int(key("attention.key_length", hidden // num_heads))
     rope_dims = meta.get(f"{prefix}.rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != head_dim:

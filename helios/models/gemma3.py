@@ -33,7 +33,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from helios.models import cpu_kernels
-from helios.models.architecture import Architecture, ArchitectureConfig, BuildOptions, GGUFSource, GGUFTensor
+from helios.models.architecture import (
+    Architecture,
+    ArchitectureConfig,
+    BuildOptions,
+    GGUFSource,
+    GGUFTensor,
+    gguf_key,
+    gguf_kv_heads,
+)
 from helios.models.config import DecoderDims, check_rope_scaling, inv_freq_of, normalize_rope_scaling
 from helios.models.decoder import (
     PROJECTIONS,
@@ -167,21 +175,12 @@ def config_from_gguf(source: GGUFSource) -> Gemma3Config:
     meta = source.metadata
     tensors = source.tensor_shapes
     prefix = str(meta.get("general.architecture"))
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{prefix}.{name}", default)
-        if value is None:
-            raise ValueError(f"GGUF metadata lacks {prefix}.{name}")
-        return value
+    key = gguf_key(source)
 
     hidden = int(key("embedding_length"))
     num_layers = int(key("block_count"))
     num_heads = int(key("attention.head_count"))
-    num_kv_heads = key("attention.head_count_kv", num_heads)
-    if isinstance(num_kv_heads, list):
-        if len(set(num_kv_heads)) != 1:
-            raise NotImplementedError("per-layer kv head counts are not supported")
-        num_kv_heads = num_kv_heads[0]
+    num_kv_heads = gguf_kv_heads(key, num_heads)
     head_dim = int(key("attention.key_length", 256))
     ffn = key("feed_forward_length")
     if isinstance(ffn, list):
