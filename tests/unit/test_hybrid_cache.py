@@ -9,13 +9,20 @@ import pytest
 import torch
 
 from helios.domain.sampling import SamplingParams
+from helios.engine.attention import KVCache
 from helios.engine.core import EngineConfig, EngineCore
 from helios.engine.kv.coordinator import KVCacheCoordinator, SlidingWindowPool, group_key
 from helios.engine.kv.layout import CacheLayout
 from helios.engine.records import EngineRequest, RequestOutput
 from helios.engine.speculative import SpeculativeConfig
 from helios.models import cpu_kernels
-from helios.models.interface import CausalLM, FullAttentionSpec, RecurrentStateSpec, SlidingWindowSpec
+from helios.models.interface import (
+    CausalLM,
+    FullAttentionSpec,
+    LatentAttentionSpec,
+    RecurrentStateSpec,
+    SlidingWindowSpec,
+)
 from tests.unit.hybrid_model import HybridModel, build_hybrid_model
 from tests.unit.test_engine import run
 
@@ -308,3 +315,39 @@ def test_coordinator_state_slots_follow_the_running_requests() -> None:
     kv.free("a")
     assert kv.allocate_slots("c", 0, 4) is not None and kv.state_slot("c") == 0
     kv.check_integrity()
+
+
+def test_a_latent_group_keeps_one_row_per_token_and_pages_like_the_others() -> None:
+    """A full-attention layer beside two latent layers (one compressed row per token): two paged
+    groups with aligned tables, hits served by both, and the host-store page bytes of the latent
+    group (its rows only, [page_size, row_dim] per layer) round-trip."""
+    specs = [FullAttentionSpec(2, 4), LatentAttentionSpec(6), LatentAttentionSpec(6)]
+    layout = CacheLayout.from_specs(specs)
+    assert [type(g.spec) for g in layout.groups] == [FullAttentionSpec, LatentAttentionSpec]
+    assert layout.groups[1].layers == (1, 2)
+    assert layout.bytes_per_token(torch.float32) == (2 * 2 * 4 + 2 * 6) * 4
+    kv = KVCacheCoordinator(layout, 8, PS, enable_caching=True)
+    tokens = list(range(13))
+    kv.allocate_slots("a", 0, 12)
+    kv.cache_full_pages("a", tokens, 12)
+    kv.check_integrity()
+    hits, hashes = kv.lookup(tokens)
+    assert len(hits) == 3 and all(len(h) == 2 for h in hits)
+    assert [h[1] for h in hits] == kv.groups[1].block_table("a")
+    kv.allocate_cached("b", hits, hashes)
+    kv.allocate_slots("b", 12, 1)
+    kv.check_integrity()
+    kv.free("a")
+    kv.free("b")
+    kv.check_integrity()
+
+    cache = KVCache.for_layout(layout, 8, PS, torch.float32)
+    assert set(cache.rows) == {1, 2} and tuple(cache.rows[1].shape[1:]) == (6,)
+    for layer in (1, 2):
+        cache.rows[layer][PS:2 * PS] = torch.randn(PS, 6)
+    data = cache.read_page(1, PS, group=1)
+    assert len(data) == 2 * PS * 6 * 4
+    assert cache.write_page(5, PS, data, group=1)
+    for layer in (1, 2):
+        assert torch.equal(cache.rows[layer][5 * PS:6 * PS], cache.rows[layer][PS:2 * PS])
+    assert not cache.write_page(5, PS, data[:-4], group=1)
