@@ -56,6 +56,11 @@ class ServerConfig:
     # Requests the model may hold beyond its active slots before new ones get 503.
     model_queue_size: int = attrs.field(default=256, validator=_positive)
     default_max_tokens: int = attrs.field(default=4096, validator=_positive)
+    # A request's explicit output limit beyond the context its prompt leaves: "clamp" (llama.cpp's and
+    # Ollama's rule: the limit becomes what is left, the answer ends with the protocol's length reason
+    # there) or "reject" (vLLM's, OpenAI's and Anthropic's: a 400 context_length_exceeded in each
+    # protocol's words). Coding clients ask for 32,000 output tokens whatever the model's context.
+    max_tokens_overflow: str = attrs.field(default="clamp", validator=attrs.validators.in_(["clamp", "reject"]))
     frontend_workers: int = attrs.field(default=2, validator=_positive)
     thinking_token_budget: int | None = None
     max_top_logprobs: int = 20

@@ -28,6 +28,9 @@ class ModelInfo:
     recipe: str
     has_bos: bool
     thinking_token_budget: int | None = None
+    clamp_max_tokens: bool = True
+    """An explicit output limit beyond the context left is cut to what is left (`[server]
+    max_tokens_overflow = "clamp"`); False: it is a 400 (``"reject"``, vLLM's rule)."""
     has_reasoning: bool = False
     has_tools: bool = False
     has_vision: bool = False

@@ -213,7 +213,7 @@ class FusedDecoderLM(nn.Module):
         for layer in self._decoder_layers():
             layer.find_fused_decode()
         head = self._lm_head_fp32 if self._lm_head_fp32 is not None else self.lm_head.detach()
-        if self._lm_head_q8 is None:
+        if self._lm_head_q8 is None and self._lm_head_blocks is None:
             self._lm_head_onednn = packing.pack_head_onednn(head)
             count += int(self._lm_head_onednn is not None)
         return count

@@ -279,10 +279,13 @@ class Service:
         input_param: str = "messages",
         output_param: str = "max_tokens",
     ) -> int:
-        """Validate the prompt against the context and resolve the output limit (vLLM's rules).
+        """Validate the prompt against the context and resolve the output limit.
 
-        Over-context requests raise ContextLengthExceeded, which each protocol words as its own
-        API does; `input_param` and `output_param` are the request fields it names.
+        A prompt that leaves no room raises ContextLengthExceeded, which each protocol words as its
+        own API does; `input_param` and `output_param` are the request fields it names. An explicit
+        limit beyond the context left is cut to what is left (`ModelInfo.clamp_max_tokens`, the
+        default, as llama.cpp's server does), or raises it too (vLLM's rule, ``[server]
+        max_tokens_overflow = "reject"``).
         """
         limit = self.info.max_model_len
         if num_prompt_tokens >= limit and not (max_tokens == 0 and num_prompt_tokens <= limit):
@@ -294,6 +297,8 @@ class Service:
         if max_tokens is None:
             return min(self.info.default_max_tokens, remaining)
         if max_tokens > remaining:
+            if self.info.clamp_max_tokens:
+                return remaining
             raise ContextLengthExceeded(
                 prompt_tokens=num_prompt_tokens, limit=limit, max_tokens=max_tokens,
                 input_param=input_param, output_param=output_param,

@@ -128,6 +128,8 @@ api_key = "sekret"
 max_concurrency = 3
 model_queue_size = 1
 max_body_bytes = 65536
+# vLLM's rule: an output limit beyond the context is a 400 (test_client_compat reads it back).
+max_tokens_overflow = "reject"
 [model]
 path = "@MODEL@"
 dtype = "float32"
