@@ -1,4 +1,4 @@
-"""Operational routes, unauthenticated: GET / (reachability), GET /health, GET /metrics."""
+"""Operational routes, unauthenticated: GET / and GET /api/hello (reachability), GET /health, GET /metrics."""
 
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ def wants_json(fmt: str | None, accept: str | None) -> bool:
 
 ROUTES: list[Route] = [
     ("GET", "/", root),
+    # Claude Code probes ANTHROPIC_BASE_URL with HEAD /api/hello (preconnect) before its first request.
+    ("GET", "/api/hello", root),
     ("GET", "/health", health),
     ("GET", "/metrics", serving_metrics),
 ]

@@ -147,6 +147,9 @@ def test_head_answers_every_get_route_without_a_body(limited: LiveServer) -> Non
         assert head.headers["content-length"] == str(len(models.content))
         assert http.head("/nope").status_code == 404
         assert http.head("/v1/chat/completions").status_code == 405
-    # The base URL is unauthenticated, like /health; the model list is not.
+    # The base URL is unauthenticated, like /health; the model list is not. Claude Code 2.1 also
+    # preconnects with HEAD /api/hello.
     assert httpx.head(limited.url + "/").status_code == 200
+    hello = httpx.head(limited.url + "/api/hello")
+    assert hello.status_code == 200 and hello.content == b""
     assert httpx.head(limited.url + "/v1/models").status_code == 401

