@@ -443,6 +443,7 @@ def check_full_turn(name: str, proc: subprocess.CompletedProcess[str], records: 
     assert "hello" in proc.stdout.lower(), f"{name} printed no greeting"
 
 
+@pytest.mark.timeout(RUN_TIMEOUT + 120)  # the first turn prefills the whole prompt
 def test_real_model_claude_print(client_bin: Path, real_proxy: RecordingProxy, project: Path) -> None:
     env = {}
     for line in real_block("real-claude-env", real_proxy.url).splitlines():
@@ -458,6 +459,7 @@ def test_real_model_claude_print(client_bin: Path, real_proxy: RecordingProxy, p
     assert 32000 in asked, asked  # its own output request, cut by the server to the context left
 
 
+@pytest.mark.timeout(RUN_TIMEOUT + 120)  # the first turn prefills the whole prompt
 def test_real_model_codex_exec(client_bin: Path, real_proxy: RecordingProxy, project: Path) -> None:
     codex_home = project.parent / "home" / ".codex"
     codex_home.mkdir(parents=True)
@@ -467,6 +469,7 @@ def test_real_model_codex_exec(client_bin: Path, real_proxy: RecordingProxy, pro
     check_full_turn("codex", proc, real_proxy.take(), "/v1/responses", min_tools=5)
 
 
+@pytest.mark.timeout(RUN_TIMEOUT + 120)  # the first turn prefills the whole prompt
 def test_real_model_opencode_run(client_bin: Path, real_proxy: RecordingProxy, project: Path) -> None:
     config_dir = project.parent / "home" / ".config" / "opencode"
     config_dir.mkdir(parents=True)
