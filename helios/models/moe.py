@@ -26,6 +26,7 @@ stacked dense tensors, ``gate_up`` [E, 2 * moe_intermediate, hidden] (gate rows 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import attrs
@@ -33,7 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["RouterSpec", "expert_mix", "route"]
+__all__ = ["Experts", "RouterSpec", "expert_mix", "route"]
+
+Experts = Tensor | Sequence[Callable[[Tensor], Tensor]]
+"""One projection of every expert: a stacked [E, rows, cols] weight, or one module per expert."""
 
 
 @attrs.frozen(kw_only=True)
@@ -92,10 +96,11 @@ def route(logits: Tensor, spec: RouterSpec, correction_bias: Tensor | None = Non
     return weights * spec.routed_scaling_factor, ids
 
 
-def expert_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+def expert_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Experts, down: Experts) -> Tensor:
     """sum over each token's chosen experts e of ``weight * down[e] @ (silu(gate) * up)`` with
     ``gate, up = gate_up[e] @ x``: [T, hidden] in ``x``'s dtype. Tokens are grouped by expert (one
-    pair of matmuls per active expert)."""
+    pair of matmuls per active expert). ``gate_up`` / ``down``: stacked weights, or per-expert
+    modules (quantized formats, `helios.models.quant.build_linear`)."""
     num_tokens, top_k = ids.shape
     out = torch.zeros_like(x)
     if num_tokens == 0:
@@ -103,16 +108,22 @@ def expert_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: T
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of = order // top_k
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
     rows = x.index_select(0, token_of)
-    inter = down.shape[-1]
     parts: list[Tensor] = []
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
-        gu = F.linear(rows[start : start + count], gate_up[expert])
-        parts.append(F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down[expert]))
+        gu = _apply(gate_up, expert, rows[start : start + count])
+        inter = gu.shape[-1] // 2
+        parts.append(_apply(down, expert, F.silu(gu[:, :inter]) * gu[:, inter:]))
         start += count
     mixed = torch.cat(parts) * weights.reshape(-1, 1).index_select(0, order)
     return out.index_add_(0, token_of, mixed.to(x.dtype))
+
+
+def _apply(weights: Experts, expert: int, rows: Tensor) -> Tensor:
+    if isinstance(weights, Tensor):
+        return F.linear(rows, weights[expert])
+    return weights[expert](rows)

@@ -38,7 +38,7 @@ from helios.models.decoder import (
     rope_tables,
 )
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec
-from helios.models.moe import RouterSpec, expert_mix, route
+from helios.models.moe import Experts, RouterSpec, expert_mix, route
 from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat
 
 __all__ = ["EXPERT_FORMS", "GGUF_MOE_LAYER_NAMES", "MoEConfig", "MoEForCausalLM", "gguf_moe_tensor"]
@@ -136,21 +136,11 @@ class MoEForCausalLM(FusedDecoderLM):
         return (spec,) * self.config.num_layers
 
     def load_weights(self, tensors: Mapping[str, BuildSource]) -> None:
-        """`FusedDecoderLM.load_weights`, with the routed experts in whichever `EXPERT_FORMS` form
-        the names show, and without the layers past ``num_layers`` a checkpoint may carry
-        (GLM-4.5's multi-token-prediction layer, which transformers ignores too)."""
-        kept = _WithoutLayersFrom(tensors, self.config.num_layers)
-        form = "per_expert"
-        for name in kept:
-            if name.endswith("." + EXPERT_FORMS["fused"][0]):
-                form = "fused"
-                break
-            if name.endswith("." + EXPERT_FORMS["stacked"][0]):
-                form = "stacked"
-                break
-        for layer in self._decoder_layers():
-            layer.expert_form = form
-        super().load_weights(kept)
+        """`FusedDecoderLM.load_weights`, with the routed experts in any `EXPERT_FORMS` form (read
+        as per-expert weights, `_PerExpert`), and without the layers past ``num_layers`` a
+        checkpoint may carry (GLM-4.5's multi-token-prediction layer, which transformers ignores too)."""
+        cfg = self.config
+        super().load_weights(_PerExpert(tensors, cfg.num_layers, cfg.router.num_experts, cfg.moe_intermediate_size))
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionContext, *,
                 embeds: tuple[Tensor, Tensor] | None = None, keep: Tensor | None = None) -> Tensor:
@@ -176,38 +166,74 @@ class MoEForCausalLM(FusedDecoderLM):
         total = super().decode_weight_bytes()
         spec = self.config.router
         for layer in self._decoder_layers():
-            if layer.experts_gate_up is not None and layer.experts_down is not None:
-                expert_bytes = sum(int(t.numel() * t.element_size()) for t in (layer.experts_gate_up, layer.experts_down))
-                total -= expert_bytes * (spec.num_experts - spec.top_k) // spec.num_experts
+            total -= layer.routed_expert_bytes() * (spec.num_experts - spec.top_k) // spec.num_experts
         return total
 
     def _decoder_layers(self) -> Sequence[_MoELayer]:
         return [cast(_MoELayer, layer) for layer in self.layers]
 
 
-class _WithoutLayersFrom(Mapping[str, BuildSource]):
-    """``tensors`` without the names of decoder layers ``num_layers`` and above (read lazily)."""
+class _PerExpert(Mapping[str, BuildSource]):
+    """``tensors`` (read lazily) with stacked expert tensors (`EXPERT_FORMS` "fused", "stacked")
+    seen as the per-expert weights they hold, and without the names of decoder layers
+    ``num_layers`` and above. A stacked tensor is read once for all its experts (the last one read
+    is kept while its experts are taken; the names of one come one after the other)."""
 
-    def __init__(self, tensors: Mapping[str, BuildSource], num_layers: int) -> None:
+    def __init__(self, tensors: Mapping[str, BuildSource], num_layers: int, num_experts: int, inter: int) -> None:
         self._tensors = tensors
-        self._num_layers = num_layers
+        self._num_experts = num_experts
+        # per-expert name -> (stacked name, expert, row slice of the expert's matrix or None)
+        self._parts: dict[str, tuple[str, int, slice | None]] = {}
+        self._names: list[str] = []
+        for name in tensors:
+            prefix, _, suffix = name.partition(".mlp.experts.")
+            if prefix.startswith("model.layers."):
+                index = prefix.split(".")[2]
+                if index.isdigit() and int(index) >= num_layers:
+                    continue
+            if suffix in ("gate_up_proj", "gate_proj", "up_proj", "down_proj") and "." not in suffix:
+                self._expand(name, prefix, suffix, num_experts, inter)
+            else:
+                self._names.append(name)
+        self._cached: tuple[str, Tensor] | None = None
 
-    def _kept(self, name: str) -> bool:
-        if not name.startswith("model.layers."):
-            return True
-        index = name.split(".", 3)[2]
-        return not index.isdigit() or int(index) < self._num_layers
+    def _expand(self, name: str, prefix: str, suffix: str, num_experts: int, inter: int) -> None:
+        for e in range(num_experts):
+            base = f"{prefix}.mlp.experts.{e}."
+            if suffix == "gate_up_proj":  # [E, 2I, H], gate rows first
+                for part, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
+                    self._parts[f"{base}{part}.weight"] = (name, e, rows)
+                    self._names.append(f"{base}{part}.weight")
+            else:
+                self._parts[f"{base}{suffix}.weight"] = (name, e, None)
+                self._names.append(f"{base}{suffix}.weight")
+
+    def _stacked(self, name: str) -> Tensor:
+        if self._cached is None or self._cached[0] != name:
+            self._cached = None  # drop the previous one first
+            value = self._tensors[name]
+            if not isinstance(value, Tensor) or value.dim() != 3:
+                raise ValueError(f"{name}: stacked expert weights must be a dense [experts, rows, cols] tensor")
+            if value.shape[0] != self._num_experts:
+                raise ValueError(f"{name}: {value.shape[0]} experts, the config has {self._num_experts}")
+            self._cached = (name, value)
+        return self._cached[1]
 
     def __getitem__(self, name: str) -> BuildSource:
-        if not self._kept(name):
-            raise KeyError(name)
-        return self._tensors[name]
+        part = self._parts.get(name)
+        if part is None:
+            if name not in self._names:
+                raise KeyError(name)
+            return self._tensors[name]
+        stacked, expert, rows = part
+        matrix = self._stacked(stacked)[expert]
+        return matrix if rows is None else matrix[rows]
 
     def __iter__(self) -> Iterator[str]:
-        return (name for name in self._tensors if self._kept(name))
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return sum(1 for _ in self)
+        return len(self._names)
 
 
 _PROJ_ATTRS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -222,8 +248,11 @@ class _MoELayer(DecoderLayer):
         self.router_spec = config.router
         self.rotary_dim = config.rotary
         self.shared_name = config.shared_name
-        self.expert_form = "per_expert"  # which `EXPERT_FORMS` names the weights come under (`load_weights`)
+        # A quantized weight format: each expert's gate/up and down are projections built by
+        # `quant.build_linear` (attributes experts_gate_up_{e}, experts_down_{e}); a dense one: stacked.
+        self.quantized_experts = self.moe and dense_dtype is None
         self.mlp_size = config.shared_intermediate_size if self.moe else config.intermediate_size
+        self.moe_intermediate_size = config.moe_intermediate_size
 
         def empty(*shape: int, dt: torch.dtype = dtype) -> nn.Parameter:
             return param(torch.empty(*shape, dtype=dt, device=device))
@@ -256,25 +285,60 @@ class _MoELayer(DecoderLayer):
                 self.correction_bias = empty(experts, dt=torch.float32)
             if config.shared_expert_gate and self.mlp_size:
                 self.shared_gate = empty(1, hidden)
-            self.experts_gate_up = empty(experts, 2 * inter, hidden)
-            self.experts_down = empty(experts, hidden, inter)
+            if self.quantized_experts:
+                for e in range(experts):
+                    self.add_module(f"experts_gate_up_{e}", UnloadedLinear())
+                    self.add_module(f"experts_down_{e}", UnloadedLinear())
+            else:
+                self.experts_gate_up = empty(experts, 2 * inter, hidden)
+                self.experts_down = empty(experts, hidden, inter)
 
     def projection_parts(self) -> dict[str, tuple[tuple[str, tuple[int, int]], ...]]:
+        """The attention's projections; a dense layer's MLP, an MoE layer's shared experts as its
+        gate/up and down projections, and with a quantized format each routed expert's."""
         parts = super().projection_parts()
         if not self.moe:
             return parts
         parts = {attr: parts[attr] for attr in ("qkv_proj", "o_proj")}
+        hidden = self.hidden_size
         if self.mlp_size:
-            prefix, size, hidden = f"mlp.{self.shared_name}.", self.mlp_size, self.hidden_size
+            prefix, size = f"mlp.{self.shared_name}.", self.mlp_size
             parts["gate_up_proj"] = ((f"{prefix}gate_proj.weight", (size, hidden)),
                                      (f"{prefix}up_proj.weight", (size, hidden)))
             parts["down_proj"] = ((f"{prefix}down_proj.weight", (hidden, size)),)
+        if self.quantized_experts:
+            inter = self.moe_intermediate_size
+            for e in range(self.router_spec.num_experts):
+                prefix = f"mlp.experts.{e}."
+                parts[f"experts_gate_up_{e}"] = ((f"{prefix}gate_proj.weight", (inter, hidden)),
+                                                 (f"{prefix}up_proj.weight", (inter, hidden)))
+                parts[f"experts_down_{e}"] = ((f"{prefix}down_proj.weight", (hidden, inter)),)
         return parts
 
     def set_projection(self, attr: str, module: nn.Module) -> None:
-        if attr not in _PROJ_ATTRS:
+        if attr not in _PROJ_ATTRS and not (self.quantized_experts and attr.startswith(("experts_gate_up_",
+                                                                                         "experts_down_"))):
             raise KeyError(attr)
         setattr(self, attr, module)
+
+    def routed_experts(self) -> tuple[Experts, Experts]:
+        """The routed experts' gate/up and down weights: stacked tensors, or one module per expert."""
+        if self.experts_gate_up is not None and self.experts_down is not None:
+            return self.experts_gate_up, self.experts_down
+        count = self.router_spec.num_experts
+        return ([cast(nn.Module, getattr(self, f"experts_gate_up_{e}")) for e in range(count)],
+                [cast(nn.Module, getattr(self, f"experts_down_{e}")) for e in range(count)])
+
+    def routed_expert_bytes(self) -> int:
+        """Bytes of the routed experts' parameters (0 in a dense layer)."""
+        if not self.moe:
+            return 0
+        gate_up, down = self.routed_experts()
+        if isinstance(gate_up, Tensor) and isinstance(down, Tensor):
+            tensors: list[Tensor] = [gate_up, down]
+        else:
+            tensors = [p for m in (*gate_up, *down) for p in cast(nn.Module, m).parameters()]
+        return sum(int(t.numel() * t.element_size()) for t in tensors)
 
     def weight_targets(self) -> dict[str, Tensor]:
         q, kv = self.q_size, self.kv_size
@@ -299,15 +363,10 @@ class _MoELayer(DecoderLayer):
         if self.experts_gate_up is not None and self.experts_down is not None:
             gate_up, down = self.experts_gate_up, self.experts_down
             inter = down.shape[-1]
-            names = EXPERT_FORMS[self.expert_form]
-            if self.expert_form == "fused":
-                targets.update(zip(names, (gate_up, down), strict=True))
-            elif self.expert_form == "stacked":
-                targets.update(zip(names, (gate_up[:, :inter], gate_up[:, inter:], down), strict=True))
-            else:
-                for e in range(gate_up.shape[0]):
-                    parts = (gate_up[e, :inter], gate_up[e, inter:], down[e])
-                    targets.update((name.format(e=e), part) for name, part in zip(names, parts, strict=True))
+            for e in range(gate_up.shape[0]):
+                parts = (gate_up[e, :inter], gate_up[e, inter:], down[e])
+                names = (name.format(e=e) for name in EXPERT_FORMS["per_expert"])
+                targets.update(zip(names, parts, strict=True))
         return targets
 
     def finish_loading(self) -> None:
@@ -349,10 +408,10 @@ class _MoELayer(DecoderLayer):
         dense = self._mlp(x, fused) if self.gate_up_proj is not None else None
         if not self.moe:
             return cast(Tensor, dense)
-        assert self.router is not None and self.experts_gate_up is not None and self.experts_down is not None
+        assert self.router is not None
         logits = F.linear(x.float(), self.router) if self.router_spec.router_fp32 else F.linear(x, self.router)
         weights, ids = route(logits, self.router_spec, self.correction_bias)
-        out = expert_mix(x, weights, ids, self.experts_gate_up, self.experts_down)
+        out = expert_mix(x, weights, ids, *self.routed_experts())
         if dense is not None:
             if self.shared_gate is not None:
                 dense = torch.sigmoid(F.linear(x, self.shared_gate)) * dense
@@ -371,7 +430,8 @@ class _MoELayer(DecoderLayer):
 # -- GGUF names ------------------------------------------------------------------------------------------
 
 # llama.cpp's per-layer names of the MoE architectures (qwen3moe, glm4moe) -> Hugging Face suffixes;
-# the expert tensors are stacked ([E, rows, cols]) under `EXPERT_FORMS["stacked"]`.
+# the expert tensors are stacked ([E, rows, cols]) under `EXPERT_FORMS["stacked"]` (split per expert
+# on load, `_PerExpert`).
 GGUF_MOE_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
