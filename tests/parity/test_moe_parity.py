@@ -399,3 +399,21 @@ def test_quantized_formats_quantize_each_expert(pair: tuple[torch.nn.Module, Pat
     assert torch.equal(got, _logits(again, DenseAttention.for_model(again), PROMPT, 0))
     everything = sum(int(p.numel() * p.element_size()) for p in model.parameters())
     assert model.decode_weight_bytes() < everything
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+def test_runtime_load_model_and_weight_cache(pair: tuple[torch.nn.Module, Path], tmp_path: Path, weights: str) -> None:
+    """`runtime.load_model` (the registry, the weight format, `pack_cpu_weights`) and the
+    packed-weight cache: the cached model's logits are the freshly built one's."""
+    from helios.runtime import load_model
+
+    hf_model, root = pair
+    loaded = load_model(root, weights=weights, dtype="float32", cache_dir=tmp_path / "packed")
+    model = loaded.model
+    assert isinstance(model, MoEForCausalLM)
+    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    if weights == "float32":
+        assert (got - _hf_logits(hf_model, PROMPT)).abs().max().item() < FP32_TOLERANCE
+    assert loaded.cache_key and any((tmp_path / "packed").rglob("*"))
+    again = load_model(root, weights=weights, dtype="float32", cache_dir=tmp_path / "packed").model
+    assert torch.equal(got, _logits(again, DenseAttention.for_model(again), PROMPT, 0))
