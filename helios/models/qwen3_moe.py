@@ -76,7 +76,8 @@ def config_from_hf(config: Mapping[str, Any]) -> MoEConfig:
 def config_from_gguf(source: GGUFSource) -> MoEConfig:
     """A Qwen3-MoE config from llama.cpp's ``qwen3moe`` metadata (``expert_count``,
     ``expert_used_count``, ``expert_feed_forward_length``; llama.cpp renormalises the chosen
-    experts' weights for this architecture and makes every layer sparse)."""
+    experts' weights for this architecture unless ``expert_weights_norm`` says otherwise; the layers
+    with an ``ffn_gate_inp`` router are the sparse ones)."""
     key = gguf_key(source)
     tensors = source.tensor_shapes
     hidden = int(key("embedding_length"))
@@ -101,7 +102,7 @@ def config_from_gguf(source: GGUFSource) -> MoEConfig:
         head_dim=head_dim,
         moe_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(num_layers)),
         router=RouterSpec(num_experts=num_experts, top_k=int(key("expert_used_count")), scoring="softmax",
-                          norm_topk_prob=True),
+                          norm_topk_prob=bool(key("expert_weights_norm", True))),
         moe_intermediate_size=int(key("expert_feed_forward_length")),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(key("rope.freq_base", 10000.0)),

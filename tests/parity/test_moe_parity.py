@@ -235,10 +235,12 @@ _HF_TO_GGUF = {
 }
 
 
-def _write_gguf(path: Path, model: torch.nn.Module) -> None:
+def _write_gguf(path: Path, model: torch.nn.Module, q8: bool = False) -> None:
     """``model`` as llama.cpp's converters write qwen3moe / glm4moe: stacked expert tensors, the
     metadata keys they write (GLM: ``leading_dense_block_count``, ``rope.dimension_count``, a
-    ``nextn_predict_layers`` layer, whose tensors are written and not loaded), F32 tensors."""
+    ``nextn_predict_layers`` layer, whose tensors are written and not loaded), F32 tensors; with
+    ``q8`` the projections and experts as Q8_0 blocks, and ``model``'s weights replaced by what the
+    blocks hold (so it is the reference for the file)."""
     cfg = model.config
     glm = cfg.model_type == "glm4_moe"
     arch = "glm4moe" if glm else "qwen3moe"
@@ -278,21 +280,40 @@ def _write_gguf(path: Path, model: torch.nn.Module) -> None:
     fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     post_norm = "post_attention_norm.weight" if glm else "ffn_norm.weight"
-    for hf_name, tensor in model.state_dict().items():
+
+    def add(name: str, array: np.ndarray) -> None:
+        if q8 and array.ndim >= 2 and not name.startswith(("token_embd", "output.")) and "ffn_gate_inp" not in name:
+            blocks = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+
+    state = model.state_dict()
+    if q8:
+        with torch.no_grad():
+            for hf_name, tensor in state.items():
+                if tensor.dim() >= 2 and "embed" not in hf_name and "lm_head" not in hf_name \
+                        and not hf_name.endswith("mlp.gate.weight"):
+                    if hf_name.endswith("mlp.experts.gate_up_proj"):  # quantized as gate and up, like the file
+                        halves = tensor.chunk(2, dim=1)
+                        tensor.copy_(torch.cat([_q8_round_trip(h) for h in halves], dim=1))
+                    else:
+                        tensor.copy_(_q8_round_trip(tensor))
+    for hf_name, tensor in state.items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         array = tensor.detach().numpy().astype(np.float32)
         if hf_name in fixed:
-            writer.add_tensor(fixed[hf_name], array)
+            add(fixed[hf_name], array)
             continue
         _, _, layer, rest = hf_name.split(".", 3)
         if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H] -> gate and up, [E, I, H] each
             inter = array.shape[1] // 2
-            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(array[:, :inter]))
-            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(array[:, inter:]))
+            add(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(array[:, :inter]))
+            add(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(array[:, inter:]))
             continue
         name = post_norm if rest == "post_attention_layernorm.weight" else _HF_TO_GGUF[rest]
-        writer.add_tensor(f"blk.{layer}.{name}", array)
+        add(f"blk.{layer}.{name}", array)
     if glm:  # the next-token-prediction layer: stored, not loaded
         writer.add_tensor(f"blk.{cfg.num_hidden_layers}.nextn.eh_proj.weight",
                           np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), dtype=np.float32))
@@ -302,19 +323,31 @@ def _write_gguf(path: Path, model: torch.nn.Module) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("variant", ["qwen3-step2", "glm"])
-def test_gguf_matches_transformers(tmp_path: Path, variant: str) -> None:
+def _q8_round_trip(tensor: Tensor) -> Tensor:
+    kind = gguf.GGMLQuantizationType.Q8_0
+    blocks = gguf.quants.quantize(tensor.detach().numpy().astype(np.float32), kind)
+    return torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, kind), dtype=np.float32).reshape(tensor.shape))
+
+
+@pytest.mark.parametrize(("variant", "q8"), [("qwen3-step2", False), ("glm", False), ("glm", True)])
+def test_gguf_matches_transformers(tmp_path: Path, variant: str, q8: bool) -> None:
+    """F32 files, and Q8_0 ones (2-D projections read as codes, the 3-D expert tensors dequantized)
+    against transformers with the weights the blocks hold."""
     hf_model = _tiny_hf_model(variant)
     if variant.startswith("qwen3"):  # llama.cpp renormalises qwen3moe's chosen weights (norm_topk_prob)
         assert hf_model.config.norm_topk_prob
     path = tmp_path / f"tiny-{variant}.gguf"
-    _write_gguf(path, hf_model)
+    _write_gguf(path, hf_model, q8=q8)
     checkpoint = load_checkpoint(path, torch.float32)
     cfg = checkpoint.config
     assert isinstance(cfg, MoEConfig) and cfg.arch == hf_model.config.model_type
     assert cfg.num_layers == hf_model.config.num_hidden_layers
     model = checkpoint.architecture.build(cfg, BuildOptions(dtype=torch.float32))
-    model.load_weights(checkpoint.tensors)
+    if q8:
+        from helios.models.quant import GroupQuantized
+
+        assert isinstance(checkpoint.weights["model.layers.1.self_attn.q_proj.weight"], GroupQuantized)
+    model.load_weights(checkpoint.weights)  # the checkpoint's own forms, as the runtime loads them
     diff = (_logits(model, DenseAttention.for_model(model), PROMPT, 0) - _hf_logits(hf_model, PROMPT)).abs().max()
     print(f"tiny {variant} GGUF fp32: max abs logit diff {diff.item():.3g}")
     assert diff.item() < FP32_TOLERANCE
