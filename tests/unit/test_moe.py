@@ -175,3 +175,58 @@ def test_gated_shared_expert_is_qwen2_moe() -> None:
         expected = block(x[None])[0]
         got = layer.feed_forward(x)
     assert (got - expected).abs().max().item() < 1e-5
+
+
+# -- config.json parsing ------------------------------------------------------------------------------
+
+QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B's config.json (transformers 4 spelling)
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "decoder_sparse_step": 1, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None,
+    "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936,
+}
+GLM45_AIR = {  # zai-org/GLM-4.5-Air's config.json
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
+    "first_k_dense_replace": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+    "intermediate_size": 10944, "max_position_embeddings": 131072, "moe_intermediate_size": 1408, "n_group": 1,
+    "n_routed_experts": 128, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 96,
+    "num_experts_per_tok": 8, "num_hidden_layers": 46, "num_key_value_heads": 8, "num_nextn_predict_layers": 1,
+    "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+    "routed_scaling_factor": 1.0, "tie_word_embeddings": False, "topk_group": 1, "use_qk_norm": False,
+    "vocab_size": 151552,
+}
+
+
+def test_real_config_jsons() -> None:
+    from helios.models import registry
+
+    arch = registry.for_hf_config(QWEN3_30B_A3B)
+    cfg = arch.parse_hf_config(QWEN3_30B_A3B)
+    assert isinstance(cfg, MoEConfig) and arch.name == cfg.arch == "qwen3_moe"
+    assert all(cfg.moe_layers) and len(cfg.moe_layers) == 48 and cfg.qk_norm and not cfg.attention_bias
+    assert cfg.router == RouterSpec(num_experts=128, top_k=8, norm_topk_prob=True)
+    assert (cfg.rotary, cfg.moe_intermediate_size, cfg.shared_intermediate_size) == (128, 768, 0)
+    # a dense copy of the attention alone (the routed experts are not converted by weight formats)
+    assert cfg.projection_params() == 48 * ((4096 + 2 * 512) * 2048 + 2048 * 4096)
+
+    arch = registry.for_hf_config(GLM45_AIR)
+    cfg = arch.parse_hf_config(GLM45_AIR)
+    assert isinstance(cfg, MoEConfig) and cfg.arch == "glm4_moe"
+    assert cfg.moe_layers == (False,) + (True,) * 45 and cfg.rotary == 64 and cfg.attention_bias and not cfg.qk_norm
+    assert cfg.router == RouterSpec(num_experts=128, top_k=8, scoring="sigmoid", norm_topk_prob=True)
+    assert cfg.shared_intermediate_size == 1408 and cfg.rope_theta == 1e6 and cfg.rope_scaling is None
+
+
+def test_qwen3_moe_sparse_layers_and_refusals() -> None:
+    from helios.models.qwen3_moe import config_from_hf
+
+    small = {**QWEN3_30B_A3B, "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    assert config_from_hf(small).moe_layers == (False, True, False, False, False, True)
+    spelled = {k: v for k, v in small.items() if k != "num_experts"} | {"num_local_experts": 16}
+    assert config_from_hf(spelled).router.num_experts == 16  # transformers 5's saved spelling
+    with pytest.raises(NotImplementedError, match="sliding"):
+        config_from_hf({**small, "use_sliding_window": True})
+    with pytest.raises(ValueError, match="hidden_act"):
+        config_from_hf({**small, "hidden_act": "gelu"})
