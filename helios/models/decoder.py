@@ -6,9 +6,10 @@ decisions, the logits (float32 copy or ggml Q8_0 codes of the head), and the flo
 rotate-half RoPE helpers.
 
 A family module subclasses `FusedDecoderLM`: it builds its layers (`_build_layers`, each a
-`DecoderLayer` with the `PROJECTIONS` attributes), its buffers, ``forward`` and ``cache_specs``, and
-may convert checkpoint values on load (`_checkpoint_value`). Everything here is the llama family's
-original code, moved, so its behaviour is unchanged.
+`DecoderLayer` with the `PROJECTIONS` attributes, or the ones its `DecoderLayer.projection_parts`
+names: an MoE layer has no dense MLP), its buffers, ``forward`` and ``cache_specs``, and may convert
+checkpoint values on load (`_checkpoint_value`). Everything here is the llama family's original
+code, moved, so its behaviour is unchanged.
 """
 
 from __future__ import annotations

@@ -185,6 +185,7 @@ class _PerExpert(Mapping[str, BuildSource]):
         # per-expert name -> (stacked name, expert, row slice of the expert's matrix or None)
         self._parts: dict[str, tuple[str, int, slice | None]] = {}
         self._names: list[str] = []
+        self._plain: set[str] = set()
         for name in tensors:
             prefix, _, suffix = name.partition(".mlp.experts.")
             if prefix.startswith("model.layers."):
@@ -195,6 +196,7 @@ class _PerExpert(Mapping[str, BuildSource]):
                 self._expand(name, prefix, suffix, num_experts, inter)
             else:
                 self._names.append(name)
+                self._plain.add(name)
         self._cached: tuple[str, Tensor] | None = None
 
     def _expand(self, name: str, prefix: str, suffix: str, num_experts: int, inter: int) -> None:
@@ -222,12 +224,12 @@ class _PerExpert(Mapping[str, BuildSource]):
     def __getitem__(self, name: str) -> BuildSource:
         part = self._parts.get(name)
         if part is None:
-            if name not in self._names:
+            if name not in self._plain:
                 raise KeyError(name)
             return self._tensors[name]
         stacked, expert, rows = part
         matrix = self._stacked(stacked)[expert]
-        return matrix if rows is None else matrix[rows]
+        return (matrix if rows is None else matrix[rows]).clone()  # its own storage, not the stack's
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
