@@ -6,9 +6,10 @@ decisions, the logits (float32 copy or ggml Q8_0 codes of the head), and the flo
 rotate-half RoPE helpers.
 
 A family module subclasses `FusedDecoderLM`: it builds its layers (`_build_layers`, each a
-`DecoderLayer` with the `PROJECTIONS` attributes), its buffers, ``forward`` and ``cache_specs``, and
-may convert checkpoint values on load (`_checkpoint_value`). Everything here is the llama family's
-original code, moved, so its behaviour is unchanged.
+`DecoderLayer` with the `PROJECTIONS` attributes, or the ones its `DecoderLayer.projection_parts`
+names: an MoE layer has no dense MLP), its buffers, ``forward`` and ``cache_specs``, and may convert
+checkpoint values on load (`_checkpoint_value`). Everything here is the llama family's original
+code, moved, so its behaviour is unchanged.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from helios.models.quant import BuildSource, GroupQuantized, WeightFormat, build
 EMBED_BLOCKS = "embed_blocks"  # a keep_blocks model's token embedding blocks, in a packed state
 LM_HEAD_BLOCKS = "lm_head_blocks"  # its output projection's blocks ("empty" kind: an untied Q8_0 head's codes alone)
 __all__ = ["EMBED_BLOCKS", "LM_HEAD_BLOCKS", "PROJECTIONS", "DecoderLayer", "DecoderShape", "FusedDecoderLM", "add_rms_norm", "apply_rope",
-           "broadcast_qk_norm", "param", "rms_norm", "rope_tables"]
+           "broadcast_qk_norm", "layer_projections", "param", "rms_norm", "rope_tables"]
 
 # The fused projections of a decoder layer: attribute -> the Hugging Face weight names (suffixes of
 # "model.layers.{i}.") that make up its row blocks, in order.
@@ -93,6 +94,20 @@ class DecoderLayer(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.intermediate_size = config.intermediate_size
+        self.hidden_size = config.hidden_size
+
+    def projection_parts(self) -> dict[str, tuple[tuple[str, tuple[int, int]], ...]]:
+        """This layer's fused projections: attribute -> its row blocks as (Hugging Face suffix,
+        [rows, cols]), in order. By default every `PROJECTIONS` attribute with the attention's and
+        the MLP's shapes; a layer without a dense MLP (an MoE layer) names fewer or other parts."""
+        hidden, inter, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
+        shapes = {
+            "self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
+            "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
+            "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+            "mlp.down_proj.weight": (hidden, inter),
+        }
+        return {attr: tuple((suffix, shapes[suffix]) for suffix in suffixes) for attr, suffixes in PROJECTIONS.items()}
 
     def weight_targets(self) -> dict[str, Tensor]:
         """Hugging Face suffix -> parameter (view) for everything but the projections."""
@@ -209,7 +224,7 @@ class FusedDecoderLM(nn.Module):
         keep_q8_only = self.weight_format.keep_blocks
         self._lm_head_q8_bf16 = None if keep_q8_only else packing.q8_bf16_layout(self._lm_head_q8, self.dtype)
         count = int(self._lm_head_q8_bf16 is not None)
-        count += packing.pack_projections_onednn(self._decoder_layers(), tuple(PROJECTIONS))
+        count += packing.pack_projections_onednn(self._decoder_layers(), layer_projections)
         for layer in self._decoder_layers():
             layer.find_fused_decode()
         head = self._lm_head_fp32 if self._lm_head_fp32 is not None else self.lm_head.detach()
@@ -378,9 +393,9 @@ class FusedDecoderLM(nn.Module):
         """The loaded weights as stored (packed int4, int8, dense copies, norms, embeddings) and the
         kind of module each projection is, for `load_packed_state`."""
         layers = self._decoder_layers()
-        kinds = packing.projection_kinds(layers, tuple(PROJECTIONS))
+        kinds = packing.projection_kinds(layers, layer_projections)
         state = self._stored_state()
-        state.update(packing.dropped_dense_copies(layers, tuple(PROJECTIONS)))  # `pack_onednn` dropped them
+        state.update(packing.dropped_dense_copies(layers, layer_projections))  # `pack_onednn` dropped them
         if self._lm_head_fp32 is not None:
             state[LM_HEAD_FP32] = self._lm_head_fp32
         if self._lm_head_q8 is not None:
@@ -399,9 +414,9 @@ class FusedDecoderLM(nn.Module):
         self._lm_head_q8_bf16 = None
         self._restore_blocks(state, kinds)
         layers = self._decoder_layers()
-        for layer, modules in zip(layers, packing.restore_projections(layers, tuple(PROJECTIONS), state, kinds),
+        for layer, modules in zip(layers, packing.restore_projections(layers, layer_projections, state, kinds),
                                   strict=True):
-            for attr, module in zip(PROJECTIONS, modules, strict=True):
+            for attr, module in zip(layer_projections(layer), modules, strict=True):
                 layer.set_projection(attr, module)
         expected = set(self._stored_state())
         expected.update(key for key in (EMBED_BLOCKS, LM_HEAD_BLOCKS) if kinds.get(key, "empty") != "empty")
@@ -468,24 +483,20 @@ class FusedDecoderLM(nn.Module):
 
     def _projection_shapes(self) -> dict[str, tuple[int, str, tuple[int, int], int, int]]:
         """Hugging Face name -> (layer, projection attribute, shape, part index, number of parts)."""
-        cfg = self.config
-        hidden, inter = cfg.hidden_size, cfg.intermediate_size
-        part_shapes = {
-            "self_attn.q_proj.weight": (cfg.q_size, hidden), "self_attn.k_proj.weight": (cfg.kv_size, hidden),
-            "self_attn.v_proj.weight": (cfg.kv_size, hidden), "self_attn.o_proj.weight": (hidden, cfg.q_size),
-            "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
-            "mlp.down_proj.weight": (hidden, inter),
-        }
         out: dict[str, tuple[int, str, tuple[int, int], int, int]] = {}
-        for i in range(cfg.num_layers):
-            for attr, suffixes in PROJECTIONS.items():
-                for index, suffix in enumerate(suffixes):
-                    out[f"model.layers.{i}.{suffix}"] = (i, attr, part_shapes[suffix], index, len(suffixes))
+        for i, layer in enumerate(self._decoder_layers()):
+            for attr, parts in layer.projection_parts().items():
+                for index, (suffix, shape) in enumerate(parts):
+                    out[f"model.layers.{i}.{suffix}"] = (i, attr, shape, index, len(parts))
         return out
-
 
     def _decoder_layers(self) -> Sequence[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]
+
+
+def layer_projections(layer: nn.Module) -> tuple[str, ...]:
+    """The projection attributes of a `DecoderLayer` (`DecoderLayer.projection_parts`)."""
+    return tuple(cast(DecoderLayer, layer).projection_parts())
 
 
 def param(tensor: Tensor) -> nn.Parameter:

@@ -10,7 +10,7 @@ architecture math.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
 import torch
@@ -27,6 +27,13 @@ LM_HEAD_Q8 = ("lm_head_q8.codes", "lm_head_q8.scales")  # the Q8_0 output projec
 # a 2-core AVX512-BF16 machine the two are even near 8 rows (1.45 against 1.33 ms for 49,152 outputs);
 # at 32 rows q8_linear_bf16 takes 2.9 ms against 5.8.
 Q8_BF16_ROWS = 8
+
+Projections = Sequence[str] | Callable[[nn.Module], Sequence[str]]
+"""A model's projection attributes: the same for every layer, or per layer (layer -> attributes)."""
+
+
+def _attrs(projections: Projections, layer: nn.Module) -> Sequence[str]:
+    return projections(layer) if callable(projections) else projections
 
 
 def linear_kind(module: nn.Module) -> str:
@@ -70,18 +77,18 @@ def linear_from_state(kind: str, state: Mapping[str, Tensor]) -> nn.Module:
     raise ValueError(f"unknown packed projection kind {kind!r}")
 
 
-def projection_kinds(layers: Sequence[nn.Module], projections: Sequence[str]) -> dict[str, str]:
+def projection_kinds(layers: Sequence[nn.Module], projections: Projections) -> dict[str, str]:
     """``layers.{i}.{attr}`` -> `linear_kind` of every projection of every layer."""
     return {f"layers.{i}.{attr}": linear_kind(getattr(layer, attr))
-            for i, layer in enumerate(layers) for attr in projections}
+            for i, layer in enumerate(layers) for attr in _attrs(projections, layer)}
 
 
-def dropped_dense_copies(layers: Sequence[nn.Module], projections: Sequence[str]) -> dict[str, Tensor]:
+def dropped_dense_copies(layers: Sequence[nn.Module], projections: Projections) -> dict[str, Tensor]:
     """The plain dense copies of quantized projections that `quant.pack_onednn` replaced by their
     oneDNN-packed form (recovered with ``to_dense()``), under their packed-state names."""
     state: dict[str, Tensor] = {}
     for i, layer in enumerate(layers):
-        for attr in projections:
+        for attr in _attrs(projections, layer):
             module = getattr(layer, attr)
             if (isinstance(module, (Int4Linear, Int8Linear, KQuantLinear)) and module.dense is None
                     and module.onednn is not None):
@@ -89,14 +96,14 @@ def dropped_dense_copies(layers: Sequence[nn.Module], projections: Sequence[str]
     return state
 
 
-def restore_projections(layers: Sequence[nn.Module], projections: Sequence[str], state: Mapping[str, Tensor],
+def restore_projections(layers: Sequence[nn.Module], projections: Projections, state: Mapping[str, Tensor],
                         kinds: Mapping[str, str]) -> list[list[nn.Module]]:
     """Rebuild every layer's projections from a packed state: per layer, the modules in
     ``projections`` order (the caller installs them)."""
     out: list[list[nn.Module]] = []
-    for i in range(len(layers)):
+    for i, layer in enumerate(layers):
         row: list[nn.Module] = []
-        for attr in projections:
+        for attr in _attrs(projections, layer):
             prefix = f"layers.{i}.{attr}."
             kind = kinds.get(f"layers.{i}.{attr}")
             if kind is None:
@@ -140,9 +147,9 @@ def pack_head_onednn(head: Tensor) -> Tensor | None:
     return holder.onednn if pack_onednn(holder) else None
 
 
-def pack_projections_onednn(layers: Sequence[nn.Module], projections: Sequence[str]) -> int:
+def pack_projections_onednn(layers: Sequence[nn.Module], projections: Projections) -> int:
     """`quant.pack_onednn` on every projection of every layer; how many were packed."""
-    return sum(pack_onednn(getattr(layer, attr)) for layer in layers for attr in projections)
+    return sum(pack_onednn(getattr(layer, attr)) for layer in layers for attr in _attrs(projections, layer))
 
 
 def fused_int4_layer(mods: Sequence[nn.Module], input_norm: Tensor,

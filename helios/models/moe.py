@@ -1,0 +1,129 @@
+"""The mixture-of-experts feed-forward block: a router choosing ``top_k`` of ``num_experts`` SwiGLU
+experts per token, the chosen experts' outputs summed with the router's weights, plus optional
+shared experts every token goes through.
+
+Routing is transformers' to the bit, so the same experts are chosen (ties included: the same
+``torch.topk`` calls on the same values):
+
+- ``softmax`` (Qwen2/Qwen3-MoE, Mixtral): router logits in the activation dtype (the router weight
+  kept in it), softmax in float32, ``topk`` of the probabilities, renormalised over the chosen ones
+  when ``norm_topk_prob``, the weights cast back to the logits' dtype;
+- ``sigmoid`` (GLM-4.5 / DeepSeek-V3 style): logits in float32 (the router weight kept in
+  float32), sigmoid scores; the choice is made on ``scores + e_score_correction_bias`` (the bias
+  moves the selection, never the weights), restricted to the ``topk_group`` best of ``n_group``
+  expert groups (a group's score: the sum of its two best biased scores); the weights are the
+  chosen experts' unbiased scores, renormalised (``+ 1e-20``) when ``norm_topk_prob``, times
+  ``routed_scaling_factor``; they stay float32.
+
+Expert compute groups the tokens by expert: the (token, slot) pairs are sorted by expert id (a
+stable sort), each active expert runs one gate/up and one down matmul over its contiguous group,
+the rows are scaled by their routing weights and added back to their tokens with ``index_add_``.
+The Python loop is over the experts that received tokens, never over tokens. Expert weights are
+stacked dense tensors, ``gate_up`` [E, 2 * moe_intermediate, hidden] (gate rows first) and ``down``
+[E, hidden, moe_intermediate], in the model's dense dtype (quantized weight formats leave them dense:
+`helios.models.quant.build_linear` is applied to the attention, dense MLPs and shared experts only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["Experts", "RouterSpec", "expert_mix", "route"]
+
+Experts = Tensor | Sequence[Callable[[Tensor], Tensor]]
+"""One projection of every expert: a stacked [E, rows, cols] weight, or one module per expert."""
+
+
+@attrs.frozen(kw_only=True)
+class RouterSpec:
+    """How a family's router picks experts (see the module docstring)."""
+
+    num_experts: int
+    top_k: int
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be in 1..num_experts ({self.num_experts})")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unknown router scoring {self.scoring!r}")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"n_group ({self.n_group}) must divide num_experts ({self.num_experts})")
+        if not 0 < self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) must be in 1..n_group ({self.n_group})")
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError("grouped routing needs at least two experts per group")
+
+    @property
+    def router_fp32(self) -> bool:
+        """Whether the router weight is kept, and its logits computed, in float32."""
+        return self.scoring == "sigmoid"
+
+
+def route(logits: Tensor, spec: RouterSpec, correction_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The experts each token goes to and their weights, from router ``logits`` [T, E]:
+    ``(weights [T, top_k], expert ids [T, top_k] long)``; weights in the logits' dtype for softmax
+    routing, float32 for sigmoid routing (as transformers returns them)."""
+    if spec.scoring == "softmax":
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, ids = torch.topk(probs, spec.top_k, dim=-1)
+        if spec.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), ids
+    scores = logits.float().sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias
+    if spec.n_group > 1:
+        per_group = spec.num_experts // spec.n_group
+        group_scores = choice.view(-1, spec.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=spec.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, spec.n_group, per_group).reshape(-1, spec.num_experts)
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=spec.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if spec.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * spec.routed_scaling_factor, ids
+
+
+def expert_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Experts, down: Experts) -> Tensor:
+    """sum over each token's chosen experts e of ``weight * down[e] @ (silu(gate) * up)`` with
+    ``gate, up = gate_up[e] @ x``: [T, hidden] in ``x``'s dtype. Tokens are grouped by expert (one
+    pair of matmuls per active expert). ``gate_up`` / ``down``: stacked weights, or per-expert
+    modules (quantized formats, `helios.models.quant.build_linear`)."""
+    num_tokens, top_k = ids.shape
+    out = torch.zeros_like(x)
+    if num_tokens == 0:
+        return out
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // top_k
+    counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
+    rows = x.index_select(0, token_of)
+    parts: list[Tensor] = []
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        gu = _apply(gate_up, expert, rows[start : start + count])
+        inter = gu.shape[-1] // 2
+        parts.append(_apply(down, expert, F.silu(gu[:, :inter]) * gu[:, inter:]))
+        start += count
+    mixed = torch.cat(parts) * weights.reshape(-1, 1).index_select(0, order)
+    return out.index_add_(0, token_of, mixed.to(x.dtype))
+
+
+def _apply(weights: Experts, expert: int, rows: Tensor) -> Tensor:
+    if isinstance(weights, Tensor):
+        return F.linear(rows, weights[expert])
+    return weights[expert](rows)
