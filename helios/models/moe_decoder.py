@@ -1,7 +1,9 @@
-"""The decoder of the mixture-of-experts families (`helios.models.qwen3_moe`, `helios.models.glm4_moe`).
+"""The decoder of the mixture-of-experts families (`helios.models.qwen3_moe`, `helios.models.glm4_moe`,
+`helios.models.minimax_m2`).
 
-A llama-style pre-norm decoder (q/k/v with optional bias, optional per-head q/k RMSNorm, rotate-half
-RoPE on the first ``rotary_dim`` dimensions of each head, full causal attention) whose feed-forward
+A llama-style pre-norm decoder (q/k/v with optional bias, optional q/k RMSNorm per head or over all
+heads, rotate-half RoPE on the first ``rotary_dim`` dimensions of each head, full causal attention)
+whose feed-forward
 is, per layer, either a dense SwiGLU MLP (``intermediate_size``) or the `helios.models.moe` block:
 routed experts plus optional shared experts (``shared_intermediate_size``, with an optional sigmoid
 gate as Qwen2-MoE has). `MoEConfig.moe_layers` says which layers are MoE layers (Qwen3-MoE's
@@ -61,7 +63,10 @@ class MoEConfig(DecoderDims):
     ``moe_intermediate_size``: each expert's; ``shared_intermediate_size``: the shared experts'
     (all of them as one MLP; 0: none), under ``mlp.{shared_name}.`` with a sigmoid gate
     ``mlp.shared_expert_gate`` when ``shared_expert_gate``. ``rotary_dim``: how many leading
-    dimensions of each head are rotated (``head_dim`` unless the rotary embedding is partial)."""
+    dimensions of each head are rotated (``head_dim`` unless the rotary embedding is partial).
+    ``qk_norm_per_head``: the q/k RMSNorm is over each head (``head_dim`` weights, Qwen3 / GLM);
+    False: one RMSNorm over all the q heads together and one over all the k heads
+    (``q_size`` / ``kv_size`` weights, MiniMax-M2)."""
 
     arch: str
     vocab_size: int
@@ -85,6 +90,7 @@ class MoEConfig(DecoderDims):
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
+    qk_norm_per_head: bool = True
 
     def __attrs_post_init__(self) -> None:
         self.check_dims()
@@ -250,6 +256,7 @@ class _MoELayer(DecoderLayer):
         self.router_spec = config.router
         self.rotary_dim = config.rotary
         self.shared_name = config.shared_name
+        self.qk_norm_per_head = config.qk_norm_per_head
         # A quantized weight format: each expert's gate/up and down are projections built by
         # `quant.build_linear` (attributes experts_gate_up_{e}, experts_down_{e}); a dense one: stacked.
         self.quantized_experts = self.moe and dense_dtype is None
@@ -352,7 +359,11 @@ class _MoELayer(DecoderLayer):
             targets["self_attn.q_proj.bias"] = self.qkv_bias[:q]
             targets["self_attn.k_proj.bias"] = self.qkv_bias[q : q + kv]
             targets["self_attn.v_proj.bias"] = self.qkv_bias[q + kv :]
-        if self.qk_norm is not None:
+        if self.qk_norm is not None and not self.qk_norm_per_head:
+            # One weight per q (k) dimension of all heads: the q rows, then the k rows, flattened.
+            targets["self_attn.q_norm.weight"] = self.qk_norm[: self.num_heads].view(-1)
+            targets["self_attn.k_norm.weight"] = self.qk_norm[self.num_heads :].view(-1)
+        elif self.qk_norm is not None:
             # Loaded into the first q row and first k row; finish_loading() broadcasts them.
             targets["self_attn.q_norm.weight"] = self.qk_norm[0]
             targets["self_attn.k_norm.weight"] = self.qk_norm[self.num_heads]
@@ -372,7 +383,7 @@ class _MoELayer(DecoderLayer):
         return targets
 
     def finish_loading(self) -> None:
-        if self.qk_norm is not None:
+        if self.qk_norm is not None and self.qk_norm_per_head:
             broadcast_qk_norm(self.qk_norm, self.num_heads, self.num_kv_heads)
 
     def forward(self, h: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, attn: AttentionContext,
@@ -387,8 +398,14 @@ class _MoELayer(DecoderLayer):
             qkv = qkv + self.qkv_bias
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm is not None:
+        if self.qk_norm is not None and self.qk_norm_per_head:
             qk = rms_norm(qk, self.qk_norm, self.eps)
+        elif self.qk_norm is not None:  # over all the q heads, and over all the k heads
+            q_part, k_part = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            q_w, k_w = self.qk_norm.split((self.num_heads, self.num_kv_heads))
+            qk = torch.cat((rms_norm(q_part.reshape(num_tokens, -1), q_w.reshape(-1), self.eps),
+                            rms_norm(k_part.reshape(num_tokens, -1), k_w.reshape(-1), self.eps)), dim=-1)
+            qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         rot = self.rotary_dim
         if rot == self.head_dim:
             qk = cpu_kernels.rope_(qk, cos, sin) if fused else apply_rope(qk, cos, sin)
