@@ -8,8 +8,9 @@ What differs from the other MoE families (`helios.models.glm4_moe`), as transfor
 - partial rotary embeddings: rotate-half RoPE on the first ``rotary_dim`` dimensions of each head
   (``rotary_dim`` at the top level, or ``partial_rotary_factor`` in ``rope_parameters``);
 - every layer is an MoE layer (experts of ``intermediate_size``), no shared experts, no bias;
-- the router: float32 sigmoid scores, the choice on ``scores + e_score_correction_bias`` (no
-  groups), the chosen unbiased scores renormalised, unscaled (`helios.models.moe`).
+- the router: logits in the activation dtype (the router weight kept in it), float32 sigmoid
+  scores, the choice on ``scores + e_score_correction_bias`` (no groups), the chosen unbiased
+  scores renormalised, unscaled (`helios.models.moe`).
 
 Checkpoints use Mixtral's names (``block_sparse_moe.gate.weight``,
 ``block_sparse_moe.e_score_correction_bias``, ``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` for
@@ -73,7 +74,7 @@ def config_from_hf(config: Mapping[str, Any]) -> MoEConfig:
         head_dim=head_dim,
         moe_layers=(True,) * num_layers,
         router=RouterSpec(num_experts=num_experts, top_k=int(config["num_experts_per_tok"]), scoring="sigmoid",
-                          norm_topk_prob=True),
+                          norm_topk_prob=True, fp32_logits=False),
         moe_intermediate_size=inter,
         rotary_dim=rotary,
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),

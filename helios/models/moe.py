@@ -51,6 +51,7 @@ class RouterSpec:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    fp32_logits: bool | None = None
 
     def __attrs_post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -66,8 +67,10 @@ class RouterSpec:
 
     @property
     def router_fp32(self) -> bool:
-        """Whether the router weight is kept, and its logits computed, in float32."""
-        return self.scoring == "sigmoid"
+        """Whether the router weight is kept, and its logits computed, in float32: ``fp32_logits``,
+        by default for sigmoid routing (GLM / DeepSeek-V3 keep it in float32; MiniMax-M2 computes
+        its logits in the activation dtype and only the sigmoid in float32)."""
+        return self.scoring == "sigmoid" if self.fp32_logits is None else self.fp32_logits
 
 
 def route(logits: Tensor, spec: RouterSpec, correction_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:

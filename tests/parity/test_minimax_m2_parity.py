@@ -189,3 +189,43 @@ def test_checkpoint_names_and_refusals() -> None:
     for bad in (dict(qk_norm_type="per_head"), dict(shared_intermediate_size=64), dict(scoring_func="softmax")):
         with pytest.raises(NotImplementedError):
             config_from_hf({**release, **bad})
+
+
+def test_router_matches_transformers_in_bfloat16() -> None:
+    """The router on bfloat16 activations: logits in bfloat16 (the weight kept in it), sigmoid and
+    choice in float32, as ``MiniMaxM2TopKRouter`` computes them: the same experts and weights."""
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
+
+    from helios.models.moe import route
+
+    cfg = config_from_hf(dict(COMMON, num_hidden_layers=1, num_local_experts=16, num_experts_per_tok=4))
+    assert not cfg.router.router_fp32
+    hf_router = MiniMaxM2TopKRouter(transformers.MiniMaxM2Config(**dict(COMMON, num_hidden_layers=1,
+                                                                        num_local_experts=16,
+                                                                        num_experts_per_tok=4)))
+    torch.manual_seed(7)
+    with torch.no_grad():
+        hf_router.weight.copy_(torch.randn_like(hf_router.weight))
+    hf_router = hf_router.to(torch.bfloat16)
+    bias = 0.1 * torch.randn(16)
+    x = torch.randn(40, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        _, want_w, want_ids = hf_router(x, bias)
+        weights, ids = route(torch.nn.functional.linear(x, hf_router.weight), cfg.router, bias)
+    assert torch.equal(ids.sort(dim=-1).values, want_ids.sort(dim=-1).values)
+    order, want_order = ids.argsort(dim=-1), want_ids.argsort(dim=-1)
+    assert torch.equal(weights.gather(1, order), want_w.gather(1, want_order))
+
+
+def test_bfloat16_runs_close(pair: tuple[torch.nn.Module, Path]) -> None:
+    """bfloat16 activations and weights (the router's too): the logits near float32's."""
+    hf_model, root = pair
+    checkpoint = load_checkpoint(root, torch.bfloat16)
+    model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.bfloat16))
+    model.load_weights(checkpoint.tensors)
+    assert isinstance(model, MoEForCausalLM)
+    assert model._decoder_layers()[0].router.dtype == torch.bfloat16  # type: ignore[union-attr]
+    expected = _hf_logits(hf_model, PROMPT)
+    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    assert got.dtype == torch.float32
+    assert (got - expected).abs().mean().item() < 0.05 * expected.abs().max().item()
