@@ -8,8 +8,8 @@ GGUF tensor names (GGUF name -> the family's Hugging Face name) and the builder 
 loaders (`helios.loaders`) and the runtime know architectures only through this module.
 
 Built-in entries come from the architecture modules (`helios.models.llama.ARCHITECTURES`: llama,
-mistral, qwen2, qwen3; `helios.models.gemma3.ARCHITECTURES`: gemma3; `helios.models.qwen3_moe` and `helios.models.glm4_moe`:
-the mixture-of-experts families); more can be registered from outside::
+mistral, qwen2, qwen3; `helios.models.gemma3.ARCHITECTURES`: gemma3; `helios.models.qwen3_moe`, `helios.models.glm4_moe`
+and `helios.models.gpt_oss`: the mixture-of-experts families); more can be registered from outside::
 
     registry.register(Architecture(name="tiny", hf_model_types=("tiny",), ...))
     with registry.registered(Architecture(...)):  # for tests: unregistered on exit
@@ -46,9 +46,10 @@ _builtins_loaded = False
 
 
 def _builtin_architectures() -> Sequence[Architecture]:
-    from helios.models import gemma3, glm4_moe, llama, qwen3_moe
+    from helios.models import gemma3, glm4_moe, gpt_oss, llama, qwen3_moe
 
-    return (*llama.ARCHITECTURES, *gemma3.ARCHITECTURES, *qwen3_moe.ARCHITECTURES, *glm4_moe.ARCHITECTURES)
+    return (*llama.ARCHITECTURES, *gemma3.ARCHITECTURES, *qwen3_moe.ARCHITECTURES, *glm4_moe.ARCHITECTURES,
+            *gpt_oss.ARCHITECTURES)
 
 
 def _table() -> dict[str, Architecture]:
