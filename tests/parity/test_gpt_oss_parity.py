@@ -241,3 +241,26 @@ def test_mxfp4_checkpoints_are_refused() -> None:
         config_from_hf({"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 8,
                         "intermediate_size": 32, "num_local_experts": 4,
                         "quantization_config": {"quant_method": "mxfp4"}})
+
+
+def test_the_engine_in_bfloat16_matches_dense_attention(pair: tuple[torch.nn.Module, Path]) -> None:
+    """A bfloat16 cache (where the CPU prefill kernel would serve the prefill chunks, and the decode
+    kernel the decode rows): the sink layers' torch paths give the logits of `DenseAttention`'s."""
+    from helios.domain.sampling import SamplingParams
+    from helios.engine.core import EngineConfig, EngineCore
+    from helios.engine.records import EngineRequest
+    from tests.unit.test_engine import run
+
+    _, root = pair
+    model = _ours(root, torch.bfloat16)
+    core = EngineCore(model, EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=7,
+                                          max_model_len=64), torch.bfloat16)
+    outs = run(core, [EngineRequest("r", tuple(PROMPT), SamplingParams(temperature=0.0), max_tokens=6,
+                                    ignore_eos=True, num_top_logprobs=1)])
+    tokens = [t for o in outs["r"] for t in o.new_token_ids]
+    logprobs = [lp.logprob for o in outs["r"] for lp in (o.logprobs or ())]
+    ref = torch.log_softmax(_logits(model, DenseAttention.for_model(model), [*PROMPT, *tokens], 0).double(), dim=-1)
+    for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+        row = ref[len(PROMPT) - 1 + j]
+        assert abs(lp - float(row[t])) < 0.05, j
+        assert float(row[t]) > float(row.max()) - 0.05, j
