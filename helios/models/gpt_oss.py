@@ -20,13 +20,15 @@ A pre-norm decoder whose every layer is a mixture of experts, with:
   whatever the weight format (which converts the attention projections); tokens are grouped by
   expert as in `helios.models.moe.expert_mix`.
 
-The checkpoints OpenAI publishes hold the experts in MXFP4 (``*_blocks`` / ``*_scales``); those
-are not read here: a bfloat16 or float32 export (``gate_up_proj`` ...) is. No GGUF form yet.
+The checkpoints OpenAI publishes hold the experts in MXFP4 (``quantization_config`` ``mxfp4``:
+``gate_up_proj_blocks`` / ``_scales`` ...): they are dequantized on load into the model's dtype
+(`dequantize_mxfp4`, transformers' ``convert_moe_packed_tensors``), so the experts take their dense
+size in memory. bfloat16 or float32 exports (``gate_up_proj`` ...) load as they are. No GGUF form yet.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import attrs
@@ -40,7 +42,11 @@ from helios.models.decoder import DecoderLayer, FusedDecoderLM, add_rms_norm, ap
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec, SlidingWindowSpec
 from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat
 
-__all__ = ["ARCHITECTURES", "GptOssConfig", "GptOssForCausalLM", "clamped_swiglu_mix", "config_from_hf"]
+__all__ = ["ARCHITECTURES", "GptOssConfig", "GptOssForCausalLM", "clamped_swiglu_mix", "config_from_hf",
+           "dequantize_mxfp4"]
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The E2M1 values of the 16 FP4 codes."""
 
 
 @attrs.frozen(kw_only=True)
@@ -99,9 +105,9 @@ def config_from_hf(config: Mapping[str, Any]) -> GptOssConfig:
     num_heads = int(config["num_attention_heads"])
     num_layers = int(config["num_hidden_layers"])
     quant = config.get("quantization_config")
-    if quant:
-        raise NotImplementedError(f"gpt_oss with quantization_config {quant.get('quant_method')!r} (MXFP4 experts) "
-                                  "is not supported; use a bfloat16 export")
+    if quant and quant.get("quant_method") != "mxfp4":
+        raise NotImplementedError(f"gpt_oss with quantization_config {quant.get('quant_method')!r} is not supported "
+                                  "(MXFP4 experts and dense exports are)")
     rope: Mapping[str, Any] | None = config.get("rope_parameters") or config.get("rope_scaling")
     if rope is None:
         rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -139,6 +145,56 @@ def config_from_hf(config: Mapping[str, Any]) -> GptOssConfig:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=bool(config.get("attention_bias", True)),
     )
+
+
+def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """MXFP4 expert weights as transformers' ``convert_moe_packed_tensors`` dequantizes them:
+    ``blocks`` [E, rows, G, 16] uint8 (two FP4 codes a byte, the low nibble first), ``scales``
+    [E, rows, G] uint8 (E8M0: 2 ** (s - 127) per 32 values) -> [E, G * 32, rows] in ``dtype`` (the
+    transposed layout the experts multiply from the left)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not match scales "
+                         f"{tuple(scales.shape)} {scales.dtype}")
+    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    *prefix, groups, width = blocks.shape
+    out = torch.empty(*prefix, groups, width * 2, dtype=dtype)
+    out[..., 0::2] = lut[(blocks & 0x0F).long()]
+    out[..., 1::2] = lut[(blocks >> 4).long()]
+    torch.ldexp(out, (scales.to(torch.int32) - 127).unsqueeze(-1), out=out)
+    return out.reshape(*prefix, groups * width * 2).transpose(1, 2).contiguous()
+
+
+class _Mxfp4Experts(Mapping[str, BuildSource]):
+    """``tensors`` with each pair ``{name}_blocks`` / ``{name}_scales`` of the experts seen as the
+    dense ``{name}`` (`dequantize_mxfp4`, read when asked for)."""
+
+    def __init__(self, tensors: Mapping[str, BuildSource], dtype: torch.dtype) -> None:
+        self._tensors = tensors
+        self._dtype = dtype
+        self._pairs: dict[str, tuple[str, str]] = {}
+        self._names: list[str] = []
+        for name in tensors:
+            if name.endswith("_scales") and name[: -len("_scales")] + "_blocks" in tensors:
+                continue
+            if name.endswith("_blocks") and name[: -len("_blocks")] + "_scales" in tensors:
+                base = name[: -len("_blocks")]
+                self._pairs[base] = (name, base + "_scales")
+                name = base
+            self._names.append(name)
+
+    def __getitem__(self, name: str) -> BuildSource:
+        pair = self._pairs.get(name)
+        if pair is None:
+            return self._tensors[name]
+        blocks, scales = (self._tensors[n] for n in pair)
+        assert isinstance(blocks, Tensor) and isinstance(scales, Tensor), (name, type(blocks), type(scales))
+        return dequantize_mxfp4(blocks, scales, self._dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def clamped_swiglu_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, gate_up_bias: Tensor,
@@ -226,12 +282,8 @@ class GptOssForCausalLM(FusedDecoderLM):
         return add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps, fused)[1]
 
     def load_weights(self, tensors: Mapping[str, BuildSource]) -> None:
-        """`FusedDecoderLM.load_weights`, with a clear error for MXFP4 expert blocks."""
-        mxfp4 = [name for name in tensors if name.endswith(("_blocks", "_scales")) and ".mlp.experts." in name]
-        if mxfp4:
-            raise NotImplementedError(f"MXFP4 expert weights ({mxfp4[0]} ...) are not supported; "
-                                      "use a bfloat16 export of the checkpoint")
-        super().load_weights(tensors)
+        """`FusedDecoderLM.load_weights`, with MXFP4 expert blocks dequantized into the model's dtype."""
+        super().load_weights(_Mxfp4Experts(tensors, self.dtype))
 
     def decode_weight_bytes(self) -> int:
         """`FusedDecoderLM.decode_weight_bytes`, with the experts counted for the ``top_k`` of them

@@ -234,13 +234,44 @@ def test_yarn_matches_transformers(extra: dict[str, Any]) -> None:
     assert factor == pytest.approx(want_factor, rel=1e-12)
 
 
-def test_mxfp4_checkpoints_are_refused() -> None:
+def test_mxfp4_checkpoint(tmp_path: Path) -> None:
+    """A checkpoint with MXFP4 experts (``quantization_config`` mxfp4, ``*_blocks`` / ``*_scales``
+    as OpenAI publishes them): dequantized on load as transformers' ``convert_moe_packed_tensors``
+    does (the reference model holds that function's output), prompt logits at fp32 parity."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
     from helios.models.gpt_oss import config_from_hf
 
-    with pytest.raises(NotImplementedError, match="MXFP4"):
-        config_from_hf({"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 8,
-                        "intermediate_size": 32, "num_local_experts": 4,
-                        "quantization_config": {"quant_method": "mxfp4"}})
+    hf_model = _tiny_hf_model("yarn")
+    cfg = hf_model.config
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    generator = torch.Generator().manual_seed(5)
+    experts, hidden, inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    with torch.no_grad():
+        for i, layer in enumerate(hf_model.model.layers):
+            for proj, rows, cols in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+                blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=generator, dtype=torch.uint8)
+                scales = torch.randint(123, 126, (experts, rows, cols // 32), generator=generator, dtype=torch.uint8)
+                getattr(layer.mlp.experts, proj).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                name = f"model.layers.{i}.mlp.experts.{proj}"
+                del state[name]
+                state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = _ours(tmp_path)
+    expected = _hf_logits(hf_model, PROMPT)
+    diff = (_logits(model, DenseAttention.for_model(model), PROMPT, 0) - expected).abs().max().item()
+    assert expected.abs().max().item() > 1.0
+    assert diff < FP32_TOLERANCE
+    with pytest.raises(NotImplementedError, match="'fp8'"):
+        config_from_hf({**config, "quantization_config": {"quant_method": "fp8"}})
 
 
 def test_the_engine_in_bfloat16_matches_dense_attention(pair: tuple[torch.nn.Module, Path]) -> None:
@@ -264,3 +295,24 @@ def test_the_engine_in_bfloat16_matches_dense_attention(pair: tuple[torch.nn.Mod
         row = ref[len(PROMPT) - 1 + j]
         assert abs(lp - float(row[t])) < 0.05, j
         assert float(row[t]) > float(row.max()) - 0.05, j
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+def test_runtime_load_model_and_weight_cache(pair: tuple[torch.nn.Module, Path], tmp_path: Path, weights: str) -> None:
+    """`runtime.load_model` (the registry, the weight format of the attention projections,
+    `pack_cpu_weights`) and the packed-weight cache: the cached model's logits are the fresh one's."""
+    from helios.runtime import load_model
+
+    hf_model, root = pair
+    loaded = load_model(root, weights=weights, dtype="float32", cache_dir=tmp_path / "packed")
+    model = loaded.model
+    assert isinstance(model, GptOssForCausalLM)
+    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    expected = _hf_logits(hf_model, PROMPT)
+    if weights == "float32":
+        assert (got - expected).abs().max().item() < FP32_TOLERANCE
+    else:  # int8 attention projections on random weights; a routing flip moves a token's logits further
+        assert ((got - expected).abs().mean() / expected.abs().mean()).item() < 0.3
+    assert loaded.cache_key and any((tmp_path / "packed").rglob("*"))
+    again = load_model(root, weights=weights, dtype="float32", cache_dir=tmp_path / "packed").model
+    assert torch.equal(got, _logits(again, DenseAttention.for_model(again), PROMPT, 0))
