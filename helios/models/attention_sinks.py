@@ -13,6 +13,7 @@ paged backend); the CPU paged kernels know no sinks, so layers with sinks never 
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 __all__ = ["sink_attention", "sink_softmax"]
@@ -33,7 +34,23 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float,
     """Attention of ``q`` [B, H, Lq, d] over ``k``, ``v`` [B, Hkv, Lk, d] with per-head sink logits
     ``sinks`` [H]; ``mask``: None (every key) or a boolean [Lq, Lk] (True: attended). Query head h
     uses kv head h // (H // Hkv): each kv head's query group is folded into the query axis, so K/V
-    are not repeated. Returns [B, H, Lq, d] in ``q``'s dtype."""
+    are not repeated. Long chunks run in query blocks of at most `MAX_SCORES` scores each (the
+    float32 score matrix is materialised). Returns [B, H, Lq, d] in ``q``'s dtype."""
+    b, h, lq, _ = q.shape
+    lk = k.shape[2]
+    block = max(1, MAX_SCORES // max(1, b * h * lk))
+    if lq <= block:
+        return _sink_block(q, k, v, sinks, scale, mask)
+    parts = [_sink_block(q[:, :, i : i + block], k, v, sinks, scale, None if mask is None else mask[i : i + block])
+             for i in range(0, lq, block)]
+    return torch.cat(parts, dim=2)
+
+
+MAX_SCORES = 1 << 24
+"""The most attention scores `sink_attention` materialises at once (64 MiB of float32)."""
+
+
+def _sink_block(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float, mask: Tensor | None) -> Tensor:
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     group = h // hkv

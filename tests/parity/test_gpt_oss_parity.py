@@ -316,3 +316,25 @@ def test_runtime_load_model_and_weight_cache(pair: tuple[torch.nn.Module, Path],
     assert loaded.cache_key and any((tmp_path / "packed").rglob("*"))
     again = load_model(root, weights=weights, dtype="float32", cache_dir=tmp_path / "packed").model
     assert torch.equal(got, _logits(again, DenseAttention.for_model(again), PROMPT, 0))
+
+
+def test_sink_attention_blocks_and_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sink_attention` against transformers' eager gpt-oss attention (concatenated sink column),
+    whole and in query blocks."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from helios.models import attention_sinks
+
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 4, 11, 16), torch.randn(1, 2, 11, 16), torch.randn(1, 2, 11, 16)
+    sinks = torch.randn(4)
+    mask = torch.ones(11, 11, dtype=torch.bool).tril() & ~torch.ones(11, 11, dtype=torch.bool).tril(-5)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.sinks, module.training = 2, sinks, False
+    additive = torch.zeros(11, 11).masked_fill(~mask, float("-inf"))
+    want = eager_attention_forward(module, q, k, v, additive, scaling=0.25)[0].transpose(1, 2)
+    whole = attention_sinks.sink_attention(q, k, v, sinks, 0.25, mask)
+    monkeypatch.setattr(attention_sinks, "MAX_SCORES", 4 * 11 * 3)  # blocks of 3 queries
+    blocks = attention_sinks.sink_attention(q, k, v, sinks, 0.25, mask)
+    assert torch.allclose(whole, want, atol=1e-6, rtol=0)
+    assert torch.allclose(blocks, whole, atol=1e-7, rtol=0)
