@@ -30,6 +30,11 @@ every context of the step is within its window; otherwise decode rows gather the
 positions (one index tensor for all rows) and prefill chunks their window before the chunk, with the
 window in the mask. `all_decode_args` (the one-operator decode layer) is for full-attention layers.
 
+A layer with attention sinks (gpt-oss: a call's ``sinks``) never takes the kernels, which know no
+sinks: its decode rows gather their context (the gather indices are built on the first such
+layer of a step that the kernel would otherwise serve) and every chunk goes through
+`helios.models.attention_sinks.sink_attention` with the causal (and window) mask.
+
 A CUDA backend with FlashAttention / FlashInfer kernels and CUDA graphs for decode batch buckets
 would take the same `AttentionInputs` (block tables and sequence lengths are what those kernels
 read); it is not written yet (no GPU has been available to verify one), so `[model] device = "cuda"`
@@ -47,6 +52,7 @@ from torch import Tensor
 
 from helios.engine.kv.layout import CacheGroup, CacheLayout
 from helios.models import cpu_kernels
+from helios.models.attention_sinks import sink_attention, sink_softmax
 from helios.models.interface import (
     DecodeArgs,
     FullAttentionSpec,
@@ -283,11 +289,11 @@ class PagedAttention:
         return None if step is None else step.all_decode_args(layer_idx)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 scale: float | None = None) -> torch.Tensor:
+                 scale: float | None = None, *, sinks: torch.Tensor | None = None) -> torch.Tensor:
         step = self._by_layer[layer_idx]
         if step is None:
             raise TypeError(f"layer {layer_idx} keeps no K/V (its cache spec is not an attention spec)")
-        return step(layer_idx, q, k, v, scale)
+        return step(layer_idx, q, k, v, scale, sinks=sinks)
 
 
 class GroupAttention:
@@ -319,31 +325,10 @@ class GroupAttention:
             self.decode_rows = inputs.decode_rows
             self.decode_lens = inputs.decode_lens
             self.decode_tokens = inputs.decode_tokens
-        elif inputs.num_decode:
-            assert inputs.decode_rows is not None and inputs.decode_lens is not None
-            lmax = inputs.decode_max_len
-            num_kv = next(kv.k[i] for i in group.layers).shape[0]
-            dtype = kv.k[group.layers[0]].dtype
-            if window is not None and lmax > window:
-                # Each row's last `window` positions (lens - window .. lens - 1); before 0: masked.
-                pos = inputs.decode_lens[:, None] - window + torch.arange(window, device=table.device)[None, :]
-                pad = pos < 0
-                pos = pos.clamp(min=0)
-                pages = table.index_select(0, inputs.decode_rows).gather(1, pos // page_size)
-                self.decode_idx = pages * page_size + pos % page_size
-                lmax = window
-            else:
-                pages = table.index_select(0, inputs.decode_rows)[:, : -(-lmax // page_size)]
-                # [D, lmax] slots of positions 0 .. lmax - 1; a row's positions past its length are masked.
-                self.decode_idx = _expand(pages, page_size, offsets)[:, :lmax]
-                pad = torch.arange(lmax, device=table.device)[None, :] >= inputs.decode_lens[:, None]
-            self.decode_flat = self.decode_idx.reshape(-1)
-            # Additive mask over (kv head, row) batches: 0 where a row attends, -inf on padding.
-            bias = torch.zeros(inputs.num_decode, lmax, dtype=dtype, device=table.device).masked_fill_(
-                pad, float("-inf"))
-            self.decode_bias = bias[None, :, None, :].expand(num_kv, -1, -1, -1).reshape(-1, 1, lmax)
-            assert inputs.decode_tokens is not None
-            self.decode_tokens = inputs.decode_tokens
+        self._gather_from = (group, inputs, table, offsets)
+        self.decode_gathered = False
+        if inputs.num_decode and not decode_kernel:
+            self._gather_decode()
         # (tok_start, length, slots, ctx_start, first key position)
         self.prefills: list[tuple[int, int, Tensor, int, int]] = []
         for tok_start, length, row, ctx_start in inputs.prefills:
@@ -353,6 +338,36 @@ class GroupAttention:
             pages = table[row : row + 1, lo : -(-end // page_size)]
             slots = _expand(pages, page_size, offsets)[0, first - lo * page_size : end - lo * page_size]
             self.prefills.append((tok_start, length, slots, ctx_start, first))
+
+    def _gather_decode(self) -> None:
+        """The decode rows' gather indices and additive mask (the path without the decode kernel)."""
+        group, inputs, table, offsets = self._gather_from
+        kv, window, page_size = self.kv, self.window, self.page_size
+        self.decode_gathered = True
+        assert inputs.decode_rows is not None and inputs.decode_lens is not None
+        lmax = inputs.decode_max_len
+        num_kv = next(kv.k[i] for i in group.layers).shape[0]
+        dtype = kv.k[group.layers[0]].dtype
+        if window is not None and lmax > window:
+            # Each row's last `window` positions (lens - window .. lens - 1); before 0: masked.
+            pos = inputs.decode_lens[:, None] - window + torch.arange(window, device=table.device)[None, :]
+            pad = pos < 0
+            pos = pos.clamp(min=0)
+            pages = table.index_select(0, inputs.decode_rows).gather(1, pos // page_size)
+            self.decode_idx = pages * page_size + pos % page_size
+            lmax = window
+        else:
+            pages = table.index_select(0, inputs.decode_rows)[:, : -(-lmax // page_size)]
+            # [D, lmax] slots of positions 0 .. lmax - 1; a row's positions past its length are masked.
+            self.decode_idx = _expand(pages, page_size, offsets)[:, :lmax]
+            pad = torch.arange(lmax, device=table.device)[None, :] >= inputs.decode_lens[:, None]
+        self.decode_flat = self.decode_idx.reshape(-1)
+        # Additive mask over (kv head, row) batches: 0 where a row attends, -inf on padding.
+        bias = torch.zeros(inputs.num_decode, lmax, dtype=dtype, device=table.device).masked_fill_(
+            pad, float("-inf"))
+        self.decode_bias = bias[None, :, None, :].expand(num_kv, -1, -1, -1).reshape(-1, 1, lmax)
+        assert inputs.decode_tokens is not None
+        self.decode_tokens = inputs.decode_tokens
 
     def recurrent(self, layer_idx: int) -> RecurrentBatch:
         raise TypeError(f"layer {layer_idx} is an attention layer, not a recurrent one")
@@ -364,10 +379,10 @@ class GroupAttention:
                 self.decode_lens, self.page_size)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 scale: float | None = None) -> torch.Tensor:
+                 scale: float | None = None, *, sinks: torch.Tensor | None = None) -> torch.Tensor:
         sdpa_scale = scale  # None: SDPA's own default, 1 / sqrt(head_dim)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        decode = self.all_decode_args(layer_idx)
+        decode = self.all_decode_args(layer_idx) if sinks is None else None
         if decode is not None:
             # One operator: this step's K/V into the cache, then the paged decode over it.
             return cpu_kernels.write_paged_decode(q, k, v, *decode, scale)
@@ -380,7 +395,7 @@ class GroupAttention:
             v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
         out = torch.empty_like(q)
         num_kv = k_cache.shape[0]
-        if self.num_decode and self.decode_kernel:
+        if self.num_decode and self.decode_kernel and sinks is None:
             qd = q if self.all_decode else q.index_select(0, self.decode_tokens)
             o = cpu_kernels.paged_decode(qd, k_cache, v_cache, self.table, self.decode_rows, self.decode_lens,
                                          self.page_size, scale)
@@ -388,6 +403,8 @@ class GroupAttention:
                 return o
             out.index_copy_(0, self.decode_tokens, o)
         elif self.num_decode:
+            if not self.decode_gathered:  # a sink layer in a step the decode kernel serves
+                self._gather_decode()
             b, lmax = self.decode_idx.shape
             d = q.shape[-1]
             # One gather per layer gives [kv_heads * B, L, d] batches, contiguous, in (kv head, row)
@@ -398,21 +415,33 @@ class GroupAttention:
             qd = q if self.all_decode else q.index_select(0, self.decode_tokens)
             qg = qd.view(b, num_kv, -1, d).transpose(0, 1).reshape(num_kv * b, -1, d)
             scores = torch.baddbmm(self.decode_bias, qg, kd.transpose(1, 2), alpha=scale)
-            o = torch.bmm(torch.softmax(scores, dim=-1), vd)  # [kv_heads * B, group, d]
+            if sinks is None:
+                probs = torch.softmax(scores, dim=-1)
+            else:  # query head h = kv head * group + g: its sink as a [kv_heads * B, group, 1] column
+                column = sinks.view(num_kv, 1, -1, 1).expand(-1, b, -1, -1).reshape(num_kv * b, -1, 1)
+                probs = sink_softmax(scores, column).to(vd.dtype)
+            o = torch.bmm(probs, vd)  # [kv_heads * B, group, d]
             o = o.view(num_kv, b, -1, d).transpose(0, 1).reshape(b, -1, d)
             if self.all_decode:
                 return o
             out.index_copy_(0, self.decode_tokens, o)
         window = self.window
         for tok_start, length, slots, ctx_start, first in self.prefills:
-            if self.prefill_kernel:
+            if self.prefill_kernel and sinks is None:
                 out[tok_start : tok_start + length] = cpu_kernels.paged_prefill(
                     q[tok_start : tok_start + length], k_cache, v_cache, slots, ctx_start, scale)
                 continue
             qp = q[tok_start : tok_start + length].transpose(0, 1).unsqueeze(0)  # [1, nh, Lq, d]
             kp = k_cache.index_select(1, slots).unsqueeze(0)  # [1, nkv, Lk, d]
             vp = v_cache.index_select(1, slots).unsqueeze(0)
-            if ctx_start == 0 and (window is None or length <= window):
+            if sinks is not None:
+                qpos = torch.arange(ctx_start, ctx_start + length, device=q.device)
+                kpos = torch.arange(first, ctx_start + length, device=q.device)
+                mask = kpos[None, :] <= qpos[:, None]
+                if window is not None:
+                    mask &= kpos[None, :] > qpos[:, None] - window
+                o = sink_attention(qp, kp, vp, sinks, scale, mask)
+            elif ctx_start == 0 and (window is None or length <= window):
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True, scale=sdpa_scale)
             else:
                 qpos = torch.arange(ctx_start, ctx_start + length, device=q.device)

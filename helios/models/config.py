@@ -272,3 +272,44 @@ def inv_freq_of(dim: int, theta: float, scaling: Mapping[str, Any] | None) -> Te
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= original / high) & (wavelen <= original / low)
     return torch.where(is_medium, blended, scaled)
+
+
+def yarn_inv_freq(dim: int, theta: float, scaling: Mapping[str, Any],
+                  max_position_embeddings: int | None = None) -> tuple[Tensor, float]:
+    """YaRN's inverse RoPE frequencies [dim // 2] (float32) and its attention factor (cos and sin
+    are multiplied by it), as transformers' ``_compute_yarn_parameters``: the frequencies blend
+    interpolation (divided by ``factor``) and extrapolation over a linear ramp between the
+    correction dimensions of ``beta_fast`` and ``beta_slow`` rotations in
+    ``original_max_position_embeddings`` (floored / ceiled unless ``truncate`` is false). Not part
+    of `check_rope_scaling`: only families that apply the attention factor use it (gpt-oss)."""
+    original = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else float(max_position_embeddings or original) / original
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, float(mscale)) / get_mscale(factor, float(mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the extrapolation's share
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)

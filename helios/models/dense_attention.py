@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from helios.models.attention_sinks import sink_attention
 from helios.models.decoder import FusedDecoderLM
 from helios.models.interface import DecodeArgs, RecurrentBatch, SlidingWindowSpec
 
@@ -27,6 +28,9 @@ class DenseAttention:
 
     ``windows``: per layer, None (full causal attention) or a sliding window w: a query at position p
     sees only keys p - w + 1 .. p (`SlidingWindowSpec`). Every key is still kept.
+
+    ``sinks`` (a call's per-head sink logits, gpt-oss): the same keys, through
+    `attention_sinks.sink_attention` instead of SDPA.
     """
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -69,7 +73,8 @@ class DenseAttention:
     def recurrent(self, layer_idx: int) -> RecurrentBatch:
         raise NotImplementedError("DenseAttention keeps attention layers only")
 
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, *,
+                 sinks: Tensor | None = None) -> Tensor:
         num_new = q.shape[0]
         start = self._lengths[layer_idx]
         end = start + num_new
@@ -81,6 +86,8 @@ class DenseAttention:
         values[start:end] = v
         self._lengths[layer_idx] = end
         window = self._windows[layer_idx]
+        if sinks is not None:
+            return self._with_sinks(q, keys, values, start, end, window, scale, sinks)
         if window is not None:
             return self._windowed(q, keys, values, start, end, window, scale)
         # [1, num_kv_heads, end, head_dim] views of the token-major cache.
@@ -114,6 +121,20 @@ class DenseAttention:
         mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
         out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
                                              enable_gqa=self.group_size > 1, scale=scale)
+        return out[0].transpose(0, 1)
+
+    def _with_sinks(self, q: Tensor, keys: Tensor, values: Tensor, start: int, end: int, window: int | None,
+                    scale: float | None, sinks: Tensor) -> Tensor:
+        first = 0 if window is None else max(0, start + 1 - window)
+        kh = keys[first:end].transpose(0, 1).unsqueeze(0)
+        vh = values[first:end].transpose(0, 1).unsqueeze(0)
+        query_pos = torch.arange(start, end, device=q.device)[:, None]
+        key_pos = torch.arange(first, end, device=q.device)[None, :]
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
+        out = sink_attention(q.transpose(0, 1).unsqueeze(0), kh, vh, sinks,
+                             self.head_dim ** -0.5 if scale is None else scale, mask)
         return out[0].transpose(0, 1)
 
     def _alloc(self, capacity: int) -> Tensor:

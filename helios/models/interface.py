@@ -125,14 +125,16 @@ class AttentionContext(Protocol):
     rotary embedding already applied, possibly non-contiguous views. Writes the step's K/V into the
     cache, then attends causally. Returns [T, num_heads, head_dim] in q's dtype. Scores are scaled
     by ``scale`` (None: ``head_dim ** -0.5``); query head h uses kv head h // (num_heads //
-    num_kv_heads).
+    num_kv_heads). ``sinks``: per query head, a learned logit added to the softmax's denominator
+    (gpt-oss's attention sinks, `helios.models.attention_sinks`); None: none.
 
     ``all_decode_args``: for a step of decode tokens only that the CPU decode operators serve, what
     they need for this layer (so a model may run the layer as one operator); None otherwise.
 
     ``recurrent``: a recurrent-state layer's state and the step's chunks."""
 
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor: ...
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, *,
+                 sinks: Tensor | None = None) -> Tensor: ...
 
     def all_decode_args(self, layer_idx: int) -> DecodeArgs | None: ...
 
