@@ -163,17 +163,18 @@ def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str], dict[str, int]
             nbytes = tensor.numel() * tensor.element_size()
             if end - start != nbytes or start < 0 or base + end > size:
                 raise ValueError(f"tensor {name}: data offsets {start}..{end} do not fit its shape or the file")
-            data = tensor.view(-1).view(torch.uint8).numpy() if nbytes else None
-            if data is not None:
+            crc = 0
+            if nbytes:
+                view = tensor.view(-1).view(torch.uint8).numpy().data  # a writable memoryview of its bytes
                 fh.seek(base + start)
-                view = memoryview(data)
                 got = 0
                 while got < nbytes:
                     n = fh.readinto(view[got:])
                     if not n:
                         raise ValueError(f"tensor {name}: the file ends early")
                     got += n
-            crcs[name] = zlib.crc32(data) if data is not None else 0
+                crc = zlib.crc32(view)
+            crcs[name] = crc
             tensors[name] = tensor
     return tensors, metadata, crcs
 
