@@ -386,7 +386,8 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
 
     With ``cache_dir``, the built weights come from the packed-weight cache there when a verified
     entry exists for this checkpoint, format and dtype (`helios.loaders.weight_cache`), and a new
-    entry is written after building them otherwise. The conversion (unpacking GGUF blocks, packing
+    entry is written after building them otherwise; a GGUF file's parsed header is kept there too
+    (`helios.loaders.gguf_reader`). The conversion (unpacking GGUF blocks, packing
     int4, dense copies) runs on one thread: it is a few hundred small elementwise kernels, which
     OpenMP's fork/join only slows down (badly so when other processes hold the other cores)."""
     from helios.loaders.checkpoint import load_checkpoint
@@ -394,7 +395,7 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
     from helios.models import cpu_kernels
     from helios.models.architecture import BuildOptions
 
-    ckpt = load_checkpoint(path, torch.float32, progress=progress)
+    ckpt = load_checkpoint(path, torch.float32, progress=progress, header_cache=cache_dir)
     choice = choose_weights(weights, dtype, device, int4_codes=ckpt.int4_codes,
                             projection_params=ckpt.config.projection_params(), block_codes=ckpt.block_codes)
     log.info("%s", choice.describe())

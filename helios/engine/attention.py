@@ -13,7 +13,9 @@ Storage (`KVCache`), per layer by its group's spec: K and V of a full-attention 
 layer as [num_kv_heads, slots, head_dim] (a sliding group has one spare page, its `NULL`
 placeholder), the rows of a latent-attention layer as [slots, row_dim], and the state tensors of a
 recurrent layer as [num_state_slots, *shape]. Slot = page * page_size + offset, in the layer's own
-group's pages.
+group's pages. On the CPU each large tensor is an anonymous private memory map (`zeroed`): the kernel
+gives it zero pages as they are first touched, so a 2 GiB pool costs no time at start (``torch.zeros``
+wrote every byte: 1-2 s, more on a busy machine) and only the pages in use are resident.
 
 `TorchPagedBackend` runs on the CPU and, as plain torch operations, on CUDA too. It expands block
 table rows into slot indices on the device (slot = page * page_size + offset), so a step costs a few
@@ -43,6 +45,7 @@ uses `TorchPagedBackend` with its tensors on the GPU.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 
 import attrs
@@ -161,6 +164,24 @@ class TorchPagedBackend:
         return self.kv.write_page(page, self.page_size, data, group)
 
 
+_MAPPED_BYTES = 1 << 20  # CPU tensors from this size on are anonymous memory maps (`zeroed`)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu") -> Tensor:
+    """A tensor of zeros. On the CPU, from 1 MiB on, it lies in its own anonymous private memory
+    map: page-aligned, zero by the kernel's guarantee for a new anonymous mapping, and each page
+    allocated (as a zero page) only when first touched, so making it costs no time and an unused
+    part of a KV pool no memory. The tensor keeps the map alive (`torch.frombuffer` holds a reference);
+    the map is unmapped when the last view of it is freed. Elsewhere, and for small tensors,
+    ``torch.zeros``."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes < _MAPPED_BYTES or not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(buffer, dtype=dtype, count=torch.Size(shape).numel()).view(shape)
+
+
 class KVCache:
     """The cache storage, per layer by its spec: K and V tensors of shape
     [num_kv_heads, num_slots, head_dim] (`k`, `v`, keyed by layer index), latent rows [num_slots,
@@ -202,13 +223,13 @@ class KVCache:
             slots = (num_pages + (1 if isinstance(spec, SlidingWindowSpec) else 0)) * page_size
             for i in group.layers:
                 if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
-                    self.k[i] = torch.zeros(spec.num_kv_heads, slots, spec.head_dim, dtype=dtype, device=device)
-                    self.v[i] = torch.zeros(spec.num_kv_heads, slots, spec.head_dim, dtype=dtype, device=device)
+                    self.k[i] = zeroed((spec.num_kv_heads, slots, spec.head_dim), dtype, device)
+                    self.v[i] = zeroed((spec.num_kv_heads, slots, spec.head_dim), dtype, device)
                 elif isinstance(spec, LatentAttentionSpec):
-                    self.rows[i] = torch.zeros(slots, spec.row_dim, dtype=dtype, device=device)
+                    self.rows[i] = zeroed((slots, spec.row_dim), dtype, device)
                 else:
-                    self.states[i] = tuple(torch.zeros(num_state_slots, *shape, dtype=spec.dtype or dtype,
-                                                       device=device) for shape in spec.shapes)
+                    self.states[i] = tuple(zeroed((num_state_slots, *shape), spec.dtype or dtype, device)
+                                           for shape in spec.shapes)
 
     def _page_views(self, page: int, page_size: int, group: int) -> list[Tensor]:
         """The group's tensors' views of one page, layer by layer (K then V, or the rows)."""

@@ -102,15 +102,16 @@ class LazyTensors(Mapping[str, _V]):
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
-                    progress: ProgressCallback | None = None) -> Checkpoint:
-    """Open a ``.gguf`` file or a Hugging Face model directory."""
+                    progress: ProgressCallback | None = None, header_cache: str | Path | None = None) -> Checkpoint:
+    """Open a ``.gguf`` file or a Hugging Face model directory. ``header_cache``: a directory where
+    a GGUF file's parsed header is kept for the next start (`gguf_reader.read_gguf`)."""
     source = Path(path).expanduser()
     if progress is not None:
         progress("reading", 0.0)
     if source.is_dir():
         checkpoint = _from_hf_directory(source, dtype, progress)
     elif source.is_file() and _is_gguf(source):
-        checkpoint = _from_gguf(source, dtype, progress)
+        checkpoint = _from_gguf(source, dtype, progress, header_cache)
     elif source.exists():
         raise ValueError(f"{source} is neither a GGUF file nor a model directory")
     else:
@@ -120,8 +121,9 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     return checkpoint
 
 
-def _from_gguf(path: Path, dtype: torch.dtype, progress: ProgressCallback | None) -> Checkpoint:
-    file = GGUFFile(path)
+def _from_gguf(path: Path, dtype: torch.dtype, progress: ProgressCallback | None,
+               header_cache: str | Path | None = None) -> Checkpoint:
+    file = GGUFFile(path, header_cache)
     if progress is not None:
         progress("reading", 0.5)
     tokenizer = Tokenizer.from_gguf_metadata(file.metadata)

@@ -51,9 +51,10 @@ BLOCK_TYPES = (6, 7, 12, 13, 14)
 class GGUFFile:
     """An opened GGUF file: decoded metadata and lazily read tensors."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, header_cache: str | Path | None = None) -> None:
+        """``header_cache``: a directory keeping the parsed header (`gguf_reader.read_gguf`)."""
         self.path = Path(path)
-        self._contents = read_gguf(self.path)
+        self._contents = read_gguf(self.path, header_cache)
         self.metadata: dict[str, Any] = self._contents.metadata
         self._tensors: dict[str, GGUFTensorInfo] = self._contents.tensors
         self.architecture: Architecture = registry.for_gguf(str(self.metadata.get("general.architecture")))

@@ -15,8 +15,9 @@ builds swapped for one in that format (and the KV cache in that format's activat
 ``load``: seconds to open the default model and build it in each format, without and with the
 packed-weight cache (a fresh temporary cache directory: one miss that writes it, then one hit).
 
-``serve``: seconds from launching ``helios serve`` (``--command``, default this checkout's) to the
-first answer of a greedy chat request, and the "Loaded ... in N s" line it printed; ``--runs`` times.
+``serve``: seconds from launching ``helios serve [--model NAME]`` (``--command``, default this
+checkout's) to the first answer of a greedy chat request of ``--max-tokens`` tokens, posted every 0.1 s
+until one answers, and the "Loaded ... in N s" line it printed; ``--runs`` times.
 """
 
 from __future__ import annotations
@@ -161,14 +162,17 @@ def serve(args: argparse.Namespace) -> None:
     import subprocess
     import urllib.request
 
-    body = json.dumps({"model": "smol", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                       "max_tokens": 16, "temperature": 0}).encode()
+    body = json.dumps({"model": args.model or "smol",
+                       "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": args.max_tokens, "temperature": 0}).encode()
+    model_args = [args.model] if args.model else []
     for run in range(args.runs):
         port = 8931 + run
         log_path = Path(tempfile.gettempdir()) / f"helios-first-answer-{os.getpid()}.log"
         t0 = time.perf_counter()
         with log_path.open("w") as log_file:
-            proc = subprocess.Popen([*args.command.split(), "serve", "--port", str(port), "--no-access-log"],
+            proc = subprocess.Popen([*args.command.split(), "serve", *model_args, "--port", str(port),
+                                     "--no-access-log"],
                                     stdout=subprocess.DEVNULL, stderr=log_file)
         answer = None
         try:
@@ -179,7 +183,7 @@ def serve(args: argparse.Namespace) -> None:
                     with urllib.request.urlopen(request, timeout=30) as response:
                         answer = json.load(response)["choices"][0]["message"]["content"]
                 except OSError:
-                    time.sleep(0.05)
+                    time.sleep(0.1)
             elapsed = time.perf_counter() - t0
         finally:
             proc.send_signal(signal.SIGINT)
@@ -205,6 +209,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.0)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--command", default=f"{sys.executable} -m helios.cli")
+    ap.add_argument("--model", default="", help="serve: the model `helios serve` takes (default: the default model)")
+    ap.add_argument("--max-tokens", type=int, default=16, help="serve: the chat request's max_tokens")
     args = ap.parse_args(argv)
     args.rest = rest
     {"linears": linears, "step": step, "load": load, "serve": serve}[args.what](args)

@@ -4,6 +4,7 @@ tokenizer Helios splits, and tokenizers whose pre-tokenization a cut could chang
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -104,3 +105,14 @@ def test_max_tokens_counts_without_building_the_ids(small_pieces: Tokenizer) -> 
         small_pieces.encode(text, max_tokens=0)
     assert err.value.num_tokens == len(full)
     assert small_pieces.encode("", add_special_tokens=False, max_tokens=0) == []
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "smollm", "qwen2", "llama-bpe", "spm"])
+def test_splittable_reads_the_components_that_the_whole_serialization_holds(pre: str) -> None:
+    """`_is_splittable` reads the normalizer's and pre-tokenizer's own JSON (not ``to_str()``, which
+    serializes the whole vocabulary): they are exactly the whole serialization's entries."""
+    tok = Tokenizer.from_gguf_metadata(spm_metadata() if pre == "spm" else gguf_metadata(pre))
+    spec = json.loads(tok.backend.to_str())
+    for name in ("normalizer", "pre_tokenizer"):
+        component = getattr(tok.backend, name)
+        assert (None if component is None else json.loads(component.__getstate__())) == spec[name]

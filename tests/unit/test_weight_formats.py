@@ -488,3 +488,27 @@ def test_gguf_file_reads_what_the_writer_wrote(tmp_path: Path) -> None:
     assert file.metadata["general.test_flag"] is True
     assert file.metadata["general.test_floats"] == [0.5, -1.25]
     assert isinstance(file.read_source("blk.0.attn_q.weight"), GroupQuantized)
+
+
+def test_an_entry_reads_back_exactly_aligned_in_every_dtype(tmp_path: Path) -> None:
+    """`weight_cache._read` reads each tensor straight into its own allocation: the bytes, dtypes and
+    shapes safetensors itself reads, every tensor 64-byte aligned, the CRCs of the bytes read."""
+    from helios.loaders import weight_cache
+
+    cache = PackedWeightCache(tmp_path)
+    state = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).to(torch.bfloat16), "f16": torch.randn(2, 3).half(),
+             "u8": torch.arange(13, dtype=torch.uint8), "i8": torch.arange(-5, 6, dtype=torch.int8),
+             "i32": torch.arange(9, dtype=torch.int32).view(3, 3), "i64": torch.tensor(7), "b": torch.tensor([True, False]),
+             "empty": torch.empty(0, 4)}
+    written = cache.store("k", state, {})
+    assert written is not None
+    tensors, metadata, crcs = weight_cache._read(written)
+    reference, reference_metadata = weight_cache._read_with_safetensors(written)
+    assert metadata == reference_metadata and set(tensors) == set(state) == set(crcs)
+    for name, tensor in tensors.items():
+        assert tensor.dtype == state[name].dtype and tensor.shape == state[name].shape, name
+        assert torch.equal(tensor, reference[name]) and torch.equal(tensor, state[name]), name
+        assert tensor.data_ptr() % weight_cache.ALIGNMENT == 0 or tensor.numel() == 0, name
+        assert crcs[name] == weight_cache._crc32(state[name]), name
+    loaded = cache.load("k")
+    assert loaded is not None and all(torch.equal(loaded.state[n], state[n]) for n in state)
