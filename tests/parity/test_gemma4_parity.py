@@ -15,6 +15,7 @@ Logits of a whole prompt longer than the window, chunked prefill plus decode ste
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from helios.models.architecture import BuildOptions, LoadableCausalLM
 from helios.models.dense_attention import DenseAttention, greedy_generate
 from helios.models.gemma4 import Gemma4Config, Gemma4ForCausalLM, kv_sources
 from helios.models.interface import FullAttentionSpec, SlidingWindowSpec
+from helios.models.quant import WeightFormat
 from tests.numerics import FP32_TOLERANCE
 
 transformers = pytest.importorskip("transformers")
@@ -212,6 +214,44 @@ def test_shared_layers_ignore_unused_kv_weights(pair: tuple[torch.nn.Module, Pat
     again.load_weights(tensors)
     assert torch.equal(_logits(model, DenseAttention.for_model(model), PROMPT, 0),
                        _logits(again, DenseAttention.for_model(again), PROMPT, 0))
+
+
+def test_bfloat16_runs_close(pair: tuple[torch.nn.Module, Path]) -> None:
+    """bfloat16 weights and activations: logits about as far from float32's as transformers' own
+    bfloat16 run is (rounding noise is CPU-dependent, and a routing flip near a tie may move a
+    token's logits more than rounding alone: a factor-2 margin on the mean error)."""
+    hf_model, root = pair
+    checkpoint = load_checkpoint(root, torch.bfloat16)
+    model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.bfloat16))
+    model.load_weights(checkpoint.tensors)
+    expected = _hf_logits(hf_model, PROMPT)
+    hf_bf16 = _hf_logits(copy.deepcopy(hf_model).to(torch.bfloat16), PROMPT)
+    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    assert got.dtype == torch.float32
+    ours, theirs = (got - expected).abs().mean().item(), (hf_bf16 - expected).abs().mean().item()
+    print(f"{root.name} bfloat16: mean abs logit error {ours:.3g} (transformers bfloat16: {theirs:.3g})")
+    assert ours < 2 * theirs + 1e-3
+    assert ours < 0.05 * expected.abs().max().item()
+
+
+def test_int8_weight_format(pair: tuple[torch.nn.Module, Path]) -> None:
+    """The per-layer projections (q alone, q/k, q/k/v; MLPs of two widths) in a quantized format:
+    they run, pack for the CPU and survive a packed-state round trip."""
+    hf_model, root = pair
+    checkpoint = load_checkpoint(root, torch.float32)
+    options = BuildOptions(dtype=torch.float32, weights=WeightFormat(kind="int8"))
+    model = checkpoint.architecture.build(checkpoint.config, options)
+    model.load_weights(checkpoint.tensors)
+    model.pack_cpu_weights()
+    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    expected = _hf_logits(hf_model, PROMPT)
+    assert (got - expected).abs().mean().item() < 0.05 * expected.abs().max().item()
+    state, kinds = model.packed_state()
+    assert set(kinds.values()) == {"int8:0"}
+    again = checkpoint.architecture.build(checkpoint.config, options)
+    again.load_packed_state(state, kinds)
+    assert torch.equal(got, _logits(again, DenseAttention.for_model(again), PROMPT, 0))
+    assert 0 < model.decode_weight_bytes()
 
 
 # -- config parsing ----------------------------------------------------------------------------------
