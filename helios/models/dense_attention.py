@@ -15,7 +15,7 @@ from torch import Tensor
 
 from helios.models.attention_sinks import sink_attention
 from helios.models.decoder import FusedDecoderLM
-from helios.models.interface import DecodeArgs, RecurrentBatch, SlidingWindowSpec
+from helios.models.interface import DecodeArgs, FullAttentionSpec, RecurrentBatch, SlidingWindowSpec
 
 
 class DenseAttention:
@@ -35,17 +35,22 @@ class DenseAttention:
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 initial_capacity: int = 256, windows: Sequence[int | None] | None = None) -> None:
+                 initial_capacity: int = 256, windows: Sequence[int | None] | None = None,
+                 kv_shapes: Sequence[tuple[int, int]] | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group_size = num_heads // num_kv_heads
         self.dtype = dtype
         self.device = torch.device(device)
+        # Per layer (num_kv_heads, head_dim): the arguments', unless ``kv_shapes`` gives each layer its own.
+        self._shapes = list(kv_shapes) if kv_shapes is not None else [(num_kv_heads, head_dim)] * num_layers
+        if len(self._shapes) != num_layers:
+            raise ValueError(f"{len(self._shapes)} kv shapes for {num_layers} layers")
         capacity = max(1, initial_capacity)
         # [capacity, num_kv_heads, head_dim] per layer: token-major, so appends are plain slices.
-        self._keys = [self._alloc(capacity) for _ in range(num_layers)]
-        self._values = [self._alloc(capacity) for _ in range(num_layers)]
+        self._keys = [self._alloc(capacity, i) for i in range(num_layers)]
+        self._values = [self._alloc(capacity, i) for i in range(num_layers)]
         self._lengths = [0] * num_layers
         self._windows: list[int | None] = list(windows) if windows is not None else [None] * num_layers
         if len(self._windows) != num_layers:
@@ -53,11 +58,15 @@ class DenseAttention:
 
     @classmethod
     def for_model(cls, model: FusedDecoderLM, initial_capacity: int = 256) -> DenseAttention:
-        """For ``model``'s layers, with the sliding windows its cache specs declare."""
+        """For ``model``'s layers, with the sliding windows and K/V shapes its cache specs declare."""
         cfg = model.config
-        windows = [spec.window if isinstance(spec, SlidingWindowSpec) else None for spec in model.cache_specs()]
+        specs = model.cache_specs()
+        windows = [spec.window if isinstance(spec, SlidingWindowSpec) else None for spec in specs]
+        shapes = [(spec.num_kv_heads, spec.head_dim) if isinstance(spec, FullAttentionSpec | SlidingWindowSpec)
+                  else (cfg.num_kv_heads, cfg.head_dim) for spec in specs]
         return cls(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
-                   device=model.embed_tokens.device, initial_capacity=initial_capacity, windows=windows)
+                   device=model.embed_tokens.device, initial_capacity=initial_capacity, windows=windows,
+                   kv_shapes=shapes)
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +97,9 @@ class DenseAttention:
         window = self._windows[layer_idx]
         if sinks is not None:
             return self._with_sinks(q, keys, values, start, end, window, scale, sinks)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k.shape[1]
+        group_size = num_heads // num_kv_heads
         if window is not None:
             return self._windowed(q, keys, values, start, end, window, scale)
         # [1, num_kv_heads, end, head_dim] views of the token-major cache.
@@ -95,10 +107,10 @@ class DenseAttention:
         values = values[:end].transpose(0, 1).unsqueeze(0)
         if num_new == 1:
             # Decode: the query heads sharing a kv head act as that head's queries; no causal mask.
-            qg = q.view(1, self.num_kv_heads, self.group_size, self.head_dim)
-            return F.scaled_dot_product_attention(qg, keys, values, scale=scale).view(1, self.num_heads, self.head_dim)
+            qg = q.view(1, num_kv_heads, group_size, head_dim)
+            return F.scaled_dot_product_attention(qg, keys, values, scale=scale).view(1, num_heads, head_dim)
         qh = q.transpose(0, 1).unsqueeze(0)
-        gqa = self.group_size > 1
+        gqa = group_size > 1
         if start == 0:
             out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=gqa, scale=scale)
         else:
@@ -113,14 +125,17 @@ class DenseAttention:
         first = max(0, start + 1 - window)  # the first key the first query sees
         keys = keys[first:end].transpose(0, 1).unsqueeze(0)
         values = values[first:end].transpose(0, 1).unsqueeze(0)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = keys.shape[1]
+        group_size = num_heads // num_kv_heads
         if end - start == 1:
-            qg = q.view(1, self.num_kv_heads, self.group_size, self.head_dim)
-            return F.scaled_dot_product_attention(qg, keys, values, scale=scale).view(1, self.num_heads, self.head_dim)
+            qg = q.view(1, num_kv_heads, group_size, head_dim)
+            return F.scaled_dot_product_attention(qg, keys, values, scale=scale).view(1, num_heads, head_dim)
         query_pos = torch.arange(start, end, device=q.device)[:, None]
         key_pos = torch.arange(first, end, device=q.device)[None, :]
         mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
         out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
-                                             enable_gqa=self.group_size > 1, scale=scale)
+                                             enable_gqa=group_size > 1, scale=scale)
         return out[0].transpose(0, 1)
 
     def _with_sinks(self, q: Tensor, keys: Tensor, values: Tensor, start: int, end: int, window: int | None,
@@ -134,11 +149,12 @@ class DenseAttention:
         if window is not None:
             mask &= key_pos > query_pos - window
         out = sink_attention(q.transpose(0, 1).unsqueeze(0), kh, vh, sinks,
-                             self.head_dim ** -0.5 if scale is None else scale, mask)
+                             q.shape[2] ** -0.5 if scale is None else scale, mask)
         return out[0].transpose(0, 1)
 
-    def _alloc(self, capacity: int) -> Tensor:
-        return torch.empty(capacity, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+    def _alloc(self, capacity: int, layer_idx: int) -> Tensor:
+        heads, dim = self._shapes[layer_idx]
+        return torch.empty(capacity, heads, dim, dtype=self.dtype, device=self.device)
 
     def _grow(self, layer_idx: int, needed: int) -> None:
         capacity = self._keys[layer_idx].shape[0]
@@ -146,7 +162,7 @@ class DenseAttention:
             capacity *= 2
         length = self._lengths[layer_idx]
         for store in (self._keys, self._values):
-            grown = self._alloc(capacity)
+            grown = self._alloc(capacity, layer_idx)
             grown[:length] = store[layer_idx][:length]
             store[layer_idx] = grown
 

@@ -99,11 +99,13 @@ def route(logits: Tensor, spec: RouterSpec, correction_bias: Tensor | None = Non
     return weights * spec.routed_scaling_factor, ids
 
 
-def expert_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Experts, down: Experts) -> Tensor:
-    """sum over each token's chosen experts e of ``weight * down[e] @ (silu(gate) * up)`` with
+def expert_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Experts, down: Experts, *,
+               act: Callable[[Tensor], Tensor] = F.silu) -> Tensor:
+    """sum over each token's chosen experts e of ``weight * down[e] @ (act(gate) * up)`` with
     ``gate, up = gate_up[e] @ x``: [T, hidden] in ``x``'s dtype. Tokens are grouped by expert (one
     pair of matmuls per active expert). ``gate_up`` / ``down``: stacked weights, or per-expert
-    modules (quantized formats, `helios.models.quant.build_linear`)."""
+    modules (quantized formats, `helios.models.quant.build_linear`); ``act``: SiLU unless the
+    family says otherwise (Gemma 4: GELU tanh)."""
     num_tokens, top_k = ids.shape
     out = torch.zeros_like(x)
     if num_tokens == 0:
@@ -120,7 +122,7 @@ def expert_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Experts, down: 
             continue
         gu = _apply(gate_up, expert, rows[start : start + count])
         inter = gu.shape[-1] // 2
-        parts.append(_apply(down, expert, F.silu(gu[:, :inter]) * gu[:, inter:]))
+        parts.append(_apply(down, expert, act(gu[:, :inter]) * gu[:, inter:]))
         start += count
     mixed = torch.cat(parts) * weights.reshape(-1, 1).index_select(0, order)
     return out.index_add_(0, token_of, mixed.to(x.dtype))
