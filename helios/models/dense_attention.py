@@ -15,7 +15,7 @@ from torch import Tensor
 
 from helios.models.attention_sinks import sink_attention
 from helios.models.decoder import FusedDecoderLM
-from helios.models.interface import DecodeArgs, RecurrentBatch, SlidingWindowSpec
+from helios.models.interface import DecodeArgs, FullAttentionSpec, RecurrentBatch, SlidingWindowSpec
 
 
 class DenseAttention:
@@ -31,21 +31,28 @@ class DenseAttention:
 
     ``sinks`` (a call's per-head sink logits, gpt-oss): the same keys, through
     `attention_sinks.sink_attention` instead of SDPA.
+
+    ``kv_heads``: per layer, its kv heads when layers differ (MiMo-V2-Flash); None: ``num_kv_heads``
+    for every layer.
     """
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 initial_capacity: int = 256, windows: Sequence[int | None] | None = None) -> None:
+                 initial_capacity: int = 256, windows: Sequence[int | None] | None = None,
+                 kv_heads: Sequence[int] | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group_size = num_heads // num_kv_heads
+        self._kv_heads = list(kv_heads) if kv_heads is not None else [num_kv_heads] * num_layers
+        if len(self._kv_heads) != num_layers:
+            raise ValueError(f"{len(self._kv_heads)} kv head counts for {num_layers} layers")
         self.dtype = dtype
         self.device = torch.device(device)
         capacity = max(1, initial_capacity)
         # [capacity, num_kv_heads, head_dim] per layer: token-major, so appends are plain slices.
-        self._keys = [self._alloc(capacity) for _ in range(num_layers)]
-        self._values = [self._alloc(capacity) for _ in range(num_layers)]
+        self._keys = [self._alloc(capacity, i) for i in range(num_layers)]
+        self._values = [self._alloc(capacity, i) for i in range(num_layers)]
         self._lengths = [0] * num_layers
         self._windows: list[int | None] = list(windows) if windows is not None else [None] * num_layers
         if len(self._windows) != num_layers:
@@ -53,11 +60,18 @@ class DenseAttention:
 
     @classmethod
     def for_model(cls, model: FusedDecoderLM, initial_capacity: int = 256) -> DenseAttention:
-        """For ``model``'s layers, with the sliding windows its cache specs declare."""
+        """For ``model``'s layers, with the sliding windows, kv heads and head size its cache specs
+        declare."""
         cfg = model.config
-        windows = [spec.window if isinstance(spec, SlidingWindowSpec) else None for spec in model.cache_specs()]
-        return cls(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
-                   device=model.embed_tokens.device, initial_capacity=initial_capacity, windows=windows)
+        specs = model.cache_specs()
+        windows = [spec.window if isinstance(spec, SlidingWindowSpec) else None for spec in specs]
+        attention = [s for s in specs if isinstance(s, FullAttentionSpec | SlidingWindowSpec)]
+        kv_heads = [s.num_kv_heads if isinstance(s, FullAttentionSpec | SlidingWindowSpec) else cfg.num_kv_heads
+                    for s in specs]
+        head_dim = attention[0].head_dim if attention else cfg.head_dim
+        return cls(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, head_dim, dtype=model.dtype,
+                   device=model.embed_tokens.device, initial_capacity=initial_capacity, windows=windows,
+                   kv_heads=kv_heads)
 
     @property
     def num_tokens(self) -> int:
@@ -86,19 +100,21 @@ class DenseAttention:
         values[start:end] = v
         self._lengths[layer_idx] = end
         window = self._windows[layer_idx]
+        num_kv = self._kv_heads[layer_idx]
+        group = self.num_heads // num_kv
         if sinks is not None:
             return self._with_sinks(q, keys, values, start, end, window, scale, sinks)
         if window is not None:
-            return self._windowed(q, keys, values, start, end, window, scale)
+            return self._windowed(q, keys, values, start, end, window, scale, num_kv)
         # [1, num_kv_heads, end, head_dim] views of the token-major cache.
         keys = keys[:end].transpose(0, 1).unsqueeze(0)
         values = values[:end].transpose(0, 1).unsqueeze(0)
         if num_new == 1:
             # Decode: the query heads sharing a kv head act as that head's queries; no causal mask.
-            qg = q.view(1, self.num_kv_heads, self.group_size, self.head_dim)
+            qg = q.view(1, num_kv, group, self.head_dim)
             return F.scaled_dot_product_attention(qg, keys, values, scale=scale).view(1, self.num_heads, self.head_dim)
         qh = q.transpose(0, 1).unsqueeze(0)
-        gqa = self.group_size > 1
+        gqa = group > 1
         if start == 0:
             out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=gqa, scale=scale)
         else:
@@ -108,19 +124,19 @@ class DenseAttention:
         return out[0].transpose(0, 1)
 
     def _windowed(self, q: Tensor, keys: Tensor, values: Tensor, start: int, end: int, window: int,
-                  scale: float | None) -> Tensor:
+                  scale: float | None, num_kv: int) -> Tensor:
         """Attention of the queries at positions start .. end - 1 over keys within ``window``."""
         first = max(0, start + 1 - window)  # the first key the first query sees
         keys = keys[first:end].transpose(0, 1).unsqueeze(0)
         values = values[first:end].transpose(0, 1).unsqueeze(0)
         if end - start == 1:
-            qg = q.view(1, self.num_kv_heads, self.group_size, self.head_dim)
+            qg = q.view(1, num_kv, self.num_heads // num_kv, self.head_dim)
             return F.scaled_dot_product_attention(qg, keys, values, scale=scale).view(1, self.num_heads, self.head_dim)
         query_pos = torch.arange(start, end, device=q.device)[:, None]
         key_pos = torch.arange(first, end, device=q.device)[None, :]
         mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
         out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
-                                             enable_gqa=self.group_size > 1, scale=scale)
+                                             enable_gqa=num_kv < self.num_heads, scale=scale)
         return out[0].transpose(0, 1)
 
     def _with_sinks(self, q: Tensor, keys: Tensor, values: Tensor, start: int, end: int, window: int | None,
@@ -137,8 +153,8 @@ class DenseAttention:
                              self.head_dim ** -0.5 if scale is None else scale, mask)
         return out[0].transpose(0, 1)
 
-    def _alloc(self, capacity: int) -> Tensor:
-        return torch.empty(capacity, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+    def _alloc(self, capacity: int, layer_idx: int) -> Tensor:
+        return torch.empty(capacity, self._kv_heads[layer_idx], self.head_dim, dtype=self.dtype, device=self.device)
 
     def _grow(self, layer_idx: int, needed: int) -> None:
         capacity = self._keys[layer_idx].shape[0]
@@ -146,7 +162,7 @@ class DenseAttention:
             capacity *= 2
         length = self._lengths[layer_idx]
         for store in (self._keys, self._values):
-            grown = self._alloc(capacity)
+            grown = self._alloc(capacity, layer_idx)
             grown[:length] = store[layer_idx][:length]
             store[layer_idx] = grown
 
