@@ -209,3 +209,12 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
             row = ref[len(prompt) - 1 + j]
             assert t == int(row.argmax()), (i, j)
             assert abs(lp.logprob - float(row[t])) < 1e-4, (i, j)
+
+
+def test_bfloat16_runs_close(pair: tuple[torch.nn.Module, Path]) -> None:
+    hf_model, root = pair
+    model = _ours(root, torch.bfloat16)
+    expected = _hf_logits(hf_model, PROMPT)
+    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    assert got.dtype == torch.float32
+    assert (got - expected).abs().mean().item() < 0.05 * expected.abs().max().item()
