@@ -31,6 +31,9 @@ class DenseAttention:
 
     ``sinks`` (a call's per-head sink logits, gpt-oss): the same keys, through
     `attention_sinks.sink_attention` instead of SDPA.
+
+    ``kv_shapes``: per layer, its (kv heads, head size) when layers differ (Gemma 4's global layers,
+    MiMo-V2-Flash's sliding ones); None: ``(num_kv_heads, head_dim)`` for every layer.
     """
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
