@@ -1544,10 +1544,10 @@ constexpr int kKqCols = 1;
 #define HELIOS_KQ_PANEL 16384
 #endif
 constexpr int64_t kKqPanel = HELIOS_KQ_PANEL;  // bytes of a tile's activations (one column chunk) kept in L1
-#ifndef HELIOS_KQ_WHOLE
-#define HELIOS_KQ_WHOLE 131072
+#ifndef HELIOS_KQ_GROUP
+#define HELIOS_KQ_GROUP 786432
 #endif
-constexpr int64_t kKqWhole = HELIOS_KQ_WHOLE;  // up to this many bytes of a tile's activations (L2): no column chunks
+constexpr int64_t kKqGroupBytes = HELIOS_KQ_GROUP;  // bytes of activations (rows x K) a group keeps in L2
 #ifndef HELIOS_KQ_ROWS
 #define HELIOS_KQ_ROWS 16
 #endif
@@ -1647,29 +1647,34 @@ inline void kq_tail(int64_t M, const float* x, const uint8_t* wp, float* y, int6
 }
 
 // Each thread takes a range of output rows, kKqRowBlock weight rows at a time: the block is read from
-// memory once and then stays in L1/L2 while every tile of activation rows passes over it. Long rows are
-// taken in column chunks of `bpc` blocks so that a tile's chunk of x stays in L1 across the block's
-// weight rows; between chunks each output's 32 lane sums are parked (exactly: the summation order is
-// the one the `KqAcc` comment states, whatever the tiling and chunking).
+// memory once and then stays in L1/L2 while every tile of activation rows passes over it (activation
+// rows in groups whose x stays in L2: more rows than that, a group at a time). Long rows of several
+// tiles are taken in column chunks of `bpc` blocks so that a tile's chunk of x stays in L1 across the
+// block's weight rows; between chunks each output's 32 lane sums are parked (exactly: the summation
+// order is the one the `KqAcc` comment states, whatever the tiling and chunking).
 template <int T>
 void kq_linear_impl(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t K, int64_t N) {
   constexpr int64_t per = KqTraits<T>::per;
   const int64_t nb = K / per;
-  const int64_t mt = std::min<int64_t>(M, kKqTile);
-  const int64_t bpc = mt * K * 4 <= kKqWhole ? nb : std::max<int64_t>(1, kKqPanel / (4 * mt * per));
+  const int64_t bpc = M <= kKqTile || kKqTile * K * 4 <= kKqPanel ? nb
+                                                                   : std::max<int64_t>(1, kKqPanel / (4 * kKqTile * per));
+  const int64_t group = std::max<int64_t>(kKqTile, kKqGroupBytes / (4 * K) / kKqTile * kKqTile);
   const int64_t grain = std::max<int64_t>(kKqRowBlock, 32768 / K);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    const int64_t ps = M * 32;  // parked floats per weight row
+    const int64_t ps = std::min(M, group) * 32;  // parked floats per weight row
     std::vector<float> park(bpc < nb ? static_cast<size_t>(kKqRowBlock * ps) : 0);
-    for (int64_t r0 = n0; r0 < n1; r0 += kKqRowBlock) {
-      const int64_t r1 = std::min(n1, r0 + kKqRowBlock);
-      for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
-        const int64_t b1 = std::min(nb, b0 + bpc);
-        int64_t m0 = 0;
-        for (; m0 + kKqTile <= M; m0 += kKqTile)
-          kq_rows<T, kKqTile>(xp + m0 * K, wp, yp + m0 * N, r0, r1, K, N, b0, b1, nb, park.data() + m0 * 32, ps);
-        kq_tail<T, kKqTile - 1>(M - m0, xp + m0 * K, wp, yp + m0 * N, r0, r1, K, N, b0, b1, nb,
-                                park.data() + m0 * 32, ps);
+    for (int64_t g0 = 0; g0 < M; g0 += group) {
+      const int64_t g1 = std::min(M, g0 + group);
+      for (int64_t r0 = n0; r0 < n1; r0 += kKqRowBlock) {
+        const int64_t r1 = std::min(n1, r0 + kKqRowBlock);
+        for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
+          const int64_t b1 = std::min(nb, b0 + bpc);
+          int64_t m0 = g0;
+          for (; m0 + kKqTile <= g1; m0 += kKqTile)
+            kq_rows<T, kKqTile>(xp + m0 * K, wp, yp + m0 * N, r0, r1, K, N, b0, b1, nb, park.data() + (m0 - g0) * 32, ps);
+          kq_tail<T, kKqTile - 1>(g1 - m0, xp + m0 * K, wp, yp + m0 * N, r0, r1, K, N, b0, b1, nb,
+                                  park.data() + (m0 - g0) * 32, ps);
+        }
       }
     }
   });
