@@ -3,7 +3,8 @@
 //
 // helios::q8_linear(x, codes, scales): y = x @ W^T for W[n, k] = codes[n, k] * scales[n, k / 32],
 //   the exact float32 values of a ggml Q8_0 weight (an 8-bit code times a float16 scale needs at most
-//   19 significant bits), computed from the 1-byte codes: a quarter of the bytes of a float32 copy.
+//   19 significant bits), computed from the 1-byte codes: a quarter of the bytes of a float32 copy,
+//   read from memory once per call (blocks of weight rows shared by every tile of activation rows).
 //   x and the result are float32; accumulation is float32, as a float32 matmul's is.
 // helios::paged_decode(q, k_cache, v_cache, block_table, rows, lens, page_size, scale): one query
 //   token per row attending over its whole history, read in place from the paged cache (no gather of
@@ -145,8 +146,8 @@ inline void q8_rows(const float* __restrict__ xp, const int8_t* __restrict__ qp,
   }
 #endif
   for (; n < n1; ++n) {
-    const int8_t* __restrict__ qr = qp + n * K;
-    const float* __restrict__ sr = sp + n * blocks;
+    [[maybe_unused]] const int8_t* __restrict__ qr = qp + n * K;
+    [[maybe_unused]] const float* __restrict__ sr = sp + n * blocks;
 #if defined(__AVX512F__)
     q8_tile<MT, 1>(xp, qp, sp, yp, n, K, N, blocks);
 #elif defined(__AVX2__) && defined(__FMA__)
