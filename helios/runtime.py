@@ -123,10 +123,12 @@ AUTO_DENSE_COPY_MEMORY_SHARE = 0.5
 # 0.7 GB beside the 0.35 GB of blocks, past issue 26's memory target (file size + KV pool + 600 MB).
 AUTO_BLOCKS_DENSE_COPY = False
 # ... and without one, steps of more than this many rows dequantize each projection per call into the
-# activation dtype and run a dense GEMM. On the 0.5B file's Q5_0 (4864 x 896) and Q6_K (896 x 4864)
-# projections, one thread of a busy 2-core AVX512-BF16 machine, bfloat16 activations: kernel against
-# dequantize-then-bf16-GEMM 2.6 / 7.8 and 4.6 / 3.2 ms at 16 rows, 9.3 / 8.1 and 6.3 / 3.7 at 32,
-# 86 / 24 and 85 / 24 at 512 (a resident bf16 copy: 22 and 21).
+# activation dtype and run a dense GEMM. On the 0.5B file's Q5_0 (4864 x 896), Q4_K and Q6_K (896 x 4864)
+# projections, one thread of a busy 2-core AVX512-BF16 machine, bfloat16 activations, 8 distinct copies
+# of each weight in turn (2026-12-02, the register-tiled kernels): kernel against
+# dequantize-then-bf16-GEMM 2.9 / 7.7, 3.3 / 7.9 and 3.4 / 11.8 ms at 16 rows; 5.8 / 4.9, 6.4 / 11.2
+# and 8.3 / 10.3 at 32 (a tie); 11.4 / 8.7, 10.8 / 10.1 and 13.9 / 11.0 at 64; 24 / 13, 25 / 17 and
+# 29 / 15 at 128; 99 / 33, 97 / 28 and 116 / 34 at 512: the crossover lies between 32 and 64 rows.
 AUTO_BLOCKS_UNPACK_ABOVE = 32
 
 

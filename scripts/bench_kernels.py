@@ -1,6 +1,6 @@
 """Microbenchmarks of the decode step's big operators, on random data of the default model's shapes.
 
-    .venv/bin/python scripts/bench_kernels.py [--repeats 10] [--only kquant] [--threads N]
+    .venv/bin/python scripts/bench_kernels.py [--repeats 10] [--only kquant|q8] [--threads N] [--cpu-time]
 
 - ``paged_decode``: Helios's decode attention over all 30 layers, bf16 caches with shuffled 16-position
   pages, 9 query heads over 3 kv heads of 64: 32 rows x 300 positions and 1 row x 4,000 positions.
@@ -16,6 +16,10 @@
   and bfloat16 ``F.linear``) and against dequantize-then-float32-GEMM (`KQuantLinear`'s unpack path).
   Each figure is per weight, over a pass through enough distinct copies of it (96 MB) that the
   weights come from memory, not from the L3 cache, as a whole model's do in a decode step.
+- ``q8_linear``: the Qwen2.5-0.5B tied Q8_0 head (151936 x 896 codes, 136 MB) at 1, 8 and 32 rows.
+
+``--cpu-time`` times with the calling thread's CPU time instead of the wall clock (with ``--threads 1``:
+figures that other processes on a busy machine disturb much less).
 
 Prints the best of ``--repeats`` runs in ms, and the CPU flags it ran on.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -39,8 +44,19 @@ LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
+CPU_TIME = False  # --cpu-time: time.thread_time instead of the wall clock
+
+
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
-    return best_time(fn, repeats) * 1e3
+    if not CPU_TIME:
+        return best_time(fn, repeats) * 1e3
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - t0)
+    return best * 1e3
 
 
 def decode_attention(rows: int, context: int, repeats: int) -> None:
@@ -150,18 +166,34 @@ def kquant_rows(weight: BlockQuantized, x: torch.Tensor, repeats: int) -> None:
           f"| dequantize + f32 GEMM {unpack:6.3f} ms")
 
 
+def q8_head(repeats: int) -> None:
+    gen = torch.Generator().manual_seed(8)
+    codes = torch.randint(-128, 128, (151936, 896), generator=gen, dtype=torch.int8)
+    scales = (torch.randn(151936, 28, generator=gen) * 0.01).half().float()
+    for rows in (1, 8, 32):
+        x = torch.randn(rows, 896, generator=gen)
+        ms = best_ms(lambda x=x: cpu_kernels.q8_linear(x, codes, scales), repeats)
+        print(f"q8_linear head 151936x896 (136 MB) x {rows:>2} rows: {ms:7.2f} ms ({codes.numel() / ms / 1e6:4.1f} GB/s)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--only", choices=["kquant"], help="run one section")
+    ap.add_argument("--only", choices=["kquant", "q8"], help="run one section")
     ap.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's own)")
+    ap.add_argument("--cpu-time", action="store_true", help="time by the thread's CPU time (use with --threads 1)")
     args = ap.parse_args()
+    global CPU_TIME
+    CPU_TIME = args.cpu_time
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}; threads {torch.get_num_threads()}")
-    if args.only == "kquant":
+    if args.only in ("kquant", "q8"):
         if not cpu_kernels.available():
             print(f"Helios's CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+            return
+        if args.only == "q8":
+            q8_head(args.repeats)
             return
         for ggml_type in sorted(cpu_kernels.KQUANT_LAYOUTS):
             per = cpu_kernels.KQUANT_LAYOUTS[ggml_type][0]
@@ -183,6 +215,7 @@ def main() -> None:
         for rows in (1, 13, 32, 512):
             projections(dtype, rows, max(2, args.repeats // (4 if rows == 512 else 1)))
     if cpu_kernels.available():
+        q8_head(args.repeats)
         for ggml_type in sorted(cpu_kernels.KQUANT_LAYOUTS):
             per = cpu_kernels.KQUANT_LAYOUTS[ggml_type][0]
             for out, k in KQUANT_SHAPES:

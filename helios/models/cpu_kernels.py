@@ -5,14 +5,30 @@ Operators that torch does not have in the form decode needs, among them:
 - ``q8_linear``: a matmul straight from a ggml Q8_0 weight's int8 codes and block scales (exactly the
   checkpoint's float32 values), a quarter of the bytes a float32 copy streams. The default model's
   output projection is its tied Q8_0 embedding: 113 MB in float32, the largest read of a decode step.
+  The codes are read from memory once per call whatever the rows: output rows in blocks of 16 KB of
+  codes that every tile of activation rows passes over from L1 (AVX-512 register tiles of 4 activation
+  x 2 weight rows, each block widened once per tile), not once per tile of 4 rows as before.
 - ``paged_decode``: decode attention that reads each row's K/V in place from the paged cache instead
   of gathering its whole history into a contiguous copy every layer of every step.
 - ``kquant_linear`` / ``kquant_dequantize``: matmul and dequantization straight from a GGUF weight's
   blocks (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0; `kquant.BlockQuantized` holds them), 4.5 to 8.5 bits a
-  weight where float32 is 32: decode GEMV for one to a few rows, a small GEMM (rows in tiles of 4 on
-  AVX-512, 2 on AVX2, sharing each decoded sub-block; columns in chunks that keep a tile's activations
-  in L1) for more; `kquant.KQuantLinear` hands larger steps to a dense copy or to a
-  dequantize-then-GEMM past its crossovers. Output rows are split over torch's threads.
+  weight where float32 is 32: decode GEMV for one to a few rows, a small GEMM for more: register tiles
+  of 4 activation x 2 weight rows on AVX-512 (2 x 1 on AVX2; 1 to 3 rows: single weight rows), each
+  weight sub-block decoded once per tile; weight rows in blocks of 16 read from memory once for all
+  the step's tiles (activation rows in groups of up to 768 KB of x, kept in L2; rows of more than 16 KB
+  a tile, in column chunks that keep a tile's activations in L1); `kquant.KQuantLinear` hands larger
+  steps to a dense copy or to a dequantize-then-GEMM past its crossovers. Output rows are split
+  evenly over torch's threads. Measured 2026-12-02 (AMD EPYC, 2 cores, avx2 avx512f avx512bw
+  avx512_bf16 avx512_vnni, no AMX; a busy machine, so one thread and its CPU time:
+  ``scripts/bench_kernels.py --only kquant --threads 1 --cpu-time``) against the previous kernels (a pass over
+  the weight per tile of 4 rows, one weight row a tile), ms at 8 / 32 rows, two alternated runs: the
+  down projection's shape (896 x 4864) Q4_K 1.2-1.4 / 4.7-5.2 (was 1.6-1.8 / 6.3-6.8), Q6_K 1.3-1.5 /
+  5.2-6.5 (2.6 / 8.0-9.7), Q8_0 1.2-1.4 / 4.2 (2.1-2.4 / 6.6-7.7); gate/up's (4864 x 896) Q5_0 1.7 /
+  5.4-6.4 (1.3-1.7 / 5.3-5.7: unchanged, bound by decoding the blocks, not by memory); one row
+  unchanged. ``q8_linear`` on the 151936 x 896 head (``--only q8 --threads 1 --cpu-time``): 11-13 /
+  30-32 / 112 ms at 1 / 8 / 32 rows (was 12-13 / 48-50 / 182-184). Both threads' figures on that
+  machine were too disturbed by other processes to compare. The outputs are bit for bit the previous
+  kernels' (the tiling changes no output's operations).
 
 K-quant numerics contract. Weights: every block is read as sub-blocks of 32 weights and each weight
 is computed in float32 exactly as ``gguf.quants.dequantize`` computes it (bit for bit, signed zeros

@@ -11,8 +11,10 @@ steps of more than ``unpack_above`` rows dequantize the weight for the call and 
 On the 2-core AVX-512 development machine (`scripts/bench_kernels.py --only kquant`, a busy machine)
 the kernel took about half the dense bfloat16 matmul's time and a fifth of the float32 one's at one
 row, about the bfloat16 one's at 8 rows and two to three times it at 32: a bfloat16 dense copy past
-about 8 rows is the faster choice where memory allows; the dequantize-then-GEMM only ties the kernel
-at 32 rows.
+about 8 rows is the faster choice where memory allows. With the register-tiled kernels (2026-12-02,
+one thread, bfloat16 activations, the 0.5B model's Q5_0 / Q4_K / Q6_K shapes) the
+dequantize-then-bfloat16-GEMM ties the kernel at 32 rows and wins from 64 (1.1 to 1.3x; 2x at 128,
+3 to 3.5x at 512): ``runtime.AUTO_BLOCKS_UNPACK_ABOVE`` stays 32.
 
 `quant.build_linear` makes a `KQuantLinear` of a fused projection whose parts are all
 `BlockQuantized` (parts of different types become segments of one module) under a quantized weight

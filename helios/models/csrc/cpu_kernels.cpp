@@ -3,7 +3,8 @@
 //
 // helios::q8_linear(x, codes, scales): y = x @ W^T for W[n, k] = codes[n, k] * scales[n, k / 32],
 //   the exact float32 values of a ggml Q8_0 weight (an 8-bit code times a float16 scale needs at most
-//   19 significant bits), computed from the 1-byte codes: a quarter of the bytes of a float32 copy.
+//   19 significant bits), computed from the 1-byte codes: a quarter of the bytes of a float32 copy,
+//   read from memory once per call (blocks of weight rows shared by every tile of activation rows).
 //   x and the result are float32; accumulation is float32, as a float32 matmul's is.
 // helios::paged_decode(q, k_cache, v_cache, block_table, rows, lens, page_size, scale): one query
 //   token per row attending over its whole history, read in place from the paged cache (no gather of
@@ -45,7 +46,14 @@
 namespace {
 
 constexpr int64_t kGroup = 32;   // Q8_0 block
-constexpr int64_t kRowTile = 4;  // activation rows sharing one dequantized weight block
+#ifndef HELIOS_Q8_TILE
+#define HELIOS_Q8_TILE 4
+#endif
+constexpr int kRowTile = HELIOS_Q8_TILE;  // activation rows sharing one dequantized weight block
+#ifndef HELIOS_Q8_ROW_BYTES
+#define HELIOS_Q8_ROW_BYTES 16384
+#endif
+constexpr int64_t kQ8RowBytes = HELIOS_Q8_ROW_BYTES;  // bytes of codes per block of weight rows (in L1)
 constexpr int64_t kChunk = 256;  // history positions per attention work item
 constexpr int64_t kSerialPositions = 4096;  // (kv head, position) pairs below which decode runs on one thread
 
@@ -73,33 +81,75 @@ inline float to_float(c10::BFloat16 v) {
 inline void store(float v, float* p) { *p = v; }
 inline void store(float v, c10::BFloat16* p) { *p = c10::BFloat16(v); }  // round to nearest even
 
-// Rows [0, MT) of x (row stride K) against weight rows [n0, n1): y[i * N + n]. Each 32-code block is
-// widened to float32 and scaled once (exact), then fused-multiply-added into per-row lane accumulators;
-// one horizontal sum per output. Written with intrinsics: the auto-vectorized form went through a
-// stack array (a store-forwarding stall per block) and ran 4x slower.
+#if defined(__AVX512F__)
+#ifndef HELIOS_Q8_COLS
+#define HELIOS_Q8_COLS 2
+#endif
+#ifndef HELIOS_Q8_PF
+#define HELIOS_Q8_PF 4
+#endif
+constexpr int kQ8Cols = HELIOS_Q8_COLS;  // weight rows of a q8_linear register tile (with kRowTile activation rows)
+
+// Outputs y[i * N + n + j] for activation rows i < MT and weight rows n + j, j < NT: each 32-code block
+// is widened to float32 and scaled once (exact), then fused-multiply-added into per-output lane
+// accumulators (two of 16 lanes); one horizontal sum per output. Each output's operations are the same
+// whatever the tile. Written with intrinsics: the auto-vectorized form went through a stack array (a
+// store-forwarding stall per block) and ran 4x slower.
+template <int MT, int NT>
+__attribute__((always_inline)) inline void q8_tile(const float* __restrict__ xp, const int8_t* __restrict__ qp,
+                                                   const float* __restrict__ sp, float* __restrict__ yp, int64_t n,
+                                                   int64_t K, int64_t N, int64_t blocks) {
+  __m512 acc[NT][MT][2];
+  _Pragma("GCC unroll 8")
+  for (int j = 0; j < NT; ++j)
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < MT; ++i) acc[j][i][0] = acc[j][i][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 w[NT][2];
+    _Pragma("GCC unroll 8")
+    for (int j = 0; j < NT; ++j) {
+      const __m512 sv = _mm512_set1_ps(sp[(n + j) * blocks + b]);
+      const int8_t* qb = qp + (n + j) * K + b * kGroup;
+      if (MT >= 4 && HELIOS_Q8_PF > 0 && (b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(qb + HELIOS_Q8_PF * K), _MM_HINT_T0);
+      w[j][0] = _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))));
+      w[j][1] = _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))));
+    }
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < MT; ++i) {
+      const float* xr = xp + i * K + b * kGroup;
+      const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+      _Pragma("GCC unroll 8")
+      for (int j = 0; j < NT; ++j) {
+        acc[j][i][0] = _mm512_fmadd_ps(w[j][0], x0, acc[j][i][0]);
+        acc[j][i][1] = _mm512_fmadd_ps(w[j][1], x1, acc[j][i][1]);
+      }
+    }
+  }
+  _Pragma("GCC unroll 8")
+  for (int j = 0; j < NT; ++j)
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < MT; ++i) yp[i * N + n + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][i][0], acc[j][i][1]));
+}
+#endif
+
+// Rows [0, MT) of x (row stride K) against weight rows [n0, n1): y[i * N + n] (AVX-512: in tiles of
+// kQ8Cols weight rows, `q8_tile`).
 template <int MT>
 inline void q8_rows(const float* __restrict__ xp, const int8_t* __restrict__ qp, const float* __restrict__ sp,
                     float* __restrict__ yp, int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t blocks) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* __restrict__ qr = qp + n * K;
-    const float* __restrict__ sr = sp + n * blocks;
+  int64_t n = n0;
 #if defined(__AVX512F__)
-    __m512 acc[MT][2];
-    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const __m512 sv = _mm512_set1_ps(sr[b]);
-      const int8_t* qb = qr + b * kGroup;
-      const __m512 w0 = _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))));
-      const __m512 w1 = _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))));
-      for (int i = 0; i < MT; ++i) {
-        const float* xr = xp + i * K + b * kGroup;
-        acc[i][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[i][0]);
-        acc[i][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[i][1]);
-      }
-    }
-    for (int i = 0; i < MT; ++i) yp[i * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+  if constexpr (MT >= 4) {
+    for (; n + kQ8Cols <= n1; n += kQ8Cols) q8_tile<MT, kQ8Cols>(xp, qp, sp, yp, n, K, N, blocks);
+  }
+#endif
+  for (; n < n1; ++n) {
+    [[maybe_unused]] const int8_t* __restrict__ qr = qp + n * K;
+    [[maybe_unused]] const float* __restrict__ sr = sp + n * blocks;
+#if defined(__AVX512F__)
+    q8_tile<MT, 1>(xp, qp, sp, yp, n, K, N, blocks);
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 acc[MT][4];
     for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm256_setzero_ps();
@@ -137,6 +187,16 @@ inline void q8_rows(const float* __restrict__ xp, const int8_t* __restrict__ qp,
   }
 }
 
+// The last M < kRowTile rows: one tile of exactly M rows.
+template <int MT>
+inline void q8_tail(int64_t M, const float* xp, const int8_t* qp, const float* sp, float* yp, int64_t n0, int64_t n1,
+                    int64_t K, int64_t N, int64_t blocks) {
+  if constexpr (MT > 0) {
+    if (M == MT) q8_rows<MT>(xp, qp, sp, yp, n0, n1, K, N, blocks);
+    else q8_tail<MT - 1>(M, xp, qp, sp, yp, n0, n1, K, N, blocks);
+  }
+}
+
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && scales.dim() == 2, "q8_linear: 2-d operands");
   TORCH_CHECK(x.scalar_type() == at::kFloat && codes.scalar_type() == at::kChar &&
@@ -153,14 +213,15 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const float* __restrict__ sp = scales.data_ptr<float>();
   float* __restrict__ yp = y.data_ptr<float>();
   const int64_t blocks = K / kGroup;
+  // Weight rows kQ8RowBlock at a time (read from memory once, then from L1/L2 by every tile of
+  // activation rows: the codes are streamed once per call, not once per tile).
+  const int64_t rblock = std::max<int64_t>(1, kQ8RowBytes / K);
   at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
-    int64_t m0 = 0;
-    for (; m0 + kRowTile <= M; m0 += kRowTile) q8_rows<kRowTile>(xp + m0 * K, qp, sp, yp + m0 * N, n0, n1, K, N, blocks);
-    switch (M - m0) {
-      case 3: q8_rows<3>(xp + m0 * K, qp, sp, yp + m0 * N, n0, n1, K, N, blocks); break;
-      case 2: q8_rows<2>(xp + m0 * K, qp, sp, yp + m0 * N, n0, n1, K, N, blocks); break;
-      case 1: q8_rows<1>(xp + m0 * K, qp, sp, yp + m0 * N, n0, n1, K, N, blocks); break;
-      default: break;
+    for (int64_t r0 = n0; r0 < n1; r0 += rblock) {
+      const int64_t r1 = std::min(n1, r0 + rblock);
+      int64_t m0 = 0;
+      for (; m0 + kRowTile <= M; m0 += kRowTile) q8_rows<kRowTile>(xp + m0 * K, qp, sp, yp + m0 * N, r0, r1, K, N, blocks);
+      q8_tail<kRowTile - 1>(M - m0, xp + m0 * K, qp, sp, yp + m0 * N, r0, r1, K, N, blocks);
     }
   });
   return y;
@@ -1422,18 +1483,18 @@ inline void kq_store(const Kq32& w, float* out) {
 // increasing k, each by a fused multiply-add (one rounding per step; the scalar build, without FMA,
 // rounds the product too). The 32 lanes are then summed by a fixed tree: p[l] + p[l + 16], then + 8,
 // + 4, + 2, + 1 (lane 0 holds the result). AVX-512 and AVX2 builds give the same bits.
-inline void kq_fma(Kq32& acc, const Kq32& w, const float* x) {
+inline void kq_fmav(Kq32& acc, const Kq32& w, const Kq32& x) {
 #if defined(__AVX512F__)
-  acc.v[0] = _mm512_fmadd_ps(w.v[0], _mm512_loadu_ps(x), acc.v[0]);
-  acc.v[1] = _mm512_fmadd_ps(w.v[1], _mm512_loadu_ps(x + 16), acc.v[1]);
+  acc.v[0] = _mm512_fmadd_ps(w.v[0], x.v[0], acc.v[0]);
+  acc.v[1] = _mm512_fmadd_ps(w.v[1], x.v[1], acc.v[1]);
 #elif defined(__AVX2__) && defined(__FMA__)
-  for (int j = 0; j < 4; ++j) acc.v[j] = _mm256_fmadd_ps(w.v[j], _mm256_loadu_ps(x + 8 * j), acc.v[j]);
+  for (int j = 0; j < 4; ++j) acc.v[j] = _mm256_fmadd_ps(w.v[j], x.v[j], acc.v[j]);
 #else
   for (int l = 0; l < 32; ++l) {
 #if defined(__FMA__)
-    acc.v[l] = std::fma(w.v[l], x[l], acc.v[l]);
+    acc.v[l] = std::fma(w.v[l], x.v[l], acc.v[l]);
 #else
-    acc.v[l] = acc.v[l] + w.v[l] * x[l];
+    acc.v[l] = acc.v[l] + w.v[l] * x.v[l];
 #endif
   }
 #endif
@@ -1464,18 +1525,38 @@ inline float kq_sum(const Kq32& acc) {
 #ifndef HELIOS_KQ_TILE
 #define HELIOS_KQ_TILE 4
 #endif
+#ifndef HELIOS_KQ_COLS
+#define HELIOS_KQ_COLS 2
+#endif
+// A register tile is MT activation rows x NT weight rows: each of the NT weight sub-blocks is decoded
+// once per tile and each 32 activations loaded once, for MT x NT outputs' accumulators (AVX-512: 4 x 2
+// tiles, 16 of the 32 zmm registers; AVX2: 2 x 1, 8 of the 16 ymm).
 #if defined(__AVX512F__)
-constexpr int kKqTile = HELIOS_KQ_TILE;  // activation rows sharing one decoded weight sub-block
+constexpr int kKqTile = HELIOS_KQ_TILE;  // activation rows of a tile
+constexpr int kKqCols = HELIOS_KQ_COLS;  // weight rows of a tile
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kKqTile = 2;
+constexpr int kKqCols = 1;
 #else
 constexpr int kKqTile = 4;
+constexpr int kKqCols = 1;
 #endif
 #ifndef HELIOS_KQ_PANEL
-#define HELIOS_KQ_PANEL 65536
+#define HELIOS_KQ_PANEL 16384
 #endif
-constexpr int64_t kKqPanel = HELIOS_KQ_PANEL;  // bytes of activations (MT rows x one column chunk) kept in L2
-constexpr int64_t kKqWhole = 131072;  // up to this many bytes of a tile's activations (in L2), no column chunks
+constexpr int64_t kKqPanel = HELIOS_KQ_PANEL;  // bytes of a tile's activations (one column chunk) kept in L1
+#ifndef HELIOS_KQ_GROUP
+#define HELIOS_KQ_GROUP 786432
+#endif
+constexpr int64_t kKqGroupBytes = HELIOS_KQ_GROUP;  // bytes of activations (rows x K) a group keeps in L2
+#ifndef HELIOS_KQ_ROWS
+#define HELIOS_KQ_ROWS 16
+#endif
+#ifndef HELIOS_KQ_PF
+#define HELIOS_KQ_PF 4
+#endif
+constexpr int64_t kKqAhead = HELIOS_KQ_PF;  // weight rows ahead that a tile of several rows prefetches
+constexpr int64_t kKqRowBlock = HELIOS_KQ_ROWS;  // weight rows read from memory once for all tiles of rows
 
 inline void kq_load(Kq32& acc, const float* p) {
 #if defined(__AVX512F__)
@@ -1488,68 +1569,115 @@ inline void kq_load(Kq32& acc, const float* p) {
 #endif
 }
 
-constexpr int64_t kKqRowBlock = 32;  // weight rows whose lane sums are parked together
-
-// Rows [0, MT) of x (row stride K) against weight rows [n0, n1): y[i * N + n]. Long rows are taken in
-// column chunks of `bpc` blocks, so that the MT rows' chunk of x stays in L2 while a block of weight
-// rows passes over it; between chunks each output's 32 lane sums are parked (exactly: the summation
-// order is the one the `KqAcc` comment states, whatever the chunking).
-template <int T, int MT>
-void kq_tile(const float* __restrict__ xp, const uint8_t* __restrict__ wp, float* __restrict__ yp, int64_t n0,
-             int64_t n1, int64_t K, int64_t N) {
+// One register tile over blocks [b0, b1): acc[j][i] += x row i . weight row j, where x (row stride K)
+// starts at the tile's first row and w (row stride rb bytes) at its first weight row.
+template <int T, int MT, int NT>
+__attribute__((always_inline)) inline void kq_micro(const float* __restrict__ x, const uint8_t* __restrict__ w, int64_t rb, int64_t K, int64_t b0,
+                     int64_t b1, Kq32 (&acc)[NT][MT]) {
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
   constexpr int subs = static_cast<int>(per / 32);
-  const int64_t nb = K / per;
-  // whole rows while the tile's activations fit in L2 (chunked passes over the weight rows defeat the
-  // hardware prefetchers: with 16 KB chunks one row's decode ran at half speed from memory)
-  const int64_t bpc = MT * K * 4 <= kKqWhole ? nb : std::max<int64_t>(1, kKqPanel / (4 * MT * per));
-  alignas(64) float park[kKqRowBlock * MT * 32];
-  KqHeader h;
-  for (int64_t r0 = n0; r0 < n1; r0 += kKqRowBlock) {
-    const int64_t r1 = std::min(n1, r0 + kKqRowBlock);
-    for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
-      const int64_t b1 = std::min(nb, b0 + bpc);
-      for (int64_t n = r0; n < r1; ++n) {
-        Kq32 acc[MT];
-        float* parked = park + (n - r0) * MT * 32;
-        for (int i = 0; i < MT; ++i) {
-          if (b0 == 0) kq_zero(acc[i]); else kq_load(acc[i], parked + 32 * i);
-        }
-        const uint8_t* row = wp + n * nb * bytes;
-        for (int64_t b = b0; b < b1; ++b) {
-          const uint8_t* blk = row + b * bytes;
-          kq_header<T>(blk, h);
-          for (int c = 0; c < subs; ++c) {
-            const Kq32 w = kq_weights<T>(blk, c, h);
-            const float* xb = xp + b * per + 32 * c;
-            for (int i = 0; i < MT; ++i) kq_fma(acc[i], w, xb + i * K);
-          }
-        }
-        for (int i = 0; i < MT; ++i) {
-          if (b1 == nb) yp[i * N + n] = kq_sum(acc[i]); else kq_store(acc[i], parked + 32 * i);
-        }
+  KqHeader h[NT];
+  for (int64_t b = b0; b < b1; ++b) {
+    _Pragma("GCC unroll 8")
+    for (int j = 0; j < NT; ++j) {
+      if constexpr (NT > 1 && kKqAhead > 0) {
+        const char* ahead = reinterpret_cast<const char*>(w + (j + kKqAhead) * rb + b * bytes);
+        for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+      }
+      kq_header<T>(w + j * rb + b * bytes, h[j]);
+    }
+    for (int c = 0; c < subs; ++c) {
+      Kq32 wv[NT];
+      _Pragma("GCC unroll 8")
+      for (int j = 0; j < NT; ++j) wv[j] = kq_weights<T>(w + j * rb + b * bytes, c, h[j]);
+      const float* xb = x + b * per + 32 * c;
+      _Pragma("GCC unroll 8")
+      for (int i = 0; i < MT; ++i) {
+        Kq32 xv;
+        kq_load(xv, xb + i * K);
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < NT; ++j) kq_fmav(acc[j][i], wv[j], xv);
       }
     }
   }
 }
 
-// The last M < kKqTile rows: one tile of exactly M rows.
+// Outputs y[i * N + n + j] (i < MT, j < NT) over column blocks [b0, b1) of nb: started from zero at
+// b0 = 0 or else from their parked lane sums (pk + j * ps + 32 i), summed at b1 = nb or else parked.
+template <int T, int MT, int NT>
+inline void kq_out(const float* x, const uint8_t* wp, float* y, int64_t n, int64_t K, int64_t N, int64_t b0,
+                   int64_t b1, int64_t nb, float* pk, int64_t ps) {
+  const int64_t rb = nb * KqTraits<T>::bytes;
+  Kq32 acc[NT][MT];
+  _Pragma("GCC unroll 8")
+  for (int j = 0; j < NT; ++j)
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < MT; ++i) {
+      if (b0 == 0) kq_zero(acc[j][i]); else kq_load(acc[j][i], pk + j * ps + 32 * i);
+    }
+  kq_micro<T, MT, NT>(x, wp + n * rb, rb, K, b0, b1, acc);
+  _Pragma("GCC unroll 8")
+  for (int j = 0; j < NT; ++j)
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < MT; ++i) {
+      if (b1 == nb) y[i * N + n + j] = kq_sum(acc[j][i]); else kq_store(acc[j][i], pk + j * ps + 32 * i);
+    }
+}
+
+// Rows [0, MT) of x against weight rows [r0, r1), column blocks [b0, b1): tiles of kKqCols weight rows,
+// then single rows. The parked lane sums of weight row n are at pk + (n - r0) * ps.
 template <int T, int MT>
-inline void kq_tail(int64_t M, const float* xp, const uint8_t* wp, float* yp, int64_t n0, int64_t n1, int64_t K,
-                    int64_t N) {
-  if constexpr (MT > 0) {
-    if (M == MT) kq_tile<T, MT>(xp, wp, yp, n0, n1, K, N);
-    else kq_tail<T, MT - 1>(M, xp, wp, yp, n0, n1, K, N);
+inline void kq_rows(const float* x, const uint8_t* wp, float* y, int64_t r0, int64_t r1, int64_t K, int64_t N,
+                    int64_t b0, int64_t b1, int64_t nb, float* pk, int64_t ps) {
+  constexpr int NT = MT >= 4 ? kKqCols : 1;  // (single weight rows for 1-3 activation rows: faster there)
+  int64_t n = r0;
+  for (; n + NT <= r1; n += NT) kq_out<T, MT, NT>(x, wp, y, n, K, N, b0, b1, nb, pk + (n - r0) * ps, ps);
+  if constexpr (NT > 1) {
+    for (; n < r1; ++n) kq_out<T, MT, 1>(x, wp, y, n, K, N, b0, b1, nb, pk + (n - r0) * ps, ps);
   }
 }
 
+// The last M < kKqTile rows: one tile of exactly M rows.
+template <int T, int MT>
+inline void kq_tail(int64_t M, const float* x, const uint8_t* wp, float* y, int64_t r0, int64_t r1, int64_t K,
+                    int64_t N, int64_t b0, int64_t b1, int64_t nb, float* pk, int64_t ps) {
+  if constexpr (MT > 0) {
+    if (M == MT) kq_rows<T, MT>(x, wp, y, r0, r1, K, N, b0, b1, nb, pk, ps);
+    else kq_tail<T, MT - 1>(M, x, wp, y, r0, r1, K, N, b0, b1, nb, pk, ps);
+  }
+}
+
+// Each thread takes a range of output rows, kKqRowBlock weight rows at a time: the block is read from
+// memory once and then stays in L1/L2 while every tile of activation rows passes over it (activation
+// rows in groups whose x stays in L2: more rows than that, a group at a time). Long rows of several
+// tiles are taken in column chunks of `bpc` blocks so that a tile's chunk of x stays in L1 across the
+// block's weight rows; between chunks each output's 32 lane sums are parked (exactly: the summation
+// order is the one the `KqAcc` comment states, whatever the tiling and chunking).
 template <int T>
 void kq_linear_impl(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t K, int64_t N) {
-  const int64_t grain = std::max<int64_t>(1, 32768 / K);
+  constexpr int64_t per = KqTraits<T>::per;
+  const int64_t nb = K / per;
+  const int64_t bpc = M <= kKqTile || kKqTile * K * 4 <= kKqPanel ? nb
+                                                                   : std::max<int64_t>(1, kKqPanel / (4 * kKqTile * per));
+  const int64_t group = std::max<int64_t>(kKqTile, kKqGroupBytes / (4 * K) / kKqTile * kKqTile);
+  const int64_t grain = std::max<int64_t>(kKqRowBlock, 32768 / K);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    int64_t m0 = 0;
-    for (; m0 + kKqTile <= M; m0 += kKqTile) kq_tile<T, kKqTile>(xp + m0 * K, wp, yp + m0 * N, n0, n1, K, N);
-    kq_tail<T, kKqTile - 1>(M - m0, xp + m0 * K, wp, yp + m0 * N, n0, n1, K, N);
+    const int64_t ps = std::min(M, group) * 32;  // parked floats per weight row
+    std::vector<float> park(bpc < nb ? static_cast<size_t>(kKqRowBlock * ps) : 0);
+    for (int64_t g0 = 0; g0 < M; g0 += group) {
+      const int64_t g1 = std::min(M, g0 + group);
+      for (int64_t r0 = n0; r0 < n1; r0 += kKqRowBlock) {
+        const int64_t r1 = std::min(n1, r0 + kKqRowBlock);
+        for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
+          const int64_t b1 = std::min(nb, b0 + bpc);
+          int64_t m0 = g0;
+          for (; m0 + kKqTile <= g1; m0 += kKqTile)
+            kq_rows<T, kKqTile>(xp + m0 * K, wp, yp + m0 * N, r0, r1, K, N, b0, b1, nb, park.data() + (m0 - g0) * 32, ps);
+          kq_tail<T, kKqTile - 1>(g1 - m0, xp + m0 * K, wp, yp + m0 * N, r0, r1, K, N, b0, b1, nb,
+                                  park.data() + (m0 - g0) * 32, ps);
+        }
+      }
+    }
   });
 }
 
