@@ -1,5 +1,9 @@
 """Recipe selection: by explicit name, else by model id / architecture, else by template markup.
 
+The architecture is the registry name the runtime passes (the HF ``model_type``: ``glm4_moe``,
+``minimax_m2``, ``mimo_v2_flash``, ``gemma4``) or an HF architectures class name; a family has a
+rule only when all its checkpoints write one syntax (`_ARCH_RULES`).
+
 Template markup only selects a recipe for unmistakable syntaxes (XTML, DSML `tool_calls`, Gemma 4
 channels, MiniMax namespaced calls); other models fall back to `plain`, whose output parser family
 `detect_parser_family` infers from the chat template.
@@ -40,10 +44,21 @@ _MOE_HINT = re.compile(r"flash|next|moe|(?<![a-z0-9])a\d+(\.\d+)?b")
 # instruction under its own identity.
 _QWEN25_TOOLS = "return a json object with function name and arguments within <tool_call>"
 _QWEN25_IDENTITY = "You are Qwen, created by Alibaba Cloud"
+# Architecture needles, matched against the registry name / HF model_type or architectures class
+# with separators dropped ("glm4_moe", "Glm4MoeForCausalLM" -> "glm4moe..."). Only families whose
+# every checkpoint writes one syntax have a rule: GLM-4.5-4.7 (glm4_moe) all use the GLM
+# <arg_key> calls, MiniMax-M2 (minimax_m2) the namespaced <minimax:tool_call>, MiMo-V2-Flash
+# (mimo_v2_flash) MiMo V2's function tags. qwen3_moe has none: Qwen3-30B-A3B writes Hermes JSON,
+# Qwen3-Coder-30B-A3B function tags, so its template decides (`plain` + `detect_parser_family`);
+# gpt_oss has none either (no harmony recipe in the catalog: `plain` + the harmony parser).
 _ARCH_RULES: tuple[tuple[str, str], ...] = (
     ("gemma4", "gemma4"),
     ("nemotronh", "nemotron_h"),
+    ("glm4moe", "glm53"),
+    ("minimaxm2", "minimax_m3"),
+    ("mimov2", "mimo_v2"),
 )
+_ARCH_SEP = re.compile(r"[-_. ]")
 
 
 def get_recipe(name: str, *, generation_config: Mapping[str, Any] | None = None) -> Recipe:
@@ -64,6 +79,7 @@ def detect_recipe(model_id: str, arch: str | None = None, chat_template: str | N
     """Heuristic recipe name for a checkpoint (operators can always name one explicitly)."""
     name = model_id.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1].lower()
     arch_key = (arch or "").lower()
+    arch_compact = _ARCH_SEP.sub("", arch_key)
     if _QWEN38.search(name):
         moe = bool(_MOE_HINT.search(name)) or "moe" in arch_key or "next" in arch_key
         return "qwen38" if moe else "qwen38_dense"
@@ -71,7 +87,7 @@ def detect_recipe(model_id: str, arch: str | None = None, chat_template: str | N
         if pattern.search(name):
             return recipe
     for needle, recipe in _ARCH_RULES:
-        if needle in arch_key:
+        if needle in arch_compact:
             return recipe
     template = chat_template or ""
     if "<|open|>" in template and "<|sep|>" in template:

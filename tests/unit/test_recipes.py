@@ -322,6 +322,20 @@ def test_effort_defaults_and_numeric_scores():
         ("google/gemma-4-31B-it", None, "gemma4"),
         ("HuggingFaceTB/SmolLM2-135M-Instruct", "LlamaForCausalLM", "plain"),
         ("Qwen/Qwen3-0.6B", "Qwen3ForCausalLM", "plain"),
+        # Architecture rules (registry name / HF model_type, or the architectures class name).
+        ("local/checkpoint", "glm4_moe", "glm53"),
+        ("local/checkpoint", "Glm4MoeForCausalLM", "glm53"),
+        ("local/checkpoint", "minimax_m2", "minimax_m3"),
+        ("local/checkpoint", "MiniMaxM2ForCausalLM", "minimax_m3"),
+        ("local/checkpoint", "mimo_v2_flash", "mimo_v2"),
+        ("local/checkpoint", "MiMoV2FlashForCausalLM", "mimo_v2"),
+        ("local/checkpoint", "gemma4", "gemma4"),
+        ("local/checkpoint", "gpt_oss", "plain"),  # no harmony recipe: plain + the harmony parser
+        ("local/checkpoint", "qwen3_moe", "plain"),  # Hermes JSON or function tags: the template decides
+        ("local/checkpoint", "glm4v_moe", "plain"),
+        ("Qwen/Qwen3.8-Flash", "qwen3_moe", "qwen38"),  # the model id comes first
+        ("zai-org/GLM-5.3-Flash", "glm4_moe", "glm53"),
+        ("MiniMaxAI/MiniMax-M3.1-Flash", "minimax_m2", "minimax_m3"),
     ],
 )
 def test_detect_recipe_by_id_and_arch(model_id, arch, expected):
