@@ -440,7 +440,9 @@ def check_full_turn(name: str, proc: subprocess.CompletedProcess[str], records: 
     tools = max(len(json.loads(r.body)["tools"]) for r in turns)
     assert tools >= min_tools, f"{name} declared {tools} tools, fewer than its full set"
     assert max(len(r.body) for r in turns) > 30_000, f"{name}'s prompt is smaller than its full set-up's"
-    assert "hello" in proc.stdout.lower(), f"{name} printed no greeting"
+    # What the model answered is the model's business (the 0.5B, greedy, answers Claude Code's 18,000-token
+    # prompt by repeating its context): the client must print an answer.
+    assert proc.stdout.strip(), f"{name} printed no answer"
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 120)  # the first turn prefills the whole prompt
