@@ -41,7 +41,7 @@ from helios.models.decoder import (
 )
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec
 from helios.models.moe import Experts, RouterSpec, expert_mix, route
-from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat
+from helios.models.quant import BuildSource, DenseLinear, StackedExperts, UnloadedLinear, WeightFormat
 
 __all__ = ["EXPERT_FORMS", "GGUF_MOE_LAYER_NAMES", "MoEConfig", "MoEForCausalLM", "gguf_moe_tensor"]
 
@@ -203,7 +203,7 @@ class _PerExpert(Mapping[str, BuildSource]):
             else:
                 self._names.append(name)
                 self._plain.add(name)
-        self._cached: tuple[str, Tensor] | None = None
+        self._cached: tuple[str, Tensor | StackedExperts] | None = None
 
     def _expand(self, name: str, prefix: str, suffix: str, num_experts: int, inter: int) -> None:
         for e in range(num_experts):
@@ -216,12 +216,13 @@ class _PerExpert(Mapping[str, BuildSource]):
                 self._parts[f"{base}{suffix}.weight"] = (name, e, None)
                 self._names.append(f"{base}{suffix}.weight")
 
-    def _stacked(self, name: str) -> Tensor:
+    def _stacked(self, name: str) -> Tensor | StackedExperts:
         if self._cached is None or self._cached[0] != name:
             self._cached = None  # drop the previous one first
             value = self._tensors[name]
-            if not isinstance(value, Tensor) or value.dim() != 3:
-                raise ValueError(f"{name}: stacked expert weights must be a dense [experts, rows, cols] tensor")
+            if not isinstance(value, (Tensor, StackedExperts)) or value.dim() != 3:
+                raise ValueError(f"{name}: stacked expert weights must be a dense [experts, rows, cols] tensor "
+                                 "or GGUF blocks")
             if value.shape[0] != self._num_experts:
                 raise ValueError(f"{name}: {value.shape[0]} experts, the config has {self._num_experts}")
             self._cached = (name, value)
@@ -234,7 +235,12 @@ class _PerExpert(Mapping[str, BuildSource]):
                 raise KeyError(name)
             return self._tensors[name]
         stacked, expert, rows = part
-        matrix = self._stacked(stacked)[expert]
+        value = self._stacked(stacked)
+        if isinstance(value, StackedExperts):  # GGUF blocks: the expert's own bytes, as a 2-D tensor's
+            if rows is not None:
+                raise ValueError(f"{stacked}: a fused gate/up tensor in GGUF blocks is not a llama.cpp layout")
+            return value.expert(expert)
+        matrix = value[expert]
         return (matrix if rows is None else matrix[rows]).clone()  # its own storage, not the stack's
 
     def __iter__(self) -> Iterator[str]:
