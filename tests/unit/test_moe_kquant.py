@@ -270,3 +270,19 @@ def test_q4_0_and_q4_1_experts_take_the_int4_path(tmp_path: Path) -> None:
     # the int4 kernel takes bfloat16 activations and bfloat16 scales: close, not exact
     rel = float((got - want).abs().mean() / want.abs().mean())
     assert rel < 0.05, rel
+
+
+def test_runtime_auto_and_the_weight_cache(kquant_file: Path, tmp_path: Path) -> None:
+    """`runtime.load_model` with ``weights = "auto"``: expert blocks kept (bfloat16 or float32
+    activations as the CPU picks), and the packed-weight cache gives the same logits bit for bit."""
+    from helios.runtime import load_model
+
+    loaded = load_model(kquant_file, weights="auto", cache_dir=tmp_path / "packed")
+    model = loaded.model
+    assert isinstance(model, MoEForCausalLM) and loaded.cache_key
+    assert all(isinstance(m, KQuantLinear) and m.dense is None for m in expert_modules(model))
+    got = logits(model)
+    again = load_model(kquant_file, weights="auto", cache_dir=tmp_path / "packed").model
+    assert isinstance(again, MoEForCausalLM)
+    assert all(isinstance(m, KQuantLinear) for m in expert_modules(again))
+    assert torch.equal(got, logits(again))
