@@ -11,8 +11,9 @@ rotate-half order, `unpermute_rotary_rows`). Each tensor is read in one of two f
   `GroupQuantized` codes (unpacked in torch, bit for bit), so a quantized weight format can keep them;
   Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 matrices stay `kquant.BlockQuantized` (the file's bytes, for
   `kquant.KQuantLinear`; a format with ``keep_blocks`` turns Q8_0 codes back into blocks beside them);
-  F32, F16 and BF16 tensors stay dense in their dtype; other types are dequantized to float32 by
-  ``gguf.quants``.
+  F32, F16 and BF16 tensors stay dense in their dtype; a stacked [experts, rows, cols] tensor in one
+  of these block types (an MoE's ``ffn_*_exps``) is a `quant.StackedExperts`, each expert read from its
+  own byte range in the form above; other types are dequantized to float32 by ``gguf.quants``.
 * `GGUFFile.tensor_thunks`: everything dense in one dtype (the dequantization of the above,
   equal to ``gguf.quants.dequantize`` bit for bit).
 """
@@ -41,7 +42,7 @@ from helios.loaders.gguf_reader import (
 from helios.models import registry
 from helios.models.architecture import Architecture, ArchitectureConfig
 from helios.models.kquant import BlockQuantized
-from helios.models.quant import BuildSource, GroupQuantized, dense_of
+from helios.models.quant import BuildSource, GroupQuantized, StackedExperts, dense_of
 
 TensorThunk = Callable[[], Tensor]
 SourceThunk = Callable[[], BuildSource]
@@ -101,6 +102,8 @@ class GGUFFile:
             return unpack_blocks(raw, kind, info.shape)
         if kind in BLOCK_TYPES and len(info.shape) == 2:
             return BlockQuantized.from_bytes(raw, kind, (info.shape[0], info.shape[1]))
+        if kind in (GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, *BLOCK_TYPES) and len(info.shape) == 3:
+            return stacked_experts(raw, kind, (info.shape[0], info.shape[1], info.shape[2]))
         return torch.from_numpy(_numpy_dequantize(raw, info))
 
     def read_tensor(self, gguf_name: str) -> np.ndarray:
@@ -181,6 +184,20 @@ def unpack_blocks(raw: Tensor, ggml_type: int, shape: tuple[int, ...]) -> GroupQ
     return GroupQuantized(codes.view(rows, cols), d, offset, bits=4, group_size=per_block)
 
 
+def stacked_experts(raw: Tensor, ggml_type: int, shape: tuple[int, int, int]) -> StackedExperts:
+    """A stacked [experts, rows, cols] tensor of blocks (raw bytes) whose expert e is read as a 2-D
+    tensor of its type is (`unpack_blocks` codes, `BlockQuantized` blocks), from its own byte range."""
+    experts, rows, cols = shape
+    per_expert = raw.reshape(experts, -1)
+
+    def read(e: int) -> GroupQuantized | BlockQuantized:
+        if ggml_type in BLOCK_TYPES:
+            return BlockQuantized.from_bytes(per_expert[e], ggml_type, (rows, cols))
+        return unpack_blocks(per_expert[e], ggml_type, (rows, cols))
+
+    return StackedExperts(shape, ggml_type, int(raw.numel()), read)
+
+
 def _numpy_dequantize(raw: Tensor, info: GGUFTensorInfo) -> np.ndarray:
     """Types Helios does not unpack itself, through ``gguf.quants`` (float32, numpy layout)."""
     import gguf
@@ -198,6 +215,8 @@ def _make_source_thunk(file: GGUFFile, gguf_name: str, permute_heads: int | None
         if isinstance(value, (GroupQuantized, BlockQuantized)):
             rows = torch.arange(value.shape[0])
             return value.take_rows(unpermute_rotary_rows(rows, permute_heads))
+        if isinstance(value, StackedExperts):
+            raise ValueError(f"{gguf_name}: stacked expert tensors have no rotary rows to un-permute")
         return unpermute_rotary_rows(value, permute_heads).contiguous()
 
     return load

@@ -20,8 +20,31 @@ stable sort), each active expert runs one gate/up and one down matmul over its c
 the rows are scaled by their routing weights and added back to their tokens with ``index_add_``.
 The Python loop is over the experts that received tokens, never over tokens. Expert weights are
 stacked dense tensors, ``gate_up`` [E, 2 * moe_intermediate, hidden] (gate rows first) and ``down``
-[E, hidden, moe_intermediate], in the model's dense dtype (quantized weight formats leave them dense:
-`helios.models.quant.build_linear` is applied to the attention, dense MLPs and shared experts only).
+[E, hidden, moe_intermediate], in the model's dense dtype under a dense weight format; under a
+quantized one each expert's gate/up and down are modules built by `helios.models.quant.build_linear`
+(`helios.models.moe_decoder`): `kquant.KQuantLinear` over the expert's own GGUF blocks (a k-quant /
+Q5_x / Q8_0 GGUF under ``keep_blocks``, what ``weights = "auto"`` picks: the stacked
+``ffn_*_exps`` tensors are never dequantized at load), `quant.Int4Linear` (int4; Q4_0 / Q4_1 codes
+kept), `quant.Int8Linear` (int8).
+
+Which path a step takes. A step of T rows makes T * top_k (token, expert) pairs; expert e runs on
+its n_e rows (sum n_e = T * top_k), so the per-expert row count, not T, picks the path. With
+`kquant.KQuantLinear` experts and no dense copy (``auto``: ``unpack_above`` =
+``runtime.AUTO_BLOCKS_UNPACK_ABOVE`` = 32):
+
+- 1 row (decode of one sequence): top_k experts with one row each: the kernel's GEMV
+  (`cpu_kernels.kquant_linear`, 1 to 3 rows: single weight rows), top_k experts' blocks read.
+- 8 rows: 8 * top_k pairs; with many experts (Qwen3-30B-A3B: 128, top 8) nearly every active
+  expert gets one or two rows: GEMVs, each active expert's blocks read once; with few experts,
+  4 rows and more take the kernel's register tiles (4 activation x 2 weight rows).
+- 32 rows: 32 * top_k pairs: an expert's n_e is at most 32 here, so every expert stays on the
+  kernel (GEMV or tiles, each active expert's blocks read once for all its rows); ``unpack_above``
+  counts n_e, so only an expert chosen by more than 32 tokens of a larger step (prefill) is
+  dequantized for the call into a dense GEMM in the activation dtype.
+
+With a dense copy (``dense_dtype``), an expert with more than ``dense_above`` rows uses it instead.
+`quant.Int4Linear` experts take torch's int4 kernel at every row count (or the dense copy past
+``dense_above``); dense stacked experts, ``torch.matmul`` per expert.
 """
 
 from __future__ import annotations

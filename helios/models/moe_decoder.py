@@ -11,9 +11,23 @@ gate as Qwen2-MoE has). `MoEConfig.moe_layers` says which layers are MoE layers 
 
 Built on `helios.models.decoder.FusedDecoderLM`: the attention's fused q/k/v and o projections, the
 dense layers' gate/up and down projections and the shared experts' (as the gate/up and down
-projections of an MoE layer) are built in the model's `WeightFormat`; the router weight, the score
-correction bias and the stacked expert weights are plain parameters filled from the per-expert
-Hugging Face names (``mlp.experts.{e}.gate_proj.weight`` ...), so packed states carry them as well.
+projections of an MoE layer) are built in the model's `WeightFormat`; the router weight and the score
+correction bias are plain parameters. The routed experts are, under a dense format, stacked
+parameters filled from the per-expert Hugging Face names (``mlp.experts.{e}.gate_proj.weight`` ...);
+under a quantized format, one gate/up and one down module per expert built by `quant.build_linear`
+from those names (``experts_gate_up_{e}``, ``experts_down_{e}``). Packed states carry both.
+
+GGUF files store each layer's experts stacked ([E, rows, cols], `GGUF_MOE_LAYER_NAMES`). In a block
+type (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0, Q4_0, Q4_1) the loader hands the stack over as a
+`quant.StackedExperts` and `_PerExpert` takes expert e as the 2-D weight of its own contiguous byte
+range, in the form a 2-D tensor of that type is read: `kquant.BlockQuantized` blocks (a view, no
+dequantization; a ``keep_blocks`` format makes Q8_0 codes blocks again, exactly), or Q4_0 / Q4_1
+`quant.GroupQuantized` codes. So under ``keep_blocks`` (``weights = "auto"`` for a k-quant GGUF) each
+expert's gate/up and down are `kquant.KQuantLinear` over the file's blocks (the expert bytes kept
+are the file's), under int4 Q4_0 / Q4_1 experts are `quant.Int4Linear` from their codes, and a dense
+format dequantizes each expert into the stack. `MoEForCausalLM.decode_weight_bytes` counts
+top_k / num_experts of those bytes per step; which kernel path a step's rows take is in
+`helios.models.moe`.
 """
 
 from __future__ import annotations
@@ -41,7 +55,7 @@ from helios.models.decoder import (
 )
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec
 from helios.models.moe import Experts, RouterSpec, expert_mix, route
-from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat
+from helios.models.quant import BuildSource, DenseLinear, StackedExperts, UnloadedLinear, WeightFormat
 
 __all__ = ["EXPERT_FORMS", "GGUF_MOE_LAYER_NAMES", "MoEConfig", "MoEForCausalLM", "gguf_moe_tensor"]
 
@@ -109,8 +123,9 @@ class MoEConfig(DecoderDims):
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def projection_params(self) -> int:
-        """Weights in the projections a weight format converts: attention, dense MLPs, shared
-        experts (the routed experts stay dense)."""
+        """Weights of the attention, dense MLPs and shared experts (what `runtime.choose_weights`
+        sizes a dense copy by; the routed experts, which quantized formats convert too, are not
+        counted)."""
         attention = (self.q_size + 2 * self.kv_size) * self.hidden_size + self.hidden_size * self.q_size
         total = 0
         for moe in self.moe_layers:
@@ -203,7 +218,7 @@ class _PerExpert(Mapping[str, BuildSource]):
             else:
                 self._names.append(name)
                 self._plain.add(name)
-        self._cached: tuple[str, Tensor] | None = None
+        self._cached: tuple[str, Tensor | StackedExperts] | None = None
 
     def _expand(self, name: str, prefix: str, suffix: str, num_experts: int, inter: int) -> None:
         for e in range(num_experts):
@@ -216,12 +231,13 @@ class _PerExpert(Mapping[str, BuildSource]):
                 self._parts[f"{base}{suffix}.weight"] = (name, e, None)
                 self._names.append(f"{base}{suffix}.weight")
 
-    def _stacked(self, name: str) -> Tensor:
+    def _stacked(self, name: str) -> Tensor | StackedExperts:
         if self._cached is None or self._cached[0] != name:
             self._cached = None  # drop the previous one first
             value = self._tensors[name]
-            if not isinstance(value, Tensor) or value.dim() != 3:
-                raise ValueError(f"{name}: stacked expert weights must be a dense [experts, rows, cols] tensor")
+            if not isinstance(value, (Tensor, StackedExperts)) or value.dim() != 3:
+                raise ValueError(f"{name}: stacked expert weights must be a dense [experts, rows, cols] tensor "
+                                 "or GGUF blocks")
             if value.shape[0] != self._num_experts:
                 raise ValueError(f"{name}: {value.shape[0]} experts, the config has {self._num_experts}")
             self._cached = (name, value)
@@ -234,7 +250,12 @@ class _PerExpert(Mapping[str, BuildSource]):
                 raise KeyError(name)
             return self._tensors[name]
         stacked, expert, rows = part
-        matrix = self._stacked(stacked)[expert]
+        value = self._stacked(stacked)
+        if isinstance(value, StackedExperts):  # GGUF blocks: the expert's own bytes, as a 2-D tensor's
+            if rows is not None:
+                raise ValueError(f"{stacked}: a fused gate/up tensor in GGUF blocks is not a llama.cpp layout")
+            return value.expert(expert)
+        matrix = value[expert]
         return (matrix if rows is None else matrix[rows]).clone()  # its own storage, not the stack's
 
     def __iter__(self) -> Iterator[str]:

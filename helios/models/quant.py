@@ -95,8 +95,36 @@ class GroupQuantized:
 
 WeightSource = Tensor | GroupQuantized
 # What `build_linear` and `dense_of` also take: `kquant.BlockQuantized`, GGUF K-quant / Q5_x / Q8_0 blocks
-# kept as they are (a forward reference: kquant imports this module).
-BuildSource = Union[WeightSource, "BlockQuantized"]
+# kept as they are (a forward reference: kquant imports this module); and what a checkpoint hands over
+# for a stacked expert tensor kept in its file form, `StackedExperts` (never a projection's part: the
+# MoE decoder takes its experts one at a time).
+BuildSource = Union[WeightSource, "BlockQuantized", "StackedExperts"]
+
+
+@attrs.frozen(eq=False)
+class StackedExperts:
+    """A stacked [experts, rows, cols] weight in a GGUF block type (llama.cpp's ``ffn_*_exps``), kept
+    in the file's form: ``read(e)`` gives expert e's [rows, cols] matrix as a 2-D tensor of that type
+    is read (`GroupQuantized` Q4_0 / Q4_1 / Q8_0 codes, `kquant.BlockQuantized` blocks: the expert's
+    rows are one contiguous byte range of the stack, so this is a view, no dequantization).
+    ``nbytes``: the stack's bytes in the file."""
+
+    shape: tuple[int, int, int]
+    ggml_type: int
+    nbytes: int
+    read: Callable[[int], WeightSource | BlockQuantized]
+
+    def dim(self) -> int:
+        return 3
+
+    def expert(self, e: int) -> WeightSource | BlockQuantized:
+        if not 0 <= e < self.shape[0]:
+            raise IndexError(f"expert {e} of {self.shape[0]}")
+        return self.read(e)
+
+    def dequantize(self) -> Tensor:
+        """float32 [experts, rows, cols]."""
+        return torch.stack([dense_of(self.read(e)).to(torch.float32) for e in range(self.shape[0])])
 
 
 def dense_of(weight: BuildSource) -> Tensor:
