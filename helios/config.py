@@ -61,6 +61,9 @@ class ServerConfig:
     # there) or "reject" (vLLM's, OpenAI's and Anthropic's: a 400 context_length_exceeded in each
     # protocol's words). Coding clients ask for 32,000 output tokens whatever the model's context.
     max_tokens_overflow: str = attrs.field(default="clamp", validator=attrs.validators.in_(["clamp", "reject"]))
+    # A cap on every request's output tokens (llama-server's --n-predict): a larger limit, or none, is cut
+    # to it and the answer ends with the protocol's length reason there. 0: no cap.
+    max_output_tokens: int = attrs.field(default=0, validator=_non_negative)
     frontend_workers: int = attrs.field(default=2, validator=_positive)
     thinking_token_budget: int | None = None
     max_top_logprobs: int = 20

@@ -578,6 +578,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         has_bos=tok.bos_token_id is not None,
         thinking_token_budget=cfg.server.thinking_token_budget,
         clamp_max_tokens=cfg.server.max_tokens_overflow == "clamp",
+        max_output_tokens=cfg.server.max_output_tokens,
         has_reasoning=recipe.reasoning_parser is not None or recipe.output_parser not in ("plain", "hermes", "qwen2_5"),
         speculative_mode=cfg.speculative.mode,
         speculative_max_depth=cfg.speculative.max_depth if cfg.speculative.mode != "off" else 0,

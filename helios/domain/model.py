@@ -28,6 +28,8 @@ class ModelInfo:
     recipe: str
     has_bos: bool
     thinking_token_budget: int | None = None
+    max_output_tokens: int = 0
+    """`[server] max_output_tokens`: every request's output limit is at most this (0: no cap)."""
     clamp_max_tokens: bool = True
     """An explicit output limit beyond the context left is cut to what is left (`[server]
     max_tokens_overflow = "clamp"`); False: it is a 400 (``"reject"``, vLLM's rule)."""

@@ -285,7 +285,7 @@ class Service:
         own API does; `input_param` and `output_param` are the request fields it names. An explicit
         limit beyond the context left is cut to what is left (`ModelInfo.clamp_max_tokens`, the
         default, as llama.cpp's server does), or raises it too (vLLM's rule, ``[server]
-        max_tokens_overflow = "reject"``).
+        max_tokens_overflow = "reject"``). ``[server] max_output_tokens`` caps every limit first.
         """
         limit = self.info.max_model_len
         if num_prompt_tokens >= limit and not (max_tokens == 0 and num_prompt_tokens <= limit):
@@ -294,8 +294,11 @@ class Service:
                 input_param=input_param, output_param=output_param,
             )
         remaining = limit - num_prompt_tokens
+        cap = self.info.max_output_tokens
         if max_tokens is None:
-            return min(self.info.default_max_tokens, remaining)
+            return min(self.info.default_max_tokens, remaining, *([cap] if cap else []))
+        if cap and max_tokens > cap:
+            max_tokens = cap
         if max_tokens > remaining:
             if self.info.clamp_max_tokens:
                 return remaining

@@ -363,6 +363,7 @@ def runtime_factory(family: Family, book: ScriptBook, *, model_factory: ModelFac
             has_bos=tok.bos_token_id is not None,
             thinking_token_budget=cfg.server.thinking_token_budget,
             clamp_max_tokens=cfg.server.max_tokens_overflow == "clamp",
+            max_output_tokens=cfg.server.max_output_tokens,
             has_reasoning=recipe.reasoning_parser is not None or recipe.output_parser not in ("plain", "hermes"),
         )
         assert TEMPLATES is not None, "shared/fixtures/chat_templates not found"
