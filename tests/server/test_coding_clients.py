@@ -390,10 +390,10 @@ DOC_REAL_MODEL = "qwen2.5-coder:1.5b"
 REAL_MODEL = os.environ.get("HELIOS_CLIENT_MODEL", "qwen2.5-coder:0.5b")
 REAL_TOML = """
 [server]
-# The clients' own output requests (Claude Code's and OpenCode's 32,000, Codex's none) are bounded on the
-# server, so the documented client blocks stay as they are: greedy, the 1.5B answered Claude Code's
-# first turn with thousands of tokens.
-max_output_tokens = 128
+# Codex sends no output limit: this bounds its turn. Claude Code's and OpenCode's 32,000 are cut to the
+# context left; a server cap (max_output_tokens) would end Claude Code's turn at stop_reason max_tokens,
+# which it reports as an error after three continuations, so its answer must end by itself.
+default_max_tokens = 256
 [model]
 path = "@MODEL@"
 generation_config = {temperature = 0.0}

@@ -199,8 +199,12 @@ def test_request_errors_have_openai_shape(server: LiveServer) -> None:
         client.chat.completions.create(model="m", messages=CAPITAL, max_tokens="ten")  # type: ignore[arg-type]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m", messages=CAPITAL, temperature=True)  # type: ignore[arg-type]
+    # An output limit beyond the context is cut to the room left (the default clamp; the `limited`
+    # server checks vLLM's 400 under "reject").
+    cut = client.chat.completions.create(model="m", messages=CAPITAL, max_tokens=100_000, temperature=0, stop=["."])
+    assert cut.choices[0].finish_reason == "stop" and "Paris" in (cut.choices[0].message.content or "")
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="m", messages=CAPITAL, max_tokens=100_000)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 9000}], max_tokens=5)
     assert "context length" in err.value.message
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m", messages=[])

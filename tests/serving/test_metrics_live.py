@@ -102,7 +102,8 @@ def test_output_failures_count_once_each(qwen3: ScriptedServer) -> None:
             events = [line[7:] for line in sr.iter_lines() if line.startswith("event: ")]
         assert events[-1] == "response.failed"
         # A client error after validation is neither completed nor failed.
-        assert h.post("/v1/chat/completions", json={**body(Ask("x")), "max_tokens": 10**6}).status_code == 400
+        too_long = {**body(Ask("x")), "messages": [{"role": "user", "content": "pad " * 5000}]}  # over the context
+        assert h.post("/v1/chat/completions", json=too_long).status_code == 400
     s1, p1 = snapshot(qwen3), prometheus(qwen3)
     assert delta(s1, s0, "failed") == 2 and delta(s1, s0, "completed") == 0
     stage = ("helios_requests_failed_by_stage_total", (("stage", "output"),))
