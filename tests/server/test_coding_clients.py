@@ -385,7 +385,8 @@ def test_opencode_run(client_bin: Path, proxy: RecordingProxy, project: Path, mo
 # docs/clients.md leads with qwen2.5-coder:1.5b; CI runs the same blocks against the 0.5B (same
 # tokenizer, chat template and tool-call parser; about three times the prefill speed), which keeps the
 # three first turns (8,000 to 18,000 prompt tokens each) within CI's time on 2 cores.
-# HELIOS_CLIENT_MODEL=qwen2.5-coder:1.5b runs them against the documented model.
+# HELIOS_CLIENT_MODEL=qwen2.5-coder:1.5b runs them against the documented model. Claude Code's turn
+# (18,000 prompt tokens, the longest) runs only when HELIOS_CLIENT_MODEL is set, to keep CI under 30 min.
 DOC_REAL_MODEL = "qwen2.5-coder:1.5b"
 REAL_MODEL = os.environ.get("HELIOS_CLIENT_MODEL", "qwen2.5-coder:0.5b")
 REAL_TOML = """
@@ -446,6 +447,8 @@ def check_full_turn(name: str, proc: subprocess.CompletedProcess[str], records: 
     assert proc.stdout.strip(), f"{name} printed no answer"
 
 
+@pytest.mark.skipif(not os.environ.get("HELIOS_CLIENT_MODEL"),
+                    reason="Claude Code's 18,000-token first turn takes minutes on 2 cores: set HELIOS_CLIENT_MODEL")
 @pytest.mark.timeout(RUN_TIMEOUT + 120)  # the first turn prefills the whole prompt
 def test_real_model_claude_print(client_bin: Path, real_proxy: RecordingProxy, project: Path) -> None:
     env = {}
