@@ -104,6 +104,9 @@ class EngineSection:
     kv_memory_gib: float = 2.0
     prefill_chunk_size: int = attrs.field(default=512, validator=_positive)
     max_active: int = attrs.field(default=64, validator=_positive)
+    # Touch every page of the KV pool at start, so its memory is resident (and any shortage shows)
+    # from the first request; off: a page's memory is taken when it is first used.
+    kv_prefault: bool = False
 
 
 @attrs.frozen

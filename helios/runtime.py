@@ -549,7 +549,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                         disk_bytes=int(cfg.cache.disk_gib * 2**30),
                         speculative=SpeculativeConfig(mode=cfg.speculative.mode, max_depth=cfg.speculative.max_depth,
                                                       history=cfg.speculative.history),
-                        token_vocab_size=ckpt.tokenizer.vocab_size)
+                        kv_prefault=cfg.engine.kv_prefault, token_vocab_size=ckpt.tokenizer.vocab_size)
     core = EngineCore(model, ecfg, dtype, device, vision=loaded.vision)
     name = cfg.model.recipe or detect_recipe(ckpt.model_id, mc.arch, ckpt.chat_template)
     is_default = catalog_name == DEFAULT_NAME

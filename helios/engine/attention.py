@@ -231,6 +231,14 @@ class KVCache:
                     self.states[i] = tuple(zeroed((num_state_slots, *shape), spec.dtype or dtype, device)
                                            for shape in spec.shapes)
 
+    def prefault(self) -> None:
+        """Write every cache tensor once (zeros), so all its memory pages are resident now rather
+        than taken one by one as pages are first used (`zeroed`)."""
+        tensors = [*self.k.values(), *self.v.values(), *self.rows.values()]
+        tensors += [t for state in self.states.values() for t in state]
+        for t in tensors:
+            t.zero_()
+
     def _page_views(self, page: int, page_size: int, group: int) -> list[Tensor]:
         """The group's tensors' views of one page, layer by layer (K then V, or the rows)."""
         lo = page * page_size

@@ -65,6 +65,8 @@ class EngineConfig:
     disk_bytes: int = 0
     speculative: SpeculativeConfig = SpeculativeConfig()
     """Exact speculative decoding (engine/speculative.py); off by default."""
+    kv_prefault: bool = False
+    """Touch the whole KV pool at start (`KVCache.prefault`) instead of page by page as used."""
     token_vocab_size: int | None = None
     """The ids the tokenizer knows (None: all of the model's). A checkpoint may pad its embedding rows
     past the tokenizer's vocabulary; the padding ids are never sampled or offered as logprobs."""
@@ -87,6 +89,8 @@ class EngineCore:
         self.attention = TorchPagedBackend.for_layout(layout, cfg.num_pages, cfg.page_size, dtype, self.device,
                                                       num_state_slots=cfg.max_active)
         self.kv = self.attention.kv
+        if cfg.kv_prefault:
+            self.kv.prefault()
         fingerprint = _layout_fingerprint(cfg, layout, dtype)
         # A recurrent group's state cannot be restored at a prefix (no snapshots yet): no prefix
         # cache, and no speculation (rejected drafts would need a state rollback).

@@ -53,6 +53,8 @@ max_model_len = 512
 max_active = 4
 kv_pages = 192
 prefill_chunk_size = 256
+# The whole pool resident from the start: pages first touched during the load are not a leak.
+kv_prefault = true
 [cache]
 # A small host store: the prefix cache evicts into it all through the soak, and it fills within the
 # first quarter, so its growth (bounded by this budget) is not read as a leak by the RSS check.

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import os
 
+import pytest
 import torch
 
 from helios.engine.attention import KVCache, zeroed
@@ -39,3 +41,25 @@ def test_kv_cache_pages_start_zero_and_round_trip() -> None:
     assert kv.write_page(7, 16, data)
     assert torch.equal(kv.k[1][:, 112:128], kv.k[1][:, 16:32])
     assert not kv.k[0].any()
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon line")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/self/status (Linux)")
+def test_prefault_makes_the_whole_pool_resident() -> None:
+    # 2 layers x K and V x 2 heads x 8192 slots x 128 dims x 4 bytes = 32 MiB.
+    before = _rss_anon()
+    kv = KVCache(num_layers=2, num_pages=512, page_size=16, num_kv_heads=2, head_dim=128, dtype=torch.float32)
+    pool = sum(t.numel() * t.element_size() for t in (*kv.k.values(), *kv.v.values()))
+    assert pool == 32 << 20
+    made = _rss_anon()
+    assert made - before < pool // 10  # nothing touched yet
+    kv.prefault()
+    assert _rss_anon() - made > pool * 9 // 10
+    assert all(not t.any() for t in (*kv.k.values(), *kv.v.values()))
