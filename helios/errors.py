@@ -8,7 +8,9 @@ renderers produce the bodies the spec names (api.md, "Transport and admission"):
 - OpenAI (Chat Completions, Completions, Responses, discovery, auth on every route):
   ``{"error": {"type", "message", "param", "code"}}`` with ``param`` null unless given;
   5xx use ``server_error``.
-- Anthropic (Messages): ``{"type": "error", "error": {"type", "message"}}``; 5xx use ``api_error``.
+- Anthropic (Messages): ``{"type": "error", "error": {"type", "message"}}``; 5xx use ``api_error``;
+  an error with ``details`` adds the Anthropic API's typed ``error.details`` object (its
+  ``error_code`` is what the SDK keys fallbacks on, e.g. ``thread_unsupported_request``).
 - Ollama discovery: ``{"error": message}``.
 
 No torch, no trio: frontends and the engine-facing serving layer may import this module.
@@ -38,6 +40,7 @@ class HeliosError(Exception):
         code: str | None = None,
         type: str | None = None,
         headers: tuple[Header, ...] = (),
+        details: dict[str, Any] | None = None,
     ) -> None:
         message = scalar_text(message)  # it may echo request text; rendering it must never fail
         super().__init__(message)
@@ -46,6 +49,7 @@ class HeliosError(Exception):
         self.code: str | None = code if code is not None else self.default_code
         self.type: str = type if type is not None else self.openai_type
         self.headers: tuple[Header, ...] = headers  # extra response headers (Allow, Retry-After)
+        self.details: dict[str, Any] | None = details  # Anthropic's error.details (OpenAI shape: none)
 
     def __str__(self) -> str:
         return self.message
@@ -57,7 +61,10 @@ class HeliosError(Exception):
         return {"error": {"type": self.type, "message": self.message, "param": self.param, "code": self.code}}
 
     def to_anthropic(self) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
+        error: dict[str, Any] = {"type": self.anthropic_type, "message": self.message}
+        if self.details is not None:
+            error["details"] = self.details
+        return {"type": "error", "error": error}
 
     def to_ollama(self) -> dict[str, Any]:
         return {"error": self.message}

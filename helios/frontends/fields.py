@@ -55,6 +55,9 @@ class FieldPolicy:
     """Ignored rows: a validator that raises its own BadRequest (nested shapes with precise params)."""
     refuse_null: bool = False
     """Refused rows: an explicit null is refused too (the field's presence is the error)."""
+    details: Mapping[str, Any] | None = None
+    """Refused rows: the 400's Anthropic ``error.details`` (a typed ``error_code`` a client's
+    fallback keys on)."""
 
     def screen(self, name: str, value: Any) -> bool:
         """Whether the field stays in the body for the wire class; BadRequest for a refused value."""
@@ -76,9 +79,8 @@ class FieldPolicy:
         return False
 
     def _refusal(self, name: str, value: Any) -> BadRequest:
-        if self.message is not None:
-            return BadRequest(self.message.format(value=value), param=name)
-        return BadRequest(f"{name} is not supported: {self.reason}", param=name)
+        message = self.message.format(value=value) if self.message is not None else f"{name} is not supported: {self.reason}"
+        return BadRequest(message, param=name, details=None if self.details is None else dict(self.details))
 
 
 FieldTable = Mapping[str, FieldPolicy]
@@ -94,8 +96,8 @@ def ignored(reason: str, *types: type, allows: Callable[[Any], bool] | None = No
 
 
 def refused(reason: str, *, inert: Callable[[Any], bool] | None = None, message: str | None = None,
-            refuse_null: bool = False) -> FieldPolicy:
-    return FieldPolicy("refused", reason, allows=inert, message=message, refuse_null=refuse_null)
+            refuse_null: bool = False, details: Mapping[str, Any] | None = None) -> FieldPolicy:
+    return FieldPolicy("refused", reason, allows=inert, message=message, refuse_null=refuse_null, details=details)
 
 
 def one_of(*values: Any) -> Callable[[Any], bool]:

@@ -147,3 +147,57 @@ def test_agent_model_answers_other_prompts_with_the_default_reply(agent: tuple[S
     r = server.openai().chat.completions.create(model="scripted", max_tokens=16, messages=[
         {"role": "user", "content": "Write a 5-10 word title for: " + TASK}])
     assert r.choices[0].message.content == "OK." and task.decisions[-1].client is None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+def test_anthropic_sdk_tool_runner_plays_the_task(agent: tuple[ScriptedServer, AgentTask], stream: bool) -> None:
+    """The real SDK's `tool_runner` (anthropic 2.15) first sends `thread: {"type": "create"}` under
+    the message-threads beta; Helios's 400 carries `error.details.error_code:
+    "thread_unsupported_request"`, on which the runner goes on unthreaded and plays the whole task."""
+    import anthropic
+    import httpx2
+    from anthropic import beta_tool
+
+    server, _task = agent
+    sent: list[dict[str, Any]] = []
+    statuses: list[int] = []
+
+    def on_request(request: httpx2.Request) -> None:
+        if request.url.path == "/v1/messages":
+            sent.append(json.loads(request.content))
+
+    def on_response(response: httpx2.Response) -> None:
+        if response.request.url.path == "/v1/messages":
+            statuses.append(response.status_code)
+
+    http = httpx2.Client(timeout=60, event_hooks={"request": [on_request], "response": [on_response]})
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, http_client=http)
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    @beta_tool(name="Read")
+    def read(file_path: str) -> str:
+        """The Read tool."""
+        calls.append(("Read", {"file_path": file_path}))
+        return "Read: done"
+
+    @beta_tool(name="Edit")
+    def edit(file_path: str, old_string: str, new_string: str) -> str:
+        """The Edit tool."""
+        calls.append(("Edit", {"file_path": file_path, "old_string": old_string, "new_string": new_string}))
+        return "Edit: done"
+
+    @beta_tool(name="Bash")
+    def bash(command: str, description: str) -> str:
+        """The Bash tool."""
+        calls.append(("Bash", {"command": command, "description": description}))
+        return "Bash: done"
+
+    runner = client.beta.messages.tool_runner(model="scripted", max_tokens=256, system=SYSTEM, tools=[read, edit, bash],
+                                              messages=[{"role": "user", "content": TASK}], stream=stream)
+    final = runner.until_done()
+    http.close()
+    assert calls == EXPECTED["claude"][1]
+    assert "".join(b.text for b in final.content if b.type == "text") == ANSWER
+    # The first request asked for a thread and was refused with the typed code; every later one went unthreaded.
+    assert sent[0].get("thread") == {"type": "create"} and statuses[0] == 400
+    assert all("thread" not in body for body in sent[1:]) and statuses[1:] == [200] * 4, statuses

@@ -184,7 +184,10 @@ MESSAGES_FIELDS: FieldTable = {
                          message="container is not supported: code-execution containers are not available"),
     "mcp_servers": refused("Helios does not connect to MCP servers; give the client the tools instead",
                            inert=one_of([]), message="mcp_servers is not supported: MCP servers are not available"),
-    "thread": refused("server-held conversation state: Helios keeps no messages, so send the whole conversation"),
+    # The Anthropic SDK's tool runner and message threads send `thread` and, on this error_code,
+    # go on without it (anthropic.lib.threads: "continue_unthreaded").
+    "thread": refused("server-held conversation state: Helios keeps no messages, so send the whole conversation",
+                      details={"error_code": "thread_unsupported_request"}),
     "compaction": refused("compaction requests (summarize the conversation) are not implemented"),
     # The spec: /v1/messages rejects these fields; present at all (null included) is a 400.
     **{name: refused("an OpenAI/vLLM logprob option; Messages has no logprobs",
