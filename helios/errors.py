@@ -49,7 +49,7 @@ class HeliosError(Exception):
         self.code: str | None = code if code is not None else self.default_code
         self.type: str = type if type is not None else self.openai_type
         self.headers: tuple[Header, ...] = headers  # extra response headers (Allow, Retry-After)
-        self.details: dict[str, Any] | None = details  # Anthropic's error.details (OpenAI shape: none)
+        self.error_details: dict[str, Any] | None = details  # Anthropic's error.details (OpenAI shape: none)
 
     def __str__(self) -> str:
         return self.message
@@ -62,8 +62,8 @@ class HeliosError(Exception):
 
     def to_anthropic(self) -> dict[str, Any]:
         error: dict[str, Any] = {"type": self.anthropic_type, "message": self.message}
-        if self.details is not None:
-            error["details"] = self.details
+        if self.error_details is not None:
+            error["details"] = self.error_details
         return {"type": "error", "error": error}
 
     def to_ollama(self) -> dict[str, Any]:
