@@ -70,6 +70,15 @@ class HeliosApp:
     async def drain(self, grace: float | None = None) -> None:
         await self.state.drain(grace)
 
+    def engine_failure(self) -> str | None:
+        """Why the engine thread died (an exception escaped its loop), once it has ended; None while
+        it runs, before it starts and after a normal stop."""
+        thread = getattr(self.state.runtime, "thread", None)
+        error = getattr(thread, "error", None)
+        if thread is None or error is None or thread.is_alive():
+            return None
+        return str(error)
+
     def abort_now(self) -> None:
         self.state.abort_now()
 

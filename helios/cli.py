@@ -72,11 +72,17 @@ def _serve(args: argparse.Namespace) -> int:
     from hypercorn.utils import LifespanFailureError
 
     failed = False
+    died: list[str] = []
     try:
-        trio.run(partial(serve, app, hc, shutdown_trigger=partial(_drain_on_signal, app)))  # type: ignore[arg-type]
+        trio.run(partial(serve, app, hc, shutdown_trigger=partial(_shutdown_trigger, app, died)))  # type: ignore[arg-type]
     except* LifespanFailureError:
         failed = True  # the app logged why, in one line for a model it cannot serve
+    if died:
+        return ENGINE_DIED_STATUS
     return 1 if failed else 0
+
+
+ENGINE_DIED_STATUS = 70  # EX_SOFTWARE: the engine thread died; a supervisor should restart the process
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -131,19 +137,35 @@ def _tree_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
 
-async def _drain_on_signal(app: HeliosApp) -> None:
-    """hypercorn's shutdown trigger for `helios serve`: on SIGTERM or SIGINT (Ctrl-C), drain the app
-    while the server still accepts connections (new generation requests and /health get 503), then
-    return, which makes hypercorn stop accepting and shut down. A second signal ends the grace
-    period at once (the remaining requests are aborted)."""
+async def _shutdown_trigger(app: HeliosApp, died: list[str]) -> None:
+    """hypercorn's shutdown trigger for `helios serve`: on SIGTERM or SIGINT (Ctrl-C), or when the
+    engine thread dies (its requests have then failed in their protocols' error shapes and /health
+    is 503), drain the app while the server still accepts connections (new generation requests and
+    /health get 503), then return, which makes hypercorn stop accepting and shut down. A second
+    signal ends the grace period at once (the remaining requests are aborted). An engine death is
+    appended to ``died``: the process then exits with `ENGINE_DIED_STATUS`."""
     import signal
 
     import trio
 
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            log.info("shutdown: %s received", signal.Signals(signum).name)
-            break
+        async with trio.open_nursery() as first:
+
+            async def on_signal() -> None:
+                async for signum in signals:
+                    log.info("shutdown: %s received", signal.Signals(signum).name)
+                    break
+                first.cancel_scope.cancel()
+
+            async def on_engine_death() -> None:
+                while (why := app.engine_failure()) is None:
+                    await trio.sleep(0.25)
+                died.append(why)
+                log.critical("shutdown: %s; draining, then exiting with status %d", why, ENGINE_DIED_STATUS)
+                first.cancel_scope.cancel()
+
+            first.start_soon(on_signal)
+            first.start_soon(on_engine_death)
 
         async def abort_on_second_signal() -> None:
             async for signum in signals:

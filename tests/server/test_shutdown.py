@@ -68,20 +68,21 @@ class Proc:
         return drained, aborted, free, total
 
 
-def start(tmp: Path, name: str, *, plain_hypercorn: bool = False, grace: float = 30) -> Proc:
+def start(tmp: Path, name: str, *, plain_hypercorn: bool = False, grace: float = 30,
+          env_extra: dict[str, str] | None = None, module: str = "helios.cli") -> Proc:
     from helios.loaders.default_model import ensure_default_model
 
     port = _free_port()
     cfg = tmp / f"{name}.toml"
     cfg.write_text(TOML.replace("@MODEL@", str(ensure_default_model())).replace("@PORT@", str(port)))
     log = tmp / f"{name}.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     if plain_hypercorn:
         env["HELIOS_CONFIG"] = str(cfg)
         cmd = [sys.executable, "-m", "hypercorn", "helios.app:app", "--worker-class", "trio",
                "--bind", f"127.0.0.1:{port}", "--graceful-timeout", str(grace)]
     else:
-        cmd = [sys.executable, "-m", "helios.cli", "serve", "--config", str(cfg), "--shutdown-grace", str(grace)]
+        cmd = [sys.executable, "-m", module, "serve", "--config", str(cfg), "--shutdown-grace", str(grace)]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, log, timeout=180)
@@ -235,6 +236,42 @@ def test_plain_hypercorn_sigterm_finishes_stream_and_frees_pages(tmp_path: Path)
         assert srv.wait(30) == 0
         _, aborted, free, total = srv.shutdown_line()
         assert aborted == 0 and free == total > 0
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+
+
+def test_engine_death_fails_requests_in_their_shapes_and_exits_nonzero(tmp_path: Path) -> None:
+    """An exception escapes the engine loop mid-stream: the stream ends with its protocol's terminal
+    error event (no [DONE]), /health is 503 at once, a new request is refused in its shape, and the
+    process drains and exits with status 70 (EX_SOFTWARE) for a supervisor to restart it."""
+    from helios.cli import ENGINE_DIED_STATUS
+
+    flag = tmp_path / "die"
+    srv = start(tmp_path, "death", module="tests.server.dying_server",
+                env_extra={"HELIOS_TEST_DEATH_FLAG": str(flag), "PYTHONPATH": str(Path(__file__).parents[2])})
+    try:
+        reader = StreamReader(srv.url, max_tokens=400)
+        reader.start()
+        assert reader.first.wait(60) and reader.content, (reader.status, reader.failure, reader.events)
+        flag.touch()
+        reader.join(30)
+        assert not reader.is_alive() and reader.failure is None, reader.failure
+        assert reader.status == 200 and reader.events and reader.events[-1] != "[DONE]"
+        error = reader.events[-1]
+        assert isinstance(error, dict) and error["error"]["type"] == "server_error", error
+        assert "engine thread died" in error["error"]["message"] and "InjectedDeath" in error["error"]["message"]
+        try:
+            health = httpx.get(srv.url + "/health", timeout=5)
+            assert health.status_code == 503 and health.json()["error"]["type"] == "server_error"
+            msg = httpx.post(srv.url + "/v1/messages", timeout=10, headers={"anthropic-version": "2023-06-01"},
+                             json={"model": "smol", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+            assert msg.status_code == 503 and msg.json()["error"]["type"] == "api_error", msg.text
+        except httpx.TransportError:
+            pass  # the drain (nothing left in flight) already ended and the listener closed
+        assert srv.wait(30) == ENGINE_DIED_STATUS
+        text = srv.text()
+        assert "engine thread died: InjectedDeath: injected by the test; draining, then exiting with status 70" in text
     finally:
         if srv.proc.poll() is None:
             srv.proc.kill()
