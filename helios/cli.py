@@ -12,14 +12,40 @@ from typing import TYPE_CHECKING
 from helios.config import WEIGHT_FORMATS
 
 if TYPE_CHECKING:
+    from hypercorn.config import Config as HyperConfig
+
     from helios.app import HeliosApp
+    from helios.config import HeliosConfig
 
 log = logging.getLogger("helios")
 
 
+KEEP_ALIVE_SECONDS = 75
+"""How long hypercorn keeps an idle connection open. Above every common client pool's expiry
+(httpx and the OpenAI and Anthropic SDKs: 5 s; Node's undici: 4 s), so a pooled client always drops
+an idle connection before the server closes it. hypercorn's own default, 5 s, equals httpx's: a
+request sent as the server closes that connection dies with a ReadError or "Server disconnected"
+(docs/operations.md, Transport)."""
+
+
+def hypercorn_config(cfg: HeliosConfig) -> HyperConfig:
+    """`helios serve`'s hypercorn configuration (the test servers use it too)."""
+    from hypercorn.config import Config as HyperConfig
+
+    hc = HyperConfig()
+    hc.bind = [f"{cfg.server.host}:{cfg.server.port}"]
+    hc.accesslog = None  # the app writes its own access log (helios.access), with token counts
+    hc.keep_alive_timeout = KEEP_ALIVE_SECONDS
+    # The app drains on the signal (below) before hypercorn stops accepting; hypercorn's own grace
+    # then covers what is left (non-generation requests), and its lifespan timeout the engine stop.
+    grace = cfg.server.shutdown_grace_seconds
+    hc.graceful_timeout = grace
+    hc.shutdown_timeout = grace + 60
+    return hc
+
+
 def _serve(args: argparse.Namespace) -> int:
     import trio
-    from hypercorn.config import Config as HyperConfig
     from hypercorn.trio import serve
 
     from helios.app import HeliosApp
@@ -59,15 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
             return 1
     logging.getLogger().setLevel(cfg.server.log_level.upper())
     app = HeliosApp(cfg)
-    hc = HyperConfig()
-    hc.bind = [f"{cfg.server.host}:{cfg.server.port}"]
-    hc.accesslog = None  # the app writes its own access log (helios.access), with token counts
-    hc.keep_alive_timeout = 75
-    # The app drains on the signal (below) before hypercorn stops accepting; hypercorn's own grace
-    # then covers what is left (non-generation requests), and its lifespan timeout the engine stop.
-    grace = cfg.server.shutdown_grace_seconds
-    hc.graceful_timeout = grace
-    hc.shutdown_timeout = grace + 60
+    hc = hypercorn_config(cfg)
     print(f"Helios serving on http://{cfg.server.host}:{cfg.server.port}", file=sys.stderr)
     from hypercorn.utils import LifespanFailureError
 

@@ -78,7 +78,8 @@ def start_server(tmp: Path, toml: str, name: str) -> LiveServer:
     log = tmp / f"{name}.log"
     env = dict(os.environ, HELIOS_CONFIG=str(cfg), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hypercorn", "helios.app:app", "--worker-class", "trio", "--bind", f"127.0.0.1:{port}"],
+        [sys.executable, "-m", "hypercorn", "helios.app:app", "--worker-class", "trio", "--bind", f"127.0.0.1:{port}",
+         "--keep-alive", "75"],
         env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"

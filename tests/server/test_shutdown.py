@@ -80,7 +80,7 @@ def start(tmp: Path, name: str, *, plain_hypercorn: bool = False, grace: float =
     if plain_hypercorn:
         env["HELIOS_CONFIG"] = str(cfg)
         cmd = [sys.executable, "-m", "hypercorn", "helios.app:app", "--worker-class", "trio",
-               "--bind", f"127.0.0.1:{port}", "--graceful-timeout", str(grace)]
+               "--bind", f"127.0.0.1:{port}", "--graceful-timeout", str(grace), "--keep-alive", "75"]
     else:
         cmd = [sys.executable, "-m", module, "serve", "--config", str(cfg), "--shutdown-grace", str(grace)]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)

@@ -389,13 +389,13 @@ class AppServer:
         self._failure: BaseException | None = None
 
     def start(self) -> Self:
-        from hypercorn.config import Config
         from hypercorn.trio import serve
 
+        from helios.cli import hypercorn_config
+
         port = _free_port()
-        config = Config()
+        config = hypercorn_config(self.app.config)  # `helios serve`'s (keep-alive included)
         config.bind = [f"127.0.0.1:{port}"]
-        config.accesslog = None
         config.errorlog = None
         config.graceful_timeout = 0.5
         self.url = f"http://127.0.0.1:{port}"
