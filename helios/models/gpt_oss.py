@@ -186,8 +186,9 @@ def config_from_gguf(source: GGUFSource) -> GptOssConfig:
     pattern = key("attention.sliding_window_pattern", 2)
     if isinstance(pattern, list):
         sliding = tuple(bool(p) for p in pattern[:num_layers])
-    else:  # llama.cpp's set_swa_pattern(n): layer i slides unless i % n == n - 1
-        sliding = tuple(int(pattern) > 0 and i % int(pattern) < int(pattern) - 1 for i in range(num_layers))
+    else:  # llama.cpp's set_swa_pattern(n): layer i slides unless i % n == n - 1 (n = 0: every layer)
+        n = int(pattern)
+        sliding = tuple(n == 0 or i % n < n - 1 for i in range(num_layers))
     kind = key("rope.scaling.type", "none")
     scaling: dict[str, Any] | None = None
     if kind == "yarn":
