@@ -31,7 +31,20 @@ What differs from Gemma 3 (`helios.models.gemma3`), all as transformers' ``model
 
 Refused (``NotImplementedError``): ``use_bidirectional_attention="all"`` (not causal),
 ``attention_bias``, activations other than GELU (tanh), RoPE types other than default/proportional,
-``per_layer_config`` overrides other than head_dim / num_key_value_heads. There is no GGUF form.
+``per_layer_config`` overrides other than head_dim / num_key_value_heads.
+
+GGUF: llama.cpp's ``gemma4`` (`config_from_gguf`, `gguf_tensor`; the text model of
+``Gemma4ForCausalLM`` and ``Gemma4ForConditionalGeneration`` alike, the vision / audio towers go to
+a separate mmproj file). Its converter stores the norms as w (no Gemma 3 style + 1), the experts
+stacked as transformers holds them (``ffn_gate_up_exps`` [E, 2I, hidden], ``ffn_down_exps``),
+``router.scale`` / ``per_expert_scale`` as ``ffn_gate_inp.scale`` / ``ffn_down_exps.scale``,
+``layer_scalar`` as ``layer_output_scale``, per-layer-type shapes as ``key_length`` /
+``key_length_swa`` and a per-layer ``head_count_kv`` array, the double-wide MLPs as a per-layer
+``feed_forward_length`` array, and the global layers' proportional RoPE as ``rope_freqs`` (1 for a
+rotated frequency, 1e30 for an unrotated one: the partial factor is read back from it). It writes no
+``attention_k_eq_v`` (read here from the global layers having no ``attn_v``) and drops
+proportional RoPE's ``factor`` (a file means factor 1). q/k rows are in rotate-half order (NeoX RoPE
+in llama.cpp).
 The embedding, output projection, fused q/k/v (q/k, or q alone) and gate/up projections in any
 `WeightFormat` and packed states are `helios.models.decoder.FusedDecoderLM`'s; the PLE tables and
 projections, the router and the stacked experts stay dense in the model dtype.
@@ -47,7 +60,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from helios.models.architecture import Architecture, ArchitectureConfig, BuildOptions
+from helios.models.architecture import (
+    Architecture,
+    ArchitectureConfig,
+    BuildOptions,
+    GGUFSource,
+    GGUFTensor,
+    gguf_key,
+)
 from helios.models.config import DecoderDims
 from helios.models.decoder import (
     PROJECTIONS,
@@ -62,7 +82,7 @@ from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSp
 from helios.models.moe import expert_mix
 from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat
 
-__all__ = ["ARCHITECTURES", "Gemma4Config", "Gemma4ForCausalLM", "RopeParams"]
+__all__ = ["ARCHITECTURES", "Gemma4Config", "Gemma4ForCausalLM", "RopeParams", "config_from_gguf", "gguf_tensor"]
 
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 _DEFAULT_PATTERN = 6
@@ -261,6 +281,122 @@ def _global_shape(config: Mapping[str, Any], sliding: tuple[bool, ...], head_dim
         raise NotImplementedError("per_layer_config: the sliding layers, and the full layers, must each share one "
                                   "attention shape")
     return next(iter(shapes[False])) if shapes[False] else (head_dim, num_kv)
+
+
+def config_from_gguf(source: GGUFSource) -> Gemma4Config:
+    """A Gemma 4 text config from llama.cpp's ``gemma4`` metadata and tensor shapes (see the module
+    docstring)."""
+    key = gguf_key(source)
+    tensors = source.tensor_shapes
+    num_layers = int(key("block_count"))
+    sliding = tuple(bool(p) for p in key("attention.sliding_window_pattern"))
+    if len(sliding) != num_layers:
+        raise ValueError(f"gemma4: {len(sliding)} sliding_window_pattern entries for {num_layers} layers")
+    num_heads = int(key("attention.head_count"))
+    kv = key("attention.head_count_kv")
+    kv = list(kv) if isinstance(kv, list) else [int(kv)] * num_layers
+    kinds = {flag: {int(n) for n, s in zip(kv, sliding, strict=True) if s == flag} for flag in (True, False)}
+    if any(len(v) > 1 for v in kinds.values()):
+        raise NotImplementedError(f"gemma4: the kv head counts {kv} differ within a layer type")
+    num_kv = next(iter(kinds[True]), 0) or next(iter(kinds[False]))
+    head_dim = int(key("attention.key_length_swa"))
+    global_head_dim = int(key("attention.key_length"))
+    num_shared = int(key("attention.shared_kv_layers", 0))
+    sources = kv_sources(sliding, num_shared)
+    ffn = key("feed_forward_length")
+    ffn = [int(f) for f in ffn] if isinstance(ffn, list) else [int(ffn)] * num_layers
+    double_wide = any(f != ffn[0] for f in ffn)
+    if double_wide and ffn != [ffn[0] * (2 if sources and sources[i] is not None else 1) for i in range(num_layers)]:
+        raise NotImplementedError(f"gemma4: feed_forward_length {ffn} is not a double-wide MLP on the KV-sharing layers")
+    scaling = key("rope.scaling.type", "none")
+    if scaling != "none":
+        raise NotImplementedError(f"gemma4 GGUF rope scaling {scaling!r} is not supported")
+    partial = 1.0
+    if "rope_freqs.weight" in tensors:  # 1 for the rotated frequencies, 1e30 for the others
+        factors = source.read_tensor("rope_freqs.weight")
+        partial = 2 * int((factors < 1e10).sum()) / global_head_dim
+    global_values = [f"blk.{i}.attn_v.weight" in tensors for i in range(num_layers)
+                     if not sliding[i] and not (sources and sources[i] is not None)]
+    moe = "blk.0.ffn_gate_inp.weight" in tensors
+    ple = int(key("embedding_length_per_layer_input", 0))
+    softcap = key("final_logit_softcapping", 0.0)
+    theta = float(key("rope.freq_base", 1_000_000.0))
+    return Gemma4Config(
+        vocab_size=int(tensors["token_embd.weight"][0]),
+        hidden_size=int(key("embedding_length")),
+        intermediate_size=ffn[0],
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        global_head_dim=global_head_dim,
+        global_kv_heads=next(iter(kinds[False]), num_kv),
+        sliding_layers=sliding,
+        sliding_window=int(key("attention.sliding_window")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_global=RopeParams(theta, partial),
+        rope_local=RopeParams(float(key("rope.freq_base_swa", 10_000.0))),
+        k_eq_v=bool(global_values) and not any(global_values),
+        kv_source=sources,
+        double_wide_mlp=double_wide,
+        ple_dim=ple,
+        ple_vocab_size=int(tensors["per_layer_token_embd.weight"][0]) if ple else 0,
+        num_experts=int(key("expert_count")) if moe else 0,
+        top_k_experts=int(key("expert_used_count")) if moe else 0,
+        moe_intermediate_size=int(key("expert_feed_forward_length")) if moe else 0,
+        final_logit_softcapping=float(softcap) or None,
+        max_position_embeddings=int(key("context_length", 131_072)),
+        tie_word_embeddings="output.weight" not in tensors,
+    )
+
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "layer_output_scale.weight": "layer_scalar",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+    "ffn_down_exps.weight": "experts.down_proj",
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+}
+
+
+def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None:
+    """Where a ``gemma4`` GGUF tensor goes; None for ``rope_freqs`` (read by `config_from_gguf`)."""
+    if gguf_name == "rope_freqs.weight":
+        return None
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return GGUFTensor(_GGUF_GLOBAL_NAMES[gguf_name])
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES:
+        return GGUFTensor(f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}")
+    raise NotImplementedError(f"GGUF tensor {gguf_name!r} has no gemma4 counterpart here")
 
 
 def kv_sources(sliding: Sequence[bool], num_shared: int) -> tuple[int | None, ...]:
@@ -586,7 +722,10 @@ ARCHITECTURES = (
         name="gemma4",
         hf_model_types=("gemma4_text",),
         hf_architectures=("Gemma4ForCausalLM",),
+        gguf_architectures=("gemma4",),
         config_from_hf=Gemma4Config.from_hf_config,
+        config_from_gguf=config_from_gguf,
+        gguf_tensor=gguf_tensor,
         build=build,
     ),
 )

@@ -23,27 +23,46 @@ A pre-norm decoder whose every layer is a mixture of experts, with:
 The checkpoints OpenAI publishes hold the experts in MXFP4 (``quantization_config`` ``mxfp4``:
 ``gate_up_proj_blocks`` / ``_scales`` ...): they are dequantized on load into the model's dtype
 (`dequantize_mxfp4`, transformers' ``convert_moe_packed_tensors``), so the experts take their dense
-size in memory. bfloat16 or float32 exports (``gate_up_proj`` ...) load as they are. No GGUF form yet.
+size in memory. bfloat16 or float32 exports (``gate_up_proj`` ...) load as they are.
+
+GGUF: llama.cpp's ``gpt-oss`` (`config_from_gguf`, `gguf_tensor`). Its converter splits the
+experts into llama.cpp's stacked layout: ``ffn_gate_exps`` / ``ffn_up_exps`` [E, I, hidden] (the
+even and odd columns of ``gate_up_proj``), ``ffn_down_exps`` [E, hidden, I] (``down_proj``
+transposed), their biases [E, I] / [E, hidden]; ``attn_sinks``, ``ffn_gate_inp`` (weight and
+bias: the router), ``post_attention_norm``. The experts of an MXFP4 checkpoint are written as ggml
+MXFP4 blocks (dequantized on load by ``gguf.quants``, exact: every FP4 value times a power of two
+is a float32), those of a dense one in the output type. On load they are joined back into
+transformers' layout (`_SplitExperts`). llama.cpp writes no layer types: its loader takes the
+``attention.sliding_window_pattern`` array when a file has one, else every even layer slides (what
+`config_from_hf` defaults to). q/k rows are in rotate-half order (llama.cpp runs gpt-oss with NeoX
+RoPE).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import attrs
 import torch
 from torch import Tensor, nn
 
 from helios.models import cpu_kernels
-from helios.models.architecture import Architecture, ArchitectureConfig, BuildOptions
+from helios.models.architecture import (
+    Architecture,
+    ArchitectureConfig,
+    BuildOptions,
+    GGUFSource,
+    GGUFTensor,
+    gguf_key,
+)
 from helios.models.config import DecoderDims, yarn_inv_freq
 from helios.models.decoder import DecoderLayer, FusedDecoderLM, add_rms_norm, apply_rope, param, rope_tables
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec, SlidingWindowSpec
-from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat
+from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat, dense_of
 
-__all__ = ["ARCHITECTURES", "GptOssConfig", "GptOssForCausalLM", "clamped_swiglu_mix", "config_from_hf",
-           "dequantize_mxfp4"]
+__all__ = ["ARCHITECTURES", "GptOssConfig", "GptOssForCausalLM", "clamped_swiglu_mix", "config_from_gguf",
+           "config_from_hf", "dequantize_mxfp4", "gguf_tensor"]
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The E2M1 values of the 16 FP4 codes."""
@@ -145,6 +164,138 @@ def config_from_hf(config: Mapping[str, Any]) -> GptOssConfig:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=bool(config.get("attention_bias", True)),
     )
+
+
+def config_from_gguf(source: GGUFSource) -> GptOssConfig:
+    """A gpt-oss config from llama.cpp's ``gpt-oss`` metadata: ``expert_feed_forward_length`` (each
+    expert's), ``attention.sliding_window``, the layer pattern (``attention.sliding_window_pattern``
+    when written, else llama.cpp's default: even layers slide), and YaRN from ``rope.scaling.*``.
+    llama.cpp's YaRN floors / ceils the correction range (``ggml_rope_yarn_corr_dims``), which is
+    transformers' ``truncate`` True; the file does not carry transformers' ``truncate``, nor the
+    clamped SwiGLU's ``swiglu_limit`` / alpha, which llama.cpp hard-codes to 7.0 / 1.702 as here."""
+    key = gguf_key(source)
+    tensors = source.tensor_shapes
+    hidden = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    num_layers = int(key("block_count"))
+    kv = key("attention.head_count_kv", num_heads)
+    if isinstance(kv, list):
+        if len(set(kv)) != 1:
+            raise NotImplementedError("gpt-oss with per-layer kv head counts is not supported")
+        kv = kv[0]
+    pattern = key("attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):
+        sliding = tuple(bool(p) for p in pattern[:num_layers])
+    else:  # llama.cpp's set_swa_pattern(n): layer i slides unless i % n == n - 1 (n = 0: every layer)
+        n = int(pattern)
+        sliding = tuple(n == 0 or i % n < n - 1 for i in range(num_layers))
+    kind = key("rope.scaling.type", "none")
+    scaling: dict[str, Any] | None = None
+    if kind == "yarn":
+        for unsupported in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"):
+            if key(unsupported, False) is not False:
+                raise NotImplementedError(f"gpt-oss GGUF with {unsupported} is not supported")
+        scaling = {"rope_type": "yarn", "factor": float(key("rope.scaling.factor")),
+                   "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+                   "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                   "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)), "truncate": True}
+    elif kind != "none":
+        raise NotImplementedError(f"gpt-oss GGUF rope scaling {kind!r} is not supported (yarn)")
+    window = key("attention.sliding_window", 0)
+    return GptOssConfig(
+        vocab_size=int(tensors["token_embd.weight"][0]),
+        hidden_size=hidden,
+        intermediate_size=int(key("expert_feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(kv),
+        head_dim=int(key("attention.key_length", hidden // num_heads)),
+        sliding_layers=sliding,
+        sliding_window=int(window) or None,
+        num_experts=int(key("expert_count")),
+        top_k=int(key("expert_used_count")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 150000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(key("context_length", 131072)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+    )
+
+
+_GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                      "output.weight": "lm_head.weight"}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    **{f"attn_{g}.{kind}": f"self_attn.{h}_proj.{kind}" for g, h in (("q", "q"), ("k", "k"), ("v", "v"),
+                                                                     ("output", "o"))
+       for kind in ("weight", "bias")},
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+    # llama.cpp's split experts, joined by `_SplitExperts`
+    **{f"ffn_{part}_exps.{kind}": f"mlp.experts.{part}_proj.{kind}" for part in ("gate", "up", "down")
+       for kind in ("weight", "bias")},
+}
+
+
+def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None:
+    """Where a ``gpt-oss`` GGUF tensor goes (no q/k permutation: NeoX RoPE in llama.cpp)."""
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return GGUFTensor(_GGUF_GLOBAL_NAMES[gguf_name])
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES:
+        return GGUFTensor(f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}")
+    raise NotImplementedError(f"GGUF tensor {gguf_name!r} has no gpt-oss counterpart here")
+
+
+class _SplitExperts(Mapping[str, BuildSource]):
+    """``tensors`` with llama.cpp's split experts (``mlp.experts.{gate,up,down}_proj.{weight,bias}``,
+    gate / up [E, I, hidden], down [E, hidden, I]) seen as transformers' ``gate_up_proj`` [E, hidden,
+    2I] (gate in the even columns, up in the odd ones), ``down_proj`` [E, I, hidden] and their
+    biases (read when asked for, dense)."""
+
+    _JOINED: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_proj": ("gate_proj.weight", "up_proj.weight"),
+                                                     "gate_up_proj_bias": ("gate_proj.bias", "up_proj.bias"),
+                                                     "down_proj": ("down_proj.weight",),
+                                                     "down_proj_bias": ("down_proj.bias",)}
+
+    def __init__(self, tensors: Mapping[str, BuildSource]) -> None:
+        self._tensors = tensors
+        self._joined: dict[str, tuple[str, ...]] = {}
+        self._names: list[str] = []
+        split = {name for name in tensors if ".mlp.experts." in name and name.endswith((".weight", ".bias"))}
+        for name in tensors:
+            if name not in split:
+                self._names.append(name)
+        for prefix in sorted({name.split(".mlp.experts.")[0] for name in split}):
+            for joined, parts in self._JOINED.items():
+                sources = tuple(f"{prefix}.mlp.experts.{p}" for p in parts)
+                if all(s in split for s in sources):
+                    self._joined[f"{prefix}.mlp.experts.{joined}"] = sources
+                    self._names.append(f"{prefix}.mlp.experts.{joined}")
+                    split -= set(sources)
+        self._names.extend(sorted(split))  # left unjoined: reported as unexpected by load_weights
+
+    def __getitem__(self, name: str) -> BuildSource:
+        sources = self._joined.get(name)
+        if sources is None:
+            return self._tensors[name]
+        parts = [dense_of(self._tensors[s]) for s in sources]
+        if len(parts) == 1:  # down: [E, hidden, I] -> [E, I, hidden]; its bias as it is
+            return parts[0].transpose(1, 2).contiguous() if parts[0].dim() == 3 else parts[0]
+        gate, up = parts
+        joined = torch.stack((gate, up), dim=-2 if gate.dim() == 3 else -1)  # [E, I, 2, hidden] / [E, I, 2]
+        if gate.dim() == 3:
+            return joined.reshape(gate.shape[0], 2 * gate.shape[1], gate.shape[2]).transpose(1, 2).contiguous()
+        return joined.reshape(gate.shape[0], 2 * gate.shape[1])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
@@ -282,8 +433,9 @@ class GptOssForCausalLM(FusedDecoderLM):
         return add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps, fused)[1]
 
     def load_weights(self, tensors: Mapping[str, BuildSource]) -> None:
-        """`FusedDecoderLM.load_weights`, with MXFP4 expert blocks dequantized into the model's dtype."""
-        super().load_weights(_Mxfp4Experts(tensors, self.dtype))
+        """`FusedDecoderLM.load_weights`, with MXFP4 expert blocks dequantized into the model's dtype
+        and llama.cpp's split experts joined (`_SplitExperts`)."""
+        super().load_weights(_SplitExperts(_Mxfp4Experts(tensors, self.dtype)))
 
     def decode_weight_bytes(self) -> int:
         """`FusedDecoderLM.decode_weight_bytes`, with the experts counted for the ``top_k`` of them
@@ -413,7 +565,10 @@ ARCHITECTURES = (
         name="gpt_oss",
         hf_model_types=("gpt_oss",),
         hf_architectures=("GptOssForCausalLM",),
+        gguf_architectures=("gpt-oss",),
         config_from_hf=config_from_hf,
+        config_from_gguf=config_from_gguf,
+        gguf_tensor=gguf_tensor,
         build=build,
     ),
 )

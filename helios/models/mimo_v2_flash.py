@@ -23,7 +23,23 @@ What differs from the other MoE families (`helios.models.glm4_moe`), as transfor
   q/k norm.
 
 The multi-token-prediction weights (``model.mtp.*``) are ignored, as transformers does. Built on
-`helios.models.moe_decoder.MoEForCausalLM`; no GGUF form, no FP8 checkpoints here.
+`helios.models.moe_decoder.MoEForCausalLM`; no FP8 checkpoints here.
+
+GGUF: llama.cpp's ``mimo2`` (`config_from_gguf`): the MoE families' names
+(`helios.models.moe_decoder.gguf_moe_tensor`) plus ``attn_sinks.weight`` (the sliding layers'
+sinks); ``block_count`` counts the ``nextn_predict_layers`` multi-token-prediction blocks (not
+loaded). What llama.cpp's converter writes, and so what a file can say:
+
+- one ``rope.dimension_count`` for both kinds of layer (the hub config's one
+  ``partial_rotary_factor``), ``rope.freq_base`` / ``rope.freq_base_swa``;
+- per-layer ``attention.head_count_kv`` and ``attention.sliding_window_pattern`` arrays (1: sliding),
+  ``attention.value_length`` (``v_head_dim``), ``attention.value_scale``;
+- ``attention.sliding_window``, read as llama.cpp's mask reads it: a query sees that many
+  positions, itself included. The converter copies the hub config's ``sliding_window`` (128), where
+  transformers and the reference attend ``sliding_window_size`` + 1 (129) positions, so a GGUF of
+  the released model attends one position less than its safetensors form beyond 128 tokens;
+- no ``routed_scaling_factor`` (the release's is null, i.e. 1): ``expert_weights_scale`` is read
+  when present, else 1.
 """
 
 from __future__ import annotations
@@ -37,15 +53,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from helios.models import cpu_kernels
-from helios.models.architecture import Architecture, ArchitectureConfig, BuildOptions
+from helios.models.architecture import (
+    Architecture,
+    ArchitectureConfig,
+    BuildOptions,
+    GGUFSource,
+    GGUFTensor,
+    gguf_key,
+)
 from helios.models.config import inv_freq_of
 from helios.models.decoder import DecoderLayer, add_rms_norm, apply_rope, param, rope_tables
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec, SlidingWindowSpec
 from helios.models.moe import RouterSpec
-from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, _MoELayer
+from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, _MoELayer, gguf_moe_tensor
 from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat
 
-__all__ = ["ARCHITECTURES", "MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "config_from_hf"]
+__all__ = ["ARCHITECTURES", "MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "config_from_gguf", "config_from_hf"]
 
 _SINKS = "self_attn.attention_sink_bias"  # the checkpoints' name (transformers' in-memory one: self_attn.sinks)
 
@@ -170,6 +193,71 @@ def config_from_hf(config: Mapping[str, Any]) -> MiMoV2FlashConfig:
         v_head_dim=int(config.get("v_head_dim") or 128),
         value_scale=1.0 if value_scale is None else float(value_scale),
     )
+
+
+def config_from_gguf(source: GGUFSource) -> MiMoV2FlashConfig:
+    """A MiMo-V2-Flash config from llama.cpp's ``mimo2`` metadata (see the module docstring): the
+    layer kinds from ``attention.sliding_window_pattern``, each kind's kv heads from
+    ``attention.head_count_kv``, the sparse layers those with an ``ffn_gate_inp`` router."""
+    key = gguf_key(source)
+    tensors = source.tensor_shapes
+    num_layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))
+    num_heads = int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length"))
+    pattern = key("attention.sliding_window_pattern")
+    sliding = tuple(bool(p) for p in pattern[:num_layers])
+    kv = key("attention.head_count_kv")
+    kv = list(kv[:num_layers]) if isinstance(kv, list) else [int(kv)] * num_layers
+    kinds = {flag: {int(n) for n, s in zip(kv, sliding, strict=True) if s == flag} for flag in (False, True)}
+    if any(len(v) > 1 for v in kinds.values()):
+        raise NotImplementedError(f"mimo2: the kv head counts {kv} differ within a kind of layer")
+    full_kv = next(iter(kinds[False]), 0) or next(iter(kinds[True]))
+    sliding_kv = next(iter(kinds[True]), 0) or 2 * full_kv
+    scaling_kind = key("rope.scaling.type", "none")
+    if scaling_kind != "none":
+        raise NotImplementedError(f"GGUF rope scaling {scaling_kind!r} is not supported for mimo2")
+    gating = int(key("expert_gating_func", 2))
+    if gating != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (its mimo2 graph hard-codes it)
+        raise NotImplementedError(f"mimo2 expert_gating_func {gating} is not supported (sigmoid: 2)")
+    rotary = int(key("rope.dimension_count", head_dim))
+    moe = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(num_layers))
+    theta = float(key("rope.freq_base", 5_000_000.0))
+    ffn = key("feed_forward_length")
+    return MiMoV2FlashConfig(
+        arch="mimo_v2_flash",
+        vocab_size=int(tensors["token_embd.weight"][0]),
+        hidden_size=int(key("embedding_length")),
+        intermediate_size=int(max(ffn) if isinstance(ffn, list) else ffn),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=full_kv,
+        head_dim=head_dim,
+        moe_layers=moe,
+        router=RouterSpec(num_experts=int(key("expert_count")), top_k=int(key("expert_used_count")),
+                          scoring="sigmoid", norm_topk_prob=bool(key("expert_weights_norm", True)),
+                          n_group=int(key("expert_group_count", 1)), topk_group=int(key("expert_group_used_count", 1)),
+                          routed_scaling_factor=float(key("expert_weights_scale", 1.0)) or 1.0),
+        moe_intermediate_size=int(key("expert_feed_forward_length")),
+        rotary_dim=rotary,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=theta,
+        max_position_embeddings=int(key("context_length", 131072)),
+        tie_word_embeddings="output.weight" not in tensors,
+        sliding_layers=sliding,
+        sliding_window=int(key("attention.sliding_window")),
+        sliding_kv_heads=sliding_kv,
+        sliding_rope_theta=float(key("rope.freq_base_swa", theta)),
+        sliding_rotary_dim=rotary,
+        v_head_dim=int(key("attention.value_length", head_dim)),
+        value_scale=float(key("attention.value_scale", 1.0)),
+    )
+
+
+_GGUF_NAMES = {"attn_sinks.weight": _SINKS}
+
+
+def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None:
+    return gguf_moe_tensor(config, gguf_name, _GGUF_NAMES)
 
 
 class _Renamed(Mapping[str, BuildSource]):
@@ -332,7 +420,10 @@ ARCHITECTURES = (
         name="mimo_v2_flash",
         hf_model_types=("mimo_v2_flash",),
         hf_architectures=("MiMoV2FlashForCausalLM",),
+        gguf_architectures=("mimo2",),
         config_from_hf=config_from_hf,
+        config_from_gguf=config_from_gguf,
+        gguf_tensor=gguf_tensor,
         build=build,
     ),
 )

@@ -16,7 +16,12 @@ Checkpoints use Mixtral's names (``block_sparse_moe.gate.weight``,
 ``block_sparse_moe.e_score_correction_bias``, ``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` for
 gate/up/down), as ``save_pretrained`` writes them too; transformers' in-memory names
 (``mlp.e_score_correction_bias``, stacked ``mlp.experts.gate_up_proj`` / ``down_proj``) load as
-well. Built as `helios.models.moe_decoder.MoEForCausalLM`; no GGUF form here.
+well. Built as `helios.models.moe_decoder.MoEForCausalLM`.
+
+GGUF: llama.cpp's ``minimax-m2`` (`config_from_gguf`): the MoE families' names
+(`helios.models.moe_decoder.gguf_moe_tensor`: stacked ``ffn_*_exps``, ``exp_probs_b.bias``, the
+whole-projection ``attn_q_norm`` / ``attn_k_norm``), q/k rows in rotate-half order (llama.cpp runs
+this architecture with NeoX RoPE), ``rope.dimension_count`` the rotated dimensions.
 """
 
 from __future__ import annotations
@@ -25,13 +30,21 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from helios.models.architecture import Architecture, ArchitectureConfig, BuildOptions
+from helios.models.architecture import (
+    Architecture,
+    ArchitectureConfig,
+    BuildOptions,
+    GGUFSource,
+    GGUFTensor,
+    gguf_key,
+    gguf_kv_heads,
+)
 from helios.models.config import normalize_rope_scaling
 from helios.models.moe import RouterSpec
-from helios.models.moe_decoder import MoEConfig, MoEForCausalLM
+from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, gguf_moe_tensor
 from helios.models.quant import BuildSource
 
-__all__ = ["ARCHITECTURES", "MiniMaxM2ForCausalLM", "config_from_hf", "hf_name"]
+__all__ = ["ARCHITECTURES", "MiniMaxM2ForCausalLM", "config_from_gguf", "config_from_hf", "hf_name"]
 
 
 def config_from_hf(config: Mapping[str, Any]) -> MoEConfig:
@@ -85,6 +98,51 @@ def config_from_hf(config: Mapping[str, Any]) -> MoEConfig:
         qk_norm=True,
         qk_norm_per_head=False,
     )
+
+
+def config_from_gguf(source: GGUFSource) -> MoEConfig:
+    """A MiniMax-M2 config from llama.cpp's ``minimax-m2`` metadata (``expert_count``,
+    ``expert_used_count``, ``expert_feed_forward_length``, ``rope.dimension_count``). llama.cpp's
+    converter writes no router keys for this architecture: its graph hard-codes what
+    `config_from_hf` assumes (sigmoid scores plus ``exp_probs_b``, renormalised, unscaled)."""
+    key = gguf_key(source)
+    tensors = source.tensor_shapes
+    hidden = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    num_layers = int(key("block_count"))
+    head_dim = int(key("attention.key_length", hidden // num_heads))
+    scaling_kind = source.metadata.get(f"{source.metadata.get('general.architecture')}.rope.scaling.type")
+    if scaling_kind not in (None, "none"):
+        raise NotImplementedError(f"GGUF rope scaling {scaling_kind!r} is not supported for minimax-m2")
+    gating = int(key("expert_gating_func", 2))
+    if gating != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        raise NotImplementedError(f"minimax-m2 expert_gating_func {gating} is not supported (sigmoid: 2)")
+    inter = int(key("expert_feed_forward_length"))
+    return MoEConfig(
+        arch="minimax_m2",
+        vocab_size=int(tensors["token_embd.weight"][0]),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=gguf_kv_heads(key, num_heads),
+        head_dim=head_dim,
+        moe_layers=(True,) * num_layers,
+        router=RouterSpec(num_experts=int(key("expert_count")), top_k=int(key("expert_used_count")),
+                          scoring="sigmoid", norm_topk_prob=True, fp32_logits=False),
+        moe_intermediate_size=inter,
+        rotary_dim=int(key("rope.dimension_count", head_dim)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 5000000.0)),
+        max_position_embeddings=int(key("context_length", 196608)),
+        tie_word_embeddings="output.weight" not in tensors,
+        qk_norm=True,
+        qk_norm_per_head=False,
+    )
+
+
+def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None:
+    return gguf_moe_tensor(config, gguf_name)
 
 
 _EXPERT_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -142,7 +200,10 @@ ARCHITECTURES = (
         name="minimax_m2",
         hf_model_types=("minimax_m2",),
         hf_architectures=("MiniMaxM2ForCausalLM",),
+        gguf_architectures=("minimax-m2",),
         config_from_hf=config_from_hf,
+        config_from_gguf=config_from_gguf,
+        gguf_tensor=gguf_tensor,
         build=build,
     ),
 )

@@ -469,7 +469,8 @@ class _MoELayer(DecoderLayer):
 
 # -- GGUF names ------------------------------------------------------------------------------------------
 
-# llama.cpp's per-layer names of the MoE architectures (qwen3moe, glm4moe) -> Hugging Face suffixes;
+# llama.cpp's per-layer names of the MoE architectures (qwen3moe, glm4moe, minimax-m2, mimo2) -> Hugging
+# Face suffixes;
 # the expert tensors are stacked ([E, rows, cols]) under `EXPERT_FORMS["stacked"]` (split per expert
 # on load, `_PerExpert`).
 GGUF_MOE_LAYER_NAMES = {
@@ -505,9 +506,12 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def gguf_moe_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None:
+def gguf_moe_tensor(config: ArchitectureConfig, gguf_name: str,
+                    extra: Mapping[str, str] | None = None) -> GGUFTensor | None:
     """Where an MoE GGUF tensor goes (q/k rows are in rotate-half order in these files: no
-    permutation); None for the layers past ``num_layers`` (GLM's next-token-prediction layers)."""
+    permutation); None for the layers past ``num_layers`` (next-token-prediction layers: GLM's,
+    MiMo's). ``extra``: a family's own per-layer names (GGUF suffix -> Hugging Face suffix), looked
+    up before `GGUF_MOE_LAYER_NAMES`."""
     assert isinstance(config, MoEConfig), type(config)
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return GGUFTensor(_GGUF_GLOBAL_NAMES[gguf_name])
@@ -515,7 +519,7 @@ def gguf_moe_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | 
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
         if int(parts[1]) >= config.num_layers:
             return None
-        suffix = GGUF_MOE_LAYER_NAMES.get(parts[2])
+        suffix = (extra or {}).get(parts[2]) or GGUF_MOE_LAYER_NAMES.get(parts[2])
         if suffix is not None:
             return GGUFTensor(f"model.layers.{parts[1]}.{suffix.format(shared=config.shared_name)}")
     raise NotImplementedError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart here")

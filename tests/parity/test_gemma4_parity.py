@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -58,8 +59,8 @@ def _hf_config(variant: str) -> object:
                                             "rope_theta": 1e5, "factor": 2.0}})
 
 
-def _tiny_hf_model(variant: str) -> torch.nn.Module:
-    model = transformers.Gemma4ForCausalLM(_hf_config(variant))
+def _tiny_hf_model(variant: str, config: Any = None) -> torch.nn.Module:
+    model = transformers.Gemma4ForCausalLM(config or _hf_config(variant))
     torch.manual_seed(0 if variant == "ple" else 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

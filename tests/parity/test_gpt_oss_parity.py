@@ -46,8 +46,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _tiny_hf_model(variant: str) -> torch.nn.Module:
-    config = transformers.GptOssConfig(**COMMON, **VARIANTS[variant])
+def _tiny_hf_model(variant: str, **overrides: Any) -> torch.nn.Module:
+    config = transformers.GptOssConfig(**{**COMMON, **VARIANTS[variant], **overrides})
     config._attn_implementation = "eager"
     model = transformers.GptOssForCausalLM(config)
     torch.manual_seed(sorted(VARIANTS).index(variant))

@@ -14,6 +14,7 @@ cache with per-group kv heads, chunked prefill, two requests).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,8 +42,8 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, moe_interm
               attention_value_scale=0.8, max_position_embeddings=256, pad_token_id=0, bos_token_id=2, eos_token_id=1)
 
 
-def _tiny_hf_model() -> torch.nn.Module:
-    config = transformers.MiMoV2FlashConfig(**CONFIG)
+def _tiny_hf_model(**overrides: Any) -> torch.nn.Module:
+    config = transformers.MiMoV2FlashConfig(**{**CONFIG, **overrides})
     config._attn_implementation = "eager"
     model = transformers.MiMoV2FlashForCausalLM(config)
     torch.manual_seed(0)

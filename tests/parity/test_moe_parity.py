@@ -271,12 +271,7 @@ def _write_gguf(path: Path, model: torch.nn.Module, q8: bool = False) -> None:
         writer.add_uint32(f"{arch}.rope.dimension_count", int(cfg.head_dim * partial))
     else:
         writer.add_uint32(f"{arch}.expert_count", cfg.num_experts)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
-    writer.add_token_list([chr(0x100 + i) for i in range(256)] + [f"<t{i}>" for i in range(VOCAB - 256)])
-    writer.add_token_types([1] * 256 + [3] * (VOCAB - 256))
-    writer.add_token_merges([])
-    writer.add_uint32("tokenizer.ggml.eos_token_id", 257)
+    add_test_vocab(writer)
     fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     post_norm = "post_attention_norm.weight" if glm else "ffn_norm.weight"
@@ -321,6 +316,17 @@ def _write_gguf(path: Path, model: torch.nn.Module, q8: bool = False) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def add_test_vocab(writer: gguf.GGUFWriter) -> None:
+    """The test tokenizer (`_write_tokenizer`'s 256 byte tokens, then special ones up to VOCAB) as a
+    GGUF ``gpt2`` vocabulary."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list([chr(0x100 + i) for i in range(256)] + [f"<t{i}>" for i in range(VOCAB - 256)])
+    writer.add_token_types([1] * 256 + [3] * (VOCAB - 256))
+    writer.add_token_merges([])
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 257)
 
 
 def _q8_round_trip(tensor: Tensor) -> Tensor:
