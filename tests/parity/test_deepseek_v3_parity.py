@@ -344,3 +344,33 @@ def test_kv_bytes_per_token_follow_the_latent_row() -> None:
     budget = 8 * 2**30
     assert budget // latent > 120_000 and budget // expanded < 1_800
     assert cfg.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2)
+
+
+def test_runtime_sizes_the_pool_by_the_latent_row(pair: tuple[torch.nn.Module, Path]) -> None:
+    """`runtime.build_runtime` with ``kv_memory_gib``: as many pages as that many bytes hold at
+    the latent row's bytes per token (3 layers x row_dim x 4 bytes in float32), the context limit
+    the config's, and the KV manager's pages the pool's."""
+    from helios.config import EngineSection, HeliosConfig, ModelConfigSection, ServerConfig
+    from helios.engine.kv.layout import CacheLayout
+    from helios.runtime import build_runtime
+
+    hf_model, root = pair
+    gib = 0.001
+    cfg = HeliosConfig(server=ServerConfig(access_log=False),
+                       model=ModelConfigSection(path=str(root), dtype="float32", weights="float32", weight_cache=False,
+                                                threads=1),
+                       engine=EngineSection(page_size=16, kv_pages=0, kv_memory_gib=gib, max_active=2))
+    threads = torch.get_num_threads()
+    try:
+        rt = build_runtime(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    row = hf_model.config.kv_lora_rank + hf_model.config.qk_rope_head_dim
+    per_token = CacheLayout.from_specs(rt.core.model.cache_specs()).bytes_per_token(torch.float32)
+    assert per_token == 3 * row * 4
+    assert rt.core.cfg.num_pages == int(gib * 2**30) // (per_token * 16)
+    assert rt.info.max_model_len == hf_model.config.max_position_embeddings
+    expanded = 3 * hf_model.config.num_attention_heads * (
+        hf_model.config.qk_nope_head_dim + hf_model.config.qk_rope_head_dim + hf_model.config.v_head_dim) * 4
+    print(f"{root.name}: {per_token} KV bytes per token (expanded K/V: {expanded}), "
+          f"{rt.core.cfg.num_pages} pages of 16 in {gib} GiB")
