@@ -27,13 +27,24 @@ Feed-forward (`helios.models.moe_decoder`): the first ``first_k_dense_replace`` 
 ``n_group`` / ``topk_group``, renormalised, ``routed_scaling_factor``, and ``n_shared_experts``
 shared experts. The multi-token-prediction layer (``model.layers.{num_hidden_layers}``) is not
 loaded, as in transformers. FP8 checkpoints (``quantization_config``, DeepSeek's and Kimi's
-releases) are refused: a bfloat16 conversion loads. No GGUF form yet (llama.cpp's ``deepseek2``).
+releases) are refused: a bfloat16 conversion loads.
+
+GGUF: llama.cpp's ``deepseek2`` (`config_from_gguf`, `gguf_tensor`). Its converter writes the
+attention as multi-query over the latent (``head_count_kv`` 1, ``key_length`` = rank + rope,
+``value_length`` = rank; the per-head sizes under ``key_length_mla`` / ``value_length_mla``; older
+files have no ``*_mla`` keys and the per-head sizes in ``key_length`` / ``value_length``), the
+rotary dimensions in DeepSeek's interleaved order (llama.cpp's "normal" RoPE on consecutive
+pairs: ``rope_interleave``), YaRN's ``mscale_all_dim`` as ``rope.scaling.yarn_log_multiplier`` =
+0.1 x it, and ``kv_b_proj`` either whole (``attn_kv_b``) or split into ``attn_k_b`` ([heads,
+rank, nope]: transposed) and ``attn_v_b`` ([heads, v, rank]), which are joined back on load
+(`_JoinedKvB`). Only sigmoid gating (``expert_gating_func`` 2; DeepSeek-V2's files, which write
+none, are softmax-routed) is accepted.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import attrs
@@ -41,15 +52,23 @@ import torch
 from torch import Tensor, nn
 
 from helios.models import cpu_kernels
-from helios.models.architecture import Architecture, ArchitectureConfig, BuildOptions
+from helios.models.architecture import (
+    Architecture,
+    ArchitectureConfig,
+    BuildOptions,
+    GGUFSource,
+    GGUFTensor,
+    gguf_key,
+)
 from helios.models.config import normalize_rope_scaling, yarn_inv_freq
 from helios.models.decoder import DecoderLayer, add_rms_norm, apply_rope, param, rms_norm, rope_tables
 from helios.models.interface import AttentionContext, CacheSpec, LatentAttentionSpec, LatentProjection
 from helios.models.moe import RouterSpec
-from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, _MoELayer
-from helios.models.quant import DenseLinear, UnloadedLinear, WeightFormat
+from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, _MoELayer, gguf_moe_tensor
+from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat, dense_of
 
-__all__ = ["ARCHITECTURES", "DeepseekV3Config", "DeepseekV3ForCausalLM", "config_from_hf"]
+__all__ = ["ARCHITECTURES", "DeepseekV3Config", "DeepseekV3ForCausalLM", "config_from_gguf", "config_from_hf",
+           "gguf_tensor"]
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
 
@@ -170,6 +189,137 @@ def config_from_hf(config: Mapping[str, Any]) -> DeepseekV3Config:
     )
 
 
+_SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
+def config_from_gguf(source: GGUFSource) -> DeepseekV3Config:
+    """A DeepSeek-V3 config from llama.cpp's ``deepseek2`` metadata (see the module docstring)."""
+    key = gguf_key(source)
+    meta, tensors = source.metadata, source.tensor_shapes
+    prefix = str(meta.get("general.architecture"))
+
+    def optional(name: str) -> Any:
+        return meta.get(f"{prefix}.{name}")
+
+    gating = optional("expert_gating_func")
+    if gating != _SIGMOID_GATING:
+        raise NotImplementedError(f"deepseek2 expert_gating_func {gating} is not supported (sigmoid: 2; a file "
+                                  "without it is DeepSeek-V2's softmax routing)")
+    hidden = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    num_layers = int(key("block_count")) - int(optional("nextn_predict_layers") or 0)
+    rank, rope = int(key("attention.kv_lora_rank")), int(key("rope.dimension_count"))
+    if optional("attention.key_length_mla") is not None:
+        qk_head, v_head = int(key("attention.key_length_mla")), int(key("attention.value_length_mla"))
+    else:  # converters before the MLA-as-MQA layout: the per-head sizes
+        qk_head, v_head = int(key("attention.key_length")), int(key("attention.value_length"))
+    q_lora = optional("attention.q_lora_rank")
+    max_pos = int(key("context_length", 4096))
+    yarn: dict[str, Any] | None = None
+    kind = optional("rope.scaling.type")
+    if kind == "yarn":
+        yarn = {"rope_type": "yarn", "factor": float(key("rope.scaling.factor")),
+                "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+                "beta_fast": float(optional("rope.scaling.yarn_beta_fast") or 32.0),
+                "beta_slow": float(optional("rope.scaling.yarn_beta_slow") or 1.0)}
+        log_mul = optional("rope.scaling.yarn_log_multiplier")
+        if log_mul:  # 0.1 * mscale_all_dim; llama.cpp's cos/sin factor is then 1: mscale = mscale_all_dim
+            yarn["mscale"] = yarn["mscale_all_dim"] = float(log_mul) / 0.1
+    elif kind not in (None, "none"):
+        raise NotImplementedError(f"GGUF rope scaling {kind!r} is not supported for deepseek2")
+    moe_inter = int(key("expert_feed_forward_length"))
+    ffn = key("feed_forward_length")
+    if isinstance(ffn, list):
+        ffn = max(ffn)
+    return DeepseekV3Config(
+        arch="deepseek_v3",
+        vocab_size=int(tensors["token_embd.weight"][0]),
+        hidden_size=hidden,
+        intermediate_size=int(ffn),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=qk_head,
+        moe_layers=tuple(i >= int(optional("leading_dense_block_count") or 0) for i in range(num_layers)),
+        router=RouterSpec(num_experts=int(key("expert_count")), top_k=int(key("expert_used_count")),
+                          scoring="sigmoid", norm_topk_prob=bool(optional("expert_weights_norm") or False),
+                          n_group=int(optional("expert_group_count") or 1),
+                          topk_group=int(optional("expert_group_used_count") or 1),
+                          routed_scaling_factor=float(optional("expert_weights_scale") or 1.0)),
+        moe_intermediate_size=moe_inter,
+        shared_intermediate_size=moe_inter * int(optional("expert_shared_count") or 0),
+        shared_name="shared_experts",
+        rotary_dim=rope,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings="output.weight" not in tensors,
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=rank,
+        qk_nope_head_dim=qk_head - rope,
+        qk_rope_head_dim=rope,
+        v_head_dim=v_head,
+        rope_interleave=True,
+        yarn=yarn,
+    )
+
+
+_GGUF_MLA_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_k_b.weight": "self_attn.k_b_proj.weight",  # joined with v_b into kv_b_proj (`_JoinedKvB`)
+    "attn_v_b.weight": "self_attn.v_b_proj.weight",
+}
+
+
+def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None:
+    """Where a ``deepseek2`` tensor goes: the MLA names here, the rest as the MoE families'
+    (`moe_decoder.gguf_moe_tensor`; the next-token-prediction layers are not loaded). No q/k
+    permutation: the rotary dimensions stay interleaved (``rope_interleave``)."""
+    assert isinstance(config, DeepseekV3Config), type(config)
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_MLA_NAMES:
+        if int(parts[1]) >= config.num_layers:
+            return None
+        return GGUFTensor(f"model.layers.{parts[1]}.{_GGUF_MLA_NAMES[parts[2]]}")
+    return gguf_moe_tensor(config, gguf_name)
+
+
+class _JoinedKvB(Mapping[str, BuildSource]):
+    """``tensors`` with each layer's ``k_b_proj`` ([heads, rank, nope]) and ``v_b_proj`` ([heads,
+    v, rank]), llama.cpp's split of ``kv_b_proj``, seen as the ``kv_b_proj`` [heads * (nope + v),
+    rank] they make (read when it is asked for)."""
+
+    def __init__(self, tensors: Mapping[str, BuildSource]) -> None:
+        self._tensors = tensors
+        self._names: list[str] = []
+        for name in tensors:
+            if name.endswith(".self_attn.k_b_proj.weight"):
+                self._names.append(name.replace(".k_b_proj.", ".kv_b_proj."))
+            elif not name.endswith(".self_attn.v_b_proj.weight"):
+                self._names.append(name)
+
+    def __getitem__(self, name: str) -> BuildSource:
+        if name.endswith(".self_attn.kv_b_proj.weight") and name not in self._tensors:
+            k_b = dense_of(self._tensors[name.replace(".kv_b_proj.", ".k_b_proj.")])
+            v_b = dense_of(self._tensors[name.replace(".kv_b_proj.", ".v_b_proj.")])
+            if k_b.dim() != 3 or v_b.dim() != 3 or k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
+                raise ValueError(f"{name}: k_b {tuple(k_b.shape)} and v_b {tuple(v_b.shape)} do not make a kv_b_proj")
+            return torch.cat((k_b.transpose(1, 2), v_b.to(k_b.dtype)), dim=1).reshape(-1, k_b.shape[1])
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 class DeepseekV3ForCausalLM(MoEForCausalLM):
     """DeepSeek-V3 on `MoEForCausalLM` (same constructor arguments): MLA layers, one latent cache
     row per token and layer."""
@@ -186,6 +336,10 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
             freq, self.rope_factor = yarn_inv_freq(config.qk_rope_head_dim, config.rope_theta, config.yarn,
                                                    config.max_position_embeddings)
             self.inv_freq = freq.to(device)
+
+    def load_weights(self, tensors: Mapping[str, BuildSource]) -> None:
+        """`MoEForCausalLM.load_weights`, with llama.cpp's split ``k_b`` / ``v_b`` joined into ``kv_b_proj``."""
+        super().load_weights(_JoinedKvB(tensors))
 
     def _build_layers(self, device: torch.device, dense_dtype: torch.dtype | None) -> list[DecoderLayer]:
         cfg = self.config
@@ -325,7 +479,10 @@ ARCHITECTURES = (
         name="deepseek_v3",
         hf_model_types=("deepseek_v3", "kimi_k2"),
         hf_architectures=("DeepseekV3ForCausalLM",),
+        gguf_architectures=("deepseek2",),
         config_from_hf=config_from_hf,
+        config_from_gguf=config_from_gguf,
+        gguf_tensor=gguf_tensor,
         build=build,
     ),
 )

@@ -374,3 +374,129 @@ def test_runtime_sizes_the_pool_by_the_latent_row(pair: tuple[torch.nn.Module, P
         hf_model.config.qk_nope_head_dim + hf_model.config.qk_rope_head_dim + hf_model.config.v_head_dim) * 4
     print(f"{root.name}: {per_token} KV bytes per token (expanded K/V: {expanded}), "
           f"{rt.core.cfg.num_pages} pages of 16 in {gib} GiB")
+
+
+# -- GGUF (llama.cpp's deepseek2) ---------------------------------------------------------------------
+
+_HF_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight", "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias", "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+}
+
+
+def _write_gguf(path: Path, model: torch.nn.Module, split_kv_b: bool) -> None:
+    """``model`` as llama.cpp's DeepseekV2Model converter writes it (deepseek2): MLA as MQA in the
+    metadata (head_count_kv 1, key_length rank + rope, value_length rank, the *_mla per-head sizes),
+    stacked experts, sigmoid gating, YaRN's mscale_all_dim as 0.1 x it, and ``kv_b_proj`` split into
+    ``attn_k_b`` (transposed) and ``attn_v_b`` (``split_kv_b``, newer converters) or whole."""
+    import gguf
+    import numpy as np
+
+    cfg = model.config
+    arch = "deepseek2"
+    writer = gguf.GGUFWriter(str(path), arch)
+    nextn = 1
+    writer.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers + nextn)
+    writer.add_uint32(f"{arch}.nextn_predict_layers", nextn)
+    writer.add_uint32(f"{arch}.context_length", cfg.max_position_embeddings)
+    writer.add_uint32(f"{arch}.embedding_length", cfg.hidden_size)
+    writer.add_uint32(f"{arch}.feed_forward_length", cfg.intermediate_size)
+    writer.add_uint32(f"{arch}.attention.head_count", cfg.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", 1)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    writer.add_uint32(f"{arch}.leading_dense_block_count", cfg.first_k_dense_replace)
+    if cfg.q_lora_rank is not None:
+        writer.add_uint32(f"{arch}.attention.q_lora_rank", cfg.q_lora_rank)
+    writer.add_uint32(f"{arch}.attention.kv_lora_rank", cfg.kv_lora_rank)
+    writer.add_uint32(f"{arch}.attention.key_length", cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    writer.add_uint32(f"{arch}.attention.value_length", cfg.kv_lora_rank)
+    writer.add_uint32(f"{arch}.attention.key_length_mla", cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    writer.add_uint32(f"{arch}.attention.value_length_mla", cfg.v_head_dim)
+    writer.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
+    writer.add_uint32(f"{arch}.expert_count", cfg.n_routed_experts)
+    writer.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
+    writer.add_uint32(f"{arch}.expert_shared_count", cfg.n_shared_experts)
+    writer.add_uint32(f"{arch}.expert_group_count", cfg.n_group)
+    writer.add_uint32(f"{arch}.expert_group_used_count", cfg.topk_group)
+    writer.add_float32(f"{arch}.expert_weights_scale", cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        writer.add_bool(f"{arch}.expert_weights_norm", True)
+    writer.add_uint32(f"{arch}.expert_gating_func", 2)
+    writer.add_uint32(f"{arch}.rope.dimension_count", cfg.qk_rope_head_dim)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "yarn":
+        writer.add_string(f"{arch}.rope.scaling.type", "yarn")
+        writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+        writer.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", rope["beta_fast"])
+        writer.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", rope["beta_slow"])
+        writer.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", 0.1 * rope["mscale_all_dim"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list([chr(0x100 + i) for i in range(256)] + [f"<t{i}>" for i in range(VOCAB - 256)])
+    writer.add_token_types([1] * 256 + [3] * (VOCAB - 256))
+    writer.add_token_merges([])
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 257)
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    heads, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    for hf_name, tensor in model.state_dict().items():
+        array = tensor.detach().numpy().astype(np.float32)
+        if hf_name in fixed:
+            writer.add_tensor(fixed[hf_name], array)
+            continue
+        _, _, layer, rest = hf_name.split(".", 3)
+        if rest == "mlp.experts.gate_up_proj":
+            inter = array.shape[1] // 2
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(array[:, :inter]))
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(array[:, inter:]))
+        elif rest == "self_attn.kv_b_proj.weight" and split_kv_b:
+            kv_b = array.reshape(heads, nope + v, -1)
+            writer.add_tensor(f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)))
+            writer.add_tensor(f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, nope:]))
+        elif rest == "self_attn.kv_b_proj.weight":
+            writer.add_tensor(f"blk.{layer}.attn_kv_b.weight", array)
+        else:
+            writer.add_tensor(f"blk.{layer}.{_HF_TO_GGUF[rest]}", array)
+    # the next-token-prediction layer: stored, not loaded
+    writer.add_tensor(f"blk.{cfg.num_hidden_layers}.nextn.eh_proj.weight",
+                      np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), dtype=np.float32))
+    writer.add_tensor(f"blk.{cfg.num_hidden_layers}.attn_kv_a_norm.weight",
+                      np.ones(cfg.kv_lora_rank, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(("variant", "split_kv_b"), [("lora", True), ("plain", False), ("yarn", True)])
+def test_gguf_matches_transformers(tmp_path: Path, variant: str, split_kv_b: bool) -> None:
+    """llama.cpp-style ``deepseek2`` F32 files (interleaved-rope variants only: llama.cpp's RoPE for
+    the family is the interleaved one) against transformers."""
+    hf_model = _tiny_hf_model(variant)
+    if not hf_model.config.rope_interleave:  # what llama.cpp would compute differs from this checkpoint
+        hf_model.config.rope_interleave = True
+    path = tmp_path / f"tiny-{variant}.gguf"
+    _write_gguf(path, hf_model, split_kv_b)
+    checkpoint = load_checkpoint(path, torch.float32)
+    cfg = checkpoint.config
+    assert isinstance(cfg, DeepseekV3Config) and cfg.num_layers == hf_model.config.num_hidden_layers
+    assert cfg.q_lora_rank == hf_model.config.q_lora_rank and cfg.v_head_dim == hf_model.config.v_head_dim
+    model = checkpoint.architecture.build(cfg, BuildOptions(dtype=torch.float32))
+    model.load_weights(checkpoint.weights)
+    assert isinstance(model, DeepseekV3ForCausalLM)
+    if variant == "yarn":  # mscale != mscale_all_dim in the HF config: llama.cpp keeps only mscale_all_dim
+        hf_model.model.rotary_emb.attention_scaling = 1.0
+    diff = (_logits(model, DenseAttention.for_model(model), PROMPT, 0) - _hf_logits(hf_model, PROMPT)).abs().max()
+    print(f"tiny {variant} deepseek2 GGUF fp32 (split kv_b: {split_kv_b}): max abs logit diff {diff.item():.3g}")
+    assert diff.item() < FP32_TOLERANCE

@@ -104,7 +104,7 @@ def test_unknown_gguf_architecture_is_one_line(tmp_path: Path) -> None:
         load_checkpoint(path)
     message = str(info.value)
     assert "\n" not in message
-    assert message == "unsupported architecture 'foo' (GGUF general.architecture); supported: gemma3, glm4moe, llama, qwen2, qwen3, qwen3moe"
+    assert message == "unsupported architecture 'foo' (GGUF general.architecture); supported: deepseek2, gemma3, glm4moe, llama, qwen2, qwen3, qwen3moe"
 
 
 # -- a test-only architecture, registered from outside ---------------------------------------------------
