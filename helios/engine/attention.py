@@ -68,7 +68,7 @@ from helios.models.latent_attention import (
     absorb_query,
     absorbed_attention,
     absorbed_output,
-    expanded_attention,
+    chunk_attention,
 )
 
 
@@ -519,7 +519,8 @@ class LatentGroupAttention:
     one kv head's K and V ([1, slots, row_dim] views; the output's last rope_dim columns, the
     rotary keys' weighted sum, are dropped), else one gather of every decode row's context and two
     bmms. Prefill chunks gather their context rows (positions 0 .. end) and attend in the expanded
-    form."""
+    form, or absorbed where that is cheaper (a short chunk over a long context:
+    `latent_attention.chunk_attention`)."""
 
     def __init__(self, kv: KVCache, inputs: AttentionInputs, table: Tensor, slot_mapping: Tensor, page_size: int,
                  offsets: Tensor, *, decode_kernel: bool) -> None:
@@ -562,8 +563,8 @@ class LatentGroupAttention:
             out.index_copy_(0, self.decode_tokens, self._decode(qn, qr, cache, projection, scale))
         for tok_start, length, slots, ctx_start in self.prefills:
             chunk = slice(tok_start, tok_start + length)
-            out[chunk] = expanded_attention(q_nope[chunk], q_rope[chunk], cache.index_select(0, slots), projection,
-                                            scale, ctx_start).to(out.dtype)
+            out[chunk] = chunk_attention(q_nope[chunk], q_rope[chunk], cache.index_select(0, slots), projection,
+                                         scale, ctx_start).to(out.dtype)
         return out
 
     def _decode(self, q_nope: Tensor, q_rope: Tensor, cache: Tensor, projection: LatentProjection,

@@ -27,7 +27,7 @@ from helios.models.latent_attention import (
     absorb_query,
     absorbed_attention,
     absorbed_output,
-    expanded_attention,
+    chunk_attention,
 )
 
 
@@ -49,8 +49,8 @@ class DenseAttention:
     MiMo-V2-Flash's sliding ones); None: ``(num_kv_heads, head_dim)`` for every layer.
 
     A latent-attention layer (`latent`) keeps its rows instead; a chunk of one token after the first
-    (decode) attends in the absorbed form, any other chunk in the expanded form
-    (`helios.models.latent_attention`).
+    (decode) attends in the absorbed form, any other chunk in the cheaper form
+    (`helios.models.latent_attention.chunk_attention`).
     """
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -121,7 +121,7 @@ class DenseAttention:
             q = absorb_query(q_nope, q_rope, projection)
             latent = absorbed_attention(q, store[None, :end], None, scale, projection.rank)
             return absorbed_output(latent, projection).to(q_nope.dtype)
-        return expanded_attention(q_nope, q_rope, store[:end], projection, scale, start).to(q_nope.dtype)
+        return chunk_attention(q_nope, q_rope, store[:end], projection, scale, start).to(q_nope.dtype)
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, *,
                  sinks: Tensor | None = None) -> Tensor:

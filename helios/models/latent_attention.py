@@ -15,6 +15,13 @@ heads (64). Per head h the key is ``[W_k[h] c | k_rope]`` and the value ``W_v[h]
   weighted sum of the rows' latent parts is then taken out through ``W_v[h]``. Nothing is expanded:
   a decode step reads each cached row once for all heads.
 
+For a chunk of several queries both forms apply (`chunk_attention` picks the one of fewer
+multiply-adds, `absorbed_is_cheaper`): expanding costs ``L * rank * (nope + v)`` per head whatever
+the chunk's length, absorbing ``Lq * rank * (nope + v)`` plus wider scores (``rank + rope`` and
+``rank`` against ``nope + rope`` and ``v``), so a long first chunk expands and a short chunk over a
+long context (a prompt's tail after a prefix-cache hit, a small chunk late in a chunked prefill)
+absorbs; for DeepSeek-V3's shapes the crossover is near 170 queries.
+
 Both are exact rewrites of the same sums (float32 rounding differs by summation order only;
 tests/parity/test_deepseek_v3_parity.py checks each against the other and against transformers).
 `DenseAttention` and the engine's paged backend call these; the paged decode kernel serves the
@@ -29,7 +36,8 @@ from torch import Tensor
 
 from helios.models.interface import LatentProjection
 
-__all__ = ["absorb_query", "absorbed_attention", "absorbed_output", "expand_context", "expanded_attention"]
+__all__ = ["absorb_query", "absorbed_attention", "absorbed_chunk_attention", "absorbed_is_cheaper", "absorbed_output",
+           "chunk_attention", "expand_context", "expanded_attention"]
 
 
 def expand_context(rows: Tensor, projection: LatentProjection) -> tuple[Tensor, Tensor]:
@@ -59,6 +67,39 @@ def expanded_attention(q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection:
     return out[0].transpose(0, 1)
 
 
+def absorbed_is_cheaper(num_queries: int, context: int, row_dim: int, projection: LatentProjection) -> bool:
+    """Whether the absorbed form takes fewer multiply-adds than the expanded one for
+    ``num_queries`` queries over ``context`` rows of ``row_dim`` elements (per head)."""
+    r, nope, v = projection.rank, projection.nope_dim, projection.v_dim
+    rope = row_dim - r
+    expanded = context * r * (nope + v) + num_queries * context * (nope + rope + v)
+    absorbed = num_queries * r * (nope + v) + num_queries * context * (2 * r + rope)
+    return absorbed < expanded
+
+
+def chunk_attention(q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection, scale: float,
+                    first_position: int) -> Tensor:
+    """`expanded_attention`'s result (same arguments), in whichever form is cheaper."""
+    if absorbed_is_cheaper(q_nope.shape[0], rows.shape[0], rows.shape[1], projection):
+        return absorbed_chunk_attention(q_nope, q_rope, rows, projection, scale, first_position)
+    return expanded_attention(q_nope, q_rope, rows, projection, scale, first_position)
+
+
+def absorbed_chunk_attention(q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
+                             scale: float, first_position: int) -> Tensor:
+    """`expanded_attention` in the absorbed form: every (query, head) pair is one query row of a
+    multi-query attention over ``rows``, with the causal mask of its position."""
+    q = absorb_query(q_nope, q_rope, projection).to(rows.dtype)
+    length, heads = q.shape[0], q.shape[1]
+    query_pos = torch.arange(first_position, first_position + length, device=q.device)
+    key_pos = torch.arange(rows.shape[0], device=q.device)
+    bias = torch.zeros(length, rows.shape[0], dtype=torch.float32, device=q.device).masked_fill_(
+        key_pos[None, :] > query_pos[:, None], float("-inf"))
+    bias = bias.repeat_interleave(heads, dim=0)[None]  # [1, length * heads, L], (query, head) order
+    latent = absorbed_attention(q.reshape(1, length * heads, -1), rows[None], bias, scale, projection.rank)
+    return absorbed_output(latent.view(length, heads, -1), projection)
+
+
 def absorb_query(q_nope: Tensor, q_rope: Tensor, projection: LatentProjection) -> Tensor:
     """The absorbed query [T, heads, rank + rope_dim]: ``[W_k[h]^T q_nope[h] | q_rope[h]]``."""
     w_k = projection.kv_up[:, : projection.nope_dim]  # [heads, nope, rank]
@@ -69,7 +110,7 @@ def absorb_query(q_nope: Tensor, q_rope: Tensor, projection: LatentProjection) -
 def absorbed_attention(q: Tensor, rows: Tensor, bias: Tensor | None, scale: float, rank: int) -> Tensor:
     """Each token's absorbed query ``q`` [D, heads, rank + rope_dim] over its context ``rows`` [D, L,
     rank + rope_dim] (``bias`` [D, 1, L]: 0 where a token attends, -inf on padding; None: all
-    attend): the weighted sums of the rows' latents, [D, heads, rank]. Softmax in float32 (or
+    attend; or [D, heads, L]): the weighted sums of the rows' latents, [D, heads, rank]. Softmax in float32 (or
     float64 for float64 rows)."""
     scores = torch.bmm(q, rows.transpose(1, 2)).to(torch.promote_types(rows.dtype, torch.float32)) * scale
     if bias is not None:

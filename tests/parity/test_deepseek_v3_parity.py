@@ -36,6 +36,8 @@ from helios.models.interface import LatentAttentionSpec, LatentProjection
 from helios.models.latent_attention import (
     absorb_query,
     absorbed_attention,
+    absorbed_chunk_attention,
+    absorbed_is_cheaper,
     absorbed_output,
     expanded_attention,
 )
@@ -264,6 +266,21 @@ def test_absorbed_equals_expanded(dtype: torch.dtype) -> None:
     # a later chunk (positions 25..39) over the whole context: the last rows of the one pass
     tail = expanded_attention(q_nope[25:], q_rope[25:], rows, projection, scale, 25)
     assert (tail - expanded[25:]).abs().max().item() < (1e-5 if dtype == torch.float32 else 1e-12)
+    # the same chunk absorbed (each (query, head) a query row of one multi-query attention)
+    tail = absorbed_chunk_attention(q_nope[25:], q_rope[25:], rows, projection, scale, 25)
+    assert (tail - expanded[25:]).abs().max().item() < (1e-5 if dtype == torch.float32 else 1e-12)
+    whole = absorbed_chunk_attention(q_nope, q_rope, rows, projection, scale, 0)
+    assert (whole - expanded).abs().max().item() < (1e-5 if dtype == torch.float32 else 1e-12)
+
+
+def test_chunks_take_the_cheaper_form() -> None:
+    """DeepSeek-V3's shapes (rank 512, rope 64, nope 128, v 128): one query or a short tail over a
+    long context absorbs, a long chunk expands; the crossover is near 170 queries."""
+    projection = LatentProjection(torch.empty(128, 256, 512), 128)
+    assert absorbed_is_cheaper(1, 4096, 576, projection)
+    assert absorbed_is_cheaper(160, 8192, 576, projection)
+    assert not absorbed_is_cheaper(180, 8192, 576, projection)
+    assert not absorbed_is_cheaper(512, 512, 576, projection)
 
 
 @pytest.mark.parametrize("decode_kernel", [None, False])
@@ -500,3 +517,37 @@ def test_gguf_matches_transformers(tmp_path: Path, variant: str, split_kv_b: boo
     diff = (_logits(model, DenseAttention.for_model(model), PROMPT, 0) - _hf_logits(hf_model, PROMPT)).abs().max()
     print(f"tiny {variant} deepseek2 GGUF fp32 (split kv_b: {split_kv_b}): max abs logit diff {diff.item():.3g}")
     assert diff.item() < FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("decode_kernel", [None, False])
+def test_speculative_verification_is_exact(pair: tuple[torch.nn.Module, Path], decode_kernel: bool | None) -> None:
+    """n-gram drafts over repetitive prompts: verified as decode tokens through the latent decode
+    kernel (the step's rows written first) or as small prefill chunks; the tokens are the ones
+    plain greedy decoding gives, with verification steps run."""
+    from helios.domain.sampling import SamplingParams
+    from helios.engine.core import EngineConfig, EngineCore
+    from helios.engine.records import EngineRequest
+    from helios.engine.speculative import SpeculativeConfig
+    from tests.unit.test_engine import run
+
+    _, root = pair
+    model = _ours(root)
+    prompts = [[5, 6, 7, 8, 9, 10] * 3, [40, 41, 42] * 5]
+    results = {}
+    for mode in ("off", "ngram"):
+        core = EngineCore(model, EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=32,
+                                              max_model_len=96, speculative=SpeculativeConfig(mode=mode)),
+                          torch.float32)
+        if decode_kernel is False:
+            backend = core.runner.backend
+            backend.group_kernels = [(False, False)] * len(backend.group_kernels)
+            backend.decode_kernel = False
+            core.runner.batch.verify_as_decode = False
+        outs = run(core, [EngineRequest(f"s{i}", tuple(p), SamplingParams(temperature=0.0), max_tokens=16,
+                                        ignore_eos=True) for i, p in enumerate(prompts)])
+        results[mode] = {rid: [t for o in os for t in o.new_token_ids] for rid, os in outs.items()}
+        if mode == "ngram":
+            assert core.scheduler.speculative.enabled
+            stats = core.stats().speculative
+            assert stats is not None and stats.verify_steps > 0
+    assert results["ngram"] == results["off"]
