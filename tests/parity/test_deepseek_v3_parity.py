@@ -298,6 +298,10 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path], decode_kernel:
     model = _ours(root)
     core = EngineCore(model, EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=5,
                                           max_model_len=96), torch.float32)
+    from helios.models import cpu_kernels
+
+    row_dim = hf_model.config.kv_lora_rank + hf_model.config.qk_rope_head_dim
+    assert core.runner.backend.decode_kernel == (cpu_kernels.available() and row_dim % 16 == 0)
     if decode_kernel is False:
         backend = core.runner.backend
         backend.group_kernels = [(False, False)] * len(backend.group_kernels)
