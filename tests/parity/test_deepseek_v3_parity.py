@@ -287,8 +287,9 @@ def test_chunks_take_the_cheaper_form() -> None:
 def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path], decode_kernel: bool | None) -> None:
     """Through the engine (the paged latent cache: pages of 4 rows, prefill chunks of 5 tokens, two
     requests batched, decode in the absorbed form through the CPU kernel where it applies or
-    gathered) against transformers' logits of each whole sequence; then the first prompt again,
-    served from the prefix cache, gives the same tokens and logprobs."""
+    gathered) against transformers' logits of each whole sequence (32 greedy tokens with the
+    kernel, the first request's equal to transformers' generate; 12 gathered); then the first prompt again, served from the
+    prefix cache, gives the same tokens and logprobs."""
     from helios.domain.sampling import SamplingParams
     from helios.engine.core import EngineConfig, EngineCore
     from helios.engine.records import EngineRequest
@@ -307,9 +308,11 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path], decode_kernel:
         backend.group_kernels = [(False, False)] * len(backend.group_kernels)
         backend.decode_kernel = False
 
+    num_tokens = 32 if decode_kernel is None else 12
+
     def request(rid: str, prompt: list[int]) -> EngineRequest:
-        return EngineRequest(rid, tuple(prompt), SamplingParams(temperature=0.0), max_tokens=10, ignore_eos=True,
-                             num_top_logprobs=1)
+        return EngineRequest(rid, tuple(prompt), SamplingParams(temperature=0.0), max_tokens=num_tokens,
+                             ignore_eos=True, num_top_logprobs=1)
 
     prompts = [PROMPT, PROMPT[3:15]]
     outs = run(core, [request(f"r{i}", p) for i, p in enumerate(prompts)])
@@ -320,18 +323,43 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path], decode_kernel:
     for rid, (prompt, request_outs) in results.items():
         tokens = [t for o in request_outs for t in o.new_token_ids]
         logprobs = [lp for o in request_outs for lp in (o.logprobs or ())]
-        assert len(tokens) == 10
+        assert len(tokens) == num_tokens
         ref = torch.log_softmax(_hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
         for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             row = ref[len(prompt) - 1 + j]
             assert t == int(row.argmax()), (rid, j)
             worst = max(worst, abs(lp.logprob - float(row[t])))
+        if rid == "r0" and num_tokens == 32:  # 32 greedy tokens: transformers' own generate
+            with torch.no_grad():
+                expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
+                                             do_sample=False)[0, len(prompt):].tolist()
+            assert tokens == expected
     first = [lp.logprob for o in outs["r0"] for lp in (o.logprobs or ())]
     cached = [lp.logprob for o in again for lp in (o.logprobs or ())]
     print(f"{root.name} engine (decode_kernel={decode_kernel}): max abs logprob diff {worst:.3g}, "
           f"cache hit vs one pass {max(abs(a - b) for a, b in zip(first, cached, strict=True)):.3g}")
     assert worst < 1e-4
     assert max(abs(a - b) for a, b in zip(first, cached, strict=True)) < 1e-5
+
+
+def test_kimi_k2_and_refusals() -> None:
+    """Kimi K2's config.json (``kimi_k2`` with ``DeepseekV3ForCausalLM``) is this entry; FP8
+    checkpoints and other routers are refused with one line."""
+    from helios.models import registry
+    from helios.models.deepseek_v3 import config_from_hf
+
+    base = {**COMMON, **VARIANTS["lora"], "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}
+    assert registry.for_hf_config({"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}).name \
+        == "deepseek_v3"
+    assert registry.for_hf_config({"model_type": "deepseek_v3"}).name == "deepseek_v3"
+    assert registry.for_gguf("deepseek2").name == "deepseek_v3"
+    assert config_from_hf({**base, "model_type": "kimi_k2"}).num_layers == 3
+    with pytest.raises(NotImplementedError, match="quantization_config"):
+        config_from_hf({**base, "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(NotImplementedError, match="noaux_tc"):
+        config_from_hf({**base, "topk_method": "greedy"})
+    with pytest.raises(NotImplementedError, match="yarn only"):
+        config_from_hf({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
 
 
 def test_kv_bytes_per_token_follow_the_latent_row() -> None:
