@@ -32,6 +32,12 @@ every context of the step is within its window; otherwise decode rows gather the
 positions (one index tensor for all rows) and prefill chunks their window before the chunk, with the
 window in the mask. `all_decode_args` (the one-operator decode layer) is for full-attention layers.
 
+A latent-attention layer (DeepSeek-V3's MLA, `LatentAttentionSpec`) is served by
+`LatentGroupAttention` through the context's ``latent`` call: decode tokens in the absorbed form,
+through `paged_decode` with the rows as the one kv head's K and V where the row size is a multiple
+of 16 (else gathered), prefill chunks over their gathered context rows in the cheaper of the two
+forms (`helios.models.latent_attention`).
+
 A layer with attention sinks (gpt-oss: a call's ``sinks``) never takes the kernels, which know no
 sinks: its decode rows gather their context (the gather indices are built on the first such
 layer of a step that the kernel would otherwise serve) and every chunk goes through
