@@ -35,8 +35,9 @@ window in the mask. `all_decode_args` (the one-operator decode layer) is for ful
 A latent-attention layer (DeepSeek-V3's MLA, `LatentAttentionSpec`) is served by
 `LatentGroupAttention` through the context's ``latent`` call: decode tokens in the absorbed form,
 through `paged_decode` with the rows as the one kv head's K and V where the row size is a multiple
-of 16 (else gathered), prefill chunks over their gathered context rows in the cheaper of the two
-forms (`helios.models.latent_attention`).
+of 16 (else gathered), prefill chunks in the cheaper of the two forms (`helios.models.latent_attention`):
+absorbed through the same kernel (each query a decode token of its position), or over their gathered
+context rows.
 
 A layer with attention sinks (gpt-oss: a call's ``sinks``) never takes the kernels, which know no
 sinks: its decode rows gather their context (the gather indices are built on the first such
@@ -73,6 +74,7 @@ from helios.models.interface import (
 from helios.models.latent_attention import (
     absorb_query,
     absorbed_attention,
+    absorbed_is_cheaper,
     absorbed_output,
     chunk_attention,
 )
@@ -524,9 +526,11 @@ class LatentGroupAttention:
     `cpu_kernels.paged_decode` kernel, reading the rows in place through the block table as the
     one kv head's K and V ([1, slots, row_dim] views; the output's last rope_dim columns, the
     rotary keys' weighted sum, are dropped), else one gather of every decode row's context and two
-    bmms. Prefill chunks gather their context rows (positions 0 .. end) and attend in the expanded
-    form, or absorbed where that is cheaper (a short chunk over a long context:
-    `latent_attention.chunk_attention`)."""
+    bmms. A prefill chunk attends in the cheaper form (`latent_attention.absorbed_is_cheaper`):
+    absorbed (a short chunk over a long context) through the same kernel where it serves the group,
+    each query a decode token of its row with context length position + 1 (the rows read in place;
+    the chunk's own rows are written first); otherwise over its gathered context rows
+    (`latent_attention.chunk_attention`: expanded, or absorbed with a causal mask)."""
 
     def __init__(self, kv: KVCache, inputs: AttentionInputs, table: Tensor, slot_mapping: Tensor, page_size: int,
                  offsets: Tensor, *, decode_kernel: bool) -> None:
@@ -550,12 +554,13 @@ class LatentGroupAttention:
                 pad = torch.arange(lmax, device=table.device)[None, :] >= inputs.decode_lens[:, None]
                 self.decode_bias = torch.zeros(inputs.num_decode, 1, lmax, dtype=torch.float32,
                                                device=table.device).masked_fill_(pad[:, None, :], float("-inf"))
-        # (first token index, length, context slots of positions 0 .. end, first position)
-        self.prefills: list[tuple[int, int, Tensor, int]] = []
+        self.table = table
+        # (first token index, length, context slots of positions 0 .. end, first position, batch row)
+        self.prefills: list[tuple[int, int, Tensor, int, int]] = []
         for tok_start, length, row, ctx_start in inputs.prefills:
             end = ctx_start + length
             pages = table[row : row + 1, : -(-end // page_size)]
-            self.prefills.append((tok_start, length, _expand(pages, page_size, offsets)[0, :end], ctx_start))
+            self.prefills.append((tok_start, length, _expand(pages, page_size, offsets)[0, :end], ctx_start, row))
 
     def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
                scale: float) -> Tensor:
@@ -567,8 +572,19 @@ class LatentGroupAttention:
         if self.num_decode:
             qn, qr = q_nope.index_select(0, self.decode_tokens), q_rope.index_select(0, self.decode_tokens)
             out.index_copy_(0, self.decode_tokens, self._decode(qn, qr, cache, projection, scale))
-        for tok_start, length, slots, ctx_start in self.prefills:
+        for tok_start, length, slots, ctx_start, row in self.prefills:
             chunk = slice(tok_start, tok_start + length)
+            end = ctx_start + length
+            if self.decode_kernel and absorbed_is_cheaper(length, end, cache.shape[1], projection):
+                # Absorbed, in place: each query is a decode token of its row with context position + 1.
+                device = self.table.device
+                rows_of = torch.full((length,), row, dtype=torch.long, device=device)
+                lens = torch.arange(ctx_start + 1, end + 1, dtype=torch.long, device=device)
+                q = absorb_query(q_nope[chunk], q_rope[chunk], projection).to(cache.dtype)
+                latent = cpu_kernels.paged_decode(q, cache.unsqueeze(0), cache.unsqueeze(0), self.table, rows_of, lens,
+                                                  self.page_size, scale)[..., : projection.rank]
+                out[chunk] = absorbed_output(latent, projection).to(out.dtype)
+                continue
             out[chunk] = chunk_attention(q_nope[chunk], q_rope[chunk], cache.index_select(0, slots), projection,
                                          scale, ctx_start).to(out.dtype)
         return out

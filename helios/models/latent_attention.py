@@ -110,13 +110,15 @@ def absorb_query(q_nope: Tensor, q_rope: Tensor, projection: LatentProjection) -
 def absorbed_attention(q: Tensor, rows: Tensor, bias: Tensor | None, scale: float, rank: int) -> Tensor:
     """Each token's absorbed query ``q`` [D, heads, rank + rope_dim] over its context ``rows`` [D, L,
     rank + rope_dim] (``bias`` [D, 1, L]: 0 where a token attends, -inf on padding; None: all
-    attend; or [D, heads, L]): the weighted sums of the rows' latents, [D, heads, rank]. Softmax in float32 (or
-    float64 for float64 rows)."""
-    scores = torch.bmm(q, rows.transpose(1, 2)).to(torch.promote_types(rows.dtype, torch.float32)) * scale
+    attend; or [D, heads, L]): the weighted sums of the rows' latents, [D, heads, rank] in the rows'
+    dtype. Scores, softmax and sums in float32 (float64 for float64 rows), as the paged decode
+    kernel computes them: bfloat16 operands are widened, not the products rounded."""
+    acc = torch.promote_types(rows.dtype, torch.float32)
+    wide = rows.to(acc)
+    scores = torch.bmm(q.to(acc), wide.transpose(1, 2)) * scale
     if bias is not None:
         scores = scores + bias
-    probs = torch.softmax(scores, dim=-1).to(rows.dtype)
-    return torch.bmm(probs, rows[..., :rank])
+    return torch.bmm(torch.softmax(scores, dim=-1), wide[..., :rank]).to(rows.dtype)
 
 
 def absorbed_output(latent: Tensor, projection: LatentProjection) -> Tensor:
