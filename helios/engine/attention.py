@@ -32,6 +32,13 @@ every context of the step is within its window; otherwise decode rows gather the
 positions (one index tensor for all rows) and prefill chunks their window before the chunk, with the
 window in the mask. `all_decode_args` (the one-operator decode layer) is for full-attention layers.
 
+A latent-attention layer (DeepSeek-V3's MLA, `LatentAttentionSpec`) is served by
+`LatentGroupAttention` through the context's ``latent`` call: decode tokens in the absorbed form,
+through `paged_decode` with the rows as the one kv head's K and V where the row size is a multiple
+of 16 (else gathered), prefill chunks in the cheaper of the two forms (`helios.models.latent_attention`):
+absorbed through the same kernel (each query a decode token of its position), or over their gathered
+context rows.
+
 A layer with attention sinks (gpt-oss: a call's ``sinks``) never takes the kernels, which know no
 sinks: its decode rows gather their context (the gather indices are built on the first such
 layer of a step that the kernel would otherwise serve) and every chunk goes through
@@ -60,8 +67,16 @@ from helios.models.interface import (
     DecodeArgs,
     FullAttentionSpec,
     LatentAttentionSpec,
+    LatentProjection,
     RecurrentBatch,
     SlidingWindowSpec,
+)
+from helios.models.latent_attention import (
+    absorb_query,
+    absorbed_attention,
+    absorbed_is_cheaper,
+    absorbed_output,
+    chunk_attention,
 )
 
 
@@ -128,6 +143,11 @@ class TorchPagedBackend:
         self.group_kernels: list[tuple[bool, bool]] = []
         for group in layout.paged_groups:
             spec = group.spec
+            if isinstance(spec, LatentAttentionSpec):
+                # Absorbed decode is multi-query attention over the rows: the decode kernel's.
+                latent_applies = cpu and dtype in (torch.float32, torch.bfloat16) and spec.row_dim % 16 == 0
+                self.group_kernels.append((latent_applies and built, False))
+                continue
             if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
                 self.group_kernels.append((False, False))
                 continue
@@ -292,16 +312,20 @@ class PagedAttention:
         self.inputs = inputs
         self.kv = kv
         self._by_layer: list[GroupAttention | None] = [None] * layout.num_layers
+        self._latent_by_layer: list[LatentGroupAttention | None] = [None] * layout.num_layers
         self._spans = inputs.recurrent_spans
         for g, group in enumerate(layout.paged_groups):
-            if isinstance(group.spec, LatentAttentionSpec):
-                continue
             if g == 0:
                 table, slot_mapping = inputs.block_table, inputs.slot_mapping
                 dk, pk = decode_kernel, prefill_kernel
             else:
                 table, slot_mapping = inputs.group_tables[g - 1]
                 dk, pk = group_kernels[g]
+            if isinstance(group.spec, LatentAttentionSpec):
+                latent = LatentGroupAttention(kv, inputs, table, slot_mapping, page_size, offsets, decode_kernel=dk)
+                for i in group.layers:
+                    self._latent_by_layer[i] = latent
+                continue
             step = GroupAttention(kv, group, inputs, table, slot_mapping, page_size, offsets, decode_kernel=dk,
                               prefill_kernel=pk)
             for i in group.layers:
@@ -323,6 +347,13 @@ class PagedAttention:
         if step is None:
             raise TypeError(f"layer {layer_idx} keeps no K/V (its cache spec is not an attention spec)")
         return step(layer_idx, q, k, v, scale, sinks=sinks)
+
+    def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
+               scale: float) -> Tensor:
+        step = self._latent_by_layer[layer_idx]
+        if step is None:
+            raise TypeError(f"layer {layer_idx} keeps no latent rows (its cache spec is not a LatentAttentionSpec)")
+        return step.latent(layer_idx, q_nope, q_rope, rows, projection, scale)
 
 
 class GroupAttention:
@@ -400,6 +431,10 @@ class GroupAttention:
 
     def recurrent(self, layer_idx: int) -> RecurrentBatch:
         raise TypeError(f"layer {layer_idx} is an attention layer, not a recurrent one")
+
+    def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
+               scale: float) -> Tensor:
+        raise TypeError(f"layer {layer_idx} keeps K/V, not latent rows")
 
     def all_decode_args(self, layer_idx: int) -> DecodeArgs | None:
         if not (self.num_decode and self.decode_kernel and self.all_decode and self.full):
@@ -481,6 +516,90 @@ class GroupAttention:
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True, scale=sdpa_scale)
             out[tok_start : tok_start + length] = o.squeeze(0).transpose(0, 1)
         return out
+
+
+class LatentGroupAttention:
+    """One step's multi-head latent attention over one latent group (`LatentAttentionSpec`): the
+    rows [slots, row_dim] of each layer, index tensors built once per step and shared by the
+    group's layers. Each layer's step rows are written at their slots first. Decode tokens attend
+    in the absorbed form (`helios.models.latent_attention`): on the CPU through the
+    `cpu_kernels.paged_decode` kernel, reading the rows in place through the block table as the
+    one kv head's K and V ([1, slots, row_dim] views; the output's last rope_dim columns, the
+    rotary keys' weighted sum, are dropped), else one gather of every decode row's context and two
+    bmms. A prefill chunk attends in the cheaper form (`latent_attention.absorbed_is_cheaper`):
+    absorbed (a short chunk over a long context) through the same kernel where it serves the group,
+    each query a decode token of its row with context length position + 1 (the rows read in place;
+    the chunk's own rows are written first); otherwise over its gathered context rows
+    (`latent_attention.chunk_attention`: expanded, or absorbed with a causal mask)."""
+
+    def __init__(self, kv: KVCache, inputs: AttentionInputs, table: Tensor, slot_mapping: Tensor, page_size: int,
+                 offsets: Tensor, *, decode_kernel: bool) -> None:
+        self.kv = kv
+        self.slot_mapping = slot_mapping
+        self.page_size = page_size
+        self.num_decode = inputs.num_decode
+        self.all_decode = inputs.num_decode == inputs.num_tokens
+        self.decode_kernel = decode_kernel
+        if inputs.num_decode:
+            assert inputs.decode_rows is not None and inputs.decode_lens is not None
+            assert inputs.decode_tokens is not None
+            self.table = table
+            self.decode_rows = inputs.decode_rows
+            self.decode_lens = inputs.decode_lens
+            self.decode_tokens = inputs.decode_tokens
+            if not decode_kernel:
+                lmax = inputs.decode_max_len
+                pages = table.index_select(0, inputs.decode_rows)[:, : -(-lmax // page_size)]
+                self.decode_idx = _expand(pages, page_size, offsets)[:, :lmax]  # [D, lmax]
+                pad = torch.arange(lmax, device=table.device)[None, :] >= inputs.decode_lens[:, None]
+                self.decode_bias = torch.zeros(inputs.num_decode, 1, lmax, dtype=torch.float32,
+                                               device=table.device).masked_fill_(pad[:, None, :], float("-inf"))
+        self.table = table
+        # (first token index, length, context slots of positions 0 .. end, first position, batch row)
+        self.prefills: list[tuple[int, int, Tensor, int, int]] = []
+        for tok_start, length, row, ctx_start in inputs.prefills:
+            end = ctx_start + length
+            pages = table[row : row + 1, : -(-end // page_size)]
+            self.prefills.append((tok_start, length, _expand(pages, page_size, offsets)[0, :end], ctx_start, row))
+
+    def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
+               scale: float) -> Tensor:
+        cache = self.kv.rows[layer_idx]  # [slots, row_dim]
+        cache.index_copy_(0, self.slot_mapping, rows.to(cache.dtype))
+        if self.all_decode:
+            return self._decode(q_nope, q_rope, cache, projection, scale)
+        out = q_nope.new_empty(q_nope.shape[0], projection.num_heads, projection.v_dim)
+        if self.num_decode:
+            qn, qr = q_nope.index_select(0, self.decode_tokens), q_rope.index_select(0, self.decode_tokens)
+            out.index_copy_(0, self.decode_tokens, self._decode(qn, qr, cache, projection, scale))
+        for tok_start, length, slots, ctx_start, row in self.prefills:
+            chunk = slice(tok_start, tok_start + length)
+            end = ctx_start + length
+            if self.decode_kernel and absorbed_is_cheaper(length, end, cache.shape[1], projection):
+                # Absorbed, in place: each query is a decode token of its row with context position + 1.
+                device = self.table.device
+                rows_of = torch.full((length,), row, dtype=torch.long, device=device)
+                lens = torch.arange(ctx_start + 1, end + 1, dtype=torch.long, device=device)
+                q = absorb_query(q_nope[chunk], q_rope[chunk], projection).to(cache.dtype)
+                latent = cpu_kernels.paged_decode(q, cache.unsqueeze(0), cache.unsqueeze(0), self.table, rows_of, lens,
+                                                  self.page_size, scale)[..., : projection.rank]
+                out[chunk] = absorbed_output(latent, projection).to(out.dtype)
+                continue
+            out[chunk] = chunk_attention(q_nope[chunk], q_rope[chunk], cache.index_select(0, slots), projection,
+                                         scale, ctx_start).to(out.dtype)
+        return out
+
+    def _decode(self, q_nope: Tensor, q_rope: Tensor, cache: Tensor, projection: LatentProjection,
+                scale: float) -> Tensor:
+        q = absorb_query(q_nope, q_rope, projection).to(cache.dtype)  # [D, heads, row_dim]
+        if self.decode_kernel:
+            rows = cache.unsqueeze(0)  # one kv head: K = V = the rows
+            latent = cpu_kernels.paged_decode(q, rows, rows, self.table, self.decode_rows, self.decode_lens,
+                                              self.page_size, scale)[..., : projection.rank]
+        else:
+            context = cache.index_select(0, self.decode_idx.reshape(-1)).view(*self.decode_idx.shape, -1)
+            latent = absorbed_attention(q, context, self.decode_bias, scale, projection.rank)
+        return absorbed_output(latent, projection).to(q_nope.dtype)
 
 
 def _expand(pages: Tensor, page_size: int, offsets: Tensor) -> Tensor:

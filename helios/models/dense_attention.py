@@ -15,7 +15,20 @@ from torch import Tensor
 
 from helios.models.attention_sinks import sink_attention
 from helios.models.decoder import FusedDecoderLM
-from helios.models.interface import DecodeArgs, FullAttentionSpec, RecurrentBatch, SlidingWindowSpec
+from helios.models.interface import (
+    DecodeArgs,
+    FullAttentionSpec,
+    LatentAttentionSpec,
+    LatentProjection,
+    RecurrentBatch,
+    SlidingWindowSpec,
+)
+from helios.models.latent_attention import (
+    absorb_query,
+    absorbed_attention,
+    absorbed_output,
+    chunk_attention,
+)
 
 
 class DenseAttention:
@@ -34,6 +47,10 @@ class DenseAttention:
 
     ``kv_shapes``: per layer, its (kv heads, head size) when layers differ (Gemma 4's global layers,
     MiMo-V2-Flash's sliding ones); None: ``(num_kv_heads, head_dim)`` for every layer.
+
+    A latent-attention layer (`latent`) keeps its rows instead; a chunk of one token after the first
+    (decode) attends in the absorbed form, any other chunk in the cheaper form
+    (`helios.models.latent_attention.chunk_attention`).
     """
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -55,6 +72,7 @@ class DenseAttention:
         self._keys = [self._alloc(capacity, i) for i in range(num_layers)]
         self._values = [self._alloc(capacity, i) for i in range(num_layers)]
         self._lengths = [0] * num_layers
+        self._rows: dict[int, Tensor] = {}  # latent-attention layers: [capacity, row_dim]
         self._windows: list[int | None] = list(windows) if windows is not None else [None] * num_layers
         if len(self._windows) != num_layers:
             raise ValueError(f"{len(self._windows)} windows for {num_layers} layers")
@@ -66,6 +84,7 @@ class DenseAttention:
         specs = model.cache_specs()
         windows = [spec.window if isinstance(spec, SlidingWindowSpec) else None for spec in specs]
         shapes = [(spec.num_kv_heads, spec.head_dim) if isinstance(spec, FullAttentionSpec | SlidingWindowSpec)
+                  else (0, 0) if isinstance(spec, LatentAttentionSpec)  # rows only (`latent`)
                   else (cfg.num_kv_heads, cfg.head_dim) for spec in specs]
         return cls(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
                    device=model.embed_tokens.device, initial_capacity=initial_capacity, windows=windows,
@@ -84,6 +103,25 @@ class DenseAttention:
 
     def recurrent(self, layer_idx: int) -> RecurrentBatch:
         raise NotImplementedError("DenseAttention keeps attention layers only")
+
+    def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
+               scale: float) -> Tensor:
+        start = self._lengths[layer_idx]
+        end = start + rows.shape[0]
+        store = self._rows.get(layer_idx)
+        if store is None or store.shape[0] < end:
+            capacity = max(end, 2 * (0 if store is None else store.shape[0]), self._keys[layer_idx].shape[0])
+            grown = torch.empty(capacity, rows.shape[1], dtype=self.dtype, device=self.device)
+            if store is not None:
+                grown[:start] = store[:start]
+            store = self._rows[layer_idx] = grown
+        store[start:end] = rows
+        self._lengths[layer_idx] = end
+        if end - start == 1 and start > 0:  # decode: the absorbed form
+            q = absorb_query(q_nope, q_rope, projection)
+            latent = absorbed_attention(q, store[None, :end], None, scale, projection.rank)
+            return absorbed_output(latent, projection).to(q_nope.dtype)
+        return chunk_attention(q_nope, q_rope, store[:end], projection, scale, start).to(q_nope.dtype)
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, *,
                  sinks: Tensor | None = None) -> Tensor:

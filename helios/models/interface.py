@@ -13,7 +13,8 @@ Cache specs (vLLM v1's KV-cache specs are the anchor). Every layer declares what
   (itself included: query position p sees key positions p - window + 1 .. p, transformers'
   sliding-window mask), so pages that fall out of every such layer's window are reusable.
 - `LatentAttentionSpec`: one compressed row of ``row_dim`` elements per token (multi-head latent
-  attention keeps the latent and the rotary key, not expanded K/V).
+  attention keeps the latent and the rotary key, not expanded K/V; `LatentProjection` is what a
+  layer hands the context to expand or absorb them).
 - `RecurrentStateSpec`: a fixed state per request (tensors of ``shapes``), no per-token rows; a
   prefix is reused only through a snapshot of the state.
 
@@ -71,6 +72,34 @@ class LatentAttentionSpec:
 
     def elements_per_token(self) -> int:
         return self.row_dim
+
+
+@attrs.frozen(eq=False)
+class LatentProjection:
+    """How a latent-attention layer's cached rows become keys and values (DeepSeek's MLA).
+
+    A row is ``[c | k_rope]``: the normed latent ``c`` (``rank`` elements) and the rotary key
+    shared by every head (RoPE applied). ``kv_up`` [heads, nope_dim + v_dim, rank] is the layer's
+    up-projection (``kv_b_proj``) per head: head h's key is ``[kv_up[h, :nope_dim] @ c | k_rope]``
+    and its value ``kv_up[h, nope_dim:] @ c``. The context computes attention either expanded
+    (keys and values made from the rows) or absorbed (the query's non-rotary part taken into the
+    latent space, ``q_nope @ kv_up[h, :nope_dim]``, scored against the rows themselves, and the
+    latent output taken out through ``kv_up[h, nope_dim:]``); `helios.models.latent_attention`."""
+
+    kv_up: Tensor
+    nope_dim: int
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.kv_up.shape[0])
+
+    @property
+    def rank(self) -> int:
+        return int(self.kv_up.shape[2])
+
+    @property
+    def v_dim(self) -> int:
+        return int(self.kv_up.shape[1]) - self.nope_dim
 
 
 @attrs.frozen
@@ -131,7 +160,13 @@ class AttentionContext(Protocol):
     ``all_decode_args``: for a step of decode tokens only that the CPU decode operators serve, what
     they need for this layer (so a model may run the layer as one operator); None otherwise.
 
-    ``recurrent``: a recurrent-state layer's state and the step's chunks."""
+    ``recurrent``: a recurrent-state layer's state and the step's chunks.
+
+    ``latent``: attention for a latent-attention layer (`LatentAttentionSpec`). ``q_nope`` [T,
+    heads, nope_dim], ``q_rope`` [T, heads, rope_dim] (RoPE applied), ``rows`` [T, rank +
+    rope_dim]: this step's cache rows (`LatentProjection`), written into the cache first. Returns
+    [T, heads, v_dim] in q's dtype: prefill chunks in the expanded form, decode tokens in the
+    absorbed form (both the same attention); scores scaled by ``scale``."""
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, *,
                  sinks: Tensor | None = None) -> Tensor: ...
@@ -139,6 +174,9 @@ class AttentionContext(Protocol):
     def all_decode_args(self, layer_idx: int) -> DecodeArgs | None: ...
 
     def recurrent(self, layer_idx: int) -> RecurrentBatch: ...
+
+    def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
+               scale: float) -> Tensor: ...
 
 
 @runtime_checkable

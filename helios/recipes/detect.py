@@ -50,7 +50,9 @@ _QWEN25_IDENTITY = "You are Qwen, created by Alibaba Cloud"
 # <arg_key> calls, MiniMax-M2 (minimax_m2) the namespaced <minimax:tool_call>, MiMo-V2-Flash
 # (mimo_v2_flash) MiMo V2's function tags. qwen3_moe has none: Qwen3-30B-A3B writes Hermes JSON,
 # Qwen3-Coder-30B-A3B function tags, so its template decides (`plain` + `detect_parser_family`);
-# gpt_oss has none either (no harmony recipe in the catalog: `plain` + the harmony parser).
+# gpt_oss has none either (no harmony recipe in the catalog: `plain` + the harmony parser), nor
+# deepseek_v3 (DeepSeek-V3's and V3.1's tool markup differ, Kimi K2 has its own section tokens:
+# `plain` + `detect_parser_family`, which reads deepseek_v3_1 / kimi_k2 from the template).
 _ARCH_RULES: tuple[tuple[str, str], ...] = (
     ("gemma4", "gemma4"),
     ("nemotronh", "nemotron_h"),

@@ -155,11 +155,14 @@ def test_paged_decode_against_float64(dtype: torch.dtype, lens: list[int]) -> No
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
-                         [(4, 4, 64), (8, 2, 64), (12, 2, 64), (6, 2, 128), (8, 2, 128), (16, 2, 64), (8, 1, 128)],
+                         [(4, 4, 64), (8, 2, 64), (12, 2, 64), (6, 2, 128), (8, 2, 128), (16, 2, 64), (8, 1, 128),
+                          (8, 1, 256), (32, 1, 576)],
                          ids=str)
 def test_paged_decode_shapes_against_float64(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
     """Query groups of 1-8 heads and head sizes 64 and 128: the weighted sum of V is specialised for
-    the (group, head size) pairs whose accumulators fit in registers, generic for the others."""
+    the (group, head size) pairs whose accumulators fit in registers, generic for the others; many
+    queries of a wide head (latent attention's absorbed decode: 32 heads on one 576-wide row) take
+    the register tiles."""
     case = _paged_case([7, 300, 1], dtype, kv_heads=kv_heads, heads=heads, head_dim=head_dim, seed=heads + head_dim)
     got = cpu_kernels.paged_decode(case["q"], case["k"], case["v"], case["table"], case["rows"], case["lens"],
                                    int(case["page_size"]), head_dim ** -0.5)

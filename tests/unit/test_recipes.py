@@ -333,6 +333,9 @@ def test_effort_defaults_and_numeric_scores():
         ("local/checkpoint", "gpt_oss", "plain"),  # no harmony recipe: plain + the harmony parser
         ("local/checkpoint", "qwen3_moe", "plain"),  # Hermes JSON or function tags: the template decides
         ("local/checkpoint", "glm4v_moe", "plain"),
+        # deepseek_v3 (DeepSeek-V3 / V3.1, Kimi K2): the syntaxes differ, so the template decides.
+        ("deepseek-ai/DeepSeek-V3.1", "deepseek_v3", "plain"),
+        ("moonshotai/Kimi-K2-Instruct", "deepseek_v3", "plain"),
         ("Qwen/Qwen3.8-Flash", "qwen3_moe", "qwen38"),  # the model id comes first
         ("zai-org/GLM-5.3-Flash", "glm4_moe", "glm53"),
         ("MiniMaxAI/MiniMax-M3.1-Flash", "minimax_m2", "minimax_m3"),

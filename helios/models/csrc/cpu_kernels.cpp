@@ -398,6 +398,10 @@ PvFn<T> pv_for(int64_t G, int64_t NV) {
   return nullptr;
 }
 
+// The register tile of paged_decode's weighted sum for many queries per kv head.
+constexpr int64_t kPvTileQueries = 4;
+constexpr int64_t kPvTileVectors = 4;
+
 template <typename T>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& table, const at::Tensor& rows, const at::Tensor& lens,
@@ -551,6 +555,33 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       }
       if (pv != nullptr) {
         pv(vp, page_row, kv * S, start, n, page_size, dh, scores.data(), row_bytes, out_acc);
+        continue;
+      }
+      if (G * NV > kPvTileQueries * kPvTileVectors && G % kPvTileQueries == 0 && NV % kPvTileVectors == 0) {
+        // Many queries per kv head (latent attention's absorbed decode: every head shares the one
+        // row): G * NV accumulators would not stay in registers, so the weighted sum runs in tiles of
+        // kPvTileQueries queries x kPvTileVectors vectors held in registers, each tile over all n
+        // positions (the same sums in the same order as the loop below, so the same values).
+        for (int64_t g0 = 0; g0 < G; g0 += kPvTileQueries) {
+          for (int64_t e0 = 0; e0 < NV; e0 += kPvTileVectors) {
+            vec a[kPvTileQueries][kPvTileVectors];
+            for (int64_t g = 0; g < kPvTileQueries; ++g)
+              for (int64_t e = 0; e < kPvTileVectors; ++e) a[g][e] = vzero();
+            for (int64_t j = 0; j < n; ++j) {
+              const int64_t pos = start + j;
+              const T* __restrict__ vr =
+                  vp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh + e0 * W;
+              vec w[kPvTileQueries];
+              for (int64_t g = 0; g < kPvTileQueries; ++g) w[g] = vset1(scores[(g0 + g) * kChunk + j]);
+              for (int64_t e = 0; e < kPvTileVectors; ++e) {
+                const vec vx = vload(vr + e * W);
+                for (int64_t g = 0; g < kPvTileQueries; ++g) a[g][e] = vfma(w[g], vx, a[g][e]);
+              }
+            }
+            for (int64_t g = 0; g < kPvTileQueries; ++g)
+              for (int64_t e = 0; e < kPvTileVectors; ++e) vstore(out_acc + (g0 + g) * dh + (e0 + e) * W, a[g][e]);
+          }
+        }
         continue;
       }
       for (int64_t e = 0; e < G * NV; ++e) acc[e] = vzero();
