@@ -12,6 +12,7 @@ Each part skips when its binary is absent (`.ci/run` installs both where it can)
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import shutil
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.slow
 
 PROMETHEUS = shutil.which("prometheus")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+WEBSOCKETS = importlib.util.find_spec("websockets") is not None
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-helios.json"
 KEY = "ops-secret"
 
@@ -299,6 +301,7 @@ def send(page: Browser, text: str) -> dict[str, Any]:
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+@pytest.mark.skipif(not WEBSOCKETS, reason="needs the websockets package (the test extras)")
 def test_chat_page_streams_answers_and_keeps_conversations(ops_server: LiveServer) -> None:
     r = httpx.get(ops_server.url + "/ui", timeout=10)  # public, like / and /health
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
