@@ -5,8 +5,8 @@ cache on, n-gram speculation on, a serving key):
   the spec for the features that run is there with its type, a PromQL rate over generated tokens is
   non-zero after a request, and every query of docs/grafana-helios.json evaluates;
 - the chat page (GET /ui) in headless Chromium (Debian's `chromium`, driven over the DevTools
-  protocol): a key, two streamed turns with tokens/s and cached tokens, conversations to switch
-  between, kept across a reload.
+  protocol): a key, two streamed turns with tokens/s and cached tokens, a stopped stream,
+  conversations to switch between, kept across a reload.
 
 Each part skips when its binary is absent (`.ci/run` installs both where it can)."""
 
@@ -317,10 +317,11 @@ def test_chat_page_streams_answers_and_keeps_conversations(ops_server: LiveServe
             assert page.js("document.querySelectorAll('#conversations li').length") == 0
             page.js(f"const k = document.getElementById('api-key'); k.value = {json.dumps(KEY)}; "
                     "k.dispatchEvent(new Event('change'))")
-            page.js("document.getElementById('max-tokens').value = '32'")
+            page.js("document.getElementById('max-tokens').value = '32'; "
+                    "const t = document.getElementById('temperature'); t.value = '0'; t.dispatchEvent(new Event('change'))")
 
             first = send(page, "What is the capital of France?")
-            assert first["state"] == "done" and first["content"].strip(), first
+            assert first["state"] == "done" and "Paris" in first["content"], first
             stats = first["stats"]
             assert int(stats["completionTokens"]) > 0 and float(stats["tokensPerSecond"]) > 0, stats
             assert int(stats["chunks"]) > 2, stats  # streamed: role, text chunks, the usage chunk
@@ -338,6 +339,17 @@ def test_chat_page_streams_answers_and_keeps_conversations(ops_server: LiveServe
             assert page.js("document.querySelectorAll('#messages .message').length") == 0
             other = send(page, "Say hello.")
             assert other["state"] == "done"
+            # Stop: the stream in flight is aborted, what arrived stays.
+            page.js("document.getElementById('max-tokens').value = '400'; "
+                    "document.getElementById('prompt').value = 'Tell me a long story about a dragon.'; "
+                    "document.getElementById('send').click()")
+            last = "document.querySelector('#messages .message:last-child')"
+            wait_until(lambda: page.js(f"{last}.dataset.state === 'streaming' && "
+                                       f"{last}.querySelector('.content').textContent.length > 0"), 60, "streamed text")
+            page.js("document.getElementById('stop').click()")
+            wait_until(lambda: page.js(f"{last}.dataset.state === 'stopped'"), 30, "the stop")
+            assert page.js(f"{last}.querySelector('.content').textContent.length") > 0
+            assert page.js("document.getElementById('send').disabled") is False
             page.js("document.querySelectorAll('#conversations li .pick')[1].click()")
             assert page.js("document.querySelectorAll('#messages .message').length") == 4
             assert page.js("document.querySelector('#conversations li.active .pick').textContent") == \

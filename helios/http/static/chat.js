@@ -12,7 +12,7 @@
   const els = {
     list: $("conversations"), messages: $("messages"), prompt: $("prompt"), composer: $("composer"),
     send: $("send"), stop: $("stop"), status: $("status"), model: $("model"), apiKey: $("api-key"),
-    maxTokens: $("max-tokens"), newChat: $("new-chat"),
+    maxTokens: $("max-tokens"), temperature: $("temperature"), newChat: $("new-chat"),
   };
 
   let conversations = load(localStorage, STORE, []);
@@ -35,7 +35,8 @@
   }
 
   function saveSettings() {
-    localStorage.setItem(SETTINGS, JSON.stringify({ model: els.model.value, maxTokens: els.maxTokens.value }));
+    localStorage.setItem(SETTINGS, JSON.stringify({ model: els.model.value, maxTokens: els.maxTokens.value,
+                                                   temperature: els.temperature.value }));
     sessionStorage.setItem(KEY, els.apiKey.value);
   }
 
@@ -197,6 +198,8 @@
                    stream_options: { include_usage: true } };
     const maxTokens = parseInt(els.maxTokens.value, 10);
     if (maxTokens > 0) body.max_tokens = maxTokens;
+    const temperature = parseFloat(els.temperature.value);
+    if (els.temperature.value !== "" && temperature >= 0) body.temperature = temperature;
     const started = performance.now();
     let first = null;
     let last = null;
@@ -284,8 +287,9 @@
   const settings = load(localStorage, SETTINGS, {});
   if (settings.model) els.model.value = settings.model;
   if (settings.maxTokens) els.maxTokens.value = settings.maxTokens;
+  if (settings.temperature) els.temperature.value = settings.temperature;
   els.apiKey.value = sessionStorage.getItem(KEY) || "";
-  for (const input of [els.model, els.apiKey, els.maxTokens]) input.addEventListener("change", saveSettings);
+  for (const input of [els.model, els.apiKey, els.maxTokens, els.temperature]) input.addEventListener("change", saveSettings);
   els.apiKey.addEventListener("change", discoverModel);
   els.newChat.addEventListener("click", () => { if (!controller) newConversation(); });
   els.stop.addEventListener("click", () => { if (controller) controller.abort(); });
