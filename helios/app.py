@@ -19,7 +19,7 @@ import trio
 from helios.asgi.admission import AdmissionSlots
 from helios.asgi.routing import Router
 from helios.config import HeliosConfig, load_config
-from helios.http import anthropic, decisions, ollama, openai, ops
+from helios.http import anthropic, decisions, ollama, openai, ops, webui
 from helios.http.context import Handler
 from helios.http.dispatch import Dispatcher
 from helios.http.state import ServerState
@@ -28,7 +28,7 @@ from helios.serving.pipeline import Service
 
 log = logging.getLogger("helios")
 
-ROUTES = [*ops.ROUTES, *openai.ROUTES, *anthropic.ROUTES, *ollama.ROUTES, *decisions.ROUTES]
+ROUTES = [*ops.ROUTES, *webui.ROUTES, *openai.ROUTES, *anthropic.ROUTES, *ollama.ROUTES, *decisions.ROUTES]
 
 
 class HeliosApp:
