@@ -468,6 +468,7 @@ def rss_bytes(pid: int) -> int | None:
 @dataclass
 class SoakOptions:
     seed: int = 20240610
+    model: str = ""  # a GGUF file, a folder or a catalog name (`helios models`); empty: the default model
     duration: float = 45.0  # seconds of load (ignored when `requests` is set)
     requests: int | None = None  # stop after this many requests (steady and burst together)
     workers: int = 3  # steady closed-loop clients
@@ -668,6 +669,8 @@ def run_soak(tmp: Path, opts: SoakOptions) -> SoakReport:
     from tests.server.conftest import start_server, stop_server
 
     toml = SOAK_TOML.replace("@CONCURRENCY@", str(MAX_CONCURRENCY))
+    if opts.model:
+        toml = toml.replace("@MODEL@", opts.model)
     server = start_server(tmp, toml, "soak")
     try:
         assert server.proc is not None
@@ -687,10 +690,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=SoakOptions.workers)
     ap.add_argument("--burst-every", type=float, default=SoakOptions.burst_every)
     ap.add_argument("--burst-size", type=int, default=SoakOptions.burst_size)
+    ap.add_argument("--model", default="", help="a GGUF file, a model folder or a catalog name, e.g. "
+                    "qwen2.5-coder:0.5b (default: the default model)")
     ap.add_argument("--keep", action="store_true", help="keep the server's config and log")
     a = ap.parse_args(argv)
     opts = SoakOptions(seed=a.seed, duration=a.duration, requests=a.requests, workers=a.workers,
-                       burst_every=a.burst_every, burst_size=a.burst_size)
+                       burst_every=a.burst_every, burst_size=a.burst_size, model=a.model)
     tmp = Path(tempfile.mkdtemp(prefix="helios-soak-"))
     t0 = time.monotonic()
     report = run_soak(tmp, opts)
