@@ -10,8 +10,14 @@ What it does, each step skipped when its output is already there (``--force`` re
    embeddings. About 1.05B parameters in all, 0.19B of them used per token outside the embedding
    table (the counts are printed; ``--counts-only`` stops there).
 2. Random weights, seeded per tensor (a SHA-256 of the seed and the tensor's name, so the values do
-   not depend on the order tensors are visited in): normal, std 0.02, for every matrix; 1 for the
-   RMSNorm weights. Saved with ``save_pretrained`` as bf16 safetensors.
+   not depend on the order tensors are visited in): normal, std 0.02, for the matrices, except the
+   two that write into the residual stream: attention ``o_proj`` std 0.005 and the experts'
+   ``down_proj`` std 0.08; 1 for the RMSNorm weights. Saved with ``save_pretrained`` as bf16
+   safetensors. With 0.02 everywhere the attention branch drowns the expert branch and every
+   position's hidden state tends to the same context average: 32 positions of a prompt chose only
+   4-17 of the 32 experts per layer and greedy decoding repeated one token. With the two scales
+   above they choose 18-32 (like a trained MoE, whose 32-stream decode touches nearly every expert)
+   and 24 greedy tokens are 24 different ones (transformers' bf16 forward of the HF folder).
 3. A real Qwen2 tokenizer beside them, rebuilt from the vocabulary, merges and special tokens of the
    Qwen2.5-Coder GGUF Helios downloads (``tokenizer.json``, ``tokenizer_config.json`` with its chat
    template, ``generation_config.json``): byte-level BPE with Qwen2's split pattern and NFC, which
@@ -62,7 +68,7 @@ GGUF_NORMAL, GGUF_CONTROL, GGUF_USER_DEFINED = 1, 3, 4
 def model_config(args: argparse.Namespace, vocab_size: int, bos_id: int, eos_id: int) -> Any:
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(
+    fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=args.hidden,
         intermediate_size=3 * args.hidden,  # a dense MLP's width; unused, every layer is sparse
@@ -85,6 +91,7 @@ def model_config(args: argparse.Namespace, vocab_size: int, bos_id: int, eos_id:
         eos_token_id=eos_id,
         architectures=["Qwen3MoeForCausalLM"],
     )
+    return Qwen3MoeConfig(**fields)
 
 
 def parameter_counts(c: Any) -> dict[str, int]:
@@ -122,7 +129,15 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
 
 
-def build_hf_model(config: Any, seed: int, std: float, out: Path) -> None:
+def tensor_std(name: str, args: argparse.Namespace) -> float:
+    if name.endswith("self_attn.o_proj.weight"):
+        return float(args.attn_out_std)
+    if "experts" in name and "down_proj" in name:
+        return float(args.expert_down_std)
+    return float(args.std)
+
+
+def build_hf_model(config: Any, args: argparse.Namespace, out: Path) -> None:
     import torch
     from transformers import Qwen3MoeForCausalLM
 
@@ -142,9 +157,9 @@ def build_hf_model(config: Any, seed: int, std: float, out: Path) -> None:
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
-            generator.manual_seed(tensor_seed(seed, name))
+            generator.manual_seed(tensor_seed(args.seed, name))
             values = torch.empty(param.shape, dtype=torch.float32)
-            values.normal_(0.0, std, generator=generator)
+            values.normal_(0.0, tensor_std(name, args), generator=generator)
             param.copy_(values)
             del values
     numel = sum(p.numel() for p in model.parameters())  # tied: the embedding is counted once
@@ -186,7 +201,7 @@ def save_tokenizer(gguf_path: Path, out: Path) -> dict[str, Any]:
         pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
     ])
-    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     added: dict[str, dict[str, Any]] = {}
     for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
@@ -287,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--std", type=float, default=0.02, help="std of the normal matrices")
+    parser.add_argument("--attn-out-std", type=float, default=0.005, help="std of attention's o_proj")
+    parser.add_argument("--expert-down-std", type=float, default=0.08, help="std of the experts' down_proj")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
@@ -328,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (hf_dir / "model.safetensors").exists() and not (hf_dir / "model.safetensors.index.json").exists():
         hf_dir.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
-        build_hf_model(config, args.seed, args.std, hf_dir)
+        build_hf_model(config, args, hf_dir)
         save_tokenizer(args.tokenizer_gguf, hf_dir)
         timings["hf_folder_s"] = round(time.monotonic() - start, 1)
         print(f"HF folder: {hf_dir} ({timings['hf_folder_s']} s)", flush=True)
@@ -345,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
             [str(quantize), str(bf16_gguf), str(quant_gguf), args.quant, str(args.threads)],
             out / "quantize.log"), 1)
 
-    files = {}
+    files: dict[str, dict[str, Any]] = {}
     for path in (bf16_gguf, quant_gguf):
         if path.exists():
             files[path.name] = {"path": str(path), "bytes": path.stat().st_size, "sha256": sha256(path),
@@ -356,7 +373,8 @@ def main(argv: list[str] | None = None) -> None:
     manifest = {
         "name": NAME,
         "seed": args.seed,
-        "std": args.std,
+        "std": {"matrices": args.std, "attn_o_proj": args.attn_out_std, "experts_down_proj": args.expert_down_std,
+                "norms": 1.0},
         "config": json.loads(config.to_json_string()),
         "parameters": counts,
         "timings": {**previous.get("timings", {}), **timings},
