@@ -362,14 +362,14 @@ def main(argv: list[str] | None = None) -> None:
             [str(quantize), str(bf16_gguf), str(quant_gguf), args.quant, str(args.threads)],
             out / "quantize.log"), 1)
 
-    files: dict[str, dict[str, Any]] = {}
-    for path in (bf16_gguf, quant_gguf):
-        if path.exists():
-            files[path.name] = {"path": str(path), "bytes": path.stat().st_size, "sha256": sha256(path),
-                                "kept": path != bf16_gguf or args.keep_bf16}
     cmds = commands(quant_gguf, args.llama_build)
     manifest_path = out / "manifest.json"
     previous = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    files: dict[str, dict[str, Any]] = dict(previous.get("files", {}))  # the BF16 file's entry outlives it
+    for path in (hf_dir / "model.safetensors", bf16_gguf, quant_gguf):
+        if path.exists():
+            files[path.name] = {"path": str(path), "bytes": path.stat().st_size, "sha256": sha256(path),
+                                "kept": path != bf16_gguf or args.keep_bf16}
     manifest = {
         "name": NAME,
         "seed": args.seed,
