@@ -9,7 +9,6 @@ applies each layer's window), the same weights written as a llama.cpp-style GGUF
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -17,15 +16,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from torch import Tensor
 
 from helios.loaders.checkpoint import load_checkpoint
 from helios.models import registry
-from helios.models.architecture import BuildOptions, LoadableCausalLM
+from helios.models.architecture import BuildOptions
 from helios.models.dense_attention import DenseAttention, greedy_generate
 from helios.models.gemma3 import Gemma3Config, Gemma3ForCausalLM, config_from_gguf
 from helios.models.interface import FullAttentionSpec, SlidingWindowSpec
 from tests.numerics import FP32_TOLERANCE, tolerance_for
+from tests.parity.tiny import hf_logits, load_ours, our_logits, write_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,46 +63,18 @@ def _tiny_hf_model(variant: str) -> torch.nn.Module:
     return model.eval()
 
 
-def _write_tokenizer(root: Path) -> None:
-    tokenizers = pytest.importorskip("tokenizers")
-    vocab = {chr(0x100 + i): i for i in range(256)}
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
-    backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
-                                for t in ("<eos>", "<bos>", "<end_of_turn>")])
-    backend.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "add_bos_token": False}))
-
-
 @pytest.fixture(scope="module", params=["base", "softcap"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
     hf_model = _tiny_hf_model(request.param)
     root = tmp_path_factory.mktemp(f"gemma3-{request.param}")
     hf_model.save_pretrained(root, safe_serialization=True)
-    _write_tokenizer(root)
+    write_byte_tokenizer(root, ("<eos>", "<bos>", "<end_of_turn>"))
     return hf_model, root
-
-
-def _ours(root: Path) -> LoadableCausalLM:
-    checkpoint = load_checkpoint(root, torch.float32)
-    assert checkpoint.architecture.name == "gemma3"
-    model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
-    model.load_weights(checkpoint.tensors)
-    return model
-
-
-def _hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float()
-
-
-def _logits(model: LoadableCausalLM, attn: DenseAttention, ids: list[int], start: int) -> Tensor:
-    with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(start, start + len(ids)), attn))
 
 
 def test_config_and_cache_specs(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root, architecture="gemma3")
     assert isinstance(model, Gemma3ForCausalLM)
     cfg = model.config
     hf_cfg = hf_model.config
@@ -119,9 +90,9 @@ def test_config_and_cache_specs(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root, architecture="gemma3")
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     diff = (got - expected).abs().max().item()
     print(f"{root.name} prompt fp32: max abs logit diff {diff:.6g} (max |logit| {expected.abs().max():.3g})")
     assert expected.abs().max().item() > 1.0
@@ -131,20 +102,20 @@ def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
 def test_window_matters(pair: tuple[torch.nn.Module, Path]) -> None:
     """Without the windows the last logits differ: the test prompt exercises them."""
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root, architecture="gemma3")
     cfg = model.config
     full = DenseAttention(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    windowless = _logits(model, full, PROMPT, 0)
-    assert (windowless[-1] - _hf_logits(hf_model, PROMPT)[-1]).abs().max().item() > 1e-2
+    windowless = our_logits(model, full, PROMPT, 0)
+    assert (windowless[-1] - hf_logits(hf_model, PROMPT)[-1]).abs().max().item() > 1e-2
 
 
 def test_chunked_prefill_and_decode(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
+    model = load_ours(root, architecture="gemma3")
+    expected = hf_logits(hf_model, PROMPT)
     attn = DenseAttention.for_model(model, initial_capacity=2)  # the K/V buffers grow
     chunks = [(0, 3), (3, 9), (9, 11)] + [(i, i + 1) for i in range(11, len(PROMPT))]
-    got = torch.cat([_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
+    got = torch.cat([our_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
     assert attn.num_tokens == len(PROMPT)
     diff = (got - expected).abs().max().item()
     print(f"{root.name} chunked prefill + decode fp32: max abs logit diff {diff:.3g}")
@@ -153,18 +124,18 @@ def test_chunked_prefill_and_decode(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_greedy_generation(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root, architecture="gemma3")
     assert isinstance(model, Gemma3ForCausalLM)
     ids = list(PROMPT[:6])
     for _ in range(8):
-        ids.append(int(_hf_logits(hf_model, ids)[-1].argmax()))
+        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
     assert greedy_generate(model, PROMPT[:6], max_new_tokens=8) == ids[6:]
 
 
 def test_keep_rows(pair: tuple[torch.nn.Module, Path]) -> None:
     _, root = pair
-    model = _ours(root)
-    everything = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root, architecture="gemma3")
+    everything = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     keep = torch.tensor([len(PROMPT) - 1, 2])
     with torch.no_grad():
         hidden = model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), DenseAttention.for_model(model), keep=keep)
@@ -174,13 +145,13 @@ def test_keep_rows(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_packed_state_round_trip(pair: tuple[torch.nn.Module, Path]) -> None:
     _, root = pair
-    model = _ours(root)
+    model = load_ours(root, architecture="gemma3")
     state, kinds = model.packed_state()
     checkpoint = load_checkpoint(root, torch.float32)
     again = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
     again.load_packed_state(state, kinds)
-    a = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
-    b = _logits(again, DenseAttention.for_model(again), PROMPT, 0)
+    a = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    b = our_logits(again, DenseAttention.for_model(again), PROMPT, 0)
     assert torch.equal(a, b)
 
 
@@ -312,8 +283,8 @@ def test_gguf_matches_transformers(tmp_path: Path) -> None:
     reference = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
         **{**hf_model.config.to_dict(), "query_pre_attn_scalar": hf_model.config.head_dim}))
     reference.load_state_dict(hf_model.state_dict())
-    expected = _hf_logits(reference.eval(), PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    expected = hf_logits(reference.eval(), PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     diff = (got - expected).abs().max().item()
     print(f"tiny gemma3 GGUF fp32: max abs logit diff {diff:.3g}")
     assert diff < FP32_TOLERANCE
@@ -336,10 +307,10 @@ def test_real_270m_first_logits() -> None:
     model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
     model.load_weights(checkpoint.tensors)
     ids = [2, 818, 5279, 529, 7001, 563]  # "<bos>The capital of France is" in the file's tokenizer
-    got = _logits(model, DenseAttention.for_model(model), ids, 0)
+    got = our_logits(model, DenseAttention.for_model(model), ids, 0)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(real_file.parent, gguf_file=real_file.name,
                                                                  dtype=torch.float32).eval()
-    expected = _hf_logits(hf_model, ids)
+    expected = hf_logits(hf_model, ids)
     diff = (got - expected).abs().max().item()
     print(f"gemma-3-270m Q4_K_M first logits fp32: max abs diff {diff:.3g} (max |logit| {expected.abs().max():.3g})")
     assert int(got[-1].argmax()) == int(expected[-1].argmax())
@@ -353,8 +324,8 @@ def test_bfloat16_close_to_float32(pair: tuple[torch.nn.Module, Path]) -> None:
     model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.bfloat16))
     model.load_weights(checkpoint.tensors)
     assert isinstance(model, Gemma3ForCausalLM) and float(model.embed_scale) == 8.0
-    expected = _hf_logits(hf_model, PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     diff = (got - expected).abs().max().item()
     scale = expected.abs().max().item()
     print(f"{root.name} prompt bf16 vs fp32 reference: max abs logit diff {diff:.3g} (max |logit| {scale:.3g})")
@@ -371,7 +342,7 @@ def test_the_engine_serves_it_with_sliding_window_pages(pair: tuple[torch.nn.Mod
     from tests.unit.test_engine import run
 
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root, architecture="gemma3")
     core = EngineCore(model, EngineConfig(page_size=2, num_pages=64, max_active=4, prefill_chunk_size=5,
                                           max_model_len=64), torch.float32)
     kv = core.kv_manager
@@ -396,7 +367,7 @@ def test_the_engine_serves_it_with_sliding_window_pages(pair: tuple[torch.nn.Mod
         tokens = [t for o in outs[f"r{i}"] for t in o.new_token_ids]
         logprobs = [lp for o in outs[f"r{i}"] for lp in (o.logprobs or ())]
         assert len(tokens) == 10
-        ref = torch.log_softmax(_hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
+        ref = torch.log_softmax(hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
         for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             row = ref[len(prompt) - 1 + j]
             assert t == int(row.argmax()), (i, j)

@@ -16,23 +16,22 @@ Logits of a whole prompt longer than the window, chunked prefill plus decode ste
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import safetensors.torch
 import torch
-from torch import Tensor
 
 from helios.loaders.checkpoint import load_checkpoint
 from helios.models import registry
-from helios.models.architecture import BuildOptions, LoadableCausalLM
+from helios.models.architecture import BuildOptions
 from helios.models.dense_attention import DenseAttention, greedy_generate
 from helios.models.gemma4 import Gemma4Config, Gemma4ForCausalLM, kv_sources
 from helios.models.interface import FullAttentionSpec, SlidingWindowSpec
 from helios.models.quant import WeightFormat
 from tests.numerics import FP32_TOLERANCE
+from tests.parity.tiny import hf_logits, load_ours, our_logits, write_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,46 +73,18 @@ def _tiny_hf_model(variant: str, config: Any = None) -> torch.nn.Module:
     return model.eval()
 
 
-def _write_tokenizer(root: Path) -> None:
-    tokenizers = pytest.importorskip("tokenizers")
-    vocab = {chr(0x100 + i): i for i in range(256)}
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
-    backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
-                                for t in ("<eos>", "<bos>", "<end_of_turn>")])
-    backend.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "add_bos_token": False}))
-
-
 @pytest.fixture(scope="module", params=["ple", "moe"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
     hf_model = _tiny_hf_model(request.param)
     root = tmp_path_factory.mktemp(f"gemma4-{request.param}")
     hf_model.save_pretrained(root, safe_serialization=True)
-    _write_tokenizer(root)
+    write_byte_tokenizer(root, ("<eos>", "<bos>", "<end_of_turn>"))
     return hf_model, root
-
-
-def _ours(root: Path) -> LoadableCausalLM:
-    checkpoint = load_checkpoint(root, torch.float32)
-    assert checkpoint.architecture.name == "gemma4"
-    model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
-    model.load_weights(checkpoint.tensors)
-    return model
-
-
-def _hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float()
-
-
-def _logits(model: LoadableCausalLM, attn: DenseAttention, ids: list[int], start: int) -> Tensor:
-    with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(start, start + len(ids)), attn))
 
 
 def test_config_and_cache_specs(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root, architecture="gemma4")
     assert isinstance(model, Gemma4ForCausalLM)
     cfg, hf_cfg = model.config, hf_model.config
     assert cfg.sliding_layers == tuple(t == "sliding_attention" for t in hf_cfg.layer_types)
@@ -130,9 +101,9 @@ def test_config_and_cache_specs(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root, architecture="gemma4")
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     diff = (got - expected).abs().max().item()
     print(f"{root.name} prompt fp32: max abs logit diff {diff:.6g} (max |logit| {expected.abs().max():.3g})")
     assert expected.abs().max().item() > 1.0
@@ -142,33 +113,33 @@ def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
 def test_window_matters(pair: tuple[torch.nn.Module, Path]) -> None:
     """Without the windows the last logits differ: the test prompt exercises them."""
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root, architecture="gemma4")
     specs = model.cache_specs()
     cfg = model.config
     full = DenseAttention(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                           kv_shapes=[(s.num_kv_heads, s.head_dim) for s in specs])  # type: ignore[union-attr]
-    windowless = _logits(model, full, PROMPT, 0)
-    assert (windowless[-1] - _hf_logits(hf_model, PROMPT)[-1]).abs().max().item() > 1e-2
+    windowless = our_logits(model, full, PROMPT, 0)
+    assert (windowless[-1] - hf_logits(hf_model, PROMPT)[-1]).abs().max().item() > 1e-2
 
 
 def test_chunked_prefill_and_decode(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
+    model = load_ours(root, architecture="gemma4")
+    expected = hf_logits(hf_model, PROMPT)
     attn = DenseAttention.for_model(model, initial_capacity=2)  # the K/V buffers grow
     chunks = [(0, 3), (3, 12), (12, 15)] + [(i, i + 1) for i in range(15, len(PROMPT))]
-    got = torch.cat([_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
+    got = torch.cat([our_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
     assert attn.num_tokens == len(PROMPT)
     diff = (got - expected).abs().max().item()
     print(f"{root.name} chunked prefill + decode fp32: max abs logit diff {diff:.3g}")
     assert diff < FP32_TOLERANCE
-    whole = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    whole = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     assert (got - whole).abs().max().item() < FP32_TOLERANCE  # float32 rounding of other SDPA paths only
 
 
 def test_greedy_generation(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root, architecture="gemma4")
     assert isinstance(model, Gemma4ForCausalLM)
     prompt = PROMPT[:10]
     with torch.no_grad():
@@ -179,8 +150,8 @@ def test_greedy_generation(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_keep_rows(pair: tuple[torch.nn.Module, Path]) -> None:
     _, root = pair
-    model = _ours(root)
-    everything = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root, architecture="gemma4")
+    everything = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     keep = torch.tensor([len(PROMPT) - 1, 2])
     with torch.no_grad():
         hidden = model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), DenseAttention.for_model(model), keep=keep)
@@ -190,20 +161,20 @@ def test_keep_rows(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_packed_state_round_trip(pair: tuple[torch.nn.Module, Path]) -> None:
     _, root = pair
-    model = _ours(root)
+    model = load_ours(root, architecture="gemma4")
     state, kinds = model.packed_state()
     checkpoint = load_checkpoint(root, torch.float32)
     again = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
     again.load_packed_state(state, kinds)
-    a = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
-    b = _logits(again, DenseAttention.for_model(again), PROMPT, 0)
+    a = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    b = our_logits(again, DenseAttention.for_model(again), PROMPT, 0)
     assert torch.equal(a, b)
 
 
 def test_shared_layers_ignore_unused_kv_weights(pair: tuple[torch.nn.Module, Path]) -> None:
     """Checkpoints may carry k/v projections for the KV-sharing layers: ignored, as transformers does."""
     _, root = pair
-    model = _ours(root)
+    model = load_ours(root, architecture="gemma4")
     cfg = model.config
     assert isinstance(cfg, Gemma4Config)
     if not cfg.kv_source:
@@ -213,8 +184,8 @@ def test_shared_layers_ignore_unused_kv_weights(pair: tuple[torch.nn.Module, Pat
     tensors["model.layers.3.self_attn.k_norm.weight"] = torch.zeros(cfg.global_head_dim)
     again = Gemma4ForCausalLM(cfg)
     again.load_weights(tensors)
-    assert torch.equal(_logits(model, DenseAttention.for_model(model), PROMPT, 0),
-                       _logits(again, DenseAttention.for_model(again), PROMPT, 0))
+    assert torch.equal(our_logits(model, DenseAttention.for_model(model), PROMPT, 0),
+                       our_logits(again, DenseAttention.for_model(again), PROMPT, 0))
 
 
 def test_bfloat16_runs_close(pair: tuple[torch.nn.Module, Path]) -> None:
@@ -225,9 +196,9 @@ def test_bfloat16_runs_close(pair: tuple[torch.nn.Module, Path]) -> None:
     checkpoint = load_checkpoint(root, torch.bfloat16)
     model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.bfloat16))
     model.load_weights(checkpoint.tensors)
-    expected = _hf_logits(hf_model, PROMPT)
-    hf_bf16 = _hf_logits(copy.deepcopy(hf_model).to(torch.bfloat16), PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    expected = hf_logits(hf_model, PROMPT)
+    hf_bf16 = hf_logits(copy.deepcopy(hf_model).to(torch.bfloat16), PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     assert got.dtype == torch.float32
     ours, theirs = (got - expected).abs().mean().item(), (hf_bf16 - expected).abs().mean().item()
     print(f"{root.name} bfloat16: mean abs logit error {ours:.3g} (transformers bfloat16: {theirs:.3g})")
@@ -244,14 +215,14 @@ def test_int8_weight_format(pair: tuple[torch.nn.Module, Path]) -> None:
     model = checkpoint.architecture.build(checkpoint.config, options)
     model.load_weights(checkpoint.tensors)
     model.pack_cpu_weights()
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
-    expected = _hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    expected = hf_logits(hf_model, PROMPT)
     assert (got - expected).abs().mean().item() < 0.05 * expected.abs().max().item()
     state, kinds = model.packed_state()
     assert set(kinds.values()) == {"int8:0"}
     again = checkpoint.architecture.build(checkpoint.config, options)
     again.load_packed_state(state, kinds)
-    assert torch.equal(got, _logits(again, DenseAttention.for_model(again), PROMPT, 0))
+    assert torch.equal(got, our_logits(again, DenseAttention.for_model(again), PROMPT, 0))
     assert 0 < model.decode_weight_bytes()
 
 
@@ -311,7 +282,7 @@ def test_engine_greedy_matches_transformers(pair: tuple[torch.nn.Module, Path]) 
     from helios.engine.records import EngineRequest
 
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root, architecture="gemma4")
     core = EngineCore(model, EngineConfig(page_size=4, num_pages=96, max_active=4, prefill_chunk_size=5,
                                           max_model_len=128), torch.float32, "cpu")
     prompts = [PROMPT, PROMPT[:11], PROMPT[5:]]

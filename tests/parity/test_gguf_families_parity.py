@@ -44,7 +44,8 @@ from helios.loaders.checkpoint import load_checkpoint
 from helios.models.architecture import BuildOptions
 from helios.models.dense_attention import DenseAttention, greedy_generate
 from tests.numerics import FP32_TOLERANCE
-from tests.parity.test_moe_parity import VOCAB, _write_tokenizer, add_test_vocab
+from tests.parity.test_moe_parity import VOCAB, add_test_vocab
+from tests.parity.tiny import hf_logits, write_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -434,7 +435,7 @@ def _saved(case: str, root: Path) -> torch.nn.Module:
     OpenAI's MXFP4 blocks, the reference holding their values), with a tokenizer of VOCAB tokens."""
     model = _model(case)
     model.save_pretrained(root, safe_serialization=True)
-    _write_tokenizer(root)
+    write_byte_tokenizer(root)
     # the converters count the vocabulary (Gemma crops its embedding to it): all VOCAB tokens
     vocab = {f"<t{i}>": i for i in range(VOCAB)}
     (root / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab, "merges": []},
@@ -479,11 +480,6 @@ def _convert(case: str, root: Path, path: Path, hf_model: torch.nn.Module) -> No
     _write(path, arch, meta, generated, Q.BF16 if case.endswith("-bf16") else Q.F32)
 
 
-def _hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float()
-
-
 def _check_loads_at_parity(path: Path, hf_model: torch.nn.Module, arch: str) -> float:
     checkpoint = load_checkpoint(path, torch.float32)
     assert checkpoint.architecture.name == arch
@@ -492,7 +488,7 @@ def _check_loads_at_parity(path: Path, hf_model: torch.nn.Module, arch: str) -> 
     with torch.no_grad():
         got = model.compute_logits(model(torch.tensor(PROMPT), torch.arange(len(PROMPT)),
                                          DenseAttention.for_model(model)))
-    expected = _hf_logits(hf_model, PROMPT)
+    expected = hf_logits(hf_model, PROMPT)
     diff = (got - expected).abs().max().item()
     print(f"{path.name}: max abs logit diff {diff:.3g} (max |logit| {expected.abs().max():.3g})")
     assert expected.abs().max().item() > 1.0

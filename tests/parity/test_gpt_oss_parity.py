@@ -18,16 +18,15 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
 
 from helios.loaders.checkpoint import load_checkpoint
-from helios.models.architecture import BuildOptions, LoadableCausalLM
+from helios.models.architecture import BuildOptions
 from helios.models.config import yarn_inv_freq
 from helios.models.dense_attention import DenseAttention, greedy_generate
 from helios.models.gpt_oss import GptOssForCausalLM
 from helios.models.interface import FullAttentionSpec, SlidingWindowSpec
 from tests.numerics import FP32_TOLERANCE
-from tests.parity.test_moe_parity import _write_tokenizer
+from tests.parity.tiny import hf_logits, load_ours, our_logits, write_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,30 +68,13 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     hf_model = _tiny_hf_model(request.param)
     root = tmp_path_factory.mktemp(f"gpt-oss-{request.param}")
     hf_model.save_pretrained(root, safe_serialization=True)
-    _write_tokenizer(root)
+    write_byte_tokenizer(root)
     return hf_model, root
-
-
-def _ours(root: Path, dtype: torch.dtype = torch.float32) -> LoadableCausalLM:
-    checkpoint = load_checkpoint(root, dtype)
-    model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=dtype))
-    model.load_weights(checkpoint.tensors)
-    return model
-
-
-def _hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float()
-
-
-def _logits(model: LoadableCausalLM, attn: DenseAttention, ids: list[int], start: int) -> Tensor:
-    with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(start, start + len(ids)), attn))
 
 
 def test_config_and_cache_specs(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     assert isinstance(model, GptOssForCausalLM)
     cfg, hf = model.config, hf_model.config
     assert [s == "sliding_attention" for s in hf.layer_types] == list(cfg.sliding_layers)
@@ -106,9 +88,9 @@ def test_config_and_cache_specs(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root)
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     diff = (got - expected).abs().max().item()
     print(f"{root.name} prompt fp32: max abs logit diff {diff:.3g} (max |logit| {expected.abs().max():.3g})")
     assert expected.abs().max().item() > 1.0
@@ -119,33 +101,33 @@ def test_sinks_and_clamp_matter(pair: tuple[torch.nn.Module, Path]) -> None:
     """The test weights exercise what is particular to gpt-oss: zeroing the sinks moves the logits,
     and some expert pre-activations are past the clamp."""
     _, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     assert isinstance(model, GptOssForCausalLM)
-    base = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    base = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     layer = model._decoder_layers()[0]
     with torch.no_grad():
         x = torch.randn(16, model.config.hidden_size)
         assert (x @ layer.experts_gate_up[0] + layer.experts_gate_up_bias[0]).abs().max().item() > model.config.swiglu_limit
         for lay in model._decoder_layers():
             lay.sinks.zero_()
-    assert (base - _logits(model, DenseAttention.for_model(model), PROMPT, 0)).abs().max().item() > 1e-2
+    assert (base - our_logits(model, DenseAttention.for_model(model), PROMPT, 0)).abs().max().item() > 1e-2
 
 
 def test_chunked_prefill_and_decode(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
+    model = load_ours(root)
+    expected = hf_logits(hf_model, PROMPT)
     attn = DenseAttention.for_model(model, initial_capacity=2)
     chunks = [(0, 3), (3, 12), (12, 15)] + [(i, i + 1) for i in range(15, len(PROMPT))]
-    got = torch.cat([_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
+    got = torch.cat([our_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
     assert (got - expected).abs().max().item() < FP32_TOLERANCE
-    one_pass = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    one_pass = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     assert (got - one_pass).abs().max().item() < FP32_TOLERANCE
 
 
 def test_greedy_32_tokens(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     assert isinstance(model, GptOssForCausalLM)
     # No stop token (``min_new_tokens`` would mask it out of the logits, greedy_generate does not).
     generation = hf_model.generation_config
@@ -162,8 +144,8 @@ def test_greedy_32_tokens(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_keep_rows_and_packed_state(pair: tuple[torch.nn.Module, Path]) -> None:
     _, root = pair
-    model = _ours(root)
-    everything = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root)
+    everything = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     keep = torch.tensor([len(PROMPT) - 1, 2])
     with torch.no_grad():
         hidden = model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), DenseAttention.for_model(model), keep=keep)
@@ -174,7 +156,7 @@ def test_keep_rows_and_packed_state(pair: tuple[torch.nn.Module, Path]) -> None:
     checkpoint = load_checkpoint(root, torch.float32)
     again = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
     again.load_packed_state(state, kinds)
-    assert torch.equal(everything, _logits(again, DenseAttention.for_model(again), PROMPT, 0))
+    assert torch.equal(everything, our_logits(again, DenseAttention.for_model(again), PROMPT, 0))
     total = sum(int(p.numel() * p.element_size()) for p in model.parameters())
     assert 0 < model.decode_weight_bytes() < total
 
@@ -189,7 +171,7 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
     from tests.unit.test_engine import run
 
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     core = EngineCore(model, EngineConfig(page_size=2, num_pages=64, max_active=4, prefill_chunk_size=5,
                                           max_model_len=64), torch.float32)
     prompts = [PROMPT, PROMPT[3:11]]
@@ -199,7 +181,7 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
         tokens = [t for o in outs[f"r{i}"] for t in o.new_token_ids]
         logprobs = [lp for o in outs[f"r{i}"] for lp in (o.logprobs or ())]
         assert len(tokens) == 10
-        ref = torch.log_softmax(_hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
+        ref = torch.log_softmax(hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
         for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             row = ref[len(prompt) - 1 + j]
             assert t == int(row.argmax()), (i, j)
@@ -208,9 +190,9 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_bfloat16_runs_close(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root, torch.bfloat16)
-    expected = _hf_logits(hf_model, PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root, torch.bfloat16)
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     assert got.dtype == torch.float32
     assert (got - expected).abs().mean().item() < 0.05 * expected.abs().max().item()
 
@@ -248,7 +230,7 @@ def test_mxfp4_checkpoint(tmp_path: Path) -> None:
     hf_model = _tiny_hf_model("yarn")
     cfg = hf_model.config
     hf_model.save_pretrained(tmp_path, safe_serialization=True)
-    _write_tokenizer(tmp_path)
+    write_byte_tokenizer(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
     generator = torch.Generator().manual_seed(5)
     experts, hidden, inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
@@ -265,9 +247,9 @@ def test_mxfp4_checkpoint(tmp_path: Path) -> None:
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    model = _ours(tmp_path)
-    expected = _hf_logits(hf_model, PROMPT)
-    diff = (_logits(model, DenseAttention.for_model(model), PROMPT, 0) - expected).abs().max().item()
+    model = load_ours(tmp_path)
+    expected = hf_logits(hf_model, PROMPT)
+    diff = (our_logits(model, DenseAttention.for_model(model), PROMPT, 0) - expected).abs().max().item()
     assert expected.abs().max().item() > 1.0
     assert diff < FP32_TOLERANCE
     with pytest.raises(NotImplementedError, match="'fp8'"):
@@ -283,14 +265,14 @@ def test_the_engine_in_bfloat16_matches_dense_attention(pair: tuple[torch.nn.Mod
     from tests.unit.test_engine import run
 
     _, root = pair
-    model = _ours(root, torch.bfloat16)
+    model = load_ours(root, torch.bfloat16)
     core = EngineCore(model, EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=7,
                                           max_model_len=64), torch.bfloat16)
     outs = run(core, [EngineRequest("r", tuple(PROMPT), SamplingParams(temperature=0.0), max_tokens=6,
                                     ignore_eos=True, num_top_logprobs=1)])
     tokens = [t for o in outs["r"] for t in o.new_token_ids]
     logprobs = [lp.logprob for o in outs["r"] for lp in (o.logprobs or ())]
-    ref = torch.log_softmax(_logits(model, DenseAttention.for_model(model), [*PROMPT, *tokens], 0).double(), dim=-1)
+    ref = torch.log_softmax(our_logits(model, DenseAttention.for_model(model), [*PROMPT, *tokens], 0).double(), dim=-1)
     for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
         row = ref[len(PROMPT) - 1 + j]
         assert abs(lp - float(row[t])) < 0.05, j
@@ -307,15 +289,15 @@ def test_runtime_load_model_and_weight_cache(pair: tuple[torch.nn.Module, Path],
     loaded = load_model(root, weights=weights, dtype="float32", cache_dir=tmp_path / "packed")
     model = loaded.model
     assert isinstance(model, GptOssForCausalLM)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
-    expected = _hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    expected = hf_logits(hf_model, PROMPT)
     if weights == "float32":
         assert (got - expected).abs().max().item() < FP32_TOLERANCE
     else:  # int8 attention projections on random weights; a routing flip moves a token's logits further
         assert ((got - expected).abs().mean() / expected.abs().mean()).item() < 0.3
     assert loaded.cache_key and any((tmp_path / "packed").rglob("*"))
     again = load_model(root, weights=weights, dtype="float32", cache_dir=tmp_path / "packed").model
-    assert torch.equal(got, _logits(again, DenseAttention.for_model(again), PROMPT, 0))
+    assert torch.equal(got, our_logits(again, DenseAttention.for_model(again), PROMPT, 0))
 
 
 def test_sink_attention_blocks_and_reference(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,15 +18,14 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
 
 from helios.loaders.checkpoint import load_checkpoint
-from helios.models.architecture import BuildOptions, LoadableCausalLM
+from helios.models.architecture import BuildOptions
 from helios.models.dense_attention import DenseAttention, greedy_generate
 from helios.models.interface import FullAttentionSpec, SlidingWindowSpec
 from helios.models.mimo_v2_flash import MiMoV2FlashForCausalLM, config_from_hf
 from tests.numerics import FP32_TOLERANCE
-from tests.parity.test_moe_parity import _write_tokenizer
+from tests.parity.tiny import hf_logits, load_ours, our_logits, write_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,30 +65,13 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Pat
     hf_model = _tiny_hf_model()
     root = tmp_path_factory.mktemp("mimo-v2-flash")
     hf_model.save_pretrained(root, safe_serialization=True)
-    _write_tokenizer(root)
+    write_byte_tokenizer(root)
     return hf_model, root
-
-
-def _ours(root: Path, dtype: torch.dtype = torch.float32) -> LoadableCausalLM:
-    checkpoint = load_checkpoint(root, dtype)
-    model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=dtype))
-    model.load_weights(checkpoint.tensors)
-    return model
-
-
-def _hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float()
-
-
-def _logits(model: LoadableCausalLM, attn: DenseAttention, ids: list[int], start: int) -> Tensor:
-    with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(start, start + len(ids)), attn))
 
 
 def test_config_and_cache_specs(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     assert isinstance(model, MiMoV2FlashForCausalLM)
     cfg = model.config
     assert cfg.sliding_layers == tuple(t == "sliding_attention" for t in hf_model.config.layer_types)
@@ -111,9 +93,9 @@ def test_config_and_cache_specs(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root)
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     diff = (got - expected).abs().max().item()
     print(f"mimo prompt fp32: max abs logit diff {diff:.3g} (max |logit| {expected.abs().max():.3g})")
     assert expected.abs().max().item() > 1.0
@@ -123,37 +105,37 @@ def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
 def test_sinks_and_value_scale_matter(pair: tuple[torch.nn.Module, Path]) -> None:
     """Zeroing the sinks, or dropping the value scale, moves the logits (the test exercises them)."""
     _, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     assert isinstance(model, MiMoV2FlashForCausalLM)
-    base = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    base = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     layers = model._decoder_layers()
     with torch.no_grad():
         for layer in layers:
             if layer.sinks is not None:
                 layer.sinks.zero_()
-    assert (base - _logits(model, DenseAttention.for_model(model), PROMPT, 0)).abs().max().item() > 1e-2
-    model = _ours(root)
+    assert (base - our_logits(model, DenseAttention.for_model(model), PROMPT, 0)).abs().max().item() > 1e-2
+    model = load_ours(root)
     assert isinstance(model, MiMoV2FlashForCausalLM)
     for layer in model._decoder_layers():
         layer.value_scale = 1.0
-    assert (base - _logits(model, DenseAttention.for_model(model), PROMPT, 0)).abs().max().item() > 1e-2
+    assert (base - our_logits(model, DenseAttention.for_model(model), PROMPT, 0)).abs().max().item() > 1e-2
 
 
 def test_chunked_prefill_and_decode(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
+    model = load_ours(root)
+    expected = hf_logits(hf_model, PROMPT)
     attn = DenseAttention.for_model(model, initial_capacity=2)
     chunks = [(0, 3), (3, 12), (12, 15)] + [(i, i + 1) for i in range(15, len(PROMPT))]
-    got = torch.cat([_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
+    got = torch.cat([our_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
     assert (got - expected).abs().max().item() < FP32_TOLERANCE
-    one_pass = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    one_pass = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     assert (got - one_pass).abs().max().item() < FP32_TOLERANCE
 
 
 def test_greedy_32_tokens(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     assert isinstance(model, MiMoV2FlashForCausalLM)
     generation = hf_model.generation_config
     eos, generation.eos_token_id = generation.eos_token_id, None
@@ -169,8 +151,8 @@ def test_greedy_32_tokens(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_keep_rows_and_packed_state(pair: tuple[torch.nn.Module, Path]) -> None:
     _, root = pair
-    model = _ours(root)
-    everything = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root)
+    everything = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     keep = torch.tensor([len(PROMPT) - 1, 2])
     with torch.no_grad():
         hidden = model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), DenseAttention.for_model(model), keep=keep)
@@ -181,7 +163,7 @@ def test_keep_rows_and_packed_state(pair: tuple[torch.nn.Module, Path]) -> None:
     checkpoint = load_checkpoint(root, torch.float32)
     again = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
     again.load_packed_state(state, kinds)
-    assert torch.equal(everything, _logits(again, DenseAttention.for_model(again), PROMPT, 0))
+    assert torch.equal(everything, our_logits(again, DenseAttention.for_model(again), PROMPT, 0))
     total = sum(int(p.numel() * p.element_size()) for p in model.parameters())
     assert 0 < model.decode_weight_bytes() < total
 
@@ -195,7 +177,7 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
     from tests.unit.test_engine import run
 
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     core = EngineCore(model, EngineConfig(page_size=2, num_pages=64, max_active=4, prefill_chunk_size=5,
                                           max_model_len=64), torch.float32)
     prompts = [PROMPT, PROMPT[3:11]]
@@ -205,7 +187,7 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
         tokens = [t for o in outs[f"r{i}"] for t in o.new_token_ids]
         logprobs = [lp for o in outs[f"r{i}"] for lp in (o.logprobs or ())]
         assert len(tokens) == 10
-        ref = torch.log_softmax(_hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
+        ref = torch.log_softmax(hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
         for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             row = ref[len(prompt) - 1 + j]
             assert t == int(row.argmax()), (i, j)
@@ -214,8 +196,8 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_bfloat16_runs_close(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root, torch.bfloat16)
-    expected = _hf_logits(hf_model, PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root, torch.bfloat16)
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     assert got.dtype == torch.float32
     assert (got - expected).abs().mean().item() < 0.05 * expected.abs().max().item()

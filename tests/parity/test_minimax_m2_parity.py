@@ -22,7 +22,8 @@ from helios.models.dense_attention import DenseAttention, greedy_generate
 from helios.models.minimax_m2 import config_from_hf, hf_name
 from helios.models.moe_decoder import MoEConfig, MoEForCausalLM
 from tests.numerics import FP32_TOLERANCE
-from tests.parity.test_moe_parity import PROMPT, VOCAB, _hf_logits, _logits, _ours, _write_tokenizer
+from tests.parity.test_moe_parity import PROMPT, VOCAB
+from tests.parity.tiny import hf_logits, load_ours, our_logits, write_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,13 +56,13 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     hf_model = _tiny_hf_model(request.param)
     root = tmp_path_factory.mktemp(f"minimax-{request.param}")
     hf_model.save_pretrained(root, safe_serialization=True)
-    _write_tokenizer(root)
+    write_byte_tokenizer(root)
     return hf_model, root
 
 
 def test_config(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     assert isinstance(model, MoEForCausalLM)
     cfg, hf_cfg = model.config, hf_model.config
     assert cfg.arch == "minimax_m2" and all(cfg.moe_layers) and cfg.shared_intermediate_size == 0
@@ -74,9 +75,9 @@ def test_config(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root)
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     diff = (got - expected).abs().max().item()
     print(f"{root.name} prompt fp32: max abs logit diff {diff:.3g} (max |logit| {expected.abs().max():.3g})")
     assert expected.abs().max().item() > 1.0
@@ -85,19 +86,19 @@ def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_chunked_prefill_and_decode(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
-    whole = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root)
+    expected = hf_logits(hf_model, PROMPT)
+    whole = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     attn = DenseAttention.for_model(model, initial_capacity=2)
     chunks = [(0, 3), (3, 9), (9, 11)] + [(i, i + 1) for i in range(11, len(PROMPT))]
-    got = torch.cat([_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
+    got = torch.cat([our_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
     assert (got - expected).abs().max().item() < FP32_TOLERANCE
     assert (got - whole).abs().max().item() < FP32_TOLERANCE
 
 
 def test_greedy_32_tokens(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     with torch.no_grad():
         expected = hf_model.generate(torch.tensor([PROMPT[:6]]), max_new_tokens=32, min_new_tokens=32,
                                      do_sample=False)[0, 6:].tolist()
@@ -114,7 +115,7 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
     from tests.unit.test_engine import run
 
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     core = EngineCore(model, EngineConfig(page_size=2, num_pages=64, max_active=4, prefill_chunk_size=5,
                                           max_model_len=64), torch.float32)
     prompts = [PROMPT, PROMPT[3:11]]
@@ -124,7 +125,7 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
         tokens = [t for o in outs[f"r{i}"] for t in o.new_token_ids]
         logprobs = [lp for o in outs[f"r{i}"] for lp in (o.logprobs or ())]
         assert len(tokens) == 10
-        ref = torch.log_softmax(_hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
+        ref = torch.log_softmax(hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
         for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             row = ref[len(prompt) - 1 + j]
             assert t == int(row.argmax()), (i, j)
@@ -142,19 +143,19 @@ def test_transformers_in_memory_state_dict() -> None:
     arch = registry.for_hf_config(hf_model.config.to_dict())
     model = arch.build(arch.parse_hf_config(hf_model.config.to_dict()), BuildOptions(dtype=torch.float32))
     model.load_weights(state)
-    diff = (_logits(model, DenseAttention.for_model(model), PROMPT, 0) - _hf_logits(hf_model, PROMPT)).abs().max()
+    diff = (our_logits(model, DenseAttention.for_model(model), PROMPT, 0) - hf_logits(hf_model, PROMPT)).abs().max()
     assert diff.item() < FP32_TOLERANCE
 
 
 def test_packed_state_round_trip(pair: tuple[torch.nn.Module, Path]) -> None:
     _, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     state, kinds = model.packed_state()
     checkpoint = load_checkpoint(root, torch.float32)
     again = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
     again.load_packed_state(state, kinds)
-    a = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
-    assert torch.equal(a, _logits(again, DenseAttention.for_model(again), PROMPT, 0))
+    a = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    assert torch.equal(a, our_logits(again, DenseAttention.for_model(again), PROMPT, 0))
 
 
 def test_runtime_int8(pair: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:
@@ -165,11 +166,11 @@ def test_runtime_int8(pair: tuple[torch.nn.Module, Path], tmp_path: Path) -> Non
     hf_model, root = pair
     loaded = load_model(root, weights="int8", dtype="float32", cache_dir=tmp_path / "packed")
     model = loaded.model
-    expected = _hf_logits(hf_model, PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     assert ((got - expected).abs().mean() / expected.abs().mean()).item() < 0.1
     again = load_model(root, weights="int8", dtype="float32", cache_dir=tmp_path / "packed").model
-    assert torch.equal(got, _logits(again, DenseAttention.for_model(again), PROMPT, 0))
+    assert torch.equal(got, our_logits(again, DenseAttention.for_model(again), PROMPT, 0))
 
 
 def test_checkpoint_names_and_refusals() -> None:
@@ -225,7 +226,7 @@ def test_bfloat16_runs_close(pair: tuple[torch.nn.Module, Path]) -> None:
     model.load_weights(checkpoint.tensors)
     assert isinstance(model, MoEForCausalLM)
     assert model._decoder_layers()[0].router.dtype == torch.bfloat16  # type: ignore[union-attr]
-    expected = _hf_logits(hf_model, PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     assert got.dtype == torch.float32
     assert (got - expected).abs().mean().item() < 0.05 * expected.abs().max().item()

@@ -13,7 +13,6 @@ trip, and the same weights as a llama.cpp-style GGUF file (stacked expert tensor
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import gguf
@@ -23,10 +22,11 @@ import torch
 from torch import Tensor
 
 from helios.loaders.checkpoint import load_checkpoint
-from helios.models.architecture import BuildOptions, LoadableCausalLM
+from helios.models.architecture import BuildOptions
 from helios.models.dense_attention import DenseAttention, greedy_generate
 from helios.models.moe_decoder import MoEConfig, MoEForCausalLM
 from tests.numerics import FP32_TOLERANCE
+from tests.parity.tiny import hf_logits, load_ours, our_logits, write_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,44 +69,18 @@ def _tiny_hf_model(variant: str) -> torch.nn.Module:
     return model.eval()
 
 
-def _write_tokenizer(root: Path) -> None:
-    tokenizers = pytest.importorskip("tokenizers")
-    vocab = {chr(0x100 + i): i for i in range(256)}
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
-    backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in ("<eos>", "<bos>")])
-    backend.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "add_bos_token": False}))
-
-
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
     hf_model = _tiny_hf_model(request.param)
     root = tmp_path_factory.mktemp(f"moe-{request.param}")
     hf_model.save_pretrained(root, safe_serialization=True)
-    _write_tokenizer(root)
+    write_byte_tokenizer(root)
     return hf_model, root
-
-
-def _ours(root: Path) -> LoadableCausalLM:
-    checkpoint = load_checkpoint(root, torch.float32)
-    model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
-    model.load_weights(checkpoint.tensors)
-    return model
-
-
-def _hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float()
-
-
-def _logits(model: LoadableCausalLM, attn: DenseAttention, ids: list[int], start: int) -> Tensor:
-    with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(start, start + len(ids)), attn))
 
 
 def test_config(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     assert isinstance(model, MoEForCausalLM)
     cfg, hf_cfg = model.config, hf_model.config
     assert cfg.arch == hf_cfg.model_type
@@ -121,9 +95,9 @@ def test_config(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root)
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     diff = (got - expected).abs().max().item()
     print(f"{root.name} prompt fp32: max abs logit diff {diff:.3g} (max |logit| {expected.abs().max():.3g})")
     assert expected.abs().max().item() > 1.0
@@ -132,17 +106,17 @@ def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_chunked_prefill_and_decode(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
+    model = load_ours(root)
+    expected = hf_logits(hf_model, PROMPT)
     attn = DenseAttention.for_model(model, initial_capacity=2)
     chunks = [(0, 3), (3, 9), (9, 11)] + [(i, i + 1) for i in range(11, len(PROMPT))]
-    got = torch.cat([_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
+    got = torch.cat([our_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
     assert (got - expected).abs().max().item() < FP32_TOLERANCE
 
 
 def test_greedy_32_tokens(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     assert isinstance(model, MoEForCausalLM)
     with torch.no_grad():
         expected = hf_model.generate(torch.tensor([PROMPT[:6]]), max_new_tokens=32, min_new_tokens=32,
@@ -153,8 +127,8 @@ def test_greedy_32_tokens(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_keep_rows(pair: tuple[torch.nn.Module, Path]) -> None:
     _, root = pair
-    model = _ours(root)
-    everything = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root)
+    everything = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     keep = torch.tensor([len(PROMPT) - 1, 2])
     with torch.no_grad():
         hidden = model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), DenseAttention.for_model(model), keep=keep)
@@ -164,7 +138,7 @@ def test_keep_rows(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_packed_state_round_trip(pair: tuple[torch.nn.Module, Path]) -> None:
     _, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     state, kinds = model.packed_state()
     cfg = model.config
     assert isinstance(cfg, MoEConfig)
@@ -174,8 +148,8 @@ def test_packed_state_round_trip(pair: tuple[torch.nn.Module, Path]) -> None:
     checkpoint = load_checkpoint(root, torch.float32)
     again = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
     again.load_packed_state(state, kinds)
-    a = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
-    b = _logits(again, DenseAttention.for_model(again), PROMPT, 0)
+    a = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    b = our_logits(again, DenseAttention.for_model(again), PROMPT, 0)
     assert torch.equal(a, b)
 
 
@@ -188,7 +162,7 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
     from tests.unit.test_engine import run
 
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     core = EngineCore(model, EngineConfig(page_size=2, num_pages=64, max_active=4, prefill_chunk_size=5,
                                           max_model_len=64), torch.float32)
     prompts = [PROMPT, PROMPT[3:11]]
@@ -198,7 +172,7 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
         tokens = [t for o in outs[f"r{i}"] for t in o.new_token_ids]
         logprobs = [lp for o in outs[f"r{i}"] for lp in (o.logprobs or ())]
         assert len(tokens) == 10
-        ref = torch.log_softmax(_hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
+        ref = torch.log_softmax(hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
         for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             row = ref[len(prompt) - 1 + j]
             assert t == int(row.argmax()), (i, j)
@@ -212,8 +186,8 @@ def test_bfloat16_runs_close(pair: tuple[torch.nn.Module, Path]) -> None:
     checkpoint = load_checkpoint(root, torch.bfloat16)
     model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.bfloat16))
     model.load_weights(checkpoint.tensors)
-    expected = _hf_logits(hf_model, PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     assert got.dtype == torch.float32
     assert (got - expected).abs().mean().item() < 0.05 * expected.abs().max().item()
 
@@ -354,7 +328,7 @@ def test_gguf_matches_transformers(tmp_path: Path, variant: str, q8: bool) -> No
 
         assert isinstance(checkpoint.weights["model.layers.1.self_attn.q_proj.weight"], GroupQuantized)
     model.load_weights(checkpoint.weights)  # the checkpoint's own forms, as the runtime loads them
-    diff = (_logits(model, DenseAttention.for_model(model), PROMPT, 0) - _hf_logits(hf_model, PROMPT)).abs().max()
+    diff = (our_logits(model, DenseAttention.for_model(model), PROMPT, 0) - hf_logits(hf_model, PROMPT)).abs().max()
     print(f"tiny {variant} GGUF fp32: max abs logit diff {diff.item():.3g}")
     assert diff.item() < FP32_TOLERANCE
 
@@ -372,7 +346,7 @@ def test_transformers_fused_expert_tensors(variant: str) -> None:
     cfg = registry_config(hf_model)
     model = MoEForCausalLM(cfg)
     model.load_weights(state)
-    diff = (_logits(model, DenseAttention.for_model(model), PROMPT, 0) - _hf_logits(hf_model, PROMPT)).abs().max()
+    diff = (our_logits(model, DenseAttention.for_model(model), PROMPT, 0) - hf_logits(hf_model, PROMPT)).abs().max()
     assert diff.item() < FP32_TOLERANCE
 
 
@@ -426,16 +400,16 @@ def test_quantized_formats_quantize_each_expert(pair: tuple[torch.nn.Module, Pat
         for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             if getattr(plain, attr) is not None:
                 quantized.set_projection(attr, getattr(plain, attr))
-    expected = _hf_logits(hf_model, PROMPT)
-    rel = ((_logits(mixed, DenseAttention.for_model(mixed), PROMPT, 0) - expected).abs().mean()
+    expected = hf_logits(hf_model, PROMPT)
+    rel = ((our_logits(mixed, DenseAttention.for_model(mixed), PROMPT, 0) - expected).abs().mean()
            / expected.abs().mean()).item()
     print(f"{root.name} {kind} experts: mean abs logit error / mean |logit| {rel:.3g}")
     assert rel < (0.03 if kind == "int8" else 0.3)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     assert f"layers.{cfg.moe_layers.index(True)}.experts_down_0" in kinds
     again = checkpoint.architecture.build(cfg, BuildOptions(dtype=torch.float32, weights=fmt))
     again.load_packed_state(state, kinds)
-    assert torch.equal(got, _logits(again, DenseAttention.for_model(again), PROMPT, 0))
+    assert torch.equal(got, our_logits(again, DenseAttention.for_model(again), PROMPT, 0))
     everything = sum(int(p.numel() * p.element_size()) for p in model.parameters())
     assert model.decode_weight_bytes() < everything
 
@@ -450,9 +424,9 @@ def test_runtime_load_model_and_weight_cache(pair: tuple[torch.nn.Module, Path],
     loaded = load_model(root, weights=weights, dtype="float32", cache_dir=tmp_path / "packed")
     model = loaded.model
     assert isinstance(model, MoEForCausalLM)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     if weights == "float32":
-        assert (got - _hf_logits(hf_model, PROMPT)).abs().max().item() < FP32_TOLERANCE
+        assert (got - hf_logits(hf_model, PROMPT)).abs().max().item() < FP32_TOLERANCE
     assert loaded.cache_key and any((tmp_path / "packed").rglob("*"))
     again = load_model(root, weights=weights, dtype="float32", cache_dir=tmp_path / "packed").model
-    assert torch.equal(got, _logits(again, DenseAttention.for_model(again), PROMPT, 0))
+    assert torch.equal(got, our_logits(again, DenseAttention.for_model(again), PROMPT, 0))
