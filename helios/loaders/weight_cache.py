@@ -87,11 +87,17 @@ class PackedWeightCache:
             kinds = json.loads(metadata["kinds"])
         except (KeyError, ValueError) as exc:
             return self._discard(path, f"bad metadata ({exc})")
-        if set(crcs) != set(state):
+        try:
+            aliases = json.loads(metadata.get("aliases", "{}"))
+        except ValueError as exc:
+            return self._discard(path, f"bad metadata ({exc})")
+        if set(crcs) != set(state) or not all(isinstance(v, str) and v in state for v in aliases.values()):
             return self._discard(path, "tensor list does not match its checksums")
         for name, tensor in state.items():
             if (computed[name] if name in computed else _crc32(tensor)) != crcs[name]:
                 return self._discard(path, f"checksum mismatch in {name}")
+        for alias, name in aliases.items():  # tied weights: one tensor again, as it was stored
+            state[alias] = state[name]
         return CachedWeights(state, kinds, path)
 
     def store(self, key: str, state: Mapping[str, Tensor], kinds: Mapping[str, str]) -> Path | None:
@@ -99,7 +105,7 @@ class PackedWeightCache:
         when the directory is not writable (the cache is an optimisation: failures are logged)."""
         path = self.path_for(key)
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        tensors = {name: t.detach().contiguous().cpu() for name, t in state.items()}
+        tensors, aliases = _unaliased(state)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -112,7 +118,8 @@ class PackedWeightCache:
                      free / 2**20)
             return None
         metadata = {"key": key, "kinds": json.dumps(dict(kinds), sort_keys=True),
-                    "crc32": json.dumps({name: _crc32(t) for name, t in tensors.items()}, sort_keys=True)}
+                    "crc32": json.dumps({name: _crc32(t) for name, t in tensors.items()}, sort_keys=True),
+                    "aliases": json.dumps(aliases, sort_keys=True)}
         try:
             save_file(tensors, str(partial), metadata=metadata)
             os.replace(partial, path)
@@ -127,6 +134,24 @@ class PackedWeightCache:
         log.warning("packed-weight cache entry %s is %s; rebuilding from the checkpoint", path, why)
         path.unlink(missing_ok=True)
         return None
+
+
+def _unaliased(state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The tensors to write, each once, and the names that are the same tensor as a written one
+    (tied weights: a model whose output head is its embedding keeps one tensor under both names;
+    safetensors refuses to write shared memory twice). The cache gives the alias the same tensor back."""
+    tensors: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
+    for name, t in state.items():
+        t = t.detach().cpu()
+        identity = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.numel() and identity in seen:
+            aliases[name] = seen[identity]
+            continue
+        seen[identity] = name
+        tensors[name] = t.contiguous()
+    return tensors, aliases
 
 
 ALIGNMENT = 64  # bytes: torch's CPU allocator's alignment, which its packed-weight kernels assume

@@ -472,6 +472,20 @@ def test_an_entry_for_another_key_is_not_served(tmp_path: Path) -> None:
     assert cache.load("key-2") is None and not cache.path_for("key-2").exists()
 
 
+def test_tied_weights_are_stored_once_and_come_back_as_one_tensor(tmp_path: Path) -> None:
+    """A model whose output head is its embedding holds one tensor under two names; safetensors
+    refuses to write shared memory twice, so the entry holds it once and names the alias."""
+    cache = PackedWeightCache(tmp_path)
+    embed = torch.arange(4096, dtype=torch.uint8).reshape(64, 64)
+    state = {"embed.blocks": embed, "head.blocks": embed, "norm": torch.ones(64)}
+    written = cache.store("key-1", state, {"head": "blocks"})
+    assert written is not None
+    loaded = cache.load("key-1")
+    assert loaded is not None and set(loaded.state) == set(state)
+    assert loaded.state["head.blocks"] is loaded.state["embed.blocks"]
+    assert torch.equal(loaded.state["embed.blocks"], embed) and torch.equal(loaded.state["norm"], state["norm"])
+
+
 def test_the_key_follows_the_file_format_and_dtype(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     key = cache_key(path, "int4:-:-:1", torch.bfloat16)
