@@ -22,12 +22,14 @@ from helios.models.interface import (
     LatentProjection,
     RecurrentBatch,
     SlidingWindowSpec,
+    SparseIndex,
 )
 from helios.models.latent_attention import (
     absorb_query,
     absorbed_attention,
     absorbed_output,
     chunk_attention,
+    sparse_attention,
 )
 
 
@@ -50,7 +52,8 @@ class DenseAttention:
 
     A latent-attention layer (`latent`) keeps its rows instead; a chunk of one token after the first
     (decode) attends in the absorbed form, any other chunk in the cheaper form
-    (`helios.models.latent_attention.chunk_attention`).
+    (`helios.models.latent_attention.chunk_attention`); a sparse layer's (``index``: its rows end
+    with the indexer keys) attend to their selected keys (`latent_attention.sparse_attention`).
     """
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -105,7 +108,7 @@ class DenseAttention:
         raise NotImplementedError("DenseAttention keeps attention layers only")
 
     def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
-               scale: float) -> Tensor:
+               scale: float, *, index: SparseIndex | None = None) -> Tensor:
         start = self._lengths[layer_idx]
         end = start + rows.shape[0]
         store = self._rows.get(layer_idx)
@@ -117,6 +120,8 @@ class DenseAttention:
             store = self._rows[layer_idx] = grown
         store[start:end] = rows
         self._lengths[layer_idx] = end
+        if index is not None:
+            return sparse_attention(q_nope, q_rope, store[:end], projection, scale, start, index).to(q_nope.dtype)
         if end - start == 1 and start > 0:  # decode: the absorbed form
             q = absorb_query(q_nope, q_rope, projection)
             latent = absorbed_attention(q, store[None, :end], None, scale, projection.rank)
