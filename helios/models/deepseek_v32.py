@@ -1,0 +1,188 @@
+"""DeepSeek-V3.2 (transformers' ``deepseek_v32`` / ``DeepseekV32ForCausalLM``): DeepSeek-V3's
+multi-head latent attention and MoE (`helios.models.deepseek_v3`) with DeepSeek Sparse Attention
+(DSA): a lightning indexer picks, per query, the ``index_topk`` keys of its causal context that the
+MLA attention then attends to (all of them while the context is no longer).
+
+The indexer, as transformers 5 computes it (`DeepseekV32Indexer`), per layer:
+
+- its query ``wq_b(q_resid)`` ([``index_n_heads``, ``index_head_dim``]) from the attention's
+  normed low-rank query ``q_resid = q_a_layernorm(q_a_proj(x))`` (``q_lora_rank`` is required);
+- its key ``k_norm(wk(x))`` (one head of ``index_head_dim``; ``k_norm`` a LayerNorm with bias,
+  eps 1e-6);
+- RoPE on the first ``qk_rope_head_dim`` dimensions of both, rotate-half (not interleaved, unlike
+  the attention's), with the attention's cos/sin (YaRN's factor included);
+- the score of key j for query i: ``sum_h w[i, h] * relu(q[i, h] . k[j] / sqrt(index_head_dim))``
+  with head weights ``w = weights_proj(x) / sqrt(index_n_heads)`` (``weights_proj`` kept in
+  float32, as transformers keeps it), in float32; the top ``index_topk`` causal keys are selected
+  and the attention's mask is the causal mask and the selection.
+
+The indexer key is cached with the latent row: each layer's `LatentAttentionSpec` row is
+``[c | k_rope | k_index]`` (``kv_lora_rank + qk_rope_head_dim + index_head_dim`` elements; 512 +
+64 + 128 = 704 in DeepSeek-V3.2), so the pages, the prefix cache and chunked prefill keep and
+reuse it with the row, with no other spec; the attention context receives the indexer's query
+as a `SparseIndex` and scores the cached keys (`latent_attention.sparse_attention`). The
+projections are fused where they read the same input: ``wk`` into the first projection (with
+``q_a_proj`` and ``kv_a_proj_with_mqa``), ``wq_b`` with ``q_b_proj``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, cast
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from helios.models import deepseek_v3
+from helios.models.architecture import Architecture, ArchitectureConfig, BuildOptions
+from helios.models.decoder import DecoderLayer, apply_rope, param, rms_norm
+from helios.models.deepseek_v3 import _LATENT_NORM_EPS, DeepseekV3Config, DeepseekV3ForCausalLM, _MLALayer
+from helios.models.interface import AttentionContext, CacheSpec, LatentAttentionSpec, SparseIndex
+from helios.models.quant import DenseLinear, UnloadedLinear
+
+__all__ = ["ARCHITECTURES", "DeepseekV32Config", "DeepseekV32ForCausalLM", "config_from_hf"]
+
+_INDEX_NORM_EPS = 1e-6  # the indexer's k_norm (nn.LayerNorm(index_head_dim, eps=1e-6))
+
+
+@attrs.frozen(kw_only=True)
+class DeepseekV32Config(DeepseekV3Config):
+    """`DeepseekV3Config` plus the indexer's shape: ``index_n_heads`` heads of ``index_head_dim``
+    (the first ``qk_rope_head_dim`` of them rotary), ``index_topk`` keys per query."""
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.q_lora_rank is None:
+            raise ValueError("deepseek_v32: the indexer reads the low-rank query: q_lora_rank is required")
+        for name in ("index_n_heads", "index_head_dim", "index_topk"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError("index_head_dim must be at least qk_rope_head_dim")
+
+    @property
+    def cache_row_dim(self) -> int:
+        """Elements of one token's cache row per layer: the latent row and the indexer key."""
+        return self.row_dim + self.index_head_dim
+
+    def projection_params(self) -> int:
+        index = self.index_n_heads * (self.index_head_dim * (self.q_lora_rank or 0) + self.hidden_size) + (
+            self.hidden_size * self.index_head_dim)
+        return super().projection_params() + index * self.num_layers
+
+
+def config_from_hf(config: Mapping[str, Any]) -> DeepseekV32Config:
+    """A DeepSeek-V3.2 config from its ``config.json``: DeepSeek-V3's (`deepseek_v3.config_from_hf`)
+    plus the indexer's; the attention's RoPE is always the interleaved one (transformers' V3.2
+    has no ``rope_interleave`` switch)."""
+    config = dict(config)
+    if config.get("num_experts") is not None and config.get("n_routed_experts") is None:
+        config["n_routed_experts"] = config["num_experts"]
+    layer_types = config.get("mlp_layer_types")
+    if layer_types:
+        dense = [kind == "dense" for kind in layer_types]
+        if dense != sorted(dense, reverse=True):
+            raise NotImplementedError("deepseek_v32: dense layers after MoE layers are not supported")
+        config["first_k_dense_replace"] = sum(dense)
+    base = deepseek_v3.config_from_hf(config)
+    fields = {f.name: getattr(base, f.name) for f in attrs.fields(DeepseekV3Config)}
+    fields.update(arch="deepseek_v32", rope_interleave=True)
+    return DeepseekV32Config(**fields, index_n_heads=int(config.get("index_n_heads") or 64),
+                             index_head_dim=int(config.get("index_head_dim") or 128),
+                             index_topk=int(config.get("index_topk") or 2048))
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2 on `DeepseekV3ForCausalLM`: its MLA layers with the DSA indexer, one
+    ``[c | k_rope | k_index]`` row per token and layer."""
+
+    config: DeepseekV32Config
+
+    def _build_layers(self, device: torch.device, dense_dtype: torch.dtype | None) -> list[DecoderLayer]:
+        cfg = self.config
+        return [_DSALayer(cfg, i, self.dtype, device, dense_dtype) for i in range(cfg.num_layers)]
+
+    def cache_specs(self) -> tuple[CacheSpec, ...]:
+        return (LatentAttentionSpec(self.config.cache_row_dim),) * self.config.num_layers
+
+
+class _DSALayer(_MLALayer):
+    """`_MLALayer` with the indexer: ``wk`` fused into ``qkv_a_proj`` (after the latent row's
+    columns), ``wq_b`` into ``q_b_proj`` (after the query's), ``k_norm`` (weight and bias) and
+    ``weights_proj`` float32 parameters."""
+
+    def __init__(self, config: DeepseekV32Config, layer_idx: int, dtype: torch.dtype, device: torch.device,
+                 dense_dtype: torch.dtype | None) -> None:
+        self.index_heads, self.index_dim, self.index_topk = (config.index_n_heads, config.index_head_dim,
+                                                             config.index_topk)
+        super().__init__(config, layer_idx, dtype, device, dense_dtype)
+        hidden, lora = config.hidden_size, cast(int, config.q_lora_rank)
+
+        def projection(rows: int, cols: int) -> nn.Module:
+            if dense_dtype is None:
+                return UnloadedLinear()
+            return DenseLinear(torch.empty(rows, cols, dtype=dense_dtype, device=device))
+
+        self.qkv_a_proj = projection(self.q_first + config.row_dim + self.index_dim, hidden)
+        self.q_b_proj = projection(self.num_heads * self.head_dim + self.index_heads * self.index_dim, lora)
+        self.index_norm_weight = param(torch.empty(self.index_dim, dtype=torch.float32, device=device))
+        self.index_norm_bias = param(torch.empty(self.index_dim, dtype=torch.float32, device=device))
+        self.index_weights = param(torch.empty(self.index_heads, hidden, dtype=torch.float32, device=device))
+
+    def projection_parts(self) -> dict[str, tuple[tuple[str, tuple[int, int]], ...]]:
+        parts = super().projection_parts()
+        hidden, lora = self.hidden_size, cast(int, self.q_lora_rank)
+        parts["qkv_a_proj"] = (*parts["qkv_a_proj"], ("self_attn.indexer.wk.weight", (self.index_dim, hidden)))
+        parts["q_b_proj"] = (*parts["q_b_proj"],
+                             ("self_attn.indexer.wq_b.weight", (self.index_heads * self.index_dim, lora)))
+        return parts
+
+    def weight_targets(self) -> dict[str, Tensor]:
+        targets = super().weight_targets()
+        targets["self_attn.indexer.k_norm.weight"] = self.index_norm_weight
+        targets["self_attn.indexer.k_norm.bias"] = self.index_norm_bias
+        targets["self_attn.indexer.weights_proj.weight"] = self.index_weights
+        return targets
+
+    def attend(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
+        a = cast(nn.Module, self.qkv_a_proj)(x)
+        assert self.q_a_norm is not None
+        b = cast(nn.Module, self.q_b_proj)(rms_norm(a[:, : self.q_first], self.q_a_norm, _LATENT_NORM_EPS))
+        q_size = self.num_heads * self.head_dim
+        q_nope, q_rope, rows = self.latent_inputs(a, b[:, :q_size], cos, sin)
+        # The indexer: its key (one head) and query heads, RoPE (rotate-half) on their first rope_dim.
+        key = a[:, self.q_first + self.rank + self.rope_dim :]
+        key = F.layer_norm(key.float(), (self.index_dim,), self.index_norm_weight, self.index_norm_bias,
+                           _INDEX_NORM_EPS).to(x.dtype)[:, None]
+        iq = b[:, q_size:].reshape(x.shape[0], self.index_heads, self.index_dim)
+        rope = self.rope_dim
+        iq = torch.cat((apply_rope(iq[..., :rope], cos, sin), iq[..., rope:]), dim=-1)
+        key = torch.cat((apply_rope(key[..., :rope], cos, sin), key[..., rope:]), dim=-1)
+        weights = F.linear(x.float(), self.index_weights) * self.index_heads ** -0.5
+        index = SparseIndex(iq, weights, self.index_topk)
+        rows = torch.cat((rows, key[:, 0].to(rows.dtype)), dim=-1)
+        return attn.latent(self.layer_idx, q_nope, q_rope, rows, self.projection, self.scale, index=index)
+
+
+def build(config: ArchitectureConfig, options: BuildOptions) -> DeepseekV32ForCausalLM:
+    assert isinstance(config, DeepseekV32Config), config
+    return DeepseekV32ForCausalLM(config, dtype=options.dtype, device=options.device, weights=options.weights,
+                                  q8_head=options.q8_head)
+
+
+ARCHITECTURES = (
+    Architecture(
+        name="deepseek_v32",
+        hf_model_types=("deepseek_v32",),
+        hf_architectures=("DeepseekV32ForCausalLM",),
+        config_from_hf=config_from_hf,
+        build=build,
+    ),
+)
+"""DeepSeek-V3.2's registry entry (`helios.models.registry`)."""
