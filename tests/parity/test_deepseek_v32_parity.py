@@ -254,3 +254,43 @@ def test_registry_and_refusals() -> None:
         config_from_hf({**base, "q_lora_rank": None})
     with pytest.raises(NotImplementedError, match="quantization_config"):
         config_from_hf({**base, "quantization_config": {"quant_method": "fp8"}})
+
+
+def test_recipe_from_the_template() -> None:
+    """DeepSeek-V3.2's chat template (DSML markup, not V4's tool_calls): `plain` with the
+    ``deepseek_v3_2`` parser family."""
+    from helios.recipes.detect import detect_parser_family, detect_recipe
+    from tests.shared_fixtures import shared_fixtures
+
+    fixtures = shared_fixtures("chat_templates")
+    if fixtures is None or not (fixtures / "deepseek_v3_2.jinja").exists():
+        pytest.skip("no deepseek_v3_2 chat template fixture")
+    template = (fixtures / "deepseek_v3_2.jinja").read_text()
+    assert detect_recipe("deepseek-ai/DeepSeek-V3.2", "deepseek_v32", template) == "plain"
+    assert detect_parser_family(template) == "deepseek_v3_2"
+
+
+def test_bfloat16_engine_runs_close(pair: tuple[torch.nn.Module, Path]) -> None:
+    """bfloat16 weights, activations and cache rows (the indexer keys rounded with them) through
+    the engine: most logprobs near transformers' float32 ones (a near-tie in the selection or the
+    routing may move a position)."""
+    from helios.domain.sampling import SamplingParams
+    from helios.engine.core import EngineConfig, EngineCore
+    from helios.engine.records import EngineRequest
+    from tests.unit.test_engine import run
+
+    hf_model, root = pair
+    checkpoint = load_checkpoint(root, torch.bfloat16)
+    model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.bfloat16))
+    model.load_weights(checkpoint.tensors)
+    core = EngineCore(model, EngineConfig(page_size=4, num_pages=32, max_active=2, prefill_chunk_size=8,
+                                          max_model_len=64), torch.bfloat16)
+    outs = run(core, [EngineRequest("r", tuple(PROMPT), SamplingParams(temperature=0.0), max_tokens=6,
+                                    ignore_eos=True, num_top_logprobs=1)])["r"]
+    tokens = [t for o in outs for t in o.new_token_ids]
+    logprobs = [lp.logprob for o in outs for lp in (o.logprobs or ())]
+    ref = torch.log_softmax(_hf_logits(hf_model, [*PROMPT, *tokens]).double(), dim=-1)
+    errors = [abs(lp - float(ref[len(PROMPT) - 1 + j, t])) for j, (t, lp) in enumerate(zip(tokens, logprobs,
+                                                                                          strict=True))]
+    print(f"{root.name} bf16 engine: logprob errors {[round(e, 3) for e in errors]}")
+    assert sorted(errors)[len(errors) // 2] < 0.1 and sum(e > 0.25 for e in errors) <= 1
