@@ -316,6 +316,7 @@ class PagedAttention:
         self._by_layer: list[GroupAttention | None] = [None] * layout.num_layers
         self._latent_by_layer: list[LatentGroupAttention | None] = [None] * layout.num_layers
         self._spans = inputs.recurrent_spans
+        selections: list[list[Tensor | None]] = []  # sparse layers' per chunk (`LatentGroupAttention._sparse`)
         for g, group in enumerate(layout.paged_groups):
             if g == 0:
                 table, slot_mapping = inputs.block_table, inputs.slot_mapping
@@ -324,7 +325,8 @@ class PagedAttention:
                 table, slot_mapping = inputs.group_tables[g - 1]
                 dk, pk = group_kernels[g]
             if isinstance(group.spec, LatentAttentionSpec):
-                latent = LatentGroupAttention(kv, inputs, table, slot_mapping, page_size, offsets, decode_kernel=dk)
+                latent = LatentGroupAttention(kv, inputs, table, slot_mapping, page_size, offsets, decode_kernel=dk,
+                                              selections=selections)
                 for i in group.layers:
                     self._latent_by_layer[i] = latent
                 continue
@@ -535,8 +537,9 @@ class LatentGroupAttention:
     (`latent_attention.chunk_attention`: expanded, or absorbed with a causal mask)."""
 
     def __init__(self, kv: KVCache, inputs: AttentionInputs, table: Tensor, slot_mapping: Tensor, page_size: int,
-                 offsets: Tensor, *, decode_kernel: bool) -> None:
+                 offsets: Tensor, *, decode_kernel: bool, selections: list[list[Tensor | None]] | None = None) -> None:
         self.kv = kv
+        self.selections: list[list[Tensor | None]] = [] if selections is None else selections
         self.slot_mapping = slot_mapping
         self.page_size = page_size
         self.num_decode = inputs.num_decode
@@ -599,12 +602,19 @@ class LatentGroupAttention:
                 index: SparseIndex) -> Tensor:
         """A sparse layer (DSA: the rows end with the indexer keys): every decode token and prefill
         chunk over its gathered context rows, each query attending to the keys its indexer selects
-        (`latent_attention.sparse_attention`)."""
+        (`latent_attention.sparse_attention`), or a shared layer (no indexer) to those the step's
+        previous sparse layer selected (``selections``, shared by the step's latent groups: both
+        list decode tokens, then prefill chunks, in the inputs' order)."""
         out = q_nope.new_empty(q_nope.shape[0], projection.num_heads, projection.v_dim)
-        for tokens, slots, first in self._sparse_spans():
-            sub = SparseIndex(index.q[tokens], index.weights[tokens], index.top_k)
+        spans = self._sparse_spans()
+        if len(self.selections) != len(spans):  # the step's first sparse layer
+            self.selections[:] = [[] for _ in spans]
+        for (tokens, slots, first), selection in zip(spans, self.selections, strict=True):
+            q, weights = index.q, index.weights
+            sub = SparseIndex(None if q is None else q[tokens], None if weights is None else weights[tokens],
+                              index.top_k)
             out[tokens] = sparse_attention(q_nope[tokens], q_rope[tokens], cache.index_select(0, slots), projection,
-                                           scale, first, sub).to(out.dtype)
+                                           scale, first, sub, selection).to(out.dtype)
         return out
 
     def _sparse_spans(self) -> list[tuple[slice, Tensor, int]]:

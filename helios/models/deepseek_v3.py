@@ -62,7 +62,13 @@ from helios.models.architecture import (
 )
 from helios.models.config import normalize_rope_scaling, yarn_inv_freq
 from helios.models.decoder import DecoderLayer, add_rms_norm, apply_rope, param, rms_norm, rope_tables
-from helios.models.interface import AttentionContext, CacheSpec, LatentAttentionSpec, LatentProjection
+from helios.models.interface import (
+    AttentionContext,
+    CacheSpec,
+    LatentAttentionSpec,
+    LatentProjection,
+    SparseIndex,
+)
 from helios.models.moe import RouterSpec
 from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, _MoELayer, gguf_moe_tensor
 from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat, dense_of
@@ -439,14 +445,16 @@ class _MLALayer(_MoELayer):
         super().finish_loading()
         self.projection = LatentProjection(self.kv_up, self.nope)  # the (re)loaded parameter
 
-    def attend(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
-        """The attention of the normed input ``x`` [T, hidden]: [T, heads, v_dim]."""
+    def attend(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext,
+               index: SparseIndex | None = None) -> Tensor:
+        """The attention of the normed input ``x`` [T, hidden]: [T, heads, v_dim] (``index``: the
+        context's, `AttentionContext.latent`)."""
         a = cast(nn.Module, self.qkv_a_proj)(x)
         q = a[:, : self.q_first]
         if self.q_b_proj is not None and self.q_a_norm is not None:
             q = cast(nn.Module, self.q_b_proj)(rms_norm(q, self.q_a_norm, _LATENT_NORM_EPS))
         q_nope, q_rope, rows = self.latent_inputs(a, q, cos, sin)
-        return attn.latent(self.layer_idx, q_nope, q_rope, rows, self.projection, self.scale)
+        return attn.latent(self.layer_idx, q_nope, q_rope, rows, self.projection, self.scale, index=index)
 
     def latent_inputs(self, a: Tensor, q: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The query's two parts and the cache rows ``[c | k_rope]`` (RoPE applied) of the first

@@ -23,6 +23,13 @@ reuse it with the row, with no other spec; the attention context receives the in
 as a `SparseIndex` and scores the cached keys (`latent_attention.sparse_attention`). The
 projections are fused where they read the same input: ``wk`` into the first projection (with
 ``q_a_proj`` and ``kv_a_proj_with_mqa``), ``wq_b`` with ``q_b_proj``.
+
+GLM-5 (transformers' ``glm_moe_dsa``, `glm_config_from_hf`) is the same model with two
+differences: the indexer's RoPE is interleaved (its rotary pairs de-interleaved first, as the
+attention's), and ``indexer_types`` may mark layers "shared": such a layer has no indexer (and
+its row no indexer key: a `LatentAttentionSpec` of the latent row only, its own cache group) and
+attends to the keys the previous layer selected (``SparseIndex(None, None, top_k)``: the context
+keeps the step's last selection per chunk).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from helios.models.deepseek_v3 import _LATENT_NORM_EPS, DeepseekV3Config, Deepse
 from helios.models.interface import AttentionContext, CacheSpec, LatentAttentionSpec, SparseIndex
 from helios.models.quant import DenseLinear, UnloadedLinear
 
-__all__ = ["ARCHITECTURES", "DeepseekV32Config", "DeepseekV32ForCausalLM", "config_from_hf"]
+__all__ = ["ARCHITECTURES", "DeepseekV32Config", "DeepseekV32ForCausalLM", "config_from_hf", "glm_config_from_hf"]
 
 _INDEX_NORM_EPS = 1e-6  # the indexer's k_norm (nn.LayerNorm(index_head_dim, eps=1e-6))
 
@@ -55,6 +62,8 @@ class DeepseekV32Config(DeepseekV3Config):
     index_n_heads: int
     index_head_dim: int
     index_topk: int
+    index_rope_interleave: bool = False
+    index_shared: tuple[bool, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -65,6 +74,12 @@ class DeepseekV32Config(DeepseekV3Config):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.index_head_dim < self.qk_rope_head_dim:
             raise ValueError("index_head_dim must be at least qk_rope_head_dim")
+        if self.index_shared and (len(self.index_shared) != self.num_layers or self.index_shared[0]):
+            raise ValueError("index_shared: one flag per layer, the first layer with an indexer of its own")
+
+    def shares_index(self, layer: int) -> bool:
+        """Whether ``layer`` has no indexer and reuses the previous layer's selection (GLM-5)."""
+        return bool(self.index_shared) and self.index_shared[layer]
 
     @property
     def cache_row_dim(self) -> int:
@@ -74,13 +89,40 @@ class DeepseekV32Config(DeepseekV3Config):
     def projection_params(self) -> int:
         index = self.index_n_heads * (self.index_head_dim * (self.q_lora_rank or 0) + self.hidden_size) + (
             self.hidden_size * self.index_head_dim)
-        return super().projection_params() + index * self.num_layers
+        indexers = sum(not self.shares_index(i) for i in range(self.num_layers))
+        return super().projection_params() + index * indexers
 
 
 def config_from_hf(config: Mapping[str, Any]) -> DeepseekV32Config:
     """A DeepSeek-V3.2 config from its ``config.json``: DeepSeek-V3's (`deepseek_v3.config_from_hf`)
     plus the indexer's; the attention's RoPE is always the interleaved one (transformers' V3.2
     has no ``rope_interleave`` switch)."""
+    return _config_from_hf(config, "deepseek_v32", index_heads=64)
+
+
+def glm_config_from_hf(config: Mapping[str, Any]) -> DeepseekV32Config:
+    """A GLM-5 (``glm_moe_dsa``) config: DeepSeek-V3.2's, with the indexer's RoPE interleaved
+    and ``indexer_types`` ("full" / "shared" per layer; else transformers' defaults from
+    ``index_topk_pattern`` or ``index_topk_freq`` / ``index_skip_topk_offset``)."""
+    layers = int(config["num_hidden_layers"])
+    kinds = config.get("indexer_types")
+    if kinds is None:
+        pattern = config.get("index_topk_pattern")
+        if pattern is not None:
+            kinds = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+        else:
+            freq = max(int(config.get("index_topk_freq") or 1), 1)
+            offset = int(config.get("index_skip_topk_offset", 2))
+            kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    if len(kinds) != layers or any(kind not in ("full", "shared") for kind in kinds):
+        raise ValueError(f"glm_moe_dsa: indexer_types must be 'full' / 'shared' per layer, got {kinds!r}")
+    shared = tuple(kind == "shared" for kind in kinds)
+    return _config_from_hf(config, "glm_moe_dsa", index_heads=32, index_rope_interleave=True,
+                           index_shared=shared if any(shared) else ())
+
+
+def _config_from_hf(config: Mapping[str, Any], arch: str, *, index_heads: int, index_rope_interleave: bool = False,
+                    index_shared: tuple[bool, ...] = ()) -> DeepseekV32Config:
     config = dict(config)
     if config.get("num_experts") is not None and config.get("n_routed_experts") is None:
         config["n_routed_experts"] = config["num_experts"]
@@ -92,10 +134,11 @@ def config_from_hf(config: Mapping[str, Any]) -> DeepseekV32Config:
         config["first_k_dense_replace"] = sum(dense)
     base = deepseek_v3.config_from_hf(config)
     fields = {f.name: getattr(base, f.name) for f in attrs.fields(DeepseekV3Config)}
-    fields.update(arch="deepseek_v32", rope_interleave=True)
-    return DeepseekV32Config(**fields, index_n_heads=int(config.get("index_n_heads") or 64),
+    fields.update(arch=arch, rope_interleave=True)
+    return DeepseekV32Config(**fields, index_n_heads=int(config.get("index_n_heads") or index_heads),
                              index_head_dim=int(config.get("index_head_dim") or 128),
-                             index_topk=int(config.get("index_topk") or 2048))
+                             index_topk=int(config.get("index_topk") or 2048),
+                             index_rope_interleave=index_rope_interleave, index_shared=index_shared)
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
@@ -109,7 +152,9 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         return [_DSALayer(cfg, i, self.dtype, device, dense_dtype) for i in range(cfg.num_layers)]
 
     def cache_specs(self) -> tuple[CacheSpec, ...]:
-        return (LatentAttentionSpec(self.config.cache_row_dim),) * self.config.num_layers
+        cfg = self.config
+        return tuple(LatentAttentionSpec(cfg.row_dim if cfg.shares_index(i) else cfg.cache_row_dim)
+                     for i in range(cfg.num_layers))
 
 
 class _DSALayer(_MLALayer):
@@ -121,8 +166,13 @@ class _DSALayer(_MLALayer):
                  dense_dtype: torch.dtype | None) -> None:
         self.index_heads, self.index_dim, self.index_topk = (config.index_n_heads, config.index_head_dim,
                                                              config.index_topk)
+        self.shared = config.shares_index(layer_idx)
         super().__init__(config, layer_idx, dtype, device, dense_dtype)
         hidden, lora = config.hidden_size, cast(int, config.q_lora_rank)
+        order = torch.arange(self.rope_dim, device=device)  # GLM-5's interleaved pairs, as in `latent_inputs`
+        self.index_rope_order = torch.cat((order[0::2], order[1::2])) if config.index_rope_interleave else None
+        if self.shared:
+            return
 
         def projection(rows: int, cols: int) -> nn.Module:
             if dense_dtype is None:
@@ -137,6 +187,8 @@ class _DSALayer(_MLALayer):
 
     def projection_parts(self) -> dict[str, tuple[tuple[str, tuple[int, int]], ...]]:
         parts = super().projection_parts()
+        if self.shared:
+            return parts
         hidden, lora = self.hidden_size, cast(int, self.q_lora_rank)
         parts["qkv_a_proj"] = (*parts["qkv_a_proj"], ("self_attn.indexer.wk.weight", (self.index_dim, hidden)))
         parts["q_b_proj"] = (*parts["q_b_proj"],
@@ -145,12 +197,17 @@ class _DSALayer(_MLALayer):
 
     def weight_targets(self) -> dict[str, Tensor]:
         targets = super().weight_targets()
+        if self.shared:
+            return targets
         targets["self_attn.indexer.k_norm.weight"] = self.index_norm_weight
         targets["self_attn.indexer.k_norm.bias"] = self.index_norm_bias
         targets["self_attn.indexer.weights_proj.weight"] = self.index_weights
         return targets
 
-    def attend(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
+    def attend(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext,
+               index: SparseIndex | None = None) -> Tensor:
+        if self.shared:  # MLA over the previous sparse layer's selection
+            return super().attend(x, cos, sin, attn, SparseIndex(None, None, self.index_topk))
         a = cast(nn.Module, self.qkv_a_proj)(x)
         assert self.q_a_norm is not None
         b = cast(nn.Module, self.q_b_proj)(rms_norm(a[:, : self.q_first], self.q_a_norm, _LATENT_NORM_EPS))
@@ -162,8 +219,11 @@ class _DSALayer(_MLALayer):
                            _INDEX_NORM_EPS).to(x.dtype)[:, None]
         iq = b[:, q_size:].reshape(x.shape[0], self.index_heads, self.index_dim)
         rope = self.rope_dim
-        iq = torch.cat((apply_rope(iq[..., :rope], cos, sin), iq[..., rope:]), dim=-1)
-        key = torch.cat((apply_rope(key[..., :rope], cos, sin), key[..., rope:]), dim=-1)
+        iq_rope, key_rope = iq[..., :rope], key[..., :rope]
+        if self.index_rope_order is not None:  # the same order for both: the dot products are unchanged
+            iq_rope, key_rope = iq_rope[..., self.index_rope_order], key_rope[..., self.index_rope_order]
+        iq = torch.cat((apply_rope(iq_rope, cos, sin), iq[..., rope:]), dim=-1)
+        key = torch.cat((apply_rope(key_rope, cos, sin), key[..., rope:]), dim=-1)
         weights = F.linear(x.float(), self.index_weights) * self.index_heads ** -0.5
         index = SparseIndex(iq, weights, self.index_topk)
         rows = torch.cat((rows, key[:, 0].to(rows.dtype)), dim=-1)
@@ -184,5 +244,12 @@ ARCHITECTURES = (
         config_from_hf=config_from_hf,
         build=build,
     ),
+    Architecture(
+        name="glm_moe_dsa",
+        hf_model_types=("glm_moe_dsa",),
+        hf_architectures=("GlmMoeDsaForCausalLM",),
+        config_from_hf=glm_config_from_hf,
+        build=build,
+    ),
 )
-"""DeepSeek-V3.2's registry entry (`helios.models.registry`)."""
+"""DeepSeek-V3.2's and GLM-5's (``glm_moe_dsa``) registry entries (`helios.models.registry`)."""

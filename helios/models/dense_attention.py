@@ -76,6 +76,7 @@ class DenseAttention:
         self._values = [self._alloc(capacity, i) for i in range(num_layers)]
         self._lengths = [0] * num_layers
         self._rows: dict[int, Tensor] = {}  # latent-attention layers: [capacity, row_dim]
+        self._selection: list[Tensor | None] = []  # the last sparse layer's (`sparse_attention`)
         self._windows: list[int | None] = list(windows) if windows is not None else [None] * num_layers
         if len(self._windows) != num_layers:
             raise ValueError(f"{len(self._windows)} windows for {num_layers} layers")
@@ -121,7 +122,8 @@ class DenseAttention:
         store[start:end] = rows
         self._lengths[layer_idx] = end
         if index is not None:
-            return sparse_attention(q_nope, q_rope, store[:end], projection, scale, start, index).to(q_nope.dtype)
+            out = sparse_attention(q_nope, q_rope, store[:end], projection, scale, start, index, self._selection)
+            return out.to(q_nope.dtype)
         if end - start == 1 and start > 0:  # decode: the absorbed form
             q = absorb_query(q_nope, q_rope, projection)
             latent = absorbed_attention(q, store[None, :end], None, scale, projection.rank)

@@ -114,15 +114,13 @@ class SparseIndex:
     prefix cache with the latent rows. Query i's score of key j is
     ``sum_h weights[i, h] * relu(q[i, h] . k_index[j] * index_dim ** -0.5)``, in float32. ``q``:
     [T, index_heads, index_dim] (RoPE applied); ``weights``: [T, index_heads] float32 (the head
-    weights, their ``index_heads ** -0.5`` factor included)."""
+    weights, their ``index_heads ** -0.5`` factor included). ``q`` and ``weights`` None: a layer
+    without an indexer of its own (GLM-5's shared layers; its row has no indexer key) reuses the
+    selection of the step's previous sparse layer."""
 
-    q: Tensor
-    weights: Tensor
+    q: Tensor | None
+    weights: Tensor | None
     top_k: int
-
-    @property
-    def index_dim(self) -> int:
-        return int(self.q.shape[-1])
 
 
 @attrs.frozen

@@ -136,13 +136,14 @@ def sparse_selection(index: SparseIndex, keys: Tensor, first_position: int) -> T
     causal keys of highest index score (`SparseIndex`), for queries at positions
     ``first_position`` .. over the indexer ``keys`` [L, index_dim] of positions 0 .. L - 1. Where
     fewer than ``top_k`` keys are causal, all of them."""
+    assert index.q is not None and index.weights is not None, "a shared layer reuses a selection"
     length, context = index.q.shape[0], keys.shape[0]
     query_pos = torch.arange(first_position, first_position + length, device=keys.device)
     causal = torch.arange(context, device=keys.device)[None, :] <= query_pos[:, None]
     if context <= index.top_k:
         return causal
     acc = torch.promote_types(keys.dtype, torch.float32)
-    scores = torch.matmul(index.q.to(acc), keys.to(acc).t().unsqueeze(0)) * index.index_dim ** -0.5  # [Lq, H, L]
+    scores = torch.matmul(index.q.to(acc), keys.to(acc).t().unsqueeze(0)) * keys.shape[1] ** -0.5  # [Lq, H, L]
     scores = torch.matmul(index.weights.to(acc).unsqueeze(1), torch.relu(scores)).squeeze(1)  # [Lq, L]
     scores = scores.masked_fill(~causal, float("-inf"))
     # A stable sort, not topk: equal scores (keys every head's ReLU zeroes) resolve to the earlier
@@ -152,13 +153,16 @@ def sparse_selection(index: SparseIndex, keys: Tensor, first_position: int) -> T
 
 
 def sparse_attention(q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection, scale: float,
-                     first_position: int, index: SparseIndex) -> Tensor:
-    """`chunk_attention` of a sparse layer (DeepSeek's DSA): ``rows`` [L, rank + rope_dim +
-    index_dim] end with the indexer keys, and each query attends only to the keys it selects
-    (`sparse_selection`), in the cheaper form."""
+                     first_position: int, index: SparseIndex, selection: list[Tensor | None]) -> Tensor:
+    """`chunk_attention` of a sparse layer (DeepSeek's DSA): each query attends only to the keys
+    its indexer selects (`sparse_selection`; None: every causal key, the context being no longer
+    than ``top_k``), in the cheaper form. ``rows`` [L, rank + rope_dim (+ index_dim)]: with the
+    layer's own indexer (``index.q``) they end with the indexer keys, and the selection is stored
+    as ``selection``'s one element; without (a shared layer) ``selection`` holds the one to reuse."""
     width = projection.rank + q_rope.shape[-1]
-    latent_rows, keys = rows[:, :width], rows[:, width:]
-    if rows.shape[0] <= index.top_k:  # every causal key is selected: the dense causal attention
-        return chunk_attention(q_nope, q_rope, latent_rows, projection, scale, first_position)
-    mask = sparse_selection(index, keys, first_position)
-    return chunk_attention(q_nope, q_rope, latent_rows, projection, scale, first_position, mask)
+    if index.q is not None:
+        selection[:] = [None if rows.shape[0] <= index.top_k else
+                        sparse_selection(index, rows[:, width:], first_position)]
+    elif not selection:
+        raise ValueError("a shared sparse layer before any layer with an indexer")
+    return chunk_attention(q_nope, q_rope, rows[:, :width], projection, scale, first_position, selection[0])
