@@ -24,6 +24,10 @@ as a `SparseIndex` and scores the cached keys (`latent_attention.sparse_attentio
 projections are fused where they read the same input: ``wk`` into the first projection (with
 ``q_a_proj`` and ``kv_a_proj_with_mqa``), ``wq_b`` with ``q_b_proj``.
 
+GGUF: llama.cpp's ``deepseek32`` (`config_from_gguf`, `gguf_tensor`): ``deepseek2``'s metadata
+and tensors, the indexer's shape under ``attention.indexer.*`` and its tensors as
+``blk.N.indexer.{attn_k, attn_q_b, k_norm, proj}``.
+
 GLM-5 (transformers' ``glm_moe_dsa``, `glm_config_from_hf`) is the same model with two
 differences: the indexer's RoPE is interleaved (its rotary pairs de-interleaved first, as the
 attention's), and ``indexer_types`` may mark layers "shared": such a layer has no indexer (and
@@ -43,13 +47,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from helios.models import deepseek_v3
-from helios.models.architecture import Architecture, ArchitectureConfig, BuildOptions
+from helios.models.architecture import (
+    Architecture,
+    ArchitectureConfig,
+    BuildOptions,
+    GGUFSource,
+    GGUFTensor,
+    gguf_key,
+)
 from helios.models.decoder import DecoderLayer, apply_rope, param, rms_norm
 from helios.models.deepseek_v3 import _LATENT_NORM_EPS, DeepseekV3Config, DeepseekV3ForCausalLM, _MLALayer
 from helios.models.interface import AttentionContext, CacheSpec, LatentAttentionSpec, SparseIndex
 from helios.models.quant import DenseLinear, UnloadedLinear
 
-__all__ = ["ARCHITECTURES", "DeepseekV32Config", "DeepseekV32ForCausalLM", "config_from_hf", "glm_config_from_hf"]
+__all__ = ["ARCHITECTURES", "DeepseekV32Config", "DeepseekV32ForCausalLM", "config_from_gguf", "config_from_hf",
+           "gguf_tensor", "glm_config_from_hf"]
 
 _INDEX_NORM_EPS = 1e-6  # the indexer's k_norm (nn.LayerNorm(index_head_dim, eps=1e-6))
 
@@ -119,6 +131,41 @@ def glm_config_from_hf(config: Mapping[str, Any]) -> DeepseekV32Config:
     shared = tuple(kind == "shared" for kind in kinds)
     return _config_from_hf(config, "glm_moe_dsa", index_heads=32, index_rope_interleave=True,
                            index_shared=shared if any(shared) else ())
+
+
+def config_from_gguf(source: GGUFSource) -> DeepseekV32Config:
+    """A DeepSeek-V3.2 config from llama.cpp's ``deepseek32`` metadata: ``deepseek2``'s
+    (`deepseek_v3.config_from_gguf`) plus ``attention.indexer.head_count`` / ``key_length`` /
+    ``top_k``."""
+    key = gguf_key(source)
+    base = deepseek_v3.config_from_gguf(source)
+    fields = {f.name: getattr(base, f.name) for f in attrs.fields(DeepseekV3Config)}
+    fields.update(arch="deepseek_v32")
+    return DeepseekV32Config(**fields, index_n_heads=int(key("attention.indexer.head_count")),
+                             index_head_dim=int(key("attention.indexer.key_length")),
+                             index_topk=int(key("attention.indexer.top_k")))
+
+
+_GGUF_INDEXER_NAMES = {
+    "indexer.k_norm.weight": "self_attn.indexer.k_norm.weight",
+    "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
+    "indexer.proj.weight": "self_attn.indexer.weights_proj.weight",
+    "indexer.attn_k.weight": "self_attn.indexer.wk.weight",
+    "indexer.attn_q_b.weight": "self_attn.indexer.wq_b.weight",
+}
+
+
+def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None:
+    """Where a ``deepseek32`` tensor goes: the indexer's names here (no permutation: llama.cpp
+    keeps the indexer's rotate-half dimensions as they are), the rest as ``deepseek2``'s
+    (`deepseek_v3.gguf_tensor`; the appended next-token-prediction layer is not loaded)."""
+    assert isinstance(config, DeepseekV32Config), type(config)
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_INDEXER_NAMES:
+        if int(parts[1]) >= config.num_layers:
+            return None
+        return GGUFTensor(f"model.layers.{parts[1]}.{_GGUF_INDEXER_NAMES[parts[2]]}")
+    return deepseek_v3.gguf_tensor(config, gguf_name)
 
 
 def _config_from_hf(config: Mapping[str, Any], arch: str, *, index_heads: int, index_rope_interleave: bool = False,
@@ -241,7 +288,10 @@ ARCHITECTURES = (
         name="deepseek_v32",
         hf_model_types=("deepseek_v32",),
         hf_architectures=("DeepseekV32ForCausalLM",),
+        gguf_architectures=("deepseek32",),
         config_from_hf=config_from_hf,
+        config_from_gguf=config_from_gguf,
+        gguf_tensor=gguf_tensor,
         build=build,
     ),
     Architecture(

@@ -294,3 +294,29 @@ def test_bfloat16_engine_runs_close(pair: tuple[torch.nn.Module, Path]) -> None:
                                                                                           strict=True))]
     print(f"{root.name} bf16 engine: logprob errors {[round(e, 3) for e in errors]}")
     assert sorted(errors)[len(errors) // 2] < 0.1 and sum(e > 0.25 for e in errors) <= 1
+
+
+def test_gguf_matches_transformers(tmp_path: Path) -> None:
+    """A llama.cpp-style ``deepseek32`` F32 file (``deepseek2``'s layout, the indexer's metadata
+    and ``blk.N.indexer.*`` tensors, an appended next-token-prediction block) against transformers."""
+    from tests.parity.test_deepseek_v3_parity import _write_gguf
+
+    hf_model = _tiny_hf_model("plain")
+    path = tmp_path / "tiny-v32.gguf"
+    names = {"self_attn.indexer.k_norm.weight": "indexer.k_norm.weight",
+             "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
+             "self_attn.indexer.weights_proj.weight": "indexer.proj.weight",
+             "self_attn.indexer.wk.weight": "indexer.attn_k.weight",
+             "self_attn.indexer.wq_b.weight": "indexer.attn_q_b.weight"}
+    cfg = hf_model.config
+    _write_gguf(path, hf_model, True, arch="deepseek32", extra_names=names,
+                extra_metadata={"attention.indexer.head_count": cfg.index_n_heads,
+                                "attention.indexer.key_length": cfg.index_head_dim,
+                                "attention.indexer.top_k": cfg.index_topk})
+    checkpoint = load_checkpoint(path, torch.float32)
+    assert isinstance(checkpoint.config, DeepseekV32Config) and checkpoint.config.index_topk == TOP_K
+    model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
+    model.load_weights(checkpoint.weights)
+    diff = (_logits(model, DenseAttention.for_model(model), PROMPT, 0) - _hf_logits(hf_model, PROMPT)).abs().max()
+    print(f"tiny deepseek32 GGUF fp32: max abs logit diff {diff.item():.3g}")
+    assert diff.item() < FP32_TOLERANCE
