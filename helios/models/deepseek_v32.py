@@ -33,7 +33,8 @@ differences: the indexer's RoPE is interleaved (its rotary pairs de-interleaved 
 attention's), and ``indexer_types`` may mark layers "shared": such a layer has no indexer (and
 its row no indexer key: a `LatentAttentionSpec` of the latent row only, its own cache group) and
 attends to the keys the previous layer selected (``SparseIndex(None, None, top_k)``: the context
-keeps the step's last selection per chunk).
+keeps the step's last selection per chunk). GGUF: llama.cpp's ``glm-dsa`` (`glm_config_from_gguf`):
+``deepseek32``'s, with ``attention.indexer.types``.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from helios.models.interface import AttentionContext, CacheSpec, LatentAttention
 from helios.models.quant import DenseLinear, UnloadedLinear
 
 __all__ = ["ARCHITECTURES", "DeepseekV32Config", "DeepseekV32ForCausalLM", "config_from_gguf", "config_from_hf",
-           "gguf_tensor", "glm_config_from_hf"]
+           "gguf_tensor", "glm_config_from_gguf", "glm_config_from_hf"]
 
 _INDEX_NORM_EPS = 1e-6  # the indexer's k_norm (nn.LayerNorm(index_head_dim, eps=1e-6))
 
@@ -144,6 +145,22 @@ def config_from_gguf(source: GGUFSource) -> DeepseekV32Config:
     return DeepseekV32Config(**fields, index_n_heads=int(key("attention.indexer.head_count")),
                              index_head_dim=int(key("attention.indexer.key_length")),
                              index_topk=int(key("attention.indexer.top_k")))
+
+
+def glm_config_from_gguf(source: GGUFSource) -> DeepseekV32Config:
+    """A GLM-5 config from llama.cpp's ``glm-dsa`` metadata: ``deepseek32``'s, the indexer's RoPE
+    interleaved, and ``attention.indexer.types`` (per layer, true where the layer has its own
+    indexer; absent: every layer has one)."""
+    base = config_from_gguf(source)
+    kinds = source.metadata.get(f"{source.metadata.get('general.architecture')}.attention.indexer.types")
+    shared: tuple[bool, ...] = ()
+    if kinds is not None:
+        flags = [bool(k) for k in kinds]
+        if len(flags) < base.num_layers:
+            raise ValueError(f"glm-dsa attention.indexer.types has {len(flags)} entries for {base.num_layers} layers")
+        shared = tuple(not full for full in flags[: base.num_layers])
+    return attrs.evolve(base, arch="glm_moe_dsa", index_rope_interleave=True,
+                        index_shared=shared if any(shared) else ())
 
 
 _GGUF_INDEXER_NAMES = {
@@ -298,7 +315,10 @@ ARCHITECTURES = (
         name="glm_moe_dsa",
         hf_model_types=("glm_moe_dsa",),
         hf_architectures=("GlmMoeDsaForCausalLM",),
+        gguf_architectures=("glm-dsa",),
         config_from_hf=glm_config_from_hf,
+        config_from_gguf=glm_config_from_gguf,
+        gguf_tensor=gguf_tensor,
         build=build,
     ),
 )

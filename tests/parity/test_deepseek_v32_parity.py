@@ -296,23 +296,34 @@ def test_bfloat16_engine_runs_close(pair: tuple[torch.nn.Module, Path]) -> None:
     assert sorted(errors)[len(errors) // 2] < 0.1 and sum(e > 0.25 for e in errors) <= 1
 
 
+GGUF_INDEXER_NAMES = {"self_attn.indexer.k_norm.weight": "indexer.k_norm.weight",
+                      "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
+                      "self_attn.indexer.weights_proj.weight": "indexer.proj.weight",
+                      "self_attn.indexer.wk.weight": "indexer.attn_k.weight",
+                      "self_attn.indexer.wq_b.weight": "indexer.attn_q_b.weight"}
+
+
+def write_dsa_gguf(path: Path, hf_model: torch.nn.Module, arch: str, types: list[bool] | None = None) -> None:
+    """``hf_model`` as llama.cpp's DeepseekV32 / GlmMoeDsa converters write it: ``deepseek2``'s
+    layout (`test_deepseek_v3_parity._write_gguf`), the indexer's metadata (and ``types``, true
+    per layer with an indexer of its own) and tensors."""
+    from tests.parity.test_deepseek_v3_parity import _write_gguf
+
+    cfg = hf_model.config
+    metadata: dict[str, int | list[bool]] = {"attention.indexer.head_count": cfg.index_n_heads,
+                                             "attention.indexer.key_length": cfg.index_head_dim,
+                                             "attention.indexer.top_k": cfg.index_topk}
+    if types is not None:
+        metadata["attention.indexer.types"] = types
+    _write_gguf(path, hf_model, True, arch=arch, extra_names=GGUF_INDEXER_NAMES, extra_metadata=metadata)
+
+
 def test_gguf_matches_transformers(tmp_path: Path) -> None:
     """A llama.cpp-style ``deepseek32`` F32 file (``deepseek2``'s layout, the indexer's metadata
     and ``blk.N.indexer.*`` tensors, an appended next-token-prediction block) against transformers."""
-    from tests.parity.test_deepseek_v3_parity import _write_gguf
-
     hf_model = _tiny_hf_model("plain")
     path = tmp_path / "tiny-v32.gguf"
-    names = {"self_attn.indexer.k_norm.weight": "indexer.k_norm.weight",
-             "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
-             "self_attn.indexer.weights_proj.weight": "indexer.proj.weight",
-             "self_attn.indexer.wk.weight": "indexer.attn_k.weight",
-             "self_attn.indexer.wq_b.weight": "indexer.attn_q_b.weight"}
-    cfg = hf_model.config
-    _write_gguf(path, hf_model, True, arch="deepseek32", extra_names=names,
-                extra_metadata={"attention.indexer.head_count": cfg.index_n_heads,
-                                "attention.indexer.key_length": cfg.index_head_dim,
-                                "attention.indexer.top_k": cfg.index_topk})
+    write_dsa_gguf(path, hf_model, "deepseek32")
     checkpoint = load_checkpoint(path, torch.float32)
     assert isinstance(checkpoint.config, DeepseekV32Config) and checkpoint.config.index_topk == TOP_K
     model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))

@@ -25,7 +25,15 @@ from helios.models.deepseek_v32 import DeepseekV32ForCausalLM
 from helios.models.dense_attention import DenseAttention, greedy_generate
 from helios.models.interface import LatentAttentionSpec
 from tests.numerics import FP32_TOLERANCE
-from tests.parity.test_deepseek_v32_parity import PROMPT, TOP_K, _hf_logits, _logits, _ours, _save
+from tests.parity.test_deepseek_v32_parity import (
+    PROMPT,
+    TOP_K,
+    _hf_logits,
+    _logits,
+    _ours,
+    _save,
+    write_dsa_gguf,
+)
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "GlmMoeDsaForCausalLM"):
@@ -134,3 +142,24 @@ def test_registry_and_schedules() -> None:
         False, True, True, False, True, True)
     with pytest.raises(ValueError, match="first layer"):
         glm_config_from_hf({**base, "index_topk_pattern": "SFFFFF"})
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_gguf_matches_transformers(tmp_path: Path, variant: str) -> None:
+    """llama.cpp-style ``glm-dsa`` F32 files (``deepseek32``'s layout, ``attention.indexer.types``
+    where the model has shared layers, as the converter writes it from ``indexer_types``)."""
+    from helios.loaders.checkpoint import load_checkpoint
+    from helios.models.architecture import BuildOptions
+
+    hf_model = _tiny(variant)
+    path = tmp_path / f"tiny-glm-dsa-{variant}.gguf"
+    types = [kind == "full" for kind in hf_model.config.indexer_types]
+    write_dsa_gguf(path, hf_model, "glm-dsa", types if variant == "shared" else None)
+    checkpoint = load_checkpoint(path, torch.float32)
+    cfg = checkpoint.config
+    assert cfg.arch == "glm_moe_dsa" and [cfg.shares_index(i) for i in range(4)] == [not t for t in types]
+    model = checkpoint.architecture.build(cfg, BuildOptions(dtype=torch.float32))
+    model.load_weights(checkpoint.weights)
+    diff = (_logits(model, DenseAttention.for_model(model), PROMPT, 0) - _hf_logits(hf_model, PROMPT)).abs().max()
+    print(f"tiny glm-dsa {variant} GGUF fp32: max abs logit diff {diff.item():.3g}")
+    assert diff.item() < FP32_TOLERANCE
