@@ -331,3 +331,31 @@ def test_gguf_matches_transformers(tmp_path: Path) -> None:
     diff = (_logits(model, DenseAttention.for_model(model), PROMPT, 0) - _hf_logits(hf_model, PROMPT)).abs().max()
     print(f"tiny deepseek32 GGUF fp32: max abs logit diff {diff.item():.3g}")
     assert diff.item() < FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("verify_as_decode", [True, False])
+def test_speculative_verification_is_exact(pair: tuple[torch.nn.Module, Path], verify_as_decode: bool) -> None:
+    """n-gram drafts over repetitive prompts, verified as decode tokens (each position selecting
+    over its own context) or as small prefill chunks: the tokens plain greedy decoding gives."""
+    from helios.domain.sampling import SamplingParams
+    from helios.engine.core import EngineConfig, EngineCore
+    from helios.engine.records import EngineRequest
+    from helios.engine.speculative import SpeculativeConfig
+    from tests.unit.test_engine import run
+
+    _, root = pair
+    model = _ours(root)
+    prompts = [[5, 6, 7, 8, 9, 10] * 3, [40, 41, 42] * 5]
+    results = {}
+    for mode in ("off", "ngram"):
+        core = EngineCore(model, EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=32,
+                                              max_model_len=96, speculative=SpeculativeConfig(mode=mode)),
+                          torch.float32)
+        core.runner.batch.verify_as_decode = verify_as_decode
+        outs = run(core, [EngineRequest(f"s{i}", tuple(p), SamplingParams(temperature=0.0), max_tokens=16,
+                                        ignore_eos=True) for i, p in enumerate(prompts)])
+        results[mode] = {rid: [t for o in os for t in o.new_token_ids] for rid, os in outs.items()}
+        if mode == "ngram":
+            stats = core.stats().speculative
+            assert stats is not None and stats.verify_steps > 0
+    assert results["ngram"] == results["off"]
