@@ -70,6 +70,7 @@ from helios.models.interface import (
     LatentProjection,
     RecurrentBatch,
     SlidingWindowSpec,
+    SparseIndex,
 )
 from helios.models.latent_attention import (
     absorb_query,
@@ -77,6 +78,7 @@ from helios.models.latent_attention import (
     absorbed_is_cheaper,
     absorbed_output,
     chunk_attention,
+    sparse_attention,
 )
 
 
@@ -314,6 +316,7 @@ class PagedAttention:
         self._by_layer: list[GroupAttention | None] = [None] * layout.num_layers
         self._latent_by_layer: list[LatentGroupAttention | None] = [None] * layout.num_layers
         self._spans = inputs.recurrent_spans
+        selections: list[list[Tensor | None]] = []  # sparse layers' per chunk (`LatentGroupAttention._sparse`)
         for g, group in enumerate(layout.paged_groups):
             if g == 0:
                 table, slot_mapping = inputs.block_table, inputs.slot_mapping
@@ -322,7 +325,8 @@ class PagedAttention:
                 table, slot_mapping = inputs.group_tables[g - 1]
                 dk, pk = group_kernels[g]
             if isinstance(group.spec, LatentAttentionSpec):
-                latent = LatentGroupAttention(kv, inputs, table, slot_mapping, page_size, offsets, decode_kernel=dk)
+                latent = LatentGroupAttention(kv, inputs, table, slot_mapping, page_size, offsets, decode_kernel=dk,
+                                              selections=selections)
                 for i in group.layers:
                     self._latent_by_layer[i] = latent
                 continue
@@ -349,11 +353,11 @@ class PagedAttention:
         return step(layer_idx, q, k, v, scale, sinks=sinks)
 
     def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
-               scale: float) -> Tensor:
+               scale: float, *, index: SparseIndex | None = None) -> Tensor:
         step = self._latent_by_layer[layer_idx]
         if step is None:
             raise TypeError(f"layer {layer_idx} keeps no latent rows (its cache spec is not a LatentAttentionSpec)")
-        return step.latent(layer_idx, q_nope, q_rope, rows, projection, scale)
+        return step.latent(layer_idx, q_nope, q_rope, rows, projection, scale, index=index)
 
 
 class GroupAttention:
@@ -433,7 +437,7 @@ class GroupAttention:
         raise TypeError(f"layer {layer_idx} is an attention layer, not a recurrent one")
 
     def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
-               scale: float) -> Tensor:
+               scale: float, *, index: SparseIndex | None = None) -> Tensor:
         raise TypeError(f"layer {layer_idx} keeps K/V, not latent rows")
 
     def all_decode_args(self, layer_idx: int) -> DecodeArgs | None:
@@ -533,8 +537,9 @@ class LatentGroupAttention:
     (`latent_attention.chunk_attention`: expanded, or absorbed with a causal mask)."""
 
     def __init__(self, kv: KVCache, inputs: AttentionInputs, table: Tensor, slot_mapping: Tensor, page_size: int,
-                 offsets: Tensor, *, decode_kernel: bool) -> None:
+                 offsets: Tensor, *, decode_kernel: bool, selections: list[list[Tensor | None]] | None = None) -> None:
         self.kv = kv
+        self.selections: list[list[Tensor | None]] = [] if selections is None else selections
         self.slot_mapping = slot_mapping
         self.page_size = page_size
         self.num_decode = inputs.num_decode
@@ -555,6 +560,8 @@ class LatentGroupAttention:
                 self.decode_bias = torch.zeros(inputs.num_decode, 1, lmax, dtype=torch.float32,
                                                device=table.device).masked_fill_(pad[:, None, :], float("-inf"))
         self.table = table
+        self._offsets = offsets
+        self._spans: list[tuple[slice, Tensor, int]] | None = None  # sparse layers' (`_sparse_spans`)
         # (first token index, length, context slots of positions 0 .. end, first position, batch row)
         self.prefills: list[tuple[int, int, Tensor, int, int]] = []
         for tok_start, length, row, ctx_start in inputs.prefills:
@@ -563,9 +570,11 @@ class LatentGroupAttention:
             self.prefills.append((tok_start, length, _expand(pages, page_size, offsets)[0, :end], ctx_start, row))
 
     def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
-               scale: float) -> Tensor:
+               scale: float, *, index: SparseIndex | None = None) -> Tensor:
         cache = self.kv.rows[layer_idx]  # [slots, row_dim]
         cache.index_copy_(0, self.slot_mapping, rows.to(cache.dtype))
+        if index is not None:
+            return self._sparse(q_nope, q_rope, cache, projection, scale, index)
         if self.all_decode:
             return self._decode(q_nope, q_rope, cache, projection, scale)
         out = q_nope.new_empty(q_nope.shape[0], projection.num_heads, projection.v_dim)
@@ -588,6 +597,42 @@ class LatentGroupAttention:
             out[chunk] = chunk_attention(q_nope[chunk], q_rope[chunk], cache.index_select(0, slots), projection,
                                          scale, ctx_start).to(out.dtype)
         return out
+
+    def _sparse(self, q_nope: Tensor, q_rope: Tensor, cache: Tensor, projection: LatentProjection, scale: float,
+                index: SparseIndex) -> Tensor:
+        """A sparse layer (DSA: the rows end with the indexer keys): every decode token and prefill
+        chunk over its gathered context rows, each query attending to the keys its indexer selects
+        (`latent_attention.sparse_attention`), or a shared layer (no indexer) to those the step's
+        previous sparse layer selected (``selections``, shared by the step's latent groups: both
+        list decode tokens, then prefill chunks, in the inputs' order)."""
+        out = q_nope.new_empty(q_nope.shape[0], projection.num_heads, projection.v_dim)
+        spans = self._sparse_spans()
+        if len(self.selections) != len(spans):  # the step's first sparse layer
+            self.selections[:] = [[] for _ in spans]
+        for (tokens, slots, first), selection in zip(spans, self.selections, strict=True):
+            q, weights = index.q, index.weights
+            sub = SparseIndex(None if q is None else q[tokens], None if weights is None else weights[tokens],
+                              index.top_k)
+            out[tokens] = sparse_attention(q_nope[tokens], q_rope[tokens], cache.index_select(0, slots), projection,
+                                           scale, first, sub, selection).to(out.dtype)
+        return out
+
+    def _sparse_spans(self) -> list[tuple[slice, Tensor, int]]:
+        """(the step's tokens, their context slots of positions 0 .., the first's position) of every
+        decode token and prefill chunk; built on the step's first sparse layer and shared."""
+        if self._spans is None:
+            spans: list[tuple[slice, Tensor, int]] = []
+            if self.num_decode:
+                lens = self.decode_lens.tolist()
+                lmax = max(lens)
+                pages = self.table.index_select(0, self.decode_rows)[:, : -(-lmax // self.page_size)]
+                slots = _expand(pages, self.page_size, self._offsets)
+                for i, token in enumerate(self.decode_tokens.tolist()):
+                    spans.append((slice(token, token + 1), slots[i, : lens[i]], lens[i] - 1))
+            for tok_start, length, ctx_slots, ctx_start, _ in self.prefills:
+                spans.append((slice(tok_start, tok_start + length), ctx_slots, ctx_start))
+            self._spans = spans
+        return self._spans
 
     def _decode(self, q_nope: Tensor, q_rope: Tensor, cache: Tensor, projection: LatentProjection,
                 scale: float) -> Tensor:

@@ -62,7 +62,13 @@ from helios.models.architecture import (
 )
 from helios.models.config import normalize_rope_scaling, yarn_inv_freq
 from helios.models.decoder import DecoderLayer, add_rms_norm, apply_rope, param, rms_norm, rope_tables
-from helios.models.interface import AttentionContext, CacheSpec, LatentAttentionSpec, LatentProjection
+from helios.models.interface import (
+    AttentionContext,
+    CacheSpec,
+    LatentAttentionSpec,
+    LatentProjection,
+    SparseIndex,
+)
 from helios.models.moe import RouterSpec
 from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, _MoELayer, gguf_moe_tensor
 from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat, dense_of
@@ -439,25 +445,38 @@ class _MLALayer(_MoELayer):
         super().finish_loading()
         self.projection = LatentProjection(self.kv_up, self.nope)  # the (re)loaded parameter
 
+    def attend(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext,
+               index: SparseIndex | None = None) -> Tensor:
+        """The attention of the normed input ``x`` [T, hidden]: [T, heads, v_dim] (``index``: the
+        context's, `AttentionContext.latent`)."""
+        a = cast(nn.Module, self.qkv_a_proj)(x)
+        q = a[:, : self.q_first]
+        if self.q_b_proj is not None and self.q_a_norm is not None:
+            q = cast(nn.Module, self.q_b_proj)(rms_norm(q, self.q_a_norm, _LATENT_NORM_EPS))
+        q_nope, q_rope, rows = self.latent_inputs(a, q, cos, sin)
+        return attn.latent(self.layer_idx, q_nope, q_rope, rows, self.projection, self.scale, index=index)
+
+    def latent_inputs(self, a: Tensor, q: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The query's two parts and the cache rows ``[c | k_rope]`` (RoPE applied) of the first
+        projection's output ``a`` (its columns after the query's) and the query ``q`` [T, heads *
+        head_dim]."""
+        q = q.reshape(q.shape[0], self.num_heads, self.head_dim)
+        start = self.q_first
+        latent = rms_norm(a[:, start : start + self.rank], self.kv_a_norm, _LATENT_NORM_EPS)
+        k_rope = a[:, None, start + self.rank : start + self.rank + self.rope_dim]
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
+        if self.rope_order is not None:
+            q_rope, k_rope = q_rope[..., self.rope_order], k_rope[..., self.rope_order]
+        q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
+        return q_nope, q_rope, torch.cat((latent, k_rope[:, 0]), dim=-1)
+
     def forward(self, h: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, attn: AttentionContext,
                 fused: bool = False, *, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """One layer on the residual stream ``h`` plus the previous layer's feed-forward output
         ``delta``: the stream after attention and this layer's feed-forward output."""
         num_tokens = h.shape[0]
         h, x = add_rms_norm(h, delta, self.input_norm, self.eps, fused)
-        a = cast(nn.Module, self.qkv_a_proj)(x)
-        q = a[:, : self.q_first]
-        if self.q_b_proj is not None and self.q_a_norm is not None:
-            q = cast(nn.Module, self.q_b_proj)(rms_norm(q, self.q_a_norm, _LATENT_NORM_EPS))
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        latent = rms_norm(a[:, self.q_first : self.q_first + self.rank], self.kv_a_norm, _LATENT_NORM_EPS)
-        k_rope = a[:, None, self.q_first + self.rank :]
-        q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
-        if self.rope_order is not None:
-            q_rope, k_rope = q_rope[..., self.rope_order], k_rope[..., self.rope_order]
-        q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
-        rows = torch.cat((latent, k_rope[:, 0]), dim=-1)
-        out = attn.latent(self.layer_idx, q_nope, q_rope, rows, self.projection, self.scale)
+        out = self.attend(x, cos, sin, attn)
         if keep is not None:
             num_tokens = keep.shape[0]
             h, out = h.index_select(0, keep), out.index_select(0, keep)

@@ -22,12 +22,14 @@ from helios.models.interface import (
     LatentProjection,
     RecurrentBatch,
     SlidingWindowSpec,
+    SparseIndex,
 )
 from helios.models.latent_attention import (
     absorb_query,
     absorbed_attention,
     absorbed_output,
     chunk_attention,
+    sparse_attention,
 )
 
 
@@ -50,7 +52,8 @@ class DenseAttention:
 
     A latent-attention layer (`latent`) keeps its rows instead; a chunk of one token after the first
     (decode) attends in the absorbed form, any other chunk in the cheaper form
-    (`helios.models.latent_attention.chunk_attention`).
+    (`helios.models.latent_attention.chunk_attention`); a sparse layer's (``index``: its rows end
+    with the indexer keys) attend to their selected keys (`latent_attention.sparse_attention`).
     """
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -73,6 +76,7 @@ class DenseAttention:
         self._values = [self._alloc(capacity, i) for i in range(num_layers)]
         self._lengths = [0] * num_layers
         self._rows: dict[int, Tensor] = {}  # latent-attention layers: [capacity, row_dim]
+        self._selection: list[Tensor | None] = []  # the last sparse layer's (`sparse_attention`)
         self._windows: list[int | None] = list(windows) if windows is not None else [None] * num_layers
         if len(self._windows) != num_layers:
             raise ValueError(f"{len(self._windows)} windows for {num_layers} layers")
@@ -105,7 +109,7 @@ class DenseAttention:
         raise NotImplementedError("DenseAttention keeps attention layers only")
 
     def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
-               scale: float) -> Tensor:
+               scale: float, *, index: SparseIndex | None = None) -> Tensor:
         start = self._lengths[layer_idx]
         end = start + rows.shape[0]
         store = self._rows.get(layer_idx)
@@ -117,6 +121,9 @@ class DenseAttention:
             store = self._rows[layer_idx] = grown
         store[start:end] = rows
         self._lengths[layer_idx] = end
+        if index is not None:
+            out = sparse_attention(q_nope, q_rope, store[:end], projection, scale, start, index, self._selection)
+            return out.to(q_nope.dtype)
         if end - start == 1 and start > 0:  # decode: the absorbed form
             q = absorb_query(q_nope, q_rope, projection)
             latent = absorbed_attention(q, store[None, :end], None, scale, projection.rank)

@@ -15,6 +15,7 @@ Cache specs (vLLM v1's KV-cache specs are the anchor). Every layer declares what
 - `LatentAttentionSpec`: one compressed row of ``row_dim`` elements per token (multi-head latent
   attention keeps the latent and the rotary key, not expanded K/V; `LatentProjection` is what a
   layer hands the context to expand or absorb them).
+  A sparse-attention layer (DeepSeek's DSA) appends its indexer key to the same row (`SparseIndex`).
 - `RecurrentStateSpec`: a fixed state per request (tensors of ``shapes``), no per-token rows; a
   prefix is reused only through a snapshot of the state.
 
@@ -102,6 +103,26 @@ class LatentProjection:
         return int(self.kv_up.shape[1]) - self.nope_dim
 
 
+@attrs.frozen(eq=False)
+class SparseIndex:
+    """A sparse latent-attention layer's indexer for one step (DeepSeek's DSA lightning indexer):
+    each query attends only to the ``top_k`` keys of its causal context with the highest index
+    scores (all of them where the context is no longer).
+
+    The layer's cache row is ``[c | k_rope | k_index]``: the latent row (`LatentProjection`) and
+    the indexer key (``index_dim`` elements, RoPE applied), so the indexer keys page and hit the
+    prefix cache with the latent rows. Query i's score of key j is
+    ``sum_h weights[i, h] * relu(q[i, h] . k_index[j] * index_dim ** -0.5)``, in float32. ``q``:
+    [T, index_heads, index_dim] (RoPE applied); ``weights``: [T, index_heads] float32 (the head
+    weights, their ``index_heads ** -0.5`` factor included). ``q`` and ``weights`` None: a layer
+    without an indexer of its own (GLM-5's shared layers; its row has no indexer key) reuses the
+    selection of the step's previous sparse layer."""
+
+    q: Tensor | None
+    weights: Tensor | None
+    top_k: int
+
+
 @attrs.frozen
 class RecurrentStateSpec:
     """A fixed per-request state: one tensor of each shape in ``shapes``, in ``dtype`` (None: the
@@ -166,7 +187,9 @@ class AttentionContext(Protocol):
     heads, nope_dim], ``q_rope`` [T, heads, rope_dim] (RoPE applied), ``rows`` [T, rank +
     rope_dim]: this step's cache rows (`LatentProjection`), written into the cache first. Returns
     [T, heads, v_dim] in q's dtype: prefill chunks in the expanded form, decode tokens in the
-    absorbed form (both the same attention); scores scaled by ``scale``."""
+    absorbed form (both the same attention); scores scaled by ``scale``. ``index`` (a sparse layer):
+    ``rows`` end with the indexer keys, and each query attends only to the keys it selects
+    (`SparseIndex`)."""
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, *,
                  sinks: Tensor | None = None) -> Tensor: ...
@@ -176,7 +199,7 @@ class AttentionContext(Protocol):
     def recurrent(self, layer_idx: int) -> RecurrentBatch: ...
 
     def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
-               scale: float) -> Tensor: ...
+               scale: float, *, index: SparseIndex | None = None) -> Tensor: ...
 
 
 @runtime_checkable

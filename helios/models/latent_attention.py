@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from helios.models.interface import LatentProjection
+from helios.models.interface import LatentProjection, SparseIndex
 
 __all__ = ["absorb_query", "absorbed_attention", "absorbed_chunk_attention", "absorbed_is_cheaper", "absorbed_output",
-           "chunk_attention", "expand_context", "expanded_attention"]
+           "chunk_attention", "expand_context", "expanded_attention", "sparse_attention", "sparse_selection"]
 
 
 def expand_context(rows: Tensor, projection: LatentProjection) -> tuple[Tensor, Tensor]:
@@ -51,15 +51,18 @@ def expand_context(rows: Tensor, projection: LatentProjection) -> tuple[Tensor, 
 
 
 def expanded_attention(q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection, scale: float,
-                       first_position: int) -> Tensor:
+                       first_position: int, mask: Tensor | None = None) -> Tensor:
     """Causal attention of queries at positions ``first_position`` .. ``first_position + Lq - 1``
     ([Lq, heads, nope_dim] and [Lq, heads, rope_dim]) over the rows of positions 0 .. (``rows``
-    [L, rank + rope_dim], L = first_position + Lq): [Lq, heads, v_dim]."""
+    [L, rank + rope_dim], L = first_position + Lq): [Lq, heads, v_dim]. ``mask`` [Lq, L] (True:
+    attends) replaces the causal mask."""
     k, v = expand_context(rows, projection)
     q = torch.cat((q_nope, q_rope.to(q_nope.dtype)), dim=-1).transpose(0, 1).unsqueeze(0)
     k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     length = q.shape[2]
-    if first_position == 0:
+    if mask is not None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    elif first_position == 0:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         mask = torch.ones(length, rows.shape[0], dtype=torch.bool, device=q.device).tril(diagonal=first_position)
@@ -78,23 +81,24 @@ def absorbed_is_cheaper(num_queries: int, context: int, row_dim: int, projection
 
 
 def chunk_attention(q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection, scale: float,
-                    first_position: int) -> Tensor:
+                    first_position: int, mask: Tensor | None = None) -> Tensor:
     """`expanded_attention`'s result (same arguments), in whichever form is cheaper."""
     if absorbed_is_cheaper(q_nope.shape[0], rows.shape[0], rows.shape[1], projection):
-        return absorbed_chunk_attention(q_nope, q_rope, rows, projection, scale, first_position)
-    return expanded_attention(q_nope, q_rope, rows, projection, scale, first_position)
+        return absorbed_chunk_attention(q_nope, q_rope, rows, projection, scale, first_position, mask)
+    return expanded_attention(q_nope, q_rope, rows, projection, scale, first_position, mask)
 
 
 def absorbed_chunk_attention(q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
-                             scale: float, first_position: int) -> Tensor:
+                             scale: float, first_position: int, mask: Tensor | None = None) -> Tensor:
     """`expanded_attention` in the absorbed form: every (query, head) pair is one query row of a
-    multi-query attention over ``rows``, with the causal mask of its position."""
+    multi-query attention over ``rows``, with the causal mask of its position (or ``mask``)."""
     q = absorb_query(q_nope, q_rope, projection).to(rows.dtype)
     length, heads = q.shape[0], q.shape[1]
-    query_pos = torch.arange(first_position, first_position + length, device=q.device)
-    key_pos = torch.arange(rows.shape[0], device=q.device)
+    if mask is None:
+        query_pos = torch.arange(first_position, first_position + length, device=q.device)
+        mask = torch.arange(rows.shape[0], device=q.device)[None, :] <= query_pos[:, None]
     bias = torch.zeros(length, rows.shape[0], dtype=torch.float32, device=q.device).masked_fill_(
-        key_pos[None, :] > query_pos[:, None], float("-inf"))
+        ~mask, float("-inf"))
     bias = bias.repeat_interleave(heads, dim=0)[None]  # [1, length * heads, L], (query, head) order
     latent = absorbed_attention(q.reshape(1, length * heads, -1), rows[None], bias, scale, projection.rank)
     return absorbed_output(latent.view(length, heads, -1), projection)
@@ -125,3 +129,40 @@ def absorbed_output(latent: Tensor, projection: LatentProjection) -> Tensor:
     """The attention output [T, heads, v_dim] of latent outputs [T, heads, rank]: ``W_v[h] o[h]``."""
     w_v = projection.kv_up[:, projection.nope_dim :]  # [heads, v, rank]
     return torch.bmm(latent.transpose(0, 1).to(w_v.dtype), w_v.transpose(1, 2)).transpose(0, 1)
+
+
+def sparse_selection(index: SparseIndex, keys: Tensor, first_position: int) -> Tensor:
+    """Which keys each query attends to under DSA's indexer: [Lq, L] bool, True at the ``top_k``
+    causal keys of highest index score (`SparseIndex`), for queries at positions
+    ``first_position`` .. over the indexer ``keys`` [L, index_dim] of positions 0 .. L - 1. Where
+    fewer than ``top_k`` keys are causal, all of them."""
+    assert index.q is not None and index.weights is not None, "a shared layer reuses a selection"
+    length, context = index.q.shape[0], keys.shape[0]
+    query_pos = torch.arange(first_position, first_position + length, device=keys.device)
+    causal = torch.arange(context, device=keys.device)[None, :] <= query_pos[:, None]
+    if context <= index.top_k:
+        return causal
+    acc = torch.promote_types(keys.dtype, torch.float32)
+    scores = torch.matmul(index.q.to(acc), keys.to(acc).t().unsqueeze(0)) * keys.shape[1] ** -0.5  # [Lq, H, L]
+    scores = torch.matmul(index.weights.to(acc).unsqueeze(1), torch.relu(scores)).squeeze(1)  # [Lq, L]
+    scores = scores.masked_fill(~causal, float("-inf"))
+    # A stable sort, not topk: equal scores (keys every head's ReLU zeroes) resolve to the earlier
+    # key whatever the chunking, so a chunked prefill or a cache hit selects what one pass does.
+    top = scores.sort(dim=-1, descending=True, stable=True).indices[:, : index.top_k]
+    return torch.zeros_like(causal).scatter_(-1, top, True) & causal
+
+
+def sparse_attention(q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection, scale: float,
+                     first_position: int, index: SparseIndex, selection: list[Tensor | None]) -> Tensor:
+    """`chunk_attention` of a sparse layer (DeepSeek's DSA): each query attends only to the keys
+    its indexer selects (`sparse_selection`; None: every causal key, the context being no longer
+    than ``top_k``), in the cheaper form. ``rows`` [L, rank + rope_dim (+ index_dim)]: with the
+    layer's own indexer (``index.q``) they end with the indexer keys, and the selection is stored
+    as ``selection``'s one element; without (a shared layer) ``selection`` holds the one to reuse."""
+    width = projection.rank + q_rope.shape[-1]
+    if index.q is not None:
+        selection[:] = [None if rows.shape[0] <= index.top_k else
+                        sparse_selection(index, rows[:, width:], first_position)]
+    elif not selection:
+        raise ValueError("a shared sparse layer before any layer with an indexer")
+    return chunk_attention(q_nope, q_rope, rows[:, :width], projection, scale, first_position, selection[0])

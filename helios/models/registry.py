@@ -10,7 +10,8 @@ loaders (`helios.loaders`) and the runtime know architectures only through this 
 Built-in entries come from the architecture modules (`helios.models.llama.ARCHITECTURES`: llama,
 mistral, qwen2, qwen3; `helios.models.gemma3.ARCHITECTURES`: gemma3; `helios.models.gemma4`: gemma4 (text);
 `helios.models.qwen3_moe`, `helios.models.glm4_moe`, `helios.models.minimax_m2`,
-`helios.models.gpt_oss`, `helios.models.mimo_v2_flash`, `helios.models.deepseek_v3`: the
+`helios.models.gpt_oss`, `helios.models.mimo_v2_flash`, `helios.models.deepseek_v3`,
+`helios.models.deepseek_v32`: the
 mixture-of-experts families); more can be
 registered from outside::
 
@@ -51,6 +52,7 @@ _builtins_loaded = False
 def _builtin_architectures() -> Sequence[Architecture]:
     from helios.models import (
         deepseek_v3,
+        deepseek_v32,
         gemma3,
         gemma4,
         glm4_moe,
@@ -63,7 +65,7 @@ def _builtin_architectures() -> Sequence[Architecture]:
 
     return (*llama.ARCHITECTURES, *gemma3.ARCHITECTURES, *qwen3_moe.ARCHITECTURES, *glm4_moe.ARCHITECTURES,
             *minimax_m2.ARCHITECTURES, *gpt_oss.ARCHITECTURES, *mimo_v2_flash.ARCHITECTURES, *gemma4.ARCHITECTURES,
-            *deepseek_v3.ARCHITECTURES)
+            *deepseek_v3.ARCHITECTURES, *deepseek_v32.ARCHITECTURES)
 
 
 def _table() -> dict[str, Architecture]:

@@ -442,17 +442,26 @@ _HF_TO_GGUF = {
 }
 
 
-def _write_gguf(path: Path, model: torch.nn.Module, split_kv_b: bool) -> None:
+def _write_gguf(path: Path, model: torch.nn.Module, split_kv_b: bool, arch: str = "deepseek2",
+                extra_names: dict[str, str] | None = None,
+                extra_metadata: dict[str, int | list[bool]] | None = None) -> None:
     """``model`` as llama.cpp's DeepseekV2Model converter writes it (deepseek2): MLA as MQA in the
     metadata (head_count_kv 1, key_length rank + rope, value_length rank, the *_mla per-head sizes),
     stacked experts, sigmoid gating, YaRN's mscale_all_dim as 0.1 x it, and ``kv_b_proj`` split into
-    ``attn_k_b`` (transposed) and ``attn_v_b`` (``split_kv_b``, newer converters) or whole."""
+    ``attn_k_b`` (transposed) and ``attn_v_b`` (``split_kv_b``, newer converters) or whole.
+    ``arch``, ``extra_names`` (HF layer suffix -> GGUF block suffix) and ``extra_metadata``
+    (uint32 or array keys under the arch): a family on the same converter (DeepSeek-V3.2's ``deepseek32``)."""
     import gguf
     import numpy as np
 
     cfg = model.config
-    arch = "deepseek2"
+    names = {**_HF_TO_GGUF, **(extra_names or {})}
     writer = gguf.GGUFWriter(str(path), arch)
+    for name, value in (extra_metadata or {}).items():
+        if isinstance(value, list):
+            writer.add_array(f"{arch}.{name}", value)
+        else:
+            writer.add_uint32(f"{arch}.{name}", value)
     nextn = 1
     writer.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers + nextn)
     writer.add_uint32(f"{arch}.nextn_predict_layers", nextn)
@@ -516,7 +525,7 @@ def _write_gguf(path: Path, model: torch.nn.Module, split_kv_b: bool) -> None:
         elif rest == "self_attn.kv_b_proj.weight":
             writer.add_tensor(f"blk.{layer}.attn_kv_b.weight", array)
         else:
-            writer.add_tensor(f"blk.{layer}.{_HF_TO_GGUF[rest]}", array)
+            writer.add_tensor(f"blk.{layer}.{names[rest]}", array)
     # the next-token-prediction layer: stored, not loaded
     writer.add_tensor(f"blk.{cfg.num_hidden_layers}.nextn.eh_proj.weight",
                       np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), dtype=np.float32))
