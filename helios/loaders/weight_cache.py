@@ -145,7 +145,7 @@ def _unaliased(state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
     for name, t in state.items():
         t = t.detach().cpu()
-        identity = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        identity = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype)
         if t.numel() and identity in seen:
             aliases[name] = seen[identity]
             continue
