@@ -278,3 +278,16 @@ def test_chunked_scan_matches_the_recurrence() -> None:
         rows.append(o[0])
     assert torch.allclose(out, torch.stack(rows, dim=1), atol=1e-10)
     assert torch.allclose(final, s[0], atol=1e-10)
+
+
+def test_bfloat16_runs_close(root: Path, hf_model: torch.nn.Module) -> None:
+    """bfloat16 weights and activations (the states stay float32): logits near float32's."""
+    checkpoint = load_checkpoint(root, torch.bfloat16)
+    model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.bfloat16))
+    model.load_weights(checkpoint.tensors)
+    assert isinstance(model, Qwen3NextForCausalLM)
+    ids = prompt_of(120, salt=9)
+    expected = hf_logits(hf_model, ids)
+    got = OneSequence(model).logits(model, ids, 0)
+    assert got.dtype == torch.float32
+    assert (got - expected).abs().mean().item() < 0.05 * expected.abs().max().item()
