@@ -22,12 +22,15 @@ shared expert (or a dense MLP).
 - RMSNorms (the layer norms, q/k norms and the final norm) scale by ``1 + weight`` (stored as such
   on load); the gated norm inside Gated DeltaNet by ``weight``.
 
-No GGUF form yet (llama.cpp's ``qwen3next``).
+GGUF: llama.cpp's ``qwen3next`` files (`config_from_gguf`, `gguf_tensor`): the q/k/v rows of
+``in_proj_qkvz`` as ``attn_qkv``, its z rows as ``attn_gate``, ``ssm_a`` = -exp(A_log), the
+``1 + weight`` norms stored shifted; the multi-token-prediction block past ``block_count -
+nextn_predict_layers`` is not loaded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import attrs
@@ -35,17 +38,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from helios.models.architecture import Architecture, ArchitectureConfig, BuildOptions
+from helios.models.architecture import (
+    Architecture,
+    ArchitectureConfig,
+    BuildOptions,
+    GGUFSource,
+    GGUFTensor,
+    gguf_key,
+    gguf_kv_heads,
+)
 from helios.models.config import normalize_rope_scaling
 from helios.models.decoder import DecoderLayer, add_rms_norm, apply_rope, param, rms_norm
 from helios.models.gated_delta import causal_conv, gated_delta
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec, RecurrentStateSpec
 from helios.models.moe import RouterSpec
-from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, _MoELayer
+from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, _MoELayer, gguf_moe_tensor
 from helios.models.quant import BuildSource, WeightFormat
 from helios.models.qwen3_moe import moe_layer_flags
 
-__all__ = ["ARCHITECTURES", "Qwen3NextConfig", "Qwen3NextForCausalLM", "config_from_hf"]
+__all__ = ["ARCHITECTURES", "Qwen3NextConfig", "Qwen3NextForCausalLM", "config_from_gguf", "config_from_hf"]
 
 _LINEAR_PROJ = ("in_proj", "out_proj")
 
@@ -60,6 +71,8 @@ class Qwen3NextConfig(MoEConfig):
     linear_key_head_dim: int
     linear_value_head_dim: int
     conv_kernel: int = 4
+    norms_shifted: bool = False
+    """The checkpoint stores the ``1 + weight`` norms as 1 + w already (llama.cpp's GGUF files)."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -94,6 +107,75 @@ class Qwen3NextConfig(MoEConfig):
             inter = self.shared_intermediate_size if moe else self.intermediate_size
             total += (linear if lin else full) + 3 * inter * h
         return int(total)
+
+
+def config_from_gguf(source: GGUFSource) -> Qwen3NextConfig:
+    """A Qwen3-Next config from llama.cpp's ``qwen3next`` metadata (``ssm.*``: conv kernel, key
+    head size, key heads, value heads, value size; recurrent layers are those with ``ssm_a``,
+    sparse ones those with a router)."""
+    key = gguf_key(source)
+    tensors = source.tensor_shapes
+    hidden = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    num_layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))
+    head_dim = int(key("attention.key_length", hidden // num_heads))
+    num_experts = int(key("expert_count", 0))
+    ffn = key("feed_forward_length", 0)
+    if isinstance(ffn, list):
+        ffn = max(ffn)
+    scaling_kind = source.metadata.get(f"{source.metadata.get('general.architecture')}.rope.scaling.type")
+    if scaling_kind not in (None, "none"):
+        raise NotImplementedError(f"GGUF rope scaling {scaling_kind!r} is not supported for qwen3next")
+    num_v = int(key("ssm.time_step_rank"))
+    moe = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(num_layers))
+    router = RouterSpec(num_experts=num_experts, top_k=int(key("expert_used_count")), scoring="softmax",
+                        norm_topk_prob=bool(key("expert_weights_norm", True))) if num_experts else \
+        RouterSpec(num_experts=1, top_k=1)
+    return Qwen3NextConfig(
+        arch="qwen3_next",
+        vocab_size=int(tensors["token_embd.weight"][0]),
+        hidden_size=hidden,
+        intermediate_size=int(ffn) or 1,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=gguf_kv_heads(key, num_heads),
+        head_dim=head_dim,
+        moe_layers=moe,
+        router=router,
+        moe_intermediate_size=int(key("expert_feed_forward_length", 1)),
+        shared_intermediate_size=int(key("expert_shared_feed_forward_length", 0)),
+        shared_name="shared_expert",
+        shared_expert_gate=True,
+        rotary_dim=int(key("rope.dimension_count", head_dim // 4)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length", 32768)),
+        tie_word_embeddings="output.weight" not in tensors,
+        qk_norm=True,
+        linear_layers=tuple(f"blk.{i}.ssm_a" in tensors for i in range(num_layers)),
+        linear_num_key_heads=int(key("ssm.group_count")),
+        linear_num_value_heads=num_v,
+        linear_key_head_dim=int(key("ssm.state_size")),
+        linear_value_head_dim=int(key("ssm.inner_size")) // num_v,
+        conv_kernel=int(key("ssm.conv_kernel")),
+        norms_shifted=True,
+    )
+
+
+_GGUF_LINEAR_NAMES = {
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+
+
+def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None:
+    return gguf_moe_tensor(config, gguf_name, _GGUF_LINEAR_NAMES)
 
 
 def config_from_hf(config: Mapping[str, Any]) -> Qwen3NextConfig:
@@ -175,7 +257,8 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
     def _checkpoint_value(self, name: str, value: Tensor) -> Tensor:
         """The ``1 + weight`` norms stored as the scale they apply (float32); the gated norm of the
         linear-attention layers is a plain weight."""
-        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight") \
+                and not self.config.norms_shifted:
             return value.float() + 1.0
         return value
 
@@ -188,24 +271,66 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
         return tuple(state if linear else full for linear in cfg.linear_layers)
 
     def load_weights(self, tensors: Mapping[str, BuildSource]) -> None:
-        """`MoEForCausalLM.load_weights`, without the multi-token-prediction weights (``mtp.*``)
-        that transformers ignores too."""
-        super().load_weights(_WithoutMTP(tensors))
+        """`MoEForCausalLM.load_weights` over the names this module keeps (`_LinearNames`)."""
+        super().load_weights(_LinearNames(tensors, self.config))
 
 
-class _WithoutMTP(Mapping[str, BuildSource]):
-    def __init__(self, tensors: Mapping[str, BuildSource]) -> None:
+class _LinearNames(Mapping[str, BuildSource]):
+    """``tensors`` (read lazily) as the model keeps its linear-attention weights, in llama.cpp's
+    layout, which GGUF files have already: ``in_proj_qkvz`` (per key head [q | k | v | z]) read as
+    ``in_proj_qkv`` ([all q | all k | all v], the conv's channel order) and ``in_proj_z``;
+    ``A_log`` as ``A`` = -exp(A_log); the conv weight [C, 1, K] as [C, K]. Without the
+    multi-token-prediction weights (``mtp.*``), which transformers ignores too."""
+
+    def __init__(self, tensors: Mapping[str, BuildSource], config: Qwen3NextConfig) -> None:
         self._tensors = tensors
-        self._names = [n for n in tensors if not n.startswith("mtp.")]
+        self._config = config
+        self._source: dict[str, tuple[str, str]] = {}  # our name -> (checkpoint name, how)
+        for name in tensors:
+            if name.startswith("mtp."):
+                continue
+            if name.endswith("linear_attn.in_proj_qkvz.weight"):
+                base = name.removesuffix("in_proj_qkvz.weight")
+                self._source[f"{base}in_proj_qkv.weight"] = (name, "qkv")
+                self._source[f"{base}in_proj_z.weight"] = (name, "z")
+            elif name.endswith("linear_attn.A_log"):
+                self._source[name.removesuffix("A_log") + "A"] = (name, "a")
+            elif name.endswith("linear_attn.conv1d.weight"):
+                self._source[name] = (name, "conv")
+            else:
+                self._source[name] = (name, "")
+        self._last: tuple[str, Tensor] | None = None
 
     def __getitem__(self, name: str) -> BuildSource:
-        return self._tensors[name]
+        source, how = self._source[name]
+        if not how:
+            return self._tensors[source]
+        if self._last is not None and self._last[0] == source:
+            value = self._last[1]
+        else:
+            raw = self._tensors[source]
+            if not isinstance(raw, Tensor):
+                raise NotImplementedError(f"{source}: only dense tensors are read in transformers' layout")
+            value = raw
+            self._last = (source, value)
+        if how == "a":
+            return -value.float().exp()
+        if how == "conv":
+            return value.reshape(value.shape[0], -1)
+        cfg = self._config
+        group = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        per_head = value.view(cfg.linear_num_key_heads, 2 * dk + 2 * group * dv, -1)
+        q, k, v, z = per_head.split((dk, dk, group * dv, group * dv), dim=1)
+        if how == "z":
+            return z.reshape(-1, value.shape[-1]).clone()
+        return torch.cat([t.reshape(-1, value.shape[-1]) for t in (q, k, v)])
 
-    def __iter__(self) -> Any:
-        return iter(self._names)
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._source)
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._source)
 
 
 class _GatedAttentionLayer(_MoELayer):
@@ -252,7 +377,7 @@ class _GatedAttentionLayer(_MoELayer):
 
 class _GatedDeltaNetLayer(_MoELayer):
     """`_MoELayer`'s feed-forward after a Gated DeltaNet mixer (no attention projections: ``in_proj``
-    fuses ``in_proj_qkvz`` and ``in_proj_ba``; ``out_proj``)."""
+    fuses ``in_proj_qkv``, ``in_proj_z`` and ``in_proj_ba`` (`_LinearNames`); ``out_proj``)."""
 
     def __init__(self, config: Qwen3NextConfig, layer_idx: int, dtype: torch.dtype, device: torch.device,
                  dense_dtype: torch.dtype | None) -> None:
@@ -263,19 +388,19 @@ class _GatedDeltaNetLayer(_MoELayer):
         self.nk, self.nv = config.linear_num_key_heads, config.linear_num_value_heads
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_size, self.value_size = config.linear_key_size, config.linear_value_size
-        self.qkvz_size = 2 * self.key_size + 2 * self.value_size
         channels, width = config.conv_channels, config.conv_kernel
         self.in_proj: nn.Module | None = None
         self.out_proj: nn.Module | None = None
-        self.conv_weight = param(torch.empty(channels, 1, width, dtype=dtype, device=device))
+        self.conv_weight = param(torch.empty(channels, width, dtype=dtype, device=device))
         self.dt_bias = param(torch.empty(self.nv, dtype=torch.float32, device=device))
-        self.a_log = param(torch.empty(self.nv, dtype=torch.float32, device=device))
+        self.neg_rate = param(torch.empty(self.nv, dtype=torch.float32, device=device))  # -exp(A_log)
         self.gated_norm = param(torch.empty(self.dv, dtype=torch.float32, device=device))
 
     def projection_parts(self) -> dict[str, tuple[tuple[str, tuple[int, int]], ...]]:
         parts = {k: v for k, v in super().projection_parts().items() if k not in ("qkv_proj", "o_proj")}
         hidden = self.hidden_size
-        parts["in_proj"] = (("linear_attn.in_proj_qkvz.weight", (self.qkvz_size, hidden)),
+        parts["in_proj"] = (("linear_attn.in_proj_qkv.weight", (2 * self.key_size + self.value_size, hidden)),
+                            ("linear_attn.in_proj_z.weight", (self.value_size, hidden)),
                             ("linear_attn.in_proj_ba.weight", (2 * self.nv, hidden)))
         parts["out_proj"] = (("linear_attn.out_proj.weight", (hidden, self.value_size)),)
         return parts
@@ -291,7 +416,7 @@ class _GatedDeltaNetLayer(_MoELayer):
         targets.update({
             "linear_attn.conv1d.weight": self.conv_weight,
             "linear_attn.dt_bias": self.dt_bias,
-            "linear_attn.A_log": self.a_log,
+            "linear_attn.A": self.neg_rate,
             "linear_attn.norm.weight": self.gated_norm,
         })
         return targets
@@ -302,18 +427,17 @@ class _GatedDeltaNetLayer(_MoELayer):
         nk, nv, dk, dv = self.nk, self.nv, self.dk, self.dv
         group = nv // nk
         proj = cast(nn.Module, self.in_proj)(x)
-        per_head = proj[:, : self.qkvz_size].view(num_tokens, nk, 2 * dk + 2 * group * dv)
-        q, k, v, z = per_head.split((dk, dk, group * dv, group * dv), dim=-1)
-        ba = proj[:, self.qkvz_size :].view(num_tokens, nk, 2 * group)
+        conv_in = 2 * self.key_size + self.value_size
+        mixed, z, ba = proj.split((conv_in, self.value_size, 2 * nv), dim=-1)
+        ba = ba.reshape(num_tokens, nk, 2 * group)  # per key head [b of its value heads | a of them]
         b, a = ba[..., :group].reshape(num_tokens, nv), ba[..., group:].reshape(num_tokens, nv)
-        mixed = torch.cat((q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1)), dim=-1)
         batch = attn.recurrent(self.layer_idx)
         conv_state, delta_state = batch.states
-        mixed = causal_conv(mixed, self.conv_weight[:, 0], conv_state, batch.spans).to(x.dtype)
+        mixed = causal_conv(mixed, self.conv_weight, conv_state, batch.spans).to(x.dtype)
         q, k, v = mixed.split((self.key_size, self.key_size, self.value_size), dim=-1)
         wide = torch.promote_types(x.dtype, torch.float32)  # float32 (float64 for a float64 reference)
         beta = torch.sigmoid(b).to(wide)
-        g = -self.a_log.exp() * F.softplus(a.to(wide) + self.dt_bias)
+        g = self.neg_rate * F.softplus(a.to(wide) + self.dt_bias)
         core = gated_delta(q.reshape(num_tokens, nk, dk), k.reshape(num_tokens, nk, dk),
                            v.reshape(num_tokens, nv, dv), g, beta, delta_state, batch.spans)
         core = core.to(x.dtype).to(wide)
@@ -344,7 +468,10 @@ ARCHITECTURES = (
         name="qwen3_next",
         hf_model_types=("qwen3_next",),
         hf_architectures=("Qwen3NextForCausalLM",),
+        gguf_architectures=("qwen3next",),
         config_from_hf=config_from_hf,
+        config_from_gguf=config_from_gguf,
+        gguf_tensor=gguf_tensor,
         build=build,
     ),
 )

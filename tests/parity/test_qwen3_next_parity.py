@@ -291,3 +291,115 @@ def test_bfloat16_runs_close(root: Path, hf_model: torch.nn.Module) -> None:
     got = OneSequence(model).logits(model, ids, 0)
     assert got.dtype == torch.float32
     assert (got - expected).abs().mean().item() < 0.05 * expected.abs().max().item()
+
+
+# -- GGUF -------------------------------------------------------------------------------------------------
+
+_HF_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight", "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight", "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.A_log": "ssm_a", "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+}
+
+
+def _write_gguf(path: Path, model: torch.nn.Module) -> None:
+    """``model`` as llama.cpp's converter writes ``qwen3next`` (F32): the metadata it writes, q/k/v
+    of ``in_proj_qkvz`` regrouped as ``attn_qkv`` and its z rows as ``attn_gate``, ``ssm_a`` =
+    -exp(A_log), the conv weight squeezed, the 1 + w norms shifted, stacked experts, and one
+    next-token-prediction block (stored, not loaded)."""
+    import gguf
+    import numpy as np
+
+    from tests.parity.test_moe_parity import add_test_vocab
+
+    cfg = model.config
+    arch = "qwen3next"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers + 1)
+    writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    writer.add_uint32(f"{arch}.context_length", cfg.max_position_embeddings)
+    writer.add_uint32(f"{arch}.embedding_length", cfg.hidden_size)
+    writer.add_uint32(f"{arch}.feed_forward_length", cfg.intermediate_size)
+    writer.add_uint32(f"{arch}.attention.head_count", cfg.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", cfg.num_key_value_heads)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_uint32(f"{arch}.attention.key_length", cfg.head_dim)
+    writer.add_uint32(f"{arch}.attention.value_length", cfg.head_dim)
+    writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    writer.add_uint32(f"{arch}.rope.dimension_count", int(cfg.head_dim * 0.25))
+    writer.add_uint32(f"{arch}.expert_count", cfg.num_experts)
+    writer.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
+    writer.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
+    writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
+    writer.add_uint32(f"{arch}.ssm.conv_kernel", cfg.linear_conv_kernel_dim)
+    writer.add_uint32(f"{arch}.ssm.state_size", cfg.linear_key_head_dim)
+    writer.add_uint32(f"{arch}.ssm.group_count", cfg.linear_num_key_heads)
+    writer.add_uint32(f"{arch}.ssm.time_step_rank", cfg.linear_num_value_heads)
+    writer.add_uint32(f"{arch}.ssm.inner_size", cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    writer.add_uint32(f"{arch}.full_attention_interval", 4)
+    add_test_vocab(writer)
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    for hf_name, tensor in model.state_dict().items():
+        t = tensor.detach().float()
+        if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+            t = t + 1.0
+        if hf_name in fixed:
+            writer.add_tensor(fixed[hf_name], t.numpy())
+            continue
+        _, _, layer, rest = hf_name.split(".", 3)
+        blk = f"blk.{layer}"
+        if rest == "mlp.experts.gate_up_proj":
+            inter = t.shape[1] // 2
+            writer.add_tensor(f"{blk}.ffn_gate_exps.weight", t[:, :inter].contiguous().numpy())
+            writer.add_tensor(f"{blk}.ffn_up_exps.weight", t[:, inter:].contiguous().numpy())
+        elif rest == "linear_attn.in_proj_qkvz.weight":
+            per_head = t.view(nk, 2 * dk + 2 * (nv // nk) * dv, -1)
+            q, k, v, z = per_head.split((dk, dk, nv // nk * dv, nv // nk * dv), dim=1)
+            qkv = torch.cat([x.reshape(-1, t.shape[-1]) for x in (q, k, v)])
+            writer.add_tensor(f"{blk}.attn_qkv.weight", qkv.contiguous().numpy())
+            writer.add_tensor(f"{blk}.attn_gate.weight", z.reshape(-1, t.shape[-1]).contiguous().numpy())
+        elif rest == "linear_attn.A_log":
+            writer.add_tensor(f"{blk}.ssm_a", (-t.exp()).numpy())
+        elif rest == "linear_attn.conv1d.weight":
+            writer.add_tensor(f"{blk}.ssm_conv1d.weight", t.squeeze(1).contiguous().numpy())
+        else:
+            writer.add_tensor(f"{blk}.{_HF_TO_GGUF[rest]}", t.numpy())
+    writer.add_tensor(f"blk.{cfg.num_hidden_layers}.nextn.eh_proj.weight",
+                      np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_matches_transformers(tmp_path: Path, hf_model: torch.nn.Module) -> None:
+    """An F32 ``qwen3next`` GGUF file: the same config, and a 160-token prompt's logits within 1e-4
+    of transformers."""
+    path = tmp_path / "tiny-qwen3next.gguf"
+    _write_gguf(path, hf_model)
+    checkpoint = load_checkpoint(path, torch.float32)
+    cfg = checkpoint.config
+    assert isinstance(cfg, Qwen3NextConfig) and cfg.norms_shifted
+    assert cfg.num_layers == 4 and cfg.linear_layers == (True, True, False, True)
+    assert cfg.moe_layers == (False, True, True, True) and cfg.rotary == 4
+    model = checkpoint.architecture.build(cfg, BuildOptions(dtype=torch.float32))
+    model.load_weights(checkpoint.weights)
+    assert isinstance(model, Qwen3NextForCausalLM)
+    ids = prompt_of(160, salt=10)
+    expected = hf_logits(hf_model, ids)
+    diff = (OneSequence(model).logits(model, ids, 0) - expected).abs().max().item()
+    print(f"qwen3next GGUF fp32: max abs logit diff {diff:.3g}")
+    assert diff < FP32_TOLERANCE

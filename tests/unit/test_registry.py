@@ -105,7 +105,7 @@ def test_unknown_gguf_architecture_is_one_line(tmp_path: Path) -> None:
     message = str(info.value)
     assert "\n" not in message
     assert message == ("unsupported architecture 'foo' (GGUF general.architecture); supported: "
-                       "deepseek2, gemma3, gemma4, glm4moe, gpt-oss, llama, mimo2, minimax-m2, qwen2, qwen3, qwen3moe")
+                       "deepseek2, gemma3, gemma4, glm4moe, gpt-oss, llama, mimo2, minimax-m2, qwen2, qwen3, qwen3moe, qwen3next")
 
 
 # -- a test-only architecture, registered from outside ---------------------------------------------------
