@@ -312,11 +312,13 @@ _HF_TO_GGUF = {
 }
 
 
-def _write_gguf(path: Path, model: torch.nn.Module) -> None:
+def _write_gguf(path: Path, model: torch.nn.Module, q8: bool = False) -> None:
     """``model`` as llama.cpp's converter writes ``qwen3next`` (F32): the metadata it writes, q/k/v
     of ``in_proj_qkvz`` regrouped as ``attn_qkv`` and its z rows as ``attn_gate``, ``ssm_a`` =
     -exp(A_log), the conv weight squeezed, the 1 + w norms shifted, stacked experts, and one
-    next-token-prediction block (stored, not loaded)."""
+    next-token-prediction block (stored, not loaded). With ``q8`` the projections and experts are
+    Q8_0 blocks (per row, so regrouping rows commutes with it) and ``model``'s weights are replaced
+    by what the blocks hold, so it stays the file's reference."""
     import gguf
     import numpy as np
 
@@ -352,31 +354,51 @@ def _write_gguf(path: Path, model: torch.nn.Module) -> None:
              "lm_head.weight": "output.weight"}
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    q8_type = gguf.GGMLQuantizationType.Q8_0
+
+    def quantized(name: str, t: Tensor) -> bool:
+        return q8 and t.dim() >= 2 and t.shape[-1] % 32 == 0 and not any(part in name for part in ("embed", "lm_head", "mlp.gate.", "conv1d"))
+
+    if q8:
+        with torch.no_grad():
+            for hf_name, tensor in model.state_dict().items():
+                if quantized(hf_name, tensor):
+                    blocks = gguf.quants.quantize(tensor.numpy().astype(np.float32), q8_type)
+                    tensor.copy_(torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, q8_type),
+                                                             dtype=np.float32).reshape(tensor.shape)))
+
+    def add(name: str, array: np.ndarray, quantize: bool) -> None:
+        if quantize:
+            writer.add_tensor(name, gguf.quants.quantize(array, q8_type), raw_dtype=q8_type)
+        else:
+            writer.add_tensor(name, array)
+
     for hf_name, tensor in model.state_dict().items():
         t = tensor.detach().float()
+        qz = quantized(hf_name, t)
         if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
             t = t + 1.0
         if hf_name in fixed:
-            writer.add_tensor(fixed[hf_name], t.numpy())
+            add(fixed[hf_name], t.numpy(), qz)
             continue
         _, _, layer, rest = hf_name.split(".", 3)
         blk = f"blk.{layer}"
         if rest == "mlp.experts.gate_up_proj":
             inter = t.shape[1] // 2
-            writer.add_tensor(f"{blk}.ffn_gate_exps.weight", t[:, :inter].contiguous().numpy())
-            writer.add_tensor(f"{blk}.ffn_up_exps.weight", t[:, inter:].contiguous().numpy())
+            add(f"{blk}.ffn_gate_exps.weight", t[:, :inter].contiguous().numpy(), qz)
+            add(f"{blk}.ffn_up_exps.weight", t[:, inter:].contiguous().numpy(), qz)
         elif rest == "linear_attn.in_proj_qkvz.weight":
             per_head = t.view(nk, 2 * dk + 2 * (nv // nk) * dv, -1)
             q, k, v, z = per_head.split((dk, dk, nv // nk * dv, nv // nk * dv), dim=1)
             qkv = torch.cat([x.reshape(-1, t.shape[-1]) for x in (q, k, v)])
-            writer.add_tensor(f"{blk}.attn_qkv.weight", qkv.contiguous().numpy())
-            writer.add_tensor(f"{blk}.attn_gate.weight", z.reshape(-1, t.shape[-1]).contiguous().numpy())
+            add(f"{blk}.attn_qkv.weight", qkv.contiguous().numpy(), qz)
+            add(f"{blk}.attn_gate.weight", z.reshape(-1, t.shape[-1]).contiguous().numpy(), qz)
         elif rest == "linear_attn.A_log":
-            writer.add_tensor(f"{blk}.ssm_a", (-t.exp()).numpy())
+            add(f"{blk}.ssm_a", (-t.exp()).numpy(), qz)
         elif rest == "linear_attn.conv1d.weight":
-            writer.add_tensor(f"{blk}.ssm_conv1d.weight", t.squeeze(1).contiguous().numpy())
+            add(f"{blk}.ssm_conv1d.weight", t.squeeze(1).contiguous().numpy(), qz)
         else:
-            writer.add_tensor(f"{blk}.{_HF_TO_GGUF[rest]}", t.numpy())
+            add(f"{blk}.{_HF_TO_GGUF[rest]}", t.numpy(), qz)
     writer.add_tensor(f"blk.{cfg.num_hidden_layers}.nextn.eh_proj.weight",
                       np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), dtype=np.float32))
     writer.write_header_to_file()
@@ -385,21 +407,30 @@ def _write_gguf(path: Path, model: torch.nn.Module) -> None:
     writer.close()
 
 
-def test_gguf_matches_transformers(tmp_path: Path, hf_model: torch.nn.Module) -> None:
-    """An F32 ``qwen3next`` GGUF file: the same config, and a 160-token prompt's logits within 1e-4
-    of transformers."""
+@pytest.mark.parametrize("q8", [False, True], ids=["f32", "q8_0"])
+def test_gguf_matches_transformers(tmp_path: Path, q8: bool) -> None:
+    """An F32 ``qwen3next`` GGUF file, and a Q8_0 one (2-D projections and experts read as codes,
+    against transformers with the weights the blocks hold): the same config, and a 160-token
+    prompt's logits within 1e-4 of transformers."""
+    hf_model = tiny_hf_model()
     path = tmp_path / "tiny-qwen3next.gguf"
-    _write_gguf(path, hf_model)
+    _write_gguf(path, hf_model, q8=q8)
     checkpoint = load_checkpoint(path, torch.float32)
     cfg = checkpoint.config
     assert isinstance(cfg, Qwen3NextConfig) and cfg.norms_shifted
     assert cfg.num_layers == 4 and cfg.linear_layers == (True, True, False, True)
     assert cfg.moe_layers == (False, True, True, True) and cfg.rotary == 4
+    if q8:
+        from helios.models.quant import GroupQuantized
+
+        for name in ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "self_attn.q_proj"):
+            layer = 2 if name.startswith("self_attn") else 0
+            assert isinstance(checkpoint.weights[f"model.layers.{layer}.{name}.weight"], GroupQuantized)
     model = checkpoint.architecture.build(cfg, BuildOptions(dtype=torch.float32))
     model.load_weights(checkpoint.weights)
     assert isinstance(model, Qwen3NextForCausalLM)
     ids = prompt_of(160, salt=10)
     expected = hf_logits(hf_model, ids)
     diff = (OneSequence(model).logits(model, ids, 0) - expected).abs().max().item()
-    print(f"qwen3next GGUF fp32: max abs logit diff {diff:.3g}")
+    print(f"qwen3next GGUF {'q8_0' if q8 else 'f32'}: max abs logit diff {diff:.3g}")
     assert diff < FP32_TOLERANCE
