@@ -9,7 +9,8 @@ chunks' spans and the layer's state tensors; a span whose first position is 0 st
 - the gated delta rule over per-head states ``S`` [k_dim, v_dim] (float32): for each token,
   ``S <- exp(g) S``; ``S <- S + k (beta (v - S^T k))^T``; output ``S^T q``, with ``q`` and ``k``
   L2-normalised and ``q`` scaled by ``k_dim ** -0.5``. A one-token chunk (decode) is that update,
-  for every decode token of the step at once (`recurrent_step`); a longer chunk runs the chunked
+  for every decode token of the step at once (`recurrent_step`, or on the CPU the
+  `cpu_kernels.gated_delta_step` kernel, in place on the state slots); a longer chunk runs the chunked
   form (`chunked_scan`) in blocks of ``block`` tokens: within a block the updates are solved as one
   unit-lower-triangular system (the WY form: ``(I + A) U = beta V - beta exp(gamma) K S0`` with
   ``A[i, j] = beta_i exp(gamma_i - gamma_j) k_i . k_j`` for j < i and ``gamma`` the block's cumulative
@@ -25,6 +26,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from helios.models import cpu_kernels
 
 __all__ = ["causal_conv", "chunked_scan", "gated_delta", "l2norm", "recurrent_step"]
 
@@ -132,7 +135,13 @@ def gated_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     out = torch.empty(num_tokens, heads, dv, dtype=wide, device=v.device)
     device = v.device
     steps = [(start, slot, first) for start, length, slot, first in spans if length == 1]
-    if steps:  # every one-token chunk in one update
+    if steps and _kernel_serves(state, wide):  # every one-token chunk in one update, in place
+        rows = torch.tensor([s[0] for s in steps], dtype=torch.long, device=device)
+        slots = torch.tensor([s[1] for s in steps], dtype=torch.long, device=device)
+        fresh_rows = torch.tensor([s[2] == 0 for s in steps], dtype=torch.uint8, device=device)
+        out.index_copy_(0, rows, cpu_kernels.gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state,
+                                                              slots, fresh_rows))
+    elif steps:  # every one-token chunk in one update
         rows = torch.tensor([s[0] for s in steps], dtype=torch.long, device=device)
         slots = torch.tensor([s[1] for s in steps], dtype=torch.long, device=device)
         s0 = state.index_select(0, slots).to(wide)
@@ -152,6 +161,12 @@ def gated_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
         out[part] = o.transpose(0, 1)
         state[slot] = s1.to(state.dtype)
     return out
+
+
+def _kernel_serves(state: Tensor, wide: torch.dtype) -> bool:
+    """Whether `cpu_kernels.gated_delta_step` takes the decode tokens: a float32 CPU state, the kernels built."""
+    return (wide == torch.float32 and state.dtype == torch.float32 and state.device.type == "cpu"
+            and state.is_contiguous() and cpu_kernels.available())
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:

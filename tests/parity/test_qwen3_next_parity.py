@@ -434,3 +434,28 @@ def test_gguf_matches_transformers(tmp_path: Path, q8: bool) -> None:
     diff = (OneSequence(model).logits(model, ids, 0) - expected).abs().max().item()
     print(f"qwen3next GGUF {'q8_0' if q8 else 'f32'}: max abs logit diff {diff:.3g}")
     assert diff < FP32_TOLERANCE
+
+
+def test_the_decode_kernel_is_the_update() -> None:
+    """`cpu_kernels.gated_delta_step` (in place on the slots, one fresh) against `recurrent_step`."""
+    from helios.models import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    g = torch.Generator().manual_seed(1)
+    n, heads, dk, dv = 3, 4, 16, 8
+    q = l2norm(torch.randn(n, heads, dk, generator=g)) * dk ** -0.5
+    k = l2norm(torch.randn(n, heads, dk, generator=g))
+    v = torch.randn(n, heads, dv, generator=g)
+    decay = -torch.rand(n, heads, generator=g)
+    beta = torch.rand(n, heads, generator=g)
+    state = torch.randn(5, heads, dk, dv, generator=g)
+    slots = torch.tensor([4, 0, 2])
+    fresh = torch.tensor([0, 1, 0], dtype=torch.uint8)
+    s0 = state[slots].clone()
+    s0[1] = 0.0
+    want, s1 = recurrent_step(q, k, v, decay, beta, s0)
+    before = state.clone()
+    got = cpu_kernels.gated_delta_step(q, k, v, decay, beta, state, slots, fresh)
+    assert torch.allclose(got, want, atol=1e-6) and torch.allclose(state[slots], s1, atol=1e-6)
+    assert torch.equal(state[[1, 3]], before[[1, 3]])
