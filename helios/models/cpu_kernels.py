@@ -8,6 +8,9 @@ Operators that torch does not have in the form decode needs, among them:
   The codes are read from memory once per call whatever the rows: output rows in blocks of 16 KB of
   codes that every tile of activation rows passes over from L1 (AVX-512 register tiles of 4 activation
   x 2 weight rows, each block widened once per tile), not once per tile of 4 rows as before.
+- ``gated_delta_step``: Gated DeltaNet's decode update (`helios.models.gated_delta`), in place on
+  each token's state slot: two passes over the state instead of torch's gather, four elementwise
+  passes and a scatter.
 - ``paged_decode``: decode attention that reads each row's K/V in place from the paged cache instead
   of gathering its whole history into a contiguous copy every layer of every step.
 - ``kquant_linear`` / ``kquant_dequantize``: matmul and dequantization straight from a GGUF weight's
@@ -258,6 +261,17 @@ def paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, ct
     ``ctx_start + L - 1``) over its context, read in place from the cache ([kv_heads, slots, d]
     each): position p's K/V are at ``slots[p]``. Query head h uses kv head h // (heads / kv_heads)."""
     out: Tensor = torch.ops.helios.paged_prefill(q.contiguous(), k_cache, v_cache, slots, ctx_start, scale)
+    return out
+
+
+def gated_delta_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, slots: Tensor,
+                     fresh: Tensor) -> Tensor:
+    """One gated delta rule update per token and head, in place on ``state`` [slots, H, dk, dv] at
+    each token's slot (``fresh``: uint8, 1 where the slot starts from zeros): q, k [N, H, dk]
+    (normalised, q scaled), v [N, H, dv], g, beta [N, H], float32. Returns the output [N, H, dv]
+    (`helios.models.gated_delta.recurrent_step`'s, summed in another order)."""
+    out: Tensor = torch.ops.helios.gated_delta_step(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+                                                    beta.contiguous(), state, slots, fresh)
     return out
 
 

@@ -337,6 +337,9 @@ def test_effort_defaults_and_numeric_scores():
         ("deepseek-ai/DeepSeek-V3.1", "deepseek_v3", "plain"),
         ("moonshotai/Kimi-K2-Instruct", "deepseek_v3", "plain"),
         ("Qwen/Qwen3.8-Flash", "qwen3_moe", "qwen38"),  # the model id comes first
+        # qwen3_next: a Qwen3.8 id with it is the MoE recipe; Qwen3-Next's own ids, the template decides.
+        ("local/qwen3.8-80b", "qwen3_next", "qwen38"),
+        ("Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3_next", "plain"),
         ("zai-org/GLM-5.3-Flash", "glm4_moe", "glm53"),
         ("MiniMaxAI/MiniMax-M3.1-Flash", "minimax_m2", "minimax_m3"),
     ],

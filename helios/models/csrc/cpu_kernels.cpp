@@ -1780,6 +1780,72 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type, int64_t N, 
   return out;
 }
 
+// One gated delta rule update per (token, head), in place on the token's state slot (Gated DeltaNet
+// decode, `helios.models.gated_delta`): S <- exp(g) S; delta = beta (v - S^T k); S <- S + k delta^T;
+// out = S^T q. q, k [N, H, dk], v [N, H, dv], g, beta [N, H], state [slots, H, dk, dv], all float32
+// and contiguous; slots [N] int64; fresh [N] uint8 (1: the slot starts from zeros). Two passes over
+// each state: decay with the prediction, then the write with the output.
+at::Tensor gated_delta_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                            const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots,
+                            const at::Tensor& fresh) {
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0) &&
+                  v.size(1) == q.size(1) && g.dim() == 2 && g.size(0) == q.size(0) && g.size(1) == q.size(1) &&
+                  beta.sizes() == g.sizes() && state.dim() == 4 && state.size(1) == q.size(1) &&
+                  state.size(2) == q.size(2) && state.size(3) == v.size(2) && slots.dim() == 1 &&
+                  slots.size(0) == q.size(0) && fresh.sizes() == slots.sizes(),
+              "gated_delta_step: q, k [N, H, dk], v [N, H, dv], g, beta [N, H], state [S, H, dk, dv], slots [N]");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &g, &beta, &state}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "gated_delta_step: contiguous float32");
+  }
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && fresh.scalar_type() == at::kByte &&
+                  fresh.is_contiguous(), "gated_delta_step: int64 slots, uint8 fresh");
+  const int64_t N = q.size(0), H = q.size(1), dk = q.size(2), dv = v.size(2), S = state.size(0);
+  at::Tensor out = at::empty({N, H, dv}, v.options());
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) TORCH_CHECK(sp[n] >= 0 && sp[n] < S, "gated_delta_step: a slot outside the state");
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  const float* bp = beta.data_ptr<float>();
+  const uint8_t* fp = fresh.data_ptr<uint8_t>();
+  float* stp = state.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(dv));
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = i / H, h = i % H;
+      float* st = stp + (sp[n] * H + h) * dk * dv;
+      const float* qi = qp + i * dk;
+      const float* ki = kp + i * dk;
+      const float* vi = vp + i * dv;
+      float* oi = op + i * dv;
+      if (fp[n]) std::fill(st, st + dk * dv, 0.0f);
+      const float decay = std::exp(gp[i]), b = bp[i];
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t a = 0; a < dk; ++a) {
+        float* row = st + a * dv;
+        const float ka = ki[a];
+        for (int64_t j = 0; j < dv; ++j) {
+          row[j] *= decay;
+          acc[j] += row[j] * ka;
+        }
+      }
+      for (int64_t j = 0; j < dv; ++j) acc[j] = (vi[j] - acc[j]) * b;  // delta
+      std::fill(oi, oi + dv, 0.0f);
+      for (int64_t a = 0; a < dk; ++a) {
+        float* row = st + a * dv;
+        const float ka = ki[a], qa = qi[a];
+        for (int64_t j = 0; j < dv; ++j) {
+          row[j] += ka * acc[j];
+          oi[j] += row[j] * qa;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(helios, m) {
@@ -1801,6 +1867,8 @@ TORCH_LIBRARY(helios, m) {
         "Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale) -> Tensor");
   m.def("kquant_linear(Tensor x, Tensor blocks, int ggml_type, int out_features) -> Tensor");
   m.def("kquant_dequantize(Tensor blocks, int ggml_type, int out_features, int in_features) -> Tensor");
+  m.def("gated_delta_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
+        "Tensor fresh) -> Tensor");
 }
 
 TORCH_LIBRARY_FRAGMENT(helios, m) {
@@ -1820,6 +1888,7 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("decode_layers", TORCH_FN(decode_layers));
   m.impl("kquant_linear", TORCH_FN(kquant_linear));
   m.impl("kquant_dequantize", TORCH_FN(kquant_dequantize));
+  m.impl("gated_delta_step", TORCH_FN(gated_delta_step));
 }
 
 // The oneDNN-packed weights are MkldnnCPU tensors, and the dispatcher picks that key for the call.
