@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from helios.models.deepseek_v3 import DeepseekV3ForCausalLM
 from helios.models.dense_attention import DenseAttention, greedy_generate
+from helios.models.vision.registry import vision_family
 from tests.numerics import FP32_TOLERANCE
 from tests.parity.tiny import hf_logits, load_ours, our_logits, write_byte_tokenizer
 
@@ -114,3 +115,14 @@ def test_release_naming_loads_the_same(pair: tuple[torch.nn.Module, Path], tmp_p
     model = load_ours(tmp_path)
     diff = (our_logits(model, DenseAttention.for_model(model), PROMPT, 0) - hf_logits(hf_model, PROMPT)).abs().max()
     assert diff.item() < FP32_TOLERANCE
+
+
+def test_the_outer_config_decides_tying() -> None:
+    """transformers' ``Kimi_K25Config`` defaults ``tie_word_embeddings`` to True and ties by it."""
+    family = vision_family({"model_type": "kimi_k25"})
+    assert family is not None and not family.tower
+    text = {"model_type": "kimi_k2", "tie_word_embeddings": False}
+    assert family.text_config({"model_type": "kimi_k25", "text_config": text})["tie_word_embeddings"] is True
+    outer_false = {"model_type": "kimi_k25", "text_config": text, "tie_word_embeddings": False}
+    assert family.text_config(outer_false)["tie_word_embeddings"] is False
+    assert transformers.Kimi_K25Config(text_config=dict(text, model_type="deepseek_v3")).tie_word_embeddings is True

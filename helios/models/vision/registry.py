@@ -58,6 +58,11 @@ class _KimiK25Family(VisionFamily):
     ``language_model.model.blocks.N``); transformers' in-memory ``model.language_model.X`` /
     ``lm_head.weight`` are accepted as well."""
 
+    def text_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """As `VisionFamily.text_config`; an outer config without ``tie_word_embeddings`` ties, as
+        transformers' ``Kimi_K25Config`` (default True, which decides over the text config's)."""
+        return super().text_config({"tie_word_embeddings": True, **config})
+
     def text_weight_name(self, name: str) -> str | None:
         if name in ("language_model.lm_head.weight", "lm_head.weight"):
             return "lm_head.weight"
