@@ -126,3 +126,14 @@ def test_the_outer_config_decides_tying() -> None:
     outer_false = {"model_type": "kimi_k25", "text_config": text, "tie_word_embeddings": False}
     assert family.text_config(outer_false)["tie_word_embeddings"] is False
     assert transformers.Kimi_K25Config(text_config=dict(text, model_type="deepseek_v3")).tie_word_embeddings is True
+
+
+def test_runtime_load_model(pair: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:
+    """`runtime.load_model` serves the text model (no vision tower is built)."""
+    from helios.runtime import load_model
+
+    hf_model, root = pair
+    loaded = load_model(root, weights="float32", dtype="float32", cache_dir=tmp_path / "packed")
+    assert isinstance(loaded.model, DeepseekV3ForCausalLM)
+    got = our_logits(loaded.model, DenseAttention.for_model(loaded.model), PROMPT, 0)
+    assert (got - hf_logits(hf_model, PROMPT)).abs().max().item() < FP32_TOLERANCE
