@@ -11,6 +11,7 @@ modules take Hugging Face names).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from helios.models import registry
 from helios.models.architecture import Architecture, ArchitectureConfig
 from helios.models.vision.registry import VisionFamily, vision_family
 
+_log = logging.getLogger(__name__)
 TensorThunk = Callable[[], Tensor]
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -78,7 +80,11 @@ def read_hf_directory(path: str | Path, dtype: torch.dtype) -> HFDirectory:
     tokenizer = Tokenizer.from_hf_files(tokenizer_json, tokenizer_config, generation_config, chat_template)
     tensors = safetensors_thunks(root, dtype)
     vision = None
-    if family is not None:
+    if family is not None and not family.tower:
+        tensors, vision_tensors = _split_text_weights(tensors, family)
+        _log.info("%s: text model only; %d vision-tower/projector tensors ignored (no %s vision tower in Helios)",
+                  family.name, len(vision_tensors), family.name)
+    elif family is not None:
         tensors, vision_tensors = _split_text_weights(tensors, family)
         vision = VisionFiles(family=family.name, config=raw_config,
                              preprocessor=_read_json(root / "preprocessor_config.json") or {},

@@ -29,6 +29,9 @@ class VisionFamily:
     name: str
     text_prefix: str
     default_text_model_type: str
+    tower: bool = True
+    """False: Helios has no tower for this family; the text model loads and the vision weights are
+    ignored (the loader logs how many)."""
 
     def text_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """The text model's ``config.json`` part (the outer config decides whether lm_head is tied)."""
@@ -47,8 +50,35 @@ class VisionFamily:
         return None
 
 
+@attrs.frozen
+class _KimiK25Family(VisionFamily):
+    """Kimi K2.5 / K2.6 (transformers' ``kimi_k25``): a DeepSeek-V3 text model (``text_config``) behind
+    a MoonViT tower. Its files name the text weights ``language_model.model.X`` /
+    ``language_model.lm_head.weight`` (transformers' own save writes its ``blocks`` rename back too:
+    ``language_model.model.blocks.N``); transformers' in-memory ``model.language_model.X`` /
+    ``lm_head.weight`` are accepted as well."""
+
+    def text_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """As `VisionFamily.text_config`; an outer config without ``tie_word_embeddings`` ties, as
+        transformers' ``Kimi_K25Config`` (default True, which decides over the text config's)."""
+        return super().text_config({"tie_word_embeddings": True, **config})
+
+    def text_weight_name(self, name: str) -> str | None:
+        if name in ("language_model.lm_head.weight", "lm_head.weight"):
+            return "lm_head.weight"
+        for prefix in ("language_model.model.", self.text_prefix):
+            if name.startswith(prefix):
+                rest = name[len(prefix):]
+                if rest.startswith("blocks."):
+                    rest = "layers." + rest[len("blocks."):]
+                return "model." + rest
+        return None
+
+
 _IDEFICS3 = VisionFamily("idefics3", text_prefix="model.text_model.", default_text_model_type="llama")
-VISION_MODEL_TYPES = {"idefics3": _IDEFICS3, "smolvlm": _IDEFICS3}
+_KIMI_K25 = _KimiK25Family("kimi_k25", text_prefix="model.language_model.", default_text_model_type="deepseek_v3",
+                           tower=False)
+VISION_MODEL_TYPES: dict[str, VisionFamily] = {"idefics3": _IDEFICS3, "smolvlm": _IDEFICS3, "kimi_k25": _KIMI_K25}
 """``config.json`` model_type -> the vision-language family."""
 
 
