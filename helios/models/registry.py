@@ -12,7 +12,7 @@ mistral, qwen2, qwen3; `helios.models.gemma3.ARCHITECTURES`: gemma3; `helios.mod
 `helios.models.qwen3_moe`, `helios.models.glm4_moe`, `helios.models.minimax_m2`,
 `helios.models.gpt_oss`, `helios.models.mimo_v2_flash`, `helios.models.deepseek_v3`,
 `helios.models.deepseek_v32`: the
-mixture-of-experts families); more can be
+mixture-of-experts families; `helios.models.nemotron_h`: the Mamba2 hybrid); more can be
 registered from outside::
 
     registry.register(Architecture(name="tiny", hf_model_types=("tiny",), ...))
@@ -60,12 +60,13 @@ def _builtin_architectures() -> Sequence[Architecture]:
         llama,
         mimo_v2_flash,
         minimax_m2,
+        nemotron_h,
         qwen3_moe,
     )
 
     return (*llama.ARCHITECTURES, *gemma3.ARCHITECTURES, *qwen3_moe.ARCHITECTURES, *glm4_moe.ARCHITECTURES,
             *minimax_m2.ARCHITECTURES, *gpt_oss.ARCHITECTURES, *mimo_v2_flash.ARCHITECTURES, *gemma4.ARCHITECTURES,
-            *deepseek_v3.ARCHITECTURES, *deepseek_v32.ARCHITECTURES)
+            *deepseek_v3.ARCHITECTURES, *deepseek_v32.ARCHITECTURES, *nemotron_h.ARCHITECTURES)
 
 
 def _table() -> dict[str, Architecture]:
