@@ -72,7 +72,7 @@ class StatefulDense(DenseAttention):
     def __init__(self, model: NemotronHForCausalLM) -> None:
         cfg = model.config
         specs = model.cache_specs()
-        super().__init__(len(specs), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        super().__init__(len(specs), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
         self.states = {i: tuple(torch.zeros(1, *shape) for shape in spec.shapes)
                        for i, spec in enumerate(specs) if isinstance(spec, RecurrentStateSpec)}
         self.position = 0
