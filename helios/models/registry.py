@@ -11,8 +11,8 @@ Built-in entries come from the architecture modules (`helios.models.llama.ARCHIT
 mistral, qwen2, qwen3; `helios.models.gemma3.ARCHITECTURES`: gemma3; `helios.models.gemma4`: gemma4 (text);
 `helios.models.qwen3_moe`, `helios.models.glm4_moe`, `helios.models.minimax_m2`,
 `helios.models.gpt_oss`, `helios.models.mimo_v2_flash`, `helios.models.deepseek_v3`,
-`helios.models.deepseek_v32`: the mixture-of-experts families; `helios.models.qwen3_next`: the
-hybrid recurrent one); more can be
+`helios.models.deepseek_v32`: the mixture-of-experts families; `helios.models.qwen3_next` and
+`helios.models.nemotron_h`: the hybrid recurrent ones); more can be
 registered from outside::
 
     registry.register(Architecture(name="tiny", hf_model_types=("tiny",), ...))
@@ -60,6 +60,7 @@ def _builtin_architectures() -> Sequence[Architecture]:
         llama,
         mimo_v2_flash,
         minimax_m2,
+        nemotron_h,
         qwen3_moe,
         qwen3_next,
     )
@@ -67,7 +68,7 @@ def _builtin_architectures() -> Sequence[Architecture]:
     return (*llama.ARCHITECTURES, *gemma3.ARCHITECTURES, *qwen3_moe.ARCHITECTURES, *glm4_moe.ARCHITECTURES,
             *minimax_m2.ARCHITECTURES, *gpt_oss.ARCHITECTURES, *mimo_v2_flash.ARCHITECTURES, *gemma4.ARCHITECTURES,
             *deepseek_v3.ARCHITECTURES, *deepseek_v32.ARCHITECTURES,
-            *qwen3_next.ARCHITECTURES)
+            *qwen3_next.ARCHITECTURES, *nemotron_h.ARCHITECTURES)
 
 
 def _table() -> dict[str, Architecture]:

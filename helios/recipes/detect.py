@@ -88,10 +88,12 @@ def detect_recipe(model_id: str, arch: str | None = None, chat_template: str | N
     for recipe, pattern in _ID_RULES:
         if pattern.search(name):
             return recipe
-    for needle, recipe in _ARCH_RULES:
-        if needle in arch_compact:
-            return recipe
     template = chat_template or ""
+    for needle, recipe in _ARCH_RULES:
+        # nemotron_h also runs Nemotron Nano v2, whose template writes <TOOLCALL> JSON (`plain` +
+        # the nemotron_v2 parser); Nemotron 3's writes function tags (the nemotron_h recipe).
+        if needle in arch_compact and not (recipe == "nemotron_h" and "<TOOLCALL>" in template):
+            return recipe
     if "<|open|>" in template and "<|sep|>" in template:
         return "kimi3"
     if "｜DSML｜tool_calls" in template:

@@ -382,6 +382,15 @@ TEMPLATE_FAMILIES = {
 
 
 @pytest.mark.skipif(_templates() is None, reason="shared/fixtures/chat_templates not found")
+@pytest.mark.parametrize(("template", "recipe"), [("nemotron3_nano", "nemotron_h"), ("nemotron_nano_v2", "plain")])
+def test_nemotron_h_recipe_follows_the_template(template, recipe):
+    directory = _templates()
+    assert directory is not None
+    text = (directory / f"{template}.jinja").read_text(encoding="utf-8")
+    assert detect_recipe("local/checkpoint", "nemotron_h", text) == recipe
+
+
+@pytest.mark.skipif(_templates() is None, reason="shared/fixtures/chat_templates not found")
 @pytest.mark.parametrize(("template", "family"), sorted(TEMPLATE_FAMILIES.items()))
 def test_detect_parser_family_from_fixture_templates(template, family):
     directory = _templates()
