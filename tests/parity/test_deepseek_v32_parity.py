@@ -23,16 +23,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import Tensor
 
 from helios.loaders.checkpoint import load_checkpoint
-from helios.models.architecture import BuildOptions, LoadableCausalLM
+from helios.models.architecture import BuildOptions
 from helios.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM
 from helios.models.dense_attention import DenseAttention, greedy_generate
 from helios.models.interface import LatentAttentionSpec, SparseIndex
 from helios.models.latent_attention import sparse_selection
 from tests.numerics import FP32_TOLERANCE
-from tests.parity.test_deepseek_v3_parity import _write_tokenizer
+from tests.parity.tiny import hf_logits, load_ours, our_logits, write_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV32ForCausalLM"):
@@ -74,7 +73,7 @@ def _tiny_hf_model(variant: str, **overrides: int) -> torch.nn.Module:
 
 def _save(model: torch.nn.Module, root: Path) -> Path:
     model.save_pretrained(root, safe_serialization=True)
-    _write_tokenizer(root)
+    write_byte_tokenizer(root)
     return root
 
 
@@ -84,26 +83,9 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return hf_model, _save(hf_model, tmp_path_factory.mktemp(f"deepseek-v32-{request.param}"))
 
 
-def _ours(root: Path) -> LoadableCausalLM:
-    checkpoint = load_checkpoint(root, torch.float32)
-    model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
-    model.load_weights(checkpoint.tensors)
-    return model
-
-
-def _hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float()
-
-
-def _logits(model: LoadableCausalLM, attn: DenseAttention, ids: list[int], start: int) -> Tensor:
-    with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(start, start + len(ids)), attn))
-
-
 def test_config(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     assert isinstance(model, DeepseekV32ForCausalLM)
     cfg, hf_cfg = model.config, hf_model.config
     assert isinstance(cfg, DeepseekV32Config) and cfg.arch == "deepseek_v32" and cfg.rope_interleave
@@ -118,17 +100,17 @@ def test_prompt_logits(pair: tuple[torch.nn.Module, Path], tmp_path: Path) -> No
     """Logits of the 24-token prompt; with a top-k past the prompt (dense attention) both sides
     agree again and differ from the sparse ones, so the selection is what is being compared."""
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root)
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     diff = (got - expected).abs().max().item()
     print(f"{root.name} prompt fp32: max abs logit diff {diff:.3g} (max |logit| {expected.abs().max():.3g})")
     assert expected.abs().max().item() > 1.0
     assert diff < FP32_TOLERANCE
     dense_hf = _tiny_hf_model(root.name.split("-")[-1].rstrip("0123456789"), index_topk=64)
-    dense = _ours(_save(dense_hf, tmp_path / "dense"))
-    dense_expected = _hf_logits(dense_hf, PROMPT)
-    assert (_logits(dense, DenseAttention.for_model(dense), PROMPT, 0) - dense_expected).abs().max() < FP32_TOLERANCE
+    dense = load_ours(_save(dense_hf, tmp_path / "dense"))
+    dense_expected = hf_logits(dense_hf, PROMPT)
+    assert (our_logits(dense, DenseAttention.for_model(dense), PROMPT, 0) - dense_expected).abs().max() < FP32_TOLERANCE
     # no query sees more than top_k keys yet: the same attention
     assert (dense_expected[:TOP_K] - expected[:TOP_K]).abs().max().item() < FP32_TOLERANCE
     assert (dense_expected[TOP_K:] - expected[TOP_K:]).abs().max().item() > 0.1
@@ -138,11 +120,11 @@ def test_chunked_prefill_and_decode(pair: tuple[torch.nn.Module, Path]) -> None:
     """Prefill chunks, then one-token steps, each selecting over the cached indexer keys: every
     position's logits are transformers' of the whole prompt."""
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
+    model = load_ours(root)
+    expected = hf_logits(hf_model, PROMPT)
     attn = DenseAttention.for_model(model, initial_capacity=2)
     chunks = [(0, 3), (3, 9), (9, 11), (11, 18)] + [(i, i + 1) for i in range(18, len(PROMPT))]
-    got = torch.cat([_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
+    got = torch.cat([our_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
     diff = (got - expected).abs().max().item()
     print(f"{root.name} chunked + decode fp32: max abs logit diff {diff:.3g}")
     assert diff < FP32_TOLERANCE
@@ -150,7 +132,7 @@ def test_chunked_prefill_and_decode(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_greedy_32_tokens(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     with torch.no_grad():
         expected = hf_model.generate(torch.tensor([PROMPT[:6]]), max_new_tokens=32, min_new_tokens=32,
                                      do_sample=False)[0, 6:].tolist()
@@ -160,14 +142,14 @@ def test_greedy_32_tokens(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_packed_state_round_trip(pair: tuple[torch.nn.Module, Path]) -> None:
     _, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     state, kinds = model.packed_state()
     assert "layers.0.index_weights" in state and "layers.0.index_norm_bias" in state
     checkpoint = load_checkpoint(root, torch.float32)
     again = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
     again.load_packed_state(state, kinds)
-    a = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
-    assert torch.equal(a, _logits(again, DenseAttention.for_model(again), PROMPT, 0))
+    a = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    assert torch.equal(a, our_logits(again, DenseAttention.for_model(again), PROMPT, 0))
 
 
 def test_sparse_selection() -> None:
@@ -200,7 +182,7 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path], decode_kernel:
     from tests.unit.test_engine import run
 
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     core = EngineCore(model, EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=5,
                                           max_model_len=96), torch.float32)
     if decode_kernel is False:
@@ -223,7 +205,7 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path], decode_kernel:
         tokens = [t for o in request_outs for t in o.new_token_ids]
         logprobs = [lp for o in request_outs for lp in (o.logprobs or ())]
         assert len(tokens) == num_tokens
-        ref = torch.log_softmax(_hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
+        ref = torch.log_softmax(hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
         for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             row = ref[len(prompt) - 1 + j]
             assert t == int(row.argmax()), (rid, j)
@@ -289,7 +271,7 @@ def test_bfloat16_engine_runs_close(pair: tuple[torch.nn.Module, Path]) -> None:
                                     ignore_eos=True, num_top_logprobs=1)])["r"]
     tokens = [t for o in outs for t in o.new_token_ids]
     logprobs = [lp.logprob for o in outs for lp in (o.logprobs or ())]
-    ref = torch.log_softmax(_hf_logits(hf_model, [*PROMPT, *tokens]).double(), dim=-1)
+    ref = torch.log_softmax(hf_logits(hf_model, [*PROMPT, *tokens]).double(), dim=-1)
     errors = [abs(lp - float(ref[len(PROMPT) - 1 + j, t])) for j, (t, lp) in enumerate(zip(tokens, logprobs,
                                                                                           strict=True))]
     print(f"{root.name} bf16 engine: logprob errors {[round(e, 3) for e in errors]}")
@@ -328,7 +310,7 @@ def test_gguf_matches_transformers(tmp_path: Path) -> None:
     assert isinstance(checkpoint.config, DeepseekV32Config) and checkpoint.config.index_topk == TOP_K
     model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
     model.load_weights(checkpoint.weights)
-    diff = (_logits(model, DenseAttention.for_model(model), PROMPT, 0) - _hf_logits(hf_model, PROMPT)).abs().max()
+    diff = (our_logits(model, DenseAttention.for_model(model), PROMPT, 0) - hf_logits(hf_model, PROMPT)).abs().max()
     print(f"tiny deepseek32 GGUF fp32: max abs logit diff {diff.item():.3g}")
     assert diff.item() < FP32_TOLERANCE
 
@@ -344,7 +326,7 @@ def test_speculative_verification_is_exact(pair: tuple[torch.nn.Module, Path], v
     from tests.unit.test_engine import run
 
     _, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     prompts = [[5, 6, 7, 8, 9, 10] * 3, [40, 41, 42] * 5]
     results = {}
     for mode in ("off", "ngram"):

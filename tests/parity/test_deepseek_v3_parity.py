@@ -20,16 +20,14 @@ logprobs against transformers' logits of each whole sequence.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from torch import Tensor
 
 from helios.loaders.checkpoint import load_checkpoint
-from helios.models.architecture import BuildOptions, LoadableCausalLM
+from helios.models.architecture import BuildOptions
 from helios.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from helios.models.dense_attention import DenseAttention, greedy_generate
 from helios.models.interface import LatentAttentionSpec, LatentProjection
@@ -42,6 +40,7 @@ from helios.models.latent_attention import (
     expanded_attention,
 )
 from tests.numerics import FP32_TOLERANCE
+from tests.parity.tiny import hf_logits, load_ours, our_logits, write_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,44 +77,18 @@ def _tiny_hf_model(variant: str) -> torch.nn.Module:
     return model.eval()
 
 
-def _write_tokenizer(root: Path) -> None:
-    tokenizers = pytest.importorskip("tokenizers")
-    vocab = {chr(0x100 + i): i for i in range(256)}
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
-    backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in ("<eos>", "<bos>")])
-    backend.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "add_bos_token": False}))
-
-
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
     hf_model = _tiny_hf_model(request.param)
     root = tmp_path_factory.mktemp(f"deepseek-{request.param}")
     hf_model.save_pretrained(root, safe_serialization=True)
-    _write_tokenizer(root)
+    write_byte_tokenizer(root)
     return hf_model, root
-
-
-def _ours(root: Path) -> LoadableCausalLM:
-    checkpoint = load_checkpoint(root, torch.float32)
-    model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
-    model.load_weights(checkpoint.tensors)
-    return model
-
-
-def _hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float()
-
-
-def _logits(model: LoadableCausalLM, attn: DenseAttention, ids: list[int], start: int) -> Tensor:
-    with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(start, start + len(ids)), attn))
 
 
 def test_config(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     assert isinstance(model, DeepseekV3ForCausalLM)
     cfg, hf_cfg = model.config, hf_model.config
     assert cfg.arch == "deepseek_v3" and cfg.q_lora_rank == hf_cfg.q_lora_rank
@@ -132,9 +105,9 @@ def test_config(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root)
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     diff = (got - expected).abs().max().item()
     print(f"{root.name} prompt fp32: max abs logit diff {diff:.3g} (max |logit| {expected.abs().max():.3g})")
     assert expected.abs().max().item() > 1.0
@@ -145,11 +118,11 @@ def test_chunked_prefill_and_absorbed_decode(pair: tuple[torch.nn.Module, Path])
     """Prefill chunks attend in the expanded form over the rows so far; one-token steps decode in
     the absorbed form: every position's logits are transformers' of the whole prompt."""
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
+    model = load_ours(root)
+    expected = hf_logits(hf_model, PROMPT)
     attn = DenseAttention.for_model(model, initial_capacity=2)
     chunks = [(0, 3), (3, 9), (9, 11)] + [(i, i + 1) for i in range(11, len(PROMPT))]
-    got = torch.cat([_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
+    got = torch.cat([our_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
     diff = (got - expected).abs().max().item()
     print(f"{root.name} chunked + absorbed decode fp32: max abs logit diff {diff:.3g}")
     assert diff < FP32_TOLERANCE
@@ -157,7 +130,7 @@ def test_chunked_prefill_and_absorbed_decode(pair: tuple[torch.nn.Module, Path])
 
 def test_greedy_32_tokens(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     assert isinstance(model, DeepseekV3ForCausalLM)
     with torch.no_grad():
         expected = hf_model.generate(torch.tensor([PROMPT[:6]]), max_new_tokens=32, min_new_tokens=32,
@@ -168,8 +141,8 @@ def test_greedy_32_tokens(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_keep_rows(pair: tuple[torch.nn.Module, Path]) -> None:
     _, root = pair
-    model = _ours(root)
-    everything = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root)
+    everything = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     keep = torch.tensor([len(PROMPT) - 1, 2])
     with torch.no_grad():
         hidden = model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), DenseAttention.for_model(model), keep=keep)
@@ -179,14 +152,14 @@ def test_keep_rows(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_packed_state_round_trip(pair: tuple[torch.nn.Module, Path]) -> None:
     _, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     state, kinds = model.packed_state()
     assert "layers.0.qkv_a_proj" in kinds and "layers.0.kv_up" in state
     checkpoint = load_checkpoint(root, torch.float32)
     again = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
     again.load_packed_state(state, kinds)
-    a = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
-    b = _logits(again, DenseAttention.for_model(again), PROMPT, 0)
+    a = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    b = our_logits(again, DenseAttention.for_model(again), PROMPT, 0)
     assert torch.equal(a, b)
 
 
@@ -205,8 +178,8 @@ def test_bfloat16_runs_close(pair: tuple[torch.nn.Module, Path]) -> None:
     checkpoint = load_checkpoint(root, torch.bfloat16)
     model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.bfloat16))
     model.load_weights(checkpoint.tensors)
-    expected = _hf_logits(hf_model, PROMPT)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     assert got.dtype == torch.float32
     assert (got - expected).abs().mean().item() < 0.05 * expected.abs().max().item()
     core = EngineCore(model, EngineConfig(page_size=4, num_pages=32, max_active=2, prefill_chunk_size=8,
@@ -215,7 +188,7 @@ def test_bfloat16_runs_close(pair: tuple[torch.nn.Module, Path]) -> None:
                                     ignore_eos=True, num_top_logprobs=1)])["r"]
     tokens = [t for o in outs for t in o.new_token_ids]
     logprobs = [lp.logprob for o in outs for lp in (o.logprobs or ())]
-    ref = torch.log_softmax(_hf_logits(hf_model, [*PROMPT, *tokens]).double(), dim=-1)
+    ref = torch.log_softmax(hf_logits(hf_model, [*PROMPT, *tokens]).double(), dim=-1)
     errors = [abs(lp - float(ref[len(PROMPT) - 1 + j, t])) for j, (t, lp) in enumerate(zip(tokens, logprobs,
                                                                                           strict=True))]
     print(f"{root.name} bf16 engine: logprob errors {[round(e, 3) for e in errors]}")
@@ -232,8 +205,8 @@ def test_runtime_load_model_and_weight_cache(pair: tuple[torch.nn.Module, Path],
     loaded = load_model(root, weights=weights, dtype="float32", cache_dir=tmp_path / "packed")
     model = loaded.model
     assert isinstance(model, DeepseekV3ForCausalLM)
-    got = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
-    expected = _hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    expected = hf_logits(hf_model, PROMPT)
     if weights == "float32":
         assert (got - expected).abs().max().item() < FP32_TOLERANCE
     else:
@@ -242,7 +215,7 @@ def test_runtime_load_model_and_weight_cache(pair: tuple[torch.nn.Module, Path],
         assert rel < 0.3  # every projection re-quantized per row, on random weights
     assert loaded.cache_key and any((tmp_path / "packed").rglob("*"))
     again = load_model(root, weights=weights, dtype="float32", cache_dir=tmp_path / "packed").model
-    assert torch.equal(got, _logits(again, DenseAttention.for_model(again), PROMPT, 0))
+    assert torch.equal(got, our_logits(again, DenseAttention.for_model(again), PROMPT, 0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -296,7 +269,7 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path], decode_kernel:
     from tests.unit.test_engine import run
 
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     core = EngineCore(model, EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=5,
                                           max_model_len=96), torch.float32)
     from helios.models import cpu_kernels
@@ -324,7 +297,7 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path], decode_kernel:
         tokens = [t for o in request_outs for t in o.new_token_ids]
         logprobs = [lp for o in request_outs for lp in (o.logprobs or ())]
         assert len(tokens) == num_tokens
-        ref = torch.log_softmax(_hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
+        ref = torch.log_softmax(hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
         for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             row = ref[len(prompt) - 1 + j]
             assert t == int(row.argmax()), (rid, j)
@@ -555,7 +528,7 @@ def test_gguf_matches_transformers(tmp_path: Path, variant: str, split_kv_b: boo
     assert isinstance(model, DeepseekV3ForCausalLM)
     if variant == "yarn":  # mscale != mscale_all_dim in the HF config: llama.cpp keeps only mscale_all_dim
         hf_model.model.rotary_emb.attention_scaling = 1.0
-    diff = (_logits(model, DenseAttention.for_model(model), PROMPT, 0) - _hf_logits(hf_model, PROMPT)).abs().max()
+    diff = (our_logits(model, DenseAttention.for_model(model), PROMPT, 0) - hf_logits(hf_model, PROMPT)).abs().max()
     print(f"tiny {variant} deepseek2 GGUF fp32 (split kv_b: {split_kv_b}): max abs logit diff {diff.item():.3g}")
     assert diff.item() < FP32_TOLERANCE
 
@@ -572,7 +545,7 @@ def test_speculative_verification_is_exact(pair: tuple[torch.nn.Module, Path], d
     from tests.unit.test_engine import run
 
     _, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     prompts = [[5, 6, 7, 8, 9, 10] * 3, [40, 41, 42] * 5]
     results = {}
     for mode in ("off", "ngram"):

@@ -28,12 +28,10 @@ from tests.numerics import FP32_TOLERANCE
 from tests.parity.test_deepseek_v32_parity import (
     PROMPT,
     TOP_K,
-    _hf_logits,
-    _logits,
-    _ours,
     _save,
     write_dsa_gguf,
 )
+from tests.parity.tiny import hf_logits, load_ours, our_logits
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "GlmMoeDsaForCausalLM"):
@@ -71,7 +69,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 def test_config_and_specs(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     assert isinstance(model, DeepseekV32ForCausalLM)
     cfg = model.config
     assert cfg.arch == "glm_moe_dsa" and cfg.index_rope_interleave
@@ -82,12 +80,12 @@ def test_config_and_specs(pair: tuple[torch.nn.Module, Path]) -> None:
 
 def test_prompt_chunked_and_greedy(pair: tuple[torch.nn.Module, Path]) -> None:
     hf_model, root = pair
-    model = _ours(root)
-    expected = _hf_logits(hf_model, PROMPT)
-    whole = _logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    model = load_ours(root)
+    expected = hf_logits(hf_model, PROMPT)
+    whole = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     attn = DenseAttention.for_model(model, initial_capacity=2)
     chunks = [(0, 3), (3, 9), (9, 11), (11, 18)] + [(i, i + 1) for i in range(18, len(PROMPT))]
-    chunked = torch.cat([_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
+    chunked = torch.cat([our_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
     diffs = (whole - expected).abs().max().item(), (chunked - expected).abs().max().item()
     print(f"{root.name} fp32: max abs logit diff {diffs[0]:.3g} one pass, {diffs[1]:.3g} chunked + decode")
     assert expected.abs().max().item() > 1.0 and max(diffs) < FP32_TOLERANCE
@@ -104,7 +102,7 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
     from tests.unit.test_engine import run
 
     hf_model, root = pair
-    model = _ours(root)
+    model = load_ours(root)
     core = EngineCore(model, EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=5,
                                           max_model_len=96), torch.float32)
 
@@ -120,7 +118,7 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
     for prompt, request_outs in ((PROMPT, outs["r0"]), (PROMPT[3:15], outs["r1"]), (PROMPT, again)):
         tokens = [t for o in request_outs for t in o.new_token_ids]
         logprobs = [lp.logprob for o in request_outs for lp in (o.logprobs or ())]
-        ref = torch.log_softmax(_hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
+        ref = torch.log_softmax(hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
         for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             assert t == int(ref[len(prompt) - 1 + j].argmax()), j
             worst = max(worst, abs(lp - float(ref[len(prompt) - 1 + j, t])))
@@ -160,6 +158,6 @@ def test_gguf_matches_transformers(tmp_path: Path, variant: str) -> None:
     assert cfg.arch == "glm_moe_dsa" and [cfg.shares_index(i) for i in range(4)] == [not t for t in types]
     model = checkpoint.architecture.build(cfg, BuildOptions(dtype=torch.float32))
     model.load_weights(checkpoint.weights)
-    diff = (_logits(model, DenseAttention.for_model(model), PROMPT, 0) - _hf_logits(hf_model, PROMPT)).abs().max()
+    diff = (our_logits(model, DenseAttention.for_model(model), PROMPT, 0) - hf_logits(hf_model, PROMPT)).abs().max()
     print(f"tiny glm-dsa {variant} GGUF fp32: max abs logit diff {diff.item():.3g}")
     assert diff.item() < FP32_TOLERANCE
