@@ -70,7 +70,7 @@ from helios.models.interface import (
     SparseIndex,
 )
 from helios.models.moe import RouterSpec
-from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, _MoELayer, gguf_moe_tensor
+from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, MoELayer, gguf_moe_tensor
 from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat, dense_of
 
 __all__ = ["ARCHITECTURES", "DeepseekV3Config", "DeepseekV3ForCausalLM", "config_from_gguf", "config_from_hf",
@@ -378,8 +378,8 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
         return [cast(_MLALayer, layer) for layer in self.layers]
 
 
-class _MLALayer(_MoELayer):
-    """`_MoELayer` (its feed-forward) with multi-head latent attention. Projections: ``qkv_a_proj``
+class _MLALayer(MoELayer):
+    """`MoELayer` (its feed-forward) with multi-head latent attention. Projections: ``qkv_a_proj``
     (the query's first projection, ``q_a_proj`` or ``q_proj``, fused with ``kv_a_proj_with_mqa``:
     both read the normed input), ``q_b_proj`` (with ``q_lora_rank``), ``o_proj``; ``kv_b_proj`` is
     a dense [heads, nope + v, rank] parameter (``kv_up``), which the attention context uses."""

@@ -65,7 +65,7 @@ from helios.models.config import inv_freq_of
 from helios.models.decoder import DecoderLayer, add_rms_norm, apply_rope, param, rope_tables
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec, SlidingWindowSpec
 from helios.models.moe import RouterSpec
-from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, _MoELayer, gguf_moe_tensor
+from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, MoELayer, gguf_moe_tensor
 from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat
 
 __all__ = ["ARCHITECTURES", "MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "config_from_gguf", "config_from_hf"]
@@ -333,8 +333,8 @@ class MiMoV2FlashForCausalLM(MoEForCausalLM):
         return [cast(_MiMoLayer, layer) for layer in self.layers]
 
 
-class _MiMoLayer(_MoELayer):
-    """`_MoELayer` with this layer's kind of attention: its kv heads, the values' head size and
+class _MiMoLayer(MoELayer):
+    """`MoELayer` with this layer's kind of attention: its kv heads, the values' head size and
     scale, partial RoPE of its kind, sinks on sliding layers."""
 
     def __init__(self, config: MiMoV2FlashConfig, layer_idx: int, dtype: torch.dtype, device: torch.device,
@@ -362,7 +362,7 @@ class _MiMoLayer(_MoELayer):
             if sliding else None
 
     def projection_parts(self) -> dict[str, tuple[tuple[str, tuple[int, int]], ...]]:
-        """`_MoELayer.projection_parts` with this layer's q/k/v and o shapes."""
+        """`MoELayer.projection_parts` with this layer's q/k/v and o shapes."""
         parts = super().projection_parts()
         hidden = self.hidden_size
         parts["qkv_proj"] = (("self_attn.q_proj.weight", (self.q_size, hidden)),

@@ -57,7 +57,7 @@ from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSp
 from helios.models.moe import Experts, RouterSpec, expert_mix, route
 from helios.models.quant import BuildSource, DenseLinear, StackedExperts, UnloadedLinear, WeightFormat
 
-__all__ = ["EXPERT_FORMS", "GGUF_MOE_LAYER_NAMES", "MoEConfig", "MoEForCausalLM", "gguf_moe_tensor"]
+__all__ = ["EXPERT_FORMS", "GGUF_MOE_LAYER_NAMES", "MoEConfig", "MoEForCausalLM", "MoELayer", "gguf_moe_tensor"]
 
 EXPERT_FORMS = {
     # Hugging Face checkpoints: one tensor per expert and projection.
@@ -150,7 +150,7 @@ class MoEForCausalLM(FusedDecoderLM):
 
     def _build_layers(self, device: torch.device, dense_dtype: torch.dtype | None) -> list[DecoderLayer]:
         cfg = self.config
-        return [_MoELayer(cfg, i, self.dtype, device, dense_dtype) for i in range(cfg.num_layers)]
+        return [MoELayer(cfg, i, self.dtype, device, dense_dtype) for i in range(cfg.num_layers)]
 
     def cache_specs(self) -> tuple[CacheSpec, ...]:
         spec = FullAttentionSpec(self.config.num_kv_heads, self.config.head_dim)
@@ -190,8 +190,8 @@ class MoEForCausalLM(FusedDecoderLM):
             total -= layer.routed_expert_bytes() * (spec.num_experts - spec.top_k) // spec.num_experts
         return total
 
-    def _decoder_layers(self) -> Sequence[_MoELayer]:
-        return [cast(_MoELayer, layer) for layer in self.layers]
+    def _decoder_layers(self) -> Sequence[MoELayer]:
+        return [cast(MoELayer, layer) for layer in self.layers]
 
 
 class _PerExpert(Mapping[str, BuildSource]):
@@ -268,7 +268,7 @@ class _PerExpert(Mapping[str, BuildSource]):
 _PROJ_ATTRS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-class _MoELayer(DecoderLayer):
+class MoELayer(DecoderLayer):
     def __init__(self, config: MoEConfig, layer_idx: int, dtype: torch.dtype, device: torch.device,
                  dense_dtype: torch.dtype | None) -> None:
         super().__init__(config, layer_idx)

@@ -52,7 +52,7 @@ from helios.models.decoder import DecoderLayer, add_rms_norm, apply_rope, param,
 from helios.models.gated_delta import causal_conv, gated_delta
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec, RecurrentStateSpec
 from helios.models.moe import RouterSpec
-from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, _MoELayer, gguf_moe_tensor
+from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, MoELayer, gguf_moe_tensor
 from helios.models.quant import BuildSource, WeightFormat
 from helios.models.qwen3_moe import moe_layer_flags
 
@@ -333,8 +333,8 @@ class _LinearNames(Mapping[str, BuildSource]):
         return len(self._source)
 
 
-class _GatedAttentionLayer(_MoELayer):
-    """`_MoELayer` with the output-gated attention: ``q_proj`` rows are per head [query | gate]."""
+class _GatedAttentionLayer(MoELayer):
+    """`MoELayer` with the output-gated attention: ``q_proj`` rows are per head [query | gate]."""
 
     def projection_parts(self) -> dict[str, tuple[tuple[str, tuple[int, int]], ...]]:
         parts = super().projection_parts()
@@ -375,8 +375,8 @@ class _GatedAttentionLayer(_MoELayer):
         return h, self.feed_forward(x, fused)
 
 
-class _GatedDeltaNetLayer(_MoELayer):
-    """`_MoELayer`'s feed-forward after a Gated DeltaNet mixer (no attention projections: ``in_proj``
+class _GatedDeltaNetLayer(MoELayer):
+    """`MoELayer`'s feed-forward after a Gated DeltaNet mixer (no attention projections: ``in_proj``
     fuses ``in_proj_qkv``, ``in_proj_z`` and ``in_proj_ba`` (`_LinearNames`); ``out_proj``)."""
 
     def __init__(self, config: Qwen3NextConfig, layer_idx: int, dtype: torch.dtype, device: torch.device,
