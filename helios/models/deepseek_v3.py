@@ -474,17 +474,9 @@ class _MLALayer(MoELayer):
                 fused: bool = False, *, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """One layer on the residual stream ``h`` plus the previous layer's feed-forward output
         ``delta``: the stream after attention and this layer's feed-forward output."""
-        num_tokens = h.shape[0]
         h, x = add_rms_norm(h, delta, self.input_norm, self.eps, fused)
         out = self.attend(x, cos, sin, attn)
-        if keep is not None:
-            num_tokens = keep.shape[0]
-            h, out = h.index_select(0, keep), out.index_select(0, keep)
-            if num_tokens == 0:
-                return h, h
-        o = self.o_proj(out.reshape(num_tokens, self.o_size))
-        h, x = add_rms_norm(h, o, self.post_attention_norm, self.eps, fused)
-        return h, self.feed_forward(x, fused)
+        return self.finish(h, out, keep, fused, self.o_size)
 
 
 def build(config: ArchitectureConfig, options: BuildOptions) -> DeepseekV3ForCausalLM:

@@ -399,14 +399,7 @@ class _MiMoLayer(MoELayer):
             v = F.pad(v, (0, d - self.v_head_dim))
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         out = attn(self.layer_idx, q, k, v, self.head_dim ** -0.5, sinks=self.sinks)[..., : self.v_head_dim]
-        if keep is not None:
-            num_tokens = keep.shape[0]
-            h, out = h.index_select(0, keep), out.index_select(0, keep)
-            if num_tokens == 0:
-                return h, h
-        o = self.o_proj(out.reshape(num_tokens, self.o_size))
-        h, x = add_rms_norm(h, o, self.post_attention_norm, self.eps, fused)
-        return h, self.feed_forward(x, fused)
+        return self.finish(h, out, keep, fused, self.o_size)
 
 
 def build(config: ArchitectureConfig, options: BuildOptions) -> MiMoV2FlashForCausalLM:

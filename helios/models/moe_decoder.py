@@ -434,13 +434,18 @@ class MoELayer(DecoderLayer):
             qk = torch.cat((apply_rope(qk[..., :rot], cos, sin), qk[..., rot:]), dim=-1)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         out = attn(self.layer_idx, q, k, v)
+        return self.finish(h, out, keep, fused, self.q_size)
+
+    def finish(self, h: Tensor, out: Tensor, keep: Tensor | None, fused: bool, width: int) -> tuple[Tensor, Tensor]:
+        """After attention: the rows ``keep`` selects (None: all), ``o_proj`` over the attention
+        output's ``width`` columns, the post-attention norm into the stream ``h``, and this layer's
+        feed-forward output (the pair `forward` returns)."""
         if keep is not None:
-            num_tokens = keep.shape[0]
             h, out = h.index_select(0, keep), out.index_select(0, keep)
-            if num_tokens == 0:
+            if keep.shape[0] == 0:
                 return h, h
-        h, x = add_rms_norm(h, self.o_proj(out.reshape(num_tokens, self.q_size)), self.post_attention_norm,
-                            self.eps, fused)
+        h, x = add_rms_norm(h, self.o_proj(out.reshape(out.shape[0], width)), self.post_attention_norm, self.eps,
+                            fused)
         return h, self.feed_forward(x, fused)
 
     def feed_forward(self, x: Tensor, fused: bool = False) -> Tensor:

@@ -365,14 +365,7 @@ class _GatedAttentionLayer(MoELayer):
         q, k = qk.split((nh, nkv), dim=1)
         out = attn(self.layer_idx, q, k, v)
         out = out * torch.sigmoid(gate)
-        if keep is not None:
-            num_tokens = keep.shape[0]
-            h, out = h.index_select(0, keep), out.index_select(0, keep)
-            if num_tokens == 0:
-                return h, h
-        h, x = add_rms_norm(h, self.o_proj(out.reshape(num_tokens, self.q_size)), self.post_attention_norm,
-                            self.eps, fused)
-        return h, self.feed_forward(x, fused)
+        return self.finish(h, out, keep, fused, self.q_size)
 
 
 class _GatedDeltaNetLayer(MoELayer):
