@@ -92,6 +92,9 @@ class ModelConfigSection:
     max_model_len: int = attrs.field(default=0, validator=_non_negative)  # 0 = the model's own limit
     recipe: str = ""  # empty = detect from the model
     threads: int = attrs.field(default=0, validator=_non_negative)  # torch intra-op threads; 0 = all cores
+    # Shrink the engine's team while other processes take cores, grow it back when they leave
+    # (helios/engine/threads.py); false keeps `threads` fixed.
+    adapt_threads: bool = True
     # Overrides the checkpoint's generation_config sampling defaults (vLLM's
     # --override-generation-config), e.g. {temperature = 0.2, top_p = 0.9}.
     generation_config: dict[str, Any] = attrs.field(factory=dict)

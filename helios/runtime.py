@@ -319,7 +319,8 @@ class Runtime:
         self.recipe = recipe
         self.eos_token_ids = eos_token_ids
         self.client = EngineClient(max_in_flight=cfg.engine.max_active + cfg.server.model_queue_size)
-        self.thread = EngineThread(core, self.client.sink, threads=cfg.model.threads or os.cpu_count() or 1)
+        self.thread = EngineThread(core, self.client.sink, threads=cfg.model.threads or _usable_cores(),
+                                   adapt_threads=cfg.model.adapt_threads)
 
     def start(self, trio_token: trio.lowlevel.TrioToken, limiter: trio.CapacityLimiter | None = None) -> Service:
         """Start the engine thread; the Service renders and tokenizes on `limiter` (the app's pool).
@@ -502,6 +503,13 @@ def model_fingerprint(path: str | Path, weights: str) -> bytes:
         st = f.stat()
         h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.digest()
+
+
+def _usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask; os.cpu_count() where there is none)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
 
 
 def build_runtime(cfg: HeliosConfig) -> Runtime:

@@ -35,6 +35,7 @@ from typing import Any, cast
 import trio
 
 from helios.clients import bench_cache, bench_edit
+from helios.clients.hog import cpu_hogs
 from helios.clients.stream import (
     ENDPOINTS,
     BenchError,
@@ -342,6 +343,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-url", default=None, help="second server to run the same workload on")
     parser.add_argument("--baseline-model", default=None, help="model name on the baseline server")
     parser.add_argument("--baseline-api-key", default=None, help="bearer token for --baseline-url")
+    parser.add_argument(
+        "--hog",
+        type=int,
+        default=0,
+        help="run this many busy-looping processes beside the server for the whole run (CPU contention: a "
+        "figure 'with one core taken' is --hog 1); the report names the count",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
 
 
@@ -418,6 +426,8 @@ def format_table(report: Mapping[str, Any]) -> str:
     lines = [f"target:   {report['target']['url']} (model {report['target']['model']})"]
     if "baseline" in report:
         lines.append(f"baseline: {report['baseline']['url']} (model {report['baseline']['model']})")
+    if report.get("hog"):
+        lines.append(f"contention: {report['hog']} busy-looping process(es) ran beside the server(s)")
     lines.append("latencies in ms; ratio = target / baseline (tok/s: higher is better, latency: lower)")
     lines.append(_HEADER)
     baseline_runs = report["baseline"]["runs"] if "baseline" in report else []
@@ -449,6 +459,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run parsed ``add_arguments`` flags (for a ``helios`` subcommand parser); same codes as main."""
+    hogs = getattr(args, "hog", 0)
+    if hogs < 0:
+        print("helios bench: --hog must be at least 0", file=sys.stderr)
+        return 2
+    if hogs:
+        _progress(f"running {hogs} busy-looping process(es) beside the server for the whole run")
+    with cpu_hogs(hogs):
+        return _run_cli(args)
+
+
+def _run_cli(args: argparse.Namespace) -> int:
     if args.workload == "editing":
         return _run_editing(args)
     preset = THROUGHPUT_PRESETS.get(args.workload)
@@ -496,6 +517,7 @@ def run_cli(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    report["hog"] = getattr(args, "hog", 0)
     print(json.dumps(report, indent=2) if args.json else format_table(report), flush=True)
     errors = sum(
         run["errors"] for role in ("target", "baseline") for run in report.get(role, {}).get("runs", [])

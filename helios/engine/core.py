@@ -40,6 +40,7 @@ from helios.engine.runner import ModelRunner
 from helios.engine.sampling import Sampler
 from helios.engine.scheduler import Scheduler
 from helios.engine.speculative import SpeculativeConfig
+from helios.engine.threads import ThreadGovernor, ThreadStats
 from helios.models.interface import CausalLM
 
 log = logging.getLogger("helios.engine")
@@ -160,7 +161,8 @@ class EngineCore:
             self._prefill_ns.observe(missing * (self._ns_per_token or 0.0))
         self.scheduler.host_lookups.clear()
 
-    def stats(self) -> EngineStats:
+    def stats(self, threads: ThreadStats | None = None) -> EngineStats:
+        """``threads``: the engine thread's team (`EngineThread` passes its governor's)."""
         return EngineStats(
             active=len(self.scheduler.running),
             pending=len(self.scheduler.waiting),
@@ -178,6 +180,7 @@ class EngineCore:
             speculative_mode=self.cfg.speculative.mode,
             history_drafts=self.scheduler.history is not None,
             speculative=self.scheduler.spec_stats.snapshot(),
+            threads=threads,
         )
 
     def close(self) -> None:
@@ -251,18 +254,23 @@ class EngineThread:
     """
 
     def __init__(self, core: EngineCore, sink: Callable[[list[RequestOutput]], None], *,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, adapt_threads: bool = False,
+                 governor: ThreadGovernor | None = None) -> None:
         """``threads``: the torch (OpenMP) threads this thread's steps use, set on the thread itself
-        when it starts (None: leave torch's setting). The process should run no multi-thread torch
-        work on other threads: see `runtime.build_runtime`."""
-        self._threads = threads
+        when it starts (None: leave torch's setting); with ``adapt_threads`` the team shrinks
+        while other processes take cores and grows back when they leave (`threads.ThreadGovernor`,
+        or the ``governor`` given). The process should run no multi-thread torch work on other
+        threads: see `runtime.build_runtime`."""
+        if governor is None and threads:
+            governor = ThreadGovernor(threads, adaptive=adapt_threads, set_threads=torch.set_num_threads)
+        self.governor = governor
         self.core = core
         self._sink = sink
         self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="helios-engine", daemon=True)
         self.healthy = True
         self.error: str | None = None
-        self._stats = core.stats()
+        self._stats = core.stats(threads=None if governor is None else governor.snapshot())
         # time.monotonic() when the loop last made progress (an iteration began, or the inbox
         # wait ended). Stale while not idle (waiting for work): one step or inbox batch has been
         # running that long, so the engine is wedged while it has work.
@@ -360,8 +368,9 @@ class EngineThread:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
-        if self._threads:
-            torch.set_num_threads(self._threads)
+        governor = self.governor
+        if governor is not None:
+            governor.start()
         running = True
         while running:
             self.heartbeat = time.monotonic()
@@ -369,12 +378,16 @@ class EngineThread:
                 running = self._drain(block=not self.core.scheduler.has_work)
                 if not running:
                     break
+                threads = None
+                if governor is not None:
+                    governor.tick()
+                    threads = governor.snapshot()
                 if not self.core.scheduler.has_work:
-                    self._stats = self.core.stats()
+                    self._stats = self.core.stats(threads=threads)
                     continue
                 t0 = time.perf_counter()
                 outputs = self.core.step()
-                self._stats = self.core.stats()
+                self._stats = self.core.stats(threads=threads)
                 if outputs:
                     self._sink(outputs)
                 log.debug("step %.1f ms, %d outputs", (time.perf_counter() - t0) * 1e3, len(outputs))

@@ -16,6 +16,7 @@ from helios.domain.sampling import SamplingParams
 if TYPE_CHECKING:
     from helios.engine.speculative import SpeculativeStats
     from helios.engine.structured import GrammarConstraint
+    from helios.engine.threads import ThreadStats
 
 
 class EngineFinish(enum.Enum):
@@ -249,3 +250,5 @@ class EngineStats:
     """Speculating requests also draft from the shared decoded history (flare_history_drafts_enabled)."""
     speculative: SpeculativeStats | None = None
     """Speculation counters (verification rounds and drafts; engine/speculative.py)."""
+    threads: ThreadStats | None = None
+    """The engine thread's intra-op team (engine/threads.py); None for a core run without one."""

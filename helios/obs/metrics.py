@@ -375,6 +375,9 @@ class _SnapshotCollector:
                 yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=hist.total)
         if m.input_stats() is not None:
             yield from _families(INPUT_EXPORTED, snap)
+        threads = getattr(engine, "threads", None)
+        if threads is not None:
+            yield from _thread_families(threads)
         yield GaugeMetricFamily("flare_uptime_seconds", "Seconds since the server started",
                                 value=time.time() - m.started)
         by_stage = CounterMetricFamily("helios_requests_failed_by_stage_total",
@@ -387,6 +390,19 @@ class _SnapshotCollector:
             for family in hist.collect():
                 family.samples = [x for x in family.samples if not x.name.endswith("_created")]
                 yield family
+
+
+def _thread_families(threads: Any) -> Iterator[Metric]:
+    """The engine thread's intra-op team (helios/engine/threads.py), while there is an engine thread."""
+    yield GaugeMetricFamily("helios_engine_threads", "Intra-op threads the engine's steps run with now",
+                            value=threads.threads)
+    yield GaugeMetricFamily("helios_engine_threads_max", "Configured intra-op threads ([model] threads)",
+                            value=threads.max_threads)
+    yield CounterMetricFamily("helios_engine_thread_changes", "Changes of the engine's team size while other "
+                              "processes took or freed cores", value=threads.changes)
+    if threads.adaptive:
+        yield GaugeMetricFamily("helios_cpu_others_cores", "Other processes' load on the engine's CPUs in the "
+                                "last measurement window, in cores", value=threads.others_cores)
 
 
 def _speculative_families(spec: Any, snap: dict[str, Any]) -> Iterator[Metric]:

@@ -338,7 +338,7 @@ class _Core:
         self.behaviour = behaviour
         self.failed = 0
 
-    def stats(self) -> EngineStats:
+    def stats(self, threads: Any = None) -> EngineStats:
         return STATS
 
     def close(self) -> None:
