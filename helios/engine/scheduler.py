@@ -523,6 +523,9 @@ class Scheduler:
         state = seq.drafts
         if state is None or num_new != 1:
             return ()
+        if state.pause_round():
+            self.spec_stats.paused_rounds += 1
+            return ()
         depth = min(planned_depth(self.speculative, state, num_decode),
                     seq.request.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - len(seq.token_ids) - 1,

@@ -50,6 +50,14 @@ grows with its rows well before that (default model, int4, 1,000-token contexts:
 drafts cost 1.45x a decode step, eight streams with 3 drafts each 4.2x)."""
 
 
+MISS_LIMIT = 3
+"""Adaptive mode: draft rounds in a row that accept nothing before the request pauses drafting."""
+PAUSE_ROUNDS = 16
+"""Adaptive mode: the first pause's length in decode rounds (`DraftState.observe`)."""
+MAX_PAUSE_ROUNDS = 256
+"""Adaptive mode: the longest pause."""
+
+
 @attrs.frozen
 class SpeculativeConfig:
     mode: str = attrs.field(default="off", validator=attrs.validators.in_(SPECULATIVE_MODES))
@@ -228,15 +236,43 @@ class DraftState:
     depth: int
     last_kind: str | None = None
     """The proposer kind of the drafts planned last (``history``: the shared history's)."""
+    misses: int = 0
+    """Adaptive mode: consecutive draft rounds that accepted nothing."""
+    paused: int = 0
+    """Adaptive mode: decode rounds left in which the request drafts nothing."""
+    pause_rounds: int = PAUSE_ROUNDS
+    """The next pause's length (doubles after each pause, back to ``PAUSE_ROUNDS`` on an acceptance)."""
 
     def observe(self, cfg: SpeculativeConfig, proposed: int, accepted: int) -> None:
         """Adaptive depth after a verified round: doubled after a round that accepted every draft;
         after a rejection, one more than the drafts accepted but at least half the drafts offered
-        (one miss in a long copy does not collapse the depth). At most ``max_depth``, at least 1."""
+        (one miss in a long copy does not collapse the depth). At most ``max_depth``, at least 1.
+
+        A request whose drafts stop being accepted turns itself off: after ``MISS_LIMIT`` draft
+        rounds in a row that accepted nothing it drafts nothing for ``pause_rounds`` decode rounds,
+        then tries again; each pause that follows another without an acceptance between them is
+        twice as long (at most ``MAX_PAUSE_ROUNDS``), so text the proposers cannot predict costs
+        at most one verification round in ``MISS_LIMIT + pause`` beyond plain decoding."""
         if cfg.mode != "adaptive" or proposed == 0:
             return
         depth = 2 * proposed if accepted == proposed else max(accepted + 1, proposed // 2)
         self.depth = max(min(cfg.max_depth, depth), 1)
+        if accepted:
+            self.misses = 0
+            self.pause_rounds = PAUSE_ROUNDS
+            return
+        self.misses += 1
+        if self.misses >= MISS_LIMIT:
+            self.misses = 0
+            self.paused = self.pause_rounds
+            self.pause_rounds = min(2 * self.pause_rounds, MAX_PAUSE_ROUNDS)
+
+    def pause_round(self) -> bool:
+        """Whether this decode round drafts nothing (a pause's round, counted down)."""
+        if self.paused <= 0:
+            return False
+        self.paused -= 1
+        return True
 
 
 def planned_depth(cfg: SpeculativeConfig, state: DraftState, num_decode: int) -> int:
@@ -273,6 +309,9 @@ class SpeculativeStats:
     """Request rounds whose drafts came from the shared decoded history (part of draft_rounds)."""
     history_accepted_drafts: int = 0
     """Accepted drafts of those rounds (part of accepted_drafts)."""
+    paused_rounds: int = 0
+    """Decode rounds in which a speculating request drafted nothing because it was paused
+    (adaptive mode, after drafts stopped being accepted)."""
 
     def round(self, drafts: int, accepted: int, kind: str | None = None) -> None:
         if drafts and kind == HistoryProposer.kind:
@@ -294,4 +333,4 @@ class SpeculativeStats:
         return SpeculativeStats(self.verify_steps, self.verification_drafts, self.verification_rounds,
                                 self.accepted_drafts, self.draft_rounds, dict(self.steps_by_width),
                                 dict(self.rounds_by_depth), dict(self.accepted_by_depth),
-                                self.history_draft_rounds, self.history_accepted_drafts)
+                                self.history_draft_rounds, self.history_accepted_drafts, self.paused_rounds)

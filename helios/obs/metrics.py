@@ -423,6 +423,9 @@ def _speculative_families(spec: Any, snap: dict[str, Any]) -> Iterator[Metric]:
     for depth, n in sorted(spec.accepted_by_depth.items()):
         accepted.add_metric([str(depth)], n)
     yield accepted
+    yield CounterMetricFamily("helios_speculative_paused_rounds", "Decode rounds in which a speculating request "
+                              "drafted nothing because its drafts had stopped being accepted (adaptive mode)",
+                              value=getattr(spec, "paused_rounds", 0))
 
 
 def _families(table: dict[str, tuple[str, str, str]], snap: dict[str, Any]) -> Iterator[Metric]:

@@ -26,6 +26,9 @@ from helios.engine.kv.manager import KVCacheManager
 from helios.engine.records import EngineFinish, EngineRequest, ReasoningBudget
 from helios.engine.speculative import (
     BATCH_DRAFT_TOKENS,
+    MAX_PAUSE_ROUNDS,
+    MISS_LIMIT,
+    PAUSE_ROUNDS,
     DraftState,
     NgramProposer,
     SharedHistory,
@@ -158,6 +161,72 @@ def test_adaptive_depth_follows_acceptance_and_backs_off_in_large_batches() -> N
     state = DraftState(NgramProposer(), depth=3)
     state.observe(fixed, proposed=3, accepted=0)
     assert state.depth == 3 and planned_depth(fixed, state, 64) == 3
+
+
+def test_adaptive_requests_pause_after_drafts_stop_being_accepted() -> None:
+    cfg = SpeculativeConfig(mode="adaptive", max_depth=4)
+    state = DraftState(NgramProposer(), depth=4)
+    for _ in range(MISS_LIMIT - 1):
+        state.observe(cfg, proposed=2, accepted=0)
+    assert state.paused == 0 and not state.pause_round()
+    state.observe(cfg, proposed=1, accepted=0)  # the MISS_LIMIT-th miss in a row
+    assert state.paused == PAUSE_ROUNDS
+    assert [state.pause_round() for _ in range(PAUSE_ROUNDS + 1)] == [True] * PAUSE_ROUNDS + [False]
+    for _ in range(MISS_LIMIT):  # misses again right after the pause: twice as long
+        state.observe(cfg, proposed=1, accepted=0)
+    assert state.paused == 2 * PAUSE_ROUNDS
+    state.paused = 0
+    state.observe(cfg, proposed=1, accepted=1)  # an acceptance resets the streak and the length
+    assert (state.misses, state.pause_rounds) == (0, PAUSE_ROUNDS)
+    for _ in range(40):
+        for _ in range(MISS_LIMIT):
+            state.observe(cfg, proposed=1, accepted=0)
+        state.paused = 0
+    assert state.pause_rounds == MAX_PAUSE_ROUNDS
+    fixed = SpeculativeConfig(mode="ngram", max_depth=3)  # ngram mode drafts whatever happens
+    state = DraftState(NgramProposer(), depth=3)
+    for _ in range(10):
+        state.observe(fixed, proposed=3, accepted=0)
+    assert state.paused == 0
+
+
+class _WrongProposer:
+    """Drafts a token the model never picks here (greedy rows of the tiny model: checked below)."""
+
+    kind = "ngram"
+    last_kind: str | None = "ngram"
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+        self.calls = 0
+
+    def propose(self, token_ids: object, depth: int) -> tuple[int, ...]:
+        self.calls += 1
+        return (self.token,) * depth
+
+
+def test_a_request_whose_drafts_all_fail_stops_verifying_them() -> None:
+    request = EngineRequest("w", _prompt([4, 9, 2], 3, []), SamplingParams(temperature=0.0), max_tokens=60,
+                            ignore_eos=True)
+    off = _drive(_engine(MODEL64, torch.float64, "off", 4, max_model_len=128), [[request]])["w"][0]
+    wrong = next(t for t in range(V) if t not in off)
+    core = _engine(MODEL64, torch.float64, "adaptive", 4, max_model_len=128)
+    seq = core.scheduler.add(request, None)
+    assert seq.drafts is not None
+    proposer = _WrongProposer(wrong)
+    seq.drafts.proposer = proposer
+    out: list[int] = []
+    while core.scheduler.has_work:
+        for o in core.step():
+            out += o.new_token_ids
+    assert out == off
+    stats = core.scheduler.spec_stats
+    assert stats.accepted_drafts == 0
+    # 59 decode rounds after the prefill's token: MISS_LIMIT draft rounds, a pause of PAUSE_ROUNDS,
+    # MISS_LIMIT more, a pause of twice that, MISS_LIMIT more, and the next pause to the end.
+    assert len(off) - 1 == 3 * MISS_LIMIT + 3 * PAUSE_ROUNDS + 2
+    assert stats.draft_rounds == proposer.calls == 3 * MISS_LIMIT
+    assert stats.paused_rounds == len(off) - 1 - 3 * MISS_LIMIT
 
 
 def test_trim_releases_only_the_lookahead_pages_at_the_end() -> None:
