@@ -148,8 +148,8 @@ class OutputParser(abc.ABC):
 
     @abc.abstractmethod
     def finish(self, *, truncated: bool = False) -> list[OutputEvent]:
-        """Ends the output. `truncated`: the output limit cut it, so an incomplete envelope is
-        dropped silently; otherwise an incomplete or undecided call raises ToolParseError."""
+        """Ends the output. `truncated`: the output limit or a user stop cut it, so an incomplete
+        envelope is dropped silently; otherwise an incomplete or undecided call raises ToolParseError."""
 
     @property
     @abc.abstractmethod

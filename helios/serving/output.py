@@ -37,6 +37,8 @@ _CAUSES = {
     EngineFinish.ABORTED: FinishCause.ABORTED,
     EngineFinish.ERROR: FinishCause.ERROR,
 }
+# Ends that cut the model's output short (the parser drops an incomplete tool envelope at them).
+_CUT_CAUSES = frozenset({FinishCause.LENGTH, FinishCause.STOP_STRING, FinishCause.STOP_TOKEN})
 
 
 class Detokenizer(Protocol):
@@ -152,7 +154,9 @@ class OutputProcessor:
             elif feed_ids:
                 events.extend(self.parser.feed("", feed_ids))
             if finish is not None and finish.cause is not FinishCause.ERROR:
-                events.extend(self.parser.finish(truncated=finish.cause is FinishCause.LENGTH))
+                # The output limit or a user stop (string or token id) that cut a tool envelope drops
+                # it, as the limit does; only an incomplete call at the model's own end is an error.
+                events.extend(self.parser.finish(truncated=finish.cause in _CUT_CAUSES))
         except Exception as exc:  # a model output the family parser rejects: the request fails
             events.extend(getattr(exc, "events", ()) or ())
             finish = Finish(FinishCause.ERROR, error=f"model output could not be parsed: {exc}")

@@ -477,6 +477,18 @@ def test_a_string_stop_after_a_call_reports_the_stop(case: Case) -> None:
         assert out.matched_stop == "END OF TURN"
 
 
+def test_a_string_stop_inside_a_call_drops_the_cut_envelope(case: Case) -> None:
+    """A user's stop that matches inside a tool envelope ends the output there, as the output limit
+    does: the cut call is dropped (not an error), the calls before it are kept, the stop reported."""
+    second = ("get_weather", {"city": "Lyon", "unit": "celsius"})
+    key = case.script(case.w.think(REASON), case.w.call(*WEATHER), "\n", case.w.call(*second), "\nafter")
+    out = case.ask(key, stop=("Lyon",))
+    case.ok(out, "stop_string")
+    assert out.calls == [WEATHER]
+    if case.protocol != "responses":
+        assert out.matched_stop == "Lyon"
+
+
 def test_eos_on_the_last_allowed_token_is_the_cause(case: Case) -> None:
     key = case.script(case.w.think(REASON), case.w.call(*WEATHER))
     out = case.ask(key, max_tokens=case.num_output_tokens(key))
