@@ -171,6 +171,16 @@ def kquant_linear(x: Tensor, blocks: Tensor, ggml_type: int, out_features: int) 
     return out
 
 
+def kquant_linear_grouped(x: Tensor, offsets: Sequence[int], blocks: Sequence[Tensor], ggml_type: int,
+                          out_features: int) -> Tensor:
+    """`kquant_linear` for groups of rows with a weight each, in one operator: rows ``offsets[g] ..
+    offsets[g + 1]`` of ``x`` [R, K] times ``blocks[g]``'s weight (all of ``ggml_type``, [out_features,
+    K]) into the same rows of the [R, out_features] result, each output the same bits as
+    `kquant_linear` gives for its group alone (the experts a step chose, mixture-of-experts decode)."""
+    out: Tensor = torch.ops.helios.kquant_linear_grouped(x, list(offsets), list(blocks), ggml_type, out_features)
+    return out
+
+
 def kquant_dequantize(blocks: Tensor, ggml_type: int, out_features: int, in_features: int) -> Tensor:
     """The float32 [out_features, in_features] values of a weight held as GGUF blocks of ``ggml_type``
     (contiguous uint8): ``gguf.quants.dequantize``'s, bit for bit."""

@@ -157,3 +157,32 @@ class KQuantLinear(nn.Module):
         kinds = "+".join(f"{cpu_kernels.KQUANT_NAMES[t]}[{o}]" for t, o in zip(self.types, self.outs, strict=True))
         return (f"{kinds} x {self.in_features}, dense_above={self.dense_above}, unpack_above={self.unpack_above}, "
                 f"unpack_dtype={str(self.unpack_dtype).removeprefix('torch.')}")
+
+
+def grouped_linear(modules: Sequence[object], sizes: Sequence[int], x: Tensor) -> Tensor | None:
+    """Row groups through their own `KQuantLinear` (``sizes[i]`` rows of ``x`` for ``modules[i]``,
+    in order) as one `cpu_kernels.kquant_linear_grouped` call per row segment: [rows, out] in ``x``'s
+    dtype, each row the same bits as ``modules[i](rows)`` gives. None where that does not hold: a
+    module that is not a `KQuantLinear` of the same segments, a group that its module would serve
+    with its dense copy or by unpacking, or no kernels for ``x``."""
+    if not modules or len(modules) != len(sizes):
+        return None
+    first = modules[0]
+    if not isinstance(first, KQuantLinear) or not (cpu_kernels.available() and x.device.type == "cpu"
+                                                   and x.dtype in (torch.float32, torch.bfloat16)):
+        return None
+    mods: list[KQuantLinear] = []
+    for m, size in zip(modules, sizes, strict=True):
+        if not isinstance(m, KQuantLinear) or m.types != first.types or m.outs != first.outs:
+            return None
+        if (m.dense is not None or m.onednn is not None) and size > m.dense_above:
+            return None
+        if m.unpack_above is not None and size > m.unpack_above:
+            return None
+        mods.append(m)
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    outs = [cpu_kernels.kquant_linear_grouped(x, offsets, [m.blocks[s] for m in mods], t, o)
+            for s, (t, o) in enumerate(zip(first.types, first.outs, strict=True))]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -57,6 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from helios.models.kquant import grouped_linear
+
 __all__ = ["Experts", "RouterSpec", "expert_mix", "route"]
 
 Experts = Tensor | Sequence[Callable[[Tensor], Tensor]]
@@ -138,20 +140,27 @@ def expert_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Experts, down: 
     token_of = order // top_k
     counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
     rows = x.index_select(0, token_of)
-    parts: list[Tensor] = []
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        gu = _apply(gate_up, expert, rows[start : start + count])
-        inter = gu.shape[-1] // 2
-        parts.append(_apply(down, expert, act(gu[:, :inter]) * gu[:, inter:]))
-        start += count
-    mixed = torch.cat(parts) * weights.reshape(-1, 1).index_select(0, order)
+    active = [e for e, count in enumerate(counts) if count]
+    sizes = [counts[e] for e in active]
+    gu = _project(gate_up, active, sizes, rows)
+    inter = gu.shape[-1] // 2
+    mixed = _project(down, active, sizes, act(gu[:, :inter]) * gu[:, inter:])
+    mixed = mixed * weights.reshape(-1, 1).index_select(0, order)
     return out.index_add_(0, token_of, mixed.to(x.dtype))
 
 
-def _apply(weights: Experts, expert: int, rows: Tensor) -> Tensor:
-    if isinstance(weights, Tensor):
-        return F.linear(rows, weights[expert])
-    return weights[expert](rows)
+def _project(weights: Experts, active: Sequence[int], sizes: Sequence[int], rows: Tensor) -> Tensor:
+    """Rows grouped by expert (``sizes[i]`` rows for expert ``active[i]``) through each one's weight:
+    GGUF-block experts in one grouped kernel call where every group takes the kernel path
+    (`kquant.grouped_linear`, the same bits), otherwise one matmul per expert."""
+    if not isinstance(weights, Tensor):
+        fused = grouped_linear([weights[e] for e in active], sizes, rows)
+        if fused is not None:
+            return fused
+    parts: list[Tensor] = []
+    start = 0
+    for expert, size in zip(active, sizes, strict=True):
+        chunk = rows[start : start + size]
+        parts.append(F.linear(chunk, weights[expert]) if isinstance(weights, Tensor) else weights[expert](chunk))
+        start += size
+    return torch.cat(parts)

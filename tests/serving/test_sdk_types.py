@@ -76,19 +76,19 @@ def _text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def _script(rng: random.Random, w: Writer) -> tuple[list[str], bool, str]:
-    """Script parts, whether it calls tools, and one of its words for a stop string."""
+def _script(rng: random.Random, w: Writer) -> tuple[list[str], int, str]:
+    """Script parts, how many tools it calls, and one of its words for a stop string."""
     kind = rng.randrange(4)
     parts: list[str] = []
     if kind in (1, 3):
         parts.append(w.think(_text(rng, rng.randint(1, 6))))
     elif w.prompt_opens_reasoning:
         parts.append(w.think("ok"))  # the prompt opened reasoning: the model closes it
-    calls = kind >= 2
+    calls = rng.randint(1, 2) if kind >= 2 else 0
     if calls:
         picks = [("get_weather", {"city": rng.choice(("Paris", "Köln", "東京")), "unit": "celsius"}),
                  ("get_time", {"timezone": "Europe/Paris"})]
-        parts.append(w.calls(*picks[: rng.randint(1, 2)]))
+        parts.append(w.calls(*picks[:calls]))
     else:
         parts.append(_text(rng, rng.randint(1, 12)))
     return parts, calls, rng.choice(WORDS[:6])
@@ -116,7 +116,7 @@ def build_request(server: ScriptedServer, protocol: str, rng: random.Random) -> 
         body["top_p"] = 0.95
     else:
         body["temperature"] = 0
-    with_tools = calls or rng.random() < 0.3
+    with_tools = calls > 0 or rng.random() < 0.3
     if protocol == "completions":
         body.update(prompt=prompt, max_tokens=max_tokens)
         if rng.random() < 0.4:
@@ -152,7 +152,7 @@ def build_request(server: ScriptedServer, protocol: str, rng: random.Random) -> 
             choice = rng.choice((None, "auto", "none"))
             if choice is not None:
                 body["tool_choice"] = choice
-            if rng.random() < 0.3:
+            if calls < 2 and rng.random() < 0.3:  # a second call would fail the request (api.md)
                 body["parallel_tool_calls"] = False
         if not greedy:
             body["seed"] = rng.randint(0, 1000)
@@ -180,7 +180,8 @@ def build_request(server: ScriptedServer, protocol: str, rng: random.Random) -> 
         choice = rng.choice((None, {"type": "auto"}, {"type": "none"}))
         if choice is not None:
             body["tool_choice"] = choice
-    if rng.random() < 0.2 and max_tokens > 1024:
+    if rng.random() < 0.2:
+        body["max_tokens"] = 2048
         body["thinking"] = {"type": "enabled", "budget_tokens": 1024}
     return "/v1/messages", body
 

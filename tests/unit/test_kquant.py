@@ -181,6 +181,42 @@ def test_kquant_linear_rejects_bad_operands() -> None:
     assert cpu_kernels.kquant_linear(torch.randn(0, 256), blocks, 14, 4).shape == (0, 4)
 
 
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kquant_linear_grouped_is_each_group_alone(ggml_type: int, dtype: torch.dtype) -> None:
+    """Groups of rows against their own weights in one call: the same bits as `kquant_linear` on each
+    group (empty groups, one row, and more rows than a tile), on any number of threads."""
+    out, k = 45, 512
+    weights = [torch.from_numpy(random_blocks(ggml_type, out, k, seed=10 * ggml_type + g)) for g in range(5)]
+    sizes = [1, 0, 13, 3, 1]
+    offsets = np.cumsum([0, *sizes]).tolist()
+    x = torch.randn(sum(sizes), k, generator=torch.Generator().manual_seed(7)).to(dtype)
+    got = cpu_kernels.kquant_linear_grouped(x, offsets, weights, ggml_type, out)
+    assert got.dtype == dtype and got.shape == (sum(sizes), out)
+    want = torch.cat([cpu_kernels.kquant_linear(x[a:b], w, ggml_type, out)
+                      for a, b, w in zip(offsets, offsets[1:], weights, strict=False)])
+    assert torch.equal(got, want)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_kernels.kquant_linear_grouped(x, offsets, weights, ggml_type, out), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_kquant_linear_grouped_rejects_bad_operands() -> None:
+    w = [torch.from_numpy(random_blocks(14, 4, 256, seed=g)) for g in range(2)]
+    x = torch.randn(3, 256)
+    with pytest.raises(RuntimeError, match="one more offset"):
+        cpu_kernels.kquant_linear_grouped(x, [0, 3], w, 14, 4)
+    with pytest.raises(RuntimeError, match="from 0 to the rows"):
+        cpu_kernels.kquant_linear_grouped(x, [0, 1, 2], w, 14, 4)
+    with pytest.raises(RuntimeError, match="do not decrease"):
+        cpu_kernels.kquant_linear_grouped(x, [0, 4, 3], w, 14, 4)
+    with pytest.raises(RuntimeError, match="bytes of blocks"):
+        cpu_kernels.kquant_linear_grouped(x, [0, 1, 3], w, 14, 5)
+
+
 # -- BlockQuantized and KQuantLinear ---------------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ import torch
 from helios.loaders.checkpoint import load_checkpoint
 from helios.loaders.gguf_loader import GGUFFile
 from helios.loaders.weight_cache import PackedWeightCache
-from helios.models import cpu_kernels
+from helios.models import cpu_kernels, moe
 from helios.models.architecture import BuildOptions
 from helios.models.dense_attention import DenseAttention
 from helios.models.kquant import KQuantLinear
@@ -202,6 +202,27 @@ def test_experts_are_kquant_and_match_the_dequantized_reference(kquant_file: Pat
     scale = float(want.abs().max())
     error = float((got - want).abs().max())
     assert error <= 1e-4 * scale, (error, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_one_call_per_expert(kquant_file: Path, dtype: torch.dtype,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chosen experts of a step run as one grouped kernel call per projection segment: the same
+    logits, bit for bit, as one `KQuantLinear` call per expert (and the grouped path is taken)."""
+    model = blocks_model(kquant_file, blocks_format(None), dtype)
+    calls = []
+    grouped = moe.grouped_linear
+
+    def counting(*args: object) -> object:
+        result = grouped(*args)  # type: ignore[arg-type]
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(moe, "grouped_linear", counting)
+    fused = logits(model)
+    assert calls and all(calls)
+    monkeypatch.setattr(moe, "grouped_linear", lambda *args: None)
+    assert torch.equal(logits(model), fused)
 
 
 def cast_kquant(module: object) -> KQuantLinear:

@@ -13,6 +13,8 @@
 //   softmax statistics (flash-decoding), so one long row still uses every core.
 // helios::write_paged_decode(q, k, v, k_cache, v_cache, slot_mapping, ...): the step's K/V written
 //   into the caches at their slots, then paged_decode: an all-decode layer's attention in one call.
+// helios::kquant_linear_grouped(x, offsets, blocks[], ggml_type, out_features): kquant_linear for groups of
+//   rows with a weight each (the experts a step chose), in one parallel region.
 // helios::kquant_linear(x, blocks, ggml_type, out_features), helios::kquant_dequantize(blocks, ggml_type,
 //   out_features, in_features): a GGUF Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 / Q8_0 weight used from its
 //   blocks; each weight decoded to its exact float32 value (gguf.quants.dequantize's, bit for bit) and
@@ -33,6 +35,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -1685,29 +1688,55 @@ inline void kq_tail(int64_t M, const float* x, const uint8_t* wp, float* y, int6
 // block's weight rows; between chunks each output's 32 lane sums are parked (exactly: the summation
 // order is the one the `KqAcc` comment states, whatever the tiling and chunking).
 template <int T>
-void kq_linear_impl(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t K, int64_t N) {
+void kq_linear_range(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t K, int64_t N, int64_t n0,
+                     int64_t n1) {
   constexpr int64_t per = KqTraits<T>::per;
   const int64_t nb = K / per;
   const int64_t bpc = M <= kKqTile || kKqTile * K * 4 <= kKqPanel ? nb
                                                                    : std::max<int64_t>(1, kKqPanel / (4 * kKqTile * per));
   const int64_t group = std::max<int64_t>(kKqTile, kKqGroupBytes / (4 * K) / kKqTile * kKqTile);
-  const int64_t grain = std::max<int64_t>(kKqRowBlock, 32768 / K);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    const int64_t ps = std::min(M, group) * 32;  // parked floats per weight row
-    std::vector<float> park(bpc < nb ? static_cast<size_t>(kKqRowBlock * ps) : 0);
-    for (int64_t g0 = 0; g0 < M; g0 += group) {
-      const int64_t g1 = std::min(M, g0 + group);
-      for (int64_t r0 = n0; r0 < n1; r0 += kKqRowBlock) {
-        const int64_t r1 = std::min(n1, r0 + kKqRowBlock);
-        for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
-          const int64_t b1 = std::min(nb, b0 + bpc);
-          int64_t m0 = g0;
-          for (; m0 + kKqTile <= g1; m0 += kKqTile)
-            kq_rows<T, kKqTile>(xp + m0 * K, wp, yp + m0 * N, r0, r1, K, N, b0, b1, nb, park.data() + (m0 - g0) * 32, ps);
-          kq_tail<T, kKqTile - 1>(g1 - m0, xp + m0 * K, wp, yp + m0 * N, r0, r1, K, N, b0, b1, nb,
-                                  park.data() + (m0 - g0) * 32, ps);
-        }
+  const int64_t ps = std::min(M, group) * 32;  // parked floats per weight row
+  std::vector<float> park(bpc < nb ? static_cast<size_t>(kKqRowBlock * ps) : 0);
+  for (int64_t g0 = 0; g0 < M; g0 += group) {
+    const int64_t g1 = std::min(M, g0 + group);
+    for (int64_t r0 = n0; r0 < n1; r0 += kKqRowBlock) {
+      const int64_t r1 = std::min(n1, r0 + kKqRowBlock);
+      for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
+        const int64_t b1 = std::min(nb, b0 + bpc);
+        int64_t m0 = g0;
+        for (; m0 + kKqTile <= g1; m0 += kKqTile)
+          kq_rows<T, kKqTile>(xp + m0 * K, wp, yp + m0 * N, r0, r1, K, N, b0, b1, nb, park.data() + (m0 - g0) * 32, ps);
+        kq_tail<T, kKqTile - 1>(g1 - m0, xp + m0 * K, wp, yp + m0 * N, r0, r1, K, N, b0, b1, nb,
+                                park.data() + (m0 - g0) * 32, ps);
       }
+    }
+  }
+}
+
+inline int64_t kq_grain(int64_t K) { return std::max<int64_t>(kKqRowBlock, 32768 / K); }
+
+template <int T>
+void kq_linear_impl(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t K, int64_t N) {
+  at::parallel_for(0, N, kq_grain(K), [&](int64_t n0, int64_t n1) { kq_linear_range<T>(xp, wp, yp, M, K, N, n0, n1); });
+}
+
+// Groups of activation rows, each against its own weight (one expert's): rows [off[g], off[g + 1]) of x
+// times W_g^T into the same rows of y. One parallel region over (group, weight-row range) units, so the
+// experts a step chose run as one operator; every output is kq_linear_range's, the same bits as
+// kquant_linear on the group alone.
+template <int T>
+void kq_grouped_impl(const float* xp, const std::vector<const uint8_t*>& wps, const std::vector<int64_t>& off,
+                     float* yp, int64_t K, int64_t N) {
+  const int64_t grain = kq_grain(K);
+  std::vector<std::array<int64_t, 3>> units;  // (group, n0, n1)
+  for (size_t g = 0; g + 1 < off.size(); ++g) {
+    if (off[g + 1] == off[g]) continue;
+    for (int64_t n0 = 0; n0 < N; n0 += grain) units.push_back({static_cast<int64_t>(g), n0, std::min(N, n0 + grain)});
+  }
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const auto [g, n0, n1] = units[u];
+      kq_linear_range<T>(xp + off[g] * K, wps[g], yp + off[g] * N, off[g + 1] - off[g], K, N, n0, n1);
     }
   });
 }
@@ -1764,6 +1793,32 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
     const uint8_t* wp = blocks.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
     kq_dispatch(type, [&](auto t) { kq_linear_impl<decltype(t)::value>(xp, wp, yp, M, K, N); });
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// kquant_linear for groups of rows with a weight each: x [R, K] (rows of group g: [offsets[g],
+// offsets[g + 1])), blocks[g] group g's [N, K] weight in GGUF blocks of `type` -> y [R, N] in x's dtype.
+at::Tensor kquant_linear_grouped(const at::Tensor& x, at::IntArrayRef offsets, at::TensorList blocks, int64_t type,
+                                 int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "kquant_linear_grouped: x is a 2-d float32 or bfloat16 CPU tensor");
+  const int64_t R = x.size(0), K = x.size(1);
+  TORCH_CHECK(offsets.size() == blocks.size() + 1, "kquant_linear_grouped: one more offset than weights");
+  std::vector<int64_t> off(offsets.begin(), offsets.end());
+  TORCH_CHECK(off.front() == 0 && off.back() == R, "kquant_linear_grouped: offsets run from 0 to the rows of x");
+  std::vector<const uint8_t*> wps;
+  for (size_t g = 0; g < blocks.size(); ++g) {
+    TORCH_CHECK(off[g] <= off[g + 1], "kquant_linear_grouped: offsets do not decrease");
+    kq_check_blocks(blocks[g], type, N, K, "kquant_linear_grouped");
+    wps.push_back(blocks[g].data_ptr<uint8_t>());
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({R, N}, xf.options());
+  if (R > 0 && N > 0) {
+    const float* xp = xf.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    kq_dispatch(type, [&](auto t) { kq_grouped_impl<decltype(t)::value>(xp, wps, off, yp, K, N); });
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
@@ -1867,6 +1922,7 @@ TORCH_LIBRARY(helios, m) {
         "Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale) -> Tensor");
   m.def("kquant_linear(Tensor x, Tensor blocks, int ggml_type, int out_features) -> Tensor");
   m.def("kquant_dequantize(Tensor blocks, int ggml_type, int out_features, int in_features) -> Tensor");
+  m.def("kquant_linear_grouped(Tensor x, int[] offsets, Tensor[] blocks, int ggml_type, int out_features) -> Tensor");
   m.def("gated_delta_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
         "Tensor fresh) -> Tensor");
 }
@@ -1888,6 +1944,7 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("decode_layers", TORCH_FN(decode_layers));
   m.impl("kquant_linear", TORCH_FN(kquant_linear));
   m.impl("kquant_dequantize", TORCH_FN(kquant_dequantize));
+  m.impl("kquant_linear_grouped", TORCH_FN(kquant_linear_grouped));
   m.impl("gated_delta_step", TORCH_FN(gated_delta_step));
 }
 
