@@ -196,8 +196,9 @@ def _engine_run(model: Qwen3NextForCausalLM, prompts: list[list[int]], chunk: in
     from tests.unit.test_engine import run
 
     core = EngineCore(model, EngineConfig(page_size=16, num_pages=96, max_active=max_active,
-                                          prefill_chunk_size=chunk, max_model_len=512), torch.float32)
-    assert not core.kv_manager.enable_caching and not core.scheduler.speculative.enabled
+                                          prefill_chunk_size=chunk, max_model_len=512, prefix_caching=False),
+                      torch.float32)
+    assert core.checkpoints is None and not core.scheduler.speculative.enabled
     reqs = [EngineRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0), max_tokens=max_tokens, ignore_eos=True,
                           num_top_logprobs=3) for i, p in enumerate(prompts)]
     outs = run(core, reqs)
