@@ -144,14 +144,16 @@ def test_engine_greedy_matches_transformers_and_batching(tiny: tuple[Path, torch
     16-token chunks) or of 16 with a pool small enough to preempt (the state recomputed), 32 greedy
     tokens each: every token the argmax of transformers' logits over the
     prompt and the continuation so far, its logprob within 1e-4, and the same tokens and logprobs as
-    each request alone; prefix caching and speculation are off (recurrent). (transformers' own
+    each request alone; speculation is off (recurrent), and a preempted request may resume from a
+    state checkpoint of its own (`engine/kv/checkpoints.py`). (transformers' own
     ``generate`` can differ from its full forward at a near tie: its decode path is a different
     float32 sum; this prompt set has one at a 2e-4 margin, so the full forward is the reference.)"""
     root, hf = tiny
     model = load_ours(root, architecture="nemotron_h")
     prompts = [_prompt(n, seed) for n, seed in ((230, 2), (97, 3), (161, 4))]
     core = _engine(model, chunk, num_pages)
-    assert core.stats().prefix_caching is False and not core.scheduler.speculative.enabled
+    assert core.stats().prefix_caching is True and core.checkpoints is not None
+    assert not core.scheduler.speculative.enabled
     reqs = [_greedy(f"r{i}", p, 32) for i, p in enumerate(prompts)]
     outs = run(core, reqs)
     for req, prompt in zip(reqs, prompts, strict=True):
