@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from helios.engine.core import EngineConfig, EngineCore
 from helios.engine.kv.checkpoints import SnapshotPool
@@ -18,6 +19,7 @@ from helios.engine.kv.coordinator import KVCacheCoordinator
 from helios.engine.kv.layout import CacheLayout
 from helios.engine.records import EngineRequest, RequestOutput
 from helios.models.interface import FullAttentionSpec, RecurrentStateSpec
+from helios.obs.metrics import ServingMetrics
 from tests.unit.hybrid_model import HybridModel, build_hybrid_model
 from tests.unit.test_engine import run
 from tests.unit.test_hybrid_cache import check_against_reference, greedy, prompts
@@ -95,6 +97,19 @@ def test_a_follow_up_turn_restores_the_endpoint_checkpoint() -> None:
     assert_same(outs, fresh(model, third))
     # c extends b's prompt, not its output: b's anchor at 24 is the checkpoint it restores.
     assert outs[-1].num_cached_tokens == 24
+    # The counts reach the exposition (EngineStats -> ServingMetrics).
+    st = core.stats().checkpoints
+    assert st is not None
+    text = ServingMetrics(lambda: (core.stats(), None)).prometheus()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    captured = {s.labels["role"]: s.value for s in fams["flare_checkpoint_captures"].samples
+                if s.name == "flare_checkpoint_captures_total"}
+    assert captured == st.captures and captured["endpoint"] >= 2 and captured["anchor"] >= 1
+    skipped = {s.labels["reason"]: s.value for s in fams["flare_checkpoint_skips"].samples
+               if s.name == "flare_checkpoint_skips_total"}
+    assert skipped == st.skips and skipped["unknown_cost"] == 1
+    work = fams["flare_checkpoint_extra_work_nanoseconds"].samples[0].value
+    assert work == st.extra_work_ns > 0
 
 
 def test_an_aligned_prompt_anchor_and_a_message_marker() -> None:
