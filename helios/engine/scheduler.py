@@ -677,8 +677,12 @@ class Scheduler:
         for s in self.running:
             assert s.status == SeqStatus.RUNNING
             assert len(kv.block_table(s.request_id)) * kv.page_size >= s.num_computed
+            positions = [p for p, _, _ in s.capture_at]
+            assert positions == sorted(set(positions)), "planned checkpoints out of order"
+            assert all(p > s.num_computed for p in positions), "a planned checkpoint was passed"
         for s in self.waiting:
             assert not kv.block_table(s.request_id), "a waiting request holds pages"
+            assert not s.capture_at, "a waiting request plans checkpoints"
 
 
 def _decodes(seq: RequestState) -> bool:
