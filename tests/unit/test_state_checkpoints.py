@@ -285,3 +285,34 @@ def test_coordinator_hits_only_where_a_snapshot_is() -> None:
     hits, _ = kv.lookup(tokens)
     assert [p[0] for p in hits] == kv.block_table("a")[:2]  # the checkpoint at 8, not the 4 pages
     kv.check_integrity()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_interleaved_conversations_match_fresh_engines(seed: int) -> None:
+    """Three conversations of three turns each (every turn extends the previous turn's prompt and
+    output, some with a marker), run three at a time on a small pool (14 pages: seeds 0 and 1
+    preempt), three snapshot rows and a DRAM host store (snapshots restored from it in every seed),
+    on the hybrid model with a sliding window: every turn's tokens and logprobs equal its run alone
+    on a fresh engine without a prefix cache, integrity holds after every step, and checkpoints
+    were restored."""
+    gen = torch.Generator().manual_seed(seed)
+    model = build_hybrid_model()
+    core = engine(model, num_pages=14, max_active=3, prefill_chunk_size=8, checkpoint_slots=3,
+                  host_memory_bytes=1 << 20, checkpoint_work_fraction=1.0)
+    heads = [[int(t) for t in torch.randint(0, 64, (int(torch.randint(5, 14, (1,), generator=gen)),), generator=gen)]
+             for _ in range(3)]
+    for turn in range(3):
+        reqs = []
+        for c, head in enumerate(heads):
+            extra = [int(t) for t in torch.randint(0, 64, (int(torch.randint(1, 7, (1,), generator=gen)),),
+                                                   generator=gen)]
+            prompt = [*head, *extra]
+            marker = len(head) if turn and c == 1 else 0
+            reqs.append(EngineRequest(f"c{c}t{turn}", tuple(prompt), greedy("x", prompt, 1).sampling, max_tokens=5,
+                                      ignore_eos=True, num_top_logprobs=5, retain_tokens=marker))
+        outs = run(core, reqs)
+        for c, req in enumerate(reqs):
+            assert_same(outs[req.request_id], fresh(model, req))
+            heads[c] = [*req.prompt_token_ids, *tokens_of(outs[req.request_id])]
+    st = core.stats().checkpoints
+    assert st is not None and st.restores > 0 and st.host_restores > 0 and sum(st.captures.values()) > 0
