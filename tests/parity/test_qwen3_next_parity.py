@@ -262,7 +262,9 @@ def test_state_checkpoints_restore_exactly(model: Qwen3NextForCausalLM, tmp_path
     restores the first turn's endpoint checkpoint at 160 (its attention pages and the Gated
     DeltaNet layers' conv and recurrent states), reports 160 cached tokens and gives the logprobs
     of the same request on a fresh engine without a prefix cache (float32, 1e-5); so does the
-    same turn on a new engine over the first one's disk tier (a restart)."""
+    same turn on a new engine over the first one's disk tier (a restart), and on an engine whose
+    one snapshot row and small page pool pushed the first turn's snapshot and pages out to the
+    host store's DRAM tier."""
     from helios.domain.sampling import SamplingParams
     from helios.engine.core import EngineConfig, EngineCore
     from helios.engine.records import EngineRequest, RequestOutput
@@ -314,6 +316,18 @@ def test_state_checkpoints_restore_exactly(model: Qwen3NextForCausalLM, tmp_path
     print(f"qwen3_next restored from disk: max abs logprob diff {diff:.3g}")
     assert diff <= 1e-5
     again.close()
+
+    small = EngineCore(model, config(num_pages=20, checkpoint_slots=1, disk_dir=None, disk_bytes=0), torch.float32)
+    assert small.host_store is not None and small.checkpoints is not None
+    run(small, [request("a", first, 24)])
+    run(small, [request("x", prompt_of(200, 13), 24)])  # its pages and snapshots push a's out
+    assert small.checkpoints.counters.host_restores == 0
+    from_dram = run(small, [request("b", list(follow.prompt_token_ids), 16)])["b"]
+    assert small.checkpoints.counters.host_restores == 1 and small.scheduler.host_hits == 1
+    assert from_dram[-1].num_cached_tokens == 160
+    diff = worst(numbers(from_dram), reference)
+    print(f"qwen3_next restored from DRAM: max abs logprob diff {diff:.3g}")
+    assert diff <= 1e-5
 
 
 # -- the rule itself -------------------------------------------------------------------------------------
