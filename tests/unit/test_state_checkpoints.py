@@ -316,3 +316,15 @@ def test_interleaved_conversations_match_fresh_engines(seed: int) -> None:
             heads[c] = [*req.prompt_token_ids, *tokens_of(outs[req.request_id])]
     st = core.stats().checkpoints
     assert st is not None and st.restores > 0 and st.host_restores > 0 and sum(st.captures.values()) > 0
+
+
+def test_the_cache_section_sets_the_checkpoint_limits() -> None:
+    from helios.config import ConfigError, load_config
+
+    cache = load_config(None, {"cache": {"checkpoint_slots": 4, "checkpoint_work_fraction": 0.25}}).cache
+    assert (cache.checkpoint_slots, cache.checkpoint_work_fraction) == (4, 0.25)
+    defaults = load_config(None).cache
+    assert (defaults.checkpoint_slots, defaults.checkpoint_work_fraction) == (
+        EngineConfig().checkpoint_slots, EngineConfig().checkpoint_work_fraction)
+    with pytest.raises(ConfigError, match="cache"):
+        load_config(None, {"cache": {"checkpoint_slots": -1}})
