@@ -353,6 +353,14 @@ class Scheduler:
             t0 = time.perf_counter_ns()
             restored = 0 if scoring else self._restore_from_host(seq, len(hits))
             if self.checkpoints is not None and not self._restore_state(seq, len(hits) + restored):
+                # Its checkpoint could not be restored: it starts over from position 0, now if the
+                # pool has room for its whole prompt, else at a later step (the failed records are
+                # dropped by then, so the lookup does not find them again).
+                kv.free(seq.request_id)
+                if not kv.can_admit(len(seq.token_ids) + 1, []):
+                    self.waiting.appendleft(seq)
+                    break
+                kv.allocate_cached(seq.request_id, [], seq.block_hashes, seq.request.retain_tokens // kv.page_size)
                 hits, restored = [], 0
             if self.host_has is not None and not scoring:
                 num_missing = len(seq.token_ids) - (len(hits) + restored) * kv.page_size
@@ -600,15 +608,10 @@ class Scheduler:
 
     def _restore_state(self, seq: RequestState, num_pages: int) -> bool:
         """A recurrent layout's admission: copy the snapshot at the end of the request's
-        ``num_pages`` reused pages into its state slot. When that fails (a host record that does not
-        verify, or a host page restore that stopped short of the checkpoint) the request starts
-        over with no reused pages (False); True otherwise."""
+        ``num_pages`` reused pages into its state slot. False when that fails: a host record that
+        does not verify, or a host page restore that stopped short of the checkpoint."""
         assert self.checkpoints is not None
-        if num_pages == 0 or self.checkpoints.restore(seq.block_hashes[num_pages - 1], seq.request_id):
-            return True
-        self.kv.free(seq.request_id)
-        self.kv.allocate_cached(seq.request_id, [], seq.block_hashes)
-        return False
+        return num_pages == 0 or self.checkpoints.restore(seq.block_hashes[num_pages - 1], seq.request_id)
 
     def _select_captures(self, seq: RequestState) -> None:
         """Plan the request's anchor and message checkpoints past what it reuses. One that splits a
