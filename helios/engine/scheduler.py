@@ -630,7 +630,9 @@ class Scheduler:
         for position, role in sorted(candidates):
             if position == len(seq.token_ids):  # the prefill ends there anyway: decided after it
                 seq.capture_at.append((position, role, False))
-            elif checkpoints.select(splits=True):
+                continue
+            known = seq.block_hashes[position // ps - 1] if len(seq.block_hashes) >= position // ps else None
+            if checkpoints.select(splits=True, block_hash=known):  # (False, uncounted, if captured already)
                 seq.capture_at.append((position, role, True))
 
     def _capture(self, c: ScheduledChunk, checkpoints: Checkpoints) -> None:

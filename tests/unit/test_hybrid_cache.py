@@ -167,10 +167,11 @@ def test_hybrid_engine_matches_reference(num_pages: int, chunk: int, head_dim: i
 
 def test_recurrent_layout_turns_off_speculation_and_hits_only_checkpoints() -> None:
     """The same 13-token prompt three times: a's anchor (12) is skipped (a split's cost is unknown
-    before any decode step), b captures it, c restores it."""
+    before any decode step), b captures it, c restores it. (The allowance is all of the step time:
+    a split is charged a whole decode step, which a tenth of a's few steps may not cover.)"""
     model = build_hybrid_model()
     core = EngineCore(model, EngineConfig(page_size=PS, num_pages=64, max_active=4, prefill_chunk_size=16,
-                                          max_model_len=128, host_memory_bytes=1 << 20,
+                                          max_model_len=128, host_memory_bytes=1 << 20, checkpoint_work_fraction=1.0,
                                           speculative=SpeculativeConfig(mode="ngram")), torch.float32)
     assert not core.scheduler.speculative.enabled and core.host_store is not None
     prompt = prompts((13,))[0]
