@@ -38,7 +38,14 @@ that fraction of its step time. A capture it cannot afford is skipped (``work_bu
 pool has no row for is skipped (``storage``). Anchor and message captures are decided (and
 charged) when the request is admitted if they split a chunk, else after the step that reaches
 them; endpoint copies at each page boundary. The charged nanoseconds are predictions, not
-timings (`extra_work_ns`).
+timings (`extra_work_ns`). The copy times are host wall-clock times around the copy call: exact
+on the CPU; on CUDA they time the launch only (the copy is asynchronous), so the copy part of a
+prediction is low there.
+
+Limitations: the message role knows only the request's last marker (the engine request carries
+no other); as for any layout, each page of a hit comes either from every paged group's pool or
+from the host store's records of every group (a page one group keeps in its pool and another
+only in the host store ends the hit).
 
 Host store: a snapshot's record is the recurrent layers' state bytes, keyed
 `group_key(hash, first recurrent group)` in the same DRAM/disk tiers as the pages (so it survives
