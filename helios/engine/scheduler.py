@@ -18,7 +18,10 @@ grammar rejected a token (the request then fails with `records.GRAMMAR_FAILURE`)
 Every step, all running requests that finished their prefill decode one token, and the remaining
 token budget (`prefill_chunk_size`) goes to prefill chunks, oldest first. Requests join at any step
 once pages for their whole prompt are free and a slot is open, and leave the batch the step they
-finish. Page ownership belongs to the KV cache manager (`kv/manager.py`).
+finish. Page ownership belongs to the KV cache manager (`kv/manager.py`). A layout with recurrent
+layers reuses prefixes through state checkpoints (`kv/checkpoints.py`): admission restores one
+(pages and state snapshot), prefill chunks end at the checkpoints planned for the request, and
+`update` captures them and keeps a decoding request's endpoint copy.
 
 Preemption (recompute: the victim's pages are freed and it is prefilled again later from its prompt
 plus the tokens it already produced). When a decoding request needs a page and none is free, the
