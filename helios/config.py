@@ -120,6 +120,11 @@ class CacheSection:
     host_memory_gib: float = attrs.field(default=1.0, validator=_non_negative)  # DRAM tier behind the page pool
     disk_dir: str = ""  # the disk tier's directory (it survives a restart); empty: no disk tier
     disk_gib: float = attrs.field(default=8.0, validator=_non_negative)
+    # State checkpoints of a model with recurrent layers (engine/kv/checkpoints.py): snapshots kept
+    # (each the size of one request's recurrent state, taken from the KV memory budget), and the
+    # share of step time their captures may add.
+    checkpoint_slots: int = attrs.field(default=16, validator=_non_negative)
+    checkpoint_work_fraction: float = attrs.field(default=0.1, validator=_non_negative)
 
 
 def _depth(_inst: Any, attr: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]

@@ -543,9 +543,11 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     page = cfg.engine.page_size
     num_pages = cfg.engine.kv_pages
     if num_pages == 0:
-        # Recurrent layers' per-request states come out of the same budget as the pages.
+        # Recurrent layers' per-request states (and their checkpoints' snapshots) come out of the
+        # same budget as the pages.
         layout = CacheLayout.from_specs(model.cache_specs())
-        budget = cfg.engine.kv_memory_gib * 2**30 - layout.bytes_per_request(dtype) * cfg.engine.max_active
+        states = cfg.engine.max_active + (cfg.cache.checkpoint_slots if cfg.cache.prefix_caching else 0)
+        budget = cfg.engine.kv_memory_gib * 2**30 - layout.bytes_per_request(dtype) * states
         num_pages = int(max(budget, 0) // (layout.bytes_per_token(dtype) * page))
     num_pages = max(num_pages, -(-max_model_len // page) + 1)
     ecfg = EngineConfig(page_size=page, num_pages=num_pages, max_active=cfg.engine.max_active,
@@ -555,6 +557,8 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                         host_memory_bytes=int(cfg.cache.host_memory_gib * 2**30),
                         disk_dir=os.path.expanduser(cfg.cache.disk_dir) if cfg.cache.disk_dir else None,
                         disk_bytes=int(cfg.cache.disk_gib * 2**30),
+                        checkpoint_slots=cfg.cache.checkpoint_slots,
+                        checkpoint_work_fraction=cfg.cache.checkpoint_work_fraction,
                         speculative=SpeculativeConfig(mode=cfg.speculative.mode, max_depth=cfg.speculative.max_depth,
                                                       history=cfg.speculative.history),
                         kv_prefault=cfg.engine.kv_prefault, token_vocab_size=ckpt.tokenizer.vocab_size)

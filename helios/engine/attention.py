@@ -292,6 +292,35 @@ class KVCache:
             at += one
         return True
 
+    # -- recurrent state rows (state checkpoints: `engine/kv/checkpoints.py`) ------------------------
+    def state_bytes(self) -> int:
+        """Bytes of one row of every recurrent layer's state tensors."""
+        return sum(t[0].numel() * t.element_size() for state in self.states.values() for t in state)
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy row ``src`` of every recurrent layer's state tensors onto row ``dst``."""
+        for state in self.states.values():
+            for t in state:
+                t[dst].copy_(t[src])
+
+    def read_state(self, row: int) -> bytes:
+        """Row ``row`` of every recurrent layer's state tensors, layer by layer, in their dtypes."""
+        parts = [t[row].contiguous().view(torch.uint8).flatten() for state in self.states.values() for t in state]
+        return bytes(torch.cat(parts).cpu().numpy().tobytes())
+
+    def write_state(self, row: int, data: bytes) -> bool:
+        """Fill a state row from `read_state`'s bytes; False (nothing written) when they do not fit."""
+        views = [t[row] for state in self.states.values() for t in state]
+        if len(data) != sum(t.numel() * t.element_size() for t in views):
+            return False
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        at = 0
+        for t in views:
+            one = t.numel() * t.element_size()
+            t.copy_(raw[at:at + one].view(t.dtype).view(t.shape).to(t.device))
+            at += one
+        return True
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes per token of ``num_layers`` full-attention layers (`CacheLayout.bytes_per_token`

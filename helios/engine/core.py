@@ -20,6 +20,7 @@ import torch
 from helios.domain.events import FailureKind
 from helios.engine.attention import TorchPagedBackend
 from helios.engine.images import ImageEncoder
+from helios.engine.kv.checkpoints import Checkpoints
 from helios.engine.kv.coordinator import KVCacheCoordinator, KVManager, group_key
 from helios.engine.kv.host_store import HostStore
 from helios.engine.kv.layout import CacheLayout
@@ -27,6 +28,7 @@ from helios.engine.kv.manager import KVCacheManager
 from helios.engine.records import (
     Abort,
     Add,
+    CheckpointStats,
     EngineFinish,
     EngineRequest,
     EngineStats,
@@ -66,6 +68,11 @@ class EngineConfig:
     disk_bytes: int = 0
     speculative: SpeculativeConfig = SpeculativeConfig()
     """Exact speculative decoding (engine/speculative.py); off by default."""
+    checkpoint_slots: int = 16
+    """State snapshots a layout with recurrent layers keeps for its prefix cache (rows of every
+    recurrent layer's state, besides the running requests' slots; `kv/checkpoints.py`)."""
+    checkpoint_work_fraction: float = 0.1
+    """The share of the engine's step time that checkpoint captures may add (predicted)."""
     kv_prefault: bool = False
     """Touch the whole KV pool at start (`KVCache.prefault`) instead of page by page as used."""
     token_vocab_size: int | None = None
@@ -87,18 +94,20 @@ class EngineCore:
         self.cfg = cfg
         self.device = torch.device(device)
         self.layout = layout = CacheLayout.from_specs(model.cache_specs())
+        caching = cfg.prefix_caching
+        # A recurrent layout's prefix cache needs state snapshots: rows after the running requests'
+        # slots. It never speculates (rejected drafts would need a state rollback).
+        num_snapshots = max(0, cfg.checkpoint_slots) if layout.has_recurrent and caching else 0
         self.attention = TorchPagedBackend.for_layout(layout, cfg.num_pages, cfg.page_size, dtype, self.device,
-                                                      num_state_slots=cfg.max_active)
+                                                      num_state_slots=cfg.max_active + num_snapshots)
         self.kv = self.attention.kv
         if cfg.kv_prefault:
             self.kv.prefault()
         fingerprint = _layout_fingerprint(cfg, layout, dtype)
-        # A recurrent group's state cannot be restored at a prefix (no snapshots yet): no prefix
-        # cache, and no speculation (rejected drafts would need a state rollback).
-        caching = cfg.prefix_caching and not layout.has_recurrent
         self.host_store = _host_store(cfg, fingerprint, caching)
         host = self.host_store
         self.kv_manager: KVManager
+        self.checkpoints: Checkpoints | None = None
         host_has: Callable[[int], bool] | None = None
         restore: Callable[[int, int], bool] | None = None
         if layout.is_single_full:
@@ -108,15 +117,28 @@ class EngineCore:
             if host is not None:
                 host_has, restore = host.contains, self._restore
         else:
-            self.kv_manager = KVCacheCoordinator(
+            coordinator = KVCacheCoordinator(
                 layout, cfg.num_pages, cfg.page_size, enable_caching=caching, fingerprint=fingerprint,
-                num_state_slots=cfg.max_active,
+                num_state_slots=cfg.max_active, num_snapshots=num_snapshots,
                 on_evict=(lambda g, h, page: host.put(group_key(h, g), self.attention.read_page(page, g)))
                 if host is not None else None)
+            self.kv_manager = coordinator
             if host is not None:
                 groups = range(len(layout.paged_groups))
                 host_has = lambda h: all(host.contains(group_key(h, g)) for g in groups)  # noqa: E731
                 restore = self._restore_groups
+            if coordinator.snapshots is not None:
+                state_group = len(layout.paged_groups)  # the first recurrent group: the snapshot's key
+                self.checkpoints = Checkpoints(
+                    coordinator.snapshots, base=cfg.max_active, state_bytes=self.kv.state_bytes(),
+                    work_fraction=cfg.checkpoint_work_fraction, copy=self.kv.copy_state, read=self.kv.read_state,
+                    write=self.kv.write_state, key=lambda h: group_key(h, state_group),
+                    slot_of=coordinator.state_slot,
+                    host_put=host.put if host is not None else None, host_get=host.get if host is not None else None,
+                    host_has=host.contains if host is not None else None)
+                coordinator.has_snapshot = self.checkpoints.available
+                if host_has is not None:
+                    coordinator.host_has_page = host_has
         self._ns_per_token: float | None = None
         self._decode_weight_bytes: int | None = None  # the model's, asked once (`stats`)
         self._missing_tokens = Histogram(HOST_TOKEN_BUCKETS)
@@ -126,7 +148,8 @@ class EngineCore:
             self.kv_manager, max_active=cfg.max_active, prefill_chunk_size=cfg.prefill_chunk_size,
             max_model_len=cfg.max_model_len,
             host_has=host_has, restore=restore,
-            speculative=cfg.speculative if not layout.has_recurrent else SpeculativeConfig())
+            speculative=cfg.speculative if not layout.has_recurrent else SpeculativeConfig(),
+            checkpoints=self.checkpoints)
         vocab = model.vocab_size
         self.sampler = Sampler(min(vocab, cfg.token_vocab_size or vocab), device=self.device)
         self.runner = ModelRunner(model, self.attention, self.kv_manager, self.sampler, self.device,
@@ -145,8 +168,11 @@ class EngineCore:
         sched = self.scheduler.schedule()
         t0 = time.perf_counter_ns()
         result = self.runner.execute(sched)
+        step_ns = time.perf_counter_ns() - t0
         if self.host_store is not None:
-            self._account_host_lookups(sched.num_tokens, time.perf_counter_ns() - t0)
+            self._account_host_lookups(sched.num_tokens, step_ns)
+        if self.checkpoints is not None and sched.chunks:
+            self.checkpoints.observe_step(step_ns, all(c.decode_round for c in sched.chunks))
         return self.scheduler.update(sched, result)
 
     def _account_host_lookups(self, num_tokens: int, step_ns: int) -> None:
@@ -181,7 +207,16 @@ class EngineCore:
             history_drafts=self.scheduler.history is not None,
             speculative=self.scheduler.spec_stats.snapshot(),
             threads=threads,
+            checkpoints=None if self.checkpoints is None else self._checkpoint_stats(self.checkpoints),
         )
+
+    def _checkpoint_stats(self, checkpoints: Checkpoints) -> CheckpointStats:
+        counters = checkpoints.counters
+        return CheckpointStats(
+            captures=dict(counters.captures), skips=dict(counters.skips), extra_work_ns=counters.extra_work_ns,
+            anchor_reservations=self.scheduler.anchor_reservations, restores=counters.restores,
+            host_restores=counters.host_restores, snapshots=checkpoints.pool.num_registered,
+            slots=checkpoints.pool.num_rows)
 
     def close(self) -> None:
         """The engine thread's exit: with a disk tier, copy every cached page out to the host store
@@ -190,6 +225,8 @@ class EngineCore:
         if host is None:
             return
         if host.dir is not None:
+            if self.checkpoints is not None:
+                self.checkpoints.copy_out()
             kv = self.kv_manager
             pools = kv.groups if isinstance(kv, KVCacheCoordinator) else [cast(KVCacheManager, kv)]
             for g, pool in enumerate(pools):

@@ -225,6 +225,28 @@ class HostCacheStats:
 
 
 @attrs.frozen
+class CheckpointStats:
+    """State checkpoints of a layout with recurrent layers (`engine/kv/checkpoints.py`)."""
+
+    captures: dict[str, int]
+    """Snapshots captured, by role: anchor, message, endpoint."""
+    skips: dict[str, int]
+    """Captures rejected, by reason: unknown_cost, work_budget, storage."""
+    extra_work_ns: int
+    """Charged predicted extra work of the captures (copies, split steps), ns: not a timing."""
+    anchor_reservations: int
+    """Anchor captures selected for running requests and not taken yet."""
+    restores: int
+    """Admissions that continued from a checkpoint."""
+    host_restores: int
+    """Of those, the ones whose snapshot came from the host store."""
+    snapshots: int
+    """Registered snapshots in the pool now."""
+    slots: int
+    """Snapshot rows of the pool."""
+
+
+@attrs.frozen
 class EngineStats:
     active: int
     pending: int
@@ -252,3 +274,5 @@ class EngineStats:
     """Speculation counters (verification rounds and drafts; engine/speculative.py)."""
     threads: ThreadStats | None = None
     """The engine thread's intra-op team (engine/threads.py); None for a core run without one."""
+    checkpoints: CheckpointStats | None = None
+    """State checkpoints; None unless the layout has recurrent layers and the prefix cache is on."""

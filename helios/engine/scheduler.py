@@ -18,7 +18,10 @@ grammar rejected a token (the request then fails with `records.GRAMMAR_FAILURE`)
 Every step, all running requests that finished their prefill decode one token, and the remaining
 token budget (`prefill_chunk_size`) goes to prefill chunks, oldest first. Requests join at any step
 once pages for their whole prompt are free and a slot is open, and leave the batch the step they
-finish. Page ownership belongs to the KV cache manager (`kv/manager.py`).
+finish. Page ownership belongs to the KV cache manager (`kv/manager.py`). A layout with recurrent
+layers reuses prefixes through state checkpoints (`kv/checkpoints.py`): admission restores one
+(pages and state snapshot), prefill chunks end at the checkpoints planned for the request, and
+`update` captures them and keeps a decoding request's endpoint copy.
 
 Preemption (recompute: the victim's pages are freed and it is prefilled again later from its prompt
 plus the tokens it already produced). When a decoding request needs a page and none is free, the
@@ -39,6 +42,7 @@ import torch
 
 from helios.domain.events import FailureKind
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
+from helios.engine.kv.checkpoints import Checkpoints
 from helios.engine.kv.coordinator import KVManager
 from helios.engine.kv.manager import ImageKey
 from helios.engine.output_tracker import MAX_FORCED, OutputTracker
@@ -103,6 +107,10 @@ class RequestState:
     """Its grammar gate and reasoning budget (None: it has neither)."""
     drafts: DraftState | None = None
     """Set when the request speculates (speculation on; no grammar, no reasoning budget)."""
+    capture_at: list[tuple[int, str, bool]] = attrs.field(factory=list)
+    """State checkpoints planned at admission (`kv/checkpoints.py`): (page boundary, role, charged)
+    in position order; a prefill chunk ends at the next one, whose state is captured after it (a
+    capture that needs no split is charged then, one that splits a chunk when it was selected)."""
 
     @property
     def request_id(self) -> str:
@@ -188,8 +196,12 @@ class Scheduler:
         restore: Callable[[int, int], bool] | None = None,
         host_has: Callable[[int], bool] | None = None,
         speculative: SpeculativeConfig | None = None,
+        checkpoints: Checkpoints | None = None,
     ) -> None:
         self.kv = kv
+        # A recurrent layout's state checkpoints (None: the layout has no recurrent group, or no
+        # prefix cache): captured here, restored at admission.
+        self.checkpoints = checkpoints
         # The host store behind the prefix cache: `host_has(hash)` says whether it holds a page,
         # `restore(hash, page)` fills a page from it (False: the record was missing or corrupt).
         self.restore = restore
@@ -255,8 +267,7 @@ class Scheduler:
             except ValueError:
                 pass
         seq.status = SeqStatus.FINISHED
-        self.kv.free(seq.request_id)
-        self._freed.append(seq.request_id)
+        self._release(seq)
         self.by_id.pop(seq.request_id, None)
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestState]:
@@ -344,10 +355,21 @@ class Scheduler:
                                seq.request.retain_tokens // kv.page_size)
             t0 = time.perf_counter_ns()
             restored = 0 if scoring else self._restore_from_host(seq, len(hits))
+            if self.checkpoints is not None and not self._restore_state(seq, len(hits) + restored):
+                # Its checkpoint could not be restored: it starts over from position 0, now if the
+                # pool has room for its whole prompt, else at a later step (the failed records are
+                # dropped by then, so the lookup does not find them again).
+                kv.free(seq.request_id)
+                if not kv.can_admit(len(seq.token_ids) + 1, []):
+                    self.waiting.appendleft(seq)
+                    break
+                kv.allocate_cached(seq.request_id, [], seq.block_hashes, seq.request.retain_tokens // kv.page_size)
+                hits, restored = [], 0
             if self.host_has is not None and not scoring:
                 num_missing = len(seq.token_ids) - (len(hits) + restored) * kv.page_size
                 self.host_lookups.append((num_missing, time.perf_counter_ns() - t0))
             seq.num_computed = (len(hits) + restored) * kv.page_size
+            self._select_captures(seq)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed
                 self.reused_tokens += len(hits) * kv.page_size
@@ -389,6 +411,8 @@ class Scheduler:
             # Pages these tokens filled become findable (their K/V were written this step).
             self.kv.cache_full_pages(c.seq.request_id, c.seq.token_ids, c.seq.num_computed,
                                      c.seq.request.retain_tokens // self.kv.page_size, c.seq.image_keys)
+            if self.checkpoints is not None:
+                self._capture(c, self.checkpoints)
         widest = 0
         for c in out.chunks:
             seq = c.seq
@@ -548,6 +572,8 @@ class Scheduler:
         if self.kv.allocate_slots(seq.request_id, start, total - start) is None:
             raise RuntimeError("pages for a running prefill were not reserved at admission")
         length = min(total - start, budget)
+        if seq.capture_at:
+            length = min(length, seq.capture_at[0][0] - start)  # end at the next checkpoint
         samples = start + length == total
         # A recomputed (preempted) request may be due its close token on its last prefill chunk.
         return ScheduledChunk(seq, start, length, samples, self._forced_token(seq) if samples else None,
@@ -572,16 +598,75 @@ class Scheduler:
             return 0
         kv = self.kv
         hashes = seq.block_hashes
+        end = num_hits
+        while end < min(len(hashes), (len(seq.token_ids) - 1) // kv.page_size) and self.host_has(hashes[end]):
+            end += 1
+        if self.checkpoints is not None:  # a recurrent layout continues only to a checkpoint
+            end = next((k for k in range(end, num_hits, -1) if self.checkpoints.available(hashes[k - 1])), num_hits)
         restored = 0
-        for j in range(num_hits, min(len(hashes), (len(seq.token_ids) - 1) // kv.page_size)):
-            if not self.host_has(hashes[j]):
-                break
+        for j in range(num_hits, end):
             new = kv.allocate_slots(seq.request_id, j * kv.page_size, kv.page_size)
             if not new or not self.restore(hashes[j], new[0]):
                 break
             kv.register(seq.request_id, new[0], hashes[j])
             restored += 1
         return restored
+
+    def _restore_state(self, seq: RequestState, num_pages: int) -> bool:
+        """A recurrent layout's admission: copy the snapshot at the end of the request's
+        ``num_pages`` reused pages into its state slot. False when that fails: a host record that
+        does not verify, or a host page restore that stopped short of the checkpoint."""
+        assert self.checkpoints is not None
+        return num_pages == 0 or self.checkpoints.restore(seq.block_hashes[num_pages - 1], seq.request_id)
+
+    def _select_captures(self, seq: RequestState) -> None:
+        """Plan the request's anchor and message checkpoints past what it reuses. One that splits a
+        prefill chunk is selected now (charged against the work budget, or counted as a skip:
+        `Checkpoints.select`); one at the end of its known tokens after the step that reaches it."""
+        seq.capture_at = []
+        checkpoints = self.checkpoints
+        if checkpoints is None:
+            return
+        ps = self.kv.page_size
+        anchor = seq.num_prompt_tokens // ps * ps
+        message = seq.request.retain_tokens // ps * ps
+        candidates = [(anchor, "anchor")] if anchor > seq.num_computed else []
+        if message > seq.num_computed and message != anchor:
+            candidates.append((message, "message"))
+        for position, role in sorted(candidates):
+            if position == len(seq.token_ids):  # the prefill ends there anyway: decided after it
+                seq.capture_at.append((position, role, False))
+                continue
+            known = seq.block_hashes[position // ps - 1] if len(seq.block_hashes) >= position // ps else None
+            if checkpoints.select(splits=True, block_hash=known):  # (False, uncounted, if captured already)
+                seq.capture_at.append((position, role, True))
+
+    def _capture(self, c: ScheduledChunk, checkpoints: Checkpoints) -> None:
+        """After a chunk ran: capture the checkpoint its prefill ended at, and keep a decoding
+        request's state at each page it completes (its endpoint copy)."""
+        seq = c.seq
+        done = seq.num_computed
+        ps = self.kv.page_size
+        while seq.capture_at and seq.capture_at[0][0] <= done:
+            position, role, charged = seq.capture_at.pop(0)
+            block_hash = seq.block_hashes[position // ps - 1] if position == done else None
+            if block_hash is not None and (charged or checkpoints.select(splits=False, block_hash=block_hash)):
+                checkpoints.capture(role, seq.request_id, block_hash)
+        if c.decode_round and done % ps == 0 and done > seq.num_prompt_tokens:
+            checkpoints.endpoint_copy(seq.request_id, seq.block_hashes[done // ps - 1])
+
+    @property
+    def anchor_reservations(self) -> int:
+        """Selected anchor checkpoints of running requests not captured yet."""
+        return sum(1 for s in self.running for _, role, _ in s.capture_at if role == "anchor")
+
+    def _release(self, seq: RequestState) -> None:
+        """Free a request's pages and state (its endpoint copy becomes a checkpoint first)."""
+        if self.checkpoints is not None:
+            self.checkpoints.release(seq.request_id)
+        seq.capture_at = []
+        self.kv.free(seq.request_id)
+        self._freed.append(seq.request_id)
 
     def _newest_unscheduled(self, exclude: RequestState, scheduled: set[str]) -> RequestState | None:
         cands = [s for s in self.running if s is not exclude and s.request_id not in scheduled]
@@ -590,8 +675,7 @@ class Scheduler:
     def _preempt(self, seq: RequestState) -> None:
         """Recompute-style preemption: drop its KV and put it first in line again."""
         self.running.remove(seq)
-        self.kv.free(seq.request_id)
-        self._freed.append(seq.request_id)
+        self._release(seq)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -604,8 +688,12 @@ class Scheduler:
         for s in self.running:
             assert s.status == SeqStatus.RUNNING
             assert len(kv.block_table(s.request_id)) * kv.page_size >= s.num_computed
+            positions = [p for p, _, _ in s.capture_at]
+            assert positions == sorted(set(positions)), "planned checkpoints out of order"
+            assert all(p > s.num_computed for p in positions), "a planned checkpoint was passed"
         for s in self.waiting:
             assert not kv.block_table(s.request_id), "a waiting request holds pages"
+            assert not s.capture_at, "a waiting request plans checkpoints"
 
 
 def _decodes(seq: RequestState) -> bool:

@@ -18,7 +18,10 @@ accepted_drafts, draft_rounds, and the by-width/by-depth families) come from the
 not have yet (the learned drafter, CUDA graph replay) read zero in the JSON snapshot, as the spec's
 readers take absent fields, and export nothing in Prometheus. The prefix cache's families (reused_tokens, cached_pages)
 export while it is on, the host store's (host_*, held/dropped by tier, the three lookup
-histograms) while there is one; off, their JSON fields read zero.
+histograms) while there is one; off, their JSON fields read zero. State checkpoints
+(``EngineStats.checkpoints``: captures by role, skips by reason, charged extra work, anchor
+reservations) export while the engine has them (a layout with recurrent layers and the prefix
+cache on); their JSON fields read zero otherwise.
 """
 
 from __future__ import annotations
@@ -90,6 +93,17 @@ HOST_HISTOGRAMS = {
     "prefill_ns": ("flare_host_cache_estimated_prefill_ns",
                    "A lookup's missing tokens times the recent prefill time per token, ns"),
 }
+
+# State checkpoints (EngineStats.checkpoints, engine/kv/checkpoints.py), besides the labelled
+# captures {role} and skips {reason}.
+CHECKPOINT_EXPORTED: dict[str, tuple[str, str, str]] = {
+    "checkpoint_extra_work_ns": ("flare_checkpoint_extra_work_nanoseconds_total", "counter",
+                                 "Charged predicted extra prefill and copy work of checkpoint captures (not a timing)"),
+    "checkpoint_anchor_reservations": ("flare_checkpoint_anchor_reservations", "gauge",
+                                       "Anchor checkpoints selected for running requests and not captured yet"),
+}
+CHECKPOINT_ROLES = ("anchor", "message", "endpoint")
+CHECKPOINT_SKIP_REASONS = ("unknown_cost", "work_budget", "storage")
 
 # Speculative decoding (EngineStats.speculative, engine/speculative.py's SpeculativeStats).
 # verify_steps is exported by the width of each step's widest verification row (its sum).
@@ -298,6 +312,13 @@ class ServingMetrics:
             snap[key] = int(getattr(spec, key, 0)) if spec is not None else 0
         snap["reused_tokens"] = int(getattr(engine, "reused_tokens", 0))
         snap["cached_pages"] = int(getattr(engine, "cached_pages", 0))
+        ckpt = getattr(engine, "checkpoints", None)
+        snap["checkpoint_extra_work_ns"] = int(ckpt.extra_work_ns) if ckpt is not None else 0
+        snap["checkpoint_anchor_reservations"] = int(ckpt.anchor_reservations) if ckpt is not None else 0
+        snap["checkpoint_captures"] = {r: int(ckpt.captures.get(r, 0)) if ckpt is not None else 0
+                                       for r in CHECKPOINT_ROLES}
+        snap["checkpoint_skips"] = {r: int(ckpt.skips.get(r, 0)) if ckpt is not None else 0
+                                    for r in CHECKPOINT_SKIP_REASONS}
         host = getattr(engine, "host", None)
         snap["host_hits"] = host.hits if host is not None else 0
         snap["host_reused_tokens"] = host.reused_tokens if host is not None else 0
@@ -349,6 +370,8 @@ class _SnapshotCollector:
             yield GaugeMetricFamily("flare_history_drafts_enabled",
                                     "1 when speculating requests also draft from the shared decoded history",
                                     value=int(bool(getattr(engine, "history_drafts", False))))
+        if getattr(engine, "checkpoints", None) is not None:
+            yield from _checkpoint_families(snap)
         host = getattr(engine, "host", None)
         if host is not None:
             yield from _families(HOST_EXPORTED, snap)
@@ -403,6 +426,20 @@ def _thread_families(threads: Any) -> Iterator[Metric]:
     if threads.adaptive:
         yield GaugeMetricFamily("helios_cpu_others_cores", "Other processes' load on the engine's CPUs in the "
                                 "last measurement window, in cores", value=threads.others_cores)
+
+
+def _checkpoint_families(snap: dict[str, Any]) -> Iterator[Metric]:
+    yield from _families(CHECKPOINT_EXPORTED, snap)
+    captures = CounterMetricFamily("flare_checkpoint_captures", "State checkpoints captured, by role",
+                                   labels=["role"])
+    for role, n in snap["checkpoint_captures"].items():
+        captures.add_metric([role], n)
+    yield captures
+    skips = CounterMetricFamily("flare_checkpoint_skips", "Checkpoint selections or captures rejected, by reason",
+                                labels=["reason"])
+    for reason, n in snap["checkpoint_skips"].items():
+        skips.add_metric([reason], n)
+    yield skips
 
 
 def _speculative_families(spec: Any, snap: dict[str, Any]) -> Iterator[Metric]:

@@ -144,14 +144,16 @@ def test_engine_greedy_matches_transformers_and_batching(tiny: tuple[Path, torch
     16-token chunks) or of 16 with a pool small enough to preempt (the state recomputed), 32 greedy
     tokens each: every token the argmax of transformers' logits over the
     prompt and the continuation so far, its logprob within 1e-4, and the same tokens and logprobs as
-    each request alone; prefix caching and speculation are off (recurrent). (transformers' own
+    each request alone; speculation is off (recurrent), and a preempted request may resume from a
+    state checkpoint of its own (`engine/kv/checkpoints.py`). (transformers' own
     ``generate`` can differ from its full forward at a near tie: its decode path is a different
     float32 sum; this prompt set has one at a 2e-4 margin, so the full forward is the reference.)"""
     root, hf = tiny
     model = load_ours(root, architecture="nemotron_h")
     prompts = [_prompt(n, seed) for n, seed in ((230, 2), (97, 3), (161, 4))]
     core = _engine(model, chunk, num_pages)
-    assert core.stats().prefix_caching is False and not core.scheduler.speculative.enabled
+    assert core.stats().prefix_caching is True and core.checkpoints is not None
+    assert not core.scheduler.speculative.enabled
     reqs = [_greedy(f"r{i}", p, 32) for i, p in enumerate(prompts)]
     outs = run(core, reqs)
     for req, prompt in zip(reqs, prompts, strict=True):
@@ -167,3 +169,31 @@ def test_engine_greedy_matches_transformers_and_batching(tiny: tuple[Path, torch
         assert [t for o in alone for t in o.new_token_ids] == tokens
         assert max(abs(a - b) for a, b in zip(batched_lp, alone_lp, strict=True)) < TOL
     assert (core.scheduler.num_preemptions > 0) == (num_pages == 48)
+
+
+def test_a_follow_up_turn_restores_its_state_checkpoint(tiny: tuple[Path, torch.nn.Module]) -> None:
+    """A second turn (the first turn's 120-token prompt, its 20 generated tokens and 15 more)
+    restores the first turn's endpoint checkpoint at 136 (attention pages and the Mamba2 layers'
+    conv and SSM states), reports 136 cached tokens and gives the logprobs of the same request on
+    a fresh engine without a prefix cache (float32, 1e-5)."""
+    root, _ = tiny
+    model = load_ours(root, architecture="nemotron_h")
+    core = _engine(model, 64)
+    assert core.checkpoints is not None
+    first = _prompt(120, 5)
+    outs = run(core, [_greedy("a", first, 20)])["a"]
+    follow = _greedy("b", [*first, *[t for o in outs for t in o.new_token_ids], *_prompt(15, 6)], 12)
+    restored = run(core, [follow])["b"]
+    assert restored[-1].num_cached_tokens == 136
+    stats = core.stats().checkpoints
+    assert stats is not None and stats.restores == 1 and stats.captures["endpoint"] >= 1
+    plain = EngineCore(model, EngineConfig(page_size=8, num_pages=512, max_active=4, prefill_chunk_size=64,
+                                           max_model_len=1024, prefix_caching=False), torch.float32)
+    reference = run(plain, [follow])["b"]
+    got = [(t, lp) for o in restored for t, lp in zip(o.new_token_ids, o.logprobs or (), strict=True)]
+    want = [(t, lp) for o in reference for t, lp in zip(o.new_token_ids, o.logprobs or (), strict=True)]
+    assert [t for t, _ in got] == [t for t, _ in want] and len(got) == 12
+    diff = max(max(abs(a.logprob - b.logprob), *(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top, strict=True)))
+               for (_, a), (_, b) in zip(got, want, strict=True))
+    print(f"nemotron_h restored from the pool: max abs logprob diff {diff:.3g}")
+    assert diff <= 1e-5

@@ -196,8 +196,9 @@ def _engine_run(model: Qwen3NextForCausalLM, prompts: list[list[int]], chunk: in
     from tests.unit.test_engine import run
 
     core = EngineCore(model, EngineConfig(page_size=16, num_pages=96, max_active=max_active,
-                                          prefill_chunk_size=chunk, max_model_len=512), torch.float32)
-    assert not core.kv_manager.enable_caching and not core.scheduler.speculative.enabled
+                                          prefill_chunk_size=chunk, max_model_len=512, prefix_caching=False),
+                      torch.float32)
+    assert core.checkpoints is None and not core.scheduler.speculative.enabled
     reqs = [EngineRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0), max_tokens=max_tokens, ignore_eos=True,
                           num_top_logprobs=3) for i, p in enumerate(prompts)]
     outs = run(core, reqs)
@@ -237,8 +238,8 @@ def test_the_engine_serves_it(model: Qwen3NextForCausalLM, hf_model: torch.nn.Mo
 
 
 def test_preemption_recomputes_the_state(model: Qwen3NextForCausalLM) -> None:
-    """Few pages: requests are preempted and recomputed from position 0 (a fresh state); the tokens
-    are those of a roomy run."""
+    """Few pages: requests are preempted and recomputed (from position 0, a fresh state, or from a
+    state checkpoint of their own); the tokens are those of a roomy run."""
     from helios.domain.sampling import SamplingParams
     from helios.engine.core import EngineConfig, EngineCore
     from helios.engine.records import EngineRequest
@@ -254,6 +255,79 @@ def test_preemption_recomputes_the_state(model: Qwen3NextForCausalLM) -> None:
     assert core.scheduler.num_preemptions > 0
     for rid, records in outs.items():
         assert [t for o in records for t in o.new_token_ids] == [t for t, _, _ in roomy[rid]]
+
+
+def test_state_checkpoints_restore_exactly(model: Qwen3NextForCausalLM, tmp_path: Path) -> None:
+    """A follow-up turn (the first turn's 150-token prompt, its 24 generated tokens and 20 more)
+    restores the first turn's endpoint checkpoint at 160 (its attention pages and the Gated
+    DeltaNet layers' conv and recurrent states), reports 160 cached tokens and gives the logprobs
+    of the same request on a fresh engine without a prefix cache (float32, 1e-5); so does the
+    same turn on a new engine over the first one's disk tier (a restart), and on an engine whose
+    one snapshot row and small page pool pushed the first turn's snapshot and pages out to the
+    host store's DRAM tier."""
+    from helios.domain.sampling import SamplingParams
+    from helios.engine.core import EngineConfig, EngineCore
+    from helios.engine.records import EngineRequest, RequestOutput
+    from tests.unit.test_engine import run
+
+    def config(**overrides: object) -> EngineConfig:
+        base = dict(page_size=16, num_pages=64, max_active=2, prefill_chunk_size=64, max_model_len=512,
+                    host_memory_bytes=1 << 24, disk_dir=str(tmp_path), disk_bytes=1 << 26)
+        base.update(overrides)
+        return EngineConfig(**base)  # type: ignore[arg-type]
+
+    def request(rid: str, prompt: list[int], n: int) -> EngineRequest:
+        return EngineRequest(rid, tuple(prompt), SamplingParams(temperature=0.0), max_tokens=n, ignore_eos=True,
+                             num_top_logprobs=3)
+
+    def numbers(records: list[RequestOutput]) -> list[tuple[int, float, tuple[tuple[int, float], ...]]]:
+        return [(t, lp.logprob, tuple(lp.top)) for o in records
+                for t, lp in zip(o.new_token_ids, o.logprobs or (), strict=True)]
+
+    def worst(a: list[tuple[int, float, tuple[tuple[int, float], ...]]],
+              b: list[tuple[int, float, tuple[tuple[int, float], ...]]]) -> float:
+        assert [x[0] for x in a] == [x[0] for x in b]
+        assert [[t for t, _ in x[2]] for x in a] == [[t for t, _ in x[2]] for x in b]
+        return max(max(abs(x[1] - y[1]), *(abs(u - v) for (_, u), (_, v) in zip(x[2], y[2], strict=True)))
+                   for x, y in zip(a, b, strict=True))
+
+    core = EngineCore(model, config(), torch.float32)
+    assert core.checkpoints is not None and not core.scheduler.speculative.enabled
+    first = prompt_of(150, 11)
+    outs = run(core, [request("a", first, 24)])["a"]
+    stats = core.stats().checkpoints
+    assert stats is not None and stats.captures["endpoint"] == 1 and stats.snapshots == 1
+    follow = request("b", [*first, *[t for o in outs for t in o.new_token_ids], *prompt_of(20, 12)], 16)
+    restored = run(core, [follow])["b"]
+    stats = core.stats().checkpoints
+    assert stats is not None and stats.restores == 1
+    assert restored[-1].num_cached_tokens == 160
+    reference = numbers(run(EngineCore(model, config(prefix_caching=False), torch.float32), [follow])["b"])
+    diff = worst(numbers(restored), reference)
+    print(f"qwen3_next restored from the pool: max abs logprob diff {diff:.3g}")
+    assert diff <= 1e-5
+    core.close()
+
+    again = EngineCore(model, config(), torch.float32)
+    from_disk = run(again, [request("b", list(follow.prompt_token_ids), 16)])["b"]
+    stats = again.stats().checkpoints
+    assert stats is not None and stats.host_restores == 1 and from_disk[-1].num_cached_tokens >= 160
+    diff = worst(numbers(from_disk), reference)
+    print(f"qwen3_next restored from disk: max abs logprob diff {diff:.3g}")
+    assert diff <= 1e-5
+    again.close()
+
+    small = EngineCore(model, config(num_pages=20, checkpoint_slots=1, disk_dir=None, disk_bytes=0), torch.float32)
+    assert small.host_store is not None and small.checkpoints is not None
+    run(small, [request("a", first, 24)])
+    run(small, [request("x", prompt_of(200, 13), 24)])  # its pages and snapshots push a's out
+    assert small.checkpoints.counters.host_restores == 0
+    from_dram = run(small, [request("b", list(follow.prompt_token_ids), 16)])["b"]
+    assert small.checkpoints.counters.host_restores == 1 and small.scheduler.host_hits == 1
+    assert from_dram[-1].num_cached_tokens == 160
+    diff = worst(numbers(from_dram), reference)
+    print(f"qwen3_next restored from DRAM: max abs logprob diff {diff:.3g}")
+    assert diff <= 1e-5
 
 
 # -- the rule itself -------------------------------------------------------------------------------------

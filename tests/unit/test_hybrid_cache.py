@@ -131,7 +131,9 @@ def test_hybrid_engine_matches_reference(num_pages: int, chunk: int, head_dim: i
                                           max_model_len=128), torch.float32)
     assert core.attention.decode_kernel == (head_dim == 16 and cpu_kernels.available())
     kv = core.kv_manager
-    assert isinstance(kv, KVCacheCoordinator) and not kv.enable_caching  # a recurrent group: no prefix cache
+    # A recurrent group: prefix hits only at state checkpoints (a preempted request may resume
+    # from its own; tests/unit/test_state_checkpoints.py).
+    assert isinstance(kv, KVCacheCoordinator) and kv.enable_caching and kv.snapshots is not None
     sliding = kv.sliding[0]
     released = [0]
     freer = [False]
@@ -163,17 +165,20 @@ def test_hybrid_engine_matches_reference(num_pages: int, chunk: int, head_dim: i
     assert kv.num_free == num_pages and kv.states is not None and kv.states.num_free == 4
 
 
-def test_recurrent_layout_turns_off_prefix_cache_and_speculation() -> None:
+def test_recurrent_layout_turns_off_speculation_and_hits_only_checkpoints() -> None:
+    """The same 13-token prompt three times: a's anchor (12) is skipped (a split's cost is unknown
+    before any decode step), b captures it, c restores it. (The allowance is all of the step time:
+    a split is charged a whole decode step, which a tenth of a's few steps may not cover.)"""
     model = build_hybrid_model()
     core = EngineCore(model, EngineConfig(page_size=PS, num_pages=64, max_active=4, prefill_chunk_size=16,
-                                          max_model_len=128, host_memory_bytes=1 << 20,
+                                          max_model_len=128, host_memory_bytes=1 << 20, checkpoint_work_fraction=1.0,
                                           speculative=SpeculativeConfig(mode="ngram")), torch.float32)
-    assert not core.scheduler.speculative.enabled and core.host_store is None
+    assert not core.scheduler.speculative.enabled and core.host_store is not None
     prompt = prompts((13,))[0]
-    for rid in ("a", "b"):  # the same prompt twice: no hit
+    for rid in ("a", "b", "c"):
         outs = run(core, [greedy(rid, prompt, 4)])
         check_against_reference(model, prompt, outs[rid], 4)
-    assert core.scheduler.reused_tokens == 0 and core.stats().prefix_caching is False
+    assert core.scheduler.reused_tokens == 12 and core.stats().prefix_caching is True
 
 
 SLIDING_ONLY = {"layers": ("full", "sliding", "sliding", "full"), "seed": 3}
@@ -306,7 +311,7 @@ def test_coordinator_hit_is_what_every_group_serves() -> None:
 def test_coordinator_state_slots_follow_the_running_requests() -> None:
     layout = CacheLayout.from_specs([FullAttentionSpec(1, 2), RecurrentStateSpec(((3,),))])
     kv = KVCacheCoordinator(layout, 8, PS, enable_caching=True, num_state_slots=2)
-    assert not kv.enable_caching and kv.lookup(list(range(20))) == ([], [])
+    assert kv.enable_caching and kv.lookup(list(range(20)))[0] == []  # no state snapshot: no hit
     assert kv.allocate_slots("a", 0, 5) is not None and kv.allocate_slots("b", 0, 5) is not None
     assert kv.state_slot("a") == 0 and kv.state_slot("b") == 1
     assert not kv.can_admit(4, []) and not kv.can_allocate("c", 4) and kv.allocate_slots("c", 0, 4) is None

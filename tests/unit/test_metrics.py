@@ -17,6 +17,7 @@ from helios.domain.events import FailureKind
 from helios.engine.core import EngineThread
 from helios.engine.records import (
     GRAMMAR_FAILURE,
+    CheckpointStats,
     EngineFinish,
     EngineStats,
     Histogram,
@@ -88,6 +89,29 @@ def test_the_prefix_cache_and_host_store_export_their_families_with_real_values(
     bare = ServingMetrics(lambda: (attrs.evolve(stats, host=None), None))
     names = {s.name for f in families(bare.prometheus()).values() for s in f.samples}
     assert "flare_cached_kv_pages" in names and not any("host_cache" in n for n in names)
+
+
+def test_state_checkpoints_export_their_families_with_real_values() -> None:
+    ckpt = CheckpointStats(captures={"anchor": 4, "message": 1, "endpoint": 6},
+                           skips={"unknown_cost": 1, "work_budget": 2, "storage": 3}, extra_work_ns=123456,
+                           anchor_reservations=2, restores=5, host_restores=1, snapshots=7, slots=16)
+    m = ServingMetrics(lambda: (attrs.evolve(STATS, prefix_caching=True, checkpoints=ckpt), None))
+    snap = m.snapshot()
+    assert snap["checkpoint_captures"] == {"anchor": 4, "message": 1, "endpoint": 6}
+    assert snap["checkpoint_skips"] == {"unknown_cost": 1, "work_budget": 2, "storage": 3}
+    assert (snap["checkpoint_extra_work_ns"], snap["checkpoint_anchor_reservations"]) == (123456, 2)
+    fams = families(m.prometheus())
+    for role, n in ckpt.captures.items():
+        assert value(fams, "flare_checkpoint_captures", "flare_checkpoint_captures_total", role=role) == n
+    for reason, n in ckpt.skips.items():
+        assert value(fams, "flare_checkpoint_skips", "flare_checkpoint_skips_total", reason=reason) == n
+    assert value(fams, "flare_checkpoint_extra_work_nanoseconds",
+                 "flare_checkpoint_extra_work_nanoseconds_total") == 123456
+    assert value(fams, "flare_checkpoint_anchor_reservations") == 2
+    # Without checkpoints (no recurrent layout): nothing exported, zeros in the JSON object.
+    plain = ServingMetrics(lambda: (STATS, None))
+    assert not any("checkpoint" in s.name for f in families(plain.prometheus()).values() for s in f.samples)
+    assert plain.snapshot()["checkpoint_captures"] == {"anchor": 0, "message": 0, "endpoint": 0}
 
 
 def test_snapshot_reads_the_engine_and_admission_and_keeps_every_table_field() -> None:

@@ -28,16 +28,17 @@ every group can serve: a full or latent group serves any prefix of its registere
 group serves a hit of h pages when the pages holding positions h * page_size - window + 1 ..
 h * page_size - 1 (the first computed query's window) are registered in it (vLLM's rule; the pages
 before them are `NULL` in its table). A hit is a list with one tuple per page: (page of group 0,
-page of group 1, ...). A layout with a recurrent group never hits (no state snapshots yet): its
-pages are not registered at all (``enable_caching`` is off), and speculative decoding is off for it
-(rejected drafts would need a state rollback; `EngineCore` turns it off).
+page of group 1, ...). A layout with a recurrent group hits only where a state snapshot exists
+(`kv/checkpoints.py`): the longest prefix every group serves whose last page's chain hash has a
+snapshot (``has_snapshot``: the coordinator's `SnapshotPool`, or the host store). Speculative
+decoding is off for it (rejected drafts would need a state rollback; `EngineCore` turns it off).
 
 Host store: records are per group. Group g's record of a page with chain hash h is keyed
 `group_key(h, g)` (h itself for group 0, so a one-group model's records are unchanged); a host
 restore needs every paged group's record of the page (`HostStore` side: `EngineCore`).
 
-`check_integrity` runs every group's check and verifies the alignment of their tables and the state
-slots (one per request holding pages, none twice, none lost).
+`check_integrity` runs every group's check and verifies the alignment of their tables, the state
+slots (one per request holding pages, none twice, none lost) and the snapshot rows.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from helios.engine.kv.checkpoints import SnapshotPool
 from helios.engine.kv.layout import CacheLayout
 from helios.engine.kv.manager import ImageKey, KVCacheManager
 
@@ -244,14 +246,15 @@ class KVCacheCoordinator:
     """The KV manager of a layout with several groups (see the module docstring)."""
 
     def __init__(self, layout: CacheLayout, num_pages: int, page_size: int, *, enable_caching: bool = False,
-                 fingerprint: bytes = b"", num_state_slots: int = 0,
+                 fingerprint: bytes = b"", num_state_slots: int = 0, num_snapshots: int = 0,
                  on_evict: Callable[[int, int, int], None] | None = None) -> None:
         """``on_evict(group, block hash, page)``: called before a group's cached page is reused.
-        ``num_state_slots``: state slots of each recurrent group (at least the running requests)."""
+        ``num_state_slots``: state slots of each recurrent group (at least the running requests);
+        ``num_snapshots``: snapshot rows of a recurrent layout's prefix cache."""
         self.layout = layout
         self.num_pages = num_pages
         self.page_size = page_size
-        self.enable_caching = enable_caching and not layout.has_recurrent
+        self.enable_caching = enable_caching
         self.groups: list[KVCacheManager] = []
         self.sliding: list[SlidingWindowPool] = []
         for g, group in enumerate(layout.paged_groups):
@@ -268,6 +271,13 @@ class KVCacheCoordinator:
             self.groups.append(pool)
         self.primary = self.groups[0]
         self.states: StateSlots | None = StateSlots(num_state_slots) if layout.has_recurrent else None
+        self.snapshots: SnapshotPool | None = (
+            SnapshotPool(num_snapshots) if layout.has_recurrent and enable_caching else None)
+        self.has_snapshot: Callable[[int], bool] = self.snapshots.has if self.snapshots is not None else _never
+        """Whether a state snapshot of the boundary of a chain hash can be restored (`EngineCore`
+        widens it to the host store)."""
+        self.host_has_page: Callable[[int], bool] = _never
+        """Whether the host store holds every paged group's record of a page (`EngineCore`)."""
         self.last_new: list[tuple[int, ...]] = []
         """Every group's pages of the last `allocate_slots` (group 0's first): a host-store restore
         fills them all."""
@@ -335,11 +345,30 @@ class KVCacheCoordinator:
                 n = s.hit_length(hashes, h)
                 if n < h:
                     h, changed = n, True
+        if self.snapshots is not None:
+            h = self._checkpointed(hashes, h, limit)
         if not h:
             return [], hashes
         columns = [g.hit_pages(hashes, h) if isinstance(g, SlidingWindowPool) else [g._cached[x] for x in hashes[:h]]
                    for g in self.groups]
         return list(zip(*columns, strict=True)), hashes
+
+    def _checkpointed(self, hashes: Sequence[int], h: int, limit: int) -> int:
+        """The pages of an ``h``-page hit (one every group serves) a recurrent layout may use: all
+        of them when the host store continues them up to a snapshot (the scheduler restores that
+        far), else the longest prefix that ends at a snapshot and that every sliding group serves
+        (0: none)."""
+        end = h
+        while end < limit and self.host_has_page(hashes[end]):
+            end += 1
+        for k in range(end, 0, -1):
+            if not self.has_snapshot(hashes[k - 1]):
+                continue
+            if k >= h:
+                return h
+            if all(s.hit_length(hashes, k) == k for s in self.sliding):
+                return k
+        return 0
 
     def allocate_cached(self, request_id: str, pages: Sequence[tuple[int, ...]], hashes: list[int],
                         retain_pages: int = 0) -> None:
@@ -396,8 +425,13 @@ class KVCacheCoordinator:
                 assert len(g.block_table(rid)) == len(self.primary.block_table(rid)), "tables are not aligned"
         if self.states is not None:
             self.states.check_integrity(holders)
+        if self.snapshots is not None:
+            self.snapshots.check_integrity(holders)
 
 
 def _group_evict(on_evict: Callable[[int, int, int], None], group: int) -> Callable[[int, int], None]:
     return lambda block_hash, page: on_evict(group, block_hash, page)
 
+
+def _never(block_hash: int) -> bool:
+    return False
