@@ -8,8 +8,9 @@ chunks' spans and the layer's state tensors; a span whose first position is 0 st
   followed by SiLU. The state after a chunk is its request's last ``K - 1`` inputs.
 - the gated delta rule over per-head states ``S`` [k_dim, v_dim] (float32): for each token,
   ``S <- exp(g) S``; ``S <- S + k (beta (v - S^T k))^T``; output ``S^T q``, with ``q`` and ``k``
-  L2-normalised and ``q`` scaled by ``k_dim ** -0.5``. A one-token chunk (decode) is that update,
-  for every decode token of the step at once (`recurrent_step`, or on the CPU the
+  L2-normalised and ``q`` scaled by ``k_dim ** -0.5`` (a key head serves a group of value heads:
+  consecutive ones, or with ``tiled`` every key-head-count-th, llama.cpp's Qwen3.5 order). A
+  one-token chunk (decode) is that update, for every decode token of the step at once (`recurrent_step`, or on the CPU the
   `cpu_kernels.gated_delta_step` kernel, in place on the state slots); a longer chunk runs the chunked
   form (`chunked_scan`) in blocks of ``block`` tokens: within a block the updates are solved as one
   unit-lower-triangular system (the WY form: ``(I + A) U = beta V - beta exp(gamma) K S0`` with
@@ -118,9 +119,10 @@ def chunked_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state
 
 
 def gated_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, spans: Sequence[Span],
-                block: int = 64) -> Tensor:
+                block: int = 64, *, tiled: bool = False) -> Tensor:
     """The gated delta rule over every span of a flattened batch: ``q``, ``k`` [T, Hk, dk],
-    ``v`` [T, H, dv] (H a multiple of Hk: k head h serves v heads h * H / Hk ...), ``g``, ``beta``
+    ``v`` [T, H, dv] (H a multiple of Hk: k head h serves v heads h * H / Hk ... (grouped), or with
+    ``tiled`` v heads h, h + Hk, h + 2 Hk ...), ``g``, ``beta``
     [T, H], ``state`` [slots, H, dk, dv] float32 (updated in place). Computes in float32 (float64 for
     float64 inputs) and returns [T, H, dv] in that dtype."""
     num_tokens, heads, dv = v.shape
@@ -129,7 +131,9 @@ def gated_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     wide = _wide(v.dtype)
     q = l2norm(q.to(wide)) * dk ** -0.5
     k = l2norm(k.to(wide))
-    if group > 1:
+    if group > 1 and tiled:
+        q, k = q.repeat(1, group, 1), k.repeat(1, group, 1)
+    elif group > 1:
         q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
     v, g, beta = v.to(wide), g.to(wide), beta.to(wide)
     out = torch.empty(num_tokens, heads, dv, dtype=wide, device=v.device)

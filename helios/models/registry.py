@@ -12,7 +12,7 @@ mistral, qwen2, qwen3; `helios.models.gemma3.ARCHITECTURES`: gemma3; `helios.mod
 `helios.models.qwen3_moe`, `helios.models.glm4_moe`, `helios.models.minimax_m2`,
 `helios.models.gpt_oss`, `helios.models.mimo_v2_flash`, `helios.models.deepseek_v3`,
 `helios.models.deepseek_v32`: the mixture-of-experts families; `helios.models.qwen3_next` and
-`helios.models.nemotron_h`: the hybrid recurrent ones); more can be
+`helios.models.nemotron_h`: the hybrid recurrent ones, the former also Qwen3.5 text); more can be
 registered from outside::
 
     registry.register(Architecture(name="tiny", hf_model_types=("tiny",), ...))

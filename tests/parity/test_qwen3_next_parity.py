@@ -49,7 +49,12 @@ def prompt_of(n: int, salt: int = 0) -> list[int]:
 
 
 def tiny_hf_model() -> torch.nn.Module:
-    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**CONFIG))
+    return seeded(transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**CONFIG)))
+
+
+def seeded(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (Qwen3-Next or Qwen3.5) with seeded weights of the scales the module docstring
+    explains, in eval mode."""
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -133,10 +138,11 @@ def hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> Tensor:
 
 def hf_generate(hf_model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
     """transformers' greedy continuation: its chunked rule for the prompt, the recurrent one for each
-    decoded token (the attention mask given: a prompt token equal to the pad id is not padding)."""
+    decoded token (the attention mask given: a prompt token equal to the pad id is not padding; no
+    stop token, as the engine's ``ignore_eos``: ``min_new_tokens`` would instead forbid the eos id)."""
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                                max_new_tokens=n, eos_token_id=[], do_sample=False)
     return [int(t) for t in out[0, len(ids):]]
 
 
