@@ -70,7 +70,8 @@ from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, MoELayer, gguf_
 from helios.models.quant import BuildSource, WeightFormat
 from helios.models.qwen3_moe import moe_layer_flags
 
-__all__ = ["ARCHITECTURES", "Qwen3NextConfig", "Qwen3NextForCausalLM", "config_from_gguf", "config_from_hf"]
+__all__ = ["ARCHITECTURES", "LinearAttentionNames", "Qwen3NextConfig", "Qwen3NextForCausalLM", "config_from_gguf",
+           "config_from_hf"]
 
 _LINEAR_PROJ = ("in_proj", "out_proj")
 
@@ -305,18 +306,21 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
         return tuple(state if linear else full for linear in cfg.linear_layers)
 
     def load_weights(self, tensors: Mapping[str, BuildSource]) -> None:
-        """`MoEForCausalLM.load_weights` over the names this module keeps (`_LinearNames`)."""
-        super().load_weights(_LinearNames(tensors, self.config))
+        """`MoEForCausalLM.load_weights` over the names this module keeps (`LinearAttentionNames`)."""
+        super().load_weights(LinearAttentionNames(tensors, self.config))
 
 
-class _LinearNames(Mapping[str, BuildSource]):
-    """``tensors`` (read lazily) as the model keeps its linear-attention weights, in llama.cpp's
-    layout, which GGUF files have already: ``in_proj_qkvz`` (per key head [q | k | v | z]) read as
-    ``in_proj_qkv`` ([all q | all k | all v], the conv's channel order) and ``in_proj_z``;
-    ``A_log`` as ``A`` = -exp(A_log); the conv weight [C, 1, K] as [C, K]. Without the
-    multi-token-prediction weights (``mtp.*``), which transformers ignores too."""
+class LinearAttentionNames(Mapping[str, BuildSource]):
+    """``tensors`` (read lazily) as the models with a delta-rule mixer keep its weights (Qwen3-Next,
+    Qwen3.5, `helios.models.kimi_linear`), in llama.cpp's layout, which GGUF files have already:
+    ``in_proj_qkvz`` (per key head [q | k | v | z]) read as ``in_proj_qkv`` ([all q | all k | all
+    v], the conv's channel order) and ``in_proj_z``; any ``A_log`` as ``A`` = -exp(A_log)
+    (flattened: Kimi's is [1, 1, heads, 1], and so is a Kimi GGUF's ``A``); a ``*conv1d`` weight
+    [C, 1, K] (or a Kimi GGUF's [1, C, 1, K]) as [C, K]. Without the
+    multi-token-prediction weights (``mtp.*``), which transformers ignores too. ``config``: the
+    Qwen3-Next shape that regroups ``in_proj_qkvz`` (None where no checkpoint has one)."""
 
-    def __init__(self, tensors: Mapping[str, BuildSource], config: Qwen3NextConfig) -> None:
+    def __init__(self, tensors: Mapping[str, BuildSource], config: Qwen3NextConfig | None) -> None:
         self._tensors = tensors
         self._config = config
         self._source: dict[str, tuple[str, str]] = {}  # our name -> (checkpoint name, how)
@@ -327,10 +331,12 @@ class _LinearNames(Mapping[str, BuildSource]):
                 base = name.removesuffix("in_proj_qkvz.weight")
                 self._source[f"{base}in_proj_qkv.weight"] = (name, "qkv")
                 self._source[f"{base}in_proj_z.weight"] = (name, "z")
-            elif name.endswith("linear_attn.A_log"):
+            elif name.endswith(".A_log"):
                 self._source[name.removesuffix("A_log") + "A"] = (name, "a")
-            elif name.endswith("linear_attn.conv1d.weight"):
+            elif name.endswith("conv1d.weight"):
                 self._source[name] = (name, "conv")
+            elif name.endswith("self_attn.A"):  # a GGUF's -exp(A_log) of Kimi's shape
+                self._source[name] = (name, "flat")
             else:
                 self._source[name] = (name, "")
         self._last: tuple[str, Tensor] | None = None
@@ -348,10 +354,13 @@ class _LinearNames(Mapping[str, BuildSource]):
             value = raw
             self._last = (source, value)
         if how == "a":
-            return -value.float().exp()
-        if how == "conv":
-            return value.reshape(value.shape[0], -1)
+            return -value.float().exp().reshape(-1)
+        if how == "conv":  # [C, 1, K], [C, K] or a GGUF's [1, C, 1, K]
+            return value.reshape(-1, value.shape[-1])
+        if how == "flat":
+            return value.reshape(-1)
         cfg = self._config
+        assert cfg is not None, f"{source}: in_proj_qkvz needs the Qwen3-Next shape"
         group = cfg.linear_num_value_heads // cfg.linear_num_key_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         per_head = value.view(cfg.linear_num_key_heads, 2 * dk + 2 * group * dv, -1)
@@ -404,7 +413,7 @@ class _GatedAttentionLayer(MoELayer):
 
 class _GatedDeltaNetLayer(MoELayer):
     """`MoELayer`'s feed-forward after a Gated DeltaNet mixer (no attention projections: ``in_proj``
-    fuses ``in_proj_qkv``, ``in_proj_z`` and ``in_proj_ba`` (`_LinearNames`), or Qwen3.5's
+    fuses ``in_proj_qkv``, ``in_proj_z`` and ``in_proj_ba`` (`LinearAttentionNames`), or Qwen3.5's
     ``in_proj_b`` and ``in_proj_a``; ``out_proj``)."""
 
     def __init__(self, config: Qwen3NextConfig, layer_idx: int, dtype: torch.dtype, device: torch.device,

@@ -27,9 +27,10 @@ from torch import Tensor
 
 from helios.loaders.checkpoint import load_checkpoint
 from helios.models.architecture import BuildOptions
+from helios.models.decoder import FusedDecoderLM
 from helios.models.dense_attention import DenseAttention
 from helios.models.gated_delta import chunked_scan, l2norm, recurrent_step
-from helios.models.interface import RecurrentBatch, RecurrentStateSpec
+from helios.models.interface import LatentProjection, RecurrentBatch, RecurrentStateSpec, SparseIndex
 from helios.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 from tests.numerics import FP32_TOLERANCE
 
@@ -102,9 +103,9 @@ def model(root: Path) -> Qwen3NextForCausalLM:
 
 class OneSequence:
     """One request's cache for calling the model directly: `DenseAttention` for the attention
-    layers, state slot 0 of every recurrent layer."""
+    layers (latent ones too), state slot 0 of every recurrent layer."""
 
-    def __init__(self, model: Qwen3NextForCausalLM) -> None:
+    def __init__(self, model: FusedDecoderLM) -> None:
         self.dense = DenseAttention.for_model(model)
         self.states: dict[int, tuple[Tensor, ...]] = {}
         for i, spec in enumerate(model.cache_specs()):
@@ -122,10 +123,11 @@ class OneSequence:
     def recurrent(self, layer_idx: int) -> RecurrentBatch:
         return RecurrentBatch(self.states[layer_idx], (self.span,))
 
-    def latent(self, *args: object) -> Tensor:
-        raise NotImplementedError
+    def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
+               scale: float, *, index: SparseIndex | None = None) -> Tensor:
+        return self.dense.latent(layer_idx, q_nope, q_rope, rows, projection, scale, index=index)
 
-    def logits(self, model: Qwen3NextForCausalLM, ids: list[int], start: int) -> Tensor:
+    def logits(self, model: FusedDecoderLM, ids: list[int], start: int) -> Tensor:
         self.span = (0, len(ids), 0, start)
         with torch.no_grad():
             return model.compute_logits(model(torch.tensor(ids), torch.arange(start, start + len(ids)), self))
@@ -194,7 +196,7 @@ def test_greedy_32_tokens_match_transformers_generate(model: Qwen3NextForCausalL
     assert tokens == expected
 
 
-def _engine_run(model: Qwen3NextForCausalLM, prompts: list[list[int]], chunk: int, max_tokens: int,
+def _engine_run(model: FusedDecoderLM, prompts: list[list[int]], chunk: int, max_tokens: int,
                 max_active: int = 4) -> dict[str, list[tuple[int, float, tuple[tuple[int, float], ...]]]]:
     from helios.domain.sampling import SamplingParams
     from helios.engine.core import EngineConfig, EngineCore
