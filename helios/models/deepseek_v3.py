@@ -74,7 +74,7 @@ from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, MoELayer, gguf_
 from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat, dense_of
 
 __all__ = ["ARCHITECTURES", "DeepseekV3Config", "DeepseekV3ForCausalLM", "config_from_gguf", "config_from_hf",
-           "gguf_tensor"]
+           "gguf_mla_fields", "gguf_tensor"]
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
 
@@ -92,6 +92,9 @@ class DeepseekV3Config(MoEConfig):
     v_head_dim: int
     rope_interleave: bool = True
     yarn: dict[str, Any] | None = attrs.field(default=None, hash=False)
+    rope: bool = True
+    """False: the ``qk_rope_head_dim`` parts of the query and the shared key are not rotated (Kimi
+    Linear's MLA, `helios.models.kimi_linear`)."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -200,6 +203,17 @@ _SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
 def config_from_gguf(source: GGUFSource) -> DeepseekV3Config:
     """A DeepSeek-V3 config from llama.cpp's ``deepseek2`` metadata (see the module docstring)."""
+    gating = source.metadata.get(f"{source.metadata.get('general.architecture')}.expert_gating_func")
+    if gating != _SIGMOID_GATING:
+        raise NotImplementedError(f"deepseek2 expert_gating_func {gating} is not supported (sigmoid: 2; a file "
+                                  "without it is DeepSeek-V2's softmax routing)")
+    return DeepseekV3Config(arch="deepseek_v3", **gguf_mla_fields(source))
+
+
+def gguf_mla_fields(source: GGUFSource) -> dict[str, Any]:
+    """The `DeepseekV3Config` fields (all but ``arch``) of llama.cpp's MLA metadata, ``deepseek2``'s
+    and ``kimi-linear``'s (`helios.models.kimi_linear`): the sizes, RoPE (YaRN), the sigmoid
+    router's counts, groups and scale, the dense leading layers."""
     key = gguf_key(source)
     meta, tensors = source.metadata, source.tensor_shapes
     prefix = str(meta.get("general.architecture"))
@@ -207,10 +221,6 @@ def config_from_gguf(source: GGUFSource) -> DeepseekV3Config:
     def optional(name: str) -> Any:
         return meta.get(f"{prefix}.{name}")
 
-    gating = optional("expert_gating_func")
-    if gating != _SIGMOID_GATING:
-        raise NotImplementedError(f"deepseek2 expert_gating_func {gating} is not supported (sigmoid: 2; a file "
-                                  "without it is DeepSeek-V2's softmax routing)")
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
     num_layers = int(key("block_count")) - int(optional("nextn_predict_layers") or 0)
@@ -237,8 +247,7 @@ def config_from_gguf(source: GGUFSource) -> DeepseekV3Config:
     ffn = key("feed_forward_length")
     if isinstance(ffn, list):
         ffn = max(ffn)
-    return DeepseekV3Config(
-        arch="deepseek_v3",
+    return dict(
         vocab_size=int(tensors["token_embd.weight"][0]),
         hidden_size=hidden,
         intermediate_size=int(ffn),
@@ -414,6 +423,7 @@ class _MLALayer(MoELayer):
         # transformers' rope_interleave: the rotary dimensions' even ones, then the odd ones.
         order = torch.arange(self.rope_dim, device=device)
         self.rope_order = torch.cat((order[0::2], order[1::2])) if config.rope_interleave else None
+        self.rotate = config.rope
 
     def projection_parts(self) -> dict[str, tuple[tuple[str, tuple[int, int]], ...]]:
         parts = super().projection_parts()
@@ -465,9 +475,10 @@ class _MLALayer(MoELayer):
         latent = rms_norm(a[:, start : start + self.rank], self.kv_a_norm, _LATENT_NORM_EPS)
         k_rope = a[:, None, start + self.rank : start + self.rank + self.rope_dim]
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
-        if self.rope_order is not None:
-            q_rope, k_rope = q_rope[..., self.rope_order], k_rope[..., self.rope_order]
-        q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
+        if self.rotate:
+            if self.rope_order is not None:
+                q_rope, k_rope = q_rope[..., self.rope_order], k_rope[..., self.rope_order]
+            q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
         return q_nope, q_rope, torch.cat((latent, k_rope[:, 0]), dim=-1)
 
     def forward(self, h: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, attn: AttentionContext,

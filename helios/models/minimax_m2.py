@@ -44,7 +44,7 @@ from helios.models.moe import RouterSpec
 from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, gguf_moe_tensor
 from helios.models.quant import BuildSource
 
-__all__ = ["ARCHITECTURES", "MiniMaxM2ForCausalLM", "config_from_gguf", "config_from_hf", "hf_name"]
+__all__ = ["ARCHITECTURES", "MiniMaxM2ForCausalLM", "MixtralNames", "config_from_gguf", "config_from_hf", "hf_name"]
 
 
 def config_from_hf(config: Mapping[str, Any]) -> MoEConfig:
@@ -160,8 +160,9 @@ def hf_name(name: str) -> str:
     return name
 
 
-class _Renamed(Mapping[str, BuildSource]):
-    """``tensors`` under `hf_name`'s names (read lazily)."""
+class MixtralNames(Mapping[str, BuildSource]):
+    """``tensors`` under `hf_name`'s names (read lazily); Kimi Linear's MoE layers use them too
+    (`helios.models.kimi_linear`)."""
 
     def __init__(self, tensors: Mapping[str, BuildSource]) -> None:
         self._tensors = tensors
@@ -186,7 +187,7 @@ class MiniMaxM2ForCausalLM(MoEForCausalLM):
     """`MoEForCausalLM` reading MiniMax-M2's (Mixtral-style) weight names."""
 
     def load_weights(self, tensors: Mapping[str, BuildSource]) -> None:
-        super().load_weights(_Renamed(tensors))
+        super().load_weights(MixtralNames(tensors))
 
 
 def build(config: ArchitectureConfig, options: BuildOptions) -> MiniMaxM2ForCausalLM:

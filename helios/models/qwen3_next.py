@@ -1,6 +1,6 @@
-"""Qwen3-Next (transformers' ``qwen3_next`` / ``Qwen3NextForCausalLM``): a hybrid of Gated DeltaNet
-linear-attention layers and gated full-attention layers, each followed by a sparse MoE with a
-shared expert (or a dense MLP).
+"""Qwen3-Next (transformers' ``qwen3_next`` / ``Qwen3NextForCausalLM``) and Qwen3.5 text: a hybrid
+of Gated DeltaNet linear-attention layers and gated full-attention layers, each followed by a
+sparse MoE with a shared expert (or a dense MLP).
 
 - Layer kinds: ``layer_types`` (``linear_attention`` / ``full_attention``; by default every
   ``full_attention_interval``-th layer, 4, is full attention).
@@ -26,10 +26,24 @@ GGUF: llama.cpp's ``qwen3next`` files (`config_from_gguf`, `gguf_tensor`): the q
 ``in_proj_qkvz`` as ``attn_qkv``, its z rows as ``attn_gate``, ``ssm_a`` = -exp(A_log), the
 ``1 + weight`` norms stored shifted; the multi-token-prediction block past ``block_count -
 nextn_predict_layers`` is not loaded.
+
+Qwen3.5 text (transformers' ``qwen3_5_text`` / ``Qwen3_5ForCausalLM``, entry ``qwen3_5``, and
+``qwen3_5_moe_text`` / ``Qwen3_5MoeForCausalLM``, entry ``qwen3_5_moe``) is this model with
+``Qwen3NextConfig.split_ba``: ``in_proj_qkv`` already in [all q | all k | all v] order,
+``in_proj_b`` and ``in_proj_a`` separate projections of one row per value head; the dense one has a
+dense MLP in every layer, the MoE one the routed experts (renormalised) and the gated shared expert
+in every layer. Its interleaved MRoPE rotates the same share by (text, height, width) positions that
+are all the text position without images, which is RoPE over the first ``partial_rotary_factor`` of
+each head. The vision-language checkpoints (``qwen3_5`` / ``qwen3_5_moe``) give their text model
+through `helios.models.vision.registry` (no tower). llama.cpp's ``qwen35`` / ``qwen35moe`` files
+store ``ssm_beta`` / ``ssm_alpha`` and, with fewer key than value heads, the value heads tiled (value
+head j reads key head j mod key heads: ``Qwen3NextConfig.value_heads_tiled``, which
+`gated_delta.gated_delta` follows; every per-value-head tensor of the file is in that order).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
@@ -56,7 +70,8 @@ from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, MoELayer, gguf_
 from helios.models.quant import BuildSource, WeightFormat
 from helios.models.qwen3_moe import moe_layer_flags
 
-__all__ = ["ARCHITECTURES", "Qwen3NextConfig", "Qwen3NextForCausalLM", "config_from_gguf", "config_from_hf"]
+__all__ = ["ARCHITECTURES", "LinearAttentionNames", "Qwen3NextConfig", "Qwen3NextForCausalLM", "config_from_gguf",
+           "config_from_hf"]
 
 _LINEAR_PROJ = ("in_proj", "out_proj")
 
@@ -73,13 +88,19 @@ class Qwen3NextConfig(MoEConfig):
     conv_kernel: int = 4
     norms_shifted: bool = False
     """The checkpoint stores the ``1 + weight`` norms as 1 + w already (llama.cpp's GGUF files)."""
+    split_ba: bool = False
+    """``in_proj_b`` and ``in_proj_a`` are two projections of [value heads] rows each (Qwen3.5), not
+    Qwen3-Next's ``in_proj_ba`` of per key head [b of its value heads | a of them]."""
+    value_heads_tiled: bool = False
+    """The linear-attention value heads are in llama.cpp's tiled order (value head j reads key head
+    j mod key heads: its Qwen3.5 GGUF files), not grouped by key head."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         if len(self.linear_layers) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.linear_layers)} entries for {self.num_layers} layers")
         if all(self.linear_layers):
-            raise ValueError("qwen3_next needs at least one full_attention layer")
+            raise ValueError(f"{self.arch} needs at least one full_attention layer")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.conv_kernel < 1:
@@ -109,11 +130,16 @@ class Qwen3NextConfig(MoEConfig):
         return int(total)
 
 
+_GGUF_ARCHES = {"qwen3next": "qwen3_next", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
+
+
 def config_from_gguf(source: GGUFSource) -> Qwen3NextConfig:
-    """A Qwen3-Next config from llama.cpp's ``qwen3next`` metadata (``ssm.*``: conv kernel, key
-    head size, key heads, value heads, value size; recurrent layers are those with ``ssm_a``,
-    sparse ones those with a router)."""
+    """A Qwen3-Next / Qwen3.5 config from llama.cpp's ``qwen3next`` / ``qwen35`` / ``qwen35moe``
+    metadata (``ssm.*``: conv kernel, key head size, key heads, value heads, value size; recurrent
+    layers are those with ``ssm_a``, sparse ones those with a router). Qwen3.5 files keep ``ssm_beta``
+    and ``ssm_alpha`` apart and, with fewer key than value heads, the value heads tiled."""
     key = gguf_key(source)
+    arch = _GGUF_ARCHES[str(source.metadata.get("general.architecture"))]
     tensors = source.tensor_shapes
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
@@ -125,14 +151,15 @@ def config_from_gguf(source: GGUFSource) -> Qwen3NextConfig:
         ffn = max(ffn)
     scaling_kind = source.metadata.get(f"{source.metadata.get('general.architecture')}.rope.scaling.type")
     if scaling_kind not in (None, "none"):
-        raise NotImplementedError(f"GGUF rope scaling {scaling_kind!r} is not supported for qwen3next")
+        raise NotImplementedError(f"GGUF rope scaling {scaling_kind!r} is not supported for {arch}")
     num_v = int(key("ssm.time_step_rank"))
+    num_k = int(key("ssm.group_count"))
     moe = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(num_layers))
     router = RouterSpec(num_experts=num_experts, top_k=int(key("expert_used_count")), scoring="softmax",
                         norm_topk_prob=bool(key("expert_weights_norm", True))) if num_experts else \
         RouterSpec(num_experts=1, top_k=1)
     return Qwen3NextConfig(
-        arch="qwen3_next",
+        arch=arch,
         vocab_size=int(tensors["token_embd.weight"][0]),
         hidden_size=hidden,
         intermediate_size=int(ffn) or 1,
@@ -153,12 +180,14 @@ def config_from_gguf(source: GGUFSource) -> Qwen3NextConfig:
         tie_word_embeddings="output.weight" not in tensors,
         qk_norm=True,
         linear_layers=tuple(f"blk.{i}.ssm_a" in tensors for i in range(num_layers)),
-        linear_num_key_heads=int(key("ssm.group_count")),
+        linear_num_key_heads=num_k,
         linear_num_value_heads=num_v,
         linear_key_head_dim=int(key("ssm.state_size")),
         linear_value_head_dim=int(key("ssm.inner_size")) // num_v,
         conv_kernel=int(key("ssm.conv_kernel")),
         norms_shifted=True,
+        split_ba=arch != "qwen3_next",
+        value_heads_tiled=arch != "qwen3_next" and num_k != num_v,
     )
 
 
@@ -166,6 +195,8 @@ _GGUF_LINEAR_NAMES = {
     "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
     "attn_gate.weight": "linear_attn.in_proj_z.weight",
     "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
     "ssm_conv1d.weight": "linear_attn.conv1d.weight",
     "ssm_dt.bias": "linear_attn.dt_bias",
     "ssm_a": "linear_attn.A",
@@ -178,8 +209,11 @@ def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None
     return gguf_moe_tensor(config, gguf_name, _GGUF_LINEAR_NAMES)
 
 
-def config_from_hf(config: Mapping[str, Any]) -> Qwen3NextConfig:
-    """A Qwen3-Next config from its ``config.json`` (transformers 4.57+ and 5.x spellings)."""
+def config_from_hf(config: Mapping[str, Any], arch: str = "qwen3_next") -> Qwen3NextConfig:
+    """A Qwen3-Next config from its ``config.json`` (transformers 4.57+ and 5.x spellings), or with
+    ``arch`` ``qwen3_5`` / ``qwen3_5_moe`` a Qwen3.5 text config (``qwen3_5_text`` /
+    ``qwen3_5_moe_text``: separate ``in_proj_b`` / ``in_proj_a``; the MoE one sparse in every layer,
+    renormalised)."""
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {config.get('hidden_act')!r}")
     hidden = int(config["hidden_size"])
@@ -197,7 +231,7 @@ def config_from_hf(config: Mapping[str, Any]) -> Qwen3NextConfig:
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
     unknown = sorted(set(types) - {"linear_attention", "full_attention"})
     if unknown:
-        raise NotImplementedError(f"qwen3_next layer types {unknown} are not supported")
+        raise NotImplementedError(f"{arch} layer types {unknown} are not supported")
     if num_experts > 0:
         moe = moe_layer_flags(num_layers, num_experts, int(config.get("decoder_sparse_step") or 1),
                               tuple(int(i) for i in config.get("mlp_only_layers") or ()))
@@ -206,7 +240,7 @@ def config_from_hf(config: Mapping[str, Any]) -> Qwen3NextConfig:
     else:
         moe, router = (False,) * num_layers, RouterSpec(num_experts=1, top_k=1)
     return Qwen3NextConfig(
-        arch="qwen3_next",
+        arch=arch,
         vocab_size=int(config["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(config.get("intermediate_size") or 1),
@@ -234,6 +268,7 @@ def config_from_hf(config: Mapping[str, Any]) -> Qwen3NextConfig:
         linear_key_head_dim=int(config.get("linear_key_head_dim", 128)),
         linear_value_head_dim=int(config.get("linear_value_head_dim", 128)),
         conv_kernel=int(config.get("linear_conv_kernel_dim", 4)),
+        split_ba=arch != "qwen3_next",
     )
 
 
@@ -271,18 +306,21 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
         return tuple(state if linear else full for linear in cfg.linear_layers)
 
     def load_weights(self, tensors: Mapping[str, BuildSource]) -> None:
-        """`MoEForCausalLM.load_weights` over the names this module keeps (`_LinearNames`)."""
-        super().load_weights(_LinearNames(tensors, self.config))
+        """`MoEForCausalLM.load_weights` over the names this module keeps (`LinearAttentionNames`)."""
+        super().load_weights(LinearAttentionNames(tensors, self.config))
 
 
-class _LinearNames(Mapping[str, BuildSource]):
-    """``tensors`` (read lazily) as the model keeps its linear-attention weights, in llama.cpp's
-    layout, which GGUF files have already: ``in_proj_qkvz`` (per key head [q | k | v | z]) read as
-    ``in_proj_qkv`` ([all q | all k | all v], the conv's channel order) and ``in_proj_z``;
-    ``A_log`` as ``A`` = -exp(A_log); the conv weight [C, 1, K] as [C, K]. Without the
-    multi-token-prediction weights (``mtp.*``), which transformers ignores too."""
+class LinearAttentionNames(Mapping[str, BuildSource]):
+    """``tensors`` (read lazily) as the models with a delta-rule mixer keep its weights (Qwen3-Next,
+    Qwen3.5, `helios.models.kimi_linear`), in llama.cpp's layout, which GGUF files have already:
+    ``in_proj_qkvz`` (per key head [q | k | v | z]) read as ``in_proj_qkv`` ([all q | all k | all
+    v], the conv's channel order) and ``in_proj_z``; any ``A_log`` as ``A`` = -exp(A_log)
+    (flattened: Kimi's is [1, 1, heads, 1], and so is a Kimi GGUF's ``A``); a ``*conv1d`` weight
+    [C, 1, K] (or a Kimi GGUF's [1, C, 1, K]) as [C, K]. Without the
+    multi-token-prediction weights (``mtp.*``), which transformers ignores too. ``config``: the
+    Qwen3-Next shape that regroups ``in_proj_qkvz`` (None where no checkpoint has one)."""
 
-    def __init__(self, tensors: Mapping[str, BuildSource], config: Qwen3NextConfig) -> None:
+    def __init__(self, tensors: Mapping[str, BuildSource], config: Qwen3NextConfig | None) -> None:
         self._tensors = tensors
         self._config = config
         self._source: dict[str, tuple[str, str]] = {}  # our name -> (checkpoint name, how)
@@ -293,10 +331,12 @@ class _LinearNames(Mapping[str, BuildSource]):
                 base = name.removesuffix("in_proj_qkvz.weight")
                 self._source[f"{base}in_proj_qkv.weight"] = (name, "qkv")
                 self._source[f"{base}in_proj_z.weight"] = (name, "z")
-            elif name.endswith("linear_attn.A_log"):
+            elif name.endswith(".A_log"):
                 self._source[name.removesuffix("A_log") + "A"] = (name, "a")
-            elif name.endswith("linear_attn.conv1d.weight"):
+            elif name.endswith("conv1d.weight"):
                 self._source[name] = (name, "conv")
+            elif name.endswith("self_attn.A"):  # a GGUF's -exp(A_log) of Kimi's shape
+                self._source[name] = (name, "flat")
             else:
                 self._source[name] = (name, "")
         self._last: tuple[str, Tensor] | None = None
@@ -314,10 +354,13 @@ class _LinearNames(Mapping[str, BuildSource]):
             value = raw
             self._last = (source, value)
         if how == "a":
-            return -value.float().exp()
-        if how == "conv":
-            return value.reshape(value.shape[0], -1)
+            return -value.float().exp().reshape(-1)
+        if how == "conv":  # [C, 1, K], [C, K] or a GGUF's [1, C, 1, K]
+            return value.reshape(-1, value.shape[-1])
+        if how == "flat":
+            return value.reshape(-1)
         cfg = self._config
+        assert cfg is not None, f"{source}: in_proj_qkvz needs the Qwen3-Next shape"
         group = cfg.linear_num_value_heads // cfg.linear_num_key_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         per_head = value.view(cfg.linear_num_key_heads, 2 * dk + 2 * group * dv, -1)
@@ -351,7 +394,7 @@ class _GatedAttentionLayer(MoELayer):
         h, x = add_rms_norm(h, delta, self.input_norm, self.eps, fused)
         qkv = cast(nn.Module, self.qkv_proj)(x)
         if self.qkv_bias is not None:
-            raise NotImplementedError("qwen3_next with attention_bias is not supported")
+            raise NotImplementedError("gated attention with attention_bias is not supported")
         q_gate = qkv[:, : 2 * self.q_size].view(num_tokens, nh, 2 * d)
         gate = q_gate[..., d:]
         k = qkv[:, 2 * self.q_size : 2 * self.q_size + self.kv_size].view(num_tokens, nkv, d)
@@ -370,7 +413,8 @@ class _GatedAttentionLayer(MoELayer):
 
 class _GatedDeltaNetLayer(MoELayer):
     """`MoELayer`'s feed-forward after a Gated DeltaNet mixer (no attention projections: ``in_proj``
-    fuses ``in_proj_qkv``, ``in_proj_z`` and ``in_proj_ba`` (`_LinearNames`); ``out_proj``)."""
+    fuses ``in_proj_qkv``, ``in_proj_z`` and ``in_proj_ba`` (`LinearAttentionNames`), or Qwen3.5's
+    ``in_proj_b`` and ``in_proj_a``; ``out_proj``)."""
 
     def __init__(self, config: Qwen3NextConfig, layer_idx: int, dtype: torch.dtype, device: torch.device,
                  dense_dtype: torch.dtype | None) -> None:
@@ -381,6 +425,7 @@ class _GatedDeltaNetLayer(MoELayer):
         self.nk, self.nv = config.linear_num_key_heads, config.linear_num_value_heads
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_size, self.value_size = config.linear_key_size, config.linear_value_size
+        self.split_ba, self.tiled = config.split_ba, config.value_heads_tiled
         channels, width = config.conv_channels, config.conv_kernel
         self.in_proj: nn.Module | None = None
         self.out_proj: nn.Module | None = None
@@ -394,7 +439,9 @@ class _GatedDeltaNetLayer(MoELayer):
         hidden = self.hidden_size
         parts["in_proj"] = (("linear_attn.in_proj_qkv.weight", (2 * self.key_size + self.value_size, hidden)),
                             ("linear_attn.in_proj_z.weight", (self.value_size, hidden)),
-                            ("linear_attn.in_proj_ba.weight", (2 * self.nv, hidden)))
+                            *((("linear_attn.in_proj_b.weight", (self.nv, hidden)),
+                               ("linear_attn.in_proj_a.weight", (self.nv, hidden))) if self.split_ba else
+                              (("linear_attn.in_proj_ba.weight", (2 * self.nv, hidden)),)))
         parts["out_proj"] = (("linear_attn.out_proj.weight", (hidden, self.value_size)),)
         return parts
 
@@ -422,8 +469,11 @@ class _GatedDeltaNetLayer(MoELayer):
         proj = cast(nn.Module, self.in_proj)(x)
         conv_in = 2 * self.key_size + self.value_size
         mixed, z, ba = proj.split((conv_in, self.value_size, 2 * nv), dim=-1)
-        ba = ba.reshape(num_tokens, nk, 2 * group)  # per key head [b of its value heads | a of them]
-        b, a = ba[..., :group].reshape(num_tokens, nv), ba[..., group:].reshape(num_tokens, nv)
+        if self.split_ba:
+            b, a = ba.split((nv, nv), dim=-1)
+        else:
+            ba = ba.reshape(num_tokens, nk, 2 * group)  # per key head [b of its value heads | a of them]
+            b, a = ba[..., :group].reshape(num_tokens, nv), ba[..., group:].reshape(num_tokens, nv)
         batch = attn.recurrent(self.layer_idx)
         conv_state, delta_state = batch.states
         mixed = causal_conv(mixed, self.conv_weight, conv_state, batch.spans).to(x.dtype)
@@ -432,7 +482,7 @@ class _GatedDeltaNetLayer(MoELayer):
         beta = torch.sigmoid(b).to(wide)
         g = self.neg_rate * F.softplus(a.to(wide) + self.dt_bias)
         core = gated_delta(q.reshape(num_tokens, nk, dk), k.reshape(num_tokens, nk, dk),
-                           v.reshape(num_tokens, nv, dv), g, beta, delta_state, batch.spans)
+                           v.reshape(num_tokens, nv, dv), g, beta, delta_state, batch.spans, tiled=self.tiled)
         core = core.to(x.dtype).to(wide)
         normed = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + self.eps) * self.gated_norm
         out = normed * F.silu(z.reshape(num_tokens, nv, dv).to(wide))
@@ -467,5 +517,26 @@ ARCHITECTURES = (
         gguf_tensor=gguf_tensor,
         build=build,
     ),
+    Architecture(
+        name="qwen3_5",
+        hf_model_types=("qwen3_5_text",),
+        hf_architectures=("Qwen3_5ForCausalLM",),
+        gguf_architectures=("qwen35",),
+        config_from_hf=functools.partial(config_from_hf, arch="qwen3_5"),
+        config_from_gguf=config_from_gguf,
+        gguf_tensor=gguf_tensor,
+        build=build,
+    ),
+    Architecture(
+        name="qwen3_5_moe",
+        hf_model_types=("qwen3_5_moe_text",),
+        hf_architectures=("Qwen3_5MoeForCausalLM",),
+        gguf_architectures=("qwen35moe",),
+        config_from_hf=functools.partial(config_from_hf, arch="qwen3_5_moe"),
+        config_from_gguf=config_from_gguf,
+        gguf_tensor=gguf_tensor,
+        build=build,
+    ),
 )
-"""Qwen3-Next's registry entry (`helios.models.registry`)."""
+"""The registry entries (`helios.models.registry`): Qwen3-Next, and Qwen3.5 dense and MoE (text;
+their vision-language checkpoints' text part through `helios.models.vision.registry`)."""

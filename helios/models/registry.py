@@ -12,7 +12,8 @@ mistral, qwen2, qwen3; `helios.models.gemma3.ARCHITECTURES`: gemma3; `helios.mod
 `helios.models.qwen3_moe`, `helios.models.glm4_moe`, `helios.models.minimax_m2`,
 `helios.models.gpt_oss`, `helios.models.mimo_v2_flash`, `helios.models.deepseek_v3`,
 `helios.models.deepseek_v32`: the mixture-of-experts families; `helios.models.qwen3_next` and
-`helios.models.nemotron_h`: the hybrid recurrent ones); more can be
+`helios.models.nemotron_h`, `helios.models.kimi_linear`: the hybrid recurrent ones, the first
+also Qwen3.5 text); more can be
 registered from outside::
 
     registry.register(Architecture(name="tiny", hf_model_types=("tiny",), ...))
@@ -57,6 +58,7 @@ def _builtin_architectures() -> Sequence[Architecture]:
         gemma4,
         glm4_moe,
         gpt_oss,
+        kimi_linear,
         llama,
         mimo_v2_flash,
         minimax_m2,
@@ -68,7 +70,7 @@ def _builtin_architectures() -> Sequence[Architecture]:
     return (*llama.ARCHITECTURES, *gemma3.ARCHITECTURES, *qwen3_moe.ARCHITECTURES, *glm4_moe.ARCHITECTURES,
             *minimax_m2.ARCHITECTURES, *gpt_oss.ARCHITECTURES, *mimo_v2_flash.ARCHITECTURES, *gemma4.ARCHITECTURES,
             *deepseek_v3.ARCHITECTURES, *deepseek_v32.ARCHITECTURES,
-            *qwen3_next.ARCHITECTURES, *nemotron_h.ARCHITECTURES)
+            *qwen3_next.ARCHITECTURES, *nemotron_h.ARCHITECTURES, *kimi_linear.ARCHITECTURES)
 
 
 def _table() -> dict[str, Architecture]:

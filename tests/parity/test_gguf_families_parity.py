@@ -549,9 +549,9 @@ _LLAMA_CPP = Path(os.environ.get("HELIOS_PEERS", "~/.cache/helios-peers")).expan
 
 _RUNNER = '''
 import sys
-tree, model_dir, out, outtype = sys.argv[1:5]
+tree, model_dir, out, outtype, *flags = sys.argv[1:]
 sys.path.insert(0, tree)
-sys.argv = ["convert_hf_to_gguf.py", model_dir, "--outfile", out, "--outtype", outtype]
+sys.argv = ["convert_hf_to_gguf.py", model_dir, "--outfile", out, "--outtype", outtype, *flags]
 import convert_hf_to_gguf as conv
 import gguf
 

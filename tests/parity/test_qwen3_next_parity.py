@@ -27,9 +27,10 @@ from torch import Tensor
 
 from helios.loaders.checkpoint import load_checkpoint
 from helios.models.architecture import BuildOptions
+from helios.models.decoder import FusedDecoderLM
 from helios.models.dense_attention import DenseAttention
 from helios.models.gated_delta import chunked_scan, l2norm, recurrent_step
-from helios.models.interface import RecurrentBatch, RecurrentStateSpec
+from helios.models.interface import LatentProjection, RecurrentBatch, RecurrentStateSpec, SparseIndex
 from helios.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 from tests.numerics import FP32_TOLERANCE
 
@@ -49,7 +50,12 @@ def prompt_of(n: int, salt: int = 0) -> list[int]:
 
 
 def tiny_hf_model() -> torch.nn.Module:
-    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**CONFIG))
+    return seeded(transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**CONFIG)))
+
+
+def seeded(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (Qwen3-Next or Qwen3.5) with seeded weights of the scales the module docstring
+    explains, in eval mode."""
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -97,9 +103,9 @@ def model(root: Path) -> Qwen3NextForCausalLM:
 
 class OneSequence:
     """One request's cache for calling the model directly: `DenseAttention` for the attention
-    layers, state slot 0 of every recurrent layer."""
+    layers (latent ones too), state slot 0 of every recurrent layer."""
 
-    def __init__(self, model: Qwen3NextForCausalLM) -> None:
+    def __init__(self, model: FusedDecoderLM) -> None:
         self.dense = DenseAttention.for_model(model)
         self.states: dict[int, tuple[Tensor, ...]] = {}
         for i, spec in enumerate(model.cache_specs()):
@@ -117,10 +123,11 @@ class OneSequence:
     def recurrent(self, layer_idx: int) -> RecurrentBatch:
         return RecurrentBatch(self.states[layer_idx], (self.span,))
 
-    def latent(self, *args: object) -> Tensor:
-        raise NotImplementedError
+    def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
+               scale: float, *, index: SparseIndex | None = None) -> Tensor:
+        return self.dense.latent(layer_idx, q_nope, q_rope, rows, projection, scale, index=index)
 
-    def logits(self, model: Qwen3NextForCausalLM, ids: list[int], start: int) -> Tensor:
+    def logits(self, model: FusedDecoderLM, ids: list[int], start: int) -> Tensor:
         self.span = (0, len(ids), 0, start)
         with torch.no_grad():
             return model.compute_logits(model(torch.tensor(ids), torch.arange(start, start + len(ids)), self))
@@ -133,10 +140,11 @@ def hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> Tensor:
 
 def hf_generate(hf_model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
     """transformers' greedy continuation: its chunked rule for the prompt, the recurrent one for each
-    decoded token (the attention mask given: a prompt token equal to the pad id is not padding)."""
+    decoded token (the attention mask given: a prompt token equal to the pad id is not padding; no
+    stop token, as the engine's ``ignore_eos``: ``min_new_tokens`` would instead forbid the eos id)."""
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                                max_new_tokens=n, eos_token_id=[], do_sample=False)
     return [int(t) for t in out[0, len(ids):]]
 
 
@@ -188,7 +196,7 @@ def test_greedy_32_tokens_match_transformers_generate(model: Qwen3NextForCausalL
     assert tokens == expected
 
 
-def _engine_run(model: Qwen3NextForCausalLM, prompts: list[list[int]], chunk: int, max_tokens: int,
+def _engine_run(model: FusedDecoderLM, prompts: list[list[int]], chunk: int, max_tokens: int,
                 max_active: int = 4) -> dict[str, list[tuple[int, float, tuple[tuple[int, float], ...]]]]:
     from helios.domain.sampling import SamplingParams
     from helios.engine.core import EngineConfig, EngineCore

@@ -78,7 +78,12 @@ class _KimiK25Family(VisionFamily):
 _IDEFICS3 = VisionFamily("idefics3", text_prefix="model.text_model.", default_text_model_type="llama")
 _KIMI_K25 = _KimiK25Family("kimi_k25", text_prefix="model.language_model.", default_text_model_type="deepseek_v3",
                            tower=False)
-VISION_MODEL_TYPES: dict[str, VisionFamily] = {"idefics3": _IDEFICS3, "smolvlm": _IDEFICS3, "kimi_k25": _KIMI_K25}
+_QWEN3_5 = VisionFamily("qwen3_5", text_prefix="model.language_model.", default_text_model_type="qwen3_5_text",
+                        tower=False)
+_QWEN3_5_MOE = VisionFamily("qwen3_5_moe", text_prefix="model.language_model.",
+                            default_text_model_type="qwen3_5_moe_text", tower=False)
+VISION_MODEL_TYPES: dict[str, VisionFamily] = {"idefics3": _IDEFICS3, "smolvlm": _IDEFICS3, "kimi_k25": _KIMI_K25,
+                                               "qwen3_5": _QWEN3_5, "qwen3_5_moe": _QWEN3_5_MOE}
 """``config.json`` model_type -> the vision-language family."""
 
 
