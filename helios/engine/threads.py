@@ -17,9 +17,9 @@ taken). `ThreadGovernor` turns one measurement window (``interval_s``) into a te
 
 so a thread is dropped once others take more than 0.4 of a core per dropped thread (a process
 using a whole core, or a steady 40% share that would stall every barrier that often), and a quiet
-machine keeps the whole team. Shrinking takes effect at the next step; growing back waits for
-``grow_after`` consecutive windows that agree (a hog that pauses briefly does not make the team
-oscillate). The engine's own threads (HTTP, tokenization) count as ours, not as others.
+machine keeps the whole team. A change waits for consecutive windows that agree: ``shrink_after``
+(2: a second-long burst, such as a client process starting, does not shrink the team) and
+``grow_after`` (2: a hog that pauses briefly does not make the team oscillate). The engine's own threads (HTTP, tokenization) count as ours, not as others.
 
 Where /proc is absent (not Linux) the meter reads nothing and the team keeps its configured size.
 The governor is engine-thread state: `tick` is called between steps; `torch.set_num_threads` is
@@ -125,7 +125,7 @@ class ThreadGovernor:
     """Decides the engine's intra-op team size between steps (see the module docstring)."""
 
     def __init__(self, max_threads: int, *, adaptive: bool = True, meter: CpuMeter | None = None,
-                 interval_s: float = 0.5, grow_after: int = 2,
+                 interval_s: float = 0.5, shrink_after: int = 2, grow_after: int = 2,
                  set_threads: Callable[[int], None] | None = None) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be at least 1, got {max_threads}")
@@ -133,12 +133,14 @@ class ThreadGovernor:
         self.meter = meter if meter is not None else (CpuMeter() if adaptive else None)
         self.adaptive = adaptive and self.meter is not None and bool(self.meter.cpus)
         self.interval_s = interval_s
+        self.shrink_after = shrink_after
         self.grow_after = grow_after
         self._set_threads = set_threads
         self.threads = max_threads
         self.changes = 0
         self.others = 0.0
         self._last: CpuSample | None = None
+        self._shrink_votes = 0
         self._grow_votes = 0
 
     def start(self) -> None:
@@ -170,14 +172,18 @@ class ThreadGovernor:
         want = team_size(len(self.meter.cpus), self.others, self.max_threads)
         if want < self.threads:
             self._grow_votes = 0
-            self._apply(want)
+            self._shrink_votes += 1
+            if self._shrink_votes >= self.shrink_after:
+                self._shrink_votes = 0
+                self._apply(want)
         elif want > self.threads:
+            self._shrink_votes = 0
             self._grow_votes += 1
             if self._grow_votes >= self.grow_after:
                 self._grow_votes = 0
                 self._apply(want)
         else:
-            self._grow_votes = 0
+            self._grow_votes = self._shrink_votes = 0
         return self.threads
 
     def _apply(self, threads: int) -> None:

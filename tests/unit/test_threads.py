@@ -86,16 +86,22 @@ def test_team_size(cores: int, others: float, max_threads: int, want: int) -> No
     assert team_size(cores, others, max_threads) == want
 
 
-def test_governor_shrinks_at_once_and_grows_after_agreeing_windows(tmp_path: Path) -> None:
+def test_governor_resizes_after_agreeing_windows(tmp_path: Path) -> None:
     proc = FakeProc(tmp_path)
     applied: list[int] = []
     gov = ThreadGovernor(2, meter=proc.meter(), interval_s=0.5, grow_after=2, set_threads=applied.append)
     gov.start()
     assert applied == [2] and gov.threads == 2
+    proc.advance(0.6, ours=1.5, others=0.9)  # a burst for one window (a client starting)
+    assert gov.tick() == 2
+    proc.advance(0.6, ours=2.0, others=0.0)
+    assert gov.tick() == 2
     proc.advance(0.2, ours=1.6, others=0.6)  # a hog shares a core with us
     assert gov.tick() == 2  # inside the window: no reading yet
     proc.advance(0.4, ours=1.6, others=0.6)
-    assert gov.tick() == 1 and applied == [2, 1]
+    assert gov.tick() == 2  # one window wants fewer
+    proc.advance(0.6, ours=1.6, others=0.6)
+    assert gov.tick() == 1 and applied == [2, 1]  # the second agrees
     proc.advance(0.6, ours=1.0, others=1.0)  # the hog keeps its core
     assert gov.tick() == 1
     proc.advance(0.6, ours=1.0, others=0.0)  # gone: one window is not enough to grow back
@@ -180,7 +186,8 @@ def test_engine_thread_runs_steps_with_the_governor_team(tmp_path: Path) -> None
             return clock[0]
 
     meter = CpuMeter(frozenset({0, 1}), proc=tmp_path, clock=now)
-    gov = ThreadGovernor(2, meter=meter, interval_s=0.5, grow_after=1, set_threads=torch.set_num_threads)
+    gov = ThreadGovernor(2, meter=meter, interval_s=0.5, shrink_after=1, grow_after=1,
+                         set_threads=torch.set_num_threads)
     core = _Core()
     thread = EngineThread(core, lambda outs: None, governor=gov)  # type: ignore[arg-type]
     thread.start()
