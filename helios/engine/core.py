@@ -19,6 +19,7 @@ import torch
 
 from helios.domain.events import FailureKind
 from helios.engine.attention import TorchPagedBackend
+from helios.engine.drafter import Drafter
 from helios.engine.images import ImageEncoder
 from helios.engine.kv.coordinator import KVCacheCoordinator, KVManager, group_key
 from helios.engine.kv.host_store import HostStore
@@ -76,16 +77,25 @@ class EngineCore:
     """Owns the model, the KV cache, the scheduler and the sampler. Not thread-safe: one thread runs it."""
 
     def __init__(self, model: CausalLM, cfg: EngineConfig, dtype: torch.dtype,
-                 device: str | torch.device = "cpu", *, vision: ImageEncoder | None = None) -> None:
+                 device: str | torch.device = "cpu", *, vision: ImageEncoder | None = None,
+                 drafter: Drafter | None = None) -> None:
         """The cache follows ``model.cache_specs()``: layers with equal specs form a group
         (`kv/layout.py`), each paged group ``cfg.num_pages`` pages, each recurrent group one state
         slot per running request. ``dtype``: the cache's. ``vision``: the vision tower of a
         vision-language model (None: text only); the runner encodes requests' images with it
-        (`engine/images.py`)."""
+        (`engine/images.py`). ``drafter``: a draft model for the speculating requests
+        (`engine/drafter.py`; it needs speculation on and a layout without recurrent groups)."""
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
         self.layout = layout = CacheLayout.from_specs(model.cache_specs())
+        if drafter is not None and not cfg.speculative.enabled:
+            raise ValueError("a draft model drafts for speculative decoding: it needs speculative mode ngram or "
+                             "adaptive")
+        if drafter is not None and layout.has_recurrent:
+            raise ValueError("this model has recurrent layers, which do not speculate (rejected drafts would need "
+                             "a state rollback): a draft model cannot serve it")
+        self.drafter = drafter
         self.attention = TorchPagedBackend.for_layout(layout, cfg.num_pages, cfg.page_size, dtype, self.device,
                                                       num_state_slots=cfg.max_active)
         self.kv = self.attention.kv
@@ -125,7 +135,8 @@ class EngineCore:
             self.kv_manager, max_active=cfg.max_active, prefill_chunk_size=cfg.prefill_chunk_size,
             max_model_len=cfg.max_model_len,
             host_has=host_has, restore=restore,
-            speculative=cfg.speculative if not layout.has_recurrent else SpeculativeConfig())
+            speculative=cfg.speculative if not layout.has_recurrent else SpeculativeConfig(),
+            draft_proposer=drafter.proposer if drafter is not None else None)
         vocab = model.vocab_size
         self.sampler = Sampler(min(vocab, cfg.token_vocab_size or vocab), device=self.device)
         self.runner = ModelRunner(model, self.attention, self.kv_manager, self.sampler, self.device,
@@ -178,6 +189,8 @@ class EngineCore:
             speculative_mode=self.cfg.speculative.mode,
             history_drafts=self.scheduler.history is not None,
             speculative=self.scheduler.spec_stats.snapshot(),
+            learned_drafter=self.drafter is not None,
+            draft_steps=self.drafter.forward_tokens if self.drafter is not None else 0,
         )
 
     def close(self) -> None:

@@ -249,3 +249,7 @@ class EngineStats:
     """Speculating requests also draft from the shared decoded history (flare_history_drafts_enabled)."""
     speculative: SpeculativeStats | None = None
     """Speculation counters (verification rounds and drafts; engine/speculative.py)."""
+    learned_drafter: bool = False
+    """A draft model drafts for the speculating requests (``[speculative] draft_model``)."""
+    draft_steps: int = 0
+    """Draft positions the draft model ran (prefill and decode positions; engine/drafter.py)."""

@@ -188,6 +188,7 @@ class Scheduler:
         restore: Callable[[int, int], bool] | None = None,
         host_has: Callable[[int], bool] | None = None,
         speculative: SpeculativeConfig | None = None,
+        draft_proposer: Callable[[str], Proposer] | None = None,
     ) -> None:
         self.kv = kv
         # The host store behind the prefix cache: `host_has(hash)` says whether it holds a page,
@@ -220,6 +221,8 @@ class Scheduler:
             SharedHistory(spec_cfg.min_ngram, spec_cfg.max_ngram, spec_cfg.history_tokens)
             if spec_cfg.enabled and spec_cfg.history else None)
         """The shared decoded history the speculating requests draft from (None: off)."""
+        self.draft_proposer = draft_proposer if spec_cfg.enabled else None
+        """Makes a request's draft-model proposer, asked after the lookups (None: no draft model)."""
 
     # -- membership -------------------------------------------------------------------------
     def add(self, request: EngineRequest, generator: torch.Generator | None) -> RequestState:
@@ -234,10 +237,12 @@ class Scheduler:
         )
         spec = self.speculative
         if spec.enabled and seq.tracker is None and request.max_tokens > 1:
-            own = NgramProposer(spec.min_ngram, spec.max_ngram)
-            proposer: Proposer = own if self.history is None else FirstOf(
-                own, HistoryProposer(self.history, request.request_id))
-            seq.drafts = DraftState(proposer, spec.max_depth)
+            chain: list[Proposer] = [NgramProposer(spec.min_ngram, spec.max_ngram)]
+            if self.history is not None:
+                chain.append(HistoryProposer(self.history, request.request_id))
+            if self.draft_proposer is not None:
+                chain.append(self.draft_proposer(request.request_id))
+            seq.drafts = DraftState(chain[0] if len(chain) == 1 else FirstOf(*chain), spec.max_depth)
         self._arrivals += 1
         self.waiting.append(seq)
         self.by_id[request.request_id] = seq
@@ -256,6 +261,8 @@ class Scheduler:
                 pass
         seq.status = SeqStatus.FINISHED
         self.kv.free(seq.request_id)
+        if seq.drafts is not None:
+            seq.drafts.proposer.release()
         self._freed.append(seq.request_id)
         self.by_id.pop(seq.request_id, None)
 
@@ -589,6 +596,8 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq.request_id)
         self._freed.append(seq.request_id)
+        if seq.drafts is not None:
+            seq.drafts.proposer.release()
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
