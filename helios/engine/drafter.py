@@ -51,11 +51,11 @@ class Drafter:
     def __init__(self, model: CausalLM, dtype: torch.dtype, device: str | torch.device = "cpu", *,
                  num_pages: int, page_size: int, max_active: int, max_model_len: int,
                  prefill_chunk_size: int = 512, prefix_caching: bool = True, fingerprint: bytes = b"",
-                 token_vocab_size: int | None = None) -> None:
+                 token_vocab_size: int | None = None, kv_prefault: bool = False) -> None:
         """``num_pages`` of ``page_size`` tokens for the draft model's K/V; ``max_active``: the
         requests it drafts for at once (the target's); ``max_model_len``: the longest context it
         drafts in (no drafts past it); ``token_vocab_size``: the tokenizer's ids (drafts never
-        leave them)."""
+        leave them); ``kv_prefault``: touch the whole pool at start (as the target's, `EngineConfig`)."""
         layout = CacheLayout.from_specs(model.cache_specs())
         if layout.has_recurrent:
             raise ValueError("a draft model with recurrent layers cannot draft: rejected drafts would need a "
@@ -64,6 +64,8 @@ class Drafter:
         self.device = torch.device(device)
         self.attention = TorchPagedBackend.for_layout(layout, num_pages, page_size, dtype, self.device,
                                                       num_state_slots=max_active)
+        if kv_prefault:
+            self.attention.kv.prefault()
         self.kv: KVManager
         if layout.is_single_full:
             self.kv = KVCacheManager(num_pages, page_size, enable_caching=prefix_caching, fingerprint=fingerprint)

@@ -156,3 +156,67 @@ def test_a_full_draft_pool_gives_fewer_drafts_and_never_changes_outputs() -> Non
 def test_a_draft_model_needs_speculation_on() -> None:
     with pytest.raises(ValueError, match="needs speculative mode ngram or adaptive"):
         engine("off", drafter(copy.deepcopy(TARGET)))
+
+
+def test_draft_model_config_is_validated(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from helios.config import ConfigError, load_config
+
+    assert load_config().speculative.draft_model == ""
+    path = Path(str(tmp_path)) / "h.toml"
+    path.write_text('[speculative]\nmode = "ngram"\ndraft_model = "qwen2.5-coder:0.5b"\n')
+    assert load_config(path).speculative.draft_model == "qwen2.5-coder:0.5b"
+    for bad, message in (
+        ('draft_model = "qwen2.5-coder:0.5b"', "speculative.draft_model = 'qwen2.5-coder:0.5b' drafts for "
+                                               "speculative decoding, which is off"),
+        ('mode = "off"\ndraft_model = "x.gguf"', "set speculative.mode to ngram or adaptive"),
+        ('mode = "ngram"\ndraft_model = 3', "speculative.draft_model must be a model name or path"),
+        ('mode = "ngram"\ndraft_model = " x.gguf"', "surrounding whitespace"),
+    ):
+        path.write_text(f"[speculative]\n{bad}\n")
+        with pytest.raises(ConfigError, match=message):
+            load_config(path)
+
+
+def test_an_unknown_draft_model_name_is_refused() -> None:
+    from helios.config import ConfigError, HeliosConfig, SpeculativeSection
+    from helios.loaders.tokenizer import Tokenizer
+    from helios.runtime import load_drafter
+
+    cfg = attrs.evolve(HeliosConfig(), speculative=SpeculativeSection(mode="ngram", draft_model="no-such:model"))
+    with pytest.raises(ConfigError, match=r"speculative\.draft_model: "):
+        load_drafter(cfg, Tokenizer.__new__(Tokenizer), num_pages=4, max_model_len=64, cache_dir=None)
+
+
+def test_the_card_and_the_metrics_name_the_draft_model() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from helios.domain.model import ModelInfo
+    from helios.frontends.openai.models import speculative_object
+    from helios.obs.metrics import ServingMetrics
+
+    info = ModelInfo(model_id="m", aliases=(), created=0, max_model_len=64, vocab_size=CFG.vocab_size,
+                     default_max_tokens=16, max_concurrency=4, prefill_chunk_size=16, max_top_logprobs=20,
+                     prompt_logprobs=True, sampling_defaults={}, sampling_ranges={}, recipe="plain", has_bos=False,
+                     speculative_mode="ngram", speculative_max_depth=3, speculative_history=True,
+                     speculative_draft_model=True)
+    card = speculative_object(info)
+    assert card["proposers"] == ["ngram", "history", "draft"] and card["learned_drafter"] is True
+    off = speculative_object(attrs.evolve(info, speculative_mode="off"))
+    assert off["proposers"] == [] and off["learned_drafter"] is False
+    d = drafter(copy.deepcopy(TARGET))
+    core = engine("ngram", d)
+    drive(core, requests(GREEDY, n=1, max_tokens=12))
+    stats = core.stats()
+    spec = stats.speculative
+    assert spec is not None and spec.model_draft_rounds > 0
+    assert stats.learned_drafter is True and stats.draft_steps == d.forward_tokens > 0
+    snap = ServingMetrics(lambda: (stats, None)).snapshot()
+    assert snap["learned_drafter"] is True and snap["draft_steps"] == d.forward_tokens
+    samples = {s.name: s.value for f in text_string_to_metric_families(ServingMetrics(lambda: (stats, None)).prometheus())
+               for s in f.samples}
+    assert samples["flare_draft_model_request_rounds_total"] == spec.model_draft_rounds
+    assert samples["flare_draft_model_accepted_draft_tokens_total"] == spec.model_accepted_drafts
+    plain = engine("ngram").stats()
+    assert plain.learned_drafter is False and plain.draft_steps == 0
