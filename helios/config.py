@@ -143,6 +143,9 @@ class SpeculativeSection:
     max_depth: int = attrs.field(default=4, validator=_depth)  # drafts verified per request and step
     # Also draft from the recent outputs of other requests (the shared decoded history).
     history: bool = True
+    # A second, smaller model with the target's tokenizer that drafts greedily when the n-gram and
+    # history lookups have no guess (a catalog name or a GGUF file / model folder; empty: none).
+    draft_model: str = ""
 
 
 @attrs.frozen
@@ -255,6 +258,14 @@ def _check_speculative(section: Any) -> None:
         raise ConfigError(f"speculative.mode must be one of {', '.join(SPECULATIVE_MODES)}, got {section['mode']!r}")
     if "history" in section and not isinstance(section["history"], bool):
         raise ConfigError(f"speculative.history must be true or false, got {section['history']!r}")
+    draft = section.get("draft_model", "")
+    if not isinstance(draft, str):
+        raise ConfigError(f"speculative.draft_model must be a model name or path (a string), got {draft!r}")
+    if draft.strip() != draft:
+        raise ConfigError(f"speculative.draft_model has surrounding whitespace: {draft!r}")
+    if draft and section.get("mode", "off") == "off":
+        raise ConfigError(f"speculative.draft_model = {draft!r} drafts for speculative decoding, which is off: "
+                          "set speculative.mode to ngram or adaptive, or remove draft_model")
     depth = section.get("max_depth", 1)
     if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= MAX_SPECULATIVE_DEPTH:
         raise ConfigError(f"speculative.max_depth must be an integer within 1..{MAX_SPECULATIVE_DEPTH}, got {depth!r}")

@@ -31,6 +31,7 @@ from helios.serving.pipeline import Service
 if TYPE_CHECKING:
     import trio
 
+    from helios.engine.drafter import Drafter
     from helios.loaders.checkpoint import Checkpoint, ProgressCallback
     from helios.loaders.tokenizer import Tokenizer
     from helios.models.architecture import LoadableCausalLM
@@ -512,6 +513,43 @@ def _usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+def load_drafter(cfg: HeliosConfig, tokenizer: Tokenizer, *, num_pages: int, max_model_len: int,
+                 cache_dir: Path | None) -> Drafter:
+    """``[speculative] draft_model`` (a catalog name or a path, as ``[model] path``) loaded with the
+    target's weights and dtype settings, as the engine's `Drafter`: its own pool of ``num_pages``
+    pages (the target's, plus one per request slot for the lookahead), drafting within the
+    target's context and its own. Refused (`ConfigError`) when its tokenizer maps ids to other
+    tokens than the target's."""
+    from helios.config import ConfigError
+    from helios.engine.drafter import Drafter
+    from helios.loaders import catalog
+
+    spec = cfg.speculative.draft_model
+    try:
+        path, _name = resolve_model(spec)
+    except catalog.UnknownModel as exc:
+        raise ConfigError(f"speculative.draft_model: {exc}") from None
+    print(f"Loading the draft model {path}", file=sys.stderr)
+    loaded = load_model(path, weights=cfg.model.weights, dtype=cfg.model.dtype, device=cfg.model.device,
+                        cache_dir=cache_dir, progress=_progress)
+    ckpt = loaded.checkpoint
+    difference = tokenizer.vocabulary_difference(ckpt.tokenizer)
+    if difference is not None:
+        raise ConfigError(f"speculative.draft_model {spec!r} ({ckpt.model_id}) cannot draft for this model: its "
+                          f"tokenizer differs ({difference}); a draft model must share the target's vocabulary")
+    page = cfg.engine.page_size
+    drafter = Drafter(loaded.model, loaded.choice.dtype, cfg.model.device, num_pages=num_pages, page_size=page,
+                      max_active=cfg.engine.max_active,
+                      max_model_len=min(max_model_len, ckpt.config.max_position_embeddings),
+                      prefill_chunk_size=cfg.engine.prefill_chunk_size, prefix_caching=cfg.cache.prefix_caching,
+                      fingerprint=model_fingerprint(path, loaded.choice.describe()),
+                      token_vocab_size=tokenizer.vocab_size, kv_prefault=cfg.engine.kv_prefault)
+    layout = drafter.attention.layout
+    log.info("draft model %s: %s; its KV pool %d pages (%.2f GiB)", ckpt.model_id, loaded.choice.describe(),
+             num_pages, layout.bytes_per_token(loaded.choice.dtype) * page * num_pages / 2**30)
+    return drafter
+
+
 def build_runtime(cfg: HeliosConfig) -> Runtime:
     from helios.loaders.catalog import DEFAULT_NAME, default_cache_dir
     from helios.recipes import detect_parser_family, detect_recipe, get_recipe, plain_recipe
@@ -562,7 +600,11 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                         speculative=SpeculativeConfig(mode=cfg.speculative.mode, max_depth=cfg.speculative.max_depth,
                                                       history=cfg.speculative.history),
                         kv_prefault=cfg.engine.kv_prefault, token_vocab_size=ckpt.tokenizer.vocab_size)
-    core = EngineCore(model, ecfg, dtype, device, vision=loaded.vision)
+    drafter = None
+    if cfg.speculative.draft_model:
+        drafter = load_drafter(cfg, ckpt.tokenizer, num_pages=num_pages + cfg.engine.max_active,
+                               max_model_len=max_model_len, cache_dir=cache_dir)
+    core = EngineCore(model, ecfg, dtype, device, vision=loaded.vision, drafter=drafter)
     name = cfg.model.recipe or detect_recipe(ckpt.model_id, mc.arch, ckpt.chat_template)
     is_default = catalog_name == DEFAULT_NAME
     generation_config = generation_defaults(ckpt.generation_config, cfg.model.generation_config, default_model=is_default)
@@ -595,6 +637,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         speculative_mode=cfg.speculative.mode,
         speculative_max_depth=cfg.speculative.max_depth if cfg.speculative.mode != "off" else 0,
         speculative_history=cfg.speculative.mode != "off" and cfg.speculative.history,
+        speculative_draft_model=drafter is not None,
         has_vision=loaded.vision is not None,
         # has_tools is decided with the chat template, in serving.service_factory.tool_support.
     )

@@ -259,7 +259,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument(
         "--workload",
-        choices=(*WORKLOADS, "editing"),
+        choices=(*WORKLOADS, *bench_edit.WORKLOADS),
         default="throughput",
         help="throughput (default: concurrent streams, no prefix shared); long-context (throughput with a "
         "~4,000-token prompt, 256 tokens, 1 and 8 streams); ttfb (a 512-token prompt, one token, one stream); "
@@ -267,7 +267,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "of a ~1,500-token shared prefix); agent-replay (a recorded 12-turn agent session, each turn "
         "resending the history); restart (a ~4,000-token prompt cold, then again after a server restart: "
         "run twice with --state-file); editing (one stream repeats a ~1,100-token source file with three "
-        "edits, greedy: speculative decoding's case; --rounds, default 2; --max-tokens, default 1400)",
+        "edits, greedy: speculative decoding's case; --rounds, default 2; --max-tokens, default 1400); "
+        "code-writing (one stream writes a new ~500-token module from a short request, greedy: a draft "
+        "model's case; --rounds, default 2; --max-tokens, default 512)",
     )
     parser.add_argument(
         "--streams",
@@ -470,7 +472,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    if args.workload == "editing":
+    if args.workload in bench_edit.WORKLOADS:
         return _run_editing(args)
     preset = THROUGHPUT_PRESETS.get(args.workload)
     if preset is not None:
@@ -526,7 +528,8 @@ def _run_cli(args: argparse.Namespace) -> int:
 
 
 def _run_editing(args: argparse.Namespace) -> int:
-    args.max_tokens = bench_edit.DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
+    default = bench_edit.CODE_WRITING_MAX_TOKENS if args.workload == "code-writing" else bench_edit.DEFAULT_MAX_TOKENS
+    args.max_tokens = default if args.max_tokens is None else args.max_tokens
     args.rounds = bench_edit.DEFAULT_ROUNDS if args.rounds is None else args.rounds
     if args.max_tokens < 1 or args.rounds < 1:
         print("helios bench: --max-tokens and --rounds must be at least 1", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""``helios bench --workload editing``: one stream edits a ~1,100-token source file.
+"""``helios bench --workload editing``: one stream edits a ~1,100-token source file; ``--workload
+code-writing``: one stream writes a new module from a short request.
 
 The prompt is fixed (``bench_data/edit_source.txt`` and the instruction below): a Python module and
 three small edits; the answer repeats the whole file with them (greedy, so every run of one model
@@ -11,6 +12,10 @@ and the decode rate (tokens after the first content chunk / time from the first 
 A server with ``/metrics?format=json`` (Helios) also reports the round's speculative counters
 (drafts offered and accepted, verification rounds; DEPTH = drafts / rounds). Rounds after the first
 hit the prefix cache on servers that have one: the decode rate is what the workload compares.
+
+The code-writing workload sends a short request for new code (``CODE_WRITING_TASK``, greedy, the
+same rounds and records): little of the answer is in the prompt, so prompt lookup has few guesses
+and a draft model (``[speculative] draft_model``) does the drafting.
 """
 
 from __future__ import annotations
@@ -43,6 +48,14 @@ INSTRUCTION = (
     "2. Change MAX_BATCH from 500 to 250.\n"
     "3. In `report`, write \"total stock value\" instead of \"total value\".\n\n"
 )
+CODE_WRITING_SYSTEM = "You are a helpful coding assistant. Answer with Python code only."
+CODE_WRITING_TASK = (
+    "Write a Python module `inventory.py` with a dataclass `Item` (name, quantity, unit_price), a class "
+    "`Inventory` with methods add, remove, total_value and low_stock(threshold), a function that loads "
+    "an inventory from a CSV file, and a `main` that prints a report. Add type hints and docstrings."
+)
+CODE_WRITING_MAX_TOKENS = 512
+WORKLOADS = ("editing", "code-writing")
 SPECULATIVE_KEYS = ("verification_drafts", "verification_rounds", "accepted_drafts", "draft_rounds", "verify_steps")
 
 
@@ -55,10 +68,29 @@ def edit_messages(source: str) -> list[dict[str, str]]:
             {"role": "user", "content": f"{INSTRUCTION}```python\n{source}```"}]
 
 
+def code_writing_messages() -> list[dict[str, str]]:
+    return [{"role": "system", "content": CODE_WRITING_SYSTEM}, {"role": "user", "content": CODE_WRITING_TASK}]
+
+
+def workload_messages(workload: str) -> list[dict[str, str]]:
+    """The chat messages of a round of ``workload`` (one of WORKLOADS)."""
+    if workload == "code-writing":
+        return code_writing_messages()
+    if workload == "editing":
+        return edit_messages(load_source())
+    raise ValueError(f"unknown single-stream workload {workload!r}: expected one of {', '.join(WORKLOADS)}")
+
+
 def edit_body(model: str, source: str, max_tokens: int, *, usage: bool = True,
               extra_body: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The round's request: greedy, streamed, EOS allowed (the answer ends with the file)."""
-    body: dict[str, Any] = {"model": model, "messages": edit_messages(source), "max_tokens": max_tokens,
+    """The editing round's request: greedy, streamed, EOS allowed (the answer ends with the file)."""
+    return chat_body(model, edit_messages(source), max_tokens, usage=usage, extra_body=extra_body)
+
+
+def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int, *, usage: bool = True,
+              extra_body: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A round's request: ``messages``, greedy, streamed, EOS allowed."""
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens,
                             "temperature": 0.0, "stream": True}
     if usage:
         body["stream_options"] = {"include_usage": True}
@@ -101,7 +133,7 @@ async def _metrics(client: httpx.AsyncClient, base: str, headers: Mapping[str, s
 
 
 async def _run_server(client: httpx.AsyncClient, url: str, model: str | None, api_key: str | None,
-                      args: argparse.Namespace, source: str) -> dict[str, Any]:
+                      args: argparse.Namespace, messages: list[dict[str, str]]) -> dict[str, Any]:
     base = base_url(url)
     model = model or await discover_model(client, base, api_key)
     headers = _headers(api_key)
@@ -110,12 +142,12 @@ async def _run_server(client: httpx.AsyncClient, url: str, model: str | None, ap
     rounds: list[dict[str, Any]] = []
     for _ in range(args.rounds):
         before = await _metrics(client, base, headers)
-        rec = await stream_once(client, chat, edit_body(model, source, args.max_tokens, usage=usage,
+        rec = await stream_once(client, chat, chat_body(model, messages, args.max_tokens, usage=usage,
                                                         extra_body=args.extra_body),
                                 headers, "chat", args.timeout)
         if usage and rec.status in (400, 422):  # a server without stream_options: without usage
             usage = False
-            rec = await stream_once(client, chat, edit_body(model, source, args.max_tokens, usage=False,
+            rec = await stream_once(client, chat, chat_body(model, messages, args.max_tokens, usage=False,
                                                             extra_body=args.extra_body),
                                     headers, "chat", args.timeout)
         rounds.append(summarize_round(rec, before, await _metrics(client, base, headers)))
@@ -123,17 +155,19 @@ async def _run_server(client: httpx.AsyncClient, url: str, model: str | None, ap
 
 
 async def run_workload(args: argparse.Namespace) -> dict[str, Any]:
-    """The editing workload on ``args.url`` and then, never concurrently, ``args.baseline_url``."""
+    """The editing or code-writing workload (``args.workload``) on ``args.url`` and then, never
+    concurrently, ``args.baseline_url``."""
     import httpx
 
-    source = load_source()
-    report: dict[str, Any] = {"workload": "editing", "max_tokens": args.max_tokens, "rounds": args.rounds}
+    workload = getattr(args, "workload", "editing")
+    messages = workload_messages(workload)
+    report: dict[str, Any] = {"workload": workload, "max_tokens": args.max_tokens, "rounds": args.rounds}
     timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 30.0))
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
-        report["target"] = await _run_server(client, args.url, args.model, args.api_key, args, source)
+        report["target"] = await _run_server(client, args.url, args.model, args.api_key, args, messages)
         if args.baseline_url:
             report["baseline"] = await _run_server(client, args.baseline_url, args.baseline_model,
-                                                   args.baseline_api_key, args, source)
+                                                   args.baseline_api_key, args, messages)
     target = report["target"]["decode_tok_s_median"]
     baseline = report.get("baseline", {}).get("decode_tok_s_median")
     if target and baseline:
@@ -142,7 +176,8 @@ async def run_workload(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_report(report: Mapping[str, Any]) -> str:
-    lines = [f"editing workload: one stream, {report['rounds']} round(s), max_tokens {report['max_tokens']}"]
+    lines = [f"{report['workload']} workload: one stream, {report['rounds']} round(s), "
+             f"max_tokens {report['max_tokens']}"]
     for role in ("target", "baseline"):
         server = report.get(role)
         if server is None:

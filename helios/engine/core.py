@@ -19,6 +19,7 @@ import torch
 
 from helios.domain.events import FailureKind
 from helios.engine.attention import TorchPagedBackend
+from helios.engine.drafter import Drafter
 from helios.engine.images import ImageEncoder
 from helios.engine.kv.checkpoints import Checkpoints
 from helios.engine.kv.coordinator import KVCacheCoordinator, KVManager, group_key
@@ -84,12 +85,14 @@ class EngineCore:
     """Owns the model, the KV cache, the scheduler and the sampler. Not thread-safe: one thread runs it."""
 
     def __init__(self, model: CausalLM, cfg: EngineConfig, dtype: torch.dtype,
-                 device: str | torch.device = "cpu", *, vision: ImageEncoder | None = None) -> None:
+                 device: str | torch.device = "cpu", *, vision: ImageEncoder | None = None,
+                 drafter: Drafter | None = None) -> None:
         """The cache follows ``model.cache_specs()``: layers with equal specs form a group
         (`kv/layout.py`), each paged group ``cfg.num_pages`` pages, each recurrent group one state
         slot per running request. ``dtype``: the cache's. ``vision``: the vision tower of a
         vision-language model (None: text only); the runner encodes requests' images with it
-        (`engine/images.py`)."""
+        (`engine/images.py`). ``drafter``: a draft model for the speculating requests
+        (`engine/drafter.py`; it needs speculation on and a layout without recurrent groups)."""
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
@@ -98,6 +101,13 @@ class EngineCore:
         # A recurrent layout's prefix cache needs state snapshots: rows after the running requests'
         # slots. It never speculates (rejected drafts would need a state rollback).
         num_snapshots = max(0, cfg.checkpoint_slots) if layout.has_recurrent and caching else 0
+        if drafter is not None and not cfg.speculative.enabled:
+            raise ValueError("a draft model drafts for speculative decoding: it needs speculative mode ngram or "
+                             "adaptive")
+        if drafter is not None and layout.has_recurrent:
+            raise ValueError("this model has recurrent layers, which do not speculate (rejected drafts would need "
+                             "a state rollback): a draft model cannot serve it")
+        self.drafter = drafter
         self.attention = TorchPagedBackend.for_layout(layout, cfg.num_pages, cfg.page_size, dtype, self.device,
                                                       num_state_slots=cfg.max_active + num_snapshots)
         self.kv = self.attention.kv
@@ -149,7 +159,8 @@ class EngineCore:
             max_model_len=cfg.max_model_len,
             host_has=host_has, restore=restore,
             speculative=cfg.speculative if not layout.has_recurrent else SpeculativeConfig(),
-            checkpoints=self.checkpoints)
+            checkpoints=self.checkpoints,
+            draft_proposer=drafter.proposer if drafter is not None else None)
         vocab = model.vocab_size
         self.sampler = Sampler(min(vocab, cfg.token_vocab_size or vocab), device=self.device)
         self.runner = ModelRunner(model, self.attention, self.kv_manager, self.sampler, self.device,
@@ -208,6 +219,8 @@ class EngineCore:
             speculative=self.scheduler.spec_stats.snapshot(),
             threads=threads,
             checkpoints=None if self.checkpoints is None else self._checkpoint_stats(self.checkpoints),
+            learned_drafter=self.drafter is not None,
+            draft_steps=self.drafter.forward_tokens if self.drafter is not None else 0,
         )
 
     def _checkpoint_stats(self, checkpoints: Checkpoints) -> CheckpointStats:

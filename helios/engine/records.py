@@ -276,3 +276,7 @@ class EngineStats:
     """The engine thread's intra-op team (engine/threads.py); None for a core run without one."""
     checkpoints: CheckpointStats | None = None
     """State checkpoints; None unless the layout has recurrent layers and the prefix cache is on."""
+    learned_drafter: bool = False
+    """A draft model drafts for the speculating requests (``[speculative] draft_model``)."""
+    draft_steps: int = 0
+    """Draft positions the draft model ran (prefill and decode positions; engine/drafter.py)."""

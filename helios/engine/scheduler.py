@@ -197,6 +197,7 @@ class Scheduler:
         host_has: Callable[[int], bool] | None = None,
         speculative: SpeculativeConfig | None = None,
         checkpoints: Checkpoints | None = None,
+        draft_proposer: Callable[[str], Proposer] | None = None,
     ) -> None:
         self.kv = kv
         # A recurrent layout's state checkpoints (None: the layout has no recurrent group, or no
@@ -232,6 +233,8 @@ class Scheduler:
             SharedHistory(spec_cfg.min_ngram, spec_cfg.max_ngram, spec_cfg.history_tokens)
             if spec_cfg.enabled and spec_cfg.history else None)
         """The shared decoded history the speculating requests draft from (None: off)."""
+        self.draft_proposer = draft_proposer if spec_cfg.enabled else None
+        """Makes a request's draft-model proposer, asked after the lookups (None: no draft model)."""
 
     # -- membership -------------------------------------------------------------------------
     def add(self, request: EngineRequest, generator: torch.Generator | None) -> RequestState:
@@ -246,10 +249,12 @@ class Scheduler:
         )
         spec = self.speculative
         if spec.enabled and seq.tracker is None and request.max_tokens > 1:
-            own = NgramProposer(spec.min_ngram, spec.max_ngram)
-            proposer: Proposer = own if self.history is None else FirstOf(
-                own, HistoryProposer(self.history, request.request_id))
-            seq.drafts = DraftState(proposer, spec.max_depth)
+            chain: list[Proposer] = [NgramProposer(spec.min_ngram, spec.max_ngram)]
+            if self.history is not None:
+                chain.append(HistoryProposer(self.history, request.request_id))
+            if self.draft_proposer is not None:
+                chain.append(self.draft_proposer(request.request_id))
+            seq.drafts = DraftState(chain[0] if len(chain) == 1 else FirstOf(*chain), spec.max_depth)
         self._arrivals += 1
         self.waiting.append(seq)
         self.by_id[request.request_id] = seq
@@ -667,6 +672,8 @@ class Scheduler:
         seq.capture_at = []
         self.kv.free(seq.request_id)
         self._freed.append(seq.request_id)
+        if seq.drafts is not None:
+            seq.drafts.proposer.release()
 
     def _newest_unscheduled(self, exclude: RequestState, scheduled: set[str]) -> RequestState | None:
         cands = [s for s in self.running if s is not exclude and s.request_id not in scheduled]

@@ -27,9 +27,12 @@ Proposers (`Proposer`): `NgramProposer`, prompt lookup over the request's own pr
 (vLLM's ``ngram`` / llama.cpp's lookup decoding), then `HistoryProposer`, lookup in the shared
 decoded history (`SharedHistory`: the recent outputs of every speculating request, so one request's
 output drafts another's: parallel choices of one prompt, a batch of similar edits, an agent
-re-sending what another session produced). `FirstOf` asks them in that order. The interface takes
-the request's tokens and a depth, so a learned drafter fits behind it; none exists
-(``learned_drafter`` is false).
+re-sending what another session produced), then, with ``[speculative] draft_model``, the draft
+model (`drafter.DraftModelProposer`: a second, smaller model with the target's vocabulary decodes
+greedily from the request's tokens, in its own KV pages). `FirstOf` asks them in that order: the
+cheap exact lookups first, the draft model when neither has a guess. A greedy draft model is a
+deterministic proposer (its drafts are a function of the request's tokens), so the argument above
+holds for it unchanged.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from typing import Protocol
 import attrs
 
 SPECULATIVE_MODES = ("off", "ngram", "adaptive")
+
+DRAFT_MODEL_KIND = "draft"
+"""The proposer kind of the draft model's drafts (`drafter.DraftModelProposer`)."""
 
 BATCH_DRAFT_TOKENS = 8
 """Adaptive mode's back-off: a request's depth is at most ``BATCH_DRAFT_TOKENS // decode rows - 1``,
@@ -88,6 +94,11 @@ class Proposer(Protocol):
         """Up to ``depth`` tokens likely to follow ``token_ids`` (empty: no guess)."""
         ...
 
+    def release(self) -> None:
+        """Drop what the proposer holds for the request; called when the request finishes, is
+        aborted or is preempted. A later `propose` (after a preemption) starts over."""
+        ...
+
 
 class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the request's last
@@ -125,6 +136,11 @@ class NgramProposer:
             if at is not None:
                 return tuple(token_ids[at : min(at + depth, end)])
         return ()
+
+    def release(self) -> None:
+        """Drop the index (rebuilt from the tokens by the next `propose`)."""
+        self._index = {n: {} for n in self.sizes}
+        self._indexed = 1
 
 
 class SharedHistory:
@@ -208,6 +224,10 @@ class HistoryProposer:
     def propose(self, token_ids: Sequence[int], depth: int) -> tuple[int, ...]:
         return self.history.lookup(token_ids, depth, exclude=self.request_id)
 
+    def release(self) -> None:
+        """Nothing is held per request: the shared history keeps a finished request's output on
+        purpose (it drafts later requests) and bounds itself in tokens."""
+
 
 class FirstOf:
     """Proposers asked in order; the first that has drafts gives them (`kind` names it)."""
@@ -226,6 +246,10 @@ class FirstOf:
                 return drafts
         self.last_kind = None
         return ()
+
+    def release(self) -> None:
+        for proposer in self.proposers:
+            proposer.release()
 
 
 @attrs.define
@@ -312,11 +336,18 @@ class SpeculativeStats:
     paused_rounds: int = 0
     """Decode rounds in which a speculating request drafted nothing because it was paused
     (adaptive mode, after drafts stopped being accepted)."""
+    model_draft_rounds: int = 0
+    """Request rounds whose drafts came from the draft model (``draft_model``; part of draft_rounds)."""
+    model_accepted_drafts: int = 0
+    """Accepted drafts of those rounds (part of accepted_drafts)."""
 
     def round(self, drafts: int, accepted: int, kind: str | None = None) -> None:
         if drafts and kind == HistoryProposer.kind:
             self.history_draft_rounds += 1
             self.history_accepted_drafts += accepted
+        elif drafts and kind == DRAFT_MODEL_KIND:
+            self.model_draft_rounds += 1
+            self.model_accepted_drafts += accepted
         self.verification_rounds += 1
         self.verification_drafts += drafts
         self.accepted_drafts += accepted
@@ -333,4 +364,5 @@ class SpeculativeStats:
         return SpeculativeStats(self.verify_steps, self.verification_drafts, self.verification_rounds,
                                 self.accepted_drafts, self.draft_rounds, dict(self.steps_by_width),
                                 dict(self.rounds_by_depth), dict(self.accepted_by_depth),
-                                self.history_draft_rounds, self.history_accepted_drafts, self.paused_rounds)
+                                self.history_draft_rounds, self.history_accepted_drafts, self.paused_rounds,
+                                self.model_draft_rounds, self.model_accepted_drafts)

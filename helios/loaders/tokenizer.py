@@ -239,6 +239,21 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
+    def vocabulary_difference(self, other: Tokenizer) -> str | None:
+        """Why ``other`` does not map the same ids to the same tokens (None: it does; added and
+        special tokens included): what a draft model must share with the model it drafts for."""
+        if self.vocab_size != other.vocab_size:
+            return f"{self.vocab_size} tokens against {other.vocab_size}"
+        mine = self._backend.get_vocab(with_added_tokens=True)
+        theirs = other._backend.get_vocab(with_added_tokens=True)
+        if mine == theirs:
+            return None
+        by_id = {i: t for t, i in theirs.items()}
+        for token, token_id in sorted(mine.items(), key=lambda kv: kv[1]):
+            if by_id.get(token_id) != token:
+                return f"token {token_id} is {token!r} against {by_id.get(token_id)!r}"
+        return "the vocabularies differ"
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 

@@ -119,6 +119,10 @@ SPECULATIVE_EXPORTED: dict[str, tuple[str, str, str]] = {
                              "Request rounds whose drafts came from the shared decoded history"),
     "history_accepted_drafts": ("flare_history_accepted_draft_tokens_total", "counter",
                                 "Accepted draft tokens of rounds drafted from the shared decoded history"),
+    "model_draft_rounds": ("flare_draft_model_request_rounds_total", "counter",
+                           "Request rounds whose drafts came from the draft model"),
+    "model_accepted_drafts": ("flare_draft_model_accepted_draft_tokens_total", "counter",
+                              "Accepted draft tokens of rounds drafted by the draft model"),
 }
 SPECULATIVE_FIELDS = ("verify_steps", *SPECULATIVE_EXPORTED)
 
@@ -144,10 +148,8 @@ def _input_table() -> dict[str, tuple[str, str, str]]:
 INPUT_EXPORTED = _input_table()
 
 # Fields of features that do not exist yet: zero in the JSON snapshot, absent from Prometheus.
-# draft_steps counts the learned drafter's positions: zero without one, as the spec says.
 ABSENT_FEATURE_FIELDS: dict[str, int | bool] = {
-    "draft_steps": 0, "replay_gpu_ns": 0, "replay_readiness_wait_ns": 0,
-    "replay_readiness_samples": 0, "learned_drafter": False,
+    "replay_gpu_ns": 0, "replay_readiness_wait_ns": 0, "replay_readiness_samples": 0,
 }
 
 # Failure stages (the label of helios_requests_failed_by_stage_total). `grammar`: the engine's
@@ -304,6 +306,10 @@ class ServingMetrics:
     def _snapshot(self, engine: Any, slots: Any) -> dict[str, Any]:
         snap: dict[str, Any] = dict.fromkeys(EXPORTED, 0)
         snap.update(ABSENT_FEATURE_FIELDS)
+        # The draft model (EngineStats.learned_drafter): draft_steps counts the positions it ran,
+        # zero without one, as the spec says; JSON only (the spec names no metric for either).
+        snap["learned_drafter"] = bool(getattr(engine, "learned_drafter", False))
+        snap["draft_steps"] = int(getattr(engine, "draft_steps", 0))
         if engine is not None:
             for key in ENGINE_FIELDS:
                 snap[key] = int(getattr(engine, key, 0))

@@ -64,3 +64,15 @@ def test_speculative_counters_of_a_round() -> None:
     assert r["speculative"] == {"verification_drafts": 30, "verification_rounds": 10, "accepted_drafts": 22,
                                 "draft_rounds": 9, "verify_steps": 9, "depth": 3.0}
     assert "speculative" not in bench_edit.summarize_round(rec, None, after)
+
+
+def test_code_writing_workload_sends_the_task(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = FakeConfig()
+    with fake_server(cfg) as url:
+        code = bench.main(["--url", url, "--workload", "code-writing", "--rounds", "1", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"] == "code-writing" and report["max_tokens"] == bench_edit.CODE_WRITING_MAX_TOKENS
+    (body,) = cfg.bodies
+    assert body["messages"] == bench_edit.code_writing_messages() and body["temperature"] == 0.0
+    assert report["target"]["rounds"][0]["output_tokens"] > 0

@@ -204,6 +204,9 @@ class _WrongProposer:
         self.calls += 1
         return (self.token,) * depth
 
+    def release(self) -> None:
+        pass
+
 
 def test_a_request_whose_drafts_all_fail_stops_verifying_them() -> None:
     request = EngineRequest("w", _prompt([4, 9, 2], 3, []), SamplingParams(temperature=0.0), max_tokens=60,

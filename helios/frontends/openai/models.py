@@ -58,15 +58,18 @@ def flare_object(info: ModelInfo) -> dict[str, Any]:
 
 def speculative_object(info: ModelInfo) -> dict[str, Any]:
     """What speculative decoding is active (the spec leaves the card's field to the server): the
-    mode, its depth limit, the proposers that draft, and the two features that do not exist yet."""
+    mode, its depth limit, the proposers that draft in the order they are asked, and whether a draft
+    model (the learned drafter) is one of them."""
     on = info.speculative_mode != "off"
+    draft = on and info.speculative_draft_model
+    proposers = ["ngram", *(["history"] if info.speculative_history else []), *(["draft"] if draft else [])]
     return {
         "mode": info.speculative_mode,
         "max_depth": info.speculative_max_depth if on else 0,
-        "proposers": (["ngram", "history"] if info.speculative_history else ["ngram"]) if on else [],
+        "proposers": proposers if on else [],
         "adaptive_depth": info.speculative_mode == "adaptive",
         "history_drafts": on and info.speculative_history,
-        "learned_drafter": False,
+        "learned_drafter": draft,
     }
 
 
