@@ -538,7 +538,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         # Recurrent layers' per-request states come out of the same budget as the pages.
         layout = CacheLayout.from_specs(model.cache_specs())
         budget = cfg.engine.kv_memory_gib * 2**30 - layout.bytes_per_request(dtype) * cfg.engine.max_active
-        num_pages = int(max(budget, 0) // (layout.bytes_per_token(dtype) * page))
+        num_pages = int(max(budget, 0) // (layout.bytes_per_token(dtype, cfg.engine.kv_dtype) * page))
     num_pages = max(num_pages, -(-max_model_len // page) + 1)
     ecfg = EngineConfig(page_size=page, num_pages=num_pages, max_active=cfg.engine.max_active,
                         prefill_chunk_size=cfg.engine.prefill_chunk_size, max_model_len=max_model_len,
@@ -549,7 +549,8 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                         disk_bytes=int(cfg.cache.disk_gib * 2**30),
                         speculative=SpeculativeConfig(mode=cfg.speculative.mode, max_depth=cfg.speculative.max_depth,
                                                       history=cfg.speculative.history),
-                        kv_prefault=cfg.engine.kv_prefault, token_vocab_size=ckpt.tokenizer.vocab_size)
+                        kv_prefault=cfg.engine.kv_prefault, kv_dtype=cfg.engine.kv_dtype,
+                        token_vocab_size=ckpt.tokenizer.vocab_size)
     core = EngineCore(model, ecfg, dtype, device, vision=loaded.vision)
     name = cfg.model.recipe or detect_recipe(ckpt.model_id, mc.arch, ckpt.chat_template)
     is_default = catalog_name == DEFAULT_NAME

@@ -12,7 +12,8 @@ Operators that torch does not have in the form decode needs, among them:
   each token's state slot: two passes over the state instead of torch's gather, four elementwise
   passes and a scatter.
 - ``paged_decode``: decode attention that reads each row's K/V in place from the paged cache instead
-  of gathering its whole history into a contiguous copy every layer of every step.
+  of gathering its whole history into a contiguous copy every layer of every step;
+  ``paged_decode_int8`` the same over int8 K/V with a bfloat16 scale per row (``[engine] kv_dtype``).
 - ``kquant_linear`` / ``kquant_dequantize``: matmul and dequantization straight from a GGUF weight's
   blocks (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0; `kquant.BlockQuantized` holds them), 4.5 to 8.5 bits a
   weight where float32 is 32: decode GEMV for one to a few rows, a small GEMM for more: register tiles
@@ -184,6 +185,17 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tenso
     ([kv_heads, slots, d] each); row i reads block-table row ``rows[i]`` and its first ``lens[i]``
     positions. Query head h uses kv head h // (heads / kv_heads)."""
     return torch.ops.helios.paged_decode(q.contiguous(), k_cache, v_cache, block_table, rows, lens, page_size, scale)
+
+
+def paged_decode_int8(q: Tensor, k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor,
+                      block_table: Tensor, rows: Tensor, lens: Tensor, page_size: int, scale: float) -> Tensor:
+    """`paged_decode` over int8 caches: codes [kv_heads, slots, d] with one bfloat16 scale per
+    (kv head, slot) row [kv_heads, slots]; each K/V element is read as ``code * scale`` (exact in
+    float32) and scores, softmax and sums are float32 as in `paged_decode`. ``q`` float32 or
+    bfloat16; the output in its dtype."""
+    out: Tensor = torch.ops.helios.paged_decode_int8(q.contiguous(), k_cache, k_scale, v_cache, v_scale, block_table,
+                                                     rows, lens, page_size, scale)
+    return out
 
 
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:

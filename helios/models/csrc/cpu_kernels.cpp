@@ -11,6 +11,8 @@
 //   the history into a contiguous copy). Scores, softmax and the weighted sum are float32; histories
 //   are split into chunks of kChunk positions that run in parallel and are merged with their
 //   softmax statistics (flash-decoding), so one long row still uses every core.
+// helios::paged_decode_int8(q, k_cache, k_scale, v_cache, v_scale, ...): paged_decode over int8 K/V
+//   with one bfloat16 scale per (kv head, slot) row, dequantized on the fly (float32 math).
 // helios::write_paged_decode(q, k, v, k_cache, v_cache, slot_mapping, ...): the step's K/V written
 //   into the caches at their slots, then paged_decode: an all-decode layer's attention in one call.
 // helios::kquant_linear(x, blocks, ggml_type, out_features), helios::kquant_dequantize(blocks, ggml_type,
@@ -239,6 +241,9 @@ inline vec vload(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline vec vload(const int8_t* p) {  // int8 codes widened (exact)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
@@ -266,6 +271,9 @@ inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vec vload(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline vec vload(const int8_t* p) {  // int8 codes widened (exact)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -295,6 +303,7 @@ inline vec vzero() { return 0.f; }
 inline vec vset1(float x) { return x; }
 inline vec vload(const float* p) { return *p; }
 inline vec vload(const c10::BFloat16* p) { return to_float(*p); }
+inline vec vload(const int8_t* p) { return static_cast<float>(*p); }
 inline void vstore(float* p, vec v) { *p = v; }
 inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
 inline vec vadd(vec a, vec b) { return a + b; }
@@ -402,16 +411,22 @@ PvFn<T> pv_for(int64_t G, int64_t NV) {
 constexpr int64_t kPvTileQueries = 4;
 constexpr int64_t kPvTileVectors = 4;
 
-template <typename T>
+// T: the query's and the output's dtype; C: the caches' (T, or int8_t: codes with one bfloat16 scale per
+// (kv head, slot) row in ksp / vsp, [KV, S]). An int8 K row is dequantized as it is widened (code *
+// scale, exact in float32); V's scale is folded into each position's probability after the softmax
+// sums (p * (s * v) = (p * s) * v up to float32 rounding).
+template <typename T, typename C>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& table, const at::Tensor& rows, const at::Tensor& lens,
-                       int64_t page_size, double scale, at::Tensor& out) {
+                       int64_t page_size, double scale, at::Tensor& out,
+                       const c10::BFloat16* __restrict__ ksp = nullptr, const c10::BFloat16* __restrict__ vsp = nullptr) {
+  constexpr bool kQuant = std::is_same_v<C, int8_t>;
   const int64_t D = q.size(0), H = q.size(1), dh = q.size(2);
   const int64_t KV = k_cache.size(0), S = k_cache.size(1), P = table.size(1);
   const int64_t G = H / KV, NV = dh / W;
   const T* __restrict__ qp = q.data_ptr<T>();
-  const T* __restrict__ kp = k_cache.data_ptr<T>();
-  const T* __restrict__ vp = v_cache.data_ptr<T>();
+  const C* __restrict__ kp = reinterpret_cast<const C*>(k_cache.data_ptr());
+  const C* __restrict__ vp = reinterpret_cast<const C*>(v_cache.data_ptr());
   const int64_t* __restrict__ tp = table.data_ptr<int64_t>();
   const int64_t* __restrict__ rp = rows.data_ptr<int64_t>();
   const int64_t* __restrict__ lp = lens.data_ptr<int64_t>();
@@ -437,11 +452,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   int64_t positions = 0;
   for (int64_t d = 0; d < D; ++d) positions += lp[d];
   const int64_t grain = positions * KV < kSerialPositions ? items : 1;
-  const int64_t row_bytes = dh * static_cast<int64_t>(sizeof(T));
-  const PvFn<T> pv = pv_for<T>(G, NV);
+  const int64_t row_bytes = dh * static_cast<int64_t>(sizeof(C));
+  const PvFn<C> pv = pv_for<C>(G, NV);
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     std::vector<vec> qv(G * NV), acc(G * NV), dots(G);
-    std::vector<float> scores(G * kChunk), kblock(16 * dh);
+    std::vector<float> scores(G * kChunk), kblock(16 * dh), vsc(kQuant ? kChunk : 0);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t c = item % chunks, kv = (item / chunks) % KV, d = item / (chunks * KV);
       const int64_t len = lp[d], start = c * kChunk, end = std::min(len, start + kChunk);
@@ -459,6 +474,12 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       }
       const int64_t* page_row = tp + rp[d] * P;
       const int64_t n = end - start;
+      if constexpr (kQuant) {
+        for (int64_t p = 0; p < n; ++p) {
+          const int64_t pos = start + p;
+          vsc[p] = to_float(vsp[kv * S + page_row[pos / page_size] * page_size + pos % page_size]);
+        }
+      }
       for (int64_t p = 0; p < std::min<int64_t>(n, kKAhead); ++p) {
         const int64_t pos = start + p;
         prefetch_row(kp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh, row_bytes);
@@ -470,11 +491,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       // a horizontal sum each; K rows are widened to float32 once per block, not once per query.
       for (; j + 16 <= n; j += 16) {
 #if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if constexpr (std::is_same_v<C, c10::BFloat16>) {
           if (dh % 32 == 0) {
             // bfloat16 K against the bfloat16 query with AVX512-BF16 dot products: each pair of
             // products is exact in float32 and accumulated in float32; the scale is applied after.
-            const T* rows16[16];
+            const C* rows16[16];
             for (int64_t p = 0; p < 16; ++p) {
               const int64_t pos = start + j + p;
               const int64_t slot = kv * S + page_row[pos / page_size] * page_size + pos % page_size;
@@ -507,13 +528,18 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         for (int64_t p = 0; p < 16; ++p) {
           const int64_t pos = start + j + p;
           const int64_t slot = kv * S + page_row[pos / page_size] * page_size + pos % page_size;
-          const T* __restrict__ kr = kp + slot * dh;
+          const C* __restrict__ kr = kp + slot * dh;
           prefetch_row(vp + slot * dh, row_bytes);
           if (j + kKAhead + p < n) {
             const int64_t ahead = pos + kKAhead;
             prefetch_row(kp + (kv * S + page_row[ahead / page_size] * page_size + ahead % page_size) * dh, row_bytes);
           }
-          for (int64_t e = 0; e < NV; ++e) vstore(kblock.data() + p * dh + e * W, vload(kr + e * W));
+          if constexpr (kQuant) {
+            const vec ks = vset1(to_float(ksp[slot]));
+            for (int64_t e = 0; e < NV; ++e) vstore(kblock.data() + p * dh + e * W, vmul(vload(kr + e * W), ks));
+          } else {
+            for (int64_t e = 0; e < NV; ++e) vstore(kblock.data() + p * dh + e * W, vload(kr + e * W));
+          }
         }
         for (int64_t g = 0; g < G; ++g) {
           vec d[16];
@@ -528,10 +554,12 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
 #endif
       for (; j < n; ++j) {
         const int64_t pos = start + j;
-        const T* __restrict__ kr = kp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh;
+        const int64_t slot = kv * S + page_row[pos / page_size] * page_size + pos % page_size;
+        const C* __restrict__ kr = kp + slot * dh;
+        const vec ks = vset1(kQuant ? to_float(ksp[slot]) : 1.f);
         for (int64_t g = 0; g < G; ++g) dots[g] = vzero();
         for (int64_t e = 0; e < NV; ++e) {
-          const vec kx = vload(kr + e * W);
+          const vec kx = kQuant ? vmul(vload(kr + e * W), ks) : vload(kr + e * W);
           for (int64_t g = 0; g < G; ++g) dots[g] = vfma(qv[g * NV + e], kx, dots[g]);
         }
         for (int64_t g = 0; g < G; ++g) scores[g * kChunk + j] = vsum(dots[g]);
@@ -552,6 +580,9 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         for (; j < n; ++j) { sc[j] = std::exp(sc[j] - m); tail += sc[j]; }
         mx[g] = m;
         sm[g] = tail;
+        if constexpr (kQuant) {
+          for (int64_t j = 0; j < n; ++j) sc[j] *= vsc[j];
+        }
       }
       if (pv != nullptr) {
         pv(vp, page_row, kv * S, start, n, page_size, dh, scores.data(), row_bytes, out_acc);
@@ -569,7 +600,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
               for (int64_t e = 0; e < kPvTileVectors; ++e) a[g][e] = vzero();
             for (int64_t j = 0; j < n; ++j) {
               const int64_t pos = start + j;
-              const T* __restrict__ vr =
+              const C* __restrict__ vr =
                   vp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh + e0 * W;
               vec w[kPvTileQueries];
               for (int64_t g = 0; g < kPvTileQueries; ++g) w[g] = vset1(scores[(g0 + g) * kChunk + j]);
@@ -587,7 +618,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       for (int64_t e = 0; e < G * NV; ++e) acc[e] = vzero();
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = start + j;
-        const T* __restrict__ vr = vp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh;
+        const C* __restrict__ vr = vp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh;
         if (j + kPrefetchAhead < n) {
           const int64_t ahead = pos + kPrefetchAhead;
           prefetch_row(vp + (kv * S + page_row[ahead / page_size] * page_size + ahead % page_size) * dh, row_bytes);
@@ -642,11 +673,49 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;
   if (q.scalar_type() == at::kFloat) {
-    paged_decode_impl<float>(q, k_cache, v_cache, block_table, rows, lens, page_size, scale, out);
+    paged_decode_impl<float, float>(q, k_cache, v_cache, block_table, rows, lens, page_size, scale, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    paged_decode_impl<c10::BFloat16>(q, k_cache, v_cache, block_table, rows, lens, page_size, scale, out);
+    paged_decode_impl<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, block_table, rows, lens, page_size, scale,
+                                                     out);
   } else {
     TORCH_CHECK(false, "paged_decode: float32 or bfloat16");
+  }
+  return out;
+}
+
+// paged_decode over int8 caches: codes [KV, S, d] with one bfloat16 scale per row [KV, S]
+// (helios.engine.attention.quantize_rows); K/V dequantized on the fly, float32 math as paged_decode's.
+at::Tensor paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& k_scale,
+                             const at::Tensor& v_cache, const at::Tensor& v_scale, const at::Tensor& block_table,
+                             const at::Tensor& rows, const at::Tensor& lens, int64_t page_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3 && k_scale.dim() == 2 && v_scale.dim() == 2,
+              "paged_decode_int8: q [D,H,d], caches [KV,S,d], scales [KV,S]");
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar &&
+                  k_scale.scalar_type() == at::kBFloat16 && v_scale.scalar_type() == at::kBFloat16,
+              "paged_decode_int8: int8 caches, bfloat16 scales");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && k_scale.is_contiguous() &&
+                  v_scale.is_contiguous() && block_table.is_contiguous() && rows.is_contiguous() &&
+                  lens.is_contiguous(),
+              "paged_decode_int8: contiguous operands");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && rows.scalar_type() == at::kLong &&
+                  lens.scalar_type() == at::kLong, "paged_decode_int8: int64 indices");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && q.size(2) == k_cache.size(2) &&
+                  k_scale.size(0) == k_cache.size(0) && k_scale.size(1) == k_cache.size(1) &&
+                  k_scale.sizes() == v_scale.sizes(), "paged_decode_int8: shapes");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "paged_decode_int8: heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(2) % W == 0, "paged_decode_int8: head size must be a multiple of the vector width");
+  TORCH_CHECK(rows.size(0) == q.size(0) && lens.size(0) == q.size(0) && page_size > 0, "paged_decode_int8: rows");
+  at::Tensor out = at::empty_like(q);
+  if (q.size(0) == 0) return out;
+  const c10::BFloat16* ks = k_scale.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* vs = v_scale.data_ptr<c10::BFloat16>();
+  if (q.scalar_type() == at::kFloat) {
+    paged_decode_impl<float, int8_t>(q, k_cache, v_cache, block_table, rows, lens, page_size, scale, out, ks, vs);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    paged_decode_impl<c10::BFloat16, int8_t>(q, k_cache, v_cache, block_table, rows, lens, page_size, scale, out, ks,
+                                             vs);
+  } else {
+    TORCH_CHECK(false, "paged_decode_int8: a float32 or bfloat16 query");
   }
   return out;
 }
@@ -1853,6 +1922,8 @@ TORCH_LIBRARY(helios, m) {
   m.def("q8_linear_bf16(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor rows, "
         "Tensor lens, int page_size, float scale) -> Tensor");
+  m.def("paged_decode_int8(Tensor q, Tensor k_cache, Tensor k_scale, Tensor v_cache, Tensor v_scale, "
+        "Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor? delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)");
   m.def("silu_mul(Tensor gu) -> Tensor");
@@ -1879,6 +1950,7 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("q8_linear", TORCH_FN(q8_linear));
   m.impl("q8_linear_bf16", TORCH_FN(q8_linear_bf16));
   m.impl("paged_decode", TORCH_FN(paged_decode));
+  m.impl("paged_decode_int8", TORCH_FN(paged_decode_int8));
   m.impl("add_rms_norm", TORCH_FN(add_rms_norm));
   m.impl("rope_", TORCH_FN(rope_));
   m.impl("silu_mul", TORCH_FN(silu_mul));
