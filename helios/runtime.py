@@ -537,8 +537,8 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     if num_pages == 0:
         # Recurrent layers' per-request states come out of the same budget as the pages.
         layout = CacheLayout.from_specs(model.cache_specs())
-        budget = cfg.engine.kv_memory_gib * 2**30 - layout.bytes_per_request(dtype) * cfg.engine.max_active
-        num_pages = int(max(budget, 0) // (layout.bytes_per_token(dtype, cfg.engine.kv_dtype) * page))
+        num_pages = layout.pages_for(cfg.engine.kv_memory_gib * 2**30, page, dtype, cfg.engine.kv_dtype,
+                                     max_active=cfg.engine.max_active)
     num_pages = max(num_pages, -(-max_model_len // page) + 1)
     ecfg = EngineConfig(page_size=page, num_pages=num_pages, max_active=cfg.engine.max_active,
                         prefill_chunk_size=cfg.engine.prefill_chunk_size, max_model_len=max_model_len,

@@ -112,6 +112,13 @@ class CacheLayout:
     def bytes_per_request(self, dtype: torch.dtype) -> int:
         return sum(g.bytes_per_request(dtype) for g in self.groups)
 
+    def pages_for(self, memory_bytes: float, page_size: int, dtype: torch.dtype, kv_dtype: str = "auto", *,
+                  max_active: int = 0) -> int:
+        """How many pages (of every paged group) a budget of ``memory_bytes`` holds, after the
+        recurrent states of ``max_active`` requests (`[engine] kv_memory_gib`)."""
+        budget = memory_bytes - self.bytes_per_request(dtype) * max_active
+        return int(max(budget, 0) // (self.bytes_per_token(dtype, kv_dtype) * page_size))
+
     def describe(self, dtype: torch.dtype, kv_dtype: str = "auto") -> str:
         """What shapes every page's and state's bytes, for the layout fingerprint. A single
         full-attention group reads as it always has (`layers:kv_heads:head_dim:dtype`), so cached
