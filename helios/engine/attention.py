@@ -536,8 +536,12 @@ class GroupAttention:
         k_cache = kv.k[layer_idx]  # [kv_heads, slots, head_dim]
         v_cache = kv.v[layer_idx]
         quantized = kv.is_quantized(layer_idx)
-        if self.write_kernel and not quantized:  # the CPU kernels serve this cache: row copies
-            cpu_kernels.write_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        if self.write_kernel:  # the CPU kernels serve this cache: row copies, or rows quantized
+            if quantized:
+                cpu_kernels.write_kv_int8(k, v, k_cache, kv.k_scale[layer_idx], v_cache, kv.v_scale[layer_idx],
+                                          self.slot_mapping)
+            else:
+                cpu_kernels.write_kv(k, v, k_cache, v_cache, self.slot_mapping)
         else:
             kv.write(layer_idx, k, v, self.slot_mapping)
         out = torch.empty_like(q)

@@ -204,6 +204,15 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     torch.ops.helios.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
+def write_kv_int8(k: Tensor, v: Tensor, k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor,
+                  slot_mapping: Tensor) -> None:
+    """``k``, ``v`` ([T, kv_heads, d] float32 or bfloat16, the head dimension contiguous) quantized
+    into int8 caches ([kv_heads, slots, d]) and their bfloat16 scales ([kv_heads, slots]) at
+    ``slot_mapping`` [T]: `helios.engine.attention.quantize_rows`'s codes and scales, bit for bit,
+    without its dozen tensor operations per layer."""
+    torch.ops.helios.write_kv_int8(k, v, k_cache, k_scale, v_cache, v_scale, slot_mapping)
+
+
 def write_paged_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                        block_table: Tensor, rows: Tensor, lens: Tensor, page_size: int, scale: float) -> Tensor:
     """`paged_decode` after writing this step's ``k``, ``v`` ([D, kv_heads, d], any strides) into the

@@ -489,6 +489,36 @@ def test_write_kv_puts_strided_rows_at_their_slots(dtype: torch.dtype, cache_dty
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_int8_gives_the_row_quantizers_bits(dtype: torch.dtype) -> None:
+    """`write_kv_int8` (the CPU kernels' write of int8 K/V) stores exactly `quantize_rows`'s codes and
+    scales at the slots, and nothing elsewhere: rows of magnitudes 1e-30 .. 1e30, zero rows, a row of
+    exact halves (ties to even), strided views of one fused tensor."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(50, 3, 64, generator=g, dtype=torch.float64)
+    x *= torch.logspace(-30, 30, 50, dtype=torch.float64)[:, None, None]
+    x[3] = 0.0
+    x[5, 2] = 0.0
+    x[5, 2, 7] = 1.0
+    x[6, 0] = (torch.arange(64) - 31.5) * 127 / 31.5
+    kv = x.to(dtype)
+    fused = torch.cat([kv, kv * 3], dim=1)
+    k, v = fused[:, :3], fused[:, 3:]
+    caches = [torch.zeros(3, 100, 64, dtype=torch.int8), torch.zeros(3, 100, dtype=torch.bfloat16)]
+    caches += [torch.zeros(3, 100, 64, dtype=torch.int8), torch.zeros(3, 100, dtype=torch.bfloat16)]
+    slots = torch.randperm(100, generator=g)[:50].contiguous()
+    cpu_kernels.write_kv_int8(k, v, *caches, slots)
+    for rows, codes, scales in ((k, caches[0], caches[1]), (v, caches[2], caches[3])):
+        want_codes, want_scales = quantize_rows(rows.transpose(0, 1))
+        assert torch.equal(codes[:, slots], want_codes)
+        assert torch.equal(scales[:, slots].view(torch.int16), want_scales.view(torch.int16))
+        rest = torch.ones(100, dtype=torch.bool)
+        rest[slots] = False
+        assert not codes[:, rest].any() and not scales[:, rest].any()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.write_kv_int8(k[:1], v[:1], *caches, torch.tensor([100]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_all_decode_step_writes_and_attends_in_one_operator(dtype: torch.dtype) -> None:
     """Every token a decode row: `write_paged_decode` stores the step's K/V (strided views of one
     fused qkv tensor, as the model hands them over) at their slots and attends over the cache; the

@@ -13,6 +13,8 @@
 //   softmax statistics (flash-decoding), so one long row still uses every core.
 // helios::paged_decode_int8(q, k_cache, k_scale, v_cache, v_scale, ...): paged_decode over int8 K/V
 //   with one bfloat16 scale per (kv head, slot) row, dequantized on the fly (float32 math).
+// helios::write_kv_int8(k, v, k_cache, k_scale, v_cache, v_scale, slot_mapping): the step's K/V rows
+//   quantized into int8 caches at their slots (the row quantizer of helios.engine.attention, bit for bit).
 // helios::write_paged_decode(q, k, v, k_cache, v_cache, slot_mapping, ...): the step's K/V written
 //   into the caches at their slots, then paged_decode: an all-decode layer's attention in one call.
 // helios::kquant_linear(x, blocks, ggml_type, out_features), helios::kquant_dequantize(blocks, ggml_type,
@@ -1223,6 +1225,66 @@ void write_slots(const at::Tensor& x, at::Tensor& cache, const at::Tensor& slots
     for (int64_t h = 0; h < KV; ++h) std::memcpy(dst + ((h * S + sp[t]) * bytes), src + t * st + h * sh, bytes);
 }
 
+// Symmetric int8 codes of x[t, h, :] (float32 or bfloat16, the head dimension contiguous) at
+// codes[h, slots[t], :] with their bfloat16 scale at scales[h, slots[t]]: the arithmetic of
+// helios.engine.attention.quantize_rows, to the bit (scale = max|x| / 127 in float32, rounded to the
+// nearest bfloat16 and up by one step if that fell below; code = round-half-even(x / scale) in float32,
+// clamped to -127..127; a zero row: scale 0, codes 0).
+template <typename T>
+void write_rows_int8(const at::Tensor& x, at::Tensor& codes, at::Tensor& scales, const int64_t* sp) {
+  const int64_t T_ = x.size(0), KV = x.size(1), dh = x.size(2), S = codes.size(1);
+  const T* src = x.data_ptr<T>();
+  int8_t* dst = codes.data_ptr<int8_t>();
+  c10::BFloat16* sc = scales.data_ptr<c10::BFloat16>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  for (int64_t t = 0; t < T_; ++t) {
+    for (int64_t h = 0; h < KV; ++h) {
+      const T* row = src + t * st + h * sh;
+      float amax = 0.f;
+      for (int64_t e = 0; e < dh; ++e) amax = std::max(amax, std::fabs(to_float(row[e])));
+      const float want = amax / 127.f;
+      c10::BFloat16 scale(want);  // to nearest even
+      if (to_float(scale) < want) scale.x = static_cast<uint16_t>(scale.x + 1);
+      const float sf = to_float(scale);
+      const float div = sf > 0.f ? sf : 1.f;
+      int8_t* out = dst + (h * S + sp[t]) * dh;
+      for (int64_t e = 0; e < dh; ++e) {
+        const float q = std::nearbyint(to_float(row[e]) / div);
+        out[e] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+      }
+      sc[h * S + sp[t]] = scale;
+    }
+  }
+}
+
+void write_slots_int8(const at::Tensor& x, at::Tensor& codes, at::Tensor& scales, const at::Tensor& slots) {
+  TORCH_CHECK(x.dim() == 3 && codes.dim() == 3 && scales.dim() == 2 && x.size(1) == codes.size(0) &&
+                  x.size(2) == codes.size(2) && scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
+                  slots.dim() == 1 && slots.size(0) == x.size(0) && slots.scalar_type() == at::kLong,
+              "write_kv_int8: k/v [T, kv_heads, d], codes [kv_heads, S, d], scales [kv_heads, S], one int64 slot "
+              "per token");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && scales.scalar_type() == at::kBFloat16 && codes.is_contiguous() &&
+                  scales.is_contiguous() && slots.is_contiguous(),
+              "write_kv_int8: contiguous int8 codes and bfloat16 scales");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < x.size(0); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < codes.size(1), "write_kv_int8: a slot outside the cache");
+  const at::Tensor rows = x.stride(2) == 1 ? x : x.contiguous();
+  if (x.scalar_type() == at::kFloat) {
+    write_rows_int8<float>(rows, codes, scales, sp);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    write_rows_int8<c10::BFloat16>(rows, codes, scales, sp);
+  } else {
+    TORCH_CHECK(false, "write_kv_int8: float32 or bfloat16 rows");
+  }
+}
+
+void write_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& k_scale,
+                   at::Tensor& v_cache, at::Tensor& v_scale, const at::Tensor& slot_mapping) {
+  write_slots_int8(k, k_cache, k_scale, slot_mapping);
+  write_slots_int8(v, v_cache, v_scale, slot_mapping);
+}
+
 // K/V of this step's tokens into the caches at their slots (any step; `write_paged_decode` does it for
 // an all-decode one).
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -1934,6 +1996,8 @@ TORCH_LIBRARY(helios, m) {
         "Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale, float eps, int heads, "
         "int kv_heads) -> (Tensor, Tensor)");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("write_kv_int8(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) k_scale, Tensor(c!) v_cache, "
+        "Tensor(d!) v_scale, Tensor slot_mapping) -> ()");
   m.def("write_paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale) -> Tensor");
   m.def("kquant_linear(Tensor x, Tensor blocks, int ggml_type, int out_features) -> Tensor");
@@ -1957,6 +2021,7 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("paged_prefill", TORCH_FN(paged_prefill));
   m.impl("write_paged_decode", TORCH_FN(write_paged_decode));
   m.impl("write_kv", TORCH_FN(write_kv));
+  m.impl("write_kv_int8", TORCH_FN(write_kv_int8));
   m.impl("decode_layers", TORCH_FN(decode_layers));
   m.impl("kquant_linear", TORCH_FN(kquant_linear));
   m.impl("kquant_dequantize", TORCH_FN(kquant_dequantize));
