@@ -416,7 +416,8 @@ class PagedAttention:
     def all_decode_args(self, layer_idx: int) -> DecodeArgs | None:
         """For a step of decode tokens only of a full-attention layer, served by the CPU kernel:
         what `write_paged_decode` needs for this layer (k_cache, v_cache, slot_mapping, block_table,
-        rows, lens, page_size), so a model can run the layer as one operator; None otherwise."""
+        rows, lens, page_size, and with int8 K/V the scales), so a model can run the layer as one
+        operator; None otherwise."""
         step = self._by_layer[layer_idx]
         return None if step is None else step.all_decode_args(layer_idx)
 
@@ -519,10 +520,9 @@ class GroupAttention:
     def all_decode_args(self, layer_idx: int) -> DecodeArgs | None:
         if not (self.num_decode and self.decode_kernel and self.all_decode and self.full):
             return None
-        if self.kv.is_quantized(layer_idx):  # the one-operator decode layers read float caches only
-            return None
-        return (self.kv.k[layer_idx], self.kv.v[layer_idx], self.slot_mapping, self.table, self.decode_rows,
-                self.decode_lens, self.page_size)
+        kv = self.kv
+        return (kv.k[layer_idx], kv.v[layer_idx], self.slot_mapping, self.table, self.decode_rows, self.decode_lens,
+                self.page_size, kv.k_scale.get(layer_idx), kv.v_scale.get(layer_idx))
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float | None = None, *, sinks: torch.Tensor | None = None) -> torch.Tensor:

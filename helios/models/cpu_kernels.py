@@ -214,11 +214,18 @@ def write_kv_int8(k: Tensor, v: Tensor, k_cache: Tensor, k_scale: Tensor, v_cach
 
 
 def write_paged_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
-                       block_table: Tensor, rows: Tensor, lens: Tensor, page_size: int, scale: float) -> Tensor:
+                       block_table: Tensor, rows: Tensor, lens: Tensor, page_size: int, k_scale: Tensor | None,
+                       v_scale: Tensor | None, scale: float) -> Tensor:
     """`paged_decode` after writing this step's ``k``, ``v`` ([D, kv_heads, d], any strides) into the
-    caches at ``slot_mapping`` [D]: a whole all-decode layer's attention in one operator."""
-    out: Tensor = torch.ops.helios.write_paged_decode(q, k, v, k_cache, v_cache, slot_mapping, block_table, rows,
-                                                      lens, page_size, scale)
+    caches at ``slot_mapping`` [D]: a whole all-decode layer's attention in one operator. With
+    ``k_scale``/``v_scale`` (int8 caches) the rows are quantized (`write_kv_int8`) and read by
+    `paged_decode_int8`."""
+    if k_scale is not None and v_scale is not None:
+        out: Tensor = torch.ops.helios.write_paged_decode_int8(q, k, v, k_cache, k_scale, v_cache, v_scale,
+                                                               slot_mapping, block_table, rows, lens, page_size, scale)
+        return out
+    out = torch.ops.helios.write_paged_decode(q, k, v, k_cache, v_cache, slot_mapping, block_table, rows, lens,
+                                              page_size, scale)
     return out
 
 
@@ -241,17 +248,22 @@ def decode_layers(h: Tensor, delta: Tensor | None, layers: Sequence[FusedLayer],
     """Consecutive decoder layers of an all-decode step (`_DecoderLayer.forward` with the fused
     kernels) as one operator: per layer RMSNorm, the qkv projection, RoPE, the K/V write and paged
     attention (``decode[i]`` = layer i's k_cache, v_cache and the step's slot_mapping, block_table,
-    rows, lens, page_size), the o projection, the second norm and the SwiGLU MLP. The layers share one
-    projection kind (``group``). Returns (stream, MLP output) of the last layer, like the layer."""
+    rows, lens, page_size; with int8 K/V, their scales), the o projection, the second norm and the
+    SwiGLU MLP. The layers share one projection kind (``group``) and one KV kind (float or int8).
+    Returns (stream, MLP output) of the last layer, like the layer."""
     group = layers[0].group
     if any(layer.group != group for layer in layers) or len(decode) != len(layers):
         raise ValueError("decode_layers: one projection kind and one set of decode arguments per layer")
-    _, _, slot_mapping, table, rows, lens, page_size = decode[0]
+    _, _, slot_mapping, table, rows, lens, page_size, _, _ = decode[0]
+    k_scales = [d[7] for d in decode if d[7] is not None]
+    v_scales = [d[8] for d in decode if d[8] is not None]
+    if len(k_scales) not in (0, len(decode)) or len(v_scales) != len(k_scales):
+        raise ValueError("decode_layers: every layer's K/V int8 (with scales) or none")
     out: tuple[Tensor, Tensor] = torch.ops.helios.decode_layers(
         h, delta, [layer.input_norm for layer in layers], [layer.post_norm for layer in layers],
         [w for layer in layers for w in layer.weights], group, cos, sin, [d[0] for d in decode],
-        [d[1] for d in decode], slot_mapping, table, rows, lens, page_size, decode[0][0].shape[-1] ** -0.5, eps, heads,
-        kv_heads)
+        [d[1] for d in decode], k_scales, v_scales, slot_mapping, table, rows, lens, page_size,
+        decode[0][0].shape[-1] ** -0.5, eps, heads, kv_heads)
     return out
 
 

@@ -739,15 +739,17 @@ def test_the_fused_layer_path_matches_the_torch_path(monkeypatch: pytest.MonkeyP
 @pytest.mark.parametrize(("weights", "dtype", "dense_above", "kind"), [
     ("int4", "auto", None, "int4"), ("int4", "float32", None, "int4"), ("auto", "auto", None, "int4"),
     ("auto", "auto", 1, "onednn"), ("bfloat16", "auto", None, "onednn"), ("float32", "auto", None, "onednn")])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_the_one_operator_decode_layers_give_the_layer_by_layer_tokens_exactly(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weights: str, dtype: str, dense_above: int | None,
-        kind: str) -> None:
+        kind: str, kv_dtype: str) -> None:
     """An all-decode step runs its decoder layers as one operator (`decode_layers`): int4 projections
     where they are int4 for that many rows, oneDNN's prepacked linear where they multiply through
     oneDNN-packed weights (a dense format, or auto's dense copy above its threshold, here lowered to
     1 row). The same operators in the same order as `_DecoderLayer.forward`, so the greedy tokens and
     their logprobs are equal to the layer-by-layer path's, not just close. Three streams, so rows of
-    one step sit at different positions and pages; prefill steps keep the layer-by-layer path."""
+    one step sit at different positions and pages; prefill steps keep the layer-by-layer path. With
+    int8 K/V the operator quantizes and reads the rows as the layer-by-layer path does."""
     if dense_above is not None:
         monkeypatch.setitem(AUTO_DENSE_ABOVE, effective_cpu_capability()[0], dense_above)
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
@@ -769,7 +771,8 @@ def test_the_one_operator_decode_layers_give_the_layer_by_layer_tokens_exactly(
     def generate() -> dict[str, tuple[list[int], list[float]]]:
         core = EngineCore(model,
                           EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=64,
-                                       max_model_len=128), loaded.choice.dtype, "cpu")
+                                       max_model_len=128, kv_dtype=kv_dtype), loaded.choice.dtype, "cpu")
+        assert core.kv.is_quantized(0) is (kv_dtype == "int8")
         for i, length in enumerate((5, 11, 3)):
             prompt = tuple((7 * i + 3 * j) % 90 + 1 for j in range(length))
             core.add(EngineRequest(f"r{i}", prompt, SamplingParams(temperature=0.0), max_tokens=12,

@@ -1302,6 +1302,16 @@ at::Tensor write_paged_decode(const at::Tensor& q, const at::Tensor& k, const at
   return paged_decode(q.contiguous(), k_cache, v_cache, block_table, rows, lens, page_size, scale);
 }
 
+// write_paged_decode for int8 caches: the rows quantized at their slots, then paged_decode_int8.
+at::Tensor write_paged_decode_int8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                                   at::Tensor& k_scale, at::Tensor& v_cache, at::Tensor& v_scale,
+                                   const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                   const at::Tensor& rows, const at::Tensor& lens, int64_t page_size, double scale) {
+  write_kv_int8(k, v, k_cache, k_scale, v_cache, v_scale, slot_mapping);
+  return paged_decode_int8(q.contiguous(), k_cache, k_scale, v_cache, v_scale, block_table, rows, lens, page_size,
+                           scale);
+}
+
 // ---- decode layers: the decoder layers of an all-decode step as one operator ------------------------------
 // What `_DecoderLayer.forward` does with the fused kernels, the layer's projections and an all-decode
 // step's paged attention, for a run of consecutive layers in one operator: the same operators in the
@@ -1336,16 +1346,20 @@ template <typename MM>
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const MM& mm, const at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& input_norm,
     const at::Tensor& post_norm, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-    at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& rows,
-    const at::Tensor& lens, int64_t page_size, double scale, double eps, int64_t heads, int64_t kv_heads) {
+    at::Tensor& v_cache, at::Tensor* k_scale, at::Tensor* v_scale, const at::Tensor& slot_mapping,
+    const at::Tensor& block_table, const at::Tensor& rows, const at::Tensor& lens, int64_t page_size, double scale,
+    double eps, int64_t heads, int64_t kv_heads) {
   const int64_t T = h.size(0), dh = k_cache.size(2);
   auto [stream, x] = add_rms_norm(h, delta, input_norm, eps);
   at::Tensor qkv = mm(0, x);
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dh, "decode layer: qkv width");
   at::Tensor qk = rope_(qkv.narrow(1, 0, (heads + kv_heads) * dh).view({T, heads + kv_heads, dh}), cos, sin);
   at::Tensor v = qkv.narrow(1, (heads + kv_heads) * dh, kv_heads * dh).view({T, kv_heads, dh});
-  at::Tensor attn = write_paged_decode(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), v, k_cache, v_cache,
-                                       slot_mapping, block_table, rows, lens, page_size, scale);
+  at::Tensor attn = k_scale != nullptr
+      ? write_paged_decode_int8(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), v, k_cache, *k_scale, v_cache,
+                                *v_scale, slot_mapping, block_table, rows, lens, page_size, scale)
+      : write_paged_decode(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), v, k_cache, v_cache, slot_mapping,
+                           block_table, rows, lens, page_size, scale);
   at::Tensor o = mm(1, attn.reshape({T, heads * dh}));
   auto [stream2, x2] = add_rms_norm(stream, o, post_norm, eps);
   at::Tensor down = mm(3, silu_mul(mm(2, x2)));
@@ -1355,31 +1369,38 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 // Consecutive decoder layers of an all-decode step, each as `decode_layer`, in one operator (one
 // dispatch instead of one per layer). `group` > 0: every layer's projections are int4 with that group
 // size, `weights` holding (packed, scales_and_zeros) of qkv, o, gate/up and down per layer; `group`
-// == 0: they are oneDNN-packed, four weights per layer. Returns the last layer's (stream, MLP output).
+// == 0: they are oneDNN-packed, four weights per layer. `k_scales`/`v_scales`: empty for float caches,
+// else one per layer (int8 caches). Returns the last layer's (stream, MLP output).
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& h, const std::optional<at::Tensor>& delta, at::TensorList input_norms,
     at::TensorList post_norms, at::TensorList weights, int64_t group, const at::Tensor& cos, const at::Tensor& sin,
-    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_table,
-    const at::Tensor& rows, const at::Tensor& lens, int64_t page_size, double scale, double eps, int64_t heads,
-    int64_t kv_heads) {
+    at::TensorList k_caches, at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
+    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& rows, const at::Tensor& lens,
+    int64_t page_size, double scale, double eps, int64_t heads, int64_t kv_heads) {
   const int64_t L = static_cast<int64_t>(input_norms.size());
   const int64_t per = group > 0 ? 8 : 4;
   TORCH_CHECK(L > 0 && static_cast<int64_t>(post_norms.size()) == L && static_cast<int64_t>(k_caches.size()) == L &&
                   static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(weights.size()) == L * per,
               "decode_layers: per layer two norms, a K and a V cache, and ", per, " weights");
+  const bool quantized = !k_scales.empty();
+  TORCH_CHECK((!quantized || static_cast<int64_t>(k_scales.size()) == L) && k_scales.size() == v_scales.size(),
+              "decode_layers: no K/V scales, or a K and a V scale tensor per layer");
   at::Tensor stream = h;
   std::optional<at::Tensor> d = delta;
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = &weights[l * per];
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+    at::Tensor k_scale = quantized ? k_scales[l] : at::Tensor(), v_scale = quantized ? v_scales[l] : at::Tensor();
+    at::Tensor* ks = quantized ? &k_scale : nullptr;
+    at::Tensor* vs = quantized ? &v_scale : nullptr;
     std::tuple<at::Tensor, at::Tensor> out;
     if (group > 0) {
       auto mm = [&](int i, const at::Tensor& x) { return int4_mm(x, w[2 * i], group, w[2 * i + 1]); };
-      out = decode_layer(mm, stream, d, input_norms[l], post_norms[l], cos, sin, k_cache, v_cache, slot_mapping,
+      out = decode_layer(mm, stream, d, input_norms[l], post_norms[l], cos, sin, k_cache, v_cache, ks, vs, slot_mapping,
                          block_table, rows, lens, page_size, scale, eps, heads, kv_heads);
     } else {
       auto mm = [&](int i, const at::Tensor& x) { return onednn_mm(x, w[i]); };
-      out = decode_layer(mm, stream, d, input_norms[l], post_norms[l], cos, sin, k_cache, v_cache, slot_mapping,
+      out = decode_layer(mm, stream, d, input_norms[l], post_norms[l], cos, sin, k_cache, v_cache, ks, vs, slot_mapping,
                          block_table, rows, lens, page_size, scale, eps, heads, kv_heads);
     }
     stream = std::get<0>(out);
@@ -1992,14 +2013,17 @@ TORCH_LIBRARY(helios, m) {
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, int ctx_start, float scale) -> Tensor");
   m.def("bf16_kernels_supported() -> bool");
   m.def("decode_layers(Tensor h, Tensor? delta, Tensor[] input_norms, Tensor[] post_norms, Tensor[] weights, "
-        "int group, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, "
-        "Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale, float eps, int heads, "
-        "int kv_heads) -> (Tensor, Tensor)");
+        "int group, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!)[] k_scales, "
+        "Tensor(d!)[] v_scales, Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, "
+        "float scale, float eps, int heads, int kv_heads) -> (Tensor, Tensor)");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("write_kv_int8(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) k_scale, Tensor(c!) v_cache, "
         "Tensor(d!) v_scale, Tensor slot_mapping) -> ()");
   m.def("write_paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale) -> Tensor");
+  m.def("write_paged_decode_int8(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) k_scale, "
+        "Tensor(c!) v_cache, Tensor(d!) v_scale, Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, "
+        "int page_size, float scale) -> Tensor");
   m.def("kquant_linear(Tensor x, Tensor blocks, int ggml_type, int out_features) -> Tensor");
   m.def("kquant_dequantize(Tensor blocks, int ggml_type, int out_features, int in_features) -> Tensor");
   m.def("gated_delta_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
@@ -2020,6 +2044,7 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("silu_mul", TORCH_FN(silu_mul));
   m.impl("paged_prefill", TORCH_FN(paged_prefill));
   m.impl("write_paged_decode", TORCH_FN(write_paged_decode));
+  m.impl("write_paged_decode_int8", TORCH_FN(write_paged_decode_int8));
   m.impl("write_kv", TORCH_FN(write_kv));
   m.impl("write_kv_int8", TORCH_FN(write_kv_int8));
   m.impl("decode_layers", TORCH_FN(decode_layers));
