@@ -15,6 +15,8 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # [model] weights: how the decoder's projections are stored and multiplied (helios.runtime.choose_weights).
 WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
+# [engine] kv_dtype (docs/operations.md, "KV cache"; helios.engine.kv.layout.KV_DTYPES).
+KV_DTYPES = ("auto", "int8")
 # [speculative] mode (docs/operations.md, "Speculative decoding").
 SPECULATIVE_MODES = ("off", "ngram", "adaptive")
 MAX_SPECULATIVE_DEPTH = 16
@@ -110,6 +112,9 @@ class EngineSection:
     # Touch every page of the KV pool at start, so its memory is resident (and any shortage shows)
     # from the first request; off: a page's memory is taken when it is first used.
     kv_prefault: bool = False
+    # "auto": K/V rows in the model's dtype (exact); "int8": full-attention and sliding-window K/V as
+    # int8 codes with a bfloat16 scale per row, about half the bytes a token takes in bfloat16.
+    kv_dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(KV_DTYPES))
 
 
 @attrs.frozen
@@ -196,6 +201,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     _check_weights(data.get("model"))
     _check_shutdown_grace(data.get("server"))
     _check_speculative(data.get("speculative"))
+    _check_engine(data.get("engine"))
     try:
         cfg = _converter.structure(data, HeliosConfig)
     except ConfigError:
@@ -269,6 +275,17 @@ def _check_speculative(section: Any) -> None:
     depth = section.get("max_depth", 1)
     if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= MAX_SPECULATIVE_DEPTH:
         raise ConfigError(f"speculative.max_depth must be an integer within 1..{MAX_SPECULATIVE_DEPTH}, got {depth!r}")
+
+
+def _check_engine(section: Any) -> None:
+    """Plain messages for `kv_dtype` and `kv_prefault` (cattrs would say only "invalid value", or
+    take any truthy string for a bool)."""
+    if not isinstance(section, dict):
+        return
+    if "kv_dtype" in section and section["kv_dtype"] not in KV_DTYPES:
+        raise ConfigError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {section['kv_dtype']!r}")
+    if "kv_prefault" in section and not isinstance(section["kv_prefault"], bool):
+        raise ConfigError(f"engine.kv_prefault must be true or false, got {section['kv_prefault']!r}")
 
 
 def _check_shutdown_grace(server: Any) -> None:

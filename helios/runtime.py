@@ -585,8 +585,8 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         # same budget as the pages.
         layout = CacheLayout.from_specs(model.cache_specs())
         states = cfg.engine.max_active + (cfg.cache.checkpoint_slots if cfg.cache.prefix_caching else 0)
-        budget = cfg.engine.kv_memory_gib * 2**30 - layout.bytes_per_request(dtype) * states
-        num_pages = int(max(budget, 0) // (layout.bytes_per_token(dtype) * page))
+        num_pages = layout.pages_for(cfg.engine.kv_memory_gib * 2**30, page, dtype, cfg.engine.kv_dtype,
+                                     max_active=states)
     num_pages = max(num_pages, -(-max_model_len // page) + 1)
     ecfg = EngineConfig(page_size=page, num_pages=num_pages, max_active=cfg.engine.max_active,
                         prefill_chunk_size=cfg.engine.prefill_chunk_size, max_model_len=max_model_len,
@@ -599,7 +599,8 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                         checkpoint_work_fraction=cfg.cache.checkpoint_work_fraction,
                         speculative=SpeculativeConfig(mode=cfg.speculative.mode, max_depth=cfg.speculative.max_depth,
                                                       history=cfg.speculative.history),
-                        kv_prefault=cfg.engine.kv_prefault, token_vocab_size=ckpt.tokenizer.vocab_size)
+                        kv_prefault=cfg.engine.kv_prefault, kv_dtype=cfg.engine.kv_dtype,
+                        token_vocab_size=ckpt.tokenizer.vocab_size)
     drafter = None
     if cfg.speculative.draft_model:
         drafter = load_drafter(cfg, ckpt.tokenizer, num_pages=num_pages + cfg.engine.max_active,

@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from helios.engine.kv.layout import CacheGroup, CacheLayout
+from helios.engine.kv.layout import KV_SCALE_DTYPE, CacheGroup, CacheLayout
 from helios.models import cpu_kernels
 from helios.models.attention_sinks import sink_attention, sink_softmax
 from helios.models.interface import (
@@ -120,10 +120,14 @@ class TorchPagedBackend:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, *, decode_kernel: bool | None = None,
                  prefill_kernel: bool | None = None, layout: CacheLayout | None = None,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, kv_dtype: str = "auto") -> None:
         """``num_layers`` full-attention layers of ``num_kv_heads`` x ``head_dim``, or, given
         ``layout``, its groups (the three shape arguments are then unused; `for_layout`).
-        ``num_state_slots``: the state slots of every recurrent layer.
+        ``num_state_slots``: the state slots of every recurrent layer. ``kv_dtype``
+        (`kv.layout.KV_DTYPES`): "int8" keeps full-attention and sliding-window K/V as int8 codes
+        with a scale per row (`KVCache`); decode rows then use the kernel's int8 variant
+        (`cpu_kernels.paged_decode_int8`) where the decode kernel applies, and prefill chunks their
+        dequantized gathered context (no int8 prefill kernel).
 
         ``decode_kernel``: use `cpu_kernels.paged_decode` for decode rows (None: wherever it
         applies: a CPU cache in float32 or bfloat16, a head size of a multiple of 16, the kernels built).
@@ -133,7 +137,8 @@ class TorchPagedBackend:
         if layout is None:
             layout = CacheLayout.from_specs([FullAttentionSpec(num_kv_heads, head_dim)] * num_layers)
         self.layout = layout
-        self.kv = KVCache.for_layout(layout, num_pages, page_size, dtype, device, num_state_slots)
+        self.kv = KVCache.for_layout(layout, num_pages, page_size, dtype, device, num_state_slots, kv_dtype)
+        self.kv_dtype = kv_dtype
         self.page_size = page_size
         self.device = device
         self._offsets = torch.arange(page_size, device=device)  # slot offsets within a page
@@ -155,7 +160,8 @@ class TorchPagedBackend:
                 continue
             d = spec.head_dim
             applies = cpu and dtype in (torch.float32, torch.bfloat16) and d % 16 == 0
-            prefill_applies = cpu and dtype == torch.bfloat16 and d % 32 == 0 and d <= 128
+            prefill_applies = (cpu and dtype == torch.bfloat16 and d % 32 == 0 and d <= 128
+                               and not group.is_quantized(kv_dtype))
             self.group_kernels.append((applies and built, prefill_applies and prefill_built))
         self.decode_kernel, self.prefill_kernel = self.group_kernels[0]
         if self.decode_kernel:
@@ -164,9 +170,10 @@ class TorchPagedBackend:
     @classmethod
     def for_layout(cls, layout: CacheLayout, num_pages: int, page_size: int, dtype: torch.dtype,
                    device: torch.device, *, num_state_slots: int = 0, decode_kernel: bool | None = None,
-                   prefill_kernel: bool | None = None) -> TorchPagedBackend:
+                   prefill_kernel: bool | None = None, kv_dtype: str = "auto") -> TorchPagedBackend:
         return cls(layout.num_layers, num_pages, page_size, 0, 0, dtype, device, decode_kernel=decode_kernel,
-                   prefill_kernel=prefill_kernel, layout=layout, num_state_slots=num_state_slots)
+                   prefill_kernel=prefill_kernel, layout=layout, num_state_slots=num_state_slots,
+                   kv_dtype=kv_dtype)
 
     def build(self, inputs: AttentionInputs) -> PagedAttention | GroupAttention:
         """The step's `models.interface.AttentionContext`: with one full-attention group (every
@@ -221,32 +228,42 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        kv_dtype: str = "auto",
     ) -> None:
         layout = CacheLayout.from_specs([FullAttentionSpec(num_kv_heads, head_dim)] * num_layers)
-        self._allocate(layout, num_pages, page_size, dtype, device, 0)
+        self._allocate(layout, num_pages, page_size, dtype, device, 0, kv_dtype)
 
     @classmethod
     def for_layout(cls, layout: CacheLayout, num_pages: int, page_size: int, dtype: torch.dtype,
-                   device: str | torch.device = "cpu", num_state_slots: int = 0) -> KVCache:
+                   device: str | torch.device = "cpu", num_state_slots: int = 0, kv_dtype: str = "auto") -> KVCache:
         kv = cls.__new__(cls)
-        kv._allocate(layout, num_pages, page_size, dtype, device, num_state_slots)
+        kv._allocate(layout, num_pages, page_size, dtype, device, num_state_slots, kv_dtype)
         return kv
 
     def _allocate(self, layout: CacheLayout, num_pages: int, page_size: int, dtype: torch.dtype,
-                  device: str | torch.device, num_state_slots: int) -> None:
+                  device: str | torch.device, num_state_slots: int, kv_dtype: str) -> None:
         self.layout = layout
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype
         self.k: dict[int, Tensor] = {}
         self.v: dict[int, Tensor] = {}
+        self.k_scale: dict[int, Tensor] = {}
+        self.v_scale: dict[int, Tensor] = {}
         self.rows: dict[int, Tensor] = {}
         self.states: dict[int, tuple[Tensor, ...]] = {}
         for group in layout.groups:
             spec = group.spec
             # A sliding-window group's spare page is its placeholder (`SlidingWindowPool.null_page`).
             slots = (num_pages + (1 if isinstance(spec, SlidingWindowSpec) else 0)) * page_size
+            quantized = group.is_quantized(kv_dtype)
             for i in group.layers:
                 if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
-                    self.k[i] = zeroed((spec.num_kv_heads, slots, spec.head_dim), dtype, device)
-                    self.v[i] = zeroed((spec.num_kv_heads, slots, spec.head_dim), dtype, device)
+                    rows_dtype = torch.int8 if quantized else dtype
+                    self.k[i] = zeroed((spec.num_kv_heads, slots, spec.head_dim), rows_dtype, device)
+                    self.v[i] = zeroed((spec.num_kv_heads, slots, spec.head_dim), rows_dtype, device)
+                    if quantized:
+                        self.k_scale[i] = zeroed((spec.num_kv_heads, slots), KV_SCALE_DTYPE, device)
+                        self.v_scale[i] = zeroed((spec.num_kv_heads, slots), KV_SCALE_DTYPE, device)
                 elif isinstance(spec, LatentAttentionSpec):
                     self.rows[i] = zeroed((slots, spec.row_dim), dtype, device)
                 else:
@@ -256,26 +273,59 @@ class KVCache:
     def prefault(self) -> None:
         """Write every cache tensor once (zeros), so all its memory pages are resident now rather
         than taken one by one as pages are first used (`zeroed`)."""
-        tensors = [*self.k.values(), *self.v.values(), *self.rows.values()]
+        tensors = [*self.k.values(), *self.v.values(), *self.k_scale.values(), *self.v_scale.values(),
+                   *self.rows.values()]
         tensors += [t for state in self.states.values() for t in state]
         for t in tensors:
             t.zero_()
 
+    def is_quantized(self, layer_idx: int) -> bool:
+        """Whether the layer's K/V are int8 codes with per-row scales (`k_scale`, `v_scale`)."""
+        return layer_idx in self.k_scale
+
+    def write(self, layer_idx: int, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+        """The step's ``k``, ``v`` [T, kv_heads, d] into the layer's cache at ``slot_mapping`` [T]:
+        copied in the cache's dtype, or quantized (`quantize_rows`) with their scales."""
+        k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
+        if layer_idx not in self.k_scale:
+            k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+            v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+            return
+        for x, cache, scales in ((k, k_cache, self.k_scale[layer_idx]), (v, v_cache, self.v_scale[layer_idx])):
+            codes, scale = quantize_rows(x.transpose(0, 1))
+            cache.index_copy_(1, slot_mapping, codes)
+            scales.index_copy_(1, slot_mapping, scale)
+
+    def gather(self, layer_idx: int, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """The layer's K and V at ``slots`` ([kv_heads, len(slots), d] each): in the cache's dtype,
+        or dequantized to float32 (exact: a bfloat16 scale times an int8 code)."""
+        k = self.k[layer_idx].index_select(1, slots)
+        v = self.v[layer_idx].index_select(1, slots)
+        if layer_idx not in self.k_scale:
+            return k, v
+        return (dequantize_rows(k, self.k_scale[layer_idx].index_select(1, slots)),
+                dequantize_rows(v, self.v_scale[layer_idx].index_select(1, slots)))
+
     def _page_views(self, page: int, page_size: int, group: int) -> list[Tensor]:
-        """The group's tensors' views of one page, layer by layer (K then V, or the rows)."""
+        """The group's tensors' views of one page, layer by layer (K then V, then with int8 K/V
+        their scales; or the rows)."""
         lo = page * page_size
         out: list[Tensor] = []
         for i in self.layout.paged_groups[group].layers:
             if i in self.k:
                 out.append(self.k[i][:, lo:lo + page_size, :])
                 out.append(self.v[i][:, lo:lo + page_size, :])
+                if i in self.k_scale:
+                    out.append(self.k_scale[i][:, lo:lo + page_size])
+                    out.append(self.v_scale[i][:, lo:lo + page_size])
             else:
                 out.append(self.rows[i][lo:lo + page_size])
         return out
 
     def read_page(self, page: int, page_size: int, group: int = 0) -> bytes:
         """One page of a paged group, layer by layer, K then V, each [kv_heads, page_size, head_dim]
-        in the cache's dtype (a latent layer: its [page_size, row_dim] rows)."""
+        in the cache's dtype (with int8 K/V: the codes, then the K and V scales [kv_heads,
+        page_size]; a latent layer: its [page_size, row_dim] rows)."""
         parts = [t.contiguous().view(torch.uint8).flatten() for t in self._page_views(page, page_size, group)]
         return bytes(torch.cat(parts).cpu().numpy().tobytes())
 
@@ -322,10 +372,35 @@ class KVCache:
         return True
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        kv_dtype: str = "auto") -> int:
         """Bytes per token of ``num_layers`` full-attention layers (`CacheLayout.bytes_per_token`
         for any layout)."""
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        layout = CacheLayout.from_specs([FullAttentionSpec(num_kv_heads, head_dim)] * num_layers)
+        return layout.bytes_per_token(dtype, kv_dtype)
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 codes of ``x`` [..., d] with one scale per row: ``scale`` is max|x| / 127
+    rounded up to a `KV_SCALE_DTYPE` (bfloat16) value, so no code exceeds 127 in magnitude, and
+    ``code = round(x / scale)`` (to nearest, ties to even) clamped to -127..127; a row of zeros gets
+    scale 0 and codes 0. ``code * scale`` differs from ``x`` by at most scale / 2 per element (plus
+    the float32 division's rounding, 127 * 2**-24 of the scale). Returns (int8 codes [..., d],
+    scales [...])."""
+    xf = x.float()
+    want = xf.abs().amax(dim=-1) / 127.0
+    scale = want.to(KV_SCALE_DTYPE)
+    # Round up: a positive finite bfloat16's next value up is its bit pattern plus one.
+    scale = torch.where(scale.float() < want, (scale.view(torch.int16) + 1).view(KV_SCALE_DTYPE), scale)
+    sf = scale.float()
+    codes = torch.round(xf / torch.where(sf > 0, sf, 1.0).unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_rows(codes: Tensor, scales: Tensor) -> Tensor:
+    """``codes`` [..., d] (int8) times ``scales`` [...] as float32: exact (a bfloat16 scale's 8
+    significant bits times a code's 7 fit in float32's 24)."""
+    return codes.float() * scales.float().unsqueeze(-1)
 
 
 class PagedAttention:
@@ -370,7 +445,8 @@ class PagedAttention:
     def all_decode_args(self, layer_idx: int) -> DecodeArgs | None:
         """For a step of decode tokens only of a full-attention layer, served by the CPU kernel:
         what `write_paged_decode` needs for this layer (k_cache, v_cache, slot_mapping, block_table,
-        rows, lens, page_size), so a model can run the layer as one operator; None otherwise."""
+        rows, lens, page_size, and with int8 K/V the scales), so a model can run the layer as one
+        operator; None otherwise."""
         step = self._by_layer[layer_idx]
         return None if step is None else step.all_decode_args(layer_idx)
 
@@ -440,7 +516,8 @@ class GroupAttention:
         assert inputs.decode_rows is not None and inputs.decode_lens is not None
         lmax = inputs.decode_max_len
         num_kv = next(kv.k[i] for i in group.layers).shape[0]
-        dtype = kv.k[group.layers[0]].dtype
+        # The gathered context's dtype: the cache's, or float32 for dequantized int8 rows.
+        dtype = torch.float32 if kv.is_quantized(group.layers[0]) else kv.k[group.layers[0]].dtype
         if window is not None and lmax > window:
             # Each row's last `window` positions (lens - window .. lens - 1); before 0: masked.
             pos = inputs.decode_lens[:, None] - window + torch.arange(window, device=table.device)[None, :]
@@ -472,8 +549,9 @@ class GroupAttention:
     def all_decode_args(self, layer_idx: int) -> DecodeArgs | None:
         if not (self.num_decode and self.decode_kernel and self.all_decode and self.full):
             return None
-        return (self.kv.k[layer_idx], self.kv.v[layer_idx], self.slot_mapping, self.table, self.decode_rows,
-                self.decode_lens, self.page_size)
+        kv = self.kv
+        return (kv.k[layer_idx], kv.v[layer_idx], self.slot_mapping, self.table, self.decode_rows, self.decode_lens,
+                self.page_size, kv.k_scale.get(layer_idx), kv.v_scale.get(layer_idx))
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float | None = None, *, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -483,19 +561,29 @@ class GroupAttention:
         if decode is not None:
             # One operator: this step's K/V into the cache, then the paged decode over it.
             return cpu_kernels.write_paged_decode(q, k, v, *decode, scale)
-        k_cache = self.kv.k[layer_idx]  # [kv_heads, slots, head_dim]
-        v_cache = self.kv.v[layer_idx]
-        if self.write_kernel:  # the CPU kernels serve this cache: row copies
-            cpu_kernels.write_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        kv = self.kv
+        k_cache = kv.k[layer_idx]  # [kv_heads, slots, head_dim]
+        v_cache = kv.v[layer_idx]
+        quantized = kv.is_quantized(layer_idx)
+        if self.write_kernel:  # the CPU kernels serve this cache: row copies, or rows quantized
+            if quantized:
+                cpu_kernels.write_kv_int8(k, v, k_cache, kv.k_scale[layer_idx], v_cache, kv.v_scale[layer_idx],
+                                          self.slot_mapping)
+            else:
+                cpu_kernels.write_kv(k, v, k_cache, v_cache, self.slot_mapping)
         else:
-            k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-            v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+            kv.write(layer_idx, k, v, self.slot_mapping)
         out = torch.empty_like(q)
         num_kv = k_cache.shape[0]
         if self.num_decode and self.decode_kernel and sinks is None:
             qd = q if self.all_decode else q.index_select(0, self.decode_tokens)
-            o = cpu_kernels.paged_decode(qd, k_cache, v_cache, self.table, self.decode_rows, self.decode_lens,
-                                         self.page_size, scale)
+            if quantized:
+                o = cpu_kernels.paged_decode_int8(qd, k_cache, kv.k_scale[layer_idx], v_cache, kv.v_scale[layer_idx],
+                                                  self.table, self.decode_rows, self.decode_lens, self.page_size,
+                                                  scale)
+            else:
+                o = cpu_kernels.paged_decode(qd, k_cache, v_cache, self.table, self.decode_rows, self.decode_lens,
+                                             self.page_size, scale)
             if self.all_decode:
                 return o
             out.index_copy_(0, self.decode_tokens, o)
@@ -506,11 +594,12 @@ class GroupAttention:
             d = q.shape[-1]
             # One gather per layer gives [kv_heads * B, L, d] batches, contiguous, in (kv head, row)
             # order. Each kv head's query group is folded into the query axis, so no GQA repeat of
-            # K/V is needed (query head h uses kv head h // group).
-            kd = k_cache.index_select(1, self.decode_flat).view(num_kv * b, lmax, d)
-            vd = v_cache.index_select(1, self.decode_flat).view(num_kv * b, lmax, d)
+            # K/V is needed (query head h uses kv head h // group). Int8 rows come dequantized in
+            # float32, and the query with them.
+            kd, vd = kv.gather(layer_idx, self.decode_flat)
+            kd, vd = kd.view(num_kv * b, lmax, d), vd.view(num_kv * b, lmax, d)
             qd = q if self.all_decode else q.index_select(0, self.decode_tokens)
-            qg = qd.view(b, num_kv, -1, d).transpose(0, 1).reshape(num_kv * b, -1, d)
+            qg = qd.view(b, num_kv, -1, d).transpose(0, 1).reshape(num_kv * b, -1, d).to(kd.dtype)
             scores = torch.baddbmm(self.decode_bias, qg, kd.transpose(1, 2), alpha=scale)
             if sinks is None:
                 probs = torch.softmax(scores, dim=-1)
@@ -518,7 +607,7 @@ class GroupAttention:
                 column = sinks.view(num_kv, 1, -1, 1).expand(-1, b, -1, -1).reshape(num_kv * b, -1, 1)
                 probs = sink_softmax(scores, column).to(vd.dtype)
             o = torch.bmm(probs, vd)  # [kv_heads * B, group, d]
-            o = o.view(num_kv, b, -1, d).transpose(0, 1).reshape(b, -1, d)
+            o = o.view(num_kv, b, -1, d).transpose(0, 1).reshape(b, -1, d).to(q.dtype)
             if self.all_decode:
                 return o
             out.index_copy_(0, self.decode_tokens, o)
@@ -528,9 +617,9 @@ class GroupAttention:
                 out[tok_start : tok_start + length] = cpu_kernels.paged_prefill(
                     q[tok_start : tok_start + length], k_cache, v_cache, slots, ctx_start, scale)
                 continue
-            qp = q[tok_start : tok_start + length].transpose(0, 1).unsqueeze(0)  # [1, nh, Lq, d]
-            kp = k_cache.index_select(1, slots).unsqueeze(0)  # [1, nkv, Lk, d]
-            vp = v_cache.index_select(1, slots).unsqueeze(0)
+            kp, vp = kv.gather(layer_idx, slots)  # [nkv, Lk, d] each (int8 rows: float32)
+            kp, vp = kp.unsqueeze(0), vp.unsqueeze(0)
+            qp = q[tok_start : tok_start + length].transpose(0, 1).unsqueeze(0).to(kp.dtype)  # [1, nh, Lq, d]
             if sinks is not None:
                 qpos = torch.arange(ctx_start, ctx_start + length, device=q.device)
                 kpos = torch.arange(first, ctx_start + length, device=q.device)

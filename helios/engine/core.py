@@ -76,6 +76,9 @@ class EngineConfig:
     """The share of the engine's step time that checkpoint captures may add (predicted)."""
     kv_prefault: bool = False
     """Touch the whole KV pool at start (`KVCache.prefault`) instead of page by page as used."""
+    kv_dtype: str = "auto"
+    """How full-attention and sliding-window K/V rows are kept (`kv.layout.KV_DTYPES`): "auto" in
+    the cache dtype, "int8" as codes with a bfloat16 scale per row (`attention.KVCache`)."""
     token_vocab_size: int | None = None
     """The ids the tokenizer knows (None: all of the model's). A checkpoint may pad its embedding rows
     past the tokenizer's vocabulary; the padding ids are never sampled or offered as logprobs."""
@@ -109,7 +112,8 @@ class EngineCore:
                              "a state rollback): a draft model cannot serve it")
         self.drafter = drafter
         self.attention = TorchPagedBackend.for_layout(layout, cfg.num_pages, cfg.page_size, dtype, self.device,
-                                                      num_state_slots=cfg.max_active + num_snapshots)
+                                                      num_state_slots=cfg.max_active + num_snapshots,
+                                                      kv_dtype=cfg.kv_dtype)
         self.kv = self.attention.kv
         if cfg.kv_prefault:
             self.kv.prefault()
@@ -283,9 +287,9 @@ class EngineCore:
 
 def _layout_fingerprint(cfg: EngineConfig, layout: CacheLayout, dtype: torch.dtype) -> bytes:
     """The model fingerprint plus everything that shapes a page's bytes (every group's spec and
-    layers, the dtype, the page size, the backend): two engines share cached pages (and host-store
-    records) only when all of it matches."""
-    text = f"{layout.describe(dtype)}:{cfg.page_size}:torch_paged".encode()
+    layers, the dtype and KV dtype, the page size, the backend): two engines share cached pages (and
+    host-store records) only when all of it matches."""
+    text = f"{layout.describe(dtype, cfg.kv_dtype)}:{cfg.page_size}:torch_paged".encode()
     return hashlib.blake2b(cfg.fingerprint + b"|" + text, digest_size=16).digest()
 
 

@@ -12,7 +12,8 @@ Operators that torch does not have in the form decode needs, among them:
   each token's state slot: two passes over the state instead of torch's gather, four elementwise
   passes and a scatter.
 - ``paged_decode``: decode attention that reads each row's K/V in place from the paged cache instead
-  of gathering its whole history into a contiguous copy every layer of every step.
+  of gathering its whole history into a contiguous copy every layer of every step;
+  ``paged_decode_int8`` the same over int8 K/V with a bfloat16 scale per row (``[engine] kv_dtype``).
 - ``kquant_linear`` / ``kquant_dequantize``: matmul and dequantization straight from a GGUF weight's
   blocks (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0; `kquant.BlockQuantized` holds them), 4.5 to 8.5 bits a
   weight where float32 is 32: decode GEMV for one to a few rows, a small GEMM for more: register tiles
@@ -196,18 +197,45 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tenso
     return torch.ops.helios.paged_decode(q.contiguous(), k_cache, v_cache, block_table, rows, lens, page_size, scale)
 
 
+def paged_decode_int8(q: Tensor, k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor,
+                      block_table: Tensor, rows: Tensor, lens: Tensor, page_size: int, scale: float) -> Tensor:
+    """`paged_decode` over int8 caches: codes [kv_heads, slots, d] with one bfloat16 scale per
+    (kv head, slot) row [kv_heads, slots]; each K/V element is read as ``code * scale`` (exact in
+    float32) and scores, softmax and sums are float32 as in `paged_decode`. ``q`` float32 or
+    bfloat16; the output in its dtype."""
+    out: Tensor = torch.ops.helios.paged_decode_int8(q.contiguous(), k_cache, k_scale, v_cache, v_scale, block_table,
+                                                     rows, lens, page_size, scale)
+    return out
+
+
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """``k``, ``v`` ([T, kv_heads, d], any strides between tokens and heads) into the caches
     ([kv_heads, slots, d]) at ``slot_mapping`` [T]: row copies (other dtypes or layouts: index_copy_)."""
     torch.ops.helios.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
+def write_kv_int8(k: Tensor, v: Tensor, k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor,
+                  slot_mapping: Tensor) -> None:
+    """``k``, ``v`` ([T, kv_heads, d] float32 or bfloat16, the head dimension contiguous) quantized
+    into int8 caches ([kv_heads, slots, d]) and their bfloat16 scales ([kv_heads, slots]) at
+    ``slot_mapping`` [T]: `helios.engine.attention.quantize_rows`'s codes and scales, bit for bit,
+    without its dozen tensor operations per layer."""
+    torch.ops.helios.write_kv_int8(k, v, k_cache, k_scale, v_cache, v_scale, slot_mapping)
+
+
 def write_paged_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
-                       block_table: Tensor, rows: Tensor, lens: Tensor, page_size: int, scale: float) -> Tensor:
+                       block_table: Tensor, rows: Tensor, lens: Tensor, page_size: int, k_scale: Tensor | None,
+                       v_scale: Tensor | None, scale: float) -> Tensor:
     """`paged_decode` after writing this step's ``k``, ``v`` ([D, kv_heads, d], any strides) into the
-    caches at ``slot_mapping`` [D]: a whole all-decode layer's attention in one operator."""
-    out: Tensor = torch.ops.helios.write_paged_decode(q, k, v, k_cache, v_cache, slot_mapping, block_table, rows,
-                                                      lens, page_size, scale)
+    caches at ``slot_mapping`` [D]: a whole all-decode layer's attention in one operator. With
+    ``k_scale``/``v_scale`` (int8 caches) the rows are quantized (`write_kv_int8`) and read by
+    `paged_decode_int8`."""
+    if k_scale is not None and v_scale is not None:
+        out: Tensor = torch.ops.helios.write_paged_decode_int8(q, k, v, k_cache, k_scale, v_cache, v_scale,
+                                                               slot_mapping, block_table, rows, lens, page_size, scale)
+        return out
+    out = torch.ops.helios.write_paged_decode(q, k, v, k_cache, v_cache, slot_mapping, block_table, rows, lens,
+                                              page_size, scale)
     return out
 
 
@@ -230,17 +258,22 @@ def decode_layers(h: Tensor, delta: Tensor | None, layers: Sequence[FusedLayer],
     """Consecutive decoder layers of an all-decode step (`_DecoderLayer.forward` with the fused
     kernels) as one operator: per layer RMSNorm, the qkv projection, RoPE, the K/V write and paged
     attention (``decode[i]`` = layer i's k_cache, v_cache and the step's slot_mapping, block_table,
-    rows, lens, page_size), the o projection, the second norm and the SwiGLU MLP. The layers share one
-    projection kind (``group``). Returns (stream, MLP output) of the last layer, like the layer."""
+    rows, lens, page_size; with int8 K/V, their scales), the o projection, the second norm and the
+    SwiGLU MLP. The layers share one projection kind (``group``) and one KV kind (float or int8).
+    Returns (stream, MLP output) of the last layer, like the layer."""
     group = layers[0].group
     if any(layer.group != group for layer in layers) or len(decode) != len(layers):
         raise ValueError("decode_layers: one projection kind and one set of decode arguments per layer")
-    _, _, slot_mapping, table, rows, lens, page_size = decode[0]
+    _, _, slot_mapping, table, rows, lens, page_size, _, _ = decode[0]
+    k_scales = [d[7] for d in decode if d[7] is not None]
+    v_scales = [d[8] for d in decode if d[8] is not None]
+    if len(k_scales) not in (0, len(decode)) or len(v_scales) != len(k_scales):
+        raise ValueError("decode_layers: every layer's K/V int8 (with scales) or none")
     out: tuple[Tensor, Tensor] = torch.ops.helios.decode_layers(
         h, delta, [layer.input_norm for layer in layers], [layer.post_norm for layer in layers],
         [w for layer in layers for w in layer.weights], group, cos, sin, [d[0] for d in decode],
-        [d[1] for d in decode], slot_mapping, table, rows, lens, page_size, decode[0][0].shape[-1] ** -0.5, eps, heads,
-        kv_heads)
+        [d[1] for d in decode], k_scales, v_scales, slot_mapping, table, rows, lens, page_size,
+        decode[0][0].shape[-1] ** -0.5, eps, heads, kv_heads)
     return out
 
 

@@ -32,9 +32,10 @@ import attrs
 import torch
 from torch import Tensor
 
-DecodeArgs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]
+DecodeArgs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, Tensor | None, Tensor | None]
 """What the CPU decode operators need for one layer of an all-decode step: (k_cache, v_cache,
-slot_mapping, block_table, rows, lens, page_size) (`cpu_kernels.write_paged_decode`)."""
+slot_mapping, block_table, rows, lens, page_size, k_scale, v_scale) (`cpu_kernels.write_paged_decode`);
+the scales are None for a float cache, the rows' bfloat16 scales for int8 K/V."""
 
 
 @attrs.frozen

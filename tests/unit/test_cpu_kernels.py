@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from helios.domain.sampling import SamplingParams
-from helios.engine.attention import AttentionInputs, TorchPagedBackend
+from helios.engine.attention import AttentionInputs, TorchPagedBackend, dequantize_rows, quantize_rows
 from helios.engine.core import EngineConfig, EngineCore
+from helios.engine.kv.layout import CacheLayout
 from helios.engine.records import EngineRequest
 from helios.models import cpu_kernels
 from helios.models.config import ModelConfig
+from helios.models.interface import FullAttentionSpec, SlidingWindowSpec
 from helios.models.llama import LlamaForCausalLM
 from helios.models.quant import GroupQuantized
 from helios.runtime import AUTO_DENSE_ABOVE, effective_cpu_capability, load_model
@@ -189,6 +191,56 @@ def test_paged_decode_refuses_pages_outside_the_cache() -> None:
                                  int(case["page_size"]), 0.125)
 
 
+def _int8_case(case: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The case's K/V quantized (`quantize_rows`, a bfloat16 scale per row), and for the reference
+    their dequantized float32 values (exact products) in place of the originals."""
+    out = dict(case)
+    for name in ("k", "v"):
+        codes, scales = quantize_rows(case[name].float() * 3)
+        out[f"{name}_codes"], out[f"{name}_scale"] = codes, scales
+        out[name] = dequantize_rows(codes, scales)
+    return out
+
+
+def _decode_int8(case: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+    return cpu_kernels.paged_decode_int8(case["q"], case["k_codes"], case["k_scale"], case["v_codes"], case["v_scale"],
+                                         case["table"], case["rows"], case["lens"], int(case["page_size"]), scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("lens", "heads", "kv_heads", "head_dim"),
+                         [([1], 9, 3, 64), ([255, 256, 257], 9, 3, 64), ([1000, 3, 513, 17], 9, 3, 64),
+                          ([4000], 9, 3, 64), ([7, 300, 1], 8, 2, 128), ([7, 300], 12, 2, 64),
+                          ([40, 300], 32, 1, 256), ([33], 4, 4, 32)],
+                         ids=str)
+def test_paged_decode_int8_against_float64(dtype: torch.dtype, lens: list[int], heads: int, kv_heads: int,
+                                           head_dim: int) -> None:
+    """int8 K/V with a scale per row, read in place and dequantized on the fly: against float64
+    attention over the dequantized values, to float32 rounding (a bfloat16 query, the values the
+    reference gets too; a bfloat16 output rounded once). Query groups and head sizes take the
+    specialised, tiled and generic weighted sums, histories the 16-position blocks and the tail."""
+    case = _int8_case(_paged_case(lens, dtype, kv_heads=kv_heads, heads=heads, head_dim=head_dim,
+                                  seed=len(lens) + heads))
+    got = _decode_int8(case, head_dim**-0.5)
+    expected = _reference(case)
+    assert got.dtype == dtype and got.shape == case["q"].shape
+    # |outputs| < 12 (V rows of 3 x standard normal values).
+    bound = 4e-5 if dtype == torch.float32 else 2 * unit_roundoff(dtype) * 12
+    assert (got.double() - expected).abs().max().item() < bound
+
+
+def test_paged_decode_int8_refuses_bad_operands() -> None:
+    case = _int8_case(_paged_case([40], torch.float32))
+    with pytest.raises(RuntimeError, match="int8 caches, bfloat16 scales"):
+        cpu_kernels.paged_decode_int8(case["q"], case["k"], case["k_scale"], case["v"], case["v_scale"], case["table"],
+                                      case["rows"], case["lens"], 16, 0.125)
+    with pytest.raises(RuntimeError, match="shapes"):
+        _decode_int8({**case, "k_scale": case["k_scale"][:, :-1].contiguous()}, 0.125)
+    case["table"][case["rows"][0], 0] = 10_000
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        _decode_int8(case, 0.125)
+
+
 # -- paged_prefill -------------------------------------------------------------------------------------
 
 needs_prefill_kernel = pytest.mark.skipif(
@@ -331,6 +383,88 @@ def test_the_engine_backend_decodes_through_the_kernel(dtype: torch.dtype) -> No
     assert (out.double() - torch.stack(expected)).abs().max().item() < bound
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "gathered"])
+def test_the_engine_backend_attends_over_int8_kv_against_float64(dtype: torch.dtype, kernel: bool) -> None:
+    """`kv_dtype = "int8"`, a step mixing two decode rows (the int8 decode kernel, or the gathered
+    dequantized path) and a prefill chunk over cached context (dequantized gather and SDPA in
+    float32): the step's K/V are stored quantized, and every output matches float64 attention over
+    the dequantized cache."""
+    ps, kv_heads, heads, d = 16, 3, 9, 64
+    backend = TorchPagedBackend(1, 64, ps, kv_heads, d, dtype, torch.device("cpu"), kv_dtype="int8",
+                                decode_kernel=kernel)
+    assert backend.decode_kernel is kernel and not backend.prefill_kernel
+    kv = backend.kv
+    g = torch.Generator().manual_seed(5)
+    table = torch.randperm(64, generator=g)[:60].view(3, 20).contiguous()
+    lens = [37, 300]  # decode rows 0 and 2; row 1 prefills 20 tokens after 30 cached positions
+    for row, n in ((0, 36), (1, 30), (2, 299)):
+        slots = (table[row][:, None] * ps + torch.arange(ps)).flatten()[:n]
+        kv.write(0, torch.randn(n, kv_heads, d, generator=g).to(dtype), torch.randn(n, kv_heads, d, generator=g).to(dtype),
+                 slots)
+    positions = [36, *range(30, 50), 299]
+    token_rows = [0, *[1] * 20, 2]
+    slot_mapping = torch.tensor([int(table[r, p // ps]) * ps + p % ps for r, p in zip(token_rows, positions, strict=True)])
+    inputs = AttentionInputs(block_table=table, slot_mapping=slot_mapping, num_tokens=22,
+                             decode_tokens=torch.tensor([0, 21]), decode_rows=torch.tensor([0, 2]),
+                             decode_lens=torch.tensor(lens), decode_max_len=300, num_decode=2,
+                             prefills=((1, 20, 1, 30),))
+    q = torch.randn(22, heads, d, generator=g).to(dtype)
+    k = torch.randn(22, kv_heads, d, generator=g).to(dtype)
+    v = torch.randn(22, kv_heads, d, generator=g).to(dtype)
+    out = backend.build(inputs)(0, q, k, v)
+    assert out.dtype == dtype
+    codes, scales = quantize_rows(k.transpose(0, 1))
+    assert torch.equal(kv.k[0][:, slot_mapping], codes) and torch.equal(kv.k_scale[0][:, slot_mapping], scales)
+    kc = dequantize_rows(kv.k[0], kv.k_scale[0]).double()
+    vc = dequantize_rows(kv.v[0], kv.v_scale[0]).double()
+    expected = []
+    for t, (row, pos) in enumerate(zip(token_rows, positions, strict=True)):
+        slots = (table[row][:, None] * ps + torch.arange(ps)).flatten()[:pos + 1]
+        qq = q[t].double().view(kv_heads, heads // kv_heads, d)
+        p = torch.softmax(qq @ kc[:, slots].transpose(1, 2) / d**0.5, dim=-1)
+        expected.append((p @ vc[:, slots]).reshape(heads, d))
+    bound = FP32_TOLERANCE if dtype == torch.float32 else 2 * unit_roundoff(dtype) * 4
+    assert (out.double() - torch.stack(expected)).abs().max().item() < bound
+
+
+@pytest.mark.parametrize("context", [20, 90], ids=["within_window", "past_window"])
+def test_int8_sliding_window_decode_and_prefill_against_float64(context: int) -> None:
+    """A sliding-window group (window 32) with int8 K/V: within the window the decode kernel reads the
+    rows in place, past it decode rows gather their last 32 positions; a prefill chunk attends to
+    the window before each of its tokens. Against float64 over the dequantized cache."""
+    ps, kv_heads, heads, d, window = 16, 2, 4, 32, 32
+    layout = CacheLayout.from_specs([FullAttentionSpec(kv_heads, d), SlidingWindowSpec(kv_heads, d, window)])
+    backend = TorchPagedBackend.for_layout(layout, 32, ps, torch.float32, torch.device("cpu"), kv_dtype="int8")
+    kv = backend.kv
+    assert kv.is_quantized(1) and backend.group_kernels[1][0]
+    g = torch.Generator().manual_seed(context)
+    table = torch.randperm(32, generator=g)[:16].view(2, 8).contiguous()
+    chunk = 5  # row 1 prefills positions context .. context + 4; row 0 decodes position context
+    for row in (0, 1):
+        slots = (table[row][:, None] * ps + torch.arange(ps)).flatten()[:context]
+        kv.write(1, torch.randn(context, kv_heads, d, generator=g), torch.randn(context, kv_heads, d, generator=g), slots)
+    positions = [context, *range(context, context + chunk)]
+    token_rows = [0, *[1] * chunk]
+    slot_mapping = torch.tensor([int(table[r, p // ps]) * ps + p % ps for r, p in zip(token_rows, positions, strict=True)])
+    inputs = AttentionInputs(block_table=table, slot_mapping=slot_mapping, num_tokens=1 + chunk,
+                             decode_tokens=torch.tensor([0]), decode_rows=torch.tensor([0]),
+                             decode_lens=torch.tensor([context + 1]), decode_max_len=context + 1, num_decode=1,
+                             prefills=((1, chunk, 1, context),), group_tables=((table, slot_mapping),))
+    q = torch.randn(1 + chunk, heads, d, generator=g)
+    k, v = torch.randn(1 + chunk, kv_heads, d, generator=g), torch.randn(1 + chunk, kv_heads, d, generator=g)
+    out = backend.build(inputs)(1, q, k, v)
+    kc = dequantize_rows(kv.k[1], kv.k_scale[1]).double()
+    vc = dequantize_rows(kv.v[1], kv.v_scale[1]).double()
+    expected = []
+    for t, (row, pos) in enumerate(zip(token_rows, positions, strict=True)):
+        slots = (table[row][:, None] * ps + torch.arange(ps)).flatten()[max(0, pos - window + 1):pos + 1]
+        qq = q[t].double().view(kv_heads, heads // kv_heads, d)
+        p = torch.softmax(qq @ kc[:, slots].transpose(1, 2) / d**0.5, dim=-1)
+        expected.append((p @ vc[:, slots]).reshape(heads, d))
+    assert (out.double() - torch.stack(expected)).abs().max().item() < FP32_TOLERANCE
+
+
 @pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                    (torch.float32, torch.bfloat16)])
 def test_write_kv_puts_strided_rows_at_their_slots(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
@@ -352,6 +486,36 @@ def test_write_kv_puts_strided_rows_at_their_slots(dtype: torch.dtype, cache_dty
     if dtype == cache_dtype:
         with pytest.raises(RuntimeError, match="outside the cache"):
             cpu_kernels.write_kv(k[:1], v[:1], k_cache, v_cache, torch.tensor([slots_total]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_int8_gives_the_row_quantizers_bits(dtype: torch.dtype) -> None:
+    """`write_kv_int8` (the CPU kernels' write of int8 K/V) stores exactly `quantize_rows`'s codes and
+    scales at the slots, and nothing elsewhere: rows of magnitudes 1e-30 .. 1e30, zero rows, a row of
+    exact halves (ties to even), strided views of one fused tensor."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(50, 3, 64, generator=g, dtype=torch.float64)
+    x *= torch.logspace(-30, 30, 50, dtype=torch.float64)[:, None, None]
+    x[3] = 0.0
+    x[5, 2] = 0.0
+    x[5, 2, 7] = 1.0
+    x[6, 0] = (torch.arange(64) - 31.5) * 127 / 31.5
+    kv = x.to(dtype)
+    fused = torch.cat([kv, kv * 3], dim=1)
+    k, v = fused[:, :3], fused[:, 3:]
+    caches = [torch.zeros(3, 100, 64, dtype=torch.int8), torch.zeros(3, 100, dtype=torch.bfloat16)]
+    caches += [torch.zeros(3, 100, 64, dtype=torch.int8), torch.zeros(3, 100, dtype=torch.bfloat16)]
+    slots = torch.randperm(100, generator=g)[:50].contiguous()
+    cpu_kernels.write_kv_int8(k, v, *caches, slots)
+    for rows, codes, scales in ((k, caches[0], caches[1]), (v, caches[2], caches[3])):
+        want_codes, want_scales = quantize_rows(rows.transpose(0, 1))
+        assert torch.equal(codes[:, slots], want_codes)
+        assert torch.equal(scales[:, slots].view(torch.int16), want_scales.view(torch.int16))
+        rest = torch.ones(100, dtype=torch.bool)
+        rest[slots] = False
+        assert not codes[:, rest].any() and not scales[:, rest].any()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.write_kv_int8(k[:1], v[:1], *caches, torch.tensor([100]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -575,15 +739,17 @@ def test_the_fused_layer_path_matches_the_torch_path(monkeypatch: pytest.MonkeyP
 @pytest.mark.parametrize(("weights", "dtype", "dense_above", "kind"), [
     ("int4", "auto", None, "int4"), ("int4", "float32", None, "int4"), ("auto", "auto", None, "int4"),
     ("auto", "auto", 1, "onednn"), ("bfloat16", "auto", None, "onednn"), ("float32", "auto", None, "onednn")])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_the_one_operator_decode_layers_give_the_layer_by_layer_tokens_exactly(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weights: str, dtype: str, dense_above: int | None,
-        kind: str) -> None:
+        kind: str, kv_dtype: str) -> None:
     """An all-decode step runs its decoder layers as one operator (`decode_layers`): int4 projections
     where they are int4 for that many rows, oneDNN's prepacked linear where they multiply through
     oneDNN-packed weights (a dense format, or auto's dense copy above its threshold, here lowered to
     1 row). The same operators in the same order as `_DecoderLayer.forward`, so the greedy tokens and
     their logprobs are equal to the layer-by-layer path's, not just close. Three streams, so rows of
-    one step sit at different positions and pages; prefill steps keep the layer-by-layer path."""
+    one step sit at different positions and pages; prefill steps keep the layer-by-layer path. With
+    int8 K/V the operator quantizes and reads the rows as the layer-by-layer path does."""
     if dense_above is not None:
         monkeypatch.setitem(AUTO_DENSE_ABOVE, effective_cpu_capability()[0], dense_above)
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
@@ -605,7 +771,8 @@ def test_the_one_operator_decode_layers_give_the_layer_by_layer_tokens_exactly(
     def generate() -> dict[str, tuple[list[int], list[float]]]:
         core = EngineCore(model,
                           EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=64,
-                                       max_model_len=128), loaded.choice.dtype, "cpu")
+                                       max_model_len=128, kv_dtype=kv_dtype), loaded.choice.dtype, "cpu")
+        assert core.kv.is_quantized(0) is (kv_dtype == "int8")
         for i, length in enumerate((5, 11, 3)):
             prompt = tuple((7 * i + 3 * j) % 90 + 1 for j in range(length))
             core.add(EngineRequest(f"r{i}", prompt, SamplingParams(temperature=0.0), max_tokens=12,

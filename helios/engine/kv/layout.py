@@ -4,6 +4,12 @@ Layers with equal specs form one group (vLLM v1's KV-cache groups). A paged grou
 sliding window, latent attention) has its own page pool, block tables and storage; a recurrent group
 has one state slot per running request. Paged groups come first (in the order of their first
 layer), then recurrent ones; group 0 is the primary group, whose block table the scheduler reads.
+
+KV dtype (``[engine] kv_dtype``, `KV_DTYPES`): "auto" keeps every row in the model's dtype; "int8"
+keeps the K/V rows of full-attention and sliding-window groups as int8 codes with one bfloat16
+scale per (layer, kv head, slot) row (`helios.engine.attention.quantize_rows`): a row of head_dim
+``d`` takes ``d + 2`` bytes instead of ``2 d`` (bfloat16) or ``4 d`` (float32). Latent rows and
+recurrent states stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +27,13 @@ from helios.models.interface import (
     SlidingWindowSpec,
 )
 
+KV_DTYPES = ("auto", "int8")
+"""``[engine] kv_dtype``: how a full-attention or sliding-window group keeps its K/V rows."""
+KV_SCALE_DTYPE = torch.bfloat16
+"""The dtype of an int8 row's scale: bfloat16 (float32's range, 2 bytes). A float32 scale would cost
+4 bytes a row: at head_dim 64 the pool would hold 2 * 64 / 68 = 1.88x a bfloat16 pool's tokens, not
+the 1.94x of 2 * 64 / 66."""
+
 
 @attrs.frozen
 class CacheGroup:
@@ -36,8 +49,19 @@ class CacheGroup:
     def window(self) -> int | None:
         return self.spec.window if isinstance(self.spec, SlidingWindowSpec) else None
 
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Cache bytes one token takes in this group (0 for a recurrent group)."""
+    def is_quantized(self, kv_dtype: str) -> bool:
+        """Whether this group keeps int8 K/V rows and their scales under ``kv_dtype``."""
+        _check_kv_dtype(kv_dtype)
+        return kv_dtype == "int8" and isinstance(self.spec, (FullAttentionSpec, SlidingWindowSpec))
+
+    def bytes_per_token(self, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+        """Cache bytes one token takes in this group (0 for a recurrent group): with int8 K/V, one
+        byte per element and a `KV_SCALE_DTYPE` scale per K row and per V row of every kv head."""
+        if self.is_quantized(kv_dtype):
+            spec = self.spec
+            assert isinstance(spec, (FullAttentionSpec, SlidingWindowSpec))
+            row = spec.head_dim + _element_size(KV_SCALE_DTYPE)
+            return len(self.layers) * 2 * spec.num_kv_heads * row
         return len(self.layers) * self.spec.elements_per_token() * _element_size(dtype)
 
     def bytes_per_request(self, dtype: torch.dtype) -> int:
@@ -81,24 +105,39 @@ class CacheLayout:
     def has_recurrent(self) -> bool:
         return any(not g.paged for g in self.groups)
 
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
+    def bytes_per_token(self, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
         """Paged cache bytes per token over every group (each paged group has as many pages)."""
-        return sum(g.bytes_per_token(dtype) for g in self.groups)
+        return sum(g.bytes_per_token(dtype, kv_dtype) for g in self.groups)
 
     def bytes_per_request(self, dtype: torch.dtype) -> int:
         return sum(g.bytes_per_request(dtype) for g in self.groups)
 
-    def describe(self, dtype: torch.dtype) -> str:
+    def pages_for(self, memory_bytes: float, page_size: int, dtype: torch.dtype, kv_dtype: str = "auto", *,
+                  max_active: int = 0) -> int:
+        """How many pages (of every paged group) a budget of ``memory_bytes`` holds, after the
+        recurrent states of ``max_active`` requests (`[engine] kv_memory_gib`)."""
+        budget = memory_bytes - self.bytes_per_request(dtype) * max_active
+        return int(max(budget, 0) // (self.bytes_per_token(dtype, kv_dtype) * page_size))
+
+    def describe(self, dtype: torch.dtype, kv_dtype: str = "auto") -> str:
         """What shapes every page's and state's bytes, for the layout fingerprint. A single
         full-attention group reads as it always has (`layers:kv_heads:head_dim:dtype`), so cached
-        records of Llama-family models stay valid."""
+        records of Llama-family models stay valid; int8 K/V add ``:kv=int8+<scale dtype>``, so their
+        pages (chain hashes, host-store records) never mix with another KV dtype's."""
+        _check_kv_dtype(kv_dtype)
+        kv = "" if kv_dtype == "auto" else f":kv={kv_dtype}+{KV_SCALE_DTYPE}"
         if self.is_single_full:
             spec = self.groups[0].spec
             assert isinstance(spec, FullAttentionSpec)
-            return f"{self.num_layers}:{spec.num_kv_heads}:{spec.head_dim}:{dtype}"
+            return f"{self.num_layers}:{spec.num_kv_heads}:{spec.head_dim}:{dtype}{kv}"
         parts = [f"{type(g.spec).__name__}{attrs.astuple(g.spec)}@{','.join(map(str, g.layers))}"
                  for g in self.groups]
-        return f"{self.num_layers}:{';'.join(parts)}:{dtype}"
+        return f"{self.num_layers}:{';'.join(parts)}:{dtype}{kv}"
+
+
+def _check_kv_dtype(kv_dtype: str) -> None:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
 
 
 def _element_size(dtype: torch.dtype) -> int:

@@ -11,6 +11,10 @@
 //   the history into a contiguous copy). Scores, softmax and the weighted sum are float32; histories
 //   are split into chunks of kChunk positions that run in parallel and are merged with their
 //   softmax statistics (flash-decoding), so one long row still uses every core.
+// helios::paged_decode_int8(q, k_cache, k_scale, v_cache, v_scale, ...): paged_decode over int8 K/V
+//   with one bfloat16 scale per (kv head, slot) row, dequantized on the fly (float32 math).
+// helios::write_kv_int8(k, v, k_cache, k_scale, v_cache, v_scale, slot_mapping): the step's K/V rows
+//   quantized into int8 caches at their slots (the row quantizer of helios.engine.attention, bit for bit).
 // helios::write_paged_decode(q, k, v, k_cache, v_cache, slot_mapping, ...): the step's K/V written
 //   into the caches at their slots, then paged_decode: an all-decode layer's attention in one call.
 // helios::kquant_linear_grouped(x, offsets, blocks[], ggml_type, out_features): kquant_linear for groups of
@@ -242,6 +246,9 @@ inline vec vload(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline vec vload(const int8_t* p) {  // int8 codes widened (exact)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
@@ -269,6 +276,9 @@ inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vec vload(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline vec vload(const int8_t* p) {  // int8 codes widened (exact)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -298,6 +308,7 @@ inline vec vzero() { return 0.f; }
 inline vec vset1(float x) { return x; }
 inline vec vload(const float* p) { return *p; }
 inline vec vload(const c10::BFloat16* p) { return to_float(*p); }
+inline vec vload(const int8_t* p) { return static_cast<float>(*p); }
 inline void vstore(float* p, vec v) { *p = v; }
 inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
 inline vec vadd(vec a, vec b) { return a + b; }
@@ -405,16 +416,22 @@ PvFn<T> pv_for(int64_t G, int64_t NV) {
 constexpr int64_t kPvTileQueries = 4;
 constexpr int64_t kPvTileVectors = 4;
 
-template <typename T>
+// T: the query's and the output's dtype; C: the caches' (T, or int8_t: codes with one bfloat16 scale per
+// (kv head, slot) row in ksp / vsp, [KV, S]). An int8 K row is dequantized as it is widened (code *
+// scale, exact in float32); V's scale is folded into each position's probability after the softmax
+// sums (p * (s * v) = (p * s) * v up to float32 rounding).
+template <typename T, typename C>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& table, const at::Tensor& rows, const at::Tensor& lens,
-                       int64_t page_size, double scale, at::Tensor& out) {
+                       int64_t page_size, double scale, at::Tensor& out,
+                       const c10::BFloat16* __restrict__ ksp = nullptr, const c10::BFloat16* __restrict__ vsp = nullptr) {
+  constexpr bool kQuant = std::is_same_v<C, int8_t>;
   const int64_t D = q.size(0), H = q.size(1), dh = q.size(2);
   const int64_t KV = k_cache.size(0), S = k_cache.size(1), P = table.size(1);
   const int64_t G = H / KV, NV = dh / W;
   const T* __restrict__ qp = q.data_ptr<T>();
-  const T* __restrict__ kp = k_cache.data_ptr<T>();
-  const T* __restrict__ vp = v_cache.data_ptr<T>();
+  const C* __restrict__ kp = reinterpret_cast<const C*>(k_cache.data_ptr());
+  const C* __restrict__ vp = reinterpret_cast<const C*>(v_cache.data_ptr());
   const int64_t* __restrict__ tp = table.data_ptr<int64_t>();
   const int64_t* __restrict__ rp = rows.data_ptr<int64_t>();
   const int64_t* __restrict__ lp = lens.data_ptr<int64_t>();
@@ -440,11 +457,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   int64_t positions = 0;
   for (int64_t d = 0; d < D; ++d) positions += lp[d];
   const int64_t grain = positions * KV < kSerialPositions ? items : 1;
-  const int64_t row_bytes = dh * static_cast<int64_t>(sizeof(T));
-  const PvFn<T> pv = pv_for<T>(G, NV);
+  const int64_t row_bytes = dh * static_cast<int64_t>(sizeof(C));
+  const PvFn<C> pv = pv_for<C>(G, NV);
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     std::vector<vec> qv(G * NV), acc(G * NV), dots(G);
-    std::vector<float> scores(G * kChunk), kblock(16 * dh);
+    std::vector<float> scores(G * kChunk), kblock(16 * dh), vsc(kQuant ? kChunk : 0);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t c = item % chunks, kv = (item / chunks) % KV, d = item / (chunks * KV);
       const int64_t len = lp[d], start = c * kChunk, end = std::min(len, start + kChunk);
@@ -462,6 +479,12 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       }
       const int64_t* page_row = tp + rp[d] * P;
       const int64_t n = end - start;
+      if constexpr (kQuant) {
+        for (int64_t p = 0; p < n; ++p) {
+          const int64_t pos = start + p;
+          vsc[p] = to_float(vsp[kv * S + page_row[pos / page_size] * page_size + pos % page_size]);
+        }
+      }
       for (int64_t p = 0; p < std::min<int64_t>(n, kKAhead); ++p) {
         const int64_t pos = start + p;
         prefetch_row(kp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh, row_bytes);
@@ -473,11 +496,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       // a horizontal sum each; K rows are widened to float32 once per block, not once per query.
       for (; j + 16 <= n; j += 16) {
 #if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if constexpr (std::is_same_v<C, c10::BFloat16>) {
           if (dh % 32 == 0) {
             // bfloat16 K against the bfloat16 query with AVX512-BF16 dot products: each pair of
             // products is exact in float32 and accumulated in float32; the scale is applied after.
-            const T* rows16[16];
+            const C* rows16[16];
             for (int64_t p = 0; p < 16; ++p) {
               const int64_t pos = start + j + p;
               const int64_t slot = kv * S + page_row[pos / page_size] * page_size + pos % page_size;
@@ -510,13 +533,18 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         for (int64_t p = 0; p < 16; ++p) {
           const int64_t pos = start + j + p;
           const int64_t slot = kv * S + page_row[pos / page_size] * page_size + pos % page_size;
-          const T* __restrict__ kr = kp + slot * dh;
+          const C* __restrict__ kr = kp + slot * dh;
           prefetch_row(vp + slot * dh, row_bytes);
           if (j + kKAhead + p < n) {
             const int64_t ahead = pos + kKAhead;
             prefetch_row(kp + (kv * S + page_row[ahead / page_size] * page_size + ahead % page_size) * dh, row_bytes);
           }
-          for (int64_t e = 0; e < NV; ++e) vstore(kblock.data() + p * dh + e * W, vload(kr + e * W));
+          if constexpr (kQuant) {
+            const vec ks = vset1(to_float(ksp[slot]));
+            for (int64_t e = 0; e < NV; ++e) vstore(kblock.data() + p * dh + e * W, vmul(vload(kr + e * W), ks));
+          } else {
+            for (int64_t e = 0; e < NV; ++e) vstore(kblock.data() + p * dh + e * W, vload(kr + e * W));
+          }
         }
         for (int64_t g = 0; g < G; ++g) {
           vec d[16];
@@ -531,10 +559,12 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
 #endif
       for (; j < n; ++j) {
         const int64_t pos = start + j;
-        const T* __restrict__ kr = kp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh;
+        const int64_t slot = kv * S + page_row[pos / page_size] * page_size + pos % page_size;
+        const C* __restrict__ kr = kp + slot * dh;
+        const vec ks = vset1(kQuant ? to_float(ksp[slot]) : 1.f);
         for (int64_t g = 0; g < G; ++g) dots[g] = vzero();
         for (int64_t e = 0; e < NV; ++e) {
-          const vec kx = vload(kr + e * W);
+          const vec kx = kQuant ? vmul(vload(kr + e * W), ks) : vload(kr + e * W);
           for (int64_t g = 0; g < G; ++g) dots[g] = vfma(qv[g * NV + e], kx, dots[g]);
         }
         for (int64_t g = 0; g < G; ++g) scores[g * kChunk + j] = vsum(dots[g]);
@@ -555,6 +585,9 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         for (; j < n; ++j) { sc[j] = std::exp(sc[j] - m); tail += sc[j]; }
         mx[g] = m;
         sm[g] = tail;
+        if constexpr (kQuant) {
+          for (int64_t j = 0; j < n; ++j) sc[j] *= vsc[j];
+        }
       }
       if (pv != nullptr) {
         pv(vp, page_row, kv * S, start, n, page_size, dh, scores.data(), row_bytes, out_acc);
@@ -572,7 +605,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
               for (int64_t e = 0; e < kPvTileVectors; ++e) a[g][e] = vzero();
             for (int64_t j = 0; j < n; ++j) {
               const int64_t pos = start + j;
-              const T* __restrict__ vr =
+              const C* __restrict__ vr =
                   vp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh + e0 * W;
               vec w[kPvTileQueries];
               for (int64_t g = 0; g < kPvTileQueries; ++g) w[g] = vset1(scores[(g0 + g) * kChunk + j]);
@@ -590,7 +623,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       for (int64_t e = 0; e < G * NV; ++e) acc[e] = vzero();
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = start + j;
-        const T* __restrict__ vr = vp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh;
+        const C* __restrict__ vr = vp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh;
         if (j + kPrefetchAhead < n) {
           const int64_t ahead = pos + kPrefetchAhead;
           prefetch_row(vp + (kv * S + page_row[ahead / page_size] * page_size + ahead % page_size) * dh, row_bytes);
@@ -645,11 +678,49 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;
   if (q.scalar_type() == at::kFloat) {
-    paged_decode_impl<float>(q, k_cache, v_cache, block_table, rows, lens, page_size, scale, out);
+    paged_decode_impl<float, float>(q, k_cache, v_cache, block_table, rows, lens, page_size, scale, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    paged_decode_impl<c10::BFloat16>(q, k_cache, v_cache, block_table, rows, lens, page_size, scale, out);
+    paged_decode_impl<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, block_table, rows, lens, page_size, scale,
+                                                     out);
   } else {
     TORCH_CHECK(false, "paged_decode: float32 or bfloat16");
+  }
+  return out;
+}
+
+// paged_decode over int8 caches: codes [KV, S, d] with one bfloat16 scale per row [KV, S]
+// (helios.engine.attention.quantize_rows); K/V dequantized on the fly, float32 math as paged_decode's.
+at::Tensor paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& k_scale,
+                             const at::Tensor& v_cache, const at::Tensor& v_scale, const at::Tensor& block_table,
+                             const at::Tensor& rows, const at::Tensor& lens, int64_t page_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3 && k_scale.dim() == 2 && v_scale.dim() == 2,
+              "paged_decode_int8: q [D,H,d], caches [KV,S,d], scales [KV,S]");
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar &&
+                  k_scale.scalar_type() == at::kBFloat16 && v_scale.scalar_type() == at::kBFloat16,
+              "paged_decode_int8: int8 caches, bfloat16 scales");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && k_scale.is_contiguous() &&
+                  v_scale.is_contiguous() && block_table.is_contiguous() && rows.is_contiguous() &&
+                  lens.is_contiguous(),
+              "paged_decode_int8: contiguous operands");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && rows.scalar_type() == at::kLong &&
+                  lens.scalar_type() == at::kLong, "paged_decode_int8: int64 indices");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && q.size(2) == k_cache.size(2) &&
+                  k_scale.size(0) == k_cache.size(0) && k_scale.size(1) == k_cache.size(1) &&
+                  k_scale.sizes() == v_scale.sizes(), "paged_decode_int8: shapes");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "paged_decode_int8: heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(2) % W == 0, "paged_decode_int8: head size must be a multiple of the vector width");
+  TORCH_CHECK(rows.size(0) == q.size(0) && lens.size(0) == q.size(0) && page_size > 0, "paged_decode_int8: rows");
+  at::Tensor out = at::empty_like(q);
+  if (q.size(0) == 0) return out;
+  const c10::BFloat16* ks = k_scale.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* vs = v_scale.data_ptr<c10::BFloat16>();
+  if (q.scalar_type() == at::kFloat) {
+    paged_decode_impl<float, int8_t>(q, k_cache, v_cache, block_table, rows, lens, page_size, scale, out, ks, vs);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    paged_decode_impl<c10::BFloat16, int8_t>(q, k_cache, v_cache, block_table, rows, lens, page_size, scale, out, ks,
+                                             vs);
+  } else {
+    TORCH_CHECK(false, "paged_decode_int8: a float32 or bfloat16 query");
   }
   return out;
 }
@@ -1157,6 +1228,66 @@ void write_slots(const at::Tensor& x, at::Tensor& cache, const at::Tensor& slots
     for (int64_t h = 0; h < KV; ++h) std::memcpy(dst + ((h * S + sp[t]) * bytes), src + t * st + h * sh, bytes);
 }
 
+// Symmetric int8 codes of x[t, h, :] (float32 or bfloat16, the head dimension contiguous) at
+// codes[h, slots[t], :] with their bfloat16 scale at scales[h, slots[t]]: the arithmetic of
+// helios.engine.attention.quantize_rows, to the bit (scale = max|x| / 127 in float32, rounded to the
+// nearest bfloat16 and up by one step if that fell below; code = round-half-even(x / scale) in float32,
+// clamped to -127..127; a zero row: scale 0, codes 0).
+template <typename T>
+void write_rows_int8(const at::Tensor& x, at::Tensor& codes, at::Tensor& scales, const int64_t* sp) {
+  const int64_t T_ = x.size(0), KV = x.size(1), dh = x.size(2), S = codes.size(1);
+  const T* src = x.data_ptr<T>();
+  int8_t* dst = codes.data_ptr<int8_t>();
+  c10::BFloat16* sc = scales.data_ptr<c10::BFloat16>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  for (int64_t t = 0; t < T_; ++t) {
+    for (int64_t h = 0; h < KV; ++h) {
+      const T* row = src + t * st + h * sh;
+      float amax = 0.f;
+      for (int64_t e = 0; e < dh; ++e) amax = std::max(amax, std::fabs(to_float(row[e])));
+      const float want = amax / 127.f;
+      c10::BFloat16 scale(want);  // to nearest even
+      if (to_float(scale) < want) scale.x = static_cast<uint16_t>(scale.x + 1);
+      const float sf = to_float(scale);
+      const float div = sf > 0.f ? sf : 1.f;
+      int8_t* out = dst + (h * S + sp[t]) * dh;
+      for (int64_t e = 0; e < dh; ++e) {
+        const float q = std::nearbyint(to_float(row[e]) / div);
+        out[e] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+      }
+      sc[h * S + sp[t]] = scale;
+    }
+  }
+}
+
+void write_slots_int8(const at::Tensor& x, at::Tensor& codes, at::Tensor& scales, const at::Tensor& slots) {
+  TORCH_CHECK(x.dim() == 3 && codes.dim() == 3 && scales.dim() == 2 && x.size(1) == codes.size(0) &&
+                  x.size(2) == codes.size(2) && scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
+                  slots.dim() == 1 && slots.size(0) == x.size(0) && slots.scalar_type() == at::kLong,
+              "write_kv_int8: k/v [T, kv_heads, d], codes [kv_heads, S, d], scales [kv_heads, S], one int64 slot "
+              "per token");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && scales.scalar_type() == at::kBFloat16 && codes.is_contiguous() &&
+                  scales.is_contiguous() && slots.is_contiguous(),
+              "write_kv_int8: contiguous int8 codes and bfloat16 scales");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < x.size(0); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < codes.size(1), "write_kv_int8: a slot outside the cache");
+  const at::Tensor rows = x.stride(2) == 1 ? x : x.contiguous();
+  if (x.scalar_type() == at::kFloat) {
+    write_rows_int8<float>(rows, codes, scales, sp);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    write_rows_int8<c10::BFloat16>(rows, codes, scales, sp);
+  } else {
+    TORCH_CHECK(false, "write_kv_int8: float32 or bfloat16 rows");
+  }
+}
+
+void write_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& k_scale,
+                   at::Tensor& v_cache, at::Tensor& v_scale, const at::Tensor& slot_mapping) {
+  write_slots_int8(k, k_cache, k_scale, slot_mapping);
+  write_slots_int8(v, v_cache, v_scale, slot_mapping);
+}
+
 // K/V of this step's tokens into the caches at their slots (any step; `write_paged_decode` does it for
 // an all-decode one).
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -1172,6 +1303,16 @@ at::Tensor write_paged_decode(const at::Tensor& q, const at::Tensor& k, const at
                               const at::Tensor& rows, const at::Tensor& lens, int64_t page_size, double scale) {
   write_kv(k, v, k_cache, v_cache, slot_mapping);
   return paged_decode(q.contiguous(), k_cache, v_cache, block_table, rows, lens, page_size, scale);
+}
+
+// write_paged_decode for int8 caches: the rows quantized at their slots, then paged_decode_int8.
+at::Tensor write_paged_decode_int8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                                   at::Tensor& k_scale, at::Tensor& v_cache, at::Tensor& v_scale,
+                                   const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                   const at::Tensor& rows, const at::Tensor& lens, int64_t page_size, double scale) {
+  write_kv_int8(k, v, k_cache, k_scale, v_cache, v_scale, slot_mapping);
+  return paged_decode_int8(q.contiguous(), k_cache, k_scale, v_cache, v_scale, block_table, rows, lens, page_size,
+                           scale);
 }
 
 // ---- decode layers: the decoder layers of an all-decode step as one operator ------------------------------
@@ -1208,16 +1349,20 @@ template <typename MM>
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const MM& mm, const at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& input_norm,
     const at::Tensor& post_norm, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-    at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& rows,
-    const at::Tensor& lens, int64_t page_size, double scale, double eps, int64_t heads, int64_t kv_heads) {
+    at::Tensor& v_cache, at::Tensor* k_scale, at::Tensor* v_scale, const at::Tensor& slot_mapping,
+    const at::Tensor& block_table, const at::Tensor& rows, const at::Tensor& lens, int64_t page_size, double scale,
+    double eps, int64_t heads, int64_t kv_heads) {
   const int64_t T = h.size(0), dh = k_cache.size(2);
   auto [stream, x] = add_rms_norm(h, delta, input_norm, eps);
   at::Tensor qkv = mm(0, x);
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dh, "decode layer: qkv width");
   at::Tensor qk = rope_(qkv.narrow(1, 0, (heads + kv_heads) * dh).view({T, heads + kv_heads, dh}), cos, sin);
   at::Tensor v = qkv.narrow(1, (heads + kv_heads) * dh, kv_heads * dh).view({T, kv_heads, dh});
-  at::Tensor attn = write_paged_decode(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), v, k_cache, v_cache,
-                                       slot_mapping, block_table, rows, lens, page_size, scale);
+  at::Tensor attn = k_scale != nullptr
+      ? write_paged_decode_int8(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), v, k_cache, *k_scale, v_cache,
+                                *v_scale, slot_mapping, block_table, rows, lens, page_size, scale)
+      : write_paged_decode(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), v, k_cache, v_cache, slot_mapping,
+                           block_table, rows, lens, page_size, scale);
   at::Tensor o = mm(1, attn.reshape({T, heads * dh}));
   auto [stream2, x2] = add_rms_norm(stream, o, post_norm, eps);
   at::Tensor down = mm(3, silu_mul(mm(2, x2)));
@@ -1227,31 +1372,38 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 // Consecutive decoder layers of an all-decode step, each as `decode_layer`, in one operator (one
 // dispatch instead of one per layer). `group` > 0: every layer's projections are int4 with that group
 // size, `weights` holding (packed, scales_and_zeros) of qkv, o, gate/up and down per layer; `group`
-// == 0: they are oneDNN-packed, four weights per layer. Returns the last layer's (stream, MLP output).
+// == 0: they are oneDNN-packed, four weights per layer. `k_scales`/`v_scales`: empty for float caches,
+// else one per layer (int8 caches). Returns the last layer's (stream, MLP output).
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& h, const std::optional<at::Tensor>& delta, at::TensorList input_norms,
     at::TensorList post_norms, at::TensorList weights, int64_t group, const at::Tensor& cos, const at::Tensor& sin,
-    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_table,
-    const at::Tensor& rows, const at::Tensor& lens, int64_t page_size, double scale, double eps, int64_t heads,
-    int64_t kv_heads) {
+    at::TensorList k_caches, at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
+    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& rows, const at::Tensor& lens,
+    int64_t page_size, double scale, double eps, int64_t heads, int64_t kv_heads) {
   const int64_t L = static_cast<int64_t>(input_norms.size());
   const int64_t per = group > 0 ? 8 : 4;
   TORCH_CHECK(L > 0 && static_cast<int64_t>(post_norms.size()) == L && static_cast<int64_t>(k_caches.size()) == L &&
                   static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(weights.size()) == L * per,
               "decode_layers: per layer two norms, a K and a V cache, and ", per, " weights");
+  const bool quantized = !k_scales.empty();
+  TORCH_CHECK((!quantized || static_cast<int64_t>(k_scales.size()) == L) && k_scales.size() == v_scales.size(),
+              "decode_layers: no K/V scales, or a K and a V scale tensor per layer");
   at::Tensor stream = h;
   std::optional<at::Tensor> d = delta;
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = &weights[l * per];
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+    at::Tensor k_scale = quantized ? k_scales[l] : at::Tensor(), v_scale = quantized ? v_scales[l] : at::Tensor();
+    at::Tensor* ks = quantized ? &k_scale : nullptr;
+    at::Tensor* vs = quantized ? &v_scale : nullptr;
     std::tuple<at::Tensor, at::Tensor> out;
     if (group > 0) {
       auto mm = [&](int i, const at::Tensor& x) { return int4_mm(x, w[2 * i], group, w[2 * i + 1]); };
-      out = decode_layer(mm, stream, d, input_norms[l], post_norms[l], cos, sin, k_cache, v_cache, slot_mapping,
+      out = decode_layer(mm, stream, d, input_norms[l], post_norms[l], cos, sin, k_cache, v_cache, ks, vs, slot_mapping,
                          block_table, rows, lens, page_size, scale, eps, heads, kv_heads);
     } else {
       auto mm = [&](int i, const at::Tensor& x) { return onednn_mm(x, w[i]); };
-      out = decode_layer(mm, stream, d, input_norms[l], post_norms[l], cos, sin, k_cache, v_cache, slot_mapping,
+      out = decode_layer(mm, stream, d, input_norms[l], post_norms[l], cos, sin, k_cache, v_cache, ks, vs, slot_mapping,
                          block_table, rows, lens, page_size, scale, eps, heads, kv_heads);
     }
     stream = std::get<0>(out);
@@ -1908,18 +2060,25 @@ TORCH_LIBRARY(helios, m) {
   m.def("q8_linear_bf16(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor rows, "
         "Tensor lens, int page_size, float scale) -> Tensor");
+  m.def("paged_decode_int8(Tensor q, Tensor k_cache, Tensor k_scale, Tensor v_cache, Tensor v_scale, "
+        "Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor? delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, int ctx_start, float scale) -> Tensor");
   m.def("bf16_kernels_supported() -> bool");
   m.def("decode_layers(Tensor h, Tensor? delta, Tensor[] input_norms, Tensor[] post_norms, Tensor[] weights, "
-        "int group, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, "
-        "Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale, float eps, int heads, "
-        "int kv_heads) -> (Tensor, Tensor)");
+        "int group, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!)[] k_scales, "
+        "Tensor(d!)[] v_scales, Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, "
+        "float scale, float eps, int heads, int kv_heads) -> (Tensor, Tensor)");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("write_kv_int8(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) k_scale, Tensor(c!) v_cache, "
+        "Tensor(d!) v_scale, Tensor slot_mapping) -> ()");
   m.def("write_paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale) -> Tensor");
+  m.def("write_paged_decode_int8(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) k_scale, "
+        "Tensor(c!) v_cache, Tensor(d!) v_scale, Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, "
+        "int page_size, float scale) -> Tensor");
   m.def("kquant_linear(Tensor x, Tensor blocks, int ggml_type, int out_features) -> Tensor");
   m.def("kquant_dequantize(Tensor blocks, int ggml_type, int out_features, int in_features) -> Tensor");
   m.def("kquant_linear_grouped(Tensor x, int[] offsets, Tensor[] blocks, int ggml_type, int out_features) -> Tensor");
@@ -1935,12 +2094,15 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("q8_linear", TORCH_FN(q8_linear));
   m.impl("q8_linear_bf16", TORCH_FN(q8_linear_bf16));
   m.impl("paged_decode", TORCH_FN(paged_decode));
+  m.impl("paged_decode_int8", TORCH_FN(paged_decode_int8));
   m.impl("add_rms_norm", TORCH_FN(add_rms_norm));
   m.impl("rope_", TORCH_FN(rope_));
   m.impl("silu_mul", TORCH_FN(silu_mul));
   m.impl("paged_prefill", TORCH_FN(paged_prefill));
   m.impl("write_paged_decode", TORCH_FN(write_paged_decode));
+  m.impl("write_paged_decode_int8", TORCH_FN(write_paged_decode_int8));
   m.impl("write_kv", TORCH_FN(write_kv));
+  m.impl("write_kv_int8", TORCH_FN(write_kv_int8));
   m.impl("decode_layers", TORCH_FN(decode_layers));
   m.impl("kquant_linear", TORCH_FN(kquant_linear));
   m.impl("kquant_dequantize", TORCH_FN(kquant_dequantize));
