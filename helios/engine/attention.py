@@ -211,6 +211,24 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.devic
     return torch.frombuffer(buffer, dtype=dtype, count=torch.Size(shape).numel()).view(shape)
 
 
+def _pack(views: Sequence[Tensor]) -> bytes:
+    """The bytes of ``views``, one after another, each in its own dtype (a host-store record)."""
+    return bytes(torch.cat([t.contiguous().view(torch.uint8).flatten() for t in views]).cpu().numpy().tobytes())
+
+
+def _unpack(views: Sequence[Tensor], data: bytes) -> bool:
+    """Fill ``views`` from `_pack`'s bytes; False (nothing written) when they do not fit."""
+    if len(data) != sum(t.numel() * t.element_size() for t in views):
+        return False
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    at = 0
+    for t in views:
+        one = t.numel() * t.element_size()
+        t.copy_(raw[at:at + one].view(t.dtype).view(t.shape).to(t.device))
+        at += one
+    return True
+
+
 class KVCache:
     """The cache storage, per layer by its spec: K and V tensors of shape
     [num_kv_heads, num_slots, head_dim] (`k`, `v`, keyed by layer index), latent rows [num_slots,
@@ -326,21 +344,11 @@ class KVCache:
         """One page of a paged group, layer by layer, K then V, each [kv_heads, page_size, head_dim]
         in the cache's dtype (with int8 K/V: the codes, then the K and V scales [kv_heads,
         page_size]; a latent layer: its [page_size, row_dim] rows)."""
-        parts = [t.contiguous().view(torch.uint8).flatten() for t in self._page_views(page, page_size, group)]
-        return bytes(torch.cat(parts).cpu().numpy().tobytes())
+        return _pack(self._page_views(page, page_size, group))
 
     def write_page(self, page: int, page_size: int, data: bytes, group: int = 0) -> bool:
         """Fill a page from `read_page`'s bytes; False (nothing written) when they do not fit."""
-        views = self._page_views(page, page_size, group)
-        if len(data) != sum(t.numel() * t.element_size() for t in views):
-            return False
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        at = 0
-        for t in views:
-            one = t.numel() * t.element_size()
-            t.copy_(raw[at:at + one].view(t.dtype).view(t.shape).to(t.device))
-            at += one
-        return True
+        return _unpack(self._page_views(page, page_size, group), data)
 
     # -- recurrent state rows (state checkpoints: `engine/kv/checkpoints.py`) ------------------------
     def state_bytes(self) -> int:
@@ -355,21 +363,11 @@ class KVCache:
 
     def read_state(self, row: int) -> bytes:
         """Row ``row`` of every recurrent layer's state tensors, layer by layer, in their dtypes."""
-        parts = [t[row].contiguous().view(torch.uint8).flatten() for state in self.states.values() for t in state]
-        return bytes(torch.cat(parts).cpu().numpy().tobytes())
+        return _pack([t[row] for state in self.states.values() for t in state])
 
     def write_state(self, row: int, data: bytes) -> bool:
         """Fill a state row from `read_state`'s bytes; False (nothing written) when they do not fit."""
-        views = [t[row] for state in self.states.values() for t in state]
-        if len(data) != sum(t.numel() * t.element_size() for t in views):
-            return False
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        at = 0
-        for t in views:
-            one = t.numel() * t.element_size()
-            t.copy_(raw[at:at + one].view(t.dtype).view(t.shape).to(t.device))
-            at += one
-        return True
+        return _unpack([t[row] for state in self.states.values() for t in state], data)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
