@@ -142,9 +142,10 @@ class SpeculativeSection:
     """Exact speculative decoding (helios/engine/speculative.py): drafts verified by the model in one
     step, outputs identical in distribution (greedy: token-identical) to decoding without them."""
 
-    # off: no drafts; ngram: prompt-lookup drafts of max_depth tokens; adaptive: n-gram drafts whose
-    # length per request follows its recent acceptance and backs off in large batches.
-    mode: str = attrs.field(default="off", validator=attrs.validators.in_(SPECULATIVE_MODES))
+    # off: no drafts; ngram: prompt-lookup drafts of max_depth tokens; adaptive (the default): n-gram
+    # drafts whose length per request follows its recent acceptance, paused per request while none
+    # are accepted, and none in batches of five or more decode rows (docs/operations.md).
+    mode: str = attrs.field(default="adaptive", validator=attrs.validators.in_(SPECULATIVE_MODES))
     max_depth: int = attrs.field(default=4, validator=_depth)  # drafts verified per request and step
     # Also draft from the recent outputs of other requests (the shared decoded history).
     history: bool = True

@@ -606,6 +606,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         drafter = load_drafter(cfg, ckpt.tokenizer, num_pages=num_pages + cfg.engine.max_active,
                                max_model_len=max_model_len, cache_dir=cache_dir)
     core = EngineCore(model, ecfg, dtype, device, vision=loaded.vision, drafter=drafter)
+    spec_mode = core.scheduler.speculative.mode  # what runs: a recurrent layout never speculates
     name = cfg.model.recipe or detect_recipe(ckpt.model_id, mc.arch, ckpt.chat_template)
     is_default = catalog_name == DEFAULT_NAME
     generation_config = generation_defaults(ckpt.generation_config, cfg.model.generation_config, default_model=is_default)
@@ -635,9 +636,9 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         clamp_max_tokens=cfg.server.max_tokens_overflow == "clamp",
         max_output_tokens=cfg.server.max_output_tokens,
         has_reasoning=recipe.reasoning_parser is not None or recipe.output_parser not in ("plain", "hermes", "qwen2_5"),
-        speculative_mode=cfg.speculative.mode,
-        speculative_max_depth=cfg.speculative.max_depth if cfg.speculative.mode != "off" else 0,
-        speculative_history=cfg.speculative.mode != "off" and cfg.speculative.history,
+        speculative_mode=spec_mode,
+        speculative_max_depth=cfg.speculative.max_depth if spec_mode != "off" else 0,
+        speculative_history=spec_mode != "off" and cfg.speculative.history,
         speculative_draft_model=drafter is not None,
         has_vision=loaded.vision is not None,
         # has_tools is decided with the chat template, in serving.service_factory.tool_support.

@@ -218,7 +218,7 @@ class EngineCore:
             cached_pages=self.kv_manager.num_cached,
             host=None if self.host_store is None else self._host_stats(),
             reasoning_budget_cuts=self.scheduler.reasoning_budget_cuts,
-            speculative_mode=self.cfg.speculative.mode,
+            speculative_mode=self.scheduler.speculative.mode,
             history_drafts=self.scheduler.history is not None,
             speculative=self.scheduler.spec_stats.snapshot(),
             threads=threads,

@@ -380,7 +380,11 @@ def test_streamed_entries_concatenate_to_buffered(server: LiveServer) -> None:
                     if c.get("logprobs"):
                         streamed.extend(c["logprobs"]["content"])
     assert [e["token"] for e in streamed] == [e["token"] for e in buffered]
-    assert [e["logprob"] for e in streamed] == [e["logprob"] for e in buffered]
+    # Two generations of one request: with speculation (the default) the second drafts from the
+    # first's output, and a verification step sums its rows in other tiles than a one-row decode,
+    # so the float32 logprobs agree to rounding, not bit for bit (as under other batch mixes).
+    # (1.5e-5 measured on this float32 server; test_speculative_server allows 1e-4 too).
+    assert all(abs(a["logprob"] - b["logprob"]) <= 1e-4 for a, b in zip(streamed, buffered, strict=True))
 
 
 def test_streaming_echo_frames(tiny: tuple[LiveServer, Reference]) -> None:

@@ -1,7 +1,7 @@
 """Speculative decoding on a real server: the default model (float32) with `[speculative] mode =
-"adaptive"` answers an editing-style greedy request (repeat a source file) with the same tokens and
-logprobs as the main server without speculation, drafts were verified and accepted (/metrics), and
-the model card says what is active."""
+"adaptive"` and depth 6 answers an editing-style greedy request (repeat a source file) with the same
+tokens and logprobs as a server with `mode = "off"`, drafts were verified and accepted (/metrics), and
+the model cards say what is active (the main server runs the default, adaptive)."""
 
 from __future__ import annotations
 
@@ -39,18 +39,26 @@ def speculative(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     stop_server(s)
 
 
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    s = start_server(tmp_path_factory.mktemp("nospec"), MAIN_TOML + '[speculative]\nmode = "off"\n', "no-speculation")
+    yield s
+    stop_server(s)
+
+
 def answer(server: LiveServer) -> Any:
     return server.openai().chat.completions.create(model="smol", messages=MESSAGES, temperature=0, max_tokens=96,
                                                    logprobs=True, top_logprobs=2)
 
 
-def test_speculation_gives_the_same_greedy_answer_over_http(server: LiveServer, speculative: LiveServer) -> None:
+def test_speculation_gives_the_same_greedy_answer_over_http(server: LiveServer, speculative: LiveServer,
+                                                            plain: LiveServer) -> None:
     with speculative.http() as http:
         card = http.get("/v1/models").json()["data"][0]["flare"]["speculative"]
         before = http.get("/metrics?format=json").json()
     assert card["mode"] == "adaptive" and card["max_depth"] == 6 and card["proposers"] == ["ngram", "history"]
     assert card["history_drafts"] is True
-    want = answer(server)
+    want = answer(plain)
     got = answer(speculative)
     assert got.choices[0].message.content == want.choices[0].message.content
     assert got.usage.completion_tokens == want.usage.completion_tokens
@@ -64,5 +72,7 @@ def test_speculation_gives_the_same_greedy_answer_over_http(server: LiveServer, 
     assert accepted > 0 and after["verify_steps"] > before["verify_steps"]
     # Every committed token after the first came from a decode or verification round.
     assert rounds + accepted == got.usage.completion_tokens - 1
-    with server.http() as http:
+    with plain.http() as http:
         assert http.get("/v1/models").json()["data"][0]["flare"]["speculative"]["mode"] == "off"
+    with server.http() as http:  # the default
+        assert http.get("/v1/models").json()["data"][0]["flare"]["speculative"]["mode"] == "adaptive"

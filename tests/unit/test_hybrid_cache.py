@@ -174,6 +174,7 @@ def test_recurrent_layout_turns_off_speculation_and_hits_only_checkpoints() -> N
                                           max_model_len=128, host_memory_bytes=1 << 20, checkpoint_work_fraction=1.0,
                                           speculative=SpeculativeConfig(mode="ngram")), torch.float32)
     assert not core.scheduler.speculative.enabled and core.host_store is not None
+    assert core.stats().speculative_mode == "off"  # what runs, not what was asked (the card reads it)
     prompt = prompts((13,))[0]
     for rid in ("a", "b", "c"):
         outs = run(core, [greedy(rid, prompt, 4)])

@@ -516,13 +516,15 @@ def test_speculation_rounds_mix_with_prefill_chunks_in_one_step(mode: str) -> No
 # -- configuration, the card and the metrics -----------------------------------------------------
 
 
-def test_speculative_config_section_defaults_off_and_validates(tmp_path: object) -> None:
+def test_speculative_config_section_defaults_adaptive_and_validates(tmp_path: object) -> None:
     from pathlib import Path
 
     from helios.config import ConfigError, load_config
 
-    assert load_config().speculative.mode == "off"
+    assert load_config().speculative.mode == "adaptive"
     path = Path(str(tmp_path)) / "h.toml"
+    path.write_text('[speculative]\nmode = "off"\n')
+    assert load_config(path).speculative.mode == "off"
     path.write_text('[speculative]\nmode = "adaptive"\nmax_depth = 6\n')
     cfg = load_config(path)
     assert (cfg.speculative.mode, cfg.speculative.max_depth, cfg.speculative.history) == ("adaptive", 6, True)
