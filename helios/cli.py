@@ -28,6 +28,10 @@ request sent as the server closes that connection dies with a ReadError or "Serv
 (docs/operations.md, Transport)."""
 
 
+STARTUP_SECONDS = 3600.0
+"""How long hypercorn waits for the lifespan startup (the model load) before it gives up."""
+
+
 def hypercorn_config(cfg: HeliosConfig) -> HyperConfig:
     """`helios serve`'s hypercorn configuration (the test servers use it too)."""
     from hypercorn.config import Config as HyperConfig
@@ -36,6 +40,9 @@ def hypercorn_config(cfg: HeliosConfig) -> HyperConfig:
     hc.bind = [f"{cfg.server.host}:{cfg.server.port}"]
     hc.accesslog = None  # the app writes its own access log (helios.access), with token counts
     hc.keep_alive_timeout = KEEP_ALIVE_SECONDS
+    # The model loads in the lifespan's startup: hypercorn's 60 s default would kill a server whose
+    # load takes longer (a first start that packs a large GGUF, a busy laptop, a slow disk).
+    hc.startup_timeout = STARTUP_SECONDS
     # The app drains on the signal (below) before hypercorn stops accepting; hypercorn's own grace
     # then covers what is left (non-generation requests), and its lifespan timeout the engine stop.
     grace = cfg.server.shutdown_grace_seconds

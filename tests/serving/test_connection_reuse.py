@@ -121,3 +121,11 @@ def test_bursts_through_a_pooled_client_see_no_transport_error(server: ScriptedS
     assert set(outcomes) <= {"200", "429", "503"}, outcomes
     # The bursts went past admission: 429s (HTTP slots) and 503s (the model queue) as well as answers.
     assert outcomes["200"] > 100 and outcomes["429"] > 100 and outcomes["503"] > 0, outcomes
+
+
+def test_the_server_waits_for_a_slow_model_load() -> None:
+    """The model loads in the lifespan startup; hypercorn's own 60 s would end a slow first start."""
+    from helios.cli import hypercorn_config
+    from helios.config import HeliosConfig
+
+    assert hypercorn_config(HeliosConfig()).startup_timeout >= 3600
