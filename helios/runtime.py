@@ -325,7 +325,11 @@ class Runtime:
         # GET /v1/kv_events ([parallel] kv_events): this engine's KV events, named by its rank.
         self.kv_events = KVEventHub(cfg.parallel.data_parallel_rank) if cfg.parallel.kv_events else None
         hub = self.kv_events
-        self.thread = EngineThread(core, self.client.sink, threads=cfg.model.threads or _usable_cores(),
+        # An external-mode rank shares its machine with the deployment's other ranks (by default).
+        par = cfg.parallel
+        shares = par.data_parallel_size if par.data_parallel_mode == "external" else 1
+        self.thread = EngineThread(core, self.client.sink,
+                                   threads=cfg.model.threads or max(1, _usable_cores() // shares),
                                    adapt_threads=cfg.model.adapt_threads,
                                    kv_events=(lambda events: hub.publish(None, events)) if hub is not None else None)
 
@@ -741,7 +745,11 @@ def build_rank(cfg: HeliosConfig, rank: int) -> RankEngine:
     this machine's usable cores divided by the number of ranks, at least one)."""
     size = cfg.parallel.data_parallel_size
     threads = cfg.model.threads or max(1, _usable_cores() // size)
+    # Each rank has its own KV pool and host store (the configured sizes, per rank); a disk tier
+    # gets one folder per rank, since two stores must never write one directory.
+    disk_dir = str(Path(cfg.cache.disk_dir).expanduser() / f"rank-{rank}") if cfg.cache.disk_dir else ""
     one = attrs.evolve(cfg, model=attrs.evolve(cfg.model, threads=threads),
+                       cache=attrs.evolve(cfg.cache, disk_dir=disk_dir),
                        parallel=attrs.evolve(cfg.parallel, data_parallel_size=1, data_parallel_mode="internal",
                                              data_parallel_rank=0, kv_events=False))
     runtime = build_runtime(one)

@@ -56,9 +56,19 @@ def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     stop_server(s)
 
 
+# One engine: rank 1 of an externally routed deployment (its KV events name it).
+EXTERNAL_TOML = COMMON + """
+[parallel]
+data_parallel_mode = "external"
+data_parallel_size = 2
+data_parallel_rank = 1
+kv_events = true
+"""
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    s = start_server(tmp_path_factory.mktemp("one"), COMMON, "one")
+    s = start_server(tmp_path_factory.mktemp("one"), EXTERNAL_TOML, "one")
     yield s
     stop_server(s)
 
@@ -187,6 +197,23 @@ def test_kv_events_stream_stored_and_removed_pages(dp: LiveServer) -> None:
     # Pages stored while this stream was open were removed again (earlier pages may go first).
     assert set(removed) & stored_hashes
     reader.stop.set()
+
+
+@pytest.mark.timeout(120)
+def test_external_rank_publishes_its_events_named_by_its_rank(single: LiveServer) -> None:
+    reader = EventReader(single.url)
+    reader.start()
+    assert reader.connected.wait(30) and reader.failure is None
+    time.sleep(0.5)
+    prompt = "A list of colours: " + ", ".join(f"colour {i}" for i in range(40))
+    single.openai().completions.create(model="smol", prompt=prompt, max_tokens=2, temperature=0)
+    deadline = time.time() + 20
+    while time.time() < deadline and not reader.batches:
+        time.sleep(0.1)
+    assert reader.batches and {b["data_parallel_rank"] for b in reader.batches} == {1}
+    assert any(isinstance(e, BlockStored) for _r, e in reader.events())
+    reader.stop.set()
+    assert "data_parallel" not in httpx.get(single.url + "/metrics?format=json", timeout=10).json()
 
 
 @pytest.mark.timeout(400)
