@@ -36,6 +36,7 @@ False (new requests get 503) and ``is_alive()`` False.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import logging
@@ -274,6 +275,12 @@ class DataParallelEngine:
     def launch(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Start every rank and wait until each is ready (blocking: call it off the event loop).
         A rank that fails to start stops the others and raises RuntimeError with its reason."""
+        if multiprocessing.current_process().daemon:
+            raise RuntimeError("data parallelism starts rank processes, which a daemonic process may not: run "
+                               "`helios serve`, or hypercorn with --workers 0 (its worker processes are daemonic)")
+        # Ranks ignore SIGTERM, and multiprocessing's exit handler terminates then joins daemonic
+        # children: this handler (atexit runs last-registered first) kills any rank left before it.
+        atexit.register(self._kill_ranks)
         for r in self._ranks:
             self._spawn(r)
         try:
@@ -288,6 +295,12 @@ class DataParallelEngine:
                              load_weight_tokens=weight, cache_threshold=threshold)
         for r in self._ranks:
             self._start_threads(r)
+
+    def _kill_ranks(self) -> None:
+        self._closing = True
+        for r in self._ranks:
+            if r.process is not None and r.process.is_alive():
+                r.process.kill()
 
     def _spawn(self, r: _Rank) -> None:
         parent, child = self._ctx.Pipe(duplex=True)
@@ -368,6 +381,7 @@ class DataParallelEngine:
                 r.reader.join(2)
             r.outbox.put(None)
             r.state = "stopped"
+        atexit.unregister(self._kill_ranks)
 
     def page_counts(self) -> tuple[int, int] | None:
         """(free, total) KV pages over every rank by their last stats (after `shutdown`, what the

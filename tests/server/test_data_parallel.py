@@ -15,16 +15,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from helios.engine.kv.events import BlockRemoved, BlockStored, event_from_json
-from tests.server.conftest import EXTERNAL, LiveServer, start_server, stop_server
+from tests.server.conftest import EXTERNAL, LiveServer, _free_port, stop_server, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(EXTERNAL), reason="starts its own servers")]
 
@@ -49,9 +52,25 @@ kv_events = true
 """
 
 
+def start_serve(tmp: Path, toml: str, name: str) -> LiveServer:
+    """`helios serve --config` (plain hypercorn's worker processes are daemonic and may not start
+    rank processes; docs/parallel.md)."""
+    from helios.loaders.default_model import ensure_default_model
+
+    port = _free_port()
+    cfg = tmp / f"{name}.toml"
+    cfg.write_text(toml.replace("@MODEL@", str(ensure_default_model())).replace("[server]", f"[server]\nport = {port}"))
+    log = tmp / f"{name}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "helios.cli", "serve", "--config", str(cfg)],
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, log, timeout=240)
+    return LiveServer(url, None, proc, log)
+
+
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    s = start_server(tmp_path_factory.mktemp("dp"), DP_TOML, "dp")
+    s = start_serve(tmp_path_factory.mktemp("dp"), DP_TOML, "dp")
     yield s
     stop_server(s)
 
@@ -68,7 +87,7 @@ kv_events = true
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    s = start_server(tmp_path_factory.mktemp("one"), EXTERNAL_TOML, "one")
+    s = start_serve(tmp_path_factory.mktemp("one"), EXTERNAL_TOML, "one")
     yield s
     stop_server(s)
 
