@@ -363,9 +363,9 @@ class DataParallelEngine:
             self._closing = True
             ranks = list(self._ranks)
         for r in ranks:
-            if r.writer is not None:
+            if r.writer is not None and r.writer.is_alive():
                 r.outbox.put(Shutdown())
-            elif r.conn is not None:  # not started yet (a failed launch)
+            elif r.conn is not None:  # starting (a launch that failed, a restart): no writer yet
                 with contextlib.suppress(OSError, ValueError):
                     r.conn.send(Shutdown())
         deadline = time.monotonic() + timeout
@@ -557,6 +557,9 @@ class DataParallelEngine:
         proc = r.process
         if proc is not None:
             proc.join(2)
+            if proc.is_alive():  # its pipe is unusable but it runs (an unreadable message): end it
+                proc.kill()
+                proc.join(5)
         with self._lock:
             if self._closing:
                 return

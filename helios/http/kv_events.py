@@ -2,8 +2,9 @@
 
 One ``data:`` line per `KVEventBatch` in vLLM's JSON field names (`engine/kv/events.py`), from the
 moment of connecting (no replay of what was cached before), a keepalive comment every 15 s without
-a batch. Authenticated like every /v1 route, and 404 unless ``[parallel] kv_events = true``: the
-events carry cached prompts' token ids. A subscriber that falls behind is dropped (its stream ends).
+a batch; the stream ends when the server starts draining for shutdown. Authenticated like every /v1
+route, and 404 unless ``[parallel] kv_events = true``: the events carry cached prompts' token ids.
+A subscriber that falls behind is dropped (its stream ends).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from helios.http.dispatch import Route
 from helios.serving.kv_events import KVEventHub
 
 KEEPALIVE_S = 15.0
+POLL_S = 0.5  # how often an idle stream looks at the server's drain
 
 
 async def kv_events(ctx: RequestContext) -> None:
@@ -42,16 +44,21 @@ async def kv_events(ctx: RequestContext) -> None:
                         return
 
             nursery.start_soon(watch)
-            while True:
-                with trio.move_on_after(KEEPALIVE_S) as idle:
+            last = trio.current_time()
+            while not ctx.state.draining:  # a shutdown ends the stream (it never blocks the drain)
+                batch = None
+                with trio.move_on_after(POLL_S):
                     try:
                         batch = await batches.receive()
                     except trio.EndOfChannel:  # dropped for falling behind
                         break
-                if idle.cancelled_caught:
+                now = trio.current_time()
+                if batch is not None:
+                    await sse.event(batch_json(batch))
+                    last = now
+                elif now - last >= KEEPALIVE_S:
                     await sse.comment("keepalive")
-                    continue
-                await sse.event(batch_json(batch))
+                    last = now
             nursery.cancel_scope.cancel()
         if not gone:
             await sse.close()
