@@ -12,7 +12,7 @@ from __future__ import annotations
 import trio
 
 from helios.asgi.responses import SSEWriter
-from helios.engine.kv.events import batch_json
+from helios.engine.kv.events import KVEventBatch, batch_json
 from helios.errors import NotFound
 from helios.http.context import RequestContext
 from helios.http.dispatch import Route
@@ -46,7 +46,7 @@ async def kv_events(ctx: RequestContext) -> None:
             nursery.start_soon(watch)
             last = trio.current_time()
             while not ctx.state.draining:  # a shutdown ends the stream (it never blocks the drain)
-                batch = None
+                batch: KVEventBatch | None = None
                 with trio.move_on_after(POLL_S):
                     try:
                         batch = await batches.receive()
