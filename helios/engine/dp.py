@@ -25,7 +25,7 @@ hash (`kv.manager.chain_hashes`, the rank's fingerprint) and scores each live ra
 prefix in tokens minus ``load_weight_tokens`` per request it has in flight; when no rank holds at
 least ``cache_threshold`` of the prompt, the least loaded rank takes it (fewest in flight, then
 fewest cached pages, then in turn), so new conversations spread. ``round_robin`` takes live ranks in
-turn. Children of one request with the same prompt (n > 1) go to one rank.
+turn. Children of one request with the same prompt (n > 1: one prompt tuple) go to one rank.
 
 Failure: a rank whose pipe ends (its process died or was killed) is down: every child routed to it
 gets an ERROR output (`FailureKind.ENGINE`), so each protocol ends it in its own error shape; the
@@ -434,9 +434,9 @@ class DataParallelEngine:
             return None
         prompt = request.prompt_token_ids
         last = self._last
-        if last is not None and (last[0] is prompt or last[0] == prompt):
+        if last is not None and last[0] is prompt:
             r = self._ranks[last[1]]
-            if r.state == "live":  # a sibling child of the request just routed
+            if r.state == "live":  # a sibling child (n > 1: the Service gives them one prompt tuple)
                 r.routed += 1
                 return r
         assert self.router is not None

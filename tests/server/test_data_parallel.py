@@ -45,10 +45,12 @@ kv_pages = 96
 prefill_chunk_size = 256
 """
 
+# No load term: the kill test puts two requests with one prompt on one rank by their cached prefix.
 DP_TOML = COMMON + """
 [parallel]
 data_parallel_size = 2
 kv_events = true
+load_weight_tokens = 0
 """
 
 
@@ -245,7 +247,7 @@ def test_killed_rank_fails_its_requests_in_their_shapes_and_the_rest_serves(dp: 
     busy = [r for r in ranks(dp) if r["in_flight"] > 0]
     assert len(busy) == 1, busy
     victim = busy[0]
-    # The same prompt right after it goes to the same rank (children and repeats of one prompt stick).
+    # The same prompt goes to the same rank: its prompt's pages are cached there (no load term here).
     buffered: dict[str, Any] = {}
 
     def post() -> None:
