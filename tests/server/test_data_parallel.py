@@ -237,6 +237,20 @@ def test_external_rank_publishes_its_events_named_by_its_rank(single: LiveServer
     assert "data_parallel" not in httpx.get(single.url + "/metrics?format=json", timeout=10).json()
 
 
+@pytest.mark.timeout(120)
+def test_structured_output_is_refused_alone_in_its_shape(dp: LiveServer) -> None:
+    """A compiled grammar does not cross to a rank (docs/parallel.md): that request fails with a 500
+    in OpenAI's shape saying so, and the server goes on serving."""
+    resp = httpx.post(dp.url + "/v1/chat/completions", timeout=60, json={
+        "model": "smol", "max_tokens": 8, "response_format": {"type": "json_object"},
+        "messages": [{"role": "user", "content": "Give me a JSON object."}]})
+    assert resp.status_code == 500, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "server_error" and "cannot be sent to a data-parallel rank" in error["message"]
+    ok = dp.openai().completions.create(model="smol", prompt="One, two,", max_tokens=2, temperature=0)
+    assert ok.choices[0].text is not None
+
+
 @pytest.mark.timeout(400)
 def test_killed_rank_fails_its_requests_in_their_shapes_and_the_rest_serves(dp: LiveServer) -> None:
     from tests.server.test_shutdown import StreamReader, chat_body
