@@ -19,7 +19,7 @@ import trio
 from helios.asgi.admission import AdmissionSlots
 from helios.asgi.routing import Router
 from helios.config import HeliosConfig, load_config
-from helios.http import anthropic, decisions, ollama, openai, ops, webui
+from helios.http import anthropic, decisions, kv_events, ollama, openai, ops, webui
 from helios.http.context import Handler
 from helios.http.dispatch import Dispatcher
 from helios.http.state import ServerState
@@ -28,7 +28,8 @@ from helios.serving.pipeline import Service
 
 log = logging.getLogger("helios")
 
-ROUTES = [*ops.ROUTES, *webui.ROUTES, *openai.ROUTES, *anthropic.ROUTES, *ollama.ROUTES, *decisions.ROUTES]
+ROUTES = [*ops.ROUTES, *webui.ROUTES, *openai.ROUTES, *anthropic.ROUTES, *ollama.ROUTES, *decisions.ROUTES,
+          *kv_events.ROUTES]
 
 
 class HeliosApp:
@@ -93,9 +94,9 @@ class HeliosApp:
         else:
             log.warning("authentication: off (no [server] api_key or --api-key-file): anyone who can reach "
                         "this port can use the model")
-        from helios.runtime import build_runtime  # torch-heavy; imported on start only
+        from helios.runtime import build_server_runtime  # torch-heavy; imported on start only
 
-        factory = self._runtime_factory or build_runtime
+        factory = self._runtime_factory or build_server_runtime
         state.runtime = await trio.to_thread.run_sync(lambda: factory(state.config))
         state.service = state.runtime.start(trio.lowlevel.current_trio_token(), state.frontend_limiter)
         state.created = int(time.time())
@@ -115,13 +116,12 @@ class HeliosApp:
 
     def _log_shutdown(self, runtime: Any) -> None:
         state = self.state
-        thread, core = getattr(runtime, "thread", None), getattr(runtime, "core", None)
-        if core is None or (thread is not None and thread.is_alive()):
-            log.error("shutdown: drained %d, aborted %d, free pages unknown (the engine thread did not stop)",
+        counts = runtime.page_counts() if callable(getattr(runtime, "page_counts", None)) else None
+        if counts is None:
+            log.error("shutdown: drained %d, aborted %d, free pages unknown (the engine did not stop)",
                       state.drained, state.aborted)
             return
-        kv = core.kv_manager
-        free, total = kv.num_free, kv.num_pages
+        free, total = counts
         log.log(logging.INFO if free == total else logging.ERROR,
                 "shutdown: drained %d, aborted %d, free pages %d/%d", state.drained, state.aborted, free, total)
 

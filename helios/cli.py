@@ -73,6 +73,10 @@ def _serve(args: argparse.Namespace) -> int:
             overrides["server"]["access_log"] = False
         if args.shutdown_grace is not None:
             overrides["server"]["shutdown_grace_seconds"] = args.shutdown_grace
+        overrides["parallel"] = {"data_parallel_size": args.data_parallel_size,
+                                 "data_parallel_mode": args.data_parallel_mode,
+                                 "data_parallel_rank": args.data_parallel_rank, "routing": args.routing,
+                                 "kv_events": True if args.kv_events else None}
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
         print(f"helios: {exc}", file=sys.stderr)
@@ -225,6 +229,18 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--shutdown-grace", type=float, default=None, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, how long in-flight requests may finish before they are aborted "
                         "(overrides [server] shutdown_grace_seconds; default 30)")
+    s.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
+                   help="engine processes (ranks) behind this server, or the deployment's ranks in external "
+                        "mode (overrides [parallel] data_parallel_size; default 1)")
+    s.add_argument("--data-parallel-mode", default=None, choices=["internal", "external"],
+                   help="internal: this server runs and routes between the ranks; external: it is one rank, "
+                        "an outside router routes ([parallel] data_parallel_mode; default internal)")
+    s.add_argument("--data-parallel-rank", type=int, default=None, metavar="R",
+                   help="external mode: this server's rank, named in its KV events ([parallel] data_parallel_rank)")
+    s.add_argument("--routing", default=None, choices=["cache_aware", "round_robin"],
+                   help="internal mode's routing between ranks ([parallel] routing; default cache_aware)")
+    s.add_argument("--kv-events", action="store_true",
+                   help="publish KV events at GET /v1/kv_events ([parallel] kv_events)")
     sub.add_parser("models", help="list the model catalog (name, size, cached, path) and the model cache")
     sub.add_parser("bench", help="benchmark an OpenAI-compatible server", add_help=False)
     sub.add_parser("top", help="live terminal dashboard of a server's /metrics", add_help=False)

@@ -172,6 +172,39 @@ class VisionSection:
     source_cache_entries: int = attrs.field(default=4096, validator=_non_negative)
 
 
+DATA_PARALLEL_MODES = ("internal", "external")
+ROUTING_POLICIES = ("cache_aware", "round_robin")
+
+
+@attrs.frozen
+class ParallelSection:
+    """Data parallelism (docs/parallel.md): several engine processes behind one HTTP front end
+    ("internal"), or one rank of a deployment whose router is outside ("external")."""
+
+    # Engine processes (ranks); 1: the engine runs on a thread of the server process, as always.
+    data_parallel_size: int = attrs.field(default=1, validator=_positive)
+    # internal: this server spawns data_parallel_size engine processes and routes between them;
+    # external: this server is rank data_parallel_rank of a deployment whose router is elsewhere
+    # (it serves one engine, as data_parallel_size = 1 does, and names its rank in its KV events).
+    data_parallel_mode: str = attrs.field(default="internal", validator=attrs.validators.in_(DATA_PARALLEL_MODES))
+    data_parallel_rank: int = attrs.field(default=0, validator=_non_negative)
+    # Internal mode's routing: cache_aware (the rank with the longest cached prefix of the prompt's
+    # pages, balanced by in-flight requests) or round_robin.
+    routing: str = attrs.field(default="cache_aware", validator=attrs.validators.in_(ROUTING_POLICIES))
+    # cache_aware: a rank's score is its cached prefix tokens minus this many tokens per request it
+    # has in flight (the load term).
+    load_weight_tokens: int = attrs.field(default=512, validator=_non_negative)
+    # cache_aware: below this share of the prompt cached on any rank, a request goes to the least
+    # loaded rank (fewest in flight, then fewest cached pages), so new conversations spread.
+    cache_threshold: float = attrs.field(default=0.25, validator=_non_negative)
+    # Publish KV events (block stored / removed) at GET /v1/kv_events (server-sent events, vLLM's
+    # KVEventBatch JSON). Off by default: the events carry cached prompts' token ids.
+    kv_events: bool = False
+    # Internal mode: restart a rank whose process died (its cache starts empty); /health is 503
+    # until it is back.
+    restart_ranks: bool = True
+
+
 @attrs.frozen
 class HeliosConfig:
     server: ServerConfig = ServerConfig()
@@ -180,6 +213,7 @@ class HeliosConfig:
     cache: CacheSection = CacheSection()
     speculative: SpeculativeSection = SpeculativeSection()
     vision: VisionSection = VisionSection()
+    parallel: ParallelSection = ParallelSection()
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
@@ -203,6 +237,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     _check_shutdown_grace(data.get("server"))
     _check_speculative(data.get("speculative"))
     _check_engine(data.get("engine"))
+    _check_parallel(data.get("parallel"))
     try:
         cfg = _converter.structure(data, HeliosConfig)
     except ConfigError:
@@ -287,6 +322,30 @@ def _check_engine(section: Any) -> None:
         raise ConfigError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {section['kv_dtype']!r}")
     if "kv_prefault" in section and not isinstance(section["kv_prefault"], bool):
         raise ConfigError(f"engine.kv_prefault must be true or false, got {section['kv_prefault']!r}")
+
+
+def _check_parallel(section: Any) -> None:
+    """Plain messages for the [parallel] keys (cattrs would say only "invalid value")."""
+    if not isinstance(section, dict):
+        return
+    for key, allowed in (("data_parallel_mode", DATA_PARALLEL_MODES), ("routing", ROUTING_POLICIES)):
+        if key in section and section[key] not in allowed:
+            raise ConfigError(f"parallel.{key} must be one of {', '.join(allowed)}, got {section[key]!r}")
+    for flag in ("kv_events", "restart_ranks"):
+        if flag in section and not isinstance(section[flag], bool):
+            raise ConfigError(f"parallel.{flag} must be true or false, got {section[flag]!r}")
+    size = section.get("data_parallel_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"parallel.data_parallel_size must be a positive integer, got {size!r}")
+    rank = section.get("data_parallel_rank", 0)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ConfigError(f"parallel.data_parallel_rank must be a non-negative integer, got {rank!r}")
+    mode = section.get("data_parallel_mode", "internal")
+    if mode == "external" and rank >= size:
+        raise ConfigError(f"parallel.data_parallel_rank {rank} is not below data_parallel_size {size}")
+    if mode == "internal" and rank:
+        raise ConfigError("parallel.data_parallel_rank is for data_parallel_mode = \"external\" (one rank per "
+                          "server); internal mode numbers its ranks itself")
 
 
 def _check_shutdown_grace(server: Any) -> None:

@@ -20,12 +20,14 @@ import torch
 from helios.config import HeliosConfig
 from helios.domain.model import ModelInfo
 from helios.engine.core import EngineConfig, EngineCore, EngineThread
+from helios.engine.dp import DataParallelEngine, RankEngine
 from helios.engine.kv.layout import CacheLayout
 from helios.engine.speculative import SpeculativeConfig
 from helios.models.interface import CausalLM
 from helios.models.quant import WeightFormat
 from helios.models.vision.base import VisionTower
 from helios.serving.engine_client import EngineClient
+from helios.serving.kv_events import KVEventHub
 from helios.serving.pipeline import Service
 
 if TYPE_CHECKING:
@@ -320,8 +322,16 @@ class Runtime:
         self.recipe = recipe
         self.eos_token_ids = eos_token_ids
         self.client = EngineClient(max_in_flight=cfg.engine.max_active + cfg.server.model_queue_size)
-        self.thread = EngineThread(core, self.client.sink, threads=cfg.model.threads or _usable_cores(),
-                                   adapt_threads=cfg.model.adapt_threads)
+        # GET /v1/kv_events ([parallel] kv_events): this engine's KV events, named by its rank.
+        self.kv_events = KVEventHub(cfg.parallel.data_parallel_rank) if cfg.parallel.kv_events else None
+        hub = self.kv_events
+        # An external-mode rank shares its machine with the deployment's other ranks (by default).
+        par = cfg.parallel
+        shares = par.data_parallel_size if par.data_parallel_mode == "external" else 1
+        self.thread = EngineThread(core, self.client.sink,
+                                   threads=cfg.model.threads or max(1, _usable_cores() // shares),
+                                   adapt_threads=cfg.model.adapt_threads,
+                                   kv_events=(lambda events: hub.publish(None, events)) if hub is not None else None)
 
     def start(self, trio_token: trio.lowlevel.TrioToken, limiter: trio.CapacityLimiter | None = None) -> Service:
         """Start the engine thread; the Service renders and tokenizes on `limiter` (the app's pool).
@@ -330,12 +340,60 @@ class Runtime:
         from helios.serving.service_factory import make_service
 
         service = make_service(self, limiter)
+        if self.kv_events is not None:
+            self.kv_events.attach(trio_token)
         self.client.attach(self.thread, trio_token)
         self.thread.start()
         return service
 
     def stop(self) -> None:
         self.thread.shutdown()
+
+    def page_counts(self) -> tuple[int, int] | None:
+        """(free, total) KV pages once the engine thread has stopped (the shutdown log line)."""
+        if self.thread.is_alive():
+            return None
+        kv = self.core.kv_manager
+        return kv.num_free, kv.num_pages
+
+
+class DataParallelRuntime:
+    """`[parallel] data_parallel_size` engine processes behind this server (`engine/dp.py`): the
+    front holds the tokenizer, template and recipe (the checkpoint's header, not its weights) and
+    the `DataParallelEngine`, which the `EngineClient` drives as it drives one engine thread."""
+
+    def __init__(self, cfg: HeliosConfig, engine: DataParallelEngine, info: ModelInfo, tokenizer: Tokenizer,
+                 template: str | None, recipe: Recipe, eos_token_ids: tuple[int, ...], *,
+                 admission: ImageAdmission | None = None, kv_events: KVEventHub | None = None) -> None:
+        self.cfg = cfg
+        self.thread = engine  # what /health, the drain and `helios serve` read as "the engine"
+        self.core = None
+        self.info = info
+        self.tokenizer = tokenizer
+        self.template = template
+        self.recipe = recipe
+        self.eos_token_ids = eos_token_ids
+        self.vision: VisionTower | None = None
+        self.admission = admission
+        self.kv_events = kv_events
+        size = cfg.parallel.data_parallel_size
+        self.client = EngineClient(max_in_flight=size * cfg.engine.max_active + cfg.server.model_queue_size)
+
+    def start(self, trio_token: trio.lowlevel.TrioToken, limiter: trio.CapacityLimiter | None = None) -> Service:
+        from helios.serving.service_factory import make_service
+
+        service = make_service(self, limiter)
+        if self.kv_events is not None:
+            self.kv_events.attach(trio_token)
+        self.client.attach(self.thread, trio_token)
+        self.thread.attach(self.client.sink)
+        return service
+
+    def stop(self) -> None:
+        self.thread.shutdown()
+
+    def page_counts(self) -> tuple[int, int] | None:
+        return self.thread.page_counts()
 
 
 def model_aliases(configured: Sequence[str], *, default_model: bool, catalog_name: str = "") -> tuple[str, ...]:
@@ -551,8 +609,8 @@ def load_drafter(cfg: HeliosConfig, tokenizer: Tokenizer, *, num_pages: int, max
 
 
 def build_runtime(cfg: HeliosConfig) -> Runtime:
-    from helios.loaders.catalog import DEFAULT_NAME, default_cache_dir
-    from helios.recipes import detect_parser_family, detect_recipe, get_recipe, plain_recipe
+    """The model loaded into this process, its engine thread (not started) and what the Service needs."""
+    from helios.loaders.catalog import default_cache_dir
 
     # Everything torch does on this (the main) thread stays on one OpenMP thread; the engine thread
     # sets `[model] threads` for itself when it starts (EngineThread). A multi-thread OpenMP team
@@ -576,8 +634,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     print(f"Loaded {ckpt.model_id} in {time.perf_counter() - t0:.1f} s: {loaded.choice.describe()}", file=sys.stderr)
 
     mc = ckpt.config
-    max_model_len = cfg.model.max_model_len or mc.max_position_embeddings
-    max_model_len = min(max_model_len, mc.max_position_embeddings) if cfg.model.max_model_len == 0 else max_model_len
+    max_model_len = _max_model_len(cfg, mc.max_position_embeddings)
     page = cfg.engine.page_size
     num_pages = cfg.engine.kv_pages
     if num_pages == 0:
@@ -606,7 +663,28 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         drafter = load_drafter(cfg, ckpt.tokenizer, num_pages=num_pages + cfg.engine.max_active,
                                max_model_len=max_model_len, cache_dir=cache_dir)
     core = EngineCore(model, ecfg, dtype, device, vision=loaded.vision, drafter=drafter)
-    spec_mode = core.scheduler.speculative.mode  # what runs: a recurrent layout never speculates
+    # The mode that runs (a recurrent layout never speculates), not only the configured one.
+    info, recipe, eos, admission = _describe(cfg, ckpt, catalog_name, max_model_len, has_drafter=drafter is not None,
+                                             speculative_mode=core.scheduler.speculative.mode,
+                                             vision=loaded.vision)
+    return Runtime(cfg, core, info, ckpt.tokenizer, ckpt.chat_template, recipe, eos, vision=loaded.vision,
+                   admission=admission)
+
+
+def _max_model_len(cfg: HeliosConfig, max_position_embeddings: int) -> int:
+    if cfg.model.max_model_len == 0:
+        return max_position_embeddings
+    return cfg.model.max_model_len
+
+
+def _describe(cfg: HeliosConfig, ckpt: Checkpoint, catalog_name: str, max_model_len: int, *, has_drafter: bool,
+              speculative_mode: str, vision: VisionTower | None) -> tuple[ModelInfo, Recipe, tuple[int, ...], ImageAdmission]:
+    """What the serving side knows of the model: its `ModelInfo`, recipe, EOS ids and image admission
+    (from the checkpoint's header and configuration; no weights)."""
+    from helios.loaders.catalog import DEFAULT_NAME
+    from helios.recipes import detect_parser_family, detect_recipe, get_recipe, plain_recipe
+
+    mc = ckpt.config
     name = cfg.model.recipe or detect_recipe(ckpt.model_id, mc.arch, ckpt.chat_template)
     is_default = catalog_name == DEFAULT_NAME
     generation_config = generation_defaults(ckpt.generation_config, cfg.model.generation_config, default_model=is_default)
@@ -636,18 +714,84 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         clamp_max_tokens=cfg.server.max_tokens_overflow == "clamp",
         max_output_tokens=cfg.server.max_output_tokens,
         has_reasoning=recipe.reasoning_parser is not None or recipe.output_parser not in ("plain", "hermes", "qwen2_5"),
-        speculative_mode=spec_mode,
-        speculative_max_depth=cfg.speculative.max_depth if spec_mode != "off" else 0,
-        speculative_history=spec_mode != "off" and cfg.speculative.history,
-        speculative_draft_model=drafter is not None,
-        has_vision=loaded.vision is not None,
+        speculative_mode=speculative_mode,
+        speculative_max_depth=cfg.speculative.max_depth if speculative_mode != "off" else 0,
+        speculative_history=speculative_mode != "off" and cfg.speculative.history,
+        speculative_draft_model=has_drafter,
+        has_vision=vision is not None,
         # has_tools is decided with the chat template, in serving.service_factory.tool_support.
     )
     from helios.serving.images import build_admission
 
     # Image admission (limits, budgets, host caches; all-zero limits for a text-only model).
     admission = build_admission(cfg.vision, model=info.public_id,
-                                profile=loaded.vision.profile if loaded.vision is not None else None,
+                                profile=vision.profile if vision is not None else None,
                                 max_model_len=max_model_len, max_body_bytes=cfg.server.max_body_bytes)
     info = attrs.evolve(info, vision=admission.limits)
-    return Runtime(cfg, core, info, tok, ckpt.chat_template, recipe, eos, vision=loaded.vision, admission=admission)
+    return info, recipe, eos, admission
+
+
+def build_server_runtime(cfg: HeliosConfig) -> Runtime | DataParallelRuntime:
+    """What the app's lifespan builds: one engine thread in this process (`build_runtime`), or, with
+    `[parallel] data_parallel_size` > 1 in internal mode, that many engine processes
+    (`build_data_parallel_runtime`). External mode serves one engine here, its KV events named by
+    `data_parallel_rank`."""
+    if cfg.parallel.data_parallel_size > 1 and cfg.parallel.data_parallel_mode == "internal":
+        return build_data_parallel_runtime(cfg)
+    return build_runtime(cfg)
+
+
+def build_rank(cfg: HeliosConfig, rank: int) -> RankEngine:
+    """A data-parallel rank's engine, built in its own process (`engine.dp.serve_rank` calls this
+    through a `functools.partial`): the whole configuration with one rank and `[model] threads` (0:
+    this machine's usable cores divided by the number of ranks, at least one)."""
+    size = cfg.parallel.data_parallel_size
+    threads = cfg.model.threads or max(1, _usable_cores() // size)
+    # Each rank has its own KV pool and host store (the configured sizes, per rank); a disk tier
+    # gets one folder per rank, since two stores must never write one directory.
+    disk_dir = str(Path(cfg.cache.disk_dir).expanduser() / f"rank-{rank}") if cfg.cache.disk_dir else ""
+    one = attrs.evolve(cfg, model=attrs.evolve(cfg.model, threads=threads),
+                       cache=attrs.evolve(cfg.cache, disk_dir=disk_dir),
+                       parallel=attrs.evolve(cfg.parallel, data_parallel_size=1, data_parallel_mode="internal",
+                                             data_parallel_rank=0, kv_events=False))
+    runtime = build_runtime(one)
+    log.info("data-parallel rank %d of %d: %d intra-op thread(s)", rank, size, threads)
+    return RankEngine(runtime.core, threads, cfg.model.adapt_threads, cfg.server.health_stall_seconds)
+
+
+def build_data_parallel_runtime(cfg: HeliosConfig) -> DataParallelRuntime:
+    """`[parallel] data_parallel_size` rank processes, each loading the model and running its own
+    engine; this process reads the checkpoint's header only (tokenizer, template, configuration)
+    and routes. Vision-language models are refused (their image preparation runs here and their
+    image loaders do not cross processes)."""
+    from helios.config import ConfigError
+    from helios.loaders.catalog import default_cache_dir
+    from helios.loaders.checkpoint import load_checkpoint
+
+    torch.set_num_threads(1)
+    par = cfg.parallel
+    path, catalog_name = resolve_model(cfg.model.path)
+    cache_dir = default_cache_dir() / "packed" if cfg.model.weight_cache else None
+    ckpt = load_checkpoint(path, torch.float32, header_cache=cache_dir)
+    if ckpt.vision is not None:
+        raise ConfigError(f"{ckpt.model_id} takes images, which data parallelism does not serve yet: set "
+                          "[parallel] data_parallel_size = 1")
+    max_model_len = _max_model_len(cfg, ckpt.config.max_position_embeddings)
+    # (The configured mode: this process builds no model, so it cannot see a recurrent layout's "off".)
+    info, recipe, eos, admission = _describe(cfg, ckpt, catalog_name, max_model_len,
+                                             has_drafter=bool(cfg.speculative.draft_model),
+                                             speculative_mode=cfg.speculative.mode, vision=None)
+    info = attrs.evolve(info, max_concurrency=par.data_parallel_size * cfg.engine.max_active)
+    hub = KVEventHub() if par.kv_events else None
+    engine = DataParallelEngine(functools.partial(_rank_builder, cfg), par.data_parallel_size, routing=par.routing,
+                                load_weight_tokens=par.load_weight_tokens, cache_threshold=par.cache_threshold,
+                                restart=par.restart_ranks, kv_listener=hub.publish if hub is not None else None)
+    print(f"Starting {par.data_parallel_size} data-parallel ranks ({par.routing} routing)", file=sys.stderr)
+    engine.launch()
+    return DataParallelRuntime(cfg, engine, info, ckpt.tokenizer, ckpt.chat_template, recipe, eos,
+                               admission=admission, kv_events=hub)
+
+
+def _rank_builder(cfg: HeliosConfig, rank: int) -> functools.partial[RankEngine]:
+    """`DataParallelEngine`'s ``build``: the picklable call a rank process makes."""
+    return functools.partial(build_rank, cfg, rank)

@@ -23,6 +23,7 @@ from helios.engine.drafter import Drafter
 from helios.engine.images import ImageEncoder
 from helios.engine.kv.checkpoints import Checkpoints
 from helios.engine.kv.coordinator import KVCacheCoordinator, KVManager, group_key
+from helios.engine.kv.events import KVEvent
 from helios.engine.kv.host_store import HostStore
 from helios.engine.kv.layout import CacheLayout
 from helios.engine.kv.manager import KVCacheManager
@@ -170,6 +171,34 @@ class EngineCore:
         self.runner = ModelRunner(model, self.attention, self.kv_manager, self.sampler, self.device,
                                   max_rows=cfg.max_active, max_model_len=cfg.max_model_len, vision=vision)
 
+    # -- KV events ---------------------------------------------------------------------------
+    @property
+    def event_pool(self) -> KVCacheManager:
+        """The page pool whose prefix cache the KV events describe: the only one, or a
+        coordinator's primary group (every group registers the same chain hashes)."""
+        kv = self.kv_manager
+        return kv.primary if isinstance(kv, KVCacheCoordinator) else cast(KVCacheManager, kv)
+
+    def enable_kv_events(self) -> None:
+        """Collect KV events from now on (`kv/events.py`); `take_kv_events` empties the list."""
+        pool = self.event_pool
+        pool.medium = "GPU" if self.device.type == "cuda" else "CPU"
+        if pool.events is None:
+            pool.events = []
+
+    def take_kv_events(self) -> list[KVEvent]:
+        pool = self.event_pool
+        events = pool.events
+        if not events:
+            return []
+        pool.events = []
+        return events
+
+    @property
+    def hash_fingerprint(self) -> bytes:
+        """The fingerprint in every chain hash of the event pool (a router recomputes hashes with it)."""
+        return self.event_pool.fingerprint
+
     # -- inbox handling ---------------------------------------------------------------------
     def add(self, request: EngineRequest) -> None:
         self.scheduler.add(request, Sampler.make_generator(request.sampling.seed))
@@ -309,17 +338,23 @@ class EngineThread:
 
     def __init__(self, core: EngineCore, sink: Callable[[list[RequestOutput]], None], *,
                  threads: int | None = None, adapt_threads: bool = False,
-                 governor: ThreadGovernor | None = None) -> None:
+                 governor: ThreadGovernor | None = None,
+                 kv_events: Callable[[list[KVEvent]], None] | None = None) -> None:
         """``threads``: the torch (OpenMP) threads this thread's steps use, set on the thread itself
         when it starts (None: leave torch's setting); with ``adapt_threads`` the team shrinks
         while other processes take cores and grows back when they leave (`threads.ThreadGovernor`,
         or the ``governor`` given). The process should run no multi-thread torch work on other
-        threads: see `runtime.build_runtime`."""
+        threads: see `runtime.build_runtime`. ``kv_events``: called on the engine thread with the KV
+        events of each step that had any (`kv/events.py`), before that step's outputs go to
+        ``sink``, so a reader of both in order sees a request's pages before its finish."""
         if governor is None and threads:
             governor = ThreadGovernor(threads, adaptive=adapt_threads, set_threads=torch.set_num_threads)
         self.governor = governor
         self.core = core
         self._sink = sink
+        self._kv_events = kv_events
+        if kv_events is not None:
+            core.enable_kv_events()
         self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="helios-engine", daemon=True)
         self.healthy = True
@@ -442,6 +477,10 @@ class EngineThread:
                 t0 = time.perf_counter()
                 outputs = self.core.step()
                 self._stats = self.core.stats(threads=threads)
+                if self._kv_events is not None:
+                    events = self.core.take_kv_events()
+                    if events:
+                        self._kv_events(events)
                 if outputs:
                     self._sink(outputs)
                 log.debug("step %.1f ms, %d outputs", (time.perf_counter() - t0) * 1e3, len(outputs))

@@ -247,6 +247,28 @@ class CheckpointStats:
 
 
 @attrs.frozen
+class RankStats:
+    """One data-parallel rank as the front end sees it (`engine/dp.py`)."""
+
+    rank: int
+    up: bool
+    """Its process is running and ready (False while it is down or restarting)."""
+    in_flight: int
+    """Children routed to it that have not finished."""
+    routed: int
+    """Children routed to it since the server started."""
+    routed_hit_tokens: int
+    """Prompt tokens the router found in its cached pages when it routed them (predicted hits)."""
+    reused_tokens: int
+    """Prompt tokens its engine reused from its prefix cache (its own count, since its last start)."""
+    restarts: int
+    cached_pages: int
+    """Pages the router's mirror of its prefix cache holds (from its KV events)."""
+    pid: int = 0
+    """Its process id (0 while none runs)."""
+
+
+@attrs.frozen
 class EngineStats:
     active: int
     pending: int
@@ -280,3 +302,5 @@ class EngineStats:
     """A draft model drafts for the speculating requests (``[speculative] draft_model``)."""
     draft_steps: int = 0
     """Draft positions the draft model ran (prefill and decode positions; engine/drafter.py)."""
+    data_parallel: tuple[RankStats, ...] = ()
+    """Per rank, with data parallelism (`engine/dp.py`); empty for one engine."""

@@ -613,7 +613,7 @@ class Scheduler:
             new = kv.allocate_slots(seq.request_id, j * kv.page_size, kv.page_size)
             if not new or not self.restore(hashes[j], new[0]):
                 break
-            kv.register(seq.request_id, new[0], hashes[j])
+            kv.register(seq.request_id, new[0], hashes[j], seq.token_ids)
             restored += 1
         return restored
 

@@ -335,6 +335,9 @@ class ServingMetrics:
         inputs = self.input_stats() or {}
         for key in INPUT_EXPORTED:
             snap[key] = int(inputs.get(key, 0))
+        ranks = getattr(engine, "data_parallel", ()) or ()
+        if ranks:  # JSON only with data parallelism (engine/dp.py)
+            snap["data_parallel"] = [{key: int(getattr(r, key)) for key in DP_RANK_FIELDS} for r in ranks]
         snap["completed"] = self.completed
         snap["failed"] = self.failed
         stat = slots.statistics() if slots is not None and hasattr(slots, "statistics") else None
@@ -407,6 +410,9 @@ class _SnapshotCollector:
         threads = getattr(engine, "threads", None)
         if threads is not None:
             yield from _thread_families(threads)
+        ranks = getattr(engine, "data_parallel", ()) or ()
+        if ranks:
+            yield from _rank_families(ranks)
         yield GaugeMetricFamily("flare_uptime_seconds", "Seconds since the server started",
                                 value=time.time() - m.started)
         by_stage = CounterMetricFamily("helios_requests_failed_by_stage_total",
@@ -419,6 +425,38 @@ class _SnapshotCollector:
             for family in hist.collect():
                 family.samples = [x for x in family.samples if not x.name.endswith("_created")]
                 yield family
+
+
+# Data parallelism (EngineStats.data_parallel, engine/dp.py's RankStats): one sample per rank.
+DP_RANK_FIELDS = ("rank", "up", "in_flight", "routed", "routed_hit_tokens", "reused_tokens", "restarts",
+                  "cached_pages", "pid")
+DP_RANK_EXPORTED: dict[str, tuple[str, str, str]] = {
+    "up": ("helios_dp_rank_up", "gauge", "1 while the data-parallel rank's process is running and ready"),
+    "in_flight": ("helios_dp_rank_in_flight", "gauge", "Requests routed to the rank that have not finished"),
+    "routed": ("helios_dp_rank_routed", "counter", "Requests routed to the rank"),
+    "routed_hit_tokens": ("helios_dp_rank_routed_hit_tokens", "counter",
+                          "Prompt tokens the router found cached on the rank when it routed requests there"),
+    "reused_tokens": ("helios_dp_rank_reused_tokens", "counter",
+                      "Prompt tokens the rank's engine reused from its prefix cache (since its last start)"),
+    "restarts": ("helios_dp_rank_restarts", "counter", "Times the rank's process was started again after it died"),
+    "cached_pages": ("helios_dp_rank_cached_pages", "gauge",
+                     "Cached pages of the rank as the router's mirror of its KV events holds them"),
+}
+
+
+def _rank_families(ranks: Any) -> Iterator[Metric]:
+    for key, (name, kind, doc) in DP_RANK_EXPORTED.items():
+        samples = [([str(r.rank)], int(getattr(r, key))) for r in ranks]
+        if kind == "counter":
+            counter = CounterMetricFamily(name, doc, labels=["rank"])
+            for labels, value in samples:
+                counter.add_metric(labels, value)
+            yield counter
+        else:
+            gauge = GaugeMetricFamily(name, doc, labels=["rank"])
+            for labels, value in samples:
+                gauge.add_metric(labels, value)
+            yield gauge
 
 
 def _thread_families(threads: Any) -> Iterator[Metric]:

@@ -25,7 +25,11 @@ log = logging.getLogger("helios.serving")
 
 
 class EngineHandle(Protocol):
-    healthy: bool
+    """What the client drives: `engine.core.EngineThread`, or `engine.dp.DataParallelEngine` (N
+    engine processes behind one handle)."""
+
+    @property
+    def healthy(self) -> bool: ...
 
     def submit(self, request: EngineRequest) -> None: ...
     def abort(self, request_ids: Sequence[str]) -> None: ...

@@ -74,7 +74,7 @@ class KVManager(Protocol):
                images: Sequence[ImageKey] = ()) -> tuple[list[Any], list[int]]: ...
     def allocate_cached(self, request_id: str, pages: Sequence[Any], hashes: list[int],
                         retain_pages: int = 0) -> None: ...
-    def register(self, request_id: str, page: int, block_hash: int) -> None: ...
+    def register(self, request_id: str, page: int, block_hash: int, token_ids: Sequence[int] = ()) -> None: ...
     def cache_full_pages(self, request_id: str, token_ids: Sequence[int], num_computed: int,
                          retain_pages: int = 0, images: Sequence[ImageKey] = ()) -> None: ...
     def allocate_slots(self, request_id: str, num_computed: int, num_new_tokens: int,
@@ -377,11 +377,11 @@ class KVCacheCoordinator:
         if self.states is not None:
             self.states.take(request_id)
 
-    def register(self, request_id: str, page: int, block_hash: int) -> None:
+    def register(self, request_id: str, page: int, block_hash: int, token_ids: Sequence[int] = ()) -> None:
         """Register the request's last page in every group (restored from the host store)."""
         assert self.primary.block_table(request_id)[-1] == page
         for g in self.groups:
-            g.register(request_id, g.block_table(request_id)[-1], block_hash)
+            g.register(request_id, g.block_table(request_id)[-1], block_hash, token_ids)
 
     def cache_full_pages(self, request_id: str, token_ids: Sequence[int], num_computed: int,
                          retain_pages: int = 0, images: Sequence[ImageKey] = ()) -> None:

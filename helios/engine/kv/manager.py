@@ -45,11 +45,36 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from helios.engine.kv.events import BlockRemoved, BlockStored, KVEvent
+
 ROOT_HASH = b"\x00" * 16
 
 ImageKey = tuple[int, int, bytes]
 """(first position, end position, identity) of one image's placeholder span in a prompt: part of
 the chain hash of every page the span overlaps (`engine.records.ImageInput`)."""
+
+
+def chain_hashes(token_ids: Sequence[int], num_pages: int, *, page_size: int, fingerprint: bytes,
+                 parent: int | None = None, start_page: int = 0, images: Sequence[ImageKey] = ()) -> list[int]:
+    """The prefix cache's chain hashes of full pages `start_page .. start_page + num_pages` of
+    `token_ids`, chained from `parent` (the hash of page `start_page - 1`; None at the root): each is
+    blake2b-128 of the parent hash, `fingerprint` (the model and KV layout), the page's token ids
+    and, for a page that an image's span in `images` overlaps, that image's span and identity. The
+    one implementation: the manager registers and looks pages up with it, and the data-parallel
+    router (`engine/dp.py`) scores ranks with it."""
+    out: list[int] = []
+    prev = ROOT_HASH if parent is None else parent.to_bytes(16, "big")
+    ps = page_size
+    for i in range(start_page, start_page + num_pages):
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(fingerprint)
+        h.update(array("q", token_ids[i * ps:(i + 1) * ps]).tobytes())
+        for start, end, identity in images:
+            if start < (i + 1) * ps and end > i * ps:
+                h.update(b"image" + array("q", (start, end, len(identity))).tobytes() + identity)
+        prev = h.digest()
+        out.append(int.from_bytes(prev, "big"))
+    return out
 
 
 @attrs.define
@@ -61,6 +86,12 @@ class KVCacheManager:
     """Extra key of every chain hash: the model and KV layout (image identities are per page: `ImageKey`)."""
     on_evict: Callable[[int, int], None] | None = None
     """Called with (block hash, page) before a cached page is reused (the host store copies it out)."""
+    events: list[KVEvent] | None = None
+    """While a list: every registration (`BlockStored`, one per run of pages registered together)
+    and every unregistration (`BlockRemoved`) is appended to it (`kv/events.py`); the engine takes
+    them after each step. None: nobody listens and nothing is collected."""
+    medium: str = "CPU"
+    """The pool's device kind, as the events name it."""
     ref_counts: list[int] = attrs.field(init=False)
     block_hash: list[int | None] = attrs.field(init=False)
     _free: collections.deque[int] = attrs.field(init=False)
@@ -116,19 +147,8 @@ class KVCacheManager:
         """Hashes of full pages `start_page .. start_page + num_pages` of `token_ids`, chained from
         `parent` (the hash of page `start_page - 1`; None at the root). A page that an image's span
         in `images` overlaps hashes that image's span and identity after its tokens."""
-        out: list[int] = []
-        prev = ROOT_HASH if parent is None else parent.to_bytes(16, "big")
-        ps = self.page_size
-        for i in range(start_page, start_page + num_pages):
-            h = hashlib.blake2b(prev, digest_size=16)
-            h.update(self.fingerprint)
-            h.update(array("q", token_ids[i * ps:(i + 1) * ps]).tobytes())
-            for start, end, identity in images:
-                if start < (i + 1) * ps and end > i * ps:
-                    h.update(b"image" + array("q", (start, end, len(identity))).tobytes() + identity)
-            prev = h.digest()
-            out.append(int.from_bytes(prev, "big"))
-        return out
+        return chain_hashes(token_ids, num_pages, page_size=self.page_size, fingerprint=self.fingerprint,
+                            parent=parent, start_page=start_page, images=images)
 
     def extend_chain(self, token_ids: Sequence[int], hashes: list[int], num_pages: int,
                      images: Sequence[ImageKey] = ()) -> None:
@@ -177,12 +197,20 @@ class KVCacheManager:
         self._hashes[request_id] = hashes
         self._num_registered[request_id] = len(pages)
 
-    def register(self, request_id: str, page: int, block_hash: int) -> None:
-        """Register the request's next page (restored from the host store) under its chain hash."""
+    def register(self, request_id: str, page: int, block_hash: int, token_ids: Sequence[int] = ()) -> None:
+        """Register the request's next page (restored from the host store) under its chain hash
+        (``token_ids``: the request's tokens, for the `BlockStored` event while events are on)."""
+        index = self._num_registered.get(request_id, 0)
         if self.block_hash[page] is None and block_hash not in self._cached:
             self.block_hash[page] = block_hash
             self._cached[block_hash] = page
-        self._num_registered[request_id] = self._num_registered.get(request_id, 0) + 1
+            if self.events is not None:
+                hashes = self._hashes.get(request_id, [])
+                parent = hashes[index - 1] if 0 < index <= len(hashes) else None
+                ps = self.page_size
+                self.events.append(BlockStored((block_hash,), parent, tuple(token_ids[index * ps:(index + 1) * ps]),
+                                               ps, self.medium))
+        self._num_registered[request_id] = index + 1
 
     def cache_full_pages(self, request_id: str, token_ids: Sequence[int], num_computed: int,
                          retain_pages: int = 0, images: Sequence[ImageKey] = ()) -> None:
@@ -200,6 +228,7 @@ class KVCacheManager:
             return
         hashes = self._hashes.setdefault(request_id, [])
         self.extend_chain(token_ids, hashes, full, images)
+        stored: list[int] = []  # page indices registered now (events only)
         for i in range(done, full):
             h, page = hashes[i], table[i]
             if self._registers(page) and self.block_hash[page] is None and h not in self._cached:
@@ -207,7 +236,25 @@ class KVCacheManager:
                 self._cached[h] = page
                 if i < retain_pages:
                     self._retained.add(page)
+                if self.events is not None:
+                    stored.append(i)
         self._num_registered[request_id] = full
+        if stored:
+            self._emit_stored(token_ids, hashes, stored)
+
+    def _emit_stored(self, token_ids: Sequence[int], hashes: Sequence[int], indices: Sequence[int]) -> None:
+        """One `BlockStored` per run of consecutive page indices registered together."""
+        assert self.events is not None
+        ps = self.page_size
+        run_start = prev = indices[0]
+        for i in [*indices[1:], -1]:
+            if i == prev + 1:
+                prev = i
+                continue
+            self.events.append(BlockStored(
+                tuple(hashes[run_start:prev + 1]), hashes[run_start - 1] if run_start > 0 else None,
+                tuple(token_ids[run_start * ps:(prev + 1) * ps]), ps, self.medium))
+            run_start = prev = i
 
     def _registers(self, page: int) -> bool:
         """Whether a table entry is a page `cache_full_pages` may register (a sliding-window pool's
@@ -285,6 +332,8 @@ class KVCacheManager:
         block_hash = self.block_hash[page]
         if block_hash is not None and self._cached.get(block_hash) == page:
             del self._cached[block_hash]
+            if self.events is not None:
+                self.events.append(BlockRemoved((block_hash,), self.medium))
         self.block_hash[page] = None
 
     # -- checks ------------------------------------------------------------------------------------
