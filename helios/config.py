@@ -171,6 +171,28 @@ class VisionSection:
     source_cache_entries: int = attrs.field(default=4096, validator=_non_negative)
 
 
+PARALLEL_BACKENDS = ("auto", "gloo", "nccl")
+
+
+@attrs.frozen
+class ParallelSection:
+    """Tensor and expert parallelism (docs/operations.md, "Tensor and expert parallelism"):
+    ``tensor_parallel_size`` ranks on torch.distributed, each holding a shard of every layer and
+    its own KV pool (``[engine] kv_memory_gib`` is per rank). `helios serve` starts the other
+    ranks itself on this machine (a free port on ``master_addr`` when ``master_port`` is 0);
+    under torchrun every process runs `helios serve` and the env:// rendezvous (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) decides: rank 0 serves HTTP, the others run their shards.
+    ``expert_parallel``: the routed experts of a mixture-of-experts model are split across the same
+    ranks (tokens dispatched to them with all-to-all) instead of each expert being split.
+    ``backend``: auto is gloo on the CPU, nccl on CUDA."""
+
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
+    expert_parallel: bool = False
+    backend: str = attrs.field(default="auto", validator=attrs.validators.in_(PARALLEL_BACKENDS))
+    master_addr: str = "127.0.0.1"
+    master_port: int = attrs.field(default=0, validator=_non_negative)
+
+
 @attrs.frozen
 class HeliosConfig:
     server: ServerConfig = ServerConfig()
@@ -179,6 +201,7 @@ class HeliosConfig:
     cache: CacheSection = CacheSection()
     speculative: SpeculativeSection = SpeculativeSection()
     vision: VisionSection = VisionSection()
+    parallel: ParallelSection = ParallelSection()
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
@@ -202,6 +225,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     _check_shutdown_grace(data.get("server"))
     _check_speculative(data.get("speculative"))
     _check_engine(data.get("engine"))
+    _check_parallel(data.get("parallel"))
     try:
         cfg = _converter.structure(data, HeliosConfig)
     except ConfigError:
@@ -286,6 +310,19 @@ def _check_engine(section: Any) -> None:
         raise ConfigError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {section['kv_dtype']!r}")
     if "kv_prefault" in section and not isinstance(section["kv_prefault"], bool):
         raise ConfigError(f"engine.kv_prefault must be true or false, got {section['kv_prefault']!r}")
+
+
+def _check_parallel(section: Any) -> None:
+    """Plain messages for the [parallel] keys (cattrs would take true as a size of 1)."""
+    if not isinstance(section, dict):
+        return
+    size = section.get("tensor_parallel_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"parallel.tensor_parallel_size must be a positive integer, got {size!r}")
+    if "expert_parallel" in section and not isinstance(section["expert_parallel"], bool):
+        raise ConfigError(f"parallel.expert_parallel must be true or false, got {section['expert_parallel']!r}")
+    if "backend" in section and section["backend"] not in PARALLEL_BACKENDS:
+        raise ConfigError(f"parallel.backend must be one of {', '.join(PARALLEL_BACKENDS)}, got {section['backend']!r}")
 
 
 def _check_shutdown_grace(server: Any) -> None:
