@@ -681,7 +681,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                         progress=_progress, parallel=parallel)
     ckpt, dtype = loaded.checkpoint, loaded.choice.dtype
     model: CausalLM = loaded.model
-    leader = None
+    leader: TensorParallelLeader | None = None
     if parallel is not None:
         model = leader = TensorParallelLeader(loaded.model, parallel)
     print(f"Loaded {ckpt.model_id} in {time.perf_counter() - t0:.1f} s: {loaded.choice.describe()}", file=sys.stderr)

@@ -29,8 +29,10 @@ tensor parallel. In an MoE layer each rank routes its own contiguous share of th
 `moe.expert_mix` does, and the layer's all-reduce then combines the ranks' token shares with the
 shared experts' partial sums (a rank's rows are zero elsewhere, so that sum is exact).
 
-Only float weights are sharded (safetensors, or dense tensors): a GGUF block or quantized-code
-source of a sharded tensor is refused with the tensor's name. Families: `TP_ARCHITECTURES`.
+Shards are dense (a dense `WeightFormat`; int4 / int8 formats and kept GGUF blocks are refused by
+the model): a float checkpoint's tensors are cut as they are, a GGUF file's quantized tensors
+(Q4_0 / Q8_0 codes, K-quant blocks) are dequantized to float32 one at a time and then cut, so a
+GGUF checkpoint shards as its dequantized weights. Families: `TP_ARCHITECTURES`.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from helios.models.quant import BuildSource
+from helios.models.quant import BuildSource, dense_of
 
 __all__ = ["TP_ARCHITECTURES", "ParallelContext", "ShardedWeights", "check_divisible", "dispatch_experts",
            "shard_config"]
@@ -149,8 +151,9 @@ _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weigh
 
 class ShardedWeights(Mapping[str, BuildSource]):
     """``tensors`` (Hugging Face names, read lazily) as one rank loads them: each sharded tensor
-    cut to the rank's rows or columns (a copy, so the checkpoint's storage is not kept), the routed
-    experts of other ranks left out under expert parallelism, everything else as it is.
+    cut to the rank's rows or columns (a copy, so the checkpoint's storage is not kept; a quantized
+    source dequantized first), the routed experts of other ranks left out under expert
+    parallelism, everything else as it is.
     ``config``: the checkpoint's (unsharded) config."""
 
     def __init__(self, tensors: Mapping[str, BuildSource], config: Any, ctx: ParallelContext) -> None:
@@ -213,10 +216,8 @@ class ShardedWeights(Mapping[str, BuildSource]):
             return value
         assert not isinstance(rule, str)
         dim, (lo, hi) = rule
-        if not isinstance(value, Tensor):
-            raise ValueError(f"{name}: tensor parallelism shards float weights only (safetensors or dense "
-                             f"tensors); this checkpoint holds it as {type(value).__name__} (GGUF blocks or codes)")
-        return value.narrow(dim, lo, hi - lo).clone()
+        dense = value if isinstance(value, Tensor) else dense_of(value)  # GGUF blocks or codes: dequantized
+        return dense.narrow(dim, lo, hi - lo).clone()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
