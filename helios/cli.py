@@ -118,7 +118,7 @@ def _start_ranks(cfg: HeliosConfig, world: int) -> tuple[HeliosConfig, list[Spaw
             port = sock.getsockname()[1]
     cfg = attrs.evolve(cfg, parallel=attrs.evolve(cfg.parallel, tensor_parallel_size=world, master_port=port))
     context = mp.get_context("spawn")
-    workers = []
+    workers: list[SpawnProcess] = []
     for rank in range(1, world):
         proc = context.Process(target=_parallel_worker, args=(cfg, rank), name=f"helios-rank-{rank}", daemon=True)
         proc.start()
@@ -137,12 +137,12 @@ def _parallel_worker(cfg: HeliosConfig, rank: int) -> None:
 
 def _stop_ranks(workers: list[SpawnProcess]) -> None:
     """After serving: the spawned ranks end when rank 0 stops them (its engine's shutdown); one that
-    has not ended within 10 s is terminated."""
+    has not ended within 10 s is killed (workers ignore SIGINT and SIGTERM)."""
     for proc in workers:
         proc.join(10)
         if proc.is_alive():
-            log.warning("tensor parallel: %s did not stop; terminating it", proc.name)
-            proc.terminate()
+            log.warning("tensor parallel: %s did not stop; killing it", proc.name)
+            proc.kill()
             proc.join(5)
 
 

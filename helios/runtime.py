@@ -343,7 +343,10 @@ class Runtime:
     def stop(self) -> None:
         self.thread.shutdown()
         if self.leader is not None and not self.thread.is_alive():  # no step of it is still broadcasting
-            self.leader.stop_workers()
+            try:
+                self.leader.stop_workers()
+            except RuntimeError as exc:  # a worker already gone (its connection closed)
+                log.warning("tensor parallel: stopping the workers failed: %s", exc)
 
 
 def model_aliases(configured: Sequence[str], *, default_model: bool, catalog_name: str = "") -> tuple[str, ...]:
@@ -635,11 +638,18 @@ def run_parallel_worker(cfg: HeliosConfig, rank: int | None = None) -> int:
     """A tensor-parallel worker (a rank other than 0): join the group, load this rank's shard of
     ``[model] path`` as rank 0 loads its own, and run its forward passes until rank 0 stops
     (`engine.tp.serve_worker`). Returns the exit status (0)."""
+    import signal
+
     from helios.models import cpu_kernels
 
     ctx = join_parallel(cfg, rank)
     if ctx is None or ctx.rank == 0:
         raise ConfigError("run_parallel_worker runs the ranks other than 0 of a tensor-parallel group")
+    # Ctrl-C reaches every process of the terminal's group, and torchrun passes SIGTERM to every rank:
+    # a worker keeps serving rank 0's steps while rank 0 drains, and ends when rank 0 stops it (or
+    # its connections to rank 0 close).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(cfg.model.threads or _rank_threads(ctx))
     cpu_kernels.set_enabled(cfg.model.cpu_kernels)
     path, _name = resolve_model(cfg.model.path)

@@ -98,9 +98,11 @@ def _assert_same(one: dict[str, Any], two: dict[str, Any]) -> None:
                     continue
                 assert ra[0] == rb[0], (rid, records)
                 worst = max(worst, abs(ra[1] - rb[1]))
-                assert [t for t, _ in ra[2]] == [t for t, _ in rb[2]], (rid, records)
-                worst = max(worst, *(abs(x - y) for (_, x), (_, y) in zip(ra[2], rb[2], strict=True)), 0.0)
+                assert [t[0] for t in ra[2]] == [t[0] for t in rb[2]], (rid, records)
+                assert [t[2:] for t in ra[2]] == [t[2:] for t in rb[2]], (rid, records)  # prompt ranks
+                worst = max(worst, *(abs(x[1] - y[1]) for x, y in zip(ra[2], rb[2], strict=True)), 0.0)
     assert worst <= TOLERANCE, worst
+    print(f"largest logprob difference: {worst:.3g}")
     assert one["again"]["cached"] > 0  # the second wave hit the prefix cache
     assert any(p is not None for p in one["scored"]["prompt"])
 
@@ -108,14 +110,18 @@ def _assert_same(one: dict[str, Any], two: dict[str, Any]) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", ["qwen2", "llama"])
 def test_dense_tp2_matches_one_rank(name: str, checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    _assert_same(_one_rank(checkpoints[name]), _two_ranks(checkpoints[name], tmp_path))
+    two = _two_ranks(checkpoints[name], tmp_path)
+    assert two.pop("_experts") == []
+    _assert_same(_one_rank(checkpoints[name]), two)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
 def test_moe_matches_one_rank(expert_parallel: bool, checkpoints: dict[str, Path], tmp_path: Path) -> None:
     root = checkpoints["qwen3_moe"]
-    _assert_same(_one_rank(root), _two_ranks(root, tmp_path, expert_parallel=expert_parallel))
+    two = _two_ranks(root, tmp_path, expert_parallel=expert_parallel)
+    assert two.pop("_experts") == ([4, 4] if expert_parallel else [8, 8])  # layers 1 and 2 are sparse
+    _assert_same(_one_rank(root), two)
 
 
 def test_heads_that_do_not_divide_are_refused() -> None:
@@ -134,11 +140,16 @@ def test_heads_that_do_not_divide_are_refused() -> None:
 
 
 def test_expert_counts_that_do_not_divide_are_refused(checkpoints: dict[str, Path]) -> None:
+    import attrs
+
     from helios.loaders.checkpoint import load_checkpoint
 
     config = load_checkpoint(checkpoints["qwen3_moe"], torch.float32).config
-    with pytest.raises(ValueError, match="does not divide 8 experts"):
+    config = attrs.evolve(config, num_heads=6, num_kv_heads=3)  # heads 3 ranks divide, 8 experts not
+    with pytest.raises(ValueError, match="expert parallelism over 3 ranks does not divide 8 experts"):
         check_divisible(config, ParallelContext(0, 3, expert_parallel=True))
+    with pytest.raises(ValueError, match="does not divide moe_intermediate_size 32"):
+        check_divisible(config, ParallelContext(0, 3))
 
 
 def test_families_without_sharding_are_refused(tmp_path: Path) -> None:

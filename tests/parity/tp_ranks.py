@@ -87,6 +87,9 @@ def rank_main(rank: int, world: int, port: int, root: str, expert_parallel: bool
             leader = TensorParallelLeader(loaded.model, ctx)
             result = drive(leader)
             leader.stop_workers()
+            # What the shard holds: routed experts per MoE layer (all 8, or 4 under expert parallelism).
+            result["_experts"] = [int(stack.shape[0]) for layer in loaded.model.modules()
+                                  if (stack := getattr(layer, "experts_gate_up", None)) is not None]
             Path(out).write_text(json.dumps(result))
         else:
             forwards = serve_worker(loaded.model, ctx, torch.float32, torch.device("cpu"))
