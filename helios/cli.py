@@ -132,7 +132,11 @@ def _parallel_worker(cfg: HeliosConfig, rank: int) -> None:
     logging.basicConfig(level=cfg.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from helios.runtime import run_parallel_worker
 
-    run_parallel_worker(cfg, rank)
+    try:
+        run_parallel_worker(cfg, rank)
+    except ValueError as exc:  # a model this size cannot shard (rank 0 reports the same at start-up)
+        log.error("tensor-parallel rank %d: %s", rank, exc)
+        raise SystemExit(1) from None
 
 
 def _stop_ranks(workers: list[SpawnProcess]) -> None:

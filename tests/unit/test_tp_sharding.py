@@ -4,6 +4,8 @@ collectives are exercised by tests/parity/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -111,3 +113,33 @@ def test_token_and_expert_shares() -> None:
     assert [ParallelContext(r, 2).token_range(5) for r in range(2)] == [(0, 2), (2, 5)]
     assert ParallelContext(1, 2, expert_parallel=True).expert_range(8) == (4, 8)
     assert ParallelContext(1, 2).expert_range(8) == (0, 8)
+
+
+def test_parallel_section_and_torchrun_world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``[parallel]`` parses with plain messages for bad values; under torchrun WORLD_SIZE is the size,
+    and a configured size must agree with it."""
+    from helios.config import ConfigError, load_config
+    from helios.runtime import parallel_world
+
+    monkeypatch.delenv("HELIOS_CONFIG", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert load_config().parallel.tensor_parallel_size == 1
+    path = tmp_path / "h.toml"
+    path.write_text("[parallel]\ntensor_parallel_size = 2\nexpert_parallel = true\n")
+    cfg = load_config(path)
+    assert (cfg.parallel.tensor_parallel_size, cfg.parallel.expert_parallel, cfg.parallel.backend) == (2, True, "auto")
+    assert parallel_world(cfg) == 2
+    for text, message in (("tensor_parallel_size = true", "a positive integer"),
+                          ("tensor_parallel_size = 0", "a positive integer"),
+                          ('expert_parallel = "yes"', "true or false"),
+                          ('backend = "mpi"', "one of auto, gloo, nccl")):
+        path.write_text(f"[parallel]\n{text}\n")
+        with pytest.raises(ConfigError, match=message):
+            load_config(path)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert parallel_world(load_config()) == 4
+    path.write_text("[parallel]\ntensor_parallel_size = 2\n")
+    with pytest.raises(ConfigError, match="torchrun started 4 processes"):
+        parallel_world(load_config(path))
