@@ -73,7 +73,13 @@ class ParallelContext:
             raise ValueError(f"rank {self.rank} is not in a group of {self.world_size}")
 
     def all_reduce(self, x: Tensor) -> Tensor:
-        """Sum ``x`` over the ranks, in place (every rank gets the same values)."""
+        """Sum ``x`` over the ranks, in place (every rank gets the same values). A bfloat16 / float16
+        ``x`` is summed in float32 and rounded once, as one rank's matmul rounds its float32
+        accumulation once (summing the rounded partial sums in bfloat16 would round N times)."""
+        if x.dtype in (torch.bfloat16, torch.float16):
+            wide = x.float()
+            dist.all_reduce(wide, group=self.group)
+            return x.copy_(wide)
         dist.all_reduce(x, group=self.group)
         return x
 
