@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -12,6 +13,8 @@ from typing import TYPE_CHECKING
 from helios.config import WEIGHT_FORMATS
 
 if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess as SpawnProcess
+
     from hypercorn.config import Config as HyperConfig
 
     from helios.app import HeliosApp
@@ -52,10 +55,6 @@ def hypercorn_config(cfg: HeliosConfig) -> HyperConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import trio
-    from hypercorn.trio import serve
-
-    from helios.app import HeliosApp
     from helios.config import ConfigError, load_config, read_api_key_file
 
     try:
@@ -76,7 +75,9 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["parallel"] = {"data_parallel_size": args.data_parallel_size,
                                  "data_parallel_mode": args.data_parallel_mode,
                                  "data_parallel_rank": args.data_parallel_rank, "routing": args.routing,
-                                 "kv_events": True if args.kv_events else None}
+                                 "kv_events": True if args.kv_events else None,
+                                 "tensor_parallel_size": args.tensor_parallel_size,
+                                 "expert_parallel": True if args.expert_parallel else None}
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
         print(f"helios: {exc}", file=sys.stderr)
@@ -95,6 +96,77 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"helios: cannot fetch {cfg.model.path}: {exc}", file=sys.stderr)
             return 1
     logging.getLogger().setLevel(cfg.server.log_level.upper())
+    from helios.runtime import launched_by_torchrun, parallel_world, run_parallel_worker
+
+    workers: list[SpawnProcess] = []
+    try:
+        world = parallel_world(cfg)
+        if world > 1 and launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+            return run_parallel_worker(cfg)  # torchrun: rank 0 serves, the others run their shards
+        if world > 1 and not launched_by_torchrun():
+            cfg, workers = _start_ranks(cfg, world)
+    except ConfigError as exc:
+        print(f"helios: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _serve_http(cfg)
+    finally:
+        _stop_ranks(workers)
+
+
+def _start_ranks(cfg: HeliosConfig, world: int) -> tuple[HeliosConfig, list[SpawnProcess]]:
+    """`helios serve` with tensor_parallel_size > 1 outside torchrun: ranks 1 .. world - 1 as
+    spawned processes on this machine (this process is rank 0), meeting on a free port."""
+    import socket
+
+    import attrs
+    import torch.multiprocessing as mp
+
+    port = cfg.parallel.master_port
+    if not port:
+        with socket.socket() as sock:
+            sock.bind((cfg.parallel.master_addr, 0))
+            port = sock.getsockname()[1]
+    cfg = attrs.evolve(cfg, parallel=attrs.evolve(cfg.parallel, tensor_parallel_size=world, master_port=port))
+    context = mp.get_context("spawn")
+    workers: list[SpawnProcess] = []
+    for rank in range(1, world):
+        proc = context.Process(target=_parallel_worker, args=(cfg, rank), name=f"helios-rank-{rank}", daemon=True)
+        proc.start()
+        workers.append(proc)
+    log.info("tensor parallel: started ranks 1..%d (tcp://%s:%d)", world - 1, cfg.parallel.master_addr, port)
+    return cfg, workers
+
+
+def _parallel_worker(cfg: HeliosConfig, rank: int) -> None:
+    """A spawned rank's entry point (`_start_ranks`)."""
+    logging.basicConfig(level=cfg.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from helios.runtime import run_parallel_worker
+
+    try:
+        run_parallel_worker(cfg, rank)
+    except ValueError as exc:  # a model this size cannot shard (rank 0 reports the same at start-up)
+        log.error("tensor-parallel rank %d: %s", rank, exc)
+        raise SystemExit(1) from None
+
+
+def _stop_ranks(workers: list[SpawnProcess]) -> None:
+    """After serving: the spawned ranks end when rank 0 stops them (its engine's shutdown); one that
+    has not ended within 10 s is killed (workers ignore SIGINT and SIGTERM)."""
+    for proc in workers:
+        proc.join(10)
+        if proc.is_alive():
+            log.warning("tensor parallel: %s did not stop; killing it", proc.name)
+            proc.kill()
+            proc.join(5)
+
+
+def _serve_http(cfg: HeliosConfig) -> int:
+    import trio
+    from hypercorn.trio import serve
+
+    from helios.app import HeliosApp
+
     app = HeliosApp(cfg)
     hc = hypercorn_config(cfg)
     print(f"Helios serving on http://{cfg.server.host}:{cfg.server.port}", file=sys.stderr)
@@ -241,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="internal mode's routing between ranks ([parallel] routing; default cache_aware)")
     s.add_argument("--kv-events", action="store_true",
                    help="publish KV events at GET /v1/kv_events ([parallel] kv_events)")
+    s.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="shard the model over N ranks on this machine (overrides [parallel] tensor_parallel_size; "
+                        "under torchrun, WORLD_SIZE)")
+    s.add_argument("--expert-parallel", action="store_true",
+                   help="split a mixture-of-experts model's experts across the tensor-parallel ranks "
+                        "(overrides [parallel] expert_parallel)")
     sub.add_parser("models", help="list the model catalog (name, size, cached, path) and the model cache")
     sub.add_parser("bench", help="benchmark an OpenAI-compatible server", add_help=False)
     sub.add_parser("top", help="live terminal dashboard of a server's /metrics", add_help=False)

@@ -174,12 +174,22 @@ class VisionSection:
 
 DATA_PARALLEL_MODES = ("internal", "external")
 ROUTING_POLICIES = ("cache_aware", "round_robin")
+PARALLEL_BACKENDS = ("auto", "gloo", "nccl")
 
 
 @attrs.frozen
 class ParallelSection:
-    """Data parallelism (docs/parallel.md): several engine processes behind one HTTP front end
-    ("internal"), or one rank of a deployment whose router is outside ("external")."""
+    """Parallelism. Data parallelism (docs/parallel.md): several engine processes behind one HTTP
+    front end ("internal"), or one rank of a deployment whose router is outside ("external").
+    Tensor and expert parallelism (docs/operations.md, "Tensor and expert parallelism"):
+    ``tensor_parallel_size`` ranks on torch.distributed, each holding a shard of every layer and
+    its own KV pool (``[engine] kv_memory_gib`` is per rank). `helios serve` starts the other
+    ranks itself on this machine (a free port on ``master_addr`` when ``master_port`` is 0);
+    under torchrun every process runs `helios serve` and the env:// rendezvous (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) decides: rank 0 serves HTTP, the others run their shards.
+    ``expert_parallel``: the routed experts of a mixture-of-experts model are split across the same
+    ranks (tokens dispatched to them with all-to-all) instead of each expert being split.
+    ``backend``: auto is gloo on the CPU, nccl on CUDA."""
 
     # Engine processes (ranks); 1: the engine runs on a thread of the server process, as always.
     data_parallel_size: int = attrs.field(default=1, validator=_positive)
@@ -203,6 +213,12 @@ class ParallelSection:
     # Internal mode: restart a rank whose process died (its cache starts empty); /health is 503
     # until it is back.
     restart_ranks: bool = True
+
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
+    expert_parallel: bool = False
+    backend: str = attrs.field(default="auto", validator=attrs.validators.in_(PARALLEL_BACKENDS))
+    master_addr: str = "127.0.0.1"
+    master_port: int = attrs.field(default=0, validator=_non_negative)
 
 
 @attrs.frozen
@@ -346,6 +362,16 @@ def _check_parallel(section: Any) -> None:
     if mode == "internal" and rank:
         raise ConfigError("parallel.data_parallel_rank is for data_parallel_mode = \"external\" (one rank per "
                           "server); internal mode numbers its ranks itself")
+    size = section.get("tensor_parallel_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"parallel.tensor_parallel_size must be a positive integer, got {size!r}")
+    if "expert_parallel" in section and not isinstance(section["expert_parallel"], bool):
+        raise ConfigError(f"parallel.expert_parallel must be true or false, got {section['expert_parallel']!r}")
+    if "backend" in section and section["backend"] not in PARALLEL_BACKENDS:
+        raise ConfigError(f"parallel.backend must be one of {', '.join(PARALLEL_BACKENDS)}, got {section['backend']!r}")
+    if section.get("tensor_parallel_size", 1) > 1 and section.get("data_parallel_size", 1) > 1:
+        raise ConfigError("parallel.tensor_parallel_size and data_parallel_size cannot both be above 1 yet: "
+                          "run tensor-parallel servers as the external data-parallel ranks instead")
 
 
 def _check_shutdown_grace(server: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import datetime
 import functools
 import hashlib
 import logging
@@ -16,15 +17,18 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
+import torch.distributed as dist
 
-from helios.config import HeliosConfig
+from helios.config import ConfigError, HeliosConfig
 from helios.domain.model import ModelInfo
 from helios.engine.core import EngineConfig, EngineCore, EngineThread
 from helios.engine.dp import DataParallelEngine, RankEngine
 from helios.engine.kv.layout import CacheLayout
 from helios.engine.speculative import SpeculativeConfig
+from helios.engine.tp import TensorParallelLeader, WorkerSetup, serve_worker
 from helios.models.interface import CausalLM
 from helios.models.quant import WeightFormat
+from helios.models.tp import TP_ARCHITECTURES, ParallelContext
 from helios.models.vision.base import VisionTower
 from helios.serving.engine_client import EngineClient
 from helios.serving.kv_events import KVEventHub
@@ -308,11 +312,13 @@ class Runtime:
 
     def __init__(self, cfg: HeliosConfig, core: EngineCore, info: ModelInfo, tokenizer: Tokenizer,
                  template: str | None, recipe: Recipe, eos_token_ids: tuple[int, ...], *,
-                 vision: VisionTower | None = None, admission: ImageAdmission | None = None) -> None:
+                 vision: VisionTower | None = None, admission: ImageAdmission | None = None,
+                 leader: TensorParallelLeader | None = None) -> None:
         """``vision``: a vision-language model's tower (the engine encodes with it, the Service prepares
         with it); ``admission``: the server's `serving.images.ImageAdmission` (its limits are on
-        ``info.vision``)."""
+        ``info.vision``); ``leader``: tensor parallelism's rank 0 model (`stop` ends the workers)."""
         self.cfg = cfg
+        self.leader = leader
         self.vision = vision
         self.admission = admission
         self.core = core
@@ -329,7 +335,8 @@ class Runtime:
         par = cfg.parallel
         shares = par.data_parallel_size if par.data_parallel_mode == "external" else 1
         self.thread = EngineThread(core, self.client.sink,
-                                   threads=cfg.model.threads or max(1, _usable_cores() // shares),
+                                   threads=cfg.model.threads or (max(1, _usable_cores() // shares) if leader is None
+                                                                  else _rank_threads(leader.ctx)),
                                    adapt_threads=cfg.model.adapt_threads,
                                    kv_events=(lambda events: hub.publish(None, events)) if hub is not None else None)
 
@@ -348,6 +355,11 @@ class Runtime:
 
     def stop(self) -> None:
         self.thread.shutdown()
+        if self.leader is not None and not self.thread.is_alive():  # no step of it is still broadcasting
+            try:
+                self.leader.stop_workers()
+            except RuntimeError as exc:  # a worker already gone (its connection closed)
+                log.warning("tensor parallel: stopping the workers failed: %s", exc)
 
     def page_counts(self) -> tuple[int, int] | None:
         """(free, total) KV pages once the engine thread has stopped (the shutdown log line)."""
@@ -442,7 +454,8 @@ class LoadedModel:
 
 
 def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", device: str = "cpu",
-               cache_dir: str | Path | None = None, progress: ProgressCallback | None = None) -> LoadedModel:
+               cache_dir: str | Path | None = None, progress: ProgressCallback | None = None,
+               parallel: ParallelContext | None = None) -> LoadedModel:
     """Open a checkpoint, decide its weight format (`choose_weights`, logged) and build the model
     through the checkpoint's registry entry (`helios.models.registry`: config -> module -> weights).
 
@@ -451,7 +464,10 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
     entry is written after building them otherwise; a GGUF file's parsed header is kept there too
     (`helios.loaders.gguf_reader`). The conversion (unpacking GGUF blocks, packing
     int4, dense copies) runs on one thread: it is a few hundred small elementwise kernels, which
-    OpenMP's fork/join only slows down (badly so when other processes hold the other cores)."""
+    OpenMP's fork/join only slows down (badly so when other processes hold the other cores).
+
+    ``parallel``: build this tensor-parallel rank's shard (`helios.models.tp`: the families of
+    `TP_ARCHITECTURES`, dense weight formats; no packed-weight cache, no Q8_0 head codes)."""
     from helios.loaders.checkpoint import load_checkpoint
     from helios.loaders.weight_cache import PackedWeightCache, cache_key
     from helios.models import cpu_kernels
@@ -461,9 +477,17 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
     choice = choose_weights(weights, dtype, device, int4_codes=ckpt.int4_codes,
                             projection_params=ckpt.config.projection_params(), block_codes=ckpt.block_codes)
     log.info("%s", choice.describe())
-    q8_head = device == "cpu" and cpu_kernels.available()
+    if parallel is not None and ckpt.architecture.name not in TP_ARCHITECTURES:
+        raise ValueError(f"tensor parallelism is built for {', '.join(TP_ARCHITECTURES)}; this checkpoint is "
+                         f"{ckpt.architecture.name}")
+    q8_head = device == "cpu" and cpu_kernels.available() and parallel is None
     model = ckpt.architecture.build(ckpt.config, BuildOptions(dtype=choice.dtype, device=device,
-                                                              weights=choice.format, q8_head=q8_head))
+                                                              weights=choice.format, q8_head=q8_head,
+                                                              parallel=parallel))
+    if parallel is not None:
+        cache_dir = None  # the cache's entries are whole models
+        log.info("tensor-parallel rank %d/%d%s", parallel.rank, parallel.world_size,
+                 ", experts split across the ranks" if parallel.expert_parallel else "")
     cache = PackedWeightCache(cache_dir) if cache_dir is not None and device == "cpu" else None
     tag = choice.format.cache_tag() + ("+q8head" if q8_head else "")
     key = cache_key(path, tag, choice.dtype) if cache is not None else ""
@@ -608,6 +632,97 @@ def load_drafter(cfg: HeliosConfig, tokenizer: Tokenizer, *, num_pages: int, max
     return drafter
 
 
+PARALLEL_TIMEOUT = datetime.timedelta(days=365)
+"""The process group's collective timeout. A worker waits in a broadcast for rank 0's next step for
+as long as the server is idle, which the default (30 minutes) would end; a rank that dies closes
+its connections, which fails the others' collectives at once."""
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun (env://) launch."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def parallel_world(cfg: HeliosConfig) -> int:
+    """How many tensor-parallel ranks: ``[parallel] tensor_parallel_size``, or torchrun's WORLD_SIZE
+    (both set: they must agree)."""
+    size = cfg.parallel.tensor_parallel_size
+    if launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if size not in (1, world):
+            raise ConfigError(f"parallel.tensor_parallel_size = {size}, but torchrun started {world} processes "
+                              "(WORLD_SIZE); they must agree")
+        return world
+    return size
+
+
+def join_parallel(cfg: HeliosConfig, rank: int | None = None) -> ParallelContext | None:
+    """This process's place in ``[parallel]`` (None: one rank). Under torchrun the rank and the
+    rendezvous come from the environment (env://); otherwise ``rank`` (0 for the serving process)
+    and tcp://``master_addr``:``master_port``. The process group is created here (or found, when
+    it already is). Backend: gloo on the CPU, NCCL on CUDA (``[parallel] backend`` to choose)."""
+    world = parallel_world(cfg)
+    if world == 1:
+        return None
+    device = cfg.model.device
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+    if launched_by_torchrun():
+        rank = int(os.environ["RANK"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        init = "env://"
+    else:
+        if rank is None or not cfg.parallel.master_port:
+            raise ConfigError("tensor parallelism without torchrun needs the rank and parallel.master_port "
+                              "(helios serve sets them when it starts the ranks)")
+        local = rank
+        init = f"tcp://{cfg.parallel.master_addr}:{cfg.parallel.master_port}"
+    rank_device = torch.device("cpu")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local)
+        rank_device = torch.device("cuda", local)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=PARALLEL_TIMEOUT)
+    return ParallelContext(rank, world, None, cfg.parallel.expert_parallel, rank_device)
+
+
+def _rank_threads(ctx: ParallelContext) -> int:
+    """A rank's share of this machine's cores (the ranks launched together here split them)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)) if launched_by_torchrun() else ctx.world_size
+    return max(1, _usable_cores() // max(1, local_world))
+
+
+def run_parallel_worker(cfg: HeliosConfig, rank: int | None = None) -> int:
+    """A tensor-parallel worker (a rank other than 0): join the group, load this rank's shard of
+    ``[model] path`` as rank 0 loads its own, and run its forward passes until rank 0 stops
+    (`engine.tp.serve_worker`). Returns the exit status (0)."""
+    import signal
+
+    from helios.models import cpu_kernels
+
+    ctx = join_parallel(cfg, rank)
+    if ctx is None or ctx.rank == 0:
+        raise ConfigError("run_parallel_worker runs the ranks other than 0 of a tensor-parallel group")
+    # Ctrl-C reaches every process of the terminal's group, and torchrun passes SIGTERM to every rank:
+    # a worker keeps serving rank 0's steps while rank 0 drains, and ends when rank 0 stops it (or
+    # its connections to rank 0 close).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(cfg.model.threads or _rank_threads(ctx))
+    cpu_kernels.set_enabled(cfg.model.cpu_kernels)
+    path, _name = resolve_model(cfg.model.path)
+    try:
+        loaded = load_model(path, weights=cfg.model.weights, dtype=cfg.model.dtype, device=cfg.model.device,
+                            parallel=ctx)
+        forwards = serve_worker(loaded.model, ctx, loaded.choice.dtype,
+                                ctx.device if ctx.device.type == "cuda" else torch.device(cfg.model.device))
+        log.info("tensor-parallel rank %d stopped after %d forward passes", ctx.rank, forwards)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
 def build_runtime(cfg: HeliosConfig) -> Runtime:
     """The model loaded into this process, its engine thread (not started) and what the Service needs."""
     from helios.loaders.catalog import default_cache_dir
@@ -627,10 +742,17 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     from helios.models import cpu_kernels
 
     cpu_kernels.set_enabled(cfg.model.cpu_kernels)
+    parallel = join_parallel(cfg, 0)
+    if parallel is not None and cfg.cache.disk_dir:
+        raise ConfigError("cache.disk_dir: the host store copies rank 0's KV pages only, which tensor parallelism "
+                          "splits across the ranks; leave disk_dir empty with parallel.tensor_parallel_size > 1")
     loaded = load_model(path, weights=cfg.model.weights, dtype=cfg.model.dtype, device=device, cache_dir=cache_dir,
-                        progress=_progress)
+                        progress=_progress, parallel=parallel)
     ckpt, dtype = loaded.checkpoint, loaded.choice.dtype
     model: CausalLM = loaded.model
+    leader: TensorParallelLeader | None = None
+    if parallel is not None:
+        model = leader = TensorParallelLeader(loaded.model, parallel)
     print(f"Loaded {ckpt.model_id} in {time.perf_counter() - t0:.1f} s: {loaded.choice.describe()}", file=sys.stderr)
 
     mc = ckpt.config
@@ -649,7 +771,8 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                         prefill_chunk_size=cfg.engine.prefill_chunk_size, max_model_len=max_model_len,
                         prefix_caching=cfg.cache.prefix_caching,
                         fingerprint=model_fingerprint(path, loaded.choice.describe()),
-                        host_memory_bytes=int(cfg.cache.host_memory_gib * 2**30),
+                        # Tensor parallel: no host store (it would copy and restore rank 0's pages only).
+                        host_memory_bytes=int(cfg.cache.host_memory_gib * 2**30) if parallel is None else 0,
                         disk_dir=os.path.expanduser(cfg.cache.disk_dir) if cfg.cache.disk_dir else None,
                         disk_bytes=int(cfg.cache.disk_gib * 2**30),
                         checkpoint_slots=cfg.cache.checkpoint_slots,
@@ -663,12 +786,17 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         drafter = load_drafter(cfg, ckpt.tokenizer, num_pages=num_pages + cfg.engine.max_active,
                                max_model_len=max_model_len, cache_dir=cache_dir)
     core = EngineCore(model, ecfg, dtype, device, vision=loaded.vision, drafter=drafter)
+    if leader is not None:
+        if cfg.cache.host_memory_gib:
+            log.info("tensor parallel: the prefix cache's host store is off (cache.host_memory_gib is ignored)")
+        leader.start_workers(WorkerSetup(num_pages=num_pages, page_size=page, kv_dtype=cfg.engine.kv_dtype,
+                                         num_state_slots=cfg.engine.max_active))
     # The mode that runs (a recurrent layout never speculates), not only the configured one.
     info, recipe, eos, admission = _describe(cfg, ckpt, catalog_name, max_model_len, has_drafter=drafter is not None,
                                              speculative_mode=core.scheduler.speculative.mode,
                                              vision=loaded.vision)
     return Runtime(cfg, core, info, ckpt.tokenizer, ckpt.chat_template, recipe, eos, vision=loaded.vision,
-                   admission=admission)
+                   admission=admission, leader=leader)
 
 
 def _max_model_len(cfg: HeliosConfig, max_position_embeddings: int) -> int:

@@ -470,6 +470,7 @@ class GroupAttention:
     def __init__(self, kv: KVCache, group: CacheGroup, inputs: AttentionInputs, table: Tensor, slot_mapping: Tensor,
                  page_size: int, offsets: Tensor, *, decode_kernel: bool, prefill_kernel: bool) -> None:
         self.kv = kv
+        self.inputs = inputs  # the step's metadata (tensor parallelism's leader broadcasts it)
         window = self.window = group.window
         self.write_kernel = decode_kernel  # the CPU kernels serve this cache: row copies
         if window is not None:

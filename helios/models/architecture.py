@@ -13,6 +13,7 @@ from torch import Tensor
 
 from helios.models.interface import CausalLM
 from helios.models.quant import BuildSource, WeightFormat
+from helios.models.tp import ParallelContext
 
 
 class UnsupportedArchitecture(ValueError):
@@ -73,6 +74,8 @@ class BuildOptions:
     device: str = "cpu"
     weights: WeightFormat | None = None
     q8_head: bool = False
+    parallel: ParallelContext | None = None
+    """One tensor-parallel rank's shard (`helios.models.tp`; the families of `tp.TP_ARCHITECTURES`)."""
 
 
 class LoadableCausalLM(CausalLM, Protocol):

@@ -27,6 +27,7 @@ from helios.models.interface import CacheSpec
 from helios.models.kquant import BlockQuantized
 from helios.models.packing import LM_HEAD_FP32, LM_HEAD_Q8, Q8_BF16_ROWS
 from helios.models.quant import BuildSource, GroupQuantized, WeightFormat, build_linear, dense_of, q8_0_blocks
+from helios.models.tp import ParallelContext, ShardedWeights, shard_config
 
 EMBED_BLOCKS = "embed_blocks"  # a keep_blocks model's token embedding blocks, in a packed state
 LM_HEAD_BLOCKS = "lm_head_blocks"  # its output projection's blocks ("empty" kind: an untied Q8_0 head's codes alone)
@@ -82,7 +83,10 @@ class DecoderShape(Protocol):
 
 class DecoderLayer(nn.Module):
     """A decoder layer as `FusedDecoderLM` loads it: the `PROJECTIONS` attributes, its other
-    weights by Hugging Face suffix, and the hooks run once they are in place."""
+    weights by Hugging Face suffix, and the hooks run once they are in place. ``parallel``: the
+    tensor-parallel rank it is a shard of (None: the whole layer; `helios.models.tp`)."""
+
+    parallel: ParallelContext | None = None
 
     def __init__(self, config: DecoderShape, layer_idx: int) -> None:
         super().__init__()
@@ -127,18 +131,37 @@ class FusedDecoderLM(nn.Module):
     """The shared body of a decoder on fused projections (see the module docstring)."""
 
     def __init__(self, config: DecoderShape, dtype: torch.dtype, device: torch.device | str, *,
-                 lm_head_fp32: bool, weights: WeightFormat | None, q8_head: bool) -> None:
+                 lm_head_fp32: bool, weights: WeightFormat | None, q8_head: bool,
+                 parallel: ParallelContext | None = None) -> None:
+        """``parallel``: build one tensor-parallel rank's shard (`helios.models.tp`): ``config`` is
+        the checkpoint's, the model holds `tp.shard_config` of it (``full_config`` keeps the
+        checkpoint's), loads `tp.ShardedWeights` and all-reduces after its row-parallel projections;
+        None (one rank): nothing of this exists on the path."""
         super().__init__()
+        self.full_config = config
+        self.parallel = parallel
+        if parallel is not None:
+            if weights is not None and weights.kind != "dense":
+                raise ValueError(f"tensor parallelism shards dense weights only; the weight format is "
+                                 f"{weights.describe()} (use weights = float32, bfloat16 or auto on a float checkpoint)")
+            config = shard_config(config, parallel)
+            q8_head = False
         self.config = config
         self.dtype = dtype
         self.weight_format = weights or WeightFormat()
         self.embed_tokens = param(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
         self.layers = nn.ModuleList(self._build_layers(torch.device(device), self._placeholder_dtype()))
+        for layer in self._decoder_layers():
+            layer.parallel = parallel
         self.norm = param(torch.ones(config.hidden_size, dtype=torch.float32, device=device))
         if config.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = param(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
+            rows = config.vocab_size
+            if parallel is not None:
+                lo, hi, _ = parallel.vocab_range(rows)
+                rows = hi - lo
+            self.lm_head = param(torch.empty(rows, config.hidden_size, dtype=dtype, device=device))
         self._lm_head_fp32: Tensor | None = None
         self._lm_head_onednn: Tensor | None = None  # `pack_cpu_weights`
         self._wants_lm_head_fp32 = lm_head_fp32 and dtype != torch.float32
@@ -202,7 +225,11 @@ class FusedDecoderLM(nn.Module):
         return F.embedding(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """Logits [N, vocab_size] in float32 for hidden states [N, hidden_size]."""
+        """Logits [N, vocab_size] in float32 for hidden states [N, hidden_size] (tensor parallel:
+        every rank calls it with the same rows, and every rank gets the whole rows)."""
+        if self.parallel is not None:
+            return self.parallel.gather_vocab(dense_matmul(hidden.float(), self._head_shard()).float(),
+                                              self.config.vocab_size)
         if self._lm_head_blocks is not None:
             head = self._lm_head_blocks
             return cpu_kernels.kquant_linear(hidden.float().contiguous(), head.blocks, head.ggml_type, head.shape[0])
@@ -213,6 +240,17 @@ class FusedDecoderLM(nn.Module):
         if self._lm_head_fp32 is not None:
             return dense_matmul(hidden.float(), self._lm_head_fp32, self._lm_head_onednn)
         return dense_matmul(hidden, self.lm_head, self._lm_head_onednn).float()
+
+    def _head_shard(self) -> Tensor:
+        """A tensor-parallel rank's rows of the output projection (float32 where the model keeps a
+        float32 copy): the untied head's own shard, or its rows of the tied embedding."""
+        if self._lm_head_fp32 is not None:
+            return self._lm_head_fp32
+        if not self.config.tie_word_embeddings:
+            return self.lm_head.detach()
+        assert self.parallel is not None
+        lo, hi, _ = self.parallel.vocab_range(self.config.vocab_size)
+        return self.embed_tokens.detach()[lo:hi]
 
     def pack_cpu_weights(self) -> int:
         """Once the weights are loaded (CPU): give every dense projection, and the float32 output
@@ -228,7 +266,7 @@ class FusedDecoderLM(nn.Module):
         for layer in self._decoder_layers():
             layer.find_fused_decode()
         head = self._lm_head_fp32 if self._lm_head_fp32 is not None else self.lm_head.detach()
-        if self._lm_head_q8 is None and self._lm_head_blocks is None:
+        if self._lm_head_q8 is None and self._lm_head_blocks is None and self.parallel is None:
             self._lm_head_onednn = packing.pack_head_onednn(head)
             count += int(self._lm_head_onednn is not None)
         return count
@@ -242,6 +280,8 @@ class FusedDecoderLM(nn.Module):
         (then an ``lm_head.weight`` is ignored, as transformers does). Unknown names raise.
         """
         cfg = self.config
+        if self.parallel is not None:
+            tensors = ShardedWeights(tensors, self.full_config, self.parallel)
         self._lm_head_onednn = None
         self._lm_head_q8_bf16 = None
         self._embed_blocks = None
@@ -288,6 +328,9 @@ class FusedDecoderLM(nn.Module):
                     if q8_head:
                         pass
                     elif self._wants_lm_head_fp32 and name == self._head_name():
+                        if self.parallel is not None and cfg.tie_word_embeddings:  # this rank's rows
+                            lo, hi, _ = self.parallel.vocab_range(cfg.vocab_size)
+                            dense = dense[lo:hi]
                         self._lm_head_fp32 = dense.to(device=self.device, dtype=torch.float32, copy=True)
                     continue
                 layer_idx, attr, _, index, count = slot  # type: ignore[misc]
@@ -305,6 +348,8 @@ class FusedDecoderLM(nn.Module):
         for layer in layers:
             layer.finish_loading()
         self._install_blocks(blocks)
+        if self.parallel is not None and self._wants_lm_head_fp32 and self._lm_head_fp32 is None:
+            self._lm_head_fp32 = self._head_shard().float()  # this rank's rows only
         if (self._wants_lm_head_fp32 and self._lm_head_fp32 is None and self._lm_head_q8 is None
                 and self._lm_head_blocks is None):
             self._lm_head_fp32 = self.lm_head.detach().float()

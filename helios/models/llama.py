@@ -43,6 +43,7 @@ from helios.models.decoder import (
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec
 from helios.models.packing import Q8_BF16_ROWS as Q8_BF16_ROWS  # re-exported: compute_logits' threshold
 from helios.models.quant import DenseLinear, UnloadedLinear, WeightFormat
+from helios.models.tp import ParallelContext
 
 __all__ = ["PROJECTIONS", "Q8_BF16_ROWS", "LlamaForCausalLM", "rope_inv_freq"]
 
@@ -53,7 +54,8 @@ class LlamaForCausalLM(FusedDecoderLM):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", *, lm_head_fp32: bool = True,
-                 weights: WeightFormat | None = None, q8_head: bool = False) -> None:
+                 weights: WeightFormat | None = None, q8_head: bool = False,
+                 parallel: ParallelContext | None = None) -> None:
         """``dtype``: activations, norms' outputs, embeddings and the KV cache; dense projections
         too unless ``weights`` says otherwise (default: dense in ``dtype``). ``lm_head_fp32``: with
         bf16/fp16 weights, keep a float32 copy of the output projection, made from the checkpoint's
@@ -67,8 +69,12 @@ class LlamaForCausalLM(FusedDecoderLM):
         tied embedding is), keep its int8 codes and block scales and compute logits with
         `cpu_kernels.q8_linear`: the same float32 weights and float32 accumulation as the float32
         copy, from a quarter of the bytes (the copy is then not made). CPU only; the caller checks
-        that the kernels are built."""
-        super().__init__(config, dtype, device, lm_head_fp32=lm_head_fp32, weights=weights, q8_head=q8_head)
+        that the kernels are built.
+
+        ``parallel``: one tensor-parallel rank's shard (`helios.models.tp`; the config is the
+        checkpoint's)."""
+        super().__init__(config, dtype, device, lm_head_fp32=lm_head_fp32, weights=weights, q8_head=q8_head,
+                         parallel=parallel)
         self.softmax_scale = config.head_dim ** -0.5
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
 
@@ -199,13 +205,17 @@ class _DecoderLayer(DecoderLayer):
             h, out = h.index_select(0, keep), out.index_select(0, keep)
             if num_tokens == 0:
                 return h, h
-        h, x = _add_rms_norm(h, self.o_proj(out.reshape(num_tokens, self.q_size)), self.post_attention_norm,
-                             self.eps, fused)
+        attended = self.o_proj(out.reshape(num_tokens, self.q_size))
+        if self.parallel is not None:  # row parallel: each rank's heads' share of the sum
+            attended = self.parallel.all_reduce(attended)
+        h, x = _add_rms_norm(h, attended, self.post_attention_norm, self.eps, fused)
         gate_up = self.gate_up_proj(x)
         if fused:
-            return h, self.down_proj(cpu_kernels.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return h, self.down_proj(F.silu(gate).mul_(up))
+            mlp = self.down_proj(cpu_kernels.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            mlp = self.down_proj(F.silu(gate).mul_(up))
+        return h, (mlp if self.parallel is None else self.parallel.all_reduce(mlp))
 
     def set_projection(self, attr: str, module: nn.Module) -> None:
         if attr not in PROJECTIONS:
@@ -238,8 +248,8 @@ class _DecoderLayer(DecoderLayer):
         self._int4 = None
         self._onednn = None
         mods = [getattr(self, attr) for attr in PROJECTIONS]
-        if self.qkv_bias is not None or self.qk_norm is not None:
-            return
+        if self.qkv_bias is not None or self.qk_norm is not None or self.parallel is not None:
+            return  # (tensor parallel: the one-operator layer has no all-reduce)
         int4 = packing.fused_int4_layer(mods, self.input_norm, self.post_attention_norm)
         if int4 is not None:
             self._int4, self._int4_rows = int4
@@ -330,7 +340,7 @@ def gguf_tensor(config: ArchitectureConfig, gguf_name: str, *, interleaved_rotar
 def build(config: ArchitectureConfig, options: BuildOptions) -> LlamaForCausalLM:
     assert isinstance(config, ModelConfig), type(config)
     return LlamaForCausalLM(config, dtype=options.dtype, device=options.device, weights=options.weights,
-                            q8_head=options.q8_head)
+                            q8_head=options.q8_head, parallel=options.parallel)
 
 
 def _gguf_config(arch: str) -> partial[ModelConfig]:

@@ -59,7 +59,7 @@ from torch import Tensor
 
 from helios.models.kquant import grouped_linear
 
-__all__ = ["Experts", "RouterSpec", "expert_mix", "route"]
+__all__ = ["Experts", "RouterSpec", "expert_mix", "route", "run_experts"]
 
 Experts = Tensor | Sequence[Callable[[Tensor], Tensor]]
 """One projection of every expert: a stacked [E, rows, cols] weight, or one module per expert."""
@@ -140,13 +140,21 @@ def expert_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Experts, down: 
     token_of = order // top_k
     counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
     rows = x.index_select(0, token_of)
+    mixed = run_experts(rows, counts, gate_up, down, act=act)
+    mixed = mixed * weights.reshape(-1, 1).index_select(0, order)
+    return out.index_add_(0, token_of, mixed.to(x.dtype))
+
+
+def run_experts(rows: Tensor, counts: Sequence[int], gate_up: Experts, down: Experts, *,
+                act: Callable[[Tensor], Tensor] = F.silu) -> Tensor:
+    """Rows grouped by expert (``counts[e]`` rows for expert e, in expert order) through their
+    experts' SwiGLU, unweighted: [rows, hidden] (`expert_mix`'s expert compute; expert parallelism
+    runs it on the rows a rank received, `helios.models.tp.dispatch_experts`)."""
     active = [e for e, count in enumerate(counts) if count]
     sizes = [counts[e] for e in active]
     gu = _project(gate_up, active, sizes, rows)
     inter = gu.shape[-1] // 2
-    mixed = _project(down, active, sizes, act(gu[:, :inter]) * gu[:, inter:])
-    mixed = mixed * weights.reshape(-1, 1).index_select(0, order)
-    return out.index_add_(0, token_of, mixed.to(x.dtype))
+    return _project(down, active, sizes, act(gu[:, :inter]) * gu[:, inter:])
 
 
 def _project(weights: Experts, active: Sequence[int], sizes: Sequence[int], rows: Tensor) -> Tensor:

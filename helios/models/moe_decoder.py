@@ -54,8 +54,9 @@ from helios.models.decoder import (
     rope_tables,
 )
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec
-from helios.models.moe import Experts, RouterSpec, expert_mix, route
+from helios.models.moe import Experts, RouterSpec, expert_mix, route, run_experts
 from helios.models.quant import BuildSource, DenseLinear, StackedExperts, UnloadedLinear, WeightFormat
+from helios.models.tp import ParallelContext, dispatch_experts
 
 __all__ = ["EXPERT_FORMS", "GGUF_MOE_LAYER_NAMES", "MoEConfig", "MoEForCausalLM", "MoELayer", "gguf_moe_tensor"]
 
@@ -143,14 +144,17 @@ class MoEForCausalLM(FusedDecoderLM):
 
     def __init__(self, config: MoEConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", *, lm_head_fp32: bool = True,
-                 weights: WeightFormat | None = None, q8_head: bool = False) -> None:
-        super().__init__(config, dtype, device, lm_head_fp32=lm_head_fp32, weights=weights, q8_head=q8_head)
+                 weights: WeightFormat | None = None, q8_head: bool = False,
+                 parallel: ParallelContext | None = None) -> None:
+        super().__init__(config, dtype, device, lm_head_fp32=lm_head_fp32, weights=weights, q8_head=q8_head,
+                         parallel=parallel)
         freq = inv_freq_of(config.rotary, config.rope_theta, config.rope_scaling)
         self.register_buffer("inv_freq", freq.to(device), persistent=False)
 
     def _build_layers(self, device: torch.device, dense_dtype: torch.dtype | None) -> list[DecoderLayer]:
         cfg = self.config
-        return [MoELayer(cfg, i, self.dtype, device, dense_dtype) for i in range(cfg.num_layers)]
+        return [MoELayer(cfg, i, self.dtype, device, dense_dtype, parallel=self.parallel)
+                for i in range(cfg.num_layers)]
 
     def cache_specs(self) -> tuple[CacheSpec, ...]:
         spec = FullAttentionSpec(self.config.num_kv_heads, self.config.head_dim)
@@ -160,7 +164,7 @@ class MoEForCausalLM(FusedDecoderLM):
         """`FusedDecoderLM.load_weights`, with the routed experts in any `EXPERT_FORMS` form (read
         as per-expert weights, `_PerExpert`), and without the layers past ``num_layers`` a
         checkpoint may carry (GLM-4.5's multi-token-prediction layer, which transformers ignores too)."""
-        cfg = self.config
+        cfg = cast(MoEConfig, self.full_config)  # the checkpoint's sizes (tensor parallel: before sharding)
         super().load_weights(_PerExpert(tensors, cfg.num_layers, cfg.router.num_experts, cfg.moe_intermediate_size))
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionContext, *,
@@ -270,8 +274,13 @@ _PROJ_ATTRS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 class MoELayer(DecoderLayer):
     def __init__(self, config: MoEConfig, layer_idx: int, dtype: torch.dtype, device: torch.device,
-                 dense_dtype: torch.dtype | None) -> None:
+                 dense_dtype: torch.dtype | None, *, parallel: ParallelContext | None = None) -> None:
+        """``parallel``: a tensor-parallel rank's shard (``config`` is then already sharded); with
+        expert parallelism it holds routed experts ``expert_lo .. expert_hi - 1`` only."""
         super().__init__(config, layer_idx)
+        self.parallel = parallel
+        self.expert_lo, self.expert_hi = (parallel.expert_range(config.router.num_experts) if parallel is not None
+                                          else (0, config.router.num_experts))
         hidden = config.hidden_size
         self.moe = config.moe_layers[layer_idx]
         self.router_spec = config.router
@@ -320,8 +329,9 @@ class MoELayer(DecoderLayer):
                     self.add_module(f"experts_gate_up_{e}", UnloadedLinear())
                     self.add_module(f"experts_down_{e}", UnloadedLinear())
             else:
-                self.experts_gate_up = empty(experts, 2 * inter, hidden)
-                self.experts_down = empty(experts, hidden, inter)
+                local = self.expert_hi - self.expert_lo
+                self.experts_gate_up = empty(local, 2 * inter, hidden)
+                self.experts_down = empty(local, hidden, inter)
 
     def projection_parts(self) -> dict[str, tuple[tuple[str, tuple[int, int]], ...]]:
         """The attention's projections; a dense layer's MLP, an MoE layer's shared experts as its
@@ -399,7 +409,7 @@ class MoELayer(DecoderLayer):
             inter = down.shape[-1]
             for e in range(gate_up.shape[0]):
                 parts = (gate_up[e, :inter], gate_up[e, inter:], down[e])
-                names = (name.format(e=e) for name in EXPERT_FORMS["per_expert"])
+                names = (name.format(e=e + self.expert_lo) for name in EXPERT_FORMS["per_expert"])
                 targets.update(zip(names, parts, strict=True))
         return targets
 
@@ -444,9 +454,13 @@ class MoELayer(DecoderLayer):
             h, out = h.index_select(0, keep), out.index_select(0, keep)
             if keep.shape[0] == 0:
                 return h, h
-        h, x = add_rms_norm(h, self.o_proj(out.reshape(out.shape[0], width)), self.post_attention_norm, self.eps,
-                            fused)
-        return h, self.feed_forward(x, fused)
+        attended = self.o_proj(out.reshape(out.shape[0], width))
+        if self.parallel is None:
+            h, x = add_rms_norm(h, attended, self.post_attention_norm, self.eps, fused)
+            return h, self.feed_forward(x, fused)
+        # Tensor parallel: o_proj and the feed-forward are row parallel (partial sums per rank).
+        h, x = add_rms_norm(h, self.parallel.all_reduce(attended), self.post_attention_norm, self.eps, fused)
+        return h, self.parallel.all_reduce(self.feed_forward(x, fused))
 
     def feed_forward(self, x: Tensor, fused: bool = False) -> Tensor:
         """The dense MLP, or the routed experts plus the shared ones."""
@@ -454,13 +468,33 @@ class MoELayer(DecoderLayer):
         if not self.moe:
             return cast(Tensor, dense)
         assert self.router is not None
-        logits = F.linear(x.float(), self.router) if self.router_spec.router_fp32 else F.linear(x, self.router)
-        weights, ids = route(logits, self.router_spec, self.correction_bias)
-        out = expert_mix(x, weights, ids, *self.routed_experts())
+        if self.parallel is not None and self.parallel.expert_parallel:
+            out = self._dispatched(x, self.parallel)
+        else:
+            weights, ids = route(self._router_logits(x), self.router_spec, self.correction_bias)
+            out = expert_mix(x, weights, ids, *self.routed_experts())
         if dense is not None:
             if self.shared_gate is not None:
                 dense = torch.sigmoid(F.linear(x, self.shared_gate)) * dense
             out = out + dense
+        return out
+
+    def _router_logits(self, x: Tensor) -> Tensor:
+        assert self.router is not None
+        return F.linear(x.float(), self.router) if self.router_spec.router_fp32 else F.linear(x, self.router)
+
+    def _dispatched(self, x: Tensor, ctx: ParallelContext) -> Tensor:
+        """Expert parallelism: this rank routes its share of the tokens, their rows go to the
+        experts' ranks and back (`tp.dispatch_experts`); rows of other ranks' tokens are zero (the
+        layer's all-reduce adds them)."""
+        lo, hi = ctx.token_range(x.shape[0])
+        mine = x[lo:hi]
+        weights, ids = route(self._router_logits(mine), self.router_spec, self.correction_bias)
+        gate_up, down = self.routed_experts()
+        mixed = dispatch_experts(mine, weights, ids, ctx, self.router_spec.num_experts,
+                                 lambda rows, counts: run_experts(rows, counts, gate_up, down))
+        out = torch.zeros_like(x)
+        out[lo:hi] = mixed
         return out
 
     def _mlp(self, x: Tensor, fused: bool) -> Tensor:

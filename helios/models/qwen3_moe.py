@@ -119,7 +119,7 @@ def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None
 def build(config: ArchitectureConfig, options: BuildOptions) -> MoEForCausalLM:
     assert isinstance(config, MoEConfig) and config.arch == "qwen3_moe", config
     return MoEForCausalLM(config, dtype=options.dtype, device=options.device, weights=options.weights,
-                          q8_head=options.q8_head)
+                          q8_head=options.q8_head, parallel=options.parallel)
 
 
 ARCHITECTURES = (
