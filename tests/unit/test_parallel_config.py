@@ -31,6 +31,7 @@ def test_values_are_read() -> None:
     ({"data_parallel_mode": "external", "data_parallel_size": 2, "data_parallel_rank": 2}, "is not below"),
     ({"data_parallel_rank": 1}, "is for data_parallel_mode = \"external\""),
     ({"unknown": 1}, "invalid configuration"),
+    ({"tensor_parallel_size": 2, "data_parallel_size": 2}, "cannot both be above 1"),
 ])
 def test_wrong_values_are_refused_in_words(values: dict[str, object], words: str) -> None:
     with pytest.raises(ConfigError) as err:

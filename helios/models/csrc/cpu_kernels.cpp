@@ -1709,14 +1709,17 @@ inline float kq_sum(const Kq32& acc) {
 }
 
 #ifndef HELIOS_KQ_TILE
-#define HELIOS_KQ_TILE 4
+#define HELIOS_KQ_TILE 5
 #endif
 #ifndef HELIOS_KQ_COLS
 #define HELIOS_KQ_COLS 2
 #endif
 // A register tile is MT activation rows x NT weight rows: each of the NT weight sub-blocks is decoded
-// once per tile and each 32 activations loaded once, for MT x NT outputs' accumulators (AVX-512: 4 x 2
-// tiles, 16 of the 32 zmm registers; AVX2: 2 x 1, 8 of the 16 ymm).
+// once per tile and each 32 activations loaded once, for MT x NT outputs' accumulators (AVX-512: 5 x 2
+// tiles, 20 of the 32 zmm registers; AVX2: 2 x 1, 8 of the 16 ymm). Five rows, not four: a speculative
+// verification of 4 drafts is 5 rows, which a 4-row tile ran as a tile and a 1-row pass, decoding the
+// weights twice (2026-12-02, Q4_K 8960 x 1536, 1 thread: 5 rows 1.58-1.76 ms as 4 + 1, 1.15-1.41 ms
+// as one tile; 4 rows 0.92-1.02 ms either way).
 #if defined(__AVX512F__)
 constexpr int kKqTile = HELIOS_KQ_TILE;  // activation rows of a tile
 constexpr int kKqCols = HELIOS_KQ_COLS;  // weight rows of a tile
@@ -1815,7 +1818,10 @@ inline void kq_out(const float* x, const uint8_t* wp, float* y, int64_t n, int64
 template <int T, int MT>
 inline void kq_rows(const float* x, const uint8_t* wp, float* y, int64_t r0, int64_t r1, int64_t K, int64_t N,
                     int64_t b0, int64_t b1, int64_t nb, float* pk, int64_t ps) {
-  constexpr int NT = MT >= 4 ? kKqCols : 1;  // (single weight rows for 1-3 activation rows: faster there)
+  // Single weight rows for 1-3 activation rows (faster there), except Q6_K, whose decode gains from
+  // two weight rows in flight even for one activation row (8960 x 1536 ... 1536 x 8960, 1 thread:
+  // 1 row 0.83 ms against 1.53 ms).
+  constexpr int NT = MT >= 4 || T == kQ6_K ? kKqCols : 1;
   int64_t n = r0;
   for (; n + NT <= r1; n += NT) kq_out<T, MT, NT>(x, wp, y, n, K, N, b0, b1, nb, pk + (n - r0) * ps, ps);
   if constexpr (NT > 1) {
