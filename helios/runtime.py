@@ -883,6 +883,10 @@ def build_rank(cfg: HeliosConfig, rank: int) -> RankEngine:
                        parallel=attrs.evolve(cfg.parallel, data_parallel_size=1, data_parallel_mode="internal",
                                              data_parallel_rank=0, kv_events=False))
     runtime = build_runtime(one)
+    # Structured-output constraints arrive as their grammars and compile again against this vocabulary.
+    from helios.engine.structured import GrammarVocab, set_process_vocab
+
+    set_process_vocab(lambda: GrammarVocab(runtime.tokenizer))
     log.info("data-parallel rank %d of %d: %d intra-op thread(s)", rank, size, threads)
     return RankEngine(runtime.core, threads, cfg.model.adapt_threads, cfg.server.health_stall_seconds)
 

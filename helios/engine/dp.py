@@ -125,6 +125,10 @@ def serve_rank(conn: Connection, rank: int, build: Callable[[], RankEngine]) -> 
                 item: InboxItem = conn.recv()
             except (EOFError, OSError):
                 item = Shutdown()  # the front closed its end: stop
+            except Exception as exc:  # a record that does not unpickle here (its request id is unknown):
+                # die as a rank does, so the front fails what this rank held instead of waiting on it.
+                send(("died", f"a record from the front could not be read: {type(exc).__name__}: {exc}"))
+                raise SystemExit(1) from None
             if isinstance(item, Add):
                 thread.submit(item.request)
             elif isinstance(item, Abort):
@@ -513,7 +517,7 @@ class DataParallelEngine:
                     self._deliver([RequestOutput(
                         rid, (), finish=EngineFinish.ERROR, failure=FailureKind.ENGINE,
                         error=f"this request cannot be sent to a data-parallel rank ({type(exc).__name__}: {exc}); "
-                              "structured output and images are not served with data parallelism yet")])
+                              "images are not served with data parallelism yet")])
                 else:
                     log.exception("data-parallel rank %d: a record could not be sent", r.index)
             except (OSError, EOFError, ValueError):

@@ -105,6 +105,40 @@ class GrammarConstraint:
     """What the constraint is (for error messages): e.g. "response_format (json_schema)"."""
     grammar: str = ""
     """The llguidance grammar it was compiled from."""
+    json_slices: bool = False
+    """Whether it was compiled against the vocabulary's JSON slices (`GrammarVocab.json_tokenizer`)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled as its grammar (a data-parallel rank process, `engine/dp.py`): the receiving
+        process compiles it again against its own vocabulary (`set_process_vocab`). llguidance's
+        compiled matcher does not pickle."""
+        return _recompiled, (self.grammar, self.json_slices, self.envelope, self.description)
+
+
+_process_vocab: Any = None
+"""This process's `GrammarVocab`, or a callable that builds it (a rank's tokenizer is loaded
+before any constraint arrives; the vocabulary is built at the first one, ~0.2 s)."""
+
+
+def set_process_vocab(vocab: GrammarVocab | Any) -> None:
+    """Name the vocabulary unpickled constraints compile against: a `GrammarVocab` or a callable
+    returning one (built on first use)."""
+    global _process_vocab
+    _process_vocab = vocab
+
+
+def _recompiled(grammar: str, json_slices: bool, envelope: Envelope, description: str) -> GrammarConstraint:
+    global _process_vocab
+    if _process_vocab is None:
+        raise RuntimeError("a grammar constraint arrived in a process without a vocabulary (set_process_vocab)")
+    if not isinstance(_process_vocab, GrammarVocab):
+        _process_vocab = _process_vocab()
+    vocab: GrammarVocab = _process_vocab
+    matcher = llguidance.LLMatcher(vocab.json_tokenizer if json_slices else vocab.ll_tokenizer, grammar, log_level=0)
+    if matcher.is_error():  # it compiled in the front, against the same tokenizer
+        raise RuntimeError(f"the grammar did not compile again: {matcher.get_error()}")
+    return GrammarConstraint(matcher, vocab, envelope, description=description, grammar=grammar,
+                             json_slices=json_slices)
 
 
 class MaskSource(Protocol):

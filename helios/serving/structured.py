@@ -136,7 +136,8 @@ class GrammarCompiler:
         except _MALFORMED as exc:  # e.g. JSON text nested past the recursion limit, lone surrogates
             raise BadRequest(f"{c.param}: invalid {c.kind}: {type(exc).__name__}: {exc}", param=c.param) from None
         matcher = await self.compile(grammar, key, c.param, json_slices=c.is_json)
-        return GrammarConstraint(matcher, self.vocab, envelope if envelope is not None else Envelope(), description=f"{c.param} ({c.kind})", grammar=grammar)
+        return GrammarConstraint(matcher, self.vocab, envelope if envelope is not None else Envelope(), description=f"{c.param} ({c.kind})", grammar=grammar,
+                                 json_slices=c.is_json)
 
     async def tool_validator(self, tool: Tool, param: str = "tools") -> Callable[[str], str | None]:
         """A validator of a custom tool's completed input: None when the input matches the tool's

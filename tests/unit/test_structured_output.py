@@ -133,6 +133,37 @@ def test_constrained_rows_keep_to_their_masks_beside_unconstrained_neighbours(se
         assert outs[f"free{i}"]["ids"] == alone[f"free{i}"]["ids"]
 
 
+def test_a_pickled_constraint_compiles_again_and_generates_the_same(served: Served) -> None:
+    """What a data-parallel rank receives (engine/dp.py): the constraint pickles as its grammar and
+    compiles again against the receiving process's vocabulary; the constrained output is the same."""
+    import pickle
+
+    from helios.engine import structured
+
+    c = served.constraint(OutputConstraint("json_schema", PERSON))
+    assert c.json_slices
+    before = structured._process_vocab
+    built: list[int] = []
+
+    def vocab() -> Any:
+        built.append(1)
+        return c.vocab
+
+    structured.set_process_vocab(vocab)
+    try:
+        copy = pickle.loads(pickle.dumps(c))
+        again = pickle.loads(pickle.dumps(c))
+    finally:
+        structured.set_process_vocab(before)
+    assert built == [1] and copy.matcher is not c.matcher and copy.grammar == c.grammar
+    assert (copy.json_slices, copy.envelope, copy.description) == (c.json_slices, c.envelope, c.description)
+    outs = served.run([served.request("orig", "Describe a person as JSON.", seed=3, max_tokens=48, constraint=c),
+                       served.request("copy", "Describe a person as JSON.", seed=3, max_tokens=48, constraint=copy),
+                       served.request("again", "Describe a person as JSON.", seed=3, max_tokens=48, constraint=again)])
+    assert outs["orig"]["ids"] == outs["copy"]["ids"] == outs["again"]["ids"]
+    jsonschema.validate(json.loads(served.text(outs["copy"]["ids"])), PERSON)
+
+
 def test_logprobs_stay_raw_under_the_mask(served: Served) -> None:
     """The chosen token's logprob is the unmasked distribution's: a constrained answer token that
     the model alone finds unlikely keeps its low logprob (it is not renormalised over the mask)."""
