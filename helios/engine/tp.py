@@ -36,7 +36,7 @@ from helios.engine.kv.layout import CacheLayout
 from helios.models.interface import AttentionContext, CacheSpec, CausalLM
 from helios.models.tp import ParallelContext
 
-__all__ = ["TensorParallelLeader", "WorkerSetup", "serve_worker"]
+__all__ = ["RankLost", "TensorParallelLeader", "WorkerSetup", "serve_worker"]
 
 log = logging.getLogger("helios.engine.tp")
 
@@ -51,6 +51,13 @@ class WorkerSetup:
     page_size: int
     kv_dtype: str
     num_state_slots: int
+
+
+class RankLost(BaseException):
+    """A collective of a step failed (a rank died, its connection closed): the group can run no
+    further step, so this ends the engine thread (a BaseException passes its per-step containment)
+    and the server takes its engine-death path: /health 503, in-flight requests fail in their
+    protocol's shape, `helios serve` drains and exits 70 for its supervisor to restart it."""
 
 
 class TensorParallelLeader:
@@ -87,12 +94,18 @@ class TensorParallelLeader:
         inputs = getattr(ctx, "inputs", None)
         if not isinstance(inputs, AttentionInputs):
             raise TypeError(f"tensor parallelism needs the paged backend's attention context, got {type(ctx).__name__}")
-        _broadcast(self.ctx, _host((_FORWARD, input_ids, positions, inputs, embeds, keep)))
-        return self.model(input_ids, positions, ctx, embeds=embeds, keep=keep)
+        try:
+            _broadcast(self.ctx, _host((_FORWARD, input_ids, positions, inputs, embeds, keep)))
+            return self.model(input_ids, positions, ctx, embeds=embeds, keep=keep)
+        except Exception as exc:  # the workers may be inside this forward's collectives: never step again
+            raise RankLost(f"tensor parallel: a step failed across the ranks ({type(exc).__name__}: {exc})") from exc
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        _broadcast(self.ctx, _host((_LOGITS, hidden)))
-        return self.model.compute_logits(hidden)
+        try:
+            _broadcast(self.ctx, _host((_LOGITS, hidden)))
+            return self.model.compute_logits(hidden)
+        except Exception as exc:
+            raise RankLost(f"tensor parallel: a step failed across the ranks ({type(exc).__name__}: {exc})") from exc
 
     def stop_workers(self) -> None:
         """End the workers' loops (idempotent); after the engine's last step."""

@@ -207,3 +207,62 @@ def test_helios_serve_with_two_ranks_answers(checkpoints: dict[str, Path], tmp_p
     text = log.read_text()
     assert status == 0, text[-3000:]
     assert "tensor-parallel rank 1 stopped after" in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_a_dead_rank_ends_the_server_through_its_engine_death_path(checkpoints: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    """Issue 30, item 4 under tensor parallelism: SIGKILL of rank 1, then a request. Its step's
+    collective fails, which ends the engine thread (`engine.tp.RankLost`): the request gets the
+    protocol's error object, /health is 503, and `helios serve` drains and exits 70."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tests.server.conftest import wait_healthy
+
+    root = checkpoints["llama"]
+    port = tp_ranks.free_port()
+    config = tmp_path / "helios.toml"
+    config.write_text("[engine]\nkv_memory_gib = 0.01\nmax_active = 4\n[cache]\nhost_memory_gib = 0\n"
+                      "[model]\nthreads = 1\nweight_cache = false\n")
+    log = tmp_path / "serve.log"
+    env = dict(os.environ, HELIOS_CONFIG=str(config), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "helios.cli", "serve", str(root), "--port", str(port),
+                             "--weights", "float32", "--tensor-parallel-size", "2", "--shutdown-grace", "2"],
+                            env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log, timeout=240)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        ranks = [int(c) for c in children
+                 if "spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+        assert len(ranks) == 1, children
+        os.kill(ranks[0], signal.SIGKILL)
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        reply = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": [3, 250, 17, 99], "max_tokens": 4, "temperature": 0})
+        assert reply.status_code >= 500, reply.text
+        assert reply.json()["error"]["type"] == "server_error", reply.text
+        deadline, health = time.time() + 20, None
+        while time.time() < deadline:
+            try:
+                health = httpx.get(url + "/health", timeout=5).status_code
+            except httpx.TransportError:
+                break  # already gone: the drain after the engine's death is short here
+            if health == 503:
+                break
+            time.sleep(0.2)
+        assert health in (503, None), health
+        status = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    text = log.read_text()
+    assert status == 70, text[-3000:]
+    assert "RankLost" in text, text[-3000:]
