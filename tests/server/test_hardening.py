@@ -48,6 +48,10 @@ max_model_len = 1024
 [engine]
 max_active = 4
 kv_memory_gib = 0.5
+# Speculation would finish the long-tokenization test's two 1,000-token streams (a looping small
+# model drafts itself well) before the oversized prompt is tokenized; that test watches them run.
+[speculative]
+mode = "off"
 """
 HEADERS = {"authorization": f"Bearer {KEY}", "anthropic-version": "2023-06-01", "content-type": "application/json"}
 USER = [{"role": "user", "content": "Hi"}]
