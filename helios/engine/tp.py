@@ -22,8 +22,9 @@ rank 0 alone, unsharded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -60,6 +61,15 @@ class RankLost(BaseException):
     protocol's shape, `helios serve` drains and exits 70 for its supervisor to restart it."""
 
 
+@contextlib.contextmanager
+def _fatal_across_ranks() -> Iterator[None]:
+    """Any failure of a broadcast call becomes `RankLost`: the workers may be inside its collectives."""
+    try:
+        yield
+    except Exception as exc:
+        raise RankLost(f"tensor parallel: a step failed across the ranks ({type(exc).__name__}: {exc})") from exc
+
+
 class TensorParallelLeader:
     """Rank 0's `CausalLM`: its shard, with every forward and logits call broadcast to the workers
     before it runs (see the module docstring)."""
@@ -94,18 +104,14 @@ class TensorParallelLeader:
         inputs = getattr(ctx, "inputs", None)
         if not isinstance(inputs, AttentionInputs):
             raise TypeError(f"tensor parallelism needs the paged backend's attention context, got {type(ctx).__name__}")
-        try:
+        with _fatal_across_ranks():
             _broadcast(self.ctx, _host((_FORWARD, input_ids, positions, inputs, embeds, keep)))
             return self.model(input_ids, positions, ctx, embeds=embeds, keep=keep)
-        except Exception as exc:  # the workers may be inside this forward's collectives: never step again
-            raise RankLost(f"tensor parallel: a step failed across the ranks ({type(exc).__name__}: {exc})") from exc
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        try:
+        with _fatal_across_ranks():
             _broadcast(self.ctx, _host((_LOGITS, hidden)))
             return self.model.compute_logits(hidden)
-        except Exception as exc:
-            raise RankLost(f"tensor parallel: a step failed across the ranks ({type(exc).__name__}: {exc})") from exc
 
     def stop_workers(self) -> None:
         """End the workers' loops (idempotent); after the engine's last step."""

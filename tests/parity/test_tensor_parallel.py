@@ -16,6 +16,9 @@ divide is refused at build time with the counts in the message.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -163,21 +166,8 @@ def test_families_without_sharding_are_refused(tmp_path: Path) -> None:
         load_model(tmp_path, weights="float32", dtype="float32", parallel=ParallelContext(0, 2))
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_helios_serve_with_two_ranks_answers(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    """`helios serve --tensor-parallel-size 2` end to end: it spawns rank 1, answers a greedy
-    completion with logprobs, and on SIGTERM stops rank 1 (which logs its forward count) and exits 0."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    import httpx
-
-    from tests.server.conftest import wait_healthy
-
-    root = checkpoints["llama"]
+def _serve_two_ranks(root: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """`helios serve ROOT --tensor-parallel-size 2` (float32, a small pool, one thread) on a free port."""
     port = tp_ranks.free_port()
     config = tmp_path / "helios.toml"
     config.write_text("[engine]\nkv_memory_gib = 0.01\nmax_active = 4\n[cache]\nhost_memory_gib = 0\n"
@@ -185,9 +175,23 @@ def test_helios_serve_with_two_ranks_answers(checkpoints: dict[str, Path], tmp_p
     log = tmp_path / "serve.log"
     env = dict(os.environ, HELIOS_CONFIG=str(config), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "helios.cli", "serve", str(root), "--port", str(port),
-                             "--weights", "float32", "--tensor-parallel-size", "2"],
+                             "--weights", "float32", "--tensor-parallel-size", "2", *extra],
                             env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_helios_serve_with_two_ranks_answers(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """`helios serve --tensor-parallel-size 2` end to end: it spawns rank 1, answers a greedy
+    completion with logprobs, and on SIGTERM stops rank 1 (which logs its forward count) and exits 0."""
+    import signal
+
+    import httpx
+
+    from tests.server.conftest import wait_healthy
+
+    proc, url, log = _serve_two_ranks(checkpoints["llama"], tmp_path)
     try:
         wait_healthy(proc, url, log, timeout=240)
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
@@ -215,27 +219,14 @@ def test_a_dead_rank_ends_the_server_through_its_engine_death_path(checkpoints: 
     """Issue 30, item 4 under tensor parallelism: SIGKILL of rank 1, then a request. Its step's
     collective fails, which ends the engine thread (`engine.tp.RankLost`): the request gets the
     protocol's error object, /health is 503, and `helios serve` drains and exits 70."""
-    import os
     import signal
-    import subprocess
-    import sys
     import time
 
     import httpx
 
     from tests.server.conftest import wait_healthy
 
-    root = checkpoints["llama"]
-    port = tp_ranks.free_port()
-    config = tmp_path / "helios.toml"
-    config.write_text("[engine]\nkv_memory_gib = 0.01\nmax_active = 4\n[cache]\nhost_memory_gib = 0\n"
-                      "[model]\nthreads = 1\nweight_cache = false\n")
-    log = tmp_path / "serve.log"
-    env = dict(os.environ, HELIOS_CONFIG=str(config), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "helios.cli", "serve", str(root), "--port", str(port),
-                             "--weights", "float32", "--tensor-parallel-size", "2", "--shutdown-grace", "2"],
-                            env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, log = _serve_two_ranks(checkpoints["llama"], tmp_path, "--shutdown-grace", "2")
     try:
         wait_healthy(proc, url, log, timeout=240)
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
