@@ -760,10 +760,12 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
     page = cfg.engine.page_size
     num_pages = cfg.engine.kv_pages
     if num_pages == 0:
-        # Recurrent layers' per-request states (and their checkpoints' snapshots) come out of the
-        # same budget as the pages.
+        # Recurrent layers' per-request states (their checkpoints' snapshots, and speculation's
+        # backup rows) come out of the same budget as the pages.
         layout = CacheLayout.from_specs(model.cache_specs())
         states = cfg.engine.max_active + (cfg.cache.checkpoint_slots if cfg.cache.prefix_caching else 0)
+        if cfg.speculative.mode != "off":
+            states += cfg.engine.max_active
         num_pages = layout.pages_for(cfg.engine.kv_memory_gib * 2**30, page, dtype, cfg.engine.kv_dtype,
                                      max_active=states)
     num_pages = max(num_pages, -(-max_model_len // page) + 1)
@@ -791,7 +793,6 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
             log.info("tensor parallel: the prefix cache's host store is off (cache.host_memory_gib is ignored)")
         leader.start_workers(WorkerSetup(num_pages=num_pages, page_size=page, kv_dtype=cfg.engine.kv_dtype,
                                          num_state_slots=cfg.engine.max_active))
-    # The mode that runs (a recurrent layout never speculates), not only the configured one.
     info, recipe, eos, admission = _describe(cfg, ckpt, catalog_name, max_model_len, has_drafter=drafter is not None,
                                              speculative_mode=core.scheduler.speculative.mode,
                                              vision=loaded.vision)
@@ -909,7 +910,6 @@ def build_data_parallel_runtime(cfg: HeliosConfig) -> DataParallelRuntime:
         raise ConfigError(f"{ckpt.model_id} takes images, which data parallelism does not serve yet: set "
                           "[parallel] data_parallel_size = 1")
     max_model_len = _max_model_len(cfg, ckpt.config.max_position_embeddings)
-    # (The configured mode: this process builds no model, so it cannot see a recurrent layout's "off".)
     info, recipe, eos, admission = _describe(cfg, ckpt, catalog_name, max_model_len,
                                              has_drafter=bool(cfg.speculative.draft_model),
                                              speculative_mode=cfg.speculative.mode, vision=None)

@@ -42,7 +42,7 @@ from helios.engine.records import (
 )
 from helios.engine.runner import ModelRunner
 from helios.engine.sampling import Sampler
-from helios.engine.scheduler import Scheduler
+from helios.engine.scheduler import Scheduler, StateRollback
 from helios.engine.speculative import SpeculativeConfig
 from helios.engine.threads import ThreadGovernor, ThreadStats
 from helios.models.interface import CausalLM
@@ -96,25 +96,23 @@ class EngineCore:
         slot per running request. ``dtype``: the cache's. ``vision``: the vision tower of a
         vision-language model (None: text only); the runner encodes requests' images with it
         (`engine/images.py`). ``drafter``: a draft model for the speculating requests
-        (`engine/drafter.py`; it needs speculation on and a layout without recurrent groups)."""
+        (`engine/drafter.py`; it needs speculation on)."""
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
         self.layout = layout = CacheLayout.from_specs(model.cache_specs())
         caching = cfg.prefix_caching
         # A recurrent layout's prefix cache needs state snapshots: rows after the running requests'
-        # slots. It never speculates (rejected drafts would need a state rollback).
+        # slots; speculating, one backup row per slot after those (`scheduler.StateRollback`).
         num_snapshots = max(0, cfg.checkpoint_slots) if layout.has_recurrent and caching else 0
+        num_backups = cfg.max_active if layout.has_recurrent and cfg.speculative.enabled else 0
         if drafter is not None and not cfg.speculative.enabled:
             raise ValueError("a draft model drafts for speculative decoding: it needs speculative mode ngram or "
                              "adaptive")
-        if drafter is not None and layout.has_recurrent:
-            raise ValueError("this model has recurrent layers, which do not speculate (rejected drafts would need "
-                             "a state rollback): a draft model cannot serve it")
         self.drafter = drafter
-        self.attention = TorchPagedBackend.for_layout(layout, cfg.num_pages, cfg.page_size, dtype, self.device,
-                                                      num_state_slots=cfg.max_active + num_snapshots,
-                                                      kv_dtype=cfg.kv_dtype)
+        self.attention = TorchPagedBackend.for_layout(
+            layout, cfg.num_pages, cfg.page_size, dtype, self.device,
+            num_state_slots=cfg.max_active + num_snapshots + num_backups, kv_dtype=cfg.kv_dtype)
         self.kv = self.attention.kv
         if cfg.kv_prefault:
             self.kv.prefault()
@@ -163,13 +161,21 @@ class EngineCore:
             self.kv_manager, max_active=cfg.max_active, prefill_chunk_size=cfg.prefill_chunk_size,
             max_model_len=cfg.max_model_len,
             host_has=host_has, restore=restore,
-            speculative=cfg.speculative if not layout.has_recurrent else SpeculativeConfig(),
+            speculative=cfg.speculative,
             checkpoints=self.checkpoints,
-            draft_proposer=drafter.proposer if drafter is not None else None)
+            draft_proposer=drafter.proposer if drafter is not None else None,
+            rollback=self._state_rollback(cfg.max_active + num_snapshots) if num_backups else None)
         vocab = model.vocab_size
         self.sampler = Sampler(min(vocab, cfg.token_vocab_size or vocab), device=self.device)
         self.runner = ModelRunner(model, self.attention, self.kv_manager, self.sampler, self.device,
                                   max_rows=cfg.max_active, max_model_len=cfg.max_model_len, vision=vision)
+
+    def _state_rollback(self, backup_base: int) -> StateRollback:
+        """Speculation's state copies: slot s is backed up in row ``backup_base + s``."""
+        slot_of = cast(KVCacheCoordinator, self.kv_manager).state_slot
+        copy = self.kv.copy_state
+        return StateRollback(save=lambda rid: copy(slot_of(rid), backup_base + slot_of(rid)),
+                             restore=lambda rid: copy(backup_base + slot_of(rid), slot_of(rid)))
 
     # -- KV events ---------------------------------------------------------------------------
     @property

@@ -23,6 +23,15 @@ layers reuses prefixes through state checkpoints (`kv/checkpoints.py`): admissio
 (pages and state snapshot), prefill chunks end at the checkpoints planned for the request, and
 `update` captures them and keeps a decoding request's endpoint copy.
 
+Speculation with recurrent state (`StateRollback`): a recurrent layer's state cannot drop a
+rejected draft's update, so before a verification round runs, the request's state is saved (a copy
+into its backup row). When every draft is accepted the state already is the state after them. When
+one is rejected, the saved state is put back and the request's computed position goes back to the
+round's start: the next step recomputes the round's first token, the accepted drafts and the token
+sampled in place of the rejected one as one chunk (no drafts on it), so the state holds exactly the
+committed tokens. With state checkpoints, a round's drafts never pass the next page boundary, so
+every boundary is reached exactly and its endpoint copy taken (after the round is settled).
+
 Preemption (recompute: the victim's pages are freed and it is prefilled again later from its prompt
 plus the tokens it already produced). When a decoding request needs a page and none is free, the
 newest running request not yet scheduled in this step is preempted; when every other request is
@@ -185,6 +194,15 @@ class SchedulerOutput:
         return sum(c.length for c in self.chunks)
 
 
+@attrs.frozen
+class StateRollback:
+    """A recurrent layout's state copies for speculation (by request id): `save` copies a request's
+    state into its backup row before a verification round, `restore` copies it back."""
+
+    save: Callable[[str], None]
+    restore: Callable[[str], None]
+
+
 class Scheduler:
     def __init__(
         self,
@@ -198,8 +216,13 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         checkpoints: Checkpoints | None = None,
         draft_proposer: Callable[[str], Proposer] | None = None,
+        rollback: StateRollback | None = None,
     ) -> None:
         self.kv = kv
+        # A recurrent layout's state save and restore around verification rounds (None: the layout
+        # has no recurrent group, or speculation is off).
+        self.rollback = rollback
+        self.state_rollbacks = 0  # verification rounds whose state was put back (a draft rejected)
         # A recurrent layout's state checkpoints (None: the layout has no recurrent group, or no
         # prefix cache): captured here, restored at admission.
         self.checkpoints = checkpoints
@@ -320,6 +343,8 @@ class Scheduler:
             num_new = total - seq.num_computed  # 1, or more after grammar-forced tokens
             drafts = self._drafts(seq, num_new, budget, num_decode, len(scheduled))
             kv.allocate_slots(seq.request_id, seq.num_computed, num_new, len(drafts))
+            if drafts and self.rollback is not None:
+                self.rollback.save(seq.request_id)
             chunks.append(ScheduledChunk(seq, total - num_new, num_new + len(drafts), True, self._forced_token(seq),
                                          drafts, decode_round=True, score_from=seq.num_prompt_scored))
             scheduled.add(seq.request_id)
@@ -416,8 +441,8 @@ class Scheduler:
             # Pages these tokens filled become findable (their K/V were written this step).
             self.kv.cache_full_pages(c.seq.request_id, c.seq.token_ids, c.seq.num_computed,
                                      c.seq.request.retain_tokens // self.kv.page_size, c.seq.image_keys)
-            if self.checkpoints is not None:
-                self._capture(c, self.checkpoints)
+            if self.checkpoints is not None and not (c.num_drafts and self.rollback is not None):
+                self._capture(c, self.checkpoints)  # (a verification round's: once it is settled)
         widest = 0
         for c in out.chunks:
             seq = c.seq
@@ -488,6 +513,14 @@ class Scheduler:
         if seq.status != SeqStatus.FINISHED and self.kv.trim(seq.request_id, len(seq.token_ids)):
             kept = len(self.kv.block_table(seq.request_id))
             self._trimmed[seq.request_id] = min(kept, self._trimmed.get(seq.request_id, kept))
+        if self.rollback is not None and seq.status != SeqStatus.FINISHED:
+            if accepted < c.num_drafts:
+                # A rejected draft's update is in the state: back to the round's start, recomputed.
+                self.rollback.restore(seq.request_id)
+                seq.num_computed = c.start
+                self.state_rollbacks += 1
+            elif self.checkpoints is not None:
+                self._capture(c, self.checkpoints)
         if output.new_token_ids:
             self.spec_stats.round(c.num_drafts, min(accepted, len(output.new_token_ids)),
                                   seq.drafts.last_kind if seq.drafts is not None else None)
@@ -559,6 +592,10 @@ class Scheduler:
                     seq.request.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - len(seq.token_ids) - 1,
                     budget - num_new)
+        if self.rollback is not None and self.checkpoints is not None:
+            # The round (accepted or recomputed) ends at or before the next page boundary.
+            ps = self.kv.page_size
+            depth = min(depth, ps - 1 - seq.num_computed % ps)
         if depth <= 0:
             return ()
         drafts = state.proposer.propose(seq.token_ids, depth)

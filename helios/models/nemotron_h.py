@@ -25,8 +25,9 @@ plus the residual; embeddings in, ``norm_f`` then ``lm_head`` out.
   renormalised, scaled), non-gated relu2 experts (optionally through ``moe_latent_size``
   projections), plus one shared relu2 MLP.
 
-Dense weights only (no quantized weight formats, no GGUF yet). The engine turns prefix caching and
-speculation off for a layout with recurrent layers (`helios.engine.core`).
+Dense weights only (no quantized weight formats, no GGUF yet). For a layout with recurrent layers
+the engine reuses prefixes through state checkpoints and speculates with a state rollback
+(`helios.engine.scheduler`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,13 @@ from helios.models.interface import LatentAttentionSpec, RecurrentStateSpec
 from helios.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM, config_from_hf
 from tests.numerics import FP32_TOLERANCE
 from tests.parity.test_gguf_families_parity import _LLAMA_CPP, _RUNNER
-from tests.parity.test_qwen3_next_parity import OneSequence, _engine_run, hf_generate, prompt_of
+from tests.parity.test_qwen3_next_parity import (
+    OneSequence,
+    _engine_run,
+    check_speculation_rolls_back,
+    hf_generate,
+    prompt_of,
+)
 from tests.parity.tiny import hf_logits, load_ours, write_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -143,6 +149,10 @@ def test_the_engine_serves_it(model: KimiLinearForCausalLM, hf_model: torch.nn.M
             worst = max(worst, abs(lp - float(row[t])), *(abs(v - float(row[a])) for a, v in top))
     print(f"kimi_linear engine fp32: max abs logprob diff {worst:.3g}")
     assert worst < FP32_TOLERANCE
+
+
+def test_speculation_rolls_the_recurrent_state_back(model: KimiLinearForCausalLM, hf_model: torch.nn.Module) -> None:
+    check_speculation_rolls_back(model, hf_model, prompt_of(60, 3), (5, 10, 15, 20, 25, 30))
 
 
 def test_packed_state_round_trip(model: KimiLinearForCausalLM, tmp_path: Path) -> None:

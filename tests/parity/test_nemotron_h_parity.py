@@ -144,7 +144,7 @@ def test_engine_greedy_matches_transformers_and_batching(tiny: tuple[Path, torch
     16-token chunks) or of 16 with a pool small enough to preempt (the state recomputed), 32 greedy
     tokens each: every token the argmax of transformers' logits over the
     prompt and the continuation so far, its logprob within 1e-4, and the same tokens and logprobs as
-    each request alone; speculation is off (recurrent), and a preempted request may resume from a
+    each request alone (speculation off: `test_speculation_rolls_the_recurrent_state_back` has it on); a preempted request may resume from a
     state checkpoint of its own (`engine/kv/checkpoints.py`). (transformers' own
     ``generate`` can differ from its full forward at a near tie: its decode path is a different
     float32 sum; this prompt set has one at a 2e-4 margin, so the full forward is the reference.)"""
@@ -169,6 +169,14 @@ def test_engine_greedy_matches_transformers_and_batching(tiny: tuple[Path, torch
         assert [t for o in alone for t in o.new_token_ids] == tokens
         assert max(abs(a - b) for a, b in zip(batched_lp, alone_lp, strict=True)) < TOL
     assert (core.scheduler.num_preemptions > 0) == (num_pages == 48)
+
+
+def test_speculation_rolls_the_recurrent_state_back(tiny: tuple[Path, torch.nn.Module]) -> None:
+    from tests.parity.test_qwen3_next_parity import check_speculation_rolls_back
+
+    root, hf = tiny
+    check_speculation_rolls_back(load_ours(root, architecture="nemotron_h"), hf, _prompt(60, 3),
+                                 (5, 10, 15, 20, 25, 30), page_size=8, chunk=37)
 
 
 def test_a_follow_up_turn_restores_its_state_checkpoint(tiny: tuple[Path, torch.nn.Module]) -> None:

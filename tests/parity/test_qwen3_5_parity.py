@@ -27,7 +27,14 @@ from helios.models.interface import RecurrentStateSpec
 from helios.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 from tests.numerics import FP32_TOLERANCE
 from tests.parity.test_gguf_families_parity import _LLAMA_CPP, _RUNNER
-from tests.parity.test_qwen3_next_parity import OneSequence, _engine_run, hf_generate, prompt_of, seeded
+from tests.parity.test_qwen3_next_parity import (
+    OneSequence,
+    _engine_run,
+    check_speculation_rolls_back,
+    hf_generate,
+    prompt_of,
+    seeded,
+)
 from tests.parity.tiny import hf_logits, write_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -128,6 +135,11 @@ def test_the_engine_serves_it(case: tuple[str, torch.nn.Module, Qwen3NextForCaus
             worst = max(worst, abs(lp - float(row[t])), *(abs(v - float(row[a])) for a, v in top))
     print(f"{arch} engine fp32: max abs logprob diff {worst:.3g}")
     assert worst < FP32_TOLERANCE
+
+
+def test_speculation_rolls_the_recurrent_state_back(case: tuple[str, torch.nn.Module, Qwen3NextForCausalLM]) -> None:
+    _, hf_model, model = case
+    check_speculation_rolls_back(model, hf_model, prompt_of(60, 3), (5, 10, 15, 20, 25, 30))
 
 
 @pytest.mark.parametrize("arch", VARIANTS)

@@ -217,6 +217,64 @@ def _engine_run(model: FusedDecoderLM, prompts: list[list[int]], chunk: int, max
     return result
 
 
+def check_speculation_rolls_back(model: torch.nn.Module, hf_model: torch.nn.Module, base: list[int],
+                                 changed_at: tuple[int, ...], *, chunk: int = 48, page_size: int = 16,
+                                 max_tokens: int = 24) -> None:
+    """A hybrid family speculating from the shared decoded history (depth 4): first ``base`` alone
+    (its output goes into the history), then ``base`` again and variants of it with one token
+    changed at each of ``changed_at``, batched. The repeat's drafts are accepted; a variant drafts
+    from the history while its output agrees with the base's and is rejected where they part, its
+    round's recurrent state put back (`scheduler.StateRollback`). With and without the prefix
+    cache's checkpoints: the greedy tokens and logprobs of the engine without speculation (tokens
+    identical, logprobs within 1e-4), every token the argmax of transformers' full forward and its
+    logprob within 1e-4."""
+    from helios.domain.sampling import SamplingParams
+    from helios.engine.core import EngineConfig, EngineCore
+    from helios.engine.records import EngineRequest
+    from helios.engine.speculative import SpeculativeConfig
+    from tests.unit.test_engine import run
+
+    vocab = hf_model.config.vocab_size
+    prompts = [base, base] + [[*base[:j], (base[j] + 1) % vocab, *base[j + 1:]] for j in changed_at]
+
+    def once(mode: str, caching: bool) -> tuple[list[list[tuple[int, float]]], EngineCore]:
+        core = EngineCore(model, EngineConfig(page_size=page_size, num_pages=160, max_active=len(prompts),
+                                              prefill_chunk_size=chunk, max_model_len=1024, prefix_caching=caching,
+                                              checkpoint_work_fraction=1.0,
+                                              speculative=SpeculativeConfig(mode=mode, max_depth=4)), torch.float32)
+        reqs = [EngineRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0), max_tokens=max_tokens,
+                              ignore_eos=True, num_top_logprobs=1) for i, p in enumerate(prompts)]
+        outs = run(core, reqs[:1]) | run(core, reqs[1:])
+        return ([[(t, lp.logprob) for o in outs[r.request_id] for t, lp in zip(o.new_token_ids, o.logprobs or (),
+                                                                                 strict=True)] for r in reqs], core)
+
+    plain, _ = once("off", False)
+    for caching in (False, True):
+        spec, core = once("ngram", caching)
+        stats = core.scheduler.spec_stats
+        assert core.scheduler.rollback is not None and stats.accepted_drafts > 0, caching
+        assert core.scheduler.state_rollbacks > 0, caching
+        print(f"{type(model).__name__} speculating (cache {caching}): {stats.accepted_drafts} of "
+              f"{stats.verification_drafts} drafts accepted, {core.scheduler.state_rollbacks} rounds rolled back")
+        for i, prompt in enumerate(prompts):
+            got, want = spec[i], plain[i]
+            assert [t for t, _ in got] == [t for t, _ in want], (caching, i)
+            assert max(abs(a[1] - b[1]) for a, b in zip(got, want, strict=True)) < FP32_TOLERANCE, (caching, i)
+            if i == 0:
+                continue
+            tokens = [t for t, _ in got]
+            with torch.no_grad():
+                ref = torch.log_softmax(hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
+            rows = ref[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
+            assert tokens == rows.argmax(-1).tolist(), (caching, i)
+            lps = torch.tensor([lp for _, lp in got], dtype=torch.float64)
+            assert (rows.gather(1, torch.tensor(tokens)[:, None])[:, 0] - lps).abs().max().item() < FP32_TOLERANCE
+
+
+def test_speculation_rolls_the_recurrent_state_back(model: Qwen3NextForCausalLM, hf_model: torch.nn.Module) -> None:
+    check_speculation_rolls_back(model, hf_model, prompt_of(60, 3), (5, 10, 15, 20, 25, 30))
+
+
 def test_the_engine_serves_it(model: Qwen3NextForCausalLM, hf_model: torch.nn.Module) -> None:
     """Three requests of 230, 170 and 90 tokens batched through the engine (paged full attention,
     recurrent state slots, prefill chunks of 48 tokens so every request's scan is split, then

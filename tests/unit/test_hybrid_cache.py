@@ -11,6 +11,7 @@ import torch
 from helios.domain.sampling import SamplingParams
 from helios.engine.attention import KVCache
 from helios.engine.core import EngineConfig, EngineCore
+from helios.engine.drafter import Drafter
 from helios.engine.kv.coordinator import KVCacheCoordinator, SlidingWindowPool, group_key
 from helios.engine.kv.layout import CacheLayout
 from helios.engine.records import EngineRequest, RequestOutput
@@ -165,21 +166,94 @@ def test_hybrid_engine_matches_reference(num_pages: int, chunk: int, head_dim: i
     assert kv.num_free == num_pages and kv.states is not None and kv.states.num_free == 4
 
 
-def test_recurrent_layout_turns_off_speculation_and_hits_only_checkpoints() -> None:
-    """The same 13-token prompt three times: a's anchor (12) is skipped (a split's cost is unknown
-    before any decode step), b captures it, c restores it. (The allowance is all of the step time:
-    a split is charged a whole decode step, which a tenth of a's few steps may not cover.)"""
+def test_recurrent_layout_speculates_and_hits_only_checkpoints() -> None:
+    """The same 13-token prompt three times, speculating: a's anchor (12) is skipped (a split's
+    cost is unknown before any decode step), b captures it, c restores it. (The allowance is all of
+    the step time: a split is charged a whole decode step, which a tenth of a's few steps may not
+    cover.)"""
     model = build_hybrid_model()
     core = EngineCore(model, EngineConfig(page_size=PS, num_pages=64, max_active=4, prefill_chunk_size=16,
                                           max_model_len=128, host_memory_bytes=1 << 20, checkpoint_work_fraction=1.0,
                                           speculative=SpeculativeConfig(mode="ngram")), torch.float32)
-    assert not core.scheduler.speculative.enabled and core.host_store is not None
-    assert core.stats().speculative_mode == "off"  # what runs, not what was asked (the card reads it)
+    assert core.scheduler.speculative.enabled and core.scheduler.rollback is not None
+    assert core.host_store is not None and core.stats().speculative_mode == "ngram"
     prompt = prompts((13,))[0]
     for rid in ("a", "b", "c"):
         outs = run(core, [greedy(rid, prompt, 4)])
         check_against_reference(model, prompt, outs[rid], 4)
     assert core.scheduler.reused_tokens == 12 and core.stats().prefix_caching is True
+
+
+REPEATS = [[1, 2, 3, 4, 5, 6] * 3, [9, 8, 7] * 5, [5, 17, 33, 5, 17, 33, 5, 17, 40, 2, 5, 17]]
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "checkpoints"])
+def test_recurrent_speculation_rolls_the_state_back(caching: bool) -> None:
+    """Greedy n-gram speculation on the hybrid model (full, sliding, recurrent, sliding): prompts
+    with repeats, so drafts are proposed, some accepted and some rejected (the saved state put back,
+    the round recomputed); 24 tokens of each match the float64 reference (tokens and logprobs). With
+    the prefix cache, a round never passes a page boundary, so every boundary's endpoint copy is
+    taken, and a second request extending a finished one's text restores its endpoint checkpoint
+    and still matches."""
+    model = build_hybrid_model()
+    core = EngineCore(model, EngineConfig(page_size=PS, num_pages=96, max_active=4, prefill_chunk_size=32,
+                                          max_model_len=128, prefix_caching=caching, checkpoint_work_fraction=1.0,
+                                          speculative=SpeculativeConfig(mode="ngram", max_depth=5)), torch.float32)
+    sched = core.scheduler
+    assert sched.rollback is not None and (core.checkpoints is not None) == caching
+    reqs = [greedy(f"s{i}", p, 24) for i, p in enumerate(REPEATS)]
+    outs = run(core, reqs)
+    for req, prompt in zip(reqs, REPEATS, strict=True):
+        check_against_reference(model, prompt, outs[req.request_id], 24)
+    spec = sched.spec_stats
+    assert spec.verification_drafts > 0 and 0 < spec.accepted_drafts < spec.verification_drafts
+    assert sched.state_rollbacks > 0
+    if caching:
+        assert core.checkpoints is not None
+        assert core.checkpoints.counters.captures["endpoint"] == len(REPEATS)
+        # The first request's prompt and output, and more: its endpoint checkpoint is restored.
+        text = list(REPEATS[0]) + [t for o in outs["s0"] for t in o.new_token_ids] + [3, 1, 4]
+        before = core.checkpoints.counters.restores
+        again = run(core, [greedy("again", text, 8)])
+        check_against_reference(model, text, again["again"], 8)
+        assert core.checkpoints.counters.restores == before + 1 and sched.reused_tokens >= 36
+
+
+def test_recurrent_speculation_sampled_rows_keep_exact_state() -> None:
+    """Seeded sampling at temperature 1 with speculation (rejection sampling on the drafts): the
+    logprob of every sampled token equals the float64 reference's for the committed text, so no
+    rejected draft's update stayed in the state."""
+    model = build_hybrid_model()
+    core = EngineCore(model, EngineConfig(page_size=PS, num_pages=96, max_active=4, prefill_chunk_size=32,
+                                          max_model_len=128, speculative=SpeculativeConfig(mode="ngram", max_depth=4)),
+                      torch.float32)
+    reqs = [EngineRequest(f"t{i}", tuple(p), SamplingParams(temperature=1.0, seed=11 + i), max_tokens=24,
+                          ignore_eos=True, num_top_logprobs=2) for i, p in enumerate(REPEATS)]
+    outs = run(core, reqs)
+    for req, prompt in zip(reqs, REPEATS, strict=True):
+        tokens = [t for o in outs[req.request_id] for t in o.new_token_ids]
+        lps = [lp for o in outs[req.request_id] for lp in (o.logprobs or ())]
+        assert len(tokens) == len(lps) == 24
+        ref = reference_logprobs(model, prompt + tokens)
+        for g, (token, lp) in enumerate(zip(tokens, lps, strict=True)):
+            assert abs(lp.logprob - ref[len(prompt) + g - 1][token].item()) < TOL
+    assert core.scheduler.spec_stats.accepted_drafts > 0 and core.scheduler.state_rollbacks > 0
+
+
+def test_recurrent_target_with_a_draft_model() -> None:
+    """A draft model (attention only, the target's vocabulary, other weights) drafts for the hybrid
+    target: greedy output matches the reference, the drafter ran, rejected rounds were rolled back."""
+    model = build_hybrid_model()
+    draft = Drafter(build_hybrid_model({"layers": ("full", "full"), "seed": 5}), torch.float32,  # type: ignore[arg-type]
+                    num_pages=64, page_size=PS, max_active=4, max_model_len=128, prefill_chunk_size=16)
+    core = EngineCore(model, EngineConfig(page_size=PS, num_pages=96, max_active=4, prefill_chunk_size=32,
+                                          max_model_len=128, speculative=SpeculativeConfig(mode="ngram", max_depth=3)),
+                      torch.float32, drafter=draft)
+    reqs = [greedy(f"d{i}", p, 16) for i, p in enumerate(prompts((5, 11)))]
+    outs = run(core, reqs)
+    for req, prompt in zip(reqs, prompts((5, 11)), strict=True):
+        check_against_reference(model, prompt, outs[req.request_id], 16)
+    assert draft.forward_tokens > 0 and core.scheduler.state_rollbacks > 0
 
 
 SLIDING_ONLY = {"layers": ("full", "sliding", "sliding", "full"), "seed": 3}

@@ -14,6 +14,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from helios.engine.core import EngineConfig, EngineCore
+from helios.engine.speculative import SpeculativeConfig
 from helios.engine.kv.checkpoints import SnapshotPool
 from helios.engine.kv.coordinator import KVCacheCoordinator
 from helios.engine.kv.layout import CacheLayout
@@ -288,18 +289,21 @@ def test_coordinator_hits_only_where_a_snapshot_is() -> None:
     kv.check_integrity()
 
 
+@pytest.mark.parametrize("mode", ["off", "ngram"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_interleaved_conversations_match_fresh_engines(seed: int) -> None:
+def test_interleaved_conversations_match_fresh_engines(seed: int, mode: str) -> None:
     """Three conversations of three turns each (every turn extends the previous turn's prompt and
     output, some with a marker), run three at a time on a small pool (14 pages: seeds 0 and 1
     preempt), three snapshot rows and a DRAM host store (snapshots restored from it in every seed),
-    on the hybrid model with a sliding window: every turn's tokens and logprobs equal its run alone
-    on a fresh engine without a prefix cache, integrity holds after every step, and checkpoints
-    were restored."""
+    on the hybrid model with a sliding window, without speculation or speculating (drafts from the
+    conversations' own repeats and the shared history; rejected rounds roll the state back): every
+    turn's tokens and logprobs equal its run alone on a fresh engine without a prefix cache or
+    speculation, integrity holds after every step, and checkpoints were restored."""
     gen = torch.Generator().manual_seed(seed)
     model = build_hybrid_model()
     core = engine(model, num_pages=14, max_active=3, prefill_chunk_size=8, checkpoint_slots=3,
-                  host_memory_bytes=1 << 20, checkpoint_work_fraction=1.0)
+                  host_memory_bytes=1 << 20, checkpoint_work_fraction=1.0,
+                  speculative=SpeculativeConfig(mode=mode, max_depth=3))
     heads = [[int(t) for t in torch.randint(0, 64, (int(torch.randint(5, 14, (1,), generator=gen)),), generator=gen)]
              for _ in range(3)]
     for turn in range(3):
@@ -317,6 +321,8 @@ def test_interleaved_conversations_match_fresh_engines(seed: int) -> None:
             heads[c] = [*req.prompt_token_ids, *tokens_of(outs[req.request_id])]
     st = core.stats().checkpoints
     assert st is not None and st.restores > 0 and st.host_restores > 0 and sum(st.captures.values()) > 0
+    if mode != "off":
+        assert core.scheduler.spec_stats.verification_drafts > 0
 
 
 def test_the_cache_section_sets_the_checkpoint_limits() -> None:
