@@ -25,7 +25,26 @@ plus the residual; embeddings in, ``norm_f`` then ``lm_head`` out.
   renormalised, scaled), non-gated relu2 experts (optionally through ``moe_latent_size``
   projections), plus one shared relu2 MLP.
 
-Dense weights only (no quantized weight formats, no GGUF yet). For a layout with recurrent layers
+GGUF: llama.cpp's ``nemotron_h`` (Mamba2, attention and MLP blocks) and ``nemotron_h_moe`` (Mamba2,
+attention and MoE blocks; llama.cpp has no file mixing MLP and MoE blocks) files, as its
+``convert_hf_to_gguf.py`` writes them (`config_from_gguf`, `gguf_tensor`). The layer kinds come
+from the per-layer ``attention.head_count_kv`` and ``feed_forward_length`` (both 0: Mamba2; a kv
+count: attention; a feed-forward length: MLP, or MoE where the file has experts); the Mamba2
+shape from the ``ssm.*`` keys (``time_step_rank`` is the head count, ``inner_size`` heads x
+head_dim); the router from the ``expert_*`` keys (sigmoid; ``expert_group_count`` and
+``expert_group_used_count`` are n_group / topk_group). The tensors go to transformers' names and
+`NemotronHForCausalLM.load_weights` takes llama.cpp's layouts: ``ssm_a`` ([heads, 1], -exp(A_log))
+back to A_log, ``ssm_d`` and the grouped ``ssm_norm`` ([n_groups, -1]) flattened, the squeezed
+conv1d [C, K], ``ssm_dt.bias`` as dt_bias, the stacked ``ffn_{up,down}_exps`` as transformers'
+stacked experts; the q/k rows, which the converter permutes as for rotary heads (no effect here:
+no RoPE, q and k alike), are put back in order. Not in the files: ``chunk_size`` (an evaluation
+detail: 128, transformers' default), ``time_step_min`` (0.001, the default) and the trained
+context (``context_length`` is the converter's 2**20). The MTP block (the last
+``nextn_predict_layers`` of ``block_count``) is skipped. The vocabulary is ``token_embd``'s rows (llama.cpp's converter pads
+it to a multiple of 8 or 16).
+
+Dense weights only (no quantized weight formats; a quantized GGUF's tensors are dequantized on
+load, untested: the tests convert F32 files). For a layout with recurrent layers
 the engine reuses prefixes through state checkpoints and speculates with a state rollback
 (`helios.engine.scheduler`).
 """
@@ -40,12 +59,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from helios.models.architecture import Architecture, BuildOptions
+from helios.models.architecture import (
+    Architecture,
+    ArchitectureConfig,
+    BuildOptions,
+    GGUFSource,
+    GGUFTensor,
+    gguf_key,
+)
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec, RecurrentStateSpec
 from helios.models.moe import RouterSpec, route
 from helios.models.quant import BuildSource, dense_of
 
-__all__ = ["ARCHITECTURES", "NemotronHConfig", "NemotronHForCausalLM", "config_from_hf", "ssd_scan", "ssd_step"]
+__all__ = ["ARCHITECTURES", "NemotronHConfig", "NemotronHForCausalLM", "config_from_gguf", "config_from_hf",
+           "gguf_tensor", "ssd_scan", "ssd_step"]
 
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 _LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
@@ -451,7 +478,8 @@ class NemotronHForCausalLM(nn.Module):
     # -- LoadableCausalLM ----------------------------------------------------------------------------
     def load_weights(self, tensors: Mapping[str, BuildSource]) -> None:
         """From transformers' names (``model.`` or ``backbone.`` prefixes; experts stacked or one
-        by one)."""
+        by one), and llama.cpp's layouts of the Mamba2 tensors (`gguf_tensor`: ``mixer.A`` =
+        -exp(A_log) [heads, 1], D [heads, 1], the norm [n_groups, -1])."""
         params = dict(self.named_parameters())
         filled: set[str] = set()
         experts: dict[tuple[str, int], Tensor] = {}
@@ -460,6 +488,8 @@ class NemotronHForCausalLM(nn.Module):
             if name.startswith("mtp."):
                 continue
             value = dense_of(source)
+            if name.endswith(".mixer.A"):  # a GGUF's -exp(A_log), [heads, 1]
+                name, value = f"{name}_log", torch.log(-value.float().reshape(-1))
             target = _our_name(name)
             if target is None:
                 parts = name.split(".")  # layers.i.mixer.experts.e.{up,down}_proj.weight
@@ -472,6 +502,8 @@ class NemotronHForCausalLM(nn.Module):
                 raise ValueError(f"unexpected nemotron_h weight {raw!r}")
             if target.endswith("conv_weight"):
                 value = value.reshape(value.shape[0], -1)
+            elif target.endswith((".D", ".A_log", "dt_bias", "mixer.norm")):  # a GGUF's [heads, 1], [groups, -1]
+                value = value.reshape(-1)
             self._fill(params[target], value, raw)
             filled.add(target)
         for key in sorted({k for k, _ in experts}):
@@ -539,6 +571,132 @@ def _our_name(name: str) -> str | None:
     return None
 
 
+# -- GGUF ---------------------------------------------------------------------------------------------
+
+
+def _per_layer(value: Any, layers: int) -> list[int]:
+    if isinstance(value, list):
+        if len(value) < layers:
+            raise ValueError(f"nemotron_h GGUF: {len(value)} per-layer values for {layers} layers")
+        return [int(v) for v in value[:layers]]
+    return [int(value)] * layers
+
+
+def _decimal(value: Any) -> float:
+    """A float32 metadata value as the decimal the config wrote (7 significant digits: 1e-05, not
+    9.99999975e-06; the same float32)."""
+    return float(f"{float(value):.7g}")
+
+
+def config_from_gguf(source: GGUFSource) -> NemotronHConfig:
+    """A Nemotron-H config from a llama.cpp ``nemotron_h`` / ``nemotron_h_moe`` file (module docstring)."""
+    key = gguf_key(source)
+    shapes = source.tensor_shapes
+    layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))
+    kv = _per_layer(key("attention.head_count_kv"), layers)
+    ff = _per_layer(key("feed_forward_length"), layers)
+    experts = int(key("expert_count", 0))
+    kinds = tuple("linear_attention" if k == 0 and f == 0 else "full_attention" if f == 0
+                  else "moe" if experts else "mlp" for k, f in zip(kv, ff, strict=True))
+    kv_counts = {k for k in kv if k}
+    if len(kv_counts) > 1:
+        raise NotImplementedError(f"nemotron_h GGUF with per-layer kv head counts {sorted(kv_counts)}")
+    num_heads = max(_per_layer(key("attention.head_count"), layers))
+    mamba_heads = int(key("ssm.time_step_rank"))
+    inner = int(key("ssm.inner_size"))
+    if inner % mamba_heads:
+        raise ValueError(f"nemotron_h GGUF: ssm.inner_size {inner} is not a multiple of {mamba_heads} heads")
+    hidden = int(key("embedding_length"))
+    router, moe_ff, shared_ff, latent = None, 0, 0, None
+    if "moe" in kinds:
+        n_group = int(key("expert_group_count", 1))
+        if n_group > 1 and key("expert_group_used_count", 0) == 0:
+            raise NotImplementedError(f"nemotron_h GGUF with {n_group} expert groups names no expert_group_used_count")
+        router = RouterSpec(num_experts=experts, top_k=int(key("expert_used_count")), scoring="sigmoid",
+                            norm_topk_prob=bool(key("expert_weights_norm", False)), n_group=n_group,
+                            topk_group=int(key("expert_group_used_count", 1)),
+                            routed_scaling_factor=_decimal(key("expert_weights_scale", 1.0)))
+        sizes = {f for f in _per_layer(key("expert_feed_forward_length", max(ff)), layers) if f}
+        if len(sizes) != 1:  # NVIDIA's Puzzle files: one expert size per layer
+            raise NotImplementedError(f"nemotron_h GGUF with per-layer expert sizes {sorted(sizes)}")
+        moe_ff = sizes.pop()
+        shared_ff = int(key("expert_shared_feed_forward_length"))
+        latent_size = key("moe_latent_size", 0)
+        latent = int(latent_size) or None
+    mlp_ff = {f for f, kind in zip(ff, kinds, strict=True) if kind == "mlp"}
+    if len(mlp_ff) > 1:
+        raise NotImplementedError(f"nemotron_h GGUF with per-layer MLP sizes {sorted(mlp_ff)}")
+    first = {kind: kinds.index(kind) for kind in KINDS if kind in kinds}
+    mamba = first.get("linear_attention")
+    mlp_layer = first.get("mlp", first.get("moe"))
+    eps = key("attention.layer_norm_rms_epsilon", 0.0) or key("attention.layer_norm_epsilon", 1e-5)
+    return NemotronHConfig(
+        arch="nemotron_h",
+        vocab_size=int(shapes["token_embd.weight"][0]),
+        hidden_size=hidden,
+        layer_types=kinds,
+        num_heads=num_heads,
+        num_kv_heads=kv_counts.pop() if kv_counts else num_heads,
+        head_dim=int(key("attention.key_length", hidden // max(num_heads, 1))),
+        intermediate_size=mlp_ff.pop() if mlp_ff else 0,
+        mamba_num_heads=mamba_heads,
+        mamba_head_dim=inner // mamba_heads,
+        ssm_state_size=int(key("ssm.state_size")),
+        n_groups=int(key("ssm.group_count", 1)),
+        conv_kernel=int(key("ssm.conv_kernel")),
+        chunk_size=128,
+        time_step_min=0.001,
+        use_conv_bias=mamba is not None and f"blk.{mamba}.ssm_conv1d.bias" in shapes,
+        use_bias=mamba is not None and f"blk.{mamba}.ssm_in.bias" in shapes,
+        mlp_bias=mlp_layer is not None and (f"blk.{mlp_layer}.ffn_up.bias" in shapes
+                                            or f"blk.{mlp_layer}.ffn_up_shexp.bias" in shapes),
+        eps=_decimal(eps),
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in shapes,
+        router=router,
+        moe_intermediate_size=moe_ff,
+        shared_intermediate_size=shared_ff,
+        moe_latent_size=latent,
+    )
+
+
+_GGUF_GLOBAL = {"token_embd.weight": "model.embeddings.weight", "output_norm.weight": "model.norm_f.weight",
+                "output.weight": "lm_head.weight"}
+_GGUF_LAYER = {
+    "attn_norm.weight": "norm.weight",
+    "ssm_in.weight": "mixer.in_proj.weight", "ssm_in.bias": "mixer.in_proj.bias",
+    "ssm_conv1d.weight": "mixer.conv1d.weight", "ssm_conv1d.bias": "mixer.conv1d.bias",
+    "ssm_dt.bias": "mixer.dt_bias", "ssm_a": "mixer.A", "ssm_d": "mixer.D", "ssm_norm.weight": "mixer.norm.weight",
+    "ssm_out.weight": "mixer.out_proj.weight", "ssm_out.bias": "mixer.out_proj.bias",
+    "attn_q.weight": "mixer.q_proj.weight", "attn_k.weight": "mixer.k_proj.weight",
+    "attn_v.weight": "mixer.v_proj.weight", "attn_output.weight": "mixer.o_proj.weight",
+    "ffn_up.weight": "mixer.up_proj.weight", "ffn_up.bias": "mixer.up_proj.bias",
+    "ffn_down.weight": "mixer.down_proj.weight", "ffn_down.bias": "mixer.down_proj.bias",
+    "ffn_gate_inp.weight": "mixer.gate.weight", "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
+    "ffn_up_exps.weight": "mixer.experts.up_proj", "ffn_down_exps.weight": "mixer.experts.down_proj",
+    "ffn_up_shexp.weight": "mixer.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mixer.shared_experts.down_proj.weight",
+    "ffn_latent_down.weight": "mixer.fc1_latent_proj.weight", "ffn_latent_up.weight": "mixer.fc2_latent_proj.weight",
+}
+
+
+def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None:
+    """Where a llama.cpp Nemotron-H tensor goes (transformers' names; ``mixer.A`` is llama.cpp's
+    -exp(A_log), which `NemotronHForCausalLM.load_weights` takes); None for the MTP blocks past
+    the decoder's layers."""
+    assert isinstance(config, NemotronHConfig), type(config)
+    if gguf_name in _GGUF_GLOBAL:
+        return GGUFTensor(_GGUF_GLOBAL[gguf_name])
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        if int(parts[1]) >= config.num_layers:
+            return None
+        if parts[2] in _GGUF_LAYER:
+            heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}.get(parts[2])
+            return GGUFTensor(f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}", rotary_heads=heads)
+    raise NotImplementedError(f"nemotron_h GGUF tensor {gguf_name!r} has no counterpart here")
+
+
 def build(config: Any, options: BuildOptions) -> NemotronHForCausalLM:
     assert isinstance(config, NemotronHConfig), config
     if options.weights is not None and options.weights.kind != "dense":
@@ -553,6 +711,9 @@ ARCHITECTURES = (
         hf_architectures=("NemotronHForCausalLM",),
         config_from_hf=config_from_hf,
         build=build,
+        gguf_architectures=("nemotron_h", "nemotron_h_moe"),
+        config_from_gguf=config_from_gguf,
+        gguf_tensor=gguf_tensor,
     ),
 )
 """Nemotron-H's registry entry (`helios.models.registry`)."""

@@ -2,12 +2,18 @@
 path: no mamba_ssm kernels) on a tiny random checkpoint with Mamba2, attention, MLP and MoE
 blocks: float32 logits of a long prompt in one pass and in chunks that split the SSD scan's chunks,
 the engine's greedy continuations and logprobs (several requests batched, chunked prefill, recurrent
-state slots) against transformers' greedy generation and against each request alone."""
+state slots) against transformers' greedy generation and against each request alone; and
+llama.cpp's own converter's F32 GGUF files of a dense (``nemotron_h``) and an MoE
+(``nemotron_h_moe``) variant against transformers."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -17,6 +23,8 @@ from helios.engine.records import EngineRequest
 from helios.models.dense_attention import DenseAttention
 from helios.models.interface import RecurrentBatch, RecurrentStateSpec
 from helios.models.nemotron_h import NemotronHForCausalLM, ssd_scan, ssd_step
+from tests.numerics import FP32_TOLERANCE
+from tests.parity.test_gguf_families_parity import _LLAMA_CPP, _RUNNER
 from tests.parity.tiny import hf_logits, load_ours, our_logits, write_byte_tokenizer
 from tests.unit.test_engine import run
 
@@ -26,9 +34,9 @@ TOL = 1e-4
 PATTERN = "M*-MEM*M"  # Mamba2, attention, MLP, MoE in the hybrid_override_pattern spelling
 
 
-def _config() -> object:
+def _config(pattern: str = PATTERN) -> object:
     return transformers.NemotronHConfig(
-        vocab_size=258, hidden_size=64, hybrid_override_pattern=PATTERN, num_attention_heads=4,
+        vocab_size=258, hidden_size=64, hybrid_override_pattern=pattern, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=8,
         ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, expand=1, n_routed_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2,
@@ -36,10 +44,9 @@ def _config() -> object:
         layer_norm_epsilon=1e-5, tie_word_embeddings=False, eos_token_id=256, bos_token_id=257, pad_token_id=0)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+def _random_model(pattern: str = PATTERN) -> torch.nn.Module:
     torch.manual_seed(0)
-    hf = transformers.NemotronHForCausalLM(_config()).eval()
+    hf = transformers.NemotronHForCausalLM(_config(pattern)).eval()
     with torch.no_grad():  # weights that exercise every term: random A, D, dt bias, norms, router bias
         for name, p in hf.named_parameters():
             if name.endswith("A_log"):
@@ -55,6 +62,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Modul
         for name, b in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.05)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    hf = _random_model()
     root = tmp_path_factory.mktemp("nemotron_h")
     hf.save_pretrained(root)
     write_byte_tokenizer(root)
@@ -205,3 +218,118 @@ def test_a_follow_up_turn_restores_its_state_checkpoint(tiny: tuple[Path, torch.
                for (_, a), (_, b) in zip(got, want, strict=True))
     print(f"nemotron_h restored from the pool: max abs logprob diff {diff:.3g}")
     assert diff <= 1e-5
+
+
+# -- llama.cpp's converter -----------------------------------------------------------------------------
+
+# llama.cpp keeps MLP blocks and MoE blocks apart (``nemotron_h``: dense MLPs only; ``nemotron_h_moe``:
+# every feed-forward block is MoE), so the mixed PATTERN above has no GGUF form; one variant each.
+DENSE_PATTERN = "M*-M-M*M"
+MOE_PATTERN = "M*EME*M"
+_MOE_KEYS = ("num_experts_per_tok", "n_routed_experts", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+             "moe_latent_size", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "n_shared_experts",
+             "mtp_layers_block_type", "moe_shared_expert_overlap")
+
+
+def _release_folder(hf_model: torch.nn.Module, root: Path, *, dense: bool) -> Path:
+    """``hf_model`` saved by transformers; a dense one with the dense releases' ``config.json``
+    spelling (``hybrid_override_pattern``, ``num_hidden_layers``, no MoE keys): the converter takes
+    ``nemotron_h_moe`` wherever the config names ``num_experts_per_tok``, which transformers 5's
+    config always does, so the file also names no ``model_type`` (transformers' AutoConfig fails and
+    the converter reads the file itself, as with an older transformers)."""
+    hf_model.save_pretrained(root, safe_serialization=True)
+    if dense:
+        config = json.loads((root / "config.json").read_text())
+        kinds = config.pop("layers_block_type")
+        config["hybrid_override_pattern"] = "".join(
+            {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}[k] for k in kinds)
+        config["num_hidden_layers"] = len(kinds)
+        for key in ("model_type", *_MOE_KEYS):
+            config.pop(key, None)
+        (root / "config.json").write_text(json.dumps(config))
+    write_byte_tokenizer(root)
+    return root
+
+
+def _convert(root: Path, path: Path) -> None:
+    run_ = subprocess.run([sys.executable, "-c", _RUNNER, str(_LLAMA_CPP), str(root), str(path), "f32"],
+                          capture_output=True, text=True, timeout=300)
+    assert run_.returncode == 0, run_.stderr[-3000:]
+
+
+def _gguf_arch(path: Path) -> str:
+    from helios.loaders.gguf_reader import read_gguf
+
+    return str(read_gguf(path, None).metadata["general.architecture"])
+
+
+def _one_pass(model: NemotronHForCausalLM, ids: list[int]) -> torch.Tensor:
+    return _chunked_logits(model, ids, [])
+
+
+def _engine_tokens(model: NemotronHForCausalLM, prompt: list[int], n: int) -> list[int]:
+    outs = run(_engine(model, 37), [_greedy("g", prompt, n)])["g"]
+    return [t for o in outs for t in o.new_token_ids]
+
+
+_NOT_IN_GGUF = {"chunk_size": 128, "max_position_embeddings": 2 ** 20}
+"""Config fields a GGUF file does not carry (the loader's values): the SSD chunk (an evaluation
+detail) and the trained context (the converter writes 2**20)."""
+
+_needs_converter = pytest.mark.skipif(not (_LLAMA_CPP / "convert_hf_to_gguf.py").is_file(),
+                                      reason=f"llama.cpp's converter is not at {_LLAMA_CPP} (set HELIOS_PEERS)")
+
+
+@_needs_converter
+def test_real_converter_dense_gguf_matches_transformers(tmp_path: Path) -> None:
+    """A dense Nemotron-H (Mamba2, attention, MLP blocks) converted by llama.cpp's
+    ``convert_hf_to_gguf.py`` (F32) to ``nemotron_h``: the config of the safetensors load (but the
+    fields the file lacks, and the MoE sizes a dense file has none of), a 200-token prompt's logits
+    within FP32_TOLERANCE of transformers, 16 greedy engine tokens equal to the safetensors load's."""
+    hf = _random_model(DENSE_PATTERN)
+    root = _release_folder(hf, tmp_path / "hf", dense=True)
+    path = tmp_path / "tiny-nemotron-h.gguf"
+    _convert(root, path)
+    assert _gguf_arch(path) == "nemotron_h"
+    model = load_ours(path, architecture="nemotron_h")
+    reference = load_ours(root, architecture="nemotron_h")
+    assert isinstance(model, NemotronHForCausalLM) and isinstance(reference, NemotronHForCausalLM)
+    cfg = model.config
+    assert {k: getattr(cfg, k) for k in _NOT_IN_GGUF} == _NOT_IN_GGUF
+    assert (cfg.router, cfg.moe_intermediate_size, cfg.shared_intermediate_size) == (None, 0, 0)
+    assert attrs.evolve(cfg, **{k: getattr(reference.config, k) for k in (
+        *_NOT_IN_GGUF, "moe_intermediate_size", "shared_intermediate_size")}) == reference.config
+    ids = _prompt(200, seed=7)
+    diff = (_one_pass(model, ids) - hf_logits(hf, ids)).abs().max().item()
+    print(f"nemotron_h GGUF (llama.cpp's converter): max abs logit diff {diff:.3g}")
+    assert diff < FP32_TOLERANCE
+    prompt = _prompt(90, seed=8)
+    assert _engine_tokens(model, prompt, 16) == _engine_tokens(reference, prompt, 16)
+
+
+@_needs_converter
+def test_real_converter_moe_gguf_matches_transformers(tmp_path: Path) -> None:
+    """An MoE Nemotron-H (Mamba2, attention, MoE blocks: 8 sigmoid-routed experts in 2 groups,
+    top-1 group, top-2, renormalised, scaled 1.5, a shared expert) converted by llama.cpp's
+    converter (F32) to ``nemotron_h_moe``: the config of the safetensors load (but the fields the
+    file lacks and the unused dense MLP size), a 200-token prompt's logits within FP32_TOLERANCE of
+    transformers, 16 greedy engine tokens equal to the safetensors load's."""
+    hf = _random_model(MOE_PATTERN)
+    root = _release_folder(hf, tmp_path / "hf", dense=False)
+    path = tmp_path / "tiny-nemotron-h-moe.gguf"
+    _convert(root, path)
+    assert _gguf_arch(path) == "nemotron_h_moe"
+    model = load_ours(path, architecture="nemotron_h")
+    reference = load_ours(root, architecture="nemotron_h")
+    assert isinstance(model, NemotronHForCausalLM) and isinstance(reference, NemotronHForCausalLM)
+    cfg = model.config
+    assert {k: getattr(cfg, k) for k in _NOT_IN_GGUF} == _NOT_IN_GGUF and cfg.intermediate_size == 0
+    assert cfg.router is not None and (cfg.router.n_group, cfg.router.topk_group) == (2, 1)
+    assert attrs.evolve(cfg, **{k: getattr(reference.config, k) for k in (*_NOT_IN_GGUF, "intermediate_size")}) \
+        == reference.config
+    ids = _prompt(200, seed=9)
+    diff = (_one_pass(model, ids) - hf_logits(hf, ids)).abs().max().item()
+    print(f"nemotron_h_moe GGUF (llama.cpp's converter): max abs logit diff {diff:.3g}")
+    assert diff < FP32_TOLERANCE
+    prompt = _prompt(90, seed=10)
+    assert _engine_tokens(model, prompt, 16) == _engine_tokens(reference, prompt, 16)
