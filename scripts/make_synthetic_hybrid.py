@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from make_synthetic_moe import DEFAULT_TOKENIZER_GGUF, save_tokenizer, tensor_seed  # noqa: E402
+from make_synthetic_moe import DEFAULT_TOKENIZER_GGUF, save_tokenizer, tensor_seed
 
 DEFAULT_OUT = Path.home() / ".cache" / "helios-synthetic" / "qwen3_5-hybrid"
 

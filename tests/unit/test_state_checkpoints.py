@@ -14,11 +14,11 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from helios.engine.core import EngineConfig, EngineCore
-from helios.engine.speculative import SpeculativeConfig
 from helios.engine.kv.checkpoints import SnapshotPool
 from helios.engine.kv.coordinator import KVCacheCoordinator
 from helios.engine.kv.layout import CacheLayout
 from helios.engine.records import EngineRequest, RequestOutput
+from helios.engine.speculative import SpeculativeConfig
 from helios.models.interface import FullAttentionSpec, RecurrentStateSpec
 from helios.obs.metrics import ServingMetrics
 from tests.unit.hybrid_model import HybridModel, build_hybrid_model
