@@ -100,6 +100,10 @@ class EngineRequest:
     retain_tokens: int = 0
     """Prompt tokens up to the client's last prefix-checkpoint marker: their full pages are evicted
     from the prefix cache only after every unmarked page."""
+    marker_tokens: tuple[int, ...] = ()
+    """Prompt tokens up to each of the client's prefix-checkpoint markers (the first four, in
+    order; the last is ``retain_tokens``): a recurrent layout's candidate ``message`` checkpoints
+    (`kv/checkpoints.py`). Empty: ``retain_tokens`` alone, when set."""
     reasoning_budget: ReasoningBudget | None = None
     constraint: GrammarConstraint | None = None
     """A compiled answer grammar (structured output; `engine/structured.py`), None: unconstrained."""

@@ -671,10 +671,12 @@ class Scheduler:
             return
         ps = self.kv.page_size
         anchor = seq.num_prompt_tokens // ps * ps
-        message = seq.request.retain_tokens // ps * ps
+        req = seq.request
+        markers = req.marker_tokens or ((req.retain_tokens,) if req.retain_tokens else ())
         candidates = [(anchor, "anchor")] if anchor > seq.num_computed else []
-        if message > seq.num_computed and message != anchor:
-            candidates.append((message, "message"))
+        for message in sorted({m // ps * ps for m in markers}):
+            if message > seq.num_computed and message != anchor:
+                candidates.append((message, "message"))
         for position, role in sorted(candidates):
             if position == len(seq.token_ids):  # the prefill ends there anyway: decided after it
                 seq.capture_at.append((position, role, False))

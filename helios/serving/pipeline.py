@@ -317,7 +317,7 @@ class Service:
         parser_factory = None
         prompts: list[PreparedPrompt] = []
         images: tuple[ImageInput, ...] = ()
-        retain = 0
+        markers: tuple[int, ...] = ()
         reasoning_budget = None
         constraint = opts.constraint
         compiled: GrammarConstraint | None = None
@@ -347,7 +347,7 @@ class Service:
             if compiled is not None and self._envelope_factory is not None:
                 compiled = attrs.evolve(compiled, envelope=self._envelope_factory(conv, text))
             if conv.cache_breakpoints:
-                retain = await self._breakpoint_tokens(text, len(ids), conv.cache_breakpoints)
+                markers = await self._breakpoint_tokens(text, len(ids), conv.cache_breakpoints)
         else:
             for p in req.prompts:
                 if isinstance(p, str):
@@ -382,7 +382,7 @@ class Service:
                 children.append(self.engine_request(
                     prompt.token_ids, sampling[i], budget, opts, prefix=req.id_prefix,
                     prompt_logprobs=opts.prompt_logprobs if opts.score_every_choice or i == 0 else None,
-                    retain_tokens=retain, reasoning_budget=reasoning_budget, constraint=compiled, images=images,
+                    marker_tokens=markers, reasoning_budget=reasoning_budget, constraint=compiled, images=images,
                 ))
         return Prepared(req, tuple(prompts), tuple(children), validators, parser_factory)
 
@@ -395,7 +395,7 @@ class Service:
         *,
         prefix: str,
         prompt_logprobs: int | None = None,
-        retain_tokens: int = 0,
+        marker_tokens: tuple[int, ...] = (),
         reasoning_budget: ReasoningBudget | None = None,
         constraint: GrammarConstraint | None = None,
         images: tuple[ImageInput, ...] = (),
@@ -403,8 +403,8 @@ class Service:
         """One engine child under a new request id (``prefix``-n): the prompt, its resolved sampling
         and output limit, and the engine's share of the request's options (token stops, EOS,
         logprobs). ``prompt_logprobs``: this child's prompt scoring (None when another choice of its
-        prompt scores it); ``retain_tokens``: prompt tokens up to the client's last prefix-checkpoint
-        marker; ``reasoning_budget``: the reasoning cut (`thinking_token_budget`); ``constraint``: the
+        prompt scores it); ``marker_tokens``: prompt tokens up to each of the client's
+        prefix-checkpoint markers (the last one's pages are retained); ``reasoning_budget``: the reasoning cut (`thinking_token_budget`); ``constraint``: the
         compiled answer constraint with this prompt's envelope; ``images``: the prompt's admitted
         images with their placeholder spans."""
         stops = options.token_stops
@@ -420,23 +420,30 @@ class Service:
             num_top_logprobs=options.num_top_logprobs,
             logprob_token_ids=options.logprob_token_ids,
             prompt_logprobs=prompt_logprobs,
-            retain_tokens=retain_tokens,
+            retain_tokens=marker_tokens[-1] if marker_tokens else 0,
+            marker_tokens=marker_tokens,
             reasoning_budget=reasoning_budget,
             constraint=constraint,
             images=images,
         )
 
-    async def _breakpoint_tokens(self, prompt: str, num_tokens: int, breakpoints: Sequence[str]) -> int:
-        """Tokens of the rendered prompt up to the end of the last marked block found in it (each
-        searched after the previous one); 0 when none is found."""
-        end = at = 0
+    async def _breakpoint_tokens(self, prompt: str, num_tokens: int,
+                                 breakpoints: Sequence[str]) -> tuple[int, ...]:
+        """Tokens of the rendered prompt up to the end of each marked block found in it (each
+        searched after the previous one), ascending and distinct; () when none is found."""
+        ends: list[int] = []
+        at = 0
         for text in breakpoints:
             found = prompt.find(text, at)
             if found >= 0:
-                end = at = found + len(text)
-        if not end:
-            return 0
-        return min(len(await self.tokenize(prompt[:end], add_special_tokens=False)), num_tokens)
+                at = found + len(text)
+                ends.append(at)
+        out: list[int] = []
+        for end in ends:
+            n = min(len(await self.tokenize(prompt[:end], add_special_tokens=False)), num_tokens)
+            if n and (not out or n > out[-1]):
+                out.append(n)
+        return tuple(out)
 
     async def count_prompt_tokens(self, conv: ConversationRequest) -> int:
         """The tokens of the exact prompt a generation request with this conversation would submit

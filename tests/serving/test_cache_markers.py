@@ -27,3 +27,24 @@ def test_the_marker_sets_the_retained_prefix_and_leaves_the_prompt_alone(servers
     assert 0 < retain < len(ids)
     kept = server.tok.decode(list(ids[:retain]), skip_special_tokens=False)
     assert kept.endswith("A long document about lighthouses.")
+
+
+def test_each_of_the_first_four_markers_reaches_the_engine(servers: dict[str, ScriptedServer]) -> None:
+    """Five marked blocks over two user turns: the first four give ascending token counts, each
+    ending its block's text; the last is the retained prefix."""
+    server = servers["smollm2"]
+    svc = server.service
+    cc = {"cache_control": {"type": "ephemeral"}}
+    texts = ["Part one about tides.", "Part two about reefs.", "Part three about gulls.", "Part four about kelp.",
+             "Part five about sand."]
+    req = {"model": "m", "max_tokens": 16, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": t, **cc} for t in texts[:2]]},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": [{"type": "text", "text": t, **cc} for t in texts[2:]]}]}
+    prepared = server.run_in_server(svc.prepare, anthropic_frontend.decode_request(req, svc.info).generation)
+    child = prepared.children[0]
+    ids = prepared.prompts[0].token_ids
+    assert len(child.marker_tokens) == 4 and list(child.marker_tokens) == sorted(set(child.marker_tokens))
+    assert child.retain_tokens == child.marker_tokens[-1] < len(ids)
+    for n, text in zip(child.marker_tokens, texts, strict=False):
+        assert server.tok.decode(list(ids[:n]), skip_special_tokens=False).endswith(text)

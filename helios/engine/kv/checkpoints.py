@@ -20,9 +20,9 @@ Capture points (`Checkpoints`, the policy, held by the scheduler):
 
 - ``anchor``: the last page boundary at or before the end of the prompt. The prefill is split so a
   chunk ends exactly there and the state is copied after that step.
-- ``message``: the client's prefix-checkpoint marker (`EngineRequest.retain_tokens`, the end of its
-  last ``cache_control`` block), floored to a page boundary; a message boundary equal to the
-  anchor is the anchor.
+- ``message``: the client's prefix-checkpoint markers (`EngineRequest.marker_tokens`, the ends of
+  its first four ``cache_control`` blocks), each floored to a page boundary; a message boundary
+  equal to the anchor is the anchor.
 - ``endpoint``: in decode, the state after the token that completes a page is the state at that
   boundary; the latest such copy of a running request (its pending row) is registered when the
   request leaves the batch (finish, abort, preemption), so a follow-up turn that extends its
@@ -42,8 +42,7 @@ timings (`extra_work_ns`). The copy times are host wall-clock times around the c
 on the CPU; on CUDA they time the launch only (the copy is asynchronous), so the copy part of a
 prediction is low there.
 
-Limitations: the message role knows only the request's last marker (the engine request carries
-no other); as for any layout, each page of a hit comes either from every paged group's pool or
+Limitations: as for any layout, each page of a hit comes either from every paged group's pool or
 from the host store's records of every group (a page one group keeps in its pool and another
 only in the host store ends the hit).
 
