@@ -207,7 +207,9 @@ def test_maximum_size_prompt_stops_neither_health_nor_streams(hard: LiveServer) 
     assert end - start > 1.0  # it did tokenize: the window is long enough to mean something
     during = [latency for sent, latency in health if start <= sent <= end]
     assert len(during) >= 10, during
-    assert max(during) < 0.1, f"/health took {max(during) * 1000:.0f} ms while the prompt tokenized"
+    # Blocked, /health would wait for the whole tokenization (over a second); on 2 busy cores a
+    # scheduling hiccup alone reached 106 ms once, so the bound is a quarter of the window's floor.
+    assert max(during) < 0.25, f"/health took {max(during) * 1000:.0f} ms while the prompt tokenized"
     for arrivals in tokens:
         assert sum(start <= t <= end for t in arrivals) >= 2, "a running stream stopped while the prompt tokenized"
 

@@ -291,18 +291,18 @@ def test_coordinator_hits_only_where_a_snapshot_is() -> None:
 
 def test_every_marker_is_a_candidate_message_checkpoint() -> None:
     """Three markers (5, 9 and 14 tokens: page boundaries 4, 8 and 12) on a 21-token prompt: after
-    a first request has timed a decode step, each is captured as a message checkpoint beside the
-    anchor (20); prompts sharing 6, 10 and 13 tokens with it restore the one at 4, 8 and 12, with
+    a first request has timed a decode step, each is captured as a message checkpoint (the anchor,
+    20, is left to the work budget); prompts sharing 6, 10 and 13 tokens with it restore the one at 4, 8 and 12, with
     the logprobs of a fresh engine."""
     model = build_hybrid_model()
     core = engine(model, checkpoint_work_fraction=1.0, checkpoint_slots=8)
     warm = prompts((7,), vocab=59)[0]
-    run(core, [greedy("w", warm, 3)])
+    run(core, [greedy("w", warm, 24)])  # step time for the allowance: three splits cost three decode steps
     base = prompts((21,), vocab=61)[0]
     run(core, [EngineRequest("m", tuple(base), greedy("m", base, 3).sampling, max_tokens=3, ignore_eos=True,
                              num_top_logprobs=5, retain_tokens=14, marker_tokens=(5, 9, 14))])
     st = core.stats().checkpoints
-    assert st is not None and st.captures["message"] == 3 and st.captures["anchor"] >= 1
+    assert st is not None and st.captures["message"] == 3
     for shared, cached in ((6, 4), (10, 8), (13, 12)):
         probe = greedy(f"p{shared}", [*base[:shared], 1, 2, 3], 4)
         outs = run(core, [probe])[probe.request_id]
