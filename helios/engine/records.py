@@ -97,18 +97,21 @@ class EngineRequest:
     prompt_logprobs: int | None = None
     """None: no prompt scores; 0..20: score every prompt position with that many natural alternatives.
     With ``max_tokens == 0`` the request only scores its prompt and finishes with LENGTH."""
-    retain_tokens: int = 0
-    """Prompt tokens up to the client's last prefix-checkpoint marker: their full pages are evicted
-    from the prefix cache only after every unmarked page."""
     marker_tokens: tuple[int, ...] = ()
     """Prompt tokens up to each of the client's prefix-checkpoint markers (the first four, in
-    order; the last is ``retain_tokens``): a recurrent layout's candidate ``message`` checkpoints
-    (`kv/checkpoints.py`). Empty: ``retain_tokens`` alone, when set."""
+    order): a recurrent layout's candidate ``message`` checkpoints (`kv/checkpoints.py`); the last
+    is `retain_tokens`."""
     reasoning_budget: ReasoningBudget | None = None
     constraint: GrammarConstraint | None = None
     """A compiled answer grammar (structured output; `engine/structured.py`), None: unconstrained."""
     images: tuple[ImageInput, ...] = ()
     """The prompt's images in prompt order, spans disjoint (vision models only)."""
+
+    @property
+    def retain_tokens(self) -> int:
+        """Prompt tokens up to the client's last prefix-checkpoint marker (0: none): their full
+        pages are evicted from the prefix cache only after every unmarked page."""
+        return self.marker_tokens[-1] if self.marker_tokens else 0
 
 
 @attrs.frozen

@@ -671,10 +671,8 @@ class Scheduler:
             return
         ps = self.kv.page_size
         anchor = seq.num_prompt_tokens // ps * ps
-        req = seq.request
-        markers = req.marker_tokens or ((req.retain_tokens,) if req.retain_tokens else ())
         candidates = [(anchor, "anchor")] if anchor > seq.num_computed else []
-        for message in sorted({m // ps * ps for m in markers}):
+        for message in sorted({m // ps * ps for m in seq.request.marker_tokens}):
             if message > seq.num_computed and message != anchor:
                 candidates.append((message, "message"))
         for position, role in sorted(candidates):

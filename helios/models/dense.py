@@ -25,9 +25,9 @@ def onednn_rows(m: int) -> int:
     rows; 17 -> 18, 100 -> 104, 513 -> 576).
 
     oneDNN builds (JIT-compiles) a primitive per shape, about 1.2 ms each here, and caches it (about
-    0.2 MiB an entry): with every prefill chunk's exact row count as a new shape, both caches kept
-    growing towards 1,024 entries each for over an hour of mixed traffic (docs/operations.md,
-    "Soak"). Bucketed, a weight has about 56 shapes up to 512 rows, which the caches keep. The extra
+    0.2 MiB an entry): with every prefill chunk's exact row count a new shape, both caches grow
+    towards 1,024 entries each over an hour of mixed traffic (docs/operations.md, "Soak"). Bucketed,
+    a weight has about 56 shapes up to 512 rows, which the caches keep. The extra
     rows are zeros and dropped: every row's result is the same bits at any row count (checked in
     tests/unit/test_dense.py)."""
     if m < 16:

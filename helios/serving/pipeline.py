@@ -404,8 +404,9 @@ class Service:
         and output limit, and the engine's share of the request's options (token stops, EOS,
         logprobs). ``prompt_logprobs``: this child's prompt scoring (None when another choice of its
         prompt scores it); ``marker_tokens``: prompt tokens up to each of the client's
-        prefix-checkpoint markers (the last one's pages are retained); ``reasoning_budget``: the reasoning cut (`thinking_token_budget`); ``constraint``: the
-        compiled answer constraint with this prompt's envelope; ``images``: the prompt's admitted
+        prefix-checkpoint markers (the last one's pages are retained); ``reasoning_budget``: the
+        reasoning cut (`thinking_token_budget`); ``constraint``: the compiled answer constraint with
+        this prompt's envelope; ``images``: the prompt's admitted
         images with their placeholder spans."""
         stops = options.token_stops
         return EngineRequest(
@@ -420,7 +421,6 @@ class Service:
             num_top_logprobs=options.num_top_logprobs,
             logprob_token_ids=options.logprob_token_ids,
             prompt_logprobs=prompt_logprobs,
-            retain_tokens=marker_tokens[-1] if marker_tokens else 0,
             marker_tokens=marker_tokens,
             reasoning_budget=reasoning_budget,
             constraint=constraint,

@@ -123,13 +123,13 @@ def test_an_aligned_prompt_anchor_and_a_message_marker() -> None:
     core = engine(model, checkpoint_work_fraction=1.0)
     base = prompts((16,), vocab=61)[0]
     run(core, [EngineRequest("m0", tuple(base), greedy("m0", base, 3).sampling, max_tokens=3, ignore_eos=True,
-                             num_top_logprobs=5, retain_tokens=9)])
+                             num_top_logprobs=5, marker_tokens=(9,))])
     st = core.stats().checkpoints
     assert st is not None
     assert st.captures["anchor"] == 1 and st.captures["message"] == 0 and st.skips["unknown_cost"] == 1
     other = [7, *base[1:]]  # another first page: nothing to reuse
     run(core, [EngineRequest("m1", tuple(other), greedy("m1", other, 3).sampling, max_tokens=3, ignore_eos=True,
-                             num_top_logprobs=5, retain_tokens=9)])
+                             num_top_logprobs=5, marker_tokens=(9,))])
     st = core.stats().checkpoints
     assert st is not None and st.captures["message"] == 1 and st.captures["anchor"] == 2
     # A prompt sharing m1's first 10 tokens only restores m1's message checkpoint at 8.
@@ -300,7 +300,7 @@ def test_every_marker_is_a_candidate_message_checkpoint() -> None:
     run(core, [greedy("w", warm, 24)])  # step time for the allowance: three splits cost three decode steps
     base = prompts((21,), vocab=61)[0]
     run(core, [EngineRequest("m", tuple(base), greedy("m", base, 3).sampling, max_tokens=3, ignore_eos=True,
-                             num_top_logprobs=5, retain_tokens=14, marker_tokens=(5, 9, 14))])
+                             num_top_logprobs=5, marker_tokens=(5, 9, 14))])
     st = core.stats().checkpoints
     assert st is not None and st.captures["message"] == 3
     for shared, cached in ((6, 4), (10, 8), (13, 12)):
@@ -335,7 +335,8 @@ def test_interleaved_conversations_match_fresh_engines(seed: int, mode: str) -> 
             prompt = [*head, *extra]
             marker = len(head) if turn and c == 1 else 0
             reqs.append(EngineRequest(f"c{c}t{turn}", tuple(prompt), greedy("x", prompt, 1).sampling, max_tokens=5,
-                                      ignore_eos=True, num_top_logprobs=5, retain_tokens=marker))
+                                      ignore_eos=True, num_top_logprobs=5,
+                                      marker_tokens=(marker,) if marker else ()))
         outs = run(core, reqs)
         for c, req in enumerate(reqs):
             assert_same(outs[req.request_id], fresh(model, req))
