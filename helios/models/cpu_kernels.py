@@ -11,6 +11,9 @@ Operators that torch does not have in the form decode needs, among them:
 - ``gated_delta_step``: Gated DeltaNet's decode update (`helios.models.gated_delta`), in place on
   each token's state slot: two passes over the state instead of torch's gather, four elementwise
   passes and a scatter.
+- ``paged_prefill``: a prefill chunk's causal attention over its context read in place (AVX512-BF16
+  pair dot products; on AMX tiles where the build has them and Linux grants the tile state:
+  ``amx_permitted``, ``set_prefill_amx``; docs/architecture.md has both paths' numerics).
 - ``paged_decode``: decode attention that reads each row's K/V in place from the paged cache instead
   of gathering its whole history into a contiguous copy every layer of every step;
   ``paged_decode_int8`` the same over int8 K/V with a bfloat16 scale per row (``[engine] kv_dtype``).
@@ -316,6 +319,18 @@ def gated_delta_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     out: Tensor = torch.ops.helios.gated_delta_step(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
                                                     beta.contiguous(), state, slots, fresh)
     return out
+
+
+def amx_permitted() -> bool:
+    """Whether the kernels were built with AMX (AMX-TILE and AMX-BF16 in the -march) and this process may
+    use the tiles (Linux granted the tile data state: some virtual machines advertise AMX and refuse it)."""
+    return bool(torch.ops.helios.amx_permitted())
+
+
+def set_prefill_amx(on: bool) -> bool:
+    """`paged_prefill` on AMX tiles (on, the default) or on the AVX512-BF16 path (off); returns whether
+    it now runs on tiles (only where `amx_permitted`). Both paths keep the kernel's contract."""
+    return bool(torch.ops.helios.set_prefill_amx(on))
 
 
 def bf16_kernels_supported() -> bool:

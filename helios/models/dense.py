@@ -41,9 +41,10 @@ def onednn_linear(x: Tensor, packed: Tensor) -> Tensor:
     x = x.contiguous()
     m = x.shape[0]
     rows = onednn_rows(m)
-    if rows != m:
-        padded = x.new_zeros((rows, *x.shape[1:]))
-        padded[:m] = x
+    if rows != m:  # the rows copied once, only the padding zeroed (a prefill chunk's x is megabytes)
+        padded = x.new_empty((rows, *x.shape[1:]))
+        padded[:m].copy_(x)
+        padded[m:].zero_()
         x = padded
     out: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     return out[:m] if rows != m else out

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -258,13 +259,33 @@ def _prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots:
     return torch.einsum("hlp,hpd->lhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), vv)
 
 
+# The prefill kernel's two paths: AMX tiles (where built and permitted) and AVX512-BF16 pair dot products.
+PREFILL_PATHS = [pytest.param(False, id="avx512_bf16"),
+                 pytest.param(True, id="amx", marks=pytest.mark.skipif(
+                     not (cpu_kernels.available() and cpu_kernels.amx_permitted()),
+                     reason="AMX tiles are not built or not permitted on this machine"))]
+
+
+@pytest.fixture
+def prefill_path(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Runs the test with `paged_prefill` on the given path, then restores the default (tiles where
+    permitted)."""
+    amx = bool(request.param)
+    assert cpu_kernels.set_prefill_amx(amx) is amx
+    try:
+        yield amx
+    finally:
+        cpu_kernels.set_prefill_amx(True)
+
+
 @needs_prefill_kernel
+@pytest.mark.parametrize("prefill_path", PREFILL_PATHS, indirect=True)
 @pytest.mark.parametrize(("length", "start"), [(1, 0), (5, 0), (64, 0), (65, 0), (37, 3), (130, 250), (16, 1000),
                                                (321, 0)])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
-def test_paged_prefill_matches_float64(length: int, start: int, head_dim: int) -> None:
+def test_paged_prefill_matches_float64(length: int, start: int, head_dim: int, prefill_path: bool) -> None:
     """Chunks from the first position and over cached context, across query-tile (64) and key-block
-    (64) boundaries, GQA 9/3 heads, K/V at shuffled slots."""
+    (64) boundaries, GQA 9/3 heads, K/V at shuffled slots; on both paths."""
     g = torch.Generator().manual_seed(length + start)
     k = torch.randn(3, 2048, head_dim, generator=g).to(torch.bfloat16)
     v = torch.randn(3, 2048, head_dim, generator=g).to(torch.bfloat16)
@@ -272,15 +293,50 @@ def test_paged_prefill_matches_float64(length: int, start: int, head_dim: int) -
     q = torch.randn(length, 9, head_dim, generator=g).to(torch.bfloat16)
     got = cpu_kernels.paged_prefill(q, k, v, slots, start, head_dim**-0.5)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
-    # bfloat16 inputs, float32 scores, probabilities rounded to bfloat16 for the weighted sum, one
-    # rounding of the result: a few bfloat16 roundings of the values' magnitude (|v| < 5).
+    # bfloat16 inputs, float32 scores and probabilities (on tiles: two bfloat16 terms, about 17 bits),
+    # one rounding of the result: a few bfloat16 roundings of the values' magnitude (|v| < 5).
     bound = 4 * unit_roundoff(torch.bfloat16) * 5
     assert (got.double() - _prefill_reference(q, k, v, slots, start)).abs().max().item() < bound
 
 
 @needs_prefill_kernel
+@pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.amx_permitted()),
+                    reason="AMX tiles are not built or not permitted on this machine")
+def test_the_amx_prefill_keeps_the_probabilities_to_float32_precision() -> None:
+    """Every query's first key scores 0.1 and every other 0, so all other probabilities are
+    exp(-0.1), which one bfloat16 rounds up by 2**-9.4 relative: the same way for every key, so the
+    weighted sum of values in [1, 2) would be biased by ~0.002 (not averaged away), and the result
+    would miss its correct bfloat16 rounding. With the probabilities as hi + lo (AMX) or in float32
+    (AVX512-BF16), every output is within half a bfloat16 step (2**-8 on [1, 2)) of float64, and the
+    paths agree to within one step."""
+    g = torch.Generator().manual_seed(5)
+    length, start, d = 200, 300, 64
+    slots = torch.randperm(1024, generator=g)[: start + length].contiguous()
+    k = torch.zeros(3, 1024, d)
+    k[:, slots[0], 0] = 0.8  # score (q . k) / 8 = 0.1 for the first position, 0 for the rest
+    k = k.to(torch.bfloat16)
+    v = (1 + torch.rand(3, 1024, d, generator=g)).to(torch.bfloat16)
+    q = torch.zeros(length, 9, d)
+    q[:, :, 0] = 1.0
+    q = q.to(torch.bfloat16)
+    expected = _prefill_reference(q, k, v, slots, start)
+    outs = []
+    try:
+        for amx in (False, True):
+            cpu_kernels.set_prefill_amx(amx)
+            outs.append(cpu_kernels.paged_prefill(q, k, v, slots, start, d**-0.5).double())
+    finally:
+        cpu_kernels.set_prefill_amx(True)
+    for out in outs:
+        assert (out - expected).abs().max().item() <= 2**-8 * 1.01
+    assert (outs[0] - outs[1]).abs().max().item() <= 2**-7
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("prefill_path", PREFILL_PATHS, indirect=True)
 @pytest.mark.parametrize(("length", "start"), [(513, 0), (200, 77)])
-def test_paged_prefill_gives_the_same_bits_on_any_number_of_threads(length: int, start: int) -> None:
+def test_paged_prefill_gives_the_same_bits_on_any_number_of_threads(length: int, start: int,
+                                                                    prefill_path: bool) -> None:
     """The threads take (query tile, kv head) items from a shared counter, costliest first: which
     thread computes an item, and in what order, must not change a bit of it."""
     g = torch.Generator().manual_seed(length)

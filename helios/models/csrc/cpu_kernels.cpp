@@ -37,6 +37,8 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -342,19 +344,45 @@ inline vec vexp_nonpositive(vec x) {
 }
 
 #if defined(__AVX512F__)
-// Lane i of the result is the sum of the 16 lanes of d[i]: pairs are summed within 128-bit lanes
-// (unpack lo/hi of floats, then of float pairs), then the four 128-bit lanes are transposed and summed.
-inline __m512 reduce16(const __m512* d) {
+// vexp_nonpositive with the final scaling by 2^n as one vscalefps (the same values for x >= -87, where
+// vexp_nonpositive's clamp does not act) and without the clamp: below -87 the scaling underflows
+// towards 0 by itself (a subnormal or 0 instead of e^-87). x = -inf gives NaN: callers mask those lanes.
+inline __m512 vexp_nonpositive_scalef(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606820309417232e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Lane i of the result is op over the 16 lanes of d[i] (reduce16: the sum; reduce16_max: the maximum):
+// pairs are combined within 128-bit lanes (unpack lo/hi of floats, then of float pairs), then the four
+// 128-bit lanes are transposed and combined.
+template <typename Op>
+inline __m512 reduce16_by(const __m512* d, Op op) {
   __m512 x[8], y[4];
   for (int i = 0; i < 8; ++i)
-    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
+    x[i] = op(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
   for (int i = 0; i < 4; ++i) {
     const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
-    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    y[i] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
-  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xEE));
-  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x44), _mm512_shuffle_f32x4(y[2], y[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+  const __m512 w01 = op(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xEE));
+  const __m512 w23 = op(_mm512_shuffle_f32x4(y[2], y[3], 0x44), _mm512_shuffle_f32x4(y[2], y[3], 0xEE));
+  return op(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+inline __m512 reduce16(const __m512* d) {
+  return reduce16_by(d, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+}
+inline __m512 reduce16_max(const __m512* d) {
+  return reduce16_by(d, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
 }
 #endif
 
@@ -1020,6 +1048,297 @@ void paged_prefill_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
 }
 #endif
 
+// ---- paged_prefill on AMX tiles ----------------------------------------------------------------------
+// The same work items, key blocks, online softmax and results' contract as paged_prefill_bf16, with both
+// products on the tile unit: S = Q K^T as TDPBF16PS over the block's K laid out as dim pairs (the kt
+// layout above is the B operand as it stands), and O += P V with the probabilities split into two
+// bfloat16 terms, P = hi + lo (hi = bf16(p), lo = bf16(p - hi): about 17 significant bits of p where a
+// single bfloat16 keeps 8, which moved the default model's near-tie first token), each multiplied with V
+// laid out as position pairs. Products of bfloat16 values are exact in float32 and every sum is float32,
+// as on the AVX512-BF16 path; the sums go in another order, so the two paths differ by float32
+// roundings (tests/unit/test_cpu_kernels.py compares both with float64). Tiles need the process's
+// permission for the tile data state (Linux's arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)); where it is
+// refused (some virtual machines advertise AMX and refuse it) the AVX512-BF16 path runs.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HELIOS_AMX 1
+
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtiledata) != 0) return false;
+    unsigned long long permitted = 0;
+    if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &permitted) != 0) return false;
+    return (permitted & (1ull << kXtiledata)) != 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile register 16 rows of 64 bytes: C 16 x 16 float32, A 16 x 32 bfloat16, B 16 pairs x 16.
+inline void amx_configure() {
+  AmxConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// dst[c * stride + i] = src[i][c] for a 16 x 16 block of 32-bit values (src[i]: 16 values of row i): pairs
+// of rows interleaved (32-bit, then 64-bit unpacks), then the 128-bit lanes gathered across rows.
+inline void amx_transpose16(const uint32_t* const* src, uint32_t* dst, int64_t stride) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    const __m512i a = _mm512_loadu_si512(src[2 * i]), b = _mm512_loadu_si512(src[2 * i + 1]);
+    t[2 * i] = _mm512_unpacklo_epi32(a, b);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(a, b);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + c], lane L: rows 4g .. 4g + 3 of column c + 4L
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    _mm512_storeu_si512(dst + c * stride, _mm512_shuffle_i32x4(v0, w0, 0x88));
+    _mm512_storeu_si512(dst + (c + 8) * stride, _mm512_shuffle_i32x4(v0, w0, 0xDD));
+    _mm512_storeu_si512(dst + (c + 4) * stride, _mm512_shuffle_i32x4(v1, w1, 0x88));
+    _mm512_storeu_si512(dst + (c + 12) * stride, _mm512_shuffle_i32x4(v1, w1, 0xDD));
+  }
+}
+
+// Interleave two rows of n bfloat16 (positions j and j + 1) into n pairs: out[2e] = a[e], out[2e+1] = b[e].
+inline void amx_pair_rows(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t n) {
+  alignas(64) static constexpr uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
+  for (int64_t e = 0; e < n; e += 32) {
+    const __m512i va = _mm512_loadu_si512(a + e), vb = _mm512_loadu_si512(b + e);
+    _mm512_storeu_si512(out + 2 * e, _mm512_permutex2var_epi16(va, il, vb));
+    _mm512_storeu_si512(out + 2 * e + 32, _mm512_permutex2var_epi16(va, ih, vb));
+  }
+}
+
+// O tiles [c0, c0 + cnt) of one 16-row block += lo V, then += hi V, over a key block (two k-steps of 32
+// positions). Consecutive tile products go to different accumulators, so they overlap in the unit.
+template <int CNT>
+inline void amx_pv(float* o, const uint16_t* ph, const uint16_t* pl, const uint16_t* vt, int64_t dh, int64_t c0) {
+  const int64_t os = dh * 4, ps = kKBlock * 2, vs = dh * 4;
+  if constexpr (CNT > 0) _tile_loadd(0, o + 16 * c0, os);
+  if constexpr (CNT > 1) _tile_loadd(1, o + 16 * (c0 + 1), os);
+  if constexpr (CNT > 2) _tile_loadd(2, o + 16 * (c0 + 2), os);
+  if constexpr (CNT > 3) _tile_loadd(3, o + 16 * (c0 + 3), os);
+  for (int64_t pass = 0; pass < 2; ++pass) {
+    for (int64_t s = 0; s < kKBlock / 32; ++s) {
+      _tile_loadd(4, (pass == 0 ? pl : ph) + 32 * s, ps);
+      const uint16_t* vb = vt + 32 * s * dh + 32 * c0;  // rows: position pairs 16s .., columns: dims 16 c0 ..
+      if constexpr (CNT > 0) { _tile_loadd(5, vb, vs); _tile_dpbf16ps(0, 4, 5); }
+      if constexpr (CNT > 1) { _tile_loadd(6, vb + 32, vs); _tile_dpbf16ps(1, 4, 6); }
+      if constexpr (CNT > 2) { _tile_loadd(7, vb + 64, vs); _tile_dpbf16ps(2, 4, 7); }
+      if constexpr (CNT > 3) { _tile_loadd(5, vb + 96, vs); _tile_dpbf16ps(3, 4, 5); }
+    }
+  }
+  if constexpr (CNT > 0) _tile_stored(0, o + 16 * c0, os);
+  if constexpr (CNT > 1) _tile_stored(1, o + 16 * (c0 + 1), os);
+  if constexpr (CNT > 2) _tile_stored(2, o + 16 * (c0 + 2), os);
+  if constexpr (CNT > 3) _tile_stored(3, o + 16 * (c0 + 3), os);
+}
+
+void paged_prefill_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* slots, int64_t L,
+                       int64_t H, int64_t KV, int64_t S, int64_t dh, int64_t ctx_start, float scale, uint16_t* out) {
+  static_assert(kKBlock == 64, "a key block is four 16-column tiles and two 32-position k-steps");
+  const int64_t G = H / KV;
+  const int64_t tiles = (L + kQTile - 1) / kQTile;
+  const int64_t dp = dh / 2, nd = dh / 16, ksteps = dh / 32;
+  constexpr int64_t NV = kKBlock / 16;
+  // Items and their order as paged_prefill_bf16's (costliest first, from a shared counter).
+  const int64_t items = KV * tiles;
+  std::vector<int64_t> order(items), cost(items);
+  for (int64_t w = 0; w < items; ++w) {
+    const int64_t t0 = (w / KV) * kQTile, t1 = std::min(L, t0 + kQTile);
+    const int64_t blocks = (ctx_start + t1 + kKBlock - 1) / kKBlock;
+    cost[w] = blocks * ((t1 - t0) * G + kKBlock / 2);
+    order[w] = w;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
+    amx_configure();
+    const int64_t M = kQTile * G, Mp = (M + 15) / 16 * 16;
+    std::vector<uint16_t> qb(Mp * dh), ph(Mp * kKBlock), pl(Mp * kKBlock), vt(kKBlock * dh);
+    std::vector<uint32_t> kt(dp * kKBlock);
+    std::vector<float> o(Mp * dh), sc(Mp * kKBlock), mx(Mp), sm(Mp);
+    const std::vector<uint16_t> zero_row(dh, 0);
+    for (int64_t k = next.fetch_add(1); k < items; k = next.fetch_add(1)) {
+      const int64_t w = order[k];
+      const int64_t kh = w % KV, t0 = (w / KV) * kQTile, t1 = std::min(L, t0 + kQTile);
+      const int64_t rows = (t1 - t0) * G, rp = (rows + 15) / 16 * 16;
+      for (int64_t r = 0; r < rows; ++r)  // row r: token t0 + r / G, head kh * G + r % G
+        std::memcpy(qb.data() + r * dh, q + ((t0 + r / G) * H + kh * G + r % G) * dh, dh * 2);
+      std::fill(mx.begin(), mx.begin() + rp, -std::numeric_limits<float>::infinity());
+      std::fill(sm.begin(), sm.begin() + rp, 0.f);
+      std::fill(qb.begin() + rows * dh, qb.begin() + rp * dh, 0);
+      std::fill(ph.begin() + rows * kKBlock, ph.begin() + rp * kKBlock, 0);  // padding rows: no weight
+      std::fill(pl.begin() + rows * kKBlock, pl.begin() + rp * kKBlock, 0);
+      std::fill(o.begin(), o.begin() + rp * dh, 0.f);
+      const int64_t end = ctx_start + t1;
+      for (int64_t p0 = 0; p0 < end; p0 += kKBlock) {
+        const int64_t n = std::min(kKBlock, end - p0);
+        // K as dim pairs (B of Q K^T), V as position pairs (B of P V); zeros past the block's end.
+        for (int64_t j0 = 0; j0 < kKBlock; j0 += 16) {
+          const uint32_t* src[16];
+          for (int64_t i = 0; i < 16; ++i)
+            src[i] = j0 + i < n ? reinterpret_cast<const uint32_t*>(kc + (kh * S + slots[p0 + j0 + i]) * dh)
+                                : reinterpret_cast<const uint32_t*>(zero_row.data());
+          for (int64_t e0 = 0; e0 < dp; e0 += 16) {
+            amx_transpose16(src, kt.data() + e0 * kKBlock + j0, kKBlock);
+            for (int64_t i = 0; i < 16; ++i) src[i] += 16;
+          }
+        }
+        for (int64_t j = 0; j < kKBlock; j += 2) {
+          const uint16_t* a = j < n ? vc + (kh * S + slots[p0 + j]) * dh : zero_row.data();
+          const uint16_t* b = j + 1 < n ? vc + (kh * S + slots[p0 + j + 1]) * dh : zero_row.data();
+          amx_pair_rows(a, b, vt.data() + j * dh, dh);
+        }
+        // Scores of every 16-row block: four 16-position column tiles, ksteps dim steps of 32.
+        for (int64_t rb = 0; rb < rp; rb += 16) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t s = 0; s < ksteps; ++s) {
+            const uint32_t* kb = kt.data() + 16 * s * kKBlock;
+            _tile_loadd(4, qb.data() + rb * dh + 32 * s, dh * 2);
+            _tile_loadd(5, kb, kKBlock * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, kb + 16, kKBlock * 4);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(7, kb + 32, kKBlock * 4);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, kb + 48, kKBlock * 4);
+            _tile_dpbf16ps(3, 4, 5);
+          }
+          float* sb = sc.data() + rb * kKBlock;
+          _tile_stored(0, sb, kKBlock * 4);
+          _tile_stored(1, sb + 16, kKBlock * 4);
+          _tile_stored(2, sb + 32, kKBlock * 4);
+          _tile_stored(3, sb + 48, kKBlock * 4);
+        }
+        // Online softmax, 16 rows at a time (the rows' maxima, corrections and sums as vectors: one
+        // transposed reduction each instead of a horizontal one per row); the probabilities written as
+        // hi + lo, and each row's output scaled by its correction. The maximum is taken over the raw
+        // scores (scale > 0) and the scale applied with the subtraction, (s * scale) - m in one FMA.
+        const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        const __m512i himask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+        for (int64_t rb = 0; rb < rp; rb += 16) {
+          __mmask16 keep[16][NV];
+          __m512 bm[16], tot[16];
+          for (int64_t i = 0; i < 16; ++i) {
+            const int64_t r = rb + i;
+            const int64_t last = ctx_start + t0 + r / G;  // the last position row r attends to
+            const int64_t valid = r < rows ? std::min(n, std::max<int64_t>(last - p0 + 1, 0)) : 0;
+            const float* sr = sc.data() + r * kKBlock;
+            bm[i] = ninf;
+            for (int64_t c = 0; c < NV; ++c) {  // lanes past the row's last position take no part
+              const int64_t left = valid - c * 16;
+              keep[i][c] = left >= 16 ? static_cast<__mmask16>(0xffff)
+                           : left <= 0 ? static_cast<__mmask16>(0)
+                                       : static_cast<__mmask16>((1u << left) - 1);
+              bm[i] = _mm512_mask_max_ps(bm[i], keep[i][c], bm[i], _mm512_loadu_ps(sr + c * 16));
+            }
+          }
+          const __m512 m_old = _mm512_loadu_ps(mx.data() + rb);
+          const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(reduce16_max(bm), vscale));
+          // exp(m_old - m_new); 1 for rows that have seen no position yet (both -inf)
+          const __mmask16 seen = _mm512_cmp_ps_mask(m_new, ninf, _CMP_NEQ_OQ);
+          const __m512 corr = _mm512_mask_blend_ps(seen, _mm512_set1_ps(1.f), vexp_nonpositive(_mm512_sub_ps(m_old, m_new)));
+          for (int64_t i = 0; i < 16; ++i) {
+            const int64_t r = rb + i;
+            const float* sr = sc.data() + r * kKBlock;
+            uint16_t* hr = ph.data() + r * kKBlock;
+            uint16_t* lr = pl.data() + r * kKBlock;
+            const __m512 mv = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(i)), m_new);
+            tot[i] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < NV; ++c) {
+              const __m512 pv = _mm512_maskz_mov_ps(
+                  keep[i][c], vexp_nonpositive_scalef(_mm512_fmsub_ps(_mm512_loadu_ps(sr + c * 16), vscale, mv)));
+              tot[i] = _mm512_add_ps(tot[i], pv);
+              // hi: p with its low 16 bits cleared (a bfloat16 value, exact); lo: the rest, rounded
+              const __m512 hif = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(pv), himask));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(hr + c * 16), (__m256i)_mm512_cvtneps_pbh(hif));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(lr + c * 16),
+                                  (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(pv, hif)));
+            }
+          }
+          _mm512_storeu_ps(sm.data() + rb, _mm512_fmadd_ps(_mm512_loadu_ps(sm.data() + rb), corr, reduce16(tot)));
+          _mm512_storeu_ps(mx.data() + rb, m_new);
+          const __mmask16 scaled = _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.f), _CMP_NEQ_OQ);
+          if (scaled) {
+            alignas(64) float cf[16];
+            _mm512_store_ps(cf, corr);
+            for (int64_t i = 0; i < 16; ++i) {
+              if (!((scaled >> i) & 1)) continue;
+              const __m512 cv = _mm512_set1_ps(cf[i]);
+              float* orow = o.data() + (rb + i) * dh;
+              for (int64_t c = 0; c < nd; ++c) _mm512_storeu_ps(orow + c * 16, _mm512_mul_ps(_mm512_loadu_ps(orow + c * 16), cv));
+            }
+          }
+        }
+        for (int64_t rb = 0; rb < rp; rb += 16) {
+          float* ob = o.data() + rb * dh;
+          const uint16_t* hb = ph.data() + rb * kKBlock;
+          const uint16_t* lb = pl.data() + rb * kKBlock;
+          for (int64_t c0 = 0; c0 < nd; c0 += 4) {
+            switch (std::min<int64_t>(4, nd - c0)) {
+              case 4: amx_pv<4>(ob, hb, lb, vt.data(), dh, c0); break;
+              case 3: amx_pv<3>(ob, hb, lb, vt.data(), dh, c0); break;
+              case 2: amx_pv<2>(ob, hb, lb, vt.data(), dh, c0); break;
+              default: amx_pv<1>(ob, hb, lb, vt.data(), dh, c0); break;
+            }
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        c10::BFloat16* dst = reinterpret_cast<c10::BFloat16*>(out) + ((t0 + r / G) * H + kh * G + r % G) * dh;
+        const float inv = 1.f / sm[r];
+        for (int64_t e = 0; e < dh; ++e) store(o[r * dh + e] * inv, dst + e);
+      }
+    }
+    _tile_release();
+  });
+}
+#else
+bool amx_permitted() { return false; }
+#endif
+
+// 1: paged_prefill runs on AMX tiles where they are built and permitted; 0: the AVX512-BF16 path.
+std::atomic<int> prefill_amx_mode{1};
+
+bool prefill_amx_active() {
+#ifdef HELIOS_AMX
+  return prefill_amx_mode.load() != 0 && amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// Turns the AMX prefill path on or off; returns whether paged_prefill now runs on tiles.
+bool set_prefill_amx(bool on) {
+  prefill_amx_mode.store(on ? 1 : 0);
+  return prefill_amx_active();
+}
+
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& slots, int64_t ctx_start, double scale) {
   TORCH_CHECK(bf16_kernels_supported(), "paged_prefill: built only for CPUs with AVX512-BF16");
@@ -1040,7 +1359,12 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   at::Tensor out = at::empty_like(q);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (q.size(0) > 0)
-    paged_prefill_bf16(reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()),
+#ifdef HELIOS_AMX
+    (prefill_amx_active() ? paged_prefill_amx : paged_prefill_bf16)(
+#else
+    paged_prefill_bf16(
+#endif
+                       reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()),
                        reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>()),
                        reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>()), sp, q.size(0), q.size(1),
                        k_cache.size(0), S, q.size(2), ctx_start, static_cast<float>(scale),
@@ -2073,6 +2397,8 @@ TORCH_LIBRARY(helios, m) {
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, int ctx_start, float scale) -> Tensor");
   m.def("bf16_kernels_supported() -> bool");
+  m.def("set_prefill_amx(bool on) -> bool");
+  m.def("amx_permitted() -> bool");
   m.def("decode_layers(Tensor h, Tensor? delta, Tensor[] input_norms, Tensor[] post_norms, Tensor[] weights, "
         "int group, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!)[] k_scales, "
         "Tensor(d!)[] v_scales, Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, int page_size, "
@@ -2094,6 +2420,8 @@ TORCH_LIBRARY(helios, m) {
 
 TORCH_LIBRARY_FRAGMENT(helios, m) {
   m.impl("bf16_kernels_supported", &bf16_kernels_supported);
+  m.impl("set_prefill_amx", &set_prefill_amx);
+  m.impl("amx_permitted", &amx_permitted);
 }
 
 TORCH_LIBRARY_IMPL(helios, CPU, m) {
