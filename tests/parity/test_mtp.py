@@ -372,7 +372,8 @@ def _cycle_model(seed: int) -> tuple[torch.nn.Module, dict[str, Tensor], list[in
 
 def test_mtp_drafts_are_accepted(tmp_path: Path) -> None:
     """One stream, adaptive depth up to 4: the MTP layer's drafts are accepted (the target's output
-    walks the cycle it predicts), and the output is identical to plain decoding."""
+    walks the cycle it predicts), and the output is identical to plain decoding; a seeded sampled
+    request's too."""
     hf3, own, successor = _cycle_model(21)
     _write(tmp_path, "deepseek_v3", hf3, own)
     prompt = [5, 77, 140, 33, 9, 200, 61]
@@ -395,6 +396,19 @@ def test_mtp_drafts_are_accepted(tmp_path: Path) -> None:
     assert spec.model_draft_rounds > 0 and spec.model_accepted_drafts > 0
     assert spec.model_accepted_drafts == spec.accepted_drafts  # the n-gram lookups had nothing to draft
     assert spec.verification_rounds < 40 - 10  # drafts saved at least 10 target steps
+    # A seeded sampled request, hot enough to leave the cycle now and then: the drafts go through the
+    # sampler's rejection rule (accepted with the draw's probability), some accepted, some not; its
+    # tokens equal plain decoding's with the same seed.
+    sampled = [EngineRequest("s", tuple(prompt), SamplingParams(temperature=30.0, seed=3), max_tokens=40,
+                             ignore_eos=True)]
+    want = _drive(_engine(tmp_path, mtp=False)[0], None, sampled)["s"]
+    core, drafter = _engine(tmp_path, mtp=True, mode="adaptive", depth=4)
+    assert _drive(core, drafter, sampled)["s"] == want
+    spec = core.stats().speculative
+    assert spec is not None and 0 < spec.model_accepted_drafts < spec.verification_drafts  # accepted and rejected
+    print(f"cycle MTP, seeded T=30: {spec.model_accepted_drafts} accepted of {spec.verification_drafts}; "
+          f"{sum(b != successor[a] for a, b in zip([prompt[-1], *want], want, strict=False))} of 40 tokens "
+          "not their predecessor's successor")
 
 
 # -- loading ------------------------------------------------------------------------------------
