@@ -152,6 +152,10 @@ class SpeculativeSection:
     # A second, smaller model with the target's tokenizer that drafts greedily when the n-gram and
     # history lookups have no guess (a catalog name or a GGUF file / model folder; empty: none).
     draft_model: str = ""
+    # A checkpoint's multi-token-prediction layers (DeepSeek-V3 / V3.2, GLM-4.5 / GLM-5 folders) draft
+    # in that place when there is no draft_model: loaded when speculation is on and the checkpoint
+    # has them; false never loads them (their memory: one decoder layer in the model's format).
+    mtp: bool = True
 
 
 @attrs.frozen
@@ -314,8 +318,9 @@ def _check_speculative(section: Any) -> None:
         return
     if "mode" in section and section["mode"] not in SPECULATIVE_MODES:
         raise ConfigError(f"speculative.mode must be one of {', '.join(SPECULATIVE_MODES)}, got {section['mode']!r}")
-    if "history" in section and not isinstance(section["history"], bool):
-        raise ConfigError(f"speculative.history must be true or false, got {section['history']!r}")
+    for flag in ("history", "mtp"):
+        if flag in section and not isinstance(section[flag], bool):
+            raise ConfigError(f"speculative.{flag} must be true or false, got {section[flag]!r}")
     draft = section.get("draft_model", "")
     if not isinstance(draft, str):
         raise ConfigError(f"speculative.draft_model must be a model name or path (a string), got {draft!r}")

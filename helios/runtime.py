@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     import trio
 
     from helios.engine.drafter import Drafter
+    from helios.engine.mtp import MTPDrafter
     from helios.loaders.checkpoint import Checkpoint, ProgressCallback
     from helios.loaders.tokenizer import Tokenizer
     from helios.models.architecture import LoadableCausalLM
@@ -632,6 +633,44 @@ def load_drafter(cfg: HeliosConfig, tokenizer: Tokenizer, *, num_pages: int, max
     return drafter
 
 
+def has_mtp(ckpt: Checkpoint) -> bool:
+    """Whether the checkpoint carries multi-token-prediction layers Helios can draft with (a model
+    folder of a `models.mtp.MTP_ARCHITECTURES` family whose tensors include an MTP module; GGUF
+    files: their ``nextn`` tensors are not loaded)."""
+    from helios.models.mtp import MTP_ARCHITECTURES, mtp_layers
+
+    num_layers = getattr(ckpt.config, "num_layers", None)
+    return (ckpt.architecture.name in MTP_ARCHITECTURES and num_layers is not None
+            and mtp_layers(num_layers, ckpt.weights) > 0)
+
+
+def load_mtp_drafter(cfg: HeliosConfig, loaded: LoadedModel, *, num_pages: int, max_model_len: int,
+                     fingerprint: bytes) -> MTPDrafter | None:
+    """The checkpoint's first MTP layer over the loaded target, as the engine's `MTPDrafter` (its own
+    pool of ``num_pages`` pages of the one layer); None when the checkpoint has none, or when its
+    layer does not load (a warning says why: the server runs without it)."""
+    from helios.engine.mtp import MTPDrafter
+    from helios.models.mtp import load_mtp
+
+    ckpt = loaded.checkpoint
+    if not has_mtp(ckpt):
+        return None
+    try:
+        predictor = load_mtp(loaded.model, ckpt.architecture, ckpt.weights)
+    except ValueError as exc:
+        log.warning("the checkpoint's MTP layer is not used: %s", exc)
+        return None
+    page = cfg.engine.page_size
+    drafter = MTPDrafter(predictor, loaded.choice.dtype, cfg.model.device, num_pages=num_pages, page_size=page,
+                         max_active=cfg.engine.max_active, max_model_len=max_model_len,
+                         prefix_caching=cfg.cache.prefix_caching, fingerprint=fingerprint,
+                         token_vocab_size=ckpt.tokenizer.vocab_size, kv_prefault=cfg.engine.kv_prefault)
+    layout = drafter.attention.layout
+    log.info("MTP layer drafts (%s); its KV pool %d pages (%.2f GiB)", kept_weights(predictor), num_pages,
+             layout.bytes_per_token(loaded.choice.dtype) * page * num_pages / 2**30)
+    return drafter
+
+
 PARALLEL_TIMEOUT = datetime.timedelta(days=365)
 """The process group's collective timeout. A worker waits in a broadcast for rank 0's next step for
 as long as the server is idle, which the default (30 minutes) would end; a rank that dies closes
@@ -783,10 +822,13 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                                                       history=cfg.speculative.history),
                         kv_prefault=cfg.engine.kv_prefault, kv_dtype=cfg.engine.kv_dtype,
                         token_vocab_size=ckpt.tokenizer.vocab_size)
-    drafter = None
+    drafter: Drafter | MTPDrafter | None = None
     if cfg.speculative.draft_model:
         drafter = load_drafter(cfg, ckpt.tokenizer, num_pages=num_pages + cfg.engine.max_active,
                                max_model_len=max_model_len, cache_dir=cache_dir)
+    elif cfg.speculative.mode != "off" and cfg.speculative.mtp and parallel is None:
+        drafter = load_mtp_drafter(cfg, loaded, num_pages=num_pages + cfg.engine.max_active,
+                                   max_model_len=max_model_len, fingerprint=ecfg.fingerprint)
     core = EngineCore(model, ecfg, dtype, device, vision=loaded.vision, drafter=drafter)
     if leader is not None:
         if cfg.cache.host_memory_gib:
@@ -911,7 +953,9 @@ def build_data_parallel_runtime(cfg: HeliosConfig) -> DataParallelRuntime:
                           "[parallel] data_parallel_size = 1")
     max_model_len = _max_model_len(cfg, ckpt.config.max_position_embeddings)
     info, recipe, eos, admission = _describe(cfg, ckpt, catalog_name, max_model_len,
-                                             has_drafter=bool(cfg.speculative.draft_model),
+                                             has_drafter=bool(cfg.speculative.draft_model) or (
+                                                 cfg.speculative.mode != "off" and cfg.speculative.mtp
+                                                 and has_mtp(ckpt)),
                                              speculative_mode=cfg.speculative.mode, vision=None)
     info = attrs.evolve(info, max_concurrency=par.data_parallel_size * cfg.engine.max_active)
     hub = KVEventHub() if par.kv_events else None

@@ -27,6 +27,7 @@ from helios.engine.kv.events import KVEvent
 from helios.engine.kv.host_store import HostStore
 from helios.engine.kv.layout import CacheLayout
 from helios.engine.kv.manager import KVCacheManager
+from helios.engine.mtp import MTPDrafter
 from helios.engine.records import (
     Abort,
     Add,
@@ -90,13 +91,14 @@ class EngineCore:
 
     def __init__(self, model: CausalLM, cfg: EngineConfig, dtype: torch.dtype,
                  device: str | torch.device = "cpu", *, vision: ImageEncoder | None = None,
-                 drafter: Drafter | None = None) -> None:
+                 drafter: Drafter | MTPDrafter | None = None) -> None:
         """The cache follows ``model.cache_specs()``: layers with equal specs form a group
         (`kv/layout.py`), each paged group ``cfg.num_pages`` pages, each recurrent group one state
         slot per running request. ``dtype``: the cache's. ``vision``: the vision tower of a
         vision-language model (None: text only); the runner encodes requests' images with it
-        (`engine/images.py`). ``drafter``: a draft model for the speculating requests
-        (`engine/drafter.py`; it needs speculation on)."""
+        (`engine/images.py`). ``drafter``: the learned drafter of the speculating requests, a draft
+        model (`engine/drafter.py`) or the checkpoint's MTP layer (`engine/mtp.py`, which the runner
+        hands the target's hidden states); it needs speculation on."""
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
@@ -169,6 +171,8 @@ class EngineCore:
         self.sampler = Sampler(min(vocab, cfg.token_vocab_size or vocab), device=self.device)
         self.runner = ModelRunner(model, self.attention, self.kv_manager, self.sampler, self.device,
                                   max_rows=cfg.max_active, max_model_len=cfg.max_model_len, vision=vision)
+        if isinstance(drafter, MTPDrafter):
+            self.runner.hidden_sink = drafter.capture
 
     def _state_rollback(self, backup_base: int) -> StateRollback:
         """Speculation's state copies: slot s is backed up in row ``backup_base + s``."""

@@ -32,7 +32,7 @@ table. The step reads the device once, in the sampler: the sampled ids (`samplin
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from typing import Any, overload
 
@@ -85,6 +85,10 @@ class ModelRunner:
         # context in place, where the prefill path gathers it per row and layer (at 1,000 tokens of
         # context, one stream, 4 drafts: 67 ms a step against 131 ms, a plain decode step 46 ms).
         self.batch.verify_as_decode = backend.decode_kernel
+        self.hidden_sink: Callable[[RequestState, int, Tensor], None] | None = None
+        """Given (an MTP drafter's `mtp.MTPDrafter.capture`): called after each forward with every
+        chunk of a speculating request, its first position and its rows of the final hidden states
+        (the model's last layer then runs for all rows of the step)."""
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.batch.release(sched.freed)
@@ -107,12 +111,21 @@ class ModelRunner:
             attn = self.backend.build(step.attention)
             # Without prompt scoring only the sampled rows' hidden states are read: the model's last
             # layer computes its MLP for those alone (a prefill chunk that ends no prompt: for none).
-            keep = step.sample_tokens if not step.scoring else None
+            sink = self.hidden_sink
+            captured = [c for c in chunks if c.seq.drafts is not None] if sink is not None else []
+            keep = step.sample_tokens if not step.scoring and not captured else None
             if embeds is not None and embeds.rows:
                 hidden = self.model(step.input_ids, step.positions, attn, embeds=embeds.tensors(self.device),
                                     keep=keep)
             else:
                 hidden = self.model(step.input_ids, step.positions, attn, keep=keep)
+            if captured:
+                assert sink is not None
+                offset = 0
+                for c in chunks:  # the flattened batch is the chunks in order
+                    if c.seq.drafts is not None:
+                        sink(c.seq, c.start, hidden[offset : offset + c.length])
+                    offset += c.length
             for offset, c in step.scoring:
                 scores = self._score_prompt_chunk(hidden, offset, c)
                 if scores:

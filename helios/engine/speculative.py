@@ -29,8 +29,10 @@ decoded history (`SharedHistory`: the recent outputs of every speculating reques
 output drafts another's: parallel choices of one prompt, a batch of similar edits, an agent
 re-sending what another session produced), then, with ``[speculative] draft_model``, the draft
 model (`drafter.DraftModelProposer`: a second, smaller model with the target's vocabulary decodes
-greedily from the request's tokens, in its own KV pages). `FirstOf` asks them in that order: the
-cheap exact lookups first, the draft model when neither has a guess. A greedy draft model is a
+greedily from the request's tokens, in its own KV pages), or, for a checkpoint with
+multi-token-prediction layers and no draft model, its MTP layer (`mtp.MTPProposer`: the layer reads
+the target's own hidden states). `FirstOf` asks them in that order: the cheap exact lookups first,
+the learned drafter when neither has a guess. A greedy draft model, or MTP layer, is a
 deterministic proposer (its drafts are a function of the request's tokens), so the argument above
 holds for it unchanged.
 """
@@ -47,6 +49,10 @@ SPECULATIVE_MODES = ("off", "ngram", "adaptive")
 
 DRAFT_MODEL_KIND = "draft"
 """The proposer kind of the draft model's drafts (`drafter.DraftModelProposer`)."""
+MTP_KIND = "mtp"
+"""The proposer kind of a checkpoint's multi-token-prediction layer's drafts (`mtp.MTPProposer`)."""
+LEARNED_KINDS = (DRAFT_MODEL_KIND, MTP_KIND)
+"""The learned drafters' kinds (at most one per engine): their rounds are the ``model_*`` counters."""
 
 BATCH_DRAFT_TOKENS = 8
 """Adaptive mode's back-off: a request's depth is at most ``BATCH_DRAFT_TOKENS // decode rows - 1``,
@@ -337,7 +343,8 @@ class SpeculativeStats:
     """Decode rounds in which a speculating request drafted nothing because it was paused
     (adaptive mode, after drafts stopped being accepted)."""
     model_draft_rounds: int = 0
-    """Request rounds whose drafts came from the draft model (``draft_model``; part of draft_rounds)."""
+    """Request rounds whose drafts came from the learned drafter (``draft_model``, or the checkpoint's
+    MTP layer; part of draft_rounds)."""
     model_accepted_drafts: int = 0
     """Accepted drafts of those rounds (part of accepted_drafts)."""
 
@@ -345,7 +352,7 @@ class SpeculativeStats:
         if drafts and kind == HistoryProposer.kind:
             self.history_draft_rounds += 1
             self.history_accepted_drafts += accepted
-        elif drafts and kind == DRAFT_MODEL_KIND:
+        elif drafts and kind in LEARNED_KINDS:
             self.model_draft_rounds += 1
             self.model_accepted_drafts += accepted
         self.verification_rounds += 1

@@ -26,7 +26,7 @@ Feed-forward (`helios.models.moe_decoder`): the first ``first_k_dense_replace`` 
 (``intermediate_size``), the others the sigmoid router with ``e_score_correction_bias``,
 ``n_group`` / ``topk_group``, renormalised, ``routed_scaling_factor``, and ``n_shared_experts``
 shared experts. The multi-token-prediction layer (``model.layers.{num_hidden_layers}``) is not
-loaded, as in transformers. FP8 checkpoints (``quantization_config``, DeepSeek's and Kimi's
+part of the model, as in transformers; with speculation on it drafts (`helios.models.mtp`). FP8 checkpoints (``quantization_config``, DeepSeek's and Kimi's
 releases) are refused: a bfloat16 conversion loads.
 
 GGUF: llama.cpp's ``deepseek2`` (`config_from_gguf`, `gguf_tensor`). Its converter writes the

@@ -14,7 +14,8 @@ What differs from Qwen3-MoE (`helios.models.qwen3_moe`), as transformers compute
   added to every MoE layer's output, ungated.
 
 A checkpoint's multi-token-prediction layers (``num_nextn_predict_layers``: ``model.layers.{N}``
-for N >= ``num_hidden_layers``) are not loaded, as in transformers. Built as
+for N >= ``num_hidden_layers``) are not part of the model, as in transformers; with speculation on
+a folder's first one drafts (`helios.models.mtp`). Built as
 `helios.models.moe_decoder.MoEForCausalLM`.
 """
 
