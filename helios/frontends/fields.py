@@ -1,11 +1,14 @@
 """Per-protocol tables of top-level request fields: honoured, ignored or refused.
 
 Every protocol frontend declares one `FieldTable`, a mapping from each top-level request field it
-knows to a `FieldPolicy` row of one of three kinds:
+knows to a `FieldPolicy` row of one of three kinds. Honoured rows live in the wire class itself, in
+each field's metadata (`wire_field`), and `field_table` joins them with the protocol's ignored and
+refused rows; nested wire classes declare their ignored and refused keys the same way, and the
+converter screens them (`helios.frontends.wire`).
 
 - **honoured**: Helios implements it. The field stays in the body, the protocol's wire class
   structures it (strict types) and the decoder applies it. The wire class declares exactly the
-  honoured rows.
+  honoured rows, each with its row.
 - **ignored**: accepted and dropped before structuring, because it means nothing on a local server
   (billing, storage, provider-side caching and routing, client hints). The row's reason says why
   dropping is safe. A row may accept only some values (``store: false`` but not ``store: true``):
@@ -135,35 +138,80 @@ def _json_type(value: Any) -> str:
     return type(value).__name__
 
 
-# -- rows several OpenAI-style tables share ---------------------------------------------------------
+POLICY = "helios.policy"
+"""The attrs metadata key of a wire field's `FieldPolicy`."""
 
-NATIVE_GENERATION_ROWS: dict[str, FieldPolicy] = {
-    "top_k": honoured("vLLM extension: top-k filter (clamped to the recipe's range)"),
-    "min_p": honoured("vLLM extension: min-p filter (clamped to the recipe's range)"),
-    "repetition_penalty": honoured("vLLM extension: repetition penalty (clamped to the recipe's range)"),
-    "presence_penalty": honoured("presence penalty (clamped to the recipe's range)"),
-    "frequency_penalty": honoured("frequency penalty (clamped to the recipe's range)"),
-    "seed": honoured("per-request sampling seed"),
-    "stop": honoured("string stops: at most 4, 4096 UTF-8 bytes in all"),
-    "stop_token_ids": honoured("vLLM extension: token stops"),
-    "stop_token_sequences": honoured("native extension: multi-token stops (with stop_token_ids at most 16, "
-                                     "each at most 64 ids); the matched sequence's text is withheld"),
-    "ignore_eos": honoured("vLLM extension: EOS does not end generation"),
-    "skip_special_tokens": honoured("vLLM extension: special tokens kept in text when false"),
-    "include_stop_str_in_output": honoured("vLLM extension: matched string stop kept in the text"),
-    "return_tokens_as_token_ids": honoured("vLLM extension: logprob tokens rendered as token:ID"),
-    "logprob_token_ids": honoured("Helios extension: explicit logprob alternatives"),
-    "structured_outputs": honoured("vLLM extension: constrain the answer to json, regex, choice, grammar (Lark) "
-                                   "or json_object"),
-}
-"""The rows of `wire.NativeGenerationFields`, which Chat Completions, Completions and Responses share."""
+
+def wire_field(policy: FieldPolicy, default: Any = None, *, required: bool = False) -> Any:
+    """An attrs field carrying its policy row (`honoured`, `ignored` or `refused`)."""
+    if required:
+        return attrs.field(metadata={POLICY: policy})
+    return attrs.field(default=default, metadata={POLICY: policy})
+
+
+def policy_rows(cls: type) -> dict[str, FieldPolicy]:
+    """The policy rows a wire class declares in its fields' metadata, in field order."""
+    return {f.name: f.metadata[POLICY] for f in attrs.fields(cls) if POLICY in f.metadata}
+
+
+def field_table(wire: type, *others: Mapping[str, FieldPolicy], **rows: FieldPolicy) -> FieldTable:
+    """A protocol's table: the rows its wire class declares (the honoured ones), then shared row
+    tables and the ignored and refused fields that never reach it."""
+    table: dict[str, FieldPolicy] = dict(policy_rows(wire))
+    for more in (*others, rows):
+        table.update(more)
+    return table
+
+
+# -- fields several OpenAI-style protocols share ------------------------------------------------------
+
+
+@attrs.define(kw_only=True)
+class NativeGenerationFields:
+    """Sampling, stop and logprob fields that Chat Completions, Completions and Responses share
+    (the OpenAI ones plus vLLM's native extensions); each wire class adds its own."""
+
+    top_k: int | None = wire_field(honoured("vLLM extension: top-k filter (clamped to the recipe's range)"))
+    min_p: float | None = wire_field(honoured("vLLM extension: min-p filter (clamped to the recipe's range)"))
+    repetition_penalty: float | None = wire_field(
+        honoured("vLLM extension: repetition penalty (clamped to the recipe's range)"))
+    presence_penalty: float | None = wire_field(honoured("presence penalty (clamped to the recipe's range)"))
+    frequency_penalty: float | None = wire_field(honoured("frequency penalty (clamped to the recipe's range)"))
+    seed: int | None = wire_field(honoured("per-request sampling seed"))
+    stop: Any = wire_field(honoured("string stops: at most 4, 4096 UTF-8 bytes in all"))
+    stop_token_ids: Any = wire_field(honoured("vLLM extension: token stops"))
+    stop_token_sequences: Any = wire_field(honoured(
+        "native extension: multi-token stops (with stop_token_ids at most 16, each at most 64 ids); the "
+        "matched sequence's text is withheld"))
+    ignore_eos: bool | None = wire_field(honoured("vLLM extension: EOS does not end generation"))
+    skip_special_tokens: bool | None = wire_field(honoured("vLLM extension: special tokens kept in text when false"))
+    include_stop_str_in_output: bool | None = wire_field(
+        honoured("vLLM extension: matched string stop kept in the text"))
+    return_tokens_as_token_ids: bool | None = wire_field(
+        honoured("vLLM extension: logprob tokens rendered as token:ID"))
+    logprob_token_ids: list[int] | None = wire_field(honoured("Helios extension: explicit logprob alternatives"))
+    structured_outputs: Any = wire_field(honoured(
+        "vLLM extension: constrain the answer to json, regex, choice, grammar (Lark) or json_object"))
+
+
+NATIVE_GENERATION_ROWS: dict[str, FieldPolicy] = policy_rows(NativeGenerationFields)
+"""The rows of `NativeGenerationFields`, which Chat Completions, Completions and Responses share."""
+
+
+@attrs.define(kw_only=True)
+class TokenObservationFields(NativeGenerationFields):
+    """The native fields plus the token observations, which Chat Completions and Completions take
+    (`common.decode_observation`)."""
+
+    return_token_ids: bool | None = wire_field(
+        honoured("vLLM extension: prompt_token_ids and each choice's generated token_ids"))
+    return_token_timestamps: bool | None = wire_field(honoured(
+        "Helios extension: token_timestamps, seconds from admission to each token's engine commit, parallel to "
+        "token_ids (implies them)"))
+
 
 TOKEN_OBSERVATION_ROWS: dict[str, FieldPolicy] = {
-    "return_token_ids": honoured("vLLM extension: prompt_token_ids and each choice's generated token_ids"),
-    "return_token_timestamps": honoured("Helios extension: token_timestamps, seconds from admission to each "
-                                        "token's engine commit, parallel to token_ids (implies them)"),
-}
-"""Chat Completions and Completions only; each wire class declares both (`common.TokenObservation`)."""
+    name: row for name, row in policy_rows(TokenObservationFields).items() if name not in NATIVE_GENERATION_ROWS}
 
 PROVIDER_ROWS: dict[str, FieldPolicy] = {
     "model": ignored("one model is served: every name reaches it and responses report its own id", str),

@@ -1,24 +1,89 @@
 """Strict JSON → attrs structuring shared by every protocol decoder.
 
-cattrs structures request bodies into attrs wire classes with unknown keys forbidden and no
-silent coercion ("1" is not an int, true is not a number); failures become a BadRequest naming the
-offending parameter.
+Each wire shape is declared once, as an attrs class (or a union of them), and cattrs structures a
+request body into it with unknown keys forbidden and no silent coercion ("1" is not an int, true is
+not a number). Below the top level:
+
+- a union of attrs classes is a *tagged union*: the field every member declares as a `Literal`
+  (``type``, or ``role`` for chat messages) picks the member;
+- any other union (``str | list[Part] | None``, ``Literal["auto", "none"] | NamedChoice``) is picked
+  by the JSON kind of the value (string, array, object, ...);
+- a field's `fields.FieldPolicy` lives in its metadata (`wire_field`); a class whose fields include
+  ignored or refused ones screens them after structuring, and a class marked `lenient` ignores
+  unknown keys instead of refusing them (content parts, whose extensions vLLM ignores too);
+- leaf checks that need more than a type raise `Invalid`.
+
+Every failure becomes one BadRequest whose ``param`` is the path of the offending value
+(``messages[2].content[0].image_url.url``) and whose message names it. Success is structured
+without cattrs' per-field error collection (`FAST`); only a failing body is structured again with
+it (`DETAILED`) to find the path.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
-from typing import Any, TypeVar, get_args, get_origin
+from collections.abc import Callable, Mapping, Sequence
+from types import NoneType, UnionType
+from typing import Any, Literal, NewType, TypeVar, Union, get_args, get_origin
 
 import attrs
 import cattrs
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.errors import (
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+    IterableValidationNote,
+)
+from cattrs.gen import make_dict_structure_fn, override
 
 from helios.errors import BadRequest
+from helios.frontends.fields import NativeGenerationFields as NativeGenerationFields  # the shared wire fields
+from helios.frontends.fields import policy_rows
 
 T = TypeVar("T")
+
+LENIENT = "__wire_lenient__"
+"""A class attribute: True where unknown keys are ignored rather than refused."""
+
+
+class WireDeclarationError(Exception):
+    """A wire type the converter cannot structure: a bug in a declaration, never the client's 400."""
+
+
+class Invalid(ValueError):
+    """A value of the right JSON type that its field does not take. The 400 reads "{path} {reason}"
+    for a predicate ("must be ...", "is ...") and "{path}: {reason}" otherwise; `at` names a key
+    below the value (a union's tag), appended to the path."""
+
+    def __init__(self, reason: str, *, at: str | None = None, details: Mapping[str, Any] | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.at = at
+        self.details = details
+
+
+_KIND_NAMES = {"null": "null", "boolean": "a boolean", "integer": "an integer", "number": "a number",
+               "string": "a string", "array": "an array", "object": "an object"}
+
+
+def json_kind(v: Any) -> str:
+    """The JSON kind of a decoded value."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    if isinstance(v, dict):
+        return "object"
+    return type(v).__name__
 
 
 def _strict_int(v: Any, _t: Any) -> int:
@@ -49,55 +114,256 @@ def _any(v: Any, _t: Any) -> Any:
     return v
 
 
+def _json_object(v: Any, _t: Any) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise TypeError(f"expected an object, got {json_kind(v)}")
+    return v
+
+
+NonEmptyStr = NewType("NonEmptyStr", str)
+"""A string with at least one character (names)."""
+JSONObjectText = NewType("JSONObjectText", dict[str, Any])
+"""A JSON object, or a string holding one (tool-call arguments; a blank string is {})."""
+
+
+def _nonempty_str(v: Any, _t: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise Invalid("must be a nonempty string")
+    return v
+
+
+def _json_object_text(v: Any, _t: Any) -> dict[str, Any]:
+    if isinstance(v, str):
+        try:
+            v = loads_strict(v) if v.strip() else {}
+        except (ValueError, RecursionError):
+            raise Invalid("must be a JSON object") from None
+    if not isinstance(v, dict):
+        raise Invalid("must be a JSON object")
+    return v
+
+
 def _is_list(t: Any) -> bool:
     return get_origin(t) is list or t is list
 
 
-def make_converter() -> cattrs.Converter:
-    c = cattrs.Converter(forbid_extra_keys=True)
+def _is_literal(t: Any) -> bool:
+    return get_origin(t) is Literal
 
-    def list_hook(v: Any, t: Any) -> list[Any]:
-        # A string is not a list of characters, and an object is not a list of its keys.
-        if not isinstance(v, list):
-            raise TypeError(f"expected an array, got {type(v).__name__}")
+
+def _is_union(t: Any) -> bool:
+    return get_origin(t) in (Union, UnionType)
+
+
+def _is_tagged_union(t: Any) -> bool:
+    return _is_union(t) and all(attrs.has(a) for a in get_args(t))
+
+
+def _is_kind_union(t: Any) -> bool:
+    return _is_union(t) and not _is_tagged_union(t)
+
+
+def _is_class(t: Any) -> bool:
+    return isinstance(t, type) and attrs.has(t)
+
+
+def one_of_text(values: Sequence[Any]) -> str:
+    quoted = [repr(v) for v in values]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def _tag_of(members: tuple[Any, ...]) -> str:
+    """The field every member declares as a Literal: the union's tag."""
+    first = attrs.fields(members[0])
+    for f in first:
+        if all(_is_literal(_field_type(m, f.name)) for m in members):
+            return f.name
+    raise WireDeclarationError(f"no common Literal tag field in {members}")
+
+
+def _field_type(cls: type, name: str) -> Any:
+    hints = attrs.resolve_types(cls)
+    for f in attrs.fields(hints):
+        if f.name == name:
+            return f.type
+    return None
+
+
+def _member_kind(t: Any) -> str:
+    if t is NoneType:
+        return "null"
+    if t is str or (_is_literal(t) and all(isinstance(a, str) for a in get_args(t))):
+        return "string"
+    kinds = {bool: "boolean", int: "integer", float: "number"}
+    if t in kinds:
+        return kinds[t]
+    if _is_list(t):
+        return "array"
+    if (isinstance(t, type) and attrs.has(t)) or _is_tagged_union(t) or get_origin(t) is dict or t is dict:
+        return "object"
+    raise WireDeclarationError(f"no JSON kind for {t}")
+
+
+def _literal_factory(t: Any) -> Callable[[Any, Any], Any]:
+    allowed = {(type(a), a) for a in get_args(t)}
+    reason = f"must be {one_of_text(get_args(t))}"
+
+    def hook(v: Any, _t: Any) -> Any:
+        if (type(v), v) not in allowed:
+            raise Invalid(reason)
+        return v
+
+    return hook
+
+
+class WireConverter(cattrs.Converter):
+    """The strict converter. Factories run at a type's first structuring, once every hook is
+    registered: they look up their members' hooks then (wire types are not recursive). `detailed`
+    collects the path of a failure (cattrs' detailed validation), at a cost: only for bad bodies."""
+
+    def __init__(self, *, detailed: bool) -> None:
+        super().__init__(forbid_extra_keys=True, detailed_validation=detailed)
+        self.detailed = detailed
+        self._tagged: dict[Any, tuple[str, dict[str, tuple[Any, Callable[[Any, Any], Any]]]]] = {}
+        self.register_structure_hook_factory(_is_list, self.list_factory)
+        self.register_structure_hook(int, _strict_int)
+        self.register_structure_hook(float, _strict_float)
+        self.register_structure_hook(str, _strict_str)
+        self.register_structure_hook(bool, _strict_bool)
+        self.register_structure_hook(Any, _any)
+        self.register_structure_hook_func(lambda t: t == dict[str, Any], _json_object)
+        self.register_structure_hook(NonEmptyStr, _nonempty_str)
+        self.register_structure_hook(JSONObjectText, _json_object_text)
+        self.register_structure_hook_factory(_is_literal, _literal_factory)
+        self.register_structure_hook_factory(_is_tagged_union, self.tagged_factory)
+        self.register_structure_hook_factory(_is_kind_union, self.kind_factory)
+        self.register_structure_hook_factory(_is_class, self.class_hook)
+
+    def list_factory(self, t: Any) -> Callable[[Any, Any], list[Any]]:
         args = get_args(t)
-        if not args or args[0] is Any:
-            return list(v)
-        return [c.structure(x, args[0]) for x in v]
+        elem = args[0] if args else Any
+        elem_hook = self.get_structure_hook(elem)
 
-    c.register_structure_hook_func(_is_list, list_hook)
-    c.register_structure_hook(int, _strict_int)
-    c.register_structure_hook(float, _strict_float)
-    c.register_structure_hook(str, _strict_str)
-    c.register_structure_hook(bool, _strict_bool)
-    c.register_structure_hook(Any, _any)
-    return c
+        if not self.detailed and _is_tagged_union(elem):  # the hot path: messages, parts, items
+            tag_name, by_tag = self.tagged_members(elem)
+
+            def tagged_list(v: Any, _t: Any) -> list[Any]:
+                if type(v) is not list:
+                    raise TypeError(f"expected an array, got {json_kind(v)}")
+                out: list[Any] = []
+                for x in v:  # anything wrong raises, and `structure` finds it again in detail
+                    member, member_hook = by_tag[x[tag_name]]
+                    out.append(member_hook(x, member))
+                return out
+
+            return tagged_list
+
+        def hook(v: Any, _t: Any) -> list[Any]:
+            # A string is not a list of characters, and an object is not a list of its keys.
+            if type(v) is not list:
+                raise TypeError(f"expected an array, got {json_kind(v)}")
+            if elem is Any:
+                return list(v)
+            if not self.detailed:
+                return [elem_hook(x, elem) for x in v]
+            out: list[Any] = []
+            for i, x in enumerate(v):
+                try:
+                    out.append(elem_hook(x, elem))
+                except Exception as exc:  # the first failure, with its index (as cattrs notes it)
+                    exc.add_note(IterableValidationNote(f"Structuring {elem} @ index {i}", i, elem))
+                    raise IterableValidationError(f"While structuring {t}", [exc], t) from None
+            return out
+
+        return hook
+
+    def tagged_members(self, t: Any) -> tuple[str, dict[str, tuple[Any, Callable[[Any, Any], Any]]]]:
+        """A tagged union's tag and, for each tag value, its member and the member's hook."""
+        if t not in self._tagged:
+            members = get_args(t)
+            tag = _tag_of(members)
+            self._tagged[t] = tag, {value: (m, self.class_hook(m, checked=tag))
+                                    for m in members for value in get_args(_field_type(m, tag))}
+        return self._tagged[t]
+
+    def tagged_factory(self, t: Any) -> Callable[[Any, Any], Any]:
+        tag, by_tag = self.tagged_members(t)
+        expected = one_of_text(list(by_tag))
+
+        def hook(v: Any, _t: Any) -> Any:
+            if type(v) is not dict:
+                raise TypeError(f"expected an object, got {json_kind(v)}")
+            value = v.get(tag)
+            found = by_tag.get(value) if type(value) is str else None
+            if found is None:
+                raise Invalid(f"is required; expected {expected}" if value is None else
+                              f"{value!r} is not supported; expected {expected}", at=tag)
+            return found[1](v, found[0])
+
+        return hook
+
+    def kind_factory(self, t: Any) -> Callable[[Any, Any], Any]:
+        """Members picked by the value's Python type (what json.loads made of it)."""
+        table: dict[str, list[Any]] = {}
+        for m in get_args(t):
+            table.setdefault(_member_kind(m), []).append(m)
+        if len(table.get("object", ())) > 1:  # several object shapes: one tagged union
+            table["object"] = [Union[tuple(table["object"])]]  # noqa: UP007 - built at run time
+        expected = " or ".join(_KIND_NAMES[k] for k in table)
+        py_types = {"null": NoneType, "boolean": bool, "integer": int, "number": float, "string": str,
+                    "array": list, "object": dict}
+        as_is = {NoneType, bool, int, str} & {py_types[k] for k, ms in table.items()
+                                              if ms[0] in (NoneType, bool, int, str)}
+        by_type: dict[type, tuple[Any, Callable[[Any, Any], Any]]] = {}
+        for kind, members in table.items():
+            by_type[py_types[kind]] = (members[0], self.get_structure_hook(members[0]) if kind != "null" else _any)
+        if float in by_type and int not in by_type:
+            by_type[int] = by_type[float]
+        arrays = table.get("array", [])
+        by_elem = {} if len(arrays) < 2 else {py_types[_member_kind(get_args(m)[0])]: (m, self.get_structure_hook(m))
+                                              for m in reversed(arrays)}
+
+        def hook(v: Any, _t: Any) -> Any:
+            tp = type(v)
+            if tp in as_is:
+                return v
+            found = by_type.get(tp)
+            if found is None:
+                raise TypeError(f"expected {expected}, got {json_kind(v)}")
+            if by_elem and tp is list and v:  # arrays of different elements: the first element decides
+                found = by_elem.get(type(v[0]), found)
+            return found[1](v, found[0])
+
+        return hook
+
+    def class_hook(self, t: Any, checked: str | None = None) -> Callable[[Any, Any], Any]:
+        """An attrs class's hook: unknown keys refused (ignored where the class is `lenient`), then
+        its ignored and refused fields screened. `checked` names a field already validated (a tagged
+        union's tag), structured as is."""
+        overrides: dict[str, Any] = {} if checked is None else {checked: override(struct_hook=_any)}
+        base = make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=not getattr(t, LENIENT, False), **overrides)
+        checks = [(name, row) for name, row in policy_rows(t).items() if row.kind == "refused" or (
+            row.kind == "ignored" and (row.types or row.allows is not None or row.check is not None))]
+        if not checks:
+            return base
+
+        def hook(v: Any, _t: Any) -> Any:
+            obj = base(v, t)
+            for name, row in checks:
+                value = getattr(obj, name)
+                if value is None and not row.refuse_null:
+                    continue
+                try:
+                    row.screen(name, value)
+                except BadRequest as exc:
+                    raise Invalid(exc.message, at=name, details=exc.error_details) from None
+            return obj
+
+        return hook
 
 
-CONVERTER = make_converter()
-
-
-@attrs.frozen(kw_only=True)
-class NativeGenerationFields:
-    """Sampling, stop and logprob fields that Chat Completions, Completions and Responses share
-    (the OpenAI ones plus vLLM's native extensions); each wire class adds its own. Their rows in the
-    protocols' field tables are `fields.NATIVE_GENERATION_ROWS`."""
-
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: Any = None
-    stop_token_ids: Any = None
-    stop_token_sequences: Any = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
-    logprob_token_ids: list[int] | None = None
-    structured_outputs: Any = None
+FAST = WireConverter(detailed=False)
+DETAILED = WireConverter(detailed=True)
 
 
 def parse_json_object(body: bytes, limits: Sequence[CountLimit] = ()) -> dict[str, Any]:
@@ -206,50 +472,56 @@ def _finite_float(text: str) -> float:
 
 
 def structure(obj: Any, cls: type[T]) -> T:
+    """`obj` as `cls`, or the BadRequest naming the path of its first bad value."""
     try:
-        return CONVERTER.structure(obj, cls)
-    except (ClassValidationError, IterableValidationError, ForbiddenExtraKeysError) as exc:
-        msg, param = _describe(exc)
-        raise BadRequest(msg, param=param) from None
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
-        raise BadRequest(f"invalid request: {exc}") from None
+        return FAST.structure(obj, cls)
+    except Exception as fast_error:  # structure it again, collecting where it failed
+        try:
+            DETAILED.structure(obj, cls)
+        except Exception as exc:  # every failure here is the client's 400
+            raise _bad_request(exc) from None
+        raise fast_error
 
 
-def _describe(exc: BaseException) -> tuple[str, str | None]:
-    """The first leaf error as a message and a dotted parameter path."""
-    path: list[str] = []
+def _bad_request(exc: BaseException) -> BadRequest:
+    """The first leaf error as a 400 whose param is its path (``messages[2].content[0].text``)."""
+    path = ""
     cur: BaseException = exc
-    while True:
-        if isinstance(cur, ForbiddenExtraKeysError):
-            keys = ", ".join(sorted(cur.extra_fields))
-            where = ".".join(path)
-            return (f"unrecognized request argument(s): {keys}" + (f" in {where}" if where else ""),
-                    ".".join([*path, sorted(cur.extra_fields)[0]]))
-        if isinstance(cur, ClassValidationError | IterableValidationError):
-            subs = list(cur.exceptions)
-            if not subs:
-                break
-            sub = subs[0]
-            note = _note_of(sub)
-            if note is not None:
-                path.append(note)
-            cur = sub
-            continue
-        break
-    param = ".".join(path) or None
+    while isinstance(cur, ClassValidationError | IterableValidationError) and cur.exceptions:
+        cur = cur.exceptions[0]
+        path = _join(path, _note_of(cur))
+    if isinstance(cur, ForbiddenExtraKeysError):
+        keys = sorted(cur.extra_fields)
+        return BadRequest(f"unrecognized request argument(s): {', '.join(keys)}" + (f" in {path}" if path else ""),
+                          param=_join(path, keys[0]))
+    if isinstance(cur, Invalid):
+        path = _join(path, cur.at)
+        predicate = cur.reason.startswith(("must ", "is "))
+        message = f"{path or 'the request'}{' ' if predicate else ': '}{cur.reason}"
+        return BadRequest(message, param=path or None, details=None if cur.details is None else dict(cur.details))
     if isinstance(cur, KeyError):
-        return f"missing required parameter: {param}", param
-    return f"invalid value for {param or 'request'}: {cur}", param
+        return BadRequest(f"missing required parameter: {path}", param=path or None)
+    if isinstance(cur, TypeError | ValueError):
+        return BadRequest(f"invalid value for {path or 'request'}: {cur}", param=path or None)
+    raise cur  # not the client's error
 
 
-def _note_of(exc: BaseException) -> str | None:
+def _join(path: str, step: str | int | None) -> str:
+    if step is None:
+        return path
+    if isinstance(step, int):
+        return f"{path}[{step}]"
+    return f"{path}.{step}" if path else step
+
+
+def _note_of(exc: BaseException) -> str | int | None:
     for note in getattr(exc, "__notes__", []) or []:
         name = getattr(note, "name", None)
         if name is not None:
             return str(name)
         idx = getattr(note, "index", None)
         if idx is not None:
-            return str(idx)
+            return int(idx) if isinstance(idx, int) else str(idx)
     return None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar, Literal, cast
 
 import attrs
 
@@ -46,15 +46,16 @@ from helios.frontends.common import (
 )
 from helios.frontends.effort import chat_effort_kwargs
 from helios.frontends.fields import (
-    NATIVE_GENERATION_ROWS,
     PROVIDER_ROWS,
-    TOKEN_OBSERVATION_ROWS,
     FieldTable,
+    TokenObservationFields,
+    field_table,
     honoured,
     ignored,
     one_of,
     refused,
     screen_fields,
+    wire_field,
 )
 from helios.frontends.openai.logprobs import (
     chat_logprobs_content,
@@ -63,217 +64,239 @@ from helios.frontends.openai.logprobs import (
     validate_prompt_logprobs,
 )
 from helios.frontends.structured import decode_response_format, decode_structured_outputs, one_constraint
-from helios.frontends.wire import NativeGenerationFields, loads_strict, structure
+from helios.frontends.wire import JSONObjectText, NonEmptyStr, structure
 
 
-@attrs.frozen
+@attrs.define(kw_only=True)
 class StreamOptions:
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
 
 
-@attrs.frozen
-class ChatWire(NativeGenerationFields):
-    """The honoured fields of `CHAT_FIELDS`; ignored and refused ones never reach it."""
-
-    messages: list[Any]
-    logit_bias: Any = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    reasoning_effort: Any = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
-    thinking_token_budget: int | None = None
-    prompt_logprobs: int | None = None
-    return_token_ids: bool | None = None
-    return_token_timestamps: bool | None = None
-    response_format: Any = None
+# -- the request's shapes (the SDK's ChatCompletionMessageParam and ChatCompletionToolParam) ----------
 
 
-CHAT_FIELDS: FieldTable = {
-    "messages": honoured("the conversation: system, developer, user, assistant and tool messages"),
-    "logprobs": honoured("generation logprobs"),
-    "top_logprobs": honoured("alternatives per generated token (0..20)"),
-    "max_tokens": honoured("output limit (deprecated alias of max_completion_tokens)"),
-    "max_completion_tokens": honoured("output limit, reasoning included"),
-    "n": honoured("independent choices (1..128)"),
-    "stream": honoured("SSE chunks"),
-    "stream_options": honoured("include_usage and the continuous_usage_stats extension"),
-    "temperature": honoured("sampling temperature (clamped to the recipe's range)"),
-    "top_p": honoured("nucleus filter (clamped to the recipe's range)"),
-    "tools": honoured("client-executed function tools (strict schemas refused)"),
-    "tool_choice": honoured("auto, none, required or a named function"),
-    "parallel_tool_calls": honoured("false allows at most one call per response"),
-    "reasoning_effort": honoured("effort level, mapped into the template's vocabulary"),
-    "chat_template_kwargs": honoured("vLLM extension: chat-template variables"),
-    "add_generation_prompt": honoured("vLLM extension: open an assistant turn"),
-    "continue_final_message": honoured("vLLM extension: continue the final assistant message"),
-    "thinking_token_budget": honoured("Helios extension: hard cap on reasoning tokens; at the cap the "
-                                      "reasoning close token is forced (400 where the model cannot close it)"),
-    "prompt_logprobs": honoured("vLLM extension: prompt-position logprobs (buffered only)"),
-    **NATIVE_GENERATION_ROWS,
-    **TOKEN_OBSERVATION_ROWS,
-    **PROVIDER_ROWS,
-    "store": ignored("store: false is what Helios does anyway; store: true is refused (nothing is kept)", bool,
-                     allows=one_of(False), message="store: true is not supported; Helios keeps no completions"),
-    "verbosity": ignored("a style hint for hosted models; local chat templates have no verbosity control", str,
-                         allows=one_of("low", "medium", "high"),
-                         message="verbosity must be 'low', 'medium' or 'high'"),
-    "logit_bias": honoured("token id -> bias in [-100, 100], added before penalties and temperature; "
-                           "logprobs stay raw (vLLM)"),
-    "response_format": honoured("text, json_object or json_schema (strict as OpenAI defines it): the answer is "
-                                "constrained, reasoning and tool calls stay free"),
-    "audio": refused("Helios generates text only; there is no audio output"),
-    "modalities": refused("Helios generates text only", inert=one_of(["text"])),
-    "prediction": refused("predicted outputs are not implemented"),
-    "web_search_options": refused("hosted web search is not available on a local server"),
-    "functions": refused("the legacy functions API is not implemented; use tools"),
-    "function_call": refused("the legacy functions API is not implemented; use tool_choice"),
-    "moderation": refused("moderation of input and output is not available on a local server"),
-}
+@attrs.define(kw_only=True)
+class TextContent:
+    __wire_lenient__: ClassVar[bool] = True  # part extensions (cache_control, ...) are ignored, as vLLM does
+    type: Literal["text"]
+    text: str
+
+
+@attrs.define(kw_only=True)
+class ImageURL:
+    __wire_lenient__: ClassVar[bool] = True  # detail: the whole image is always used
+    url: str
+
+
+@attrs.define(kw_only=True)
+class ImageContent:
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Content = str | list[TextContent | ImageContent] | None
+
+
+@attrs.define(kw_only=True)
+class CallFunction:
+    __wire_lenient__: ClassVar[bool] = True
+    name: NonEmptyStr
+    arguments: JSONObjectText = attrs.field(factory=lambda: JSONObjectText({}))
+
+
+@attrs.define(kw_only=True)
+class ToolCallWire:
+    __wire_lenient__: ClassVar[bool] = True  # type: only function calls exist
+    function: CallFunction
+    id: str | None = None
+
+
+@attrs.define(kw_only=True)
+class PlainMessage:
+    role: Literal["system", "developer", "user"]
+    content: Content = None
+    name: str | None = None
+
+    def message(self, index: int) -> Message:
+        return Message(self.role, _parts(self.content, index), name=self.name)
+
+
+@attrs.define(kw_only=True)
+class AssistantMessage:
+    role: Literal["assistant"]
+    content: Content = None
+    name: str | None = None
+    tool_calls: list[ToolCallWire] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: Any = wire_field(ignored("a prior refusal's text; the turn's content is what the template renders"))
+    function_call: Any = wire_field(ignored("a legacy functions-API call; prior calls are read from tool_calls"))
+    audio: Any = wire_field(ignored("a prior audio reply's id; Helios generates no audio"))
+
+    def message(self, index: int) -> Message:
+        parts: tuple[Part, ...] = _parts(self.content, index)
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            parts = (ReasoningPart(reasoning), *parts)
+        if self.tool_calls:
+            parts = (*parts, *[ToolCallPart(tc.id or "", tc.function.name, tc.function.arguments)
+                               for tc in self.tool_calls])
+        return Message("assistant", parts, name=self.name)
+
+
+@attrs.define(kw_only=True)
+class ToolMessage:
+    role: Literal["tool"]
+    tool_call_id: str
+    content: Content = None
+    name: str | None = None
+
+    def message(self, index: int) -> Message:
+        content = cast("tuple[TextPart | ImagePart, ...]", _parts(self.content, index))
+        return Message("tool", (ToolResultPart(self.tool_call_id, content),), name=self.name)
+
+
+ChatMessage = PlainMessage | AssistantMessage | ToolMessage
+
+
+@attrs.define(kw_only=True)
+class FunctionDefinition:
+    __wire_lenient__: ClassVar[bool] = True
+    name: NonEmptyStr
+    description: str | None = None
+    parameters: dict[str, Any] = attrs.field(factory=lambda: {"type": "object", "properties": {}})
+    strict: Any = wire_field(refused("strict function schemas are not implemented", inert=one_of(False),
+                                     message="strict function schemas (strict: true) are not supported"))
+
+
+@attrs.define(kw_only=True)
+class FunctionTool:
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+@attrs.define(kw_only=True)
+class NamedFunction:
+    __wire_lenient__: ClassVar[bool] = True
+    name: str
+
+
+@attrs.define(kw_only=True)
+class NamedToolChoice:
+    type: Literal["function"]
+    function: NamedFunction
+
+
+@attrs.define(kw_only=True)
+class ChatWire(TokenObservationFields):
+    """The honoured fields of `CHAT_FIELDS`, each with its row; ignored and refused ones never reach it."""
+
+    messages: list[ChatMessage] = wire_field(
+        honoured("the conversation: system, developer, user, assistant and tool messages"), required=True)
+    logprobs: bool | None = wire_field(honoured("generation logprobs"))
+    top_logprobs: int | None = wire_field(honoured("alternatives per generated token (0..20)"))
+    max_tokens: int | None = wire_field(honoured("output limit (deprecated alias of max_completion_tokens)"))
+    max_completion_tokens: int | None = wire_field(honoured("output limit, reasoning included"))
+    n: int | None = wire_field(honoured("independent choices (1..128)"))
+    stream: bool | None = wire_field(honoured("SSE chunks"))
+    stream_options: StreamOptions | None = wire_field(
+        honoured("include_usage and the continuous_usage_stats extension"))
+    temperature: float | None = wire_field(honoured("sampling temperature (clamped to the recipe's range)"))
+    top_p: float | None = wire_field(honoured("nucleus filter (clamped to the recipe's range)"))
+    tools: list[FunctionTool] | None = wire_field(honoured("client-executed function tools (strict schemas refused)"))
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = wire_field(
+        honoured("auto, none, required or a named function"))
+    parallel_tool_calls: bool | None = wire_field(honoured("false allows at most one call per response"))
+    reasoning_effort: Any = wire_field(honoured("effort level, mapped into the template's vocabulary"))
+    chat_template_kwargs: dict[str, Any] | None = wire_field(honoured("vLLM extension: chat-template variables"))
+    add_generation_prompt: bool | None = wire_field(honoured("vLLM extension: open an assistant turn"))
+    continue_final_message: bool | None = wire_field(
+        honoured("vLLM extension: continue the final assistant message"))
+    thinking_token_budget: int | None = wire_field(honoured(
+        "Helios extension: hard cap on reasoning tokens; at the cap the reasoning close token is forced (400 "
+        "where the model cannot close it)"))
+    prompt_logprobs: int | None = wire_field(honoured("vLLM extension: prompt-position logprobs (buffered only)"))
+    logit_bias: Any = wire_field(honoured("token id -> bias in [-100, 100], added before penalties and "
+                                          "temperature; logprobs stay raw (vLLM)"))
+    response_format: Any = wire_field(honoured(
+        "text, json_object or json_schema (strict as OpenAI defines it): the answer is constrained, reasoning "
+        "and tool calls stay free"))
+
+
+CHAT_FIELDS: FieldTable = field_table(
+    ChatWire,
+    PROVIDER_ROWS,
+    store=ignored("store: false is what Helios does anyway; store: true is refused (nothing is kept)", bool,
+                  allows=one_of(False), message="store: true is not supported; Helios keeps no completions"),
+    verbosity=ignored("a style hint for hosted models; local chat templates have no verbosity control", str,
+                      allows=one_of("low", "medium", "high"), message="verbosity must be 'low', 'medium' or 'high'"),
+    audio=refused("Helios generates text only; there is no audio output"),
+    modalities=refused("Helios generates text only", inert=one_of(["text"])),
+    prediction=refused("predicted outputs are not implemented"),
+    web_search_options=refused("hosted web search is not available on a local server"),
+    functions=refused("the legacy functions API is not implemented; use tools"),
+    function_call=refused("the legacy functions API is not implemented; use tool_choice"),
+    moderation=refused("moderation of input and output is not available on a local server"),
+)
 """Every top-level Chat Completions field Helios knows (see `helios.frontends.fields`)."""
 
 
 # -- decoding -----------------------------------------------------------------------------------
 
 
-def _text_of(content: Any, where: str) -> tuple[Part, ...]:
+def _parts(content: Content, index: int) -> tuple[TextPart | ImagePart, ...]:
+    """Message `index`'s content as parts."""
     if content is None:
         return ()
-    if isinstance(content, str):
+    if type(content) is str:
         return (TextPart(content),)
-    if not isinstance(content, list):
-        raise BadRequest(f"{where}.content must be a string or an array of content parts", param=f"{where}.content")
-    parts: list[Part] = []
-    for j, p in enumerate(content):
-        if not isinstance(p, dict) or not isinstance(p.get("type"), str):
-            raise BadRequest(f"{where}.content[{j}] must be an object with a type", param=f"{where}.content")
-        t = p["type"]
-        if t == "text":
-            if not isinstance(p.get("text"), str):
-                raise BadRequest(f"{where}.content[{j}].text must be a string", param=f"{where}.content")
-            parts.append(TextPart(p["text"]))
-        elif t == "image_url":
-            url = (p.get("image_url") or {}).get("url") if isinstance(p.get("image_url"), dict) else None
-            parts.append(_image_from_url(url, f"{where}.content[{j}]"))
-        else:
-            raise BadRequest(f"unsupported content part type '{t}' in {where}", param=f"{where}.content")
-    return tuple(parts)
+    return tuple([TextPart(p.text) if type(p) is TextContent else
+                  _image_from_url(p.image_url.url, f"messages[{index}].content[{j}]")  # type: ignore[union-attr]
+                  for j, p in enumerate(content)])
 
 
-def _image_from_url(url: Any, where: str) -> ImagePart:
-    if not isinstance(url, str) or not url.startswith("data:"):
-        raise BadRequest(f"{where}: images must be base64 data URLs; remote image downloads are unsupported")
+def _image_from_url(url: str, where: str) -> ImagePart:
+    """A base64 data URL's image; `where` (the content part) is the image's place in later messages."""
+    param = f"{where}.image_url.url"
+    if not url.startswith("data:"):
+        raise BadRequest(f"{where}: images must be base64 data URLs; remote image downloads are unsupported",
+                         param=param)
     head, _, data = url.partition(",")
     media = head[5:].split(";")[0]
     if media not in ("image/png", "image/jpeg", "image/webp"):
-        raise BadRequest(f"{where}: unsupported image type '{media}'")
+        raise BadRequest(f"{where}: unsupported image type '{media}'", param=param)
     try:
         raw = base64.b64decode(data, validate=True)
     except ValueError:
-        raise BadRequest(f"{where}: invalid base64 image data") from None
+        raise BadRequest(f"{where}: invalid base64 image data", param=param) from None
     return ImagePart(media, raw, where)
 
 
-def decode_messages(messages: list[Any]) -> tuple[Message, ...]:
+def decode_messages(messages: list[ChatMessage]) -> tuple[Message, ...]:
     if not messages:
         raise BadRequest("'messages' must contain at least one message", param="messages")
-    out: list[Message] = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise BadRequest(f"{where} must be an object", param="messages")
-        role = m.get("role")
-        allowed = {"role", "content", "name"}
-        if role in ("system", "developer", "user"):
-            parts = _text_of(m.get("content"), where)
-        elif role == "assistant":
-            allowed |= {"tool_calls", "reasoning_content", "reasoning", "refusal", "function_call", "audio"}
-            parts = _text_of(m.get("content"), where)
-            reasoning = m.get("reasoning_content", m.get("reasoning"))
-            if reasoning is not None:
-                if not isinstance(reasoning, str):
-                    raise BadRequest(f"{where}.reasoning_content must be a string", param="messages")
-                parts = (ReasoningPart(reasoning), *parts)
-            for k, tc in enumerate(m.get("tool_calls") or []):
-                parts = (*parts, _decode_tool_call(tc, f"{where}.tool_calls[{k}]"))
-        elif role == "tool":
-            allowed |= {"tool_call_id"}
-            tcid = m.get("tool_call_id")
-            if not isinstance(tcid, str):
-                raise BadRequest(f"{where}.tool_call_id must be a string", param="messages")
-            content = tuple(p for p in _text_of(m.get("content"), where) if isinstance(p, TextPart | ImagePart))
-            parts = (ToolResultPart(tcid, content),)
-        else:
-            raise BadRequest(f"{where}.role must be one of system, developer, user, assistant, tool", param="messages")
-        extra = set(m) - allowed
-        if extra:
-            raise BadRequest(f"unrecognized field(s) in {where}: {', '.join(sorted(extra))}", param="messages")
-        name = m.get("name")
-        if name is not None and not isinstance(name, str):
-            raise BadRequest(f"{where}.name must be a string", param="messages")
-        out.append(Message(role, parts, name=name))
-    return tuple(out)
+    return tuple([m.message(i) for i, m in enumerate(messages)])
 
 
-def _decode_tool_call(tc: Any, where: str) -> ToolCallPart:
-    if not isinstance(tc, dict) or not isinstance(tc.get("function"), dict):
-        raise BadRequest(f"{where} must be a function tool call", param="messages")
-    fn = tc["function"]
-    name, args = fn.get("name"), fn.get("arguments", "{}")
-    if not isinstance(name, str) or not name:
-        raise BadRequest(f"{where}.function.name must be a nonempty string", param="messages")
-    if isinstance(args, str):
-        try:
-            args = loads_strict(args) if args.strip() else {}
-        except (ValueError, RecursionError):
-            raise BadRequest(f"{where}.function.arguments must be a JSON object", param="messages") from None
-    if not isinstance(args, dict):
-        raise BadRequest(f"{where}.function.arguments must be a JSON object", param="messages")
-    return ToolCallPart(str(tc.get("id") or ""), name, args)
-
-
-def decode_tools(tools: list[Any] | None, tool_choice: Any) -> tuple[tuple[Tool, ...], ToolChoice]:
-    decoded: list[Tool] = []
-    for i, t in enumerate(tools or []):
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
-            raise BadRequest(f"tools[{i}] must be a function tool", param="tools")
-        fn = t["function"]
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise BadRequest(f"tools[{i}].function.name must be a nonempty string", param="tools")
-        if fn.get("strict") is True:
-            raise BadRequest("strict function schemas (strict: true) are not supported", param="tools")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise BadRequest(f"tools[{i}].function.parameters must be an object", param="tools")
-        desc = fn.get("description")
-        decoded.append(Tool(fn["name"], desc if isinstance(desc, str) else None, params))
-    names = {t.name for t in decoded}
+def decode_tools(tools: list[FunctionTool] | None,
+                 tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None) -> tuple[tuple[Tool, ...], ToolChoice]:
+    decoded = tuple(Tool(t.function.name, t.function.description, t.function.parameters) for t in tools or ())
     if tool_choice is None:
         choice = ToolChoice("auto" if decoded else "none")
-    elif tool_choice in ("auto", "none", "required"):
-        choice = ToolChoice(tool_choice)
-    elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
-        if name not in names:
-            raise BadRequest(f"tool_choice names '{name}', which is not a declared tool", param="tool_choice")
+    elif isinstance(tool_choice, NamedToolChoice):
+        name = tool_choice.function.name
+        if name not in {t.name for t in decoded}:
+            raise BadRequest(f"tool_choice names '{name}', which is not a declared tool",
+                             param="tool_choice.function.name")
         choice = ToolChoice("named", name)
     else:
-        raise BadRequest("tool_choice must be 'auto', 'none', 'required' or a named function", param="tool_choice")
+        choice = ToolChoice(tool_choice)
     if choice.mode == "required" and not decoded:
         raise BadRequest("tool_choice 'required' needs at least one declared tool", param="tool_choice")
-    return tuple(decoded), choice
+    return decoded, choice
 
 
 MAX_LOGIT_BIAS = 100.0

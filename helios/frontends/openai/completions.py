@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -29,13 +29,14 @@ from helios.frontends.common import (
     validate_token_stops,
 )
 from helios.frontends.fields import (
-    NATIVE_GENERATION_ROWS,
     PROVIDER_ROWS,
-    TOKEN_OBSERVATION_ROWS,
     FieldTable,
+    TokenObservationFields,
+    field_table,
     honoured,
     refused,
     screen_fields,
+    wire_field,
 )
 from helios.frontends.openai.chat import StreamOptions, decode_sampling, usage_json
 from helios.frontends.openai.logprobs import (
@@ -50,57 +51,47 @@ from helios.frontends.openai.logprobs import (
     validate_prompt_logprobs,
 )
 from helios.frontends.structured import decode_structured_outputs
-from helios.frontends.wire import NativeGenerationFields, structure
+from helios.frontends.wire import structure
 
-
-@attrs.frozen
-class CompletionWire(NativeGenerationFields):
-    """The honoured fields of `COMPLETION_FIELDS`; ignored and refused ones never reach it."""
-
-    prompt: Any
-    logit_bias: Any = None
-    best_of: int | None = None
-    echo: bool | None = None
-    logprobs: int | None = None
-    max_tokens: int | None = None
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    add_special_tokens: bool | None = None
-    prompt_logprobs: int | None = None
-    return_token_ids: bool | None = None
-    return_token_timestamps: bool | None = None
-
+Prompt = str | list[str] | list[int] | list[list[int]]
+"""Text, token ids, or a batch of either (an array's first element tells which)."""
 
 _RAW = "raw completions bypass chat templates and output parsers"
 
-COMPLETION_FIELDS: FieldTable = {
-    "prompt": honoured("text, token ids, or a batch of either"),
-    "best_of": honoured("accepted only when equal to n; ranked sampling is refused"),
-    "echo": honoured("prompt echoed before the completion (scored with logprobs)"),
-    "logprobs": honoured("alternatives per token (0..20)"),
-    "max_tokens": honoured("output limit (default [server] default_max_tokens, bounded by the context left; "
-                           "0 only tokenizes or scores)"),
-    "n": honoured("choices per prompt (1..128)"),
-    "stream": honoured("SSE chunks"),
-    "stream_options": honoured("include_usage and the continuous_usage_stats extension"),
-    "temperature": honoured("sampling temperature (clamped to the recipe's range)"),
-    "top_p": honoured("nucleus filter (clamped to the recipe's range)"),
-    "add_special_tokens": honoured("vLLM extension: tokenizer special-token policy for text prompts"),
-    "prompt_logprobs": honoured("vLLM extension: prompt-position logprobs (buffered only)"),
-    **NATIVE_GENERATION_ROWS,
-    **TOKEN_OBSERVATION_ROWS,
-    "model": PROVIDER_ROWS["model"],
-    "user": PROVIDER_ROWS["user"],
-    "suffix": refused("insertion after the completion is not implemented", message="suffix is not supported"),
-    "logit_bias": honoured("token id -> bias in [-100, 100], added before penalties and temperature; "
-                           "logprobs stay raw (vLLM)"),
-    "tools": refused(_RAW, message="tools are not supported on raw completions"),
-    "tool_choice": refused(_RAW, message="tool_choice is not supported on raw completions (tools are not)"),
-    "thinking_token_budget": refused(_RAW, message="thinking_token_budget is not supported on raw completions"),
-}
+
+@attrs.define(kw_only=True)
+class CompletionWire(TokenObservationFields):
+    """The honoured fields of `COMPLETION_FIELDS`, each with its row; ignored and refused ones never reach it."""
+
+    prompt: Prompt = wire_field(honoured("text, token ids, or a batch of either"), required=True)
+    best_of: int | None = wire_field(honoured("accepted only when equal to n; ranked sampling is refused"))
+    echo: bool | None = wire_field(honoured("prompt echoed before the completion (scored with logprobs)"))
+    logprobs: int | None = wire_field(honoured("alternatives per token (0..20)"))
+    max_tokens: int | None = wire_field(honoured(
+        "output limit (default [server] default_max_tokens, bounded by the context left; 0 only tokenizes or "
+        "scores)"))
+    n: int | None = wire_field(honoured("choices per prompt (1..128)"))
+    stream: bool | None = wire_field(honoured("SSE chunks"))
+    stream_options: StreamOptions | None = wire_field(
+        honoured("include_usage and the continuous_usage_stats extension"))
+    temperature: float | None = wire_field(honoured("sampling temperature (clamped to the recipe's range)"))
+    top_p: float | None = wire_field(honoured("nucleus filter (clamped to the recipe's range)"))
+    add_special_tokens: bool | None = wire_field(
+        honoured("vLLM extension: tokenizer special-token policy for text prompts"))
+    prompt_logprobs: int | None = wire_field(honoured("vLLM extension: prompt-position logprobs (buffered only)"))
+    logit_bias: Any = wire_field(honoured("token id -> bias in [-100, 100], added before penalties and "
+                                          "temperature; logprobs stay raw (vLLM)"))
+
+
+COMPLETION_FIELDS: FieldTable = field_table(
+    CompletionWire,
+    model=PROVIDER_ROWS["model"],
+    user=PROVIDER_ROWS["user"],
+    suffix=refused("insertion after the completion is not implemented", message="suffix is not supported"),
+    tools=refused(_RAW, message="tools are not supported on raw completions"),
+    tool_choice=refused(_RAW, message="tool_choice is not supported on raw completions (tools are not)"),
+    thinking_token_budget=refused(_RAW, message="thinking_token_budget is not supported on raw completions"),
+)
 """Every top-level Completions field Helios knows (see `helios.frontends.fields`)."""
 
 
@@ -134,30 +125,22 @@ class CompletionPlan:
         return self.prompt_logprobs is not None
 
 
-def _prompts(p: Any, vocab: int) -> list[str | list[int]]:
-    def is_ids(x: Any) -> bool:
-        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-    if isinstance(p, str):
-        prompts: list[str | list[int]] = [p]
-    elif is_ids(p) and p:
-        prompts = [list(p)]
-    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        prompts = list(p)
-    elif isinstance(p, list) and p and all(is_ids(x) for x in p):
-        prompts = [list(x) for x in p]
-    else:
+def _prompts(p: Prompt, vocab: int) -> list[str | list[int]]:
+    batch = not isinstance(p, str) and not (p and isinstance(p[0], int))
+    prompts: list[str | list[int]] = list(cast("list[str | list[int]]", p)) if batch else [cast("str | list[int]", p)]
+    if not prompts:
         raise BadRequest(
             "prompt must be a string, an array of strings, a nonempty token-id array, or an array of token-id arrays",
             param="prompt",
         )
-    for x in prompts:
+    for k, x in enumerate(prompts):
         if isinstance(x, list):
+            param = f"prompt[{k}]" if batch else "prompt"
             if not x:
-                raise BadRequest("token-id prompts must not be empty", param="prompt")
+                raise BadRequest("token-id prompts must not be empty", param=param)
             bad = [t for t in x if not 0 <= t < vocab]
             if bad:
-                raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+                raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param=param)
     return prompts
 
 
