@@ -2,13 +2,15 @@
 in process.
 
     .venv/bin/python scripts/profile_prefill.py [--tokens 512 513] [--runs 7] [--profile] [--ab-keep]
-        [--model PATH]
+        [--ab-amx] [--model PATH]
 
 Loads the default model as `helios serve` does, builds the engine in process (no HTTP) and times the
 prefill of one ``--tokens``-token prompt (``max_tokens=1``, distinct prompts, so no prefix cache hit):
 the median of ``--runs`` after two warm-ups. ``--profile`` adds torch.profiler's operator table of
 one more. ``--ab-keep`` alternates the runs with the model's whole-batch path (``keep`` not passed:
-the last layer computes every row) and prints both medians. Prints the CPU flags it ran on.
+the last layer computes every row) and prints both medians; ``--ab-amx`` alternates the prefill
+attention kernel's AMX and AVX512-BF16 paths (`cpu_kernels.set_prefill_amx`). Prints the CPU flags
+it ran on.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--ab-keep", action="store_true")
+    ap.add_argument("--ab-amx", action="store_true")
     ap.add_argument("--model", default=None, metavar="PATH",
                     help="a GGUF file or model directory (default: the default model)")
     args = ap.parse_args()
@@ -77,6 +80,19 @@ def main() -> None:
             use_keep["on"] = True
             print(f"{tokens} tokens: median {statistics.median(runs[True]):.1f} ms with keep, "
                   f"{statistics.median(runs[False]):.1f} ms without ({args.runs} runs each, alternating)")
+        elif args.ab_amx:
+            from helios.models import cpu_kernels
+
+            amx_runs: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(args.runs):
+                for on in (True, False):
+                    if cpu_kernels.set_prefill_amx(on) is not on:
+                        raise SystemExit("AMX tiles are not built or not permitted here")
+                    amx_runs[on].append(prefill(tokens))
+            cpu_kernels.set_prefill_amx(True)
+            print(f"{tokens} tokens: median {statistics.median(amx_runs[True]):.1f} ms with the AMX prefill "
+                  f"attention, {statistics.median(amx_runs[False]):.1f} ms with AVX512-BF16 ({args.runs} runs each, "
+                  "alternating)")
         else:
             ms = [prefill(tokens) for _ in range(args.runs)]
             print(f"{tokens} tokens: median {statistics.median(ms):.1f} ms (min {min(ms):.1f}, {args.runs} runs)")
