@@ -371,13 +371,17 @@ class WireConverter(cattrs.Converter):
                 raise Invalid(template.format(value=v[tag]), at=tag)
 
             return refused
-        overrides: dict[str, Any] = {} if checked is None else {checked: override(struct_hook=_any)}
+        hooks: dict[str, Callable[[Any, Any], Any]] = {} if checked is None else {checked: _any}
         hints = {f.name: f.type for f in attrs.fields(attrs.resolve_types(t))}
         for name, row in policy_rows(t).items():
             if row.kind == "refused" or (row.kind == "ignored" and (row.types or row.allows is not None
                                                                     or row.check is not None)):
-                overrides[name] = override(struct_hook=self._screened(hints[name], name, row))
-        base = make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=not getattr(t, LENIENT, False), **overrides)
+                hooks[name] = self._screened(hints[name], name, row)
+        forbid = not getattr(t, LENIENT, False)
+        overrides: dict[str, Any] = {name: override(struct_hook=h) for name, h in hooks.items()}
+        base: Callable[[Any, Any], Any] = (
+            make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=forbid, **overrides) if self.detailed
+            else self._fast_class_fn(t, hooks, forbid))
         if checked is not None:
             return base
 
@@ -387,6 +391,46 @@ class WireConverter(cattrs.Converter):
             return base(v, t)
 
         return hook
+
+    def _fast_class_fn(self, t: Any, hooks: Mapping[str, Callable[[Any, Any], Any]],
+                       forbid: bool) -> Callable[[Any, Any], Any]:
+        """The fast converter's function for attrs class `t`: one generated call of `t` with each
+        present key's value structured by its field's hook (`hooks` first), unknown keys refused
+        where `forbid`. It accepts exactly what cattrs' detailed function accepts, without that
+        one's bookkeeping: the tag (`_any`) is passed as is and the exact-type leaves are tested
+        inline, calling their hook only to raise."""
+        globs: dict[str, Any] = {"cls": t, "allowed": frozenset(f.name for f in attrs.fields(t)),
+                                 "extra_keys": _extra_keys}
+        args: list[str] = []
+        optional: list[str] = []
+        for k, f in enumerate(attrs.fields(attrs.resolve_types(t))):
+            hook = hooks.get(f.name) or self.get_structure_hook(f.type)
+            key = repr(f.name)  # the JSON key, as cattrs reads it; `alias` is the init argument
+            globs[f"h{k}"], globs[f"t{k}"] = hook, f.type
+            if hook is _any:
+                value = f"o[{key}]"
+            elif hook in _EXACT:
+                globs[f"x{k}"] = _EXACT[hook]
+                value = f"(v{k} if (v{k} := o[{key}]).__class__ is x{k} else h{k}(v{k}, t{k}))"
+            else:
+                value = f"h{k}(o[{key}], t{k})"
+            if f.default is attrs.NOTHING:
+                args.append(f"{f.alias}={value}")
+            elif isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
+                optional.append(f"    if {key} in o: kw[{key}] = {value}")
+            else:
+                globs[f"d{k}"] = f.default
+                args.append(f"{f.alias}={value} if {key} in o else d{k}")
+        lines = ["def structure(o, _t):"]
+        if forbid:
+            lines.append("    if not o.keys() <= allowed: extra_keys(o, allowed, cls)")
+        if optional:
+            lines += ["    kw = {}", *optional]
+            args.append("**kw")
+        lines.append(f"    return cls({', '.join(args)})")
+        exec(compile("\n".join(lines), f"<wire structure {t.__qualname__}>", "exec"), globs)
+        fn: Callable[[Any, Any], Any] = globs["structure"]
+        return fn
 
     def _screened(self, tp: Any, name: str, row: FieldPolicy) -> Callable[[Any, Any], Any]:
         """An ignored or refused field's hook: its value structured, then screened by its row (the
@@ -404,6 +448,13 @@ class WireConverter(cattrs.Converter):
 
         return hook
 
+
+def _extra_keys(o: dict[str, Any], allowed: frozenset[str], cls: type) -> None:
+    raise ForbiddenExtraKeysError("", cls, set(o) - allowed)
+
+
+_EXACT: dict[Callable[[Any, Any], Any], type] = {_strict_str: str, _strict_bool: bool, _strict_int: int}
+"""Leaf hooks that take exactly one Python type as is (the fast functions test it inline)."""
 
 FAST = WireConverter(detailed=False)
 DETAILED = WireConverter(detailed=True)

@@ -534,28 +534,35 @@ def decode_messages(system: str | list[TextBlock] | None,
         if type(content) is str:
             out.append(Message(m.role, (TextPart(content),)))
             continue
-        parts = [b.part(i, j) for j, b in enumerate(cast("list[TextBlock | ImageBlock | ToolResultBlock | "
-                                                          "ThinkingBlock | RedactedThinkingBlock | ToolUseBlock]",
-                                                          content))]
-        out.append(Message(m.role, tuple([p for p in parts if p is not None])))
+        blocks = cast("list[TextBlock | ImageBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | "
+                      "ToolUseBlock]", content)
+        parts = [b.part(i, j) for j, b in enumerate(blocks)]
         if type(m) is UserMessage and len(breakpoints) < MAX_BREAKPOINTS:
-            _breakpoints(cast("list[TextBlock | ImageBlock | ToolResultBlock]", content), breakpoints)
+            _breakpoints(cast("list[TextBlock | ImageBlock | ToolResultBlock]", blocks), breakpoints)
+        out.append(Message(m.role, tuple([p for p in parts if p is not None]) if type(m) is AssistantMessage
+                           else tuple(cast("list[Part]", parts))))  # redacted thinking has no part
     return tuple(out), tuple(breakpoints)
 
 
 def _breakpoints(blocks: list[TextBlock | ImageBlock | ToolResultBlock], out: list[str]) -> None:
     """A user message's marked blocks' breakpoints, appended to `out` (up to MAX_BREAKPOINTS in all)."""
-    last_text = ""
-    for b in blocks:
-        if type(b) is TextBlock:
-            last_text = b.text
-        elif type(b) is ToolResultBlock:
-            last_text = (b.texts() or [last_text])[-1]
+    for j, b in enumerate(blocks):
         if b.cache_control is not None:
-            if last_text:
-                out.append(last_text)
+            text = _last_text(blocks[:j + 1])
+            if text:
+                out.append(text)
             if len(out) == MAX_BREAKPOINTS:
                 return
+
+
+def _last_text(blocks: list[TextBlock | ImageBlock | ToolResultBlock]) -> str:
+    """The text that ends `blocks`: the last text block's, or the last text in a tool result."""
+    for b in reversed(blocks):
+        if type(b) is TextBlock:
+            return b.text
+        if type(b) is ToolResultBlock and b.texts():
+            return b.texts()[-1]
+    return ""
 
 
 def cache_breakpoints(messages: list[Any]) -> tuple[str, ...]:
