@@ -8,6 +8,8 @@ not a number). Below the top level:
   (``type``, or ``role`` for chat messages) picks the member;
 - any other union (``str | list[Part] | None``, ``Literal["auto", "none"] | NamedChoice``) is picked
   by the JSON kind of the value (string, array, object, ...);
+- a member of a tagged union may be *refused* (`REFUSED`, a message template): its tag values are
+  known, and the 400 says why they are not taken (``'url'`` image sources, misplaced blocks);
 - a field's `fields.FieldPolicy` lives in its metadata (`wire_field`); a class whose fields include
   ignored or refused ones screens them after structuring, and a class marked `lenient` ignores
   unknown keys instead of refusing them (content parts, whose extensions vLLM ignores too);
@@ -21,6 +23,7 @@ it (`DETAILED`) to find the path.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -38,13 +41,16 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_structure_fn, override
 
 from helios.errors import BadRequest
+from helios.frontends.fields import FieldPolicy, policy_rows
 from helios.frontends.fields import NativeGenerationFields as NativeGenerationFields  # the shared wire fields
-from helios.frontends.fields import policy_rows
 
 T = TypeVar("T")
 
 LENIENT = "__wire_lenient__"
 """A class attribute: True where unknown keys are ignored rather than refused."""
+REFUSED = "__wire_refused__"
+"""A class attribute of a tagged union's member: the 400 for its tag values (``{value!r}`` is the
+tag), which the union knows but does not take. Such a member declares only its tag."""
 
 
 class WireDeclarationError(Exception):
@@ -126,6 +132,19 @@ JSONObjectText = NewType("JSONObjectText", dict[str, Any])
 """A JSON object, or a string holding one (tool-call arguments; a blank string is {})."""
 
 
+Base64Bytes = NewType("Base64Bytes", bytes)
+"""A string of standard base64 (no whitespace or URL alphabet), structured as the bytes it encodes."""
+
+
+def _base64_bytes(v: Any, _t: Any) -> bytes:
+    if not isinstance(v, str):
+        raise TypeError(f"expected a base64 string, got {json_kind(v)}")
+    try:
+        return base64.b64decode(v, validate=True)
+    except ValueError:  # binascii.Error is a ValueError
+        raise Invalid("is not valid base64 data") from None
+
+
 def _nonempty_str(v: Any, _t: Any) -> str:
     if not isinstance(v, str) or not v:
         raise Invalid("must be a nonempty string")
@@ -192,6 +211,8 @@ def _field_type(cls: type, name: str) -> Any:
 def _member_kind(t: Any) -> str:
     if t is NoneType:
         return "null"
+    if isinstance(t, NewType):  # a checked leaf: its base type's kind
+        return _member_kind(t.__supertype__)
     if t is str or (_is_literal(t) and all(isinstance(a, str) for a in get_args(t))):
         return "string"
     kinds = {bool: "boolean", int: "integer", float: "number"}
@@ -234,6 +255,7 @@ class WireConverter(cattrs.Converter):
         self.register_structure_hook_func(lambda t: t == dict[str, Any], _json_object)
         self.register_structure_hook(NonEmptyStr, _nonempty_str)
         self.register_structure_hook(JSONObjectText, _json_object_text)
+        self.register_structure_hook(Base64Bytes, _base64_bytes)
         self.register_structure_hook_factory(_is_literal, _literal_factory)
         self.register_structure_hook_factory(_is_tagged_union, self.tagged_factory)
         self.register_structure_hook_factory(_is_kind_union, self.kind_factory)
@@ -288,7 +310,7 @@ class WireConverter(cattrs.Converter):
 
     def tagged_factory(self, t: Any) -> Callable[[Any, Any], Any]:
         tag, by_tag = self.tagged_members(t)
-        expected = one_of_text(list(by_tag))
+        expected = one_of_text([value for value, (m, _) in by_tag.items() if not hasattr(m, REFUSED)])
 
         def hook(v: Any, _t: Any) -> Any:
             if type(v) is not dict:
@@ -339,31 +361,109 @@ class WireConverter(cattrs.Converter):
     def class_hook(self, t: Any, checked: str | None = None) -> Callable[[Any, Any], Any]:
         """An attrs class's hook: unknown keys refused (ignored where the class is `lenient`), then
         its ignored and refused fields screened. `checked` names a field already validated (a tagged
-        union's tag), structured as is."""
-        overrides: dict[str, Any] = {} if checked is None else {checked: override(struct_hook=_any)}
-        base = make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=not getattr(t, LENIENT, False), **overrides)
-        checks = [(name, row) for name, row in policy_rows(t).items() if row.kind == "refused" or (
-            row.kind == "ignored" and (row.types or row.allows is not None or row.check is not None))]
-        if not checks:
+        union's tag), structured as is; a union member's value is an object (the union checked it),
+        any other class's value is checked here."""
+        refusal: str | None = getattr(t, REFUSED, None)
+        if refusal is not None and checked is not None:
+            template, tag = refusal, checked
+
+            def refused(v: Any, _t: Any) -> Any:
+                raise Invalid(template.format(value=v[tag]), at=tag)
+
+            return refused
+        hooks: dict[str, Callable[[Any, Any], Any]] = {} if checked is None else {checked: _any}
+        hints = {f.name: f.type for f in attrs.fields(attrs.resolve_types(t))}
+        for name, row in policy_rows(t).items():
+            if row.kind == "refused" or (row.kind == "ignored" and (row.types or row.allows is not None
+                                                                    or row.check is not None)):
+                hooks[name] = self._screened(hints[name], name, row)
+        forbid = not getattr(t, LENIENT, False)
+        overrides: dict[str, Any] = {name: override(struct_hook=h) for name, h in hooks.items()}
+        base: Callable[[Any, Any], Any] = (
+            make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=forbid, **overrides) if self.detailed
+            else self._fast_class_fn(t, hooks, forbid))
+        if checked is not None:
             return base
 
         def hook(v: Any, _t: Any) -> Any:
-            obj = base(v, t)
-            for name, row in checks:
-                value = getattr(obj, name)
-                if value is None and not row.refuse_null:
-                    continue
+            if type(v) is not dict:
+                raise TypeError(f"expected an object, got {json_kind(v)}")
+            return base(v, t)
+
+        return hook
+
+    def _fast_class_fn(self, t: Any, hooks: Mapping[str, Callable[[Any, Any], Any]],
+                       forbid: bool) -> Callable[[Any, Any], Any]:
+        """The fast converter's function for attrs class `t`: one generated call of `t` with each
+        present key's value structured by its field's hook (`hooks` first), unknown keys refused
+        where `forbid`. It accepts exactly what cattrs' detailed function accepts, without that
+        one's bookkeeping: the tag (`_any`) is passed as is and the exact-type leaves are tested
+        inline, calling their hook only to raise."""
+        globs: dict[str, Any] = {"cls": t, "allowed": frozenset(f.name for f in attrs.fields(t)),
+                                 "extra_keys": _extra_keys}
+        args: list[str] = []
+        optional: list[str] = []
+        for k, f in enumerate(attrs.fields(attrs.resolve_types(t))):
+            hook = hooks.get(f.name) or self.get_structure_hook(f.type)
+            key = repr(f.name)  # the JSON key, as cattrs reads it; `alias` is the init argument
+            globs[f"h{k}"], globs[f"t{k}"] = hook, f.type
+            if hook is _any:
+                value = f"o[{key}]"
+            elif hook in _EXACT:
+                globs[f"x{k}"] = _EXACT[hook]
+                value = f"(v{k} if (v{k} := o[{key}]).__class__ is x{k} else h{k}(v{k}, t{k}))"
+            else:
+                value = f"h{k}(o[{key}], t{k})"
+            if f.default is attrs.NOTHING:
+                args.append(f"{f.alias}={value}")
+            elif isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
+                optional.append(f"    if {key} in o: kw[{key}] = {value}")
+            else:
+                globs[f"d{k}"] = f.default
+                args.append(f"{f.alias}={value} if {key} in o else d{k}")
+        lines = ["def structure(o, _t):"]
+        if forbid:
+            lines.append("    if not o.keys() <= allowed: extra_keys(o, allowed, cls)")
+        if optional:
+            lines += ["    kw = {}", *optional]
+            args.append("**kw")
+        lines.append(f"    return cls({', '.join(args)})")
+        exec(compile("\n".join(lines), f"<wire structure {t.__qualname__}>", "exec"), globs)
+        fn: Callable[[Any, Any], Any] = globs["structure"]
+        return fn
+
+    def _screened(self, tp: Any, name: str, row: FieldPolicy) -> Callable[[Any, Any], Any]:
+        """An ignored or refused field's hook: its value structured, then screened by its row (the
+        field's hook runs only where the key is present: an absent field costs nothing)."""
+        structure_value = self.get_structure_hook(tp)
+
+        def hook(v: Any, _t: Any) -> Any:
+            value = structure_value(v, tp)
+            if value is not None or row.refuse_null:
                 try:
                     row.screen(name, value)
                 except BadRequest as exc:
-                    raise Invalid(exc.message, at=name, details=exc.error_details) from None
-            return obj
+                    raise Invalid(exc.message, details=exc.error_details) from None
+            return value
 
         return hook
 
 
+def _extra_keys(o: dict[str, Any], allowed: frozenset[str], cls: type) -> None:
+    raise ForbiddenExtraKeysError("", cls, set(o) - allowed)
+
+
+_EXACT: dict[Callable[[Any, Any], Any], type] = {_strict_str: str, _strict_bool: bool, _strict_int: int}
+"""Leaf hooks that take exactly one Python type as is (the fast functions test it inline)."""
+
 FAST = WireConverter(detailed=False)
 DETAILED = WireConverter(detailed=True)
+
+
+def register_leaf(t: Any, hook: Callable[[Any, Any], Any]) -> None:
+    """A protocol's own leaf type (a `NewType`) and its check, on both converters."""
+    for converter in (FAST, DETAILED):
+        converter.register_structure_hook(t, hook)
 
 
 def parse_json_object(body: bytes, limits: Sequence[CountLimit] = ()) -> dict[str, Any]:
@@ -471,21 +571,21 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def structure(obj: Any, cls: type[T]) -> T:
-    """`obj` as `cls`, or the BadRequest naming the path of its first bad value."""
+def structure(obj: Any, cls: type[T], *, at: str = "") -> T:
+    """`obj` as `cls`, or the BadRequest naming the path of its first bad value (below `at`, the
+    path of `obj` itself where it is not the whole body)."""
     try:
         return FAST.structure(obj, cls)
     except Exception as fast_error:  # structure it again, collecting where it failed
         try:
             DETAILED.structure(obj, cls)
         except Exception as exc:  # every failure here is the client's 400
-            raise _bad_request(exc) from None
+            raise _bad_request(exc, at) from None
         raise fast_error
 
 
-def _bad_request(exc: BaseException) -> BadRequest:
+def _bad_request(exc: BaseException, path: str = "") -> BadRequest:
     """The first leaf error as a 400 whose param is its path (``messages[2].content[0].text``)."""
-    path = ""
     cur: BaseException = exc
     while isinstance(cur, ClassValidationError | IterableValidationError) and cur.exceptions:
         cur = cur.exceptions[0]

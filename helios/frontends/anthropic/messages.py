@@ -20,14 +20,12 @@ Buffered responses are assembled by the same `MessageAssembler`, so the two neve
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import json
 import re
 import uuid
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, NewType, cast
 
 import attrs
 
@@ -58,19 +56,25 @@ from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingRequest
 from helios.errors import BadRequest, HeliosError
 from helios.frontends.common import validate_stops
-from helios.frontends.fields import FieldTable, honoured, ignored, one_of, refused, screen_fields
+from helios.frontends.fields import (
+    FieldTable,
+    field_table,
+    honoured,
+    ignored,
+    one_of,
+    refused,
+    screen_fields,
+    wire_field,
+)
 from helios.frontends.structured import decode_output_format
-from helios.frontends.wire import structure
-from helios.recipes import NEUTRAL_EFFORT_LEVELS, RECIPES, EffortError, resolve_effort
+from helios.frontends.wire import Base64Bytes, Invalid, NonEmptyStr, json_kind, register_leaf, structure
+from helios.recipes import RECIPES, EffortError, resolve_effort
 
 ANTHROPIC_VERSION = "2023-06-01"
 THINKING_MARKER_PREFIX = "flare-thinking-v1:"
-# Keys a message object may carry that steer a hosted service, not the conversation: ignored.
-MESSAGE_CONTROL_METADATA = frozenset({"output_config", "cache_control", "metadata", "context_management"})
 
 REJECTED_FIELDS = ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "logprob_token_ids",
                    "prompt_logprobs")
-IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp")
 MAX_BUDGET = 2**31 - 1
 
 
@@ -94,45 +98,292 @@ def check_version(value: str | None) -> None:
         raise BadRequest(f"unsupported anthropic-version '{value}'; this server supports {ANTHROPIC_VERSION}")
 
 
-# -- wire classes ---------------------------------------------------------------------------------
+# -- the request's shapes (the SDK's MessageParam, its content blocks, ToolParam and ToolChoiceParam) -----
 
 
-@attrs.frozen
+@attrs.define(kw_only=True)
+class CacheControl:
+    """Advisory: a candidate prefix-checkpoint boundary (`cache_breakpoints`); only the shape is checked."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+@attrs.define(kw_only=True)
+class TextBlock:
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: Any = wire_field(refused("citations of documents are not implemented", inert=one_of([]),
+                                        message="citations are not supported"))
+
+    def part(self, i: int, j: int) -> Part:
+        return TextPart(self.text)
+
+
+@attrs.define(kw_only=True)
+class Base64Source:
+    type: Literal["base64"]
+    media_type: Literal["image/png", "image/jpeg", "image/webp"]
+    data: Base64Bytes
+
+
+@attrs.define(kw_only=True)
+class RemoteSource:
+    __wire_refused__: ClassVar[str] = ("image sources of type {value!r} are unsupported; images must be base64 data "
+                                       "(remote image downloads are unsupported)")
+    type: Literal["url", "file"]
+
+
+@attrs.define(kw_only=True)
+class ImageBlock:
+    type: Literal["image"]
+    source: Base64Source | RemoteSource
+    cache_control: CacheControl | None = None
+    transformations: Any = wire_field(refused("image transformations are not implemented", inert=one_of({}),
+                                              message="transformations are not supported"))
+
+    def image(self, where: str) -> ImagePart:
+        """The image; `where` (the block's path) is its place in later messages."""
+        source = cast("Base64Source", self.source)  # the other member is refused
+        return ImagePart(source.media_type, source.data, where)
+
+    def part(self, i: int, j: int) -> Part:
+        return self.image(f"messages[{i}].content[{j}]")
+
+
+TOOLSET_NAME = refused("toolsets are not implemented", message="toolsets are not supported")
+
+
+@attrs.define(kw_only=True)
+class ToolResultBlock:
+    type: Literal["tool_result"]
+    tool_use_id: NonEmptyStr
+    content: str | list[TextBlock | ImageBlock] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+    toolset_name: Any = wire_field(TOOLSET_NAME)
+
+    def texts(self) -> list[str]:
+        if self.content is None or type(self.content) is str:
+            return [] if self.content is None else [self.content]
+        return [b.text for b in self.content if type(b) is TextBlock]
+
+    def part(self, i: int, j: int) -> Part:
+        content = self.content
+        parts: tuple[TextPart | ImagePart, ...] = ()
+        if type(content) is str:
+            parts = (TextPart(content),)
+        elif content:
+            parts = tuple([TextPart(b.text) if type(b) is TextBlock else
+                           cast("ImageBlock", b).image(f"messages[{i}].content[{j}].content[{k}]")
+                           for k, b in enumerate(content)])
+        return ToolResultPart(self.tool_use_id, parts, is_error=bool(self.is_error))
+
+
+@attrs.define(kw_only=True)
+class ToolUseBlock:
+    type: Literal["tool_use"]
+    id: NonEmptyStr
+    name: NonEmptyStr
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+    caller: Any = wire_field(refused("programmatic (code-execution) callers are not implemented",
+                                     inert=one_of({"type": "direct"}), message="only direct tool calls are supported"))
+    toolset_name: Any = wire_field(TOOLSET_NAME)
+
+    def part(self, i: int, j: int) -> Part:
+        return ToolCallPart(self.id, self.name, self.input)
+
+
+@attrs.define(kw_only=True)
+class ThinkingBlock:
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+    cache_control: CacheControl | None = None
+
+    def __attrs_post_init__(self) -> None:
+        sig = self.signature
+        if sig is not None and sig.startswith(THINKING_MARKER_PREFIX) and sig != thinking_signature(self.thinking):
+            raise Invalid(f"the thinking block does not match its {THINKING_MARKER_PREFIX} signature", at="signature")
+
+    def part(self, i: int, j: int) -> Part:
+        return ReasoningPart(self.thinking)
+
+
+@attrs.define(kw_only=True)
+class RedactedThinkingBlock:
+    """Opaque provider reasoning: nothing readable to present to this model, so it is dropped."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+    def part(self, i: int, j: int) -> None:
+        return None
+
+
+@attrs.define(kw_only=True)
+class AssistantOnlyBlock:
+    __wire_refused__: ClassVar[str] = "{value!r} blocks belong in assistant messages"
+    type: Literal["thinking", "redacted_thinking", "tool_use"]
+
+
+@attrs.define(kw_only=True)
+class UserOnlyBlock:
+    __wire_refused__: ClassVar[str] = "{value!r} blocks belong in user messages"
+    type: Literal["image", "tool_result"]
+
+
+UserBlock = TextBlock | ImageBlock | ToolResultBlock | AssistantOnlyBlock
+AssistantBlock = TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | UserOnlyBlock
+
+# api.md: message-level control metadata (output_config.effort and the like) is ignored; the
+# request's top-level controls apply.
+MESSAGE_CONTROL = ignored("message-level control metadata; the request's top-level controls apply")
+
+
+@attrs.define(kw_only=True)
+class MessageControls:
+    """Keys a message may carry that steer a hosted service, not the conversation."""
+
+    output_config: Any = wire_field(MESSAGE_CONTROL)
+    cache_control: Any = wire_field(MESSAGE_CONTROL)
+    metadata: Any = wire_field(MESSAGE_CONTROL)
+    context_management: Any = wire_field(MESSAGE_CONTROL)
+
+
+@attrs.define(kw_only=True)
+class UserMessage(MessageControls):
+    role: Literal["user"]
+    content: str | list[UserBlock]
+
+
+@attrs.define(kw_only=True)
+class AssistantMessage(MessageControls):
+    role: Literal["assistant"]
+    content: str | list[AssistantBlock]
+
+
+@attrs.define(kw_only=True)
+class SystemMessage(MessageControls):
+    role: Literal["system"]
+    content: str | list[TextBlock]
+
+
+MessageWire = UserMessage | AssistantMessage | SystemMessage
+
+
+def _client_tool_type(v: Any, _t: Any) -> Any:
+    if v is None or v == "custom":
+        return v
+    if not isinstance(v, str):
+        raise TypeError(f"expected a string, got {json_kind(v)}")
+    raise Invalid(f"tool type {v!r} is not supported; hosted and server tools are unsupported, use client tools "
+                  "with an input_schema")
+
+
+ClientToolType = NewType("ClientToolType", str)
+"""A client tool's ``type``: absent or ``custom``; a hosted or server tool's type is refused."""
+register_leaf(ClientToolType, _client_tool_type)
+
+
+@attrs.define(kw_only=True)
+class ClientTool:
+    type: ClientToolType | None = None  # first: a hosted tool is named as such before its other keys
+    name: NonEmptyStr
+    input_schema: dict[str, Any]
+    description: str | None = None
+    cache_control: CacheControl | None = None
+    strict: bool | None = wire_field(refused("strict tool schemas are not implemented", inert=one_of(False),
+                                             message="strict tool schemas (strict: true) are not supported"))
+    allowed_callers: Any = wire_field(refused("programmatic (code-execution) callers are not implemented",
+                                              inert=one_of(["direct"]), message="only direct calls are supported"))
+    defer_loading: bool | None = wire_field(refused("tool search is not implemented", inert=one_of(False),
+                                                    message="tool search is not supported"))
+    eager_input_streaming: bool | None = wire_field(ignored("a streaming hint; a call's input is streamed whole"))
+    input_examples: list[dict[str, Any]] | None = wire_field(
+        ignored("examples for the provider's tool prompt; the chat template renders the schema"))
+
+
+@attrs.define(kw_only=True)
+class AutoChoice:
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool | None = None
+
+
+@attrs.define(kw_only=True)
+class AnyChoice:
+    type: Literal["any"]
+    disable_parallel_tool_use: bool | None = None
+
+
+@attrs.define(kw_only=True)
+class NamedChoice:
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool | None = None
+
+
+@attrs.define(kw_only=True)
+class NoneChoice:
+    type: Literal["none"]
+
+
+ToolChoiceWire = AutoChoice | AnyChoice | NamedChoice | NoneChoice
+
+
+@attrs.define(kw_only=True)
 class ThinkingWire:
-    type: str
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = None
-    display: str | None = None
+    display: Literal["summarized", "omitted"] | None = None
 
 
-@attrs.frozen
+@attrs.define(kw_only=True)
 class OutputConfigWire:
-    effort: str | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: Any = None
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(kw_only=True)
 class CountTokensWire:
-    """The honoured fields of `COUNT_TOKENS_FIELDS`; a generation request adds `MessagesWire`'s."""
+    """The honoured fields of `COUNT_TOKENS_FIELDS`, each with its row; a generation request adds
+    `MessagesWire`'s."""
 
-    messages: list[Any]
-    system: Any = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    thinking: ThinkingWire | None = None
-    output_config: OutputConfigWire | None = None
-    thinking_token_budget: int | None = None
+    messages: list[MessageWire] = wire_field(
+        honoured("the conversation: text, image, thinking, tool_use and tool_result blocks"), required=True)
+    system: str | list[TextBlock] | None = wire_field(
+        honoured("leading system text blocks (block cache_control is a prefix-checkpoint hint)"))
+    tools: list[ClientTool] | None = wire_field(
+        honoured("client tools with an input_schema; hosted and server tool types are refused"))
+    tool_choice: ToolChoiceWire | None = wire_field(
+        honoured("auto, any, tool or none; disable_parallel_tool_use allows one call"))
+    thinking: ThinkingWire | None = wire_field(honoured(
+        "enabled, adaptive, disabled or between_tools; budget_tokens caps reasoning and selects effort; display "
+        "'omitted' returns thinking blocks without their text"))
+    output_config: OutputConfigWire | None = wire_field(honoured(
+        "effort selects the template's level; format json_schema constrains the answer (reasoning and tool calls "
+        "stay free)"))
+    thinking_token_budget: int | None = wire_field(honoured(
+        "Helios extension: hard cap on reasoning tokens; at the cap the reasoning close token is forced (400 where "
+        "the model cannot close it)"))
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(kw_only=True)
 class MessagesWire(CountTokensWire):
     """The honoured fields of `MESSAGES_FIELDS`; ignored and refused ones never reach it."""
 
-    max_tokens: int
-    stop_sequences: list[str] | None = None
-    stream: bool | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    max_tokens: int = wire_field(honoured("output limit, reasoning included"), required=True)
+    stop_sequences: list[str] | None = wire_field(honoured("string stops: at most 4, 4096 UTF-8 bytes in all"))
+    stream: bool | None = wire_field(honoured("named SSE events"))
+    temperature: float | None = wire_field(honoured("sampling temperature (clamped to the recipe's range)"))
+    top_p: float | None = wire_field(honoured("nucleus filter (clamped to the recipe's range)"))
+    top_k: int | None = wire_field(honoured("top-k filter (clamped to the recipe's range)"))
+
+
+def _check_cache_control(value: Any) -> None:
+    structure(value, CacheControl, at="cache_control")
 
 
 def _check_diagnostics(value: Any) -> None:
@@ -140,60 +391,45 @@ def _check_diagnostics(value: Any) -> None:
         raise BadRequest("diagnostics must be an object with previous_message_id", param="diagnostics")
 
 
-MESSAGES_FIELDS: FieldTable = {
-    "messages": honoured("the conversation: text, image, thinking, tool_use and tool_result blocks"),
-    "system": honoured("leading system text blocks (block cache_control is a prefix-checkpoint hint)"),
-    "tools": honoured("client tools with an input_schema; hosted and server tool types are refused"),
-    "tool_choice": honoured("auto, any, tool or none; disable_parallel_tool_use allows one call"),
-    "thinking": honoured("enabled, adaptive, disabled or between_tools; budget_tokens caps reasoning and "
-                         "selects effort; display 'omitted' returns thinking blocks without their text"),
-    "output_config": honoured("effort selects the template's level; format json_schema constrains the answer "
-                              "(reasoning and tool calls stay free)"),
-    "thinking_token_budget": honoured("Helios extension: hard cap on reasoning tokens; at the cap the "
-                                      "reasoning close token is forced (400 where the model cannot close it)"),
-    "max_tokens": honoured("output limit, reasoning included"),
-    "stop_sequences": honoured("string stops: at most 4, 4096 UTF-8 bytes in all"),
-    "stream": honoured("named SSE events"),
-    "temperature": honoured("sampling temperature (clamped to the recipe's range)"),
-    "top_p": honoured("nucleus filter (clamped to the recipe's range)"),
-    "top_k": honoured("top-k filter (clamped to the recipe's range)"),
-    "model": ignored("one model is served: every name reaches it and responses report its own id", str),
-    "metadata": ignored("user_id for the provider's abuse monitoring; nothing to monitor locally", dict),
-    "service_tier": ignored("one local tier: 'auto' and 'standard_only' both hold; other tiers are refused", str,
-                            allows=one_of("auto", "standard_only"),
-                            message="service_tier '{value}' is not supported; use 'auto' or 'standard_only'"),
-    "cache_control": ignored("automatic prompt caching: local prefix reuse is automatic; only the shape is "
-                             "checked", check=lambda v: _check_cache_control(v, "cache_control")),
-    "speed": ignored("one serving speed; 'standard' and 'fast' are both accepted", str,
-                     allows=one_of("standard", "fast"), message="speed must be 'standard' or 'fast'"),
-    "context_management": ignored("clear_thinking_20251015 with keep: 'all' asks for what Helios does anyway "
-                                  "(every thinking block kept); active context edits are refused",
-                                  check=lambda v: _check_context_management(v)),
-    "inference_geo": ignored("local inference: every geography is satisfied", str),
-    "diagnostics": ignored("cache-miss diagnostics are not reported", check=_check_diagnostics),
-    "user_profile_id": ignored("provider account attribution (the SDK sends it as a header)", str),
-    "workspace_id": ignored("provider workspace selection (the SDK sends it as a header)", str),
-    "betas": ignored("beta opt-ins (the SDK sends them as the anthropic-beta header); Helios gates nothing on "
-                     "them", list),
-    "billing_policy": ignored("provider billing; nobody is billed locally", dict),
-    "fallback_credit_token": ignored("provider billing credit for a retried refusal; nothing is billed", str, dict),
-    "fallbacks": ignored("substitute models for provider policy refusals; Helios makes none", list, str),
-    "safeguards": ignored("Claude Code's provider-side classifier context (dangerous_tool_use); not in the public "
-                          "SDK types, no classifier runs locally", list),
-    "container": refused("code-execution containers are not available on a local server",
-                         message="container is not supported: code-execution containers are not available"),
-    "mcp_servers": refused("Helios does not connect to MCP servers; give the client the tools instead",
-                           inert=one_of([]), message="mcp_servers is not supported: MCP servers are not available"),
+MESSAGES_FIELDS: FieldTable = field_table(
+    MessagesWire,
+    model=ignored("one model is served: every name reaches it and responses report its own id", str),
+    metadata=ignored("user_id for the provider's abuse monitoring; nothing to monitor locally", dict),
+    service_tier=ignored("one local tier: 'auto' and 'standard_only' both hold; other tiers are refused", str,
+                         allows=one_of("auto", "standard_only"),
+                         message="service_tier '{value}' is not supported; use 'auto' or 'standard_only'"),
+    cache_control=ignored("automatic prompt caching: local prefix reuse is automatic; only the shape is checked",
+                          check=_check_cache_control),
+    speed=ignored("one serving speed; 'standard' and 'fast' are both accepted", str,
+                  allows=one_of("standard", "fast"), message="speed must be 'standard' or 'fast'"),
+    context_management=ignored("clear_thinking_20251015 with keep: 'all' asks for what Helios does anyway "
+                               "(every thinking block kept); active context edits are refused",
+                               check=lambda v: _check_context_management(v)),
+    inference_geo=ignored("local inference: every geography is satisfied", str),
+    diagnostics=ignored("cache-miss diagnostics are not reported", check=_check_diagnostics),
+    user_profile_id=ignored("provider account attribution (the SDK sends it as a header)", str),
+    workspace_id=ignored("provider workspace selection (the SDK sends it as a header)", str),
+    betas=ignored("beta opt-ins (the SDK sends them as the anthropic-beta header); Helios gates nothing on them",
+                  list),
+    billing_policy=ignored("provider billing; nobody is billed locally", dict),
+    fallback_credit_token=ignored("provider billing credit for a retried refusal; nothing is billed", str, dict),
+    fallbacks=ignored("substitute models for provider policy refusals; Helios makes none", list, str),
+    safeguards=ignored("Claude Code's provider-side classifier context (dangerous_tool_use); not in the public "
+                       "SDK types, no classifier runs locally", list),
+    container=refused("code-execution containers are not available on a local server",
+                      message="container is not supported: code-execution containers are not available"),
+    mcp_servers=refused("Helios does not connect to MCP servers; give the client the tools instead",
+                        inert=one_of([]), message="mcp_servers is not supported: MCP servers are not available"),
     # The Anthropic SDK's tool runner and message threads send `thread` and, on this error_code,
     # go on without it (anthropic.lib.threads: "continue_unthreaded").
-    "thread": refused("server-held conversation state: Helios keeps no messages, so send the whole conversation",
-                      details={"error_code": "thread_unsupported_request"}),
-    "compaction": refused("compaction requests (summarize the conversation) are not implemented"),
+    thread=refused("server-held conversation state: Helios keeps no messages, so send the whole conversation",
+                   details={"error_code": "thread_unsupported_request"}),
+    compaction=refused("compaction requests (summarize the conversation) are not implemented"),
     # The spec: /v1/messages rejects these fields; present at all (null included) is a 400.
     **{name: refused("an OpenAI/vLLM logprob option; Messages has no logprobs",
                      message=f"{name} is not supported on /v1/messages", refuse_null=True)
        for name in REJECTED_FIELDS},
-}
+)
 """Every top-level Messages field Helios knows (see `helios.frontends.fields`)."""
 
 COUNT_TOKENS_FIELDS: FieldTable = {
@@ -236,12 +472,7 @@ class MessagesPlan:
 
 def decode_request(obj: dict[str, Any], info: ModelInfo) -> MessagesPlan:
     """A POST /v1/messages body → MessagesPlan (BadRequest on anything malformed or unsupported)."""
-    obj = screen_fields(obj, MESSAGES_FIELDS)
-    for name in ("stop_sequences", "messages", "tools"):
-        # cattrs would structure a string into a list of characters
-        if obj.get(name) is not None and not isinstance(obj[name], list):
-            raise BadRequest(f"{name} must be an array", param=name)
-    w = structure(obj, MessagesWire)
+    w = structure(screen_fields(obj, MESSAGES_FIELDS), MessagesWire)
     if w.max_tokens < 1:
         raise BadRequest("max_tokens must be at least 1", param="max_tokens")
     stops = validate_stops(w.stop_sequences, param="stop_sequences")
@@ -251,18 +482,14 @@ def decode_request(obj: dict[str, Any], info: ModelInfo) -> MessagesPlan:
 
 def decode_count_tokens(obj: dict[str, Any], info: ModelInfo) -> MessagesPlan:
     """A POST /v1/messages/count_tokens body: the same decoding, without generation fields."""
-    obj = screen_fields(obj, COUNT_TOKENS_FIELDS)
-    for name in ("messages", "tools"):
-        if obj.get(name) is not None and not isinstance(obj[name], list):
-            raise BadRequest(f"{name} must be an array", param=name)
-    w = structure(obj, CountTokensWire)
+    w = structure(screen_fields(obj, COUNT_TOKENS_FIELDS), CountTokensWire)
     return _plan(w, info, sampling=SamplingRequest(), max_tokens=None, stream=False, stops=())
 
 
 def _plan(w: CountTokensWire, info: ModelInfo, *, sampling: SamplingRequest, max_tokens: int | None,
           stream: bool, stops: tuple[str, ...]) -> MessagesPlan:
     constraint = decode_output_format(w.output_config.format) if w.output_config is not None else None
-    messages = decode_messages(w.system, w.messages)
+    messages, breakpoints = decode_messages(w.system, w.messages)
     tools, choice, parallel = decode_tools(w.tools, w.tool_choice)
     budget, effort, kwargs = _decode_thinking(w, info)
     continuation = messages[-1].role == "assistant"
@@ -275,7 +502,7 @@ def _plan(w: CountTokensWire, info: ModelInfo, *, sampling: SamplingRequest, max
         add_generation_prompt=not continuation,
         continue_final_message=continuation,
         chat_template_kwargs=kwargs,
-        cache_breakpoints=cache_breakpoints(w.messages),
+        cache_breakpoints=breakpoints,
     )
     hide = w.thinking is not None and w.thinking.display == "omitted"
     budget_param = "thinking_token_budget" if w.thinking_token_budget is not None and budget is not None else None
@@ -283,300 +510,92 @@ def _plan(w: CountTokensWire, info: ModelInfo, *, sampling: SamplingRequest, max
                         thinking_token_budget_param=budget_param)
 
 
-def decode_messages(system: Any, messages: list[Any]) -> tuple[Message, ...]:
-    """System text and Anthropic messages → neutral messages (the system, if any, first)."""
+MAX_BREAKPOINTS = 4
+
+
+def decode_messages(system: str | list[TextBlock] | None,
+                    messages: list[MessageWire]) -> tuple[tuple[Message, ...], tuple[str, ...]]:
+    """System text and Anthropic messages → neutral messages (the system, if any, first), and the
+    conversation's cache breakpoints.
+
+    api.md: cache_control on a user message's text, image or tool_result block marks the end of
+    that block as a candidate prefix-checkpoint boundary, for the first four such blocks (elsewhere
+    it is ignored). A breakpoint is the text that ends its boundary (an image's is the text before it)."""
     out: list[Message] = []
-    if system is not None:
-        parts = _system_parts(system, "system")
-        if parts:
-            out.append(Message("system", parts))
+    if type(system) is str:
+        out.append(Message("system", (TextPart(system),)))
+    elif system:
+        out.append(Message("system", tuple([TextPart(b.text) for b in cast("list[TextBlock]", system)])))
     if not messages:
         raise BadRequest("messages must contain at least one message", param="messages")
+    breakpoints: list[str] = []
     for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise BadRequest(f"{where} must be an object", param=where)
-        # api.md: message-level control metadata (output_config.effort and the like) is ignored;
-        # the request's top-level controls apply.
-        extra = set(m) - {"role", "content"} - MESSAGE_CONTROL_METADATA
-        if extra:
-            raise BadRequest(f"unrecognized field(s) in {where}: {', '.join(sorted(extra))}", param=where)
-        role = m.get("role")
-        if "content" not in m:
-            raise BadRequest(f"{where}.content is required", param=f"{where}.content")
-        content = m["content"]
-        if role == "user":
-            out.append(Message("user", _user_parts(content, where)))
-        elif role == "assistant":
-            out.append(Message("assistant", _assistant_parts(content, where)))
-        elif role == "system":
-            out.append(Message("system", _system_parts(content, f"{where}.content")))
-        else:
-            raise BadRequest(f"{where}.role must be 'user' or 'assistant'", param=f"{where}.role")
-    return tuple(out)
+        content = m.content
+        if type(content) is str:
+            out.append(Message(m.role, (TextPart(content),)))
+            continue
+        blocks = cast("list[TextBlock | ImageBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | "
+                      "ToolUseBlock]", content)
+        parts = [b.part(i, j) for j, b in enumerate(blocks)]
+        if type(m) is UserMessage and len(breakpoints) < MAX_BREAKPOINTS:
+            _breakpoints(cast("list[TextBlock | ImageBlock | ToolResultBlock]", blocks), breakpoints)
+        out.append(Message(m.role, tuple([p for p in parts if p is not None]) if type(m) is AssistantMessage
+                           else tuple(cast("list[Part]", parts))))  # redacted thinking has no part
+    return tuple(out), tuple(breakpoints)
 
 
-def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
-    """Content as a list of typed blocks (a string is one text block)."""
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    if not isinstance(content, list):
-        raise BadRequest(f"{where} must be a string or an array of content blocks", param=where)
-    for j, b in enumerate(content):
-        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
-            raise BadRequest(f"{where}[{j}] must be an object with a string type", param=f"{where}[{j}]")
-    return content
+def _breakpoints(blocks: list[TextBlock | ImageBlock | ToolResultBlock], out: list[str]) -> None:
+    """A user message's marked blocks' breakpoints, appended to `out` (up to MAX_BREAKPOINTS in all)."""
+    for j, b in enumerate(blocks):
+        if b.cache_control is not None:
+            text = _last_text(blocks[:j + 1])
+            if text:
+                out.append(text)
+            if len(out) == MAX_BREAKPOINTS:
+                return
 
 
-def _system_parts(content: Any, where: str) -> tuple[Part, ...]:
-    parts: list[Part] = []
-    for j, b in enumerate(_blocks(content, where)):
-        if b["type"] != "text":
-            raise BadRequest(f"{where}[{j}]: system content must be text blocks", param=f"{where}[{j}]")
-        parts.append(_text_block(b, f"{where}[{j}]"))
-    return tuple(parts)
+def _last_text(blocks: list[TextBlock | ImageBlock | ToolResultBlock]) -> str:
+    """The text that ends `blocks`: the last text block's, or the last text in a tool result."""
+    for b in reversed(blocks):
+        if type(b) is TextBlock:
+            return b.text
+        if type(b) is ToolResultBlock and b.texts():
+            return b.texts()[-1]
+    return ""
 
 
 def cache_breakpoints(messages: list[Any]) -> tuple[str, ...]:
-    """api.md: cache_control on a user message's text, image or tool_result block marks the end of
-    that block as a candidate prefix-checkpoint boundary, for the first four such blocks (elsewhere
-    it is ignored). Returns the text that ends each boundary (an image's is the text before it)."""
-    out: list[str] = []
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") != "user" or not isinstance(m.get("content"), list):
-            continue
-        last_text = ""
-        for b in m["content"]:
-            if not isinstance(b, dict):
-                continue
-            if b.get("type") == "text" and isinstance(b.get("text"), str):
-                last_text = b["text"]
-            elif b.get("type") == "tool_result":
-                content = b.get("content")
-                texts: list[str] = [content] if isinstance(content, str) else [
-                    str(c["text"]) for c in content or [] if isinstance(c, dict) and isinstance(c.get("text"), str)]
-                last_text = texts[-1] if texts else last_text
-            if b.get("type") in ("text", "image", "tool_result") and b.get("cache_control") is not None:
-                if last_text:
-                    out.append(last_text)
-                if len(out) == 4:
-                    return tuple(out)
-    return tuple(out)
+    """The cache breakpoints of messages as sent (`decode_messages`)."""
+    return decode_messages(None, structure(messages, list[MessageWire], at="messages"))[1]
 
 
-def _user_parts(content: Any, where: str) -> tuple[Part, ...]:
-    parts: list[Part] = []
-    for j, b in enumerate(_blocks(content, f"{where}.content")):
-        at = f"{where}.content[{j}]"
-        t = b["type"]
-        if t == "text":
-            parts.append(_text_block(b, at))
-        elif t == "image":
-            parts.append(_image_block(b, at))
-        elif t == "tool_result":
-            parts.append(_tool_result_block(b, at))
-        elif t in ("thinking", "redacted_thinking", "tool_use"):
-            raise BadRequest(f"{at}: '{t}' blocks belong in assistant messages", param=at)
-        else:
-            raise BadRequest(f"{at}: content block type '{t}' is not supported", param=at)
-    return tuple(parts)
-
-
-def _assistant_parts(content: Any, where: str) -> tuple[Part, ...]:
-    parts: list[Part] = []
-    for j, b in enumerate(_blocks(content, f"{where}.content")):
-        at = f"{where}.content[{j}]"
-        t = b["type"]
-        if t == "text":
-            parts.append(_text_block(b, at))
-        elif t == "thinking":
-            parts.append(_thinking_block(b, at))
-        elif t == "redacted_thinking":
-            _keys(b, at, {"type", "data"})
-            if not isinstance(b.get("data"), str):
-                raise BadRequest(f"{at}.data must be a string", param=at)
-            # Opaque provider reasoning: nothing readable to present to this model.
-        elif t == "tool_use":
-            parts.append(_tool_use_block(b, at))
-        elif t in ("image", "tool_result"):
-            raise BadRequest(f"{at}: '{t}' blocks belong in user messages", param=at)
-        else:
-            raise BadRequest(f"{at}: content block type '{t}' is not supported", param=at)
-    return tuple(parts)
-
-
-def _keys(block: dict[str, Any], where: str, allowed: set[str]) -> None:
-    extra = set(block) - allowed
-    if extra:
-        raise BadRequest(f"unrecognized field(s) in {where}: {', '.join(sorted(extra))}", param=where)
-    _check_cache_control(block.get("cache_control"), f"{where}.cache_control")
-    if block.get("toolset_name") is not None:
-        raise BadRequest(f"{where}.toolset_name: toolsets are not supported", param=f"{where}.toolset_name")
-
-
-def _check_cache_control(cc: Any, where: str) -> None:
-    """cache_control is advisory (a candidate prefix-checkpoint hint); only its shape is checked."""
-    if cc is not None and (not isinstance(cc, dict) or cc.get("type") != "ephemeral"
-                           or set(cc) - {"type", "ttl"} or cc.get("ttl") not in (None, "5m", "1h")):
-        raise BadRequest(f"{where} must be {{\"type\": \"ephemeral\"}} with an optional ttl", param=where)
-
-
-def _text_block(b: dict[str, Any], where: str) -> TextPart:
-    _keys(b, where, {"type", "text", "cache_control", "citations"})
-    if not isinstance(b.get("text"), str):
-        raise BadRequest(f"{where}.text must be a string", param=f"{where}.text")
-    if b.get("citations") not in (None, []):
-        raise BadRequest(f"{where}.citations are not supported", param=f"{where}.citations")
-    return TextPart(b["text"])
-
-
-def _image_block(b: dict[str, Any], where: str) -> ImagePart:
-    _keys(b, where, {"type", "source", "cache_control", "transformations"})
-    if b.get("transformations") not in (None, {}):
-        raise BadRequest(f"{where}.transformations are not supported", param=f"{where}.transformations")
-    src = b.get("source")
-    if not isinstance(src, dict) or not isinstance(src.get("type"), str):
-        raise BadRequest(f"{where}.source must be an object with a type", param=f"{where}.source")
-    if src["type"] != "base64":
-        raise BadRequest(f"{where}: image sources of type '{src['type']}' are unsupported; images must be "
-                         "base64 data (remote image downloads are unsupported)", param=f"{where}.source")
-    if set(src) - {"type", "media_type", "data"}:
-        raise BadRequest(f"unrecognized field(s) in {where}.source", param=f"{where}.source")
-    media, data = src.get("media_type"), src.get("data")
-    if media not in IMAGE_MEDIA_TYPES:
-        raise BadRequest(f"{where}: unsupported image media_type {media!r}; use PNG, JPEG or static WebP",
-                         param=f"{where}.source.media_type")
-    if not isinstance(data, str):
-        raise BadRequest(f"{where}.source.data must be a base64 string", param=f"{where}.source.data")
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (ValueError, binascii.Error):
-        raise BadRequest(f"{where}: invalid base64 image data", param=f"{where}.source.data") from None
-    return ImagePart(str(media), raw, where)
-
-
-def _tool_result_block(b: dict[str, Any], where: str) -> ToolResultPart:
-    _keys(b, where, {"type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"})
-    tid = b.get("tool_use_id")
-    if not isinstance(tid, str) or not tid:
-        raise BadRequest(f"{where}.tool_use_id must be a nonempty string", param=f"{where}.tool_use_id")
-    is_error = b.get("is_error", False)
-    if is_error is None:
-        is_error = False
-    if not isinstance(is_error, bool):
-        raise BadRequest(f"{where}.is_error must be a boolean", param=f"{where}.is_error")
-    content: list[TextPart | ImagePart] = []
-    raw = b.get("content")
-    if raw is not None:
-        for k, c in enumerate(_blocks(raw, f"{where}.content")):
-            at = f"{where}.content[{k}]"
-            if c["type"] == "text":
-                content.append(_text_block(c, at))
-            elif c["type"] == "image":
-                content.append(_image_block(c, at))
-            else:
-                raise BadRequest(f"{at}: tool results may contain text and image blocks only", param=at)
-    return ToolResultPart(tid, tuple(content), is_error=is_error)
-
-
-def _tool_use_block(b: dict[str, Any], where: str) -> ToolCallPart:
-    _keys(b, where, {"type", "id", "name", "input", "cache_control", "caller", "toolset_name"})
-    if b.get("caller") not in (None, {"type": "direct"}):
-        raise BadRequest(f"{where}.caller: only direct tool calls are supported", param=f"{where}.caller")
-    tid, name, args = b.get("id"), b.get("name"), b.get("input")
-    if not isinstance(tid, str) or not tid:
-        raise BadRequest(f"{where}.id must be a nonempty string", param=f"{where}.id")
-    if not isinstance(name, str) or not name:
-        raise BadRequest(f"{where}.name must be a nonempty string", param=f"{where}.name")
-    if not isinstance(args, dict):
-        raise BadRequest(f"{where}.input must be an object", param=f"{where}.input")
-    return ToolCallPart(tid, name, args)
-
-
-def _thinking_block(b: dict[str, Any], where: str) -> ReasoningPart:
-    _keys(b, where, {"type", "thinking", "signature", "cache_control"})
-    text, sig = b.get("thinking"), b.get("signature")
-    if not isinstance(text, str):
-        raise BadRequest(f"{where}.thinking must be a string", param=f"{where}.thinking")
-    if sig is not None and not isinstance(sig, str):
-        raise BadRequest(f"{where}.signature must be a string", param=f"{where}.signature")
-    if sig is not None and sig.startswith(THINKING_MARKER_PREFIX) and sig != thinking_signature(text):
-        raise BadRequest(f"{where}: the thinking block does not match its {THINKING_MARKER_PREFIX} signature",
-                         param=f"{where}.signature")
-    return ReasoningPart(text)
-
-
-def decode_tools(tools: list[Any] | None, tool_choice: Any) -> tuple[tuple[Tool, ...], ToolChoice, bool]:
+def decode_tools(tools: list[ClientTool] | None,
+                 tool_choice: ToolChoiceWire | None) -> tuple[tuple[Tool, ...], ToolChoice, bool]:
     """Client tools and tool_choice → (tools, choice, parallel calls allowed)."""
-    decoded: list[Tool] = []
-    for i, t in enumerate(tools or []):
-        where = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise BadRequest(f"{where} must be an object", param=where)
-        kind = t.get("type")
-        if kind not in (None, "custom"):
-            raise BadRequest(f"{where}: tool type '{kind}' is not supported; hosted and server tools are "
-                             "unsupported, use client tools with an input_schema", param=f"{where}.type")
-        _keys(t, where, {"type", "name", "description", "input_schema", "cache_control", "strict",
-                         "allowed_callers", "defer_loading", "eager_input_streaming", "input_examples"})
-        if t.get("allowed_callers") not in (None, ["direct"]):
-            raise BadRequest(f"{where}.allowed_callers: only direct calls are supported",
-                             param=f"{where}.allowed_callers")
-        if t.get("defer_loading") not in (None, False):
-            raise BadRequest(f"{where}.defer_loading: tool search is not supported", param=f"{where}.defer_loading")
-        if t.get("eager_input_streaming") not in (None, True, False):
-            raise BadRequest(f"{where}.eager_input_streaming must be a boolean",
-                             param=f"{where}.eager_input_streaming")
-        examples = t.get("input_examples")
-        if examples is not None and not (isinstance(examples, list) and all(isinstance(x, dict) for x in examples)):
-            raise BadRequest(f"{where}.input_examples must be an array of objects", param=f"{where}.input_examples")
-        name, desc, schema = t.get("name"), t.get("description"), t.get("input_schema")
-        if not isinstance(name, str) or not name:
-            raise BadRequest(f"{where}.name must be a nonempty string", param=f"{where}.name")
-        if t.get("strict") is True:
-            raise BadRequest("strict tool schemas (strict: true) are not supported", param=f"{where}.strict")
-        if t.get("strict") not in (None, False):
-            raise BadRequest(f"{where}.strict must be a boolean", param=f"{where}.strict")
-        if desc is not None and not isinstance(desc, str):
-            raise BadRequest(f"{where}.description must be a string", param=f"{where}.description")
-        if not isinstance(schema, dict):
-            raise BadRequest(f"{where}.input_schema must be a JSON schema object", param=f"{where}.input_schema")
-        if any(d.name == name for d in decoded):
-            raise BadRequest(f"tool names must be unique; '{name}' is declared twice", param=f"{where}.name")
-        decoded.append(Tool(name, desc, schema))
-    names = {t.name for t in decoded}
+    decoded: dict[str, Tool] = {}
+    for i, t in enumerate(tools or ()):
+        if t.name in decoded:
+            raise BadRequest(f"tool names must be unique; '{t.name}' is declared twice", param=f"tools[{i}].name")
+        decoded[t.name] = Tool(t.name, t.description, t.input_schema)
+    declared = tuple(decoded.values())
     if tool_choice is None:
-        return tuple(decoded), ToolChoice("auto" if decoded else "none"), True
-    if not isinstance(tool_choice, dict) or not isinstance(tool_choice.get("type"), str):
-        raise BadRequest("tool_choice must be an object with a type", param="tool_choice")
-    kind = tool_choice["type"]
-    allowed = {"type", "disable_parallel_tool_use"} | ({"name"} if kind == "tool" else set())
-    if kind == "none":
-        allowed = {"type"}
-    extra = set(tool_choice) - allowed
-    if extra:
-        raise BadRequest(f"unrecognized field(s) in tool_choice: {', '.join(sorted(extra))}", param="tool_choice")
-    disable = tool_choice.get("disable_parallel_tool_use")
-    if disable is not None and not isinstance(disable, bool):
-        raise BadRequest("tool_choice.disable_parallel_tool_use must be a boolean",
-                         param="tool_choice.disable_parallel_tool_use")
-    parallel = not disable
-    if kind == "auto":
-        choice = ToolChoice("auto" if decoded else "none")
-    elif kind == "none":
-        choice = ToolChoice("none")
-    elif kind == "any":
-        if not decoded:
+        return declared, ToolChoice("auto" if declared else "none"), True
+    if type(tool_choice) is NoneChoice:
+        return declared, ToolChoice("none"), True
+    parallel = not cast("AutoChoice | AnyChoice | NamedChoice", tool_choice).disable_parallel_tool_use
+    if type(tool_choice) is AutoChoice:
+        choice = ToolChoice("auto" if declared else "none")
+    elif type(tool_choice) is AnyChoice:
+        if not declared:
             raise BadRequest("tool_choice 'any' needs at least one declared tool", param="tool_choice")
         choice = ToolChoice("required")
-    elif kind == "tool":
-        name = tool_choice.get("name")
-        if not isinstance(name, str) or name not in names:
+    else:
+        name = cast("NamedChoice", tool_choice).name
+        if name not in decoded:
             raise BadRequest(f"tool_choice names {name!r}, which is not a declared tool", param="tool_choice.name")
         choice = ToolChoice("named", name)
-    else:
-        raise BadRequest("tool_choice.type must be 'auto', 'any', 'tool' or 'none'", param="tool_choice.type")
-    return tuple(decoded), choice, parallel
+    return declared, choice, parallel
 
 
 def _check_context_management(cm: Any) -> None:
@@ -603,10 +622,7 @@ def _decode_thinking(w: CountTokensWire, info: ModelInfo) -> tuple[int | None, s
     th = w.thinking
     requested: int | None = None
     if th is not None:
-        if th.type not in ("enabled", "disabled", "adaptive", "between_tools"):
-            raise BadRequest("thinking.type must be 'enabled', 'disabled', 'adaptive' or 'between_tools'",
-                             param="thinking.type")
-        if th.display not in (None, "summarized", "omitted") or (th.display and th.type == "disabled"):
+        if th.display is not None and th.type == "disabled":
             raise BadRequest("thinking.display must be 'summarized' or 'omitted' with thinking on",
                              param="thinking.display")
         if th.type == "enabled" and th.budget_tokens is None:
@@ -633,9 +649,6 @@ def _decode_thinking(w: CountTokensWire, info: ModelInfo) -> tuple[int | None, s
     level: str | None = None
     oc = w.output_config
     if oc is not None and oc.effort is not None:
-        if oc.effort not in NEUTRAL_EFFORT_LEVELS or oc.effort == "minimal":
-            raise BadRequest("output_config.effort must be one of low, medium, high, xhigh, max",
-                             param="output_config.effort")
         level = oc.effort
     elif requested is not None:
         level = "low" if requested <= 5000 else "high" if requested <= 20000 else "max"
