@@ -2,7 +2,7 @@
 
 One `Drafter` per engine owns the draft model, its own KV page pool (a `KVCacheManager`, or a
 `KVCacheCoordinator` for other layouts, behind a `TorchPagedBackend`) and a `ModelRunner` over them.
-Every speculating request gets a `DraftModelProposer` (the scheduler's proposer chain, after the
+Every speculating request gets a `LearnedProposer` (the scheduler's proposer chain, after the
 n-gram and history lookups: `speculative.FirstOf`), which asks the drafter for its drafts.
 
 Per request the drafter keeps a `RequestState` of its own (the request's id, the tokens whose K/V
@@ -27,6 +27,7 @@ round then has the drafts made so far, maybe none).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -62,16 +63,9 @@ class Drafter:
                              "state rollback")
         self.model = model
         self.device = torch.device(device)
-        self.attention = TorchPagedBackend.for_layout(layout, num_pages, page_size, dtype, self.device,
-                                                      num_state_slots=max_active)
-        if kv_prefault:
-            self.attention.kv.prefault()
-        self.kv: KVManager
-        if layout.is_single_full:
-            self.kv = KVCacheManager(num_pages, page_size, enable_caching=prefix_caching, fingerprint=fingerprint)
-        else:
-            self.kv = KVCacheCoordinator(layout, num_pages, page_size, enable_caching=prefix_caching,
-                                         fingerprint=fingerprint, num_state_slots=max_active)
+        self.attention, self.kv = draft_pool(layout, num_pages, page_size, dtype, self.device, max_active=max_active,
+                                             prefix_caching=prefix_caching, fingerprint=fingerprint,
+                                             kv_prefault=kv_prefault)
         vocab = model.vocab_size
         self.sampler = Sampler(min(vocab, token_vocab_size or vocab), device=self.device)
         self.runner = ModelRunner(model, self.attention, self.kv, self.sampler, self.device, max_rows=max_active,
@@ -94,8 +88,8 @@ class Drafter:
         """Requests the drafter holds state (pages, a batch row) for."""
         return len(self._states)
 
-    def proposer(self, request_id: str) -> DraftModelProposer:
-        return DraftModelProposer(self, request_id)
+    def proposer(self, request_id: str) -> LearnedProposer:
+        return LearnedProposer(self, request_id, DRAFT_MODEL_KIND)
 
     def propose(self, request_id: str, token_ids: Sequence[int], depth: int) -> tuple[int, ...]:
         """Up to ``depth`` greedy draft-model tokens after ``token_ids`` (the request's committed
@@ -185,15 +179,41 @@ class Drafter:
         return trimmed
 
 
-class DraftModelProposer:
-    """One request's drafts from the engine's `Drafter`."""
+def draft_pool(layout: CacheLayout, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device, *,
+               max_active: int, prefix_caching: bool, fingerprint: bytes,
+               kv_prefault: bool) -> tuple[TorchPagedBackend, KVManager]:
+    """A learned drafter's own KV pool over ``layout`` (the draft model's, or the MTP block's): the
+    attention backend with its cache (touched whole with ``kv_prefault``) and the page manager, one
+    `KVCacheManager` for a single full-attention group, else a `KVCacheCoordinator`."""
+    attention = TorchPagedBackend.for_layout(layout, num_pages, page_size, dtype, device, num_state_slots=max_active)
+    if kv_prefault:
+        attention.kv.prefault()
+    kv: KVManager
+    if layout.is_single_full:
+        kv = KVCacheManager(num_pages, page_size, enable_caching=prefix_caching, fingerprint=fingerprint)
+    else:
+        kv = KVCacheCoordinator(layout, num_pages, page_size, enable_caching=prefix_caching,
+                                fingerprint=fingerprint, num_state_slots=max_active)
+    return attention, kv
 
-    kind = DRAFT_MODEL_KIND
-    last_kind: str | None = DRAFT_MODEL_KIND
 
-    def __init__(self, drafter: Drafter, request_id: str) -> None:
+class LearnedDrafter(Protocol):
+    """What a learned drafter offers its per-request proposers (`Drafter`, `mtp.MTPDrafter`)."""
+
+    def propose(self, request_id: str, token_ids: Sequence[int], depth: int) -> tuple[int, ...]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+class LearnedProposer:
+    """One request's drafts from a learned drafter shared by the engine's requests: the draft model
+    (kind `DRAFT_MODEL_KIND`) or the checkpoint's MTP layer (`MTP_KIND`)."""
+
+    def __init__(self, drafter: LearnedDrafter, request_id: str, kind: str) -> None:
         self.drafter = drafter
         self.request_id = request_id
+        self.kind = kind
+        self.last_kind: str | None = kind
 
     def propose(self, token_ids: Sequence[int], depth: int) -> tuple[int, ...]:
         return self.drafter.propose(self.request_id, token_ids, depth)

@@ -2,7 +2,7 @@
 
 One `MTPDrafter` per engine owns the predictor, its own KV page pool (the MTP block's one attention
 layer: a `KVCacheManager` or a `KVCacheCoordinator` behind a `TorchPagedBackend`, with its own
-prefix cache) and a persistent input batch for it. Every speculating request gets an `MTPProposer`
+prefix cache) and a persistent input batch for it. Every speculating request gets a `LearnedProposer`
 (the scheduler's proposer chain, after the n-gram and history lookups: `speculative.FirstOf`).
 
 The predictor reads, at position p, the target model's hidden state at p and token p + 1, and its
@@ -52,10 +52,8 @@ import torch
 from torch import Tensor
 
 from helios.domain.sampling import SamplingParams
-from helios.engine.attention import TorchPagedBackend
-from helios.engine.kv.coordinator import KVCacheCoordinator, KVManager
+from helios.engine.drafter import LearnedProposer, draft_pool
 from helios.engine.kv.layout import CacheLayout
-from helios.engine.kv.manager import KVCacheManager
 from helios.engine.records import EngineRequest
 from helios.engine.runner import InputBatch
 from helios.engine.scheduler import RequestState, ScheduledChunk
@@ -92,17 +90,9 @@ class MTPDrafter:
             raise ValueError("an MTP block with recurrent layers cannot draft")
         self.predictor = predictor
         self.device = torch.device(device)
-        self.attention = TorchPagedBackend.for_layout(layout, num_pages, page_size, dtype, self.device,
-                                                      num_state_slots=max_active)
-        if kv_prefault:
-            self.attention.kv.prefault()
-        mark = fingerprint + b"|mtp"
-        self.kv: KVManager
-        if layout.is_single_full:
-            self.kv = KVCacheManager(num_pages, page_size, enable_caching=prefix_caching, fingerprint=mark)
-        else:
-            self.kv = KVCacheCoordinator(layout, num_pages, page_size, enable_caching=prefix_caching,
-                                         fingerprint=mark, num_state_slots=max_active)
+        self.attention, self.kv = draft_pool(layout, num_pages, page_size, dtype, self.device, max_active=max_active,
+                                             prefix_caching=prefix_caching, fingerprint=fingerprint + b"|mtp",
+                                             kv_prefault=kv_prefault)
         self.batch = InputBatch(max_active, -(-(max_model_len + 1) // page_size), page_size, self.device,
                                 num_groups=len(layout.paged_groups))
         self.max_model_len = max_model_len
@@ -125,8 +115,8 @@ class MTPDrafter:
         """Requests the drafter holds state for (pages, a batch row, hidden states)."""
         return len(self._states)
 
-    def proposer(self, request_id: str) -> MTPProposer:
-        return MTPProposer(self, request_id)
+    def proposer(self, request_id: str) -> LearnedProposer:
+        return LearnedProposer(self, request_id, MTP_KIND)
 
     # -- the runner's side ------------------------------------------------------------------
     def capture(self, seq: RequestState, start: int, hidden: Tensor) -> None:
@@ -309,20 +299,3 @@ class _Pairs(Sequence[int]):
         if index < 0:
             index += len(self._ids)
         return self._pair(index)
-
-
-class MTPProposer:
-    """One request's drafts from the engine's `MTPDrafter`."""
-
-    kind = MTP_KIND
-    last_kind: str | None = MTP_KIND
-
-    def __init__(self, drafter: MTPDrafter, request_id: str) -> None:
-        self.drafter = drafter
-        self.request_id = request_id
-
-    def propose(self, token_ids: Sequence[int], depth: int) -> tuple[int, ...]:
-        return self.drafter.propose(self.request_id, token_ids, depth)
-
-    def release(self) -> None:
-        self.drafter.release(self.request_id)

@@ -28,9 +28,9 @@ Proposers (`Proposer`): `NgramProposer`, prompt lookup over the request's own pr
 decoded history (`SharedHistory`: the recent outputs of every speculating request, so one request's
 output drafts another's: parallel choices of one prompt, a batch of similar edits, an agent
 re-sending what another session produced), then, with ``[speculative] draft_model``, the draft
-model (`drafter.DraftModelProposer`: a second, smaller model with the target's vocabulary decodes
+model (`drafter.LearnedProposer`: a second, smaller model with the target's vocabulary decodes
 greedily from the request's tokens, in its own KV pages), or, for a checkpoint with
-multi-token-prediction layers and no draft model, its MTP layer (`mtp.MTPProposer`: the layer reads
+multi-token-prediction layers and no draft model, its MTP layer (`mtp.MTPDrafter`'s `drafter.LearnedProposer`: the layer reads
 the target's own hidden states). `FirstOf` asks them in that order: the cheap exact lookups first,
 the learned drafter when neither has a guess. A greedy draft model, or MTP layer, is a
 deterministic proposer (its drafts are a function of the request's tokens), so the argument above
@@ -48,9 +48,9 @@ import attrs
 SPECULATIVE_MODES = ("off", "ngram", "adaptive")
 
 DRAFT_MODEL_KIND = "draft"
-"""The proposer kind of the draft model's drafts (`drafter.DraftModelProposer`)."""
+"""The proposer kind of the draft model's drafts (`drafter.Drafter`)."""
 MTP_KIND = "mtp"
-"""The proposer kind of a checkpoint's multi-token-prediction layer's drafts (`mtp.MTPProposer`)."""
+"""The proposer kind of a checkpoint's multi-token-prediction layer's drafts (`mtp.MTPDrafter`)."""
 LEARNED_KINDS = (DRAFT_MODEL_KIND, MTP_KIND)
 """The learned drafters' kinds (at most one per engine): their rounds are the ``model_*`` counters."""
 
