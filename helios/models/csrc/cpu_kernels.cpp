@@ -325,12 +325,10 @@ inline vec vpick_nonneg(vec x, vec a, vec b) { return x >= 0.f ? a : b; }
 inline vec vpow2i(vec n) { return std::ldexp(1.f, static_cast<int>(n)); }
 #endif
 
-// exp(x) for x <= 0 (softmax arguments after the max is subtracted): x = n ln2 + r with |r| <= ln2/2,
-// e^r by its degree-6 Taylor polynomial (relative error below 2e-7), times 2^n. Below -87 the result
-// is flushed to 0 (e^-87 is under float32's normal range; such a weight is negligible next to the max's 1).
-inline vec vexp_nonpositive(vec x) {
-  x = vmax(x, vset1(-87.f));
-  const vec n = vround(vmul(x, vset1(1.44269504088896341f)));
+// e^x = e^r * 2^n for x = n ln2 + r, |r| <= ln2/2: returns e^r by its degree-6 Taylor polynomial (relative
+// error below 2e-7) and n (rounded x / ln2) through ``n``.
+inline vec vexp_reduced(vec x, vec& n) {
+  n = vround(vmul(x, vset1(1.44269504088896341f)));
   vec r = vfma(n, vset1(-0.693145751953125f), x);  // ln2 split in two parts for an exact reduction
   r = vfma(n, vset1(-1.428606820309417232e-06f), r);
   vec p = vset1(1.f / 720.f);
@@ -340,6 +338,15 @@ inline vec vexp_nonpositive(vec x) {
   p = vfma(p, r, vset1(0.5f));
   p = vfma(p, r, vset1(1.f));
   p = vfma(p, r, vset1(1.f));
+  return p;
+}
+
+// exp(x) for x <= 0 (softmax arguments after the max is subtracted): vexp_reduced's e^r times 2^n. Below
+// -87 the result is flushed to 0 (e^-87 is under float32's normal range; such a weight is negligible
+// next to the max's 1).
+inline vec vexp_nonpositive(vec x) {
+  vec n;
+  const vec p = vexp_reduced(vmax(x, vset1(-87.f)), n);
   return vmul(p, vpow2i(n));
 }
 
@@ -348,17 +355,8 @@ inline vec vexp_nonpositive(vec x) {
 // vexp_nonpositive's clamp does not act) and without the clamp: below -87 the scaling underflows
 // towards 0 by itself (a subnormal or 0 instead of e^-87). x = -inf gives NaN: callers mask those lanes.
 inline __m512 vexp_nonpositive_scalef(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606820309417232e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  __m512 n;
+  const __m512 p = vexp_reduced(x, n);
   return _mm512_scalef_ps(p, n);
 }
 
