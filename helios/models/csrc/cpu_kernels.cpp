@@ -910,19 +910,14 @@ inline int64_t prefill_pv_rows(float* o, const float* sc, const float* corr, con
   return r;
 }
 
-void paged_prefill_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* slots, int64_t L,
-                        int64_t H, int64_t KV, int64_t S, int64_t dh, int64_t ctx_start, float scale, uint16_t* out) {
-  const int64_t G = H / KV;
-  const int64_t tiles = (L + kQTile - 1) / kQTile;
-  const int64_t dp = dh / 2;    // dim pairs
-  const int64_t nd = dh / 16;   // float vectors per row of the head dim
-  constexpr int64_t NV = kKBlock / 16;
-  // Work item w is query tile w / KV of kv head w % KV. A causal tile's cost grows with the key
-  // blocks it reads (and a chunk's last tile may hold a single token), so static ranges of items
-  // leave one thread the expensive ones: with 513 tokens (9 tiles, the last of one token) the kernel
-  // took 22% longer than with 512. The threads instead take items from a shared counter, the most
-  // expensive first (longest-processing-time order): the last item to start is among the cheapest.
-  const int64_t items = KV * tiles;
+// Work item w is query tile w / KV of kv head w % KV. A causal tile's cost grows with the key
+// blocks it reads (and a chunk's last tile may hold a single token), so static ranges of items
+// leave one thread the expensive ones: with 513 tokens (9 tiles, the last of one token) the kernel
+// took 22% longer than with 512. The threads instead take items from a shared counter, the most
+// expensive first (longest-processing-time order): the last item to start is among the cheapest.
+// Returns the items in that order.
+inline std::vector<int64_t> prefill_item_order(int64_t L, int64_t KV, int64_t G, int64_t ctx_start) {
+  const int64_t items = KV * ((L + kQTile - 1) / kQTile);
   std::vector<int64_t> order(items), cost(items);
   for (int64_t w = 0; w < items; ++w) {
     const int64_t t0 = (w / KV) * kQTile, t1 = std::min(L, t0 + kQTile);
@@ -931,6 +926,17 @@ void paged_prefill_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
     order[w] = w;
   }
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  return order;
+}
+
+void paged_prefill_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* slots, int64_t L,
+                        int64_t H, int64_t KV, int64_t S, int64_t dh, int64_t ctx_start, float scale, uint16_t* out) {
+  const int64_t G = H / KV;
+  const int64_t dp = dh / 2;    // dim pairs
+  const int64_t nd = dh / 16;   // float vectors per row of the head dim
+  constexpr int64_t NV = kKBlock / 16;
+  const std::vector<int64_t> order = prefill_item_order(L, KV, G, ctx_start);
+  const int64_t items = static_cast<int64_t>(order.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
     const int64_t M = kQTile * G;
@@ -1157,19 +1163,10 @@ void paged_prefill_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc
                        int64_t H, int64_t KV, int64_t S, int64_t dh, int64_t ctx_start, float scale, uint16_t* out) {
   static_assert(kKBlock == 64, "a key block is four 16-column tiles and two 32-position k-steps");
   const int64_t G = H / KV;
-  const int64_t tiles = (L + kQTile - 1) / kQTile;
   const int64_t dp = dh / 2, nd = dh / 16, ksteps = dh / 32;
   constexpr int64_t NV = kKBlock / 16;
-  // Items and their order as paged_prefill_bf16's (costliest first, from a shared counter).
-  const int64_t items = KV * tiles;
-  std::vector<int64_t> order(items), cost(items);
-  for (int64_t w = 0; w < items; ++w) {
-    const int64_t t0 = (w / KV) * kQTile, t1 = std::min(L, t0 + kQTile);
-    const int64_t blocks = (ctx_start + t1 + kKBlock - 1) / kKBlock;
-    cost[w] = blocks * ((t1 - t0) * G + kKBlock / 2);
-    order[w] = w;
-  }
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  const std::vector<int64_t> order = prefill_item_order(L, KV, G, ctx_start);  // paged_prefill_bf16's items
+  const int64_t items = static_cast<int64_t>(order.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
     amx_configure();
@@ -1186,9 +1183,7 @@ void paged_prefill_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc
         std::memcpy(qb.data() + r * dh, q + ((t0 + r / G) * H + kh * G + r % G) * dh, dh * 2);
       std::fill(mx.begin(), mx.begin() + rp, -std::numeric_limits<float>::infinity());
       std::fill(sm.begin(), sm.begin() + rp, 0.f);
-      std::fill(qb.begin() + rows * dh, qb.begin() + rp * dh, 0);
-      std::fill(ph.begin() + rows * kKBlock, ph.begin() + rp * kKBlock, 0);  // padding rows: no weight
-      std::fill(pl.begin() + rows * kKBlock, pl.begin() + rp * kKBlock, 0);
+      std::fill(qb.begin() + rows * dh, qb.begin() + rp * dh, 0);  // padding rows (their probabilities are 0)
       std::fill(o.begin(), o.begin() + rp * dh, 0.f);
       const int64_t end = ctx_start + t1;
       for (int64_t p0 = 0; p0 < end; p0 += kKBlock) {
