@@ -8,7 +8,7 @@ the body and decodes it with the Messages frontend. Errors on these paths take t
 from __future__ import annotations
 
 from helios.frontends import limits
-from helios.frontends.anthropic import messages
+from helios.frontends.anthropic import messages, messages_encoder
 from helios.http.context import RequestContext
 from helios.http.dispatch import Route
 
@@ -21,7 +21,7 @@ async def create_message(ctx: RequestContext) -> None:
     plan = await ctx.offload(messages.decode_request, obj, svc.info)
     ctx.admit(1)
     prepared = await svc.prepare(plan.generation)
-    encoder = messages.MessagesEncoder(plan, prepared.prompts, model=svc.info.public_id)
+    encoder = messages_encoder.MessagesEncoder(plan, prepared.prompts, model=svc.info.public_id)
     await ctx.generate(prepared, encoder, stream=plan.stream)
 
 

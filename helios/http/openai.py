@@ -6,7 +6,7 @@ one driver, buffered or streamed."""
 from __future__ import annotations
 
 from helios.frontends import limits
-from helios.frontends.openai import chat, completions, models, responses
+from helios.frontends.openai import chat, completions, models, responses, responses_encoder
 from helios.http.context import RequestContext
 from helios.http.dispatch import Route
 
@@ -50,7 +50,7 @@ async def create_response(ctx: RequestContext) -> None:
     plan = await ctx.offload(responses.decode_responses, obj, svc.info)
     ctx.admit(1)
     prepared = await svc.prepare(plan.generation)
-    encoder = responses.make_encoder(plan, prepared.prompts, prepared.children[0].sampling, model=svc.info.public_id,
+    encoder = responses_encoder.make_encoder(plan, prepared.prompts, prepared.children[0].sampling, model=svc.info.public_id,
                                      vocab=svc)
     await ctx.generate(prepared, encoder, stream=plan.stream)
 

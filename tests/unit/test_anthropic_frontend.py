@@ -21,13 +21,12 @@ from helios.domain.generation import ChildUpdate, PreparedPrompt, StreamEvent
 from helios.domain.model import ModelInfo
 from helios.errors import BadRequest, InternalError
 from helios.frontends.anthropic.messages import (
-    MessagesEncoder,
     check_version,
     decode_count_tokens,
     decode_request,
-    stop_reason,
     thinking_signature,
 )
+from helios.frontends.anthropic.messages_encoder import MessagesEncoder, stop_reason
 from helios.serving.drive import OutputRules
 from helios.serving.toolcheck import ToolCallCheck
 

@@ -26,8 +26,8 @@ from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams
 from helios.engine.records import EngineRequest
 from helios.errors import InternalError
-from helios.frontends.anthropic import messages
-from helios.frontends.openai import chat, completions, responses
+from helios.frontends.anthropic import messages, messages_encoder
+from helios.frontends.openai import chat, completions, responses, responses_encoder
 from helios.serving.drive import Encoder, OutputRules, run_buffered, run_streamed
 from helios.serving.pipeline import Prepared, Service
 from helios.serving.toolcheck import ToolCallCheck
@@ -355,10 +355,10 @@ def test_messages_stream_builds_the_buffered_body() -> None:
               update(TextDelta("!"), out=4, finish=EOS)]
     body_plan = messages.decode_request({"max_tokens": 16, "messages": USER,
                                          "tools": [{"name": "a", "input_schema": {}}]}, INFO)
-    body, svc = buffer(messages.MessagesEncoder(body_plan, [PROMPT], model="smol", message_id="msg_1"),
+    body, svc = buffer(messages_encoder.MessagesEncoder(body_plan, [PROMPT], model="smol", message_id="msg_1"),
                        prepared(body_plan.generation), script)
     assert svc.calls == [(1, "msg")]
-    events, _ = stream(messages.MessagesEncoder(body_plan, [PROMPT], model="smol", message_id="msg_1"),
+    events, _ = stream(messages_encoder.MessagesEncoder(body_plan, [PROMPT], model="smol", message_id="msg_1"),
                        prepared(body_plan.generation), script)
     assert events[-1].event == "message_stop" and payloads(events)[-2]["delta"]["stop_reason"] == "tool_use"
     built: dict[str, Any] = {}
@@ -390,10 +390,10 @@ def test_responses_stream_builds_the_buffered_body() -> None:
               update(call("a", '{"q": 1}'), out=3, reasoning=1, finish=EOS)]
     plan = responses.decode_responses({"input": "Hi", "tools": [{"type": "function", "name": "a"}]}, INFO)
     prep = prepared(plan.generation)
-    enc = responses.make_encoder(plan, [PROMPT], SamplingParams(), model="smol", vocab=Vocab())
+    enc = responses_encoder.make_encoder(plan, [PROMPT], SamplingParams(), model="smol", vocab=Vocab())
     body, svc = buffer(enc, prep, script)
     assert svc.calls == [(1, "resp")] and body["status"] == "completed"
-    enc = responses.make_encoder(plan, [PROMPT], SamplingParams(), model="smol", vocab=Vocab())
+    enc = responses_encoder.make_encoder(plan, [PROMPT], SamplingParams(), model="smol", vocab=Vocab())
     events, _ = stream(enc, prep, script)
     final = payloads(events)[-1]
     assert final["type"] == "response.completed" and events[-1].event == "response.completed"
@@ -482,20 +482,20 @@ def test_chat_rule_failure_mid_stream() -> None:
 def test_messages_error_finish_mid_stream() -> None:
     plan = messages.decode_request({"max_tokens": 16, "messages": USER}, INFO)
     script = [update(TextDelta("Hi")), update(TextDelta(" there"), finish=Finish(FinishCause.ERROR, error="parser failed"))]
-    events, _ = stream(messages.MessagesEncoder(plan, [PROMPT], model="smol"), prepared(plan.generation), script)
+    events, _ = stream(messages_encoder.MessagesEncoder(plan, [PROMPT], model="smol"), prepared(plan.generation), script)
     assert [e.event for e in events] == ["message_start", "content_block_start", "content_block_delta",
                                          "content_block_delta", "error"]
     assert [payloads(events)[i]["delta"]["text"] for i in (2, 3)] == ["Hi", " there"]
     assert events[-1] == StreamEvent({"type": "error", "error": {"type": "api_error", "message": "parser failed"}},
                                      "error")
-    err = fail_buffered(messages.MessagesEncoder(plan, [PROMPT], model="smol"), prepared(plan.generation), script)
+    err = fail_buffered(messages_encoder.MessagesEncoder(plan, [PROMPT], model="smol"), prepared(plan.generation), script)
     assert err.message == "parser failed" and err.to_anthropic()["error"]["type"] == "api_error"
 
 
 def test_responses_abort_mid_stream() -> None:
     plan = responses.decode_responses({"input": "Hi"}, INFO)
     script = [update(TextDelta("Hi")), update(finish=Finish(FinishCause.ABORTED))]
-    enc = responses.make_encoder(plan, [PROMPT], SamplingParams(), model="smol", vocab=Vocab())
+    enc = responses_encoder.make_encoder(plan, [PROMPT], SamplingParams(), model="smol", vocab=Vocab())
     events, _ = stream(enc, prepared(plan.generation), script)
     assert [e.event for e in events] == [
         "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
@@ -504,7 +504,7 @@ def test_responses_abort_mid_stream() -> None:
     final = payloads(events)[-1]["response"]
     assert final["status"] == "failed" and final["error"] == {"code": "server_error",
                                                               "message": "generation was aborted"}
-    enc = responses.make_encoder(plan, [PROMPT], SamplingParams(), model="smol", vocab=Vocab())
+    enc = responses_encoder.make_encoder(plan, [PROMPT], SamplingParams(), model="smol", vocab=Vocab())
     assert fail_buffered(enc, prepared(plan.generation), script).message == "generation was aborted"
 
 

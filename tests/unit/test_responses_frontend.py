@@ -21,14 +21,8 @@ from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams
 from helios.errors import BadRequest, InternalError
 from helios.frontends.ollama import discovery
-from helios.frontends.openai.responses import (
-    ResponseEncoder,
-    ResponsesPlan,
-    ToolSet,
-    decode_responses,
-    decode_tools,
-    make_encoder,
-)
+from helios.frontends.openai.responses import ResponsesPlan, ToolSet, decode_responses, decode_tools
+from helios.frontends.openai.responses_encoder import ResponseEncoder, make_encoder
 from helios.serving.drive import OutputRules
 from helios.serving.toolcheck import ToolCallCheck
 

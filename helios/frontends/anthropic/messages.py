@@ -1,30 +1,17 @@
 """POST /v1/messages and /v1/messages/count_tokens: decode Anthropic Messages requests into the
-neutral conversation model, run them, and encode buffered Messages or named SSE events.
+neutral conversation model and a generation plan.
 
 Spec: api.md, "Transport and admission", "Conversation and tool semantics", "Reasoning, sampling,
-and usage". Sans-IO apart from the two `run_*` coroutines, which only talk to `serving`.
+and usage". Sans-IO.
 
-Streamed events, in order (each SSE ``data`` object carries ``"type"`` equal to the event name)::
-
-    message_start                      message with empty content; usage input = the full prompt
-    (content_block_start                  per block, in output order: thinking, text or tool_use
-     content_block_delta*                 thinking_delta / text_delta / input_json_delta
-     [content_block_delta]                signature_delta, thinking blocks only, just before stop
-     content_block_stop)*
-    message_delta                      stop_reason, stop_sequence, final usage
-    message_stop
-
-A failure after the stream started ends it with ``event: error`` (rendered by the app).
-Buffered responses are assembled by the same `MessageAssembler`, so the two never disagree.
+This module is the request side (`decode_request`, `decode_count_tokens` → `MessagesPlan`); the
+output side, the encoder and its event order, is `helios.frontends.anthropic.messages_encoder`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
-import uuid
-from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, NewType, cast
 
 import attrs
@@ -41,20 +28,14 @@ from helios.domain.conversation import (
     ToolChoice,
     ToolResultPart,
 )
-from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
 from helios.domain.generation import (
-    Accumulated,
-    ChildUpdate,
     GenerationOptions,
     GenerationRequest,
     OutputConstraint,
-    PreparedPrompt,
-    StreamEvent,
-    usage_of,
 )
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingRequest
-from helios.errors import BadRequest, HeliosError
+from helios.errors import BadRequest
 from helios.frontends.common import validate_stops
 from helios.frontends.fields import (
     FieldTable,
@@ -668,171 +649,3 @@ def _decode_thinking(w: CountTokensWire, info: ModelInfo) -> tuple[int | None, s
         if native is not None:
             kwargs["reasoning_effort"] = native
     return (None if disabled else budget), level, kwargs
-
-
-# -- encoding -------------------------------------------------------------------------------------
-
-
-def new_message_id() -> str:
-    return "msg_" + uuid.uuid4().hex
-
-
-def tool_use_id(call_id: str) -> str:
-    """Anthropic-style ids for generated calls; a model's own id (Kimi) is kept as it is."""
-    if call_id.startswith("toolu_"):
-        return call_id
-    if call_id.startswith("call_"):
-        return "toolu_" + call_id[len("call_"):]
-    return call_id or "toolu_" + uuid.uuid4().hex
-
-
-def stop_reason(cause: FinishCause, has_calls: bool) -> str:
-    """Spec, "Conversation and tool semantics": the terminal cause → Messages stop_reason."""
-    if cause is FinishCause.LENGTH:
-        return "max_tokens"
-    if cause is FinishCause.STOP_STRING:
-        return "stop_sequence"
-    if has_calls:
-        return "tool_use"
-    return "end_turn"
-
-
-BlockKind = Literal["text", "thinking", "tool_use"]
-
-
-def _event(name: str, data: dict[str, Any]) -> StreamEvent:
-    """A named Messages event; its data's type is its name."""
-    return StreamEvent(data, name)
-
-
-class MessagesEncoder:
-    """One child's screened updates → ordered Anthropic content blocks and the named SSE events that
-    build them; the buffered Message is the same blocks (`body`). The tool-choice output rules are
-    the drivers' (`helios.serving.drive`): a call that breaks one never reaches the encoder, and the
-    stream ends with `fail`'s `error` event."""
-
-    def __init__(self, plan: MessagesPlan, prompts: Sequence[PreparedPrompt], *, model: str,
-                 message_id: str | None = None) -> None:
-        self.id = message_id or new_message_id()
-        self.model = model
-        self.hide_thinking = plan.hide_thinking
-        self.content: list[dict[str, Any]] = []
-        self.stop_reason: str | None = None
-        self.stop_sequence: str | None = None
-        self.prompts = tuple(prompts)
-        self.acc = Accumulated()  # the counts usage is built from
-        self.num_calls = 0
-        self._open: BlockKind | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.stop_reason is not None
-
-    def start(self) -> list[StreamEvent]:
-        message = self._message_json([], None, None, self.usage())
-        return [StreamEvent({"type": "message_start", "message": message}, "message_start")]
-
-    def feed(self, index: int, u: ChildUpdate) -> list[StreamEvent]:
-        out: list[StreamEvent] = []
-        if self.done:
-            return out
-        self.acc.add_counts(u)  # the blocks are built here; the accumulator only counts
-        for e in u.events:
-            if isinstance(e, TextDelta):
-                if e.text:
-                    out += self._delta("text", {"type": "text_delta", "text": e.text})
-            elif isinstance(e, ReasoningDelta):
-                if e.text and self.hide_thinking:
-                    out += self._ensure_open("thinking")
-                elif e.text:
-                    out += self._delta("thinking", {"type": "thinking_delta", "thinking": e.text})
-            elif isinstance(e, ToolCall):
-                out += self._tool_use(e)
-        f = u.finish
-        if f is None:
-            return out
-        out += self._close()
-        self.stop_reason = stop_reason(f.cause, self.num_calls > 0)
-        self.stop_sequence = f.matched_stop if isinstance(f.matched_stop, str) and f.cause is FinishCause.STOP_STRING else None
-        out.append(StreamEvent({
-            "type": "message_delta",
-            "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
-            "usage": self.usage(),
-        }, "message_delta"))
-        out.append(StreamEvent({"type": "message_stop"}, "message_stop"))
-        return out
-
-    def finish(self) -> list[StreamEvent]:
-        return []  # message_stop went out with the terminal update
-
-    def fail(self, error: HeliosError) -> list[StreamEvent]:
-        return [StreamEvent(error.to_anthropic(), "error")]
-
-    def body(self) -> dict[str, Any]:
-        """The buffered Message (after the terminal update)."""
-        return self._message_json(self.content, self.stop_reason, self.stop_sequence, self.usage())
-
-    def usage(self) -> dict[str, Any]:
-        """Messages usage: input_tokens excludes what was read from the cache (cache_read_input_tokens)."""
-        usage = usage_of(self.prompts, [self.acc], 1)
-        cached = min(usage.cached_tokens, usage.prompt_tokens)
-        return {"input_tokens": usage.prompt_tokens - cached, "output_tokens": usage.completion_tokens,
-                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
-
-    # -- helpers ----------------------------------------------------------------------------------
-
-    def _message_json(self, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
-                      usage: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": reason, "stop_sequence": sequence, "usage": usage}
-
-    def _ensure_open(self, kind: Literal["text", "thinking"]) -> list[StreamEvent]:
-        if self._open == kind:
-            return []
-        block: dict[str, Any] = {"type": "text", "text": ""} if kind == "text" else {
-            "type": "thinking", "thinking": "", "signature": ""}
-        return self._close() + self._open_block(kind, block)
-
-    def _delta(self, kind: Literal["text", "thinking"], delta: dict[str, Any]) -> list[StreamEvent]:
-        out = self._ensure_open(kind)
-        cur = self.content[-1]
-        if kind == "text":
-            cur["text"] += delta["text"]
-        else:
-            cur["thinking"] += delta["thinking"]
-        out.append(_event("content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1,
-                                                    "delta": delta}))
-        return out
-
-    def _tool_use(self, call: ToolCall) -> list[StreamEvent]:
-        out = self._close()
-        self.num_calls += 1
-        args = call.arguments if call.arguments.strip() else "{}"
-        tid = tool_use_id(call.id)
-        out += self._open_block("tool_use", {"type": "tool_use", "id": tid, "name": call.name, "input": {}})
-        index = len(self.content) - 1
-        self.content[index] = {"type": "tool_use", "id": tid, "name": call.name, "input": json.loads(args)}
-        out.append(_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                    "delta": {"type": "input_json_delta", "partial_json": args}}))
-        out += self._close()
-        return out
-
-    def _open_block(self, kind: BlockKind, block: dict[str, Any]) -> list[StreamEvent]:
-        self.content.append(dict(block))
-        self._open = kind
-        return [_event("content_block_start", {"type": "content_block_start", "index": len(self.content) - 1,
-                                                 "content_block": block})]
-
-    def _close(self) -> list[StreamEvent]:
-        if self._open is None:
-            return []
-        out: list[StreamEvent] = []
-        index = len(self.content) - 1
-        if self._open == "thinking":
-            sig = thinking_signature(self.content[index]["thinking"])
-            self.content[index]["signature"] = sig
-            out.append(_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                        "delta": {"type": "signature_delta", "signature": sig}}))
-        out.append(_event("content_block_stop", {"type": "content_block_stop", "index": index}))
-        self._open = None
-        return out

@@ -1,36 +1,17 @@
 """POST /v1/responses, stateless: decode Responses input items into the neutral conversation model,
-run one child, and encode ordered output items, buffered or as named SSE events.
+to run as one child.
 
 Spec: api.md, "Stateless Responses", "Conversation and tool semantics", "Generation log
 probabilities" and "Reasoning, sampling, and usage". Every request carries its whole conversation;
 store, previous_response_id, conversation, background and automatic truncation are rejected.
 
-One sans-IO `ResponseEncoder` turns ChildUpdate records into Responses SSE events and the final
-response object. The buffered route runs the same encoder and keeps only the final object, so a
-buffered response and a stream of the same tokens cannot disagree.
-
-Event order for one response (sequence_number counts from 0 over every event):
-
-    response.created, response.in_progress,
-    per output item, in output order:
-      reasoning:     output_item.added, content_part.added, reasoning_text.delta*,
-                     reasoning_text.done, content_part.done, output_item.done
-      message:       output_item.added, content_part.added, output_text.delta*,
-                     output_text.done, content_part.done, output_item.done
-      function_call: output_item.added, function_call_arguments.delta,
-                     function_call_arguments.done, output_item.done
-      custom call:   output_item.added, custom_tool_call_input.delta,
-                     custom_tool_call_input.done, output_item.done
-    then exactly one of response.completed | response.incomplete | response.failed.
+This module is the request side (`decode_responses` → `ResponsesPlan`); the output side, the
+encoder and its event order, is `helios.frontends.openai.responses_encoder`.
 """
 
 from __future__ import annotations
 
 import base64
-import json
-import time
-import uuid
-from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -47,24 +28,15 @@ from helios.domain.conversation import (
     ToolChoice,
     ToolGrammar,
     ToolResultPart,
-    custom_tool_input,
 )
-from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
 from helios.domain.generation import (
-    Accumulated,
-    ChildUpdate,
     GenerationOptions,
     GenerationRequest,
     OutputConstraint,
-    PreparedPrompt,
-    StreamEvent,
     TokenStops,
-    usage_of,
 )
-from helios.domain.logprobs import TokenLogprob
-from helios.domain.model import ModelInfo, TokenVocabulary
-from helios.domain.sampling import SamplingParams
-from helios.errors import BadRequest, HeliosError
+from helios.domain.model import ModelInfo
+from helios.errors import BadRequest
 from helios.frontends.common import thinking_budget, validate_stops, validate_token_stops
 from helios.frontends.fields import (
     NATIVE_GENERATION_ROWS,
@@ -77,7 +49,7 @@ from helios.frontends.fields import (
     screen_fields,
 )
 from helios.frontends.openai.chat import decode_sampling
-from helios.frontends.openai.logprobs import chat_logprobs_content, validate_logprob_options
+from helios.frontends.openai.logprobs import validate_logprob_options
 from helios.frontends.structured import (
     decode_structured_outputs,
     decode_text_format,
@@ -664,327 +636,3 @@ def _decode_reasoning(reasoning: Any, info: ModelInfo) -> tuple[str | None, str 
     except EffortError as exc:
         raise BadRequest(str(exc), param="reasoning.effort") from None
     return effort, summary, ({"reasoning_effort": level} if level else {})
-
-
-def response_base(plan: ResponsesPlan, sampling: SamplingParams, model: str) -> dict[str, Any]:
-    """The request parameters a Response object echoes (the SDK's Response model requires several)."""
-    w = plan.wire
-    return {
-        "background": False,
-        "instructions": w.instructions,
-        "max_output_tokens": w.max_output_tokens,
-        "max_tool_calls": plan.echo.get("max_tool_calls"),
-        "metadata": dict(plan.echo.get("metadata") or {}),
-        "model": model,
-        "parallel_tool_calls": plan.conversation.parallel_tool_calls,
-        "previous_response_id": None,
-        "prompt_cache_key": plan.echo.get("prompt_cache_key"),
-        "reasoning": {"effort": plan.effort, "summary": plan.summary},
-        "safety_identifier": plan.echo.get("safety_identifier"),
-        "service_tier": "default",
-        "store": False,
-        "temperature": sampling.temperature,
-        "text": plan.text_config,
-        "tool_choice": w.tool_choice if w.tool_choice is not None else ("auto" if plan.toolset.tools else "none"),
-        "tools": list(w.tools or []),
-        "top_logprobs": w.top_logprobs or 0,
-        "top_p": sampling.top_p,
-        "truncation": "disabled",
-        "user": plan.echo.get("user"),
-    }
-
-
-# -- the encoder ----------------------------------------------------------------------------------
-
-ItemKind = Literal["reasoning", "message", "function_call", "custom_tool_call"]
-
-
-@attrs.define
-class _OpenItem:
-    kind: ItemKind
-    id: str
-    output_index: int
-    text: str = ""
-    logprobs: list[dict[str, Any]] = attrs.field(factory=list)
-
-
-class ResponseEncoder:
-    """Screened child updates → Responses SSE events (named by their type, with sequence_number) and
-    the final response object (`body`). Sans-IO; the tool-choice output rules are the drivers'
-    (`helios.serving.drive`): a call that breaks one never reaches the encoder, and `fail` ends the
-    response with `response.failed`.
-
-    `logprob_content` turns engine logprob records into Chat-shaped entries (None: logprobs were not
-    requested); `token_bytes` gives a token's exact bytes, used to attribute tokens to output text:
-    a token receives an entry when its first byte belongs to answer text. Tokens the parser counted
-    as reasoning, tokens of tool envelopes and delimiters, and a terminating EOS or stop token get none.
-    """
-
-    def __init__(
-        self,
-        *,
-        base: dict[str, Any],
-        toolset: ToolSet,
-        prompts: Sequence[PreparedPrompt] = (),
-        logprob_content: Callable[[Sequence[Any]], list[dict[str, Any]]] | None = None,
-        token_bytes: Callable[[int], bytes] | None = None,
-        response_id: str | None = None,
-        created_at: int | None = None,
-    ) -> None:
-        self.id = response_id or _new_id("resp")
-        self.created_at = int(time.time()) if created_at is None else created_at
-        self._base = base
-        self._toolset = toolset
-        self._lp = logprob_content
-        self._token_bytes = token_bytes or (lambda _t: b"")
-        self._seq = 0
-        self._output: list[dict[str, Any]] = []
-        self._open: _OpenItem | None = None
-        self._call_ids: set[str] = set()
-        # logprob attribution
-        self._pending: list[Any] = []
-        self._owed = 0
-        self._reasoning_seen = 0
-        # usage: counted from the updates, the prompt as prepared
-        self._prompts = tuple(prompts)
-        self._acc = Accumulated()
-        self.status: str = "in_progress"
-        self.error: dict[str, Any] | None = None
-        self.incomplete_reason: str | None = None
-        self.completed_at: int | None = None
-
-    # -- public ---------------------------------------------------------------------------------
-    @property
-    def done(self) -> bool:
-        return self.status != "in_progress"
-
-    def start(self) -> list[StreamEvent]:
-        return _named([self._event("response.created", response=self.response()),
-                       self._event("response.in_progress", response=self.response())])
-
-    def feed(self, index: int, u: ChildUpdate) -> list[StreamEvent]:
-        return _named(self._feed(u))
-
-    def finish(self) -> list[StreamEvent]:
-        return []  # the terminal response event went out with the terminal update
-
-    def fail(self, error: HeliosError) -> list[StreamEvent]:
-        return _named(self._fail(error.message))
-
-    def body(self) -> dict[str, Any]:
-        return self.response()
-
-    def _feed(self, u: ChildUpdate) -> list[dict[str, Any]]:
-        if self.done:
-            return []
-        self._acc.add_counts(u)  # the items are built here; the accumulator only counts
-        events: list[dict[str, Any]] = []
-        self._queue_logprobs(u)
-        for e in u.events:
-            if isinstance(e, ReasoningDelta):
-                self._drop_pending()
-                if e.text:
-                    events += self._reasoning(e.text)
-            elif isinstance(e, TextDelta):
-                entries = self._attribute(e.text)
-                if e.text:
-                    events += self._text(e.text, entries)
-            elif isinstance(e, ToolCall):
-                self._drop_pending()
-                events += self._call(e)
-        if u.finish is not None:
-            if u.finish.cause is FinishCause.LENGTH:
-                events += self._terminal("incomplete", "max_output_tokens")
-            else:
-                events += self._terminal("completed", None)
-        return events
-
-    def _fail(self, message: str) -> list[dict[str, Any]]:
-        if self.done:
-            return []
-        self.error = {"code": "server_error", "message": message}
-        return self._terminal("failed", None)
-
-    def response(self) -> dict[str, Any]:
-        usage = None
-        if self.done:
-            u = usage_of(self._prompts, [self._acc], 1)
-            usage = {
-                "input_tokens": u.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
-                "output_tokens": u.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
-                "total_tokens": u.total_tokens,
-            }
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created_at,
-            "status": self.status,
-            "completed_at": self.completed_at,
-            "error": self.error,
-            "incomplete_details": {"reason": self.incomplete_reason} if self.incomplete_reason else None,
-            **self._base,
-            "output": [json.loads(json.dumps(item)) for item in self._output],
-            "usage": usage,
-        }
-
-    # -- items ----------------------------------------------------------------------------------
-    def _reasoning(self, text: str) -> list[dict[str, Any]]:
-        events = self._ensure_open("reasoning")
-        item = self._open
-        assert item is not None
-        item.text += text
-        events.append(self._event("response.reasoning_text.delta", **self._where(item), delta=text))
-        return events
-
-    def _text(self, text: str, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        events = self._ensure_open("message")
-        item = self._open
-        assert item is not None
-        item.text += text
-        item.logprobs.extend(entries)
-        events.append(self._event("response.output_text.delta", **self._where(item), delta=text, logprobs=entries))
-        return events
-
-    def _call(self, tc: ToolCall) -> list[dict[str, Any]]:
-        events = self._close_open()
-        tool = self._toolset.restore(tc.name)
-        call_id = tc.id or _new_id("call")
-        while call_id in self._call_ids:
-            call_id = _new_id("call")
-        self._call_ids.add(call_id)
-        index = len(self._output)
-        if tool.kind == "custom":
-            item_id, value = _new_id("ctc"), custom_tool_input(tc.arguments)
-            item: dict[str, Any] = {"type": "custom_tool_call", "id": item_id, "call_id": call_id,
-                                    "name": tool.name, "input": ""}
-        else:
-            item_id, value = _new_id("fc"), tc.arguments
-            item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": tool.name,
-                    "arguments": "", "status": "in_progress"}
-        if tool.namespace:
-            item["namespace"] = tool.namespace
-        where = {"item_id": item_id, "output_index": index}
-        events.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
-        if tool.kind == "custom":
-            item["input"] = value
-            events.append(self._event("response.custom_tool_call_input.delta", **where, delta=value))
-            events.append(self._event("response.custom_tool_call_input.done", **where, input=value))
-        else:
-            item["arguments"], item["status"] = value, "completed"
-            events.append(self._event("response.function_call_arguments.delta", **where, delta=value))
-            events.append(self._event("response.function_call_arguments.done", **where, name=tool.name,
-                                      arguments=value))
-        self._output.append(item)
-        events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
-        return events
-
-    def _ensure_open(self, kind: ItemKind) -> list[dict[str, Any]]:
-        if self._open is not None and self._open.kind == kind:
-            return []
-        events = self._close_open()
-        index = len(self._output)
-        if kind == "reasoning":
-            item = _OpenItem(kind, _new_id("rs"), index)
-            added: dict[str, Any] = {"type": "reasoning", "id": item.id, "summary": [], "content": []}
-            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
-        else:
-            item = _OpenItem(kind, _new_id("msg"), index)
-            added = {"type": "message", "id": item.id, "status": "in_progress", "role": "assistant", "content": []}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        self._output.append(added)
-        self._open = item
-        events.append(self._event("response.output_item.added", output_index=index, item=dict(added)))
-        events.append(self._event("response.content_part.added", **self._where(item), part=part))
-        return events
-
-    def _close_open(self, status: str = "completed") -> list[dict[str, Any]]:
-        item = self._open
-        if item is None:
-            return []
-        self._open = None
-        where = self._where(item)
-        if item.kind == "reasoning":
-            part: dict[str, Any] = {"type": "reasoning_text", "text": item.text}
-            done: dict[str, Any] = {"type": "reasoning", "id": item.id, "summary": [], "content": [part]}
-            events = [self._event("response.reasoning_text.done", **where, text=item.text)]
-        else:
-            part = {"type": "output_text", "text": item.text, "annotations": [], "logprobs": item.logprobs}
-            done = {"type": "message", "id": item.id, "status": status, "role": "assistant", "content": [part]}
-            events = [self._event("response.output_text.done", **where, text=item.text, logprobs=item.logprobs)]
-        events.append(self._event("response.content_part.done", **where, part=part))
-        self._output[item.output_index] = done
-        events.append(self._event("response.output_item.done", output_index=item.output_index, item=done))
-        return events
-
-    def _terminal(self, status: str, reason: str | None) -> list[dict[str, Any]]:
-        events = self._close_open("completed" if status == "completed" else "incomplete")
-        self.status = status
-        self.incomplete_reason = reason
-        if status == "completed":
-            self.completed_at = int(time.time())
-        events.append(self._event(f"response.{status}", response=self.response()))
-        return events
-
-    # -- logprob attribution ---------------------------------------------------------------------
-    def _queue_logprobs(self, u: ChildUpdate) -> None:
-        if self._lp is None:
-            return
-        records = list(u.logprobs or ())
-        num_reasoning = max(0, u.num_reasoning_tokens - self._reasoning_seen)
-        self._reasoning_seen = max(self._reasoning_seen, u.num_reasoning_tokens)
-        if (u.finish is not None and u.finish.cause in (FinishCause.EOS, FinishCause.STOP_TOKEN)
-                and records and len(records) == len(u.token_ids)):
-            records = records[:-1]  # a terminating EOS or stop token has no entry
-        self._pending.extend(records[min(num_reasoning, len(records)):])
-
-    def _attribute(self, text: str) -> list[dict[str, Any]]:
-        """Pending tokens whose first byte falls within newly released answer text."""
-        if self._lp is None or not text:
-            return []
-        self._owed += len(text.encode("utf-8"))
-        taken: list[Any] = []
-        while self._pending and self._owed > 0:
-            record = self._pending.pop(0)
-            taken.append(record)
-            self._owed -= max(1, len(self._token_bytes(record.token_id)))
-        return self._lp(taken) if taken else []
-
-    def _drop_pending(self) -> None:
-        self._pending.clear()
-        self._owed = 0
-
-    # -- helpers ---------------------------------------------------------------------------------
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self._seq, **fields}
-        self._seq += 1
-        return event
-
-    @staticmethod
-    def _where(item: _OpenItem) -> dict[str, Any]:
-        return {"item_id": item.id, "output_index": item.output_index, "content_index": 0}
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _named(events: list[dict[str, Any]]) -> list[StreamEvent]:
-    return [StreamEvent(e, e["type"]) for e in events]
-
-
-def make_encoder(plan: ResponsesPlan, prompts: Sequence[PreparedPrompt], sampling: SamplingParams, *, model: str,
-                 vocab: TokenVocabulary) -> ResponseEncoder:
-    as_ids = plan.wire.return_tokens_as_token_ids
-
-    def content(records: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
-        return chat_logprobs_content(records, vocab, as_ids)
-
-    return ResponseEncoder(
-        base=response_base(plan, sampling, model),
-        toolset=plan.toolset,
-        prompts=prompts,
-        logprob_content=content if plan.num_top_logprobs is not None else None,
-        token_bytes=vocab.token_bytes,
-    )
