@@ -571,16 +571,19 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def structure(obj: Any, cls: type[T], *, at: str = "") -> T:
+def structure(obj: Any, cls: type[T], *, at: str = "",
+              failure: Callable[[BaseException], Exception] | None = None) -> T:
     """`obj` as `cls`, or the BadRequest naming the path of its first bad value (below `at`, the
-    path of `obj` itself where it is not the whole body)."""
+    path of `obj` itself where it is not the whole body). A route with its own error shape passes
+    `failure`: it maps cattrs' detailed error (the tree of every failure found, each with its
+    path in the notes) to the exception raised instead."""
     try:
         return FAST.structure(obj, cls)
     except Exception as fast_error:  # structure it again, collecting where it failed
         try:
             DETAILED.structure(obj, cls)
-        except Exception as exc:  # every failure here is the client's 400
-            raise _bad_request(exc, at) from None
+        except Exception as exc:  # every failure here is the client's
+            raise (_bad_request(exc, at) if failure is None else failure(exc)) from None
         raise fast_error
 
 
