@@ -1,9 +1,13 @@
 """POST /v1/systemone: the TypeSafe System One schema (noul, choice and score questions).
 
-Schema failures are Jev-style HTTP 422 bodies, ``{"detail": [{"type", "loc", "msg", "input"}, ...]}``
-with every failure found; malformed JSON, image assets without ``TypeSafe-Danger-Zone-Images: true``
-or on a text-only model, malformed or unused assets and unsupported question kinds are 400 in the
-Chat Completions error shape.
+The request is declared once, as attrs classes structured by the strict wire converter
+(`helios.frontends.wire`): `SystemOneWire`, its questions as a tagged union on ``type``, and the image
+assets. Schema failures are Jev-style HTTP 422 bodies, ``{"detail": [{"type", "loc", "msg", "input"},
+...]}`` with every failure found: the detailed converter collects them all, and `_schema_errors`
+turns each one's path into its ``loc`` (a question's kind follows its name, as a discriminated
+union's tag does). Malformed JSON, image assets without ``TypeSafe-Danger-Zone-Images: true`` or on a
+text-only model, malformed or unused assets and unsupported question kinds are 400 in the Chat
+Completions error shape.
 
 Image assets (api.md, System One): ``assets`` maps a reference to ``{"type": "image", "format":
 "png"|"jpeg", "data_base64": ...}`` or, in a multipart/form-data body, ``{"part": NAME}`` (the part
@@ -19,14 +23,20 @@ Jev score confidence. Normalizing label probabilities is not an empirical calibr
 
 from __future__ import annotations
 
-import base64
-import binascii
 import re
 import secrets
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar, Literal, NewType, TypeVar, get_origin
 
 import attrs
+import cattrs
+from cattrs.errors import (
+    AttributeValidationNote,
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+    IterableValidationNote,
+)
 
 from helios.domain.conversation import ImagePart
 from helios.domain.decisions import (
@@ -41,13 +51,23 @@ from helios.domain.decisions import (
 )
 from helios.errors import BadRequest, UnprocessableEntity
 from helios.frontends.decisions.multipart import FormPart
-from helios.frontends.wire import loads_strict
+from helios.frontends.fields import honoured, ignored, wire_field
+from helios.frontends.wire import (
+    DETAILED,
+    FAST,
+    Base64Bytes,
+    Invalid,
+    json_kind,
+    loads_strict,
+    register_leaf,
+    structure,
+)
+
+N = TypeVar("N")
 
 MAX_QUESTIONS = 64
 MAX_CRITERIA = 128
 MAX_LEVELS = 10
-UNSUPPORTED_TYPES = ("box", "audio", "video", "custom")
-_STRUCTURED = (str, dict, list)
 
 
 class SchemaErrors(UnprocessableEntity):
@@ -81,10 +101,242 @@ class SystemOnePlan:
     marker."""
 
 
-ASSET_FIELDS = frozenset({"type", "format", "data_base64", "part"})
 ASSET_FORMATS = {"png": "image/png", "jpeg": "image/jpeg", "jpg": "image/jpeg"}
 _MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"))
 DANGER_ZONE_HEADER = "typesafe-danger-zone-images"
+
+Replace = Callable[[Any], Any]
+"""A JSON value with its asset references replaced (`_Replacer`), or as it is (`_as_is`)."""
+
+
+def _as_is(value: Any) -> Any:
+    return value
+
+
+def _register(t: Any, factory: Callable[[Any, cattrs.Converter], Callable[[Any, Any], Any]]) -> None:
+    """`t`'s hook on both wire converters, made by `factory` from the type and the converter."""
+    for converter in (FAST, DETAILED):
+        converter.register_structure_hook_factory(lambda x: x == t, factory)
+
+
+# -- the schema's leaves: JSON values kept as given, each refused with its own Jev entry ---------------
+
+
+class SchemaFailure(Invalid):
+    """A value the schema refuses: one Jev detail entry's ``type`` (`kind`) and ``msg``."""
+
+    def __init__(self, kind: str, msg: str) -> None:
+        super().__init__(msg)
+        self.kind = kind
+
+
+_TEXT = (str, dict, list)
+_TEXT_MSG = "Input should be a string, an object or an array"
+
+
+def _json_leaf(t: Any, kinds: tuple[type, ...], kind: str, msg: str, *, nullable: bool = False,
+               null_msg: str | None = None) -> None:
+    """`t` takes a JSON value of one of `kinds` (and null where `nullable`) as it is."""
+
+    def hook(v: Any, _t: Any) -> Any:
+        if type(v) in kinds or (nullable and v is None):
+            return v
+        raise SchemaFailure(kind, null_msg if v is None and null_msg is not None else msg)
+
+    register_leaf(t, hook)
+
+
+State = NewType("State", object)
+"""The state: a string, an object or an array (an object or array is shown as JSON)."""
+_json_leaf(State, _TEXT, "state_type", _TEXT_MSG)
+Instructions = NewType("Instructions", object)
+"""A noul question's instructions: a string, an object or an array."""
+_json_leaf(Instructions, _TEXT, "instructions_type", _TEXT_MSG, null_msg="Input should not be null")
+OptionalInstructions = NewType("OptionalInstructions", object)
+"""A choice or score question's instructions: as `Instructions`, or null (a default question)."""
+_json_leaf(OptionalInstructions, _TEXT, "instructions_type", _TEXT_MSG, nullable=True)
+Description = NewType("Description", object)
+"""A choice criterion's description: null, a string, an object or an array."""
+_json_leaf(Description, _TEXT, "description_type", "Input should be null, a string, an object or an array",
+           nullable=True)
+Level = NewType("Level", object)
+"""A score level: a string, a number, an object or an array."""
+_json_leaf(Level, (*_TEXT, int, float), "level_type", "Input should be a nonnull string, number, object or array")
+
+
+def _sized(t: Any, item: Any, most: int) -> None:
+    """`t`, a dict or list NewType, takes 1 to `most` items, each structured as `item`. In detail
+    every failing item is collected (its key or index noted), so the 422 lists them all."""
+    container = get_origin(t.__supertype__)
+    noun, after, wrong = (("Dictionary", "", ("dict_type", "Input should be a valid dictionary")) if container is dict
+                          else ("List", " after validation", ("list_type", "Input should be a valid list")))
+
+    def factory(_t: Any, converter: cattrs.Converter) -> Callable[[Any, Any], Any]:
+        item_hook = converter.get_structure_hook(item)
+
+        def hook(v: Any, _t: Any) -> Any:
+            if type(v) is not container:
+                raise SchemaFailure(*wrong)
+            if not 1 <= len(v) <= most:
+                kind, bound = ("too_short", "at least 1 item") if not v else ("too_long", f"at most {most} items")
+                raise SchemaFailure(kind, f"{noun} should have {bound}{after}, not {len(v)}")
+            out = _items(converter.detailed_validation, item_hook, item, dict(v) if container is dict else dict(enumerate(v)), t)
+            return out if container is dict else list(out.values())
+
+        return hook
+
+    _register(t, factory)
+
+
+def _items(detailed: bool, hook: Callable[[Any, Any], Any], item: Any, values: dict[Any, Any],
+           t: Any) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    errors: list[Exception] = []
+    for key, value in values.items():
+        try:
+            out[key] = hook(value, item)
+        except Exception as exc:
+            if not detailed:
+                raise
+            exc.add_note(IterableValidationNote(f"Structuring {item} @ index {key!r}", key, item))
+            errors.append(exc)
+    if errors:
+        raise IterableValidationError(f"While structuring {t}", errors, t)
+    return out
+
+
+# -- the request -------------------------------------------------------------------------------------
+
+Criteria = NewType("Criteria", dict[str, Description])
+"""A choice question's criteria: 1 to 128 named options, each with a description or null."""
+_sized(Criteria, Description, MAX_CRITERIA)
+Levels = NewType("Levels", list[Level])
+"""A score question's levels: 1 to 10, lowest first."""
+_sized(Levels, Level, MAX_LEVELS)
+
+
+@attrs.define(kw_only=True)
+class NoulQuestion:
+    type: Literal["noul"]
+    instructions: Instructions
+
+    def named(self, name: str, replace: Replace) -> NamedQuestion:
+        return NamedQuestion(name, self.type, DecisionQuestion("binary", render_value(replace(self.instructions))))
+
+
+@attrs.define(kw_only=True)
+class ChoiceQuestion:
+    type: Literal["choice"]
+    instructions: OptionalInstructions = OptionalInstructions(None)
+    criteria: Criteria
+
+    def named(self, name: str, replace: Replace) -> NamedQuestion:
+        """Keys remain text: references are replaced in the instructions and descriptions only."""
+        options = tuple(key if desc is None else f"{key} — {render_value(replace(desc))}"
+                        for key, desc in self.criteria.items())
+        text = "Which option fits the state best?" if self.instructions is None else render_value(
+            replace(self.instructions))
+        return NamedQuestion(name, self.type, DecisionQuestion("options", text, options), keys=tuple(self.criteria))
+
+
+@attrs.define(kw_only=True)
+class ScoreQuestion:
+    type: Literal["score"]
+    instructions: OptionalInstructions = OptionalInstructions(None)
+    criteria: Levels
+
+    def named(self, name: str, replace: Replace) -> NamedQuestion:
+        """The legend keeps the levels as supplied, references included."""
+        text = "Which level fits the state best?" if self.instructions is None else render_value(
+            replace(self.instructions))
+        options = tuple(render_value(replace(level)) for level in self.criteria)
+        return NamedQuestion(name, self.type, DecisionQuestion("levels", text, options), levels=tuple(self.criteria))
+
+
+@attrs.define(kw_only=True)
+class UnsupportedQuestion:
+    """Box, audio/video and custom questions: the schema knows them, this server does not answer
+    them (a 400 once the request matches the schema; their other keys are not read)."""
+
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["box", "audio", "video", "custom"]
+
+    def named(self, name: str, replace: Replace) -> NamedQuestion:
+        raise BadRequest(f"question type '{self.type}' is not supported; use noul, choice or score",
+                         param="questions")
+
+
+Question = NoulQuestion | ChoiceQuestion | ScoreQuestion | UnsupportedQuestion
+_KINDS = (NoulQuestion, ChoiceQuestion, ScoreQuestion)
+Questions = NewType("Questions", dict[str, Question])
+"""1 to 64 named questions."""
+_sized(Questions, Question, MAX_QUESTIONS)
+
+
+@attrs.define(kw_only=True)
+class SystemOneWire:
+    model: str = wire_field(honoured("required; one model is served, and the answer names it"), required=True)
+    state: State = wire_field(honoured("what every question is asked about"), required=True)
+    questions: Questions = wire_field(honoured("the named questions, answered by name"), required=True)
+    assets: Any = wire_field(honoured(
+        "image assets: structured after the danger-zone header and the model's vision are checked (400s)"))
+
+    def named(self, replace: Replace) -> tuple[NamedQuestion, ...]:
+        return tuple(q.named(name, replace) for name, q in self.questions.items())
+
+
+# -- image assets ------------------------------------------------------------------------------------
+
+ImageFormat = NewType("ImageFormat", str)
+"""An asset's ``format`` (png, jpeg or jpg, in any case), structured as its media type."""
+
+
+def _image_format(v: Any, _t: Any) -> str:
+    media = ASSET_FORMATS.get(v.lower()) if type(v) is str else None
+    if media is None:
+        raise Invalid("must be png or jpeg")
+    return media
+
+
+register_leaf(ImageFormat, _image_format)
+
+
+@attrs.define(kw_only=True)
+class Base64Asset:
+    type: Literal["image"] = "image"
+    format: ImageFormat | None = None
+    """Absent: the media type the data's signature shows."""
+    data_base64: Base64Bytes
+
+
+@attrs.define(kw_only=True)
+class PartAsset:
+    type: Literal["image"] = "image"
+    format: ImageFormat | None = None
+    part: str
+    """The name of a multipart part: the image's bytes."""
+    data_base64: Any = wire_field(ignored("the multipart part takes precedence over data_base64 (api.md)"))
+
+
+ImageAsset = Base64Asset | PartAsset
+"""An image asset: a part's bytes where ``part`` names one, else its data_base64. No tag picks the
+member: a non-null ``part`` does."""
+
+
+def _image_asset(_t: Any, converter: cattrs.Converter) -> Callable[[Any, Any], Any]:
+    part_hook, data_hook = converter.get_structure_hook(PartAsset), converter.get_structure_hook(Base64Asset)
+
+    def hook(v: Any, _t: Any) -> Any:
+        if type(v) is not dict:
+            raise TypeError(f"expected an object, got {json_kind(v)}")
+        if v.get("part") is not None:
+            return part_hook(v, PartAsset)
+        return data_hook({k: x for k, x in v.items() if k != "part"}, Base64Asset)
+
+    return hook
+
+
+_register(ImageAsset, _image_asset)
 
 
 def parse_body(body: bytes) -> Any:
@@ -101,71 +353,31 @@ def decode_systemone(obj: Any, *, model: str = "", vision: bool = False, danger_
     """The request's plan. ``vision``: the loaded model takes images; ``danger_zone``: the request
     carried ``TypeSafe-Danger-Zone-Images: true``; ``parts``: the image parts of a multipart body
     (after its JSON part)."""
-    errors: list[dict[str, Any]] = []
-    if not isinstance(obj, dict):
-        raise SchemaErrors([_error("dict_type", ["body"], "Input should be a valid dictionary", obj)])
-    for key in obj:
-        if key not in ("model", "state", "questions", "assets"):
-            errors.append(_error("extra_forbidden", ["body", key], "Extra inputs are not permitted", obj[key]))
-    if "model" not in obj:
-        errors.append(_missing(["body", "model"], obj))
-    elif not isinstance(obj["model"], str):
-        errors.append(_error("string_type", ["body", "model"], "Input should be a valid string", obj["model"]))
-    if "state" not in obj:
-        errors.append(_missing(["body", "state"], obj))
-    elif not isinstance(obj["state"], _STRUCTURED):
-        errors.append(_error("state_type", ["body", "state"], "Input should be a string, an object or an array",
-                             obj["state"]))
-    questions: list[NamedQuestion] = []
-    unsupported: list[str] = []
-    raw = obj.get("questions")
-    if "questions" not in obj:
-        errors.append(_missing(["body", "questions"], obj))
-    elif not isinstance(raw, dict):
-        errors.append(_error("dict_type", ["body", "questions"], "Input should be a valid dictionary", raw))
-    elif not 1 <= len(raw) <= MAX_QUESTIONS:
-        kind, bound = ("too_short", "at least 1 item") if not raw else ("too_long", f"at most {MAX_QUESTIONS} items")
-        errors.append(_error(kind, ["body", "questions"], f"Dictionary should have {bound}, not {len(raw)}", raw))
-    else:
-        for name, q in raw.items():
-            decoded = _question(name, q, errors, unsupported)
-            if decoded is not None:
-                questions.append(decoded)
-    if errors:
-        raise SchemaErrors(errors)
-    if unsupported:
-        raise BadRequest(f"question type '{unsupported[0]}' is not supported; use noul, choice or score",
-                         param="questions")
-    assets = obj.get("assets")
-    if assets is None and not parts:
-        return SystemOnePlan(render_state(obj["state"]), tuple(questions))
+    w = structure(obj, SystemOneWire, failure=lambda exc: SchemaErrors(list(_entries(exc, obj, ["body"], None))))
+    plain = w.named(_as_is)  # an unsupported question kind is its 400
+    if w.assets is None and not parts:
+        return SystemOnePlan(render_state(w.state), plain)
     if not danger_zone:
         raise BadRequest("image assets require the TypeSafe-Danger-Zone-Images: true header", param="assets")
     if not vision:
         raise BadRequest(f"model {model} does not accept image input (it is text-only)", param="assets")
-    images = _assets(assets, parts)
+    images = _assets(w.assets, parts)
     nonce = secrets.token_hex(8)
     markers = {key: f"\ue000{nonce}#{i}\ue001" for i, key in enumerate(images)}
     used: set[str] = set()
-    replaced = _with_references(obj, _Replacer(markers, used))
+    replace = _Replacer(markers, used)
+    state, questions = render_state(replace(w.state)), w.named(replace)
     unused = [key for key in images if key not in used]
     if unused:
         raise BadRequest(f"asset '{unused[0]}' is not referenced by the state, instructions or criteria; unused "
                          "assets are rejected", param="assets")
-    by_name = {q.name: q for q in questions}
-    again: list[NamedQuestion] = []
-    for name, q in replaced["questions"].items():
-        decoded = _question(name, q, errors, unsupported)
-        assert decoded is not None  # replacing strings keeps a valid question valid
-        # Keys remain text, and a legend keeps the original levels (references included).
-        again.append(attrs.evolve(decoded, keys=by_name[name].keys, levels=by_name[name].levels))
-    return SystemOnePlan(render_state(replaced["state"]), tuple(again),
-                         tuple((markers[key], image) for key, image in images.items()))
+    return SystemOnePlan(state, questions, tuple((markers[key], image) for key, image in images.items()))
 
 
 def _assets(assets: Any, parts: Sequence[FormPart]) -> dict[str, ImagePart]:
-    """Each asset's image: from its multipart part (which takes precedence) or its data_base64."""
-    if not isinstance(assets, dict) or not assets:
+    """Each asset's image, in order: from its multipart part (which takes precedence) or its
+    data_base64."""
+    if type(assets) is not dict or not assets:
         raise BadRequest("assets must be a nonempty object that maps each reference to an image asset", param="assets")
     by_part: dict[str, FormPart] = {}
     for part in parts:
@@ -173,50 +385,57 @@ def _assets(assets: Any, parts: Sequence[FormPart]) -> dict[str, ImagePart]:
             raise BadRequest(f"multipart part names must be unique; '{part.name}' repeats", param="assets")
         by_part[part.name] = part
     owner: dict[str, str] = {}
-    images: dict[str, ImagePart] = {}
-    for key, asset in assets.items():
-        where = f"assets.{key}"
-        if not key:
-            raise BadRequest("asset references must be nonempty strings", param="assets")
-        if not isinstance(asset, dict):
-            raise BadRequest(f"{where} must be an object", param="assets")
-        extra = sorted(set(asset) - ASSET_FIELDS)
-        if extra:
-            raise BadRequest(f"{where}: unknown field(s) {', '.join(extra)}; an image asset has type, format, "
-                             "data_base64 or part", param="assets")
-        if asset.get("type", "image") != "image":
-            raise BadRequest(f"{where}: only image assets are supported, not {asset.get('type')!r}", param="assets")
-        fmt = asset.get("format")
-        if fmt is not None and (not isinstance(fmt, str) or fmt.lower() not in ASSET_FORMATS):
-            raise BadRequest(f"{where}.format must be png or jpeg", param="assets")
-        name, encoded = asset.get("part"), asset.get("data_base64")
-        if name is not None:
-            if not isinstance(name, str) or name not in by_part:
-                raise BadRequest(f"{where}.part names {name!r}, which is not a part of this multipart body",
-                                 param="assets")
-            if name in owner:
-                raise BadRequest(f"multipart part '{name}' belongs to both assets '{owner[name]}' and '{key}'; every "
-                                 "part must belong to exactly one asset", param="assets")
-            owner[name] = key
-            data = by_part[name].data
-        elif isinstance(encoded, str):
-            try:
-                data = base64.b64decode(encoded, validate=True)
-            except (ValueError, binascii.Error):
-                raise BadRequest(f"{where}.data_base64 is not valid base64", param="assets") from None
-        else:
-            raise BadRequest(f"{where} needs data_base64 (a base64 string) or a multipart part", param="assets")
-        actual = next((media for magic, media in _MAGIC if data.startswith(magic)), None)
-        if actual is None:
-            raise BadRequest(f"{where} is not PNG or JPEG data; System One image assets are PNG or JPEG",
-                             param="assets")
-        declared = ASSET_FORMATS[fmt.lower()] if isinstance(fmt, str) else actual
-        images[key] = ImagePart(declared, data, where)
+    images = {key: _image(key, asset, by_part, owner) for key, asset in assets.items()}
     stray = [p.name for p in parts if p.name not in owner]
     if stray:
         raise BadRequest(f"multipart part '{stray[0]}' belongs to no asset; every part must belong to exactly one "
                          "asset", param="assets")
     return images
+
+
+def _image(key: str, value: Any, by_part: dict[str, FormPart], owner: dict[str, str]) -> ImagePart:
+    """One asset's image; `owner` records which asset took each part."""
+    where = f"assets.{key}"
+    if not key:
+        raise BadRequest("asset references must be nonempty strings", param="assets")
+    asset: Base64Asset | PartAsset = structure(value, ImageAsset,  # type: ignore[arg-type]
+                                               failure=lambda exc: _asset_failure(exc, where, value))
+    if isinstance(asset, PartAsset):
+        if asset.part not in by_part:
+            raise BadRequest(f"{where}.part names {asset.part!r}, which is not a part of this multipart body",
+                             param="assets")
+        if asset.part in owner:
+            raise BadRequest(f"multipart part '{asset.part}' belongs to both assets '{owner[asset.part]}' and '{key}'; "
+                             "every part must belong to exactly one asset", param="assets")
+        owner[asset.part] = key
+    data = by_part[asset.part].data if isinstance(asset, PartAsset) else asset.data_base64
+    actual = next((media for magic, media in _MAGIC if data.startswith(magic)), None)
+    if actual is None:
+        raise BadRequest(f"{where} is not PNG or JPEG data; System One image assets are PNG or JPEG", param="assets")
+    return ImagePart(asset.format or actual, data, where)
+
+
+_ASSET_MESSAGES = {
+    "type": "{where}: only image assets are supported, not {value!r}",
+    "format": "{where}.format must be png or jpeg",
+    "part": "{where}.part names {value!r}, which is not a part of this multipart body",
+    "data_base64": "{where} needs data_base64 (a base64 string) or a multipart part",
+}
+
+
+def _asset_failure(exc: BaseException, where: str, asset: Any) -> BadRequest:
+    """An asset's first failure as its 400: unknown keys first, then its fields in order."""
+    if not isinstance(exc, ClassValidationError):
+        return BadRequest(f"{where} must be an object", param="assets")
+    extra = sorted(_extra_keys(exc))
+    if extra:
+        return BadRequest(f"{where}: unknown field(s) {', '.join(extra)}; an image asset has type, format, "
+                          "data_base64 or part", param="assets")
+    first = exc.exceptions[0]
+    name = _note(first, AttributeValidationNote).name
+    message = (f"{where}.data_base64 is not valid base64" if isinstance(first, Invalid) and name == "data_base64"
+               else _ASSET_MESSAGES[name].format(where=where, value=asset.get(name)))
+    return BadRequest(message, param="assets")
 
 
 class _Replacer:
@@ -245,22 +464,6 @@ class _Replacer:
         return self.markers[match.group()]
 
 
-def _with_references(obj: dict[str, Any], replace: _Replacer) -> dict[str, Any]:
-    """The request with references replaced in the state and in each question's instructions and
-    criteria values (criteria keys remain text)."""
-    questions = {}
-    for name, q in obj["questions"].items():
-        q = dict(q)
-        if "instructions" in q:
-            q["instructions"] = replace(q["instructions"])
-        if isinstance(q.get("criteria"), dict):
-            q["criteria"] = {k: replace(v) for k, v in q["criteria"].items()}
-        elif isinstance(q.get("criteria"), list):
-            q["criteria"] = [replace(v) for v in q["criteria"]]
-        questions[name] = q
-    return {**obj, "state": replace(obj["state"]), "questions": questions}
-
-
 def encode_systemone(plan: SystemOnePlan, scores: Sequence[QuestionScore], model: str) -> dict[str, Any]:
     """The response body for the label scorer's `scores` of `plan.questions` (in order)."""
     answers = {q.name: _answer(q, s) for q, s in zip(plan.questions, scores, strict=True)}
@@ -287,94 +490,60 @@ def _answer(q: NamedQuestion, s: QuestionScore) -> dict[str, Any]:
             "probabilities": {str(i): v for i, v in enumerate(p)}, "confidence": score_confidence(p)}
 
 
-def _question(name: str, q: Any, errors: list[dict[str, Any]], unsupported: list[str]) -> NamedQuestion | None:
-    loc: list[str | int] = ["body", "questions", name]
-    if not isinstance(q, dict):
-        errors.append(_error("dict_type", loc, "Input should be a valid dictionary", q))
-        return None
-    kind = q.get("type")
-    if "type" not in q:
-        errors.append(_error("union_tag_not_found", loc, "Unable to extract tag using discriminator 'type'", q))
-        return None
-    if kind in UNSUPPORTED_TYPES:
-        unsupported.append(str(kind))
-        return None
-    if kind not in ("noul", "choice", "score"):
-        errors.append(_error("union_tag_invalid", loc,
-                             f"Input tag '{kind}' found using 'type' does not match any of the expected tags: "
-                             "'noul', 'choice', 'score'", q))
-        return None
-    loc = [*loc, kind]
-    allowed = {"type", "instructions"} | ({"criteria"} if kind != "noul" else set())
-    for key in q:
-        if key not in allowed:
-            errors.append(_error("extra_forbidden", [*loc, key], "Extra inputs are not permitted", q[key]))
-    before = len(errors)
-    instructions = q.get("instructions")
-    if kind == "noul" and instructions is None:
-        errors.append(_missing([*loc, "instructions"], q) if "instructions" not in q else
-                      _error("instructions_type", [*loc, "instructions"], "Input should not be null", None))
-    elif instructions is not None and not isinstance(instructions, _STRUCTURED):
-        errors.append(_error("instructions_type", [*loc, "instructions"],
-                             "Input should be a string, an object or an array", instructions))
-    if kind == "noul":
-        if len(errors) > before:
-            return None
-        return NamedQuestion(name, kind, DecisionQuestion("binary", render_value(instructions)))
-    criteria = q.get("criteria")
-    if "criteria" not in q:
-        errors.append(_missing([*loc, "criteria"], q))
-        return None
-    if kind == "choice":
-        return _choice(name, instructions, criteria, loc, errors, before)
-    return _score(name, instructions, criteria, loc, errors, before)
+# -- schema failures as Jev detail entries -------------------------------------------------------------
 
 
-def _choice(name: str, instructions: Any, criteria: Any, loc: list[str | int], errors: list[dict[str, Any]],
-            before: int) -> NamedQuestion | None:
-    where = [*loc, "criteria"]
-    if not isinstance(criteria, dict):
-        errors.append(_error("dict_type", where, "Input should be a valid dictionary", criteria))
-        return None
-    if not 1 <= len(criteria) <= MAX_CRITERIA:
-        kind, bound = ("too_short", "at least 1 item") if not criteria else ("too_long", f"at most {MAX_CRITERIA} items")
-        errors.append(_error(kind, where, f"Dictionary should have {bound}, not {len(criteria)}", criteria))
-        return None
-    for key, desc in criteria.items():
-        if desc is not None and not isinstance(desc, _STRUCTURED):
-            errors.append(_error("description_type", [*where, key],
-                                 "Input should be null, a string, an object or an array", desc))
-    if len(errors) > before:
-        return None
-    options = tuple(key if desc is None else f"{key} — {render_value(desc)}" for key, desc in criteria.items())
-    text = render_value(instructions) if instructions is not None else "Which option fits the state best?"
-    return NamedQuestion(name, "choice", DecisionQuestion("options", text, options), keys=tuple(criteria))
+def _entries(exc: BaseException, value: Any, loc: list[Any], expected: Any) -> Iterator[dict[str, Any]]:
+    """The detail entries of one failure of the detailed converter (a leaf, or cattrs' group of a
+    class's or a collection's failures) for `value` at `loc`; `expected` is its declared type."""
+    if isinstance(exc, ClassValidationError):
+        yield from _class_entries(exc, value, loc)
+    elif isinstance(exc, IterableValidationError):
+        for sub in exc.exceptions:
+            note = _note(sub, IterableValidationNote)
+            yield from _entries(sub, value[note.index], [*loc, note.index], note.type)
+    else:
+        yield _leaf_entry(exc, value, loc, expected)
 
 
-def _score(name: str, instructions: Any, criteria: Any, loc: list[str | int], errors: list[dict[str, Any]],
-           before: int) -> NamedQuestion | None:
-    where = [*loc, "criteria"]
-    if not isinstance(criteria, list):
-        errors.append(_error("list_type", where, "Input should be a valid list", criteria))
-        return None
-    if not 1 <= len(criteria) <= MAX_LEVELS:
-        kind, bound = ("too_short", "at least 1 item") if not criteria else ("too_long", f"at most {MAX_LEVELS} items")
-        errors.append(_error(kind, where, f"List should have {bound} after validation, not {len(criteria)}", criteria))
-        return None
-    for i, level in enumerate(criteria):
-        if level is None or isinstance(level, bool) or not isinstance(level, (*_STRUCTURED, int, float)):
-            errors.append(_error("level_type", [*where, i], "Input should be a nonnull string, number, object or "
-                                 "array", level))
-    if len(errors) > before:
-        return None
-    text = render_value(instructions) if instructions is not None else "Which level fits the state best?"
-    return NamedQuestion(name, "score", DecisionQuestion("levels", text, tuple(render_value(v) for v in criteria)),
-                         levels=tuple(criteria))
+def _class_entries(exc: ClassValidationError, value: dict[str, Any], loc: list[Any]) -> Iterator[dict[str, Any]]:
+    """An object's unknown keys first (in the body's order), then its fields' failures in field
+    order. A question's kind follows its name in the path (the discriminated union's tag)."""
+    here = [*loc, value["type"]] if exc.cl in _KINDS else loc
+    extra = _extra_keys(exc)
+    for key in (k for k in value if k in extra):
+        yield _error("extra_forbidden", [*here, key], "Extra inputs are not permitted", value[key])
+    for sub in exc.exceptions:
+        if not isinstance(sub, ForbiddenExtraKeysError):
+            note = _note(sub, AttributeValidationNote)
+            # a missing field's input is the object that lacks it
+            yield from _entries(sub, value.get(note.name, value), [*here, note.name], note.type)
+
+
+def _leaf_entry(exc: BaseException, value: Any, loc: list[Any], expected: Any) -> dict[str, Any]:
+    if isinstance(exc, SchemaFailure):
+        return _error(exc.kind, loc, exc.reason, value)
+    if isinstance(exc, KeyError):
+        return _error("missing", loc, "Field required", value)
+    if isinstance(exc, Invalid) and exc.at == "type":  # the questions' union has no member for the tag
+        if "type" not in value:
+            return _error("union_tag_not_found", loc, "Unable to extract tag using discriminator 'type'", value)
+        return _error("union_tag_invalid", loc, f"Input tag '{value['type']}' found using 'type' does not match any "
+                      "of the expected tags: 'noul', 'choice', 'score'", value)
+    if isinstance(exc, TypeError):  # a string field's value, or an object's
+        return (_error("string_type", loc, "Input should be a valid string", value) if expected is str else
+                _error("dict_type", loc, "Input should be a valid dictionary", value))
+    raise exc  # not the client's error
+
+
+def _extra_keys(exc: ClassValidationError) -> set[str]:
+    return {key for e in exc.exceptions if isinstance(e, ForbiddenExtraKeysError) for key in e.extra_fields}
+
+
+def _note(exc: BaseException, kind: type[N]) -> N:
+    """The note cattrs' detailed converter left on `exc`: the attribute or index it failed at."""
+    return next(n for n in getattr(exc, "__notes__", ()) if isinstance(n, kind))
 
 
 def _error(kind: str, loc: list[Any], msg: str, value: Any) -> dict[str, Any]:
     return {"type": kind, "loc": loc, "msg": msg, "input": value}
-
-
-def _missing(loc: list[Any], parent: Any) -> dict[str, Any]:
-    return _error("missing", loc, "Field required", parent)
