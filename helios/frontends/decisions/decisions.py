@@ -1,9 +1,11 @@
 """POST /v1/decisions: the vLLM Decisions text protocol on the System One scorer.
 
-Input is a string, or user messages whose content is a string or ``text`` / ``input_text`` parts
-(parts join with newlines, messages with blank lines). Questions are ordered: predicates, choices with
-2..128 distinct string or boolean values, and scores with 2..10 labelled levels. Everything else is an
-OpenAI-style 400.
+The request is declared once, as attrs classes structured by the strict wire converter
+(`helios.frontends.wire`): input is a string, or user messages whose content is a string or ``text`` /
+``input_text`` parts (parts join with newlines, messages with blank lines); questions are a tagged
+union on ``type``, in order: predicates, choices with 2..128 distinct string or boolean values, and
+scores with 2..10 labelled levels. Everything else is an OpenAI-style 400 whose message names the
+value's path (``questions[2].levels[0].label``) and whose ``param`` is its top-level field.
 
 Answers keep the request order and each carries its name (null when omitted). Choice and score
 confidence is the winning label's full-vocabulary probability: its normalized probability times the
@@ -12,8 +14,9 @@ labels' total raw mass. Usage sums the questions' logical input and generated re
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar, Literal, NewType
 
 import attrs
 
@@ -24,6 +27,8 @@ from helios.domain.decisions import (
     first_argmax,
 )
 from helios.errors import BadRequest
+from helios.frontends.fields import FieldTable, field_table, honoured, ignored, screen_fields, wire_field
+from helios.frontends.wire import DETAILED, FAST, Invalid, structure
 
 MAX_QUESTIONS = 64
 MAX_CHOICES = 128
@@ -45,23 +50,137 @@ class DecisionsPlan:
     questions: tuple[OrderedQuestion, ...]
 
 
+# -- the request's shapes ------------------------------------------------------------------------------
+
+PresentStr = NewType("PresentStr", str)
+Omittable = PresentStr | None
+"""A string that may be omitted (None) but not null: names and descriptions."""
+
+
+def _present_str(v: Any, _t: Any) -> str:
+    if type(v) is not str:
+        raise Invalid("must be a string when present")
+    return v
+
+
+for _converter in (FAST, DETAILED):
+    _converter.register_structure_hook_func(lambda t: t == Omittable, _present_str)
+
+
+@attrs.define(kw_only=True)
+class TextContent:
+    type: Literal["text", "input_text"]
+    text: str
+
+
+@attrs.define(kw_only=True)
+class MediaContent:
+    __wire_refused__: ClassVar[str] = "images and assets are not supported on /v1/decisions"
+    type: Literal["input_image", "image_url", "image", "input_file", "file"]
+
+
+@attrs.define(kw_only=True)
+class UserMessage:
+    type: Literal["message"] = "message"
+    role: Literal["user"]
+    content: str | list[TextContent | MediaContent]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content if isinstance(p, TextContent))  # media is refused
+
+
+@attrs.define(kw_only=True)
+class PredicateQuestion:
+    type: Literal["predicate"]
+    name: Omittable = None
+    instructions: str
+
+    def ordered(self, where: str) -> OrderedQuestion:
+        return OrderedQuestion(self.name, self.type, DecisionQuestion("binary", self.instructions))
+
+
+@attrs.define(kw_only=True)
+class Choice:
+    value: str | bool
+    description: Omittable = None
+
+    def option(self) -> str:
+        shown = self.value if isinstance(self.value, str) else ("true" if self.value else "false")
+        return shown if self.description is None else f"{shown} — {self.description}"
+
+
+@attrs.define(kw_only=True)
+class ChoiceQuestion:
+    type: Literal["choice"]
+    name: Omittable = None
+    instructions: str
+    choices: list[Choice]
+
+    def ordered(self, where: str) -> OrderedQuestion:
+        if not 2 <= len(self.choices) <= MAX_CHOICES:
+            raise BadRequest(f"{where}.choices must be an array of 2 to {MAX_CHOICES} choices", param="questions")
+        values = tuple(c.value for c in self.choices)
+        if len({(type(v), v) for v in values}) < len(values):  # True and "true" differ
+            raise BadRequest(f"{where}.choices values must be distinct", param="questions")
+        options = tuple(c.option() for c in self.choices)
+        return OrderedQuestion(self.name, self.type, DecisionQuestion("options", self.instructions, options), values)
+
+
+@attrs.define(kw_only=True)
+class Level:
+    label: str
+    description: Omittable = None
+
+
+@attrs.define(kw_only=True)
+class ScoreQuestion:
+    type: Literal["score"]
+    name: Omittable = None
+    instructions: str
+    levels: list[Level]
+
+    def ordered(self, where: str) -> OrderedQuestion:
+        if not 2 <= len(self.levels) <= MAX_LEVELS:
+            raise BadRequest(f"{where}.levels must be an array of 2 to {MAX_LEVELS} levels", param="questions")
+        labels = tuple(lv.label for lv in self.levels)
+        options = tuple(lv.label if lv.description is None else f"{lv.label} — {lv.description}" for lv in self.levels)
+        return OrderedQuestion(self.name, self.type, DecisionQuestion("levels", self.instructions, options), labels)
+
+
+Question = PredicateQuestion | ChoiceQuestion | ScoreQuestion
+
+
+@attrs.define(kw_only=True)
+class DecisionsWire:
+    model: str = wire_field(honoured("required; one model is served, and the response names it"), required=True)
+    input: str | list[UserMessage] = wire_field(honoured("text, or user messages of text parts"), required=True)
+    questions: list[Question] = wire_field(honoured("1 to 64 questions, answered in order"), required=True)
+
+    def text(self) -> str:
+        if isinstance(self.input, str):
+            return self.input
+        if not self.input:
+            raise BadRequest("input must be a string or a nonempty array of user messages", param="input")
+        return "\n\n".join(m.text() for m in self.input)
+
+
+DECISIONS_FIELDS: FieldTable = field_table(DecisionsWire, safety_identifier=ignored(
+    "inert caller metadata; nothing is monitored locally",
+    allows=lambda v: type(v) is str and len(v) <= MAX_SAFETY_IDENTIFIER,
+    message=f"safety_identifier must be a string of at most {MAX_SAFETY_IDENTIFIER} characters"))
+
+
 def decode_decisions(obj: dict[str, Any]) -> DecisionsPlan:
-    for key in obj:
-        if key not in ("model", "input", "questions", "safety_identifier"):
-            raise BadRequest(f"unrecognized request argument: {key}", param=key)
-    if not isinstance(obj.get("model"), str):
-        raise BadRequest("model is required and must be a string", param="model")
-    sid = obj.get("safety_identifier")
-    if sid is not None and (not isinstance(sid, str) or len(sid) > MAX_SAFETY_IDENTIFIER):
-        raise BadRequest(f"safety_identifier must be a string of at most {MAX_SAFETY_IDENTIFIER} characters",
-                         param="safety_identifier")
-    if "input" not in obj:
-        raise BadRequest("input is required", param="input")
-    text = _input_text(obj["input"])
-    raw = obj.get("questions")
-    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_QUESTIONS:
+    try:
+        w = structure(screen_fields(obj, DECISIONS_FIELDS), DecisionsWire)
+    except BadRequest as exc:  # this route's param is the top-level field; the message names the path
+        raise BadRequest(exc.message, param=None if exc.param is None else re.split(r"[.\[]", exc.param)[0]) from None
+    text = w.text()
+    if not 1 <= len(w.questions) <= MAX_QUESTIONS:
         raise BadRequest(f"questions must be an array of 1 to {MAX_QUESTIONS} questions", param="questions")
-    return DecisionsPlan(text, tuple(_question(i, q) for i, q in enumerate(raw)))
+    return DecisionsPlan(text, tuple(q.ordered(f"questions[{i}]") for i, q in enumerate(w.questions)))
 
 
 def encode_decisions(plan: DecisionsPlan, scores: Sequence[QuestionScore], model: str) -> dict[str, Any]:
@@ -98,107 +217,3 @@ def _answer(q: OrderedQuestion, s: QuestionScore) -> dict[str, Any]:
     return {"type": "score", "name": q.name, "score": expected_level(p), "confidence": confidence,
             "probabilities": [{"value": i, "label": label, "probability": x}
                               for i, (label, x) in enumerate(zip(q.values, p, strict=True))]}
-
-
-def _input_text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list) or not value:
-        raise BadRequest("input must be a string or a nonempty array of user messages", param="input")
-    messages = []
-    for i, m in enumerate(value):
-        where = f"input[{i}]"
-        if not isinstance(m, dict):
-            raise BadRequest(f"{where} must be a message object", param="input")
-        for key in m:
-            if key not in ("role", "content", "type"):
-                raise BadRequest(f"unrecognized field {key} in {where}", param="input")
-        if m.get("type", "message") != "message":
-            raise BadRequest(f"{where}.type must be 'message'", param="input")
-        if m.get("role") != "user":
-            raise BadRequest(f"{where}.role must be 'user'; other roles are not supported", param="input")
-        messages.append(_content_text(m.get("content"), where))
-    return "\n\n".join(messages)
-
-
-def _content_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise BadRequest(f"{where}.content must be a string or an array of text parts", param="input")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_image", "image_url", "image", "input_file", "file"):
-            raise BadRequest("images and assets are not supported on /v1/decisions", param="input")
-        if kind not in ("text", "input_text") or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
-            raise BadRequest(f"{where}.content[{j}] must be a text or input_text part", param="input")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def _question(i: int, q: Any) -> OrderedQuestion:
-    where = f"questions[{i}]"
-    if not isinstance(q, dict):
-        raise BadRequest(f"{where} must be an object", param="questions")
-    kind = q.get("type")
-    fields = {"predicate": {"levels", "choices"}, "choice": {"levels"}, "score": {"choices"}}
-    if not isinstance(kind, str) or kind not in fields:  # an array or object is not hashable
-        raise BadRequest(f"{where}.type must be predicate, choice or score", param="questions")
-    allowed = {"type", "name", "instructions", "choices", "levels"} - fields[kind]
-    for key in q:
-        if key not in allowed:
-            raise BadRequest(f"unrecognized field {key} in {where}", param="questions")
-    if "name" in q and not isinstance(q["name"], str):
-        raise BadRequest(f"{where}.name must be a string when present", param="questions")
-    name = q.get("name")
-    instructions = q.get("instructions")
-    if not isinstance(instructions, str):
-        raise BadRequest(f"{where}.instructions is required and must be a string", param="questions")
-    if kind == "predicate":
-        return OrderedQuestion(name, kind, DecisionQuestion("binary", instructions))
-    if kind == "choice":
-        values, options = _choices(q.get("choices"), where)
-        return OrderedQuestion(name, kind, DecisionQuestion("options", instructions, options), values)
-    labels, options = _levels(q.get("levels"), where)
-    return OrderedQuestion(name, kind, DecisionQuestion("levels", instructions, options), labels)
-
-
-def _choices(raw: Any, where: str) -> tuple[tuple[Any, ...], tuple[str, ...]]:
-    if not isinstance(raw, list) or not 2 <= len(raw) <= MAX_CHOICES:
-        raise BadRequest(f"{where}.choices must be an array of 2 to {MAX_CHOICES} choices", param="questions")
-    values: list[Any] = []
-    options: list[str] = []
-    seen: set[tuple[type, Any]] = set()
-    for j, c in enumerate(raw):
-        if not isinstance(c, dict) or set(c) - {"value", "description"} or "value" not in c:
-            raise BadRequest(f"{where}.choices[{j}] must be an object with a value and an optional description",
-                             param="questions")
-        value, desc = c["value"], c.get("description")
-        if not isinstance(value, str | bool) or (desc is not None and not isinstance(desc, str)) \
-                or ("description" in c and desc is None):
-            raise BadRequest(f"{where}.choices[{j}]: value must be a string or boolean and description a string",
-                             param="questions")
-        if (type(value), value) in seen:
-            raise BadRequest(f"{where}.choices values must be distinct", param="questions")
-        seen.add((type(value), value))
-        shown = value if isinstance(value, str) else ("true" if value else "false")
-        values.append(value)
-        options.append(shown if desc is None else f"{shown} — {desc}")
-    return tuple(values), tuple(options)
-
-
-def _levels(raw: Any, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    if not isinstance(raw, list) or not 2 <= len(raw) <= MAX_LEVELS:
-        raise BadRequest(f"{where}.levels must be an array of 2 to {MAX_LEVELS} levels", param="questions")
-    labels: list[str] = []
-    options: list[str] = []
-    for j, lv in enumerate(raw):
-        if not isinstance(lv, dict) or set(lv) - {"label", "description"} or not isinstance(lv.get("label"), str) \
-                or ("description" in lv and not isinstance(lv["description"], str)):
-            raise BadRequest(f"{where}.levels[{j}] must be an object with a string label and an optional string "
-                             "description", param="questions")
-        labels.append(lv["label"])
-        desc = lv.get("description")
-        options.append(lv["label"] if desc is None else f"{lv['label']} — {desc}")
-    return tuple(labels), tuple(options)
