@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from helios.errors import BadRequest, NotFound
+import attrs
+
+from helios.errors import NotFound
+from helios.frontends.fields import honoured, wire_field
+from helios.frontends.wire import NonEmptyStr, structure
 
 if TYPE_CHECKING:
     from helios.domain.model import ModelInfo
@@ -89,18 +93,19 @@ def tags(info: ModelInfo) -> dict[str, Any]:
     }
 
 
+@attrs.define(kw_only=True)
+class ShowWire:
+    """POST /api/show's body. Ollama reads only its own keys, so other keys are ignored."""
+
+    __wire_lenient__: ClassVar[bool] = True
+    model: NonEmptyStr = wire_field(honoured("the /v1/models identifier, the checkpoint identifier or an alias"),
+                                    required=True)
+    verbose: bool | None = wire_field(honoured("accepted; verbose and plain modes return the same metadata"))
+
+
 def show(info: ModelInfo, body: dict[str, Any]) -> dict[str, Any]:
     """POST /api/show for {"model": NAME, "verbose"?: bool}. Verbose and plain modes are the same."""
-    name = body.get("model")
-    if name is None:
-        raise BadRequest("missing required field 'model'", param="model")
-    if not isinstance(name, str):
-        raise BadRequest("'model' must be a string", param="model")
-    if not name:
-        raise BadRequest("'model' must not be empty", param="model")
-    verbose = body.get("verbose")
-    if verbose is not None and not isinstance(verbose, bool):
-        raise BadRequest("'verbose' must be a boolean", param="verbose")
+    name = structure(body, ShowWire).model
     if name != info.public_id and not info.knows(name):
         raise NotFound(f"model '{name}' not found", code="model_not_found")
     return {
