@@ -289,12 +289,15 @@ class WireConverter(cattrs.Converter):
             if not self.detailed:
                 return [elem_hook(x, elem) for x in v]
             out: list[Any] = []
+            errors: list[Exception] = []
             for i, x in enumerate(v):
                 try:
                     out.append(elem_hook(x, elem))
-                except Exception as exc:  # the first failure, with its index (as cattrs notes it)
+                except Exception as exc:  # every failure, in order, with its index (as cattrs notes it)
                     exc.add_note(IterableValidationNote(f"Structuring {elem} @ index {i}", i, elem))
-                    raise IterableValidationError(f"While structuring {t}", [exc], t) from None
+                    errors.append(exc)
+            if errors:
+                raise IterableValidationError(f"While structuring {t}", errors, t)
             return out
 
         return hook
