@@ -164,15 +164,16 @@ Level = NewType("Level", object)
 _json_leaf(Level, (*_TEXT, int, float), "level_type", "Input should be a nonnull string, number, object or array")
 
 
-def _sized(t: Any, item: Any, most: int) -> None:
-    """`t`, a dict or list NewType, takes 1 to `most` items, each structured as `item`. In detail
-    every failing item is collected (its key or index noted), so the 422 lists them all."""
-    container = get_origin(t.__supertype__)
+def _sized(t: Any, most: int) -> None:
+    """`t`, a NewType of a dict or list, takes 1 to `most` items (its container and size are checked
+    first; in detail, the converter's collection hook then collects every failing item)."""
+    whole = t.__supertype__
+    container = get_origin(whole)
     noun, after, wrong = (("Dictionary", "", ("dict_type", "Input should be a valid dictionary")) if container is dict
                           else ("List", " after validation", ("list_type", "Input should be a valid list")))
 
     def factory(_t: Any, converter: cattrs.Converter) -> Callable[[Any, Any], Any]:
-        item_hook = converter.get_structure_hook(item)
+        items = converter.get_structure_hook(whole)
 
         def hook(v: Any, _t: Any) -> Any:
             if type(v) is not container:
@@ -180,39 +181,21 @@ def _sized(t: Any, item: Any, most: int) -> None:
             if not 1 <= len(v) <= most:
                 kind, bound = ("too_short", "at least 1 item") if not v else ("too_long", f"at most {most} items")
                 raise SchemaFailure(kind, f"{noun} should have {bound}{after}, not {len(v)}")
-            out = _items(converter.detailed_validation, item_hook, item, dict(v) if container is dict else dict(enumerate(v)), t)
-            return out if container is dict else list(out.values())
+            return items(v, whole)
 
         return hook
 
     _register(t, factory)
 
 
-def _items(detailed: bool, hook: Callable[[Any, Any], Any], item: Any, values: dict[Any, Any],
-           t: Any) -> dict[Any, Any]:
-    out: dict[Any, Any] = {}
-    errors: list[Exception] = []
-    for key, value in values.items():
-        try:
-            out[key] = hook(value, item)
-        except Exception as exc:
-            if not detailed:
-                raise
-            exc.add_note(IterableValidationNote(f"Structuring {item} @ index {key!r}", key, item))
-            errors.append(exc)
-    if errors:
-        raise IterableValidationError(f"While structuring {t}", errors, t)
-    return out
-
-
 # -- the request -------------------------------------------------------------------------------------
 
 Criteria = NewType("Criteria", dict[str, Description])
 """A choice question's criteria: 1 to 128 named options, each with a description or null."""
-_sized(Criteria, Description, MAX_CRITERIA)
+_sized(Criteria, MAX_CRITERIA)
 Levels = NewType("Levels", list[Level])
 """A score question's levels: 1 to 10, lowest first."""
-_sized(Levels, Level, MAX_LEVELS)
+_sized(Levels, MAX_LEVELS)
 
 
 @attrs.define(kw_only=True)
@@ -270,7 +253,7 @@ Question = NoulQuestion | ChoiceQuestion | ScoreQuestion | UnsupportedQuestion
 _KINDS = (NoulQuestion, ChoiceQuestion, ScoreQuestion)
 Questions = NewType("Questions", dict[str, Question])
 """1 to 64 named questions."""
-_sized(Questions, Question, MAX_QUESTIONS)
+_sized(Questions, MAX_QUESTIONS)
 
 
 @attrs.define(kw_only=True)
