@@ -291,6 +291,9 @@ class Base64Asset:
     """Absent: the media type the data's signature shows."""
     data_base64: Base64Bytes
 
+    def image_data(self, key: str, by_part: dict[str, FormPart], owner: dict[str, str]) -> bytes:
+        return self.data_base64
+
 
 @attrs.define(kw_only=True)
 class PartAsset:
@@ -299,6 +302,17 @@ class PartAsset:
     part: str
     """The name of a multipart part: the image's bytes."""
     data_base64: Any = wire_field(ignored("the multipart part takes precedence over data_base64 (api.md)"))
+
+    def image_data(self, key: str, by_part: dict[str, FormPart], owner: dict[str, str]) -> bytes:
+        """The part's bytes; `owner` records which asset took each part (every part belongs to one)."""
+        if self.part not in by_part:
+            raise BadRequest(f"assets.{key}.part names {self.part!r}, which is not a part of this multipart body",
+                             param="assets")
+        if self.part in owner:
+            raise BadRequest(f"multipart part '{self.part}' belongs to both assets '{owner[self.part]}' and '{key}'; "
+                             "every part must belong to exactly one asset", param="assets")
+        owner[self.part] = key
+        return by_part[self.part].data
 
 
 ImageAsset = Base64Asset | PartAsset
@@ -377,21 +391,13 @@ def _assets(assets: Any, parts: Sequence[FormPart]) -> dict[str, ImagePart]:
 
 
 def _image(key: str, value: Any, by_part: dict[str, FormPart], owner: dict[str, str]) -> ImagePart:
-    """One asset's image; `owner` records which asset took each part."""
+    """One asset's image, from its data or its part."""
     where = f"assets.{key}"
     if not key:
         raise BadRequest("asset references must be nonempty strings", param="assets")
     asset: Base64Asset | PartAsset = structure(value, ImageAsset,  # type: ignore[arg-type]
                                                failure=lambda exc: _asset_failure(exc, where, value))
-    if isinstance(asset, PartAsset):
-        if asset.part not in by_part:
-            raise BadRequest(f"{where}.part names {asset.part!r}, which is not a part of this multipart body",
-                             param="assets")
-        if asset.part in owner:
-            raise BadRequest(f"multipart part '{asset.part}' belongs to both assets '{owner[asset.part]}' and '{key}'; "
-                             "every part must belong to exactly one asset", param="assets")
-        owner[asset.part] = key
-    data = by_part[asset.part].data if isinstance(asset, PartAsset) else asset.data_base64
+    data = asset.image_data(key, by_part, owner)
     actual = next((media for magic, media in _MAGIC if data.startswith(magic)), None)
     if actual is None:
         raise BadRequest(f"{where} is not PNG or JPEG data; System One image assets are PNG or JPEG", param="assets")
