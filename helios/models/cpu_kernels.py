@@ -20,7 +20,8 @@ Operators that torch does not have in the form decode needs, among them:
 - ``kquant_linear`` / ``kquant_dequantize``: matmul and dequantization straight from a GGUF weight's
   blocks (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0; `kquant.BlockQuantized` holds them), 4.5 to 8.5 bits a
   weight where float32 is 32: decode GEMV for one to a few rows, a small GEMM for more: register tiles
-  of 4 activation x 2 weight rows on AVX-512 (2 x 1 on AVX2; 1 to 3 rows: single weight rows), each
+  of 5 activation x 2 weight rows on AVX-512 (2 x 1 on AVX2; 1 to 3 rows: single weight rows, but two
+  for Q4_K and Q6_K), each
   weight sub-block decoded once per tile; weight rows in blocks of 16 read from memory once for all
   the step's tiles (activation rows in groups of up to 768 KB of x, kept in L2; rows of more than 16 KB
   a tile, in column chunks that keep a tile's activations in L1); `kquant.KQuantLinear` hands larger
@@ -53,8 +54,12 @@ included; the tests compare), per type (d, dmin, m: the block's float16 fields, 
 
 Products and sums (every type alike): y[m, n] = sum over k of x[m, k] * w[n, k], x float32 or
 bfloat16 widened exactly (no rounding of activations: not to 8 bits, not at all), float32
-accumulation in a fixed order: 32 lanes, lane l a chain of fused multiply-adds over k = l (mod 32) in
-increasing k, then the lanes summed by a tree (l + 16, + 8, + 4, + 2, + 1). The order depends on
+accumulation in a fixed order: 32 lanes, each a chain of fused multiply-adds in increasing k over one
+position of every 32-weight sub-block, then the lanes summed by a tree (l + 16, + 8, + 4, + 2, + 1).
+Lane l takes position l, except in Q4_K (position 4 (l % 8) + l / 8) and Q5_0 (16 (l / 16) + 4 (l % 4)
++ (l % 16) / 4): the orders in which their packed codes come out of 32-bit lanes by shifts, the
+activations permuted to match once per call (AVX-512 then looks the codes up in a table of the
+sub-block's 16 or 32 values instead of converting each). The order depends on
 nothing else: the AVX-512 and AVX2 builds give the same bits, a row gives the same bits alone or in
 any batch and on any number of threads. The scalar build (no FMA) rounds each product before adding
 it. Error: at most (K / 32 + 6) * 2**-24 times the sum of |x * w| over k. bfloat16 activations give a

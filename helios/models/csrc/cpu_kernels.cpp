@@ -1741,12 +1741,22 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 constexpr int kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 
 template <int T> struct KqTraits;
-template <> struct KqTraits<kQ5_0> { static constexpr int64_t per = 32, bytes = 22; static constexpr bool affine = false; };
-template <> struct KqTraits<kQ5_1> { static constexpr int64_t per = 32, bytes = 24; static constexpr bool affine = true; };
-template <> struct KqTraits<kQ8_0> { static constexpr int64_t per = 32, bytes = 34; static constexpr bool affine = false; };
-template <> struct KqTraits<kQ4_K> { static constexpr int64_t per = 256, bytes = 144; static constexpr bool affine = true; };
-template <> struct KqTraits<kQ5_K> { static constexpr int64_t per = 256, bytes = 176; static constexpr bool affine = true; };
-template <> struct KqTraits<kQ6_K> { static constexpr int64_t per = 256, bytes = 210; static constexpr bool affine = false; };
+template <> struct KqTraits<kQ5_0> { static constexpr int64_t per = 32, bytes = 22; static constexpr bool affine = false, lanes = true; };
+template <> struct KqTraits<kQ5_1> { static constexpr int64_t per = 32, bytes = 24; static constexpr bool affine = true, lanes = false; };
+template <> struct KqTraits<kQ8_0> { static constexpr int64_t per = 32, bytes = 34; static constexpr bool affine = false, lanes = false; };
+template <> struct KqTraits<kQ4_K> { static constexpr int64_t per = 256, bytes = 144; static constexpr bool affine = true, lanes = true; };
+template <> struct KqTraits<kQ5_K> { static constexpr int64_t per = 256, bytes = 176; static constexpr bool affine = true, lanes = false; };
+template <> struct KqTraits<kQ6_K> { static constexpr int64_t per = 256, bytes = 210; static constexpr bool affine = false, lanes = false; };
+
+// The lane order of a type's matmul: lane L (0..31) of a sub-block's accumulator takes weight
+// kq_lane_weight(type, L) of the sub-block, and the activations are permuted to match once per call.
+// Q4_K: weight 4 (L % 8) + L / 8, so that the sub-block's 32 bytes as dwords, shifted right by
+// 8 (L / 8), hold lane L's code in their low bits. Q5_0: lanes 0-15 the low nibbles of its 16 code
+// bytes, 16-31 the high ones, each half as Q4_K's over 4 dwords: weight 16 (L / 16) + 4 (L % 4) +
+// (L % 16) / 4. The other types: weight L.
+constexpr int kq_lane_weight(int64_t type, int L) {
+  return type == kQ4_K ? 4 * (L % 8) + L / 8 : type == kQ5_0 ? 16 * (L / 16) + 4 * (L % 4) + (L % 16) / 4 : L;
+}
 
 inline std::pair<int64_t, int64_t> kq_layout(int64_t type) {
   switch (type) {
@@ -1961,6 +1971,99 @@ inline Kq32 kq_weights(const uint8_t* blk, int c, const KqHeader& h) {
   return w;
 }
 
+// Q5_0 in lane order: lane L's 4 low bits from its code byte (the 16 bytes as 4 dwords, shifted right
+// by 8 ((L % 16) / 4), + 4 for lanes 16-31), its fifth bit bit l of qh (l = its weight); w = d (q - 16),
+// kq_weights' bits (AVX-512: the 32 values d (q - 16) looked up by the 5-bit code).
+inline Kq32 kq_q5_0_lanes(const uint8_t* blk, float d) {
+  Kq32 w;
+  uint32_t qh;
+  std::memcpy(&qh, blk + 2, 4);
+  const uint8_t* qs = blk + 6;
+#if defined(__AVX512F__)
+  const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m512i bits = _mm512_set1_epi32(static_cast<int>(qh));
+  // lane i of half h: shift 8 (i / 4) + 4 h of the code dword; the weight's bit of qh rotated to bit 4
+  const __m512i sh0 = _mm512_set_epi32(24, 24, 24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
+  const __m512i sh1 = _mm512_add_epi32(sh0, _mm512_set1_epi32(4));
+  const __m512i rot0 = _mm512_set_epi32(11, 7, 3, 31, 10, 6, 2, 30, 9, 5, 1, 29, 8, 4, 0, 28);
+  const __m512i rot1 = _mm512_add_epi32(rot0, _mm512_set1_epi32(16));
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  const __m512i i0 = _mm512_ternarylogic_epi32(_mm512_srlv_epi32(raw, sh0), _mm512_rorv_epi32(bits, rot0), low4, 0xE4);
+  const __m512i i1 = _mm512_ternarylogic_epi32(_mm512_srlv_epi32(raw, sh1), _mm512_rorv_epi32(bits, rot1), low4, 0xE4);
+  const __m512 dv = _mm512_set1_ps(d);
+  const __m512 t0 = _mm512_mul_ps(dv, _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, -9, -10, -11, -12, -13, -14, -15, -16));
+  const __m512 t1 = _mm512_mul_ps(dv, _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+  w.v[0] = _mm512_permutex2var_ps(t0, i0, t1);
+  w.v[1] = _mm512_permutex2var_ps(t0, i1, t1);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i bits = _mm256_set1_epi32(static_cast<int>(qh));
+  const __m256 dv = _mm256_set1_ps(d);
+  for (int j = 0; j < 4; ++j) {
+    alignas(32) int32_t sh[8], at[8];
+    for (int i = 0; i < 8; ++i) {
+      const int L = 8 * j + i;
+      sh[i] = 8 * ((L % 16) / 4) + 4 * (L / 16);
+      at[i] = kq_lane_weight(kQ5_0, L);
+    }
+    const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_load_si256(reinterpret_cast<const __m256i*>(sh))),
+                                        _mm256_set1_epi32(0x0F));
+    const __m256i hi = _mm256_slli_epi32(
+        _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_load_si256(reinterpret_cast<const __m256i*>(at))),
+                         _mm256_set1_epi32(1)), 4);
+    const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, hi), _mm256_set1_epi32(16));
+    w.v[j] = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(q));
+  }
+#else
+  for (int L = 0; L < 32; ++L) {
+    const int l = kq_lane_weight(kQ5_0, L);
+    const int lo = (qs[l % 16] >> (4 * (l / 16))) & 0xF;
+    w.v[L] = d * static_cast<float>((lo | static_cast<int>(((qh >> l) & 1u) << 4)) - 16);
+  }
+#endif
+  return w;
+}
+
+// kq_weights for the matmul: the same 32 values, in the lane order of the type (`kq_lane_weight` for
+// the types with `lanes`). Q4_K: the sub-block's 32 bytes as 8 dwords; shifted right by 8 j (+ 4 for
+// an odd sub-block) their low four bits are the codes of lanes 8 j .. 8 j + 7 (weights 4 i + j);
+// AVX-512 looks each code up in the sub-block's 16 values a q + b (vpermps reads the index's low four
+// bits), AVX2 masks and converts it. Either way w = fma(a, q, b), kq_weights' bits.
+template <int T>
+inline Kq32 kq_lane_weights(const uint8_t* blk, int c, const KqHeader& h) {
+  if constexpr (!KqTraits<T>::lanes) {
+    return kq_weights<T>(blk, c, h);
+  } else if constexpr (T == kQ5_0) {
+    return kq_q5_0_lanes(blk, h.a[0]);
+  } else {
+    static_assert(T == kQ4_K, "a type with lanes has its own decode");
+    const uint8_t* q = blk + 16 + 32 * (c / 2);
+    const int s = 4 * (c % 2);
+    const float a = h.a[c], b = h.b[c];
+    Kq32 w;
+#if defined(__AVX512F__)
+    const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+    const __m512i sh = _mm512_set1_epi32(s);
+    const __m512i base0 = _mm512_set_epi32(8, 8, 8, 8, 8, 8, 8, 8, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i base1 = _mm512_set_epi32(24, 24, 24, 24, 24, 24, 24, 24, 16, 16, 16, 16, 16, 16, 16, 16);
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(a), iota, _mm512_set1_ps(b));
+    w.v[0] = _mm512_permutexvar_ps(_mm512_srlv_epi32(raw, _mm512_add_epi32(base0, sh)), table);
+    w.v[1] = _mm512_permutexvar_ps(_mm512_srlv_epi32(raw, _mm512_add_epi32(base1, sh)), table);
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i nib = _mm256_set1_epi32(0xF);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_set1_epi32(8 * j + s)), nib);
+      w.v[j] = _mm256_fmadd_ps(_mm256_set1_ps(a), _mm256_cvtepi32_ps(code), _mm256_set1_ps(b));
+    }
+#else
+    for (int L = 0; L < 32; ++L) w.v[L] = a * static_cast<float>((q[kq_lane_weight(kQ4_K, L)] >> s) & 0xF) + b;
+#endif
+    return w;
+  }
+}
+
 inline void kq_zero(Kq32& acc) {
 #if defined(__AVX512F__)
   acc.v[0] = acc.v[1] = _mm512_setzero_ps();
@@ -1982,8 +2085,9 @@ inline void kq_store(const Kq32& w, float* out) {
 #endif
 }
 
-// KqAcc: lane l (0..31) of an output's accumulator takes x[k] * w[k] for the k = l (mod 32), in
-// increasing k, each by a fused multiply-add (one rounding per step; the scalar build, without FMA,
+// KqAcc: lane l (0..31) of an output's accumulator takes x[k] * w[k] for the k of lane l (k = 32 s + the
+// weight kq_lane_weight gives for lane l, over the sub-blocks s; k = l (mod 32) for the types without
+// `lanes`), in increasing k, each by a fused multiply-add (one rounding per step; the scalar build, without FMA,
 // rounds the product too). The 32 lanes are then summed by a fixed tree: p[l] + p[l + 16], then + 8,
 // + 4, + 2, + 1 (lane 0 holds the result). AVX-512 and AVX2 builds give the same bits.
 inline void kq_fmav(Kq32& acc, const Kq32& w, const Kq32& x) {
@@ -2095,7 +2199,7 @@ __attribute__((always_inline)) inline void kq_micro(const float* __restrict__ x,
     for (int c = 0; c < subs; ++c) {
       Kq32 wv[NT];
       _Pragma("GCC unroll 8")
-      for (int j = 0; j < NT; ++j) wv[j] = kq_weights<T>(w + j * rb + b * bytes, c, h[j]);
+      for (int j = 0; j < NT; ++j) wv[j] = kq_lane_weights<T>(w + j * rb + b * bytes, c, h[j]);
       const float* xb = x + b * per + 32 * c;
       _Pragma("GCC unroll 8")
       for (int i = 0; i < MT; ++i) {
@@ -2135,10 +2239,10 @@ inline void kq_out(const float* x, const uint8_t* wp, float* y, int64_t n, int64
 template <int T, int MT>
 inline void kq_rows(const float* x, const uint8_t* wp, float* y, int64_t r0, int64_t r1, int64_t K, int64_t N,
                     int64_t b0, int64_t b1, int64_t nb, float* pk, int64_t ps) {
-  // Single weight rows for 1-3 activation rows (faster there), except Q6_K, whose decode gains from
-  // two weight rows in flight even for one activation row (8960 x 1536 ... 1536 x 8960, 1 thread:
-  // 1 row 0.83 ms against 1.53 ms).
-  constexpr int NT = MT >= 4 || T == kQ6_K ? kKqCols : 1;
+  // Single weight rows for 1-3 activation rows (faster there), except Q6_K and Q4_K, whose decode
+  // gains from two weight rows in flight even for one activation row (8960 x 1536 ... 1536 x 8960,
+  // 1 thread: Q6_K 1 row 0.83 ms against 1.53 ms; Q4_K 8960 x 1536 1.02-1.09 ms against 1.26 ms).
+  constexpr int NT = MT >= 4 || T == kQ6_K || T == kQ4_K ? kKqCols : 1;
   int64_t n = r0;
   for (; n + NT <= r1; n += NT) kq_out<T, MT, NT>(x, wp, y, n, K, N, b0, b1, nb, pk + (n - r0) * ps, ps);
   if constexpr (NT > 1) {
@@ -2256,12 +2360,28 @@ void kq_check_blocks(const at::Tensor& blocks, int64_t type, int64_t N, int64_t 
 
 // y = x @ W^T for x [M, K] (float32 or bfloat16, widened exactly) and W [N, K] in GGUF blocks of `type`;
 // the result in x's dtype (bfloat16: the float32 sum rounded to nearest even).
+// x [M, K] as float32 in the lane order of `type` (each 32 columns permuted by kq_lane_weight for
+// the types with `lanes`).
+at::Tensor kq_activations(const at::Tensor& x, int64_t type) {
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  if (type != kQ4_K && type != kQ5_0) return xf;
+  const int64_t M = xf.size(0), K = xf.size(1);
+  int order[32];
+  for (int L = 0; L < 32; ++L) order[L] = kq_lane_weight(type, L);
+  at::Tensor xl = at::empty({M, K}, xf.options());
+  const float* src = xf.data_ptr<float>();
+  float* dst = xl.data_ptr<float>();
+  for (int64_t i = 0; i < M * K; i += 32)
+    for (int L = 0; L < 32; ++L) dst[i + L] = src[i + order[L]];
+  return xl;
+}
+
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "kquant_linear: x is a 2-d float32 or bfloat16 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1);
   kq_check_blocks(blocks, type, N, K, "kquant_linear");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = kq_activations(x, type);
   at::Tensor y = at::empty({M, N}, xf.options());
   if (M > 0 && N > 0) {
     const float* xp = xf.data_ptr<float>();
@@ -2288,7 +2408,7 @@ at::Tensor kquant_linear_grouped(const at::Tensor& x, at::IntArrayRef offsets, a
     kq_check_blocks(blocks[g], type, N, K, "kquant_linear_grouped");
     wps.push_back(blocks[g].data_ptr<uint8_t>());
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = kq_activations(x, type);
   at::Tensor y = at::empty({R, N}, xf.options());
   if (R > 0 && N > 0) {
     const float* xp = xf.data_ptr<float>();
