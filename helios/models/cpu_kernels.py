@@ -20,8 +20,8 @@ Operators that torch does not have in the form decode needs, among them:
 - ``kquant_linear`` / ``kquant_dequantize``: matmul and dequantization straight from a GGUF weight's
   blocks (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0; `kquant.BlockQuantized` holds them), 4.5 to 8.5 bits a
   weight where float32 is 32: decode GEMV for one to a few rows, a small GEMM for more: register tiles
-  of 5 activation x 2 weight rows on AVX-512 (2 x 1 on AVX2; 1 to 3 rows: single weight rows, but two
-  for Q4_K and Q6_K), each
+  of 5 activation x 2 weight rows on AVX-512 (6 to 8 rows: one tile of them x 1 weight row; 2 x 1 on
+  AVX2; 1 to 3 rows: single weight rows, but two for Q4_K and Q6_K), each
   weight sub-block decoded once per tile; weight rows in blocks of 16 read from memory once for all
   the step's tiles (activation rows in groups of up to 768 KB of x, kept in L2; rows of more than 16 KB
   a tile, in column chunks that keep a tile's activations in L1); `kquant.KQuantLinear` hands larger

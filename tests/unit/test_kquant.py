@@ -148,6 +148,8 @@ def test_kquant_linear_rows_do_not_depend_on_the_batch_or_threads(ggml_type: int
     batch = cpu_kernels.kquant_linear(x, blocks, ggml_type, out)
     for i in (0, 5, 32):
         assert torch.equal(cpu_kernels.kquant_linear(x[i:i + 1], blocks, ggml_type, out), batch[i:i + 1])
+    for m in range(2, 12):  # every tile shape: one tile of 2-5 rows, one wide tile of 6-8, tiles and a tail
+        assert torch.equal(cpu_kernels.kquant_linear(x[:m], blocks, ggml_type, out), batch[:m]), m
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

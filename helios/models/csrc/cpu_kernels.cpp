@@ -2154,6 +2154,14 @@ constexpr int kKqCols = 1;
 #ifndef HELIOS_KQ_PANEL
 #define HELIOS_KQ_PANEL 16384
 #endif
+// Steps of kKqTile + 1 .. kKqWideTile rows run as one tile of that many rows against single weight
+// rows (AVX-512: 8 x 1 is 16 accumulators), each weight decoded once for all of them instead of once
+// per tile (8 rows as 5 + 3 decoded every weight twice).
+#if defined(__AVX512F__)
+constexpr int kKqWideTile = 8;
+#else
+constexpr int kKqWideTile = kKqTile;
+#endif
 constexpr int64_t kKqPanel = HELIOS_KQ_PANEL;  // bytes of a tile's activations (one column chunk) kept in L1
 #ifndef HELIOS_KQ_GROUP
 #define HELIOS_KQ_GROUP 786432
@@ -2242,7 +2250,7 @@ inline void kq_rows(const float* x, const uint8_t* wp, float* y, int64_t r0, int
   // Single weight rows for 1-3 activation rows (faster there), except Q6_K and Q4_K, whose decode
   // gains from two weight rows in flight even for one activation row (8960 x 1536 ... 1536 x 8960,
   // 1 thread: Q6_K 1 row 0.83 ms against 1.53 ms; Q4_K 8960 x 1536 1.02-1.09 ms against 1.26 ms).
-  constexpr int NT = MT >= 4 || T == kQ6_K || T == kQ4_K ? kKqCols : 1;
+  constexpr int NT = MT > kKqTile ? 1 : MT >= 4 || T == kQ6_K || T == kQ4_K ? kKqCols : 1;
   int64_t n = r0;
   for (; n + NT <= r1; n += NT) kq_out<T, MT, NT>(x, wp, y, n, K, N, b0, b1, nb, pk + (n - r0) * ps, ps);
   if constexpr (NT > 1) {
@@ -2283,6 +2291,10 @@ void kq_linear_range(const float* xp, const uint8_t* wp, float* yp, int64_t M, i
       for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
         const int64_t b1 = std::min(nb, b0 + bpc);
         int64_t m0 = g0;
+        if (g1 - g0 > kKqTile && g1 - g0 <= kKqWideTile) {  // one tile of single weight rows
+          kq_tail<T, kKqWideTile>(g1 - g0, xp + g0 * K, wp, yp + g0 * N, r0, r1, K, N, b0, b1, nb, park.data(), ps);
+          continue;
+        }
         for (; m0 + kKqTile <= g1; m0 += kKqTile)
           kq_rows<T, kKqTile>(xp + m0 * K, wp, yp + m0 * N, r0, r1, K, N, b0, b1, nb, park.data() + (m0 - g0) * 32, ps);
         kq_tail<T, kKqTile - 1>(g1 - m0, xp + m0 * K, wp, yp + m0 * N, r0, r1, K, N, b0, b1, nb,
