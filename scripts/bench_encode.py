@@ -72,16 +72,21 @@ def make(protocol: str) -> Callable[[], Any]:
     return lambda: messages_encoder.MessagesEncoder(mplan, [PROMPT], model="m")
 
 
+def text(data: Any) -> str:
+    """An event's data as the SSE writer writes it (`data` read once, as `EventStream.send` does)."""
+    return data if isinstance(data, str) else dumps(data)
+
+
 def stream_once(new: Callable[[], Any], script: list[ChildUpdate]) -> int:
     enc = new()
     size = 0
     for e in enc.start():
-        size += len(dumps(e.data))
+        size += len(text(e.data))
     for u in script:
         for e in enc.feed(0, u):
-            size += len(e.data) if isinstance(e.data, str) else len(dumps(e.data))
+            size += len(text(e.data))
     for e in enc.finish():
-        size += len(e.data) if isinstance(e.data, str) else len(dumps(e.data))
+        size += len(text(e.data))
     return size
 
 
