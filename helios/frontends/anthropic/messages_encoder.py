@@ -33,26 +33,8 @@ from helios.domain.generation import (
 )
 from helios.domain.shapes import to_json
 from helios.errors import HeliosError
+from helios.frontends.anthropic import shapes
 from helios.frontends.anthropic.messages import MessagesPlan, thinking_signature
-from helios.frontends.anthropic.shapes import (
-    ContentBlock,
-    ContentBlockDelta,
-    ContentBlockStart,
-    ContentBlockStop,
-    InputJSONDelta,
-    Message,
-    MessageDelta,
-    MessageStart,
-    MessageStop,
-    SignatureDelta,
-    StopDetails,
-    TextBlock,
-    ThinkingBlock,
-    ThinkingDelta,
-    ToolUseBlock,
-    Usage,
-)
-from helios.frontends.anthropic.shapes import TextDelta as TextDeltaShape
 
 
 def new_message_id() -> str:
@@ -98,7 +80,7 @@ class MessagesEncoder:
         self.id = message_id or new_message_id()
         self.model = model
         self.hide_thinking = plan.hide_thinking
-        self.content: list[ContentBlock] = []
+        self.content: list[shapes.ContentBlock] = []
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
         self.prompts = tuple(prompts)
@@ -111,7 +93,7 @@ class MessagesEncoder:
         return self.stop_reason is not None
 
     def start(self) -> list[StreamEvent]:
-        return [_event(MessageStart(message=self._message([], None, None)))]
+        return [_event(shapes.MessageStart(message=self._message([], None, None)))]
 
     def feed(self, index: int, u: ChildUpdate) -> list[StreamEvent]:
         out: list[StreamEvent] = []
@@ -135,9 +117,9 @@ class MessagesEncoder:
         out += self._close()
         self.stop_reason = stop_reason(f.cause, self.num_calls > 0)
         self.stop_sequence = f.matched_stop if isinstance(f.matched_stop, str) and f.cause is FinishCause.STOP_STRING else None
-        out.append(_event(MessageDelta(delta=StopDetails(stop_reason=self.stop_reason, stop_sequence=self.stop_sequence),
+        out.append(_event(shapes.MessageDelta(delta=shapes.StopDetails(stop_reason=self.stop_reason, stop_sequence=self.stop_sequence),
                                        usage=self.usage())))
-        out.append(_event(MessageStop()))
+        out.append(_event(shapes.MessageStop()))
         return out
 
     def finish(self) -> list[StreamEvent]:
@@ -150,37 +132,37 @@ class MessagesEncoder:
         """The buffered Message (after the terminal update)."""
         return to_json(self._message(self.content, self.stop_reason, self.stop_sequence))  # type: ignore[no-any-return]
 
-    def usage(self) -> Usage:
+    def usage(self) -> shapes.Usage:
         """Messages usage: input_tokens excludes what was read from the cache (cache_read_input_tokens)."""
         usage = usage_of(self.prompts, [self.acc], 1)
         cached = min(usage.cached_tokens, usage.prompt_tokens)
-        return Usage(input_tokens=usage.prompt_tokens - cached, output_tokens=usage.completion_tokens,
+        return shapes.Usage(input_tokens=usage.prompt_tokens - cached, output_tokens=usage.completion_tokens,
                      cache_creation_input_tokens=0, cache_read_input_tokens=cached)
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _message(self, content: list[ContentBlock], reason: str | None, sequence: str | None) -> Message:
-        return Message(id=self.id, model=self.model, content=content, stop_reason=reason, stop_sequence=sequence,
+    def _message(self, content: list[shapes.ContentBlock], reason: str | None, sequence: str | None) -> shapes.Message:
+        return shapes.Message(id=self.id, model=self.model, content=content, stop_reason=reason, stop_sequence=sequence,
                        usage=self.usage())
 
     def _ensure_open(self, kind: Literal["text", "thinking"]) -> list[StreamEvent]:
         if self._open == kind:
             return []
-        new = TextBlock if kind == "text" else ThinkingBlock
+        new = shapes.TextBlock if kind == "text" else shapes.ThinkingBlock
         return self._close() + self._open_block(kind, new(), new())
 
     def _delta(self, kind: Literal["text", "thinking"], text: str) -> list[StreamEvent]:
         out = self._ensure_open(kind)
         cur = self.content[-1]
-        delta: TextDeltaShape | ThinkingDelta
-        if isinstance(cur, TextBlock):
+        delta: shapes.TextDelta | shapes.ThinkingDelta
+        if isinstance(cur, shapes.TextBlock):
             cur.text += text
-            delta = TextDeltaShape(text=text)
+            delta = shapes.TextDelta(text=text)
         else:
-            assert isinstance(cur, ThinkingBlock)
+            assert isinstance(cur, shapes.ThinkingBlock)
             cur.thinking += text
-            delta = ThinkingDelta(thinking=text)
-        out.append(_event(ContentBlockDelta(index=len(self.content) - 1, delta=delta)))
+            delta = shapes.ThinkingDelta(thinking=text)
+        out.append(_event(shapes.ContentBlockDelta(index=len(self.content) - 1, delta=delta)))
         return out
 
     def _tool_use(self, call: ToolCall) -> list[StreamEvent]:
@@ -188,18 +170,18 @@ class MessagesEncoder:
         self.num_calls += 1
         args = call.arguments if call.arguments.strip() else "{}"
         tid = tool_use_id(call.id)
-        out += self._open_block("tool_use", ToolUseBlock(id=tid, name=call.name, input={}),
-                                ToolUseBlock(id=tid, name=call.name, input=json.loads(args)))
+        out += self._open_block("tool_use", shapes.ToolUseBlock(id=tid, name=call.name, input={}),
+                                shapes.ToolUseBlock(id=tid, name=call.name, input=json.loads(args)))
         index = len(self.content) - 1
-        out.append(_event(ContentBlockDelta(index=index, delta=InputJSONDelta(partial_json=args))))
+        out.append(_event(shapes.ContentBlockDelta(index=index, delta=shapes.InputJSONDelta(partial_json=args))))
         out += self._close()
         return out
 
-    def _open_block(self, kind: BlockKind, block: ContentBlock, content: ContentBlock) -> list[StreamEvent]:
+    def _open_block(self, kind: BlockKind, block: shapes.ContentBlock, content: shapes.ContentBlock) -> list[StreamEvent]:
         """`block` as it starts on the wire; `content` the message's own block, which deltas extend."""
         self.content.append(content)
         self._open = kind
-        return [_event(ContentBlockStart(index=len(self.content) - 1, content_block=block))]
+        return [_event(shapes.ContentBlockStart(index=len(self.content) - 1, content_block=block))]
 
     def _close(self) -> list[StreamEvent]:
         if self._open is None:
@@ -207,9 +189,9 @@ class MessagesEncoder:
         out: list[StreamEvent] = []
         index = len(self.content) - 1
         block = self.content[index]
-        if isinstance(block, ThinkingBlock):
+        if isinstance(block, shapes.ThinkingBlock):
             block.signature = thinking_signature(block.thinking)
-            out.append(_event(ContentBlockDelta(index=index, delta=SignatureDelta(signature=block.signature))))
-        out.append(_event(ContentBlockStop(index=index)))
+            out.append(_event(shapes.ContentBlockDelta(index=index, delta=shapes.SignatureDelta(signature=block.signature))))
+        out.append(_event(shapes.ContentBlockStop(index=index)))
         self._open = None
         return out

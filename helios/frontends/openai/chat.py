@@ -58,27 +58,13 @@ from helios.frontends.fields import (
     screen_fields,
     wire_field,
 )
+from helios.frontends.openai import shapes
 from helios.frontends.openai.logprobs import (
     chat_logprobs,
     prompt_scores,
     validate_logprob_options,
     validate_prompt_logprobs,
 )
-from helios.frontends.openai.shapes import (
-    ChatChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionMessage,
-    ChoiceLogprobs,
-    ChunkChoice,
-    CompletionTokensDetails,
-    CompletionUsage,
-    Delta,
-    Function,
-    ModalityTokens,
-    PromptTokensDetails,
-)
-from helios.frontends.openai.shapes import ToolCall as WireToolCall
 from helios.frontends.structured import decode_response_format, decode_structured_outputs, one_constraint
 from helios.frontends.wire import JSONObjectText, NonEmptyStr, structure
 
@@ -458,15 +444,15 @@ def _finish_reason(finish: Finish | None, has_calls: bool) -> str:
     return "stop"
 
 
-def usage_shape(usage: Usage, *, details: bool = True) -> CompletionUsage:
+def usage_shape(usage: Usage, *, details: bool = True) -> shapes.CompletionUsage:
     """OpenAI usage (Chat and Completions); Completions reports no completion details. Image requests
     report the image feature tokens already in prompt_tokens."""
-    return CompletionUsage(
+    return shapes.CompletionUsage(
         prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
-        prompt_tokens_details=PromptTokensDetails(
+        prompt_tokens_details=shapes.PromptTokensDetails(
             cached_tokens=usage.cached_tokens,
-            multimodal_tokens=ModalityTokens(image=usage.image_tokens) if usage.image_tokens else OMIT),
-        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens) if details else OMIT)
+            multimodal_tokens=shapes.ModalityTokens(image=usage.image_tokens) if usage.image_tokens else OMIT),
+        completion_tokens_details=shapes.CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens) if details else OMIT)
 
 
 def usage_json(usage: Usage, *, details: bool = True) -> dict[str, Any]:
@@ -513,24 +499,24 @@ class ChatEncoder:
         observe = self.plan.options.observe
         if not self._started[index] and (u.token_ids or u.events):
             self._started[index] = True
-            out.append(self._chunk(index, Delta(role="assistant", content="")))
+            out.append(self._chunk(index, shapes.Delta(role="assistant", content="")))
         lp = None
         if self.plan.options.num_top_logprobs is not None and u.logprobs:
-            lp = ChoiceLogprobs(content=chat_logprobs(u.logprobs, self.vocab, self.plan.as_token_ids))
+            lp = shapes.ChoiceLogprobs(content=chat_logprobs(u.logprobs, self.vocab, self.plan.as_token_ids))
         tokens: tuple[Sequence[int], Sequence[float]] = (u.token_ids, u.token_timestamps) if observe.ids else ((), ())
         for delta in self._deltas(index, u.events):
             out.append(self._chunk(index, delta, logprobs=lp, tokens=tokens))
             lp, tokens = None, ((), ())
         if lp is not None:
-            out.append(self._chunk(index, Delta(content=""), logprobs=lp, tokens=tokens))
+            out.append(self._chunk(index, shapes.Delta(content=""), logprobs=lp, tokens=tokens))
             tokens = ((), ())
         if tokens[0] and u.finish is None:  # ids whose text is held back or has no text
-            out.append(self._chunk(index, Delta(), tokens=tokens))
+            out.append(self._chunk(index, shapes.Delta(), tokens=tokens))
             tokens = ((), ())
         if u.finish is not None:  # the finish chunk takes the ids not sent yet
             self._num_finished += 1
             out.append(self._chunk(
-                index, Delta(), _finish_reason(u.finish, bool(acc.tool_calls)), tokens=tokens,
+                index, shapes.Delta(), _finish_reason(u.finish, bool(acc.tool_calls)), tokens=tokens,
                 stop_reason=token_stop_reason(u.finish, acc.token_ids, self.plan.options.token_stops),
                 terminal=self.done))
         return out
@@ -538,7 +524,7 @@ class ChatEncoder:
     def finish(self) -> list[StreamEvent]:
         out: list[StreamEvent] = []
         if self.plan.include_usage:
-            out.append(StreamEvent(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
+            out.append(StreamEvent(shapes.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
                                                        usage=self._usage())))
         out.append(StreamEvent("[DONE]"))
         return out
@@ -551,38 +537,38 @@ class ChatEncoder:
         opts = self.plan.options
         choices = []
         for i, acc in enumerate(self.accs):
-            msg = ChatCompletionMessage(content=acc.text if (acc.text or not acc.tool_calls) else None)
+            msg = shapes.ChatCompletionMessage(content=acc.text if (acc.text or not acc.tool_calls) else None)
             if acc.reasoning:
                 msg.reasoning_content = msg.reasoning = acc.reasoning
             if acc.tool_calls:
-                msg.tool_calls = [WireToolCall(id=tc.id, function=Function(name=tc.name, arguments=tc.arguments))
+                msg.tool_calls = [shapes.ToolCall(id=tc.id, function=shapes.Function(name=tc.name, arguments=tc.arguments))
                                   for tc in acc.tool_calls]
             lp = None
             if opts.num_top_logprobs is not None:
-                lp = ChoiceLogprobs(content=chat_logprobs(acc.logprobs, self.vocab, self.plan.as_token_ids))
-            choices.append(ChatChoice(
+                lp = shapes.ChoiceLogprobs(content=chat_logprobs(acc.logprobs, self.vocab, self.plan.as_token_ids))
+            choices.append(shapes.ChatChoice(
                 index=i, message=msg, logprobs=lp, finish_reason=_finish_reason(acc.finish, bool(acc.tool_calls)),
                 stop_reason=token_stop_reason(acc.finish, acc.token_ids, opts.token_stops),
                 **observation_fields(opts.observe, acc.token_ids, acc.token_timestamps)))
-        return to_json(ChatCompletion(  # type: ignore[no-any-return]
+        return to_json(shapes.ChatCompletion(  # type: ignore[no-any-return]
             id=self.id, created=self.created, model=self.model, choices=choices, usage=self._usage(),
             prompt_logprobs=prompt_scores(self.accs[0].prompt_logprobs or [], opts.prompt_logprobs, self.vocab)
             if opts.prompt_logprobs is not None else None,
             prompt_token_ids=self.prompts[0].token_ids if opts.observe.ids else OMIT))
 
     # -- helpers --------------------------------------------------------------------------------
-    def _usage(self) -> CompletionUsage:
+    def _usage(self) -> shapes.CompletionUsage:
         return usage_shape(usage_of(self.prompts, self.accs, self.plan.options.n))
 
-    def _chunk(self, i: int, delta: Delta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None,
+    def _chunk(self, i: int, delta: shapes.Delta, finish: str | None = None, logprobs: shapes.ChoiceLogprobs | None = None,
                stop_reason: str | int | list[int] | None = None, tokens: tuple[Sequence[int], Sequence[float]] = ((), ()),
                terminal: bool = False) -> StreamEvent:
         observe = self.plan.options.observe
-        choice = ChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish,
+        choice = shapes.ChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish,
                              stop_reason=stop_reason if finish is not None else OMIT,
                              token_ids=tokens[0] if observe.ids else OMIT,
                              token_timestamps=tokens[1] if observe.timestamps else OMIT)
-        c = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+        c = shapes.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
         if self._prompt_ids_pending:
             self._prompt_ids_pending = False
             c.prompt_token_ids = self.prompts[0].token_ids
@@ -590,14 +576,14 @@ class ChatEncoder:
             c.usage = self._usage()
         return StreamEvent(c)
 
-    def _deltas(self, i: int, events: Sequence[OutputEvent]) -> list[Delta]:
+    def _deltas(self, i: int, events: Sequence[OutputEvent]) -> list[shapes.Delta]:
         """Chunk deltas for a run of events: adjacent text or reasoning joined, each call its own."""
-        deltas: list[Delta] = []
+        deltas: list[shapes.Delta] = []
         last: str | None = None
         for e in events:
             if isinstance(e, ToolCall):
-                deltas.append(Delta(tool_calls=[WireToolCall(id=e.id, index=self._tool_index[i],
-                                                          function=Function(name=e.name, arguments=e.arguments))]))
+                deltas.append(shapes.Delta(tool_calls=[shapes.ToolCall(id=e.id, index=self._tool_index[i],
+                                                          function=shapes.Function(name=e.name, arguments=e.arguments))]))
                 self._tool_index[i] += 1
                 last = None
             elif isinstance(e, TextDelta | ReasoningDelta) and e.text:
@@ -609,8 +595,8 @@ class ChatEncoder:
                     else:
                         d.reasoning_content = d.reasoning = cast(str, d.reasoning) + e.text
                 elif kind == "content":
-                    deltas.append(Delta(content=e.text))
+                    deltas.append(shapes.Delta(content=e.text))
                 else:
-                    deltas.append(Delta(reasoning_content=e.text, reasoning=e.text))
+                    deltas.append(shapes.Delta(reasoning_content=e.text, reasoning=e.text))
                 last = kind
         return deltas

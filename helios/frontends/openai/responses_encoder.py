@@ -46,41 +46,15 @@ from helios.domain.model import TokenVocabulary
 from helios.domain.sampling import SamplingParams
 from helios.domain.shapes import OMIT, to_json
 from helios.errors import HeliosError
+from helios.frontends.openai import shapes
 from helios.frontends.openai.logprobs import chat_logprobs
 from helios.frontends.openai.responses import ResponsesPlan, ToolSet
-from helios.frontends.openai.shapes import (
-    CallDeltaEvent,
-    ChatLogprob,
-    ContentPartEvent,
-    CustomToolCallDoneEvent,
-    CustomToolCallItem,
-    FunctionCallDoneEvent,
-    FunctionCallItem,
-    IncompleteDetails,
-    InputTokensDetails,
-    LogprobEntries,
-    MessageItem,
-    OutputItem,
-    OutputItemEvent,
-    OutputText,
-    OutputTokensDetails,
-    ReasoningItem,
-    ReasoningText,
-    Response,
-    ResponseError,
-    ResponseEvent,
-    ResponseParams,
-    ResponseStreamEvent,
-    ResponseUsage,
-    TextDeltaEvent,
-    TextDoneEvent,
-)
 
 
-def response_params(plan: ResponsesPlan, sampling: SamplingParams, model: str) -> ResponseParams:
+def response_params(plan: ResponsesPlan, sampling: SamplingParams, model: str) -> shapes.ResponseParams:
     """The request parameters a Response object echoes (the SDK's Response model requires several)."""
     w = plan.wire
-    return ResponseParams(
+    return shapes.ResponseParams(
         background=False,
         instructions=w.instructions,
         max_output_tokens=w.max_output_tokens,
@@ -139,22 +113,22 @@ class ResponseEncoder:
     def __init__(
         self,
         *,
-        base: ResponseParams | Mapping[str, Any],
+        base: shapes.ResponseParams | Mapping[str, Any],
         toolset: ToolSet,
         prompts: Sequence[PreparedPrompt] = (),
-        logprob_content: Callable[[Sequence[Any]], LogprobEntries] | None = None,
+        logprob_content: Callable[[Sequence[Any]], shapes.LogprobEntries] | None = None,
         token_bytes: Callable[[int], bytes] | None = None,
         response_id: str | None = None,
         created_at: int | None = None,
     ) -> None:
         self.id = response_id or _new_id("resp")
         self.created_at = int(time.time()) if created_at is None else created_at
-        self._params = base if isinstance(base, ResponseParams) else ResponseParams(**base)
+        self._params = base if isinstance(base, shapes.ResponseParams) else shapes.ResponseParams(**base)
         self._toolset = toolset
         self._lp = logprob_content
         self._token_bytes = token_bytes or (lambda _t: b"")
         self._seq = 0
-        self._output: list[OutputItem] = []
+        self._output: list[shapes.OutputItem] = []
         self._open: _OpenItem | None = None
         self._call_ids: set[str] = set()
         # logprob attribution
@@ -165,7 +139,7 @@ class ResponseEncoder:
         self._prompts = tuple(prompts)
         self._acc = Accumulated()
         self.status: str = "in_progress"
-        self.error: ResponseError | None = None
+        self.error: shapes.ResponseError | None = None
         self.incomplete_reason: str | None = None
         self.completed_at: int | None = None
 
@@ -175,8 +149,8 @@ class ResponseEncoder:
         return self.status != "in_progress"
 
     def start(self) -> list[StreamEvent]:
-        return _named([self._event(ResponseEvent, type="response.created", response=self.response()),
-                       self._event(ResponseEvent, type="response.in_progress", response=self.response())])
+        return _named([self._event(shapes.ResponseEvent, type="response.created", response=self.response()),
+                       self._event(shapes.ResponseEvent, type="response.in_progress", response=self.response())])
 
     def feed(self, index: int, u: ChildUpdate) -> list[StreamEvent]:
         return _named(self._feed(u))
@@ -190,11 +164,11 @@ class ResponseEncoder:
     def body(self) -> dict[str, Any]:
         return to_json(self.response())  # type: ignore[no-any-return]
 
-    def _feed(self, u: ChildUpdate) -> list[ResponseStreamEvent]:
+    def _feed(self, u: ChildUpdate) -> list[shapes.ResponseStreamEvent]:
         if self.done:
             return []
         self._acc.add_counts(u)  # the items are built here; the accumulator only counts
-        events: list[ResponseStreamEvent] = []
+        events: list[shapes.ResponseStreamEvent] = []
         self._queue_logprobs(u)
         for e in u.events:
             if isinstance(e, ReasoningDelta):
@@ -215,50 +189,50 @@ class ResponseEncoder:
                 events += self._terminal("completed", None)
         return events
 
-    def _fail(self, message: str) -> list[ResponseStreamEvent]:
+    def _fail(self, message: str) -> list[shapes.ResponseStreamEvent]:
         if self.done:
             return []
-        self.error = ResponseError(code="server_error", message=message)
+        self.error = shapes.ResponseError(code="server_error", message=message)
         return self._terminal("failed", None)
 
-    def response(self) -> Response:
+    def response(self) -> shapes.Response:
         """The Response as it stands (a snapshot: later events do not change it)."""
         usage = None
         if self.done:
             u = usage_of(self._prompts, [self._acc], 1)
-            usage = ResponseUsage(
+            usage = shapes.ResponseUsage(
                 input_tokens=u.prompt_tokens,
-                input_tokens_details=InputTokensDetails(cached_tokens=u.cached_tokens, cache_write_tokens=0),
+                input_tokens_details=shapes.InputTokensDetails(cached_tokens=u.cached_tokens, cache_write_tokens=0),
                 output_tokens=u.completion_tokens,
-                output_tokens_details=OutputTokensDetails(reasoning_tokens=u.reasoning_tokens),
+                output_tokens_details=shapes.OutputTokensDetails(reasoning_tokens=u.reasoning_tokens),
                 total_tokens=u.total_tokens)
-        return Response(
+        return shapes.Response(
             id=self.id, created_at=self.created_at, status=self.status, completed_at=self.completed_at,
             error=self.error,
-            incomplete_details=IncompleteDetails(reason=self.incomplete_reason) if self.incomplete_reason else None,
+            incomplete_details=shapes.IncompleteDetails(reason=self.incomplete_reason) if self.incomplete_reason else None,
             params=self._params, output=list(self._output), usage=usage)
 
     # -- items ----------------------------------------------------------------------------------
-    def _reasoning(self, text: str) -> list[ResponseStreamEvent]:
+    def _reasoning(self, text: str) -> list[shapes.ResponseStreamEvent]:
         events = self._ensure_open("reasoning")
         item = self._open
         assert item is not None
         item.text += text
-        events.append(self._event(TextDeltaEvent, type="response.reasoning_text.delta", **self._where(item),
+        events.append(self._event(shapes.TextDeltaEvent, type="response.reasoning_text.delta", **self._where(item),
                                   delta=text))
         return events
 
-    def _text(self, text: str, entries: LogprobEntries) -> list[ResponseStreamEvent]:
+    def _text(self, text: str, entries: shapes.LogprobEntries) -> list[shapes.ResponseStreamEvent]:
         events = self._ensure_open("message")
         item = self._open
         assert item is not None
         item.text += text
         item.logprobs.extend(entries)
-        events.append(self._event(TextDeltaEvent, type="response.output_text.delta", **self._where(item), delta=text,
+        events.append(self._event(shapes.TextDeltaEvent, type="response.output_text.delta", **self._where(item), delta=text,
                                   logprobs=entries))
         return events
 
-    def _call(self, tc: ToolCall) -> list[ResponseStreamEvent]:
+    def _call(self, tc: ToolCall) -> list[shapes.ResponseStreamEvent]:
         events = self._close_open()
         tool = self._toolset.restore(tc.name)
         call_id = tc.id or _new_id("call")
@@ -267,83 +241,83 @@ class ResponseEncoder:
         self._call_ids.add(call_id)
         index = len(self._output)
         namespace = tool.namespace or OMIT
-        done: OutputItem
+        done: shapes.OutputItem
         if tool.kind == "custom":
             item_id, value = _new_id("ctc"), custom_tool_input(tc.arguments)
-            added: OutputItem = CustomToolCallItem(id=item_id, call_id=call_id, name=tool.name, input="",
+            added: shapes.OutputItem = shapes.CustomToolCallItem(id=item_id, call_id=call_id, name=tool.name, input="",
                                                    namespace=namespace)
-            done = CustomToolCallItem(id=item_id, call_id=call_id, name=tool.name, input=value, namespace=namespace)
+            done = shapes.CustomToolCallItem(id=item_id, call_id=call_id, name=tool.name, input=value, namespace=namespace)
         else:
             item_id, value = _new_id("fc"), tc.arguments
-            added = FunctionCallItem(id=item_id, call_id=call_id, name=tool.name, arguments="", status="in_progress",
+            added = shapes.FunctionCallItem(id=item_id, call_id=call_id, name=tool.name, arguments="", status="in_progress",
                                      namespace=namespace)
-            done = FunctionCallItem(id=item_id, call_id=call_id, name=tool.name, arguments=value, status="completed",
+            done = shapes.FunctionCallItem(id=item_id, call_id=call_id, name=tool.name, arguments=value, status="completed",
                                     namespace=namespace)
         where = {"item_id": item_id, "output_index": index}
-        events.append(self._event(OutputItemEvent, type="response.output_item.added", output_index=index, item=added))
+        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.added", output_index=index, item=added))
         if tool.kind == "custom":
-            events.append(self._event(CallDeltaEvent, type="response.custom_tool_call_input.delta", **where,
+            events.append(self._event(shapes.CallDeltaEvent, type="response.custom_tool_call_input.delta", **where,
                                       delta=value))
-            events.append(self._event(CustomToolCallDoneEvent, **where, input=value))
+            events.append(self._event(shapes.CustomToolCallDoneEvent, **where, input=value))
         else:
-            events.append(self._event(CallDeltaEvent, type="response.function_call_arguments.delta", **where,
+            events.append(self._event(shapes.CallDeltaEvent, type="response.function_call_arguments.delta", **where,
                                       delta=value))
-            events.append(self._event(FunctionCallDoneEvent, **where, name=tool.name, arguments=value))
+            events.append(self._event(shapes.FunctionCallDoneEvent, **where, name=tool.name, arguments=value))
         self._output.append(done)
-        events.append(self._event(OutputItemEvent, type="response.output_item.done", output_index=index, item=done))
+        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.done", output_index=index, item=done))
         return events
 
-    def _ensure_open(self, kind: ItemKind) -> list[ResponseStreamEvent]:
+    def _ensure_open(self, kind: ItemKind) -> list[shapes.ResponseStreamEvent]:
         if self._open is not None and self._open.kind == kind:
             return []
         events = self._close_open()
         index = len(self._output)
-        added: OutputItem
-        part: OutputText | ReasoningText
+        added: shapes.OutputItem
+        part: shapes.OutputText | shapes.ReasoningText
         if kind == "reasoning":
             item = _OpenItem(kind, _new_id("rs"), index)
-            added, part = ReasoningItem(id=item.id, summary=[], content=[]), ReasoningText(text="")
+            added, part = shapes.ReasoningItem(id=item.id, summary=[], content=[]), shapes.ReasoningText(text="")
         else:
             item = _OpenItem(kind, _new_id("msg"), index)
-            added = MessageItem(id=item.id, status="in_progress", content=[])
-            part = OutputText(text="", annotations=[], logprobs=[])
+            added = shapes.MessageItem(id=item.id, status="in_progress", content=[])
+            part = shapes.OutputText(text="", annotations=[], logprobs=[])
         self._output.append(added)
         self._open = item
-        events.append(self._event(OutputItemEvent, type="response.output_item.added", output_index=index, item=added))
-        events.append(self._event(ContentPartEvent, type="response.content_part.added", **self._where(item),
+        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.added", output_index=index, item=added))
+        events.append(self._event(shapes.ContentPartEvent, type="response.content_part.added", **self._where(item),
                                   part=part))
         return events
 
-    def _close_open(self, status: str = "completed") -> list[ResponseStreamEvent]:
+    def _close_open(self, status: str = "completed") -> list[shapes.ResponseStreamEvent]:
         item = self._open
         if item is None:
             return []
         self._open = None
         where = self._where(item)
-        done: OutputItem
-        part: OutputText | ReasoningText
+        done: shapes.OutputItem
+        part: shapes.OutputText | shapes.ReasoningText
         if item.kind == "reasoning":
-            part = ReasoningText(text=item.text)
-            done = ReasoningItem(id=item.id, summary=[], content=[part])
-            events = [self._event(TextDoneEvent, type="response.reasoning_text.done", **where, text=item.text)]
+            part = shapes.ReasoningText(text=item.text)
+            done = shapes.ReasoningItem(id=item.id, summary=[], content=[part])
+            events = [self._event(shapes.TextDoneEvent, type="response.reasoning_text.done", **where, text=item.text)]
         else:
-            part = OutputText(text=item.text, annotations=[], logprobs=item.logprobs)
-            done = MessageItem(id=item.id, status=status, content=[part])
-            events = [self._event(TextDoneEvent, type="response.output_text.done", **where, text=item.text,
+            part = shapes.OutputText(text=item.text, annotations=[], logprobs=item.logprobs)
+            done = shapes.MessageItem(id=item.id, status=status, content=[part])
+            events = [self._event(shapes.TextDoneEvent, type="response.output_text.done", **where, text=item.text,
                                   logprobs=item.logprobs)]
-        events.append(self._event(ContentPartEvent, type="response.content_part.done", **where, part=part))
+        events.append(self._event(shapes.ContentPartEvent, type="response.content_part.done", **where, part=part))
         self._output[item.output_index] = done
-        events.append(self._event(OutputItemEvent, type="response.output_item.done", output_index=item.output_index,
+        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.done", output_index=item.output_index,
                                   item=done))
         return events
 
-    def _terminal(self, status: str, reason: str | None) -> list[ResponseStreamEvent]:
+    def _terminal(self, status: str, reason: str | None) -> list[shapes.ResponseStreamEvent]:
         events = self._close_open("completed" if status == "completed" else "incomplete")
         self.status = status
         self.incomplete_reason = reason
         if status == "completed":
             self.completed_at = int(time.time())
-        events.append(self._event(ResponseEvent, type=f"response.{status}", response=self.response()))
+        events.append(self._event(shapes.ResponseEvent, type=f"response.{status}", response=self.response()))
         return events
 
     # -- logprob attribution ---------------------------------------------------------------------
@@ -358,7 +332,7 @@ class ResponseEncoder:
             records = records[:-1]  # a terminating EOS or stop token has no entry
         self._pending.extend(records[min(num_reasoning, len(records)):])
 
-    def _attribute(self, text: str) -> LogprobEntries:
+    def _attribute(self, text: str) -> shapes.LogprobEntries:
         """Pending tokens whose first byte falls within newly released answer text."""
         if self._lp is None or not text:
             return []
@@ -375,7 +349,7 @@ class ResponseEncoder:
         self._owed = 0
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _event(self, cls: Callable[..., ResponseStreamEvent], **fields: Any) -> ResponseStreamEvent:
+    def _event(self, cls: Callable[..., shapes.ResponseStreamEvent], **fields: Any) -> shapes.ResponseStreamEvent:
         event = cls(sequence_number=self._seq, **fields)
         self._seq += 1
         return event
@@ -389,7 +363,7 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _named(events: list[ResponseStreamEvent]) -> list[StreamEvent]:
+def _named(events: list[shapes.ResponseStreamEvent]) -> list[StreamEvent]:
     return [StreamEvent(e, e.type) for e in events]
 
 
@@ -397,7 +371,7 @@ def make_encoder(plan: ResponsesPlan, prompts: Sequence[PreparedPrompt], samplin
                  vocab: TokenVocabulary) -> ResponseEncoder:
     as_ids = plan.wire.return_tokens_as_token_ids
 
-    def content(records: Sequence[TokenLogprob]) -> list[ChatLogprob]:
+    def content(records: Sequence[TokenLogprob]) -> list[shapes.ChatLogprob]:
         return chat_logprobs(records, vocab, as_ids)
 
     return ResponseEncoder(
