@@ -94,9 +94,11 @@ def _without_omit(tp: Any) -> Any:
 
 
 def _scalar_list(tp: Any) -> bool:
-    """list[scalar], tuple[scalar, ...] or Sequence[scalar] (bytes: their values): written as a list of its items as they are."""
+    """list[scalar], tuple[scalar, ...] or Sequence[scalar] (bytes: their values): written as a list of
+    its items as they are."""
     args = typing.get_args(tp)
-    return typing.get_origin(tp) in (list, tuple, collections.abc.Sequence) and bool(args) and _is_scalar(args[0]) and args[-1] in (args[0], ...)
+    return (typing.get_origin(tp) in (list, tuple, collections.abc.Sequence) and bool(args)
+            and _is_scalar(args[0]) and args[-1] in (args[0], ...))
 
 
 def _convert(tp: Any, get: str, ns: dict[str, Any]) -> str:

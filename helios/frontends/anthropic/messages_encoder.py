@@ -117,7 +117,8 @@ class MessagesEncoder:
         out += self._close()
         self.stop_reason = stop_reason(f.cause, self.num_calls > 0)
         self.stop_sequence = f.matched_stop if isinstance(f.matched_stop, str) and f.cause is FinishCause.STOP_STRING else None
-        out.append(_event(shapes.MessageDelta(delta=shapes.StopDetails(stop_reason=self.stop_reason, stop_sequence=self.stop_sequence),
+        stop = shapes.StopDetails(stop_reason=self.stop_reason, stop_sequence=self.stop_sequence)
+        out.append(_event(shapes.MessageDelta(delta=stop,
                                        usage=self.usage())))
         out.append(_event(shapes.MessageStop()))
         return out
@@ -130,7 +131,8 @@ class MessagesEncoder:
 
     def body(self) -> dict[str, Any]:
         """The buffered Message (after the terminal update)."""
-        return to_json(self._message(self.content, self.stop_reason, self.stop_sequence))  # type: ignore[no-any-return]
+        message = self._message(self.content, self.stop_reason, self.stop_sequence)
+        return to_json(message)  # type: ignore[no-any-return]
 
     def usage(self) -> shapes.Usage:
         """Messages usage: input_tokens excludes what was read from the cache (cache_read_input_tokens)."""
@@ -141,8 +143,10 @@ class MessagesEncoder:
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _message(self, content: list[shapes.ContentBlock], reason: str | None, sequence: str | None) -> shapes.Message:
-        return shapes.Message(id=self.id, model=self.model, content=content, stop_reason=reason, stop_sequence=sequence,
+    def _message(self, content: list[shapes.ContentBlock], reason: str | None,
+                 sequence: str | None) -> shapes.Message:
+        return shapes.Message(id=self.id, model=self.model, content=content, stop_reason=reason,
+                              stop_sequence=sequence,
                        usage=self.usage())
 
     def _ensure_open(self, kind: Literal["text", "thinking"]) -> list[StreamEvent]:
@@ -177,7 +181,8 @@ class MessagesEncoder:
         out += self._close()
         return out
 
-    def _open_block(self, kind: BlockKind, block: shapes.ContentBlock, content: shapes.ContentBlock) -> list[StreamEvent]:
+    def _open_block(self, kind: BlockKind, block: shapes.ContentBlock,
+                    content: shapes.ContentBlock) -> list[StreamEvent]:
         """`block` as it starts on the wire; `content` the message's own block, which deltas extend."""
         self.content.append(content)
         self._open = kind
@@ -191,7 +196,8 @@ class MessagesEncoder:
         block = self.content[index]
         if isinstance(block, shapes.ThinkingBlock):
             block.signature = thinking_signature(block.thinking)
-            out.append(_event(shapes.ContentBlockDelta(index=index, delta=shapes.SignatureDelta(signature=block.signature))))
+            signature = shapes.SignatureDelta(signature=block.signature)
+            out.append(_event(shapes.ContentBlockDelta(index=index, delta=signature)))
         out.append(_event(shapes.ContentBlockStop(index=index)))
         self._open = None
         return out

@@ -452,7 +452,8 @@ def usage_shape(usage: Usage, *, details: bool = True) -> shapes.CompletionUsage
         prompt_tokens_details=shapes.PromptTokensDetails(
             cached_tokens=usage.cached_tokens,
             multimodal_tokens=shapes.ModalityTokens(image=usage.image_tokens) if usage.image_tokens else OMIT),
-        completion_tokens_details=shapes.CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens) if details else OMIT)
+        completion_tokens_details=shapes.CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens)
+        if details else OMIT)
 
 
 def usage_json(usage: Usage, *, details: bool = True) -> dict[str, Any]:
@@ -524,8 +525,8 @@ class ChatEncoder:
     def finish(self) -> list[StreamEvent]:
         out: list[StreamEvent] = []
         if self.plan.include_usage:
-            out.append(StreamEvent(shapes.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
-                                                       usage=self._usage())))
+            out.append(StreamEvent(shapes.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                                              choices=[], usage=self._usage())))
         out.append(StreamEvent("[DONE]"))
         return out
 
@@ -541,8 +542,8 @@ class ChatEncoder:
             if acc.reasoning:
                 msg.reasoning_content = msg.reasoning = acc.reasoning
             if acc.tool_calls:
-                msg.tool_calls = [shapes.ToolCall(id=tc.id, function=shapes.Function(name=tc.name, arguments=tc.arguments))
-                                  for tc in acc.tool_calls]
+                msg.tool_calls = [shapes.ToolCall(id=c.id, function=shapes.Function(name=c.name, arguments=c.arguments))
+                                  for c in acc.tool_calls]
             lp = None
             if opts.num_top_logprobs is not None:
                 lp = shapes.ChoiceLogprobs(content=chat_logprobs(acc.logprobs, self.vocab, self.plan.as_token_ids))
@@ -560,8 +561,9 @@ class ChatEncoder:
     def _usage(self) -> shapes.CompletionUsage:
         return usage_shape(usage_of(self.prompts, self.accs, self.plan.options.n))
 
-    def _chunk(self, i: int, delta: shapes.Delta, finish: str | None = None, logprobs: shapes.ChoiceLogprobs | None = None,
-               stop_reason: str | int | list[int] | None = None, tokens: tuple[Sequence[int], Sequence[float]] = ((), ()),
+    def _chunk(self, i: int, delta: shapes.Delta, finish: str | None = None,
+               logprobs: shapes.ChoiceLogprobs | None = None, stop_reason: str | int | list[int] | None = None,
+               tokens: tuple[Sequence[int], Sequence[float]] = ((), ()),
                terminal: bool = False) -> StreamEvent:
         observe = self.plan.options.observe
         choice = shapes.ChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish,
@@ -582,8 +584,9 @@ class ChatEncoder:
         last: str | None = None
         for e in events:
             if isinstance(e, ToolCall):
+                function = shapes.Function(name=e.name, arguments=e.arguments)
                 deltas.append(shapes.Delta(tool_calls=[shapes.ToolCall(id=e.id, index=self._tool_index[i],
-                                                          function=shapes.Function(name=e.name, arguments=e.arguments))]))
+                                                                       function=function)]))
                 self._tool_index[i] += 1
                 last = None
             elif isinstance(e, TextDelta | ReasoningDelta) and e.text:

@@ -209,7 +209,8 @@ class ResponseEncoder:
         return shapes.Response(
             id=self.id, created_at=self.created_at, status=self.status, completed_at=self.completed_at,
             error=self.error,
-            incomplete_details=shapes.IncompleteDetails(reason=self.incomplete_reason) if self.incomplete_reason else None,
+            incomplete_details=shapes.IncompleteDetails(reason=self.incomplete_reason)
+            if self.incomplete_reason else None,
             params=self._params, output=list(self._output), usage=usage)
 
     # -- items ----------------------------------------------------------------------------------
@@ -228,7 +229,8 @@ class ResponseEncoder:
         assert item is not None
         item.text += text
         item.logprobs.extend(entries)
-        events.append(self._event(shapes.TextDeltaEvent, type="response.output_text.delta", **self._where(item), delta=text,
+        events.append(self._event(shapes.TextDeltaEvent, type="response.output_text.delta", **self._where(item),
+                                  delta=text,
                                   logprobs=entries))
         return events
 
@@ -240,21 +242,22 @@ class ResponseEncoder:
             call_id = _new_id("call")
         self._call_ids.add(call_id)
         index = len(self._output)
-        namespace = tool.namespace or OMIT
+        added: shapes.OutputItem
         done: shapes.OutputItem
+        ns = tool.namespace or OMIT
         if tool.kind == "custom":
             item_id, value = _new_id("ctc"), custom_tool_input(tc.arguments)
-            added: shapes.OutputItem = shapes.CustomToolCallItem(id=item_id, call_id=call_id, name=tool.name, input="",
-                                                   namespace=namespace)
-            done = shapes.CustomToolCallItem(id=item_id, call_id=call_id, name=tool.name, input=value, namespace=namespace)
+            added = shapes.CustomToolCallItem(id=item_id, call_id=call_id, name=tool.name, input="", namespace=ns)
+            done = shapes.CustomToolCallItem(id=item_id, call_id=call_id, name=tool.name, input=value, namespace=ns)
         else:
             item_id, value = _new_id("fc"), tc.arguments
-            added = shapes.FunctionCallItem(id=item_id, call_id=call_id, name=tool.name, arguments="", status="in_progress",
-                                     namespace=namespace)
-            done = shapes.FunctionCallItem(id=item_id, call_id=call_id, name=tool.name, arguments=value, status="completed",
-                                    namespace=namespace)
+            added = shapes.FunctionCallItem(id=item_id, call_id=call_id, name=tool.name, arguments="",
+                                            status="in_progress", namespace=ns)
+            done = shapes.FunctionCallItem(id=item_id, call_id=call_id, name=tool.name, arguments=value,
+                                           status="completed", namespace=ns)
         where = {"item_id": item_id, "output_index": index}
-        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.added", output_index=index, item=added))
+        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.added", output_index=index,
+                                  item=added))
         if tool.kind == "custom":
             events.append(self._event(shapes.CallDeltaEvent, type="response.custom_tool_call_input.delta", **where,
                                       delta=value))
@@ -264,7 +267,8 @@ class ResponseEncoder:
                                       delta=value))
             events.append(self._event(shapes.FunctionCallDoneEvent, **where, name=tool.name, arguments=value))
         self._output.append(done)
-        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.done", output_index=index, item=done))
+        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.done", output_index=index,
+                                  item=done))
         return events
 
     def _ensure_open(self, kind: ItemKind) -> list[shapes.ResponseStreamEvent]:
@@ -283,7 +287,8 @@ class ResponseEncoder:
             part = shapes.OutputText(text="", annotations=[], logprobs=[])
         self._output.append(added)
         self._open = item
-        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.added", output_index=index, item=added))
+        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.added", output_index=index,
+                                  item=added))
         events.append(self._event(shapes.ContentPartEvent, type="response.content_part.added", **self._where(item),
                                   part=part))
         return events
@@ -307,8 +312,8 @@ class ResponseEncoder:
                                   logprobs=item.logprobs)]
         events.append(self._event(shapes.ContentPartEvent, type="response.content_part.done", **where, part=part))
         self._output[item.output_index] = done
-        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.done", output_index=item.output_index,
-                                  item=done))
+        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.done",
+                                  output_index=item.output_index, item=done))
         return events
 
     def _terminal(self, status: str, reason: str | None) -> list[shapes.ResponseStreamEvent]:
