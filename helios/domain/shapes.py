@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections.abc
 import enum
+import threading
 import types
 import typing
 from collections.abc import Callable
@@ -133,13 +134,17 @@ def _call(cls: type, get: str, ns: dict[str, Any]) -> str:
 
 
 _GENERATING: set[type] = set()
+_LOCK = threading.RLock()
 
 
 def _writer(cls: type) -> Callable[[Any], dict[str, Any]]:
     """Generate `cls`'s writer: one dict display of its present fields, in declaration order."""
-    fn = _WRITERS.get(cls)
-    if fn is not None:
-        return fn
+    with _LOCK:  # generated once per class, whichever thread writes it first
+        fn = _WRITERS.get(cls)
+        return fn if fn is not None else _generate(cls)
+
+
+def _generate(cls: type) -> Callable[[Any], dict[str, Any]]:
     _GENERATING.add(cls)
     try:
         hints = typing.get_type_hints(cls)
