@@ -17,6 +17,7 @@ from helios.domain.conversation import ConversationRequest
 from helios.domain.events import Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCall, Usage
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.domain.sampling import SamplingRequest
+from helios.domain.shapes import to_json
 
 
 @attrs.frozen
@@ -219,8 +220,15 @@ def usage_of(prompts: Sequence[PreparedPrompt], children: Sequence[Accumulated],
 
 @attrs.frozen
 class StreamEvent:
-    """One server-sent event an encoder produces: `data` (a JSON object, or raw text such as
-    `[DONE]`) and an optional event name (Messages and Responses name theirs)."""
+    """One server-sent event an encoder produces: its `payload` (a declared shape, see
+    `helios.domain.shapes`; a JSON object; or raw text such as `[DONE]`) and an optional event name
+    (Messages and Responses name theirs). `data` is what the wire carries: the payload's JSON value,
+    written by the one serializer when the event is sent (a buffered response never writes its events)."""
 
-    data: dict[str, Any] | str
+    payload: Any
     event: str | None = None
+
+    @property
+    def data(self) -> dict[str, Any] | str:
+        p = self.payload
+        return p if p.__class__ is str or p.__class__ is dict else to_json(p)  # type: ignore[no-any-return]

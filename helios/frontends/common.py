@@ -9,6 +9,7 @@ from typing import Any
 
 from helios.domain.events import Finish, FinishCause
 from helios.domain.generation import TokenObservation, TokenStops
+from helios.domain.shapes import OMIT
 from helios.errors import BadRequest
 
 
@@ -120,13 +121,10 @@ def decode_observation(return_token_ids: bool | None, return_token_timestamps: b
 
 
 def observation_fields(observe: TokenObservation, token_ids: Any, timestamps: Any) -> dict[str, Any]:
-    """The generated-token fields of one choice (or chunk choice): empty when not asked for."""
-    out: dict[str, Any] = {}
-    if observe.ids:
-        out["token_ids"] = list(token_ids)
-    if observe.timestamps:
-        out["token_timestamps"] = list(timestamps)
-    return out
+    """The generated-token fields of one choice (or chunk choice), as its shape's keyword arguments:
+    absent (`OMIT`) when not asked for."""
+    return {"token_ids": token_ids if observe.ids else OMIT,
+            "token_timestamps": timestamps if observe.timestamps else OMIT}
 
 
 

@@ -1,7 +1,7 @@
 """Anthropic routes: POST /v1/messages and POST /v1/messages/count_tokens.
 
-Each handler authenticates (x-api-key or bearer), requires ``anthropic-version: 2023-06-01``, reads
-the body and decodes it with the Messages frontend. Errors on these paths take the Anthropic shape
+Both accept their request the Anthropic way (x-api-key or bearer, `anthropic-version: 2023-06-01`)
+and decode it with the Messages frontend. Errors on these paths take the Anthropic shape
 (`helios.http.dispatch.protocol_of`), as terminal ``error`` events once a stream has started.
 """
 
@@ -11,32 +11,26 @@ from helios.frontends import limits
 from helios.frontends.anthropic import messages, messages_encoder
 from helios.http.context import RequestContext
 from helios.http.dispatch import Route
+from helios.http.endpoint import Endpoint, Generation
+from helios.serving.pipeline import Prepared, Service
 
 
-async def create_message(ctx: RequestContext) -> None:
-    ctx.auth(anthropic=True)
-    messages.check_version(ctx.req.headers.get("anthropic-version"))
-    obj = await ctx.read_json(limits.MESSAGES)
-    svc = ctx.svc
-    plan = await ctx.offload(messages.decode_request, obj, svc.info)
-    ctx.admit(1)
-    prepared = await svc.prepare(plan.generation)
-    encoder = messages_encoder.MessagesEncoder(plan, prepared.prompts, model=svc.info.public_id)
-    await ctx.generate(prepared, encoder, stream=plan.stream)
+def message_encoder(plan: messages.MessagesPlan, prepared: Prepared, svc: Service) -> messages_encoder.MessagesEncoder:
+    return messages_encoder.MessagesEncoder(plan, prepared.prompts, model=svc.info.public_id)
+
+
+MESSAGES = Endpoint(limits.MESSAGES, messages.decode_request, anthropic=True)
+# Rendering and tokenizing take a slot like a generation's preparation.
+COUNT_TOKENS = Endpoint(limits.MESSAGES, messages.decode_count_tokens, anthropic=True)
 
 
 async def count_tokens(ctx: RequestContext) -> None:
     """The exact prompt a generation request would submit: input_tokens + cache_read_input_tokens."""
-    ctx.auth(anthropic=True)
-    messages.check_version(ctx.req.headers.get("anthropic-version"))
-    obj = await ctx.read_json(limits.MESSAGES)
-    svc = ctx.svc
-    plan = await ctx.offload(messages.decode_count_tokens, obj, svc.info)
-    ctx.admit(1)  # rendering and tokenizing take a slot like a generation's preparation
-    await ctx.json({"input_tokens": await svc.count_prompt_tokens(plan.conversation)})
+    plan = await COUNT_TOKENS.accept(ctx)
+    await ctx.json({"input_tokens": await ctx.svc.count_prompt_tokens(plan.conversation)})
 
 
 ROUTES: list[Route] = [
-    ("POST", "/v1/messages", create_message),
+    ("POST", "/v1/messages", Generation(MESSAGES, message_encoder)),
     ("POST", "/v1/messages/count_tokens", count_tokens),
 ]

@@ -14,6 +14,7 @@ from helios.asgi.responses import JSON_CONTENT_TYPE, dumps, send_bytes
 from helios.asgi.routing import Router
 from helios.domain.generation import StreamEvent
 from helios.errors import BadRequest, HeliosError, InternalError, ServiceUnavailable
+from helios.frontends.openai.shapes import ErrorEvent
 from helios.http.context import Handler, RequestContext
 from helios.http.state import ServerState
 from helios.obs import access
@@ -185,8 +186,7 @@ def _error_event(path: str, exc: HeliosError) -> StreamEvent:
     if protocol_of(path) == "anthropic":
         return StreamEvent(exc.to_anthropic(), "error")
     if path.startswith("/v1/responses"):
-        return StreamEvent({"type": "error", "code": exc.code or exc.type, "message": exc.message,
-                            "param": exc.param}, "error")
+        return StreamEvent(ErrorEvent(code=exc.code or exc.type, message=exc.message, param=exc.param), "error")
     return StreamEvent(exc.to_openai())
 
 

@@ -41,10 +41,11 @@ class EventStream:
                 self._last = trio.current_time()
 
     async def send(self, event: StreamEvent) -> None:
-        access.note_stream_event(event.data, event.event)  # a terminal error event is the access log's `error=`
+        data = event.data  # written once, here
+        access.note_stream_event(data, event.event)  # a terminal error event is the access log's `error=`
         await self.start()
         async with self._lock:
-            await self.sse.event(event.data, event.event)
+            await self.sse.event(data, event.event)
             self._last = trio.current_time()
 
     async def close(self) -> None:

@@ -31,7 +31,9 @@ from helios.domain.generation import (
     StreamEvent,
     usage_of,
 )
+from helios.domain.shapes import to_json
 from helios.errors import HeliosError
+from helios.frontends.anthropic import shapes
 from helios.frontends.anthropic.messages import MessagesPlan, thinking_signature
 
 
@@ -62,9 +64,9 @@ def stop_reason(cause: FinishCause, has_calls: bool) -> str:
 BlockKind = Literal["text", "thinking", "tool_use"]
 
 
-def _event(name: str, data: dict[str, Any]) -> StreamEvent:
-    """A named Messages event; its data's type is its name."""
-    return StreamEvent(data, name)
+def _event(shape: Any) -> StreamEvent:
+    """A named Messages event: its name is its type."""
+    return StreamEvent(shape, shape.type)
 
 
 class MessagesEncoder:
@@ -78,7 +80,7 @@ class MessagesEncoder:
         self.id = message_id or new_message_id()
         self.model = model
         self.hide_thinking = plan.hide_thinking
-        self.content: list[dict[str, Any]] = []
+        self.content: list[shapes.ContentBlock] = []
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
         self.prompts = tuple(prompts)
@@ -91,8 +93,7 @@ class MessagesEncoder:
         return self.stop_reason is not None
 
     def start(self) -> list[StreamEvent]:
-        message = self._message_json([], None, None, self.usage())
-        return [StreamEvent({"type": "message_start", "message": message}, "message_start")]
+        return [_event(shapes.MessageStart(message=self._message([], None, None)))]
 
     def feed(self, index: int, u: ChildUpdate) -> list[StreamEvent]:
         out: list[StreamEvent] = []
@@ -102,12 +103,12 @@ class MessagesEncoder:
         for e in u.events:
             if isinstance(e, TextDelta):
                 if e.text:
-                    out += self._delta("text", {"type": "text_delta", "text": e.text})
+                    out += self._delta("text", e.text)
             elif isinstance(e, ReasoningDelta):
                 if e.text and self.hide_thinking:
                     out += self._ensure_open("thinking")
                 elif e.text:
-                    out += self._delta("thinking", {"type": "thinking_delta", "thinking": e.text})
+                    out += self._delta("thinking", e.text)
             elif isinstance(e, ToolCall):
                 out += self._tool_use(e)
         f = u.finish
@@ -116,12 +117,10 @@ class MessagesEncoder:
         out += self._close()
         self.stop_reason = stop_reason(f.cause, self.num_calls > 0)
         self.stop_sequence = f.matched_stop if isinstance(f.matched_stop, str) and f.cause is FinishCause.STOP_STRING else None
-        out.append(StreamEvent({
-            "type": "message_delta",
-            "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
-            "usage": self.usage(),
-        }, "message_delta"))
-        out.append(StreamEvent({"type": "message_stop"}, "message_stop"))
+        stop = shapes.StopDetails(stop_reason=self.stop_reason, stop_sequence=self.stop_sequence)
+        out.append(_event(shapes.MessageDelta(delta=stop,
+                                       usage=self.usage())))
+        out.append(_event(shapes.MessageStop()))
         return out
 
     def finish(self) -> list[StreamEvent]:
@@ -132,38 +131,42 @@ class MessagesEncoder:
 
     def body(self) -> dict[str, Any]:
         """The buffered Message (after the terminal update)."""
-        return self._message_json(self.content, self.stop_reason, self.stop_sequence, self.usage())
+        message = self._message(self.content, self.stop_reason, self.stop_sequence)
+        return to_json(message)  # type: ignore[no-any-return]
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self) -> shapes.Usage:
         """Messages usage: input_tokens excludes what was read from the cache (cache_read_input_tokens)."""
         usage = usage_of(self.prompts, [self.acc], 1)
         cached = min(usage.cached_tokens, usage.prompt_tokens)
-        return {"input_tokens": usage.prompt_tokens - cached, "output_tokens": usage.completion_tokens,
-                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+        return shapes.Usage(input_tokens=usage.prompt_tokens - cached, output_tokens=usage.completion_tokens,
+                     cache_creation_input_tokens=0, cache_read_input_tokens=cached)
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _message_json(self, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
-                      usage: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": reason, "stop_sequence": sequence, "usage": usage}
+    def _message(self, content: list[shapes.ContentBlock], reason: str | None,
+                 sequence: str | None) -> shapes.Message:
+        return shapes.Message(id=self.id, model=self.model, content=content, stop_reason=reason,
+                              stop_sequence=sequence,
+                       usage=self.usage())
 
     def _ensure_open(self, kind: Literal["text", "thinking"]) -> list[StreamEvent]:
         if self._open == kind:
             return []
-        block: dict[str, Any] = {"type": "text", "text": ""} if kind == "text" else {
-            "type": "thinking", "thinking": "", "signature": ""}
-        return self._close() + self._open_block(kind, block)
+        new = shapes.TextBlock if kind == "text" else shapes.ThinkingBlock
+        return self._close() + self._open_block(kind, new(), new())
 
-    def _delta(self, kind: Literal["text", "thinking"], delta: dict[str, Any]) -> list[StreamEvent]:
+    def _delta(self, kind: Literal["text", "thinking"], text: str) -> list[StreamEvent]:
         out = self._ensure_open(kind)
         cur = self.content[-1]
-        if kind == "text":
-            cur["text"] += delta["text"]
+        delta: shapes.TextDelta | shapes.ThinkingDelta
+        if isinstance(cur, shapes.TextBlock):
+            cur.text += text
+            delta = shapes.TextDelta(text=text)
         else:
-            cur["thinking"] += delta["thinking"]
-        out.append(_event("content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1,
-                                                    "delta": delta}))
+            assert isinstance(cur, shapes.ThinkingBlock)
+            cur.thinking += text
+            delta = shapes.ThinkingDelta(thinking=text)
+        out.append(_event(shapes.ContentBlockDelta(index=len(self.content) - 1, delta=delta)))
         return out
 
     def _tool_use(self, call: ToolCall) -> list[StreamEvent]:
@@ -171,30 +174,30 @@ class MessagesEncoder:
         self.num_calls += 1
         args = call.arguments if call.arguments.strip() else "{}"
         tid = tool_use_id(call.id)
-        out += self._open_block("tool_use", {"type": "tool_use", "id": tid, "name": call.name, "input": {}})
+        out += self._open_block("tool_use", shapes.ToolUseBlock(id=tid, name=call.name, input={}),
+                                shapes.ToolUseBlock(id=tid, name=call.name, input=json.loads(args)))
         index = len(self.content) - 1
-        self.content[index] = {"type": "tool_use", "id": tid, "name": call.name, "input": json.loads(args)}
-        out.append(_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                    "delta": {"type": "input_json_delta", "partial_json": args}}))
+        out.append(_event(shapes.ContentBlockDelta(index=index, delta=shapes.InputJSONDelta(partial_json=args))))
         out += self._close()
         return out
 
-    def _open_block(self, kind: BlockKind, block: dict[str, Any]) -> list[StreamEvent]:
-        self.content.append(dict(block))
+    def _open_block(self, kind: BlockKind, block: shapes.ContentBlock,
+                    content: shapes.ContentBlock) -> list[StreamEvent]:
+        """`block` as it starts on the wire; `content` the message's own block, which deltas extend."""
+        self.content.append(content)
         self._open = kind
-        return [_event("content_block_start", {"type": "content_block_start", "index": len(self.content) - 1,
-                                                 "content_block": block})]
+        return [_event(shapes.ContentBlockStart(index=len(self.content) - 1, content_block=block))]
 
     def _close(self) -> list[StreamEvent]:
         if self._open is None:
             return []
         out: list[StreamEvent] = []
         index = len(self.content) - 1
-        if self._open == "thinking":
-            sig = thinking_signature(self.content[index]["thinking"])
-            self.content[index]["signature"] = sig
-            out.append(_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                        "delta": {"type": "signature_delta", "signature": sig}}))
-        out.append(_event("content_block_stop", {"type": "content_block_stop", "index": index}))
+        block = self.content[index]
+        if isinstance(block, shapes.ThinkingBlock):
+            block.signature = thinking_signature(block.thinking)
+            signature = shapes.SignatureDelta(signature=block.signature)
+            out.append(_event(shapes.ContentBlockDelta(index=index, delta=signature)))
+        out.append(_event(shapes.ContentBlockStop(index=index)))
         self._open = None
         return out

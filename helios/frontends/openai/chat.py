@@ -33,6 +33,7 @@ from helios.domain.generation import (
 )
 from helios.domain.model import ModelInfo, TokenVocabulary
 from helios.domain.sampling import SamplingRequest
+from helios.domain.shapes import OMIT, to_json
 from helios.errors import BadRequest, HeliosError
 from helios.frontends.common import (
     decode_observation,
@@ -57,9 +58,10 @@ from helios.frontends.fields import (
     screen_fields,
     wire_field,
 )
+from helios.frontends.openai import shapes
 from helios.frontends.openai.logprobs import (
-    chat_logprobs_content,
-    prompt_logprobs_json,
+    chat_logprobs,
+    prompt_scores,
     validate_logprob_options,
     validate_prompt_logprobs,
 )
@@ -442,23 +444,20 @@ def _finish_reason(finish: Finish | None, has_calls: bool) -> str:
     return "stop"
 
 
+def usage_shape(usage: Usage, *, details: bool = True) -> shapes.CompletionUsage:
+    """OpenAI usage (Chat and Completions); Completions reports no completion details. Image requests
+    report the image feature tokens already in prompt_tokens."""
+    return shapes.CompletionUsage(
+        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
+        prompt_tokens_details=shapes.PromptTokensDetails(
+            cached_tokens=usage.cached_tokens,
+            multimodal_tokens=shapes.ModalityTokens(image=usage.image_tokens) if usage.image_tokens else OMIT),
+        completion_tokens_details=shapes.CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens)
+        if details else OMIT)
+
+
 def usage_json(usage: Usage, *, details: bool = True) -> dict[str, Any]:
-    """OpenAI usage (Chat and Completions); Completions reports no completion details."""
-    out: dict[str, Any] = {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
-    if usage.image_tokens:  # image requests: the image feature tokens already in prompt_tokens
-        out["prompt_tokens_details"]["multimodal_tokens"] = {"image": usage.image_tokens}
-    if details:
-        out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
-    return out
-
-
-def _tool_call_json(tc: ToolCall, index: int) -> dict[str, Any]:
-    return {"id": tc.id, "type": "function", "index": index, "function": {"name": tc.name, "arguments": tc.arguments}}
+    return to_json(usage_shape(usage, details=details))  # type: ignore[no-any-return]
 
 
 class ChatEncoder:
@@ -501,24 +500,24 @@ class ChatEncoder:
         observe = self.plan.options.observe
         if not self._started[index] and (u.token_ids or u.events):
             self._started[index] = True
-            out.append(self._chunk(index, {"role": "assistant", "content": ""}))
+            out.append(self._chunk(index, shapes.Delta(role="assistant", content="")))
         lp = None
         if self.plan.options.num_top_logprobs is not None and u.logprobs:
-            lp = {"content": chat_logprobs_content(u.logprobs, self.vocab, self.plan.as_token_ids)}
-        tokens: tuple[Any, Any] = (u.token_ids, u.token_timestamps) if observe.ids else ((), ())
+            lp = shapes.ChoiceLogprobs(content=chat_logprobs(u.logprobs, self.vocab, self.plan.as_token_ids))
+        tokens: tuple[Sequence[int], Sequence[float]] = (u.token_ids, u.token_timestamps) if observe.ids else ((), ())
         for delta in self._deltas(index, u.events):
             out.append(self._chunk(index, delta, logprobs=lp, tokens=tokens))
             lp, tokens = None, ((), ())
         if lp is not None:
-            out.append(self._chunk(index, {"content": ""}, logprobs=lp, tokens=tokens))
+            out.append(self._chunk(index, shapes.Delta(content=""), logprobs=lp, tokens=tokens))
             tokens = ((), ())
         if tokens[0] and u.finish is None:  # ids whose text is held back or has no text
-            out.append(self._chunk(index, {}, tokens=tokens))
+            out.append(self._chunk(index, shapes.Delta(), tokens=tokens))
             tokens = ((), ())
         if u.finish is not None:  # the finish chunk takes the ids not sent yet
             self._num_finished += 1
             out.append(self._chunk(
-                index, {}, _finish_reason(u.finish, bool(acc.tool_calls)), tokens=tokens,
+                index, shapes.Delta(), _finish_reason(u.finish, bool(acc.tool_calls)), tokens=tokens,
                 stop_reason=token_stop_reason(u.finish, acc.token_ids, self.plan.options.token_stops),
                 terminal=self.done))
         return out
@@ -526,8 +525,8 @@ class ChatEncoder:
     def finish(self) -> list[StreamEvent]:
         out: list[StreamEvent] = []
         if self.plan.include_usage:
-            out.append(StreamEvent({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                                    "model": self.model, "choices": [], "usage": self._usage()}))
+            out.append(StreamEvent(shapes.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                                              choices=[], usage=self._usage())))
         out.append(StreamEvent("[DONE]"))
         return out
 
@@ -539,78 +538,68 @@ class ChatEncoder:
         opts = self.plan.options
         choices = []
         for i, acc in enumerate(self.accs):
-            msg: dict[str, Any] = {"role": "assistant",
-                                   "content": acc.text if (acc.text or not acc.tool_calls) else None}
+            msg = shapes.ChatCompletionMessage(content=acc.text if (acc.text or not acc.tool_calls) else None)
             if acc.reasoning:
-                msg["reasoning_content"] = acc.reasoning
-                msg["reasoning"] = acc.reasoning
+                msg.reasoning_content = msg.reasoning = acc.reasoning
             if acc.tool_calls:
-                msg["tool_calls"] = [
-                    {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
-                    for tc in acc.tool_calls
-                ]
+                msg.tool_calls = [shapes.ToolCall(id=c.id, function=shapes.Function(name=c.name, arguments=c.arguments))
+                                  for c in acc.tool_calls]
             lp = None
             if opts.num_top_logprobs is not None:
-                lp = {"content": chat_logprobs_content(acc.logprobs, self.vocab, self.plan.as_token_ids)}
-            choices.append({
-                "index": i,
-                "message": msg,
-                "logprobs": lp,
-                "finish_reason": _finish_reason(acc.finish, bool(acc.tool_calls)),
-                "stop_reason": token_stop_reason(acc.finish, acc.token_ids, opts.token_stops),
-                **observation_fields(opts.observe, acc.token_ids, acc.token_timestamps),
-            })
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self._usage(),
-            "prompt_logprobs": prompt_logprobs_json(self.accs[0].prompt_logprobs or [], opts.prompt_logprobs,
-                                                    self.vocab) if opts.prompt_logprobs is not None else None,
-        }
-        if opts.observe.ids:
-            body["prompt_token_ids"] = list(self.prompts[0].token_ids)
-        return body
+                lp = shapes.ChoiceLogprobs(content=chat_logprobs(acc.logprobs, self.vocab, self.plan.as_token_ids))
+            choices.append(shapes.ChatChoice(
+                index=i, message=msg, logprobs=lp, finish_reason=_finish_reason(acc.finish, bool(acc.tool_calls)),
+                stop_reason=token_stop_reason(acc.finish, acc.token_ids, opts.token_stops),
+                **observation_fields(opts.observe, acc.token_ids, acc.token_timestamps)))
+        return to_json(shapes.ChatCompletion(  # type: ignore[no-any-return]
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=self._usage(),
+            prompt_logprobs=prompt_scores(self.accs[0].prompt_logprobs or [], opts.prompt_logprobs, self.vocab)
+            if opts.prompt_logprobs is not None else None,
+            prompt_token_ids=self.prompts[0].token_ids if opts.observe.ids else OMIT))
 
     # -- helpers --------------------------------------------------------------------------------
-    def _usage(self) -> dict[str, Any]:
-        return usage_json(usage_of(self.prompts, self.accs, self.plan.options.n))
+    def _usage(self) -> shapes.CompletionUsage:
+        return usage_shape(usage_of(self.prompts, self.accs, self.plan.options.n))
 
-    def _chunk(self, i: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
-               stop_reason: Any = None, tokens: tuple[Any, Any] = ((), ()), terminal: bool = False) -> StreamEvent:
+    def _chunk(self, i: int, delta: shapes.Delta, finish: str | None = None,
+               logprobs: shapes.ChoiceLogprobs | None = None, stop_reason: str | int | list[int] | None = None,
+               tokens: tuple[Sequence[int], Sequence[float]] = ((), ()),
+               terminal: bool = False) -> StreamEvent:
         observe = self.plan.options.observe
-        choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        if finish is not None:
-            choice["stop_reason"] = stop_reason
-        choice.update(observation_fields(observe, *tokens))
-        c: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                             "model": self.model, "choices": [choice]}
+        choice = shapes.ChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish,
+                             stop_reason=stop_reason if finish is not None else OMIT,
+                             token_ids=tokens[0] if observe.ids else OMIT,
+                             token_timestamps=tokens[1] if observe.timestamps else OMIT)
+        c = shapes.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
         if self._prompt_ids_pending:
             self._prompt_ids_pending = False
-            c["prompt_token_ids"] = list(self.prompts[0].token_ids)
+            c.prompt_token_ids = self.prompts[0].token_ids
         if self.plan.continuous_usage or (terminal and observe.ids and not self.plan.include_usage):
-            c["usage"] = self._usage()
+            c.usage = self._usage()
         return StreamEvent(c)
 
-    def _deltas(self, i: int, events: Sequence[OutputEvent]) -> list[dict[str, Any]]:
+    def _deltas(self, i: int, events: Sequence[OutputEvent]) -> list[shapes.Delta]:
         """Chunk deltas for a run of events: adjacent text or reasoning joined, each call its own."""
-        deltas: list[dict[str, Any]] = []
+        deltas: list[shapes.Delta] = []
         last: str | None = None
         for e in events:
             if isinstance(e, ToolCall):
-                deltas.append({"tool_calls": [_tool_call_json(e, self._tool_index[i])]})
+                function = shapes.Function(name=e.name, arguments=e.arguments)
+                deltas.append(shapes.Delta(tool_calls=[shapes.ToolCall(id=e.id, index=self._tool_index[i],
+                                                                       function=function)]))
                 self._tool_index[i] += 1
                 last = None
             elif isinstance(e, TextDelta | ReasoningDelta) and e.text:
                 kind = "content" if isinstance(e, TextDelta) else "reasoning"
                 if last == kind:
-                    for key in ("content",) if kind == "content" else ("reasoning_content", "reasoning"):
-                        deltas[-1][key] += e.text
+                    d = deltas[-1]
+                    if kind == "content":
+                        d.content = cast(str, d.content) + e.text
+                    else:
+                        d.reasoning_content = d.reasoning = cast(str, d.reasoning) + e.text
                 elif kind == "content":
-                    deltas.append({"content": e.text})
+                    deltas.append(shapes.Delta(content=e.text))
                 else:
-                    deltas.append({"reasoning_content": e.text, "reasoning": e.text})
+                    deltas.append(shapes.Delta(reasoning_content=e.text, reasoning=e.text))
                 last = kind
         return deltas

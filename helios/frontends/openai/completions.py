@@ -18,6 +18,7 @@ from helios.domain.generation import (
     usage_of,
 )
 from helios.domain.model import ModelInfo, TokenVocabulary
+from helios.domain.shapes import OMIT, to_json
 from helios.errors import BadRequest, HeliosError
 from helios.frontends.common import (
     decode_observation,
@@ -38,18 +39,17 @@ from helios.frontends.fields import (
     screen_fields,
     wire_field,
 )
-from helios.frontends.openai.chat import StreamOptions, decode_sampling, usage_json
+from helios.frontends.openai.chat import StreamOptions, decode_sampling, usage_shape
 from helios.frontends.openai.logprobs import (
     check_capacity,
-    completion_logprobs,
-    empty_completion_logprobs,
-    extend_completion_logprobs,
-    prompt_completion_logprobs,
-    prompt_logprobs_json,
+    completion_logprob_arrays,
+    prompt_logprob_arrays,
+    prompt_scores,
     require_prompt_scoring,
     validate_explicit_ids,
     validate_prompt_logprobs,
 )
+from helios.frontends.openai.shapes import Completion, CompletionChoice, CompletionLogprobs, CompletionUsage
 from helios.frontends.structured import decode_structured_outputs
 from helios.frontends.wire import structure
 
@@ -264,7 +264,7 @@ class CompletionEncoder:
         out: list[StreamEvent] = []
         if plan.echo_logprobs and u.prompt_logprobs:
             assert plan.logprobs is not None
-            block, self._prompt_off[i] = prompt_completion_logprobs(
+            block, self._prompt_off[i] = prompt_logprob_arrays(
                 self._prompt(i).token_ids, u.prompt_logprobs, plan.logprobs, self.vocab, plan.as_token_ids,
                 start_offset=self._prompt_off[i], first_position=self._prompt_pos[i])
             self._prompt_pos[i] += len(u.prompt_logprobs)
@@ -277,9 +277,10 @@ class CompletionEncoder:
         text = "".join(e.text for e in u.events if isinstance(e, TextDelta))
         lp = None
         if plan.logprobs is not None and u.logprobs:
-            lp = completion_logprobs(list(u.logprobs), u.logprob_offsets, self.vocab, plan.as_token_ids,
+            lp = completion_logprob_arrays(u.logprobs, u.logprob_offsets, self.vocab, plan.as_token_ids,
                                      bool(plan.options.logprob_token_ids), len(self._echo_text(i)))
-        tokens: tuple[Any, Any] = (u.token_ids, u.token_timestamps) if plan.options.observe.ids else ((), ())
+        tokens: tuple[Sequence[int], Sequence[float]] = (
+            (u.token_ids, u.token_timestamps) if plan.options.observe.ids else ((), ()))
         if text or lp is not None or (tokens[0] and u.finish is None):
             out.append(self._chunk(i, text, logprobs=lp, tokens=tokens))
             tokens = ((), ())
@@ -296,8 +297,8 @@ class CompletionEncoder:
                 self._num_finished += 1
                 out.append(self._chunk(i, "", "length"))
         if self.plan.include_usage:
-            out.append(StreamEvent({"id": self.id, "object": "text_completion", "created": self.created,
-                                    "model": self.model, "choices": [], "usage": self._usage()}))
+            out.append(StreamEvent(Completion(id=self.id, created=self.created, model=self.model, choices=[],
+                                              usage=self._usage())))
         out.append(StreamEvent("[DONE]"))
         return out
 
@@ -314,26 +315,21 @@ class CompletionEncoder:
             scores = self.accs[i - i % self.n].prompt_logprobs or [] if plan.scores_prompt else []
             lp = None
             if plan.logprobs is not None:
-                lp = empty_completion_logprobs()
+                lp = CompletionLogprobs()
                 if plan.echo_logprobs:
-                    extend_completion_logprobs(
-                        lp, prompt_completion_logprobs(pp.token_ids, scores, plan.logprobs, self.vocab, as_ids)[0])
-                extend_completion_logprobs(lp, completion_logprobs(acc.logprobs, acc.logprob_offsets, self.vocab,
-                                                                   as_ids, bool(plan.options.logprob_token_ids),
-                                                                   len(echo)))
-            choices.append({
-                "index": i,
-                "text": echo + acc.text,
-                "logprobs": lp,
-                "finish_reason": _finish_reason(acc.finish, plan.max_tokens_zero),
-                "stop_reason": token_stop_reason(acc.finish, acc.token_ids, plan.options.token_stops),
-                "prompt_logprobs": prompt_logprobs_json(scores, plan.prompt_logprobs or 0, self.vocab)
+                    lp.extend(prompt_logprob_arrays(pp.token_ids, scores, plan.logprobs, self.vocab, as_ids)[0])
+                lp.extend(completion_logprob_arrays(acc.logprobs, acc.logprob_offsets, self.vocab, as_ids,
+                                                    bool(plan.options.logprob_token_ids), len(echo)))
+            choices.append(CompletionChoice(
+                index=i, text=echo + acc.text, logprobs=lp,
+                finish_reason=_finish_reason(acc.finish, plan.max_tokens_zero),
+                stop_reason=token_stop_reason(acc.finish, acc.token_ids, plan.options.token_stops),
+                prompt_logprobs=prompt_scores(scores, plan.prompt_logprobs or 0, self.vocab)
                 if plan.scores_prompt else None,
-                **({"prompt_token_ids": list(pp.token_ids)} if plan.options.observe.ids else {}),
-                **observation_fields(plan.options.observe, acc.token_ids, acc.token_timestamps),
-            })
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self._usage()}
+                prompt_token_ids=pp.token_ids if plan.options.observe.ids else OMIT,
+                **observation_fields(plan.options.observe, acc.token_ids, acc.token_timestamps)))
+        return to_json(Completion(id=self.id, created=self.created, model=self.model,  # type: ignore[no-any-return]
+                                  choices=choices, usage=self._usage()))
 
     # -- helpers --------------------------------------------------------------------------------
     def _prompt(self, i: int) -> PreparedPrompt:
@@ -342,21 +338,21 @@ class CompletionEncoder:
     def _echo_text(self, i: int) -> str:
         return self._prompt(i).text if self.plan.echo else ""
 
-    def _usage(self) -> dict[str, Any]:
-        return usage_json(usage_of(self.prompts, self.accs, self.n), details=False)
+    def _usage(self) -> CompletionUsage:
+        return usage_shape(usage_of(self.prompts, self.accs, self.n), details=False)
 
-    def _chunk(self, i: int, text: str, finish: str | None = None, logprobs: Any = None,
-               stop_reason: Any = None, tokens: tuple[Any, Any] = ((), ())) -> StreamEvent:
+    def _chunk(self, i: int, text: str, finish: str | None = None, logprobs: CompletionLogprobs | None = None,
+               stop_reason: str | int | list[int] | None = None,
+               tokens: tuple[Sequence[int], Sequence[float]] = ((), ())) -> StreamEvent:
         observe = self.plan.options.observe
-        choice: dict[str, Any] = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish,
-                                  "stop_reason": stop_reason}
+        choice = CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason,
+                                  token_ids=tokens[0] if observe.ids else OMIT,
+                                  token_timestamps=tokens[1] if observe.timestamps else OMIT)
         if self._prompt_ids_pending[i]:
             self._prompt_ids_pending[i] = False
-            choice["prompt_token_ids"] = list(self._prompt(i).token_ids)
-        choice.update(observation_fields(observe, *tokens))
-        c: dict[str, Any] = {"id": self.id, "object": "text_completion", "created": self.created,
-                             "model": self.model, "choices": [choice]}
+            choice.prompt_token_ids = self._prompt(i).token_ids
+        c = Completion(id=self.id, created=self.created, model=self.model, choices=[choice])
         if self.plan.continuous_usage or (observe.ids and not self.plan.include_usage and finish is not None
                                           and self.done):
-            c["usage"] = self._usage()
+            c.usage = self._usage()
         return StreamEvent(c)

@@ -2,7 +2,7 @@
 
 Spec: api.md, "Generation log probabilities" and "Prompt log probabilities". The engine hands over
 plain records (token ids with fp32 logprobs and ranks); this module validates the request options
-and turns the records into the protocols' JSON:
+and turns the records into the protocols' shapes (`helios.frontends.openai.shapes`):
 
 - Chat (and Responses) entries: ``{"token", "logprob", "bytes", "top_logprobs": [...]}`` where
   ``top_logprobs`` lists the natural alternatives, or the explicit ``logprob_token_ids`` in caller
@@ -24,7 +24,15 @@ from typing import Any
 
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.domain.model import ModelInfo, TokenVocabulary
+from helios.domain.shapes import to_json
 from helios.errors import BadRequest
+from helios.frontends.openai.shapes import (
+    ChatLogprob,
+    CompletionLogprobs,
+    PromptLogprobs,
+    PromptScore,
+    TopLogprob,
+)
 
 MAX_TOP = 20
 MAX_EXPLICIT_IDS = 128
@@ -111,78 +119,88 @@ def decoded_text(vocab: TokenVocabulary, token_id: int) -> str:
     return vocab.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-def token_entry(vocab: TokenVocabulary, token_id: int, logprob: float, as_ids: bool | None) -> dict[str, Any]:
-    return {"token": token_text(vocab, token_id, as_ids), "logprob": logprob, "bytes": list(vocab.token_bytes(token_id))}
+def token_entry(vocab: TokenVocabulary, token_id: int, logprob: float, as_ids: bool | None) -> TopLogprob:
+    return TopLogprob(token=token_text(vocab, token_id, as_ids), logprob=logprob, bytes=vocab.token_bytes(token_id))
 
 
-def chat_logprobs_content(records: Sequence[TokenLogprob], vocab: TokenVocabulary, as_ids: bool | None) -> list[dict[str, Any]]:
-    out = []
-    for r in records:
-        entry = token_entry(vocab, r.token_id, r.logprob, as_ids)
-        entry["top_logprobs"] = [token_entry(vocab, t, lp, as_ids) for t, lp in r.top]
-        out.append(entry)
-    return out
+def chat_logprobs(records: Sequence[TokenLogprob], vocab: TokenVocabulary, as_ids: bool | None) -> list[ChatLogprob]:
+    return [ChatLogprob(token=token_text(vocab, r.token_id, as_ids), logprob=r.logprob,
+                        bytes=vocab.token_bytes(r.token_id),
+                        top_logprobs=[token_entry(vocab, t, lp, as_ids) for t, lp in r.top]) for r in records]
 
 
-def empty_completion_logprobs() -> dict[str, list[Any]]:
-    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-
-
-def completion_logprobs(records: Sequence[TokenLogprob], offsets: Sequence[int], vocab: TokenVocabulary,
-                        as_ids: bool | None, explicit: bool, start_offset: int = 0) -> dict[str, list[Any]]:
+def completion_logprob_arrays(records: Sequence[TokenLogprob], offsets: Sequence[int], vocab: TokenVocabulary,
+                              as_ids: bool | None, explicit: bool, start_offset: int = 0) -> CompletionLogprobs:
     """Completions arrays for generated tokens; ``offsets`` come from the output pipeline."""
-    block = empty_completion_logprobs()
+    block = CompletionLogprobs()
     for r, off in zip(records, offsets, strict=True):
-        block["tokens"].append(token_text(vocab, r.token_id, as_ids))
-        block["token_logprobs"].append(r.logprob)
+        block.tokens.append(token_text(vocab, r.token_id, as_ids))
+        block.token_logprobs.append(r.logprob)
         pairs = list(r.top) if explicit else [(r.token_id, r.logprob), *r.top]
-        block["top_logprobs"].append(_keyed(pairs, vocab, as_ids))
-        block["text_offset"].append(start_offset + off)
+        block.top_logprobs.append(_keyed(pairs, vocab, as_ids))
+        block.text_offset.append(start_offset + off)
     return block
 
 
-def prompt_completion_logprobs(prompt_ids: Sequence[int], scores: Sequence[PromptLogprob | None], k: int,
-                               vocab: TokenVocabulary, as_ids: bool | None, start_offset: int = 0,
-                               first_position: int = 0) -> tuple[dict[str, list[Any]], int]:
+def prompt_logprob_arrays(prompt_ids: Sequence[int], scores: Sequence[PromptLogprob | None], k: int,
+                          vocab: TokenVocabulary, as_ids: bool | None, start_offset: int = 0,
+                          first_position: int = 0) -> tuple[CompletionLogprobs, int]:
     """Completions arrays for echoed prompt positions ``first_position ..`` (``scores`` aligned with
     them; None for position 0). Offsets count the characters of the preceding decoded token strings.
     Returns the arrays and the offset after the last position."""
-    block = empty_completion_logprobs()
+    block = CompletionLogprobs()
     off = start_offset
     for i, score in enumerate(scores):
         token_id = prompt_ids[first_position + i]
-        block["tokens"].append(token_text(vocab, token_id, as_ids))
-        block["text_offset"].append(off)
+        block.tokens.append(token_text(vocab, token_id, as_ids))
+        block.text_offset.append(off)
         off += len(decoded_text(vocab, token_id))
         if score is None:
-            block["token_logprobs"].append(None)
-            block["top_logprobs"].append(None)
+            block.token_logprobs.append(None)
+            block.top_logprobs.append(None)
             continue
-        block["token_logprobs"].append(score.logprob)
+        block.token_logprobs.append(score.logprob)
         pairs = [(score.token_id, score.logprob)] + [(t, lp) for t, lp, _ in score.top[:k]]
-        block["top_logprobs"].append(_keyed(pairs, vocab, as_ids))
+        block.top_logprobs.append(_keyed(pairs, vocab, as_ids))
     return block, off
 
 
-def extend_completion_logprobs(into: dict[str, list[Any]], block: dict[str, list[Any]]) -> None:
-    for key, values in block.items():
-        into[key].extend(values)
-
-
-def prompt_logprobs_json(scores: Sequence[PromptLogprob | None], k: int, vocab: TokenVocabulary) -> list[dict[str, Any] | None]:
+def prompt_scores(scores: Sequence[PromptLogprob | None], k: int, vocab: TokenVocabulary) -> PromptLogprobs:
     """The ``prompt_logprobs`` field: the actual token first, then up to ``k`` natural alternatives."""
-    out: list[dict[str, Any] | None] = []
+    out: PromptLogprobs = []
     for score in scores:
         if score is None:
             out.append(None)
             continue
-        entry: dict[str, Any] = {}
+        entry: dict[str, PromptScore] = {}
         for token_id, logprob, rank in [(score.token_id, score.logprob, score.rank), *score.top[:k]]:
             key = str(token_id)
             if key not in entry:
-                entry[key] = {"logprob": logprob, "rank": rank, "decoded_token": decoded_text(vocab, token_id)}
+                entry[key] = PromptScore(logprob=logprob, rank=rank, decoded_token=decoded_text(vocab, token_id))
         out.append(entry)
     return out
+
+
+# The same renderings as plain JSON.
+
+
+def chat_logprobs_content(records: Sequence[TokenLogprob], vocab: TokenVocabulary,
+                          as_ids: bool | None) -> list[dict[str, Any]]:
+    return to_json(chat_logprobs(records, vocab, as_ids))  # type: ignore[no-any-return]
+
+
+def completion_logprobs(*args: Any, **kwargs: Any) -> dict[str, list[Any]]:
+    return to_json(completion_logprob_arrays(*args, **kwargs))  # type: ignore[no-any-return]
+
+
+def prompt_completion_logprobs(*args: Any, **kwargs: Any) -> tuple[dict[str, list[Any]], int]:
+    block, off = prompt_logprob_arrays(*args, **kwargs)
+    return to_json(block), off
+
+
+def prompt_logprobs_json(scores: Sequence[PromptLogprob | None], k: int,
+                         vocab: TokenVocabulary) -> list[dict[str, Any] | None]:
+    return to_json(prompt_scores(scores, k, vocab))  # type: ignore[no-any-return]
 
 
 def _keyed(pairs: Sequence[tuple[int, float]], vocab: TokenVocabulary, as_ids: bool | None) -> dict[str, float]:

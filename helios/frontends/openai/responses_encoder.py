@@ -23,10 +23,9 @@ Event order for one response (sequence_number counts from 0 over every event):
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -45,37 +44,44 @@ from helios.domain.generation import (
 from helios.domain.logprobs import TokenLogprob
 from helios.domain.model import TokenVocabulary
 from helios.domain.sampling import SamplingParams
+from helios.domain.shapes import OMIT, to_json
 from helios.errors import HeliosError
-from helios.frontends.openai.logprobs import chat_logprobs_content
+from helios.frontends.openai import shapes
+from helios.frontends.openai.logprobs import chat_logprobs
 from helios.frontends.openai.responses import ResponsesPlan, ToolSet
 
 
-def response_base(plan: ResponsesPlan, sampling: SamplingParams, model: str) -> dict[str, Any]:
+def response_params(plan: ResponsesPlan, sampling: SamplingParams, model: str) -> shapes.ResponseParams:
     """The request parameters a Response object echoes (the SDK's Response model requires several)."""
     w = plan.wire
-    return {
-        "background": False,
-        "instructions": w.instructions,
-        "max_output_tokens": w.max_output_tokens,
-        "max_tool_calls": plan.echo.get("max_tool_calls"),
-        "metadata": dict(plan.echo.get("metadata") or {}),
-        "model": model,
-        "parallel_tool_calls": plan.conversation.parallel_tool_calls,
-        "previous_response_id": None,
-        "prompt_cache_key": plan.echo.get("prompt_cache_key"),
-        "reasoning": {"effort": plan.effort, "summary": plan.summary},
-        "safety_identifier": plan.echo.get("safety_identifier"),
-        "service_tier": "default",
-        "store": False,
-        "temperature": sampling.temperature,
-        "text": plan.text_config,
-        "tool_choice": w.tool_choice if w.tool_choice is not None else ("auto" if plan.toolset.tools else "none"),
-        "tools": list(w.tools or []),
-        "top_logprobs": w.top_logprobs or 0,
-        "top_p": sampling.top_p,
-        "truncation": "disabled",
-        "user": plan.echo.get("user"),
-    }
+    return shapes.ResponseParams(
+        background=False,
+        instructions=w.instructions,
+        max_output_tokens=w.max_output_tokens,
+        max_tool_calls=plan.echo.get("max_tool_calls"),
+        metadata=dict(plan.echo.get("metadata") or {}),
+        model=model,
+        parallel_tool_calls=plan.conversation.parallel_tool_calls,
+        previous_response_id=None,
+        prompt_cache_key=plan.echo.get("prompt_cache_key"),
+        reasoning={"effort": plan.effort, "summary": plan.summary},
+        safety_identifier=plan.echo.get("safety_identifier"),
+        service_tier="default",
+        store=False,
+        temperature=sampling.temperature,
+        text=plan.text_config,
+        tool_choice=w.tool_choice if w.tool_choice is not None else ("auto" if plan.toolset.tools else "none"),
+        tools=list(w.tools or []),
+        top_logprobs=w.top_logprobs or 0,
+        top_p=sampling.top_p,
+        truncation="disabled",
+        user=plan.echo.get("user"),
+    )
+
+
+def response_base(plan: ResponsesPlan, sampling: SamplingParams, model: str) -> dict[str, Any]:
+    """`response_params` as plain JSON."""
+    return to_json(response_params(plan, sampling, model))  # type: ignore[no-any-return]
 
 
 # -- the encoder ----------------------------------------------------------------------------------
@@ -89,7 +95,7 @@ class _OpenItem:
     id: str
     output_index: int
     text: str = ""
-    logprobs: list[dict[str, Any]] = attrs.field(factory=list)
+    logprobs: list[Any] = attrs.field(factory=list)
 
 
 class ResponseEncoder:
@@ -107,22 +113,22 @@ class ResponseEncoder:
     def __init__(
         self,
         *,
-        base: dict[str, Any],
+        base: shapes.ResponseParams | Mapping[str, Any],
         toolset: ToolSet,
         prompts: Sequence[PreparedPrompt] = (),
-        logprob_content: Callable[[Sequence[Any]], list[dict[str, Any]]] | None = None,
+        logprob_content: Callable[[Sequence[Any]], shapes.LogprobEntries] | None = None,
         token_bytes: Callable[[int], bytes] | None = None,
         response_id: str | None = None,
         created_at: int | None = None,
     ) -> None:
         self.id = response_id or _new_id("resp")
         self.created_at = int(time.time()) if created_at is None else created_at
-        self._base = base
+        self._params = base if isinstance(base, shapes.ResponseParams) else shapes.ResponseParams(**base)
         self._toolset = toolset
         self._lp = logprob_content
         self._token_bytes = token_bytes or (lambda _t: b"")
         self._seq = 0
-        self._output: list[dict[str, Any]] = []
+        self._output: list[shapes.OutputItem] = []
         self._open: _OpenItem | None = None
         self._call_ids: set[str] = set()
         # logprob attribution
@@ -133,7 +139,7 @@ class ResponseEncoder:
         self._prompts = tuple(prompts)
         self._acc = Accumulated()
         self.status: str = "in_progress"
-        self.error: dict[str, Any] | None = None
+        self.error: shapes.ResponseError | None = None
         self.incomplete_reason: str | None = None
         self.completed_at: int | None = None
 
@@ -143,8 +149,8 @@ class ResponseEncoder:
         return self.status != "in_progress"
 
     def start(self) -> list[StreamEvent]:
-        return _named([self._event("response.created", response=self.response()),
-                       self._event("response.in_progress", response=self.response())])
+        return _named([self._event(shapes.ResponseEvent, type="response.created", response=self.response()),
+                       self._event(shapes.ResponseEvent, type="response.in_progress", response=self.response())])
 
     def feed(self, index: int, u: ChildUpdate) -> list[StreamEvent]:
         return _named(self._feed(u))
@@ -156,13 +162,13 @@ class ResponseEncoder:
         return _named(self._fail(error.message))
 
     def body(self) -> dict[str, Any]:
-        return self.response()
+        return to_json(self.response())  # type: ignore[no-any-return]
 
-    def _feed(self, u: ChildUpdate) -> list[dict[str, Any]]:
+    def _feed(self, u: ChildUpdate) -> list[shapes.ResponseStreamEvent]:
         if self.done:
             return []
         self._acc.add_counts(u)  # the items are built here; the accumulator only counts
-        events: list[dict[str, Any]] = []
+        events: list[shapes.ResponseStreamEvent] = []
         self._queue_logprobs(u)
         for e in u.events:
             if isinstance(e, ReasoningDelta):
@@ -183,55 +189,52 @@ class ResponseEncoder:
                 events += self._terminal("completed", None)
         return events
 
-    def _fail(self, message: str) -> list[dict[str, Any]]:
+    def _fail(self, message: str) -> list[shapes.ResponseStreamEvent]:
         if self.done:
             return []
-        self.error = {"code": "server_error", "message": message}
+        self.error = shapes.ResponseError(code="server_error", message=message)
         return self._terminal("failed", None)
 
-    def response(self) -> dict[str, Any]:
+    def response(self) -> shapes.Response:
+        """The Response as it stands (a snapshot: later events do not change it)."""
         usage = None
         if self.done:
             u = usage_of(self._prompts, [self._acc], 1)
-            usage = {
-                "input_tokens": u.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
-                "output_tokens": u.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
-                "total_tokens": u.total_tokens,
-            }
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created_at,
-            "status": self.status,
-            "completed_at": self.completed_at,
-            "error": self.error,
-            "incomplete_details": {"reason": self.incomplete_reason} if self.incomplete_reason else None,
-            **self._base,
-            "output": [json.loads(json.dumps(item)) for item in self._output],
-            "usage": usage,
-        }
+            usage = shapes.ResponseUsage(
+                input_tokens=u.prompt_tokens,
+                input_tokens_details=shapes.InputTokensDetails(cached_tokens=u.cached_tokens, cache_write_tokens=0),
+                output_tokens=u.completion_tokens,
+                output_tokens_details=shapes.OutputTokensDetails(reasoning_tokens=u.reasoning_tokens),
+                total_tokens=u.total_tokens)
+        return shapes.Response(
+            id=self.id, created_at=self.created_at, status=self.status, completed_at=self.completed_at,
+            error=self.error,
+            incomplete_details=shapes.IncompleteDetails(reason=self.incomplete_reason)
+            if self.incomplete_reason else None,
+            params=self._params, output=list(self._output), usage=usage)
 
     # -- items ----------------------------------------------------------------------------------
-    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+    def _reasoning(self, text: str) -> list[shapes.ResponseStreamEvent]:
         events = self._ensure_open("reasoning")
         item = self._open
         assert item is not None
         item.text += text
-        events.append(self._event("response.reasoning_text.delta", **self._where(item), delta=text))
+        events.append(self._event(shapes.TextDeltaEvent, type="response.reasoning_text.delta", **self._where(item),
+                                  delta=text))
         return events
 
-    def _text(self, text: str, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _text(self, text: str, entries: shapes.LogprobEntries) -> list[shapes.ResponseStreamEvent]:
         events = self._ensure_open("message")
         item = self._open
         assert item is not None
         item.text += text
         item.logprobs.extend(entries)
-        events.append(self._event("response.output_text.delta", **self._where(item), delta=text, logprobs=entries))
+        events.append(self._event(shapes.TextDeltaEvent, type="response.output_text.delta", **self._where(item),
+                                  delta=text,
+                                  logprobs=entries))
         return events
 
-    def _call(self, tc: ToolCall) -> list[dict[str, Any]]:
+    def _call(self, tc: ToolCall) -> list[shapes.ResponseStreamEvent]:
         events = self._close_open()
         tool = self._toolset.restore(tc.name)
         call_id = tc.id or _new_id("call")
@@ -239,76 +242,87 @@ class ResponseEncoder:
             call_id = _new_id("call")
         self._call_ids.add(call_id)
         index = len(self._output)
+        added: shapes.OutputItem
+        done: shapes.OutputItem
+        ns = tool.namespace or OMIT
         if tool.kind == "custom":
             item_id, value = _new_id("ctc"), custom_tool_input(tc.arguments)
-            item: dict[str, Any] = {"type": "custom_tool_call", "id": item_id, "call_id": call_id,
-                                    "name": tool.name, "input": ""}
+            added = shapes.CustomToolCallItem(id=item_id, call_id=call_id, name=tool.name, input="", namespace=ns)
+            done = shapes.CustomToolCallItem(id=item_id, call_id=call_id, name=tool.name, input=value, namespace=ns)
         else:
             item_id, value = _new_id("fc"), tc.arguments
-            item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": tool.name,
-                    "arguments": "", "status": "in_progress"}
-        if tool.namespace:
-            item["namespace"] = tool.namespace
+            added = shapes.FunctionCallItem(id=item_id, call_id=call_id, name=tool.name, arguments="",
+                                            status="in_progress", namespace=ns)
+            done = shapes.FunctionCallItem(id=item_id, call_id=call_id, name=tool.name, arguments=value,
+                                           status="completed", namespace=ns)
         where = {"item_id": item_id, "output_index": index}
-        events.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
+        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.added", output_index=index,
+                                  item=added))
         if tool.kind == "custom":
-            item["input"] = value
-            events.append(self._event("response.custom_tool_call_input.delta", **where, delta=value))
-            events.append(self._event("response.custom_tool_call_input.done", **where, input=value))
+            events.append(self._event(shapes.CallDeltaEvent, type="response.custom_tool_call_input.delta", **where,
+                                      delta=value))
+            events.append(self._event(shapes.CustomToolCallDoneEvent, **where, input=value))
         else:
-            item["arguments"], item["status"] = value, "completed"
-            events.append(self._event("response.function_call_arguments.delta", **where, delta=value))
-            events.append(self._event("response.function_call_arguments.done", **where, name=tool.name,
-                                      arguments=value))
-        self._output.append(item)
-        events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
+            events.append(self._event(shapes.CallDeltaEvent, type="response.function_call_arguments.delta", **where,
+                                      delta=value))
+            events.append(self._event(shapes.FunctionCallDoneEvent, **where, name=tool.name, arguments=value))
+        self._output.append(done)
+        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.done", output_index=index,
+                                  item=done))
         return events
 
-    def _ensure_open(self, kind: ItemKind) -> list[dict[str, Any]]:
+    def _ensure_open(self, kind: ItemKind) -> list[shapes.ResponseStreamEvent]:
         if self._open is not None and self._open.kind == kind:
             return []
         events = self._close_open()
         index = len(self._output)
+        added: shapes.OutputItem
+        part: shapes.OutputText | shapes.ReasoningText
         if kind == "reasoning":
             item = _OpenItem(kind, _new_id("rs"), index)
-            added: dict[str, Any] = {"type": "reasoning", "id": item.id, "summary": [], "content": []}
-            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+            added, part = shapes.ReasoningItem(id=item.id, summary=[], content=[]), shapes.ReasoningText(text="")
         else:
             item = _OpenItem(kind, _new_id("msg"), index)
-            added = {"type": "message", "id": item.id, "status": "in_progress", "role": "assistant", "content": []}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            added = shapes.MessageItem(id=item.id, status="in_progress", content=[])
+            part = shapes.OutputText(text="", annotations=[], logprobs=[])
         self._output.append(added)
         self._open = item
-        events.append(self._event("response.output_item.added", output_index=index, item=dict(added)))
-        events.append(self._event("response.content_part.added", **self._where(item), part=part))
+        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.added", output_index=index,
+                                  item=added))
+        events.append(self._event(shapes.ContentPartEvent, type="response.content_part.added", **self._where(item),
+                                  part=part))
         return events
 
-    def _close_open(self, status: str = "completed") -> list[dict[str, Any]]:
+    def _close_open(self, status: str = "completed") -> list[shapes.ResponseStreamEvent]:
         item = self._open
         if item is None:
             return []
         self._open = None
         where = self._where(item)
+        done: shapes.OutputItem
+        part: shapes.OutputText | shapes.ReasoningText
         if item.kind == "reasoning":
-            part: dict[str, Any] = {"type": "reasoning_text", "text": item.text}
-            done: dict[str, Any] = {"type": "reasoning", "id": item.id, "summary": [], "content": [part]}
-            events = [self._event("response.reasoning_text.done", **where, text=item.text)]
+            part = shapes.ReasoningText(text=item.text)
+            done = shapes.ReasoningItem(id=item.id, summary=[], content=[part])
+            events = [self._event(shapes.TextDoneEvent, type="response.reasoning_text.done", **where, text=item.text)]
         else:
-            part = {"type": "output_text", "text": item.text, "annotations": [], "logprobs": item.logprobs}
-            done = {"type": "message", "id": item.id, "status": status, "role": "assistant", "content": [part]}
-            events = [self._event("response.output_text.done", **where, text=item.text, logprobs=item.logprobs)]
-        events.append(self._event("response.content_part.done", **where, part=part))
+            part = shapes.OutputText(text=item.text, annotations=[], logprobs=item.logprobs)
+            done = shapes.MessageItem(id=item.id, status=status, content=[part])
+            events = [self._event(shapes.TextDoneEvent, type="response.output_text.done", **where, text=item.text,
+                                  logprobs=item.logprobs)]
+        events.append(self._event(shapes.ContentPartEvent, type="response.content_part.done", **where, part=part))
         self._output[item.output_index] = done
-        events.append(self._event("response.output_item.done", output_index=item.output_index, item=done))
+        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.done",
+                                  output_index=item.output_index, item=done))
         return events
 
-    def _terminal(self, status: str, reason: str | None) -> list[dict[str, Any]]:
+    def _terminal(self, status: str, reason: str | None) -> list[shapes.ResponseStreamEvent]:
         events = self._close_open("completed" if status == "completed" else "incomplete")
         self.status = status
         self.incomplete_reason = reason
         if status == "completed":
             self.completed_at = int(time.time())
-        events.append(self._event(f"response.{status}", response=self.response()))
+        events.append(self._event(shapes.ResponseEvent, type=f"response.{status}", response=self.response()))
         return events
 
     # -- logprob attribution ---------------------------------------------------------------------
@@ -323,7 +337,7 @@ class ResponseEncoder:
             records = records[:-1]  # a terminating EOS or stop token has no entry
         self._pending.extend(records[min(num_reasoning, len(records)):])
 
-    def _attribute(self, text: str) -> list[dict[str, Any]]:
+    def _attribute(self, text: str) -> shapes.LogprobEntries:
         """Pending tokens whose first byte falls within newly released answer text."""
         if self._lp is None or not text:
             return []
@@ -340,8 +354,8 @@ class ResponseEncoder:
         self._owed = 0
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self._seq, **fields}
+    def _event(self, cls: Callable[..., shapes.ResponseStreamEvent], **fields: Any) -> shapes.ResponseStreamEvent:
+        event = cls(sequence_number=self._seq, **fields)
         self._seq += 1
         return event
 
@@ -354,19 +368,19 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _named(events: list[dict[str, Any]]) -> list[StreamEvent]:
-    return [StreamEvent(e, e["type"]) for e in events]
+def _named(events: list[shapes.ResponseStreamEvent]) -> list[StreamEvent]:
+    return [StreamEvent(e, e.type) for e in events]
 
 
 def make_encoder(plan: ResponsesPlan, prompts: Sequence[PreparedPrompt], sampling: SamplingParams, *, model: str,
                  vocab: TokenVocabulary) -> ResponseEncoder:
     as_ids = plan.wire.return_tokens_as_token_ids
 
-    def content(records: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
-        return chat_logprobs_content(records, vocab, as_ids)
+    def content(records: Sequence[TokenLogprob]) -> list[shapes.ChatLogprob]:
+        return chat_logprobs(records, vocab, as_ids)
 
     return ResponseEncoder(
-        base=response_base(plan, sampling, model),
+        base=response_params(plan, sampling, model),
         toolset=plan.toolset,
         prompts=prompts,
         logprob_content=content if plan.num_top_logprobs is not None else None,

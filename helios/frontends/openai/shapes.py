@@ -1,0 +1,417 @@
+"""The OpenAI output shapes, declared once (field names, order and presence as the wire has them;
+the openai SDK's `types.chat`, `types.completion*` and `types.responses` are the reference): Chat
+Completions bodies and chunks, Completions, logprob entries, usage, and the Responses object, its
+output items, content parts and every stream event. The encoders build these;
+`helios.domain.shapes.to_json` writes them. `Opt` fields are absent from the wire unless set."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import attrs
+
+from helios.domain.shapes import OMIT, Opt, flat, shape
+
+# -- logprobs and usage (Chat, Completions; Responses reuses the Chat entry) ------------------------
+
+
+@shape
+class TopLogprob:
+    token: str
+    logprob: float
+    bytes: Sequence[int]  # the token's bytes object: written as its list of byte values
+
+
+@shape
+class ChatLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+LogprobEntries = Sequence[ChatLogprob | dict[str, Any]]
+"""Responses logprob entries: built by the encoder's `logprob_content` (Chat entries, or their JSON)."""
+
+
+@shape
+class ChoiceLogprobs:
+    content: list[ChatLogprob]
+
+
+@shape
+class CompletionLogprobs:
+    tokens: list[str] = attrs.field(factory=list)
+    token_logprobs: list[float | None] = attrs.field(factory=list)
+    top_logprobs: list[dict[str, float] | None] = attrs.field(factory=list)
+    text_offset: list[int] = attrs.field(factory=list)
+
+    def extend(self, other: CompletionLogprobs) -> None:
+        self.tokens += other.tokens
+        self.token_logprobs += other.token_logprobs
+        self.top_logprobs += other.top_logprobs
+        self.text_offset += other.text_offset
+
+
+@shape
+class PromptScore:
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptScore] | None]
+
+
+@shape
+class ModalityTokens:
+    image: int
+
+
+@shape
+class PromptTokensDetails:
+    cached_tokens: int
+    multimodal_tokens: Opt[ModalityTokens] = OMIT
+
+
+@shape
+class CompletionTokensDetails:
+    reasoning_tokens: int
+
+
+@shape
+class CompletionUsage:
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: Opt[CompletionTokensDetails] = OMIT
+
+
+# -- Chat Completions -----------------------------------------------------------------------------------
+
+
+@shape
+class Function:
+    name: str
+    arguments: str
+
+
+@shape
+class ToolCall:
+    id: str
+    type: Literal["function"] = "function"
+    index: Opt[int] = OMIT  # chunks only
+    function: Function
+
+
+@shape
+class Delta:
+    role: Opt[Literal["assistant"]] = OMIT
+    content: Opt[str] = OMIT
+    reasoning_content: Opt[str] = OMIT
+    reasoning: Opt[str] = OMIT
+    tool_calls: Opt[list[ToolCall]] = OMIT
+
+
+@shape
+class ChatCompletionMessage:
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    reasoning_content: Opt[str] = OMIT
+    reasoning: Opt[str] = OMIT
+    tool_calls: Opt[list[ToolCall]] = OMIT
+
+
+@shape
+class ChunkChoice:
+    index: int
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: Opt[str | int | list[int] | None] = OMIT  # on the finish chunk
+    token_ids: Opt[Sequence[int]] = OMIT
+    token_timestamps: Opt[Sequence[float]] = OMIT
+
+
+@shape
+class ChatChoice:
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str
+    stop_reason: str | int | list[int] | None
+    token_ids: Opt[Sequence[int]] = OMIT
+    token_timestamps: Opt[Sequence[float]] = OMIT
+
+
+@shape
+class ChatCompletionChunk:
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    prompt_token_ids: Opt[Sequence[int]] = OMIT
+    usage: Opt[CompletionUsage] = OMIT
+
+
+@shape
+class ChatCompletion:
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+    prompt_logprobs: PromptLogprobs | None
+    prompt_token_ids: Opt[Sequence[int]] = OMIT
+
+
+# -- Completions ------------------------------------------------------------------------------------------
+
+
+@shape
+class CompletionChoice:
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | list[int] | None = None
+    prompt_logprobs: Opt[PromptLogprobs | None] = OMIT  # buffered bodies only
+    prompt_token_ids: Opt[Sequence[int]] = OMIT
+    token_ids: Opt[Sequence[int]] = OMIT
+    token_timestamps: Opt[Sequence[float]] = OMIT
+
+
+@shape
+class Completion:
+    """A buffered body, or one chunk of a stream (the same object type on the wire)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Opt[CompletionUsage] = OMIT
+
+
+# -- Responses: the Response object ----------------------------------------------------------------------
+
+
+@shape
+class ResponseParams:
+    """The request parameters a Response echoes (tools, tool_choice, text and metadata as sent)."""
+
+    background: bool
+    instructions: Any
+    max_output_tokens: int | None
+    max_tool_calls: Opt[int | None] = OMIT
+    metadata: dict[str, Any]
+    model: str
+    parallel_tool_calls: bool
+    previous_response_id: Opt[None] = OMIT
+    prompt_cache_key: Opt[str | None] = OMIT
+    reasoning: dict[str, Any]
+    safety_identifier: Opt[str | None] = OMIT
+    service_tier: Opt[str] = OMIT
+    store: bool
+    temperature: float | None
+    text: Any
+    tool_choice: Any
+    tools: list[Any]
+    top_logprobs: Opt[int] = OMIT
+    top_p: float | None
+    truncation: str
+    user: Opt[str | None] = OMIT
+
+
+@shape
+class ReasoningText:
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+@shape
+class OutputText:
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any]
+    logprobs: LogprobEntries
+
+
+@shape
+class ReasoningItem:
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any]
+    content: list[ReasoningText]
+
+
+@shape
+class MessageItem:
+    type: Literal["message"] = "message"
+    id: str
+    status: str
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+@shape
+class FunctionCallItem:
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str
+    namespace: Opt[str] = OMIT
+
+
+@shape
+class CustomToolCallItem:
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    id: str
+    call_id: str
+    name: str
+    input: str
+    namespace: Opt[str] = OMIT
+
+
+OutputItem = ReasoningItem | MessageItem | FunctionCallItem | CustomToolCallItem
+
+
+@shape
+class ResponseError:
+    code: str
+    message: str
+
+
+@shape
+class IncompleteDetails:
+    reason: str
+
+
+@shape
+class InputTokensDetails:
+    cached_tokens: int
+    cache_write_tokens: int
+
+
+@shape
+class OutputTokensDetails:
+    reasoning_tokens: int
+
+
+@shape
+class ResponseUsage:
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+@shape
+class Response:
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: str
+    completed_at: int | None
+    error: ResponseError | None
+    incomplete_details: IncompleteDetails | None
+    params: ResponseParams = flat()
+    output: list[OutputItem]
+    usage: ResponseUsage | None
+
+
+# -- Responses: the stream events (each carries its sequence_number) -------------------------------------
+
+
+@shape
+class ResponseEvent:
+    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete",
+                  "response.failed"]
+    sequence_number: int
+    response: Response
+
+
+@shape
+class OutputItemEvent:
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    sequence_number: int
+    output_index: int
+    item: OutputItem
+
+
+@shape
+class ContentPartEvent:
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText | ReasoningText
+
+
+@shape
+class TextDeltaEvent:
+    type: Literal["response.output_text.delta", "response.reasoning_text.delta"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: Opt[LogprobEntries] = OMIT  # output text only
+
+
+@shape
+class TextDoneEvent:
+    type: Literal["response.output_text.done", "response.reasoning_text.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: Opt[LogprobEntries] = OMIT  # output text only
+
+
+@shape
+class CallDeltaEvent:
+    type: Literal["response.function_call_arguments.delta", "response.custom_tool_call_input.delta"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+
+
+@shape
+class FunctionCallDoneEvent:
+    type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+@shape
+class CustomToolCallDoneEvent:
+    type: Literal["response.custom_tool_call_input.done"] = "response.custom_tool_call_input.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    input: str
+
+
+@shape
+class ErrorEvent:
+    """The Responses stream's terminal error for a failure outside a generation (HTTP layer)."""
+
+    type: Literal["error"] = "error"
+    code: str | None
+    message: str
+    param: str | None
+
+
+ResponseStreamEvent = (ResponseEvent | OutputItemEvent | ContentPartEvent | TextDeltaEvent | TextDoneEvent
+                       | CallDeltaEvent | FunctionCallDoneEvent | CustomToolCallDoneEvent | ErrorEvent)
