@@ -1,0 +1,258 @@
+"""Numerical parity of DeepSeek V4 (`helios.models.deepseek_v4`: sliding-window attention,
+compressed sparse / heavily compressed attention, hyper-connections, hash and top-k MoE) with
+transformers' ``DeepseekV4ForCausalLM`` (fp32).
+
+A tiny random seeded model (hidden 64, 4 heads of 32 with 8 rotary dimensions, one kv head; 5
+layers: sliding, CSA, HCA, CSA, HCA; the first two MLPs hash-routed, the others top-2 of 8;
+``hc_mult`` 3 with 6 Sinkhorn iterations; a sliding window of 16; CSA rate 4 with ``index_topk``
+5, HCA rate 8), so that a 100-token prompt runs well past the window, completes 12 HCA entries and
+25 CSA entries of which each late query sees only 5. Saved with ``save_pretrained`` (whose names
+are DeepSeek's under ``model.``) and loaded through `load_checkpoint` and the registry: the
+prompt's logits, chunked prefill at boundaries off the compress rates then one-token decode, 32
+greedy tokens against transformers' generate, and through the engine (pages of 4, prefill chunks
+of 7, two requests batched, then a prefix-cache hit) every logprob against transformers' logits of
+the whole sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from helios.models.deepseek_v4 import (
+    CSA,
+    HCA,
+    SLIDING,
+    DeepseekV4Config,
+    DeepseekV4ForCausalLM,
+    config_from_hf,
+    hf_name,
+)
+from helios.models.dense_attention import DenseAttention, greedy_generate
+from helios.models.interface import LatentAttentionSpec, SlidingWindowSpec
+from tests.numerics import FP32_TOLERANCE
+from tests.parity.tiny import hf_logits, load_ours, our_logits, write_byte_tokenizer
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+    pytest.skip("this transformers has no deepseek_v4", allow_module_level=True)
+
+VOCAB = 272
+LAYER_TYPES = [SLIDING, CSA, HCA, CSA, HCA]
+CONFIG = dict(vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=5,
+              num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32, qk_rope_head_dim=8,
+              num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1, layer_types=LAYER_TYPES,
+              compress_rates={CSA: 4, HCA: 8}, hc_mult=3, hc_sinkhorn_iters=6,
+              mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"], sliding_window=16, o_groups=2,
+              o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=5, swiglu_limit=0.8,
+              max_position_embeddings=512, pad_token_id=0, bos_token_id=2, eos_token_id=1)
+_gen = torch.Generator().manual_seed(11)
+PROMPT = torch.randint(3, VOCAB - 1, (100,), generator=_gen).tolist()
+
+
+def _tiny_hf_model(**overrides: object) -> torch.nn.Module:
+    config = transformers.DeepseekV4Config(**{**CONFIG, **overrides})
+    config._attn_implementation = "eager"
+    model = transformers.DeepseekV4ForCausalLM(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.2 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("tid2eid"):
+                buffer.copy_(torch.randint(0, 8, buffer.shape))
+            elif name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
+    hf_model = _tiny_hf_model()
+    root = tmp_path_factory.mktemp("deepseek-v4")
+    hf_model.save_pretrained(root, safe_serialization=True)
+    write_byte_tokenizer(root)
+    return hf_model, root
+
+
+def test_config(pair: tuple[torch.nn.Module, Path]) -> None:
+    _, root = pair
+    model = load_ours(root, architecture="deepseek_v4")
+    assert isinstance(model, DeepseekV4ForCausalLM)
+    cfg = model.config
+    assert isinstance(cfg, DeepseekV4Config)
+    assert cfg.layer_types == tuple(LAYER_TYPES) and cfg.hash_layers == (True, True, False, False, False)
+    assert (cfg.csa_rate, cfg.hca_rate, cfg.rotary, cfg.index_topk) == (4, 8, 8, 5)
+    assert model.cache_specs() == (SlidingWindowSpec(1, 32, 16), LatentAttentionSpec(6 * 32 + 5 * 16),
+                                   LatentAttentionSpec(4 * 32), LatentAttentionSpec(6 * 32 + 5 * 16),
+                                   LatentAttentionSpec(4 * 32))
+
+
+def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
+    """The 100-token prompt's logits; the selection matters (a top-k past every entry gives other
+    logits on both sides)."""
+    hf_model, root = pair
+    model = load_ours(root)
+    expected = hf_logits(hf_model, PROMPT)
+    got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    diff = (got - expected).abs().max().item()
+    print(f"deepseek_v4 prompt fp32: max abs logit diff {diff:.3g} (max |logit| {expected.abs().max():.3g})")
+    assert expected.abs().max().item() > 1.0
+    assert diff < FP32_TOLERANCE
+    dense = _tiny_hf_model(index_topk=64)
+    assert (hf_logits(dense, PROMPT) - expected)[40:].abs().max().item() > 0.01
+
+
+def test_chunked_prefill_and_decode(pair: tuple[torch.nn.Module, Path]) -> None:
+    """Prefill chunks that end inside compress windows (3, 7, 13, ... tokens), then one-token steps:
+    every position's logits are transformers' of the whole prompt."""
+    hf_model, root = pair
+    model = load_ours(root)
+    expected = hf_logits(hf_model, PROMPT)
+    attn = DenseAttention.for_model(model, initial_capacity=2)
+    bounds = [0, 3, 10, 23, 24, 41, 60, 77, 90]
+    chunks = list(itertools.pairwise(bounds)) + [(i, i + 1) for i in range(90, len(PROMPT))]
+    got = torch.cat([our_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
+    diff = (got - expected).abs().max().item()
+    print(f"deepseek_v4 chunked + decode fp32: max abs logit diff {diff:.3g}")
+    assert diff < FP32_TOLERANCE
+
+
+def test_greedy_32_tokens(pair: tuple[torch.nn.Module, Path]) -> None:
+    hf_model, root = pair
+    model = load_ours(root)
+    prompt = PROMPT[:30]
+    with torch.no_grad():
+        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
+                                     do_sample=False)[0, len(prompt):].tolist()
+    assert len(expected) == 32
+    assert greedy_generate(model, prompt, max_new_tokens=32) == expected
+
+
+def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
+    """Through the engine (pages of 4, prefill chunks of 7, two requests batched) against
+    transformers' logits of each whole sequence (greedy tokens and logprobs; the first request's
+    tokens equal to transformers' generate); then the first prompt again, served from the prefix
+    cache, gives the same logprobs."""
+    from helios.domain.sampling import SamplingParams
+    from helios.engine.core import EngineConfig, EngineCore
+    from helios.engine.records import EngineRequest
+    from tests.unit.test_engine import run
+
+    hf_model, root = pair
+    model = load_ours(root)
+    core = EngineCore(model, EngineConfig(page_size=4, num_pages=160, max_active=4, prefill_chunk_size=7,
+                                          max_model_len=160), torch.float32)
+    num_tokens = 20
+
+    def request(rid: str, prompt: list[int]) -> EngineRequest:
+        return EngineRequest(rid, tuple(prompt), SamplingParams(temperature=0.0), max_tokens=num_tokens,
+                             ignore_eos=True, num_top_logprobs=1)
+
+    prompts = [PROMPT[:86], PROMPT[5:66]]
+    outs = run(core, [request(f"r{i}", p) for i, p in enumerate(prompts)])
+    again = run(core, [request("again", prompts[0])])["again"]
+    hit = again[0].num_cached_tokens
+    assert hit >= 64 and hit % 8 == 4  # whole pages of 4: the hit ends inside an HCA window
+    worst = 0.0
+    for rid, prompt, request_outs in (("r0", prompts[0], outs["r0"]), ("r1", prompts[1], outs["r1"]),
+                                      ("again", prompts[0], again)):
+        tokens = [t for o in request_outs for t in o.new_token_ids]
+        logprobs = [lp for o in request_outs for lp in (o.logprobs or ())]
+        assert len(tokens) == num_tokens
+        ref = torch.log_softmax(hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
+        for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            row = ref[len(prompt) - 1 + j]
+            assert t == int(row.argmax()), (rid, j)
+            worst = max(worst, abs(lp.logprob - float(row[t])))
+        if rid == "r0":
+            with torch.no_grad():
+                expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens,
+                                             min_new_tokens=num_tokens, do_sample=False)[0, len(prompt):].tolist()
+            assert tokens == expected
+    first = [lp.logprob for o in outs["r0"] for lp in (o.logprobs or ())]
+    cached = [lp.logprob for o in again for lp in (o.logprobs or ())]
+    again_diff = max(abs(a - b) for a, b in zip(first, cached, strict=True))
+    print(f"deepseek_v4 engine: max abs logprob diff {worst:.3g}, cache hit ({hit} tokens) vs one pass "
+          f"{again_diff:.3g}")
+    assert worst < 1e-4
+    assert again_diff < 1e-5
+
+
+def test_packed_state_and_bfloat16(pair: tuple[torch.nn.Module, Path]) -> None:
+    """The packed state (weight cache) restores the same logits; bfloat16 weights and activations
+    stay as close to float32 as transformers' own bfloat16 run does (this tiny random model is
+    sensitive: routing and the indexer's selection flip under rounding)."""
+    from helios.loaders.checkpoint import load_checkpoint
+    from helios.models.architecture import BuildOptions
+
+    hf_model, root = pair
+    model = load_ours(root)
+    state, kinds = model.packed_state()
+    checkpoint = load_checkpoint(root, torch.float32)
+    again = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32))
+    again.load_packed_state(state, kinds)
+    ours = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
+    assert torch.equal(ours, our_logits(again, DenseAttention.for_model(again), PROMPT, 0))
+    expected = hf_logits(hf_model, PROMPT)
+    hf_bf16 = (hf_logits(_tiny_hf_model().to(torch.bfloat16), PROMPT) - expected).abs().mean().item()
+    bf16 = load_ours(root, torch.bfloat16)
+    ours_bf16 = (our_logits(bf16, DenseAttention.for_model(bf16), PROMPT, 0) - expected).abs().mean().item()
+    print(f"deepseek_v4 bf16: mean abs logit error {ours_bf16:.3g} (transformers bf16: {hf_bf16:.3g})")
+    assert ours_bf16 < 2 * hf_bf16
+
+
+def test_checkpoint_names() -> None:
+    """DeepSeek's names, transformers' save_pretrained mix and transformers' own all land on the
+    transformers names; the MTP layers are dropped."""
+    expected = {
+        "layers.3.attn.wq_a.weight": "model.layers.3.self_attn.q_a_proj.weight",
+        "model.layers.3.attn.wq_b.weight": "model.layers.3.self_attn.q_b_proj.weight",
+        "layers.3.attn.indexer.wq_b.weight": "model.layers.3.self_attn.compressor.indexer.q_b_proj.weight",
+        "layers.3.attn.indexer.compressor.ape": "model.layers.3.self_attn.compressor.indexer.position_bias",
+        "layers.3.attn.indexer.compressor.norm.weight": "model.layers.3.self_attn.compressor.indexer.kv_norm.weight",
+        "layers.3.attn.indexer.weights_proj.weight":
+            "model.layers.3.self_attn.compressor.indexer.scorer.weights_proj.weight",
+        "layers.3.attn.compressor.wgate.weight": "model.layers.3.self_attn.compressor.gate_proj.weight",
+        "layers.3.attn.norm.weight": "model.layers.3.self_attn.kv_norm.weight",
+        "layers.3.attn.q_norm.weight": "model.layers.3.self_attn.q_a_norm.weight",
+        "layers.3.attn.attn_sink": "model.layers.3.self_attn.sinks",
+        "layers.3.hc_ffn_fn": "model.layers.3.ffn_hc.fn",
+        "layers.3.ffn.gate.bias": "model.layers.3.mlp.gate.e_score_correction_bias",
+        "layers.3.ffn.gate.tid2eid": "model.layers.3.mlp.gate.tid2eid",
+        "layers.3.ffn.experts.7.w3.weight": "model.layers.3.mlp.experts.7.up_proj.weight",
+        "layers.3.ffn.shared_experts.w2.weight": "model.layers.3.mlp.shared_experts.down_proj.weight",
+        "layers.3.attn_norm.weight": "model.layers.3.input_layernorm.weight",
+        "embed.weight": "model.embed_tokens.weight",
+        "head.weight": "lm_head.weight",
+        "hc_head_fn": "model.hc_head.hc_fn",
+        "norm.weight": "model.norm.weight",
+        "model.layers.1.self_attn.compressor.indexer.kv_norm.weight":
+            "model.layers.1.self_attn.compressor.indexer.kv_norm.weight",
+        "model.layers.0.mlp.experts.gate_up_proj": "model.layers.0.mlp.experts.gate_up_proj",
+    }
+    for name, want in expected.items():
+        assert hf_name(name) == want, name
+    assert hf_name("mtp.0.attn.wq_a.weight") is None
+
+
+def test_legacy_config_keys_and_refusals() -> None:
+    base = {**CONFIG, "model_type": "deepseek_v4"}
+    del base["layer_types"], base["compress_rates"], base["mlp_layer_types"], base["qk_rope_head_dim"]
+    legacy = config_from_hf({**base, "compress_ratios": [0, 4, 128, 4, 128], "compress_rate_hca": 8,
+                             "num_hash_layers": 2, "qk_rope_head_dim": 16})
+    assert legacy.layer_types == tuple(LAYER_TYPES) and (legacy.csa_rate, legacy.hca_rate) == (4, 8)
+    assert legacy.hash_layers == (True, True, False, False, False) and legacy.rotary == 16
+    default = config_from_hf(base)
+    assert default.layer_types == (HCA, HCA, HCA, CSA, HCA) and default.hash_layers[:3] == (True,) * 3
+    from helios.models import registry
+
+    assert registry.for_hf_config({"architectures": ["DeepseekV4ForCausalLM"]}).name == "deepseek_v4"
+    with pytest.raises(NotImplementedError, match="quantization_config"):
+        config_from_hf({**base, "quantization_config": {"quant_method": "fp8"}})
