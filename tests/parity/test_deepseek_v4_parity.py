@@ -185,6 +185,38 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
     assert again_diff < 1e-5
 
 
+@pytest.mark.parametrize("verify_as_decode", [True, False])
+def test_speculative_verification_is_exact(pair: tuple[torch.nn.Module, Path], verify_as_decode: bool) -> None:
+    """n-gram drafts over repetitive prompts, verified as decode tokens or as small prefill chunks
+    (rejected drafts leave rows, and entries of windows they completed, that later steps rewrite):
+    the tokens plain greedy decoding gives."""
+    from helios.domain.sampling import SamplingParams
+    from helios.engine.core import EngineConfig, EngineCore
+    from helios.engine.records import EngineRequest
+    from helios.engine.speculative import SpeculativeConfig
+    from tests.unit.test_engine import run
+
+    _, root = pair
+    model = load_ours(root)
+    prompts = [[5, 6, 7, 8, 9, 10, 11] * 4, [40, 41, 42] * 9]
+    results = {}
+    for mode in ("off", "ngram"):
+        core = EngineCore(model, EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=32,
+                                              max_model_len=96, speculative=SpeculativeConfig(mode=mode)),
+                          torch.float32)
+        core.runner.batch.verify_as_decode = verify_as_decode
+        outs = run(core, [EngineRequest(f"s{i}", tuple(p), SamplingParams(temperature=0.0), max_tokens=24,
+                                        ignore_eos=True) for i, p in enumerate(prompts)])
+        results[mode] = {rid: [t for o in os for t in o.new_token_ids] for rid, os in outs.items()}
+        if mode == "ngram":
+            stats = core.stats().speculative
+            assert stats is not None and stats.verify_steps > 0
+            print(f"deepseek_v4 ngram (verify_as_decode={verify_as_decode}): {stats.accepted_drafts} of "
+                  f"{stats.verification_drafts} drafts accepted")
+            assert 0 < stats.accepted_drafts < stats.verification_drafts  # some rejected
+    assert results["ngram"] == results["off"]
+
+
 def test_packed_state_and_bfloat16(pair: tuple[torch.nn.Module, Path]) -> None:
     """The packed state (weight cache) restores the same logits; bfloat16 weights and activations
     stay as close to float32 as transformers' own bfloat16 run does (this tiny random model is
