@@ -55,7 +55,16 @@ so pages, chunked prefill at any boundary, batching and prefix-cache hits give t
 result. The cost: rows of every past token stay (no compression of the cache itself).
 
 MTP layers (``mtp.*``) are not loaded (transformers ignores them too); FP8 checkpoints
-(``quantization_config``) are refused; a bfloat16 conversion loads. No GGUF form.
+(``quantization_config``) are refused; a bfloat16 conversion loads.
+
+GGUF: llama.cpp's ``deepseek4`` (`config_from_gguf`, `gguf_tensor`): the shapes under its keys
+(``attention.compress_ratios`` per layer, 0 / 4 / the HCA rate; ``hyper_connection.*``,
+``attention.output_group_count`` / ``output_lora_rank``, ``attention.indexer.*``,
+``hash_layer_count``, ``swiglu_clamp_exp``, ``attention.compress_rope_freq_base``; the YaRN keys
+describe the compressed layers' RoPE), every tensor in the checkpoint's own layout (no rotary
+permutation: the pairs stay consecutive), the experts stacked, ``tid2eid`` as I32; the MTP blocks
+after ``num_layers`` are not loaded. llama.cpp accepts only rates 4 (CSA) and 128 (HCA); a layer of
+rate 4 is CSA here too, any other non-zero rate HCA.
 """
 
 from __future__ import annotations
@@ -69,17 +78,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from helios.models.architecture import Architecture, ArchitectureConfig, BuildOptions
+from helios.models.architecture import (
+    Architecture,
+    ArchitectureConfig,
+    BuildOptions,
+    GGUFSource,
+    GGUFTensor,
+    gguf_key,
+)
 from helios.models.attention_sinks import sink_softmax
 from helios.models.config import yarn_inv_freq
 from helios.models.decoder import DecoderLayer, param, rms_norm
 from helios.models.interface import AttentionContext, CacheSpec, LatentAttentionSpec, SlidingWindowSpec
 from helios.models.moe import RouterSpec, expert_mix, route, swiglu
-from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, MoELayer
+from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, MoELayer, gguf_moe_tensor
 from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat
 
-__all__ = ["ARCHITECTURES", "DeepseekV4Config", "DeepseekV4ForCausalLM", "compress_inv_freq", "config_from_hf",
-           "hf_name", "hyper_merge", "hyper_weights", "pool_windows", "rope_tail"]
+__all__ = ["ARCHITECTURES", "DeepseekV4Config", "DeepseekV4ForCausalLM", "compress_inv_freq", "config_from_gguf",
+           "config_from_hf", "gguf_tensor", "hf_name", "hyper_merge", "hyper_weights", "pool_windows", "rope_tail"]
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # the legacy ``compress_ratios`` values
@@ -250,6 +266,121 @@ def config_from_hf(config: Mapping[str, Any]) -> DeepseekV4Config:
         index_topk=int(config.get("index_topk") or 512),
         swiglu_limit=float(config.get("swiglu_limit") or 10.0),
     )
+
+
+_SQRT_SOFTPLUS_GATING, _SIGMOID_GATING = 4, 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
+
+
+def config_from_gguf(source: GGUFSource) -> DeepseekV4Config:
+    """A DeepSeek V4 config from llama.cpp's ``deepseek4`` metadata (see the module docstring)."""
+    key = gguf_key(source)
+    meta, tensors = source.metadata, source.tensor_shapes
+    prefix = str(meta.get("general.architecture"))
+
+    def optional(name: str) -> Any:
+        return meta.get(f"{prefix}.{name}")
+
+    def first(value: Any) -> Any:  # a per-layer array of equal values, or one value
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise NotImplementedError(f"deepseek4: per-layer values {value!r} are not supported")
+            return value[0]
+        return value
+
+    gating = int(key("expert_gating_func"))
+    if gating not in (_SQRT_SOFTPLUS_GATING, _SIGMOID_GATING):
+        raise NotImplementedError(f"deepseek4 expert_gating_func {gating} is not supported (sqrtsoftplus: 4)")
+    n = int(key("block_count")) - int(optional("nextn_predict_layers") or 0)
+    ratios = [int(r) for r in key("attention.compress_ratios")][:n]
+    hca = sorted({r for r in ratios if r not in (0, 4)})
+    if len(hca) > 1:
+        raise NotImplementedError(f"deepseek4: several heavily compressed rates {hca}")
+    hashed = int(key("hash_layer_count"))
+    yarn: dict[str, Any] | None = None
+    kind = optional("rope.scaling.type")
+    if kind == "yarn":
+        yarn = {"rope_type": "yarn", "factor": float(key("rope.scaling.factor")),
+                "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+                "beta_fast": float(optional("rope.scaling.yarn_beta_fast") or 32.0),
+                "beta_slow": float(optional("rope.scaling.yarn_beta_slow") or 1.0), "attention_factor": 1.0}
+    elif kind not in (None, "none"):
+        raise NotImplementedError(f"GGUF rope scaling {kind!r} is not supported for deepseek4")
+    moe_inter = int(first(key("expert_feed_forward_length")))
+    top_k = int(key("expert_used_count"))
+    return DeepseekV4Config(
+        arch="deepseek_v4",
+        vocab_size=int(tensors["token_embd.weight"][0]),
+        hidden_size=int(key("embedding_length")),
+        intermediate_size=moe_inter,
+        num_layers=n,
+        num_heads=int(key("attention.head_count")),
+        num_kv_heads=int(first(key("attention.head_count_kv", 1))),
+        head_dim=int(key("attention.key_length")),
+        moe_layers=(True,) * n,
+        router=RouterSpec(num_experts=int(key("expert_count")), top_k=top_k,
+                          scoring="sigmoid" if gating == _SIGMOID_GATING else "sqrtsoftplus", norm_topk_prob=True,
+                          routed_scaling_factor=float(optional("expert_weights_scale") or 1.0), fp32_logits=False),
+        moe_intermediate_size=moe_inter,
+        shared_intermediate_size=moe_inter,
+        shared_name="shared_experts",
+        rotary_dim=int(key("rope.dimension_count")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length", 1048576)),
+        tie_word_embeddings="output.weight" not in tensors,
+        layer_types=tuple(SLIDING if r == 0 else CSA if r == 4 else HCA for r in ratios),
+        hash_layers=tuple(i < hashed for i in range(n)),
+        csa_rate=4,
+        hca_rate=hca[0] if hca else 128,
+        q_lora_rank=int(key("attention.q_lora_rank")),
+        o_groups=int(key("attention.output_group_count")),
+        o_lora_rank=int(key("attention.output_lora_rank")),
+        compress_rope_theta=float(key("attention.compress_rope_freq_base")),
+        compress_yarn=yarn,
+        sliding_window=int(key("attention.sliding_window")),
+        hc_mult=int(key("hyper_connection.count")),
+        hc_sinkhorn_iters=int(key("hyper_connection.sinkhorn_iterations")),
+        hc_eps=float(key("hyper_connection.epsilon")),
+        index_n_heads=int(key("attention.indexer.head_count")),
+        index_head_dim=int(key("attention.indexer.key_length")),
+        index_topk=int(key("attention.indexer.top_k")),
+        swiglu_limit=float(first(key("swiglu_clamp_exp"))),
+    )
+
+
+# llama.cpp's deepseek4 per-layer names -> transformers' (suffixes of ``model.layers.{i}.``); the rest
+# as the MoE families' (`moe_decoder.gguf_moe_tensor`: norms, router, stacked and shared experts).
+_GGUF_LAYER_NAMES = {
+    "attn_sinks.weight": "self_attn.sinks",
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_norm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv.weight": "self_attn.kv_proj.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_norm.weight",
+    "attn_output_a.weight": "self_attn.o_a_proj.weight",
+    "attn_output_b.weight": "self_attn.o_b_proj.weight",
+    "attn_compressor_kv.weight": "self_attn.compressor.kv_proj.weight",
+    "attn_compressor_gate.weight": "self_attn.compressor.gate_proj.weight",
+    "attn_compressor_ape.weight": "self_attn.compressor.position_bias",
+    "attn_compressor_norm.weight": "self_attn.compressor.kv_norm.weight",
+    "indexer.proj.weight": "self_attn.compressor.indexer.scorer.weights_proj.weight",
+    "indexer.attn_q_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
+    "indexer_compressor_kv.weight": "self_attn.compressor.indexer.kv_proj.weight",
+    "indexer_compressor_gate.weight": "self_attn.compressor.indexer.gate_proj.weight",
+    "indexer_compressor_ape.weight": "self_attn.compressor.indexer.position_bias",
+    "indexer_compressor_norm.weight": "self_attn.compressor.indexer.kv_norm.weight",
+    "ffn_gate_tid2eid.weight": "mlp.gate.tid2eid",
+    **{f"hc_{part}_{p}.weight": f"{part}_hc.{p}" for part in ("attn", "ffn") for p in ("fn", "base", "scale")},
+}
+_GGUF_GLOBAL_NAMES = {f"output_hc_{p}.weight": f"model.hc_head.hc_{p}" for p in ("fn", "base", "scale")}
+
+
+def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None:
+    """Where a ``deepseek4`` tensor goes (no rotary permutation; None for the MTP blocks)."""
+    assert isinstance(config, DeepseekV4Config), type(config)
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return GGUFTensor(_GGUF_GLOBAL_NAMES[gguf_name])
+    return gguf_moe_tensor(config, gguf_name, _GGUF_LAYER_NAMES)
 
 
 # -- checkpoint names -------------------------------------------------------------------------------------
@@ -722,7 +853,10 @@ ARCHITECTURES = (
         name="deepseek_v4",
         hf_model_types=("deepseek_v4",),
         hf_architectures=("DeepseekV4ForCausalLM",),
+        gguf_architectures=("deepseek4",),
         config_from_hf=config_from_hf,
+        config_from_gguf=config_from_gguf,
+        gguf_tensor=gguf_tensor,
         build=build,
     ),
 )

@@ -288,3 +288,143 @@ def test_legacy_config_keys_and_refusals() -> None:
     assert registry.for_hf_config({"architectures": ["DeepseekV4ForCausalLM"]}).name == "deepseek_v4"
     with pytest.raises(NotImplementedError, match="quantization_config"):
         config_from_hf({**base, "quantization_config": {"quant_method": "fp8"}})
+
+
+YARN = dict(rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, beta_fast=32.0,
+                                 beta_slow=1.0))
+
+# transformers' names (suffixes of model.layers.{i}.) -> llama.cpp's deepseek4 ones (gguf-py's
+# constants; the converter's `DeepseekV4Model._map_dsv4_tensor_name`).
+_HF_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.sinks": "attn_sinks.weight", "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_norm.weight": "attn_q_a_norm.weight", "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_proj.weight": "attn_kv.weight", "self_attn.kv_norm.weight": "attn_kv_a_norm.weight",
+    "self_attn.o_a_proj.weight": "attn_output_a.weight", "self_attn.o_b_proj.weight": "attn_output_b.weight",
+    "self_attn.compressor.kv_proj.weight": "attn_compressor_kv.weight",
+    "self_attn.compressor.gate_proj.weight": "attn_compressor_gate.weight",
+    "self_attn.compressor.position_bias": "attn_compressor_ape.weight",
+    "self_attn.compressor.kv_norm.weight": "attn_compressor_norm.weight",
+    "self_attn.compressor.indexer.scorer.weights_proj.weight": "indexer.proj.weight",
+    "self_attn.compressor.indexer.q_b_proj.weight": "indexer.attn_q_b.weight",
+    "self_attn.compressor.indexer.kv_proj.weight": "indexer_compressor_kv.weight",
+    "self_attn.compressor.indexer.gate_proj.weight": "indexer_compressor_gate.weight",
+    "self_attn.compressor.indexer.position_bias": "indexer_compressor_ape.weight",
+    "self_attn.compressor.indexer.kv_norm.weight": "indexer_compressor_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "attn_hc.fn": "hc_attn_fn.weight", "attn_hc.base": "hc_attn_base.weight", "attn_hc.scale": "hc_attn_scale.weight",
+    "ffn_hc.fn": "hc_ffn_fn.weight", "ffn_hc.base": "hc_ffn_base.weight", "ffn_hc.scale": "hc_ffn_scale.weight",
+}
+
+
+def _write_gguf(path: Path, model: torch.nn.Module) -> None:
+    """``model`` as llama.cpp's DeepseekV4Model converter lays it out (deepseek4; F32 here, where the
+    converter makes the experts MXFP4): its metadata keys, the tensors in their own layout, the
+    experts stacked, ``tid2eid`` as I32, the hash layers without a correction bias, and a trailing
+    MTP block (stored, not loaded)."""
+    import gguf
+    import numpy as np
+
+    cfg = model.config
+    arch = "deepseek4"
+    writer = gguf.GGUFWriter(str(path), arch)
+    n, nextn = cfg.num_hidden_layers, 1
+    ratios = [{SLIDING: 0, CSA: cfg.compress_rates[CSA], HCA: cfg.compress_rates[HCA]}[t] for t in cfg.layer_types]
+    u32 = {"block_count": n + nextn, "nextn_predict_layers": nextn, "context_length": cfg.max_position_embeddings,
+           "embedding_length": cfg.hidden_size, "attention.head_count": cfg.num_attention_heads,
+           "attention.head_count_kv": 1, "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
+           "rope.dimension_count": cfg.qk_rope_head_dim, "attention.q_lora_rank": cfg.q_lora_rank,
+           "attention.sliding_window": cfg.sliding_window, "expert_feed_forward_length": cfg.moe_intermediate_size,
+           "expert_count": cfg.n_routed_experts, "expert_used_count": cfg.num_experts_per_tok,
+           "expert_shared_count": cfg.n_shared_experts, "expert_gating_func": 4,
+           "attention.indexer.head_count": cfg.index_n_heads, "attention.indexer.key_length": cfg.index_head_dim,
+           "attention.indexer.top_k": cfg.index_topk, "attention.output_group_count": cfg.o_groups,
+           "attention.output_lora_rank": cfg.o_lora_rank, "hyper_connection.count": cfg.hc_mult,
+           "hyper_connection.sinkhorn_iterations": cfg.hc_sinkhorn_iters,
+           "hash_layer_count": cfg.mlp_layer_types.count("hash_moe")}
+    for name, value in u32.items():
+        writer.add_uint32(f"{arch}.{name}", value)
+    floats = {"attention.layer_norm_rms_epsilon": cfg.rms_norm_eps, "expert_weights_scale": cfg.routed_scaling_factor,
+              "rope.freq_base": cfg.rope_parameters["main"]["rope_theta"],
+              "attention.compress_rope_freq_base": cfg.compress_rope_theta, "hyper_connection.epsilon": cfg.hc_eps}
+    for name, value in floats.items():
+        writer.add_float32(f"{arch}.{name}", value)
+    writer.add_bool(f"{arch}.expert_weights_norm", True)
+    writer.add_array(f"{arch}.attention.compress_ratios", [*ratios, 0])
+    writer.add_array(f"{arch}.swiglu_clamp_exp", [float(cfg.swiglu_limit)] * (n + nextn))
+    writer.add_array(f"{arch}.swiglu_clamp_shexp", [float(cfg.swiglu_limit)] * (n + nextn))
+    rope = cfg.rope_parameters["compress"]
+    if rope.get("rope_type") == "yarn":
+        writer.add_string(f"{arch}.rope.scaling.type", "yarn")
+        writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+        writer.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", rope["beta_fast"])
+        writer.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", rope["beta_slow"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list([chr(0x100 + i) for i in range(256)] + [f"<t{i}>" for i in range(VOCAB - 256)])
+    writer.add_token_types([1] * 256 + [3] * (VOCAB - 256))
+    writer.add_token_merges([])
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 257)
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight", "model.hc_head.hc_fn": "output_hc_fn.weight",
+             "model.hc_head.hc_base": "output_hc_base.weight", "model.hc_head.hc_scale": "output_hc_scale.weight"}
+    for hf, tensor in model.state_dict().items():
+        if hf in fixed:
+            writer.add_tensor(fixed[hf], tensor.detach().numpy().astype(np.float32))
+            continue
+        _, _, layer, rest = hf.split(".", 3)
+        if rest == "mlp.gate.tid2eid":
+            writer.add_tensor(f"blk.{layer}.ffn_gate_tid2eid.weight", tensor.numpy().astype(np.int32))
+            continue
+        array = tensor.detach().numpy().astype(np.float32)
+        if rest == "mlp.experts.gate_up_proj":
+            inter = array.shape[1] // 2
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(array[:, :inter]))
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(array[:, inter:]))
+        else:
+            writer.add_tensor(f"blk.{layer}.{_HF_TO_GGUF[rest]}", array)
+    writer.add_tensor(f"blk.{n}.nextn.eh_proj.weight", np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), np.float32))
+    writer.add_tensor(f"blk.{n}.attn_norm.weight", np.ones(cfg.hidden_size, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_yarn_and_gguf_match_transformers(tmp_path: Path) -> None:
+    """The compressed layers' YaRN RoPE (transformers' config: a flat ``rope_parameters``, applied
+    to the compressed layers only, its cos/sin factor 1) through the saved folder and through a
+    llama.cpp-style ``deepseek4`` F32 file: both within 1e-4 of transformers."""
+    from helios.loaders.checkpoint import load_checkpoint
+    from helios.models.architecture import BuildOptions
+
+    hf_model = _tiny_hf_model(**YARN)
+    assert hf_model.config.rope_parameters["compress"]["rope_type"] == "yarn"
+    assert hf_model.config.rope_parameters["main"]["rope_type"] == "default"
+    expected = hf_logits(hf_model, PROMPT)
+    plain = hf_logits(_tiny_hf_model(), PROMPT)
+    assert (plain - expected).abs().max().item() > 0.01  # the scaling matters
+    folder = tmp_path / "yarn"
+    hf_model.save_pretrained(folder, safe_serialization=True)
+    write_byte_tokenizer(folder)
+    model = load_ours(folder)
+    assert model.config.compress_yarn is not None
+    diff = (our_logits(model, DenseAttention.for_model(model), PROMPT, 0) - expected).abs().max().item()
+    path = tmp_path / "tiny-v4.gguf"
+    _write_gguf(path, hf_model)
+    checkpoint = load_checkpoint(path, torch.float32)
+    assert checkpoint.architecture.name == "deepseek_v4"
+    cfg = checkpoint.config
+    assert isinstance(cfg, DeepseekV4Config)
+    assert cfg.layer_types == tuple(LAYER_TYPES) and cfg.hash_layers == (True, True, False, False, False)
+    assert (cfg.hca_rate, cfg.swiglu_limit, cfg.compress_yarn is not None) == (8, pytest.approx(0.8), True)
+    gguf_model = checkpoint.architecture.build(cfg, BuildOptions(dtype=torch.float32))
+    gguf_model.load_weights(checkpoint.weights)
+    gguf_diff = (our_logits(gguf_model, DenseAttention.for_model(gguf_model), PROMPT, 0) - expected).abs().max().item()
+    print(f"deepseek_v4 yarn fp32: folder {diff:.3g}, GGUF {gguf_diff:.3g}")
+    assert diff < FP32_TOLERANCE and gguf_diff < FP32_TOLERANCE

@@ -105,7 +105,7 @@ def test_unknown_gguf_architecture_is_one_line(tmp_path: Path) -> None:
     message = str(info.value)
     assert "\n" not in message
     assert message == ("unsupported architecture 'foo' (GGUF general.architecture); supported: "
-                       "deepseek2, deepseek32, gemma3, gemma4, glm-dsa, glm4moe, gpt-oss, kimi-linear, llama, mimo2, minimax-m2, nemotron_h, nemotron_h_moe, qwen2, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next")
+                       "deepseek2, deepseek32, deepseek4, gemma3, gemma4, glm-dsa, glm4moe, gpt-oss, kimi-linear, llama, mimo2, minimax-m2, nemotron_h, nemotron_h_moe, qwen2, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next")
 
 
 # -- a test-only architecture, registered from outside ---------------------------------------------------
