@@ -435,14 +435,15 @@ def hf_name(name: str) -> str | None:
 
 
 class _Renamed(Mapping[str, BuildSource]):
-    """``tensors`` under their transformers names (`hf_name`), without the MTP layers."""
+    """``tensors`` under their transformers names (`hf_name`), without the MTP layers and the
+    names in ``unused``."""
 
-    def __init__(self, tensors: Mapping[str, BuildSource]) -> None:
+    def __init__(self, tensors: Mapping[str, BuildSource], unused: set[str]) -> None:
         self._tensors = tensors
         self._names: dict[str, str] = {}
         for name in tensors:
             new = hf_name(name)
-            if new is not None:
+            if new is not None and new not in unused:
                 self._names[new] = name
 
     def __getitem__(self, name: str) -> BuildSource:
@@ -558,8 +559,12 @@ class DeepseekV4ForCausalLM(MoEForCausalLM):
                      else LatentAttentionSpec(cfg.row_dim(i)) for i, kind in enumerate(cfg.layer_types))
 
     def load_weights(self, tensors: Mapping[str, BuildSource]) -> None:
-        """`MoEForCausalLM.load_weights` over the tensors' transformers names (`hf_name`)."""
-        super().load_weights(_Renamed(tensors))
+        """`MoEForCausalLM.load_weights` over the tensors' transformers names (`hf_name`). A hash
+        layer's router bias, which DeepSeek's checkpoints may carry and its routing never reads
+        (transformers' hash router has none), is skipped."""
+        unused = {f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+                  for i, hashed in enumerate(self.config.hash_layers) if hashed}
+        super().load_weights(_Renamed(tensors, unused))
 
     def _weight_targets(self) -> dict[str, Tensor]:
         targets = super()._weight_targets()

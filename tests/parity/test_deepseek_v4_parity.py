@@ -240,6 +240,29 @@ def test_packed_state_and_bfloat16(pair: tuple[torch.nn.Module, Path]) -> None:
     assert ours_bf16 < 2 * hf_bf16
 
 
+def test_deepseek_release_names(pair: tuple[torch.nn.Module, Path]) -> None:
+    """The saved weights under DeepSeek's own release names (no ``model.`` prefix, ``embed`` /
+    ``head`` / ``hc_head_*``, per-expert ``w1`` / ``w2`` / ``w3``, a hash layer's unused router
+    bias, an MTP block) load into the same model."""
+    from safetensors.torch import load_file
+
+    _, root = pair
+    saved = load_file(str(root / "model.safetensors"))
+    renamed = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+               "lm_head.weight": "head.weight", "model.hc_head.hc_fn": "hc_head_fn",
+               "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+    release = {renamed.get(k, k.removeprefix("model.")): v for k, v in saved.items()}
+    assert "layers.1.attn.indexer.compressor.ape" in release and "layers.3.ffn.experts.7.w3.weight" in release
+    release["layers.0.ffn.gate.bias"] = torch.randn(8)
+    release["mtp.0.attn.wq_a.weight"] = torch.randn(32, 64)
+    model = load_ours(root)
+    again = load_ours(root)
+    again.load_weights(release)
+    attn = DenseAttention.for_model(model)
+    assert torch.equal(our_logits(model, attn, PROMPT, 0), our_logits(again, DenseAttention.for_model(again),
+                                                                      PROMPT, 0))
+
+
 def test_checkpoint_names() -> None:
     """DeepSeek's names, transformers' save_pretrained mix and transformers' own all land on the
     transformers names; the MTP layers are dropped."""
