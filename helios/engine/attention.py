@@ -69,6 +69,7 @@ from helios.models.interface import (
     LatentAttentionSpec,
     LatentProjection,
     RecurrentBatch,
+    RowSpans,
     SlidingWindowSpec,
     SparseIndex,
 )
@@ -462,6 +463,12 @@ class PagedAttention:
             raise TypeError(f"layer {layer_idx} keeps no latent rows (its cache spec is not a LatentAttentionSpec)")
         return step.latent(layer_idx, q_nope, q_rope, rows, projection, scale, index=index)
 
+    def rows(self, layer_idx: int, rows: Tensor) -> RowSpans:
+        step = self._latent_by_layer[layer_idx]
+        if step is None:
+            raise TypeError(f"layer {layer_idx} keeps no rows (its cache spec is not a LatentAttentionSpec)")
+        return step.rows(layer_idx, rows)
+
 
 class GroupAttention:
     """One step's attention over one full-attention or sliding-window group: its index tensors,
@@ -544,6 +551,9 @@ class GroupAttention:
     def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
                scale: float, *, index: SparseIndex | None = None) -> Tensor:
         raise TypeError(f"layer {layer_idx} keeps K/V, not latent rows")
+
+    def rows(self, layer_idx: int, rows: Tensor) -> RowSpans:
+        raise TypeError(f"layer {layer_idx} keeps K/V, not rows")
 
     def all_decode_args(self, layer_idx: int) -> DecodeArgs | None:
         if not (self.num_decode and self.decode_kernel and self.all_decode and self.full):
@@ -715,6 +725,14 @@ class LatentGroupAttention:
                                          scale, ctx_start).to(out.dtype)
         return out
 
+    def rows(self, layer_idx: int, rows: Tensor) -> RowSpans:
+        """The step's ``rows`` written at their slots; the cache and every decode token's and
+        prefill chunk's context slots (`models.interface.RowSpans`)."""
+        cache = self.kv.rows[layer_idx]
+        cache.index_copy_(0, self.slot_mapping, rows.to(cache.dtype))
+        spans = tuple((tokens.start, tokens.stop - tokens.start, slots) for tokens, slots, _ in self._sparse_spans())
+        return RowSpans(cache, spans)
+
     def _sparse(self, q_nope: Tensor, q_rope: Tensor, cache: Tensor, projection: LatentProjection, scale: float,
                 index: SparseIndex) -> Tensor:
         """A sparse layer (DSA: the rows end with the indexer keys): every decode token and prefill
@@ -736,7 +754,7 @@ class LatentGroupAttention:
 
     def _sparse_spans(self) -> list[tuple[slice, Tensor, int]]:
         """(the step's tokens, their context slots of positions 0 .., the first's position) of every
-        decode token and prefill chunk; built on the step's first sparse layer and shared."""
+        decode token and prefill chunk; built on the step's first sparse (or `rows`) layer and shared."""
         if self._spans is None:
             spans: list[tuple[slice, Tensor, int]] = []
             if self.num_decode:

@@ -11,11 +11,12 @@ rotate-half order, `unpermute_rotary_rows`). Each tensor is read in one of two f
   `GroupQuantized` codes (unpacked in torch, bit for bit), so a quantized weight format can keep them;
   Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 matrices stay `kquant.BlockQuantized` (the file's bytes, for
   `kquant.KQuantLinear`; a format with ``keep_blocks`` turns Q8_0 codes back into blocks beside them);
-  F32, F16 and BF16 tensors stay dense in their dtype; a stacked [experts, rows, cols] tensor in one
+  F32, F16 and BF16 tensors stay dense in their dtype (I32 ones, index tables such as DeepSeek V4's
+  ``tid2eid``, stay int32); a stacked [experts, rows, cols] tensor in one
   of these block types (an MoE's ``ffn_*_exps``) is a `quant.StackedExperts`, each expert read from its
   own byte range in the form above; other types are dequantized to float32 by ``gguf.quants``.
 * `GGUFFile.tensor_thunks`: everything dense in one dtype (the dequantization of the above,
-  equal to ``gguf.quants.dequantize`` bit for bit).
+  equal to ``gguf.quants.dequantize`` bit for bit); integer tensors stay integers.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from helios.loaders.gguf_reader import (
     GGML_BF16,
     GGML_F16,
     GGML_F32,
+    GGML_I32,
     GGML_Q4_0,
     GGML_Q4_1,
     GGML_Q8_0,
@@ -88,7 +90,7 @@ class GGUFFile:
     def read_source(self, gguf_name: str) -> BuildSource:
         """One tensor in the checkpoint's own form (rows = outermost GGUF dimension): `GroupQuantized`
         for Q4_0/Q4_1/Q8_0, `BlockQuantized` for Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 matrices (a view of the
-        memory-mapped file: no copy), the stored dtype for F32/F16/BF16, float32 for other types."""
+        memory-mapped file: no copy), the stored dtype for F32/F16/BF16/I32, float32 for other types."""
         info = self._tensors[gguf_name]
         raw = self._contents.tensor_bytes(info)
         kind = info.ggml_type
@@ -98,6 +100,8 @@ class GGUFFile:
             return raw.view(torch.float16).reshape(info.shape).clone()
         if kind == GGML_BF16:
             return raw.view(torch.bfloat16).reshape(info.shape).clone()
+        if kind == GGML_I32:
+            return raw.view(torch.int32).reshape(info.shape).clone()
         if kind in (GGML_Q4_0, GGML_Q4_1, GGML_Q8_0) and len(info.shape) == 2:
             return unpack_blocks(raw, kind, info.shape)
         if kind in BLOCK_TYPES and len(info.shape) == 2:
@@ -226,6 +230,7 @@ def _make_thunk(file: GGUFFile, gguf_name: str, permute_heads: int | None, dtype
     source = _make_source_thunk(file, gguf_name, permute_heads)
 
     def load() -> Tensor:
-        return dense_of(source()).to(dtype)
+        value = dense_of(source())
+        return value.to(dtype) if value.is_floating_point() else value  # index tables stay integers
 
     return load

@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 # start); `block_layout` asks the gguf package about any other.
 GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_BF16 = 0, 1, 2, 3, 8, 30
 GGML_Q5_0, GGML_Q5_1, GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 6, 7, 12, 13, 14
-_BLOCKS = {GGML_F32: (1, 4), GGML_F16: (1, 2), GGML_Q4_0: (32, 18), GGML_Q4_1: (32, 20), GGML_Q8_0: (32, 34),
+GGML_I32 = 26
+_BLOCKS = {GGML_F32: (1, 4), GGML_F16: (1, 2), GGML_I32: (1, 4), GGML_Q4_0: (32, 18), GGML_Q4_1: (32, 20), GGML_Q8_0: (32, 34),
            GGML_BF16: (1, 2), GGML_Q5_0: (32, 22), GGML_Q5_1: (32, 24), GGML_Q4_K: (256, 144),
            GGML_Q5_K: (256, 176), GGML_Q6_K: (256, 210)}
 

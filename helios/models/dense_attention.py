@@ -21,6 +21,7 @@ from helios.models.interface import (
     LatentAttentionSpec,
     LatentProjection,
     RecurrentBatch,
+    RowSpans,
     SlidingWindowSpec,
     SparseIndex,
 )
@@ -108,8 +109,8 @@ class DenseAttention:
     def recurrent(self, layer_idx: int) -> RecurrentBatch:
         raise NotImplementedError("DenseAttention keeps attention layers only")
 
-    def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
-               scale: float, *, index: SparseIndex | None = None) -> Tensor:
+    def _append_rows(self, layer_idx: int, rows: Tensor) -> tuple[Tensor, int, int]:
+        """``rows`` stored after the layer's previous ones: (the store, first position, end)."""
         start = self._lengths[layer_idx]
         end = start + rows.shape[0]
         store = self._rows.get(layer_idx)
@@ -121,6 +122,16 @@ class DenseAttention:
             store = self._rows[layer_idx] = grown
         store[start:end] = rows
         self._lengths[layer_idx] = end
+        return store, start, end
+
+    def rows(self, layer_idx: int, rows: Tensor) -> RowSpans:
+        """The rows stored; one span: this chunk over positions 0 .. end - 1 (`RowSpans`)."""
+        store, start, end = self._append_rows(layer_idx, rows)
+        return RowSpans(store, ((0, end - start, torch.arange(end, device=self.device)),))
+
+    def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
+               scale: float, *, index: SparseIndex | None = None) -> Tensor:
+        store, start, end = self._append_rows(layer_idx, rows)
         if index is not None:
             out = sparse_attention(q_nope, q_rope, store[:end], projection, scale, start, index, self._selection)
             return out.to(q_nope.dtype)

@@ -16,6 +16,8 @@ Cache specs (vLLM v1's KV-cache specs are the anchor). Every layer declares what
   attention keeps the latent and the rotary key, not expanded K/V; `LatentProjection` is what a
   layer hands the context to expand or absorb them).
   A sparse-attention layer (DeepSeek's DSA) appends its indexer key to the same row (`SparseIndex`).
+  A layer may also keep rows of its own layout and compute its attention itself from them
+  (`AttentionContext.rows`, `RowSpans`: DeepSeek V4's compressed attention).
 - `RecurrentStateSpec`: a fixed state per request (tensors of ``shapes``), no per-token rows; a
   prefix is reused only through a snapshot of the state.
 
@@ -124,6 +126,19 @@ class SparseIndex:
     top_k: int
 
 
+@attrs.frozen(eq=False)
+class RowSpans:
+    """One step of a layer that keeps rows of its own layout (`LatentAttentionSpec`) and attends
+    over them itself (`AttentionContext.rows`). ``cache``: the layer's rows [slots, row_dim], the
+    step's rows already written; the layer may complete rows of the step's own positions in place
+    (nothing else). ``spans``: per decode token and prefill chunk of the step, (first token index
+    in the flattened batch, length, the slots of its sequence's positions 0 .. end - 1), so its
+    first position is ``len(slots) - length``."""
+
+    cache: Tensor
+    spans: tuple[tuple[int, int, Tensor], ...]
+
+
 @attrs.frozen
 class RecurrentStateSpec:
     """A fixed per-request state: one tensor of each shape in ``shapes``, in ``dtype`` (None: the
@@ -190,7 +205,11 @@ class AttentionContext(Protocol):
     [T, heads, v_dim] in q's dtype: prefill chunks in the expanded form, decode tokens in the
     absorbed form (both the same attention); scores scaled by ``scale``. ``index`` (a sparse layer):
     ``rows`` end with the indexer keys, and each query attends only to the keys it selects
-    (`SparseIndex`)."""
+    (`SparseIndex`).
+
+    ``rows``: a layer that keeps rows of its own layout in a `LatentAttentionSpec` group and
+    attends over them itself (DeepSeek V4's compressed layers): writes the step's ``rows`` [T,
+    row_dim] at their positions and returns the cache and the step's spans (`RowSpans`)."""
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, *,
                  sinks: Tensor | None = None) -> Tensor: ...
@@ -201,6 +220,8 @@ class AttentionContext(Protocol):
 
     def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
                scale: float, *, index: SparseIndex | None = None) -> Tensor: ...
+
+    def rows(self, layer_idx: int, rows: Tensor) -> RowSpans: ...
 
 
 @runtime_checkable

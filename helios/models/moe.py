@@ -13,7 +13,11 @@ Routing is transformers' to the bit, so the same experts are chosen (ties includ
   moves the selection, never the weights), restricted to the ``topk_group`` best of ``n_group``
   expert groups (a group's score: the sum of its two best biased scores); the weights are the
   chosen experts' unbiased scores, renormalised (``+ 1e-20``) when ``norm_topk_prob``, times
-  ``routed_scaling_factor``; they stay float32.
+  ``routed_scaling_factor``; they stay float32;
+- ``sqrtsoftplus`` (DeepSeek V4): scores ``sqrt(softplus(logits))`` in the logits' dtype (the
+  router weight kept in the activation dtype), otherwise as ``sigmoid``; DeepSeek V4's hash layers
+  give the experts themselves (``ids``: a fixed token-id -> experts table) and take only the
+  weights from the scores.
 
 Expert compute groups the tokens by expert: the (token, slot) pairs are sorted by expert id (a
 stable sort), each active expert runs one gate/up and one down matmul over its contiguous group,
@@ -59,7 +63,7 @@ from torch import Tensor
 
 from helios.models.kquant import grouped_linear
 
-__all__ = ["Experts", "RouterSpec", "expert_mix", "route", "run_experts"]
+__all__ = ["Experts", "RouterSpec", "expert_mix", "route", "run_experts", "swiglu"]
 
 Experts = Tensor | Sequence[Callable[[Tensor], Tensor]]
 """One projection of every expert: a stacked [E, rows, cols] weight, or one module per expert."""
@@ -71,7 +75,7 @@ class RouterSpec:
 
     num_experts: int
     top_k: int
-    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    scoring: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
     norm_topk_prob: bool = False
     n_group: int = 1
     topk_group: int = 1
@@ -81,7 +85,7 @@ class RouterSpec:
     def __attrs_post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) must be in 1..num_experts ({self.num_experts})")
-        if self.scoring not in ("softmax", "sigmoid"):
+        if self.scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
             raise ValueError(f"unknown router scoring {self.scoring!r}")
         if self.n_group < 1 or self.num_experts % self.n_group:
             raise ValueError(f"n_group ({self.n_group}) must divide num_experts ({self.num_experts})")
@@ -98,17 +102,31 @@ class RouterSpec:
         return self.scoring == "sigmoid" if self.fp32_logits is None else self.fp32_logits
 
 
-def route(logits: Tensor, spec: RouterSpec, correction_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def route(logits: Tensor, spec: RouterSpec, correction_bias: Tensor | None = None, *,
+          ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The experts each token goes to and their weights, from router ``logits`` [T, E]:
     ``(weights [T, top_k], expert ids [T, top_k] long)``; weights in the logits' dtype for softmax
-    routing, float32 for sigmoid routing (as transformers returns them)."""
+    and sqrtsoftplus routing, float32 for sigmoid routing (as transformers returns them). ``ids``
+    [T, top_k]: the experts are given (hash routing, sigmoid / sqrtsoftplus scoring); only the
+    weights are computed."""
     if spec.scoring == "softmax":
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, ids = torch.topk(probs, spec.top_k, dim=-1)
         if spec.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(logits.dtype), ids
-    scores = logits.float().sigmoid()
+    scores = logits.float().sigmoid() if spec.scoring == "sigmoid" else F.softplus(logits).sqrt()
+    if ids is None:
+        ids = _choose(scores, spec, correction_bias)
+    weights = scores.gather(1, ids)
+    if spec.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * spec.routed_scaling_factor, ids
+
+
+def _choose(scores: Tensor, spec: RouterSpec, correction_bias: Tensor | None) -> Tensor:
+    """The ``top_k`` experts of ``scores`` plus the correction bias, within the ``topk_group``
+    best groups."""
     choice = scores if correction_bias is None else scores + correction_bias
     if spec.n_group > 1:
         per_group = spec.num_experts // spec.n_group
@@ -117,20 +135,17 @@ def route(logits: Tensor, spec: RouterSpec, correction_bias: Tensor | None = Non
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
         score_mask = group_mask.unsqueeze(-1).expand(-1, spec.n_group, per_group).reshape(-1, spec.num_experts)
         choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-    ids = torch.topk(choice, k=spec.top_k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if spec.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * spec.routed_scaling_factor, ids
+    return torch.topk(choice, k=spec.top_k, dim=-1, sorted=False)[1]
 
 
 def expert_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Experts, down: Experts, *,
-               act: Callable[[Tensor], Tensor] = F.silu) -> Tensor:
+               act: Callable[[Tensor], Tensor] = F.silu, limit: float | None = None) -> Tensor:
     """sum over each token's chosen experts e of ``weight * down[e] @ (act(gate) * up)`` with
     ``gate, up = gate_up[e] @ x``: [T, hidden] in ``x``'s dtype. Tokens are grouped by expert (one
     pair of matmuls per active expert). ``gate_up`` / ``down``: stacked weights, or per-expert
     modules (quantized formats, `helios.models.quant.build_linear`); ``act``: SiLU unless the
-    family says otherwise (Gemma 4: GELU tanh)."""
+    family says otherwise (Gemma 4: GELU tanh); ``limit``: the gate clipped to at most it and the
+    up projection to [-limit, limit] first (DeepSeek V4's ``swiglu_limit``)."""
     num_tokens, top_k = ids.shape
     out = torch.zeros_like(x)
     if num_tokens == 0:
@@ -140,13 +155,13 @@ def expert_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Experts, down: 
     token_of = order // top_k
     counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
     rows = x.index_select(0, token_of)
-    mixed = run_experts(rows, counts, gate_up, down, act=act)
+    mixed = run_experts(rows, counts, gate_up, down, act=act, limit=limit)
     mixed = mixed * weights.reshape(-1, 1).index_select(0, order)
     return out.index_add_(0, token_of, mixed.to(x.dtype))
 
 
 def run_experts(rows: Tensor, counts: Sequence[int], gate_up: Experts, down: Experts, *,
-                act: Callable[[Tensor], Tensor] = F.silu) -> Tensor:
+                act: Callable[[Tensor], Tensor] = F.silu, limit: float | None = None) -> Tensor:
     """Rows grouped by expert (``counts[e]`` rows for expert e, in expert order) through their
     experts' SwiGLU, unweighted: [rows, hidden] (`expert_mix`'s expert compute; expert parallelism
     runs it on the rows a rank received, `helios.models.tp.dispatch_experts`)."""
@@ -154,7 +169,15 @@ def run_experts(rows: Tensor, counts: Sequence[int], gate_up: Experts, down: Exp
     sizes = [counts[e] for e in active]
     gu = _project(gate_up, active, sizes, rows)
     inter = gu.shape[-1] // 2
-    return _project(down, active, sizes, act(gu[:, :inter]) * gu[:, inter:])
+    return _project(down, active, sizes, swiglu(gu[:, :inter], gu[:, inter:], act, limit))
+
+
+def swiglu(gate: Tensor, up: Tensor, act: Callable[[Tensor], Tensor] = F.silu, limit: float | None = None) -> Tensor:
+    """``act(gate) * up``; with ``limit``, ``gate`` clipped to at most it and ``up`` to [-limit,
+    limit] first."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return act(gate) * up
 
 
 def _project(weights: Experts, active: Sequence[int], sizes: Sequence[int], rows: Tensor) -> Tensor:

@@ -11,7 +11,7 @@ Built-in entries come from the architecture modules (`helios.models.llama.ARCHIT
 mistral, qwen2, qwen3; `helios.models.gemma3.ARCHITECTURES`: gemma3; `helios.models.gemma4`: gemma4 (text);
 `helios.models.qwen3_moe`, `helios.models.glm4_moe`, `helios.models.minimax_m2`,
 `helios.models.gpt_oss`, `helios.models.mimo_v2_flash`, `helios.models.deepseek_v3`,
-`helios.models.deepseek_v32`: the mixture-of-experts families; `helios.models.qwen3_next` and
+`helios.models.deepseek_v32`, `helios.models.deepseek_v4`: the mixture-of-experts families; `helios.models.qwen3_next` and
 `helios.models.nemotron_h`, `helios.models.kimi_linear`: the hybrid recurrent ones, the first
 also Qwen3.5 text); more can be
 registered from outside::
@@ -53,6 +53,7 @@ _builtins_loaded = False
 def _builtin_architectures() -> Sequence[Architecture]:
     from helios.models import (
         deepseek_v3,
+        deepseek_v4,
         deepseek_v32,
         gemma3,
         gemma4,
@@ -69,7 +70,7 @@ def _builtin_architectures() -> Sequence[Architecture]:
 
     return (*llama.ARCHITECTURES, *gemma3.ARCHITECTURES, *qwen3_moe.ARCHITECTURES, *glm4_moe.ARCHITECTURES,
             *minimax_m2.ARCHITECTURES, *gpt_oss.ARCHITECTURES, *mimo_v2_flash.ARCHITECTURES, *gemma4.ARCHITECTURES,
-            *deepseek_v3.ARCHITECTURES, *deepseek_v32.ARCHITECTURES,
+            *deepseek_v3.ARCHITECTURES, *deepseek_v32.ARCHITECTURES, *deepseek_v4.ARCHITECTURES,
             *qwen3_next.ARCHITECTURES, *nemotron_h.ARCHITECTURES, *kimi_linear.ARCHITECTURES)
 
 

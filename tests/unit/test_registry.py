@@ -87,7 +87,7 @@ def test_unknown_hf_architecture_is_one_line(tmp_path: Path) -> None:
     message = str(info.value)
     assert "\n" not in message
     assert message == ("unsupported architecture 'foo' (model_type 'foo', architectures FooForCausalLM); "
-                       "supported: deepseek_v3, deepseek_v32, gemma3_text, gemma4_text, glm4_moe, glm_moe_dsa, gpt_oss, kimi_k2, kimi_linear, llama, mimo_v2_flash, minimax_m2, mistral, nemotron_h, qwen2, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next")
+                       "supported: deepseek_v3, deepseek_v32, deepseek_v4, gemma3_text, gemma4_text, glm4_moe, glm_moe_dsa, gpt_oss, kimi_k2, kimi_linear, llama, mimo_v2_flash, minimax_m2, mistral, nemotron_h, qwen2, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next")
     assert isinstance(info.value, ValueError)
 
 
@@ -105,7 +105,7 @@ def test_unknown_gguf_architecture_is_one_line(tmp_path: Path) -> None:
     message = str(info.value)
     assert "\n" not in message
     assert message == ("unsupported architecture 'foo' (GGUF general.architecture); supported: "
-                       "deepseek2, deepseek32, gemma3, gemma4, glm-dsa, glm4moe, gpt-oss, kimi-linear, llama, mimo2, minimax-m2, nemotron_h, nemotron_h_moe, qwen2, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next")
+                       "deepseek2, deepseek32, deepseek4, gemma3, gemma4, glm-dsa, glm4moe, gpt-oss, kimi-linear, llama, mimo2, minimax-m2, nemotron_h, nemotron_h_moe, qwen2, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next")
 
 
 # -- a test-only architecture, registered from outside ---------------------------------------------------
@@ -264,7 +264,7 @@ def test_registered_architecture_is_found_by_every_lookup(bigram: Architecture) 
     assert registry.for_hf_config({"model_type": "bigram"}) is bigram
     assert registry.for_hf_config({"model_type": "x", "architectures": ["BigramLM"]}) is bigram
     assert registry.for_gguf("bigram") is bigram
-    with pytest.raises(UnsupportedArchitecture, match=r"supported: bigram, deepseek_v3, deepseek_v32, gemma3_text, gemma4_text, glm4_moe, glm_moe_dsa, gpt_oss, kimi_k2, kimi_linear, llama, mimo_v2_flash, minimax_m2, mistral, nemotron_h, qwen2, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next$"):
+    with pytest.raises(UnsupportedArchitecture, match=r"supported: bigram, deepseek_v3, deepseek_v32, deepseek_v4, gemma3_text, gemma4_text, glm4_moe, glm_moe_dsa, gpt_oss, kimi_k2, kimi_linear, llama, mimo_v2_flash, minimax_m2, mistral, nemotron_h, qwen2, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next$"):
         registry.for_hf_config({"model_type": "foo"})
 
 
