@@ -2173,7 +2173,9 @@ constexpr int64_t kKqGroupBytes = HELIOS_KQ_GROUP;  // bytes of activations (row
 #ifndef HELIOS_KQ_PF
 #define HELIOS_KQ_PF 4
 #endif
-constexpr int64_t kKqAhead = HELIOS_KQ_PF;  // weight rows ahead that a tile of several rows prefetches
+// weight rows ahead that every tile prefetches (one weight row too: without it a decode GEMV of one
+// row read from memory ran at 3.5 GB/s, with it 8.9; Q5_0 4864 x 896, 1 thread, scripts/bench_kernels.py)
+constexpr int64_t kKqAhead = HELIOS_KQ_PF;
 constexpr int64_t kKqRowBlock = HELIOS_KQ_ROWS;  // weight rows read from memory once for all tiles of rows
 
 inline void kq_load(Kq32& acc, const float* p) {
@@ -2198,7 +2200,7 @@ __attribute__((always_inline)) inline void kq_micro(const float* __restrict__ x,
   for (int64_t b = b0; b < b1; ++b) {
     _Pragma("GCC unroll 8")
     for (int j = 0; j < NT; ++j) {
-      if constexpr (NT > 1 && kKqAhead > 0) {
+      if constexpr (kKqAhead > 0) {
         const char* ahead = reinterpret_cast<const char*>(w + (j + kKqAhead) * rb + b * bytes);
         for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
       }
