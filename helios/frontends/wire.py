@@ -8,8 +8,14 @@ not a number). Below the top level:
   (``type``, or ``role`` for chat messages) picks the member;
 - any other union (``str | list[Part] | None``, ``Literal["auto", "none"] | NamedChoice``) is picked
   by the JSON kind of the value (string, array, object, ...);
-- a member of a tagged union may be *refused* (`REFUSED`, a message template): its tag values are
-  known, and the 400 says why they are not taken (``'url'`` image sources, misplaced blocks);
+- a member of a tagged union may be *refused* (`REFUSED`, a message template or a function of the
+  tag): its tag values are known, and the 400 says why they are not taken (``'url'`` image sources,
+  misplaced blocks, hosted tools); one member whose tag has a default is taken when the tag is absent
+  (a Responses message item without ``type``);
+- a class may *build* the value it stands for (`BUILD`, a function of its fields): both converters
+  return the built value (a domain part) instead of an instance, and a field holding such values
+  declares the built type with the wire shape it comes from, ``Annotated[TextPart, From(InputText)]``
+  (one object per block instead of a wire object and then its domain part);
 - a field's `fields.FieldPolicy` lives in its metadata (`wire_field`); a class whose fields include
   ignored or refused ones screens them after structuring, and a class marked `lenient` ignores
   unknown keys instead of refusing them (content parts, whose extensions vLLM ignores too);
@@ -28,7 +34,7 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from types import NoneType, UnionType
-from typing import Any, Literal, NewType, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, NewType, TypeVar, Union, get_args, get_origin
 
 import attrs
 import cattrs
@@ -50,7 +56,20 @@ LENIENT = "__wire_lenient__"
 """A class attribute: True where unknown keys are ignored rather than refused."""
 REFUSED = "__wire_refused__"
 """A class attribute of a tagged union's member: the 400 for its tag values (``{value!r}`` is the
-tag), which the union knows but does not take. Such a member declares only its tag."""
+tag), which the union knows but does not take; or a function of the tag returning the `Invalid`. Such a
+member declares only its tag."""
+BUILD = "__wire_build__"
+"""A class attribute: a function taking the class's fields as keyword arguments (by alias) and returning
+the value the class stands for; both converters return it in place of an instance (see `From`)."""
+
+
+@attrs.frozen
+class From:
+    """``Annotated[Built, From(wire)]``: a value structured from the wire shape `wire` (an attrs class
+    or a tagged union of them) whose members `BUILD` values of type ``Built`` (members that do not
+    build stay instances, so ``Built`` names them too)."""
+
+    wire: Any
 
 
 class WireDeclarationError(Exception):
@@ -60,13 +79,18 @@ class WireDeclarationError(Exception):
 class Invalid(ValueError):
     """A value of the right JSON type that its field does not take. The 400 reads "{path} {reason}"
     for a predicate ("must be ...", "is ...") and "{path}: {reason}" otherwise; `at` names a key
-    below the value (a union's tag), appended to the path."""
+    below the value (a union's tag), appended to the path; `param_at` one appended to the 400's param
+    only (the message names the value, the param its bad key); `param` replaces the param (a coarser
+    one that clients key on)."""
 
-    def __init__(self, reason: str, *, at: str | None = None, details: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, reason: str, *, at: str | None = None, details: Mapping[str, Any] | None = None,
+                 param_at: str | None = None, param: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.at = at
         self.details = details
+        self.param_at = param_at
+        self.param = param
 
 
 _KIND_NAMES = {"null": "null", "boolean": "a boolean", "integer": "an integer", "number": "a number",
@@ -178,6 +202,19 @@ def _is_tagged_union(t: Any) -> bool:
     return _is_union(t) and all(attrs.has(a) for a in get_args(t))
 
 
+def _built_from(t: Any) -> Any:
+    """The wire shape of ``Annotated[Built, From(wire)]``; None for any other type."""
+    if get_origin(t) is Annotated:
+        for meta in t.__metadata__:
+            if isinstance(meta, From):
+                return meta.wire
+    return None
+
+
+def _is_built(t: Any) -> bool:
+    return _built_from(t) is not None
+
+
 def _is_kind_union(t: Any) -> bool:
     return _is_union(t) and not _is_tagged_union(t)
 
@@ -213,6 +250,8 @@ def _member_kind(t: Any) -> str:
         return "null"
     if isinstance(t, NewType):  # a checked leaf: its base type's kind
         return _member_kind(t.__supertype__)
+    if _is_built(t):
+        return _member_kind(_built_from(t))
     if t is str or (_is_literal(t) and all(isinstance(a, str) for a in get_args(t))):
         return "string"
     kinds = {bool: "boolean", int: "integer", float: "number"}
@@ -245,7 +284,7 @@ class WireConverter(cattrs.Converter):
     def __init__(self, *, detailed: bool) -> None:
         super().__init__(forbid_extra_keys=True, detailed_validation=detailed)
         self.detailed = detailed
-        self._tagged: dict[Any, tuple[str, dict[str, tuple[Any, Callable[[Any, Any], Any]]]]] = {}
+        self._tagged: dict[Any, tuple[str, dict[str | None, tuple[Any, Callable[[Any, Any], Any]]]]] = {}
         self.register_structure_hook_factory(_is_list, self.list_factory)
         self.register_structure_hook(int, _strict_int)
         self.register_structure_hook(float, _strict_float)
@@ -260,10 +299,13 @@ class WireConverter(cattrs.Converter):
         self.register_structure_hook_factory(_is_tagged_union, self.tagged_factory)
         self.register_structure_hook_factory(_is_kind_union, self.kind_factory)
         self.register_structure_hook_factory(_is_class, self.class_hook)
+        self.register_structure_hook_factory(_is_built, lambda t: self.get_structure_hook(_built_from(t)))
 
     def list_factory(self, t: Any) -> Callable[[Any, Any], list[Any]]:
         args = get_args(t)
         elem = args[0] if args else Any
+        if _is_built(elem):
+            elem = _built_from(elem)
         elem_hook = self.get_structure_hook(elem)
 
         if not self.detailed and _is_tagged_union(elem):  # the hot path: messages, parts, items
@@ -278,7 +320,16 @@ class WireConverter(cattrs.Converter):
                     out.append(member_hook(x, member))
                 return out
 
-            return tagged_list
+            def defaulted_list(v: Any, _t: Any) -> list[Any]:
+                if type(v) is not list:
+                    raise TypeError(f"expected an array, got {json_kind(v)}")
+                out: list[Any] = []
+                for x in v:
+                    member, member_hook = by_tag[x.get(tag_name)]
+                    out.append(member_hook(x, member))
+                return out
+
+            return defaulted_list if None in by_tag else tagged_list
 
         def hook(v: Any, _t: Any) -> list[Any]:
             # A string is not a list of characters, and an object is not a list of its keys.
@@ -299,24 +350,31 @@ class WireConverter(cattrs.Converter):
 
         return hook
 
-    def tagged_members(self, t: Any) -> tuple[str, dict[str, tuple[Any, Callable[[Any, Any], Any]]]]:
-        """A tagged union's tag and, for each tag value, its member and the member's hook."""
+    def tagged_members(self, t: Any) -> tuple[str, dict[str | None, tuple[Any, Callable[[Any, Any], Any]]]]:
+        """A tagged union's tag and, for each tag value, its member and the member's hook (under None,
+        the member whose tag has a default: taken when the tag is absent)."""
         if t not in self._tagged:
             members = get_args(t)
             tag = _tag_of(members)
-            self._tagged[t] = tag, {value: (m, self.class_hook(m, checked=tag))
-                                    for m in members for value in get_args(_field_type(m, tag))}
+            by_tag: dict[str | None, tuple[Any, Callable[[Any, Any], Any]]] = {}
+            for m in members:
+                entry = m, self.class_hook(m, checked=tag)
+                by_tag.update((value, entry) for value in get_args(_field_type(m, tag)))
+                if attrs.fields_dict(m)[tag].default is not attrs.NOTHING:
+                    by_tag[None] = entry
+            self._tagged[t] = tag, by_tag
         return self._tagged[t]
 
     def tagged_factory(self, t: Any) -> Callable[[Any, Any], Any]:
         tag, by_tag = self.tagged_members(t)
-        expected = one_of_text([value for value, (m, _) in by_tag.items() if not hasattr(m, REFUSED)])
+        expected = one_of_text([value for value, (m, _) in by_tag.items()
+                                if value is not None and not hasattr(m, REFUSED)])
 
         def hook(v: Any, _t: Any) -> Any:
             if type(v) is not dict:
                 raise TypeError(f"expected an object, got {json_kind(v)}")
             value = v.get(tag)
-            found = by_tag.get(value) if type(value) is str else None
+            found = by_tag.get(value) if type(value) is str or (value is None and tag not in v) else None
             if found is None:
                 raise Invalid(f"is required; expected {expected}" if value is None else
                               f"{value!r} is not supported; expected {expected}", at=tag)
@@ -363,11 +421,13 @@ class WireConverter(cattrs.Converter):
         its ignored and refused fields screened. `checked` names a field already validated (a tagged
         union's tag), structured as is; a union member's value is an object (the union checked it),
         any other class's value is checked here."""
-        refusal: str | None = getattr(t, REFUSED, None)
+        refusal: str | Callable[[str], Invalid] | None = getattr(t, REFUSED, None)
         if refusal is not None and checked is not None:
             template, tag = refusal, checked
 
             def refused(v: Any, _t: Any) -> Any:
+                if callable(template):
+                    raise template(v[tag])
                 raise Invalid(template.format(value=v[tag]), at=tag)
 
             return refused
@@ -380,8 +440,8 @@ class WireConverter(cattrs.Converter):
         forbid = not getattr(t, LENIENT, False)
         overrides: dict[str, Any] = {name: override(struct_hook=h) for name, h in hooks.items()}
         base: Callable[[Any, Any], Any] = (
-            make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=forbid, **overrides) if self.detailed
-            else self._fast_class_fn(t, hooks, forbid))
+            self._built(t, make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=forbid, **overrides))
+            if self.detailed else self._fast_class_fn(t, hooks, forbid))
         if checked is not None:
             return base
 
@@ -392,14 +452,28 @@ class WireConverter(cattrs.Converter):
 
         return hook
 
+    @staticmethod
+    def _built(t: Any, instance_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """The detailed function of a class that builds its value: the instance's fields, built."""
+        build: Callable[..., Any] | None = getattr(t, BUILD, None)
+        if build is None:
+            return instance_fn
+        names = [(f.alias, f.name) for f in attrs.fields(t)]
+
+        def built(v: Any, _t: Any) -> Any:
+            instance = instance_fn(v, _t)
+            return build(**{alias: getattr(instance, name) for alias, name in names})
+
+        return built
+
     def _fast_class_fn(self, t: Any, hooks: Mapping[str, Callable[[Any, Any], Any]],
                        forbid: bool) -> Callable[[Any, Any], Any]:
         """The fast converter's function for attrs class `t`: one generated call of `t` with each
         present key's value structured by its field's hook (`hooks` first), unknown keys refused
         where `forbid`. It accepts exactly what cattrs' detailed function accepts, without that
         one's bookkeeping: the tag (`_any`) is passed as is and the exact-type leaves are tested
-        inline, calling their hook only to raise."""
-        globs: dict[str, Any] = {"cls": t, "allowed": frozenset(f.name for f in attrs.fields(t)),
+        inline, calling their hook only to raise. A class that `BUILD`s its value calls that instead."""
+        globs: dict[str, Any] = {"cls": getattr(t, BUILD, t), "allowed": frozenset(f.name for f in attrs.fields(t)),
                                  "extra_keys": _extra_keys}
         args: list[str] = []
         optional: list[str] = []
@@ -598,7 +672,8 @@ def _bad_request(exc: BaseException, path: str = "") -> BadRequest:
         path = _join(path, cur.at)
         predicate = cur.reason.startswith(("must ", "is "))
         message = f"{path or 'the request'}{' ' if predicate else ': '}{cur.reason}"
-        return BadRequest(message, param=path or None, details=None if cur.details is None else dict(cur.details))
+        return BadRequest(message, param=cur.param or _join(path, cur.param_at) or None,
+                          details=None if cur.details is None else dict(cur.details))
     if isinstance(cur, KeyError):
         return BadRequest(f"missing required parameter: {path}", param=path or None)
     if isinstance(cur, TypeError | ValueError):
