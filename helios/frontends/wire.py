@@ -285,6 +285,8 @@ class WireConverter(cattrs.Converter):
         super().__init__(forbid_extra_keys=True, detailed_validation=detailed)
         self.detailed = detailed
         self._tagged: dict[Any, tuple[str, dict[str | None, tuple[Any, Callable[[Any, Any], Any]]]]] = {}
+        self._as_is: dict[Callable[[Any, Any], Any], frozenset[type]] = {}
+        """Kind-union hooks and the Python types they return as is (the fast functions test them inline)."""
         self.register_structure_hook_factory(_is_list, self.list_factory)
         self.register_structure_hook(int, _strict_int)
         self.register_structure_hook(float, _strict_float)
@@ -414,6 +416,8 @@ class WireConverter(cattrs.Converter):
                 found = by_elem.get(type(v[0]), found)
             return found[1](v, found[0])
 
+        if as_is:
+            self._as_is[hook] = frozenset(as_is)
         return hook
 
     def class_hook(self, t: Any, checked: str | None = None) -> Callable[[Any, Any], Any]:
@@ -439,9 +443,9 @@ class WireConverter(cattrs.Converter):
                 hooks[name] = self._screened(hints[name], name, row)
         forbid = not getattr(t, LENIENT, False)
         overrides: dict[str, Any] = {name: override(struct_hook=h) for name, h in hooks.items()}
-        base: Callable[[Any, Any], Any] = (
-            self._built(t, make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=forbid, **overrides))
-            if self.detailed else self._fast_class_fn(t, hooks, forbid))
+        if not self.detailed:  # a non-member's object check is in the function
+            return self._fast_class_fn(t, hooks, forbid, check_object=checked is None)
+        base = self._built(t, make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=forbid, **overrides))
         if checked is not None:
             return base
 
@@ -466,15 +470,16 @@ class WireConverter(cattrs.Converter):
 
         return built
 
-    def _fast_class_fn(self, t: Any, hooks: Mapping[str, Callable[[Any, Any], Any]],
-                       forbid: bool) -> Callable[[Any, Any], Any]:
+    def _fast_class_fn(self, t: Any, hooks: Mapping[str, Callable[[Any, Any], Any]], forbid: bool,
+                       check_object: bool) -> Callable[[Any, Any], Any]:
         """The fast converter's function for attrs class `t`: one generated call of `t` with each
         present key's value structured by its field's hook (`hooks` first), unknown keys refused
         where `forbid`. It accepts exactly what cattrs' detailed function accepts, without that
         one's bookkeeping: the tag (`_any`) is passed as is and the exact-type leaves are tested
-        inline, calling their hook only to raise. A class that `BUILD`s its value calls that instead."""
+        inline (and the kind unions' as-is types), calling their hook only to raise or convert. A class that
+        `BUILD`s its value calls that instead of the class; `check_object` tests that the value is an object."""
         globs: dict[str, Any] = {"cls": getattr(t, BUILD, t), "allowed": frozenset(f.name for f in attrs.fields(t)),
-                                 "extra_keys": _extra_keys}
+                                 "extra_keys": _extra_keys, "not_object": _not_object}
         args: list[str] = []
         optional: list[str] = []
         for k, f in enumerate(attrs.fields(attrs.resolve_types(t))):
@@ -486,6 +491,9 @@ class WireConverter(cattrs.Converter):
             elif hook in _EXACT:
                 globs[f"x{k}"] = _EXACT[hook]
                 value = f"(v{k} if (v{k} := o[{key}]).__class__ is x{k} else h{k}(v{k}, t{k}))"
+            elif hook in self._as_is:
+                globs[f"a{k}"] = self._as_is[hook]
+                value = f"(v{k} if (v{k} := o[{key}]).__class__ in a{k} else h{k}(v{k}, t{k}))"
             else:
                 value = f"h{k}(o[{key}], t{k})"
             if f.default is attrs.NOTHING:
@@ -496,6 +504,8 @@ class WireConverter(cattrs.Converter):
                 globs[f"d{k}"] = f.default
                 args.append(f"{f.alias}={value} if {key} in o else d{k}")
         lines = ["def structure(o, _t):"]
+        if check_object:
+            lines.append("    if o.__class__ is not dict: not_object(o)")
         if forbid:
             lines.append("    if not o.keys() <= allowed: extra_keys(o, allowed, cls)")
         if optional:
@@ -521,6 +531,10 @@ class WireConverter(cattrs.Converter):
             return value
 
         return hook
+
+
+def _not_object(v: Any) -> None:
+    raise TypeError(f"expected an object, got {json_kind(v)}")
 
 
 def _extra_keys(o: dict[str, Any], allowed: frozenset[str], cls: type) -> None:
@@ -587,8 +601,12 @@ def loads_strict(text: str | bytes) -> Any:
 
 
 def _loads(text: str | bytes) -> Any:
+    """json.loads with the strict number rules, through one shared decoder (json.loads would build a
+    decoder per call for its keyword arguments)."""
+    if not isinstance(text, str):
+        text = text.decode(json.detect_encoding(text), "surrogatepass")
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        return _DECODER.decode(text)
     except RecursionError:  # the parser recurses per level: far past MAX_JSON_DEPTH
         raise JSONShapeError(f"the JSON document is nested more than {MAX_JSON_DEPTH} levels deep (arrays and "
                              f"objects); at most {MAX_JSON_DEPTH} are accepted", None) from None
@@ -643,6 +661,9 @@ def _finite_float(text: str) -> float:
     if value in (float("inf"), float("-inf")):
         raise ValueError(f"{text} is out of range for a JSON number")
     return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
 
 
 def structure(obj: Any, cls: type[T], *, at: str = "") -> T:
