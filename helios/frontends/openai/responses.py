@@ -159,10 +159,22 @@ OutputContent = str | list[Annotated[TextPart | ImagePart, From(InputText | Inpu
 
 def _placed(part: TextPart | ImagePart, where: str) -> TextPart | ImagePart:
     """A built image with its place in the request (``input[2].content[1]``), for later messages."""
-    if type(part) is TextPart:
-        return part
-    image = cast("ImagePart", part)
-    return ImagePart(image.media_type, image.data, where)
+    if type(part) is ImagePart:
+        return ImagePart(part.media_type, part.data, where)
+    return part
+
+
+def _texts(parts: list[Any]) -> tuple[TextPart, ...] | None:
+    """`parts` where all are text; None where one needs more (an image its place, a refusal its role)."""
+    for p in parts:
+        if type(p) is not TextPart:
+            return None
+    return tuple(parts)
+
+
+# Items build their domain value where they are complete: a message its Message, a call its
+# ToolCallPart, an output its tool Message, reasoning its ReasoningPart. An item holding an image or a
+# refusal stays a wire item, which `decode_input` completes with its place.
 
 
 @attrs.define(kw_only=True)
@@ -174,33 +186,37 @@ class MessageItem:
     role: Literal["user", "system", "developer", "assistant"]
     content: MessageContent
 
-    def parts(self, where: str) -> tuple[Part, ...]:
-        content = self.content
-        if type(content) is str:
-            return (TextPart(content),)
-        parts = cast("list[TextPart | ImagePart | RefusalText]", content)
-        if all(type(p) is TextPart for p in parts):  # the common case: text only
-            return tuple(cast("list[TextPart]", parts))
-        return tuple([self._part(p, f"{where}.content[{j}]") for j, p in enumerate(parts)])
+    @staticmethod
+    def __wire_build__(*, role: Literal["user", "system", "developer", "assistant"], content: MessageContent,
+                       **_: Any) -> Message | MessageItem:
+        if isinstance(content, str):
+            return Message(role, (TextPart(content),))
+        texts = _texts(content)
+        return MessageItem(role=role, content=content) if texts is None else Message(role, texts)
+
+    def message(self, where: str) -> Message:
+        """The message, its images placed (only a user's) and its refusals read (only an assistant's)."""
+        parts = cast("list[TextPart | ImagePart | RefusalText]", self.content)  # a string's is built
+        return Message(self.role, tuple([self._part(p, f"{where}.content[{j}]") for j, p in enumerate(parts)]))
 
     def _part(self, p: TextPart | ImagePart | RefusalText, where: str) -> Part:
-        if type(p) is TextPart:
+        if isinstance(p, TextPart):
             return p
-        if type(p) is RefusalText:
+        if isinstance(p, RefusalText):
             if self.role != "assistant":
                 raise BadRequest(f"{where}: refusal parts belong in assistant messages", param=f"{where}.type")
             return TextPart(p.refusal)
         if self.role != "user":
             raise BadRequest(f"{where}: images are accepted in user messages and tool outputs only",
                              param=f"{where}.type")
-        return _placed(cast("ImagePart", p), where)
+        return _placed(p, where)
 
 
-ArgumentsText = NewType("ArgumentsText", str)
-"""A function call's arguments: a string holding a JSON object (a blank string is {})."""
+JSONObjectString = NewType("JSONObjectString", dict[str, Any])
+"""A function call's arguments: a string holding a JSON object (a blank string is {}), parsed."""
 
 
-def _arguments_text(v: Any, _t: Any) -> dict[str, Any]:
+def _json_object_string(v: Any, _t: Any) -> dict[str, Any]:
     if not isinstance(v, str):
         raise Invalid("must be a JSON string")
     try:
@@ -212,7 +228,7 @@ def _arguments_text(v: Any, _t: Any) -> dict[str, Any]:
     return arguments
 
 
-register_leaf(ArgumentsText, _arguments_text)
+register_leaf(JSONObjectString, _json_object_string)
 
 
 def _flat(namespace: str | None, name: str) -> str:
@@ -226,11 +242,12 @@ class FunctionCallItem:
     call_id: NonEmptyStr
     name: NonEmptyStr
     namespace: str | None = None
-    arguments: ArgumentsText = attrs.field(factory=lambda: ArgumentsText("{}"))
+    arguments: JSONObjectString = attrs.field(factory=lambda: JSONObjectString({}))
 
-    def part(self) -> ToolCallPart:
-        arguments = cast("dict[str, Any]", self.arguments)  # `_arguments_text` parsed it
-        return ToolCallPart(self.call_id, _flat(self.namespace, self.name), arguments)
+    @staticmethod
+    def __wire_build__(*, call_id: str, name: str, namespace: str | None,
+                       arguments: dict[str, Any] | None = None, **_: Any) -> ToolCallPart:
+        return ToolCallPart(call_id, _flat(namespace, name), {} if arguments is None else arguments)
 
 
 @attrs.define(kw_only=True)
@@ -242,8 +259,10 @@ class CustomToolCallItem:
     namespace: str | None = None
     input: str
 
-    def part(self) -> ToolCallPart:
-        return ToolCallPart(self.call_id, _flat(self.namespace, self.name), {"input": self.input})
+    @staticmethod
+    def __wire_build__(*, call_id: str, name: str, namespace: str | None, input: str,
+                       **_: Any) -> ToolCallPart:
+        return ToolCallPart(call_id, _flat(namespace, name), {"input": input})
 
 
 @attrs.define(kw_only=True)
@@ -253,13 +272,17 @@ class ToolOutputItem:
     call_id: NonEmptyStr
     output: OutputContent
 
+    @staticmethod
+    def __wire_build__(*, call_id: NonEmptyStr, output: OutputContent, **fields: Any) -> Message | ToolOutputItem:
+        texts = (TextPart(output),) if isinstance(output, str) else _texts(output)
+        if texts is None:
+            return ToolOutputItem(call_id=call_id, output=output, **fields)
+        return Message("tool", (ToolResultPart(call_id, texts),))
+
     def message(self, where: str) -> Message:
-        output = self.output
-        if type(output) is str:
-            content: tuple[TextPart | ImagePart, ...] = (TextPart(output),)
-        else:
-            content = tuple([_placed(p, f"{where}.output[{j}]")
-                             for j, p in enumerate(cast("list[TextPart | ImagePart]", output))])
+        """The tool message, its images placed."""
+        parts = cast("list[TextPart | ImagePart]", self.output)  # a string's is built
+        content = tuple([_placed(p, f"{where}.output[{j}]") for j, p in enumerate(parts)])
         return Message("tool", (ToolResultPart(self.call_id, content),))
 
 
@@ -285,13 +308,15 @@ class ReasoningItem:
     summary: list[SummaryText] | None = None
     encrypted_content: Any = None
 
-    def text(self, where: str) -> str:
+    @staticmethod
+    def __wire_build__(*, content: list[ReasoningText] | None, summary: list[SummaryText] | None,
+                       encrypted_content: Any, **_: Any) -> ReasoningPart:
         """Readable content, else the summary, joined; opaque encrypted reasoning alone is refused."""
-        texts = [p.text for p in self.content or ()] or [p.text for p in self.summary or ()]
-        if not texts and self.encrypted_content:
-            raise BadRequest(f"{where}: opaque encrypted reasoning is not supported; replay reasoning items with "
-                             "readable reasoning_text content", param=f"{where}.encrypted_content")
-        return "\n\n".join(t for t in texts if t)
+        texts = [p.text for p in content or ()] or [p.text for p in summary or ()]
+        if not texts and encrypted_content:
+            raise Invalid("opaque encrypted reasoning is not supported; replay reasoning items with readable "
+                          "reasoning_text content", param_at="encrypted_content")
+        return ReasoningPart("\n\n".join(t for t in texts if t))
 
 
 @attrs.define(kw_only=True)
@@ -302,6 +327,8 @@ class ItemReference:
 
 
 InputItem = MessageItem | FunctionCallItem | CustomToolCallItem | ToolOutputItem | ReasoningItem | ItemReference
+BuiltItem = Annotated[Message | ToolCallPart | ReasoningPart | MessageItem | ToolOutputItem, From(InputItem)]
+"""An input item as structured: its domain value, or the wire item where an image or refusal needs more."""
 
 
 @attrs.define(kw_only=True)
@@ -414,7 +441,7 @@ class ReasoningWire:
 class ResponsesWire(NativeGenerationFields):
     """The honoured fields of `RESPONSES_FIELDS`, each with its row; ignored and refused ones never reach it."""
 
-    input: str | list[InputItem] = wire_field(honoured("the conversation as input items"), required=True)
+    input: str | list[BuiltItem] = wire_field(honoured("the conversation as input items"), required=True)
     instructions: str | None = wire_field(honoured("leading system instructions"))
     tools: list[ToolWire] | None = wire_field(
         honoured("function, custom and namespace tools; hosted tool types are refused"))
@@ -567,8 +594,10 @@ def _tool_choice(choice: ToolChoiceWire | None, declared: dict[str, DeclaredTool
 _RANK = {ReasoningPart: 0, TextPart: 1, ImagePart: 1, ToolCallPart: 2}
 
 
-def decode_input(raw: str | list[InputItem], instructions: str | None) -> tuple[Message, ...]:
-    """Responses input (a string or items) → neutral messages. `instructions` lead as a system message.
+def decode_input(raw: str | list[Message | ToolCallPart | ReasoningPart | MessageItem | ToolOutputItem],
+                 instructions: str | None) -> tuple[Message, ...]:
+    """Responses input (a string or built items) → neutral messages. `instructions` lead as a system
+    message.
 
     Consecutive assistant-side items (reasoning, assistant messages, function and custom calls) form
     one assistant turn while they keep the order reasoning → text → calls; each tool output is its
@@ -579,42 +608,34 @@ def decode_input(raw: str | list[InputItem], instructions: str | None) -> tuple[
     if type(raw) is str:
         out.append(Message("user", (TextPart(raw),)))
         return tuple(out)
-    items = cast("list[InputItem]", raw)
-    if not items:
+    if not raw:
         raise BadRequest("'input' must contain at least one item", param="input")
     turn: list[Part] = []
-
-    def flush() -> None:
-        if turn:
-            out.append(Message("assistant", tuple(turn)))
-            turn.clear()
-
-    def assistant(part: Part) -> None:
-        if turn and _RANK[type(part)] < _RANK[type(turn[-1])]:
-            flush()
-        turn.append(part)
-
-    for i, item in enumerate(items):
-        kind = type(item)
-        if kind is MessageItem:
-            m = cast("MessageItem", item)
-            parts = m.parts(f"input[{i}]")
-            if m.role == "assistant":
-                for p in parts:
-                    assistant(p)
-            else:
-                flush()
-                out.append(Message(m.role, parts))
-        elif kind is FunctionCallItem or kind is CustomToolCallItem:
-            assistant(cast("FunctionCallItem | CustomToolCallItem", item).part())
-        elif kind is ToolOutputItem:
-            flush()
-            out.append(cast("ToolOutputItem", item).message(f"input[{i}]"))
+    rank = 0  # of the turn's last part
+    for i, item in enumerate(raw):
+        if type(item) is MessageItem or type(item) is ToolOutputItem:
+            item = item.message(f"input[{i}]")
+        if type(item) is Message:
+            if item.role != "assistant":
+                if turn:
+                    out.append(Message("assistant", tuple(turn)))
+                    turn = []
+                out.append(item)
+                continue
+            parts: tuple[Part, ...] = item.parts
+        elif type(item) is ReasoningPart and not item.text:
+            continue
         else:
-            text = cast("ReasoningItem", item).text(f"input[{i}]")
-            if text:
-                assistant(ReasoningPart(text))
-    flush()
+            parts = (cast("ToolCallPart | ReasoningPart", item),)
+        for part in parts:
+            part_rank = _RANK[type(part)]
+            if turn and part_rank < rank:
+                out.append(Message("assistant", tuple(turn)))
+                turn = []
+            turn.append(part)
+            rank = part_rank
+    if turn:
+        out.append(Message("assistant", tuple(turn)))
     return tuple(out)
 
 
