@@ -30,6 +30,7 @@ it (`DETAILED`) to find the path.
 from __future__ import annotations
 
 import base64
+import inspect
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -276,6 +277,14 @@ def _literal_factory(t: Any) -> Callable[[Any, Any], Any]:
     return hook
 
 
+def _builder_params(build: Callable[..., Any]) -> frozenset[str] | None:
+    """The keyword arguments a `BUILD` function takes; None where it takes any (``**fields``)."""
+    params = inspect.signature(build).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params)
+
+
 class WireConverter(cattrs.Converter):
     """The strict converter. Factories run at a type's first structuring, once every hook is
     registered: they look up their members' hooks then (wire types are not recursive). `detailed`
@@ -285,8 +294,11 @@ class WireConverter(cattrs.Converter):
         super().__init__(forbid_extra_keys=True, detailed_validation=detailed)
         self.detailed = detailed
         self._tagged: dict[Any, tuple[str, dict[str | None, tuple[Any, Callable[[Any, Any], Any]]]]] = {}
-        self._as_is: dict[Callable[[Any, Any], Any], frozenset[type]] = {}
-        """Kind-union hooks and the Python types they return as is (the fast functions test them inline)."""
+        self._inline: dict[Callable[[Any, Any], Any], tuple[str, Any]] = {
+            _strict_str: ("{w}.__class__ is {a}", str), _strict_bool: ("{w}.__class__ is {a}", bool),
+            _strict_int: ("{w}.__class__ is {a}", int), _nonempty_str: ("{w}.__class__ is str and {v}", None)}
+        """Hooks whose accepted values a fast function tests inline (calling the hook only to raise or
+        convert): a test over ``{w}`` (the value, first read), ``{v}`` (it again) and ``{a}`` (the datum)."""
         self.register_structure_hook_factory(_is_list, self.list_factory)
         self.register_structure_hook(int, _strict_int)
         self.register_structure_hook(float, _strict_float)
@@ -297,7 +309,7 @@ class WireConverter(cattrs.Converter):
         self.register_structure_hook(NonEmptyStr, _nonempty_str)
         self.register_structure_hook(JSONObjectText, _json_object_text)
         self.register_structure_hook(Base64Bytes, _base64_bytes)
-        self.register_structure_hook_factory(_is_literal, _literal_factory)
+        self.register_structure_hook_factory(_is_literal, self.literal_factory)
         self.register_structure_hook_factory(_is_tagged_union, self.tagged_factory)
         self.register_structure_hook_factory(_is_kind_union, self.kind_factory)
         self.register_structure_hook_factory(_is_class, self.class_hook)
@@ -384,6 +396,12 @@ class WireConverter(cattrs.Converter):
 
         return hook
 
+    def literal_factory(self, t: Any) -> Callable[[Any, Any], Any]:
+        hook = _literal_factory(t)
+        if all(type(a) is str for a in get_args(t)):
+            self._inline[hook] = "{w}.__class__ is str and {v} in {a}", frozenset(get_args(t))
+        return hook
+
     def kind_factory(self, t: Any) -> Callable[[Any, Any], Any]:
         """Members picked by the value's Python type (what json.loads made of it)."""
         table: dict[str, list[Any]] = {}
@@ -417,7 +435,7 @@ class WireConverter(cattrs.Converter):
             return found[1](v, found[0])
 
         if as_is:
-            self._as_is[hook] = frozenset(as_is)
+            self._inline[hook] = "{w}.__class__ in {a}", frozenset(as_is)
         return hook
 
     def class_hook(self, t: Any, checked: str | None = None) -> Callable[[Any, Any], Any]:
@@ -462,7 +480,8 @@ class WireConverter(cattrs.Converter):
         build: Callable[..., Any] | None = getattr(t, BUILD, None)
         if build is None:
             return instance_fn
-        names = [(f.alias, f.name) for f in attrs.fields(t)]
+        takes = _builder_params(build)
+        names = [(f.alias, f.name) for f in attrs.fields(t) if takes is None or f.alias in takes]
 
         def built(v: Any, _t: Any) -> Any:
             instance = instance_fn(v, _t)
@@ -475,28 +494,32 @@ class WireConverter(cattrs.Converter):
         """The fast converter's function for attrs class `t`: one generated call of `t` with each
         present key's value structured by its field's hook (`hooks` first), unknown keys refused
         where `forbid`. It accepts exactly what cattrs' detailed function accepts, without that
-        one's bookkeeping: the tag (`_any`) is passed as is and the exact-type leaves are tested
-        inline (and the kind unions' as-is types), calling their hook only to raise or convert. A class that
-        `BUILD`s its value calls that instead of the class; `check_object` tests that the value is an object."""
-        globs: dict[str, Any] = {"cls": getattr(t, BUILD, t), "allowed": frozenset(f.name for f in attrs.fields(t)),
+        one's bookkeeping: the tag (`_any`) is passed as is and the leaves, literals and kind unions
+        of `_inline` are tested inline, calling their hook only to raise or convert. A class that
+        `BUILD`s its value calls that instead of the class, with the fields it takes (the others are
+        structured for their errors only); `check_object` tests that the value is an object."""
+        build = getattr(t, BUILD, None)
+        takes = None if build is None else _builder_params(build)  # a builder's fields; None: all
+        globs: dict[str, Any] = {"cls": build or t, "allowed": frozenset(f.name for f in attrs.fields(t)),
                                  "extra_keys": _extra_keys, "not_object": _not_object}
         args: list[str] = []
         optional: list[str] = []
+        checks: list[str] = []  # fields a builder does not take: structured for their errors only
         for k, f in enumerate(attrs.fields(attrs.resolve_types(t))):
             hook = hooks.get(f.name) or self.get_structure_hook(f.type)
             key = repr(f.name)  # the JSON key, as cattrs reads it; `alias` is the init argument
             globs[f"h{k}"], globs[f"t{k}"] = hook, f.type
             if hook is _any:
                 value = f"o[{key}]"
-            elif hook in _EXACT:
-                globs[f"x{k}"] = _EXACT[hook]
-                value = f"(v{k} if (v{k} := o[{key}]).__class__ is x{k} else h{k}(v{k}, t{k}))"
-            elif hook in self._as_is:
-                globs[f"a{k}"] = self._as_is[hook]
-                value = f"(v{k} if (v{k} := o[{key}]).__class__ in a{k} else h{k}(v{k}, t{k}))"
+            elif hook in self._inline:
+                test, globs[f"a{k}"] = self._inline[hook]
+                value = f"(v{k} if {test.format(w=f'(v{k} := o[{key}])', v=f'v{k}', a=f'a{k}')} else h{k}(v{k}, t{k}))"
             else:
                 value = f"h{k}(o[{key}], t{k})"
-            if f.default is attrs.NOTHING:
+            if takes is not None and f.alias not in takes:
+                if hook is not _any:
+                    checks.append(f"    {value}" if f.default is attrs.NOTHING else f"    if {key} in o: {value}")
+            elif f.default is attrs.NOTHING:
                 args.append(f"{f.alias}={value}")
             elif isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
                 optional.append(f"    if {key} in o: kw[{key}] = {value}")
@@ -508,6 +531,7 @@ class WireConverter(cattrs.Converter):
             lines.append("    if o.__class__ is not dict: not_object(o)")
         if forbid:
             lines.append("    if not o.keys() <= allowed: extra_keys(o, allowed, cls)")
+        lines += checks
         if optional:
             lines += ["    kw = {}", *optional]
             args.append("**kw")
@@ -540,9 +564,6 @@ def _not_object(v: Any) -> None:
 def _extra_keys(o: dict[str, Any], allowed: frozenset[str], cls: type) -> None:
     raise ForbiddenExtraKeysError("", cls, set(o) - allowed)
 
-
-_EXACT: dict[Callable[[Any, Any], Any], type] = {_strict_str: str, _strict_bool: bool, _strict_int: int}
-"""Leaf hooks that take exactly one Python type as is (the fast functions test it inline)."""
 
 FAST = WireConverter(detailed=False)
 DETAILED = WireConverter(detailed=True)

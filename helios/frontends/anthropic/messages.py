@@ -105,10 +105,10 @@ class TextBlock:
                                         message="citations are not supported"))
 
     @staticmethod
-    def __wire_build__(*, text: str, cache_control: CacheControl | None, **fields: Any) -> TextPart | TextBlock:
+    def __wire_build__(*, type: Literal["text"], text: str, cache_control: CacheControl | None) -> TextPart | TextBlock:
         if cache_control is None:
             return TextPart(text)
-        return TextBlock(text=text, cache_control=cache_control, **fields)
+        return TextBlock(type=type, text=text, cache_control=cache_control)
 
     def part(self, i: int, j: int) -> Part:
         return TextPart(self.text)
@@ -168,13 +168,13 @@ class ToolResultBlock:
     toolset_name: Any = wire_field(TOOLSET_NAME)
 
     @staticmethod
-    def __wire_build__(*, tool_use_id: NonEmptyStr, content: Any, is_error: bool | None,
-                       cache_control: CacheControl | None, **fields: Any) -> ToolResultPart | ToolResultBlock:
-        parts = () if content is None else (TextPart(content),) if type(content) is str else \
+    def __wire_build__(*, type: Literal["tool_result"], tool_use_id: NonEmptyStr, content: Any, is_error: bool | None,
+                       cache_control: CacheControl | None) -> ToolResultPart | ToolResultBlock:
+        parts = () if content is None else (TextPart(content),) if isinstance(content, str) else \
             _built_parts(content, (TextPart,))
         if parts is None or cache_control is not None:
-            return ToolResultBlock(tool_use_id=tool_use_id, content=content, is_error=is_error,
-                                   cache_control=cache_control, **fields)
+            return ToolResultBlock(type=type, tool_use_id=tool_use_id, content=content, is_error=is_error,
+                                   cache_control=cache_control)
         return ToolResultPart(tool_use_id, parts, is_error=bool(is_error))
 
     def texts(self) -> list[str]:
@@ -206,7 +206,7 @@ class ToolUseBlock:
     toolset_name: Any = wire_field(TOOLSET_NAME)
 
     @staticmethod
-    def __wire_build__(*, id: str, name: str, input: dict[str, Any], **_: Any) -> ToolCallPart:
+    def __wire_build__(*, id: str, name: str, input: dict[str, Any]) -> ToolCallPart:
         return ToolCallPart(id, name, input)
 
 
@@ -218,7 +218,7 @@ class ThinkingBlock:
     cache_control: CacheControl | None = None
 
     @staticmethod
-    def __wire_build__(*, thinking: str, signature: str | None, **_: Any) -> ReasoningPart:
+    def __wire_build__(*, thinking: str, signature: str | None) -> ReasoningPart:
         if signature is not None and signature.startswith(THINKING_MARKER_PREFIX) and \
                 signature != thinking_signature(thinking):
             raise Invalid(f"the thinking block does not match its {THINKING_MARKER_PREFIX} signature", at="signature")
@@ -233,7 +233,7 @@ class RedactedThinkingBlock:
     data: str
 
     @staticmethod
-    def __wire_build__(**_: Any) -> None:
+    def __wire_build__() -> None:
         return None
 
 
@@ -277,9 +277,9 @@ class UserMessage(MessageControls):
     content: UserContent
 
     @staticmethod
-    def __wire_build__(*, content: UserContent, **fields: Any) -> Message | UserMessage:
+    def __wire_build__(*, role: Literal["user"], content: UserContent) -> Message | UserMessage:
         parts = (TextPart(content),) if isinstance(content, str) else _built_parts(content, (TextPart, ToolResultPart))
-        return UserMessage(content=content, **fields) if parts is None else Message("user", parts)
+        return UserMessage(role=role, content=content) if parts is None else Message(role, parts)
 
 
 @attrs.define(kw_only=True)
@@ -288,13 +288,13 @@ class AssistantMessage(MessageControls):
     content: AssistantContent
 
     @staticmethod
-    def __wire_build__(*, content: AssistantContent, **fields: Any) -> Message | AssistantMessage:
+    def __wire_build__(*, role: Literal["assistant"], content: AssistantContent) -> Message | AssistantMessage:
         if isinstance(content, str):
             return Message("assistant", (TextPart(content),))
         built: list[TextPart | ReasoningPart | ToolCallPart | TextBlock | None] = [
             b for b in content if b is not None]  # redacted thinking has no part
         parts = _built_parts(built, (TextPart, ReasoningPart, ToolCallPart))
-        return AssistantMessage(content=built, **fields) if parts is None else Message("assistant", parts)
+        return AssistantMessage(role=role, content=built) if parts is None else Message(role, parts)
 
 
 @attrs.define(kw_only=True)
@@ -303,7 +303,7 @@ class SystemMessage(MessageControls):
     content: str | list[BuiltText]
 
     @staticmethod
-    def __wire_build__(*, content: str | list[TextPart | TextBlock], **_: Any) -> Message:
+    def __wire_build__(*, content: str | list[TextPart | TextBlock]) -> Message:
         return Message("system", _system_parts(content))
 
 

@@ -4,7 +4,7 @@ conversation model, run it, and encode buffered or streamed chat completions."""
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Literal, cast
 
 import attrs
@@ -82,9 +82,7 @@ class TextContent:
     type: Literal["text"]
     text: str
 
-    @staticmethod
-    def __wire_build__(*, text: str, **_: Any) -> TextPart:
-        return TextPart(text)
+    __wire_build__: ClassVar[Callable[..., TextPart]] = TextPart
 
 
 @attrs.define(kw_only=True)
@@ -119,7 +117,7 @@ class ToolCallWire:
     id: str | None = None
 
     @staticmethod
-    def __wire_build__(*, function: CallFunction, id: str | None = None, **_: Any) -> ToolCallPart:
+    def __wire_build__(*, function: CallFunction, id: str | None) -> ToolCallPart:
         return ToolCallPart(id or "", function.name, function.arguments)
 
 
@@ -135,7 +133,7 @@ class PlainMessage:
 
     @staticmethod
     def __wire_build__(*, role: Literal["system", "developer", "user"], content: Content = None,
-                       name: str | None = None, **_: Any) -> Message | PlainMessage:
+                       name: str | None) -> Message | PlainMessage:
         parts = _parts(content, None)
         if parts is None:
             return PlainMessage(role=role, content=content, name=name)
@@ -158,13 +156,13 @@ class AssistantMessage:
     audio: Any = wire_field(ignored("a prior audio reply's id; Helios generates no audio"))
 
     @staticmethod
-    def __wire_build__(*, content: Content = None, name: str | None = None,
-                       tool_calls: list[ToolCallPart] | None = None, reasoning_content: str | None = None,
-                       reasoning: str | None = None, **fields: Any) -> Message | AssistantMessage:
+    def __wire_build__(*, role: Literal["assistant"], content: Content, name: str | None,
+                       tool_calls: list[ToolCallPart] | None, reasoning_content: str | None,
+                       reasoning: str | None) -> Message | AssistantMessage:
         parts = _parts(content, None)
         if parts is None:
-            return AssistantMessage(content=content, name=name, tool_calls=tool_calls,
-                                    reasoning_content=reasoning_content, reasoning=reasoning, **fields)
+            return AssistantMessage(role=role, content=content, name=name, tool_calls=tool_calls,
+                                    reasoning_content=reasoning_content, reasoning=reasoning)
         return _assistant(parts, reasoning_content if reasoning_content is not None else reasoning, tool_calls,
                           name)
 
@@ -190,8 +188,7 @@ class ToolMessage:
     name: str | None = None
 
     @staticmethod
-    def __wire_build__(*, tool_call_id: str, content: Content = None, name: str | None = None,
-                       **_: Any) -> Message | ToolMessage:
+    def __wire_build__(*, tool_call_id: str, content: Content, name: str | None) -> Message | ToolMessage:
         parts = _parts(content, None)
         if parts is None:
             return ToolMessage(role="tool", tool_call_id=tool_call_id, content=content, name=name)

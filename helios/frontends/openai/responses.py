@@ -99,9 +99,7 @@ class InputText:
     type: Literal["input_text", "output_text"]
     text: str
 
-    @staticmethod
-    def __wire_build__(*, text: str, **_: Any) -> TextPart:
-        return TextPart(text)
+    __wire_build__: ClassVar[Callable[..., TextPart]] = TextPart
 
 
 @attrs.define(kw_only=True)
@@ -128,7 +126,7 @@ class InputImage:
     file_id: str | None = None
 
     @staticmethod
-    def __wire_build__(*, image_url: str | None, file_id: str | None, **_: Any) -> ImagePart:
+    def __wire_build__(*, image_url: str | None, file_id: str | None) -> ImagePart:
         if file_id is not None:
             raise Invalid("file_id images are unsupported (there is no file store); send the image as a base64 "
                           "data URL in image_url", param_at="file_id")
@@ -187,8 +185,8 @@ class MessageItem:
     content: MessageContent
 
     @staticmethod
-    def __wire_build__(*, role: Literal["user", "system", "developer", "assistant"], content: MessageContent,
-                       **_: Any) -> Message | MessageItem:
+    def __wire_build__(*, role: Literal["user", "system", "developer", "assistant"],
+                       content: MessageContent) -> Message | MessageItem:
         if isinstance(content, str):
             return Message(role, (TextPart(content),))
         texts = _texts(content)
@@ -246,7 +244,7 @@ class FunctionCallItem:
 
     @staticmethod
     def __wire_build__(*, call_id: str, name: str, namespace: str | None,
-                       arguments: dict[str, Any] | None = None, **_: Any) -> ToolCallPart:
+                       arguments: dict[str, Any] | None = None) -> ToolCallPart:
         return ToolCallPart(call_id, _flat(namespace, name), {} if arguments is None else arguments)
 
 
@@ -260,8 +258,7 @@ class CustomToolCallItem:
     input: str
 
     @staticmethod
-    def __wire_build__(*, call_id: str, name: str, namespace: str | None, input: str,
-                       **_: Any) -> ToolCallPart:
+    def __wire_build__(*, call_id: str, name: str, namespace: str | None, input: str) -> ToolCallPart:
         return ToolCallPart(call_id, _flat(namespace, name), {"input": input})
 
 
@@ -273,10 +270,11 @@ class ToolOutputItem:
     output: OutputContent
 
     @staticmethod
-    def __wire_build__(*, call_id: NonEmptyStr, output: OutputContent, **fields: Any) -> Message | ToolOutputItem:
+    def __wire_build__(*, type: Literal["function_call_output", "custom_tool_call_output"], call_id: NonEmptyStr,
+                       output: OutputContent) -> Message | ToolOutputItem:
         texts = (TextPart(output),) if isinstance(output, str) else _texts(output)
         if texts is None:
-            return ToolOutputItem(call_id=call_id, output=output, **fields)
+            return ToolOutputItem(type=type, call_id=call_id, output=output)
         return Message("tool", (ToolResultPart(call_id, texts),))
 
     def message(self, where: str) -> Message:
@@ -310,7 +308,7 @@ class ReasoningItem:
 
     @staticmethod
     def __wire_build__(*, content: list[ReasoningText] | None, summary: list[SummaryText] | None,
-                       encrypted_content: Any, **_: Any) -> ReasoningPart:
+                       encrypted_content: Any) -> ReasoningPart:
         """Readable content, else the summary, joined; opaque encrypted reasoning alone is refused."""
         texts = [p.text for p in content or ()] or [p.text for p in summary or ()]
         if not texts and encrypted_content:
