@@ -13,9 +13,11 @@ not a number). Below the top level:
   misplaced blocks, hosted tools); one member whose tag has a default is taken when the tag is absent
   (a Responses message item without ``type``);
 - a class may *build* the value it stands for (`BUILD`, a function of its fields): both converters
-  return the built value (a domain part) instead of an instance, and a field holding such values
-  declares the built type with the wire shape it comes from, ``Annotated[TextPart, From(InputText)]``
-  (one object per block instead of a wire object and then its domain part);
+  return the built value (a domain part) instead of an instance, or the instance where the builder
+  returns None (the value needs context the fields lack, such as an image's place, and the decoder
+  completes it); a field holding such values declares the built type with the wire shape it comes
+  from, ``Annotated[TextPart, From(InputText)]`` (one object per block instead of a wire object and
+  then its domain part);
 - a field's `fields.FieldPolicy` lives in its metadata (`wire_field`); a class whose fields include
   ignored or refused ones screens them after structuring, and a class marked `lenient` ignores
   unknown keys instead of refusing them (content parts, whose extensions vLLM ignores too);
@@ -60,8 +62,9 @@ REFUSED = "__wire_refused__"
 tag), which the union knows but does not take; or a function of the tag returning the `Invalid`. Such a
 member declares only its tag."""
 BUILD = "__wire_build__"
-"""A class attribute: a function taking the class's fields as keyword arguments (by alias) and returning
-the value the class stands for; both converters return it in place of an instance (see `From`)."""
+"""A class attribute: a function taking fields of the class as keyword arguments (by alias; the ones it
+names, or all) and returning the value the class stands for, which both converters return in place of
+an instance (see `From`); or None, and they return the instance, whose fields not taken are defaults."""
 
 
 @attrs.frozen
@@ -168,6 +171,27 @@ def _base64_bytes(v: Any, _t: Any) -> bytes:
         return base64.b64decode(v, validate=True)
     except ValueError:  # binascii.Error is a ValueError
         raise Invalid("is not valid base64 data") from None
+
+
+IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp")
+"""The image types a request may declare (the serving side checks the bytes against them)."""
+
+
+def data_url_image(url: str, *, param_at: str | None = None) -> tuple[str, bytes]:
+    """A base64 data URL's declared media type and bytes; Invalid (naming `param_at`) for anything else."""
+    if not url.startswith("data:"):
+        raise Invalid("images must be base64 data URLs; remote image downloads are unsupported", param_at=param_at)
+    head, _, data = url.partition(",")
+    media = head[5:].split(";")[0]
+    if media not in IMAGE_MEDIA_TYPES:
+        raise Invalid(f"unsupported image type '{media}'; images must be base64 PNG, JPEG or WebP data URLs",
+                      param_at=param_at)
+    if ";base64" not in head:
+        raise Invalid("images must be base64 PNG, JPEG or WebP data URLs", param_at=param_at)
+    try:
+        return media, base64.b64decode(data, validate=True)
+    except ValueError:  # binascii.Error is a ValueError
+        raise Invalid("invalid base64 image data", param_at=param_at) from None
 
 
 def _nonempty_str(v: Any, _t: Any) -> str:
@@ -485,7 +509,8 @@ class WireConverter(cattrs.Converter):
 
         def built(v: Any, _t: Any) -> Any:
             instance = instance_fn(v, _t)
-            return build(**{alias: getattr(instance, name) for alias, name in names})
+            value = build(**{alias: getattr(instance, name) for alias, name in names})
+            return instance if value is None else value
 
         return built
 
@@ -504,7 +529,8 @@ class WireConverter(cattrs.Converter):
                                  "extra_keys": _extra_keys, "not_object": _not_object}
         args: list[str] = []
         optional: list[str] = []
-        checks: list[str] = []  # fields a builder does not take: structured for their errors only
+        checks: list[str] = []  # fields a builder does not take
+        kept: list[str] = []  # every field, for the instance
         for k, f in enumerate(attrs.fields(attrs.resolve_types(t))):
             hook = hooks.get(f.name) or self.get_structure_hook(f.type)
             key = repr(f.name)  # the JSON key, as cattrs reads it; `alias` is the init argument
@@ -516,16 +542,20 @@ class WireConverter(cattrs.Converter):
                 value = f"(v{k} if {test.format(w=f'(v{k} := o[{key}])', v=f'v{k}', a=f'a{k}')} else h{k}(v{k}, t{k}))"
             else:
                 value = f"h{k}(o[{key}], t{k})"
-            if takes is not None and f.alias not in takes:
-                if hook is not _any:
-                    checks.append(f"    {value}" if f.default is attrs.NOTHING else f"    if {key} in o: {value}")
-            elif f.default is attrs.NOTHING:
-                args.append(f"{f.alias}={value}")
-            elif isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
-                optional.append(f"    if {key} in o: kw[{key}] = {value}")
-            else:
+            if isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
+                optional.append(f"    if {key} in o: kw[{key}] = {value}")  # the instance gets kw too
+                continue
+            if f.default is not attrs.NOTHING:
                 globs[f"d{k}"] = f.default
-                args.append(f"{f.alias}={value} if {key} in o else d{k}")
+                value = f"({value} if {key} in o else d{k})"
+            if build is None:
+                args.append(f"{f.alias}={value}")
+                continue
+            kept.append(f"{f.alias}=f{k}")  # for the instance, where the builder returns None
+            if takes is None or f.alias in takes:
+                args.append(f"{f.alias}=(f{k} := {value})")
+            else:  # structured for its errors (and the instance) only
+                checks.append(f"    f{k} = {value}")
         lines = ["def structure(o, _t):"]
         if check_object:
             lines.append("    if o.__class__ is not dict: not_object(o)")
@@ -535,7 +565,13 @@ class WireConverter(cattrs.Converter):
         if optional:
             lines += ["    kw = {}", *optional]
             args.append("**kw")
-        lines.append(f"    return cls({', '.join(args)})")
+            kept.append("**kw")
+        if build is None:
+            lines.append(f"    return cls({', '.join(args)})")
+        else:
+            globs["wire_cls"] = t
+            lines += [f"    value = cls({', '.join(args)})",
+                      f"    return value if value is not None else wire_cls({', '.join(kept)})"]
         exec(compile("\n".join(lines), f"<wire structure {t.__qualname__}>", "exec"), globs)
         fn: Callable[[Any, Any], Any] = globs["structure"]
         return fn

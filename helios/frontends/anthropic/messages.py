@@ -92,8 +92,8 @@ class CacheControl:
 
 # Blocks build their domain part where it is complete; a block that needs its message's context stays
 # a wire block: an image (its place), a user block marked with cache_control (a breakpoint), a tool
-# result holding either. A message whose blocks all built builds its Message; `decode_messages`
-# completes the others with their index.
+# result holding either (their builders return None). A message whose blocks all built builds its
+# Message; `decode_messages` completes the others with their index.
 
 
 @attrs.define(kw_only=True)
@@ -105,10 +105,8 @@ class TextBlock:
                                         message="citations are not supported"))
 
     @staticmethod
-    def __wire_build__(*, type: Literal["text"], text: str, cache_control: CacheControl | None) -> TextPart | TextBlock:
-        if cache_control is None:
-            return TextPart(text)
-        return TextBlock(type=type, text=text, cache_control=cache_control)
+    def __wire_build__(*, type: Literal["text"], text: str, cache_control: CacheControl | None) -> TextPart | None:
+        return TextPart(text) if cache_control is None else None
 
     def part(self, i: int, j: int) -> Part:
         return TextPart(self.text)
@@ -117,7 +115,7 @@ class TextBlock:
 @attrs.define(kw_only=True)
 class Base64Source:
     type: Literal["base64"]
-    media_type: Literal["image/png", "image/jpeg", "image/webp"]
+    media_type: Literal["image/png", "image/jpeg", "image/webp"]  # wire.IMAGE_MEDIA_TYPES
     data: Base64Bytes
 
 
@@ -169,12 +167,11 @@ class ToolResultBlock:
 
     @staticmethod
     def __wire_build__(*, type: Literal["tool_result"], tool_use_id: NonEmptyStr, content: Any, is_error: bool | None,
-                       cache_control: CacheControl | None) -> ToolResultPart | ToolResultBlock:
+                       cache_control: CacheControl | None) -> ToolResultPart | None:
         parts = () if content is None else (TextPart(content),) if isinstance(content, str) else \
             _built_parts(content, (TextPart,))
         if parts is None or cache_control is not None:
-            return ToolResultBlock(type=type, tool_use_id=tool_use_id, content=content, is_error=is_error,
-                                   cache_control=cache_control)
+            return None
         return ToolResultPart(tool_use_id, parts, is_error=bool(is_error))
 
     def texts(self) -> list[str]:
@@ -232,8 +229,7 @@ class RedactedThinkingBlock:
     type: Literal["redacted_thinking"]
     data: str
 
-    @staticmethod
-    def __wire_build__() -> None:
+    def part(self, i: int, j: int) -> None:
         return None
 
 
@@ -253,7 +249,7 @@ UserBlock = TextBlock | ImageBlock | ToolResultBlock | AssistantOnlyBlock
 AssistantBlock = TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | UserOnlyBlock
 UserContent = str | list[Annotated[TextPart | ToolResultPart | TextBlock | ImageBlock | ToolResultBlock,
                                    From(UserBlock)]]
-AssistantContent = str | list[Annotated[TextPart | ReasoningPart | ToolCallPart | TextBlock | None,
+AssistantContent = str | list[Annotated[TextPart | ReasoningPart | ToolCallPart | TextBlock | RedactedThinkingBlock,
                                         From(AssistantBlock)]]
 
 # api.md: message-level control metadata (output_config.effort and the like) is ignored; the
@@ -277,9 +273,9 @@ class UserMessage(MessageControls):
     content: UserContent
 
     @staticmethod
-    def __wire_build__(*, role: Literal["user"], content: UserContent) -> Message | UserMessage:
+    def __wire_build__(*, role: Literal["user"], content: UserContent) -> Message | None:
         parts = (TextPart(content),) if isinstance(content, str) else _built_parts(content, (TextPart, ToolResultPart))
-        return UserMessage(role=role, content=content) if parts is None else Message(role, parts)
+        return None if parts is None else Message(role, parts)
 
 
 @attrs.define(kw_only=True)
@@ -288,13 +284,12 @@ class AssistantMessage(MessageControls):
     content: AssistantContent
 
     @staticmethod
-    def __wire_build__(*, role: Literal["assistant"], content: AssistantContent) -> Message | AssistantMessage:
+    def __wire_build__(*, role: Literal["assistant"], content: AssistantContent) -> Message | None:
         if isinstance(content, str):
-            return Message("assistant", (TextPart(content),))
-        built: list[TextPart | ReasoningPart | ToolCallPart | TextBlock | None] = [
-            b for b in content if b is not None]  # redacted thinking has no part
-        parts = _built_parts(built, (TextPart, ReasoningPart, ToolCallPart))
-        return AssistantMessage(role=role, content=built) if parts is None else Message(role, parts)
+            return Message(role, (TextPart(content),))
+        parts = _built_parts([b for b in content if type(b) is not RedactedThinkingBlock],  # it has no part
+                             (TextPart, ReasoningPart, ToolCallPart))
+        return None if parts is None else Message(role, parts)
 
 
 @attrs.define(kw_only=True)
@@ -579,7 +574,7 @@ def decode_messages(system: str | list[TextPart | TextBlock] | None,
         parts = [b if type(b) in _PARTS else b.part(i, j) for j, b in enumerate(blocks)]
         if type(m) is UserMessage and len(breakpoints) < MAX_BREAKPOINTS:
             _breakpoints(blocks, breakpoints)
-        out.append(Message(m.role, tuple(parts)))
+        out.append(Message(m.role, tuple([p for p in parts if p is not None])))  # redacted thinking has none
     return tuple(out), tuple(breakpoints)
 
 

@@ -3,7 +3,6 @@ conversation model, run it, and encode buffered or streamed chat completions."""
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Literal, cast
 
@@ -64,7 +63,7 @@ from helios.frontends.openai.logprobs import (
     validate_prompt_logprobs,
 )
 from helios.frontends.structured import decode_response_format, decode_structured_outputs, one_constraint
-from helios.frontends.wire import From, JSONObjectText, NonEmptyStr, structure
+from helios.frontends.wire import From, Invalid, JSONObjectText, NonEmptyStr, data_url_image, structure
 
 
 @attrs.define(kw_only=True)
@@ -122,7 +121,7 @@ class ToolCallWire:
 
 
 # A message builds its domain Message where its parts are complete; one holding an image stays a wire
-# message, and `decode_messages` completes it with its index (the image's place).
+# message (its builder returns None), and `decode_messages` completes it with its index (the image's place).
 
 
 @attrs.define(kw_only=True)
@@ -133,11 +132,9 @@ class PlainMessage:
 
     @staticmethod
     def __wire_build__(*, role: Literal["system", "developer", "user"], content: Content = None,
-                       name: str | None) -> Message | PlainMessage:
+                       name: str | None) -> Message | None:
         parts = _parts(content, None)
-        if parts is None:
-            return PlainMessage(role=role, content=content, name=name)
-        return Message(role, parts, name=name)
+        return None if parts is None else Message(role, parts, name=name)
 
     def message(self, index: int) -> Message:
         return Message(self.role, _parts(self.content, index) or (), name=self.name)
@@ -158,11 +155,10 @@ class AssistantMessage:
     @staticmethod
     def __wire_build__(*, role: Literal["assistant"], content: Content, name: str | None,
                        tool_calls: list[ToolCallPart] | None, reasoning_content: str | None,
-                       reasoning: str | None) -> Message | AssistantMessage:
+                       reasoning: str | None) -> Message | None:
         parts = _parts(content, None)
         if parts is None:
-            return AssistantMessage(role=role, content=content, name=name, tool_calls=tool_calls,
-                                    reasoning_content=reasoning_content, reasoning=reasoning)
+            return None
         return _assistant(parts, reasoning_content if reasoning_content is not None else reasoning, tool_calls,
                           name)
 
@@ -188,11 +184,10 @@ class ToolMessage:
     name: str | None = None
 
     @staticmethod
-    def __wire_build__(*, tool_call_id: str, content: Content, name: str | None) -> Message | ToolMessage:
+    def __wire_build__(*, role: Literal["tool"], tool_call_id: str, content: Content,
+                       name: str | None) -> Message | None:
         parts = _parts(content, None)
-        if parts is None:
-            return ToolMessage(role="tool", tool_call_id=tool_call_id, content=content, name=name)
-        return Message("tool", (ToolResultPart(tool_call_id, parts),), name=name)
+        return None if parts is None else Message(role, (ToolResultPart(tool_call_id, parts),), name=name)
 
     def message(self, index: int) -> Message:
         content = _parts(self.content, index) or ()
@@ -309,18 +304,10 @@ def _parts(content: Content, index: int | None) -> tuple[TextPart | ImagePart, .
 
 def _image_from_url(url: str, where: str) -> ImagePart:
     """A base64 data URL's image; `where` (the content part) is the image's place in later messages."""
-    param = f"{where}.image_url.url"
-    if not url.startswith("data:"):
-        raise BadRequest(f"{where}: images must be base64 data URLs; remote image downloads are unsupported",
-                         param=param)
-    head, _, data = url.partition(",")
-    media = head[5:].split(";")[0]
-    if media not in ("image/png", "image/jpeg", "image/webp"):
-        raise BadRequest(f"{where}: unsupported image type '{media}'", param=param)
     try:
-        raw = base64.b64decode(data, validate=True)
-    except ValueError:
-        raise BadRequest(f"{where}: invalid base64 image data", param=param) from None
+        media, raw = data_url_image(url)
+    except Invalid as exc:
+        raise BadRequest(f"{where}: {exc.reason}", param=f"{where}.image_url.url") from None
     return ImagePart(media, raw, where)
 
 

@@ -13,7 +13,6 @@ encoder and its event order, is `helios.frontends.openai.responses_encoder`.
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, NewType, cast
 
@@ -65,6 +64,7 @@ from helios.frontends.wire import (
     Invalid,
     NativeGenerationFields,
     NonEmptyStr,
+    data_url_image,
     loads_strict,
     register_leaf,
     structure,
@@ -111,9 +111,6 @@ class RefusalText:
     refusal: str
 
 
-IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp")
-
-
 @attrs.define(kw_only=True)
 class InputImage:
     """A base64 data URL's image; the serving side checks its bytes, the limits and that the model
@@ -130,17 +127,7 @@ class InputImage:
         if file_id is not None:
             raise Invalid("file_id images are unsupported (there is no file store); send the image as a base64 "
                           "data URL in image_url", param_at="file_id")
-        if image_url is None or not image_url.startswith("data:"):
-            raise Invalid("images must be base64 data URLs; remote image downloads are unsupported",
-                          param_at="image_url")
-        head, _comma, data = image_url.partition(",")
-        media = head[5:].split(";")[0]
-        if media not in IMAGE_TYPES or ";base64" not in head:
-            raise Invalid("images must be base64 PNG, JPEG or WebP data URLs", param_at="image_url")
-        try:
-            raw = base64.b64decode(data, validate=True)
-        except ValueError:
-            raise Invalid("invalid base64 image data", param_at="image_url") from None
+        media, raw = data_url_image(image_url or "", param_at="image_url")
         return ImagePart(media, raw)
 
 
@@ -172,7 +159,7 @@ def _texts(parts: list[Any]) -> tuple[TextPart, ...] | None:
 
 # Items build their domain value where they are complete: a message its Message, a call its
 # ToolCallPart, an output its tool Message, reasoning its ReasoningPart. An item holding an image or a
-# refusal stays a wire item, which `decode_input` completes with its place.
+# refusal stays a wire item (its builder returns None), which `decode_input` completes with its place.
 
 
 @attrs.define(kw_only=True)
@@ -186,11 +173,9 @@ class MessageItem:
 
     @staticmethod
     def __wire_build__(*, role: Literal["user", "system", "developer", "assistant"],
-                       content: MessageContent) -> Message | MessageItem:
-        if isinstance(content, str):
-            return Message(role, (TextPart(content),))
-        texts = _texts(content)
-        return MessageItem(role=role, content=content) if texts is None else Message(role, texts)
+                       content: MessageContent) -> Message | None:
+        texts = (TextPart(content),) if isinstance(content, str) else _texts(content)
+        return None if texts is None else Message(role, texts)
 
     def message(self, where: str) -> Message:
         """The message, its images placed (only a user's) and its refusals read (only an assistant's)."""
@@ -271,11 +256,9 @@ class ToolOutputItem:
 
     @staticmethod
     def __wire_build__(*, type: Literal["function_call_output", "custom_tool_call_output"], call_id: NonEmptyStr,
-                       output: OutputContent) -> Message | ToolOutputItem:
+                       output: OutputContent) -> Message | None:
         texts = (TextPart(output),) if isinstance(output, str) else _texts(output)
-        if texts is None:
-            return ToolOutputItem(type=type, call_id=call_id, output=output)
-        return Message("tool", (ToolResultPart(call_id, texts),))
+        return None if texts is None else Message("tool", (ToolResultPart(call_id, texts),))
 
     def message(self, where: str) -> Message:
         """The tool message, its images placed."""
