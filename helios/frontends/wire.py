@@ -344,30 +344,9 @@ class WireConverter(cattrs.Converter):
         elem = args[0] if args else Any
         if _is_built(elem):
             elem = _built_from(elem)
-        elem_hook = self.get_structure_hook(elem)
-
         if not self.detailed and _is_tagged_union(elem):  # the hot path: messages, parts, items
-            tag_name, by_tag = self.tagged_members(elem)
-
-            def tagged_list(v: Any, _t: Any) -> list[Any]:
-                if type(v) is not list:
-                    raise TypeError(f"expected an array, got {json_kind(v)}")
-                out: list[Any] = []
-                for x in v:  # anything wrong raises, and `structure` finds it again in detail
-                    member, member_hook = by_tag[x[tag_name]]
-                    out.append(member_hook(x, member))
-                return out
-
-            def defaulted_list(v: Any, _t: Any) -> list[Any]:
-                if type(v) is not list:
-                    raise TypeError(f"expected an array, got {json_kind(v)}")
-                out: list[Any] = []
-                for x in v:
-                    member, member_hook = by_tag[x.get(tag_name)]
-                    out.append(member_hook(x, member))
-                return out
-
-            return defaulted_list if None in by_tag else tagged_list
+            return self._tagged_list(elem)
+        elem_hook = self.get_structure_hook(elem)
 
         def hook(v: Any, _t: Any) -> list[Any]:
             # A string is not a list of characters, and an object is not a list of its keys.
@@ -377,16 +356,24 @@ class WireConverter(cattrs.Converter):
                 return list(v)
             if not self.detailed:
                 return [elem_hook(x, elem) for x in v]
-            out: list[Any] = []
-            for i, x in enumerate(v):
-                try:
-                    out.append(elem_hook(x, elem))
-                except Exception as exc:  # the first failure, with its index (as cattrs notes it)
-                    exc.add_note(IterableValidationNote(f"Structuring {elem} @ index {i}", i, elem))
-                    raise IterableValidationError(f"While structuring {t}", [exc], t) from None
-            return out
+            return _detailed_list(v, t, elem, elem_hook)
 
         return hook
+
+    def _tagged_list(self, elem: Any) -> Callable[[Any, Any], list[Any]]:
+        """The fast hook of a list of tagged-union members: each element's hook looked up by its tag."""
+        tag_name, by_tag = self.tagged_members(elem)
+
+        def tagged_list(v: Any, _t: Any) -> list[Any]:
+            if type(v) is not list:
+                raise TypeError(f"expected an array, got {json_kind(v)}")
+            out: list[Any] = []
+            for x in v:  # anything wrong raises (an absent tag too, unless a member takes it), and
+                member, member_hook = by_tag[x.get(tag_name)]  # `structure` finds it again in detail
+                out.append(member_hook(x, member))
+            return out
+
+        return tagged_list
 
     def tagged_members(self, t: Any) -> tuple[str, dict[str | None, tuple[Any, Callable[[Any, Any], Any]]]]:
         """A tagged union's tag and, for each tag value, its member and the member's hook (under None,
@@ -532,16 +519,8 @@ class WireConverter(cattrs.Converter):
         checks: list[str] = []  # fields a builder does not take
         kept: list[str] = []  # every field, for the instance
         for k, f in enumerate(attrs.fields(attrs.resolve_types(t))):
-            hook = hooks.get(f.name) or self.get_structure_hook(f.type)
             key = repr(f.name)  # the JSON key, as cattrs reads it; `alias` is the init argument
-            globs[f"h{k}"], globs[f"t{k}"] = hook, f.type
-            if hook is _any:
-                value = f"o[{key}]"
-            elif hook in self._inline:
-                test, globs[f"a{k}"] = self._inline[hook]
-                value = f"(v{k} if {test.format(w=f'(v{k} := o[{key}])', v=f'v{k}', a=f'a{k}')} else h{k}(v{k}, t{k}))"
-            else:
-                value = f"h{k}(o[{key}], t{k})"
+            value = self._value_code(k, key, hooks.get(f.name) or self.get_structure_hook(f.type), f.type, globs)
             if isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
                 optional.append(f"    if {key} in o: kw[{key}] = {value}")  # the instance gets kw too
                 continue
@@ -576,6 +555,16 @@ class WireConverter(cattrs.Converter):
         fn: Callable[[Any, Any], Any] = globs["structure"]
         return fn
 
+    def _value_code(self, k: int, key: str, hook: Callable[[Any, Any], Any], tp: Any, globs: dict[str, Any]) -> str:
+        """The expression of field `k`'s value (JSON key `key`) in a fast function, its names in `globs`."""
+        globs[f"h{k}"], globs[f"t{k}"] = hook, tp
+        if hook is _any:
+            return f"o[{key}]"
+        if hook in self._inline:
+            test, globs[f"a{k}"] = self._inline[hook]
+            return f"(v{k} if {test.format(w=f'(v{k} := o[{key}])', v=f'v{k}', a=f'a{k}')} else h{k}(v{k}, t{k}))"
+        return f"h{k}(o[{key}], t{k})"
+
     def _screened(self, tp: Any, name: str, row: FieldPolicy) -> Callable[[Any, Any], Any]:
         """An ignored or refused field's hook: its value structured, then screened by its row (the
         field's hook runs only where the key is present: an absent field costs nothing)."""
@@ -591,6 +580,17 @@ class WireConverter(cattrs.Converter):
             return value
 
         return hook
+
+
+def _detailed_list(v: list[Any], t: Any, elem: Any, elem_hook: Callable[[Any, Any], Any]) -> list[Any]:
+    out: list[Any] = []
+    for i, x in enumerate(v):
+        try:
+            out.append(elem_hook(x, elem))
+        except Exception as exc:  # the first failure, with its index (as cattrs notes it)
+            exc.add_note(IterableValidationNote(f"Structuring {elem} @ index {i}", i, elem))
+            raise IterableValidationError(f"While structuring {t}", [exc], t) from None
+    return out
 
 
 def _not_object(v: Any) -> None:
