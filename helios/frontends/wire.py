@@ -605,6 +605,15 @@ FAST = WireConverter(detailed=False)
 DETAILED = WireConverter(detailed=True)
 
 
+def all_built(values: list[Any], types: tuple[type, ...]) -> tuple[Any, ...] | None:
+    """`values` (a list of built values and kept instances) where every one is of the built `types`;
+    None where one was kept, to be completed with context (a builder's test for its own value)."""
+    for v in values:
+        if type(v) not in types:
+            return None
+    return tuple(values)
+
+
 def register_leaf(t: Any, hook: Callable[[Any, Any], Any]) -> None:
     """A protocol's own leaf type (a `NewType`) and its check, on both converters."""
     for converter in (FAST, DETAILED):

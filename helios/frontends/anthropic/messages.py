@@ -48,7 +48,16 @@ from helios.frontends.fields import (
     wire_field,
 )
 from helios.frontends.structured import decode_output_format
-from helios.frontends.wire import Base64Bytes, From, Invalid, NonEmptyStr, json_kind, register_leaf, structure
+from helios.frontends.wire import (
+    Base64Bytes,
+    From,
+    Invalid,
+    NonEmptyStr,
+    all_built,
+    json_kind,
+    register_leaf,
+    structure,
+)
 from helios.recipes import RECIPES, EffortError, resolve_effort
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -105,7 +114,7 @@ class TextBlock:
                                         message="citations are not supported"))
 
     @staticmethod
-    def __wire_build__(*, type: Literal["text"], text: str, cache_control: CacheControl | None) -> TextPart | None:
+    def __wire_build__(*, text: str, cache_control: CacheControl | None) -> TextPart | None:
         return TextPart(text) if cache_control is None else None
 
     def part(self, i: int, j: int) -> Part:
@@ -148,14 +157,6 @@ BuiltText = Annotated[TextPart | TextBlock, From(TextBlock)]
 """A text block as structured: its part, or the block where it carries cache_control."""
 
 
-def _built_parts(blocks: list[Any], domain: tuple[type, ...]) -> tuple[Any, ...] | None:
-    """`blocks` where every one built a part of the `domain` types; None where one needs its context."""
-    for b in blocks:
-        if type(b) not in domain:
-            return None
-    return tuple(blocks)
-
-
 @attrs.define(kw_only=True)
 class ToolResultBlock:
     type: Literal["tool_result"]
@@ -166,10 +167,10 @@ class ToolResultBlock:
     toolset_name: Any = wire_field(TOOLSET_NAME)
 
     @staticmethod
-    def __wire_build__(*, type: Literal["tool_result"], tool_use_id: NonEmptyStr, content: Any, is_error: bool | None,
+    def __wire_build__(*, tool_use_id: NonEmptyStr, content: Any, is_error: bool | None,
                        cache_control: CacheControl | None) -> ToolResultPart | None:
         parts = () if content is None else (TextPart(content),) if isinstance(content, str) else \
-            _built_parts(content, (TextPart,))
+            all_built(content, (TextPart,))
         if parts is None or cache_control is not None:
             return None
         return ToolResultPart(tool_use_id, parts, is_error=bool(is_error))
@@ -274,7 +275,7 @@ class UserMessage(MessageControls):
 
     @staticmethod
     def __wire_build__(*, role: Literal["user"], content: UserContent) -> Message | None:
-        parts = (TextPart(content),) if isinstance(content, str) else _built_parts(content, (TextPart, ToolResultPart))
+        parts = (TextPart(content),) if isinstance(content, str) else all_built(content, (TextPart, ToolResultPart))
         return None if parts is None else Message(role, parts)
 
 
@@ -287,7 +288,7 @@ class AssistantMessage(MessageControls):
     def __wire_build__(*, role: Literal["assistant"], content: AssistantContent) -> Message | None:
         if isinstance(content, str):
             return Message(role, (TextPart(content),))
-        parts = _built_parts([b for b in content if type(b) is not RedactedThinkingBlock],  # it has no part
+        parts = all_built([b for b in content if type(b) is not RedactedThinkingBlock],  # it has no part
                              (TextPart, ReasoningPart, ToolCallPart))
         return None if parts is None else Message(role, parts)
 

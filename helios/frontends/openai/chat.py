@@ -63,7 +63,15 @@ from helios.frontends.openai.logprobs import (
     validate_prompt_logprobs,
 )
 from helios.frontends.structured import decode_response_format, decode_structured_outputs, one_constraint
-from helios.frontends.wire import From, Invalid, JSONObjectText, NonEmptyStr, data_url_image, structure
+from helios.frontends.wire import (
+    From,
+    Invalid,
+    JSONObjectText,
+    NonEmptyStr,
+    all_built,
+    data_url_image,
+    structure,
+)
 
 
 @attrs.define(kw_only=True)
@@ -153,9 +161,8 @@ class AssistantMessage:
     audio: Any = wire_field(ignored("a prior audio reply's id; Helios generates no audio"))
 
     @staticmethod
-    def __wire_build__(*, role: Literal["assistant"], content: Content, name: str | None,
-                       tool_calls: list[ToolCallPart] | None, reasoning_content: str | None,
-                       reasoning: str | None) -> Message | None:
+    def __wire_build__(*, content: Content, name: str | None, tool_calls: list[ToolCallPart] | None,
+                       reasoning_content: str | None, reasoning: str | None) -> Message | None:
         parts = _parts(content, None)
         if parts is None:
             return None
@@ -184,10 +191,9 @@ class ToolMessage:
     name: str | None = None
 
     @staticmethod
-    def __wire_build__(*, role: Literal["tool"], tool_call_id: str, content: Content,
-                       name: str | None) -> Message | None:
+    def __wire_build__(*, tool_call_id: str, content: Content, name: str | None) -> Message | None:
         parts = _parts(content, None)
-        return None if parts is None else Message(role, (ToolResultPart(tool_call_id, parts),), name=name)
+        return None if parts is None else Message("tool", (ToolResultPart(tool_call_id, parts),), name=name)
 
     def message(self, index: int) -> Message:
         content = _parts(self.content, index) or ()
@@ -293,10 +299,7 @@ def _parts(content: Content, index: int | None) -> tuple[TextPart | ImagePart, .
         return (TextPart(content),)
     parts = cast("list[TextPart | ImageContent]", content)
     if index is None:
-        for p in parts:
-            if type(p) is not TextPart:
-                return None
-        return tuple(cast("list[TextPart]", parts))
+        return all_built(parts, (TextPart,))
     return tuple([p if type(p) is TextPart else
                   _image_from_url(cast("ImageContent", p).image_url.url, f"messages[{index}].content[{j}]")
                   for j, p in enumerate(parts)])

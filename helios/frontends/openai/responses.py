@@ -64,6 +64,7 @@ from helios.frontends.wire import (
     Invalid,
     NativeGenerationFields,
     NonEmptyStr,
+    all_built,
     data_url_image,
     loads_strict,
     register_leaf,
@@ -115,7 +116,7 @@ class RefusalText:
 class InputImage:
     """A base64 data URL's image; the serving side checks its bytes, the limits and that the model
     takes images (a text-only model's 400 names the model, as on every route). It is built without
-    its place; the item that holds it gives it one (`placed`)."""
+    its place; the item that holds it gives it one (`_placed`)."""
 
     __wire_lenient__: ClassVar[bool] = True  # detail: the whole image is always used
     type: Literal["input_image"]
@@ -149,14 +150,6 @@ def _placed(part: TextPart | ImagePart, where: str) -> TextPart | ImagePart:
     return part
 
 
-def _texts(parts: list[Any]) -> tuple[TextPart, ...] | None:
-    """`parts` where all are text; None where one needs more (an image its place, a refusal its role)."""
-    for p in parts:
-        if type(p) is not TextPart:
-            return None
-    return tuple(parts)
-
-
 # Items build their domain value where they are complete: a message its Message, a call its
 # ToolCallPart, an output its tool Message, reasoning its ReasoningPart. An item holding an image or a
 # refusal stays a wire item (its builder returns None), which `decode_input` completes with its place.
@@ -174,7 +167,7 @@ class MessageItem:
     @staticmethod
     def __wire_build__(*, role: Literal["user", "system", "developer", "assistant"],
                        content: MessageContent) -> Message | None:
-        texts = (TextPart(content),) if isinstance(content, str) else _texts(content)
+        texts = (TextPart(content),) if isinstance(content, str) else all_built(content, (TextPart,))
         return None if texts is None else Message(role, texts)
 
     def message(self, where: str) -> Message:
@@ -255,9 +248,8 @@ class ToolOutputItem:
     output: OutputContent
 
     @staticmethod
-    def __wire_build__(*, type: Literal["function_call_output", "custom_tool_call_output"], call_id: NonEmptyStr,
-                       output: OutputContent) -> Message | None:
-        texts = (TextPart(output),) if isinstance(output, str) else _texts(output)
+    def __wire_build__(*, call_id: NonEmptyStr, output: OutputContent) -> Message | None:
+        texts = (TextPart(output),) if isinstance(output, str) else all_built(output, (TextPart,))
         return None if texts is None else Message("tool", (ToolResultPart(call_id, texts),))
 
     def message(self, where: str) -> Message:
