@@ -320,7 +320,8 @@ class WireConverter(cattrs.Converter):
         self._tagged: dict[Any, tuple[str, dict[str | None, tuple[Any, Callable[[Any, Any], Any]]]]] = {}
         self._inline: dict[Callable[[Any, Any], Any], tuple[str, Any]] = {
             _strict_str: ("{w}.__class__ is {a}", str), _strict_bool: ("{w}.__class__ is {a}", bool),
-            _strict_int: ("{w}.__class__ is {a}", int), _nonempty_str: ("{w}.__class__ is str and {v}", None)}
+            _strict_int: ("{w}.__class__ is {a}", int), _json_object: ("{w}.__class__ is {a}", dict),
+            _nonempty_str: ("{w}.__class__ is str and {v}", None)}
         """Hooks whose accepted values a fast function tests inline (calling the hook only to raise or
         convert): a test over ``{w}`` (the value, first read), ``{v}`` (it again) and ``{a}`` (the datum)."""
         self.register_structure_hook_factory(_is_list, self.list_factory)
@@ -423,8 +424,7 @@ class WireConverter(cattrs.Converter):
         expected = " or ".join(_KIND_NAMES[k] for k in table)
         py_types = {"null": NoneType, "boolean": bool, "integer": int, "number": float, "string": str,
                     "array": list, "object": dict}
-        as_is = {NoneType, bool, int, str} & {py_types[k] for k, ms in table.items()
-                                              if ms[0] in (NoneType, bool, int, str)}
+        as_is = {py_types[k] for k, ms in table.items() if ms[0] in (NoneType, bool, int, str, dict[str, Any])}
         by_type: dict[type, tuple[Any, Callable[[Any, Any], Any]]] = {}
         for kind, members in table.items():
             by_type[py_types[kind]] = (members[0], self.get_structure_hook(members[0]) if kind != "null" else _any)
