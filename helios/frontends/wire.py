@@ -76,6 +76,10 @@ class From:
     wire: Any
 
 
+ABSENT = object()
+"""A tagged union's key for its member taken when the tag is absent."""
+
+
 class WireDeclarationError(Exception):
     """A wire type the converter cannot structure: a bug in a declaration, never the client's 400."""
 
@@ -317,7 +321,7 @@ class WireConverter(cattrs.Converter):
     def __init__(self, *, detailed: bool) -> None:
         super().__init__(forbid_extra_keys=True, detailed_validation=detailed)
         self.detailed = detailed
-        self._tagged: dict[Any, tuple[str, dict[str | None, tuple[Any, Callable[[Any, Any], Any]]]]] = {}
+        self._tagged: dict[Any, tuple[str, dict[object, tuple[Any, Callable[[Any, Any], Any]]]]] = {}
         self._inline: dict[Callable[[Any, Any], Any], tuple[str, Any]] = {
             _strict_str: ("{w}.__class__ is {a}", str), _strict_bool: ("{w}.__class__ is {a}", bool),
             _strict_int: ("{w}.__class__ is {a}", int), _json_object: ("{w}.__class__ is {a}", dict),
@@ -370,37 +374,37 @@ class WireConverter(cattrs.Converter):
                 raise TypeError(f"expected an array, got {json_kind(v)}")
             out: list[Any] = []
             for x in v:  # anything wrong raises (an absent tag too, unless a member takes it), and
-                member, member_hook = by_tag[x.get(tag_name)]  # `structure` finds it again in detail
+                member, member_hook = by_tag[x.get(tag_name, ABSENT)]  # `structure` finds it again in detail
                 out.append(member_hook(x, member))
             return out
 
         return tagged_list
 
-    def tagged_members(self, t: Any) -> tuple[str, dict[str | None, tuple[Any, Callable[[Any, Any], Any]]]]:
-        """A tagged union's tag and, for each tag value, its member and the member's hook (under None,
-        the member whose tag has a default: taken when the tag is absent)."""
+    def tagged_members(self, t: Any) -> tuple[str, dict[object, tuple[Any, Callable[[Any, Any], Any]]]]:
+        """A tagged union's tag and, for each tag value, its member and the member's hook (under
+        `ABSENT`, the member whose tag has a default: taken when the tag is absent, not when null)."""
         if t not in self._tagged:
             members = get_args(t)
             tag = _tag_of(members)
-            by_tag: dict[str | None, tuple[Any, Callable[[Any, Any], Any]]] = {}
+            by_tag: dict[object, tuple[Any, Callable[[Any, Any], Any]]] = {}
             for m in members:
                 entry = m, self.class_hook(m, checked=tag)
                 by_tag.update((value, entry) for value in get_args(_field_type(m, tag)))
                 if attrs.fields_dict(m)[tag].default is not attrs.NOTHING:
-                    by_tag[None] = entry
+                    by_tag[ABSENT] = entry
             self._tagged[t] = tag, by_tag
         return self._tagged[t]
 
     def tagged_factory(self, t: Any) -> Callable[[Any, Any], Any]:
         tag, by_tag = self.tagged_members(t)
         expected = one_of_text([value for value, (m, _) in by_tag.items()
-                                if value is not None and not hasattr(m, REFUSED)])
+                                if value is not ABSENT and not hasattr(m, REFUSED)])
 
         def hook(v: Any, _t: Any) -> Any:
             if type(v) is not dict:
                 raise TypeError(f"expected an object, got {json_kind(v)}")
             value = v.get(tag)
-            found = by_tag.get(value) if type(value) is str or (value is None and tag not in v) else None
+            found = by_tag.get(value) if type(value) is str else by_tag.get(ABSENT) if tag not in v else None
             if found is None:
                 raise Invalid(f"is required; expected {expected}" if value is None else
                               f"{value!r} is not supported; expected {expected}", at=tag)

@@ -24,7 +24,9 @@ from helios.domain.conversation import (
 from helios.domain.model import ModelInfo
 from helios.errors import BadRequest
 from helios.frontends.anthropic import messages
+from helios.frontends.fields import FieldTable, screen_fields
 from helios.frontends.openai import chat, completions, responses
+from helios.frontends.wire import DETAILED, FAST
 
 INFO = ModelInfo(
     model_id="org/model", aliases=("m",), created=0, max_model_len=8192, vocab_size=1000,
@@ -195,6 +197,7 @@ BAD_RESPONSES = [
      "missing required parameter"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "must be 'user', 'system', 'developer'"),
     ({"input": [{"content": "x"}]}, "input[0].role", "missing required parameter"),
+    ({"input": [{"type": None, "role": "user", "content": "x"}]}, "input[0].type", "is required"),  # absent is not null
     ({"input": [{"role": "user", "content": 5}]}, "input[0].content", "expected a string or an array"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "item references need stored responses"),
     ({"input": [{"type": "computer_call"}]}, "input[0].type", "'computer_call' is not supported"),
@@ -410,9 +413,22 @@ VALID_RESPONSES = {
         {"type": "custom_tool_call", "call_id": "c2", "name": "patch", "input": "a"},
         {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "x"}, R_IMAGE]},
         {"type": "custom_tool_call_output", "call_id": "c2", "output": "ok"}]}
+VALID_CHAT = {
+    "tools": [TOOL], "tool_choice": "auto", "messages": [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": DATA_URL}}]},
+        {"role": "assistant", "content": None, "reasoning_content": "r",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "read", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "x"}]}]}
 PROPERTY_BODIES = {
+    "chat": (VALID_CHAT, lambda body: chat.decode_chat(body, INFO)),
     "messages": (VALID, lambda body: messages.decode_request(body, INFO)),
     "responses": (VALID_RESPONSES, lambda body: responses.decode_responses(body, INFO)),
+}
+WIRES: dict[str, tuple[FieldTable, type]] = {
+    "chat": (chat.CHAT_FIELDS, chat.ChatWire),
+    "messages": (messages.MESSAGES_FIELDS, messages.MessagesWire),
+    "responses": (responses.RESPONSES_FIELDS, responses.ResponsesWire),
 }
 
 
@@ -429,3 +445,26 @@ def test_any_value_anywhere_in_a_body_decodes_or_is_a_400_naming_a_path(protocol
     except BadRequest as exc:
         assert exc.status == 400 and exc.param is not None
         assert exc.param.split(".")[0].split("[")[0] == path[0], (path, exc.param)  # under the replaced field
+
+
+@pytest.mark.parametrize("protocol", list(PROPERTY_BODIES))
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_the_fast_and_detailed_converters_agree(protocol: str, data: st.DataObject) -> None:
+    """wire.FAST (its own generated functions, builders called directly) and wire.DETAILED (cattrs'
+    functions, then the builders) take the same bodies to equal values, or both refuse them."""
+    valid = PROPERTY_BODIES[protocol][0]
+    table, wire_class = WIRES[protocol]
+    path = data.draw(st.sampled_from(_paths(valid)[1:]), label="path")
+    try:
+        body = screen_fields(_replace(valid, path, data.draw(JSON, label="value")), table)
+    except BadRequest:
+        return
+    results = []
+    for converter in (FAST, DETAILED):
+        try:
+            results.append(converter.structure(body, wire_class))
+        except Exception as exc:  # any failure: both must fail
+            results.append(type(exc))
+    fast, detailed = results
+    assert (isinstance(fast, type) and isinstance(detailed, type)) or fast == detailed, (path, fast, detailed)
