@@ -162,6 +162,8 @@ NonEmptyStr = NewType("NonEmptyStr", str)
 """A string with at least one character (names)."""
 JSONObjectText = NewType("JSONObjectText", dict[str, Any])
 """A JSON object, or a string holding one (tool-call arguments; a blank string is {})."""
+JSONObjectString = NewType("JSONObjectString", dict[str, Any])
+"""A string holding a JSON object, parsed (Responses call arguments; a blank string is {})."""
 
 
 Base64Bytes = NewType("Base64Bytes", bytes)
@@ -202,6 +204,12 @@ def _nonempty_str(v: Any, _t: Any) -> str:
     if not isinstance(v, str) or not v:
         raise Invalid("must be a nonempty string")
     return v
+
+
+def _json_object_string(v: Any, _t: Any) -> dict[str, Any]:
+    if not isinstance(v, str):
+        raise Invalid("must be a JSON string")
+    return _json_object_text(v, _t)
 
 
 def _json_object_text(v: Any, _t: Any) -> dict[str, Any]:
@@ -337,6 +345,7 @@ class WireConverter(cattrs.Converter):
         self.register_structure_hook_func(lambda t: t == dict[str, Any], _json_object)
         self.register_structure_hook(NonEmptyStr, _nonempty_str)
         self.register_structure_hook(JSONObjectText, _json_object_text)
+        self.register_structure_hook(JSONObjectString, _json_object_string)
         self.register_structure_hook(Base64Bytes, _base64_bytes)
         self.register_structure_hook_factory(_is_literal, self.literal_factory)
         self.register_structure_hook_factory(_is_tagged_union, self.tagged_factory)

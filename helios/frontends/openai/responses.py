@@ -62,11 +62,11 @@ from helios.frontends.structured import (
 from helios.frontends.wire import (
     From,
     Invalid,
+    JSONObjectString,
     NativeGenerationFields,
     NonEmptyStr,
     all_built,
     data_url_image,
-    loads_strict,
     register_leaf,
     structure,
 )
@@ -186,25 +186,6 @@ class MessageItem:
             raise BadRequest(f"{where}: images are accepted in user messages and tool outputs only",
                              param=f"{where}.type")
         return _placed(p, where)
-
-
-JSONObjectString = NewType("JSONObjectString", dict[str, Any])
-"""A function call's arguments: a string holding a JSON object (a blank string is {}), parsed."""
-
-
-def _json_object_string(v: Any, _t: Any) -> dict[str, Any]:
-    if not isinstance(v, str):
-        raise Invalid("must be a JSON string")
-    try:
-        arguments = loads_strict(v) if v.strip() else {}
-    except (ValueError, RecursionError):
-        raise Invalid("must be a JSON object") from None
-    if not isinstance(arguments, dict):
-        raise Invalid("must be a JSON object")
-    return arguments
-
-
-register_leaf(JSONObjectString, _json_object_string)
 
 
 def _flat(namespace: str | None, name: str) -> str:
