@@ -548,25 +548,28 @@ def _tool_choice(choice: ToolChoiceWire | None, declared: dict[str, DeclaredTool
 _RANK = {ReasoningPart: 0, TextPart: 1, ImagePart: 1, ToolCallPart: 2}
 
 
-def decode_input(raw: str | list[Message | ToolCallPart | ReasoningPart | MessageItem | ToolOutputItem],
-                 instructions: str | None) -> tuple[Message, ...]:
-    """Responses input (a string or built items) → neutral messages. `instructions` lead as a system
-    message.
+BuiltItems = list[Message | ToolCallPart | ReasoningPart | MessageItem | ToolOutputItem]
 
-    Consecutive assistant-side items (reasoning, assistant messages, function and custom calls) form
-    one assistant turn while they keep the order reasoning → text → calls; each tool output is its
-    own tool message."""
-    out: list[Message] = []
-    if instructions:
-        out.append(Message("system", (TextPart(instructions),)))
-    if type(raw) is str:
-        out.append(Message("user", (TextPart(raw),)))
-        return tuple(out)
+
+def decode_input(raw: str | BuiltItems, instructions: str | None) -> tuple[Message, ...]:
+    """Responses input (a string or built items) → neutral messages. `instructions` lead as a system
+    message."""
+    system = (Message("system", (TextPart(instructions),)),) if instructions else ()
+    if isinstance(raw, str):
+        return (*system, Message("user", (TextPart(raw),)))
     if not raw:
         raise BadRequest("'input' must contain at least one item", param="input")
+    return (*system, *_turns(raw))
+
+
+def _turns(items: BuiltItems) -> list[Message]:
+    """Built items → messages. Consecutive assistant-side items (reasoning, assistant messages, function
+    and custom calls) form one assistant turn while they keep the order reasoning → text → calls; each
+    tool output is its own tool message."""
+    out: list[Message] = []
     turn: list[Part] = []
     rank = 0  # of the turn's last part
-    for i, item in enumerate(raw):
+    for i, item in enumerate(items):
         if type(item) is MessageItem or type(item) is ToolOutputItem:
             item = item.message(f"input[{i}]")
         if type(item) is Message:
@@ -590,7 +593,7 @@ def decode_input(raw: str | list[Message | ToolCallPart | ReasoningPart | Messag
             rank = part_rank
     if turn:
         out.append(Message("assistant", tuple(turn)))
-    return tuple(out)
+    return out
 
 
 # -- the request ----------------------------------------------------------------------------------
