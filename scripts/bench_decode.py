@@ -1,12 +1,16 @@
 """Request decode cost per protocol: parse (JSON, counts, document check) + validate (the protocol's
 decoder) of one large request, as the route does it before admission.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_decode.py [--rounds 7] [--iters 50] [--protocol chat ...]
+    PYTHONPATH=. .venv/bin/python scripts/bench_decode.py [--rounds 7] [--iters 50] [--protocol chat ...] [--clock cpu]
 
 Each body is a 100-message conversation with 16 tools, 10 small base64 images (about 2 KB each),
 assistant turns with reasoning and tool calls, and their tool results. Reports per protocol the
 median (and the minimum, steadier on a shared machine) over rounds of the mean time per request
 (µs), parse and validate separately, and the body size. No model is loaded: the decoders read only `ModelInfo`.
+`--clock cpu` times the process's CPU time instead of wall time: steadier where other jobs share the
+cores (a descheduled process is not charged), though caches and sibling hyperthreads still are.
+To compare commits, run this script against each tree (``git archive <commit> | tar -x -C DIR``,
+then ``PYTHONPATH=DIR``), alternating, and compare minima.
 """
 
 from __future__ import annotations
@@ -121,7 +125,7 @@ PROTOCOLS: dict[str, tuple[Callable[[], dict[str, Any]], tuple[CountLimit, ...],
 }
 
 
-def measure(name: str, rounds: int, iters: int) -> None:
+def measure(name: str, rounds: int, iters: int, clock: Callable[[], float] = time.perf_counter) -> None:
     make, route_limits, decode = PROTOCOLS[name]
     body = json.dumps(make()).encode()
     decode(parse_json_object(body, route_limits))  # warm up (and check it decodes)
@@ -130,11 +134,11 @@ def measure(name: str, rounds: int, iters: int) -> None:
     for _ in range(rounds):
         t_parse = t_validate = 0.0
         for _ in range(iters):
-            t0 = time.perf_counter()
+            t0 = clock()
             obj = parse_json_object(body, route_limits)
-            t1 = time.perf_counter()
+            t1 = clock()
             decode(obj)
-            t2 = time.perf_counter()
+            t2 = clock()
             t_parse += t1 - t0
             t_validate += t2 - t1
         parse_us.append(t_parse / iters * 1e6)
@@ -149,9 +153,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--protocol", action="append", choices=list(PROTOCOLS))
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = ap.parse_args()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for name in args.protocol or list(PROTOCOLS):
-        measure(name, args.rounds, args.iters)
+        measure(name, args.rounds, args.iters, clock)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,16 @@ not a number). Below the top level:
   (``type``, or ``role`` for chat messages) picks the member;
 - any other union (``str | list[Part] | None``, ``Literal["auto", "none"] | NamedChoice``) is picked
   by the JSON kind of the value (string, array, object, ...);
-- a member of a tagged union may be *refused* (`REFUSED`, a message template): its tag values are
-  known, and the 400 says why they are not taken (``'url'`` image sources, misplaced blocks);
+- a member of a tagged union may be *refused* (`REFUSED`, a message template or a function of the
+  tag): its tag values are known, and the 400 says why they are not taken (``'url'`` image sources,
+  misplaced blocks, hosted tools); one member whose tag has a default is taken when the tag is absent
+  (a Responses message item without ``type``);
+- a class may *build* the value it stands for (`BUILD`, a function of its fields): both converters
+  return the built value (a domain part) instead of an instance, or the instance where the builder
+  returns None (the value needs context the fields lack, such as an image's place, and the decoder
+  completes it); a field holding such values declares the built type with the wire shape it comes
+  from, ``Annotated[TextPart, From(InputText)]`` (one object per block instead of a wire object and
+  then its domain part);
 - a field's `fields.FieldPolicy` lives in its metadata (`wire_field`); a class whose fields include
   ignored or refused ones screens them after structuring, and a class marked `lenient` ignores
   unknown keys instead of refusing them (content parts, whose extensions vLLM ignores too);
@@ -24,11 +32,12 @@ it (`DETAILED`) to find the path.
 from __future__ import annotations
 
 import base64
+import inspect
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from types import NoneType, UnionType
-from typing import Any, Literal, NewType, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, NewType, TypeVar, Union, get_args, get_origin
 
 import attrs
 import cattrs
@@ -50,7 +59,25 @@ LENIENT = "__wire_lenient__"
 """A class attribute: True where unknown keys are ignored rather than refused."""
 REFUSED = "__wire_refused__"
 """A class attribute of a tagged union's member: the 400 for its tag values (``{value!r}`` is the
-tag), which the union knows but does not take. Such a member declares only its tag."""
+tag), which the union knows but does not take; or a function of the tag returning the `Invalid`. Such a
+member declares only its tag."""
+BUILD = "__wire_build__"
+"""A class attribute: a function taking fields of the class as keyword arguments (by alias; the ones it
+names, or all) and returning the value the class stands for, which both converters return in place of
+an instance (see `From`); or None, and they return the instance, whose fields not taken are defaults."""
+
+
+@attrs.frozen
+class From:
+    """``Annotated[Built, From(wire)]``: a value structured from the wire shape `wire` (an attrs class
+    or a tagged union of them) whose members `BUILD` values of type ``Built`` (members that do not
+    build stay instances, so ``Built`` names them too)."""
+
+    wire: Any
+
+
+ABSENT = object()
+"""A tagged union's key for its member taken when the tag is absent."""
 
 
 class WireDeclarationError(Exception):
@@ -60,13 +87,18 @@ class WireDeclarationError(Exception):
 class Invalid(ValueError):
     """A value of the right JSON type that its field does not take. The 400 reads "{path} {reason}"
     for a predicate ("must be ...", "is ...") and "{path}: {reason}" otherwise; `at` names a key
-    below the value (a union's tag), appended to the path."""
+    below the value (a union's tag), appended to the path; `param_at` one appended to the 400's param
+    only (the message names the value, the param its bad key); `param` replaces the param (a coarser
+    one that clients key on)."""
 
-    def __init__(self, reason: str, *, at: str | None = None, details: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, reason: str, *, at: str | None = None, details: Mapping[str, Any] | None = None,
+                 param_at: str | None = None, param: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.at = at
         self.details = details
+        self.param_at = param_at
+        self.param = param
 
 
 _KIND_NAMES = {"null": "null", "boolean": "a boolean", "integer": "an integer", "number": "a number",
@@ -130,6 +162,8 @@ NonEmptyStr = NewType("NonEmptyStr", str)
 """A string with at least one character (names)."""
 JSONObjectText = NewType("JSONObjectText", dict[str, Any])
 """A JSON object, or a string holding one (tool-call arguments; a blank string is {})."""
+JSONObjectString = NewType("JSONObjectString", dict[str, Any])
+"""A string holding a JSON object, parsed (Responses call arguments; a blank string is {})."""
 
 
 Base64Bytes = NewType("Base64Bytes", bytes)
@@ -145,10 +179,37 @@ def _base64_bytes(v: Any, _t: Any) -> bytes:
         raise Invalid("is not valid base64 data") from None
 
 
+IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp")
+"""The image types a request may declare (the serving side checks the bytes against them)."""
+
+
+def data_url_image(url: str, *, param_at: str | None = None) -> tuple[str, bytes]:
+    """A base64 data URL's declared media type and bytes; Invalid (naming `param_at`) for anything else."""
+    if not url.startswith("data:"):
+        raise Invalid("images must be base64 data URLs; remote image downloads are unsupported", param_at=param_at)
+    head, _, data = url.partition(",")
+    media = head[5:].split(";")[0]
+    if media not in IMAGE_MEDIA_TYPES:
+        raise Invalid(f"unsupported image type '{media}'; images must be base64 PNG, JPEG or WebP data URLs",
+                      param_at=param_at)
+    if ";base64" not in head:
+        raise Invalid("images must be base64 PNG, JPEG or WebP data URLs", param_at=param_at)
+    try:
+        return media, base64.b64decode(data, validate=True)
+    except ValueError:  # binascii.Error is a ValueError
+        raise Invalid("invalid base64 image data", param_at=param_at) from None
+
+
 def _nonempty_str(v: Any, _t: Any) -> str:
     if not isinstance(v, str) or not v:
         raise Invalid("must be a nonempty string")
     return v
+
+
+def _json_object_string(v: Any, _t: Any) -> dict[str, Any]:
+    if not isinstance(v, str):
+        raise Invalid("must be a JSON string")
+    return _json_object_text(v, _t)
 
 
 def _json_object_text(v: Any, _t: Any) -> dict[str, Any]:
@@ -176,6 +237,19 @@ def _is_union(t: Any) -> bool:
 
 def _is_tagged_union(t: Any) -> bool:
     return _is_union(t) and all(attrs.has(a) for a in get_args(t))
+
+
+def _built_from(t: Any) -> Any:
+    """The wire shape of ``Annotated[Built, From(wire)]``; None for any other type."""
+    if get_origin(t) is Annotated:
+        for meta in t.__metadata__:
+            if isinstance(meta, From):
+                return meta.wire
+    return None
+
+
+def _is_built(t: Any) -> bool:
+    return _built_from(t) is not None
 
 
 def _is_kind_union(t: Any) -> bool:
@@ -213,6 +287,8 @@ def _member_kind(t: Any) -> str:
         return "null"
     if isinstance(t, NewType):  # a checked leaf: its base type's kind
         return _member_kind(t.__supertype__)
+    if _is_built(t):
+        return _member_kind(_built_from(t))
     if t is str or (_is_literal(t) and all(isinstance(a, str) for a in get_args(t))):
         return "string"
     kinds = {bool: "boolean", int: "integer", float: "number"}
@@ -237,6 +313,14 @@ def _literal_factory(t: Any) -> Callable[[Any, Any], Any]:
     return hook
 
 
+def _builder_params(build: Callable[..., Any]) -> frozenset[str] | None:
+    """The keyword arguments a `BUILD` function takes; None where it takes any (``**fields``)."""
+    params = inspect.signature(build).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params)
+
+
 class WireConverter(cattrs.Converter):
     """The strict converter. Factories run at a type's first structuring, once every hook is
     registered: they look up their members' hooks then (wire types are not recursive). `detailed`
@@ -245,7 +329,13 @@ class WireConverter(cattrs.Converter):
     def __init__(self, *, detailed: bool) -> None:
         super().__init__(forbid_extra_keys=True, detailed_validation=detailed)
         self.detailed = detailed
-        self._tagged: dict[Any, tuple[str, dict[str, tuple[Any, Callable[[Any, Any], Any]]]]] = {}
+        self._tagged: dict[Any, tuple[str, dict[object, tuple[Any, Callable[[Any, Any], Any]]]]] = {}
+        self._inline: dict[Callable[[Any, Any], Any], tuple[str, Any]] = {
+            _strict_str: ("{w}.__class__ is {a}", str), _strict_bool: ("{w}.__class__ is {a}", bool),
+            _strict_int: ("{w}.__class__ is {a}", int), _json_object: ("{w}.__class__ is {a}", dict),
+            _nonempty_str: ("{w}.__class__ is str and {v}", None)}
+        """Hooks whose accepted values a fast function tests inline (calling the hook only to raise or
+        convert): a test over ``{w}`` (the value, first read), ``{v}`` (it again) and ``{a}`` (the datum)."""
         self.register_structure_hook_factory(_is_list, self.list_factory)
         self.register_structure_hook(int, _strict_int)
         self.register_structure_hook(float, _strict_float)
@@ -255,30 +345,22 @@ class WireConverter(cattrs.Converter):
         self.register_structure_hook_func(lambda t: t == dict[str, Any], _json_object)
         self.register_structure_hook(NonEmptyStr, _nonempty_str)
         self.register_structure_hook(JSONObjectText, _json_object_text)
+        self.register_structure_hook(JSONObjectString, _json_object_string)
         self.register_structure_hook(Base64Bytes, _base64_bytes)
-        self.register_structure_hook_factory(_is_literal, _literal_factory)
+        self.register_structure_hook_factory(_is_literal, self.literal_factory)
         self.register_structure_hook_factory(_is_tagged_union, self.tagged_factory)
         self.register_structure_hook_factory(_is_kind_union, self.kind_factory)
         self.register_structure_hook_factory(_is_class, self.class_hook)
+        self.register_structure_hook_factory(_is_built, lambda t: self.get_structure_hook(_built_from(t)))
 
     def list_factory(self, t: Any) -> Callable[[Any, Any], list[Any]]:
         args = get_args(t)
         elem = args[0] if args else Any
-        elem_hook = self.get_structure_hook(elem)
-
+        if _is_built(elem):
+            elem = _built_from(elem)
         if not self.detailed and _is_tagged_union(elem):  # the hot path: messages, parts, items
-            tag_name, by_tag = self.tagged_members(elem)
-
-            def tagged_list(v: Any, _t: Any) -> list[Any]:
-                if type(v) is not list:
-                    raise TypeError(f"expected an array, got {json_kind(v)}")
-                out: list[Any] = []
-                for x in v:  # anything wrong raises, and `structure` finds it again in detail
-                    member, member_hook = by_tag[x[tag_name]]
-                    out.append(member_hook(x, member))
-                return out
-
-            return tagged_list
+            return self._tagged_list(elem)
+        elem_hook = self.get_structure_hook(elem)
 
         def hook(v: Any, _t: Any) -> list[Any]:
             # A string is not a list of characters, and an object is not a list of its keys.
@@ -288,43 +370,61 @@ class WireConverter(cattrs.Converter):
                 return list(v)
             if not self.detailed:
                 return [elem_hook(x, elem) for x in v]
-            out: list[Any] = []
-            errors: list[Exception] = []
-            for i, x in enumerate(v):
-                try:
-                    out.append(elem_hook(x, elem))
-                except Exception as exc:  # every failure, in order, with its index (as cattrs notes it)
-                    exc.add_note(IterableValidationNote(f"Structuring {elem} @ index {i}", i, elem))
-                    errors.append(exc)
-            if errors:
-                raise IterableValidationError(f"While structuring {t}", errors, t)
-            return out
+            return _detailed_list(v, t, elem, elem_hook)
 
         return hook
 
-    def tagged_members(self, t: Any) -> tuple[str, dict[str, tuple[Any, Callable[[Any, Any], Any]]]]:
-        """A tagged union's tag and, for each tag value, its member and the member's hook."""
+    def _tagged_list(self, elem: Any) -> Callable[[Any, Any], list[Any]]:
+        """The fast hook of a list of tagged-union members: each element's hook looked up by its tag."""
+        tag_name, by_tag = self.tagged_members(elem)
+
+        def tagged_list(v: Any, _t: Any) -> list[Any]:
+            if type(v) is not list:
+                raise TypeError(f"expected an array, got {json_kind(v)}")
+            out: list[Any] = []
+            for x in v:  # anything wrong raises (an absent tag too, unless a member takes it), and
+                member, member_hook = by_tag[x.get(tag_name, ABSENT)]  # `structure` finds it again in detail
+                out.append(member_hook(x, member))
+            return out
+
+        return tagged_list
+
+    def tagged_members(self, t: Any) -> tuple[str, dict[object, tuple[Any, Callable[[Any, Any], Any]]]]:
+        """A tagged union's tag and, for each tag value, its member and the member's hook (under
+        `ABSENT`, the member whose tag has a default: taken when the tag is absent, not when null)."""
         if t not in self._tagged:
             members = get_args(t)
             tag = _tag_of(members)
-            self._tagged[t] = tag, {value: (m, self.class_hook(m, checked=tag))
-                                    for m in members for value in get_args(_field_type(m, tag))}
+            by_tag: dict[object, tuple[Any, Callable[[Any, Any], Any]]] = {}
+            for m in members:
+                entry = m, self.class_hook(m, checked=tag)
+                by_tag.update((value, entry) for value in get_args(_field_type(m, tag)))
+                if attrs.fields_dict(m)[tag].default is not attrs.NOTHING:
+                    by_tag[ABSENT] = entry
+            self._tagged[t] = tag, by_tag
         return self._tagged[t]
 
     def tagged_factory(self, t: Any) -> Callable[[Any, Any], Any]:
         tag, by_tag = self.tagged_members(t)
-        expected = one_of_text([value for value, (m, _) in by_tag.items() if not hasattr(m, REFUSED)])
+        expected = one_of_text([value for value, (m, _) in by_tag.items()
+                                if value is not ABSENT and not hasattr(m, REFUSED)])
 
         def hook(v: Any, _t: Any) -> Any:
             if type(v) is not dict:
                 raise TypeError(f"expected an object, got {json_kind(v)}")
             value = v.get(tag)
-            found = by_tag.get(value) if type(value) is str else None
+            found = by_tag.get(value) if type(value) is str else by_tag.get(ABSENT) if tag not in v else None
             if found is None:
                 raise Invalid(f"is required; expected {expected}" if value is None else
                               f"{value!r} is not supported; expected {expected}", at=tag)
             return found[1](v, found[0])
 
+        return hook
+
+    def literal_factory(self, t: Any) -> Callable[[Any, Any], Any]:
+        hook = _literal_factory(t)
+        if all(type(a) is str for a in get_args(t)):
+            self._inline[hook] = "{w}.__class__ is str and {v} in {a}", frozenset(get_args(t))
         return hook
 
     def kind_factory(self, t: Any) -> Callable[[Any, Any], Any]:
@@ -337,8 +437,7 @@ class WireConverter(cattrs.Converter):
         expected = " or ".join(_KIND_NAMES[k] for k in table)
         py_types = {"null": NoneType, "boolean": bool, "integer": int, "number": float, "string": str,
                     "array": list, "object": dict}
-        as_is = {NoneType, bool, int, str} & {py_types[k] for k, ms in table.items()
-                                              if ms[0] in (NoneType, bool, int, str)}
+        as_is = {py_types[k] for k, ms in table.items() if ms[0] in (NoneType, bool, int, str, dict[str, Any])}
         by_type: dict[type, tuple[Any, Callable[[Any, Any], Any]]] = {}
         for kind, members in table.items():
             by_type[py_types[kind]] = (members[0], self.get_structure_hook(members[0]) if kind != "null" else _any)
@@ -359,6 +458,8 @@ class WireConverter(cattrs.Converter):
                 found = by_elem.get(type(v[0]), found)
             return found[1](v, found[0])
 
+        if as_is:
+            self._inline[hook] = "{w}.__class__ in {a}", frozenset(as_is)
         return hook
 
     def class_hook(self, t: Any, checked: str | None = None) -> Callable[[Any, Any], Any]:
@@ -366,11 +467,13 @@ class WireConverter(cattrs.Converter):
         its ignored and refused fields screened. `checked` names a field already validated (a tagged
         union's tag), structured as is; a union member's value is an object (the union checked it),
         any other class's value is checked here."""
-        refusal: str | None = getattr(t, REFUSED, None)
+        refusal: str | Callable[[str], Invalid] | None = getattr(t, REFUSED, None)
         if refusal is not None and checked is not None:
             template, tag = refusal, checked
 
             def refused(v: Any, _t: Any) -> Any:
+                if callable(template):
+                    raise template(v[tag])
                 raise Invalid(template.format(value=v[tag]), at=tag)
 
             return refused
@@ -382,9 +485,9 @@ class WireConverter(cattrs.Converter):
                 hooks[name] = self._screened(hints[name], name, row)
         forbid = not getattr(t, LENIENT, False)
         overrides: dict[str, Any] = {name: override(struct_hook=h) for name, h in hooks.items()}
-        base: Callable[[Any, Any], Any] = (
-            make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=forbid, **overrides) if self.detailed
-            else self._fast_class_fn(t, hooks, forbid))
+        if not self.detailed:  # a non-member's object check is in the function
+            return self._fast_class_fn(t, hooks, forbid, check_object=checked is None)
+        base = self._built(t, make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=forbid, **overrides))
         if checked is not None:
             return base
 
@@ -395,45 +498,85 @@ class WireConverter(cattrs.Converter):
 
         return hook
 
-    def _fast_class_fn(self, t: Any, hooks: Mapping[str, Callable[[Any, Any], Any]],
-                       forbid: bool) -> Callable[[Any, Any], Any]:
+    @staticmethod
+    def _built(t: Any, instance_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """The detailed function of a class that builds its value: the instance's fields, built."""
+        build: Callable[..., Any] | None = getattr(t, BUILD, None)
+        if build is None:
+            return instance_fn
+        takes = _builder_params(build)
+        names = [(f.alias, f.name) for f in attrs.fields(t) if takes is None or f.alias in takes]
+
+        def built(v: Any, _t: Any) -> Any:
+            instance = instance_fn(v, _t)
+            value = build(**{alias: getattr(instance, name) for alias, name in names})
+            return instance if value is None else value
+
+        return built
+
+    def _fast_class_fn(self, t: Any, hooks: Mapping[str, Callable[[Any, Any], Any]], forbid: bool,
+                       check_object: bool) -> Callable[[Any, Any], Any]:
         """The fast converter's function for attrs class `t`: one generated call of `t` with each
         present key's value structured by its field's hook (`hooks` first), unknown keys refused
         where `forbid`. It accepts exactly what cattrs' detailed function accepts, without that
-        one's bookkeeping: the tag (`_any`) is passed as is and the exact-type leaves are tested
-        inline, calling their hook only to raise."""
-        globs: dict[str, Any] = {"cls": t, "allowed": frozenset(f.name for f in attrs.fields(t)),
-                                 "extra_keys": _extra_keys}
+        one's bookkeeping: the tag (`_any`) is passed as is and the leaves, literals and kind unions
+        of `_inline` are tested inline, calling their hook only to raise or convert. A class that
+        `BUILD`s its value calls that instead of the class, with the fields it takes (the others are
+        structured for their errors only); `check_object` tests that the value is an object."""
+        build = getattr(t, BUILD, None)
+        takes = None if build is None else _builder_params(build)  # a builder's fields; None: all
+        globs: dict[str, Any] = {"cls": build or t, "allowed": frozenset(f.name for f in attrs.fields(t)),
+                                 "extra_keys": _extra_keys, "not_object": _not_object}
         args: list[str] = []
         optional: list[str] = []
+        checks: list[str] = []  # fields a builder does not take
+        kept: list[str] = []  # every field, for the instance
         for k, f in enumerate(attrs.fields(attrs.resolve_types(t))):
-            hook = hooks.get(f.name) or self.get_structure_hook(f.type)
             key = repr(f.name)  # the JSON key, as cattrs reads it; `alias` is the init argument
-            globs[f"h{k}"], globs[f"t{k}"] = hook, f.type
-            if hook is _any:
-                value = f"o[{key}]"
-            elif hook in _EXACT:
-                globs[f"x{k}"] = _EXACT[hook]
-                value = f"(v{k} if (v{k} := o[{key}]).__class__ is x{k} else h{k}(v{k}, t{k}))"
-            else:
-                value = f"h{k}(o[{key}], t{k})"
-            if f.default is attrs.NOTHING:
-                args.append(f"{f.alias}={value}")
-            elif isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
-                optional.append(f"    if {key} in o: kw[{key}] = {value}")
-            else:
+            value = self._value_code(k, key, hooks.get(f.name) or self.get_structure_hook(f.type), f.type, globs)
+            if isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
+                optional.append(f"    if {key} in o: kw[{key}] = {value}")  # the instance gets kw too
+                continue
+            if f.default is not attrs.NOTHING:
                 globs[f"d{k}"] = f.default
-                args.append(f"{f.alias}={value} if {key} in o else d{k}")
+                value = f"({value} if {key} in o else d{k})"
+            if build is None:
+                args.append(f"{f.alias}={value}")
+                continue
+            kept.append(f"{f.alias}=f{k}")  # for the instance, where the builder returns None
+            if takes is None or f.alias in takes:
+                args.append(f"{f.alias}=(f{k} := {value})")
+            else:  # structured for its errors (and the instance) only
+                checks.append(f"    f{k} = {value}")
         lines = ["def structure(o, _t):"]
+        if check_object:
+            lines.append("    if o.__class__ is not dict: not_object(o)")
         if forbid:
             lines.append("    if not o.keys() <= allowed: extra_keys(o, allowed, cls)")
+        lines += checks
         if optional:
             lines += ["    kw = {}", *optional]
             args.append("**kw")
-        lines.append(f"    return cls({', '.join(args)})")
+            kept.append("**kw")
+        if build is None:
+            lines.append(f"    return cls({', '.join(args)})")
+        else:
+            globs["wire_cls"] = t
+            lines += [f"    value = cls({', '.join(args)})",
+                      f"    return value if value is not None else wire_cls({', '.join(kept)})"]
         exec(compile("\n".join(lines), f"<wire structure {t.__qualname__}>", "exec"), globs)
         fn: Callable[[Any, Any], Any] = globs["structure"]
         return fn
+
+    def _value_code(self, k: int, key: str, hook: Callable[[Any, Any], Any], tp: Any, globs: dict[str, Any]) -> str:
+        """The expression of field `k`'s value (JSON key `key`) in a fast function, its names in `globs`."""
+        globs[f"h{k}"], globs[f"t{k}"] = hook, tp
+        if hook is _any:
+            return f"o[{key}]"
+        if hook in self._inline:
+            test, globs[f"a{k}"] = self._inline[hook]
+            return f"(v{k} if {test.format(w=f'(v{k} := o[{key}])', v=f'v{k}', a=f'a{k}')} else h{k}(v{k}, t{k}))"
+        return f"h{k}(o[{key}], t{k})"
 
     def _screened(self, tp: Any, name: str, row: FieldPolicy) -> Callable[[Any, Any], Any]:
         """An ignored or refused field's hook: its value structured, then screened by its row (the
@@ -452,15 +595,39 @@ class WireConverter(cattrs.Converter):
         return hook
 
 
+def _detailed_list(v: list[Any], t: Any, elem: Any, elem_hook: Callable[[Any, Any], Any]) -> list[Any]:
+    out: list[Any] = []
+    errors: list[Exception] = []
+    for i, x in enumerate(v):
+        try:
+            out.append(elem_hook(x, elem))
+        except Exception as exc:  # every failure, in order, with its index (as cattrs notes it)
+            exc.add_note(IterableValidationNote(f"Structuring {elem} @ index {i}", i, elem))
+            errors.append(exc)
+    if errors:
+        raise IterableValidationError(f"While structuring {t}", errors, t)
+    return out
+
+
+def _not_object(v: Any) -> None:
+    raise TypeError(f"expected an object, got {json_kind(v)}")
+
+
 def _extra_keys(o: dict[str, Any], allowed: frozenset[str], cls: type) -> None:
     raise ForbiddenExtraKeysError("", cls, set(o) - allowed)
 
 
-_EXACT: dict[Callable[[Any, Any], Any], type] = {_strict_str: str, _strict_bool: bool, _strict_int: int}
-"""Leaf hooks that take exactly one Python type as is (the fast functions test it inline)."""
-
 FAST = WireConverter(detailed=False)
 DETAILED = WireConverter(detailed=True)
+
+
+def all_built(values: list[Any], types: tuple[type, ...]) -> tuple[Any, ...] | None:
+    """`values` (a list of built values and kept instances) where every one is of the built `types`;
+    None where one was kept, to be completed with context (a builder's test for its own value)."""
+    for v in values:
+        if type(v) not in types:
+            return None
+    return tuple(values)
 
 
 def register_leaf(t: Any, hook: Callable[[Any, Any], Any]) -> None:
@@ -516,8 +683,12 @@ def loads_strict(text: str | bytes) -> Any:
 
 
 def _loads(text: str | bytes) -> Any:
+    """json.loads with the strict number rules, through one shared decoder (json.loads would build a
+    decoder per call for its keyword arguments)."""
+    if not isinstance(text, str):
+        text = text.decode(json.detect_encoding(text), "surrogatepass")
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        return _DECODER.decode(text)
     except RecursionError:  # the parser recurses per level: far past MAX_JSON_DEPTH
         raise JSONShapeError(f"the JSON document is nested more than {MAX_JSON_DEPTH} levels deep (arrays and "
                              f"objects); at most {MAX_JSON_DEPTH} are accepted", None) from None
@@ -574,6 +745,9 @@ def _finite_float(text: str) -> float:
     return value
 
 
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def structure(obj: Any, cls: type[T], *, at: str = "",
               failure: Callable[[BaseException], Exception] | None = None) -> T:
     """`obj` as `cls`, or the BadRequest naming the path of its first bad value (below `at`, the
@@ -604,7 +778,8 @@ def _bad_request(exc: BaseException, path: str = "") -> BadRequest:
         path = _join(path, cur.at)
         predicate = cur.reason.startswith(("must ", "is "))
         message = f"{path or 'the request'}{' ' if predicate else ': '}{cur.reason}"
-        return BadRequest(message, param=path or None, details=None if cur.details is None else dict(cur.details))
+        return BadRequest(message, param=cur.param or _join(path, cur.param_at) or None,
+                          details=None if cur.details is None else dict(cur.details))
     if isinstance(cur, KeyError):
         return BadRequest(f"missing required parameter: {path}", param=path or None)
     if isinstance(cur, TypeError | ValueError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any, ClassVar, Literal, NewType, cast
+from typing import Annotated, Any, ClassVar, Literal, NewType, cast
 
 import attrs
 
@@ -48,7 +48,16 @@ from helios.frontends.fields import (
     wire_field,
 )
 from helios.frontends.structured import decode_output_format
-from helios.frontends.wire import Base64Bytes, Invalid, NonEmptyStr, json_kind, register_leaf, structure
+from helios.frontends.wire import (
+    Base64Bytes,
+    From,
+    Invalid,
+    NonEmptyStr,
+    all_built,
+    json_kind,
+    register_leaf,
+    structure,
+)
 from helios.recipes import RECIPES, EffortError, resolve_effort
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -90,6 +99,12 @@ class CacheControl:
     ttl: Literal["5m", "1h"] | None = None
 
 
+# Blocks build their domain part where it is complete; a block that needs its message's context stays
+# a wire block: an image (its place), a user block marked with cache_control (a breakpoint), a tool
+# result holding either (their builders return None). A message whose blocks all built builds its
+# Message; `decode_messages` completes the others with their index.
+
+
 @attrs.define(kw_only=True)
 class TextBlock:
     type: Literal["text"]
@@ -98,6 +113,10 @@ class TextBlock:
     citations: Any = wire_field(refused("citations of documents are not implemented", inert=one_of([]),
                                         message="citations are not supported"))
 
+    @staticmethod
+    def __wire_build__(*, text: str, cache_control: CacheControl | None) -> TextPart | None:
+        return TextPart(text) if cache_control is None else None
+
     def part(self, i: int, j: int) -> Part:
         return TextPart(self.text)
 
@@ -105,7 +124,7 @@ class TextBlock:
 @attrs.define(kw_only=True)
 class Base64Source:
     type: Literal["base64"]
-    media_type: Literal["image/png", "image/jpeg", "image/webp"]
+    media_type: Literal["image/png", "image/jpeg", "image/webp"]  # wire.IMAGE_MEDIA_TYPES
     data: Base64Bytes
 
 
@@ -134,21 +153,32 @@ class ImageBlock:
 
 
 TOOLSET_NAME = refused("toolsets are not implemented", message="toolsets are not supported")
+BuiltText = Annotated[TextPart | TextBlock, From(TextBlock)]
+"""A text block as structured: its part, or the block where it carries cache_control."""
 
 
 @attrs.define(kw_only=True)
 class ToolResultBlock:
     type: Literal["tool_result"]
     tool_use_id: NonEmptyStr
-    content: str | list[TextBlock | ImageBlock] | None = None
+    content: str | list[Annotated[TextPart | TextBlock | ImageBlock, From(TextBlock | ImageBlock)]] | None = None
     is_error: bool | None = None
     cache_control: CacheControl | None = None
     toolset_name: Any = wire_field(TOOLSET_NAME)
 
+    @staticmethod
+    def __wire_build__(*, tool_use_id: NonEmptyStr, content: Any, is_error: bool | None,
+                       cache_control: CacheControl | None) -> ToolResultPart | None:
+        parts = () if content is None else (TextPart(content),) if isinstance(content, str) else \
+            all_built(content, (TextPart,))
+        if parts is None or cache_control is not None:
+            return None
+        return ToolResultPart(tool_use_id, parts, is_error=bool(is_error))
+
     def texts(self) -> list[str]:
         if self.content is None or type(self.content) is str:
             return [] if self.content is None else [self.content]
-        return [b.text for b in self.content if type(b) is TextBlock]
+        return [b.text for b in self.content if type(b) is TextPart or type(b) is TextBlock]  # type: ignore[union-attr]
 
     def part(self, i: int, j: int) -> Part:
         content = self.content
@@ -156,9 +186,9 @@ class ToolResultBlock:
         if type(content) is str:
             parts = (TextPart(content),)
         elif content:
-            parts = tuple([TextPart(b.text) if type(b) is TextBlock else
+            parts = tuple([b if type(b) is TextPart else TextPart(b.text) if type(b) is TextBlock else
                            cast("ImageBlock", b).image(f"messages[{i}].content[{j}].content[{k}]")
-                           for k, b in enumerate(content)])
+                           for k, b in enumerate(content)])  # type: ignore[union-attr]
         return ToolResultPart(self.tool_use_id, parts, is_error=bool(self.is_error))
 
 
@@ -173,8 +203,9 @@ class ToolUseBlock:
                                      inert=one_of({"type": "direct"}), message="only direct tool calls are supported"))
     toolset_name: Any = wire_field(TOOLSET_NAME)
 
-    def part(self, i: int, j: int) -> Part:
-        return ToolCallPart(self.id, self.name, self.input)
+    @staticmethod
+    def __wire_build__(*, id: str, name: str, input: dict[str, Any]) -> ToolCallPart:
+        return ToolCallPart(id, name, input)
 
 
 @attrs.define(kw_only=True)
@@ -184,13 +215,12 @@ class ThinkingBlock:
     signature: str | None = None
     cache_control: CacheControl | None = None
 
-    def __attrs_post_init__(self) -> None:
-        sig = self.signature
-        if sig is not None and sig.startswith(THINKING_MARKER_PREFIX) and sig != thinking_signature(self.thinking):
+    @staticmethod
+    def __wire_build__(*, thinking: str, signature: str | None) -> ReasoningPart:
+        if signature is not None and signature.startswith(THINKING_MARKER_PREFIX) and \
+                signature != thinking_signature(thinking):
             raise Invalid(f"the thinking block does not match its {THINKING_MARKER_PREFIX} signature", at="signature")
-
-    def part(self, i: int, j: int) -> Part:
-        return ReasoningPart(self.thinking)
+        return ReasoningPart(thinking)
 
 
 @attrs.define(kw_only=True)
@@ -218,6 +248,10 @@ class UserOnlyBlock:
 
 UserBlock = TextBlock | ImageBlock | ToolResultBlock | AssistantOnlyBlock
 AssistantBlock = TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | UserOnlyBlock
+UserContent = str | list[Annotated[TextPart | ToolResultPart | TextBlock | ImageBlock | ToolResultBlock,
+                                   From(UserBlock)]]
+AssistantContent = str | list[Annotated[TextPart | ReasoningPart | ToolCallPart | TextBlock | RedactedThinkingBlock,
+                                        From(AssistantBlock)]]
 
 # api.md: message-level control metadata (output_config.effort and the like) is ignored; the
 # request's top-level controls apply.
@@ -237,22 +271,47 @@ class MessageControls:
 @attrs.define(kw_only=True)
 class UserMessage(MessageControls):
     role: Literal["user"]
-    content: str | list[UserBlock]
+    content: UserContent
+
+    @staticmethod
+    def __wire_build__(*, role: Literal["user"], content: UserContent) -> Message | None:
+        parts = (TextPart(content),) if isinstance(content, str) else all_built(content, (TextPart, ToolResultPart))
+        return None if parts is None else Message(role, parts)
 
 
 @attrs.define(kw_only=True)
 class AssistantMessage(MessageControls):
     role: Literal["assistant"]
-    content: str | list[AssistantBlock]
+    content: AssistantContent
+
+    @staticmethod
+    def __wire_build__(*, role: Literal["assistant"], content: AssistantContent) -> Message | None:
+        if isinstance(content, str):
+            return Message(role, (TextPart(content),))
+        parts = all_built([b for b in content if type(b) is not RedactedThinkingBlock],  # it has no part
+                             (TextPart, ReasoningPart, ToolCallPart))
+        return None if parts is None else Message(role, parts)
 
 
 @attrs.define(kw_only=True)
 class SystemMessage(MessageControls):
     role: Literal["system"]
-    content: str | list[TextBlock]
+    content: str | list[BuiltText]
+
+    @staticmethod
+    def __wire_build__(*, content: str | list[TextPart | TextBlock]) -> Message:
+        return Message("system", _system_parts(content))
+
+
+def _system_parts(content: str | list[TextPart | TextBlock]) -> tuple[TextPart, ...]:
+    if type(content) is str:
+        return (TextPart(content),)
+    return tuple([b if type(b) is TextPart else TextPart(b.text) for b in content])  # type: ignore[union-attr]
 
 
 MessageWire = UserMessage | AssistantMessage | SystemMessage
+BuiltMessage = Annotated[Message | UserMessage | AssistantMessage, From(MessageWire)]
+"""A message as structured: its domain Message, or the wire message whose blocks need its index."""
 
 
 def _client_tool_type(v: Any, _t: Any) -> Any:
@@ -332,9 +391,9 @@ class CountTokensWire:
     """The honoured fields of `COUNT_TOKENS_FIELDS`, each with its row; a generation request adds
     `MessagesWire`'s."""
 
-    messages: list[MessageWire] = wire_field(
+    messages: list[BuiltMessage] = wire_field(
         honoured("the conversation: text, image, thinking, tool_use and tool_result blocks"), required=True)
-    system: str | list[TextBlock] | None = wire_field(
+    system: str | list[BuiltText] | None = wire_field(
         honoured("leading system text blocks (block cache_control is a prefix-checkpoint hint)"))
     tools: list[ClientTool] | None = wire_field(
         honoured("client tools with an input_schema; hosted and server tool types are refused"))
@@ -494,41 +553,39 @@ def _plan(w: CountTokensWire, info: ModelInfo, *, sampling: SamplingRequest, max
 MAX_BREAKPOINTS = 4
 
 
-def decode_messages(system: str | list[TextBlock] | None,
-                    messages: list[MessageWire]) -> tuple[tuple[Message, ...], tuple[str, ...]]:
-    """System text and Anthropic messages → neutral messages (the system, if any, first), and the
+def decode_messages(system: str | list[TextPart | TextBlock] | None,
+                    messages: list[Message | UserMessage | AssistantMessage]) -> tuple[tuple[Message, ...], tuple[str, ...]]:
+    """System text and structured messages → neutral messages (the system, if any, first), and the
     conversation's cache breakpoints.
 
     api.md: cache_control on a user message's text, image or tool_result block marks the end of
     that block as a candidate prefix-checkpoint boundary, for the first four such blocks (elsewhere
     it is ignored). A breakpoint is the text that ends its boundary (an image's is the text before it)."""
     out: list[Message] = []
-    if type(system) is str:
-        out.append(Message("system", (TextPart(system),)))
-    elif system:
-        out.append(Message("system", tuple([TextPart(b.text) for b in cast("list[TextBlock]", system)])))
+    if type(system) is str or system:  # an empty string is a system message, an empty list none
+        out.append(Message("system", _system_parts(system)))
     if not messages:
         raise BadRequest("messages must contain at least one message", param="messages")
     breakpoints: list[str] = []
     for i, m in enumerate(messages):
-        content = m.content
-        if type(content) is str:
-            out.append(Message(m.role, (TextPart(content),)))
+        if type(m) is Message:
+            out.append(m)
             continue
-        blocks = cast("list[TextBlock | ImageBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | "
-                      "ToolUseBlock]", content)
-        parts = [b.part(i, j) for j, b in enumerate(blocks)]
+        blocks = cast("list[Any]", cast("UserMessage | AssistantMessage", m).content)  # a string's is built
+        parts = [b if type(b) in _PARTS else b.part(i, j) for j, b in enumerate(blocks)]
         if type(m) is UserMessage and len(breakpoints) < MAX_BREAKPOINTS:
-            _breakpoints(cast("list[TextBlock | ImageBlock | ToolResultBlock]", blocks), breakpoints)
-        out.append(Message(m.role, tuple([p for p in parts if p is not None]) if type(m) is AssistantMessage
-                           else tuple(cast("list[Part]", parts))))  # redacted thinking has no part
+            _breakpoints(blocks, breakpoints)
+        out.append(Message(m.role, tuple([p for p in parts if p is not None])))  # redacted thinking has none
     return tuple(out), tuple(breakpoints)
 
 
-def _breakpoints(blocks: list[TextBlock | ImageBlock | ToolResultBlock], out: list[str]) -> None:
+_PARTS = frozenset({TextPart, ImagePart, ReasoningPart, ToolCallPart, ToolResultPart})
+
+
+def _breakpoints(blocks: list[Any], out: list[str]) -> None:
     """A user message's marked blocks' breakpoints, appended to `out` (up to MAX_BREAKPOINTS in all)."""
     for j, b in enumerate(blocks):
-        if b.cache_control is not None:
+        if type(b) not in _PARTS and b.cache_control is not None:
             text = _last_text(blocks[:j + 1])
             if text:
                 out.append(text)
@@ -536,19 +593,23 @@ def _breakpoints(blocks: list[TextBlock | ImageBlock | ToolResultBlock], out: li
                 return
 
 
-def _last_text(blocks: list[TextBlock | ImageBlock | ToolResultBlock]) -> str:
+def _last_text(blocks: list[Any]) -> str:
     """The text that ends `blocks`: the last text block's, or the last text in a tool result."""
     for b in reversed(blocks):
-        if type(b) is TextBlock:
-            return b.text
+        if type(b) is TextBlock or type(b) is TextPart:
+            return str(b.text)
         if type(b) is ToolResultBlock and b.texts():
             return b.texts()[-1]
+        if type(b) is ToolResultPart:
+            texts = [p.text for p in b.content if type(p) is TextPart]
+            if texts:
+                return texts[-1]
     return ""
 
 
 def cache_breakpoints(messages: list[Any]) -> tuple[str, ...]:
     """The cache breakpoints of messages as sent (`decode_messages`)."""
-    return decode_messages(None, structure(messages, list[MessageWire], at="messages"))[1]
+    return decode_messages(None, structure(messages, list[BuiltMessage], at="messages"))[1]
 
 
 def decode_tools(tools: list[ClientTool] | None,

@@ -3,9 +3,8 @@ conversation model, run it, and encode buffered or streamed chat completions."""
 
 from __future__ import annotations
 
-import base64
-from collections.abc import Sequence
-from typing import Any, ClassVar, Literal, cast
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 import attrs
 
@@ -66,7 +65,15 @@ from helios.frontends.openai.logprobs import (
     validate_prompt_logprobs,
 )
 from helios.frontends.structured import decode_response_format, decode_structured_outputs, one_constraint
-from helios.frontends.wire import JSONObjectText, NonEmptyStr, structure
+from helios.frontends.wire import (
+    From,
+    Invalid,
+    JSONObjectText,
+    NonEmptyStr,
+    all_built,
+    data_url_image,
+    structure,
+)
 
 
 @attrs.define(kw_only=True)
@@ -84,6 +91,8 @@ class TextContent:
     type: Literal["text"]
     text: str
 
+    __wire_build__: ClassVar[Callable[..., TextPart]] = TextPart
+
 
 @attrs.define(kw_only=True)
 class ImageURL:
@@ -93,12 +102,14 @@ class ImageURL:
 
 @attrs.define(kw_only=True)
 class ImageContent:
+    """An image part: decoded where its message is, which gives it its place (`_parts`)."""
+
     __wire_lenient__: ClassVar[bool] = True
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-Content = str | list[TextContent | ImageContent] | None
+Content = str | list[Annotated[TextPart | ImageContent, From(TextContent | ImageContent)]] | None
 
 
 @attrs.define(kw_only=True)
@@ -114,6 +125,14 @@ class ToolCallWire:
     function: CallFunction
     id: str | None = None
 
+    @staticmethod
+    def __wire_build__(*, function: CallFunction, id: str | None) -> ToolCallPart:
+        return ToolCallPart(id or "", function.name, function.arguments)
+
+
+# A message builds its domain Message where its parts are complete; one holding an image stays a wire
+# message (its builder returns None), and `decode_messages` completes it with its index (the image's place).
+
 
 @attrs.define(kw_only=True)
 class PlainMessage:
@@ -121,8 +140,14 @@ class PlainMessage:
     content: Content = None
     name: str | None = None
 
+    @staticmethod
+    def __wire_build__(*, role: Literal["system", "developer", "user"], content: Content = None,
+                       name: str | None) -> Message | None:
+        parts = _parts(content, None)
+        return None if parts is None else Message(role, parts, name=name)
+
     def message(self, index: int) -> Message:
-        return Message(self.role, _parts(self.content, index), name=self.name)
+        return Message(self.role, _parts(self.content, index) or (), name=self.name)
 
 
 @attrs.define(kw_only=True)
@@ -130,22 +155,34 @@ class AssistantMessage:
     role: Literal["assistant"]
     content: Content = None
     name: str | None = None
-    tool_calls: list[ToolCallWire] | None = None
+    tool_calls: list[Annotated[ToolCallPart, From(ToolCallWire)]] | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
     refusal: Any = wire_field(ignored("a prior refusal's text; the turn's content is what the template renders"))
     function_call: Any = wire_field(ignored("a legacy functions-API call; prior calls are read from tool_calls"))
     audio: Any = wire_field(ignored("a prior audio reply's id; Helios generates no audio"))
 
+    @staticmethod
+    def __wire_build__(*, content: Content, name: str | None, tool_calls: list[ToolCallPart] | None,
+                       reasoning_content: str | None, reasoning: str | None) -> Message | None:
+        parts = _parts(content, None)
+        if parts is None:
+            return None
+        return _assistant(parts, reasoning_content if reasoning_content is not None else reasoning, tool_calls,
+                          name)
+
     def message(self, index: int) -> Message:
-        parts: tuple[Part, ...] = _parts(self.content, index)
         reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
-        if reasoning is not None:
-            parts = (ReasoningPart(reasoning), *parts)
-        if self.tool_calls:
-            parts = (*parts, *[ToolCallPart(tc.id or "", tc.function.name, tc.function.arguments)
-                               for tc in self.tool_calls])
-        return Message("assistant", parts, name=self.name)
+        return _assistant(_parts(self.content, index) or (), reasoning, self.tool_calls, self.name)
+
+
+def _assistant(parts: tuple[Part, ...], reasoning: str | None, tool_calls: list[ToolCallPart] | None,
+               name: str | None) -> Message:
+    if reasoning is not None:
+        parts = (ReasoningPart(reasoning), *parts)
+    if tool_calls:
+        parts = (*parts, *tool_calls)
+    return Message("assistant", parts, name=name)
 
 
 @attrs.define(kw_only=True)
@@ -155,12 +192,19 @@ class ToolMessage:
     content: Content = None
     name: str | None = None
 
+    @staticmethod
+    def __wire_build__(*, tool_call_id: str, content: Content, name: str | None) -> Message | None:
+        parts = _parts(content, None)
+        return None if parts is None else Message("tool", (ToolResultPart(tool_call_id, parts),), name=name)
+
     def message(self, index: int) -> Message:
-        content = cast("tuple[TextPart | ImagePart, ...]", _parts(self.content, index))
+        content = _parts(self.content, index) or ()
         return Message("tool", (ToolResultPart(self.tool_call_id, content),), name=self.name)
 
 
 ChatMessage = PlainMessage | AssistantMessage | ToolMessage
+BuiltMessage = Annotated[Message | PlainMessage | AssistantMessage | ToolMessage, From(ChatMessage)]
+"""A chat message as structured: its domain Message, or the wire message where an image needs its place."""
 
 
 @attrs.define(kw_only=True)
@@ -196,7 +240,7 @@ class NamedToolChoice:
 class ChatWire(TokenObservationFields):
     """The honoured fields of `CHAT_FIELDS`, each with its row; ignored and refused ones never reach it."""
 
-    messages: list[ChatMessage] = wire_field(
+    messages: list[BuiltMessage] = wire_field(
         honoured("the conversation: system, developer, user, assistant and tool messages"), required=True)
     logprobs: bool | None = wire_field(honoured("generation logprobs"))
     top_logprobs: int | None = wire_field(honoured("alternatives per generated token (0..20)"))
@@ -249,38 +293,34 @@ CHAT_FIELDS: FieldTable = field_table(
 # -- decoding -----------------------------------------------------------------------------------
 
 
-def _parts(content: Content, index: int) -> tuple[TextPart | ImagePart, ...]:
-    """Message `index`'s content as parts."""
+def _parts(content: Content, index: int | None) -> tuple[TextPart | ImagePart, ...] | None:
+    """Message `index`'s content as parts; None where it holds an image and the index is unknown."""
     if content is None:
         return ()
     if type(content) is str:
         return (TextPart(content),)
-    return tuple([TextPart(p.text) if type(p) is TextContent else
-                  _image_from_url(p.image_url.url, f"messages[{index}].content[{j}]")  # type: ignore[union-attr]
-                  for j, p in enumerate(content)])
+    parts = cast("list[TextPart | ImageContent]", content)
+    if index is None:
+        return all_built(parts, (TextPart,))
+    return tuple([p if type(p) is TextPart else
+                  _image_from_url(cast("ImageContent", p).image_url.url, f"messages[{index}].content[{j}]")
+                  for j, p in enumerate(parts)])
 
 
 def _image_from_url(url: str, where: str) -> ImagePart:
     """A base64 data URL's image; `where` (the content part) is the image's place in later messages."""
-    param = f"{where}.image_url.url"
-    if not url.startswith("data:"):
-        raise BadRequest(f"{where}: images must be base64 data URLs; remote image downloads are unsupported",
-                         param=param)
-    head, _, data = url.partition(",")
-    media = head[5:].split(";")[0]
-    if media not in ("image/png", "image/jpeg", "image/webp"):
-        raise BadRequest(f"{where}: unsupported image type '{media}'", param=param)
     try:
-        raw = base64.b64decode(data, validate=True)
-    except ValueError:
-        raise BadRequest(f"{where}: invalid base64 image data", param=param) from None
+        media, raw = data_url_image(url)
+    except Invalid as exc:
+        raise BadRequest(f"{where}: {exc.reason}", param=f"{where}.image_url.url") from None
     return ImagePart(media, raw, where)
 
 
-def decode_messages(messages: list[ChatMessage]) -> tuple[Message, ...]:
+def decode_messages(messages: list[Message | PlainMessage | AssistantMessage | ToolMessage]) -> tuple[Message, ...]:
     if not messages:
         raise BadRequest("'messages' must contain at least one message", param="messages")
-    return tuple([m.message(i) for i, m in enumerate(messages)])
+    return tuple([m if type(m) is Message else cast("PlainMessage | AssistantMessage | ToolMessage", m).message(i)
+                  for i, m in enumerate(messages)])
 
 
 def decode_tools(tools: list[FunctionTool] | None,

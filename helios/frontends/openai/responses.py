@@ -5,14 +5,16 @@ Spec: api.md, "Stateless Responses", "Conversation and tool semantics", "Generat
 probabilities" and "Reasoning, sampling, and usage". Every request carries its whole conversation;
 store, previous_response_id, conversation, background and automatic truncation are rejected.
 
-This module is the request side (`decode_responses` → `ResponsesPlan`); the output side, the
+This module is the request side (`decode_responses` → `ResponsesPlan`): the request's shapes are
+declared below (`ResponsesWire` and its items, parts and tools) and structured by
+`helios.frontends.wire`, so a bad value anywhere is a 400 naming its path. The output side, the
 encoder and its event order, is `helios.frontends.openai.responses_encoder`.
 """
 
 from __future__ import annotations
 
-import base64
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal, NewType, cast
 
 import attrs
 
@@ -39,14 +41,15 @@ from helios.domain.model import ModelInfo
 from helios.errors import BadRequest
 from helios.frontends.common import thinking_budget, validate_stops, validate_token_stops
 from helios.frontends.fields import (
-    NATIVE_GENERATION_ROWS,
     PROVIDER_ROWS,
     FieldTable,
+    field_table,
     honoured,
     ignored,
     one_of,
     refused,
     screen_fields,
+    wire_field,
 )
 from helios.frontends.openai.chat import decode_sampling
 from helios.frontends.openai.logprobs import validate_logprob_options
@@ -56,111 +59,421 @@ from helios.frontends.structured import (
     one_constraint,
     tool_contract,
 )
-from helios.frontends.wire import NativeGenerationFields, loads_strict, structure
+from helios.frontends.wire import (
+    From,
+    Invalid,
+    JSONObjectString,
+    NativeGenerationFields,
+    NonEmptyStr,
+    all_built,
+    data_url_image,
+    register_leaf,
+    structure,
+)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 NAMESPACE_SEPARATOR = "__"
 
-HOSTED_TOOL_TYPES = frozenset({
-    "web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
-    "file_search", "computer", "computer_use", "computer_use_preview", "code_interpreter",
-    "image_generation", "mcp", "local_shell", "shell", "apply_patch", "tool_search",
-    "programmatic_tool_calling",
-})
 
-EFFORT_NAMES = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+NonBlankStr = NewType("NonBlankStr", str)
+"""A string with a character other than whitespace (grammar definitions)."""
 
 
-@attrs.frozen
+def _nonblank_str(v: Any, _t: Any) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise Invalid("must be a nonempty string")
+    return v
+
+
+register_leaf(NonBlankStr, _nonblank_str)
+
+
+# -- the request's shapes (the SDK's ResponseInputItemParam, its content parts, ToolParam, ToolChoice) ----
+# Items, parts and tools ignore keys Helios does not read (ids, statuses, annotations, hints): replayed
+# output items carry them, and a client may send newer ones.
+
+
+@attrs.define(kw_only=True)
+class InputText:
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["input_text", "output_text"]
+    text: str
+
+    __wire_build__: ClassVar[Callable[..., TextPart]] = TextPart
+
+
+@attrs.define(kw_only=True)
+class RefusalText:
+    """An assistant's replayed refusal: its text is the turn's text (other roles refuse it)."""
+
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["refusal"]
+    refusal: str
+
+
+@attrs.define(kw_only=True)
+class InputImage:
+    """A base64 data URL's image; the serving side checks its bytes, the limits and that the model
+    takes images (a text-only model's 400 names the model, as on every route). It is built without
+    its place; the item that holds it gives it one (`_placed`)."""
+
+    __wire_lenient__: ClassVar[bool] = True  # detail: the whole image is always used
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+
+    @staticmethod
+    def __wire_build__(*, image_url: str | None, file_id: str | None) -> ImagePart:
+        if file_id is not None:
+            raise Invalid("file_id images are unsupported (there is no file store); send the image as a base64 "
+                          "data URL in image_url", param_at="file_id")
+        media, raw = data_url_image(image_url or "", param_at="image_url")
+        return ImagePart(media, raw)
+
+
+@attrs.define(kw_only=True)
+class InputFile:
+    __wire_refused__: ClassVar[str] = "file inputs are not supported"
+    type: Literal["input_file"]
+
+
+MessageContent = str | list[Annotated[TextPart | ImagePart | RefusalText,
+                                      From(InputText | RefusalText | InputImage | InputFile)]]
+OutputContent = str | list[Annotated[TextPart | ImagePart, From(InputText | InputImage)]]
+
+
+def _placed(part: TextPart | ImagePart, where: str) -> TextPart | ImagePart:
+    """A built image with its place in the request (``input[2].content[1]``), for later messages."""
+    if type(part) is ImagePart:
+        return ImagePart(part.media_type, part.data, where)
+    return part
+
+
+# Items build their domain value where they are complete: a message its Message, a call its
+# ToolCallPart, an output its tool Message, reasoning its ReasoningPart. An item holding an image or a
+# refusal stays a wire item (its builder returns None), which `decode_input` completes with its place.
+
+
+@attrs.define(kw_only=True)
+class MessageItem:
+    """A message; an easy message has no ``type`` (the default member)."""
+
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: MessageContent
+
+    @staticmethod
+    def __wire_build__(*, role: Literal["user", "system", "developer", "assistant"],
+                       content: MessageContent) -> Message | None:
+        texts = (TextPart(content),) if isinstance(content, str) else all_built(content, (TextPart,))
+        return None if texts is None else Message(role, texts)
+
+    def message(self, where: str) -> Message:
+        """The message, its images placed (only a user's) and its refusals read (only an assistant's)."""
+        parts = cast("list[TextPart | ImagePart | RefusalText]", self.content)  # a string's is built
+        return Message(self.role, tuple([self._part(p, f"{where}.content[{j}]") for j, p in enumerate(parts)]))
+
+    def _part(self, p: TextPart | ImagePart | RefusalText, where: str) -> Part:
+        if isinstance(p, TextPart):
+            return p
+        if isinstance(p, RefusalText):
+            if self.role != "assistant":
+                raise BadRequest(f"{where}: refusal parts belong in assistant messages", param=f"{where}.type")
+            return TextPart(p.refusal)
+        if self.role != "user":
+            raise BadRequest(f"{where}: images are accepted in user messages and tool outputs only",
+                             param=f"{where}.type")
+        return _placed(p, where)
+
+
+def _flat(namespace: str | None, name: str) -> str:
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+
+
+@attrs.define(kw_only=True)
+class FunctionCallItem:
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["function_call"]
+    call_id: NonEmptyStr
+    name: NonEmptyStr
+    namespace: str | None = None
+    arguments: JSONObjectString = attrs.field(factory=lambda: JSONObjectString({}))
+
+    @staticmethod
+    def __wire_build__(*, call_id: str, name: str, namespace: str | None,
+                       arguments: dict[str, Any] | None = None) -> ToolCallPart:
+        return ToolCallPart(call_id, _flat(namespace, name), {} if arguments is None else arguments)
+
+
+@attrs.define(kw_only=True)
+class CustomToolCallItem:
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["custom_tool_call"]
+    call_id: NonEmptyStr
+    name: NonEmptyStr
+    namespace: str | None = None
+    input: str
+
+    @staticmethod
+    def __wire_build__(*, call_id: str, name: str, namespace: str | None, input: str) -> ToolCallPart:
+        return ToolCallPart(call_id, _flat(namespace, name), {"input": input})
+
+
+@attrs.define(kw_only=True)
+class ToolOutputItem:
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["function_call_output", "custom_tool_call_output"]
+    call_id: NonEmptyStr
+    output: OutputContent
+
+    @staticmethod
+    def __wire_build__(*, call_id: NonEmptyStr, output: OutputContent) -> Message | None:
+        texts = (TextPart(output),) if isinstance(output, str) else all_built(output, (TextPart,))
+        return None if texts is None else Message("tool", (ToolResultPart(call_id, texts),))
+
+    def message(self, where: str) -> Message:
+        """The tool message, its images placed."""
+        parts = cast("list[TextPart | ImagePart]", self.output)  # a string's is built
+        content = tuple([_placed(p, f"{where}.output[{j}]") for j, p in enumerate(parts)])
+        return Message("tool", (ToolResultPart(self.call_id, content),))
+
+
+@attrs.define(kw_only=True)
+class ReasoningText:
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["reasoning_text"]
+    text: str
+
+
+@attrs.define(kw_only=True)
+class SummaryText:
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["summary_text"]
+    text: str
+
+
+@attrs.define(kw_only=True)
+class ReasoningItem:
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    summary: list[SummaryText] | None = None
+    encrypted_content: Any = None
+
+    @staticmethod
+    def __wire_build__(*, content: list[ReasoningText] | None, summary: list[SummaryText] | None,
+                       encrypted_content: Any) -> ReasoningPart:
+        """Readable content, else the summary, joined; opaque encrypted reasoning alone is refused."""
+        texts = [p.text for p in content or ()] or [p.text for p in summary or ()]
+        if not texts and encrypted_content:
+            raise Invalid("opaque encrypted reasoning is not supported; replay reasoning items with readable "
+                          "reasoning_text content", param_at="encrypted_content")
+        return ReasoningPart("\n\n".join(t for t in texts if t))
+
+
+@attrs.define(kw_only=True)
+class ItemReference:
+    __wire_refused__: ClassVar[str] = ("item references need stored responses, which Helios does not keep; send the "
+                                       "complete items")
+    type: Literal["item_reference"]
+
+
+InputItem = MessageItem | FunctionCallItem | CustomToolCallItem | ToolOutputItem | ReasoningItem | ItemReference
+BuiltItem = Annotated[Message | ToolCallPart | ReasoningPart | MessageItem | ToolOutputItem, From(InputItem)]
+"""An input item as structured: its domain value, or the wire item where an image or refusal needs more."""
+
+
+@attrs.define(kw_only=True)
+class GrammarFormat:
+    """A custom tool's ``{"type": "grammar", "syntax": "lark" | "regex", "definition": ...}``."""
+
+    type: Literal["grammar"]
+    syntax: Literal["lark", "regex"]
+    definition: NonBlankStr
+
+
+@attrs.define(kw_only=True)
+class PlainTextFormat:
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["text"]
+
+
+@attrs.define(kw_only=True)
+class FunctionToolWire:
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["function"]
+    name: NonEmptyStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = wire_field(refused("strict function schemas are not implemented", inert=one_of(False),
+                                             message="strict function schemas (strict: true) are not supported"))
+
+    def declare(self, namespace: str | None) -> tuple[Tool, DeclaredTool]:
+        flat = _flat(namespace, self.name)
+        params = {"type": "object", "properties": {}} if self.parameters is None else self.parameters
+        return Tool(flat, self.description, params), DeclaredTool(flat, self.name, "function", namespace)
+
+
+@attrs.define(kw_only=True)
+class CustomToolWire:
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["custom"]
+    name: NonEmptyStr
+    description: str | None = None
+    format: GrammarFormat | PlainTextFormat | None = None
+
+    def declare(self, namespace: str | None) -> tuple[Tool, DeclaredTool]:
+        flat = _flat(namespace, self.name)
+        desc, grammar = self.description, None
+        if type(self.format) is GrammarFormat:
+            grammar = ToolGrammar(self.format.syntax, self.format.definition)
+            # The contract goes into the model's tool description; the completed input is validated
+            # against the grammar before the call is emitted (serving.structured), never constrained.
+            desc = tool_contract(desc, grammar)
+        return Tool(flat, desc, {}, kind="custom", grammar=grammar), DeclaredTool(flat, self.name, "custom", namespace)
+
+
+@attrs.define(kw_only=True)
+class NamespaceTool:
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["namespace"]
+    name: NonEmptyStr
+    tools: list[FunctionToolWire | CustomToolWire]
+
+
+def _hosted_tool(kind: str) -> Invalid:
+    """Names the hosted tool and how to stop the client from sending it (param ``tools``, which
+    clients key on)."""
+    head = (f"hosted tool type '{kind}' is not supported; Helios serves client-executed function and custom "
+            "tools only")
+    advice = ("disable web search in the client, e.g. Codex `web_search = \"disabled\"` in config.toml"
+              if kind.startswith("web_search") else f"disable the '{kind}' tool in the client or remove it from "
+              "the request")
+    return Invalid(f"{head}; {advice}", at="type", param="tools")
+
+
+@attrs.define(kw_only=True)
+class HostedTool:
+    __wire_refused__: ClassVar[Callable[[str], Invalid]] = _hosted_tool
+    type: Literal["web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
+                  "file_search", "computer", "computer_use", "computer_use_preview", "code_interpreter",
+                  "image_generation", "mcp", "local_shell", "shell", "apply_patch", "tool_search",
+                  "programmatic_tool_calling"]
+
+
+ToolWire = FunctionToolWire | CustomToolWire | NamespaceTool | HostedTool
+
+
+@attrs.define(kw_only=True)
+class NamedToolChoice:
+    __wire_lenient__: ClassVar[bool] = True
+    type: Literal["function", "custom"]
+    name: NonEmptyStr
+
+
+ToolChoiceWire = Literal["auto", "none", "required"] | NamedToolChoice
+
+
+@attrs.define(kw_only=True)
+class TextWire:
+    format: Any = None  # `structured.decode_text_format`
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+@attrs.define(kw_only=True)
+class ReasoningWire:
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the deprecated name of summary
+    context: Any = None  # inert
+    mode: Any = None  # inert
+
+
+@attrs.define(kw_only=True)
 class ResponsesWire(NativeGenerationFields):
-    """The honoured fields of `RESPONSES_FIELDS`; ignored and refused ones never reach it."""
+    """The honoured fields of `RESPONSES_FIELDS`, each with its row; ignored and refused ones never reach it."""
 
-    input: Any
-    instructions: str | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_logprobs: int | None = None
-    reasoning: Any = None
-    text: Any = None
-    include: list[str] | None = None
-    stream: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    thinking_token_budget: int | None = None
+    input: str | list[BuiltItem] = wire_field(honoured("the conversation as input items"), required=True)
+    instructions: str | None = wire_field(honoured("leading system instructions"))
+    tools: list[ToolWire] | None = wire_field(
+        honoured("function, custom and namespace tools; hosted tool types are refused"))
+    tool_choice: ToolChoiceWire | None = wire_field(
+        honoured("auto, none, required or a named function or custom tool"))
+    parallel_tool_calls: bool | None = wire_field(honoured("false allows at most one call per response"))
+    max_output_tokens: int | None = wire_field(honoured("output limit, reasoning included"))
+    temperature: float | None = wire_field(honoured("sampling temperature (clamped to the recipe's range)"))
+    top_p: float | None = wire_field(honoured("nucleus filter (clamped to the recipe's range)"))
+    top_logprobs: int | None = wire_field(
+        honoured("alternatives per token, with include message.output_text.logprobs"))
+    reasoning: ReasoningWire | None = wire_field(honoured(
+        "effort selects the template's level; summary is accepted and echoed, but readable reasoning comes back "
+        "as reasoning_text with an empty summary"))
+    text: TextWire | None = wire_field(honoured(
+        "format text, json_object or json_schema (the answer is constrained; reasoning and tool calls stay free); "
+        "verbosity is echoed"))
+    include: list[str] | None = wire_field(honoured(
+        f"{LOGPROBS_INCLUDE} fills logprobs; values Helios cannot fill, such as reasoning.encrypted_content, are "
+        "accepted and produce nothing"))
+    stream: bool | None = wire_field(honoured("named SSE events"))
+    chat_template_kwargs: dict[str, Any] | None = wire_field(honoured("vLLM extension: chat-template variables"))
+    thinking_token_budget: int | None = wire_field(honoured(
+        "Helios extension: hard cap on reasoning tokens; at the cap the reasoning close token is forced (400 where "
+        "the model cannot close it)"))
 
 
 _ECHOED = "; echoed on the Response object"
 _STATELESS = "Helios keeps no responses, so every request carries its complete conversation"
 
-RESPONSES_FIELDS: FieldTable = {
-    "input": honoured("the conversation as input items"),
-    "instructions": honoured("leading system instructions"),
-    "tools": honoured("function, custom and namespace tools; hosted tool types are refused"),
-    "tool_choice": honoured("auto, none, required or a named function or custom tool"),
-    "parallel_tool_calls": honoured("false allows at most one call per response"),
-    "max_output_tokens": honoured("output limit, reasoning included"),
-    "temperature": honoured("sampling temperature (clamped to the recipe's range)"),
-    "top_p": honoured("nucleus filter (clamped to the recipe's range)"),
-    "top_logprobs": honoured("alternatives per token, with include message.output_text.logprobs"),
-    "reasoning": honoured("effort selects the template's level; summary is accepted and echoed, but readable "
-                          "reasoning comes back as reasoning_text with an empty summary"),
-    "text": honoured("format text, json_object or json_schema (the answer is constrained; reasoning and tool "
-                     "calls stay free); verbosity is echoed"),
-    "include": honoured(f"{LOGPROBS_INCLUDE} fills logprobs; values Helios cannot fill, such as "
-                        "reasoning.encrypted_content, are accepted and produce nothing"),
-    "stream": honoured("named SSE events"),
-    "chat_template_kwargs": honoured("vLLM extension: chat-template variables"),
-    "thinking_token_budget": honoured("Helios extension: hard cap on reasoning tokens; at the cap the "
-                                      "reasoning close token is forced (400 where the model cannot close it)"),
-    **NATIVE_GENERATION_ROWS,
-    "model": PROVIDER_ROWS["model"],
-    "user": ignored(PROVIDER_ROWS["user"].reason + _ECHOED, str),
-    "metadata": ignored(PROVIDER_ROWS["metadata"].reason + _ECHOED, dict),
-    "safety_identifier": ignored(PROVIDER_ROWS["safety_identifier"].reason + _ECHOED, str),
-    "prompt_cache_key": ignored(PROVIDER_ROWS["prompt_cache_key"].reason + _ECHOED, str),
-    "service_tier": ignored("one local tier serves every request; the Response reports 'default'", str),
-    "prompt_cache_retention": PROVIDER_ROWS["prompt_cache_retention"],
-    "prompt_cache_options": PROVIDER_ROWS["prompt_cache_options"],
-    "max_tool_calls": ignored("limits hosted tool calls, of which Helios has none" + _ECHOED, int),
-    "stream_options": ignored("include_obfuscation: Helios adds no obfuscation padding to events", dict),
-    "access_programs": ignored("provider account access programs; nothing to select locally", dict),
-    "client_metadata": ignored("Codex client hints (installation and session ids); not in the public SDK "
+RESPONSES_FIELDS: FieldTable = field_table(
+    ResponsesWire,
+    model=PROVIDER_ROWS["model"],
+    user=ignored(PROVIDER_ROWS["user"].reason + _ECHOED, str),
+    metadata=ignored(PROVIDER_ROWS["metadata"].reason + _ECHOED, dict),
+    safety_identifier=ignored(PROVIDER_ROWS["safety_identifier"].reason + _ECHOED, str),
+    prompt_cache_key=ignored(PROVIDER_ROWS["prompt_cache_key"].reason + _ECHOED, str),
+    service_tier=ignored("one local tier serves every request; the Response reports 'default'", str),
+    prompt_cache_retention=PROVIDER_ROWS["prompt_cache_retention"],
+    prompt_cache_options=PROVIDER_ROWS["prompt_cache_options"],
+    max_tool_calls=ignored("limits hosted tool calls, of which Helios has none" + _ECHOED, int),
+    stream_options=ignored("include_obfuscation: Helios adds no obfuscation padding to events", dict),
+    access_programs=ignored("provider account access programs; nothing to select locally", dict),
+    client_metadata=ignored("Codex client hints (installation and session ids); not in the public SDK "
                                "types, nothing to report them to", dict),
-    "store": ignored("store: false is what Helios does anyway; store: true is refused (" + _STATELESS + ")", bool,
+    store=ignored("store: false is what Helios does anyway; store: true is refused (" + _STATELESS + ")", bool,
                      allows=one_of(False),
                      message="store: true is not supported; Helios keeps no responses (send store: false and the "
                              "complete conversation)"),
-    "image": ignored("image context compression: Helios never compresses image context, which 'auto' and "
+    image=ignored("image context compression: Helios never compresses image context, which 'auto' and "
                      "'disabled' allow; 'enabled' is refused", dict,
                      allows=lambda v: v.get("context_compression") in (None, "auto", "disabled"),
                      message="image.context_compression 'enabled' is not supported; Helios does not compress "
                              "image context"),
-    "previous_response_id": refused(_STATELESS, message="previous_response_id is not supported; Helios keeps no "
+    previous_response_id=refused(_STATELESS, message="previous_response_id is not supported; Helios keeps no "
                                     "responses, so send the complete conversation as input"),
-    "conversation": refused(_STATELESS, message="conversation is not supported; send the complete conversation "
+    conversation=refused(_STATELESS, message="conversation is not supported; send the complete conversation "
                             "as input"),
-    "background": refused("background responses need stored responses", inert=one_of(False),
+    background=refused("background responses need stored responses", inert=one_of(False),
                           message="background responses are not supported (background: true)"),
-    "background_options": refused("background execution is not supported"),
-    "truncation": refused("Helios rejects over-context requests instead of dropping input",
+    background_options=refused("background execution is not supported"),
+    truncation=refused("Helios rejects over-context requests instead of dropping input",
                           inert=one_of("disabled"),
                           message="truncation: 'auto' is not supported; Helios rejects over-context requests"),
-    "prompt": refused("stored prompt templates live on the provider",
+    prompt=refused("stored prompt templates live on the provider",
                       message="prompt (a stored prompt template) is not supported"),
-    "context_management": refused("server-side compaction is not implemented", inert=lambda v: not v,
+    context_management=refused("server-side compaction is not implemented", inert=lambda v: not v,
                                   message="context_management is not supported"),
-    "moderation": refused("moderation of input and output is not available on a local server"),
-    "prompt_logprobs": refused("prompt scoring is offered on Chat Completions and Completions",
+    moderation=refused("moderation of input and output is not available on a local server"),
+    prompt_logprobs=refused("prompt scoring is offered on Chat Completions and Completions",
                                message="prompt_logprobs is not supported on /v1/responses"),
-}
+)
 """Every top-level Responses field Helios knows (see `helios.frontends.fields`)."""
 
 ECHOED_FIELDS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "max_tool_calls")
 """Ignored fields the Response object reports back as sent."""
+
+
 
 
 # -- tools ----------------------------------------------------------------------------------------
@@ -186,123 +499,48 @@ class ToolSet:
         return self.declared.get(flat_name) or DeclaredTool(flat_name, flat_name, "function")
 
 
-def decode_tools(raw: list[Any] | None, tool_choice: Any) -> tuple[ToolSet, ToolChoice]:
-    tools: list[Tool] = []
-    declared: dict[str, DeclaredTool] = {}
+def decode_tools(raw: Any, tool_choice: Any) -> tuple[ToolSet, ToolChoice]:
+    """``tools`` and ``tool_choice`` as sent (JSON) → the declared tools and the choice."""
+    w = structure({"input": "", "tools": raw, "tool_choice": tool_choice}, ResponsesWire)
+    return toolset_of(w.tools, w.tool_choice)
 
-    def add(tool: Tool, entry: DeclaredTool) -> None:
-        if entry.flat_name in declared:
-            raise BadRequest(f"tool name '{entry.flat_name}' is ambiguous: it is declared more than once "
-                             f"(namespaced tools are named namespace{NAMESPACE_SEPARATOR}name)", param="tools")
-        declared[entry.flat_name] = entry
-        tools.append(tool)
 
-    for i, t in enumerate(raw or []):
-        where = f"tools[{i}]"
-        if not isinstance(t, dict) or not isinstance(t.get("type"), str):
-            raise BadRequest(f"{where} must be an object with a type", param="tools")
-        kind = t["type"]
-        if kind in ("function", "custom"):
-            add(*_decode_tool(t, where, None))
-        elif kind == "namespace":
-            ns = t.get("name")
-            if not isinstance(ns, str) or not ns:
-                raise BadRequest(f"{where}.name must be a nonempty string", param="tools")
-            inner = t.get("tools")
-            if not isinstance(inner, list) or not inner:
-                raise BadRequest(f"{where}.tools must be a nonempty array of function or custom tools", param="tools")
-            for j, sub in enumerate(inner):
-                sub_where = f"{where}.tools[{j}]"
-                if not isinstance(sub, dict) or sub.get("type") not in ("function", "custom"):
-                    raise BadRequest(f"{sub_where} must be a function or custom tool", param="tools")
-                add(*_decode_tool(sub, sub_where, ns))
-        elif kind in HOSTED_TOOL_TYPES:
-            raise BadRequest(_hosted_tool_message(kind, where), param="tools")
+def toolset_of(tools: list[ToolWire] | None, choice: ToolChoiceWire | None) -> tuple[ToolSet, ToolChoice]:
+    """Declared tools (namespaced ones flattened to ``namespace__name``) and the choice among them."""
+    declared: dict[str, tuple[Tool, DeclaredTool]] = {}
+    for i, t in enumerate(tools or ()):
+        if type(t) is NamespaceTool:
+            if not t.tools:
+                raise BadRequest(f"tools[{i}].tools must be a nonempty array of function or custom tools",
+                                 param=f"tools[{i}].tools")
+            entries = [(f"tools[{i}].tools[{j}]", sub.declare(t.name)) for j, sub in enumerate(t.tools)]
         else:
-            raise BadRequest(f"unsupported tool type '{kind}' in {where}", param="tools")
-    return ToolSet(tuple(tools), declared), _decode_tool_choice(tool_choice, declared)
+            entries = [(f"tools[{i}]", cast("FunctionToolWire | CustomToolWire", t).declare(None))]
+        for where, entry in entries:
+            flat = entry[1].flat_name
+            if flat in declared:
+                raise BadRequest(f"tool name '{flat}' is ambiguous: it is declared more than once (namespaced tools "
+                                 f"are named namespace{NAMESPACE_SEPARATOR}name)", param=f"{where}.name")
+            declared[flat] = entry
+    toolset = ToolSet(tuple(tool for tool, _ in declared.values()),
+                      {name: entry for name, (_, entry) in declared.items()})
+    return toolset, _tool_choice(choice, toolset.declared)
 
 
-def _hosted_tool_message(kind: str, where: str) -> str:
-    """Names the hosted tool and how to stop the client from sending it."""
-    head = (f"hosted tool type '{kind}' in {where} is not supported; Helios serves client-executed function and "
-            "custom tools only")
-    if kind.startswith("web_search"):
-        return head + "; disable web search in the client, e.g. Codex `web_search = \"disabled\"` in config.toml"
-    return head + f"; disable the '{kind}' tool in the client or remove it from the request"
-
-
-def _decode_tool(t: dict[str, Any], where: str, namespace: str | None) -> tuple[Tool, DeclaredTool]:
-    name = t.get("name")
-    if not isinstance(name, str) or not name:
-        raise BadRequest(f"{where}.name must be a nonempty string", param="tools")
-    desc = t.get("description")
-    if desc is not None and not isinstance(desc, str):
-        raise BadRequest(f"{where}.description must be a string", param="tools")
-    flat = f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
-    if t["type"] == "function":
-        if t.get("strict") is True:
-            raise BadRequest("strict function schemas (strict: true) are not supported", param="tools")
-        params = t.get("parameters")
-        if params is None:
-            params = {"type": "object", "properties": {}}
-        if not isinstance(params, dict):
-            raise BadRequest(f"{where}.parameters must be an object", param="tools")
-        return Tool(flat, desc, params), DeclaredTool(flat, name, "function", namespace)
-    fmt = t.get("format")
-    grammar = None
-    if fmt is not None:
-        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-            raise BadRequest(f"{where}.format must be an object with a type", param="tools")
-        if fmt["type"] == "grammar":
-            grammar = _tool_grammar(fmt, f"{where}.format")
-        elif fmt["type"] != "text":
-            raise BadRequest(f"unsupported custom tool format '{fmt['type']}'", param="tools")
-    if grammar is not None:
-        # The contract goes into the model's tool description; the completed input is validated
-        # against the grammar before the call is emitted (serving.structured), never constrained.
-        desc = tool_contract(desc, grammar)
-    return (Tool(flat, desc, {}, kind="custom", grammar=grammar),
-            DeclaredTool(flat, name, "custom", namespace))
-
-
-def _tool_grammar(fmt: dict[str, Any], where: str) -> ToolGrammar:
-    """A custom tool's ``{"type": "grammar", "syntax": "lark" | "regex", "definition": ...}``."""
-    extra = sorted(set(fmt) - {"type", "syntax", "definition"})
-    if extra:
-        raise BadRequest(f"unrecognized field(s) in {where}: {', '.join(extra)}", param="tools")
-    syntax, definition = fmt.get("syntax"), fmt.get("definition")
-    if syntax not in ("lark", "regex"):
-        raise BadRequest(f"{where}.syntax must be 'lark' or 'regex'", param="tools")
-    if not isinstance(definition, str) or not definition.strip():
-        raise BadRequest(f"{where}.definition must be a nonempty string", param="tools")
-    return ToolGrammar(syntax, definition)
-
-
-def _decode_tool_choice(choice: Any, declared: dict[str, DeclaredTool]) -> ToolChoice:
+def _tool_choice(choice: ToolChoiceWire | None, declared: dict[str, DeclaredTool]) -> ToolChoice:
     if choice is None:
         return ToolChoice("auto" if declared else "none")
-    if choice in ("auto", "none"):
-        return ToolChoice(choice)
-    if choice == "required":
-        if not declared:
+    if type(choice) is not NamedToolChoice:
+        if choice == "required" and not declared:
             raise BadRequest("tool_choice 'required' needs at least one declared tool", param="tool_choice")
-        return ToolChoice("required")
-    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
-        kind, name = choice["type"], choice.get("name")
-        if not isinstance(name, str) or not name:
-            raise BadRequest("tool_choice.name must be a nonempty string", param="tool_choice")
-        entry = declared.get(name)
-        if entry is None:
-            raise BadRequest(f"tool_choice names '{name}', which is not a declared tool", param="tool_choice")
-        if entry.kind != kind:
-            raise BadRequest(f"tool_choice selects a {kind} tool, but '{name}' is a {entry.kind} tool",
-                             param="tool_choice")
-        return ToolChoice("named", name)
-    if isinstance(choice, dict) and isinstance(choice.get("type"), str):
-        raise BadRequest(f"tool_choice type '{choice['type']}' is not supported", param="tool_choice")
-    raise BadRequest("tool_choice must be 'auto', 'none', 'required', {\"type\": \"function\", \"name\"} or "
-                     "{\"type\": \"custom\", \"name\"}", param="tool_choice")
+        return ToolChoice(cast("Literal['auto', 'none', 'required']", choice))
+    entry = declared.get(choice.name)
+    if entry is None:
+        raise BadRequest(f"tool_choice names '{choice.name}', which is not a declared tool", param="tool_choice.name")
+    if entry.kind != choice.type:
+        raise BadRequest(f"tool_choice selects a {choice.type} tool, but '{choice.name}' is a {entry.kind} tool",
+                         param="tool_choice.type")
+    return ToolChoice("named", choice.name)
 
 
 # -- input items ----------------------------------------------------------------------------------
@@ -310,197 +548,52 @@ def _decode_tool_choice(choice: Any, declared: dict[str, DeclaredTool]) -> ToolC
 _RANK = {ReasoningPart: 0, TextPart: 1, ImagePart: 1, ToolCallPart: 2}
 
 
-def decode_input(raw: Any, instructions: str | None) -> tuple[Message, ...]:
-    """Responses input (a string or items) → neutral messages. `instructions` lead as a system message.
+BuiltItems = list[Message | ToolCallPart | ReasoningPart | MessageItem | ToolOutputItem]
 
-    Consecutive assistant-side items (reasoning, assistant messages, function and custom calls) form
-    one assistant turn while they keep the order reasoning → text → calls; each tool output is its
-    own tool message."""
-    out: list[Message] = []
-    if instructions:
-        out.append(Message("system", (TextPart(instructions),)))
+
+def decode_input(raw: str | BuiltItems, instructions: str | None) -> tuple[Message, ...]:
+    """Responses input (a string or built items) → neutral messages. `instructions` lead as a system
+    message."""
+    system = (Message("system", (TextPart(instructions),)),) if instructions else ()
     if isinstance(raw, str):
-        out.append(Message("user", (TextPart(raw),)))
-        return tuple(out)
-    if not isinstance(raw, list):
-        raise BadRequest("'input' must be a string or an array of input items", param="input")
+        return (*system, Message("user", (TextPart(raw),)))
     if not raw:
         raise BadRequest("'input' must contain at least one item", param="input")
+    return (*system, *_turns(raw))
+
+
+def _turns(items: BuiltItems) -> list[Message]:
+    """Built items → messages. Consecutive assistant-side items (reasoning, assistant messages, function
+    and custom calls) form one assistant turn while they keep the order reasoning → text → calls; each
+    tool output is its own tool message."""
+    out: list[Message] = []
     turn: list[Part] = []
-
-    def flush() -> None:
-        if turn:
-            out.append(Message("assistant", tuple(turn)))
-            turn.clear()
-
-    def assistant(part: Part) -> None:
-        if turn and _RANK[type(part)] < _RANK[type(turn[-1])]:
-            flush()
-        turn.append(part)
-
-    for i, item in enumerate(raw):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise BadRequest(f"{where} must be an object", param="input")
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise BadRequest(f"{where}.role must be one of user, system, developer, assistant", param="input")
-            parts = _message_content(item.get("content"), where, role)
-            if role == "assistant":
-                for p in parts:
-                    assistant(p)
-            else:
-                flush()
-                out.append(Message(role, parts))
-        elif kind == "reasoning":
-            text = _reasoning_text(item, where)
-            if text:
-                assistant(ReasoningPart(text))
-        elif kind == "function_call":
-            call_id = _nonempty_str(item, "call_id", where)
-            name = _flat_call_name(item, where)
-            args = item.get("arguments", "{}")
-            if not isinstance(args, str):
-                raise BadRequest(f"{where}.arguments must be a JSON string", param="input")
-            try:
-                parsed = loads_strict(args) if args.strip() else {}
-            except ValueError:
-                raise BadRequest(f"{where}.arguments must be a JSON object", param="input") from None
-            if not isinstance(parsed, dict):
-                raise BadRequest(f"{where}.arguments must be a JSON object", param="input")
-            assistant(ToolCallPart(call_id, name, parsed))
-        elif kind == "custom_tool_call":
-            call_id = _nonempty_str(item, "call_id", where)
-            name = _flat_call_name(item, where)
-            text_input = item.get("input")
-            if not isinstance(text_input, str):
-                raise BadRequest(f"{where}.input must be a string", param="input")
-            assistant(ToolCallPart(call_id, name, {"input": text_input}))
-        elif kind in ("function_call_output", "custom_tool_call_output"):
-            flush()
-            call_id = _nonempty_str(item, "call_id", where)
-            content = _tool_output(item.get("output"), where)
-            out.append(Message("tool", (ToolResultPart(call_id, content),)))
-        elif kind == "item_reference":
-            raise BadRequest(f"{where}: item references need stored responses, which Helios does not keep; "
-                             "send the complete items", param="input")
-        elif isinstance(kind, str):
-            raise BadRequest(f"unsupported input item type '{kind}' in {where}", param="input")
-        else:
-            raise BadRequest(f"{where} must have a type or a role", param="input")
-    flush()
-    return tuple(out)
-
-
-def _nonempty_str(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str) or not value:
-        raise BadRequest(f"{where}.{key} must be a nonempty string", param="input")
-    return value
-
-
-def _flat_call_name(item: dict[str, Any], where: str) -> str:
-    name = _nonempty_str(item, "name", where)
-    ns = item.get("namespace")
-    if ns is None:
-        return name
-    if not isinstance(ns, str):
-        raise BadRequest(f"{where}.namespace must be a string", param="input")
-    return f"{ns}{NAMESPACE_SEPARATOR}{name}" if ns else name
-
-
-def _reasoning_text(item: dict[str, Any], where: str) -> str:
-    texts: list[str] = []
-    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
-        parts = item.get(key)
-        if parts is None:
+    rank = 0  # of the turn's last part
+    for i, item in enumerate(items):
+        if type(item) is MessageItem or type(item) is ToolOutputItem:
+            item = item.message(f"input[{i}]")
+        if type(item) is Message:
+            if item.role != "assistant":
+                if turn:
+                    out.append(Message("assistant", tuple(turn)))
+                    turn = []
+                out.append(item)
+                continue
+            parts: tuple[Part, ...] = item.parts
+        elif type(item) is ReasoningPart and not item.text:
             continue
-        if not isinstance(parts, list):
-            raise BadRequest(f"{where}.{key} must be an array", param="input")
-        for j, p in enumerate(parts):
-            if not isinstance(p, dict) or p.get("type") != part_type or not isinstance(p.get("text"), str):
-                raise BadRequest(f"{where}.{key}[{j}] must be a {part_type} part with text", param="input")
-            texts.append(p["text"])
-        if texts:
-            break  # readable content wins over a summary
-    if not texts and item.get("encrypted_content"):
-        raise BadRequest(f"{where}: opaque encrypted reasoning is not supported; replay reasoning items with "
-                         "readable reasoning_text content", param="input")
-    return "\n\n".join(t for t in texts if t)
-
-
-def _message_content(content: Any, where: str, role: str) -> tuple[Part, ...]:
-    if isinstance(content, str):
-        return (TextPart(content),)
-    if not isinstance(content, list):
-        raise BadRequest(f"{where}.content must be a string or an array of content parts", param="input")
-    parts: list[Part] = []
-    for j, p in enumerate(content):
-        pw = f"{where}.content[{j}]"
-        if not isinstance(p, dict) or not isinstance(p.get("type"), str):
-            raise BadRequest(f"{pw} must be an object with a type", param="input")
-        t = p["type"]
-        if t in ("input_text", "output_text"):
-            if not isinstance(p.get("text"), str):
-                raise BadRequest(f"{pw}.text must be a string", param="input")
-            parts.append(TextPart(p["text"]))
-        elif t == "refusal" and role == "assistant":
-            if not isinstance(p.get("refusal"), str):
-                raise BadRequest(f"{pw}.refusal must be a string", param="input")
-            parts.append(TextPart(p["refusal"]))
-        elif t == "input_image":
-            if role != "user":
-                raise BadRequest(f"{pw}: images are accepted in user messages and tool outputs only", param="input")
-            parts.append(_image(p, pw))
-        elif t == "input_file":
-            raise BadRequest(f"{pw}: file inputs are not supported", param="input")
         else:
-            raise BadRequest(f"unsupported content part type '{t}' in {where}", param="input")
-    return tuple(parts)
-
-
-def _tool_output(output: Any, where: str) -> tuple[TextPart | ImagePart, ...]:
-    if isinstance(output, str):
-        return (TextPart(output),)
-    if not isinstance(output, list):
-        raise BadRequest(f"{where}.output must be a string or an array of content parts", param="input")
-    parts: list[TextPart | ImagePart] = []
-    for j, p in enumerate(output):
-        pw = f"{where}.output[{j}]"
-        if not isinstance(p, dict) or not isinstance(p.get("type"), str):
-            raise BadRequest(f"{pw} must be an object with a type", param="input")
-        if p["type"] in ("input_text", "output_text"):
-            if not isinstance(p.get("text"), str):
-                raise BadRequest(f"{pw}.text must be a string", param="input")
-            parts.append(TextPart(p["text"]))
-        elif p["type"] == "input_image":
-            parts.append(_image(p, pw))
-        else:
-            raise BadRequest(f"unsupported tool output part type '{p['type']}' in {where}", param="input")
-    return tuple(parts)
-
-
-def _image(p: dict[str, Any], where: str) -> ImagePart:
-    """A base64 data URL's image; the serving side checks its bytes, the limits and that the model
-    takes images (a text-only model's 400 names the model, as on every route)."""
-    url = p.get("image_url")
-    if p.get("file_id") is not None:
-        raise BadRequest(f"{where}: file_id images are unsupported (there is no file store); send the image "
-                         "as a base64 data URL in image_url", param="input")
-    if not isinstance(url, str) or not url.startswith("data:"):
-        raise BadRequest(f"{where}: images must be base64 data URLs; remote image downloads are unsupported",
-                         param="input")
-    head, _, data = url.partition(",")
-    media = head[5:].split(";")[0]
-    if media not in ("image/png", "image/jpeg", "image/webp") or ";base64" not in head:
-        raise BadRequest(f"{where}: images must be base64 PNG, JPEG or WebP data URLs", param="input")
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except ValueError:
-        raise BadRequest(f"{where}: invalid base64 image data", param="input") from None
-    return ImagePart(media, raw, where)
+            parts = (cast("ToolCallPart | ReasoningPart", item),)
+        for part in parts:
+            part_rank = _RANK[type(part)]
+            if turn and part_rank < rank:
+                out.append(Message("assistant", tuple(turn)))
+                turn = []
+            turn.append(part)
+            rank = part_rank
+    if turn:
+        out.append(Message("assistant", tuple(turn)))
+    return out
 
 
 # -- the request ----------------------------------------------------------------------------------
@@ -527,6 +620,10 @@ class ResponsesPlan:
     """The hard reasoning cap (the request's, else the server default)."""
     thinking_token_budget_param: str | None = None
     """``thinking_token_budget`` when the request gave it (an unsupported format is then a 400)."""
+    tools_as_sent: list[Any] = attrs.field(factory=list, eq=False)
+    """``tools`` as sent, which the Response object echoes (`wire` holds them typed)."""
+    tool_choice_as_sent: Any = attrs.field(default=None, eq=False)
+    """``tool_choice`` as sent (None where absent), which the Response object echoes."""
 
     @property
     def generation(self) -> GenerationRequest:
@@ -550,13 +647,11 @@ class ResponsesPlan:
 
 
 def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
-    if "input" not in obj:
-        raise BadRequest("missing required parameter: input", param="input")
     w = structure(screen_fields(obj, RESPONSES_FIELDS), ResponsesWire)
     if w.max_output_tokens is not None and w.max_output_tokens < 1:
         raise BadRequest("max_output_tokens must be at least 1", param="max_output_tokens")
     budget, budget_param = thinking_budget(w.thinking_token_budget, info.thinking_token_budget)
-    text_config = _decode_text(w.text)
+    fmt = decode_text_format(w.text.format) if w.text is not None else None
     include = w.include or []
     wants_logprobs = LOGPROBS_INCLUDE in include
     if w.top_logprobs and not wants_logprobs:
@@ -568,8 +663,8 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
     stops = validate_stops(w.stop)
     token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, info.vocab_size,
                                        string_stops=stops)
-    toolset, choice = decode_tools(w.tools, w.tool_choice)
-    effort, summary, effort_kwargs = _decode_reasoning(w.reasoning, info)
+    toolset, choice = toolset_of(w.tools, w.tool_choice)
+    effort, summary, effort_kwargs = _reasoning(w.reasoning, info)
     messages = decode_input(w.input, w.instructions)
     conv = ConversationRequest(
         messages=messages,
@@ -580,51 +675,33 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
         chat_template_kwargs={**effort_kwargs, **(w.chat_template_kwargs or {})},
     )
     echo = {name: obj[name] for name in ECHOED_FIELDS if obj.get(name) is not None}
-    constraint = one_constraint(decode_text_format((w.text or {}).get("format") if isinstance(w.text, dict) else None),
-                                decode_structured_outputs(w.structured_outputs))
+    constraint = one_constraint(fmt, decode_structured_outputs(w.structured_outputs))
     return ResponsesPlan(w, conv, toolset, bool(w.stream), stops, token_stops, num_top, explicit, effort, summary,
-                         text_config, echo, constraint, thinking_token_budget=budget,
-                         thinking_token_budget_param=budget_param)
+                         _text_config(w.text, fmt), echo, constraint, thinking_token_budget=budget,
+                         thinking_token_budget_param=budget_param, tools_as_sent=list(obj.get("tools") or []),
+                         tool_choice_as_sent=obj.get("tool_choice"))
 
 
-def _decode_text(text: Any) -> dict[str, Any]:
-    if text is None:
-        return {"format": {"type": "text"}}
-    if not isinstance(text, dict):
-        raise BadRequest("text must be an object", param="text")
-    extra = set(text) - {"format", "verbosity"}
-    if extra:
-        raise BadRequest(f"unrecognized field(s) in text: {', '.join(sorted(extra))}", param="text")
-    fmt = text.get("format")
+def _text_config(text: TextWire | None, fmt: OutputConstraint | None) -> dict[str, Any]:
+    """``text`` as the Response object echoes it: the format as given where it constrains, else text."""
     out: dict[str, Any] = {"format": {"type": "text"}}
-    if isinstance(fmt, dict) and decode_text_format(fmt) is not None:  # the Response echoes it as given
-        out["format"] = dict(fmt)
-    verbosity = text.get("verbosity")
-    if verbosity is not None:
-        if verbosity not in ("low", "medium", "high"):
-            raise BadRequest("text.verbosity must be 'low', 'medium' or 'high'", param="text.verbosity")
-        out["verbosity"] = verbosity
+    if text is None:
+        return out
+    if fmt is not None:
+        out["format"] = dict(text.format)
+    if text.verbosity is not None:
+        out["verbosity"] = text.verbosity
     return out
 
 
-def _decode_reasoning(reasoning: Any, info: ModelInfo) -> tuple[str | None, str | None, dict[str, Any]]:
+def _reasoning(reasoning: ReasoningWire | None, info: ModelInfo) -> tuple[str | None, str | None, dict[str, Any]]:
     """(effort as given, summary as given, chat-template kwargs the effort selects)."""
     if reasoning is None:
         return None, None, {}
-    if not isinstance(reasoning, dict):
-        raise BadRequest("reasoning must be an object", param="reasoning")
-    extra = set(reasoning) - {"effort", "summary", "generate_summary", "context", "mode"}  # the last two are inert
-    if extra:
-        raise BadRequest(f"unrecognized field(s) in reasoning: {', '.join(sorted(extra))}", param="reasoning")
-    summary = reasoning.get("summary", reasoning.get("generate_summary"))
-    if summary is not None and summary not in ("auto", "concise", "detailed"):
-        raise BadRequest("reasoning.summary must be 'auto', 'concise' or 'detailed'", param="reasoning.summary")
-    effort = reasoning.get("effort")
+    summary = reasoning.summary if reasoning.summary is not None else reasoning.generate_summary
+    effort = reasoning.effort
     if effort is None:
         return None, summary, {}
-    if not isinstance(effort, str) or effort not in EFFORT_NAMES:
-        raise BadRequest(f"reasoning.effort must be one of {', '.join(EFFORT_NAMES)}; numeric efforts are not "
-                         "accepted here", param="reasoning.effort")
     if effort == "none":
         return effort, summary, {"enable_thinking": False}
     from helios.recipes import EffortError, UnknownRecipeError, get_recipe, resolve_effort

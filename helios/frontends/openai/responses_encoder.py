@@ -70,8 +70,9 @@ def response_params(plan: ResponsesPlan, sampling: SamplingParams, model: str) -
         store=False,
         temperature=sampling.temperature,
         text=plan.text_config,
-        tool_choice=w.tool_choice if w.tool_choice is not None else ("auto" if plan.toolset.tools else "none"),
-        tools=list(w.tools or []),
+        tool_choice=plan.tool_choice_as_sent if plan.tool_choice_as_sent is not None
+        else ("auto" if plan.toolset.tools else "none"),
+        tools=plan.tools_as_sent,
         top_logprobs=w.top_logprobs or 0,
         top_p=sampling.top_p,
         truncation="disabled",
