@@ -29,7 +29,7 @@ from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams
 from helios.errors import BadRequest, InternalError, NotFound
 from helios.frontends.anthropic import messages, messages_encoder
-from helios.frontends.openai import chat, completions, responses, responses_encoder
+from helios.frontends.openai import chat, completions, responses, responses_encoder, shapes
 from helios.http import dispatch
 from helios.serving.drive import Encoder
 
@@ -239,7 +239,7 @@ def response_cases() -> Iterator[tuple[str, Callable[[], list[str]]]]:
             "temperature": 1.0, "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
             "top_p": 1.0, "truncation": "disabled"}
         enc = responses_encoder.ResponseEncoder(
-            base=base, toolset=responses.ToolSet(), prompts=[PROMPT],
+            base=shapes.ResponseParams(**base), toolset=responses.ToolSet(), prompts=[PROMPT],
             logprob_content=lambda records: [{"token": f"t{r.token_id}", "logprob": r.logprob, "bytes": [],
                                               "top_logprobs": []} for r in records],
             token_bytes=VOCAB.token_bytes)

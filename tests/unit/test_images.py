@@ -374,7 +374,11 @@ def test_vision_config_section() -> None:
 
 def test_chat_usage_reports_image_tokens() -> None:
     from helios.domain.events import Usage
-    from helios.frontends.openai.chat import usage_json
+    from helios.domain.shapes import to_json
+    from helios.frontends.openai.chat import usage_shape
+
+    def usage_json(usage: Usage) -> Any:
+        return to_json(usage_shape(usage))
 
     assert "multimodal_tokens" not in usage_json(Usage(10, 2))["prompt_tokens_details"]
     assert usage_json(Usage(100, 2, image_tokens=64))["prompt_tokens_details"] == {

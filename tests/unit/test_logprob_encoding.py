@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -13,15 +14,35 @@ from helios.domain.events import FinishCause
 from helios.domain.generation import ChildUpdate
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.domain.model import TokenVocabulary
+from helios.domain.shapes import to_json
 from helios.engine.records import EngineFinish, RequestOutput
 from helios.frontends.openai.logprobs import (
-    chat_logprobs_content,
-    completion_logprobs,
-    prompt_completion_logprobs,
-    prompt_logprobs_json,
+    chat_logprobs,
+    completion_logprob_arrays,
+    prompt_logprob_arrays,
+    prompt_scores,
 )
 from helios.loaders.tokenizer import Tokenizer
 from helios.serving.output import OutputProcessor
+
+# The renderings as the JSON a response carries.
+
+
+def chat_logprobs_content(records: Any, vocab: TokenVocabulary, as_ids: bool | None) -> Any:
+    return to_json(chat_logprobs(records, vocab, as_ids))
+
+
+def completion_logprobs(*args: Any, **kwargs: Any) -> Any:
+    return to_json(completion_logprob_arrays(*args, **kwargs))
+
+
+def prompt_completion_logprobs(*args: Any, **kwargs: Any) -> tuple[Any, int]:
+    block, off = prompt_logprob_arrays(*args, **kwargs)
+    return to_json(block), off
+
+
+def prompt_logprobs_json(scores: Any, k: int, vocab: TokenVocabulary) -> Any:
+    return to_json(prompt_scores(scores, k, vocab))
 
 
 @functools.lru_cache(maxsize=1)

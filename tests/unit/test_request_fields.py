@@ -13,6 +13,7 @@ import pytest
 
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams
+from helios.domain.shapes import to_json
 from helios.errors import BadRequest
 from helios.frontends.anthropic import messages
 from helios.frontends.fields import NATIVE_GENERATION_ROWS, FieldTable, Kind, rows
@@ -263,7 +264,7 @@ def _json_is(value: Any, types: tuple[type, ...]) -> bool:
 def test_responses_echo_ignored_fields() -> None:
     plan = decode("responses", metadata={"k": "v"}, user="u", prompt_cache_key="p", safety_identifier="s",
                   max_tool_calls=3, service_tier="priority")
-    base = responses_encoder.response_base(plan, SamplingParams(temperature=1.0, top_p=1.0), "smol")
+    base = to_json(responses_encoder.response_params(plan, SamplingParams(temperature=1.0, top_p=1.0), "smol"))
     assert base["metadata"] == {"k": "v"} and base["user"] == "u" and base["prompt_cache_key"] == "p"
     assert base["safety_identifier"] == "s" and base["max_tool_calls"] == 3
     assert base["service_tier"] == "default" and base["store"] is False

@@ -21,10 +21,24 @@ from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams
 from helios.errors import BadRequest, InternalError
 from helios.frontends.ollama import discovery
-from helios.frontends.openai.responses import ResponsesPlan, ToolSet, decode_responses, decode_tools
+from helios.frontends.openai import shapes
+from helios.frontends.openai.responses import (
+    ResponsesPlan,
+    ResponsesWire,
+    ToolSet,
+    decode_responses,
+    toolset_of,
+)
 from helios.frontends.openai.responses_encoder import ResponseEncoder, make_encoder
+from helios.frontends.wire import structure
 from helios.serving.drive import OutputRules
 from helios.serving.toolcheck import ToolCallCheck
+
+
+def decode_tools(raw: Any, tool_choice: Any) -> tuple[ToolSet, ToolChoice]:
+    """``tools`` and ``tool_choice`` as sent → the declared tools and the choice."""
+    w = structure({"input": "", "tools": raw, "tool_choice": tool_choice}, ResponsesWire)
+    return toolset_of(w.tools, w.tool_choice)
 
 
 def info(**kw: Any) -> ModelInfo:
@@ -217,7 +231,7 @@ def encoder(toolset: ToolSet | None = None, choice: ToolChoice | None = None, *,
 
     tb = token_bytes or {}
     toolset = toolset or ToolSet()
-    enc = ResponseEncoder(base=base, toolset=toolset, prompts=[PreparedPrompt(tuple(range(11)), "prompt")],
+    enc = ResponseEncoder(base=shapes.ResponseParams(**base), toolset=toolset, prompts=[PreparedPrompt(tuple(range(11)), "prompt")],
                           logprob_content=content if logprobs else None, token_bytes=lambda t: tb.get(t, b"x"))
     check = ToolCallCheck(choice or ToolChoice("auto"), parallel, frozenset(toolset.declared))
     return Encoded(enc, OutputRules(check))

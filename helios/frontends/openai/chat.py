@@ -496,10 +496,6 @@ def usage_shape(usage: Usage, *, details: bool = True) -> shapes.CompletionUsage
         if details else OMIT)
 
 
-def usage_json(usage: Usage, *, details: bool = True) -> dict[str, Any]:
-    return to_json(usage_shape(usage, details=details))  # type: ignore[no-any-return]
-
-
 class ChatEncoder:
     """Chat Completions: screened child updates → `chat.completion.chunk` events, or one
     `chat.completion` body (the same accumulation).

@@ -20,11 +20,9 @@ replacement, or reads ``token_id:<id>`` under ``return_tokens_as_token_ids``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.domain.model import ModelInfo, TokenVocabulary
-from helios.domain.shapes import to_json
 from helios.errors import BadRequest
 from helios.frontends.openai.shapes import (
     ChatLogprob,
@@ -179,28 +177,6 @@ def prompt_scores(scores: Sequence[PromptLogprob | None], k: int, vocab: TokenVo
                 entry[key] = PromptScore(logprob=logprob, rank=rank, decoded_token=decoded_text(vocab, token_id))
         out.append(entry)
     return out
-
-
-# The same renderings as plain JSON.
-
-
-def chat_logprobs_content(records: Sequence[TokenLogprob], vocab: TokenVocabulary,
-                          as_ids: bool | None) -> list[dict[str, Any]]:
-    return to_json(chat_logprobs(records, vocab, as_ids))  # type: ignore[no-any-return]
-
-
-def completion_logprobs(*args: Any, **kwargs: Any) -> dict[str, list[Any]]:
-    return to_json(completion_logprob_arrays(*args, **kwargs))  # type: ignore[no-any-return]
-
-
-def prompt_completion_logprobs(*args: Any, **kwargs: Any) -> tuple[dict[str, list[Any]], int]:
-    block, off = prompt_logprob_arrays(*args, **kwargs)
-    return to_json(block), off
-
-
-def prompt_logprobs_json(scores: Sequence[PromptLogprob | None], k: int,
-                         vocab: TokenVocabulary) -> list[dict[str, Any] | None]:
-    return to_json(prompt_scores(scores, k, vocab))  # type: ignore[no-any-return]
 
 
 def _keyed(pairs: Sequence[tuple[int, float]], vocab: TokenVocabulary, as_ids: bool | None) -> dict[str, float]:

@@ -499,12 +499,6 @@ class ToolSet:
         return self.declared.get(flat_name) or DeclaredTool(flat_name, flat_name, "function")
 
 
-def decode_tools(raw: Any, tool_choice: Any) -> tuple[ToolSet, ToolChoice]:
-    """``tools`` and ``tool_choice`` as sent (JSON) → the declared tools and the choice."""
-    w = structure({"input": "", "tools": raw, "tool_choice": tool_choice}, ResponsesWire)
-    return toolset_of(w.tools, w.tool_choice)
-
-
 def toolset_of(tools: list[ToolWire] | None, choice: ToolChoiceWire | None) -> tuple[ToolSet, ToolChoice]:
     """Declared tools (namespaced ones flattened to ``namespace__name``) and the choice among them."""
     declared: dict[str, tuple[Tool, DeclaredTool]] = {}

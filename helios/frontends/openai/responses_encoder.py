@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -80,11 +80,6 @@ def response_params(plan: ResponsesPlan, sampling: SamplingParams, model: str) -
     )
 
 
-def response_base(plan: ResponsesPlan, sampling: SamplingParams, model: str) -> dict[str, Any]:
-    """`response_params` as plain JSON."""
-    return to_json(response_params(plan, sampling, model))  # type: ignore[no-any-return]
-
-
 # -- the encoder ----------------------------------------------------------------------------------
 
 ItemKind = Literal["reasoning", "message", "function_call", "custom_tool_call"]
@@ -114,7 +109,7 @@ class ResponseEncoder:
     def __init__(
         self,
         *,
-        base: shapes.ResponseParams | Mapping[str, Any],
+        base: shapes.ResponseParams,
         toolset: ToolSet,
         prompts: Sequence[PreparedPrompt] = (),
         logprob_content: Callable[[Sequence[Any]], shapes.LogprobEntries] | None = None,
@@ -124,7 +119,7 @@ class ResponseEncoder:
     ) -> None:
         self.id = response_id or _new_id("resp")
         self.created_at = int(time.time()) if created_at is None else created_at
-        self._params = base if isinstance(base, shapes.ResponseParams) else shapes.ResponseParams(**base)
+        self._params = base
         self._toolset = toolset
         self._lp = logprob_content
         self._token_bytes = token_bytes or (lambda _t: b"")
