@@ -60,10 +60,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from helios.engine.kv.compressed import entries_per_page, entry_pages
 from helios.engine.kv.layout import KV_SCALE_DTYPE, CacheGroup, CacheLayout
 from helios.models import cpu_kernels
 from helios.models.attention_sinks import sink_attention, sink_softmax
 from helios.models.interface import (
+    CompressedSpec,
     DecodeArgs,
     FullAttentionSpec,
     LatentAttentionSpec,
@@ -272,8 +274,11 @@ class KVCache:
         self.states: dict[int, tuple[Tensor, ...]] = {}
         for group in layout.groups:
             spec = group.spec
-            # A sliding-window group's spare page is its placeholder (`SlidingWindowPool.null_page`).
+            # A sliding-window group's spare page is its placeholder (`SlidingWindowPool.null_page`);
+            # a compressed group's pages hold entries (`kv.compressed`), its spare one the placeholder.
             slots = (num_pages + (1 if isinstance(spec, SlidingWindowSpec) else 0)) * page_size
+            if isinstance(spec, CompressedSpec):
+                slots = (entry_pages(num_pages, page_size, spec.rate) + 1) * entries_per_page(page_size, spec.rate)
             quantized = group.is_quantized(kv_dtype)
             for i in group.layers:
                 if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
@@ -283,7 +288,7 @@ class KVCache:
                     if quantized:
                         self.k_scale[i] = zeroed((spec.num_kv_heads, slots), KV_SCALE_DTYPE, device)
                         self.v_scale[i] = zeroed((spec.num_kv_heads, slots), KV_SCALE_DTYPE, device)
-                elif isinstance(spec, LatentAttentionSpec):
+                elif isinstance(spec, (LatentAttentionSpec, CompressedSpec)):
                     self.rows[i] = zeroed((slots, spec.row_dim), dtype, device)
                 else:
                     self.states[i] = tuple(zeroed((num_state_slots, *shape), spec.dtype or dtype, device)
@@ -328,6 +333,9 @@ class KVCache:
     def _page_views(self, page: int, page_size: int, group: int) -> list[Tensor]:
         """The group's tensors' views of one page, layer by layer (K then V, then with int8 K/V
         their scales; or the rows)."""
+        spec = self.layout.paged_groups[group].spec
+        if isinstance(spec, CompressedSpec):  # an entry page: its entries' rows (`kv.compressed`)
+            page_size = entries_per_page(page_size, spec.rate)
         lo = page * page_size
         out: list[Tensor] = []
         for i in self.layout.paged_groups[group].layers:
@@ -376,7 +384,7 @@ class KVCache:
         """Bytes per token of ``num_layers`` full-attention layers (`CacheLayout.bytes_per_token`
         for any layout)."""
         layout = CacheLayout.from_specs([FullAttentionSpec(num_kv_heads, head_dim)] * num_layers)
-        return layout.bytes_per_token(dtype, kv_dtype)
+        return int(layout.bytes_per_token(dtype, kv_dtype))
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -427,6 +435,8 @@ class PagedAttention:
             else:
                 table, slot_mapping = inputs.group_tables[g - 1]
                 dk, pk = group_kernels[g]
+            if isinstance(group.spec, CompressedSpec):
+                continue  # no attention call reads entry pages yet (a model reads them itself)
             if isinstance(group.spec, LatentAttentionSpec):
                 latent = LatentGroupAttention(kv, inputs, table, slot_mapping, page_size, offsets, decode_kernel=dk,
                                               selections=selections)

@@ -18,6 +18,9 @@ Cache specs (vLLM v1's KV-cache specs are the anchor). Every layer declares what
   A sparse-attention layer (DeepSeek's DSA) appends its indexer key to the same row (`SparseIndex`).
   A layer may also keep rows of its own layout and compute its attention itself from them
   (`AttentionContext.rows`, `RowSpans`: DeepSeek V4's compressed attention).
+- `CompressedSpec`: one row of ``row_dim`` elements per ``rate`` positions (a compressor's entries:
+  entry w is the row of window w, positions w * rate .. (w + 1) * rate - 1, written by the step that
+  computes its last position). Its pages hold entries, not positions (`engine/kv/compressed.py`).
 - `RecurrentStateSpec`: a fixed state per request (tensors of ``shapes``), no per-token rows; a
   prefix is reused only through a snapshot of the state.
 
@@ -76,6 +79,23 @@ class LatentAttentionSpec:
 
     def elements_per_token(self) -> int:
         return self.row_dim
+
+
+@attrs.frozen
+class CompressedSpec:
+    """One row of ``row_dim`` elements per ``rate`` positions: entry w, complete once position
+    (w + 1) * rate - 1 is. A page of positions holds the entries its positions complete
+    (`engine.kv.compressed.CompressedPool`); per token, ``row_dim / rate`` elements."""
+
+    row_dim: int
+    rate: int
+
+    def __attrs_post_init__(self) -> None:
+        if self.row_dim <= 0 or self.rate <= 0:
+            raise ValueError(f"a compressed row needs a positive size and rate, got {self.row_dim}, {self.rate}")
+
+    def elements_per_token(self) -> float:
+        return self.row_dim / self.rate
 
 
 @attrs.frozen(eq=False)
@@ -160,10 +180,10 @@ class RecurrentStateSpec:
         return total
 
 
-CacheSpec = FullAttentionSpec | SlidingWindowSpec | LatentAttentionSpec | RecurrentStateSpec
+CacheSpec = FullAttentionSpec | SlidingWindowSpec | LatentAttentionSpec | CompressedSpec | RecurrentStateSpec
 """What one layer keeps in the cache."""
 
-PAGED_SPECS = (FullAttentionSpec, SlidingWindowSpec, LatentAttentionSpec)
+PAGED_SPECS = (FullAttentionSpec, SlidingWindowSpec, LatentAttentionSpec, CompressedSpec)
 """The specs whose layers keep rows per token in pages."""
 
 

@@ -19,6 +19,11 @@ fans every call out to its groups:
   leaves the placeholder `NULL` (page id ``num_pages``, a spare page of the group's storage that is
   never written and only read masked) so positions stay aligned. A dead page that was registered
   becomes evictable (still a prefix-cache page), any other goes back to the free pool.
+- A compressed group (`kv/compressed.py`'s `CompressedPool`, `models.interface.CompressedSpec`):
+  one entry row per ``rate`` positions. Its table holds a real page only at the indices whose
+  positions complete an entry (the placeholder `NULL` elsewhere), each page the entries of its
+  positions, and its pool has `compressed.entry_pages` pages (a rate-th of the positions' when the
+  rate is a multiple of the page size). `num_free` counts it in position pages (a lower bound).
 - A recurrent group (`StateSlots`): one state slot per running request, taken with its first pages
   (`allocate_cached` / `allocate_slots`) and released by `free` (finish, abort, preemption).
 
@@ -27,7 +32,8 @@ every group; each group registers its own page under that hash. `lookup` returns
 every group can serve: a full or latent group serves any prefix of its registered run; a sliding
 group serves a hit of h pages when the pages holding positions h * page_size - window + 1 ..
 h * page_size - 1 (the first computed query's window) are registered in it (vLLM's rule; the pages
-before them are `NULL` in its table). A hit is a list with one tuple per page: (page of group 0,
+before them are `NULL` in its table). A compressed group serves any prefix whose entry pages are
+registered (its placeholders need nothing). A hit is a list with one tuple per page: (page of group 0,
 page of group 1, ...). A layout with a recurrent group hits only where a state snapshot exists
 (`kv/checkpoints.py`): the longest prefix every group serves whose last page's chain hash has a
 snapshot (``has_snapshot``: the coordinator's `SnapshotPool`, or the host store). Speculative
@@ -50,8 +56,10 @@ from typing import Any, Protocol
 import attrs
 
 from helios.engine.kv.checkpoints import SnapshotPool
+from helios.engine.kv.compressed import CompressedPool, entry_pages
 from helios.engine.kv.layout import CacheLayout
 from helios.engine.kv.manager import ImageKey, KVCacheManager
+from helios.models.interface import CompressedSpec
 
 
 class KVManager(Protocol):
@@ -261,7 +269,12 @@ class KVCacheCoordinator:
             evict = None if on_evict is None else _group_evict(on_evict, g)
             window = group.window
             pool: KVCacheManager
-            if window is None:
+            if isinstance(group.spec, CompressedSpec):
+                rate = group.spec.rate
+                pool = CompressedPool(entry_pages(num_pages, page_size, rate), page_size,
+                                      enable_caching=self.enable_caching, fingerprint=fingerprint, on_evict=evict,
+                                      rate=rate)
+            elif window is None:
                 pool = KVCacheManager(num_pages, page_size, enable_caching=self.enable_caching,
                                       fingerprint=fingerprint, on_evict=evict)
             else:
@@ -332,7 +345,9 @@ class KVCacheCoordinator:
         self.primary.extend_chain(token_ids, hashes, limit, images)
         h = limit
         for g in self.groups:
-            if not isinstance(g, SlidingWindowPool):
+            if isinstance(g, CompressedPool):
+                h = g.hit_length(hashes, h)
+            elif not isinstance(g, SlidingWindowPool):
                 cached = g._cached
                 n = 0
                 while n < h and hashes[n] in cached:
@@ -349,8 +364,8 @@ class KVCacheCoordinator:
             h = self._checkpointed(hashes, h, limit)
         if not h:
             return [], hashes
-        columns = [g.hit_pages(hashes, h) if isinstance(g, SlidingWindowPool) else [g._cached[x] for x in hashes[:h]]
-                   for g in self.groups]
+        columns = [g.hit_pages(hashes, h) if isinstance(g, (SlidingWindowPool, CompressedPool))
+                   else [g._cached[x] for x in hashes[:h]] for g in self.groups]
         return list(zip(*columns, strict=True)), hashes
 
     def _checkpointed(self, hashes: Sequence[int], h: int, limit: int) -> int:

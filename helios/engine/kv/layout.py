@@ -22,6 +22,7 @@ import torch
 from helios.models.interface import (
     PAGED_SPECS,
     CacheSpec,
+    CompressedSpec,
     FullAttentionSpec,
     RecurrentStateSpec,
     SlidingWindowSpec,
@@ -54,15 +55,29 @@ class CacheGroup:
         _check_kv_dtype(kv_dtype)
         return kv_dtype == "int8" and isinstance(self.spec, (FullAttentionSpec, SlidingWindowSpec))
 
-    def bytes_per_token(self, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+    def bytes_per_token(self, dtype: torch.dtype, kv_dtype: str = "auto") -> float:
         """Cache bytes one token takes in this group (0 for a recurrent group): with int8 K/V, one
-        byte per element and a `KV_SCALE_DTYPE` scale per K row and per V row of every kv head."""
+        byte per element and a `KV_SCALE_DTYPE` scale per K row and per V row of every kv head; a
+        compressed group's row over its rate (a fraction of a row per token)."""
+        if isinstance(self.spec, CompressedSpec):
+            return len(self.layers) * self.spec.row_dim * _element_size(dtype) / self.spec.rate
         if self.is_quantized(kv_dtype):
             spec = self.spec
             assert isinstance(spec, (FullAttentionSpec, SlidingWindowSpec))
             row = spec.head_dim + _element_size(KV_SCALE_DTYPE)
             return len(self.layers) * 2 * spec.num_kv_heads * row
         return len(self.layers) * self.spec.elements_per_token() * _element_size(dtype)
+
+    def bytes_per_page(self, page_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> float:
+        """Storage bytes per page of ``page_size`` positions: a compressed group's entry pages
+        (`engine.kv.compressed`: ceil(page_size / rate) rows each, one per page of positions while
+        the rate is at most the page size, else one in rate / page_size), every other paged group's
+        ``page_size`` tokens."""
+        spec = self.spec
+        if isinstance(spec, CompressedSpec):
+            rows = -(-page_size // spec.rate) if spec.rate <= page_size else page_size / spec.rate
+            return len(self.layers) * spec.row_dim * _element_size(dtype) * rows
+        return self.bytes_per_token(dtype, kv_dtype) * page_size
 
     def bytes_per_request(self, dtype: torch.dtype) -> int:
         """State bytes one request takes in a recurrent group (0 for a paged one)."""
@@ -105,9 +120,14 @@ class CacheLayout:
     def has_recurrent(self) -> bool:
         return any(not g.paged for g in self.groups)
 
-    def bytes_per_token(self, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
-        """Paged cache bytes per token over every group (each paged group has as many pages)."""
+    def bytes_per_token(self, dtype: torch.dtype, kv_dtype: str = "auto") -> float:
+        """Paged cache bytes per token over every group (each paged group has as many pages of
+        positions; a compressed group a row per ``rate`` tokens)."""
         return sum(g.bytes_per_token(dtype, kv_dtype) for g in self.groups)
+
+    def bytes_per_page(self, page_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> float:
+        """Storage bytes per page of positions over every paged group (`CacheGroup.bytes_per_page`)."""
+        return sum(g.bytes_per_page(page_size, dtype, kv_dtype) for g in self.paged_groups)
 
     def bytes_per_request(self, dtype: torch.dtype) -> int:
         return sum(g.bytes_per_request(dtype) for g in self.groups)
@@ -117,7 +137,7 @@ class CacheLayout:
         """How many pages (of every paged group) a budget of ``memory_bytes`` holds, after the
         recurrent states of ``max_active`` requests (`[engine] kv_memory_gib`)."""
         budget = memory_bytes - self.bytes_per_request(dtype) * max_active
-        return int(max(budget, 0) // (self.bytes_per_token(dtype, kv_dtype) * page_size))
+        return int(max(budget, 0) // self.bytes_per_page(page_size, dtype, kv_dtype))
 
     def describe(self, dtype: torch.dtype, kv_dtype: str = "auto") -> str:
         """What shapes every page's and state's bytes, for the layout fingerprint. A single
