@@ -426,6 +426,7 @@ class PagedAttention:
         self.kv = kv
         self._by_layer: list[GroupAttention | None] = [None] * layout.num_layers
         self._latent_by_layer: list[LatentGroupAttention | None] = [None] * layout.num_layers
+        self._entries: dict[int, CompressedGroupAttention] = {}  # entry streams by cache index
         self._spans = inputs.recurrent_spans
         selections: list[list[Tensor | None]] = []  # sparse layers' per chunk (`LatentGroupAttention._sparse`)
         for g, group in enumerate(layout.paged_groups):
@@ -436,7 +437,10 @@ class PagedAttention:
                 table, slot_mapping = inputs.group_tables[g - 1]
                 dk, pk = group_kernels[g]
             if isinstance(group.spec, CompressedSpec):
-                continue  # no attention call reads entry pages yet (a model reads them itself)
+                entry_step = CompressedGroupAttention(inputs, table, page_size, group.spec.rate)
+                for i in group.layers:
+                    self._entries[i] = entry_step
+                continue
             if isinstance(group.spec, LatentAttentionSpec):
                 latent = LatentGroupAttention(kv, inputs, table, slot_mapping, page_size, offsets, decode_kernel=dk,
                                               selections=selections)
@@ -473,11 +477,17 @@ class PagedAttention:
             raise TypeError(f"layer {layer_idx} keeps no latent rows (its cache spec is not a LatentAttentionSpec)")
         return step.latent(layer_idx, q_nope, q_rope, rows, projection, scale, index=index)
 
-    def rows(self, layer_idx: int, rows: Tensor) -> RowSpans:
+    def rows(self, layer_idx: int, rows: Tensor, *, entries: int | None = None) -> RowSpans:
         step = self._latent_by_layer[layer_idx]
         if step is None:
             raise TypeError(f"layer {layer_idx} keeps no rows (its cache spec is not a LatentAttentionSpec)")
-        return step.rows(layer_idx, rows)
+        spans = step.rows(layer_idx, rows)
+        if entries is None:
+            return spans
+        stream = self._entries.get(entries)
+        if stream is None:
+            raise TypeError(f"cache index {entries} is no entry stream (its spec is not a CompressedSpec)")
+        return attrs.evolve(spans, entries=self.kv.rows[entries], entry_slots=stream.slots())
 
 
 class GroupAttention:
@@ -562,7 +572,7 @@ class GroupAttention:
                scale: float, *, index: SparseIndex | None = None) -> Tensor:
         raise TypeError(f"layer {layer_idx} keeps K/V, not latent rows")
 
-    def rows(self, layer_idx: int, rows: Tensor) -> RowSpans:
+    def rows(self, layer_idx: int, rows: Tensor, *, entries: int | None = None) -> RowSpans:
         raise TypeError(f"layer {layer_idx} keeps K/V, not rows")
 
     def all_decode_args(self, layer_idx: int) -> DecodeArgs | None:
@@ -790,6 +800,36 @@ class LatentGroupAttention:
             context = cache.index_select(0, self.decode_idx.reshape(-1)).view(*self.decode_idx.shape, -1)
             latent = absorbed_attention(q, context, self.decode_bias, scale, projection.rank)
         return absorbed_output(latent, projection).to(q_nope.dtype)
+
+
+class CompressedGroupAttention:
+    """One step's view of a compressed group (`CompressedSpec`, `kv.compressed`): per decode token
+    and prefill chunk (in `LatentGroupAttention`'s span order), the slots of its sequence's entries
+    0 .. end // rate - 1, built on first use and shared by the group's streams."""
+
+    def __init__(self, inputs: AttentionInputs, table: Tensor, page_size: int, rate: int) -> None:
+        self.table = table
+        self.page_size = page_size
+        self.rate = rate
+        self.per_page = entries_per_page(page_size, rate)
+        rows_ends: list[tuple[int, int]] = []
+        if inputs.num_decode:
+            assert inputs.decode_rows is not None and inputs.decode_lens is not None
+            rows_ends += zip(inputs.decode_rows.tolist(), inputs.decode_lens.tolist(), strict=True)
+        rows_ends += [(row, ctx_start + length) for _, length, row, ctx_start in inputs.prefills]
+        self._rows_ends = rows_ends
+        self._slots: tuple[Tensor, ...] | None = None
+
+    def slots(self) -> tuple[Tensor, ...]:
+        if self._slots is None:
+            out: list[Tensor] = []
+            ps, r, device = self.page_size, self.rate, self.table.device
+            for row, end in self._rows_ends:
+                w = torch.arange(end // r, device=device)
+                index = ((w + 1) * r - 1) // ps
+                out.append(self.table[row].index_select(0, index) * self.per_page + w - index * ps // r)
+            self._slots = tuple(out)
+        return self._slots
 
 
 def _expand(pages: Tensor, page_size: int, offsets: Tensor) -> Tensor:

@@ -157,6 +157,12 @@ class RowSpans:
 
     cache: Tensor
     spans: tuple[tuple[int, int, Tensor], ...]
+    entries: Tensor | None = None
+    """With ``rows(..., entries=index)``: the layer's entry stream (`CompressedSpec` of cache index
+    ``index``), [entry slots, row_dim]."""
+    entry_slots: tuple[Tensor, ...] = ()
+    """Per span (in ``spans``' order), the slots of its sequence's entries 0 .. end // rate - 1 (end:
+    the span's last position + 1): the entries its positions complete are written there by the layer."""
 
 
 @attrs.frozen
@@ -229,7 +235,9 @@ class AttentionContext(Protocol):
 
     ``rows``: a layer that keeps rows of its own layout in a `LatentAttentionSpec` group and
     attends over them itself (DeepSeek V4's compressed layers): writes the step's ``rows`` [T,
-    row_dim] at their positions and returns the cache and the step's spans (`RowSpans`)."""
+    row_dim] at their positions and returns the cache and the step's spans (`RowSpans`); with
+    ``entries``, the cache index of the layer's entry stream (a `CompressedSpec` after the layers'
+    specs), that stream and each span's entry slots too."""
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, *,
                  sinks: Tensor | None = None) -> Tensor: ...
@@ -241,7 +249,7 @@ class AttentionContext(Protocol):
     def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
                scale: float, *, index: SparseIndex | None = None) -> Tensor: ...
 
-    def rows(self, layer_idx: int, rows: Tensor) -> RowSpans: ...
+    def rows(self, layer_idx: int, rows: Tensor, *, entries: int | None = None) -> RowSpans: ...
 
 
 @runtime_checkable
@@ -259,7 +267,9 @@ class CausalLM(Protocol):
         ...
 
     def cache_specs(self) -> Sequence[CacheSpec]:
-        """What each layer keeps, one spec per layer in layer order."""
+        """What each layer keeps, one spec per layer in layer order; then the specs of second
+        streams some layers keep (a `CompressedSpec`: DeepSeek V4's compressed entries), which those
+        layers address by their index in this sequence (`AttentionContext.rows`)."""
         ...
 
     def __call__(self, input_ids: Tensor, positions: Tensor, ctx: AttentionContext, *,
