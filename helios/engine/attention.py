@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from helios.engine.kv.compressed import entries_per_page, entry_pages
+from helios.engine.kv.compressed import entries_per_page
 from helios.engine.kv.layout import KV_SCALE_DTYPE, CacheGroup, CacheLayout
 from helios.models import cpu_kernels
 from helios.models.attention_sinks import sink_attention, sink_softmax
@@ -72,6 +72,7 @@ from helios.models.interface import (
     LatentProjection,
     RecurrentBatch,
     RowSpans,
+    RowWindowSpec,
     SlidingWindowSpec,
     SparseIndex,
 )
@@ -123,10 +124,12 @@ class TorchPagedBackend:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, *, decode_kernel: bool | None = None,
                  prefill_kernel: bool | None = None, layout: CacheLayout | None = None,
-                 num_state_slots: int = 0, kv_dtype: str = "auto") -> None:
+                 num_state_slots: int = 0, kv_dtype: str = "auto", max_active: int = 0,
+                 step_tokens: int = 0) -> None:
         """``num_layers`` full-attention layers of ``num_kv_heads`` x ``head_dim``, or, given
         ``layout``, its groups (the three shape arguments are then unused; `for_layout`).
-        ``num_state_slots``: the state slots of every recurrent layer. ``kv_dtype``
+        ``num_state_slots``: the state slots of every recurrent layer; ``max_active`` and
+        ``step_tokens``: what sizes lazy row-window pools (`kv.layout.CacheGroup.num_pages`). ``kv_dtype``
         (`kv.layout.KV_DTYPES`): "int8" keeps full-attention and sliding-window K/V as int8 codes
         with a scale per row (`KVCache`); decode rows then use the kernel's int8 variant
         (`cpu_kernels.paged_decode_int8`) where the decode kernel applies, and prefill chunks their
@@ -140,7 +143,8 @@ class TorchPagedBackend:
         if layout is None:
             layout = CacheLayout.from_specs([FullAttentionSpec(num_kv_heads, head_dim)] * num_layers)
         self.layout = layout
-        self.kv = KVCache.for_layout(layout, num_pages, page_size, dtype, device, num_state_slots, kv_dtype)
+        self.kv = KVCache.for_layout(layout, num_pages, page_size, dtype, device, num_state_slots, kv_dtype,
+                                     max_active=max_active, step_tokens=step_tokens)
         self.kv_dtype = kv_dtype
         self.page_size = page_size
         self.device = device
@@ -173,10 +177,11 @@ class TorchPagedBackend:
     @classmethod
     def for_layout(cls, layout: CacheLayout, num_pages: int, page_size: int, dtype: torch.dtype,
                    device: torch.device, *, num_state_slots: int = 0, decode_kernel: bool | None = None,
-                   prefill_kernel: bool | None = None, kv_dtype: str = "auto") -> TorchPagedBackend:
+                   prefill_kernel: bool | None = None, kv_dtype: str = "auto", max_active: int = 0,
+                   step_tokens: int = 0) -> TorchPagedBackend:
         return cls(layout.num_layers, num_pages, page_size, 0, 0, dtype, device, decode_kernel=decode_kernel,
                    prefill_kernel=prefill_kernel, layout=layout, num_state_slots=num_state_slots,
-                   kv_dtype=kv_dtype)
+                   kv_dtype=kv_dtype, max_active=max_active, step_tokens=step_tokens)
 
     def build(self, inputs: AttentionInputs) -> PagedAttention | GroupAttention:
         """The step's `models.interface.AttentionContext`: with one full-attention group (every
@@ -256,13 +261,19 @@ class KVCache:
 
     @classmethod
     def for_layout(cls, layout: CacheLayout, num_pages: int, page_size: int, dtype: torch.dtype,
-                   device: str | torch.device = "cpu", num_state_slots: int = 0, kv_dtype: str = "auto") -> KVCache:
+                   device: str | torch.device = "cpu", num_state_slots: int = 0, kv_dtype: str = "auto", *,
+                   max_active: int = 0, step_tokens: int = 0) -> KVCache:
+        """Storage for ``num_pages`` pages of positions in every paged group (a compressed group its
+        entry pages; with ``step_tokens``, a row-window group its pool for ``max_active`` requests:
+        `CacheGroup.num_pages`)."""
         kv = cls.__new__(cls)
-        kv._allocate(layout, num_pages, page_size, dtype, device, num_state_slots, kv_dtype)
+        kv._allocate(layout, num_pages, page_size, dtype, device, num_state_slots, kv_dtype, max_active,
+                     step_tokens)
         return kv
 
     def _allocate(self, layout: CacheLayout, num_pages: int, page_size: int, dtype: torch.dtype,
-                  device: str | torch.device, num_state_slots: int, kv_dtype: str) -> None:
+                  device: str | torch.device, num_state_slots: int, kv_dtype: str, max_active: int = 0,
+                  step_tokens: int = 0) -> None:
         self.layout = layout
         self.dtype = dtype
         self.kv_dtype = kv_dtype
@@ -276,9 +287,10 @@ class KVCache:
             spec = group.spec
             # A sliding-window group's spare page is its placeholder (`SlidingWindowPool.null_page`);
             # a compressed group's pages hold entries (`kv.compressed`), its spare one the placeholder.
-            slots = (num_pages + (1 if isinstance(spec, SlidingWindowSpec) else 0)) * page_size
+            pages = group.num_pages(num_pages, page_size, max_active=max_active, step_tokens=step_tokens)
+            slots = (pages + (1 if isinstance(spec, (SlidingWindowSpec, RowWindowSpec)) else 0)) * page_size
             if isinstance(spec, CompressedSpec):
-                slots = (entry_pages(num_pages, page_size, spec.rate) + 1) * entries_per_page(page_size, spec.rate)
+                slots = (pages + 1) * entries_per_page(page_size, spec.rate)
             quantized = group.is_quantized(kv_dtype)
             for i in group.layers:
                 if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
@@ -288,7 +300,7 @@ class KVCache:
                     if quantized:
                         self.k_scale[i] = zeroed((spec.num_kv_heads, slots), KV_SCALE_DTYPE, device)
                         self.v_scale[i] = zeroed((spec.num_kv_heads, slots), KV_SCALE_DTYPE, device)
-                elif isinstance(spec, (LatentAttentionSpec, CompressedSpec)):
+                elif isinstance(spec, (LatentAttentionSpec, RowWindowSpec, CompressedSpec)):
                     self.rows[i] = zeroed((slots, spec.row_dim), dtype, device)
                 else:
                     self.states[i] = tuple(zeroed((num_state_slots, *shape), spec.dtype or dtype, device)
@@ -441,7 +453,7 @@ class PagedAttention:
                 for i in group.layers:
                     self._entries[i] = entry_step
                 continue
-            if isinstance(group.spec, LatentAttentionSpec):
+            if isinstance(group.spec, (LatentAttentionSpec, RowWindowSpec)):
                 latent = LatentGroupAttention(kv, inputs, table, slot_mapping, page_size, offsets, decode_kernel=dk,
                                               selections=selections)
                 for i in group.layers:

@@ -404,6 +404,10 @@ class InputBatch:
                 row = self._admit(seq)
             table = manager.block_table(seq.request_id)
             known = self._num_pages[row]
+            if coord is not None:  # a lazy pool filled placeholders: rewrite the row from there
+                changed = coord.take_changed(seq.request_id)
+                if changed is not None and changed < known:
+                    known = self._num_pages[row] = changed
             if len(table) > known:
                 if len(table) > self.block_table.shape[1]:
                     self._grow_pages(len(table))

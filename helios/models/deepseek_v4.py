@@ -93,7 +93,7 @@ from helios.models.interface import (
     AttentionContext,
     CacheSpec,
     CompressedSpec,
-    LatentAttentionSpec,
+    RowWindowSpec,
     SlidingWindowSpec,
 )
 from helios.models.moe import RouterSpec, expert_mix, route, swiglu
@@ -159,6 +159,14 @@ class DeepseekV4Config(MoEConfig):
         if self.layer_types[layer] == HCA:
             return 3 * d
         return 5 * d + 4 * self.index_head_dim
+
+    def raw_window(self, layer: int) -> int:
+        """The positions of raw rows a compressed layer still reads at a query or compression at
+        position p or later: its sliding window's keys (p - sliding_window + 1 ..), the partial
+        window (from p - (p mod m)), in CSA also the window before it (its first series pools
+        into the next entry): ``max(sliding_window, m)`` (HCA), ``max(sliding_window, 2 m)`` (CSA)."""
+        rate = self.rate(layer)
+        return max(self.sliding_window, 2 * rate if self.layer_types[layer] == CSA else rate)
 
     def entry_dim(self, layer: int) -> int:
         """Elements of a compressed layer's entry row (one per ``rate(layer)`` positions)."""
@@ -570,7 +578,7 @@ class DeepseekV4ForCausalLM(MoEForCausalLM):
     def cache_specs(self) -> tuple[CacheSpec, ...]:
         cfg = self.config
         layers = tuple(SlidingWindowSpec(1, cfg.head_dim, cfg.sliding_window) if kind == SLIDING
-                       else LatentAttentionSpec(cfg.row_dim(i)) for i, kind in enumerate(cfg.layer_types))
+                       else RowWindowSpec(cfg.row_dim(i), cfg.raw_window(i)) for i, kind in enumerate(cfg.layer_types))
         entries = tuple(CompressedSpec(cfg.entry_dim(i), cfg.rate(i))
                         for i, kind in enumerate(cfg.layer_types) if kind != SLIDING)
         return layers + entries

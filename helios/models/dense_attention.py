@@ -23,6 +23,7 @@ from helios.models.interface import (
     LatentProjection,
     RecurrentBatch,
     RowSpans,
+    RowWindowSpec,
     SlidingWindowSpec,
     SparseIndex,
 )
@@ -93,7 +94,7 @@ class DenseAttention:
         specs = specs[: cfg.num_layers]
         windows = [spec.window if isinstance(spec, SlidingWindowSpec) else None for spec in specs]
         shapes = [(spec.num_kv_heads, spec.head_dim) if isinstance(spec, FullAttentionSpec | SlidingWindowSpec)
-                  else (0, 0) if isinstance(spec, LatentAttentionSpec)  # rows only (`latent`)
+                  else (0, 0) if isinstance(spec, LatentAttentionSpec | RowWindowSpec)  # rows only (`latent`, `rows`)
                   else (cfg.num_kv_heads, cfg.head_dim) for spec in specs]
         attn = cls(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
                    device=model.embed_tokens.device, initial_capacity=initial_capacity, windows=windows,

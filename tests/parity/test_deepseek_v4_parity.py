@@ -32,7 +32,7 @@ from helios.models.deepseek_v4 import (
     hf_name,
 )
 from helios.models.dense_attention import DenseAttention, greedy_generate
-from helios.models.interface import CompressedSpec, LatentAttentionSpec, SlidingWindowSpec
+from helios.models.interface import CompressedSpec, RowWindowSpec, SlidingWindowSpec
 from tests.numerics import FP32_TOLERANCE
 from tests.parity.tiny import hf_logits, load_ours, our_logits, write_byte_tokenizer
 
@@ -89,11 +89,12 @@ def test_config(pair: tuple[torch.nn.Module, Path]) -> None:
     assert isinstance(cfg, DeepseekV4Config)
     assert cfg.layer_types == tuple(LAYER_TYPES) and cfg.hash_layers == (True, True, False, False, False)
     assert (cfg.csa_rate, cfg.hca_rate, cfg.rotary, cfg.index_topk) == (4, 8, 8, 5)
-    # Raw rows per token ([k | kv | gate], CSA with the indexer's kv / gate), then one entry
-    # stream per compressed layer (layers 1..4: cache indices 5..8), a row per rate positions.
-    assert model.cache_specs() == (SlidingWindowSpec(1, 32, 16), LatentAttentionSpec(5 * 32 + 4 * 16),
-                                   LatentAttentionSpec(3 * 32), LatentAttentionSpec(5 * 32 + 4 * 16),
-                                   LatentAttentionSpec(3 * 32), CompressedSpec(32 + 16, 4), CompressedSpec(32, 8),
+    # Raw rows per token ([k | kv | gate], CSA with the indexer's kv / gate) for the last 16
+    # positions (the sliding window; CSA's 2 x 4 and HCA's 8 are shorter), then one entry stream
+    # per compressed layer (layers 1..4: cache indices 5..8), a row per rate positions.
+    assert model.cache_specs() == (SlidingWindowSpec(1, 32, 16), RowWindowSpec(5 * 32 + 4 * 16, 16),
+                                   RowWindowSpec(3 * 32, 16), RowWindowSpec(5 * 32 + 4 * 16, 16),
+                                   RowWindowSpec(3 * 32, 16), CompressedSpec(32 + 16, 4), CompressedSpec(32, 8),
                                    CompressedSpec(32 + 16, 4), CompressedSpec(32, 8))
 
 

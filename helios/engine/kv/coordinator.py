@@ -56,10 +56,10 @@ from typing import Any, Protocol
 import attrs
 
 from helios.engine.kv.checkpoints import SnapshotPool
-from helios.engine.kv.compressed import CompressedPool, entry_pages
+from helios.engine.kv.compressed import CompressedPool
 from helios.engine.kv.layout import CacheLayout
 from helios.engine.kv.manager import ImageKey, KVCacheManager
-from helios.models.interface import CompressedSpec
+from helios.models.interface import CompressedSpec, RowWindowSpec
 
 
 class KVManager(Protocol):
@@ -88,6 +88,7 @@ class KVManager(Protocol):
     def allocate_slots(self, request_id: str, num_computed: int, num_new_tokens: int,
                        num_lookahead: int = 0) -> list[int] | None: ...
     def trim(self, request_id: str, num_tokens: int) -> int: ...
+    def materialize(self, request_id: str, start: int, end: int) -> bool: ...
     def free(self, request_id: str) -> None: ...
     def check_integrity(self) -> None: ...
 
@@ -213,6 +214,92 @@ class SlidingWindowPool(KVCacheManager):
 
 
 @attrs.define
+class RowWindowPool(SlidingWindowPool):
+    """A row-window group's pages (`models.interface.RowWindowSpec`): a `SlidingWindowPool` that,
+    ``lazy``, also takes no page for a position before a step writes it. `allocate_slots` extends
+    the table with placeholders (`NULL`) and `materialize` gives the positions a scheduled chunk
+    writes their pages, so a request holds only its window's pages and its chunk's: its table is
+    ``NULL`` (released), then real pages, then ``NULL`` (not yet written). The pool is sized for
+    ``max_active`` such requests (`layout.window_pool_pages`), so `materialize` does not fail within
+    that bound; `take_changed` tells the runner where a table changed other than at its end."""
+
+    lazy: bool = False
+    _changed: dict[str, int] = attrs.field(init=False, factory=dict)
+
+    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
+        return True if self.lazy else super().can_allocate(request_id, num_tokens)
+
+    def can_admit(self, num_tokens: int, hits: Sequence[int]) -> bool:
+        return True if self.lazy else super().can_admit(num_tokens, hits)
+
+    def allocate_slots(self, request_id: str, num_computed: int, num_new_tokens: int,
+                       num_lookahead: int = 0) -> list[int] | None:
+        if not self.lazy:
+            return super().allocate_slots(request_id, num_computed, num_new_tokens, num_lookahead)
+        table = self._tables.setdefault(request_id, [])
+        n = self.pages_needed(request_id, num_computed + num_new_tokens + num_lookahead)
+        new = [self.null_page] * n
+        table.extend(new)
+        return new
+
+    def materialize(self, request_id: str, start: int, end: int) -> bool:
+        """Pages for positions ``start .. end - 1`` where the table holds placeholders after its
+        released entries (a lazy pool); False (nothing taken) when the pool has too few."""
+        table = self._tables.get(request_id)
+        if not self.lazy or not table or end <= start:
+            return True
+        lo = max(start // self.page_size, self._num_released.get(request_id, 0))
+        hi = min(-(-end // self.page_size), len(table))
+        todo = [i for i in range(lo, hi) if table[i] == self.null_page]
+        if len(todo) > self.num_free:
+            return False
+        for i in todo:
+            page = self._take()
+            assert self.ref_counts[page] == 0
+            self.ref_counts[page] = 1
+            table[i] = page
+        if todo:
+            self._changed[request_id] = min(self._changed.get(request_id, todo[0]), todo[0])
+        return True
+
+    def take_changed(self, request_id: str) -> int | None:
+        """The first table index `materialize` filled since the last call (None: none)."""
+        return self._changed.pop(request_id, None)
+
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        table = self._tables.get(request_id)
+        if not table:
+            return 0
+        keep = max(-(-num_tokens // self.page_size), self._num_registered.get(request_id, 0))
+        released = 0
+        while len(table) > keep:
+            page = table.pop()
+            if page == self.null_page:
+                continue
+            self.ref_counts[page] -= 1
+            assert self.ref_counts[page] == 0 and self.block_hash[page] is None, "trimmed a shared or cached page"
+            self._free.appendleft(page)
+            released += 1
+        return released
+
+    def free(self, request_id: str) -> None:
+        self._changed.pop(request_id, None)
+        super().free(request_id)
+
+    def num_held(self) -> int:
+        return sum(1 for c in self.ref_counts if c)
+
+    def check_integrity(self) -> None:
+        null = self.null_page
+        for rid, table in self._tables.items():
+            leading = self._num_released.get(rid, 0)
+            assert all(p == null for p in table[:leading]), "a released entry holds a page"
+            real = [i for i in range(leading, len(table)) if table[i] != null]
+            assert real == list(range(leading, leading + len(real))), "a placeholder between a table's pages"
+        self._check_tables([[p for p in t if p != null] for t in self._tables.values()])
+
+
+@attrs.define
 class StateSlots:
     """A recurrent group's state slots: one per running request."""
 
@@ -255,10 +342,13 @@ class KVCacheCoordinator:
 
     def __init__(self, layout: CacheLayout, num_pages: int, page_size: int, *, enable_caching: bool = False,
                  fingerprint: bytes = b"", num_state_slots: int = 0, num_snapshots: int = 0,
-                 on_evict: Callable[[int, int, int], None] | None = None) -> None:
+                 on_evict: Callable[[int, int, int], None] | None = None, max_active: int = 0,
+                 step_tokens: int = 0) -> None:
         """``on_evict(group, block hash, page)``: called before a group's cached page is reused.
         ``num_state_slots``: state slots of each recurrent group (at least the running requests);
-        ``num_snapshots``: snapshot rows of a recurrent layout's prefix cache."""
+        ``num_snapshots``: snapshot rows of a recurrent layout's prefix cache. ``step_tokens`` (> 0:
+        the most positions a step writes, `layout.step_tokens`) with ``max_active`` (the most
+        running requests): row-window pools are lazy and sized for them (`RowWindowPool`)."""
         self.layout = layout
         self.num_pages = num_pages
         self.page_size = page_size
@@ -269,11 +359,14 @@ class KVCacheCoordinator:
             evict = None if on_evict is None else _group_evict(on_evict, g)
             window = group.window
             pool: KVCacheManager
+            size = group.num_pages(num_pages, page_size, max_active=max_active, step_tokens=step_tokens)
             if isinstance(group.spec, CompressedSpec):
-                rate = group.spec.rate
-                pool = CompressedPool(entry_pages(num_pages, page_size, rate), page_size,
-                                      enable_caching=self.enable_caching, fingerprint=fingerprint, on_evict=evict,
-                                      rate=rate)
+                pool = CompressedPool(size, page_size, enable_caching=self.enable_caching, fingerprint=fingerprint,
+                                      on_evict=evict, rate=group.spec.rate)
+            elif isinstance(group.spec, RowWindowSpec):
+                pool = RowWindowPool(size, page_size, enable_caching=self.enable_caching, fingerprint=fingerprint,
+                                     on_evict=evict, window=group.spec.window, lazy=step_tokens > 0)
+                self.sliding.append(pool)
             elif window is None:
                 pool = KVCacheManager(num_pages, page_size, enable_caching=self.enable_caching,
                                       fingerprint=fingerprint, on_evict=evict)
@@ -298,7 +391,9 @@ class KVCacheCoordinator:
     # -- reading ---------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return min(g.num_free for g in self.groups)
+        """The smallest group's free pages of positions (a lazy row-window pool, sized for the
+        running requests, does not count)."""
+        return min(g.num_free for g in self.groups if not (isinstance(g, RowWindowPool) and g.lazy))
 
     @property
     def num_cached(self) -> int:
@@ -419,6 +514,18 @@ class KVCacheCoordinator:
         columns = [n or [] for n in new]
         self.last_new = list(zip(*columns, strict=True))
         return columns[0]
+
+    def materialize(self, request_id: str, start: int, end: int) -> bool:
+        """Pages for the positions ``start .. end - 1`` a scheduled chunk writes, in the lazy
+        row-window pools (`RowWindowPool.materialize`); False when one has too few."""
+        return all(s.materialize(request_id, start, end) for s in self.sliding if isinstance(s, RowWindowPool))
+
+    def take_changed(self, request_id: str) -> int | None:
+        """The first table index some group changed other than at the table's end since the last
+        call (`RowWindowPool.take_changed`), for the runner's block tables; None: none."""
+        changed = [c for s in self.sliding if isinstance(s, RowWindowPool)
+                   if (c := s.take_changed(request_id)) is not None]
+        return min(changed, default=None)
 
     def trim(self, request_id: str, num_tokens: int) -> int:
         return max(g.trim(request_id, num_tokens) for g in self.groups)

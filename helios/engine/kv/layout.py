@@ -25,6 +25,7 @@ from helios.models.interface import (
     CompressedSpec,
     FullAttentionSpec,
     RecurrentStateSpec,
+    RowWindowSpec,
     SlidingWindowSpec,
 )
 
@@ -34,6 +35,22 @@ KV_SCALE_DTYPE = torch.bfloat16
 """The dtype of an int8 row's scale: bfloat16 (float32's range, 2 bytes). A float32 scale would cost
 4 bytes a row: at head_dim 64 the pool would hold 2 * 64 / 68 = 1.88x a bfloat16 pool's tokens, not
 the 1.94x of 2 * 64 / 66."""
+
+
+def step_tokens(prefill_chunk_size: int, max_active: int, max_depth: int) -> int:
+    """The most positions one step writes over all requests: the step's token budget (prefill
+    chunks share it), or every running request's decode token and drafts."""
+    return max(prefill_chunk_size, max_active * (1 + max_depth))
+
+
+def window_pool_pages(window: int, page_size: int, max_active: int, step_tokens: int) -> int:
+    """Pages of a bounded `RowWindowSpec` pool (`kv.compressed.RowWindowPool`): each running
+    request holds at most the pages of its last ``window`` positions and of its step's chunk
+    (``(window - 1) // page_size + 3`` pages besides the chunk's own), the step's chunks at most
+    ``step_tokens`` positions; as many pages again for the windows of finished requests (their
+    prefix-cache pages)."""
+    held = max_active * ((window - 1) // page_size + 3) + -(-step_tokens // page_size)
+    return held + max_active * -(-window // page_size)
 
 
 @attrs.frozen
@@ -67,6 +84,17 @@ class CacheGroup:
             row = spec.head_dim + _element_size(KV_SCALE_DTYPE)
             return len(self.layers) * 2 * spec.num_kv_heads * row
         return len(self.layers) * self.spec.elements_per_token() * _element_size(dtype)
+
+    def num_pages(self, num_pages: int, page_size: int, *, max_active: int = 0, step_tokens: int = 0) -> int:
+        """This group's pool, for ``num_pages`` pages of positions: a compressed group's entry pages
+        (`kv.compressed.entry_pages`); a row-window group's, with ``step_tokens`` (> 0), a number
+        bounded by the running requests (`window_pool_pages`), else ``num_pages``."""
+        spec = self.spec
+        if isinstance(spec, CompressedSpec):
+            return num_pages if spec.rate <= page_size else num_pages * page_size // spec.rate
+        if isinstance(spec, RowWindowSpec) and step_tokens > 0:
+            return window_pool_pages(spec.window, page_size, max_active, step_tokens)
+        return num_pages
 
     def bytes_per_page(self, page_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> float:
         """Storage bytes per page of ``page_size`` positions: a compressed group's entry pages
@@ -117,6 +145,11 @@ class CacheLayout:
         return len(self.groups) == 1 and isinstance(self.groups[0].spec, FullAttentionSpec)
 
     @property
+    def has_partial_tables(self) -> bool:
+        """Whether some paged group's tables hold placeholders inside (compressed, row-window groups)."""
+        return any(isinstance(g.spec, (CompressedSpec, RowWindowSpec)) for g in self.paged_groups)
+
+    @property
     def has_recurrent(self) -> bool:
         return any(not g.paged for g in self.groups)
 
@@ -132,12 +165,26 @@ class CacheLayout:
     def bytes_per_request(self, dtype: torch.dtype) -> int:
         return sum(g.bytes_per_request(dtype) for g in self.groups)
 
+    def bounded(self, step_tokens: int) -> tuple[CacheGroup, ...]:
+        """The paged groups whose pools the running requests bound (row windows, with ``step_tokens``)."""
+        return tuple(g for g in self.paged_groups if isinstance(g.spec, RowWindowSpec) and step_tokens > 0)
+
     def pages_for(self, memory_bytes: float, page_size: int, dtype: torch.dtype, kv_dtype: str = "auto", *,
-                  max_active: int = 0) -> int:
-        """How many pages (of every paged group) a budget of ``memory_bytes`` holds, after the
-        recurrent states of ``max_active`` requests (`[engine] kv_memory_gib`)."""
-        budget = memory_bytes - self.bytes_per_request(dtype) * max_active
-        return int(max(budget, 0) // self.bytes_per_page(page_size, dtype, kv_dtype))
+                  max_active: int = 0, states: int | None = None, step_tokens: int = 0) -> int:
+        """How many pages of positions (of every paged group) a budget of ``memory_bytes`` holds,
+        after the recurrent states of ``states`` requests (default ``max_active``) and, with
+        ``step_tokens``, the row-window pools of ``max_active`` running requests
+        (`window_pool_pages`) (`[engine] kv_memory_gib`)."""
+        states = max_active if states is None else states
+        budget = memory_bytes - self.bytes_per_request(dtype) * states
+        bounded = self.bounded(step_tokens)
+        for g in bounded:
+            pages = g.num_pages(0, page_size, max_active=max_active, step_tokens=step_tokens) + 1
+            budget -= pages * g.bytes_per_page(page_size, dtype, kv_dtype)
+        per_page = sum(g.bytes_per_page(page_size, dtype, kv_dtype) for g in self.paged_groups if g not in bounded)
+        if per_page == 0:
+            raise ValueError("every paged group is bounded by the running requests: no per-page cost to size by")
+        return int(max(budget, 0) // per_page)
 
     def describe(self, dtype: torch.dtype, kv_dtype: str = "auto") -> str:
         """What shapes every page's and state's bytes, for the layout fingerprint. A single
