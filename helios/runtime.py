@@ -23,7 +23,7 @@ from helios.config import ConfigError, HeliosConfig
 from helios.domain.model import ModelInfo
 from helios.engine.core import EngineConfig, EngineCore, EngineThread
 from helios.engine.dp import DataParallelEngine, RankEngine
-from helios.engine.kv.layout import CacheLayout
+from helios.engine.kv.layout import CacheLayout, step_tokens
 from helios.engine.speculative import SpeculativeConfig
 from helios.engine.tp import TensorParallelLeader, WorkerSetup, serve_worker
 from helios.models.interface import CausalLM
@@ -805,8 +805,10 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         states = cfg.engine.max_active + (cfg.cache.checkpoint_slots if cfg.cache.prefix_caching else 0)
         if cfg.speculative.mode != "off":
             states += cfg.engine.max_active
+        steps = step_tokens(cfg.engine.prefill_chunk_size, cfg.engine.max_active,
+                            cfg.speculative.max_depth if cfg.speculative.mode != "off" else 0)
         num_pages = layout.pages_for(cfg.engine.kv_memory_gib * 2**30, page, dtype, cfg.engine.kv_dtype,
-                                     max_active=states)
+                                     max_active=cfg.engine.max_active, states=states, step_tokens=steps)
     num_pages = max(num_pages, -(-max_model_len // page) + 1)
     ecfg = EngineConfig(page_size=page, num_pages=num_pages, max_active=cfg.engine.max_active,
                         prefill_chunk_size=cfg.engine.prefill_chunk_size, max_model_len=max_model_len,

@@ -100,7 +100,8 @@ from helios.models.moe import RouterSpec, expert_mix, route, swiglu
 from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, MoELayer, gguf_moe_tensor
 from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat
 
-__all__ = ["ARCHITECTURES", "DeepseekV4Config", "DeepseekV4ForCausalLM", "compress_inv_freq", "config_from_gguf",
+__all__ = ["ARCHITECTURES", "DeepseekV4Config", "DeepseekV4ForCausalLM", "cache_specs", "compress_inv_freq",
+           "config_from_gguf",
            "config_from_hf", "gguf_tensor", "hf_name", "hyper_merge", "hyper_weights", "pool_windows", "rope_tail"]
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -554,6 +555,17 @@ def compress_inv_freq(config: DeepseekV4Config) -> Tensor:
     return 1.0 / (config.compress_rope_theta ** (torch.arange(0, rd, 2, dtype=torch.int64).float() / rd))
 
 
+def cache_specs(cfg: DeepseekV4Config) -> tuple[CacheSpec, ...]:
+    """What each layer keeps (see the module docstring): a sliding layer its K, a compressed layer
+    its raw rows for the last `raw_window` positions; then each compressed layer's entry stream,
+    one row per rate positions (cache index `entry_stream`)."""
+    layers = tuple(SlidingWindowSpec(1, cfg.head_dim, cfg.sliding_window) if kind == SLIDING
+                   else RowWindowSpec(cfg.row_dim(i), cfg.raw_window(i)) for i, kind in enumerate(cfg.layer_types))
+    entries = tuple(CompressedSpec(cfg.entry_dim(i), cfg.rate(i))
+                    for i, kind in enumerate(cfg.layer_types) if kind != SLIDING)
+    return layers + entries
+
+
 class DeepseekV4ForCausalLM(MoEForCausalLM):
     """DeepSeek V4 on `MoEForCausalLM` (its MoE layers, weight formats and loading; same constructor
     arguments): V4 layers on ``hc_mult`` residual streams, the HyperHead, two RoPE tables."""
@@ -576,12 +588,7 @@ class DeepseekV4ForCausalLM(MoEForCausalLM):
         return [_V4Layer(cfg, i, self.dtype, device, dense_dtype) for i in range(cfg.num_layers)]
 
     def cache_specs(self) -> tuple[CacheSpec, ...]:
-        cfg = self.config
-        layers = tuple(SlidingWindowSpec(1, cfg.head_dim, cfg.sliding_window) if kind == SLIDING
-                       else RowWindowSpec(cfg.row_dim(i), cfg.raw_window(i)) for i, kind in enumerate(cfg.layer_types))
-        entries = tuple(CompressedSpec(cfg.entry_dim(i), cfg.rate(i))
-                        for i, kind in enumerate(cfg.layer_types) if kind != SLIDING)
-        return layers + entries
+        return cache_specs(self.config)
 
     def load_weights(self, tensors: Mapping[str, BuildSource]) -> None:
         """`MoEForCausalLM.load_weights` over the tensors' transformers names (`hf_name`). A hash

@@ -248,6 +248,7 @@ class RowWindowPool(SlidingWindowPool):
         table = self._tables.get(request_id)
         if not self.lazy or not table or end <= start:
             return True
+        self.release_before(request_id, start)  # positions before start are computed
         lo = max(start // self.page_size, self._num_released.get(request_id, 0))
         hi = min(-(-end // self.page_size), len(table))
         todo = [i for i in range(lo, hi) if table[i] == self.null_page]

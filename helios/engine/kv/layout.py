@@ -153,14 +153,25 @@ class CacheLayout:
     def has_recurrent(self) -> bool:
         return any(not g.paged for g in self.groups)
 
-    def bytes_per_token(self, dtype: torch.dtype, kv_dtype: str = "auto") -> float:
+    def bytes_per_token(self, dtype: torch.dtype, kv_dtype: str = "auto", *, step_tokens: int = 0) -> float:
         """Paged cache bytes per token over every group (each paged group has as many pages of
-        positions; a compressed group a row per ``rate`` tokens)."""
-        return sum(g.bytes_per_token(dtype, kv_dtype) for g in self.groups)
+        positions; a compressed group a row per ``rate`` tokens); with ``step_tokens``, over the
+        groups the running requests do not bound (`bounded`)."""
+        bounded = self.bounded(step_tokens)
+        return sum(g.bytes_per_token(dtype, kv_dtype) for g in self.groups if g not in bounded)
 
-    def bytes_per_page(self, page_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> float:
-        """Storage bytes per page of positions over every paged group (`CacheGroup.bytes_per_page`)."""
-        return sum(g.bytes_per_page(page_size, dtype, kv_dtype) for g in self.paged_groups)
+    def bytes_per_page(self, page_size: int, dtype: torch.dtype, kv_dtype: str = "auto", *,
+                       step_tokens: int = 0) -> float:
+        """Storage bytes per page of positions over every paged group (`CacheGroup.bytes_per_page`);
+        with ``step_tokens``, over those the running requests do not bound (`bounded`)."""
+        bounded = self.bounded(step_tokens)
+        return sum(g.bytes_per_page(page_size, dtype, kv_dtype) for g in self.paged_groups if g not in bounded)
+
+    def bounded_bytes(self, page_size: int, dtype: torch.dtype, kv_dtype: str = "auto", *, max_active: int,
+                      step_tokens: int) -> float:
+        """Storage bytes of the pools the running requests bound (their spare pages included)."""
+        return sum((g.num_pages(0, page_size, max_active=max_active, step_tokens=step_tokens) + 1)
+                   * g.bytes_per_page(page_size, dtype, kv_dtype) for g in self.bounded(step_tokens))
 
     def bytes_per_request(self, dtype: torch.dtype) -> int:
         return sum(g.bytes_per_request(dtype) for g in self.groups)
@@ -177,11 +188,8 @@ class CacheLayout:
         (`window_pool_pages`) (`[engine] kv_memory_gib`)."""
         states = max_active if states is None else states
         budget = memory_bytes - self.bytes_per_request(dtype) * states
-        bounded = self.bounded(step_tokens)
-        for g in bounded:
-            pages = g.num_pages(0, page_size, max_active=max_active, step_tokens=step_tokens) + 1
-            budget -= pages * g.bytes_per_page(page_size, dtype, kv_dtype)
-        per_page = sum(g.bytes_per_page(page_size, dtype, kv_dtype) for g in self.paged_groups if g not in bounded)
+        budget -= self.bounded_bytes(page_size, dtype, kv_dtype, max_active=max_active, step_tokens=step_tokens)
+        per_page = self.bytes_per_page(page_size, dtype, kv_dtype, step_tokens=step_tokens)
         if per_page == 0:
             raise ValueError("every paged group is bounded by the running requests: no per-page cost to size by")
         return int(max(budget, 0) // per_page)
