@@ -809,6 +809,15 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                             cfg.speculative.max_depth if cfg.speculative.mode != "off" else 0)
         num_pages = layout.pages_for(cfg.engine.kv_memory_gib * 2**30, page, dtype, cfg.engine.kv_dtype,
                                      max_active=cfg.engine.max_active, states=states, step_tokens=steps)
+        windows = layout.bounded_bytes(page, dtype, cfg.engine.kv_dtype, max_active=cfg.engine.max_active,
+                                       step_tokens=steps)
+        if windows:
+            log.info("row windows (raw compressor rows) for %d running requests: %.2f GiB of the KV budget",
+                     cfg.engine.max_active, windows / 2**30)
+            if windows >= cfg.engine.kv_memory_gib * 2**30:
+                log.warning("engine.kv_memory_gib (%.2f) does not cover the row windows of engine.max_active = %d "
+                            "requests (%.2f GiB): the pool is sized for max_model_len only",
+                            cfg.engine.kv_memory_gib, cfg.engine.max_active, windows / 2**30)
     num_pages = max(num_pages, -(-max_model_len // page) + 1)
     ecfg = EngineConfig(page_size=page, num_pages=num_pages, max_active=cfg.engine.max_active,
                         prefill_chunk_size=cfg.engine.prefill_chunk_size, max_model_len=max_model_len,

@@ -453,6 +453,12 @@ class PagedAttention:
                 for i in group.layers:
                     self._entries[i] = entry_step
                 continue
+            if isinstance(group.spec, RowWindowSpec) and inputs.num_tokens:
+                # A lazy pool's placeholder (its last page) is never written: a step position there
+                # had no page materialized (`kv.coordinator.RowWindowPool`).
+                null = kv.rows[group.layers[0]].shape[0] // page_size - 1
+                if bool((slot_mapping >= null * page_size).any()):
+                    raise RuntimeError("a step writes a row-window position that has no page")
             if isinstance(group.spec, (LatentAttentionSpec, RowWindowSpec)):
                 latent = LatentGroupAttention(kv, inputs, table, slot_mapping, page_size, offsets, decode_kernel=dk,
                                               selections=selections)

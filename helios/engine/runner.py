@@ -308,7 +308,8 @@ class InputBatch:
     since the last step are written: the KV manager's tables are position-aligned across groups and
     only grow until freed, except a speculative rollback, which `rollback` rewinds, and a
     sliding-window group's placeholders for pages out of every window, entries no query reads
-    again), the temperature and log(min-p) of the sampler's vectorised path; and on the host its
+    again, and a lazy row-window group's placeholders that became pages, rewritten from the index
+    `KVCacheCoordinator.take_changed` names), the temperature and log(min-p) of the sampler's vectorised path; and on the host its
     `SamplingRow`, built once, whose output ids are a live view of the request's tokens. With
     recurrent groups, each chunk's state slot goes into the step's `recurrent_spans`.
 

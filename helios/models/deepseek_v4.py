@@ -41,18 +41,26 @@ Each layer, as transformers 5 computes it:
 
 The cache (`cache_specs`). A sliding layer keeps its K in a `SlidingWindowSpec` group (one kv head;
 V is the same tensor, stored twice), served by the engine's sliding-window attention with sinks. A
-compressed layer keeps one row per token of its own layout in a `LatentAttentionSpec` group and
-attends over it itself (`AttentionContext.rows`)::
+compressed layer keeps two streams and attends over them itself (`AttentionContext.rows` with
+``entries``): raw rows per token, of which only the last `raw_window` positions' are kept
+(`RowWindowSpec`), and its compressed entries, one row per m positions (`CompressedSpec`, cache
+index `entry_stream`, after the layers' specs)::
 
-    HCA: [ k | entry | kv | gate ]                                  4 x head_dim
-    CSA: [ k | entry | kv (2) | gate (2) | i_entry | i_kv (2) | i_gate (2) ]   6 x head_dim + 5 x index_head_dim
+    raw   HCA: [ k | kv | gate ]                                  3 x head_dim
+          CSA: [ k | kv (2) | gate (2) | i_kv (2) | i_gate (2) ]  5 x head_dim + 4 x index_head_dim
+    entry HCA: [ entry ]                                           head_dim
+          CSA: [ entry | i_entry ]                                 head_dim + index_head_dim
 
 ``k``: the token's sliding key (RoPE applied); ``kv`` / ``gate``: its compressor projections (the
 partial window's buffer, and CSA's overlap state, are these rows of the positions not yet
-compressed); ``entry``: at position (w + 1) m - 1, compressed entry w, written by the step that
-completes window w from the rows of windows w (and w - 1). Every row is a function of its prefix,
-so pages, chunked prefill at any boundary, batching and prefix-cache hits give the one-pass
-result. The cost: rows of every past token stay (no compression of the cache itself).
+compressed); entry w is written by the step that computes position (w + 1) m - 1, pooled from the
+raw rows of windows w (and w - 1). A query or compression at position p or later reads raw rows of
+positions p - `raw_window` + 1 .. only (the sliding window; the partial window; CSA's previous
+window), so the engine keeps the raw rows of each running request's window and of its step's
+chunk (`engine/kv`'s `RowWindowPool`), and the entries of every past window
+(`CompressedPool`). Every row is a function of its prefix, so pages, chunked prefill at any
+boundary, batching and prefix-cache hits give the one-pass result; a hit needs its window's raw
+rows cached, and the KV manager shortens hits to where they are.
 
 MTP layers (``mtp.*``) are not loaded (transformers ignores them too); FP8 checkpoints
 (``quantization_config``) are refused; a bfloat16 conversion loads.

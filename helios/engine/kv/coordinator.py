@@ -8,7 +8,8 @@ fans every call out to its groups:
 - Paged groups. Each has its own pool of ``num_pages`` pages and its own block tables, one entry
   per page of positions in every group (tables stay position-aligned, so one page count and one
   chain hash per position serve every group). Memory is split by bytes per token: every group has
-  as many pages, each sized by its own layers' rows. Group 0 is the primary one: its table is what
+  as many pages, each sized by its own layers' rows (a compressed group fewer, a lazy row-window
+  group a number the running requests bound: `CacheGroup.num_pages`). Group 0 is the primary one: its table is what
   `block_table` returns and what the scheduler counts. Allocation is all or nothing over groups;
   `num_free` is the smallest group's, `pages_needed` the largest.
 - A sliding-window group (`SlidingWindowPool`). Query position p sees key positions
@@ -19,6 +20,12 @@ fans every call out to its groups:
   leaves the placeholder `NULL` (page id ``num_pages``, a spare page of the group's storage that is
   never written and only read masked) so positions stay aligned. A dead page that was registered
   becomes evictable (still a prefix-cache page), any other goes back to the free pool.
+- A row-window group (`RowWindowPool`, `models.interface.RowWindowSpec`: a layer's own rows, read
+  only for the last ``window`` positions) releases pages as a sliding-window group does; lazy (the
+  engine passes ``step_tokens``), it also takes no page before a step writes there: its tables get
+  `NULL` entries from `allocate_slots` and pages from `materialize` (the scheduler's call for each
+  chunk it schedules), so a request holds its window's and its chunk's pages only, and the pool is
+  sized for ``max_active`` requests (`layout.window_pool_pages`). It does not count in `num_free`.
 - A compressed group (`kv/compressed.py`'s `CompressedPool`, `models.interface.CompressedSpec`):
   one entry row per ``rate`` positions. Its table holds a real page only at the indices whose
   positions complete an entry (the placeholder `NULL` elsewhere), each page the entries of its
