@@ -845,7 +845,8 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         if cfg.cache.host_memory_gib:
             log.info("tensor parallel: the prefix cache's host store is off (cache.host_memory_gib is ignored)")
         leader.start_workers(WorkerSetup(num_pages=num_pages, page_size=page, kv_dtype=cfg.engine.kv_dtype,
-                                         num_state_slots=cfg.engine.max_active))
+                                         num_state_slots=cfg.engine.max_active, max_active=cfg.engine.max_active,
+                                         step_tokens=core.step_tokens))
     info, recipe, eos, admission = _describe(cfg, ckpt, catalog_name, max_model_len, has_drafter=drafter is not None,
                                              speculative_mode=core.scheduler.speculative.mode,
                                              vision=loaded.vision)

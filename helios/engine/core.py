@@ -114,8 +114,8 @@ class EngineCore:
         self.drafter = drafter
         # Row-window pools (DeepSeek V4's raw rows) hold the running requests' windows and the
         # step's chunks only: sized by these (`kv.layout.window_pool_pages`).
-        steps = step_tokens(cfg.prefill_chunk_size, cfg.max_active,
-                            cfg.speculative.max_depth if cfg.speculative.enabled else 0)
+        self.step_tokens = steps = step_tokens(cfg.prefill_chunk_size, cfg.max_active,
+                                               cfg.speculative.max_depth if cfg.speculative.enabled else 0)
         self.attention = TorchPagedBackend.for_layout(
             layout, cfg.num_pages, cfg.page_size, dtype, self.device,
             num_state_slots=cfg.max_active + num_snapshots + num_backups, kv_dtype=cfg.kv_dtype,

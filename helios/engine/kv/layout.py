@@ -44,7 +44,7 @@ def step_tokens(prefill_chunk_size: int, max_active: int, max_depth: int) -> int
 
 
 def window_pool_pages(window: int, page_size: int, max_active: int, step_tokens: int) -> int:
-    """Pages of a bounded `RowWindowSpec` pool (`kv.compressed.RowWindowPool`): each running
+    """Pages of a bounded `RowWindowSpec` pool (`kv.coordinator.RowWindowPool`): each running
     request holds at most the pages of its last ``window`` positions and of its step's chunk
     (``(window - 1) // page_size + 3`` pages besides the chunk's own), the step's chunks at most
     ``step_tokens`` positions; as many pages again for the windows of finished requests (their
