@@ -23,7 +23,7 @@ from helios.config import ConfigError, HeliosConfig
 from helios.domain.model import ModelInfo
 from helios.engine.core import EngineConfig, EngineCore, EngineThread
 from helios.engine.dp import DataParallelEngine, RankEngine
-from helios.engine.kv.layout import CacheLayout
+from helios.engine.kv.layout import CacheLayout, step_tokens
 from helios.engine.speculative import SpeculativeConfig
 from helios.engine.tp import TensorParallelLeader, WorkerSetup, serve_worker
 from helios.models.interface import CausalLM
@@ -805,8 +805,19 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         states = cfg.engine.max_active + (cfg.cache.checkpoint_slots if cfg.cache.prefix_caching else 0)
         if cfg.speculative.mode != "off":
             states += cfg.engine.max_active
+        steps = step_tokens(cfg.engine.prefill_chunk_size, cfg.engine.max_active,
+                            cfg.speculative.max_depth if cfg.speculative.mode != "off" else 0)
         num_pages = layout.pages_for(cfg.engine.kv_memory_gib * 2**30, page, dtype, cfg.engine.kv_dtype,
-                                     max_active=states)
+                                     max_active=cfg.engine.max_active, states=states, step_tokens=steps)
+        windows = layout.bounded_bytes(page, dtype, cfg.engine.kv_dtype, max_active=cfg.engine.max_active,
+                                       step_tokens=steps)
+        if windows:
+            log.info("row windows (raw compressor rows) for %d running requests: %.2f GiB of the KV budget",
+                     cfg.engine.max_active, windows / 2**30)
+            if windows >= cfg.engine.kv_memory_gib * 2**30:
+                log.warning("engine.kv_memory_gib (%.2f) does not cover the row windows of engine.max_active = %d "
+                            "requests (%.2f GiB): the pool is sized for max_model_len only",
+                            cfg.engine.kv_memory_gib, cfg.engine.max_active, windows / 2**30)
     num_pages = max(num_pages, -(-max_model_len // page) + 1)
     ecfg = EngineConfig(page_size=page, num_pages=num_pages, max_active=cfg.engine.max_active,
                         prefill_chunk_size=cfg.engine.prefill_chunk_size, max_model_len=max_model_len,
@@ -834,7 +845,8 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         if cfg.cache.host_memory_gib:
             log.info("tensor parallel: the prefix cache's host store is off (cache.host_memory_gib is ignored)")
         leader.start_workers(WorkerSetup(num_pages=num_pages, page_size=page, kv_dtype=cfg.engine.kv_dtype,
-                                         num_state_slots=cfg.engine.max_active))
+                                         num_state_slots=cfg.engine.max_active, max_active=cfg.engine.max_active,
+                                         step_tokens=core.step_tokens))
     info, recipe, eos, admission = _describe(cfg, ckpt, catalog_name, max_model_len, has_drafter=drafter is not None,
                                              speculative_mode=core.scheduler.speculative.mode,
                                              vision=loaded.vision)

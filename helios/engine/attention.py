@@ -60,16 +60,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from helios.engine.kv.compressed import entries_per_page
 from helios.engine.kv.layout import KV_SCALE_DTYPE, CacheGroup, CacheLayout
 from helios.models import cpu_kernels
 from helios.models.attention_sinks import sink_attention, sink_softmax
 from helios.models.interface import (
+    CompressedSpec,
     DecodeArgs,
     FullAttentionSpec,
     LatentAttentionSpec,
     LatentProjection,
     RecurrentBatch,
     RowSpans,
+    RowWindowSpec,
     SlidingWindowSpec,
     SparseIndex,
 )
@@ -121,10 +124,12 @@ class TorchPagedBackend:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, *, decode_kernel: bool | None = None,
                  prefill_kernel: bool | None = None, layout: CacheLayout | None = None,
-                 num_state_slots: int = 0, kv_dtype: str = "auto") -> None:
+                 num_state_slots: int = 0, kv_dtype: str = "auto", max_active: int = 0,
+                 step_tokens: int = 0) -> None:
         """``num_layers`` full-attention layers of ``num_kv_heads`` x ``head_dim``, or, given
         ``layout``, its groups (the three shape arguments are then unused; `for_layout`).
-        ``num_state_slots``: the state slots of every recurrent layer. ``kv_dtype``
+        ``num_state_slots``: the state slots of every recurrent layer; ``max_active`` and
+        ``step_tokens``: what sizes lazy row-window pools (`kv.layout.CacheGroup.num_pages`). ``kv_dtype``
         (`kv.layout.KV_DTYPES`): "int8" keeps full-attention and sliding-window K/V as int8 codes
         with a scale per row (`KVCache`); decode rows then use the kernel's int8 variant
         (`cpu_kernels.paged_decode_int8`) where the decode kernel applies, and prefill chunks their
@@ -138,7 +143,8 @@ class TorchPagedBackend:
         if layout is None:
             layout = CacheLayout.from_specs([FullAttentionSpec(num_kv_heads, head_dim)] * num_layers)
         self.layout = layout
-        self.kv = KVCache.for_layout(layout, num_pages, page_size, dtype, device, num_state_slots, kv_dtype)
+        self.kv = KVCache.for_layout(layout, num_pages, page_size, dtype, device, num_state_slots, kv_dtype,
+                                     max_active=max_active, step_tokens=step_tokens)
         self.kv_dtype = kv_dtype
         self.page_size = page_size
         self.device = device
@@ -171,10 +177,11 @@ class TorchPagedBackend:
     @classmethod
     def for_layout(cls, layout: CacheLayout, num_pages: int, page_size: int, dtype: torch.dtype,
                    device: torch.device, *, num_state_slots: int = 0, decode_kernel: bool | None = None,
-                   prefill_kernel: bool | None = None, kv_dtype: str = "auto") -> TorchPagedBackend:
+                   prefill_kernel: bool | None = None, kv_dtype: str = "auto", max_active: int = 0,
+                   step_tokens: int = 0) -> TorchPagedBackend:
         return cls(layout.num_layers, num_pages, page_size, 0, 0, dtype, device, decode_kernel=decode_kernel,
                    prefill_kernel=prefill_kernel, layout=layout, num_state_slots=num_state_slots,
-                   kv_dtype=kv_dtype)
+                   kv_dtype=kv_dtype, max_active=max_active, step_tokens=step_tokens)
 
     def build(self, inputs: AttentionInputs) -> PagedAttention | GroupAttention:
         """The step's `models.interface.AttentionContext`: with one full-attention group (every
@@ -254,13 +261,19 @@ class KVCache:
 
     @classmethod
     def for_layout(cls, layout: CacheLayout, num_pages: int, page_size: int, dtype: torch.dtype,
-                   device: str | torch.device = "cpu", num_state_slots: int = 0, kv_dtype: str = "auto") -> KVCache:
+                   device: str | torch.device = "cpu", num_state_slots: int = 0, kv_dtype: str = "auto", *,
+                   max_active: int = 0, step_tokens: int = 0) -> KVCache:
+        """Storage for ``num_pages`` pages of positions in every paged group (a compressed group its
+        entry pages; with ``step_tokens``, a row-window group its pool for ``max_active`` requests:
+        `CacheGroup.num_pages`)."""
         kv = cls.__new__(cls)
-        kv._allocate(layout, num_pages, page_size, dtype, device, num_state_slots, kv_dtype)
+        kv._allocate(layout, num_pages, page_size, dtype, device, num_state_slots, kv_dtype, max_active,
+                     step_tokens)
         return kv
 
     def _allocate(self, layout: CacheLayout, num_pages: int, page_size: int, dtype: torch.dtype,
-                  device: str | torch.device, num_state_slots: int, kv_dtype: str) -> None:
+                  device: str | torch.device, num_state_slots: int, kv_dtype: str, max_active: int = 0,
+                  step_tokens: int = 0) -> None:
         self.layout = layout
         self.dtype = dtype
         self.kv_dtype = kv_dtype
@@ -272,8 +285,12 @@ class KVCache:
         self.states: dict[int, tuple[Tensor, ...]] = {}
         for group in layout.groups:
             spec = group.spec
-            # A sliding-window group's spare page is its placeholder (`SlidingWindowPool.null_page`).
-            slots = (num_pages + (1 if isinstance(spec, SlidingWindowSpec) else 0)) * page_size
+            # A sliding-window group's spare page is its placeholder (`SlidingWindowPool.null_page`);
+            # a compressed group's pages hold entries (`kv.compressed`), its spare one the placeholder.
+            pages = group.num_pages(num_pages, page_size, max_active=max_active, step_tokens=step_tokens)
+            slots = (pages + (1 if isinstance(spec, (SlidingWindowSpec, RowWindowSpec)) else 0)) * page_size
+            if isinstance(spec, CompressedSpec):
+                slots = (pages + 1) * entries_per_page(page_size, spec.rate)
             quantized = group.is_quantized(kv_dtype)
             for i in group.layers:
                 if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
@@ -283,7 +300,7 @@ class KVCache:
                     if quantized:
                         self.k_scale[i] = zeroed((spec.num_kv_heads, slots), KV_SCALE_DTYPE, device)
                         self.v_scale[i] = zeroed((spec.num_kv_heads, slots), KV_SCALE_DTYPE, device)
-                elif isinstance(spec, LatentAttentionSpec):
+                elif isinstance(spec, (LatentAttentionSpec, RowWindowSpec, CompressedSpec)):
                     self.rows[i] = zeroed((slots, spec.row_dim), dtype, device)
                 else:
                     self.states[i] = tuple(zeroed((num_state_slots, *shape), spec.dtype or dtype, device)
@@ -328,6 +345,9 @@ class KVCache:
     def _page_views(self, page: int, page_size: int, group: int) -> list[Tensor]:
         """The group's tensors' views of one page, layer by layer (K then V, then with int8 K/V
         their scales; or the rows)."""
+        spec = self.layout.paged_groups[group].spec
+        if isinstance(spec, CompressedSpec):  # an entry page: its entries' rows (`kv.compressed`)
+            page_size = entries_per_page(page_size, spec.rate)
         lo = page * page_size
         out: list[Tensor] = []
         for i in self.layout.paged_groups[group].layers:
@@ -376,7 +396,7 @@ class KVCache:
         """Bytes per token of ``num_layers`` full-attention layers (`CacheLayout.bytes_per_token`
         for any layout)."""
         layout = CacheLayout.from_specs([FullAttentionSpec(num_kv_heads, head_dim)] * num_layers)
-        return layout.bytes_per_token(dtype, kv_dtype)
+        return int(layout.bytes_per_token(dtype, kv_dtype))
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -418,6 +438,7 @@ class PagedAttention:
         self.kv = kv
         self._by_layer: list[GroupAttention | None] = [None] * layout.num_layers
         self._latent_by_layer: list[LatentGroupAttention | None] = [None] * layout.num_layers
+        self._entries: dict[int, CompressedGroupAttention] = {}  # entry streams by cache index
         self._spans = inputs.recurrent_spans
         selections: list[list[Tensor | None]] = []  # sparse layers' per chunk (`LatentGroupAttention._sparse`)
         for g, group in enumerate(layout.paged_groups):
@@ -427,7 +448,18 @@ class PagedAttention:
             else:
                 table, slot_mapping = inputs.group_tables[g - 1]
                 dk, pk = group_kernels[g]
-            if isinstance(group.spec, LatentAttentionSpec):
+            if isinstance(group.spec, CompressedSpec):
+                entry_step = CompressedGroupAttention(inputs, table, page_size, group.spec.rate)
+                for i in group.layers:
+                    self._entries[i] = entry_step
+                continue
+            if isinstance(group.spec, RowWindowSpec) and inputs.num_tokens:
+                # A lazy pool's placeholder (its last page) is never written: a step position there
+                # had no page materialized (`kv.coordinator.RowWindowPool`).
+                null = kv.rows[group.layers[0]].shape[0] // page_size - 1
+                if bool((slot_mapping >= null * page_size).any()):
+                    raise RuntimeError("a step writes a row-window position that has no page")
+            if isinstance(group.spec, (LatentAttentionSpec, RowWindowSpec)):
                 latent = LatentGroupAttention(kv, inputs, table, slot_mapping, page_size, offsets, decode_kernel=dk,
                                               selections=selections)
                 for i in group.layers:
@@ -463,11 +495,17 @@ class PagedAttention:
             raise TypeError(f"layer {layer_idx} keeps no latent rows (its cache spec is not a LatentAttentionSpec)")
         return step.latent(layer_idx, q_nope, q_rope, rows, projection, scale, index=index)
 
-    def rows(self, layer_idx: int, rows: Tensor) -> RowSpans:
+    def rows(self, layer_idx: int, rows: Tensor, *, entries: int | None = None) -> RowSpans:
         step = self._latent_by_layer[layer_idx]
         if step is None:
             raise TypeError(f"layer {layer_idx} keeps no rows (its cache spec is not a LatentAttentionSpec)")
-        return step.rows(layer_idx, rows)
+        spans = step.rows(layer_idx, rows)
+        if entries is None:
+            return spans
+        stream = self._entries.get(entries)
+        if stream is None:
+            raise TypeError(f"cache index {entries} is no entry stream (its spec is not a CompressedSpec)")
+        return attrs.evolve(spans, entries=self.kv.rows[entries], entry_slots=stream.slots())
 
 
 class GroupAttention:
@@ -552,7 +590,7 @@ class GroupAttention:
                scale: float, *, index: SparseIndex | None = None) -> Tensor:
         raise TypeError(f"layer {layer_idx} keeps K/V, not latent rows")
 
-    def rows(self, layer_idx: int, rows: Tensor) -> RowSpans:
+    def rows(self, layer_idx: int, rows: Tensor, *, entries: int | None = None) -> RowSpans:
         raise TypeError(f"layer {layer_idx} keeps K/V, not rows")
 
     def all_decode_args(self, layer_idx: int) -> DecodeArgs | None:
@@ -780,6 +818,36 @@ class LatentGroupAttention:
             context = cache.index_select(0, self.decode_idx.reshape(-1)).view(*self.decode_idx.shape, -1)
             latent = absorbed_attention(q, context, self.decode_bias, scale, projection.rank)
         return absorbed_output(latent, projection).to(q_nope.dtype)
+
+
+class CompressedGroupAttention:
+    """One step's view of a compressed group (`CompressedSpec`, `kv.compressed`): per decode token
+    and prefill chunk (in `LatentGroupAttention`'s span order), the slots of its sequence's entries
+    0 .. end // rate - 1, built on first use and shared by the group's streams."""
+
+    def __init__(self, inputs: AttentionInputs, table: Tensor, page_size: int, rate: int) -> None:
+        self.table = table
+        self.page_size = page_size
+        self.rate = rate
+        self.per_page = entries_per_page(page_size, rate)
+        rows_ends: list[tuple[int, int]] = []
+        if inputs.num_decode:
+            assert inputs.decode_rows is not None and inputs.decode_lens is not None
+            rows_ends += zip(inputs.decode_rows.tolist(), inputs.decode_lens.tolist(), strict=True)
+        rows_ends += [(row, ctx_start + length) for _, length, row, ctx_start in inputs.prefills]
+        self._rows_ends = rows_ends
+        self._slots: tuple[Tensor, ...] | None = None
+
+    def slots(self) -> tuple[Tensor, ...]:
+        if self._slots is None:
+            out: list[Tensor] = []
+            ps, r, device = self.page_size, self.rate, self.table.device
+            for row, end in self._rows_ends:
+                w = torch.arange(end // r, device=device)
+                index = ((w + 1) * r - 1) // ps
+                out.append(self.table[row].index_select(0, index) * self.per_page + w - index * ps // r)
+            self._slots = tuple(out)
+        return self._slots
 
 
 def _expand(pages: Tensor, page_size: int, offsets: Tensor) -> Tensor:

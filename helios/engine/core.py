@@ -25,7 +25,7 @@ from helios.engine.kv.checkpoints import Checkpoints
 from helios.engine.kv.coordinator import KVCacheCoordinator, KVManager, group_key
 from helios.engine.kv.events import KVEvent
 from helios.engine.kv.host_store import HostStore
-from helios.engine.kv.layout import CacheLayout
+from helios.engine.kv.layout import CacheLayout, step_tokens
 from helios.engine.kv.manager import KVCacheManager
 from helios.engine.mtp import MTPDrafter
 from helios.engine.records import (
@@ -112,14 +112,21 @@ class EngineCore:
             raise ValueError("a draft model drafts for speculative decoding: it needs speculative mode ngram or "
                              "adaptive")
         self.drafter = drafter
+        # Row-window pools (DeepSeek V4's raw rows) hold the running requests' windows and the
+        # step's chunks only: sized by these (`kv.layout.window_pool_pages`).
+        self.step_tokens = steps = step_tokens(cfg.prefill_chunk_size, cfg.max_active,
+                                               cfg.speculative.max_depth if cfg.speculative.enabled else 0)
         self.attention = TorchPagedBackend.for_layout(
             layout, cfg.num_pages, cfg.page_size, dtype, self.device,
-            num_state_slots=cfg.max_active + num_snapshots + num_backups, kv_dtype=cfg.kv_dtype)
+            num_state_slots=cfg.max_active + num_snapshots + num_backups, kv_dtype=cfg.kv_dtype,
+            max_active=cfg.max_active, step_tokens=steps)
         self.kv = self.attention.kv
         if cfg.kv_prefault:
             self.kv.prefault()
         fingerprint = _layout_fingerprint(cfg, layout, dtype)
-        self.host_store = _host_store(cfg, fingerprint, caching)
+        # No host store for a layout with compressed or row-window groups: a page's records would
+        # not cover every group (placeholders), nor would a restore reach a lazy pool's pages.
+        self.host_store = None if layout.has_partial_tables else _host_store(cfg, fingerprint, caching)
         host = self.host_store
         self.kv_manager: KVManager
         self.checkpoints: Checkpoints | None = None
@@ -134,7 +141,8 @@ class EngineCore:
         else:
             coordinator = KVCacheCoordinator(
                 layout, cfg.num_pages, cfg.page_size, enable_caching=caching, fingerprint=fingerprint,
-                num_state_slots=cfg.max_active, num_snapshots=num_snapshots,
+                num_state_slots=cfg.max_active, num_snapshots=num_snapshots, max_active=cfg.max_active,
+                step_tokens=steps,
                 on_evict=(lambda g, h, page: host.put(group_key(h, g), self.attention.read_page(page, g)))
                 if host is not None else None)
             self.kv_manager = coordinator

@@ -308,7 +308,8 @@ class InputBatch:
     since the last step are written: the KV manager's tables are position-aligned across groups and
     only grow until freed, except a speculative rollback, which `rollback` rewinds, and a
     sliding-window group's placeholders for pages out of every window, entries no query reads
-    again), the temperature and log(min-p) of the sampler's vectorised path; and on the host its
+    again, and a lazy row-window group's placeholders that became pages, rewritten from the index
+    `KVCacheCoordinator.take_changed` names), the temperature and log(min-p) of the sampler's vectorised path; and on the host its
     `SamplingRow`, built once, whose output ids are a live view of the request's tokens. With
     recurrent groups, each chunk's state slot goes into the step's `recurrent_spans`.
 
@@ -404,6 +405,10 @@ class InputBatch:
                 row = self._admit(seq)
             table = manager.block_table(seq.request_id)
             known = self._num_pages[row]
+            if coord is not None:  # a lazy pool filled placeholders: rewrite the row from there
+                changed = coord.take_changed(seq.request_id)
+                if changed is not None and changed < known:
+                    known = self._num_pages[row] = changed
             if len(table) > known:
                 if len(table) > self.block_table.shape[1]:
                     self._grow_pages(len(table))

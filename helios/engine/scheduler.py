@@ -343,6 +343,7 @@ class Scheduler:
             num_new = total - seq.num_computed  # 1, or more after grammar-forced tokens
             drafts = self._drafts(seq, num_new, budget, num_decode, len(scheduled))
             kv.allocate_slots(seq.request_id, seq.num_computed, num_new, len(drafts))
+            self._materialize(seq, total - num_new, total + len(drafts))
             if drafts and self.rollback is not None:
                 self.rollback.save(seq.request_id)
             chunks.append(ScheduledChunk(seq, total - num_new, num_new + len(drafts), True, self._forced_token(seq),
@@ -617,9 +618,17 @@ class Scheduler:
         if seq.capture_at:
             length = min(length, seq.capture_at[0][0] - start)  # end at the next checkpoint
         samples = start + length == total
+        self._materialize(seq, start, start + length)
         # A recomputed (preempted) request may be due its close token on its last prefill chunk.
         return ScheduledChunk(seq, start, length, samples, self._forced_token(seq) if samples else None,
                               score_from=seq.num_prompt_scored)
+
+    def _materialize(self, seq: RequestState, start: int, end: int) -> None:
+        """The pages of the positions a chunk writes in the lazy pools (`KVManager.materialize`),
+        which are sized for every running request's window and the step's chunks."""
+        if not self.kv.materialize(seq.request_id, start, end):
+            raise RuntimeError(f"the row-window pool has no page for positions {start}..{end - 1} of "
+                               f"{seq.request_id}: a step wrote more positions than it was sized for")
 
     def _forced_token(self, seq: RequestState) -> int | None:
         """The token the runner must return next instead of its draw (None: sample): the tracker's

@@ -52,6 +52,9 @@ class WorkerSetup:
     page_size: int
     kv_dtype: str
     num_state_slots: int
+    max_active: int = 0
+    step_tokens: int = 0
+    """What sizes a lazy row-window pool (`EngineCore.step_tokens`; 0: none is lazy)."""
 
 
 class RankLost(BaseException):
@@ -130,7 +133,8 @@ def serve_worker(model: CausalLM, ctx: ParallelContext, dtype: torch.dtype, devi
         raise RuntimeError(f"tensor-parallel worker {ctx.rank}: expected the KV setup first, got {setup!r}")
     layout = CacheLayout.from_specs(model.cache_specs())
     backend = TorchPagedBackend.for_layout(layout, setup.num_pages, setup.page_size, dtype, device,
-                                           num_state_slots=setup.num_state_slots, kv_dtype=setup.kv_dtype)
+                                           num_state_slots=setup.num_state_slots, kv_dtype=setup.kv_dtype,
+                                           max_active=setup.max_active, step_tokens=setup.step_tokens)
     log.info("tensor-parallel rank %d/%d: KV pool of %d pages", ctx.rank, ctx.world_size, setup.num_pages)
     forwards = 0
     with torch.inference_mode():

@@ -41,18 +41,26 @@ Each layer, as transformers 5 computes it:
 
 The cache (`cache_specs`). A sliding layer keeps its K in a `SlidingWindowSpec` group (one kv head;
 V is the same tensor, stored twice), served by the engine's sliding-window attention with sinks. A
-compressed layer keeps one row per token of its own layout in a `LatentAttentionSpec` group and
-attends over it itself (`AttentionContext.rows`)::
+compressed layer keeps two streams and attends over them itself (`AttentionContext.rows` with
+``entries``): raw rows per token, of which only the last `raw_window` positions' are kept
+(`RowWindowSpec`), and its compressed entries, one row per m positions (`CompressedSpec`, cache
+index `entry_stream`, after the layers' specs)::
 
-    HCA: [ k | entry | kv | gate ]                                  4 x head_dim
-    CSA: [ k | entry | kv (2) | gate (2) | i_entry | i_kv (2) | i_gate (2) ]   6 x head_dim + 5 x index_head_dim
+    raw   HCA: [ k | kv | gate ]                                  3 x head_dim
+          CSA: [ k | kv (2) | gate (2) | i_kv (2) | i_gate (2) ]  5 x head_dim + 4 x index_head_dim
+    entry HCA: [ entry ]                                           head_dim
+          CSA: [ entry | i_entry ]                                 head_dim + index_head_dim
 
 ``k``: the token's sliding key (RoPE applied); ``kv`` / ``gate``: its compressor projections (the
 partial window's buffer, and CSA's overlap state, are these rows of the positions not yet
-compressed); ``entry``: at position (w + 1) m - 1, compressed entry w, written by the step that
-completes window w from the rows of windows w (and w - 1). Every row is a function of its prefix,
-so pages, chunked prefill at any boundary, batching and prefix-cache hits give the one-pass
-result. The cost: rows of every past token stay (no compression of the cache itself).
+compressed); entry w is written by the step that computes position (w + 1) m - 1, pooled from the
+raw rows of windows w (and w - 1). A query or compression at position p or later reads raw rows of
+positions p - `raw_window` + 1 .. only (the sliding window; the partial window; CSA's previous
+window), so the engine keeps the raw rows of each running request's window and of its step's
+chunk (`engine/kv`'s `RowWindowPool`), and the entries of every past window
+(`CompressedPool`). Every row is a function of its prefix, so pages, chunked prefill at any
+boundary, batching and prefix-cache hits give the one-pass result; a hit needs its window's raw
+rows cached, and the KV manager shortens hits to where they are.
 
 MTP layers (``mtp.*``) are not loaded (transformers ignores them too); FP8 checkpoints
 (``quantization_config``) are refused; a bfloat16 conversion loads.
@@ -89,12 +97,19 @@ from helios.models.architecture import (
 from helios.models.attention_sinks import sink_softmax
 from helios.models.config import yarn_inv_freq
 from helios.models.decoder import DecoderLayer, param, rms_norm
-from helios.models.interface import AttentionContext, CacheSpec, LatentAttentionSpec, SlidingWindowSpec
+from helios.models.interface import (
+    AttentionContext,
+    CacheSpec,
+    CompressedSpec,
+    RowWindowSpec,
+    SlidingWindowSpec,
+)
 from helios.models.moe import RouterSpec, expert_mix, route, swiglu
 from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, MoELayer, gguf_moe_tensor
 from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat
 
-__all__ = ["ARCHITECTURES", "DeepseekV4Config", "DeepseekV4ForCausalLM", "compress_inv_freq", "config_from_gguf",
+__all__ = ["ARCHITECTURES", "DeepseekV4Config", "DeepseekV4ForCausalLM", "cache_specs", "compress_inv_freq",
+           "config_from_gguf",
            "config_from_hf", "gguf_tensor", "hf_name", "hyper_merge", "hyper_weights", "pool_windows", "rope_tail"]
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -148,11 +163,27 @@ class DeepseekV4Config(MoEConfig):
         return self.csa_rate if self.layer_types[layer] == CSA else self.hca_rate
 
     def row_dim(self, layer: int) -> int:
-        """Elements of a compressed layer's cache row (see the module docstring)."""
+        """Elements of a compressed layer's raw row per token (see the module docstring)."""
         d = self.head_dim
         if self.layer_types[layer] == HCA:
-            return 4 * d
-        return 6 * d + 5 * self.index_head_dim
+            return 3 * d
+        return 5 * d + 4 * self.index_head_dim
+
+    def raw_window(self, layer: int) -> int:
+        """The positions of raw rows a compressed layer still reads at a query or compression at
+        position p or later: its sliding window's keys (p - sliding_window + 1 ..), the partial
+        window (from p - (p mod m)), in CSA also the window before it (its first series pools
+        into the next entry): ``max(sliding_window, m)`` (HCA), ``max(sliding_window, 2 m)`` (CSA)."""
+        rate = self.rate(layer)
+        return max(self.sliding_window, 2 * rate if self.layer_types[layer] == CSA else rate)
+
+    def entry_dim(self, layer: int) -> int:
+        """Elements of a compressed layer's entry row (one per ``rate(layer)`` positions)."""
+        return self.head_dim + (self.index_head_dim if self.layer_types[layer] == CSA else 0)
+
+    def entry_stream(self, layer: int) -> int:
+        """The cache index of a compressed layer's entry stream (`cache_specs`: after the layers)."""
+        return self.num_layers + sum(1 for kind in self.layer_types[:layer] if kind != SLIDING)
 
     def projection_params(self) -> int:
         hidden, d, heads = self.hidden_size, self.head_dim, self.num_heads
@@ -532,6 +563,17 @@ def compress_inv_freq(config: DeepseekV4Config) -> Tensor:
     return 1.0 / (config.compress_rope_theta ** (torch.arange(0, rd, 2, dtype=torch.int64).float() / rd))
 
 
+def cache_specs(cfg: DeepseekV4Config) -> tuple[CacheSpec, ...]:
+    """What each layer keeps (see the module docstring): a sliding layer its K, a compressed layer
+    its raw rows for the last `raw_window` positions; then each compressed layer's entry stream,
+    one row per rate positions (cache index `entry_stream`)."""
+    layers = tuple(SlidingWindowSpec(1, cfg.head_dim, cfg.sliding_window) if kind == SLIDING
+                   else RowWindowSpec(cfg.row_dim(i), cfg.raw_window(i)) for i, kind in enumerate(cfg.layer_types))
+    entries = tuple(CompressedSpec(cfg.entry_dim(i), cfg.rate(i))
+                    for i, kind in enumerate(cfg.layer_types) if kind != SLIDING)
+    return layers + entries
+
+
 class DeepseekV4ForCausalLM(MoEForCausalLM):
     """DeepSeek V4 on `MoEForCausalLM` (its MoE layers, weight formats and loading; same constructor
     arguments): V4 layers on ``hc_mult`` residual streams, the HyperHead, two RoPE tables."""
@@ -554,9 +596,7 @@ class DeepseekV4ForCausalLM(MoEForCausalLM):
         return [_V4Layer(cfg, i, self.dtype, device, dense_dtype) for i in range(cfg.num_layers)]
 
     def cache_specs(self) -> tuple[CacheSpec, ...]:
-        cfg = self.config
-        return tuple(SlidingWindowSpec(1, cfg.head_dim, cfg.sliding_window) if kind == SLIDING
-                     else LatentAttentionSpec(cfg.row_dim(i)) for i, kind in enumerate(cfg.layer_types))
+        return cache_specs(self.config)
 
     def load_weights(self, tensors: Mapping[str, BuildSource]) -> None:
         """`MoEForCausalLM.load_weights` over the tensors' transformers names (`hf_name`). A hash
@@ -614,6 +654,7 @@ class _V4Layer(MoELayer):
         self.kind = cfg.layer_types[layer_idx]
         self.hashed = cfg.hash_layers[layer_idx]
         self.rate = 0 if self.kind == SLIDING else cfg.rate(layer_idx)
+        self.entry_stream = 0 if self.kind == SLIDING else cfg.entry_stream(layer_idx)
         self.rank, self.index_heads, self.index_dim = cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim
         self.index_topk, self.window = cfg.index_topk, cfg.sliding_window
         self.groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
@@ -758,50 +799,53 @@ class _V4Layer(MoELayer):
     def _compressed_attention(self, q: Tensor, k: Tensor, parts: Sequence[Tensor], b: Tensor, x: Tensor,
                               positions: Tensor, angles: tuple[Tensor, Tensor], attn: AttentionContext,
                               scale: float) -> Tensor:
-        """A CSA / HCA layer: its rows written, each span's completed windows compressed into their
-        entries, then each span's queries over their window and their (selected) entries."""
+        """A CSA / HCA layer: its raw rows written, each span's completed windows compressed into
+        their entries, then each span's queries over their window and their (selected) entries."""
         d, csa = self.head_dim, self.kind == CSA
         num_tokens = q.shape[0]
-        pieces = [k, torch.zeros_like(k), parts[2], parts[3]]
+        pieces = [k, parts[2], parts[3]]
         index_q: Tensor | None = None
         index_w: Tensor | None = None
         if csa:
-            pieces += [k.new_zeros(num_tokens, self.index_dim), parts[4], parts[5]]
+            pieces += [parts[4], parts[5]]
             iq = b[:, self.num_heads * d :].view(num_tokens, self.index_heads, self.index_dim)
             index_q = rope_tail(iq, *angles)
             index_w = parts[6].float() * self.index_heads ** -0.5
-        ctx = attn.rows(self.layer_idx, torch.cat(pieces, dim=-1))
+        ctx = attn.rows(self.layer_idx, torch.cat(pieces, dim=-1), entries=self.entry_stream)
+        assert ctx.entries is not None and len(ctx.entry_slots) == len(ctx.spans)
         out = q.new_empty(q.shape)
-        for first, length, slots in ctx.spans:
+        for (first, length, slots), entry_slots in zip(ctx.spans, ctx.entry_slots, strict=True):
             tokens = slice(first, first + length)
-            self._compress(ctx.cache, slots, length)
+            self._compress(ctx.cache, slots, length, ctx.entries, entry_slots)
             out[tokens] = self._span_attention(
-                q[tokens], ctx.cache, slots, length, scale,
+                q[tokens], ctx.cache, slots, length, scale, ctx.entries, entry_slots,
                 None if index_q is None or index_w is None else (index_q[tokens], index_w[tokens]))
         return out
 
-    def _compress(self, cache: Tensor, slots: Tensor, length: int) -> None:
-        """The entries of the windows a span completes (positions end - length .. end - 1), from
-        their rows (and, in CSA, the previous window's), into their last positions' rows."""
+    def _compress(self, cache: Tensor, slots: Tensor, length: int, entries: Tensor, entry_slots: Tensor) -> None:
+        """The entries of the windows a span completes (positions end - length .. end - 1), pooled
+        from their raw rows (and, in CSA, the previous window's), written at their entry slots."""
         end = len(slots)
         m, d = self.rate, self.head_dim
         lo, hi = (end - length) // m, end // m
         if hi <= lo:
             return
-        first = max(lo - 1, 0)  # CSA's entry lo pools window lo - 1 too (computed, then dropped)
+        csa = self.kind == CSA
+        first = max(lo - 1, 0) if csa else lo  # CSA's entry lo pools window lo - 1 too (computed, then dropped)
         rows = cache.index_select(0, slots[first * m : hi * m])
-        at = slots[(torch.arange(lo, hi, device=slots.device) + 1) * m - 1]
+        at = entry_slots[lo:hi]
         positions = torch.arange(first, hi, device=slots.device) * m
-        series = 2 if self.kind == CSA else 1
+        series = 2 if csa else 1
         assert self.comp_norm is not None and self.comp_bias is not None
-        kv, gate = rows[:, 2 * d : (2 + series) * d], rows[:, (2 + series) * d : (2 + 2 * series) * d]
-        cache[at, d : 2 * d] = self._entries(kv, gate, self.comp_bias, self.comp_norm, d, positions)[lo - first :]
-        if self.kind == CSA:
+        kv, gate = rows[:, d : (1 + series) * d], rows[:, (1 + series) * d : (1 + 2 * series) * d]
+        entries[at, :d] = self._entries(kv, gate, self.comp_bias, self.comp_norm, d, positions)[lo - first :].to(
+            entries.dtype)
+        if csa:
             assert self.index_norm is not None and self.index_bias is not None
-            i, start = self.index_dim, 6 * d
-            kv, gate = rows[:, start + i : start + 3 * i], rows[:, start + 3 * i : start + 5 * i]
-            entries = self._entries(kv, gate, self.index_bias, self.index_norm, i, positions)
-            cache[at, start : start + i] = entries[lo - first :]
+            i, start = self.index_dim, 5 * d
+            kv, gate = rows[:, start : start + 2 * i], rows[:, start + 2 * i : start + 4 * i]
+            index_entries = self._entries(kv, gate, self.index_bias, self.index_norm, i, positions)
+            entries[at, d : d + i] = index_entries[lo - first :].to(entries.dtype)
 
     def _entries(self, kv: Tensor, gate: Tensor, bias: Tensor, norm: Tensor, dim: int, positions: Tensor) -> Tensor:
         pooled = pool_windows(kv, gate, bias, self.rate, dim, self.kind == CSA)
@@ -809,7 +853,7 @@ class _V4Layer(MoELayer):
         return rope_tail(rms_norm(pooled, norm, self.eps), cos, sin)
 
     def _span_attention(self, q: Tensor, cache: Tensor, slots: Tensor, length: int, scale: float,
-                        index: tuple[Tensor, Tensor] | None) -> Tensor:
+                        entries: Tensor, entry_slots: Tensor, index: tuple[Tensor, Tensor] | None) -> Tensor:
         """One span's queries [n, heads, d] over their sliding window's keys and their entries."""
         end, d, m = len(slots), self.head_dim, self.rate
         start = end - length
@@ -822,11 +866,11 @@ class _V4Layer(MoELayer):
         gap = query_pos[:, None] - key_pos[None, :]
         allowed = [(gap >= 0) & (gap < self.window)]
         if count:
-            entry_rows = cache.index_select(0, slots[(torch.arange(count, device=device) + 1) * m - 1])
-            keys.append(entry_rows[:, d : 2 * d])
+            entry_rows = entries.index_select(0, entry_slots[:count])
+            keys.append(entry_rows[:, :d])
             visible = torch.arange(count, device=device)[None, :] < ((query_pos + 1) // m)[:, None]
             if index is not None:
-                visible = visible & self._selection(index, entry_rows, visible)
+                visible = visible & self._selection(index, entry_rows[:, d : d + self.index_dim], visible)
             allowed.append(visible)
         kv = torch.cat(keys).to(q.dtype)
         scores = torch.einsum("thd,kd->thk", q, kv) * scale
@@ -834,11 +878,11 @@ class _V4Layer(MoELayer):
         probs = sink_softmax(scores, self.sinks[:, None])
         return torch.einsum("thk,kd->thd", probs.to(kv.dtype), kv)
 
-    def _selection(self, index: tuple[Tensor, Tensor], entry_rows: Tensor, visible: Tensor) -> Tensor:
-        """The indexer's choice [n, entries]: the ``index_topk`` visible entries of the best scores."""
+    def _selection(self, index: tuple[Tensor, Tensor], keys: Tensor, visible: Tensor) -> Tensor:
+        """The indexer's choice [n, entries] over the entries' indexer keys: the ``index_topk``
+        visible entries of the best scores."""
         iq, weights = index
         i = self.index_dim
-        keys = entry_rows[:, 6 * self.head_dim : 6 * self.head_dim + i]
         scores = torch.relu(torch.einsum("thi,ki->thk", iq.float(), keys.float())) * i ** -0.5
         scores = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
         top = scores.topk(min(self.index_topk, scores.shape[-1]), dim=-1).indices

@@ -16,12 +16,14 @@ from torch import Tensor
 from helios.models.attention_sinks import sink_attention
 from helios.models.decoder import FusedDecoderLM
 from helios.models.interface import (
+    CompressedSpec,
     DecodeArgs,
     FullAttentionSpec,
     LatentAttentionSpec,
     LatentProjection,
     RecurrentBatch,
     RowSpans,
+    RowWindowSpec,
     SlidingWindowSpec,
     SparseIndex,
 )
@@ -76,7 +78,8 @@ class DenseAttention:
         self._keys = [self._alloc(capacity, i) for i in range(num_layers)]
         self._values = [self._alloc(capacity, i) for i in range(num_layers)]
         self._lengths = [0] * num_layers
-        self._rows: dict[int, Tensor] = {}  # latent-attention layers: [capacity, row_dim]
+        self._rows: dict[int, Tensor] = {}  # latent-attention layers (and entry streams): [capacity, row_dim]
+        self._entry_specs: dict[int, CompressedSpec] = {}  # entry streams by cache index (`for_model`)
         self._selection: list[Tensor | None] = []  # the last sparse layer's (`sparse_attention`)
         self._windows: list[int | None] = list(windows) if windows is not None else [None] * num_layers
         if len(self._windows) != num_layers:
@@ -86,14 +89,21 @@ class DenseAttention:
     def for_model(cls, model: FusedDecoderLM, initial_capacity: int = 256) -> DenseAttention:
         """For ``model``'s layers, with the sliding windows and K/V shapes its cache specs declare."""
         cfg = model.config
-        specs = model.cache_specs()
+        specs = list(model.cache_specs())
+        extra = specs[cfg.num_layers:]  # second streams (compressed entries), by cache index
+        specs = specs[: cfg.num_layers]
         windows = [spec.window if isinstance(spec, SlidingWindowSpec) else None for spec in specs]
         shapes = [(spec.num_kv_heads, spec.head_dim) if isinstance(spec, FullAttentionSpec | SlidingWindowSpec)
-                  else (0, 0) if isinstance(spec, LatentAttentionSpec)  # rows only (`latent`)
+                  else (0, 0) if isinstance(spec, LatentAttentionSpec | RowWindowSpec)  # rows only (`latent`, `rows`)
                   else (cfg.num_kv_heads, cfg.head_dim) for spec in specs]
-        return cls(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
+        attn = cls(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
                    device=model.embed_tokens.device, initial_capacity=initial_capacity, windows=windows,
                    kv_shapes=shapes)
+        for i, spec in enumerate(extra, start=cfg.num_layers):
+            if not isinstance(spec, CompressedSpec):
+                raise TypeError(f"cache spec {i} (after the layers') is not a CompressedSpec: {spec}")
+            attn._entry_specs[i] = spec
+        return attn
 
     @property
     def num_tokens(self) -> int:
@@ -124,10 +134,23 @@ class DenseAttention:
         self._lengths[layer_idx] = end
         return store, start, end
 
-    def rows(self, layer_idx: int, rows: Tensor) -> RowSpans:
-        """The rows stored; one span: this chunk over positions 0 .. end - 1 (`RowSpans`)."""
+    def rows(self, layer_idx: int, rows: Tensor, *, entries: int | None = None) -> RowSpans:
+        """The rows stored; one span: this chunk over positions 0 .. end - 1 (`RowSpans`); with
+        ``entries``, that stream's store (entry w at row w, grown as needed) and its slots."""
         store, start, end = self._append_rows(layer_idx, rows)
-        return RowSpans(store, ((0, end - start, torch.arange(end, device=self.device)),))
+        span = ((0, end - start, torch.arange(end, device=self.device)),)
+        if entries is None:
+            return RowSpans(store, span)
+        spec = self._entry_specs[entries]
+        count = end // spec.rate
+        stream = self._rows.get(entries)
+        if stream is None or stream.shape[0] < count:
+            grown = torch.zeros(max(count, 2 * (0 if stream is None else stream.shape[0]), 1), spec.row_dim,
+                                dtype=self.dtype, device=self.device)
+            if stream is not None:
+                grown[: stream.shape[0]] = stream
+            stream = self._rows[entries] = grown
+        return RowSpans(store, span, stream, (torch.arange(count, device=self.device),))
 
     def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
                scale: float, *, index: SparseIndex | None = None) -> Tensor:

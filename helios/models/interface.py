@@ -18,6 +18,13 @@ Cache specs (vLLM v1's KV-cache specs are the anchor). Every layer declares what
   A sparse-attention layer (DeepSeek's DSA) appends its indexer key to the same row (`SparseIndex`).
   A layer may also keep rows of its own layout and compute its attention itself from them
   (`AttentionContext.rows`, `RowSpans`: DeepSeek V4's compressed attention).
+- `RowWindowSpec`: a row of ``row_dim`` elements per token of the layer's own layout (read through
+  `AttentionContext.rows`), of which the layer reads only the last ``window`` positions' (a
+  compressor's raw rows: its partial window, the sliding keys): pages behind every window are
+  reusable, and the engine holds a bounded number per running request.
+- `CompressedSpec`: one row of ``row_dim`` elements per ``rate`` positions (a compressor's entries:
+  entry w is the row of window w, positions w * rate .. (w + 1) * rate - 1, written by the step that
+  computes its last position). Its pages hold entries, not positions (`engine/kv/compressed.py`).
 - `RecurrentStateSpec`: a fixed state per request (tensors of ``shapes``), no per-token rows; a
   prefix is reused only through a snapshot of the state.
 
@@ -78,6 +85,39 @@ class LatentAttentionSpec:
         return self.row_dim
 
 
+@attrs.frozen
+class RowWindowSpec:
+    """One row of ``row_dim`` elements per token, read only for positions p - ``window`` + 1 .. by
+    a query or compressor at position p or later (the layer's own layout, `AttentionContext.rows`)."""
+
+    row_dim: int
+    window: int
+
+    def __attrs_post_init__(self) -> None:
+        if self.row_dim <= 0 or self.window <= 0:
+            raise ValueError(f"a row window needs a positive size and window, got {self.row_dim}, {self.window}")
+
+    def elements_per_token(self) -> int:
+        return self.row_dim
+
+
+@attrs.frozen
+class CompressedSpec:
+    """One row of ``row_dim`` elements per ``rate`` positions: entry w, complete once position
+    (w + 1) * rate - 1 is. A page of positions holds the entries its positions complete
+    (`engine.kv.compressed.CompressedPool`); per token, ``row_dim / rate`` elements."""
+
+    row_dim: int
+    rate: int
+
+    def __attrs_post_init__(self) -> None:
+        if self.row_dim <= 0 or self.rate <= 0:
+            raise ValueError(f"a compressed row needs a positive size and rate, got {self.row_dim}, {self.rate}")
+
+    def elements_per_token(self) -> float:
+        return self.row_dim / self.rate
+
+
 @attrs.frozen(eq=False)
 class LatentProjection:
     """How a latent-attention layer's cached rows become keys and values (DeepSeek's MLA).
@@ -128,15 +168,22 @@ class SparseIndex:
 
 @attrs.frozen(eq=False)
 class RowSpans:
-    """One step of a layer that keeps rows of its own layout (`LatentAttentionSpec`) and attends
+    """One step of a layer that keeps rows of its own layout (`LatentAttentionSpec`, `RowWindowSpec`) and attends
     over them itself (`AttentionContext.rows`). ``cache``: the layer's rows [slots, row_dim], the
     step's rows already written; the layer may complete rows of the step's own positions in place
     (nothing else). ``spans``: per decode token and prefill chunk of the step, (first token index
     in the flattened batch, length, the slots of its sequence's positions 0 .. end - 1), so its
-    first position is ``len(slots) - length``."""
+    first position is ``len(slots) - length``; in a `RowWindowSpec` group the slots of positions
+    before the window name the placeholder page (never to be read)."""
 
     cache: Tensor
     spans: tuple[tuple[int, int, Tensor], ...]
+    entries: Tensor | None = None
+    """With ``rows(..., entries=index)``: the layer's entry stream (`CompressedSpec` of cache index
+    ``index``), [entry slots, row_dim]."""
+    entry_slots: tuple[Tensor, ...] = ()
+    """Per span (in ``spans``' order), the slots of its sequence's entries 0 .. end // rate - 1 (end:
+    the span's last position + 1): the entries its positions complete are written there by the layer."""
 
 
 @attrs.frozen
@@ -160,10 +207,11 @@ class RecurrentStateSpec:
         return total
 
 
-CacheSpec = FullAttentionSpec | SlidingWindowSpec | LatentAttentionSpec | RecurrentStateSpec
+CacheSpec = (FullAttentionSpec | SlidingWindowSpec | LatentAttentionSpec | RowWindowSpec | CompressedSpec
+             | RecurrentStateSpec)
 """What one layer keeps in the cache."""
 
-PAGED_SPECS = (FullAttentionSpec, SlidingWindowSpec, LatentAttentionSpec)
+PAGED_SPECS = (FullAttentionSpec, SlidingWindowSpec, LatentAttentionSpec, RowWindowSpec, CompressedSpec)
 """The specs whose layers keep rows per token in pages."""
 
 
@@ -207,9 +255,12 @@ class AttentionContext(Protocol):
     ``rows`` end with the indexer keys, and each query attends only to the keys it selects
     (`SparseIndex`).
 
-    ``rows``: a layer that keeps rows of its own layout in a `LatentAttentionSpec` group and
+    ``rows``: a layer that keeps rows of its own layout in a `LatentAttentionSpec` (or
+    `RowWindowSpec`) group and
     attends over them itself (DeepSeek V4's compressed layers): writes the step's ``rows`` [T,
-    row_dim] at their positions and returns the cache and the step's spans (`RowSpans`)."""
+    row_dim] at their positions and returns the cache and the step's spans (`RowSpans`); with
+    ``entries``, the cache index of the layer's entry stream (a `CompressedSpec` after the layers'
+    specs), that stream and each span's entry slots too."""
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, *,
                  sinks: Tensor | None = None) -> Tensor: ...
@@ -221,7 +272,7 @@ class AttentionContext(Protocol):
     def latent(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, rows: Tensor, projection: LatentProjection,
                scale: float, *, index: SparseIndex | None = None) -> Tensor: ...
 
-    def rows(self, layer_idx: int, rows: Tensor) -> RowSpans: ...
+    def rows(self, layer_idx: int, rows: Tensor, *, entries: int | None = None) -> RowSpans: ...
 
 
 @runtime_checkable
@@ -239,7 +290,9 @@ class CausalLM(Protocol):
         ...
 
     def cache_specs(self) -> Sequence[CacheSpec]:
-        """What each layer keeps, one spec per layer in layer order."""
+        """What each layer keeps, one spec per layer in layer order; then the specs of second
+        streams some layers keep (a `CompressedSpec`: DeepSeek V4's compressed entries), which those
+        layers address by their index in this sequence (`AttentionContext.rows`)."""
         ...
 
     def __call__(self, input_ids: Tensor, positions: Tensor, ctx: AttentionContext, *,

@@ -32,7 +32,7 @@ from helios.models.deepseek_v4 import (
     hf_name,
 )
 from helios.models.dense_attention import DenseAttention, greedy_generate
-from helios.models.interface import LatentAttentionSpec, SlidingWindowSpec
+from helios.models.interface import CompressedSpec, RowWindowSpec, SlidingWindowSpec
 from tests.numerics import FP32_TOLERANCE
 from tests.parity.tiny import hf_logits, load_ours, our_logits, write_byte_tokenizer
 
@@ -89,9 +89,13 @@ def test_config(pair: tuple[torch.nn.Module, Path]) -> None:
     assert isinstance(cfg, DeepseekV4Config)
     assert cfg.layer_types == tuple(LAYER_TYPES) and cfg.hash_layers == (True, True, False, False, False)
     assert (cfg.csa_rate, cfg.hca_rate, cfg.rotary, cfg.index_topk) == (4, 8, 8, 5)
-    assert model.cache_specs() == (SlidingWindowSpec(1, 32, 16), LatentAttentionSpec(6 * 32 + 5 * 16),
-                                   LatentAttentionSpec(4 * 32), LatentAttentionSpec(6 * 32 + 5 * 16),
-                                   LatentAttentionSpec(4 * 32))
+    # Raw rows per token ([k | kv | gate], CSA with the indexer's kv / gate) for the last 16
+    # positions (the sliding window; CSA's 2 x 4 and HCA's 8 are shorter), then one entry stream
+    # per compressed layer (layers 1..4: cache indices 5..8), a row per rate positions.
+    assert model.cache_specs() == (SlidingWindowSpec(1, 32, 16), RowWindowSpec(5 * 32 + 4 * 16, 16),
+                                   RowWindowSpec(3 * 32, 16), RowWindowSpec(5 * 32 + 4 * 16, 16),
+                                   RowWindowSpec(3 * 32, 16), CompressedSpec(32 + 16, 4), CompressedSpec(32, 8),
+                                   CompressedSpec(32 + 16, 4), CompressedSpec(32, 8))
 
 
 def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
@@ -183,6 +187,76 @@ def test_the_engine_serves_it(pair: tuple[torch.nn.Module, Path]) -> None:
           f"{again_diff:.3g}")
     assert worst < 1e-4
     assert again_diff < 1e-5
+
+
+def test_raw_windows_set_by_the_rates(tmp_path: Path) -> None:
+    """A sliding window (4) shorter than the rates: the raw rows a layer keeps are those of its
+    partial window (HCA: 8) and, in CSA, the window before it (2 x 4). Through the engine with two
+    running requests (pages of 4, chunks of 5, off every rate), the raw pools hold at most their
+    windows and chunks, and the tokens and logprobs are transformers'; then a follow-up turn (the
+    first conversation and three more tokens) hits the prefix cache up to a point inside an HCA
+    window (the last raw pages of a finished request are the last evicted) and gives what one pass
+    without the cache gives."""
+    from helios.domain.sampling import SamplingParams
+    from helios.engine.core import EngineConfig, EngineCore
+    from helios.engine.kv.coordinator import KVCacheCoordinator, RowWindowPool
+    from helios.engine.records import EngineRequest
+    from tests.unit.test_engine import run
+
+    hf_model = _tiny_hf_model(sliding_window=4)
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    write_byte_tokenizer(tmp_path)
+    model = load_ours(tmp_path)
+    specs = model.cache_specs()
+    assert specs[:5] == (SlidingWindowSpec(1, 32, 4), RowWindowSpec(5 * 32 + 4 * 16, 8), RowWindowSpec(3 * 32, 8),
+                         RowWindowSpec(5 * 32 + 4 * 16, 8), RowWindowSpec(3 * 32, 8))
+
+    def engine(caching: bool) -> EngineCore:
+        return EngineCore(model, EngineConfig(page_size=4, num_pages=80, max_active=2, prefill_chunk_size=5,
+                                              max_model_len=120, prefix_caching=caching), torch.float32)
+
+    core = engine(True)
+    kv = core.kv_manager
+    assert isinstance(kv, KVCacheCoordinator)
+    raw = [s for s in kv.sliding if isinstance(s, RowWindowPool)]
+    assert raw and all(r.lazy for r in raw)
+    held = [0]
+
+    def watch() -> None:  # the raw pools' held pages after every step
+        held[0] = max(held[0], *(r.num_held() for r in raw))
+
+    num_tokens = 12
+
+    def request(rid: str, prompt: list[int]) -> EngineRequest:
+        return EngineRequest(rid, tuple(prompt), SamplingParams(temperature=0.0), max_tokens=num_tokens,
+                             ignore_eos=True, num_top_logprobs=1)
+
+    prompts = [PROMPT[:74], PROMPT[7:51]]
+    outs = run(core, [request(f"r{i}", p) for i, p in enumerate(prompts)], each_step=watch)
+    # Two requests: each at most (8 - 1) // 4 + 3 pages besides its chunk (5 positions: 2 pages).
+    assert 0 < held[0] <= 2 * ((8 - 1) // 4 + 3 + 2) < raw[0].num_pages
+    turn = [*prompts[0], *(t for o in outs["r0"] for t in o.new_token_ids), *PROMPT[80:83]]
+    again = run(core, [request("again", turn)], each_step=watch)["again"]
+    hit = again[0].num_cached_tokens
+    assert hit == 84 and hit % 8  # 74 + 11 computed positions: 21 pages, inside an HCA window
+    one_pass = run(engine(False), [request("again", turn)])["again"]
+    worst = 0.0
+    for rid, prompt, request_outs in (("r0", prompts[0], outs["r0"]), ("r1", prompts[1], outs["r1"]),
+                                      ("again", turn, again)):
+        tokens = [t for o in request_outs for t in o.new_token_ids]
+        logprobs = [lp for o in request_outs for lp in (o.logprobs or ())]
+        assert len(tokens) == num_tokens
+        ref = torch.log_softmax(hf_logits(hf_model, [*prompt, *tokens]).double(), dim=-1)
+        for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            row = ref[len(prompt) - 1 + j]
+            assert t == int(row.argmax()), (rid, j)
+            worst = max(worst, abs(lp.logprob - float(row[t])))
+    cached = [lp.logprob for o in again for lp in (o.logprobs or ())]
+    uncached = [lp.logprob for o in one_pass for lp in (o.logprobs or ())]
+    print(f"deepseek_v4 raw windows of 8: max abs logprob diff {worst:.3g}, raw pages held at most {held[0]} of "
+          f"{raw[0].num_pages}, cache hit {hit} tokens")
+    assert worst < 1e-4
+    assert max(abs(a - b) for a, b in zip(cached, uncached, strict=True)) < 1e-5
 
 
 @pytest.mark.parametrize("verify_as_decode", [True, False])

@@ -8,7 +8,8 @@ fans every call out to its groups:
 - Paged groups. Each has its own pool of ``num_pages`` pages and its own block tables, one entry
   per page of positions in every group (tables stay position-aligned, so one page count and one
   chain hash per position serve every group). Memory is split by bytes per token: every group has
-  as many pages, each sized by its own layers' rows. Group 0 is the primary one: its table is what
+  as many pages, each sized by its own layers' rows (a compressed group fewer, a lazy row-window
+  group a number the running requests bound: `CacheGroup.num_pages`). Group 0 is the primary one: its table is what
   `block_table` returns and what the scheduler counts. Allocation is all or nothing over groups;
   `num_free` is the smallest group's, `pages_needed` the largest.
 - A sliding-window group (`SlidingWindowPool`). Query position p sees key positions
@@ -19,6 +20,17 @@ fans every call out to its groups:
   leaves the placeholder `NULL` (page id ``num_pages``, a spare page of the group's storage that is
   never written and only read masked) so positions stay aligned. A dead page that was registered
   becomes evictable (still a prefix-cache page), any other goes back to the free pool.
+- A row-window group (`RowWindowPool`, `models.interface.RowWindowSpec`: a layer's own rows, read
+  only for the last ``window`` positions) releases pages as a sliding-window group does; lazy (the
+  engine passes ``step_tokens``), it also takes no page before a step writes there: its tables get
+  `NULL` entries from `allocate_slots` and pages from `materialize` (the scheduler's call for each
+  chunk it schedules), so a request holds its window's and its chunk's pages only, and the pool is
+  sized for ``max_active`` requests (`layout.window_pool_pages`). It does not count in `num_free`.
+- A compressed group (`kv/compressed.py`'s `CompressedPool`, `models.interface.CompressedSpec`):
+  one entry row per ``rate`` positions. Its table holds a real page only at the indices whose
+  positions complete an entry (the placeholder `NULL` elsewhere), each page the entries of its
+  positions, and its pool has `compressed.entry_pages` pages (a rate-th of the positions' when the
+  rate is a multiple of the page size). `num_free` counts it in position pages (a lower bound).
 - A recurrent group (`StateSlots`): one state slot per running request, taken with its first pages
   (`allocate_cached` / `allocate_slots`) and released by `free` (finish, abort, preemption).
 
@@ -27,7 +39,8 @@ every group; each group registers its own page under that hash. `lookup` returns
 every group can serve: a full or latent group serves any prefix of its registered run; a sliding
 group serves a hit of h pages when the pages holding positions h * page_size - window + 1 ..
 h * page_size - 1 (the first computed query's window) are registered in it (vLLM's rule; the pages
-before them are `NULL` in its table). A hit is a list with one tuple per page: (page of group 0,
+before them are `NULL` in its table). A compressed group serves any prefix whose entry pages are
+registered (its placeholders need nothing). A hit is a list with one tuple per page: (page of group 0,
 page of group 1, ...). A layout with a recurrent group hits only where a state snapshot exists
 (`kv/checkpoints.py`): the longest prefix every group serves whose last page's chain hash has a
 snapshot (``has_snapshot``: the coordinator's `SnapshotPool`, or the host store). Speculative
@@ -50,8 +63,10 @@ from typing import Any, Protocol
 import attrs
 
 from helios.engine.kv.checkpoints import SnapshotPool
+from helios.engine.kv.compressed import CompressedPool
 from helios.engine.kv.layout import CacheLayout
 from helios.engine.kv.manager import ImageKey, KVCacheManager
+from helios.models.interface import CompressedSpec, RowWindowSpec
 
 
 class KVManager(Protocol):
@@ -80,6 +95,7 @@ class KVManager(Protocol):
     def allocate_slots(self, request_id: str, num_computed: int, num_new_tokens: int,
                        num_lookahead: int = 0) -> list[int] | None: ...
     def trim(self, request_id: str, num_tokens: int) -> int: ...
+    def materialize(self, request_id: str, start: int, end: int) -> bool: ...
     def free(self, request_id: str) -> None: ...
     def check_integrity(self) -> None: ...
 
@@ -205,6 +221,93 @@ class SlidingWindowPool(KVCacheManager):
 
 
 @attrs.define
+class RowWindowPool(SlidingWindowPool):
+    """A row-window group's pages (`models.interface.RowWindowSpec`): a `SlidingWindowPool` that,
+    ``lazy``, also takes no page for a position before a step writes it. `allocate_slots` extends
+    the table with placeholders (`NULL`) and `materialize` gives the positions a scheduled chunk
+    writes their pages, so a request holds only its window's pages and its chunk's: its table is
+    ``NULL`` (released), then real pages, then ``NULL`` (not yet written). The pool is sized for
+    ``max_active`` such requests (`layout.window_pool_pages`), so `materialize` does not fail within
+    that bound; `take_changed` tells the runner where a table changed other than at its end."""
+
+    lazy: bool = False
+    _changed: dict[str, int] = attrs.field(init=False, factory=dict)
+
+    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
+        return True if self.lazy else super().can_allocate(request_id, num_tokens)
+
+    def can_admit(self, num_tokens: int, hits: Sequence[int]) -> bool:
+        return True if self.lazy else super().can_admit(num_tokens, hits)
+
+    def allocate_slots(self, request_id: str, num_computed: int, num_new_tokens: int,
+                       num_lookahead: int = 0) -> list[int] | None:
+        if not self.lazy:
+            return super().allocate_slots(request_id, num_computed, num_new_tokens, num_lookahead)
+        table = self._tables.setdefault(request_id, [])
+        n = self.pages_needed(request_id, num_computed + num_new_tokens + num_lookahead)
+        new = [self.null_page] * n
+        table.extend(new)
+        return new
+
+    def materialize(self, request_id: str, start: int, end: int) -> bool:
+        """Pages for positions ``start .. end - 1`` where the table holds placeholders after its
+        released entries (a lazy pool); False (nothing taken) when the pool has too few."""
+        table = self._tables.get(request_id)
+        if not self.lazy or not table or end <= start:
+            return True
+        self.release_before(request_id, start)  # positions before start are computed
+        lo = max(start // self.page_size, self._num_released.get(request_id, 0))
+        hi = min(-(-end // self.page_size), len(table))
+        todo = [i for i in range(lo, hi) if table[i] == self.null_page]
+        if len(todo) > self.num_free:
+            return False
+        for i in todo:
+            page = self._take()
+            assert self.ref_counts[page] == 0
+            self.ref_counts[page] = 1
+            table[i] = page
+        if todo:
+            self._changed[request_id] = min(self._changed.get(request_id, todo[0]), todo[0])
+        return True
+
+    def take_changed(self, request_id: str) -> int | None:
+        """The first table index `materialize` filled since the last call (None: none)."""
+        return self._changed.pop(request_id, None)
+
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        table = self._tables.get(request_id)
+        if not table:
+            return 0
+        keep = max(-(-num_tokens // self.page_size), self._num_registered.get(request_id, 0))
+        released = 0
+        while len(table) > keep:
+            page = table.pop()
+            if page == self.null_page:
+                continue
+            self.ref_counts[page] -= 1
+            assert self.ref_counts[page] == 0 and self.block_hash[page] is None, "trimmed a shared or cached page"
+            self._free.appendleft(page)
+            released += 1
+        return released
+
+    def free(self, request_id: str) -> None:
+        self._changed.pop(request_id, None)
+        super().free(request_id)
+
+    def num_held(self) -> int:
+        return sum(1 for c in self.ref_counts if c)
+
+    def check_integrity(self) -> None:
+        null = self.null_page
+        for rid, table in self._tables.items():
+            leading = self._num_released.get(rid, 0)
+            assert all(p == null for p in table[:leading]), "a released entry holds a page"
+            real = [i for i in range(leading, len(table)) if table[i] != null]
+            assert real == list(range(leading, leading + len(real))), "a placeholder between a table's pages"
+        self._check_tables([[p for p in t if p != null] for t in self._tables.values()])
+
+
+@attrs.define
 class StateSlots:
     """A recurrent group's state slots: one per running request."""
 
@@ -247,10 +350,13 @@ class KVCacheCoordinator:
 
     def __init__(self, layout: CacheLayout, num_pages: int, page_size: int, *, enable_caching: bool = False,
                  fingerprint: bytes = b"", num_state_slots: int = 0, num_snapshots: int = 0,
-                 on_evict: Callable[[int, int, int], None] | None = None) -> None:
+                 on_evict: Callable[[int, int, int], None] | None = None, max_active: int = 0,
+                 step_tokens: int = 0) -> None:
         """``on_evict(group, block hash, page)``: called before a group's cached page is reused.
         ``num_state_slots``: state slots of each recurrent group (at least the running requests);
-        ``num_snapshots``: snapshot rows of a recurrent layout's prefix cache."""
+        ``num_snapshots``: snapshot rows of a recurrent layout's prefix cache. ``step_tokens`` (> 0:
+        the most positions a step writes, `layout.step_tokens`) with ``max_active`` (the most
+        running requests): row-window pools are lazy and sized for them (`RowWindowPool`)."""
         self.layout = layout
         self.num_pages = num_pages
         self.page_size = page_size
@@ -261,7 +367,15 @@ class KVCacheCoordinator:
             evict = None if on_evict is None else _group_evict(on_evict, g)
             window = group.window
             pool: KVCacheManager
-            if window is None:
+            size = group.num_pages(num_pages, page_size, max_active=max_active, step_tokens=step_tokens)
+            if isinstance(group.spec, CompressedSpec):
+                pool = CompressedPool(size, page_size, enable_caching=self.enable_caching, fingerprint=fingerprint,
+                                      on_evict=evict, rate=group.spec.rate)
+            elif isinstance(group.spec, RowWindowSpec):
+                pool = RowWindowPool(size, page_size, enable_caching=self.enable_caching, fingerprint=fingerprint,
+                                     on_evict=evict, window=group.spec.window, lazy=step_tokens > 0)
+                self.sliding.append(pool)
+            elif window is None:
                 pool = KVCacheManager(num_pages, page_size, enable_caching=self.enable_caching,
                                       fingerprint=fingerprint, on_evict=evict)
             else:
@@ -285,7 +399,9 @@ class KVCacheCoordinator:
     # -- reading ---------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return min(g.num_free for g in self.groups)
+        """The smallest group's free pages of positions (a lazy row-window pool, sized for the
+        running requests, does not count)."""
+        return min(g.num_free for g in self.groups if not (isinstance(g, RowWindowPool) and g.lazy))
 
     @property
     def num_cached(self) -> int:
@@ -332,7 +448,9 @@ class KVCacheCoordinator:
         self.primary.extend_chain(token_ids, hashes, limit, images)
         h = limit
         for g in self.groups:
-            if not isinstance(g, SlidingWindowPool):
+            if isinstance(g, CompressedPool):
+                h = g.hit_length(hashes, h)
+            elif not isinstance(g, SlidingWindowPool):
                 cached = g._cached
                 n = 0
                 while n < h and hashes[n] in cached:
@@ -349,8 +467,8 @@ class KVCacheCoordinator:
             h = self._checkpointed(hashes, h, limit)
         if not h:
             return [], hashes
-        columns = [g.hit_pages(hashes, h) if isinstance(g, SlidingWindowPool) else [g._cached[x] for x in hashes[:h]]
-                   for g in self.groups]
+        columns = [g.hit_pages(hashes, h) if isinstance(g, (SlidingWindowPool, CompressedPool))
+                   else [g._cached[x] for x in hashes[:h]] for g in self.groups]
         return list(zip(*columns, strict=True)), hashes
 
     def _checkpointed(self, hashes: Sequence[int], h: int, limit: int) -> int:
@@ -404,6 +522,18 @@ class KVCacheCoordinator:
         columns = [n or [] for n in new]
         self.last_new = list(zip(*columns, strict=True))
         return columns[0]
+
+    def materialize(self, request_id: str, start: int, end: int) -> bool:
+        """Pages for the positions ``start .. end - 1`` a scheduled chunk writes, in the lazy
+        row-window pools (`RowWindowPool.materialize`); False when one has too few."""
+        return all(s.materialize(request_id, start, end) for s in self.sliding if isinstance(s, RowWindowPool))
+
+    def take_changed(self, request_id: str) -> int | None:
+        """The first table index some group changed other than at the table's end since the last
+        call (`RowWindowPool.take_changed`), for the runner's block tables; None: none."""
+        changed = [c for s in self.sliding if isinstance(s, RowWindowPool)
+                   if (c := s.take_changed(request_id)) is not None]
+        return min(changed, default=None)
 
     def trim(self, request_id: str, num_tokens: int) -> int:
         return max(g.trim(request_id, num_tokens) for g in self.groups)

@@ -280,6 +280,11 @@ class KVCacheManager:
         self._tables.setdefault(request_id, []).extend(new)
         return new
 
+    def materialize(self, request_id: str, start: int, end: int) -> bool:
+        """Pages for the positions a scheduled chunk writes: this pool's were all taken by
+        `allocate_slots` (a lazy row-window pool takes them here: `coordinator.RowWindowPool`)."""
+        return True
+
     def trim(self, request_id: str, num_tokens: int) -> int:
         """Roll back the request's table to the pages `num_tokens` tokens need: the pages past them
         (speculative lookahead whose drafts were rejected) go back to the free pool. Such pages are
