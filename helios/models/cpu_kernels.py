@@ -190,10 +190,16 @@ def kquant_linear_grouped(x: Tensor, offsets: Sequence[int], blocks: Sequence[Te
     return out
 
 
-def kquant_dequantize(blocks: Tensor, ggml_type: int, out_features: int, in_features: int) -> Tensor:
+def kquant_dequantize(blocks: Tensor, ggml_type: int, out_features: int, in_features: int,
+                      dtype: torch.dtype = torch.float32) -> Tensor:
     """The float32 [out_features, in_features] values of a weight held as GGUF blocks of ``ggml_type``
-    (contiguous uint8): ``gguf.quants.dequantize``'s, bit for bit."""
-    out: Tensor = torch.ops.helios.kquant_dequantize(blocks, ggml_type, out_features, in_features)
+    (contiguous uint8): ``gguf.quants.dequantize``'s, bit for bit. ``dtype=torch.bfloat16``: those
+    values rounded to bfloat16 as ``.to(torch.bfloat16)`` rounds them, written directly (a prefill's
+    dequantize-then-GEMM writes and reads half the bytes, and no float32 copy)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"kquant_dequantize: float32 or bfloat16, not {dtype}")
+    out: Tensor = torch.ops.helios.kquant_dequantize(blocks, ggml_type, out_features, in_features,
+                                                     dtype == torch.bfloat16)
     return out
 
 

@@ -67,16 +67,19 @@ class BlockQuantized:
     def name(self) -> str:
         return cpu_kernels.KQUANT_NAMES.get(self.ggml_type, str(self.ggml_type))
 
-    def dequantize(self) -> Tensor:
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """float32 [rows, cols], equal to ``gguf.quants.dequantize`` bit for bit (the kernel when the
-        CPU kernels are available, else ``gguf.quants`` itself)."""
+        CPU kernels are available, else ``gguf.quants`` itself); another ``dtype``: those values
+        converted (bfloat16 through the kernel: written directly, the same bits)."""
         rows, cols = self.shape
         if cpu_kernels.available():
-            return cpu_kernels.kquant_dequantize(self.blocks.contiguous(), self.ggml_type, rows, cols)
+            if dtype == torch.bfloat16:
+                return cpu_kernels.kquant_dequantize(self.blocks.contiguous(), self.ggml_type, rows, cols, dtype)
+            return cpu_kernels.kquant_dequantize(self.blocks.contiguous(), self.ggml_type, rows, cols).to(dtype)
         import gguf
 
         array = gguf.quants.dequantize(self.blocks.numpy(), gguf.GGMLQuantizationType(self.ggml_type))
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(rows, cols)
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(rows, cols).to(dtype)
 
     def dequantize_rows(self, index: Tensor) -> Tensor:
         """float32 [len(index), cols]: rows ``index`` only (an embedding lookup), bit for bit as
@@ -135,9 +138,9 @@ class KQuantLinear(nn.Module):
         return [BlockQuantized(b, t, (o, self.in_features)) for b, t, o in zip(self.blocks, self.types, self.outs,
                                                                                 strict=True)]
 
-    def dequantize(self) -> Tensor:
-        """The weight's float32 values [out, in] (exact)."""
-        parts = [w.dequantize() for w in self.weights()]
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The weight's float32 values [out, in] (exact), or those values in ``dtype``."""
+        parts = [w.dequantize(dtype) for w in self.weights()]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -147,7 +150,7 @@ class KQuantLinear(nn.Module):
         kernels = cpu_kernels.available() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
         if not kernels or (self.unpack_above is not None and rows > self.unpack_above):
             dtype = self.unpack_dtype if kernels else torch.float32
-            y = F.linear(x.to(dtype), self.dequantize().to(dtype))
+            y = F.linear(x.to(dtype), self.dequantize(dtype))
             return y if y.dtype == x.dtype else y.to(x.dtype)
         outs = [cpu_kernels.kquant_linear(x, b, t, o) for b, t, o in zip(self.blocks, self.types, self.outs,
                                                                          strict=True)]

@@ -84,6 +84,23 @@ def test_dequantize_equals_gguf_bit_for_bit(ggml_type: int, rows: int, cols: int
     assert np.array_equal(bits(got), bits(want))  # signed zeros included
 
 
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
+def test_dequantize_to_bfloat16_is_the_float32_values_rounded_bit_for_bit(ggml_type: int) -> None:
+    """The bfloat16 output (a prefill's dequantize-then-GEMM) is ``.to(torch.bfloat16)`` of the exact
+    float32 values: rounded to nearest even, ties included (values halfway between two bfloat16
+    numbers are planted below)."""
+    rows, cols = 17, 512
+    blocks = torch.from_numpy(random_blocks(ggml_type, rows, cols, seed=ggml_type * 7 + 1, full_range=True))
+    exact = cpu_kernels.kquant_dequantize(blocks, ggml_type, rows, cols)
+    got = cpu_kernels.kquant_dequantize(blocks, ggml_type, rows, cols, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, cols)
+    assert torch.equal(got.view(torch.int16), exact.to(torch.bfloat16).view(torch.int16))
+    low16 = exact.view(torch.int32) & 0xFFFF
+    assert bool((low16 == 0x8000).any()) or ggml_type in (6, 8, 14)  # ties occur where an offset is added
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_kernels.kquant_dequantize(blocks, ggml_type, rows, cols, torch.float16)
+
+
 @pytest.mark.parametrize("ggml_type", [6, 7, 8], ids=["Q5_0", "Q5_1", "Q8_0"])
 def test_dequantize_equals_gguf_on_quantized_weights(ggml_type: int) -> None:
     """Blocks as gguf.quants.quantize writes them (the types it can quantize), from weights with outliers."""

@@ -37,6 +37,7 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <type_traits>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -2334,8 +2335,27 @@ void kq_grouped_impl(const float* xp, const std::vector<const uint8_t*>& wps, co
   });
 }
 
-template <int T>
-void kq_dequantize_impl(const uint8_t* wp, float* out, int64_t N, int64_t K) {
+// 32 weights as bfloat16, each float32 value rounded to nearest even (torch's `.to(torch.bfloat16)`
+// of a finite float; every dequantized weight is finite).
+inline void kq_store_bf16(const Kq32& w, at::BFloat16* out) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(w.v[0]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), (__m256i)_mm512_cvtneps_pbh(w.v[1]));
+#else
+  alignas(64) float f[32];
+  kq_store(w, f);
+  for (int l = 0; l < 32; ++l) {
+    uint32_t bits;
+    std::memcpy(&bits, &f[l], 4);
+    const uint16_t r = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+    std::memcpy(&out[l], &r, 2);
+  }
+#endif
+}
+
+// W's values into `out` [N, K]: float32 (exact) or bfloat16 (each exact value rounded once).
+template <int T, typename Out>
+void kq_dequantize_impl(const uint8_t* wp, Out* out, int64_t N, int64_t K) {
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
   constexpr int subs = static_cast<int>(per / 32);
   const int64_t nb = K / per;
@@ -2344,7 +2364,10 @@ void kq_dequantize_impl(const uint8_t* wp, float* out, int64_t N, int64_t K) {
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* blk = wp + b * bytes;
       kq_header<T>(blk, h);
-      for (int c = 0; c < subs; ++c) kq_store(kq_weights<T>(blk, c, h), out + b * per + 32 * c);
+      for (int c = 0; c < subs; ++c) {
+        if constexpr (std::is_same_v<Out, float>) kq_store(kq_weights<T>(blk, c, h), out + b * per + 32 * c);
+        else kq_store_bf16(kq_weights<T>(blk, c, h), out + b * per + 32 * c);
+      }
     }
   });
 }
@@ -2432,14 +2455,21 @@ at::Tensor kquant_linear_grouped(const at::Tensor& x, at::IntArrayRef offsets, a
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-// W [N, K] in GGUF blocks of `type` -> float32, equal to gguf.quants.dequantize bit for bit.
-at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type, int64_t N, int64_t K) {
+// W [N, K] in GGUF blocks of `type` -> float32, equal to gguf.quants.dequantize bit for bit; with
+// `bf16`, those values rounded to bfloat16 (the same bits as `.to(torch.bfloat16)` of the float32
+// result, without writing and reading it).
+at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type, int64_t N, int64_t K, bool bf16) {
   kq_check_blocks(blocks, type, N, K, "kquant_dequantize");
-  at::Tensor out = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor out = at::empty({N, K}, at::TensorOptions().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   if (N > 0) {
     const uint8_t* wp = blocks.data_ptr<uint8_t>();
-    float* op = out.data_ptr<float>();
-    kq_dispatch(type, [&](auto t) { kq_dequantize_impl<decltype(t)::value>(wp, op, N, K); });
+    if (bf16) {
+      at::BFloat16* op = out.data_ptr<at::BFloat16>();
+      kq_dispatch(type, [&](auto t) { kq_dequantize_impl<decltype(t)::value>(wp, op, N, K); });
+    } else {
+      float* op = out.data_ptr<float>();
+      kq_dispatch(type, [&](auto t) { kq_dequantize_impl<decltype(t)::value>(wp, op, N, K); });
+    }
   }
   return out;
 }
@@ -2539,7 +2569,7 @@ TORCH_LIBRARY(helios, m) {
         "Tensor(c!) v_cache, Tensor(d!) v_scale, Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, "
         "int page_size, float scale) -> Tensor");
   m.def("kquant_linear(Tensor x, Tensor blocks, int ggml_type, int out_features) -> Tensor");
-  m.def("kquant_dequantize(Tensor blocks, int ggml_type, int out_features, int in_features) -> Tensor");
+  m.def("kquant_dequantize(Tensor blocks, int ggml_type, int out_features, int in_features, bool bf16=False) -> Tensor");
   m.def("kquant_linear_grouped(Tensor x, int[] offsets, Tensor[] blocks, int ggml_type, int out_features) -> Tensor");
   m.def("gated_delta_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
         "Tensor fresh) -> Tensor");
