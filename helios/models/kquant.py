@@ -7,7 +7,8 @@ blocks of ``bytes`` bytes, `cpu_kernels.KQUANT_LAYOUTS`), its ggml type and its 
 numerics contract per type is in the `cpu_kernels` docstring): no rounding of the weights or of the
 activations beyond float32 accumulation. Like `quant.Int4Linear` it may keep a dense copy for steps of
 more than ``dense_above`` rows (prefill, large batches), where a dense GEMM is faster; without one,
-steps of more than ``unpack_above`` rows dequantize the weight for the call and run a float32 GEMM.
+steps of more than ``unpack_above`` rows dequantize the weight for the call and run a GEMM in
+``unpack_dtype`` (bfloat16 for a prefill: the kernel writes the rounded values directly).
 On the 2-core AVX-512 development machine (`scripts/bench_kernels.py --only kquant`, a busy machine)
 the kernel took about half the dense bfloat16 matmul's time and a fifth of the float32 one's at one
 row, about the bfloat16 one's at 8 rows and two to three times it at 32: a bfloat16 dense copy past
