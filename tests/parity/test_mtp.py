@@ -276,8 +276,26 @@ def test_the_drafter_chains_drafts_as_the_reference(random_ckpt: Ckpt) -> None:
     drafts = drafter.propose("r", ids, 4)
     assert list(drafts) == ref.chain(ids, 4)
     assert drafter.forward_tokens == len(ids) - 1 + 3 and drafter.draft_tokens == 4
-    drafter.check_integrity(live=["r"])
+    # Two requests announced (`prefetch`, as the scheduler does before a step's decode rounds):
+    # the first `propose` drafts for both, one forward per further depth (3 at depth 4, not 6);
+    # the second request's drafts are then served as computed, no forward. Each is the reference's.
+    other = PROMPTS[1]
+    seq2 = RequestState(EngineRequest("s", tuple(other), SamplingParams(temperature=0.0), max_tokens=8), list(other),
+                        len(other), None, 0)
+    drafter.capture(seq2, 0, ref.target_hidden(other).float()[:-1])
+    longer = [*ids, drafts[0]]  # "r" one token further: its hidden state at n - 2 comes first
+    seq.token_ids.append(drafts[0])
+    drafter.capture(seq, len(ids) - 1, ref.target_hidden(longer).float()[len(ids) - 1 : len(ids)])
+    forwards = drafter.forwards
+    drafter.prefetch("r", longer, 4)
+    drafter.prefetch("s", other, 4)
+    assert list(drafter.propose("r", longer, 4)) == ref.chain(longer, 4)
+    assert drafter.forwards == forwards + 3
+    assert list(drafter.propose("s", other, 3)) == ref.chain(other, 3)  # a shorter round: a prefix
+    assert drafter.forwards == forwards + 3
+    drafter.check_integrity(live=["r", "s"])
     drafter.release("r")
+    drafter.release("s")
     drafter.check_integrity(live=[])
     assert drafter.num_states == 0
 
@@ -315,9 +333,9 @@ def test_glm5_mtp_layer_without_an_indexer(tmp_path: Path) -> None:
 
 # -- the engine ---------------------------------------------------------------------------------
 def _engine(root: Path, *, mtp: bool, num_pages: int = 64, mode: str = "ngram",
-            depth: int = 3) -> tuple[EngineCore, MTPDrafter | None]:
+            depth: int = 3, chunk: int = 5) -> tuple[EngineCore, MTPDrafter | None]:
     target, predictor = _predictor(root)
-    cfg = EngineConfig(page_size=4, num_pages=num_pages, max_active=3, prefill_chunk_size=5, max_model_len=128,
+    cfg = EngineConfig(page_size=4, num_pages=num_pages, max_active=3, prefill_chunk_size=chunk, max_model_len=128,
                        speculative=SpeculativeConfig(mode=mode if mtp else "off", max_depth=depth, history=False))
     drafter = MTPDrafter(predictor, torch.float32, num_pages=num_pages + 3, page_size=4, max_active=3,
                          max_model_len=128) if mtp else None
@@ -378,6 +396,23 @@ def test_engine_greedy_output_identical(random_ckpt: Ckpt) -> None:
                                                  max_tokens=36, ignore_eos=True)])
     assert again["again"] == want["r0"]
     assert core.stats().reused_tokens >= 16 and drafter.cache_misses == 0
+
+
+def test_engine_drafts_jointly(random_ckpt: Ckpt) -> None:
+    """Steps of 16 tokens: the three requests' rounds draft together (the scheduler announces them,
+    `Proposer.prefetch`; the first `propose` drafts for all, one forward per depth), and the greedy
+    output is still plain decoding's."""
+    _, root, _ = random_ckpt
+    plain, _ = _engine(root, mtp=False, chunk=16)
+    want = _drive(plain, None, _requests("j", max_tokens=16))
+    core, drafter = _engine(root, mtp=True, chunk=16)
+    assert drafter is not None
+    assert _drive(core, drafter, _requests("j", max_tokens=16)) == want
+    spec = core.stats().speculative
+    assert spec is not None
+    print(f"joint MTP drafting: {spec.model_draft_rounds} rounds, {drafter.joint_rounds} drafted with an earlier "
+          f"request's, {drafter.forwards} forwards for {drafter.forward_tokens} positions")
+    assert drafter.joint_rounds > 0 and drafter.forwards < drafter.forward_tokens
 
 
 def test_preempted_and_aborted_requests_release_mtp_state(random_ckpt: Ckpt) -> None:
