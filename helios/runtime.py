@@ -635,8 +635,8 @@ def load_drafter(cfg: HeliosConfig, tokenizer: Tokenizer, *, num_pages: int, max
 
 def has_mtp(ckpt: Checkpoint) -> bool:
     """Whether the checkpoint carries multi-token-prediction layers Helios can draft with (a model
-    folder of a `models.mtp.MTP_ARCHITECTURES` family whose tensors include an MTP module; GGUF
-    files: their ``nextn`` tensors are not loaded)."""
+    folder or GGUF file of a `models.mtp.MTP_ARCHITECTURES` family whose tensors include an MTP
+    module: a GGUF file's ``blk.{N}.nextn.*`` tensors)."""
     from helios.models.mtp import MTP_ARCHITECTURES, mtp_layers
 
     num_layers = getattr(ckpt.config, "num_layers", None)

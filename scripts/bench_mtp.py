@@ -1,7 +1,7 @@
 """What one MTP draft costs next to a target decode step, on a synthetic DeepSeek-V3-shaped model.
 
     .venv/bin/python scripts/bench_mtp.py [--layers 12] [--hidden 768] [--vocab 32768] [--experts 16]
-        [--dtype bfloat16] [--context 512] [--steps 40] [--threads 1]
+        [--dtype bfloat16] [--context 512] [--steps 40] [--threads 1] [--streams 1]
 
 Random weights (seeded; transformers' ``DeepseekV3ForCausalLM`` of ``--layers + 1`` layers, the last
 one the MTP module's block, plus seeded MTP glue weights), loaded in memory through Helios's loaders
@@ -12,6 +12,13 @@ one the MTP module's block, plus seeded MTP glue weights), loaded in memory thro
   position of the token before it, then the first draft's logits): what a round's first draft costs;
 - ``MTP further draft``: `propose` at depth 4 right after (nothing to catch up: the first draft's
   logits again, then 3 positions with their logits), over 3: an upper bound of one further draft.
+
+With ``--streams N`` (N > 1) the drafter holds N requests (``--context`` random prompt tokens each,
+then ``--steps`` committed tokens, the target's hidden states from one forward per request), and the
+two figures are per request and draft of a round of all N, asked one request after the other
+(``sequential``: each `propose` alone, as before the scheduler announced its rounds) and announced
+first (``joint``: `prefetch` for all, then `propose`: one forward per depth for all N); the steps
+alternate between the two.
 
 Random weights accept (almost) no drafts, so no speed-up is measured here: the ratio bounds what a
 draft costs, not how many are accepted (docs/benchmarks.md, "MTP speculation").
@@ -36,6 +43,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--streams", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -100,6 +108,13 @@ def main() -> None:
         for o in outs:
             tokens += o.new_token_ids
 
+    step = statistics.median(times)
+    print(f"synthetic DeepSeek-V3 shape: {n} layers + 1 MTP, hidden {h}, vocab {args.vocab}, {args.dtype}, "
+          f"{args.threads} threads, context {args.context}")
+    print(f"target decode step  median {step * 1e3:7.2f} ms over {len(times)} steps")
+    if args.streams > 1:
+        _streams(args, target, predictor, dtype, page, step, g)
+        return
     drafter = MTPDrafter(predictor, dtype, num_pages=pages, page_size=page, max_active=1, max_model_len=pages * page)
     with torch.inference_mode():
         hidden = target(torch.tensor(tokens), torch.arange(len(tokens)), _dense(target))
@@ -121,14 +136,57 @@ def main() -> None:
         deep.append((t2 - t1) / 3)
         seq.token_ids[:] = committed
         drafter.capture(seq, len(committed) - 1, hidden[len(committed) - 1 : len(committed)])
-    step = statistics.median(times)
     draft = statistics.median(deep)
-    print(f"synthetic DeepSeek-V3 shape: {n} layers + 1 MTP, hidden {h}, vocab {args.vocab}, {args.dtype}, "
-          f"{args.threads} threads, context {args.context}")
-    print(f"target decode step  median {step * 1e3:7.2f} ms over {len(times)} steps")
     print(f"MTP first draft     median {statistics.median(first) * 1e3:7.2f} ms "
           f"({statistics.median(first) / step:.3f} of a step)")
     print(f"MTP further draft   median {draft * 1e3:7.2f} ms ({draft / step:.3f} of a step)")
+
+
+def _streams(args: argparse.Namespace, target: torch.nn.Module, predictor: object, dtype: torch.dtype, page: int,
+             step: float, g: torch.Generator) -> None:
+    from helios.domain.sampling import SamplingParams
+    from helios.engine.mtp import MTPDrafter
+    from helios.engine.records import EngineRequest
+    from helios.engine.scheduler import RequestState
+
+    count, base = args.streams, args.context
+    pages = count * (-(-(base + args.steps + 64) // page) + 2)
+    drafter = MTPDrafter(predictor, dtype, num_pages=pages, page_size=page, max_active=count,  # type: ignore[arg-type]
+                         max_model_len=base + args.steps + 64)
+    tokens, hidden, seqs = [], [], []
+    for r in range(count):
+        ids = torch.randint(3, args.vocab, (base + args.steps + 1,), generator=g).tolist()
+        with torch.inference_mode():
+            hidden.append(target(torch.tensor(ids), torch.arange(len(ids)), _dense(target)))
+        tokens.append(ids)
+        seq = RequestState(EngineRequest(f"r{r}", tuple(ids[:base]), SamplingParams(temperature=0.0), max_tokens=1),
+                           list(ids[:base]), base, None, 0)
+        drafter.capture(seq, 0, hidden[r][:base])
+        seqs.append(seq)
+    times: dict[str, tuple[list[float], list[float]]] = {"sequential": ([], []), "joint": ([], [])}
+    for i in range(args.steps):
+        mode = "joint" if i % 2 else "sequential"
+        committed = [t[: base + i + 1] for t in tokens]
+        t0 = time.perf_counter()
+        for depth in (1, 4):  # as `main`: the first draft (with the catch-up), then 3 more
+            if mode == "joint":
+                for r, ids in enumerate(committed):
+                    drafter.prefetch(f"r{r}", ids, depth)
+            for r, ids in enumerate(committed):
+                drafter.propose(f"r{r}", ids, depth)
+            if depth == 1:
+                t1 = time.perf_counter()
+        t2 = time.perf_counter()
+        times[mode][0].append((t1 - t0) / count)
+        times[mode][1].append((t2 - t1) / (3 * count))
+        for r, ids in enumerate(committed):
+            seqs[r].token_ids[:] = ids
+            drafter.capture(seqs[r], len(ids) - 1, hidden[r][len(ids) - 1 : len(ids)])
+    print(f"{count} streams, per request and draft:")
+    for mode, (first, deep) in times.items():
+        a, b = statistics.median(first), statistics.median(deep)
+        print(f"  {mode:10}  first draft {a * 1e3:7.2f} ms ({a / step:.3f} of a step)   "
+              f"further draft {b * 1e3:7.2f} ms ({b / step:.3f} of a step)")
 
 
 def _dense(model: torch.nn.Module) -> object:

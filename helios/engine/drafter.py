@@ -139,6 +139,9 @@ class Drafter:
                 self.draft_tokens += 1
         return tuple(known[n:n + depth])
 
+    def prefetch(self, request_id: str, token_ids: Sequence[int], depth: int) -> None:
+        """Nothing ahead: the draft model drafts for each request when it is asked."""
+
     def release(self, request_id: str) -> None:
         """Free the request's draft pages and batch row (idempotent)."""
         if self._states.pop(request_id, None) is None:
@@ -202,6 +205,8 @@ class LearnedDrafter(Protocol):
 
     def propose(self, request_id: str, token_ids: Sequence[int], depth: int) -> tuple[int, ...]: ...
 
+    def prefetch(self, request_id: str, token_ids: Sequence[int], depth: int) -> None: ...
+
     def release(self, request_id: str) -> None: ...
 
 
@@ -217,6 +222,9 @@ class LearnedProposer:
 
     def propose(self, token_ids: Sequence[int], depth: int) -> tuple[int, ...]:
         return self.drafter.propose(self.request_id, token_ids, depth)
+
+    def prefetch(self, token_ids: Sequence[int], depth: int) -> None:
+        self.drafter.prefetch(self.request_id, token_ids, depth)
 
     def release(self) -> None:
         self.drafter.release(self.request_id)

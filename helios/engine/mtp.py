@@ -28,6 +28,13 @@ draft: position ``n - 2 + j`` reads draft j as its token and the output before i
 state. Drafts are greedy (argmax within the tokenizer's ids): a deterministic proposer, verified
 exactly by the target (`speculative`'s docstring).
 
+Joint drafting: before a step's decode rounds are planned the scheduler announces each round
+(`prefetch`: the request's tokens and the depth its round will ask for, `Proposer.prefetch`). The
+first `propose` of the step then drafts for every announced request at once: one forward over all
+their caught-up positions, then one forward per depth with a position of each request still
+drafting (`_propose_many`); the others' drafts are kept (``_ready``) and served by their own
+`propose` when it asks no deeper (a deeper ask, or tokens that changed, computes again).
+
 Prefix cache: the predictor's K/V at position p depend on tokens ``0 .. p + 1``, so its page j is
 registered under the chain hash of the token pairs ``(t[i], t[i+1])`` of its positions (the pairs
 chained from position 0: tokens ``0 .. (j + 1) * page_size``), once computed exactly. When the
@@ -44,6 +51,7 @@ state for live requests only.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import overload
 
@@ -109,6 +117,14 @@ class MTPDrafter:
         """Requests turned off because the pool had no page for them."""
         self.cache_misses = 0
         """Requests turned off because the target reused a prefix its own prefix cache lacked."""
+        self.forwards = 0
+        """Predictor forwards (a batched one counted once)."""
+        self.joint_rounds = 0
+        """Rounds whose drafts were computed in an earlier request's `propose`, with its own."""
+        self._wanted: dict[str, tuple[Sequence[int], int, int]] = {}
+        """Requests announced (`prefetch`): their committed tokens, how many then, the depth asked."""
+        self._ready: dict[str, tuple[int, int, tuple[int, ...]]] = {}
+        """Drafts computed with another request's (committed tokens, depth asked, drafts)."""
 
     @property
     def num_states(self) -> int:
@@ -147,47 +163,110 @@ class MTPDrafter:
             self._advance(rid, st, seq.token_ids, ready)
 
     # -- the scheduler's side ---------------------------------------------------------------
+    def prefetch(self, request_id: str, token_ids: Sequence[int], depth: int) -> None:
+        """This step's `propose` for the request will come with ``token_ids`` and at most ``depth``:
+        the first `propose` of the step computes the drafts of every request announced since, together."""
+        depth = min(depth, self.max_model_len - len(token_ids))
+        self._ready.pop(request_id, None)
+        if depth > 0 and request_id in self._states and request_id not in self._off:
+            self._wanted[request_id] = (token_ids, len(token_ids), depth)
+        else:
+            self._wanted.pop(request_id, None)
+
     def propose(self, request_id: str, token_ids: Sequence[int], depth: int) -> tuple[int, ...]:
-        """Up to ``depth`` greedy drafts after ``token_ids`` (the request's committed tokens)."""
+        """Up to ``depth`` greedy drafts after ``token_ids`` (the request's committed tokens): the
+        ones computed for it with others' (`prefetch`) when they cover ``depth``, else computed now
+        together with the other announced requests'."""
         n = len(token_ids)
         depth = min(depth, self.max_model_len - n)
         st = self._states.get(request_id)
         if depth <= 0 or st is None or request_id in self._off:
             return ()
+        ready = self._ready.pop(request_id, None)
+        if ready is not None and ready[0] == n and depth <= ready[1]:
+            self.joint_rounds += 1
+            return ready[2][:depth]
+        wanted = self._wanted.pop(request_id, None)
+        items = [(request_id, st, token_ids, depth if wanted is None or wanted[1] != n else max(depth, wanted[2]))]
+        for rid, (ids, length, d) in self._wanted.items():
+            other = self._states.get(rid)
+            if other is not None and len(ids) == length:  # announced this step (its tokens unchanged)
+                items.append((rid, other, ids, d))
+        self._wanted.clear()
         with torch.inference_mode():  # the held hidden states are the runner's (inference) tensors
-            return self._propose(request_id, st, token_ids, depth)
+            drafts = self._propose_many(items)
+        for rid, _, ids, d in items[1:]:
+            if rid in self._states:  # not turned off on the way
+                self._ready[rid] = (len(ids), d, drafts[rid])
+        return drafts[request_id][:depth]
 
-    def _propose(self, request_id: str, st: _State, token_ids: Sequence[int], depth: int) -> tuple[int, ...]:
-        n = len(token_ids)
-        held = 0 if st.pending is None else st.pending.shape[0]
-        ready = min(st.exact + held, n - 1) - st.exact
-        if ready < 0 or st.exact + ready != n - 1:  # the target's hidden states of a committed position are missing
-            return ()
-        if ready > 0:
-            if not self._advance(request_id, st, token_ids, ready):
-                return ()
-        st.pending = None  # rows past n - 1 followed rejected drafts
-        if st.tail is None:
-            return ()
-        g = st.tail
-        drafts = [self._draft(g)]
-        position = n - 1
-        while len(drafts) < depth:
-            # Position n - 2 + j: draft j as its token, the output before it as its hidden state.
-            if self.kv.allocate_slots(request_id, position, 1) is None:
-                break
-            del st.seq.token_ids[position:]
-            st.seq.token_ids.append(drafts[-1])
-            g = self._run(st, position, 1, g)
-            drafts.append(self._draft(g))
-            position += 1
-        self.draft_tokens += len(drafts)
-        return tuple(drafts)
+    def _propose_many(self, items: Sequence[tuple[str, _State, Sequence[int], int]]) -> dict[str, tuple[int, ...]]:
+        """Each item's (request, state, committed tokens, depth) drafts: one forward over every
+        request's positions the target computed since (their outputs at ``n - 2`` give draft 1),
+        then one forward per further draft depth, a position of each request still drafting."""
+        out: dict[str, tuple[int, ...]] = {}
+        catch_up: list[tuple[_State, int, int, Tensor]] = []
+        caught: list[tuple[str, Sequence[int]]] = []
+        live: list[tuple[str, _State, Sequence[int], int]] = []
+        for rid, st, token_ids, depth in items:
+            out[rid] = ()
+            n = len(token_ids)
+            held = 0 if st.pending is None else st.pending.shape[0]
+            ready = min(st.exact + held, n - 1) - st.exact
+            if ready < 0 or st.exact + ready != n - 1:  # the target's hidden states of a committed position are missing
+                continue
+            if ready > 0:
+                assert st.pending is not None
+                if self.kv.allocate_slots(rid, st.exact, ready) is None:
+                    self.pool_misses += 1
+                    self._turn_off(rid)
+                    continue
+                del st.seq.token_ids[st.exact :]
+                st.seq.token_ids.extend(token_ids[st.exact + 1 : n])
+                catch_up.append((st, st.exact, ready, st.pending[:ready]))
+                caught.append((rid, token_ids))
+            live.append((rid, st, token_ids, depth))
+        if catch_up:
+            tails = self._run_many(catch_up)
+            for (st, start, count, _), (rid, token_ids), tail in zip(catch_up, caught, tails, strict=True):
+                st.tail = tail[None]
+                st.exact = start + count
+                self.kv.cache_full_pages(rid, _Pairs(token_ids), st.exact)
+        chains: list[tuple[str, _State, int, int, list[int]]] = []
+        gs: list[Tensor] = []
+        for rid, st, token_ids, depth in live:
+            st.pending = None  # rows past n - 1 followed rejected drafts
+            if st.tail is not None:
+                chains.append((rid, st, len(token_ids), depth, []))
+                gs.append(st.tail)
+        while chains:
+            g = torch.cat(gs)
+            for (_, _, _, _, drafts), d in zip(chains, self._drafts(g), strict=True):
+                drafts.append(d)
+            step: list[tuple[_State, int, int, Tensor]] = []
+            going: list[tuple[str, _State, int, int, list[int]]] = []
+            for i, (rid, st, n, depth, drafts) in enumerate(chains):
+                # Position n - 2 + j: draft j as its token, the output before it as its hidden state.
+                position = n - 2 + len(drafts)
+                if len(drafts) >= depth or self.kv.allocate_slots(rid, position, 1) is None:
+                    self.draft_tokens += len(drafts)
+                    out[rid] = tuple(drafts)
+                    continue
+                del st.seq.token_ids[position:]
+                st.seq.token_ids.append(drafts[-1])
+                step.append((st, position, 1, g[i : i + 1]))
+                going.append((rid, st, n, depth, drafts))
+            chains = going
+            if step:
+                gs = list(self._run_many(step).split(1))
+        return out
 
     def release(self, request_id: str) -> None:
         """Free the request's pages, batch row and held hidden states (idempotent); it may start
         again (a preempted request's recompute)."""
         self._off.discard(request_id)
+        self._wanted.pop(request_id, None)
+        self._ready.pop(request_id, None)
         if self._states.pop(request_id, None) is None:
             return
         self.kv.free(request_id)
@@ -204,7 +283,7 @@ class MTPDrafter:
             assert len(st.seq.token_ids) >= st.exact, f"{rid}: fewer inputs than exact positions"
             assert st.tail is None or st.tail.shape[0] == 1
         if live is not None:
-            stale = (set(self._states) | self._off) - set(live)
+            stale = (set(self._states) | self._off | set(self._wanted) | set(self._ready)) - set(live)
             assert not stale, f"MTP state held for requests that ended: {sorted(stale)}"
 
     # -- helpers ----------------------------------------------------------------------------
@@ -238,29 +317,34 @@ class MTPDrafter:
             return False
         del st.seq.token_ids[start:]
         st.seq.token_ids.extend(token_ids[start + 1 : start + count + 1])
-        st.tail = self._run(st, start, count, st.pending[:count])
+        st.tail = self._run_many([(st, start, count, st.pending[:count])])
         st.exact = start + count
         st.pending = st.pending[count:] if st.pending.shape[0] > count else None
         self.kv.cache_full_pages(rid, _Pairs(token_ids), st.exact)
         return True
 
-    def _run(self, st: _State, start: int, length: int, hidden: Tensor) -> Tensor:
-        """One predictor forward over positions ``start .. start + length - 1`` of the request's
-        inputs and the hidden states ``hidden`` [length, hidden]: the last position's output [1, hidden]."""
+    def _run_many(self, items: Sequence[tuple[_State, int, int, Tensor]]) -> Tensor:
+        """One predictor forward over each item's (state, start, length, hidden states [length,
+        hidden]) positions ``start .. start + length - 1`` of its request's inputs: the outputs at
+        each item's last position [len(items), hidden]."""
         batch = self.batch
         batch.release(self._take_freed())
-        step = batch.prepare([ScheduledChunk(st.seq, start, length, False)], self.kv)
+        step = batch.prepare([ScheduledChunk(st.seq, start, length, False) for st, start, length, _ in items], self.kv)
         attn = self.attention.build(step.attention)
-        last = torch.tensor([length - 1], device=self.device)
+        lengths = [length for _, _, length, _ in items]
+        last = torch.tensor(list(itertools.accumulate(lengths)), device=self.device) - 1
+        hidden = torch.cat([rows for _, _, _, rows in items]).to(self.device)
         with torch.inference_mode():
-            out = self.predictor(step.input_ids, step.positions, hidden.to(self.device), attn, keep=last)
-        self.forward_tokens += length
+            out = self.predictor(step.input_ids, step.positions, hidden, attn, keep=last)
+        self.forward_tokens += sum(lengths)
+        self.forwards += 1
         return out
 
-    def _draft(self, g: Tensor) -> int:
+    def _drafts(self, g: Tensor) -> list[int]:
+        """The greedy draft of each output row of ``g`` [rows, hidden]."""
         with torch.inference_mode():
             logits = self.predictor.compute_logits(g)
-        return int(logits[0, : self.vocab].argmax())
+        return [int(t) for t in logits[:, : self.vocab].argmax(dim=-1)]
 
     def _turn_off(self, rid: str) -> None:
         self.release(rid)

@@ -322,6 +322,8 @@ class Scheduler:
         # 1. Decode: every running request past its prefill grows by one token (speculating ones
         # verify their drafts in the same chunk).
         num_decode = sum(1 for s in self.running if _decodes(s))
+        if self.draft_proposer is not None:  # a learned drafter: announce the rounds (`_prefetch_drafts`)
+            self._prefetch_drafts(budget, num_decode)
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status != SeqStatus.RUNNING or not _decodes(seq):
                 continue
@@ -589,14 +591,7 @@ class Scheduler:
         if state.pause_round():
             self.spec_stats.paused_rounds += 1
             return ()
-        depth = min(planned_depth(self.speculative, state, num_decode),
-                    seq.request.max_tokens - seq.num_output_tokens - 1,
-                    self.max_model_len - len(seq.token_ids) - 1,
-                    budget - num_new)
-        if self.rollback is not None and self.checkpoints is not None:
-            # The round (accepted or recomputed) ends at or before the next page boundary.
-            ps = self.kv.page_size
-            depth = min(depth, ps - 1 - seq.num_computed % ps)
+        depth = self._draft_depth(seq, state, num_new, budget, num_decode)
         if depth <= 0:
             return ()
         drafts = state.proposer.propose(seq.token_ids, depth)
@@ -608,6 +603,36 @@ class Scheduler:
             if need > kv.num_free - max(num_decode - num_scheduled - 1, 0):
                 return ()
         return drafts
+
+    def _draft_depth(self, seq: RequestState, state: DraftState, num_new: int, budget: int, num_decode: int) -> int:
+        """The drafts a decode round may ask for: the planned depth, within the request's output and
+        context limits (the bonus token included) and the step's token ``budget``."""
+        depth = min(planned_depth(self.speculative, state, num_decode),
+                    seq.request.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - len(seq.token_ids) - 1,
+                    budget - num_new)
+        if self.rollback is not None and self.checkpoints is not None:
+            # The round (accepted or recomputed) ends at or before the next page boundary.
+            ps = self.kv.page_size
+            depth = min(depth, ps - 1 - seq.num_computed % ps)
+        return depth
+
+    def _prefetch_drafts(self, budget: int, num_decode: int) -> None:
+        """Tell each decoding request's proposer what its round will ask for, so a learned drafter
+        drafts for all of them together: the decode loop's depths, the step's budget taken in the
+        same order as if every round got the drafts it asks for (a round that then finds more
+        budget asks for more, and its drafter computes them when asked)."""
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status != SeqStatus.RUNNING or not _decodes(seq):
+                continue
+            num_new = len(seq.token_ids) - seq.num_computed
+            state = seq.drafts
+            depth = 0
+            if state is not None and num_new == 1 and state.paused == 0:
+                depth = max(self._draft_depth(seq, state, num_new, budget, num_decode), 0)
+                if depth:
+                    state.proposer.prefetch(seq.token_ids, depth)
+            budget -= num_new + depth
 
     def _prefill_chunk(self, seq: RequestState, budget: int) -> ScheduledChunk:
         total = len(seq.token_ids)

@@ -100,6 +100,12 @@ class Proposer(Protocol):
         """Up to ``depth`` tokens likely to follow ``token_ids`` (empty: no guess)."""
         ...
 
+    def prefetch(self, token_ids: Sequence[int], depth: int) -> None:
+        """Told before a step's decode rounds are planned: this step's `propose`, if any, comes with
+        ``token_ids`` and at most ``depth``. A learned drafter then drafts for every request told
+        in one forward per depth (`mtp.MTPDrafter`); the lookups ignore it."""
+        ...
+
     def release(self) -> None:
         """Drop what the proposer holds for the request; called when the request finishes, is
         aborted or is preempted. A later `propose` (after a preemption) starts over."""
@@ -142,6 +148,9 @@ class NgramProposer:
             if at is not None:
                 return tuple(token_ids[at : min(at + depth, end)])
         return ()
+
+    def prefetch(self, token_ids: Sequence[int], depth: int) -> None:
+        """Nothing to do ahead: a lookup costs the new tokens."""
 
     def release(self) -> None:
         """Drop the index (rebuilt from the tokens by the next `propose`)."""
@@ -230,6 +239,9 @@ class HistoryProposer:
     def propose(self, token_ids: Sequence[int], depth: int) -> tuple[int, ...]:
         return self.history.lookup(token_ids, depth, exclude=self.request_id)
 
+    def prefetch(self, token_ids: Sequence[int], depth: int) -> None:
+        """Nothing to do ahead."""
+
     def release(self) -> None:
         """Nothing is held per request: the shared history keeps a finished request's output on
         purpose (it drafts later requests) and bounds itself in tokens."""
@@ -252,6 +264,14 @@ class FirstOf:
                 return drafts
         self.last_kind = None
         return ()
+
+    def prefetch(self, token_ids: Sequence[int], depth: int) -> None:
+        """Told on to the proposers `propose` would reach: up to the first of them that has drafts
+        now (the lookups answer at once; the same call then gives the same drafts)."""
+        for proposer in self.proposers:
+            proposer.prefetch(token_ids, depth)
+            if proposer is not self.proposers[-1] and proposer.propose(token_ids, depth):
+                return
 
     def release(self) -> None:
         for proposer in self.proposers:

@@ -292,17 +292,19 @@ _GGUF_MLA_NAMES = {
 }
 
 
-def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None:
+def gguf_tensor(config: ArchitectureConfig, gguf_name: str, *, mtp: bool = True) -> GGUFTensor | None:
     """Where a ``deepseek2`` tensor goes: the MLA names here, the rest as the MoE families'
-    (`moe_decoder.gguf_moe_tensor`; the next-token-prediction layers are not loaded). No q/k
-    permutation: the rotary dimensions stay interleaved (``rope_interleave``)."""
+    (`moe_decoder.gguf_moe_tensor`; the next-token-prediction layers, which llama.cpp writes for
+    GLM-4.7-Flash's and DeepSeek-V3.2's conversions, under ``model.layers.{N}`` as a folder has
+    them, unless not ``mtp``). No q/k permutation: the rotary dimensions stay interleaved
+    (``rope_interleave``)."""
     assert isinstance(config, DeepseekV3Config), type(config)
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_MLA_NAMES:
-        if int(parts[1]) >= config.num_layers:
+        if int(parts[1]) >= config.num_layers and not mtp:
             return None
         return GGUFTensor(f"model.layers.{parts[1]}.{_GGUF_MLA_NAMES[parts[2]]}")
-    return gguf_moe_tensor(config, gguf_name)
+    return gguf_moe_tensor(config, gguf_name, mtp=mtp)
 
 
 class _JoinedKvB(Mapping[str, BuildSource]):

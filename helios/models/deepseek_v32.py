@@ -175,12 +175,11 @@ _GGUF_INDEXER_NAMES = {
 def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None:
     """Where a ``deepseek32`` tensor goes: the indexer's names here (no permutation: llama.cpp
     keeps the indexer's rotate-half dimensions as they are), the rest as ``deepseek2``'s
-    (`deepseek_v3.gguf_tensor`; the appended next-token-prediction layer is not loaded)."""
+    (`deepseek_v3.gguf_tensor`; the appended next-token-prediction layer's, its indexer's too,
+    under ``model.layers.{N}`` for `helios.models.mtp`)."""
     assert isinstance(config, DeepseekV32Config), type(config)
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_INDEXER_NAMES:
-        if int(parts[1]) >= config.num_layers:
-            return None
         return GGUFTensor(f"model.layers.{parts[1]}.{_GGUF_INDEXER_NAMES[parts[2]]}")
     return deepseek_v3.gguf_tensor(config, gguf_name)
 

@@ -15,7 +15,7 @@ What differs from Qwen3-MoE (`helios.models.qwen3_moe`), as transformers compute
 
 A checkpoint's multi-token-prediction layers (``num_nextn_predict_layers``: ``model.layers.{N}``
 for N >= ``num_hidden_layers``) are not part of the model, as in transformers; with speculation on
-a folder's first one drafts (`helios.models.mtp`). Built as
+a folder's or a GGUF file's first one drafts (`helios.models.mtp`). Built as
 `helios.models.moe_decoder.MoEForCausalLM`.
 """
 
@@ -90,7 +90,7 @@ def config_from_hf(config: Mapping[str, Any]) -> MoEConfig:
 
 def config_from_gguf(source: GGUFSource) -> MoEConfig:
     """A GLM-4-MoE config from llama.cpp's ``glm4moe`` metadata: ``block_count`` counts the
-    ``nextn_predict_layers`` too (not loaded), ``leading_dense_block_count``, ``expert_count``,
+    ``nextn_predict_layers`` too (not part of the model; `gguf_tensor`), ``leading_dense_block_count``, ``expert_count``,
     ``expert_used_count``, ``expert_shared_count``, ``expert_feed_forward_length``,
     ``expert_weights_scale``, ``expert_weights_norm``, ``expert_group_count`` /
     ``expert_group_used_count`` (default 1), ``rope.dimension_count`` (the rotated dimensions)."""
@@ -138,7 +138,10 @@ def config_from_gguf(source: GGUFSource) -> MoEConfig:
 
 
 def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None:
-    return gguf_moe_tensor(config, gguf_name)
+    """`moe_decoder.gguf_moe_tensor`'s names; the ``nextn_predict_layers`` layers llama.cpp
+    appends (``blk.{N}``, their ``nextn.*`` tensors) under ``model.layers.{N}`` as a folder has
+    them, for `helios.models.mtp`."""
+    return gguf_moe_tensor(config, gguf_name, mtp=True)
 
 
 def build(config: ArchitectureConfig, options: BuildOptions) -> MoEForCausalLM:

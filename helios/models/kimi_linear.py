@@ -215,11 +215,11 @@ _GGUF_KDA_NAMES = {
 
 def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None:
     """Where a ``kimi-linear`` tensor goes: the KDA names here, the rest as ``deepseek2``'s
-    (`deepseek_v3.gguf_tensor`)."""
+    (`deepseek_v3.gguf_tensor`; layers past ``num_layers`` go nowhere)."""
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_KDA_NAMES:
         return GGUFTensor(f"model.layers.{parts[1]}.{_GGUF_KDA_NAMES[parts[2]]}")
-    return deepseek_v3.gguf_tensor(config, gguf_name)
+    return deepseek_v3.gguf_tensor(config, gguf_name, mtp=False)
 
 
 class KimiLinearForCausalLM(DeepseekV3ForCausalLM):

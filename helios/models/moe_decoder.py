@@ -58,7 +58,7 @@ from helios.models.moe import Experts, RouterSpec, expert_mix, route, run_expert
 from helios.models.quant import BuildSource, DenseLinear, StackedExperts, UnloadedLinear, WeightFormat
 from helios.models.tp import ParallelContext, dispatch_experts
 
-__all__ = ["EXPERT_FORMS", "GGUF_MOE_LAYER_NAMES", "MoEConfig", "MoEForCausalLM", "MoELayer", "gguf_moe_tensor"]
+__all__ = ["EXPERT_FORMS", "GGUF_MOE_LAYER_NAMES", "GGUF_NEXTN_NAMES", "MoEConfig", "MoEForCausalLM", "MoELayer", "gguf_moe_tensor"]
 
 EXPERT_FORMS = {
     # Hugging Face checkpoints: one tensor per expert and projection.
@@ -545,20 +545,40 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
+GGUF_NEXTN_NAMES = {
+    "nextn.eh_proj.weight": "eh_proj.weight",
+    "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight",
+    "nextn.shared_head_norm.weight": "shared_head.norm.weight",
+    "nextn.shared_head_head.weight": "shared_head.head.weight",
+    "nextn.embed_tokens.weight": "embed_tokens.weight",
+}
+"""llama.cpp's names of a multi-token-prediction module's own tensors (``blk.{N}.nextn.*``, N past
+the decoder's layers) -> their Hugging Face suffixes (of ``model.layers.{N}.``, `helios.models.mtp`)."""
+
+
 def gguf_moe_tensor(config: ArchitectureConfig, gguf_name: str,
-                    extra: Mapping[str, str] | None = None) -> GGUFTensor | None:
+                    extra: Mapping[str, str] | None = None, *, mtp: bool = False) -> GGUFTensor | None:
     """Where an MoE GGUF tensor goes (q/k rows are in rotate-half order in these files: no
-    permutation); None for the layers past ``num_layers`` (next-token-prediction layers: GLM's,
-    MiMo's). ``extra``: a family's own per-layer names (GGUF suffix -> Hugging Face suffix), looked
-    up before `GGUF_MOE_LAYER_NAMES`."""
+    permutation). The layers past ``num_layers`` (next-token-prediction layers: GLM's, MiMo's) go
+    nowhere (None), unless ``mtp``: then, as in a Hugging Face folder, to ``model.layers.{N}.*``
+    (their decoder block's tensors under the same names as a layer's, their own under
+    `GGUF_NEXTN_NAMES`; a name known to neither goes nowhere), which the model skips and
+    `helios.models.mtp.load_mtp` reads. ``extra``: a family's own per-layer names (GGUF suffix ->
+    Hugging Face suffix), looked up before `GGUF_MOE_LAYER_NAMES`."""
     assert isinstance(config, MoEConfig), type(config)
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return GGUFTensor(_GGUF_GLOBAL_NAMES[gguf_name])
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
-        if int(parts[1]) >= config.num_layers:
+        past = int(parts[1]) >= config.num_layers
+        if past and not mtp:
             return None
         suffix = (extra or {}).get(parts[2]) or GGUF_MOE_LAYER_NAMES.get(parts[2])
+        if past and suffix is None:
+            suffix = GGUF_NEXTN_NAMES.get(parts[2])
+            if suffix is None:
+                return None
         if suffix is not None:
             return GGUFTensor(f"model.layers.{parts[1]}.{suffix.format(shared=config.shared_name)}")
     raise NotImplementedError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart here")

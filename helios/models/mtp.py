@@ -26,6 +26,20 @@ hidden state and the draft it predicted as its token (vLLM feeds the block's out
 ``shared_head.norm`` there; Helios feeds ``g_p``, the normed output, as SGLang does, so the module
 always reads a normed hidden state, the kind the model gives it).
 
+GGUF files: llama.cpp's converters append the modules as blocks ``blk.{N + i}`` (``block_count``
+counts them, ``nextn_predict_layers`` says how many) for ``glm4moe``, ``deepseek2`` (GLM-4.7-Flash's),
+``deepseek32`` and ``glm-dsa``: the block's tensors under a layer's usual names, the module's own
+as ``nextn.{eh_proj, enorm, hnorm, shared_head_norm, shared_head_head, embed_tokens}`` (the last
+three optional). The families' GGUF name maps put them under the names above
+(`moe_decoder.GGUF_NEXTN_NAMES`), so a file's module loads as a folder's; without a
+``shared_head_norm`` the model's output norm is the module's, as llama.cpp does.
+
+DSA (DeepSeek-V3.2, GLM-5): the block has an indexer of its own when the checkpoint stores one
+(``self_attn.indexer.*``; its one-layer model then shares no selection). A module without one (a
+GLM-5 layer of the "shared" kind, which would reuse a previous layer's selection: the block has
+none) is built as a DeepSeek-V3 block, MLA over every position of its context, as llama.cpp's
+GLM-DSA draft graph computes every MTP layer; its drafts are verified as any others.
+
 The block is built as a one-layer model of the family (`load_mtp`: the registry entry's ``build``
 with ``num_layers = 1``), so it takes the model's weight format (int4, int8, GGUF blocks, dense)
 and attention code as they are; that model's own embedding and head are one-row placeholders.
@@ -40,8 +54,11 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from helios.models import deepseek_v3
 from helios.models.architecture import Architecture, BuildOptions
 from helios.models.decoder import FusedDecoderLM, param, rms_norm
+from helios.models.deepseek_v3 import DeepseekV3Config
+from helios.models.deepseek_v32 import DeepseekV32Config
 from helios.models.interface import AttentionContext, CacheSpec
 from helios.models.quant import BuildSource, UnloadedLinear, build_linear, dense_of
 
@@ -160,11 +177,15 @@ class _Renamed(Mapping[str, BuildSource]):
         return len(self._names) + len(self._extra)
 
 
-def block_config(config: Any, *, moe: bool) -> Any:
+def block_config(config: Any, *, moe: bool, indexer: bool = True) -> Any:
     """The family config of the MTP block as a one-layer model: ``num_layers`` 1 (a MoE layer when
-    ``moe``), a one-row placeholder vocabulary, and (DSA) an indexer of its own."""
+    ``moe``), a one-row placeholder vocabulary, and (DSA) an indexer of its own; a DSA block
+    without one (not ``indexer``) is a `DeepseekV3Config`: MLA over its whole context."""
     changes: dict[str, Any] = dict(num_layers=1, moe_layers=(moe,), vocab_size=1)
-    if any(f.name == "index_shared" for f in attrs.fields(type(config))):
+    if isinstance(config, DeepseekV32Config):
+        if not indexer:
+            fields = {f.name: getattr(config, f.name) for f in attrs.fields(DeepseekV3Config)}
+            return DeepseekV3Config(**{**fields, **changes, "arch": "deepseek_v3"})
         changes["index_shared"] = ()
     return attrs.evolve(config, **changes)
 
@@ -183,15 +204,18 @@ def load_mtp(target: object, architecture: Architecture, tensors: Mapping[str, B
     prefix = f"model.layers.{cfg.num_layers + layer}."
     if prefix + "eh_proj.weight" not in tensors:
         raise ValueError(f"the checkpoint has no MTP layer {layer} ({prefix}eh_proj.weight)")
-    block = architecture.build(block_config(cfg, moe=prefix + "mlp.gate.weight" in tensors),
-                               BuildOptions(dtype=target.dtype, device=str(target.device),
-                                            weights=target.weight_format))
+    config = block_config(cfg, moe=prefix + "mlp.gate.weight" in tensors,
+                          indexer=prefix + "self_attn.indexer.wk.weight" in tensors)
+    build = architecture.build if type(config) is type(cfg) else deepseek_v3.build
+    block = build(config, BuildOptions(dtype=target.dtype, device=str(target.device), weights=target.weight_format))
     assert isinstance(block, FusedDecoderLM), type(block)
     names: dict[str, str] = {}
     for name in tensors:
         if name.startswith(prefix) and name[len(prefix):] not in _OWN:
             names["model.layers.0." + name[len(prefix):]] = name
-    names["model.norm.weight"] = prefix + "shared_head.norm.weight"
+    # llama.cpp reads the model's output norm where a GGUF file has no shared_head_norm of the module.
+    norm = prefix + "shared_head.norm.weight"
+    names["model.norm.weight"] = norm if norm in tensors else "model.norm.weight"
     placeholder = torch.zeros(1, cfg.hidden_size)
     block.load_weights(_Renamed(tensors, names, {"model.embed_tokens.weight": placeholder,
                                                  "lm_head.weight": placeholder}))

@@ -1,7 +1,8 @@
-"""MTP layers as the learned drafter (`helios.models.mtp`, `helios.engine.mtp`) on tiny DeepSeek-V3
-checkpoints.
+"""MTP layers as the learned drafter (`helios.models.mtp`, `helios.engine.mtp`) on tiny DeepSeek-V3,
+GLM-4.5, DeepSeek-V3.2 and GLM-5 checkpoints.
 
-The checkpoints: a seeded random transformers ``DeepseekV3ForCausalLM`` of three layers is saved, and
+The checkpoints: a seeded random transformers model of the family (``DeepseekV3ForCausalLM``, ...)
+of three layers is saved, and
 its config then says two layers and ``num_nextn_predict_layers`` 1, so its third layer is the MTP
 module's decoder block (``model.layers.2.*``, an MoE layer as DeepSeek-V3's is); the module's own
 weights (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, and copies of the embedding and
@@ -17,7 +18,12 @@ head, as DeepSeek's files carry them) are written into the file, seeded (transfo
 - acceptance: a checkpoint built so that the model's greedy output walks a fixed cycle of tokens and
   the MTP layer predicts it (the layers' outputs scaled down, the head mapping each token's
   embedding to its successor, ``eh_proj`` reading the embedding half): drafts are accepted, the
-  output is identical.
+  output is identical;
+- DSA: DeepSeek-V3.2's and GLM-5's MTP blocks with an indexer of their own (``index_topk`` under
+  the prompts), GLM-5's target with a layer sharing the previous one's selection; a GLM-5 MTP
+  layer without an indexer (attending to its whole context);
+- GGUF: each family's folder converted by llama.cpp's own converter (``blk.2.nextn.*``): the same
+  logits bit for bit, the runtime's drafter, and the cycling checkpoint's drafts accepted.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ from helios.engine.mtp import MTPDrafter
 from helios.engine.records import EngineRequest
 from helios.engine.speculative import SpeculativeConfig
 from helios.loaders.checkpoint import load_checkpoint
+from helios.models.deepseek_v32 import DeepseekV32ForCausalLM
 from helios.models.dense_attention import DenseAttention
+from helios.models.interface import LatentAttentionSpec
 from helios.models.moe_decoder import MoEForCausalLM
 from helios.models.mtp import MultiTokenPredictor, load_mtp, mtp_layers
 from tests.numerics import FP32_TOLERANCE
@@ -51,6 +59,9 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, moe_i
                num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
                max_position_embeddings=512, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
                pad_token_id=0, bos_token_id=2, eos_token_id=1)
+_MLA = dict(num_key_value_heads=4, qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=32, kv_lora_rank=24,
+            qk_rope_head_dim=8)
+_DSA = dict(index_topk=7, index_head_dim=16, index_n_heads=4)
 FAMILIES = {
     # MLA (rows of 32: the CPU decode kernel serves the MTP block's cache), its MoE router.
     "deepseek_v3": ("DeepseekV3", dict(num_key_value_heads=4, qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=32,
@@ -58,6 +69,12 @@ FAMILIES = {
     # GQA with q/k/v bias, per-head q/k norms and partial rotary embeddings (a full-attention cache).
     "glm4_moe": ("Glm4Moe", dict(num_key_value_heads=2, head_dim=16, attention_bias=True, use_qk_norm=True,
                                  partial_rotary_factor=0.5)),
+    # MLA with DSA's lightning indexer in every layer, the MTP block's included (``index_topk`` 7, under
+    # the prompts' lengths: the selection is sparse).
+    "deepseek_v32": ("DeepseekV32", dict(_MLA, **_DSA)),
+    # GLM-5: the indexer's RoPE interleaved; the target's second layer shares the first's selection
+    # (``indexer_types``, `_hf_config`), the MTP block has an indexer of its own.
+    "glm_moe_dsa": ("GlmMoeDsa", dict(_MLA, **_DSA)),
 }
 PROMPTS = [[3, 250, 17, 99, 101, 5, 64, 200, 31, 7, 140, 271, 12, 44, 9, 180, 77, 23, 260],
            [8, 19, 140, 33, 210, 6, 91],
@@ -66,16 +83,19 @@ _MTP_SUFFIXES = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.
                  "shared_head.head.weight", "embed_tokens.weight")
 
 
-def _hf_config(family: str, num_layers: int, first_dense: int = 1) -> object:
+def _hf_config(family: str, num_layers: int, first_dense: int = 1, **overrides: object) -> object:
     prefix, extra = FAMILIES[family]
+    if family == "glm_moe_dsa":  # full, shared, full: the MTP block (the third layer, or the only one) full
+        extra = {**extra, "indexer_types": ["full", "shared", "full"][:num_layers]}
     cfg = getattr(transformers, f"{prefix}Config")(**{**_COMMON, **extra, "num_hidden_layers": num_layers,
-                                                      "first_k_dense_replace": first_dense})
+                                                      "first_k_dense_replace": first_dense, **overrides})
     cfg._experts_implementation = "eager"  # a loop over the experts: float64 runs (grouped_mm does not)
     return cfg
 
 
-def _hf(family: str, num_layers: int) -> torch.nn.Module:
-    return getattr(transformers, f"{FAMILIES[family][0]}ForCausalLM")(_hf_config(family, num_layers)).eval()
+def _hf(family: str, num_layers: int, **overrides: object) -> torch.nn.Module:
+    return getattr(transformers, f"{FAMILIES[family][0]}ForCausalLM")(
+        _hf_config(family, num_layers, **overrides)).eval()
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -142,17 +162,22 @@ class Reference:
     """The target (transformers, two layers) and the MTP module (its glue in plain float64 torch
     ops, its decoder block transformers' one-layer model of the family), all float64."""
 
-    def __init__(self, family: str, state: dict[str, Tensor]) -> None:
+    def __init__(self, family: str, state: dict[str, Tensor], *, dense_block: bool = False) -> None:
+        """``dense_block``: the MTP block (DSA) has no indexer of its own and attends to its whole
+        context: the reference block is a full-indexer layer whose ``index_topk`` covers every
+        position (its indexer's weights, left as built, then select everything)."""
         target = _hf(family, 2)
         target.load_state_dict({k: v for k, v in state.items() if not k.startswith("model.layers.2.")}, strict=True)
         self.target = target.double()
-        block = getattr(transformers, f"{FAMILIES[family][0]}Model")(_hf_config(family, 1, first_dense=0))
+        block = getattr(transformers, f"{FAMILIES[family][0]}Model")(
+            _hf_config(family, 1, first_dense=0, **({"index_topk": 512} if dense_block else {})))
         p = "model.layers.2."
         own = {p + s for s in _MTP_SUFFIXES}
         weights = {"layers.0." + k[len(p):]: v for k, v in state.items() if k.startswith(p) and k not in own}
         weights["norm.weight"] = state[p + "shared_head.norm.weight"]
         weights["embed_tokens.weight"] = state["model.embed_tokens.weight"]
-        block.load_state_dict(weights, strict=True)
+        missing = block.load_state_dict(weights, strict=not dense_block).missing_keys
+        assert all(".indexer." in k for k in missing), missing
         self.block = block.eval().double()
         self.embed = state["model.embed_tokens.weight"].double()
         self.head = state[p + "shared_head.head.weight"].double()
@@ -251,17 +276,66 @@ def test_the_drafter_chains_drafts_as_the_reference(random_ckpt: Ckpt) -> None:
     drafts = drafter.propose("r", ids, 4)
     assert list(drafts) == ref.chain(ids, 4)
     assert drafter.forward_tokens == len(ids) - 1 + 3 and drafter.draft_tokens == 4
-    drafter.check_integrity(live=["r"])
+    # Two requests announced (`prefetch`, as the scheduler does before a step's decode rounds):
+    # the first `propose` drafts for both, one forward per further depth (3 at depth 4, not 6);
+    # the second request's drafts are then served as computed, no forward. Each is the reference's.
+    other = PROMPTS[1]
+    seq2 = RequestState(EngineRequest("s", tuple(other), SamplingParams(temperature=0.0), max_tokens=8), list(other),
+                        len(other), None, 0)
+    drafter.capture(seq2, 0, ref.target_hidden(other).float()[:-1])
+    longer = [*ids, drafts[0]]  # "r" one token further: its hidden state at n - 2 comes first
+    seq.token_ids.append(drafts[0])
+    drafter.capture(seq, len(ids) - 1, ref.target_hidden(longer).float()[len(ids) - 1 : len(ids)])
+    forwards = drafter.forwards
+    drafter.prefetch("r", longer, 4)
+    drafter.prefetch("s", other, 4)
+    assert list(drafter.propose("r", longer, 4)) == ref.chain(longer, 4)
+    assert drafter.forwards == forwards + 3
+    assert list(drafter.propose("s", other, 3)) == ref.chain(other, 3)  # a shorter round: a prefix
+    assert drafter.forwards == forwards + 3
+    drafter.check_integrity(live=["r", "s"])
     drafter.release("r")
+    drafter.release("s")
     drafter.check_integrity(live=[])
     assert drafter.num_states == 0
 
 
+def test_glm5_mtp_layer_without_an_indexer(tmp_path: Path) -> None:
+    """A GLM-5 checkpoint whose MTP layer is of the "shared" kind (no indexer tensors: it would reuse
+    a previous layer's selection, and its block has none) loads as a block attending to its whole
+    context: its logits equal a float64 full-context reference's; through the engine, greedy
+    output with it drafting equals plain decoding."""
+    hf3 = _hf("glm_moe_dsa", 3, indexer_types=["full", "shared", "shared"])
+    _randomize(hf3, 13)
+    own = _random_own(hf3, 14)
+    _write(tmp_path, "glm_moe_dsa", hf3, own)
+    state = {**hf3.state_dict(), **own}
+    assert not any(k.startswith("model.layers.2.self_attn.indexer.") for k in state)
+    ref = Reference("glm_moe_dsa", state, dense_block=True)
+    _, predictor = _predictor(tmp_path)
+    assert not isinstance(predictor.block, DeepseekV32ForCausalLM)
+    assert predictor.cache_specs() == (LatentAttentionSpec(24 + 8),)
+    ids = PROMPTS[0]
+    hidden = ref.target_hidden(ids)[:-1]
+    expected = ref.logits(ref.outputs(ids[1:], hidden))
+    with torch.inference_mode():
+        g = predictor(torch.tensor(ids[1:]), torch.arange(len(ids) - 1), hidden.float(),
+                      DenseAttention.for_model(predictor.block))
+        diff = (predictor.compute_logits(g).double() - expected).abs().max().item()
+    print(f"GLM-5 MTP layer without an indexer, fp32 vs float64: max abs diff {diff:.3g}")
+    assert diff < FP32_TOLERANCE
+    plain, _ = _engine(tmp_path, mtp=False)
+    want = _drive(plain, None, _requests("g", max_tokens=20))
+    core, drafter = _engine(tmp_path, mtp=True)
+    assert _drive(core, drafter, _requests("g", max_tokens=20)) == want
+    assert core.stats().draft_steps > 0
+
+
 # -- the engine ---------------------------------------------------------------------------------
 def _engine(root: Path, *, mtp: bool, num_pages: int = 64, mode: str = "ngram",
-            depth: int = 3) -> tuple[EngineCore, MTPDrafter | None]:
+            depth: int = 3, chunk: int = 5) -> tuple[EngineCore, MTPDrafter | None]:
     target, predictor = _predictor(root)
-    cfg = EngineConfig(page_size=4, num_pages=num_pages, max_active=3, prefill_chunk_size=5, max_model_len=128,
+    cfg = EngineConfig(page_size=4, num_pages=num_pages, max_active=3, prefill_chunk_size=chunk, max_model_len=128,
                        speculative=SpeculativeConfig(mode=mode if mtp else "off", max_depth=depth, history=False))
     drafter = MTPDrafter(predictor, torch.float32, num_pages=num_pages + 3, page_size=4, max_active=3,
                          max_model_len=128) if mtp else None
@@ -322,6 +396,23 @@ def test_engine_greedy_output_identical(random_ckpt: Ckpt) -> None:
                                                  max_tokens=36, ignore_eos=True)])
     assert again["again"] == want["r0"]
     assert core.stats().reused_tokens >= 16 and drafter.cache_misses == 0
+
+
+def test_engine_drafts_jointly(random_ckpt: Ckpt) -> None:
+    """Steps of 16 tokens: the three requests' rounds draft together (the scheduler announces them,
+    `Proposer.prefetch`; the first `propose` drafts for all, one forward per depth), and the greedy
+    output is still plain decoding's."""
+    _, root, _ = random_ckpt
+    plain, _ = _engine(root, mtp=False, chunk=16)
+    want = _drive(plain, None, _requests("j", max_tokens=16))
+    core, drafter = _engine(root, mtp=True, chunk=16)
+    assert drafter is not None
+    assert _drive(core, drafter, _requests("j", max_tokens=16)) == want
+    spec = core.stats().speculative
+    assert spec is not None
+    print(f"joint MTP drafting: {spec.model_draft_rounds} rounds, {drafter.joint_rounds} drafted with an earlier "
+          f"request's, {drafter.forwards} forwards for {drafter.forward_tokens} positions")
+    assert drafter.joint_rounds > 0 and drafter.forwards < drafter.forward_tokens
 
 
 def test_preempted_and_aborted_requests_release_mtp_state(random_ckpt: Ckpt) -> None:
@@ -451,3 +542,106 @@ def test_runtime_loads_the_mtp_drafter(random_ckpt: Ckpt, tmp_path: Path) -> Non
     bad.write_text('[speculative]\nmtp = "yes"\n')
     with pytest.raises(ConfigError, match=r"speculative\.mtp must be true or false"):
         load_config(bad)
+
+
+# -- GGUF files ---------------------------------------------------------------------------------
+_CONVERTED_AS = {
+    # llama.cpp writes the MTP layer (``blk.2.nextn.*``) for deepseek2 files from its GLM-4.7-Flash
+    # converter (DeepSeek-V3's drops it): the same MLA + MoE layout, so the DeepSeek-V3 folder is
+    # converted as that architecture, its router named as the released configs name it.
+    "deepseek_v3": ("deepseek2", {"architectures": ["Glm4MoeLiteForCausalLM"], "scoring_func": "sigmoid"}),
+    "glm4_moe": ("glm4moe", {}),
+    "deepseek_v32": ("deepseek32", {"scoring_func": "sigmoid"}),
+    "glm_moe_dsa": ("glm-dsa", {"scoring_func": "sigmoid"}),
+}
+
+
+def _llama_cpp_gguf(folder: Path, family: str, out: Path) -> Path:
+    """``folder`` converted by llama.cpp's own ``convert_hf_to_gguf.py`` (F32, a stand-in vocabulary of
+    the same size; skipped without the converter's tree), as ``out``; checks that it wrote the MTP
+    layer as llama.cpp's loaders read it."""
+    import shutil
+    import subprocess
+    import sys
+
+    import gguf
+
+    from tests.parity.test_gguf_families_parity import _LLAMA_CPP, _RUNNER
+
+    if not (_LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
+        pytest.skip(f"llama.cpp's converter is not at {_LLAMA_CPP} (set HELIOS_PEERS)")
+    arch, overrides = _CONVERTED_AS[family]
+    src = out.parent / f"{out.stem}-hf"
+    shutil.copytree(folder, src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, **overrides}))
+    run = subprocess.run([sys.executable, "-c", _RUNNER, str(_LLAMA_CPP), str(src), str(out), "f32"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    reader = gguf.GGUFReader(str(out))
+    assert reader.fields["general.architecture"].contents() == arch
+    assert reader.fields[f"{arch}.block_count"].contents() == 3
+    assert reader.fields[f"{arch}.nextn_predict_layers"].contents() == 1
+    names = {t.name for t in reader.tensors}
+    nextn = ("eh_proj", "enorm", "hnorm", "shared_head_norm", "shared_head_head", "embed_tokens")
+    assert {f"blk.2.nextn.{s}.weight" for s in nextn} | {"blk.2.attn_norm.weight", "blk.2.ffn_gate_inp.weight"} <= names
+    return out
+
+
+def test_gguf_mtp_layer_equals_the_folders(random_ckpt: Ckpt, tmp_path: Path) -> None:
+    """The folder converted by llama.cpp (its ``blk.2`` block and ``blk.2.nextn.*`` tensors) loads the
+    same MTP module: the logits at every position equal the folder's bit for bit (the file holds
+    its float32 values) and the float64 reference's within FP32_TOLERANCE; `runtime.has_mtp` and
+    `runtime.load_mtp_drafter` take the file as they take the folder."""
+    from helios.config import HeliosConfig
+    from helios.runtime import has_mtp, load_model, load_mtp_drafter
+
+    family, root, state = random_ckpt
+    path = _llama_cpp_gguf(root, family, tmp_path / f"{family}.gguf")
+    checkpoint = load_checkpoint(path, torch.float32)
+    assert mtp_layers(2, checkpoint.weights) == 1
+    target = load_ours(path)
+    assert isinstance(target, MoEForCausalLM) and target.config.num_layers == 2
+    predictor = load_mtp(target, checkpoint.architecture, checkpoint.weights)
+    folder_target, folder_predictor = _predictor(root)
+    ref = Reference(family, state)
+    ids = PROMPTS[0]
+    logits = []
+    with torch.inference_mode():
+        for model, mtp in ((target, predictor), (folder_target, folder_predictor)):
+            hidden = model(torch.tensor(ids), torch.arange(len(ids)), DenseAttention.for_model(model))[:-1]
+            g = mtp(torch.tensor(ids[1:]), torch.arange(len(ids) - 1), hidden, DenseAttention.for_model(mtp.block))
+            logits.append(mtp.compute_logits(g))
+    expected = ref.logits(ref.outputs(ids[1:], ref.target_hidden(ids)[:-1]))
+    diff = (logits[0].double() - expected).abs().max().item()
+    print(f"{family} GGUF MTP logits vs float64: max abs diff {diff:.3g}")
+    assert torch.equal(logits[0], logits[1])
+    assert diff < FP32_TOLERANCE
+    loaded = load_model(path, weights="float32", dtype="float32")
+    assert has_mtp(loaded.checkpoint)
+    drafter = load_mtp_drafter(HeliosConfig(), loaded, num_pages=8, max_model_len=64, fingerprint=b"f")
+    assert isinstance(drafter, MTPDrafter)
+
+
+def test_gguf_mtp_drafts_are_accepted(tmp_path: Path) -> None:
+    """The cycling checkpoint (`test_mtp_drafts_are_accepted`) as llama.cpp converts it: through the
+    engine, greedy output with its MTP layer drafting equals plain greedy decoding, with drafts
+    accepted."""
+    hf3, own, successor = _cycle_model(21)
+    _write(tmp_path / "hf", "deepseek_v3", hf3, own)
+    path = _llama_cpp_gguf(tmp_path / "hf", "deepseek_v3", tmp_path / "cycle.gguf")
+    prompt = [5, 77, 140, 33, 9, 200, 61]
+    request = [EngineRequest("c", tuple(prompt), SamplingParams(temperature=0.0), max_tokens=40, ignore_eos=True)]
+    want = _drive(_engine(path, mtp=False)[0], None, request)["c"]
+    walk = [successor[prompt[-1]]]
+    while len(walk) < 40:
+        walk.append(successor[walk[-1]])
+    assert want == walk
+    core, drafter = _engine(path, mtp=True, mode="adaptive", depth=4)
+    assert _drive(core, drafter, request)["c"] == want
+    stats = core.stats()
+    spec = stats.speculative
+    assert spec is not None and stats.learned_drafter and stats.draft_steps > 0
+    print(f"cycle MTP from GGUF: {spec.model_draft_rounds} rounds, {spec.model_accepted_drafts} accepted of "
+          f"{spec.verification_drafts} drafts")
+    assert spec.model_accepted_drafts > 0 and spec.verification_rounds < 40 - 10

@@ -204,6 +204,9 @@ class _WrongProposer:
         self.calls += 1
         return (self.token,) * depth
 
+    def prefetch(self, token_ids: object, depth: int) -> None:
+        pass
+
     def release(self) -> None:
         pass
 
