@@ -847,7 +847,8 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         leader.start_workers(WorkerSetup(num_pages=num_pages, page_size=page, kv_dtype=cfg.engine.kv_dtype,
                                          num_state_slots=cfg.engine.max_active, max_active=cfg.engine.max_active,
                                          step_tokens=core.step_tokens))
-    info, recipe, eos, admission = _describe(cfg, ckpt, catalog_name, max_model_len, has_drafter=drafter is not None,
+    learned = None if drafter is None else ("draft" if cfg.speculative.draft_model else "mtp")
+    info, recipe, eos, admission = _describe(cfg, ckpt, catalog_name, max_model_len, learned=learned,
                                              speculative_mode=core.scheduler.speculative.mode,
                                              vision=loaded.vision)
     return Runtime(cfg, core, info, ckpt.tokenizer, ckpt.chat_template, recipe, eos, vision=loaded.vision,
@@ -860,7 +861,7 @@ def _max_model_len(cfg: HeliosConfig, max_position_embeddings: int) -> int:
     return cfg.model.max_model_len
 
 
-def _describe(cfg: HeliosConfig, ckpt: Checkpoint, catalog_name: str, max_model_len: int, *, has_drafter: bool,
+def _describe(cfg: HeliosConfig, ckpt: Checkpoint, catalog_name: str, max_model_len: int, *, learned: str | None,
               speculative_mode: str, vision: VisionTower | None) -> tuple[ModelInfo, Recipe, tuple[int, ...], ImageAdmission]:
     """What the serving side knows of the model: its `ModelInfo`, recipe, EOS ids and image admission
     (from the checkpoint's header and configuration; no weights)."""
@@ -900,7 +901,7 @@ def _describe(cfg: HeliosConfig, ckpt: Checkpoint, catalog_name: str, max_model_
         speculative_mode=speculative_mode,
         speculative_max_depth=cfg.speculative.max_depth if speculative_mode != "off" else 0,
         speculative_history=speculative_mode != "off" and cfg.speculative.history,
-        speculative_draft_model=has_drafter,
+        speculative_learned=learned,
         has_vision=vision is not None,
         # has_tools is decided with the chat template, in serving.service_factory.tool_support.
     )
@@ -965,9 +966,9 @@ def build_data_parallel_runtime(cfg: HeliosConfig) -> DataParallelRuntime:
                           "[parallel] data_parallel_size = 1")
     max_model_len = _max_model_len(cfg, ckpt.config.max_position_embeddings)
     info, recipe, eos, admission = _describe(cfg, ckpt, catalog_name, max_model_len,
-                                             has_drafter=bool(cfg.speculative.draft_model) or (
-                                                 cfg.speculative.mode != "off" and cfg.speculative.mtp
-                                                 and has_mtp(ckpt)),
+                                             learned="draft" if cfg.speculative.draft_model else (
+                                                 "mtp" if cfg.speculative.mode != "off" and cfg.speculative.mtp
+                                                 and has_mtp(ckpt) else None),
                                              speculative_mode=cfg.speculative.mode, vision=None)
     info = attrs.evolve(info, max_concurrency=par.data_parallel_size * cfg.engine.max_active)
     hub = KVEventHub() if par.kv_events else None

@@ -45,8 +45,9 @@ class ModelInfo:
     """Speculating requests also draft from other requests' recent outputs (the shared history)."""
     speculative_max_depth: int = 0
     """Drafts verified per request round at most (0 while speculation is off)."""
-    speculative_draft_model: bool = False
-    """A draft model drafts after the lookups (``[speculative] draft_model``; the card's learned drafter)."""
+    speculative_learned: str | None = None
+    """The learned drafter that drafts after the lookups, by its proposer's name: ``"draft"`` (a draft
+    model, ``[speculative] draft_model``), ``"mtp"`` (the checkpoint's MTP layers) or None."""
 
     @property
     def public_id(self) -> str:

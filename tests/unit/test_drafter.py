@@ -200,9 +200,13 @@ def test_the_card_and_the_metrics_name_the_draft_model() -> None:
                      default_max_tokens=16, max_concurrency=4, prefill_chunk_size=16, max_top_logprobs=20,
                      prompt_logprobs=True, sampling_defaults={}, sampling_ranges={}, recipe="plain", has_bos=False,
                      speculative_mode="ngram", speculative_max_depth=3, speculative_history=True,
-                     speculative_draft_model=True)
+                     speculative_learned="draft")
     card = speculative_object(info)
     assert card["proposers"] == ["ngram", "history", "draft"] and card["learned_drafter"] is True
+    mtp = speculative_object(attrs.evolve(info, speculative_learned="mtp"))  # the checkpoint's MTP layers
+    assert mtp["proposers"] == ["ngram", "history", "mtp"] and mtp["learned_drafter"] is True
+    none = speculative_object(attrs.evolve(info, speculative_learned=None))
+    assert none["proposers"] == ["ngram", "history"] and none["learned_drafter"] is False
     off = speculative_object(attrs.evolve(info, speculative_mode="off"))
     assert off["proposers"] == [] and off["learned_drafter"] is False
     d = drafter(copy.deepcopy(TARGET))

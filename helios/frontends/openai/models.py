@@ -58,11 +58,12 @@ def flare_object(info: ModelInfo) -> dict[str, Any]:
 
 def speculative_object(info: ModelInfo) -> dict[str, Any]:
     """What speculative decoding is active (the spec leaves the card's field to the server): the
-    mode, its depth limit, the proposers that draft in the order they are asked, and whether a draft
-    model (the learned drafter) is one of them."""
+    mode, its depth limit, the proposers that draft in the order they are asked, and whether a learned
+    drafter (a draft model, ``"draft"``, or the checkpoint's MTP layers, ``"mtp"``) is one of them."""
     on = info.speculative_mode != "off"
-    draft = on and info.speculative_draft_model
-    proposers = ["ngram", *(["history"] if info.speculative_history else []), *(["draft"] if draft else [])]
+    learned = info.speculative_learned if on else None
+    draft = learned is not None
+    proposers = ["ngram", *(["history"] if info.speculative_history else []), *([learned] if learned else [])]
     return {
         "mode": info.speculative_mode,
         "max_depth": info.speculative_max_depth if on else 0,
