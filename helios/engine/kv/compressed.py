@@ -153,41 +153,6 @@ class CompressedPool(KVCacheManager):
     def _registers(self, page: int) -> bool:
         return page != self.null_page
 
-    def trim(self, request_id: str, num_tokens: int) -> int:
-        table = self._tables.get(request_id)
-        if not table:
-            return 0
-        keep = max(-(-num_tokens // self.page_size), self._num_registered.get(request_id, 0))
-        released = 0
-        while len(table) > keep:
-            page = table.pop()
-            if page == self.null_page:
-                continue
-            self.ref_counts[page] -= 1
-            assert self.ref_counts[page] == 0 and self.block_hash[page] is None, "trimmed a shared or cached page"
-            self._free.appendleft(page)
-            released += 1
-        return released
-
-    def free(self, request_id: str) -> None:
-        table = self._tables.pop(request_id, None)
-        self._hashes.pop(request_id, None)
-        self._num_registered.pop(request_id, None)
-        if not table:
-            return
-        null = self.null_page
-        for page in reversed(table):
-            if page == null:
-                continue
-            self.ref_counts[page] -= 1
-            if self.ref_counts[page] == 0:
-                if page in self._retained:
-                    self._evictable_retained[page] = None
-                elif self.block_hash[page] is not None:
-                    self._evictable[page] = None
-                else:
-                    self._free.appendleft(page)
-
     # -- the prefix cache --------------------------------------------------------------------------
     def hit_length(self, hashes: Sequence[int], limit: int) -> int:
         """The longest run of at most ``limit`` position pages whose entry pages are registered."""

@@ -148,16 +148,6 @@ class SlidingWindowPool(KVCacheManager):
         self._num_released[request_id] = end
         return released
 
-    def _drop(self, page: int) -> None:
-        self.ref_counts[page] -= 1
-        if self.ref_counts[page] == 0:
-            if page in self._retained:
-                self._evictable_retained[page] = None
-            elif self.block_hash[page] is not None:
-                self._evictable[page] = None
-            else:
-                self._free.appendleft(page)
-
     def can_admit(self, num_tokens: int, hits: Sequence[int]) -> bool:
         need = max(0, -(-num_tokens // self.page_size) - len(hits))
         null = self.null_page
@@ -179,16 +169,8 @@ class SlidingWindowPool(KVCacheManager):
         return page != self.null_page  # a released position holds no page to register
 
     def free(self, request_id: str) -> None:
-        table = self._tables.pop(request_id, None)
-        self._hashes.pop(request_id, None)
-        self._num_registered.pop(request_id, None)
         self._num_released.pop(request_id, None)
-        if not table:
-            return
-        null = self.null_page
-        for page in reversed(table):
-            if page != null:
-                self._drop(page)
+        super().free(request_id)
 
     def hit_length(self, hashes: Sequence[int], limit: int) -> int:
         """The longest hit of at most ``limit`` pages this group can serve: h pages such that the
@@ -273,22 +255,6 @@ class RowWindowPool(SlidingWindowPool):
     def take_changed(self, request_id: str) -> int | None:
         """The first table index `materialize` filled since the last call (None: none)."""
         return self._changed.pop(request_id, None)
-
-    def trim(self, request_id: str, num_tokens: int) -> int:
-        table = self._tables.get(request_id)
-        if not table:
-            return 0
-        keep = max(-(-num_tokens // self.page_size), self._num_registered.get(request_id, 0))
-        released = 0
-        while len(table) > keep:
-            page = table.pop()
-            if page == self.null_page:
-                continue
-            self.ref_counts[page] -= 1
-            assert self.ref_counts[page] == 0 and self.block_hash[page] is None, "trimmed a shared or cached page"
-            self._free.appendleft(page)
-            released += 1
-        return released
 
     def free(self, request_id: str) -> None:
         self._changed.pop(request_id, None)

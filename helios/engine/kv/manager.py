@@ -257,8 +257,9 @@ class KVCacheManager:
             run_start = prev = i
 
     def _registers(self, page: int) -> bool:
-        """Whether a table entry is a page `cache_full_pages` may register (a sliding-window pool's
-        placeholder for a released position is not)."""
+        """Whether a table entry is a page (`cache_full_pages` may register it; `trim` and `free` give
+        it back), not a subclass's placeholder (a sliding-window pool's released position, a
+        compressed pool's position without an entry)."""
         return True
 
     # -- changing ownership ------------------------------------------------------------------------
@@ -296,6 +297,8 @@ class KVCacheManager:
         released = 0
         while len(table) > keep:
             page = table.pop()
+            if not self._registers(page):  # a placeholder holds no page
+                continue
             self.ref_counts[page] -= 1
             assert self.ref_counts[page] == 0 and self.block_hash[page] is None, "trimmed a shared or cached page"
             self._free.appendleft(page)
@@ -313,14 +316,19 @@ class KVCacheManager:
         # newest pages first (page ids in tests stay exact) and a cached chain's tail is evicted
         # before its head.
         for page in reversed(table):
-            self.ref_counts[page] -= 1
-            if self.ref_counts[page] == 0:
-                if page in self._retained:
-                    self._evictable_retained[page] = None
-                elif self.block_hash[page] is not None:
-                    self._evictable[page] = None
-                else:
-                    self._free.appendleft(page)
+            if self._registers(page):  # a placeholder holds no page
+                self._drop(page)
+
+    def _drop(self, page: int) -> None:
+        """One reference to ``page`` dropped; at none it becomes evictable (registered) or free."""
+        self.ref_counts[page] -= 1
+        if self.ref_counts[page] == 0:
+            if page in self._retained:
+                self._evictable_retained[page] = None
+            elif self.block_hash[page] is not None:
+                self._evictable[page] = None
+            else:
+                self._free.appendleft(page)
 
     def _take(self) -> int:
         if self._free:
