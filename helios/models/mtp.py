@@ -71,7 +71,7 @@ and attention code as they are; that model's own embedding and head are one-row 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import attrs
@@ -101,14 +101,13 @@ _V4_OWN = ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight", "em
 ``hc_head_*`` and ``norm`` are the block model's HyperHead and final norm)."""
 
 
-def _prefix(num_layers: int, layer: int, names: Iterable[str] | Mapping[str, Any]) -> str | None:
+def _prefix(num_layers: int, layer: int, names: Container[str]) -> str | None:
     """Where MTP module ``layer`` of a checkpoint whose decoder has ``num_layers`` layers is stored:
     ``model.layers.{num_layers + layer}.`` (DeepSeek-V3's layout: an ``eh_proj``), ``mtp.{layer}.`` or
     ``model.mtp.{layer}.`` (DeepSeek V4's: an ``e_proj``); None when it has none."""
-    have = names if isinstance(names, (set, frozenset, Mapping)) else set(names)
     for prefix, own in ((f"model.layers.{num_layers + layer}.", "eh_proj.weight"),
                         (f"mtp.{layer}.", "e_proj.weight"), (f"model.mtp.{layer}.", "e_proj.weight")):
-        if prefix + own in have:
+        if prefix + own in names:
             return prefix
     return None
 
