@@ -6,7 +6,9 @@ prefix cache) and a persistent input batch for it. Every speculating request get
 (the scheduler's proposer chain, after the n-gram and history lookups: `speculative.FirstOf`).
 
 The predictor reads, at position p, the target model's hidden state at p and token p + 1, and its
-output there predicts token p + 2. Its cache therefore lags the target's by one position: with
+output there predicts token p + 2. (A `models.interface.DraftFeatureLM` target hands over other
+features in place of its hidden states, DeepSeek V4 its residual streams before the HyperHead; the
+drafter holds and feeds back whatever rows the runner and the predictor give it.) Its cache therefore lags the target's by one position: with
 committed tokens ``t[0 .. n-1]`` the target has computed positions ``0 .. n-2`` and the predictor
 can compute exactly those. Per request the drafter keeps
 
@@ -136,9 +138,9 @@ class MTPDrafter:
 
     # -- the runner's side ------------------------------------------------------------------
     def capture(self, seq: RequestState, start: int, hidden: Tensor) -> None:
-        """The target's hidden states [length, hidden] at positions ``start ..`` of ``seq``'s chunk
-        (read during the runner's step, before its tokens are committed). Rows whose next token is
-        committed are run now; the others wait for `propose`."""
+        """The target's hidden states (or features) [length, features] at positions ``start ..`` of
+        ``seq``'s chunk (read during the runner's step, before its tokens are committed). Rows whose
+        next token is committed are run now; the others wait for `propose`."""
         rid = seq.request_id
         if rid in self._off:
             return
@@ -324,9 +326,9 @@ class MTPDrafter:
         return True
 
     def _run_many(self, items: Sequence[tuple[_State, int, int, Tensor]]) -> Tensor:
-        """One predictor forward over each item's (state, start, length, hidden states [length,
-        hidden]) positions ``start .. start + length - 1`` of its request's inputs: the outputs at
-        each item's last position [len(items), hidden]."""
+        """One predictor forward over each item's (state, start, length, hidden states or features
+        [length, features]) positions ``start .. start + length - 1`` of its request's inputs: the
+        outputs at each item's last position [len(items), features]."""
         batch = self.batch
         batch.release(self._take_freed())
         step = batch.prepare([ScheduledChunk(st.seq, start, length, False) for st, start, length, _ in items], self.kv)

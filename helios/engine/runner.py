@@ -58,7 +58,7 @@ from helios.engine.sampling import (
 )
 from helios.engine.scheduler import RequestState, ScheduledChunk, SchedulerOutput
 from helios.engine.structured import GrammarBatch
-from helios.models.interface import CausalLM
+from helios.models.interface import CausalLM, DraftFeatureLM
 
 _SCORE_ROWS = 256  # prompt positions whose logits exist at once while scoring a prompt
 
@@ -87,8 +87,9 @@ class ModelRunner:
         self.batch.verify_as_decode = backend.decode_kernel
         self.hidden_sink: Callable[[RequestState, int, Tensor], None] | None = None
         """Given (an MTP drafter's `mtp.MTPDrafter.capture`): called after each forward with every
-        chunk of a speculating request, its first position and its rows of the final hidden states
-        (the model's last layer then runs for all rows of the step)."""
+        chunk of a speculating request, its first position and its rows of the final hidden states,
+        or of the features a `DraftFeatureLM` gives its MTP layers (the model's last layer then runs
+        for all rows of the step)."""
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.batch.release(sched.freed)
@@ -114,17 +115,22 @@ class ModelRunner:
             sink = self.hidden_sink
             captured = [c for c in chunks if c.seq.drafts is not None] if sink is not None else []
             keep = step.sample_tokens if not step.scoring and not captured else None
-            if embeds is not None and embeds.rows:
-                hidden = self.model(step.input_ids, step.positions, attn, embeds=embeds.tensors(self.device),
-                                    keep=keep)
+            step_embeds = embeds.tensors(self.device) if embeds is not None and embeds.rows else None
+            features: torch.Tensor | None = None
+            if captured and isinstance(self.model, DraftFeatureLM):  # its MTP layers read features of their own
+                hidden, features = self.model.forward_with_features(step.input_ids, step.positions, attn,
+                                                                    embeds=step_embeds)
+            elif step_embeds is not None:
+                hidden = self.model(step.input_ids, step.positions, attn, embeds=step_embeds, keep=keep)
             else:
                 hidden = self.model(step.input_ids, step.positions, attn, keep=keep)
             if captured:
                 assert sink is not None
+                rows_out = hidden if features is None else features
                 offset = 0
                 for c in chunks:  # the flattened batch is the chunks in order
                     if c.seq.drafts is not None:
-                        sink(c.seq, c.start, hidden[offset : offset + c.length])
+                        sink(c.seq, c.start, rows_out[offset : offset + c.length])
                     offset += c.length
             for offset, c in step.scoring:
                 scores = self._score_prompt_chunk(hidden, offset, c)

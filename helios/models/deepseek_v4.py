@@ -62,8 +62,10 @@ chunk (`engine/kv`'s `RowWindowPool`), and the entries of every past window
 boundary, batching and prefix-cache hits give the one-pass result; a hit needs its window's raw
 rows cached, and the KV manager shortens hits to where they are.
 
-MTP layers (``mtp.*``) are not loaded (transformers ignores them too); FP8 checkpoints
-(``quantization_config``) are refused; a bfloat16 conversion loads.
+MTP layers (``mtp.*``) are not part of the model (transformers ignores them too); with speculation
+on, the first drafts (`helios.models.mtp.DeepseekV4MTP`), reading the streams before the HyperHead
+(`forward_with_features`, `interface.DraftFeatureLM`). FP8 checkpoints (``quantization_config``)
+are refused; a bfloat16 conversion loads.
 
 GGUF: llama.cpp's ``deepseek4`` (`config_from_gguf`, `gguf_tensor`): the shapes under its keys
 (``attention.compress_ratios`` per layer, 0 / 4 / the HCA rate; ``hyper_connection.*``,
@@ -71,7 +73,7 @@ GGUF: llama.cpp's ``deepseek4`` (`config_from_gguf`, `gguf_tensor`): the shapes 
 ``hash_layer_count``, ``swiglu_clamp_exp``, ``attention.compress_rope_freq_base``; the YaRN keys
 describe the compressed layers' RoPE), every tensor in the checkpoint's own layout (no rotary
 permutation: the pairs stay consecutive), the experts stacked, ``tid2eid`` as I32; the MTP blocks
-after ``num_layers`` are not loaded. llama.cpp accepts only rates 4 (CSA) and 128 (HCA); a layer of
+after ``num_layers`` are not loaded (a GGUF file's MTP layer does not draft). llama.cpp accepts only rates 4 (CSA) and 128 (HCA); a layer of
 rate 4 is CSA here too, any other non-zero rate HCA.
 """
 
@@ -616,17 +618,39 @@ class DeepseekV4ForCausalLM(MoEForCausalLM):
                 embeds: tuple[Tensor, Tensor] | None = None, keep: Tensor | None = None) -> Tensor:
         """Hidden states after the HyperHead and the final norm (``embeds`` and ``keep`` as in
         `LlamaForCausalLM.forward`)."""
-        cfg = self.config
+        return self.hyper_head(self._streams(input_ids, positions, attn, embeds, keep))
+
+    def forward_with_features(self, input_ids: Tensor, positions: Tensor, attn: AttentionContext, *,
+                              embeds: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """`interface.DraftFeatureLM`: every row's hidden state (as `forward`) and its residual
+        streams before the HyperHead, flattened [T, hc_mult * hidden]: what the MTP layers read."""
+        streams = self._streams(input_ids, positions, attn, embeds, None)
+        return self.hyper_head(streams), streams.flatten(1)
+
+    def _streams(self, input_ids: Tensor, positions: Tensor, attn: AttentionContext,
+                 embeds: tuple[Tensor, Tensor] | None, keep: Tensor | None) -> Tensor:
         h = self.embed(input_ids)
         if embeds is not None:
             rows, features = embeds
             h = h.index_copy(0, rows.to(h.device), features.to(device=h.device, dtype=h.dtype))
+        streams = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        return self.run_streams(streams, input_ids, positions, attn, keep=keep)
+
+    def run_streams(self, streams: Tensor, input_ids: Tensor, positions: Tensor, attn: AttentionContext, *,
+                    keep: Tensor | None = None) -> Tensor:
+        """The layers on the residual streams [T, hc_mult, hidden] of tokens ``input_ids`` at
+        ``positions``: the streams after the last layer (the rows ``keep``, every row writing the
+        cache), before the HyperHead. An MTP block (`mtp.DeepseekV4MTP`) runs its one layer here on
+        streams of its own."""
         tables = {"main": _angles(positions, self.inv_freq), "compress": _angles(positions, self.compress_inv_freq)}
-        streams = h.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         for layer in self._v4_layers():
             streams = layer(streams, input_ids, positions, tables, attn)
-        if keep is not None:
-            streams = streams.index_select(0, keep)
+        return streams if keep is None else streams.index_select(0, keep)
+
+    def hyper_head(self, streams: Tensor) -> Tensor:
+        """The HyperHead and the final norm: the streams [T, hc_mult, hidden] collapsed with the
+        head's own ``pre`` weights, then normed: [T, hidden]."""
+        cfg = self.config
         if streams.shape[0] == 0:
             return streams[:, 0]
         flat = _unit_rms(streams.flatten(1).float(), cfg.rms_norm_eps)

@@ -310,3 +310,17 @@ class CausalLM(Protocol):
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads for one request (0: undeclared)."""
         ...
+
+
+@runtime_checkable
+class DraftFeatureLM(Protocol):
+    """A `CausalLM` whose multi-token-prediction layers read other features than its hidden states
+    (`models.mtp`; DeepSeek V4's read the residual streams before its HyperHead). The runner then
+    hands the MTP drafter these features (`engine.runner.ModelRunner.hidden_sink`); for every other
+    model the drafter gets the hidden states `CausalLM.__call__` returns."""
+
+    def forward_with_features(self, input_ids: Tensor, positions: Tensor, ctx: AttentionContext, *,
+                              embeds: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """Every row's hidden state (as `CausalLM.__call__` without ``keep`` returns them) and its
+        features [T, features] (what the model's MTP layers read)."""
+        ...

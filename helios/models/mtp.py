@@ -40,6 +40,30 @@ GLM-5 layer of the "shared" kind, which would reuse a previous layer's selection
 none) is built as a DeepSeek-V3 block, MLA over every position of its context, as llama.cpp's
 GLM-DSA draft graph computes every MTP layer; its drafts are verified as any others.
 
+DeepSeek V4 (`DeepseekV4MTP`): the modules are stored as ``mtp.{i}.*`` in DeepSeek's release
+names (``model.mtp.{i}.*`` in a folder that kept the ``model.`` prefix), and read the model's
+residual streams rather than its hidden state: the ``hc_mult`` streams [hc_mult, hidden] of position
+p after the last layer, before the HyperHead collapses them (`interface.DraftFeatureLM`: the
+runner hands them over flattened). One module has
+
+- ``enorm``, ``hnorm``: RMSNorms of the next token's embedding (zeroed at position 0) and of each
+  stream;
+- ``e_proj``, ``h_proj``: [hidden, hidden] projections, summed into streams:
+  ``x = h_proj(hnorm(streams)) + e_proj(enorm(embed(t[p+1])))`` (the embedding term added to every
+  stream);
+- one V4 decoder block on those streams (its hyper-connections, attention and MoE: ``attn.*``,
+  ``ffn.*``, ``attn_norm``, ``ffn_norm``, ``hc_attn_*``, ``hc_ffn_*``), with a KV cache of its own;
+  DeepSeek's releases make it a sliding-window layer (the trailing ``compress_ratios`` entry is 0)
+  routed by its gate (not hashed);
+- its own HyperHead (``hc_head_fn``, ``hc_head_base``, ``hc_head_scale``: the model's
+  ``rms_norm_eps`` and ``hc_eps``) and ``norm``, then the head: the block's output streams are
+  collapsed, normed and projected to the logits; ``emb.tok_emb`` and ``head`` are copies of the
+  model's embedding and head, checked as above.
+
+The module's output at p is its block's output streams (before its HyperHead, flattened); a deeper
+draft feeds them back as the next position's streams, as vLLM's ``deepseek_v4_mtp`` does. The
+block is a one-layer `DeepseekV4ForCausalLM` whose HyperHead and final norm are the module's.
+
 The block is built as a one-layer model of the family (`load_mtp`: the registry entry's ``build``
 with ``num_layers = 1``), so it takes the model's weight format (int4, int8, GGUF blocks, dense)
 and attention code as they are; that model's own embedding and head are one-row placeholders.
@@ -47,8 +71,8 @@ and attention code as they are; that model's own embedding and head are one-row 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -58,33 +82,50 @@ from helios.models import deepseek_v3
 from helios.models.architecture import Architecture, BuildOptions
 from helios.models.decoder import FusedDecoderLM, param, rms_norm
 from helios.models.deepseek_v3 import DeepseekV3Config
+from helios.models.deepseek_v4 import SLIDING, DeepseekV4Config, DeepseekV4ForCausalLM
 from helios.models.deepseek_v32 import DeepseekV32Config
 from helios.models.interface import AttentionContext, CacheSpec
 from helios.models.quant import BuildSource, UnloadedLinear, build_linear, dense_of
 
-__all__ = ["MTP_ARCHITECTURES", "MultiTokenPredictor", "load_mtp", "mtp_layers"]
+__all__ = ["MTP_ARCHITECTURES", "DeepseekV3MTP", "DeepseekV4MTP", "MultiTokenPredictor", "load_mtp", "mtp_layers"]
 
-MTP_ARCHITECTURES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe")
+MTP_ARCHITECTURES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "deepseek_v4")
 """Registry entries whose checkpoints' MTP layers `load_mtp` builds."""
 
 _OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "embed_tokens.weight", "shared_head.norm.weight",
         "shared_head.head.weight")
 """The MTP module's weights outside its decoder block (suffixes of ``model.layers.{N + i}.``)."""
 
+_V4_OWN = ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight", "emb.tok_emb.weight", "head.weight")
+"""A DeepSeek V4 MTP module's weights outside its block model (suffixes of ``mtp.{i}.``; its
+``hc_head_*`` and ``norm`` are the block model's HyperHead and final norm)."""
+
+
+def _prefix(num_layers: int, layer: int, names: Container[str]) -> str | None:
+    """Where MTP module ``layer`` of a checkpoint whose decoder has ``num_layers`` layers is stored:
+    ``model.layers.{num_layers + layer}.`` (DeepSeek-V3's layout: an ``eh_proj``), ``mtp.{layer}.`` or
+    ``model.mtp.{layer}.`` (DeepSeek V4's: an ``e_proj``); None when it has none."""
+    for prefix, own in ((f"model.layers.{num_layers + layer}.", "eh_proj.weight"),
+                        (f"mtp.{layer}.", "e_proj.weight"), (f"model.mtp.{layer}.", "e_proj.weight")):
+        if prefix + own in names:
+            return prefix
+    return None
+
 
 def mtp_layers(num_layers: int, names: Iterable[str]) -> int:
     """How many MTP modules a checkpoint whose decoder has ``num_layers`` layers carries (each has an
-    ``eh_proj``), by its tensor names."""
+    ``eh_proj``, or a DeepSeek V4 module an ``e_proj``), by its tensor names."""
     have = set(names)
     count = 0
-    while f"model.layers.{num_layers + count}.eh_proj.weight" in have:
+    while _prefix(num_layers, count, have) is not None:
         count += 1
     return count
 
 
 class MultiTokenPredictor(nn.Module):
-    """One MTP module over a target model (see the module docstring). Its cache: the block's one
-    layer (`cache_specs`)."""
+    """One MTP module over a target model (see the module docstring): what the engine's drafter
+    calls. Its cache: the block's one layer (`cache_specs`). Subclasses: `DeepseekV3MTP` (the
+    DeepSeek-V3 layout), `DeepseekV4MTP`."""
 
     def __init__(self, target: FusedDecoderLM, block: FusedDecoderLM) -> None:
         super().__init__()
@@ -94,7 +135,6 @@ class MultiTokenPredictor(nn.Module):
         self.eps = target.config.rms_norm_eps
         self.enorm = param(torch.ones(hidden, dtype=torch.float32, device=target.device))
         self.hnorm = param(torch.ones(hidden, dtype=torch.float32, device=target.device))
-        self.eh_proj: nn.Module = UnloadedLinear()
 
     @property
     def target(self) -> FusedDecoderLM:
@@ -113,47 +153,122 @@ class MultiTokenPredictor(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, hidden: Tensor, attn: AttentionContext, *,
                 keep: Tensor | None = None) -> Tensor:
-        """The normed outputs ``g`` [T, hidden] for tokens ``input_ids`` (token p + 1 at position p)
-        and hidden states ``hidden`` [T, hidden] (the model's at p, or the module's own output for
-        a deeper draft); ``keep`` as in `interface.CausalLM.__call__` (the rows returned; every row
+        """The outputs [T, features] for tokens ``input_ids`` (token p + 1 at position p) and the
+        model's features ``hidden`` [T, features] at p (its hidden states, or what its
+        `interface.DraftFeatureLM.forward_with_features` gives), or the module's own outputs for a
+        deeper draft; ``keep`` as in `interface.CausalLM.__call__` (the rows returned; every row
         writes the block's cache)."""
+        raise NotImplementedError
+
+    def compute_logits(self, outputs: Tensor) -> Tensor:
+        """float32 logits of outputs of `forward`."""
+        raise NotImplementedError
+
+    def normed_embeds(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        """``enorm`` of the tokens' embeddings (the model's), zeroed at position 0."""
         embeds = self.target.embed(input_ids)
         embeds = embeds.masked_fill((positions == 0)[:, None], 0.0)
-        x = torch.cat((rms_norm(embeds, self.enorm, self.eps),
-                       rms_norm(hidden.to(embeds.dtype), self.hnorm, self.eps)), dim=-1)
-        x = self.eh_proj(x)
-        rows = torch.arange(x.shape[0], device=x.device)
-        # The block model's embedding is a one-row placeholder: every row is replaced by ``x``.
-        return self.block(torch.zeros_like(input_ids), positions, attn, embeds=(rows, x), keep=keep)
+        return rms_norm(embeds, self.enorm, self.eps)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """float32 logits of outputs ``g`` through the model's own head (shared)."""
-        return self.target.compute_logits(hidden)
-
-    def load_own(self, tensors: Mapping[str, BuildSource], prefix: str) -> None:
-        """``enorm``, ``hnorm``, ``eh_proj`` from ``{prefix}*``, and the check of a stored embedding
-        or head copy against the model's."""
-        target = self.target
-        hidden = target.config.hidden_size
+    def load_norms(self, tensors: Mapping[str, BuildSource], prefix: str) -> None:
+        """``enorm`` and ``hnorm`` from ``{prefix}enorm.weight`` / ``hnorm.weight``."""
+        hidden = self.target.config.hidden_size
         with torch.no_grad():
             for name, norm in (("enorm.weight", self.enorm), ("hnorm.weight", self.hnorm)):
                 value = dense_of(tensors[prefix + name])
                 if tuple(value.shape) != (hidden,):
                     raise ValueError(f"{prefix}{name}: expected shape {(hidden,)}, got {tuple(value.shape)}")
                 norm.copy_(value)
-            proj = tensors[prefix + "eh_proj.weight"]
-            if tuple(proj.shape) != (hidden, 2 * hidden):
-                raise ValueError(f"{prefix}eh_proj.weight: expected shape {(hidden, 2 * hidden)}, got {tuple(proj.shape)}")
-            self.eh_proj = build_linear([proj], target.weight_format, target.dtype).to(target.device)
-            shared = {"embed_tokens.weight": target.embed_tokens,
-                      "shared_head.head.weight": target.embed_tokens if target.config.tie_word_embeddings
-                      else target.lm_head}
-            for name, own in shared.items():
-                if prefix + name in tensors and own.shape[0] == target.vocab_size:
-                    value = dense_of(tensors[prefix + name])
-                    if tuple(value.shape) != tuple(own.shape) or not torch.equal(value.to(own.dtype), own.detach()):
-                        raise ValueError(f"{prefix}{name} differs from the model's: an MTP layer with an embedding "
-                                         "or output head of its own is not supported (DeepSeek-V3's share the model's)")
+
+    def projection(self, tensors: Mapping[str, BuildSource], name: str, columns: int) -> nn.Module:
+        """The [hidden, ``columns``] projection ``name`` in the model's weight format."""
+        target = self.target
+        proj = tensors[name]
+        shape = (target.config.hidden_size, columns)
+        if tuple(proj.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(proj.shape)}")
+        return build_linear([proj], target.weight_format, target.dtype).to(target.device)
+
+    def check_shared(self, tensors: Mapping[str, BuildSource], embedding: str, head: str) -> None:
+        """A stored copy of the embedding (``embedding``) or head (``head``) must equal the model's
+        where the model keeps them as dense tensors (a differing one is refused: ValueError)."""
+        target = self.target
+        shared = {embedding: target.embed_tokens,
+                  head: target.embed_tokens if target.config.tie_word_embeddings else target.lm_head}
+        for name, own in shared.items():
+            if name in tensors and own.shape[0] == target.vocab_size:
+                value = dense_of(tensors[name])
+                if tuple(value.shape) != tuple(own.shape) or not torch.equal(value.to(own.dtype), own.detach()):
+                    raise ValueError(f"{name} differs from the model's: an MTP layer with an embedding "
+                                     "or output head of its own is not supported (DeepSeek's share the model's)")
+
+
+class DeepseekV3MTP(MultiTokenPredictor):
+    """The DeepSeek-V3 layout's module: ``eh_proj`` over the normed embedding and hidden state, its
+    block a one-layer model of the family, the model's head on its normed output ``g``."""
+
+    def __init__(self, target: FusedDecoderLM, block: FusedDecoderLM) -> None:
+        super().__init__(target, block)
+        self.eh_proj: nn.Module = UnloadedLinear()
+
+    def forward(self, input_ids: Tensor, positions: Tensor, hidden: Tensor, attn: AttentionContext, *,
+                keep: Tensor | None = None) -> Tensor:
+        """The normed outputs ``g`` [T, hidden] (`MultiTokenPredictor.forward`; ``hidden``: the
+        model's hidden states [T, hidden], or the module's own ``g``)."""
+        embeds = self.normed_embeds(input_ids, positions)
+        x = self.eh_proj(torch.cat((embeds, rms_norm(hidden.to(embeds.dtype), self.hnorm, self.eps)), dim=-1))
+        rows = torch.arange(x.shape[0], device=x.device)
+        # The block model's embedding is a one-row placeholder: every row is replaced by ``x``.
+        return self.block(torch.zeros_like(input_ids), positions, attn, embeds=(rows, x), keep=keep)
+
+    def compute_logits(self, outputs: Tensor) -> Tensor:
+        """float32 logits of outputs ``g`` through the model's own head (shared)."""
+        return self.target.compute_logits(outputs)
+
+    def load_own(self, tensors: Mapping[str, BuildSource], prefix: str) -> None:
+        """``enorm``, ``hnorm``, ``eh_proj`` from ``{prefix}*``, and the check of a stored embedding
+        or head copy against the model's."""
+        self.load_norms(tensors, prefix)
+        self.eh_proj = self.projection(tensors, prefix + "eh_proj.weight", 2 * self.target.config.hidden_size)
+        self.check_shared(tensors, prefix + "embed_tokens.weight", prefix + "shared_head.head.weight")
+
+
+class DeepseekV4MTP(MultiTokenPredictor):
+    """DeepSeek V4's module (see the module docstring): features and outputs are residual streams,
+    flattened [T, hc_mult * hidden]; ``block`` a one-layer `DeepseekV4ForCausalLM` whose HyperHead
+    and final norm are the module's own."""
+
+    block: DeepseekV4ForCausalLM
+
+    def __init__(self, target: DeepseekV4ForCausalLM, block: DeepseekV4ForCausalLM) -> None:
+        super().__init__(target, block)
+        self.e_proj: nn.Module = UnloadedLinear()
+        self.h_proj: nn.Module = UnloadedLinear()
+        self.streams = target.config.hc_mult
+
+    def forward(self, input_ids: Tensor, positions: Tensor, hidden: Tensor, attn: AttentionContext, *,
+                keep: Tensor | None = None) -> Tensor:
+        """The block's output streams [T, hc_mult * hidden] (`MultiTokenPredictor.forward`;
+        ``hidden``: the model's streams before its HyperHead, or the module's own outputs)."""
+        embeds = self.normed_embeds(input_ids, positions)
+        rows, width = embeds.shape
+        streams = rms_norm(hidden.to(embeds.dtype).reshape(rows * self.streams, width), self.hnorm, self.eps)
+        x = self.h_proj(streams).view(rows, self.streams, width) + self.e_proj(embeds).unsqueeze(1)
+        return self.block.run_streams(x, input_ids, positions, attn, keep=keep).flatten(1)
+
+    def compute_logits(self, outputs: Tensor) -> Tensor:
+        """float32 logits of output streams: the module's HyperHead and norm, then the model's head."""
+        hidden = self.target.config.hidden_size
+        return self.target.compute_logits(self.block.hyper_head(outputs.view(-1, self.streams, hidden)))
+
+    def load_own(self, tensors: Mapping[str, BuildSource], prefix: str) -> None:
+        """``enorm``, ``hnorm``, ``e_proj``, ``h_proj`` from ``{prefix}*``, and the check of a stored
+        embedding or head copy against the model's."""
+        self.load_norms(tensors, prefix)
+        hidden = self.target.config.hidden_size
+        self.e_proj = self.projection(tensors, prefix + "e_proj.weight", hidden)
+        self.h_proj = self.projection(tensors, prefix + "h_proj.weight", hidden)
+        self.check_shared(tensors, prefix + "emb.tok_emb.weight", prefix + "head.weight")
 
 
 class _Renamed(Mapping[str, BuildSource]):
@@ -180,48 +295,101 @@ class _Renamed(Mapping[str, BuildSource]):
 def block_config(config: Any, *, moe: bool, indexer: bool = True) -> Any:
     """The family config of the MTP block as a one-layer model: ``num_layers`` 1 (a MoE layer when
     ``moe``), a one-row placeholder vocabulary, and (DSA) an indexer of its own; a DSA block
-    without one (not ``indexer``) is a `DeepseekV3Config`: MLA over its whole context."""
+    without one (not ``indexer``) is a `DeepseekV3Config`: MLA over its whole context. DeepSeek V4:
+    a sliding-window layer routed by its gate."""
     changes: dict[str, Any] = dict(num_layers=1, moe_layers=(moe,), vocab_size=1)
     if isinstance(config, DeepseekV32Config):
         if not indexer:
             fields = {f.name: getattr(config, f.name) for f in attrs.fields(DeepseekV3Config)}
             return DeepseekV3Config(**{**fields, **changes, "arch": "deepseek_v3"})
         changes["index_shared"] = ()
+    if isinstance(config, DeepseekV4Config):
+        changes.update(layer_types=(SLIDING,), hash_layers=(False,))
     return attrs.evolve(config, **changes)
 
 
 def load_mtp(target: object, architecture: Architecture, tensors: Mapping[str, BuildSource],
              layer: int = 0) -> MultiTokenPredictor:
-    """The checkpoint's MTP module ``layer`` (``model.layers.{num_layers + layer}``) over the loaded
-    ``target`` (a `FusedDecoderLM` of an `MTP_ARCHITECTURES` entry, one rank: no tensor parallelism),
-    built in the target's dtype and weight format. Raises ValueError when the checkpoint has no such
-    module or its weights do not fit."""
+    """The checkpoint's MTP module ``layer`` (``model.layers.{num_layers + layer}``, DeepSeek V4's
+    ``mtp.{layer}``) over the loaded ``target`` (a `FusedDecoderLM` of an `MTP_ARCHITECTURES` entry,
+    one rank: no tensor parallelism), built in the target's dtype and weight format. Raises
+    ValueError when the checkpoint has no such module or its weights do not fit."""
     if architecture.name not in MTP_ARCHITECTURES or not isinstance(target, FusedDecoderLM):
         raise ValueError(f"MTP layers of {architecture.name} checkpoints are not supported")
     cfg = target.config
     if target.parallel is not None:
         raise ValueError("MTP drafting runs on one rank: tensor parallelism is not supported with it")
-    prefix = f"model.layers.{cfg.num_layers + layer}."
-    if prefix + "eh_proj.weight" not in tensors:
-        raise ValueError(f"the checkpoint has no MTP layer {layer} ({prefix}eh_proj.weight)")
+    prefix = _prefix(cfg.num_layers, layer, tensors)
+    if isinstance(target, DeepseekV4ForCausalLM):
+        if prefix is None or not prefix.endswith(f"mtp.{layer}."):
+            raise ValueError(f"the checkpoint has no MTP layer {layer} (mtp.{layer}.e_proj.weight)")
+        return _load_v4(target, architecture, tensors, prefix)
+    if prefix is None or not prefix.startswith("model.layers."):
+        raise ValueError(f"the checkpoint has no MTP layer {layer} "
+                         f"(model.layers.{cfg.num_layers + layer}.eh_proj.weight)")
     config = block_config(cfg, moe=prefix + "mlp.gate.weight" in tensors,
                           indexer=prefix + "self_attn.indexer.wk.weight" in tensors)
     build = architecture.build if type(config) is type(cfg) else deepseek_v3.build
-    block = build(config, BuildOptions(dtype=target.dtype, device=str(target.device), weights=target.weight_format))
-    assert isinstance(block, FusedDecoderLM), type(block)
-    names: dict[str, str] = {}
-    for name in tensors:
-        if name.startswith(prefix) and name[len(prefix):] not in _OWN:
-            names["model.layers.0." + name[len(prefix):]] = name
+    block = _build_block(target, config, build)
+    names = {"model.layers.0." + suffix: name for suffix, name in _suffixes(tensors, prefix, _OWN).items()}
     # llama.cpp reads the model's output norm where a GGUF file has no shared_head_norm of the module.
     norm = prefix + "shared_head.norm.weight"
     names["model.norm.weight"] = norm if norm in tensors else "model.norm.weight"
-    placeholder = torch.zeros(1, cfg.hidden_size)
-    block.load_weights(_Renamed(tensors, names, {"model.embed_tokens.weight": placeholder,
-                                                 "lm_head.weight": placeholder}))
-    block.eval()
-    predictor = MultiTokenPredictor(target, block)
+    block.load_weights(_Renamed(tensors, names, _placeholders(cfg.hidden_size, "model.embed_tokens.weight",
+                                                              "lm_head.weight")))
+    predictor = DeepseekV3MTP(target, block)
     predictor.load_own(tensors, prefix)
-    if target.device.type == "cpu":
-        block.pack_cpu_weights()
+    return _finish(predictor)
+
+
+_V4_HEAD = ("norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale")
+"""A DeepSeek V4 module's HyperHead and norm: the block model's own (the same release names)."""
+
+
+def _load_v4(target: DeepseekV4ForCausalLM, architecture: Architecture, tensors: Mapping[str, BuildSource],
+             prefix: str) -> DeepseekV4MTP:
+    """DeepSeek V4's module at ``prefix`` (``mtp.{i}.`` or ``model.mtp.{i}.``): its block, HyperHead
+    and norm as a one-layer `DeepseekV4ForCausalLM` loaded under release names (``layers.0.*`` for
+    the block's, ``hc_head_*``, ``norm.weight``), which that model maps as it maps its own."""
+    if any(name.startswith(prefix + "attn.compressor.") for name in tensors):
+        raise ValueError(f"{prefix}: a compressed-attention MTP block is not supported (DeepSeek's releases make "
+                         "it a sliding-window layer)")
+    if prefix + "ffn.gate.tid2eid" in tensors:
+        raise ValueError(f"{prefix}: a hash-routed MTP block is not supported")
+    block = _build_block(target, block_config(target.config, moe=True), architecture.build)
+    assert isinstance(block, DeepseekV4ForCausalLM), type(block)
+    names = {(suffix if suffix in _V4_HEAD else "layers.0." + suffix): name
+             for suffix, name in _suffixes(tensors, prefix, _V4_OWN).items()}
+    block.load_weights(_Renamed(tensors, names, _placeholders(target.config.hidden_size, "embed.weight",
+                                                              "head.weight")))
+    predictor = DeepseekV4MTP(target, block)
+    predictor.load_own(tensors, prefix)
+    return _finish(predictor)
+
+
+def _build_block(target: FusedDecoderLM, config: Any, build: Callable[[Any, BuildOptions], object]) -> FusedDecoderLM:
+    """The one-layer block model, in the target's dtype, device and weight format (not loaded)."""
+    block = build(config, BuildOptions(dtype=target.dtype, device=str(target.device), weights=target.weight_format))
+    assert isinstance(block, FusedDecoderLM), type(block)
+    return block
+
+
+def _suffixes(tensors: Mapping[str, BuildSource], prefix: str, own: tuple[str, ...]) -> dict[str, str]:
+    """The module's tensors outside ``own``: their suffixes of ``prefix`` -> their names."""
+    return {name[len(prefix):]: name for name in tensors if name.startswith(prefix) and name[len(prefix):] not in own}
+
+
+def _placeholders(hidden: int, *names: str) -> dict[str, Tensor]:
+    """The block model's one-row embedding and head (never read)."""
+    return dict.fromkeys(names, torch.zeros(1, hidden))
+
+
+_P = TypeVar("_P", bound=MultiTokenPredictor)
+
+
+def _finish(predictor: _P) -> _P:
+    """The loaded predictor in eval mode, its block's weights packed for the CPU kernels (on CPU)."""
+    predictor.block.eval()
+    if predictor.target.device.type == "cpu":
+        predictor.block.pack_cpu_weights()
     return predictor.eval()

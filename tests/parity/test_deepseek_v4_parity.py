@@ -34,47 +34,28 @@ from helios.models.deepseek_v4 import (
 from helios.models.dense_attention import DenseAttention, greedy_generate
 from helios.models.interface import CompressedSpec, RowWindowSpec, SlidingWindowSpec
 from tests.numerics import FP32_TOLERANCE
-from tests.parity.tiny import hf_logits, load_ours, our_logits, write_byte_tokenizer
+from tests.parity.tiny import (
+    DEEPSEEK_V4_CONFIG,
+    hf_logits,
+    load_ours,
+    our_logits,
+    tiny_deepseek_v4,
+    write_byte_tokenizer,
+)
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("this transformers has no deepseek_v4", allow_module_level=True)
 
-VOCAB = 272
+VOCAB = DEEPSEEK_V4_CONFIG["vocab_size"]
 LAYER_TYPES = [SLIDING, CSA, HCA, CSA, HCA]
-CONFIG = dict(vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=5,
-              num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32, qk_rope_head_dim=8,
-              num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1, layer_types=LAYER_TYPES,
-              compress_rates={CSA: 4, HCA: 8}, hc_mult=3, hc_sinkhorn_iters=6,
-              mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"], sliding_window=16, o_groups=2,
-              o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=5, swiglu_limit=0.8,
-              max_position_embeddings=512, pad_token_id=0, bos_token_id=2, eos_token_id=1)
 _gen = torch.Generator().manual_seed(11)
 PROMPT = torch.randint(3, VOCAB - 1, (100,), generator=_gen).tolist()
 
 
-def _tiny_hf_model(**overrides: object) -> torch.nn.Module:
-    config = transformers.DeepseekV4Config(**{**CONFIG, **overrides})
-    config._attn_implementation = "eager"
-    model = transformers.DeepseekV4ForCausalLM(config)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.copy_(0.2 * torch.randn_like(param))
-        for name, buffer in model.named_buffers():
-            if name.endswith("tid2eid"):
-                buffer.copy_(torch.randint(0, 8, buffer.shape))
-            elif name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.1 * torch.randn_like(buffer))
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
-    hf_model = _tiny_hf_model()
+    hf_model = tiny_deepseek_v4()
     root = tmp_path_factory.mktemp("deepseek-v4")
     hf_model.save_pretrained(root, safe_serialization=True)
     write_byte_tokenizer(root)
@@ -109,7 +90,7 @@ def test_prompt_logits(pair: tuple[torch.nn.Module, Path]) -> None:
     print(f"deepseek_v4 prompt fp32: max abs logit diff {diff:.3g} (max |logit| {expected.abs().max():.3g})")
     assert expected.abs().max().item() > 1.0
     assert diff < FP32_TOLERANCE
-    dense = _tiny_hf_model(index_topk=64)
+    dense = tiny_deepseek_v4(index_topk=64)
     assert (hf_logits(dense, PROMPT) - expected)[40:].abs().max().item() > 0.01
 
 
@@ -203,7 +184,7 @@ def test_raw_windows_set_by_the_rates(tmp_path: Path) -> None:
     from helios.engine.records import EngineRequest
     from tests.unit.test_engine import run
 
-    hf_model = _tiny_hf_model(sliding_window=4)
+    hf_model = tiny_deepseek_v4(sliding_window=4)
     hf_model.save_pretrained(tmp_path, safe_serialization=True)
     write_byte_tokenizer(tmp_path)
     model = load_ours(tmp_path)
@@ -307,7 +288,7 @@ def test_packed_state_and_bfloat16(pair: tuple[torch.nn.Module, Path]) -> None:
     ours = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
     assert torch.equal(ours, our_logits(again, DenseAttention.for_model(again), PROMPT, 0))
     expected = hf_logits(hf_model, PROMPT)
-    hf_bf16 = (hf_logits(_tiny_hf_model().to(torch.bfloat16), PROMPT) - expected).abs().mean().item()
+    hf_bf16 = (hf_logits(tiny_deepseek_v4().to(torch.bfloat16), PROMPT) - expected).abs().mean().item()
     bf16 = load_ours(root, torch.bfloat16)
     ours_bf16 = (our_logits(bf16, DenseAttention.for_model(bf16), PROMPT, 0) - expected).abs().mean().item()
     print(f"deepseek_v4 bf16: mean abs logit error {ours_bf16:.3g} (transformers bf16: {hf_bf16:.3g})")
@@ -372,7 +353,7 @@ def test_checkpoint_names() -> None:
 
 
 def test_legacy_config_keys_and_refusals() -> None:
-    base = {**CONFIG, "model_type": "deepseek_v4"}
+    base = {**DEEPSEEK_V4_CONFIG, "model_type": "deepseek_v4"}
     del base["layer_types"], base["compress_rates"], base["mlp_layer_types"], base["qk_rope_head_dim"]
     legacy = config_from_hf({**base, "compress_ratios": [0, 4, 128, 4, 128], "compress_rate_hca": 8,
                              "num_hash_layers": 2, "qk_rope_head_dim": 16})
@@ -500,11 +481,11 @@ def test_yarn_and_gguf_match_transformers(tmp_path: Path) -> None:
     from helios.loaders.checkpoint import load_checkpoint
     from helios.models.architecture import BuildOptions
 
-    hf_model = _tiny_hf_model(**YARN)
+    hf_model = tiny_deepseek_v4(**YARN)
     assert hf_model.config.rope_parameters["compress"]["rope_type"] == "yarn"
     assert hf_model.config.rope_parameters["main"]["rope_type"] == "default"
     expected = hf_logits(hf_model, PROMPT)
-    plain = hf_logits(_tiny_hf_model(), PROMPT)
+    plain = hf_logits(tiny_deepseek_v4(), PROMPT)
     assert (plain - expected).abs().max().item() > 0.01  # the scaling matters
     folder = tmp_path / "yarn"
     hf_model.save_pretrained(folder, safe_serialization=True)

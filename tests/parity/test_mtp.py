@@ -37,10 +37,9 @@ import torch
 from torch import Tensor
 
 from helios.domain.sampling import SamplingParams
-from helios.engine.core import EngineConfig, EngineCore
+from helios.engine.core import EngineCore
 from helios.engine.mtp import MTPDrafter
 from helios.engine.records import EngineRequest
-from helios.engine.speculative import SpeculativeConfig
 from helios.loaders.checkpoint import load_checkpoint
 from helios.models.deepseek_v32 import DeepseekV32ForCausalLM
 from helios.models.dense_attention import DenseAttention
@@ -48,7 +47,7 @@ from helios.models.interface import LatentAttentionSpec
 from helios.models.moe_decoder import MoEForCausalLM
 from helios.models.mtp import MultiTokenPredictor, load_mtp, mtp_layers
 from tests.numerics import FP32_TOLERANCE
-from tests.parity.tiny import load_ours, write_byte_tokenizer
+from tests.parity.tiny import drive_mtp, load_ours, mtp_engine, write_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -325,46 +324,16 @@ def test_glm5_mtp_layer_without_an_indexer(tmp_path: Path) -> None:
     print(f"GLM-5 MTP layer without an indexer, fp32 vs float64: max abs diff {diff:.3g}")
     assert diff < FP32_TOLERANCE
     plain, _ = _engine(tmp_path, mtp=False)
-    want = _drive(plain, None, _requests("g", max_tokens=20))
+    want = drive_mtp(plain, None, _requests("g", max_tokens=20))
     core, drafter = _engine(tmp_path, mtp=True)
-    assert _drive(core, drafter, _requests("g", max_tokens=20)) == want
+    assert drive_mtp(core, drafter, _requests("g", max_tokens=20)) == want
     assert core.stats().draft_steps > 0
 
 
 # -- the engine ---------------------------------------------------------------------------------
 def _engine(root: Path, *, mtp: bool, num_pages: int = 64, mode: str = "ngram",
             depth: int = 3, chunk: int = 5) -> tuple[EngineCore, MTPDrafter | None]:
-    target, predictor = _predictor(root)
-    cfg = EngineConfig(page_size=4, num_pages=num_pages, max_active=3, prefill_chunk_size=chunk, max_model_len=128,
-                       speculative=SpeculativeConfig(mode=mode if mtp else "off", max_depth=depth, history=False))
-    drafter = MTPDrafter(predictor, torch.float32, num_pages=num_pages + 3, page_size=4, max_active=3,
-                         max_model_len=128) if mtp else None
-    return EngineCore(target, cfg, torch.float32, drafter=drafter), drafter
-
-
-def _drive(core: EngineCore, drafter: MTPDrafter | None, requests: list[EngineRequest],
-           abort_at: dict[str, int] | None = None) -> dict[str, list[int]]:
-    """Step to completion, checking both pools after every step and that the MTP drafter holds state
-    for live requests only (``abort_at``: abort a request once it has that many tokens)."""
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    for r in requests:
-        core.add(r)
-    for _ in range(2000):
-        if not core.scheduler.has_work:
-            break
-        for o in core.step():
-            tokens[o.request_id] += o.new_token_ids
-        for rid, n in (abort_at or {}).items():
-            if len(tokens[rid]) >= n and rid in core.scheduler.by_id:
-                core.abort([rid])
-        core.scheduler.check_integrity()
-        if drafter is not None:
-            drafter.check_integrity(live=list(core.scheduler.by_id))
-    assert not core.scheduler.has_work
-    if drafter is not None:
-        drafter.check_integrity(live=[])
-        assert drafter.num_states == 0
-    return tokens
+    return mtp_engine(*_predictor(root), mtp=mtp, num_pages=num_pages, mode=mode, depth=depth, chunk=chunk)
 
 
 def _requests(prefix: str, max_tokens: int = 36) -> list[EngineRequest]:
@@ -378,11 +347,11 @@ def test_engine_greedy_output_identical(random_ckpt: Ckpt) -> None:
     prompt served again from the prefix cache starts from the MTP pool's own cached pages."""
     _, root, _ = random_ckpt
     plain, _ = _engine(root, mtp=False)
-    want = _drive(plain, None, _requests("r"))
+    want = drive_mtp(plain, None, _requests("r"))
     assert plain.stats().learned_drafter is False and plain.stats().draft_steps == 0
     core, drafter = _engine(root, mtp=True)
     assert drafter is not None
-    got = _drive(core, drafter, _requests("r"))
+    got = drive_mtp(core, drafter, _requests("r"))
     assert got == want and all(len(t) == 36 for t in got.values())
     stats = core.stats()
     spec = stats.speculative
@@ -392,7 +361,7 @@ def test_engine_greedy_output_identical(random_ckpt: Ckpt) -> None:
     print(f"random MTP: {spec.model_draft_rounds} rounds, {spec.model_accepted_drafts} accepted, "
           f"{stats.draft_steps} draft steps")
     # The first prompt again: the target reuses its cached pages, so does the MTP pool.
-    again = _drive(core, drafter, [EngineRequest("again", tuple(PROMPTS[0]), SamplingParams(temperature=0.0),
+    again = drive_mtp(core, drafter, [EngineRequest("again", tuple(PROMPTS[0]), SamplingParams(temperature=0.0),
                                                  max_tokens=36, ignore_eos=True)])
     assert again["again"] == want["r0"]
     assert core.stats().reused_tokens >= 16 and drafter.cache_misses == 0
@@ -404,10 +373,10 @@ def test_engine_drafts_jointly(random_ckpt: Ckpt) -> None:
     output is still plain decoding's."""
     _, root, _ = random_ckpt
     plain, _ = _engine(root, mtp=False, chunk=16)
-    want = _drive(plain, None, _requests("j", max_tokens=16))
+    want = drive_mtp(plain, None, _requests("j", max_tokens=16))
     core, drafter = _engine(root, mtp=True, chunk=16)
     assert drafter is not None
-    assert _drive(core, drafter, _requests("j", max_tokens=16)) == want
+    assert drive_mtp(core, drafter, _requests("j", max_tokens=16)) == want
     spec = core.stats().speculative
     assert spec is not None
     print(f"joint MTP drafting: {spec.model_draft_rounds} rounds, {drafter.joint_rounds} drafted with an earlier "
@@ -420,13 +389,13 @@ def test_preempted_and_aborted_requests_release_mtp_state(random_ckpt: Ckpt) -> 
     start their MTP state over); one request aborted midway. Outputs equal the plain engine's."""
     _, root, _ = random_ckpt
     plain, _ = _engine(root, mtp=False, num_pages=16)
-    want = _drive(plain, None, _requests("p"), abort_at={"p1": 10})
+    want = drive_mtp(plain, None, _requests("p"), abort_at={"p1": 10})
     core, drafter = _engine(root, mtp=True, num_pages=16)
-    got = _drive(core, drafter, _requests("p"), abort_at={"p1": 10})
+    got = drive_mtp(core, drafter, _requests("p"), abort_at={"p1": 10})
     assert core.scheduler.num_preemptions > 0
     assert got["p0"] == want["p0"] and got["p2"] == want["p2"]
     # The aborted one is a prefix of the same output (it may have committed a few more before the abort).
-    full = _drive(_engine(root, mtp=False)[0], None, [_requests("q")[1]])["q1"]
+    full = drive_mtp(_engine(root, mtp=False)[0], None, [_requests("q")[1]])["q1"]
     assert got["p1"] == full[: len(got["p1"])] and len(got["p1"]) >= 10
 
 
@@ -470,14 +439,14 @@ def test_mtp_drafts_are_accepted(tmp_path: Path) -> None:
     prompt = [5, 77, 140, 33, 9, 200, 61]
     request = [EngineRequest("c", tuple(prompt), SamplingParams(temperature=0.0), max_tokens=40, ignore_eos=True)]
     plain, _ = _engine(tmp_path, mtp=False)
-    want = _drive(plain, None, request)["c"]
+    want = drive_mtp(plain, None, request)["c"]
     walk = [successor[prompt[-1]]]
     while len(walk) < 40:
         walk.append(successor[walk[-1]])
     assert want == walk  # the construction works: greedy decoding follows the cycle
     core, drafter = _engine(tmp_path, mtp=True, mode="adaptive", depth=4)
     t0 = time.perf_counter()
-    got = _drive(core, drafter, request)["c"]
+    got = drive_mtp(core, drafter, request)["c"]
     assert got == want
     spec = core.stats().speculative
     assert spec is not None
@@ -492,9 +461,9 @@ def test_mtp_drafts_are_accepted(tmp_path: Path) -> None:
     # tokens equal plain decoding's with the same seed.
     sampled = [EngineRequest("s", tuple(prompt), SamplingParams(temperature=30.0, seed=3), max_tokens=40,
                              ignore_eos=True)]
-    want = _drive(_engine(tmp_path, mtp=False)[0], None, sampled)["s"]
+    want = drive_mtp(_engine(tmp_path, mtp=False)[0], None, sampled)["s"]
     core, drafter = _engine(tmp_path, mtp=True, mode="adaptive", depth=4)
-    assert _drive(core, drafter, sampled)["s"] == want
+    assert drive_mtp(core, drafter, sampled)["s"] == want
     spec = core.stats().speculative
     assert spec is not None and 0 < spec.model_accepted_drafts < spec.verification_drafts  # accepted and rejected
     print(f"cycle MTP, seeded T=30: {spec.model_accepted_drafts} accepted of {spec.verification_drafts}; "
@@ -632,13 +601,13 @@ def test_gguf_mtp_drafts_are_accepted(tmp_path: Path) -> None:
     path = _llama_cpp_gguf(tmp_path / "hf", "deepseek_v3", tmp_path / "cycle.gguf")
     prompt = [5, 77, 140, 33, 9, 200, 61]
     request = [EngineRequest("c", tuple(prompt), SamplingParams(temperature=0.0), max_tokens=40, ignore_eos=True)]
-    want = _drive(_engine(path, mtp=False)[0], None, request)["c"]
+    want = drive_mtp(_engine(path, mtp=False)[0], None, request)["c"]
     walk = [successor[prompt[-1]]]
     while len(walk) < 40:
         walk.append(successor[walk[-1]])
     assert want == walk
     core, drafter = _engine(path, mtp=True, mode="adaptive", depth=4)
-    assert _drive(core, drafter, request)["c"] == want
+    assert drive_mtp(core, drafter, request)["c"] == want
     stats = core.stats()
     spec = stats.speculative
     assert spec is not None and stats.learned_drafter and stats.draft_steps > 0
