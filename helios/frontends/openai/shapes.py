@@ -277,6 +277,7 @@ class CustomToolCallItem:
 
 
 OutputItem = ReasoningItem | MessageItem | FunctionCallItem | CustomToolCallItem
+ContentPart = OutputText | ReasoningText
 
 
 @shape
@@ -350,7 +351,7 @@ class ContentPartEvent:
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText | ReasoningText
+    part: ContentPart
 
 
 @shape
