@@ -298,10 +298,9 @@ class FunctionToolWire(_Lenient):
     strict: bool | None = wire_field(refused("strict function schemas are not implemented", inert=one_of(False),
                                              message="strict function schemas (strict: true) are not supported"))
 
-    def declare(self, namespace: str | None) -> tuple[Tool, DeclaredTool]:
-        flat = _flat(namespace, self.name)
+    def tool(self, flat: str) -> Tool:
         params = {"type": "object", "properties": {}} if self.parameters is None else self.parameters
-        return Tool(flat, self.description, params), DeclaredTool(flat, self.name, "function", namespace)
+        return Tool(flat, self.description, params)
 
 
 @attrs.define(kw_only=True)
@@ -311,15 +310,13 @@ class CustomToolWire(_Lenient):
     description: str | None = None
     format: GrammarFormat | PlainTextFormat | None = None
 
-    def declare(self, namespace: str | None) -> tuple[Tool, DeclaredTool]:
-        flat = _flat(namespace, self.name)
-        desc, grammar = self.description, None
-        if type(self.format) is GrammarFormat:
-            grammar = ToolGrammar(self.format.syntax, self.format.definition)
-            # The contract goes into the model's tool description; the completed input is validated
-            # against the grammar before the call is emitted (serving.structured), never constrained.
-            desc = tool_contract(desc, grammar)
-        return Tool(flat, desc, {}, kind="custom", grammar=grammar), DeclaredTool(flat, self.name, "custom", namespace)
+    def tool(self, flat: str) -> Tool:
+        if type(self.format) is not GrammarFormat:
+            return Tool(flat, self.description, {}, kind="custom")
+        grammar = ToolGrammar(self.format.syntax, self.format.definition)
+        # The contract goes into the model's tool description; the completed input is validated
+        # against the grammar before the call is emitted (serving.structured), never constrained.
+        return Tool(flat, tool_contract(self.description, grammar), {}, kind="custom", grammar=grammar)
 
 
 @attrs.define(kw_only=True)
@@ -414,10 +411,8 @@ _STATELESS = "Helios keeps no responses, so every request carries its complete c
 RESPONSES_FIELDS: FieldTable = field_table(
     ResponsesWire,
     model=PROVIDER_ROWS["model"],
-    user=ignored(PROVIDER_ROWS["user"].reason + _ECHOED, str),
-    metadata=ignored(PROVIDER_ROWS["metadata"].reason + _ECHOED, dict),
-    safety_identifier=ignored(PROVIDER_ROWS["safety_identifier"].reason + _ECHOED, str),
-    prompt_cache_key=ignored(PROVIDER_ROWS["prompt_cache_key"].reason + _ECHOED, str),
+    **{name: attrs.evolve(PROVIDER_ROWS[name], reason=PROVIDER_ROWS[name].reason + _ECHOED)
+       for name in ("user", "metadata", "safety_identifier", "prompt_cache_key")},
     service_tier=ignored("one local tier serves every request; the Response reports 'default'", str),
     prompt_cache_retention=PROVIDER_ROWS["prompt_cache_retention"],
     prompt_cache_options=PROVIDER_ROWS["prompt_cache_options"],
@@ -466,9 +461,9 @@ ECHOED_FIELDS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "m
 
 @attrs.frozen
 class DeclaredTool:
-    """One declared tool under the name the model sees (`namespace__name` inside a namespace)."""
+    """One declared tool's wire identity, under the name the model sees (`namespace__name` inside a
+    namespace)."""
 
-    flat_name: str
     name: str
     kind: Literal["function", "custom"]
     namespace: str | None = None
@@ -481,29 +476,30 @@ class ToolSet:
 
     def restore(self, flat_name: str) -> DeclaredTool:
         """The wire identity of a generated call; undeclared names come back as generated."""
-        return self.declared.get(flat_name) or DeclaredTool(flat_name, flat_name, "function")
+        return self.declared.get(flat_name) or DeclaredTool(flat_name, "function")
 
 
 def toolset_of(tools: list[ToolWire] | None, choice: ToolChoiceWire | None) -> tuple[ToolSet, ToolChoice]:
     """Declared tools (namespaced ones flattened to ``namespace__name``) and the choice among them."""
-    declared: dict[str, tuple[Tool, DeclaredTool]] = {}
+    declared: dict[str, DeclaredTool] = {}
+    built: list[Tool] = []
     for i, t in enumerate(tools or ()):
+        entries: list[tuple[str, str | None, FunctionToolWire | CustomToolWire]]  # where, namespace, tool
         if type(t) is NamespaceTool:
             if not t.tools:
                 raise BadRequest(f"tools[{i}].tools must be a nonempty array of function or custom tools",
                                  param=f"tools[{i}].tools")
-            entries = [(f"tools[{i}].tools[{j}]", sub.declare(t.name)) for j, sub in enumerate(t.tools)]
+            entries = [(f"tools[{i}].tools[{j}]", t.name, sub) for j, sub in enumerate(t.tools)]
         else:
-            entries = [(f"tools[{i}]", cast("FunctionToolWire | CustomToolWire", t).declare(None))]
-        for where, entry in entries:
-            flat = entry[1].flat_name
+            entries = [(f"tools[{i}]", None, cast("FunctionToolWire | CustomToolWire", t))]
+        for where, namespace, sub in entries:
+            flat = _flat(namespace, sub.name)
             if flat in declared:
-                raise BadRequest(f"tool name '{flat}' is ambiguous: it is declared more than once (namespaced tools "
-                                 f"are named namespace{NAMESPACE_SEPARATOR}name)", param=f"{where}.name")
-            declared[flat] = entry
-    toolset = ToolSet(tuple(tool for tool, _ in declared.values()),
-                      {name: entry for name, (_, entry) in declared.items()})
-    return toolset, _tool_choice(choice, toolset.declared)
+                raise BadRequest(f"tool name '{flat}' is ambiguous: it is declared more than once (namespaced "
+                                 f"tools are named namespace{NAMESPACE_SEPARATOR}name)", param=f"{where}.name")
+            declared[flat] = DeclaredTool(sub.name, sub.type, namespace)
+            built.append(sub.tool(flat))
+    return ToolSet(tuple(built), declared), _tool_choice(choice, declared)
 
 
 def _tool_choice(choice: ToolChoiceWire | None, declared: dict[str, DeclaredTool]) -> ToolChoice:
@@ -531,22 +527,16 @@ BuiltItems = list[Message | ToolCallPart | ReasoningPart | MessageItem | ToolOut
 
 
 def decode_input(raw: str | BuiltItems, instructions: str | None) -> tuple[Message, ...]:
-    """Responses input (a string or built items) → neutral messages. `instructions` lead as a system
-    message."""
-    system = (Message("system", (TextPart(instructions),)),) if instructions else ()
+    """Responses input (a string: one user message, or built items) → neutral messages, `instructions`
+    leading as a system message. Consecutive assistant-side items (reasoning, assistant messages,
+    function and custom calls) form one assistant turn while they keep the order reasoning → text →
+    calls; each tool output is its own tool message."""
     if isinstance(raw, str):
-        return (*system, Message("user", (TextPart(raw),)))
-    if not raw:
+        raw = [Message("user", (TextPart(raw),))]
+    elif not raw:
         raise BadRequest("'input' must contain at least one item", param="input")
-    return (*system, *_turns(raw))
-
-
-def _turns(items: BuiltItems) -> list[Message]:
-    """Built items → messages. Consecutive assistant-side items (reasoning, assistant messages, function
-    and custom calls) form one assistant turn while they keep the order reasoning → text → calls; each
-    tool output is its own tool message."""
-    out: list[Message | list[Part]] = []  # an assistant turn: the list of its parts
-    for i, item in enumerate(items):
+    out: list[Message | list[Part]] = [Message("system", (TextPart(instructions),))] if instructions else []
+    for i, item in enumerate(raw):  # an assistant turn in `out` is the list of its parts
         if type(item) is MessageItem or type(item) is ToolOutputItem:
             item = item.message(f"input[{i}]")
         if type(item) is Message and item.role != "assistant":
@@ -561,7 +551,7 @@ def _turns(items: BuiltItems) -> list[Message]:
                 turn.append(part)
             else:
                 out.append([part])
-    return [Message("assistant", tuple(m)) if isinstance(m, list) else m for m in out]
+    return tuple([Message("assistant", tuple(m)) if isinstance(m, list) else m for m in out])
 
 
 # -- the request ----------------------------------------------------------------------------------
@@ -646,12 +636,8 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
 
 def _text_config(text: TextWire | None, fmt: OutputConstraint | None) -> dict[str, Any]:
     """``text`` as the Response object echoes it: the format as given where it constrains, else text."""
-    out: dict[str, Any] = {"format": {"type": "text"}}
-    if text is None:
-        return out
-    if fmt is not None:
-        out["format"] = dict(text.format)
-    if text.verbosity is not None:
+    out: dict[str, Any] = {"format": {"type": "text"} if text is None or fmt is None else dict(text.format)}
+    if text is not None and text.verbosity is not None:
         out["verbosity"] = text.verbosity
     return out
 
