@@ -495,8 +495,9 @@ def toolset_of(tools: list[ToolWire] | None, choice: ToolChoiceWire | None) -> t
         for where, namespace, sub in entries:
             flat = _flat(namespace, sub.name)
             if flat in declared:
-                raise BadRequest(f"tool name '{flat}' is ambiguous: it is declared more than once (namespaced "
-                                 f"tools are named namespace{NAMESPACE_SEPARATOR}name)", param=f"{where}.name")
+                raise BadRequest(f"tool name '{flat}' is ambiguous: it is declared more than once "
+                                 f"(namespaced tools are named namespace{NAMESPACE_SEPARATOR}name)",
+                                 param=f"{where}.name")
             declared[flat] = DeclaredTool(sub.name, sub.type, namespace)
             built.append(sub.tool(flat))
     return ToolSet(tuple(built), declared), _tool_choice(choice, declared)

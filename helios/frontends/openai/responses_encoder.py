@@ -33,13 +33,7 @@ import attrs
 
 from helios.domain.conversation import custom_tool_input
 from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
-from helios.domain.generation import (
-    Accumulated,
-    ChildUpdate,
-    PreparedPrompt,
-    StreamEvent,
-    usage_of,
-)
+from helios.domain.generation import Accumulated, ChildUpdate, PreparedPrompt, StreamEvent, usage_of
 from helios.domain.model import TokenVocabulary
 from helios.domain.sampling import SamplingParams
 from helios.domain.shapes import OMIT, Opt, to_json
@@ -53,7 +47,6 @@ def response_params(plan: ResponsesPlan, sampling: SamplingParams, model: str) -
     """The request parameters a Response object echoes (the SDK's Response model requires several)."""
     w = plan.wire
     return shapes.ResponseParams(
-        background=False,
         instructions=w.instructions,
         max_output_tokens=w.max_output_tokens,
         max_tool_calls=plan.echo.get("max_tool_calls"),
@@ -65,7 +58,6 @@ def response_params(plan: ResponsesPlan, sampling: SamplingParams, model: str) -
         reasoning={"effort": plan.effort, "summary": plan.summary},
         safety_identifier=plan.echo.get("safety_identifier"),
         service_tier="default",
-        store=False,
         temperature=sampling.temperature,
         text=plan.text_config,
         tool_choice=plan.tool_choice_as_sent if plan.tool_choice_as_sent is not None
@@ -73,7 +65,6 @@ def response_params(plan: ResponsesPlan, sampling: SamplingParams, model: str) -
         tools=plan.tools_as_sent,
         top_logprobs=w.top_logprobs or 0,
         top_p=sampling.top_p,
-        truncation="disabled",
         user=plan.echo.get("user"),
     )
 
@@ -128,11 +119,9 @@ class ResponseEncoder:
         prompts: Sequence[PreparedPrompt] = (),
         logprob_content: Callable[[Sequence[Any]], shapes.LogprobEntries] | None = None,
         token_bytes: Callable[[int], bytes] | None = None,
-        response_id: str | None = None,
-        created_at: int | None = None,
     ) -> None:
-        self.id = response_id or _new_id("resp")
-        self.created_at = int(time.time()) if created_at is None else created_at
+        self.id = _new_id("resp")
+        self.created_at = int(time.time())
         self._params = base
         self._toolset = toolset
         self._lp = logprob_content
@@ -181,10 +170,7 @@ class ResponseEncoder:
                 elif e.text:
                     self._delta("reasoning", e.text)
         if u.finish is not None:
-            if u.finish.cause is FinishCause.LENGTH:
-                self._terminal("incomplete", "max_output_tokens")
-            else:
-                self._terminal("completed", None)
+            self._terminal("incomplete" if u.finish.cause is FinishCause.LENGTH else "completed")
         return self._sent()
 
     def finish(self) -> list[StreamEvent]:
@@ -193,7 +179,7 @@ class ResponseEncoder:
     def fail(self, error: HeliosError) -> list[StreamEvent]:
         if not self.done:
             self.error = shapes.ResponseError(code="server_error", message=error.message)
-            self._terminal("failed", None)
+            self._terminal("failed")
         return self._sent()
 
     def body(self) -> dict[str, Any]:
@@ -282,10 +268,11 @@ class ResponseEncoder:
         self._emit(shapes.OutputItemEvent, type=f"response.output_item.{stage}", output_index=index,
                    item=item)
 
-    def _terminal(self, status: str, reason: str | None) -> None:
+    def _terminal(self, status: Literal["completed", "incomplete", "failed"]) -> None:
+        """End the response; it is incomplete only at the output limit."""
         self._close_open("completed" if status == "completed" else "incomplete")
         self.status = status
-        self.incomplete_reason = reason
+        self.incomplete_reason = "max_output_tokens" if status == "incomplete" else None
         if status == "completed":
             self.completed_at = int(time.time())
         self._emit(shapes.ResponseEvent, type=f"response.{status}", response=self.response())
