@@ -95,8 +95,8 @@ class _OpenItem:
             text = shapes.ReasoningText(text=self.text)
             return shapes.ReasoningItem(id=self.id, summary=[], content=[text] if status else []), text
         part = shapes.OutputText(text=self.text, annotations=[], logprobs=list(self.logprobs))
-        item = shapes.MessageItem(id=self.id, status=status or "in_progress", content=[part] if status else [])
-        return item, part
+        content = [part] if status else []
+        return shapes.MessageItem(id=self.id, status=status or "in_progress", content=content), part
 
 
 class ResponseEncoder:
@@ -140,7 +140,7 @@ class ResponseEncoder:
         self._acc = Accumulated()
         self.status: str = "in_progress"
         self.error: shapes.ResponseError | None = None
-        self.incomplete_reason: str | None = None
+        self.incomplete: shapes.IncompleteDetails | None = None
         self.completed_at: int | None = None
 
     # -- public ---------------------------------------------------------------------------------
@@ -198,10 +198,8 @@ class ResponseEncoder:
                 total_tokens=u.total_tokens)
         return shapes.Response(
             id=self.id, created_at=self.created_at, status=self.status, completed_at=self.completed_at,
-            error=self.error,
-            incomplete_details=shapes.IncompleteDetails(reason=self.incomplete_reason)
-            if self.incomplete_reason else None,
-            params=self._params, output=list(self._output), usage=usage)
+            error=self.error, incomplete_details=self.incomplete, params=self._params, output=list(self._output),
+            usage=usage)
 
     # -- items ----------------------------------------------------------------------------------
     def _delta(self, kind: TextKind, text: str, entries: Opt[shapes.LogprobEntries] = OMIT) -> None:
@@ -272,7 +270,8 @@ class ResponseEncoder:
         """End the response; it is incomplete only at the output limit."""
         self._close_open("completed" if status == "completed" else "incomplete")
         self.status = status
-        self.incomplete_reason = "max_output_tokens" if status == "incomplete" else None
+        if status == "incomplete":
+            self.incomplete = shapes.IncompleteDetails(reason="max_output_tokens")
         if status == "completed":
             self.completed_at = int(time.time())
         self._emit(shapes.ResponseEvent, type=f"response.{status}", response=self.response())
