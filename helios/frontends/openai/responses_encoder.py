@@ -61,7 +61,7 @@ def response_params(plan: ResponsesPlan, sampling: SamplingParams, model: str) -
         temperature=sampling.temperature,
         text=plan.text_config,
         tool_choice=plan.tool_choice_as_sent if plan.tool_choice_as_sent is not None
-        else ("auto" if plan.toolset.tools else "none"),
+        else plan.conversation.tool_choice.mode,  # absent: auto with tools, else none
         tools=plan.tools_as_sent,
         top_logprobs=w.top_logprobs or 0,
         top_p=sampling.top_p,
