@@ -31,12 +31,7 @@ from helios.domain.conversation import (
     ToolGrammar,
     ToolResultPart,
 )
-from helios.domain.generation import (
-    GenerationOptions,
-    GenerationRequest,
-    OutputConstraint,
-    TokenStops,
-)
+from helios.domain.generation import GenerationOptions, GenerationRequest, OutputConstraint
 from helios.domain.model import ModelInfo
 from helios.errors import BadRequest
 from helios.frontends.common import thinking_budget, validate_stops, validate_token_stops
@@ -90,13 +85,19 @@ register_leaf(NonBlankStr, _nonblank_str)
 
 
 # -- the request's shapes (the SDK's ResponseInputItemParam, its content parts, ToolParam, ToolChoice) ----
-# Items, parts and tools ignore keys Helios does not read (ids, statuses, annotations, hints): replayed
-# output items carry them, and a client may send newer ones.
 
 
 @attrs.define(kw_only=True)
-class InputText:
+class _Lenient:
+    """Items, parts and tools (its subclasses) ignore keys Helios does not read (ids, statuses,
+    annotations, hints, an image's detail): replayed output items carry them, and a client may send
+    newer ones."""
+
     __wire_lenient__: ClassVar[bool] = True
+
+
+@attrs.define(kw_only=True)
+class InputText(_Lenient):
     type: Literal["input_text", "output_text"]
     text: str
 
@@ -104,21 +105,19 @@ class InputText:
 
 
 @attrs.define(kw_only=True)
-class RefusalText:
+class RefusalText(_Lenient):
     """An assistant's replayed refusal: its text is the turn's text (other roles refuse it)."""
 
-    __wire_lenient__: ClassVar[bool] = True
     type: Literal["refusal"]
     refusal: str
 
 
 @attrs.define(kw_only=True)
-class InputImage:
+class InputImage(_Lenient):
     """A base64 data URL's image; the serving side checks its bytes, the limits and that the model
     takes images (a text-only model's 400 names the model, as on every route). It is built without
-    its place; the item that holds it gives it one (`_placed`)."""
+    its place; the item that holds it gives it one (`_part`)."""
 
-    __wire_lenient__: ClassVar[bool] = True  # detail: the whole image is always used
     type: Literal["input_image"]
     image_url: str | None = None
     file_id: str | None = None
@@ -143,11 +142,20 @@ MessageContent = str | list[Annotated[TextPart | ImagePart | RefusalText,
 OutputContent = str | list[Annotated[TextPart | ImagePart, From(InputText | InputImage)]]
 
 
-def _placed(part: TextPart | ImagePart, where: str) -> TextPart | ImagePart:
-    """A built image with its place in the request (``input[2].content[1]``), for later messages."""
-    if type(part) is ImagePart:
-        return ImagePart(part.media_type, part.data, where)
-    return part
+def _part(role: str, p: TextPart | ImagePart | RefusalText, where: str) -> TextPart | ImagePart:
+    """A built part of a `role` message at `where` (``input[2].content[1]``; role tool: a tool output's
+    part): an image placed there, for later messages (only a user's or a tool output's), a refusal
+    read as its text (only an assistant's)."""
+    if isinstance(p, TextPart):
+        return p
+    if isinstance(p, RefusalText):
+        if role != "assistant":
+            raise BadRequest(f"{where}: refusal parts belong in assistant messages", param=f"{where}.type")
+        return TextPart(p.refusal)
+    if role not in ("user", "tool"):
+        raise BadRequest(f"{where}: images are accepted in user messages and tool outputs only",
+                         param=f"{where}.type")
+    return ImagePart(p.media_type, p.data, where)
 
 
 # Items build their domain value where they are complete: a message its Message, a call its
@@ -156,10 +164,9 @@ def _placed(part: TextPart | ImagePart, where: str) -> TextPart | ImagePart:
 
 
 @attrs.define(kw_only=True)
-class MessageItem:
+class MessageItem(_Lenient):
     """A message; an easy message has no ``type`` (the default member)."""
 
-    __wire_lenient__: ClassVar[bool] = True
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: MessageContent
@@ -173,19 +180,8 @@ class MessageItem:
     def message(self, where: str) -> Message:
         """The message, its images placed (only a user's) and its refusals read (only an assistant's)."""
         parts = cast("list[TextPart | ImagePart | RefusalText]", self.content)  # a string's is built
-        return Message(self.role, tuple([self._part(p, f"{where}.content[{j}]") for j, p in enumerate(parts)]))
-
-    def _part(self, p: TextPart | ImagePart | RefusalText, where: str) -> Part:
-        if isinstance(p, TextPart):
-            return p
-        if isinstance(p, RefusalText):
-            if self.role != "assistant":
-                raise BadRequest(f"{where}: refusal parts belong in assistant messages", param=f"{where}.type")
-            return TextPart(p.refusal)
-        if self.role != "user":
-            raise BadRequest(f"{where}: images are accepted in user messages and tool outputs only",
-                             param=f"{where}.type")
-        return _placed(p, where)
+        return Message(self.role, tuple([_part(self.role, p, f"{where}.content[{j}]")
+                                         for j, p in enumerate(parts)]))
 
 
 def _flat(namespace: str | None, name: str) -> str:
@@ -193,8 +189,7 @@ def _flat(namespace: str | None, name: str) -> str:
 
 
 @attrs.define(kw_only=True)
-class FunctionCallItem:
-    __wire_lenient__: ClassVar[bool] = True
+class FunctionCallItem(_Lenient):
     type: Literal["function_call"]
     call_id: NonEmptyStr
     name: NonEmptyStr
@@ -208,8 +203,7 @@ class FunctionCallItem:
 
 
 @attrs.define(kw_only=True)
-class CustomToolCallItem:
-    __wire_lenient__: ClassVar[bool] = True
+class CustomToolCallItem(_Lenient):
     type: Literal["custom_tool_call"]
     call_id: NonEmptyStr
     name: NonEmptyStr
@@ -222,8 +216,7 @@ class CustomToolCallItem:
 
 
 @attrs.define(kw_only=True)
-class ToolOutputItem:
-    __wire_lenient__: ClassVar[bool] = True
+class ToolOutputItem(_Lenient):
     type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: NonEmptyStr
     output: OutputContent
@@ -236,27 +229,24 @@ class ToolOutputItem:
     def message(self, where: str) -> Message:
         """The tool message, its images placed."""
         parts = cast("list[TextPart | ImagePart]", self.output)  # a string's is built
-        content = tuple([_placed(p, f"{where}.output[{j}]") for j, p in enumerate(parts)])
+        content = tuple([_part("tool", p, f"{where}.output[{j}]") for j, p in enumerate(parts)])
         return Message("tool", (ToolResultPart(self.call_id, content),))
 
 
 @attrs.define(kw_only=True)
-class ReasoningText:
-    __wire_lenient__: ClassVar[bool] = True
+class ReasoningText(_Lenient):
     type: Literal["reasoning_text"]
     text: str
 
 
 @attrs.define(kw_only=True)
-class SummaryText:
-    __wire_lenient__: ClassVar[bool] = True
+class SummaryText(_Lenient):
     type: Literal["summary_text"]
     text: str
 
 
 @attrs.define(kw_only=True)
-class ReasoningItem:
-    __wire_lenient__: ClassVar[bool] = True
+class ReasoningItem(_Lenient):
     type: Literal["reasoning"]
     content: list[ReasoningText] | None = None
     summary: list[SummaryText] | None = None
@@ -295,14 +285,12 @@ class GrammarFormat:
 
 
 @attrs.define(kw_only=True)
-class PlainTextFormat:
-    __wire_lenient__: ClassVar[bool] = True
+class PlainTextFormat(_Lenient):
     type: Literal["text"]
 
 
 @attrs.define(kw_only=True)
-class FunctionToolWire:
-    __wire_lenient__: ClassVar[bool] = True
+class FunctionToolWire(_Lenient):
     type: Literal["function"]
     name: NonEmptyStr
     description: str | None = None
@@ -310,34 +298,29 @@ class FunctionToolWire:
     strict: bool | None = wire_field(refused("strict function schemas are not implemented", inert=one_of(False),
                                              message="strict function schemas (strict: true) are not supported"))
 
-    def declare(self, namespace: str | None) -> tuple[Tool, DeclaredTool]:
-        flat = _flat(namespace, self.name)
+    def tool(self, flat: str) -> Tool:
         params = {"type": "object", "properties": {}} if self.parameters is None else self.parameters
-        return Tool(flat, self.description, params), DeclaredTool(flat, self.name, "function", namespace)
+        return Tool(flat, self.description, params)
 
 
 @attrs.define(kw_only=True)
-class CustomToolWire:
-    __wire_lenient__: ClassVar[bool] = True
+class CustomToolWire(_Lenient):
     type: Literal["custom"]
     name: NonEmptyStr
     description: str | None = None
     format: GrammarFormat | PlainTextFormat | None = None
 
-    def declare(self, namespace: str | None) -> tuple[Tool, DeclaredTool]:
-        flat = _flat(namespace, self.name)
-        desc, grammar = self.description, None
-        if type(self.format) is GrammarFormat:
-            grammar = ToolGrammar(self.format.syntax, self.format.definition)
-            # The contract goes into the model's tool description; the completed input is validated
-            # against the grammar before the call is emitted (serving.structured), never constrained.
-            desc = tool_contract(desc, grammar)
-        return Tool(flat, desc, {}, kind="custom", grammar=grammar), DeclaredTool(flat, self.name, "custom", namespace)
+    def tool(self, flat: str) -> Tool:
+        if type(self.format) is not GrammarFormat:
+            return Tool(flat, self.description, {}, kind="custom")
+        grammar = ToolGrammar(self.format.syntax, self.format.definition)
+        # The contract goes into the model's tool description; the completed input is validated
+        # against the grammar before the call is emitted (serving.structured), never constrained.
+        return Tool(flat, tool_contract(self.description, grammar), {}, kind="custom", grammar=grammar)
 
 
 @attrs.define(kw_only=True)
-class NamespaceTool:
-    __wire_lenient__: ClassVar[bool] = True
+class NamespaceTool(_Lenient):
     type: Literal["namespace"]
     name: NonEmptyStr
     tools: list[FunctionToolWire | CustomToolWire]
@@ -367,8 +350,7 @@ ToolWire = FunctionToolWire | CustomToolWire | NamespaceTool | HostedTool
 
 
 @attrs.define(kw_only=True)
-class NamedToolChoice:
-    __wire_lenient__: ClassVar[bool] = True
+class NamedToolChoice(_Lenient):
     type: Literal["function", "custom"]
     name: NonEmptyStr
 
@@ -429,10 +411,8 @@ _STATELESS = "Helios keeps no responses, so every request carries its complete c
 RESPONSES_FIELDS: FieldTable = field_table(
     ResponsesWire,
     model=PROVIDER_ROWS["model"],
-    user=ignored(PROVIDER_ROWS["user"].reason + _ECHOED, str),
-    metadata=ignored(PROVIDER_ROWS["metadata"].reason + _ECHOED, dict),
-    safety_identifier=ignored(PROVIDER_ROWS["safety_identifier"].reason + _ECHOED, str),
-    prompt_cache_key=ignored(PROVIDER_ROWS["prompt_cache_key"].reason + _ECHOED, str),
+    **{name: attrs.evolve(PROVIDER_ROWS[name], reason=PROVIDER_ROWS[name].reason + _ECHOED)
+       for name in ("user", "metadata", "safety_identifier", "prompt_cache_key")},
     service_tier=ignored("one local tier serves every request; the Response reports 'default'", str),
     prompt_cache_retention=PROVIDER_ROWS["prompt_cache_retention"],
     prompt_cache_options=PROVIDER_ROWS["prompt_cache_options"],
@@ -481,9 +461,9 @@ ECHOED_FIELDS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "m
 
 @attrs.frozen
 class DeclaredTool:
-    """One declared tool under the name the model sees (`namespace__name` inside a namespace)."""
+    """One declared tool's wire identity, under the name the model sees (`namespace__name` inside a
+    namespace)."""
 
-    flat_name: str
     name: str
     kind: Literal["function", "custom"]
     namespace: str | None = None
@@ -496,29 +476,31 @@ class ToolSet:
 
     def restore(self, flat_name: str) -> DeclaredTool:
         """The wire identity of a generated call; undeclared names come back as generated."""
-        return self.declared.get(flat_name) or DeclaredTool(flat_name, flat_name, "function")
+        return self.declared.get(flat_name) or DeclaredTool(flat_name, "function")
 
 
 def toolset_of(tools: list[ToolWire] | None, choice: ToolChoiceWire | None) -> tuple[ToolSet, ToolChoice]:
     """Declared tools (namespaced ones flattened to ``namespace__name``) and the choice among them."""
-    declared: dict[str, tuple[Tool, DeclaredTool]] = {}
+    declared: dict[str, DeclaredTool] = {}
+    built: list[Tool] = []
     for i, t in enumerate(tools or ()):
+        entries: list[tuple[str, str | None, FunctionToolWire | CustomToolWire]]  # where, namespace, tool
         if type(t) is NamespaceTool:
             if not t.tools:
                 raise BadRequest(f"tools[{i}].tools must be a nonempty array of function or custom tools",
                                  param=f"tools[{i}].tools")
-            entries = [(f"tools[{i}].tools[{j}]", sub.declare(t.name)) for j, sub in enumerate(t.tools)]
+            entries = [(f"tools[{i}].tools[{j}]", t.name, sub) for j, sub in enumerate(t.tools)]
         else:
-            entries = [(f"tools[{i}]", cast("FunctionToolWire | CustomToolWire", t).declare(None))]
-        for where, entry in entries:
-            flat = entry[1].flat_name
+            entries = [(f"tools[{i}]", None, cast("FunctionToolWire | CustomToolWire", t))]
+        for where, namespace, sub in entries:
+            flat = _flat(namespace, sub.name)
             if flat in declared:
-                raise BadRequest(f"tool name '{flat}' is ambiguous: it is declared more than once (namespaced tools "
-                                 f"are named namespace{NAMESPACE_SEPARATOR}name)", param=f"{where}.name")
-            declared[flat] = entry
-    toolset = ToolSet(tuple(tool for tool, _ in declared.values()),
-                      {name: entry for name, (_, entry) in declared.items()})
-    return toolset, _tool_choice(choice, toolset.declared)
+                raise BadRequest(f"tool name '{flat}' is ambiguous: it is declared more than once "
+                                 f"(namespaced tools are named namespace{NAMESPACE_SEPARATOR}name)",
+                                 param=f"{where}.name")
+            declared[flat] = DeclaredTool(sub.name, sub.type, namespace)
+            built.append(sub.tool(flat))
+    return ToolSet(tuple(built), declared), _tool_choice(choice, declared)
 
 
 def _tool_choice(choice: ToolChoiceWire | None, declared: dict[str, DeclaredTool]) -> ToolChoice:
@@ -546,48 +528,31 @@ BuiltItems = list[Message | ToolCallPart | ReasoningPart | MessageItem | ToolOut
 
 
 def decode_input(raw: str | BuiltItems, instructions: str | None) -> tuple[Message, ...]:
-    """Responses input (a string or built items) → neutral messages. `instructions` lead as a system
-    message."""
-    system = (Message("system", (TextPart(instructions),)),) if instructions else ()
+    """Responses input (a string: one user message, or built items) → neutral messages, `instructions`
+    leading as a system message. Consecutive assistant-side items (reasoning, assistant messages,
+    function and custom calls) form one assistant turn while they keep the order reasoning → text →
+    calls; each tool output is its own tool message."""
     if isinstance(raw, str):
-        return (*system, Message("user", (TextPart(raw),)))
-    if not raw:
+        raw = [Message("user", (TextPart(raw),))]
+    elif not raw:
         raise BadRequest("'input' must contain at least one item", param="input")
-    return (*system, *_turns(raw))
-
-
-def _turns(items: BuiltItems) -> list[Message]:
-    """Built items → messages. Consecutive assistant-side items (reasoning, assistant messages, function
-    and custom calls) form one assistant turn while they keep the order reasoning → text → calls; each
-    tool output is its own tool message."""
-    out: list[Message] = []
-    turn: list[Part] = []
-    rank = 0  # of the turn's last part
-    for i, item in enumerate(items):
+    out: list[Message | list[Part]] = [Message("system", (TextPart(instructions),))] if instructions else []
+    for i, item in enumerate(raw):  # an assistant turn in `out` is the list of its parts
         if type(item) is MessageItem or type(item) is ToolOutputItem:
             item = item.message(f"input[{i}]")
-        if type(item) is Message:
-            if item.role != "assistant":
-                if turn:
-                    out.append(Message("assistant", tuple(turn)))
-                    turn = []
-                out.append(item)
-                continue
-            parts: tuple[Part, ...] = item.parts
-        elif type(item) is ReasoningPart and not item.text:
+        if type(item) is Message and item.role != "assistant":
+            out.append(item)
             continue
-        else:
-            parts = (cast("ToolCallPart | ReasoningPart", item),)
+        parts = item.parts if type(item) is Message else (cast("ToolCallPart | ReasoningPart", item),)
         for part in parts:
-            part_rank = _RANK[type(part)]
-            if turn and part_rank < rank:
-                out.append(Message("assistant", tuple(turn)))
-                turn = []
-            turn.append(part)
-            rank = part_rank
-    if turn:
-        out.append(Message("assistant", tuple(turn)))
-    return out
+            turn = out[-1] if out else None
+            if type(part) is ReasoningPart and not part.text:
+                continue  # empty reasoning replays nothing
+            if isinstance(turn, list) and _RANK[type(turn[-1])] <= _RANK[type(part)]:
+                turn.append(part)
+            else:
+                out.append([part])
+    return tuple([Message("assistant", tuple(m)) if isinstance(m, list) else m for m in out])
 
 
 # -- the request ----------------------------------------------------------------------------------
@@ -595,49 +560,30 @@ def _turns(items: BuiltItems) -> list[Message]:
 
 @attrs.frozen
 class ResponsesPlan:
+    """A decoded Responses request: what to generate, and what the Response object echoes."""
+
     wire: ResponsesWire
-    conversation: ConversationRequest
+    generation: GenerationRequest
     toolset: ToolSet
     stream: bool
-    stops: tuple[str, ...]
-    token_stops: TokenStops
-    num_top_logprobs: int | None
-    logprob_token_ids: tuple[int, ...] | None
     effort: str | None
     summary: str | None
     text_config: dict[str, Any]
     echo: dict[str, Any] = attrs.field(factory=dict, eq=False)
     """`ECHOED_FIELDS` as sent: reported on the Response object, no effect on generation."""
-    constraint: OutputConstraint | None = None
-    """Structured output: ``text.format`` json_object / json_schema or ``structured_outputs``."""
-    thinking_token_budget: int | None = None
-    """The hard reasoning cap (the request's, else the server default)."""
-    thinking_token_budget_param: str | None = None
-    """``thinking_token_budget`` when the request gave it (an unsupported format is then a 400)."""
     tools_as_sent: list[Any] = attrs.field(factory=list, eq=False)
     """``tools`` as sent, which the Response object echoes (`wire` holds them typed)."""
     tool_choice_as_sent: Any = attrs.field(default=None, eq=False)
     """``tool_choice`` as sent (None where absent), which the Response object echoes."""
 
     @property
-    def generation(self) -> GenerationRequest:
-        w = self.wire
-        options = GenerationOptions(
-            max_tokens=w.max_output_tokens,
-            stop=self.stops,
-            token_stops=self.token_stops,
-            ignore_eos=bool(w.ignore_eos),
-            include_stop_str_in_output=bool(w.include_stop_str_in_output),
-            skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
-            num_top_logprobs=self.num_top_logprobs,
-            logprob_token_ids=self.logprob_token_ids,
-            thinking_token_budget=self.thinking_token_budget,
-            thinking_token_budget_param=self.thinking_token_budget_param,
-            constraint=self.constraint,
-        )
-        return GenerationRequest(sampling=self.conversation.sampling, options=options,
-                                 conversation=self.conversation, input_param="input",
-                                 output_param="max_output_tokens", id_prefix="resp")
+    def conversation(self) -> ConversationRequest:
+        assert self.generation.conversation is not None
+        return self.generation.conversation
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return self.generation.options.num_top_logprobs
 
 
 def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
@@ -646,8 +592,7 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
         raise BadRequest("max_output_tokens must be at least 1", param="max_output_tokens")
     budget, budget_param = thinking_budget(w.thinking_token_budget, info.thinking_token_budget)
     fmt = decode_text_format(w.text.format) if w.text is not None else None
-    include = w.include or []
-    wants_logprobs = LOGPROBS_INCLUDE in include
+    wants_logprobs = LOGPROBS_INCLUDE in (w.include or [])
     if w.top_logprobs and not wants_logprobs:
         raise BadRequest(f"top_logprobs requires include: [\"{LOGPROBS_INCLUDE}\"]", param="top_logprobs")
     num_top, explicit = validate_logprob_options(
@@ -658,52 +603,58 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
     token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, info.vocab_size,
                                        string_stops=stops)
     toolset, choice = toolset_of(w.tools, w.tool_choice)
-    effort, summary, effort_kwargs = _reasoning(w.reasoning, info)
-    messages = decode_input(w.input, w.instructions)
+    reasoning = w.reasoning or ReasoningWire()
+    effort_kwargs = _effort_kwargs(reasoning.effort, info)
     conv = ConversationRequest(
-        messages=messages,
+        messages=decode_input(w.input, w.instructions),
         tools=toolset.tools,
         tool_choice=choice,
         parallel_tool_calls=True if w.parallel_tool_calls is None else w.parallel_tool_calls,
         sampling=decode_sampling(w),
         chat_template_kwargs={**effort_kwargs, **(w.chat_template_kwargs or {})},
     )
+    options = GenerationOptions(
+        max_tokens=w.max_output_tokens,
+        stop=stops,
+        token_stops=token_stops,
+        ignore_eos=bool(w.ignore_eos),
+        include_stop_str_in_output=bool(w.include_stop_str_in_output),
+        skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
+        num_top_logprobs=num_top,
+        logprob_token_ids=explicit,
+        thinking_token_budget=budget,
+        thinking_token_budget_param=budget_param,
+        constraint=one_constraint(fmt, decode_structured_outputs(w.structured_outputs)),
+    )
+    generation = GenerationRequest(sampling=conv.sampling, options=options, conversation=conv,
+                                   input_param="input", output_param="max_output_tokens", id_prefix="resp")
+    summary = reasoning.summary if reasoning.summary is not None else reasoning.generate_summary
     echo = {name: obj[name] for name in ECHOED_FIELDS if obj.get(name) is not None}
-    constraint = one_constraint(fmt, decode_structured_outputs(w.structured_outputs))
-    return ResponsesPlan(w, conv, toolset, bool(w.stream), stops, token_stops, num_top, explicit, effort, summary,
-                         _text_config(w.text, fmt), echo, constraint, thinking_token_budget=budget,
-                         thinking_token_budget_param=budget_param, tools_as_sent=list(obj.get("tools") or []),
+    return ResponsesPlan(w, generation, toolset, bool(w.stream), reasoning.effort, summary,
+                         _text_config(w.text, fmt), echo, tools_as_sent=list(obj.get("tools") or []),
                          tool_choice_as_sent=obj.get("tool_choice"))
 
 
 def _text_config(text: TextWire | None, fmt: OutputConstraint | None) -> dict[str, Any]:
     """``text`` as the Response object echoes it: the format as given where it constrains, else text."""
-    out: dict[str, Any] = {"format": {"type": "text"}}
-    if text is None:
-        return out
-    if fmt is not None:
-        out["format"] = dict(text.format)
-    if text.verbosity is not None:
+    out: dict[str, Any] = {"format": {"type": "text"} if text is None or fmt is None else dict(text.format)}
+    if text is not None and text.verbosity is not None:
         out["verbosity"] = text.verbosity
     return out
 
 
-def _reasoning(reasoning: ReasoningWire | None, info: ModelInfo) -> tuple[str | None, str | None, dict[str, Any]]:
-    """(effort as given, summary as given, chat-template kwargs the effort selects)."""
-    if reasoning is None:
-        return None, None, {}
-    summary = reasoning.summary if reasoning.summary is not None else reasoning.generate_summary
-    effort = reasoning.effort
+def _effort_kwargs(effort: str | None, info: ModelInfo) -> dict[str, Any]:
+    """The chat-template kwargs a reasoning effort selects."""
     if effort is None:
-        return None, summary, {}
+        return {}
     if effort == "none":
-        return effort, summary, {"enable_thinking": False}
+        return {"enable_thinking": False}
     from helios.recipes import EffortError, UnknownRecipeError, get_recipe, resolve_effort
 
     try:
         level = resolve_effort(get_recipe(info.recipe), effort)
     except UnknownRecipeError:
-        level = None
+        return {}
     except EffortError as exc:
         raise BadRequest(str(exc), param="reasoning.effort") from None
-    return effort, summary, ({"reasoning_effort": level} if level else {})
+    return {"reasoning_effort": level} if level else {}

@@ -26,25 +26,17 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Literal
 
 import attrs
 
-from helios.domain.conversation import (
-    custom_tool_input,
-)
+from helios.domain.conversation import custom_tool_input
 from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
-from helios.domain.generation import (
-    Accumulated,
-    ChildUpdate,
-    PreparedPrompt,
-    StreamEvent,
-    usage_of,
-)
-from helios.domain.logprobs import TokenLogprob
+from helios.domain.generation import Accumulated, ChildUpdate, PreparedPrompt, StreamEvent, usage_of
 from helios.domain.model import TokenVocabulary
 from helios.domain.sampling import SamplingParams
-from helios.domain.shapes import OMIT, to_json
+from helios.domain.shapes import OMIT, Opt, to_json
 from helios.errors import HeliosError
 from helios.frontends.openai import shapes
 from helios.frontends.openai.logprobs import chat_logprobs
@@ -55,7 +47,6 @@ def response_params(plan: ResponsesPlan, sampling: SamplingParams, model: str) -
     """The request parameters a Response object echoes (the SDK's Response model requires several)."""
     w = plan.wire
     return shapes.ResponseParams(
-        background=False,
         instructions=w.instructions,
         max_output_tokens=w.max_output_tokens,
         max_tool_calls=plan.echo.get("max_tool_calls"),
@@ -67,31 +58,45 @@ def response_params(plan: ResponsesPlan, sampling: SamplingParams, model: str) -
         reasoning={"effort": plan.effort, "summary": plan.summary},
         safety_identifier=plan.echo.get("safety_identifier"),
         service_tier="default",
-        store=False,
         temperature=sampling.temperature,
         text=plan.text_config,
         tool_choice=plan.tool_choice_as_sent if plan.tool_choice_as_sent is not None
-        else ("auto" if plan.toolset.tools else "none"),
+        else plan.conversation.tool_choice.mode,  # absent: auto with tools, else none
         tools=plan.tools_as_sent,
         top_logprobs=w.top_logprobs or 0,
         top_p=sampling.top_p,
-        truncation="disabled",
         user=plan.echo.get("user"),
     )
 
 
 # -- the encoder ----------------------------------------------------------------------------------
 
-ItemKind = Literal["reasoning", "message", "function_call", "custom_tool_call"]
+TextKind = Literal["reasoning", "message"]
+
+_TEXT_ITEMS: dict[str, tuple[str, str, str]] = {
+    "reasoning": ("rs", "response.reasoning_text.delta", "response.reasoning_text.done"),
+    "message": ("msg", "response.output_text.delta", "response.output_text.done"),
+}
+"""A text item's id prefix and the types of its delta and done events."""
 
 
 @attrs.define
 class _OpenItem:
-    kind: ItemKind
+    kind: TextKind
     id: str
     output_index: int
     text: str = ""
     logprobs: list[Any] = attrs.field(factory=list)
+
+    def shapes(self, status: str | None) -> tuple[shapes.OutputItem, shapes.ContentPart]:
+        """The item and its content part as they stand: as added (empty, in progress) where `status` is
+        None, else done with `status`."""
+        if self.kind == "reasoning":
+            text = shapes.ReasoningText(text=self.text)
+            return shapes.ReasoningItem(id=self.id, summary=[], content=[text] if status else []), text
+        part = shapes.OutputText(text=self.text, annotations=[], logprobs=list(self.logprobs))
+        content = [part] if status else []
+        return shapes.MessageItem(id=self.id, status=status or "in_progress", content=content), part
 
 
 class ResponseEncoder:
@@ -114,15 +119,14 @@ class ResponseEncoder:
         prompts: Sequence[PreparedPrompt] = (),
         logprob_content: Callable[[Sequence[Any]], shapes.LogprobEntries] | None = None,
         token_bytes: Callable[[int], bytes] | None = None,
-        response_id: str | None = None,
-        created_at: int | None = None,
     ) -> None:
-        self.id = response_id or _new_id("resp")
-        self.created_at = int(time.time()) if created_at is None else created_at
+        self.id = _new_id("resp")
+        self.created_at = int(time.time())
         self._params = base
         self._toolset = toolset
         self._lp = logprob_content
         self._token_bytes = token_bytes or (lambda _t: b"")
+        self._events: list[shapes.ResponseStreamEvent] = []  # made since the last public call
         self._seq = 0
         self._output: list[shapes.OutputItem] = []
         self._open: _OpenItem | None = None
@@ -136,7 +140,7 @@ class ResponseEncoder:
         self._acc = Accumulated()
         self.status: str = "in_progress"
         self.error: shapes.ResponseError | None = None
-        self.incomplete_reason: str | None = None
+        self.incomplete: shapes.IncompleteDetails | None = None
         self.completed_at: int | None = None
 
     # -- public ---------------------------------------------------------------------------------
@@ -145,51 +149,41 @@ class ResponseEncoder:
         return self.status != "in_progress"
 
     def start(self) -> list[StreamEvent]:
-        return _named([self._event(shapes.ResponseEvent, type="response.created", response=self.response()),
-                       self._event(shapes.ResponseEvent, type="response.in_progress", response=self.response())])
+        for status in ("created", "in_progress"):
+            self._emit(shapes.ResponseEvent, type=f"response.{status}", response=self.response())
+        return self._sent()
 
     def feed(self, index: int, u: ChildUpdate) -> list[StreamEvent]:
-        return _named(self._feed(u))
+        if self.done:
+            return []
+        self._acc.add_counts(u)  # the items are built here; the accumulator only counts
+        self._queue_logprobs(u)
+        for e in u.events:
+            if isinstance(e, TextDelta):
+                if e.text:
+                    self._delta("message", e.text, self._attribute(e.text))
+            elif isinstance(e, ReasoningDelta | ToolCall):
+                self._pending.clear()  # a token's entry needs answer text right after it
+                self._owed = 0
+                if isinstance(e, ToolCall):
+                    self._call(e)
+                elif e.text:
+                    self._delta("reasoning", e.text)
+        if u.finish is not None:
+            self._terminal("incomplete" if u.finish.cause is FinishCause.LENGTH else "completed")
+        return self._sent()
 
     def finish(self) -> list[StreamEvent]:
         return []  # the terminal response event went out with the terminal update
 
     def fail(self, error: HeliosError) -> list[StreamEvent]:
-        return _named(self._fail(error.message))
+        if not self.done:
+            self.error = shapes.ResponseError(code="server_error", message=error.message)
+            self._terminal("failed")
+        return self._sent()
 
     def body(self) -> dict[str, Any]:
         return to_json(self.response())  # type: ignore[no-any-return]
-
-    def _feed(self, u: ChildUpdate) -> list[shapes.ResponseStreamEvent]:
-        if self.done:
-            return []
-        self._acc.add_counts(u)  # the items are built here; the accumulator only counts
-        events: list[shapes.ResponseStreamEvent] = []
-        self._queue_logprobs(u)
-        for e in u.events:
-            if isinstance(e, ReasoningDelta):
-                self._drop_pending()
-                if e.text:
-                    events += self._reasoning(e.text)
-            elif isinstance(e, TextDelta):
-                entries = self._attribute(e.text)
-                if e.text:
-                    events += self._text(e.text, entries)
-            elif isinstance(e, ToolCall):
-                self._drop_pending()
-                events += self._call(e)
-        if u.finish is not None:
-            if u.finish.cause is FinishCause.LENGTH:
-                events += self._terminal("incomplete", "max_output_tokens")
-            else:
-                events += self._terminal("completed", None)
-        return events
-
-    def _fail(self, message: str) -> list[shapes.ResponseStreamEvent]:
-        if self.done:
-            return []
-        self.error = shapes.ResponseError(code="server_error", message=message)
-        return self._terminal("failed", None)
 
     def response(self) -> shapes.Response:
         """The Response as it stands (a snapshot: later events do not change it)."""
@@ -204,122 +198,83 @@ class ResponseEncoder:
                 total_tokens=u.total_tokens)
         return shapes.Response(
             id=self.id, created_at=self.created_at, status=self.status, completed_at=self.completed_at,
-            error=self.error,
-            incomplete_details=shapes.IncompleteDetails(reason=self.incomplete_reason)
-            if self.incomplete_reason else None,
-            params=self._params, output=list(self._output), usage=usage)
+            error=self.error, incomplete_details=self.incomplete, params=self._params, output=list(self._output),
+            usage=usage)
 
     # -- items ----------------------------------------------------------------------------------
-    def _reasoning(self, text: str) -> list[shapes.ResponseStreamEvent]:
-        events = self._ensure_open("reasoning")
+    def _delta(self, kind: TextKind, text: str, entries: Opt[shapes.LogprobEntries] = OMIT) -> None:
+        """Text of the open `kind` item (opened here where another is open); `entries`: its logprobs."""
         item = self._open
-        assert item is not None
+        if item is None or item.kind != kind:
+            self._close_open()
+            self._open = item = _OpenItem(kind, _new_id(_TEXT_ITEMS[kind][0]), len(self._output))
+            added, part = item.shapes(None)
+            self._put(item.output_index, added, "added")
+            self._emit(shapes.ContentPartEvent, type="response.content_part.added", **self._where(item),
+                       part=part)
         item.text += text
-        events.append(self._event(shapes.TextDeltaEvent, type="response.reasoning_text.delta", **self._where(item),
-                                  delta=text))
-        return events
+        if entries is not OMIT:
+            item.logprobs.extend(entries)
+        self._emit(shapes.TextDeltaEvent, type=_TEXT_ITEMS[kind][1], **self._where(item), delta=text,
+                   logprobs=entries)
 
-    def _text(self, text: str, entries: shapes.LogprobEntries) -> list[shapes.ResponseStreamEvent]:
-        events = self._ensure_open("message")
-        item = self._open
-        assert item is not None
-        item.text += text
-        item.logprobs.extend(entries)
-        events.append(self._event(shapes.TextDeltaEvent, type="response.output_text.delta", **self._where(item),
-                                  delta=text,
-                                  logprobs=entries))
-        return events
+    def _close_open(self, status: str = "completed") -> None:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        done, part = item.shapes(status)
+        logprobs = item.logprobs if item.kind == "message" else OMIT
+        self._emit(shapes.TextDoneEvent, type=_TEXT_ITEMS[item.kind][2], **self._where(item), text=item.text,
+                   logprobs=logprobs)
+        self._emit(shapes.ContentPartEvent, type="response.content_part.done", **self._where(item), part=part)
+        self._put(item.output_index, done, "done")
 
-    def _call(self, tc: ToolCall) -> list[shapes.ResponseStreamEvent]:
-        events = self._close_open()
+    def _call(self, tc: ToolCall) -> None:
+        self._close_open()
         tool = self._toolset.restore(tc.name)
         call_id = tc.id or _new_id("call")
         while call_id in self._call_ids:
             call_id = _new_id("call")
         self._call_ids.add(call_id)
         index = len(self._output)
-        added: shapes.OutputItem
-        done: shapes.OutputItem
-        ns = tool.namespace or OMIT
-        if tool.kind == "custom":
-            item_id, value = _new_id("ctc"), custom_tool_input(tc.arguments)
-            added = shapes.CustomToolCallItem(id=item_id, call_id=call_id, name=tool.name, input="", namespace=ns)
-            done = shapes.CustomToolCallItem(id=item_id, call_id=call_id, name=tool.name, input=value, namespace=ns)
-        else:
-            item_id, value = _new_id("fc"), tc.arguments
-            added = shapes.FunctionCallItem(id=item_id, call_id=call_id, name=tool.name, arguments="",
-                                            status="in_progress", namespace=ns)
-            done = shapes.FunctionCallItem(id=item_id, call_id=call_id, name=tool.name, arguments=value,
-                                           status="completed", namespace=ns)
+        custom = tool.kind == "custom"
+        item_id = _new_id("ctc" if custom else "fc")
+        ids: dict[str, Any] = {"id": item_id, "call_id": call_id, "name": tool.name,
+                               "namespace": tool.namespace or OMIT}
         where = {"item_id": item_id, "output_index": index}
-        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.added", output_index=index,
-                                  item=added))
-        if tool.kind == "custom":
-            events.append(self._event(shapes.CallDeltaEvent, type="response.custom_tool_call_input.delta", **where,
-                                      delta=value))
-            events.append(self._event(shapes.CustomToolCallDoneEvent, **where, input=value))
+        if custom:
+            value = custom_tool_input(tc.arguments)
+            self._put(index, shapes.CustomToolCallItem(**ids, input=""), "added")
+            self._emit(shapes.CallDeltaEvent, type="response.custom_tool_call_input.delta", **where,
+                       delta=value)
+            self._emit(shapes.CustomToolCallDoneEvent, **where, input=value)
+            self._put(index, shapes.CustomToolCallItem(**ids, input=value), "done")
         else:
-            events.append(self._event(shapes.CallDeltaEvent, type="response.function_call_arguments.delta", **where,
-                                      delta=value))
-            events.append(self._event(shapes.FunctionCallDoneEvent, **where, name=tool.name, arguments=value))
-        self._output.append(done)
-        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.done", output_index=index,
-                                  item=done))
-        return events
+            value = tc.arguments
+            self._put(index, shapes.FunctionCallItem(**ids, arguments="", status="in_progress"), "added")
+            self._emit(shapes.CallDeltaEvent, type="response.function_call_arguments.delta", **where,
+                       delta=value)
+            self._emit(shapes.FunctionCallDoneEvent, **where, name=tool.name, arguments=value)
+            self._put(index, shapes.FunctionCallItem(**ids, arguments=value, status="completed"), "done")
 
-    def _ensure_open(self, kind: ItemKind) -> list[shapes.ResponseStreamEvent]:
-        if self._open is not None and self._open.kind == kind:
-            return []
-        events = self._close_open()
-        index = len(self._output)
-        added: shapes.OutputItem
-        part: shapes.OutputText | shapes.ReasoningText
-        if kind == "reasoning":
-            item = _OpenItem(kind, _new_id("rs"), index)
-            added, part = shapes.ReasoningItem(id=item.id, summary=[], content=[]), shapes.ReasoningText(text="")
+    def _put(self, index: int, item: shapes.OutputItem, stage: Literal["added", "done"]) -> None:
+        """Output item `index` (a new one at the end) as it now stands, and its output_item event."""
+        if index == len(self._output):
+            self._output.append(item)
         else:
-            item = _OpenItem(kind, _new_id("msg"), index)
-            added = shapes.MessageItem(id=item.id, status="in_progress", content=[])
-            part = shapes.OutputText(text="", annotations=[], logprobs=[])
-        self._output.append(added)
-        self._open = item
-        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.added", output_index=index,
-                                  item=added))
-        events.append(self._event(shapes.ContentPartEvent, type="response.content_part.added", **self._where(item),
-                                  part=part))
-        return events
+            self._output[index] = item
+        self._emit(shapes.OutputItemEvent, type=f"response.output_item.{stage}", output_index=index,
+                   item=item)
 
-    def _close_open(self, status: str = "completed") -> list[shapes.ResponseStreamEvent]:
-        item = self._open
-        if item is None:
-            return []
-        self._open = None
-        where = self._where(item)
-        done: shapes.OutputItem
-        part: shapes.OutputText | shapes.ReasoningText
-        if item.kind == "reasoning":
-            part = shapes.ReasoningText(text=item.text)
-            done = shapes.ReasoningItem(id=item.id, summary=[], content=[part])
-            events = [self._event(shapes.TextDoneEvent, type="response.reasoning_text.done", **where, text=item.text)]
-        else:
-            part = shapes.OutputText(text=item.text, annotations=[], logprobs=item.logprobs)
-            done = shapes.MessageItem(id=item.id, status=status, content=[part])
-            events = [self._event(shapes.TextDoneEvent, type="response.output_text.done", **where, text=item.text,
-                                  logprobs=item.logprobs)]
-        events.append(self._event(shapes.ContentPartEvent, type="response.content_part.done", **where, part=part))
-        self._output[item.output_index] = done
-        events.append(self._event(shapes.OutputItemEvent, type="response.output_item.done",
-                                  output_index=item.output_index, item=done))
-        return events
-
-    def _terminal(self, status: str, reason: str | None) -> list[shapes.ResponseStreamEvent]:
-        events = self._close_open("completed" if status == "completed" else "incomplete")
+    def _terminal(self, status: Literal["completed", "incomplete", "failed"]) -> None:
+        """End the response; it is incomplete only at the output limit."""
+        self._close_open("completed" if status == "completed" else "incomplete")
         self.status = status
-        self.incomplete_reason = reason
+        if status == "incomplete":
+            self.incomplete = shapes.IncompleteDetails(reason="max_output_tokens")
         if status == "completed":
             self.completed_at = int(time.time())
-        events.append(self._event(shapes.ResponseEvent, type=f"response.{status}", response=self.response()))
-        return events
+        self._emit(shapes.ResponseEvent, type=f"response.{status}", response=self.response())
 
     # -- logprob attribution ---------------------------------------------------------------------
     def _queue_logprobs(self, u: ChildUpdate) -> None:
@@ -335,7 +290,7 @@ class ResponseEncoder:
 
     def _attribute(self, text: str) -> shapes.LogprobEntries:
         """Pending tokens whose first byte falls within newly released answer text."""
-        if self._lp is None or not text:
+        if self._lp is None:
             return []
         self._owed += len(text.encode("utf-8"))
         taken: list[Any] = []
@@ -345,15 +300,15 @@ class ResponseEncoder:
             self._owed -= max(1, len(self._token_bytes(record.token_id)))
         return self._lp(taken) if taken else []
 
-    def _drop_pending(self) -> None:
-        self._pending.clear()
-        self._owed = 0
-
     # -- helpers ---------------------------------------------------------------------------------
-    def _event(self, cls: Callable[..., shapes.ResponseStreamEvent], **fields: Any) -> shapes.ResponseStreamEvent:
-        event = cls(sequence_number=self._seq, **fields)
+    def _emit(self, cls: Callable[..., shapes.ResponseStreamEvent], **fields: Any) -> None:
+        self._events.append(cls(sequence_number=self._seq, **fields))
         self._seq += 1
-        return event
+
+    def _sent(self) -> list[StreamEvent]:
+        """The events made since the last public call, named by their type."""
+        events, self._events = self._events, []
+        return [StreamEvent(e, e.type) for e in events]
 
     @staticmethod
     def _where(item: _OpenItem) -> dict[str, Any]:
@@ -364,17 +319,9 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _named(events: list[shapes.ResponseStreamEvent]) -> list[StreamEvent]:
-    return [StreamEvent(e, e.type) for e in events]
-
-
 def make_encoder(plan: ResponsesPlan, prompts: Sequence[PreparedPrompt], sampling: SamplingParams, *, model: str,
                  vocab: TokenVocabulary) -> ResponseEncoder:
-    as_ids = plan.wire.return_tokens_as_token_ids
-
-    def content(records: Sequence[TokenLogprob]) -> list[shapes.ChatLogprob]:
-        return chat_logprobs(records, vocab, as_ids)
-
+    content = partial(chat_logprobs, vocab=vocab, as_ids=plan.wire.return_tokens_as_token_ids)
     return ResponseEncoder(
         base=response_params(plan, sampling, model),
         toolset=plan.toolset,

@@ -199,9 +199,10 @@ class Completion:
 
 @shape
 class ResponseParams:
-    """The request parameters a Response echoes (tools, tool_choice, text and metadata as sent)."""
+    """The request parameters a Response echoes (tools, tool_choice, text and metadata as sent;
+    background, store and truncation are what Helios does)."""
 
-    background: bool
+    background: bool = False
     instructions: Any
     max_output_tokens: int | None
     max_tool_calls: Opt[int | None] = OMIT
@@ -213,14 +214,14 @@ class ResponseParams:
     reasoning: dict[str, Any]
     safety_identifier: Opt[str | None] = OMIT
     service_tier: Opt[str] = OMIT
-    store: bool
+    store: bool = False
     temperature: float | None
     text: Any
     tool_choice: Any
     tools: list[Any]
     top_logprobs: Opt[int] = OMIT
     top_p: float | None
-    truncation: str
+    truncation: str = "disabled"
     user: Opt[str | None] = OMIT
 
 
@@ -277,6 +278,7 @@ class CustomToolCallItem:
 
 
 OutputItem = ReasoningItem | MessageItem | FunctionCallItem | CustomToolCallItem
+ContentPart = OutputText | ReasoningText
 
 
 @shape
@@ -350,7 +352,7 @@ class ContentPartEvent:
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText | ReasoningText
+    part: ContentPart
 
 
 @shape
