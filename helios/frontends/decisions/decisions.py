@@ -20,12 +20,7 @@ from typing import Any, ClassVar, Literal, NewType
 
 import attrs
 
-from helios.domain.decisions import (
-    DecisionQuestion,
-    QuestionScore,
-    expected_level,
-    first_argmax,
-)
+from helios.domain.decisions import DecisionQuestion, QuestionScore, expected_level, first_argmax
 from helios.errors import BadRequest
 from helios.frontends.fields import FieldTable, field_table, honoured, ignored, screen_fields, wire_field
 from helios.frontends.wire import DETAILED, FAST, Invalid, structure

@@ -114,5 +114,5 @@ def _part(raw: bytes, index: int) -> FormPart:
         raise BadRequest(f"multipart part {index + 1} needs Content-Disposition: form-data with a name")
     if headers.get("content-encoding", "identity").lower() not in ("identity", ""):
         raise BadRequest(f"multipart part {index + 1} ('{params['name']}') must not be content-encoded")
-    media = header_params(headers["content-type"])[0] if "content-type" in headers else ""
+    media = header_params(headers.get("content-type", ""))[0]
     return FormPart(params["name"], media, data)
