@@ -35,7 +35,6 @@ class RequestContext:
     send: Any
     state: ServerState
     request_id: str
-    body: bytes = b""
     responded: bool = False
     disconnected: bool = False
     slots: int = 0
@@ -65,9 +64,8 @@ class RequestContext:
     async def read_body(self, *, identity_only: bool = False) -> bytes:
         """The body, bounded by [server] max_body_bytes and decoded per Content-Encoding on the
         frontend worker pool."""
-        self.body = await read_body(self.receive, self.req.headers, self.state.config.server.max_body_bytes,
-                                    limiter=self.state.frontend_limiter, identity_only=identity_only)
-        return self.body
+        return await read_body(self.receive, self.req.headers, self.state.config.server.max_body_bytes,
+                               limiter=self.state.frontend_limiter, identity_only=identity_only)
 
     async def read_json(self, limits: Sequence[CountLimit] = (), *, identity_only: bool = False) -> dict[str, Any]:
         """The body as a JSON object: parsed and checked (nesting, text, the route's item `limits`)
