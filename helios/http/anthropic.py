@@ -2,7 +2,7 @@
 
 Both accept their request the Anthropic way (x-api-key or bearer, `anthropic-version: 2023-06-01`)
 and decode it with the Messages frontend. Errors on these paths take the Anthropic shape
-(`helios.http.dispatch.protocol_of`), as terminal ``error`` events once a stream has started.
+(`helios.http.dispatch.render_error`), as terminal ``error`` events once a stream has started.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ class RequestContext:
     send: Any
     state: ServerState
     request_id: str
-    body: bytes = b""
     responded: bool = False
+    disconnected: bool = False
     slots: int = 0
     stream: EventStream | None = None
     encoder: Encoder | None = None  # a generation's, so errors outside its driver end it its own way
@@ -59,18 +59,13 @@ class RequestContext:
 
     # -- request ----------------------------------------------------------------------------
     def auth(self, *, anthropic: bool = False) -> None:
-        key = self.state.config.server.api_key
-        if anthropic:
-            check_anthropic(self.req.headers, key)
-        else:
-            check_bearer(self.req.headers, key)
+        (check_anthropic if anthropic else check_bearer)(self.req.headers, self.state.config.server.api_key)
 
     async def read_body(self, *, identity_only: bool = False) -> bytes:
         """The body, bounded by [server] max_body_bytes and decoded per Content-Encoding on the
         frontend worker pool."""
-        self.body = await read_body(self.receive, self.req.headers, self.state.config.server.max_body_bytes,
-                                    limiter=self.state.frontend_limiter, identity_only=identity_only)
-        return self.body
+        return await read_body(self.receive, self.req.headers, self.state.config.server.max_body_bytes,
+                               limiter=self.state.frontend_limiter, identity_only=identity_only)
 
     async def read_json(self, limits: Sequence[CountLimit] = (), *, identity_only: bool = False) -> dict[str, Any]:
         """The body as a JSON object: parsed and checked (nesting, text, the route's item `limits`)
@@ -108,48 +103,51 @@ class RequestContext:
         """Run a prepared generation through the one streamed or buffered driver."""
         svc = self.svc
         self.encoder = encoder
-        if stream:
-            out = self.stream = EventStream(self.send, self.headers())
-
-            async def streamed() -> None:
-                await run_streamed(svc, prepared, encoder, out)
-                await out.close()
-
-            await self.run_cancellable(streamed)
+        if not stream:
+            await self.reply(lambda: run_buffered(svc, prepared, encoder))
             return
-        result: dict[str, Any] = {}
+        out = self.stream = EventStream(self.send, self.headers())
 
-        async def buffered() -> None:
-            result.update(await run_buffered(svc, prepared, encoder))
+        async def streamed() -> None:
+            await run_streamed(svc, prepared, encoder, out)
+            await out.close()
 
-        await self.run_cancellable(buffered)
+        await self.run_cancellable(streamed, out)
+
+    async def reply(self, produce: Callable[[], Awaitable[Any]]) -> None:
+        """Reply with the JSON body `produce` returns, unless the client disconnects first."""
+        result: list[Any] = []
+
+        async def run() -> None:
+            result.append(await produce())
+
+        await self.run_cancellable(run)
         if result:  # empty when the client went away first
-            await self.json(result)
+            await self.json(result[0])
 
-    async def run_cancellable(self, body: Callable[[], Awaitable[None]]) -> None:
-        """Run `body` with a sibling task that cancels it when the client disconnects (and, for a
-        stream, one that sends keepalives). Leaving the scope for any reason aborts the request's
-        engine children (serving's open_children does that in its finally)."""
+    async def run_cancellable(self, body: Callable[[], Awaitable[None]], stream: EventStream | None = None) -> None:
+        """Run `body` with a sibling task that cancels it when the client disconnects (noted in
+        `disconnected`) and, for a `stream`, one that sends its keepalives. Leaving the scope for any
+        reason aborts the request's engine children (serving's open_children does that in its finally)."""
         try:
             async with trio.open_nursery() as nursery:
 
                 async def watch() -> None:
-                    while True:
-                        msg = await self.receive()
-                        if msg.get("type") == "http.disconnect":
-                            nursery.cancel_scope.cancel()
-                            return
+                    while (await self.receive()).get("type") != "http.disconnect":
+                        pass
+                    self.disconnected = True
+                    nursery.cancel_scope.cancel()
 
                 nursery.start_soon(watch)
-                if self.stream is not None:
-                    nursery.start_soon(self.stream.keepalive)
+                if stream is not None:
+                    nursery.start_soon(stream.keepalive)
                 try:
                     await body()
                 finally:
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # Re-raise the single application error trio wrapped, so it keeps its status.
-            leaves = list(_leaves(group))
+            leaves = _leaves(group)
             if len(leaves) == 1 and isinstance(leaves[0], Exception):
                 raise leaves[0] from None
             raise
@@ -158,8 +156,7 @@ class RequestContext:
 Handler = Callable[[RequestContext], Awaitable[None]]
 
 
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:  # type: ignore[type-arg]
-    out: list[BaseException] = []
-    for e in group.exceptions:
-        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
-    return out
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in _leaves(e)]
+    return [exc]

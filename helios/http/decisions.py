@@ -25,9 +25,7 @@ async def system_one(ctx: RequestContext) -> None:
     and whose other parts are the assets' images."""
     ctx.auth()
     content_type = (ctx.req.headers.get("content-type") or "").strip()
-    is_multipart = content_type.lower().startswith("multipart/")
-    if is_multipart and parse_content_encoding(ctx.req.headers.get_list("content-encoding")):
-        raise UnsupportedMediaType("multipart request bodies must use identity Content-Encoding")
+    is_multipart = _is_multipart(ctx)
     body = await ctx.read_body(identity_only=is_multipart)
     info = ctx.svc.info
     danger = (ctx.req.headers.get(systemone.DANGER_ZONE_HEADER) or "").strip().lower() == "true"
@@ -55,7 +53,8 @@ async def system_one(ctx: RequestContext) -> None:
 
 async def decide(ctx: RequestContext) -> None:
     ctx.auth()
-    _reject_multipart(ctx)
+    if _is_multipart(ctx):
+        raise BadRequest("multipart bodies are not supported on this text-only route")
     plan = await ctx.offload(decisions.decode_decisions, await ctx.read_json())
     await _score(ctx, plan.input, [q.question for q in plan.questions],
                  lambda scores, model: decisions.encode_decisions(plan, scores, model))
@@ -73,23 +72,16 @@ async def _score(ctx: RequestContext, state: str, questions: Sequence[DecisionQu
     svc = ctx.svc
     scorer = DecisionScorer(svc)
     ctx.admit(1)
-    result: dict[str, Any] = {}
 
-    async def run() -> None:
-        scores = await (scorer.score(state, questions, images) if images else scorer.score(state, questions))
-        result.update(encode(scores, svc.info.public_id))
+    async def run() -> dict[str, Any]:
+        return encode(await scorer.score(state, questions, images), svc.info.public_id)
 
-    await ctx.run_cancellable(run)
-    if result:
-        await ctx.json(result)
+    await ctx.reply(run)
 
 
-def _reject_multipart(ctx: RequestContext) -> None:
-    content_type = (ctx.req.headers.get("content-type") or "").strip().lower()
-    if not content_type.startswith("multipart/"):
-        return
-    if parse_content_encoding(ctx.req.headers.get_list("content-encoding")):
+def _is_multipart(ctx: RequestContext) -> bool:
+    """Whether the body is multipart, which must not be content-encoded (415)."""
+    is_multipart = (ctx.req.headers.get("content-type") or "").strip().lower().startswith("multipart/")
+    if is_multipart and parse_content_encoding(ctx.req.headers.get_list("content-encoding")):
         raise UnsupportedMediaType("multipart request bodies must use identity Content-Encoding")
-    raise BadRequest("multipart bodies are not supported on this text-only route")
-
-
+    return is_multipart

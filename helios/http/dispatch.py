@@ -105,15 +105,6 @@ class Dispatcher:
                 self.state.slots.release(ctx.slots)
 
 
-def protocol_of(path: str) -> str:
-    """Whose error shape a path's errors take."""
-    if path.startswith("/v1/messages"):
-        return "anthropic"
-    if path.startswith("/api/"):
-        return "ollama"
-    return "openai"
-
-
 async def render_error(ctx: RequestContext, exc: HeliosError) -> None:
     """An error in the shape of the path's protocol: a JSON body before the response started; on a
     stream that started, the generation encoder's own terminal error events (`Encoder.fail`: the
@@ -121,35 +112,34 @@ async def render_error(ctx: RequestContext, exc: HeliosError) -> None:
 
     It never fails itself: a body that cannot be built or serialized is replaced by a fixed
     server error in the same shape, so no request ends in a bare 500 without a body."""
-    protocol = protocol_of(ctx.req.path)
-    stream = ctx.stream
+    path, stream = ctx.req.path, ctx.stream
     if stream is not None and stream.started:
         if stream.closed:
             return
         try:
-            for event in ctx.encoder.fail(exc) if ctx.encoder is not None else [_error_event(ctx.req.path, exc)]:
+            for event in ctx.encoder.fail(exc) if ctx.encoder is not None else [_error_event(path, exc)]:
                 await stream.send(event)
         except Exception:
-            log.exception("could not end the stream of %s with its encoder's error events", ctx.req.path)
+            log.exception("could not end the stream of %s with its encoder's error events", path)
             try:  # the protocol's plain terminal error event, which cannot fail to serialize
-                await stream.send(_error_event(ctx.req.path, InternalError("internal error")))
+                await stream.send(_error_event(path, InternalError("internal error")))
             except Exception:
-                log.exception("could not end the stream of %s with an error event", ctx.req.path)
+                log.exception("could not end the stream of %s with an error event", path)
         try:
             await stream.close()
         except Exception:
-            log.exception("could not close the stream of %s", ctx.req.path)
+            log.exception("could not close the stream of %s", path)
         return
     if ctx.responded:
         return
     ctx.responded = True
     status, headers = exc.status, [*ctx.headers(), *exc.headers]
     try:
-        body = dumps(_error_body(protocol, exc)).encode("utf-8")
+        body = dumps(_error_body(path, exc)).encode("utf-8")
     except Exception:
-        log.exception("could not render a %d error on %s; answering 500", exc.status, ctx.req.path)
+        log.exception("could not render a %d error on %s; answering 500", exc.status, path)
         status, headers = 500, ctx.headers()
-        body = dumps(_error_body(protocol, InternalError("internal error: the error could not be rendered")))\
+        body = dumps(_error_body(path, InternalError("internal error: the error could not be rendered")))\
             .encode("utf-8")
     await send_bytes(ctx.send, status, body, JSON_CONTENT_TYPE, headers)
 
@@ -183,17 +173,19 @@ def _error_event(path: str, exc: HeliosError) -> StreamEvent:
     """A terminal stream error in the path's protocol shape, for a stream without a generation encoder
     (or one whose own failure events could not be sent): Messages' `error` event, the Responses
     streaming `error` event, or the Chat-style error object."""
-    if protocol_of(path) == "anthropic":
+    if path.startswith("/v1/messages"):
         return StreamEvent(exc.to_anthropic(), "error")
     if path.startswith("/v1/responses"):
         return StreamEvent(ErrorEvent(code=exc.code or exc.type, message=exc.message, param=exc.param), "error")
     return StreamEvent(exc.to_openai())
 
 
-def _error_body(protocol: str, exc: HeliosError) -> dict[str, Any]:
-    if protocol == "anthropic":
+def _error_body(path: str, exc: HeliosError) -> dict[str, Any]:
+    """A JSON error body in the path's protocol shape: Anthropic's under /v1/messages, Ollama's under
+    /api/ (but a 401, which keeps the OpenAI shape), else OpenAI's."""
+    if path.startswith("/v1/messages"):
         return exc.to_anthropic()
-    if protocol == "ollama" and exc.status not in (401,):
+    if path.startswith("/api/") and exc.status != 401:
         return exc.to_ollama()
     return exc.to_openai()
 

@@ -19,9 +19,7 @@ async def health(ctx: RequestContext) -> None:
     state = ctx.state
     if state.draining:  # graceful shutdown: tell load balancers to stop sending requests here
         raise ServiceUnavailable("the server is shutting down")
-    svc = state.service
-    if svc is None:
-        raise ServiceUnavailable("the model runtime is not loaded")
+    svc = ctx.svc
     # The engine thread died, stopped, failed, or is wedged: no step progress for
     # [server] health_stall_seconds while it has work.
     thread = getattr(state.runtime, "thread", None)
@@ -45,13 +43,11 @@ async def serving_metrics(ctx: RequestContext) -> None:
 
 def wants_json(fmt: str | None, accept: str | None) -> bool:
     """GET /metrics' format: ``?format=json|prometheus``, else the Accept header's preference."""
-    if fmt is not None:
-        if fmt == "json":
-            return True
-        if fmt == "prometheus":
-            return False
+    if fmt is None:
+        return prefers_json(accept)
+    if fmt not in ("json", "prometheus"):
         raise BadRequest(f"unknown metrics format '{fmt}'; use json or prometheus", param="format")
-    return prefers_json(accept)
+    return fmt == "json"
 
 
 ROUTES: list[Route] = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import trio
@@ -72,21 +73,19 @@ class ServerState:
             started = len(self.in_flight)
             if started:
                 log.info("shutdown: admission paused; draining %d in-flight request(s) for up to %g s", started, grace)
-            with trio.move_on_after(grace):
-                while self.in_flight and not self._abort_now.is_set():
-                    await trio.sleep(0.05)
+            await _poll(lambda: not self.in_flight or self._abort_now.is_set(), grace)
             left = list(self.in_flight.values())
             self.aborted = len(left)
             self.drained = max(0, started - self.aborted)
             if left:
                 log.warning("shutdown: aborting %d request(s) still in flight", len(left))
                 self._abort(left)
-                with trio.move_on_after(self.SHUTDOWN_ABORT_WAIT_S):
-                    while self.in_flight:
-                        await trio.sleep(0.05)
+                await _poll(lambda: not self.in_flight, self.SHUTDOWN_ABORT_WAIT_S)
                 for ctx in self.in_flight.values():  # stuck writing to a client that stopped reading
                     ctx.cancel_scope.cancel()
-            await self._wait_engine_idle()
+            svc = self.service
+            if svc is not None:
+                await _poll(lambda: _engine_idle(svc), self.SHUTDOWN_ENGINE_WAIT_S)
         finally:
             self._drain_done.set()
 
@@ -105,17 +104,6 @@ class ServerState:
             # protocol ends a failed stream; every child is aborted in the engine.
             svc.engine.fail_all("the server shut down before generation finished")
 
-    async def _wait_engine_idle(self) -> None:
-        svc = self.service
-        if svc is None:
-            return
-        with trio.move_on_after(self.SHUTDOWN_ENGINE_WAIT_S):
-            while True:
-                stats = svc.engine.stats()
-                if stats is None or (stats.active == 0 and stats.pending == 0) or not svc.engine.healthy:
-                    return
-                await trio.sleep(0.05)
-
     def _input_stats(self) -> dict[str, int] | None:
         """The image-input caches' counters while the loaded model takes images (else None)."""
         images = getattr(self.service, "images", None)
@@ -128,3 +116,16 @@ class ServerState:
         the HTTP admission slots."""
         svc = self.service
         return (svc.engine.stats() if svc is not None else None), self.slots
+
+
+async def _poll(done: Callable[[], bool], seconds: float) -> None:
+    """Until `done()` (checked every 50 ms), for at most `seconds`."""
+    with trio.move_on_after(seconds):
+        while not done():
+            await trio.sleep(0.05)
+
+
+def _engine_idle(svc: Service) -> bool:
+    """The engine holds no request (or cannot make progress on one)."""
+    stats = svc.engine.stats()
+    return stats is None or (stats.active == 0 and stats.pending == 0) or not svc.engine.healthy

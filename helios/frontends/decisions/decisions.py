@@ -20,12 +20,7 @@ from typing import Any, ClassVar, Literal, NewType
 
 import attrs
 
-from helios.domain.decisions import (
-    DecisionQuestion,
-    QuestionScore,
-    expected_level,
-    first_argmax,
-)
+from helios.domain.decisions import DecisionQuestion, QuestionScore, expected_level, first_argmax
 from helios.errors import BadRequest
 from helios.frontends.fields import FieldTable, field_table, honoured, ignored, screen_fields, wire_field
 from helios.frontends.wire import DETAILED, FAST, Invalid, structure
@@ -186,20 +181,11 @@ def decode_decisions(obj: dict[str, Any]) -> DecisionsPlan:
 def encode_decisions(plan: DecisionsPlan, scores: Sequence[QuestionScore], model: str) -> dict[str, Any]:
     """The response body for the label scorer's `scores` of `plan.questions` (in order)."""
     answers = [_answer(q, s) for q, s in zip(plan.questions, scores, strict=True)]
-    input_tokens = sum(s.num_prompt_tokens for s in scores)
-    output_tokens = sum(s.num_output_tokens for s in scores)
-    return {
-        "model": model,
-        "answers": answers,
-        "usage": {
-            "input_tokens": input_tokens,
-            "input_tokens_details": {"cached_tokens": sum(s.num_cached_tokens for s in scores),
-                                     "cache_write_tokens": 0},
-            "output_tokens": output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": input_tokens + output_tokens,
-        },
-    }
+    inputs, outputs = sum(s.num_prompt_tokens for s in scores), sum(s.num_output_tokens for s in scores)
+    cached = sum(s.num_cached_tokens for s in scores)
+    usage = {"input_tokens": inputs, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+             "output_tokens": outputs, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": inputs + outputs}
+    return {"model": model, "answers": answers, "usage": usage}
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ Only what System One needs: the boundary from the Content-Type, each part's head
 
 from __future__ import annotations
 
+import re
+
 import attrs
 
 from helios.errors import BadRequest
@@ -37,25 +39,18 @@ def header_params(value: str) -> tuple[str, dict[str, str]]:
     return head.strip().lower(), params
 
 
+_QUOTED_OR_SEMICOLON = re.compile(r'"(?:\\.|[^"\\])*"?|;', re.S)
+"""A quoted string (its backslash escapes included; unterminated: to the end) or a semicolon."""
+
+
 def _split_params(value: str) -> list[str]:
     """Split on semicolons outside quoted strings."""
-    out, cur, quoted, escaped = [], [], False, False
-    for ch in value:
-        if escaped:
-            cur.append(ch)
-            escaped = False
-        elif ch == "\\" and quoted:
-            cur.append(ch)
-            escaped = True
-        elif ch == '"':
-            cur.append(ch)
-            quoted = not quoted
-        elif ch == ";" and not quoted:
-            out.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    out.append("".join(cur))
+    out, start = [], 0
+    for match in _QUOTED_OR_SEMICOLON.finditer(value):
+        if match.group() == ";":
+            out.append(value[start:match.start()])
+            start = match.end()
+    out.append(value[start:])
     return out
 
 
@@ -97,13 +92,11 @@ def parse_form_data(body: bytes, content_type: str) -> list[FormPart]:
 
 
 def _part(raw: bytes, index: int) -> FormPart:
-    split = raw.find(b"\r\n\r\n")
+    head, blank, data = raw.partition(b"\r\n\r\n")
     if raw.startswith(b"\r\n"):
         head, data = b"", raw[2:]
-    elif split < 0:
+    elif not blank:
         raise BadRequest(f"multipart part {index + 1} has no blank line after its headers")
-    else:
-        head, data = raw[:split], raw[split + 4:]
     if len(head) > MAX_HEADER_BYTES:
         raise BadRequest(f"multipart part {index + 1} has headers over {MAX_HEADER_BYTES} bytes")
     try:
@@ -121,5 +114,5 @@ def _part(raw: bytes, index: int) -> FormPart:
         raise BadRequest(f"multipart part {index + 1} needs Content-Disposition: form-data with a name")
     if headers.get("content-encoding", "identity").lower() not in ("identity", ""):
         raise BadRequest(f"multipart part {index + 1} ('{params['name']}') must not be content-encoded")
-    media = header_params(headers["content-type"])[0] if "content-type" in headers else ""
+    media = header_params(headers.get("content-type", ""))[0]
     return FormPart(params["name"], media, data)

@@ -12,8 +12,9 @@ Completions error shape.
 Image assets (api.md, System One): ``assets`` maps a reference to ``{"type": "image", "format":
 "png"|"jpeg", "data_base64": ...}`` or, in a multipart/form-data body, ``{"part": NAME}`` (the part
 wins over data_base64; every part belongs to exactly one asset). A reference replaces string values
-of the state, instructions and criteria (a whole-value match first, then nonoverlapping matches left
-to right); keys remain text and legends keep the original references. Unused assets are rejected.
+of the state, instructions and criteria (nonoverlapping matches left to right, the longest reference at
+a position, so a value that is a reference is replaced whole); keys remain text and legends keep the
+original references. Unused assets are rejected.
 
 Answers: noul is P(yes) normalized over the two labels; choice returns the most probable criterion
 (the first on a tie), the named probabilities and the Jev choice confidence; score returns the
@@ -106,7 +107,7 @@ _MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"))
 DANGER_ZONE_HEADER = "typesafe-danger-zone-images"
 
 Replace = Callable[[Any], Any]
-"""A JSON value with its asset references replaced (`_Replacer`), or as it is (`_as_is`)."""
+"""A JSON value with its asset references replaced (`_replacer`), or as it is (`_as_is`)."""
 
 
 def _as_is(value: Any) -> Any:
@@ -362,7 +363,7 @@ def decode_systemone(obj: Any, *, model: str = "", vision: bool = False, danger_
     nonce = secrets.token_hex(8)
     markers = {key: f"\ue000{nonce}#{i}\ue001" for i, key in enumerate(images)}
     used: set[str] = set()
-    replace = _Replacer(markers, used)
+    replace = _replacer(markers, used)
     state, questions = render_state(replace(w.state)), w.named(replace)
     unused = [key for key in images if key not in used]
     if unused:
@@ -427,41 +428,34 @@ def _asset_failure(exc: BaseException, where: str, asset: Any) -> BadRequest:
     return BadRequest(message, param="assets")
 
 
-class _Replacer:
-    """References to assets in one string value: a whole-value match first, then nonoverlapping
-    matches from left to right (the longest reference at a position)."""
+def _replacer(markers: dict[str, str], used: set[str]) -> Replace:
+    """References to assets in a JSON value's strings: nonoverlapping matches from left to right, the
+    longest reference at a position (so a string that is a reference is replaced whole); each
+    reference found is added to `used`."""
+    pattern = re.compile("|".join(re.escape(k) for k in sorted(markers, key=len, reverse=True)))
 
-    def __init__(self, markers: dict[str, str], used: set[str]) -> None:
-        self.markers = markers
-        self.used = used
-        self.pattern = re.compile("|".join(re.escape(k) for k in sorted(markers, key=len, reverse=True)))
+    def marker(match: re.Match[str]) -> str:
+        used.add(match.group())
+        return markers[match.group()]
 
-    def __call__(self, value: Any) -> Any:
+    def replace(value: Any) -> Any:
         if isinstance(value, str):
-            if value in self.markers:
-                self.used.add(value)
-                return self.markers[value]
-            return self.pattern.sub(self._one, value)
+            return pattern.sub(marker, value)
         if isinstance(value, dict):  # keys remain text
-            return {k: self(v) for k, v in value.items()}
+            return {k: replace(v) for k, v in value.items()}
         if isinstance(value, list):
-            return [self(v) for v in value]
+            return [replace(v) for v in value]
         return value
 
-    def _one(self, match: re.Match[str]) -> str:
-        self.used.add(match.group())
-        return self.markers[match.group()]
+    return replace
 
 
 def encode_systemone(plan: SystemOnePlan, scores: Sequence[QuestionScore], model: str) -> dict[str, Any]:
     """The response body for the label scorer's `scores` of `plan.questions` (in order)."""
     answers = {q.name: _answer(q, s) for q, s in zip(plan.questions, scores, strict=True)}
-    return {
-        "model": model,
-        "answers": answers,
-        "usage": {"input_tokens": sum(s.num_prompt_tokens for s in scores),
-                  "output_tokens": sum(s.num_output_tokens for s in scores)},
-    }
+    usage = {"input_tokens": sum(s.num_prompt_tokens for s in scores),
+             "output_tokens": sum(s.num_output_tokens for s in scores)}
+    return {"model": model, "answers": answers, "usage": usage}
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -27,70 +27,43 @@ FORMAT = "flare"
 
 def details() -> dict[str, Any]:
     """Ollama's details object; family, parameter-count and quantization labels are unavailable."""
-    return {
-        "parent_model": "",
-        "format": FORMAT,
-        "family": "",
-        "families": [],
-        "parameter_size": "",
-        "quantization_level": "",
-    }
+    return {"parent_model": "", "format": FORMAT, "family": "", "families": [], "parameter_size": "",
+            "quantization_level": ""}
 
 
 def capabilities(info: ModelInfo) -> list[str]:
-    caps = ["completion"]
-    if info.has_vision:
-        caps.append("vision")
-    if info.has_tools:
-        caps.append("tools")
-    if info.has_reasoning:
-        caps.append("thinking")
-    return caps
+    flags = {"vision": info.has_vision, "tools": info.has_tools, "thinking": info.has_reasoning}
+    return ["completion", *(cap for cap, on in flags.items() if on)]
 
 
 def model_info(info: ModelInfo) -> dict[str, Any]:
     """general.name plus the flare.* limits (a vision model's image limits too, under the flare
     card's names). general.architecture names the flare.* prefix so that clients which look up
     `<architecture>.context_length` find the serving limit."""
-    out: dict[str, Any] = {
-        "general.architecture": FORMAT,
-        "general.name": info.public_id,
-        f"{FORMAT}.context_length": info.max_model_len,
-        f"{FORMAT}.vocab_size": info.vocab_size,
-    }
-    if info.has_vision:  # the image limits, as the flare card names them
-        out.update({f"{FORMAT}.{k}": v for k, v in info.vision.card_fields().items()})
-    return out
+    limits = {"context_length": info.max_model_len, "vocab_size": info.vocab_size,
+              **(info.vision.card_fields() if info.has_vision else {})}
+    return {"general.architecture": FORMAT, "general.name": info.public_id,
+            **{f"{FORMAT}.{k}": v for k, v in limits.items()}}
+
+
+def metadata(info: ModelInfo) -> dict[str, Any]:
+    """What /api/show answers and the digest covers: details, model_info and capabilities."""
+    return {"details": details(), "model_info": model_info(info), "capabilities": capabilities(info)}
 
 
 def digest(info: ModelInfo) -> str:
     """A SHA-256 cache key over the prepared model identity and the advertised discovery details.
     It is not an Ollama manifest digest."""
-    identity = {
-        "model_id": info.model_id,
-        "aliases": list(info.aliases),
-        "public_id": info.public_id,
-        "recipe": info.recipe,
-        "details": details(),
-        "model_info": model_info(info),
-        "capabilities": capabilities(info),
-    }
+    identity = {"model_id": info.model_id, "aliases": list(info.aliases), "public_id": info.public_id,
+                "recipe": info.recipe, **metadata(info)}
     canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def tags(info: ModelInfo) -> dict[str, Any]:
     """GET /api/tags: the loaded model as Ollama's local-model listing."""
-    return {
-        "models": [{
-            "name": info.public_id,
-            "model": info.public_id,
-            "modified_at": UNKNOWN_TIME,
-            "size": 0,
-            "digest": digest(info),
-            "details": details(),
-        }]
-    }
+    return {"models": [{"name": info.public_id, "model": info.public_id, "modified_at": UNKNOWN_TIME, "size": 0,
+                        "digest": digest(info), "details": details()}]}
 
 
 @attrs.define(kw_only=True)
@@ -108,9 +81,4 @@ def show(info: ModelInfo, body: dict[str, Any]) -> dict[str, Any]:
     name = structure(body, ShowWire).model
     if name != info.public_id and not info.knows(name):
         raise NotFound(f"model '{name}' not found", code="model_not_found")
-    return {
-        "details": details(),
-        "model_info": model_info(info),
-        "capabilities": capabilities(info),
-        "modified_at": UNKNOWN_TIME,
-    }
+    return {**metadata(info), "modified_at": UNKNOWN_TIME}
