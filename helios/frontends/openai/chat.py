@@ -3,8 +3,7 @@ conversation model, run it, and encode buffered or streamed chat completions."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from itertools import groupby
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar, cast
 
 import attrs
@@ -533,14 +532,13 @@ class ChoiceEncoder(Generic[P]):
     def _usage(self) -> shapes.CompletionUsage:
         return usage_shape(usage_of(self.prompts, self.accs, self.plan.options.n), details=self.usage_details)
 
-    def _event(self, choice: Any, finish: str | None, **fields: Any) -> StreamEvent:
-        """One choice's chunk (`fields`: the chunk's own), with the usage where it is due."""
+    def _event(self, chunk: shapes.ChatCompletionChunk | shapes.Completion, finish: str | None) -> StreamEvent:
+        """A choice's chunk, with the usage where it is due."""
         plan = self.plan
         if plan.continuous_usage or (finish is not None and self.done and plan.options.observe.ids
                                      and not plan.include_usage):
-            fields["usage"] = self._usage()
-        return StreamEvent(self.chunk_shape(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                            **fields))
+            chunk.usage = self._usage()
+        return StreamEvent(chunk)
 
 
 class ChatEncoder(ChoiceEncoder[ChatPlan]):
@@ -614,28 +612,35 @@ class ChatEncoder(ChoiceEncoder[ChatPlan]):
     # -- helpers --------------------------------------------------------------------------------
     def _chunk(self, i: int, delta: shapes.Delta, finish: str | None = None,
                logprobs: shapes.ChoiceLogprobs | None = None, tokens: Tokens = NO_TOKENS) -> StreamEvent:
+        observe = self.plan.options.observe
         choice = shapes.ChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish,
                                     stop_reason=self._stop_reason(i) if finish is not None else OMIT,
-                                    **observation_fields(self.plan.options.observe, *tokens))
-        if not self._prompt_ids_pending:
-            return self._event(choice, finish)
-        self._prompt_ids_pending = False
-        return self._event(choice, finish, prompt_token_ids=self.prompts[0].token_ids)
+                                    token_ids=tokens[0] if observe.ids else OMIT,
+                                    token_timestamps=tokens[1] if observe.timestamps else OMIT)
+        c = shapes.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+        if self._prompt_ids_pending:
+            self._prompt_ids_pending = False
+            c.prompt_token_ids = self.prompts[0].token_ids
+        return self._event(c, finish)
 
     def _deltas(self, i: int, events: Sequence[OutputEvent]) -> list[shapes.Delta]:
         """Chunk deltas for a run of events: adjacent text or reasoning joined (empty text skipped),
         each call its own."""
         deltas: list[shapes.Delta] = []
-        kept = [e for e in events if isinstance(e, ToolCall) or (isinstance(e, TextDelta | ReasoningDelta) and e.text)]
-        for kind, run in groupby(kept, type):
-            if kind is ToolCall:
-                for call in cast("Iterator[ToolCall]", run):
-                    deltas.append(shapes.Delta(tool_calls=[_tool_call(call, self._tool_index[i])]))
-                    self._tool_index[i] += 1
-                continue
-            text = "".join([e.text for e in cast("Iterator[TextDelta | ReasoningDelta]", run)])
-            deltas.append(shapes.Delta(content=text) if kind is TextDelta else
-                          shapes.Delta(reasoning_content=text, reasoning=text))
+        last: type | None = None  # the kind of text the last delta holds
+        for e in events:
+            if isinstance(e, ToolCall):
+                deltas.append(shapes.Delta(tool_calls=[_tool_call(e, self._tool_index[i])]))
+                self._tool_index[i] += 1
+                last = None
+            elif isinstance(e, TextDelta | ReasoningDelta) and e.text:
+                text = e.text
+                if last is type(e):  # joined: the run's delta again, longer
+                    d = deltas.pop()
+                    text = cast(str, d.content if last is TextDelta else d.reasoning) + text
+                deltas.append(shapes.Delta(content=text) if type(e) is TextDelta else
+                              shapes.Delta(reasoning_content=text, reasoning=text))
+                last = type(e)
         return deltas
 
 

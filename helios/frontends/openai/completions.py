@@ -281,10 +281,12 @@ class CompletionEncoder(ChoiceEncoder[CompletionPlan]):
 
     def _chunk(self, i: int, text: str, finish: str | None = None, logprobs: CompletionLogprobs | None = None,
                tokens: Tokens = NO_TOKENS) -> StreamEvent:
+        observe = self.plan.options.observe
         choice = CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish,
                                   stop_reason=self._stop_reason(i) if finish is not None else None,
-                                  **observation_fields(self.plan.options.observe, *tokens))
+                                  token_ids=tokens[0] if observe.ids else OMIT,
+                                  token_timestamps=tokens[1] if observe.timestamps else OMIT)
         if self._prompt_ids_pending[i]:
             self._prompt_ids_pending[i] = False
             choice.prompt_token_ids = self._prompt(i).token_ids
-        return self._event(choice, finish)
+        return self._event(Completion(id=self.id, created=self.created, model=self.model, choices=[choice]), finish)
