@@ -177,11 +177,8 @@ def _assistant(parts: tuple[Part, ...], reasoning_content: str | None, reasoning
                tool_calls: list[ToolCallPart] | None, name: str | None) -> Message:
     """An assistant message: its reasoning (`reasoning_content`, else `reasoning`) first, its calls last."""
     reasoning = reasoning_content if reasoning_content is not None else reasoning
-    if reasoning is not None:
-        parts = (ReasoningPart(reasoning), *parts)
-    if tool_calls:
-        parts = (*parts, *tool_calls)
-    return Message("assistant", parts, name=name)
+    head = () if reasoning is None else (ReasoningPart(reasoning),)
+    return Message("assistant", (*head, *parts, *(tool_calls or ())), name=name)
 
 
 @attrs.define(kw_only=True)
@@ -382,9 +379,10 @@ def output_options(w: TokenObservationFields, vocab_size: int) -> dict[str, Any]
     """The `GenerationOptions` fields Chat Completions and Completions decode alike: the string and
     token stops, the output switches and the token observations."""
     stops = validate_stops(w.stop)
-    return {"stop": stops, "token_stops": validate_token_stops(w.stop_token_ids, w.stop_token_sequences, vocab_size,
-                                                               string_stops=stops),
-            "ignore_eos": bool(w.ignore_eos), "include_stop_str_in_output": bool(w.include_stop_str_in_output),
+    return {"stop": stops, "ignore_eos": bool(w.ignore_eos),
+            "token_stops": validate_token_stops(w.stop_token_ids, w.stop_token_sequences, vocab_size,
+                                                string_stops=stops),
+            "include_stop_str_in_output": bool(w.include_stop_str_in_output),
             "skip_special_tokens": True if w.skip_special_tokens is None else w.skip_special_tokens,
             "observe": decode_observation(w.return_token_ids, w.return_token_timestamps)}
 
@@ -465,7 +463,8 @@ def _finish_reason(finish: Finish | None, has_calls: bool) -> str:
     answer the user did not stop (neither a string nor a token stop) report tool_calls."""
     if finish is not None and finish.cause is FinishCause.LENGTH:
         return "length"
-    if has_calls and finish is not None and finish.cause not in (FinishCause.STOP_STRING, FinishCause.STOP_TOKEN):
+    if has_calls and finish is not None and finish.cause not in (FinishCause.STOP_STRING,
+                                                                   FinishCause.STOP_TOKEN):
         return "tool_calls"
     return "stop"
 
@@ -497,14 +496,15 @@ class ChoiceEncoder(Generic[P]):
     chunk_shape: ClassVar[Callable[..., shapes.ChatCompletionChunk | shapes.Completion]]
     usage_details: ClassVar[bool] = True
 
-    def __init__(self, plan: P, prompts: Sequence[PreparedPrompt], *, model: str, vocab: TokenVocabulary) -> None:
+    def __init__(self, plan: P, prompts: Sequence[PreparedPrompt], *, model: str,
+                 vocab: TokenVocabulary) -> None:
         self.plan = plan
         self.prompts = tuple(prompts)
         self.model = model
         self.vocab = vocab
         self.id = new_id(plan.generation.id_prefix)
         self.created = now()
-        self.accs = [Accumulated() for _ in range(len(self.prompts) * plan.options.n)]  # choice i: prompt i // n
+        self.accs = [Accumulated() for _ in range(len(self.prompts) * plan.options.n)]  # i: prompt i // n
         self._num_finished = 0
 
     @property
@@ -514,8 +514,9 @@ class ChoiceEncoder(Generic[P]):
     def finish(self) -> list[StreamEvent]:
         out: list[StreamEvent] = []
         if self.plan.include_usage:
-            out.append(StreamEvent(self.chunk_shape(id=self.id, created=self.created, model=self.model, choices=[],
-                                                    usage=self._usage())))
+            usage = self.chunk_shape(id=self.id, created=self.created, model=self.model, choices=[],
+                                     usage=self._usage())
+            out.append(StreamEvent(usage))
         out.append(StreamEvent("[DONE]"))
         return out
 
@@ -532,7 +533,8 @@ class ChoiceEncoder(Generic[P]):
     def _usage(self) -> shapes.CompletionUsage:
         return usage_shape(usage_of(self.prompts, self.accs, self.plan.options.n), details=self.usage_details)
 
-    def _event(self, chunk: shapes.ChatCompletionChunk | shapes.Completion, finish: str | None) -> StreamEvent:
+    def _event(self, chunk: shapes.ChatCompletionChunk | shapes.Completion,
+               finish: str | None) -> StreamEvent:
         """A choice's chunk, with the usage where it is due."""
         plan = self.plan
         if plan.continuous_usage or (finish is not None and self.done and plan.options.observe.ids
@@ -602,7 +604,8 @@ class ChatEncoder(ChoiceEncoder[ChatPlan]):
                 lp = shapes.ChoiceLogprobs(content=chat_logprobs(acc.logprobs, self.vocab, self.plan.as_token_ids))
             choices.append(shapes.ChatChoice(
                 index=i, message=msg, logprobs=lp, finish_reason=_finish_reason(acc.finish, bool(acc.tool_calls)),
-                stop_reason=self._stop_reason(i), **observation_fields(opts.observe, acc.token_ids, acc.token_timestamps)))
+                stop_reason=self._stop_reason(i),
+                **observation_fields(opts.observe, acc.token_ids, acc.token_timestamps)))
         return to_json(shapes.ChatCompletion(  # type: ignore[no-any-return]
             id=self.id, created=self.created, model=self.model, choices=choices, usage=self._usage(),
             prompt_logprobs=prompt_scores(self.accs[0].prompt_logprobs or [], opts.prompt_logprobs, self.vocab)
@@ -645,4 +648,5 @@ class ChatEncoder(ChoiceEncoder[ChatPlan]):
 
 
 def _tool_call(call: ToolCall, index: Opt[int] = OMIT) -> shapes.ToolCall:
-    return shapes.ToolCall(id=call.id, index=index, function=shapes.Function(name=call.name, arguments=call.arguments))
+    function = shapes.Function(name=call.name, arguments=call.arguments)
+    return shapes.ToolCall(id=call.id, index=index, function=function)

@@ -116,8 +116,8 @@ def _prompts(p: Prompt, vocab: int) -> tuple[str | tuple[int, ...], ...]:
     batch = not isinstance(p, str) and not (p and isinstance(p[0], int))
     prompts = cast("list[str | list[int]]", p) if batch else [cast("str | list[int]", p)]
     if not prompts:
-        raise BadRequest("prompt must be a string, an array of strings, a nonempty token-id array, or an array of "
-                         "token-id arrays", param="prompt")
+        raise BadRequest("prompt must be a string, an array of strings, a nonempty token-id array, or an "
+                         "array of token-id arrays", param="prompt")
     for k, x in enumerate(prompts):
         if isinstance(x, list):
             param = f"prompt[{k}]" if batch else "prompt"
@@ -165,12 +165,13 @@ def decode_completion(obj: dict[str, Any], info: ModelInfo) -> CompletionPlan:
         prompt_logprobs=engine_k, score_every_choice=stream,
         constraint=decode_structured_outputs(w.structured_outputs), **output)
     generation = GenerationRequest(
-        sampling=decode_sampling(w, info.vocab_size), options=options, prompts=_prompts(w.prompt, info.vocab_size),
+        sampling=decode_sampling(w, info.vocab_size), options=options,
+        prompts=_prompts(w.prompt, info.vocab_size),
         add_special_tokens=True if w.add_special_tokens is None else w.add_special_tokens,
         # max_tokens 0 submits only to score the prompt; otherwise it only tokenizes (and echoes).
         submit=w.max_tokens != 0 or prompt_k is not None, input_param="prompt", id_prefix="cmpl")
-    return CompletionPlan(generation, *streaming, bool(w.return_tokens_as_token_ids), bool(w.echo), w.logprobs,
-                          prompt_k, w.max_tokens == 0)
+    return CompletionPlan(generation, *streaming, bool(w.return_tokens_as_token_ids), bool(w.echo),
+                          w.logprobs, prompt_k, w.max_tokens == 0)
 
 
 def _finish_reason(finish: Finish | None, max_tokens_zero: bool) -> str:
@@ -254,7 +255,8 @@ class CompletionEncoder(ChoiceEncoder[CompletionPlan]):
         for i, acc in enumerate(self.accs):
             pp = self._prompt(i)
             echo = self._echo_text(i)
-            scores = self.accs[i - i % self.n].prompt_logprobs or [] if plan.prompt_logprobs is not None else []
+            scored = plan.prompt_logprobs is not None
+            scores = self.accs[i - i % self.n].prompt_logprobs or [] if scored else []
             lp = None
             if plan.logprobs is not None:
                 head = None
@@ -264,9 +266,10 @@ class CompletionEncoder(ChoiceEncoder[CompletionPlan]):
                                                bool(plan.options.logprob_token_ids), len(echo), into=head)
             choices.append(CompletionChoice(
                 index=i, text=echo + acc.text, logprobs=lp,
-                finish_reason=_finish_reason(acc.finish, plan.max_tokens_zero), stop_reason=self._stop_reason(i),
-                prompt_logprobs=prompt_scores(scores, plan.prompt_logprobs, self.vocab)
-                if plan.prompt_logprobs is not None else None,
+                finish_reason=_finish_reason(acc.finish, plan.max_tokens_zero),
+                stop_reason=self._stop_reason(i),
+                prompt_logprobs=prompt_scores(scores, plan.prompt_logprobs or 0, self.vocab)
+                if scored else None,
                 prompt_token_ids=pp.token_ids if plan.options.observe.ids else OMIT,
                 **observation_fields(plan.options.observe, acc.token_ids, acc.token_timestamps)))
         return to_json(Completion(id=self.id, created=self.created, model=self.model,  # type: ignore[no-any-return]
@@ -289,4 +292,5 @@ class CompletionEncoder(ChoiceEncoder[CompletionPlan]):
         if self._prompt_ids_pending[i]:
             self._prompt_ids_pending[i] = False
             choice.prompt_token_ids = self._prompt(i).token_ids
-        return self._event(Completion(id=self.id, created=self.created, model=self.model, choices=[choice]), finish)
+        return self._event(Completion(id=self.id, created=self.created, model=self.model, choices=[choice]),
+                           finish)

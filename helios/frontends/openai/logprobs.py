@@ -77,9 +77,8 @@ def validate_explicit_ids(ids: list[int] | None, info: ModelInfo) -> tuple[int, 
     if len(ids) > MAX_EXPLICIT_IDS:
         raise BadRequest(f"logprob_token_ids accepts at most {MAX_EXPLICIT_IDS} ids", param="logprob_token_ids")
     if not all(0 <= i < info.vocab_size for i in ids):
-        raise BadRequest(
-            f"logprob_token_ids must contain token ids within 0..{info.vocab_size - 1}", param="logprob_token_ids"
-        )
+        raise BadRequest(f"logprob_token_ids must contain token ids within 0..{info.vocab_size - 1}",
+                         param="logprob_token_ids")
     if info.max_top_logprobs == 0:
         raise BadRequest("this model's core has no explicit-ID logprob inputs; re-export it with logprob outputs "
                          "to use logprob_token_ids", param="logprob_token_ids")
@@ -129,7 +128,8 @@ def completion_logprob_arrays(records: Sequence[TokenLogprob], offsets: Sequence
     for r, off in zip(records, offsets, strict=True):
         block.tokens.append(token_text(vocab, r.token_id, as_ids))
         block.token_logprobs.append(r.logprob)
-        block.top_logprobs.append(_keyed(r.top if explicit else [(r.token_id, r.logprob), *r.top], vocab, as_ids))
+        pairs = r.top if explicit else [(r.token_id, r.logprob), *r.top]
+        block.top_logprobs.append(_keyed(pairs, vocab, as_ids))
         block.text_offset.append(start_offset + off)
     return block
 
@@ -147,29 +147,31 @@ def prompt_logprob_arrays(prompt_ids: Sequence[int], scores: Sequence[PromptLogp
         block.tokens.append(token_text(vocab, token_id, as_ids))
         block.text_offset.append(off)
         off += len(token_text(vocab, token_id))
-        block.token_logprobs.append(None if score is None else score.logprob)
-        block.top_logprobs.append(
-            None if score is None else _keyed([(score.token_id, score.logprob), *score.top[:k]], vocab, as_ids))
+        if score is None:
+            block.token_logprobs.append(None)
+            block.top_logprobs.append(None)
+        else:
+            block.token_logprobs.append(score.logprob)
+            entries = [(score.token_id, score.logprob, score.rank), *score.top[:k]]
+            block.top_logprobs.append(_keyed(entries, vocab, as_ids))
     return block, off
 
 
 def prompt_scores(scores: Sequence[PromptLogprob | None], k: int, vocab: TokenVocabulary) -> PromptLogprobs:
     """The ``prompt_logprobs`` field: the actual token first, then up to ``k`` natural alternatives."""
-    out: PromptLogprobs = []
-    for score in scores:
-        if score is None:
-            out.append(None)
-            continue
-        entry: dict[str, PromptScore] = {}
-        for token_id, logprob, rank in [(score.token_id, score.logprob, score.rank), *score.top[:k]]:
-            key = str(token_id)
-            if key not in entry:
-                entry[key] = PromptScore(logprob=logprob, rank=rank, decoded_token=token_text(vocab, token_id))
-        out.append(entry)
-    return out
+    return [None if score is None else _scored(score, k, vocab) for score in scores]
 
 
-def _keyed(entries: Sequence[tuple[int, float, *tuple[int, ...]]], vocab: TokenVocabulary,
+def _scored(score: PromptLogprob, k: int, vocab: TokenVocabulary) -> dict[str, PromptScore]:
+    entry: dict[str, PromptScore] = {}
+    for token_id, logprob, rank in [(score.token_id, score.logprob, score.rank), *score.top[:k]]:
+        key = str(token_id)
+        if key not in entry:
+            entry[key] = PromptScore(logprob=logprob, rank=rank, decoded_token=token_text(vocab, token_id))
+    return entry
+
+
+def _keyed(entries: Sequence[tuple[int, float] | tuple[int, float, int]], vocab: TokenVocabulary,
            as_ids: bool | None) -> dict[str, float]:
     """Logprobs keyed by token string (entries are (id, logprob) or (id, logprob, rank)); the first
     entry wins where several ids decode alike."""
