@@ -12,7 +12,6 @@ from helios.domain.conversation import (
     ConversationRequest,
     ImagePart,
     Message,
-    Part,
     ReasoningPart,
     TextPart,
     Tool,
@@ -173,7 +172,7 @@ class AssistantMessage:
                           self.tool_calls, self.name)
 
 
-def _assistant(parts: tuple[Part, ...], reasoning_content: str | None, reasoning: str | None,
+def _assistant(parts: tuple[TextPart | ImagePart, ...], reasoning_content: str | None, reasoning: str | None,
                tool_calls: list[ToolCallPart] | None, name: str | None) -> Message:
     """An assistant message: its reasoning (`reasoning_content`, else `reasoning`) first, its calls last."""
     reasoning = reasoning_content if reasoning_content is not None else reasoning

@@ -204,12 +204,10 @@ class CompletionEncoder(ChoiceEncoder[CompletionPlan]):
         self._prompt_ids_pending = [plan.options.observe.ids] * num
 
     def start(self) -> list[StreamEvent]:
-        out: list[StreamEvent] = []
-        if self.plan.echo and not self.plan.echo_logprobs:
-            for i in range(len(self.accs)):
-                self._echo_sent[i] = True
-                out.append(self._chunk(i, self._echo_text(i)))
-        return out
+        if not self.plan.echo or self.plan.echo_logprobs:
+            return []  # no echo, or each choice's echo rides on its first prompt logprob frame
+        self._echo_sent = [True] * len(self.accs)
+        return [self._chunk(i, self._echo_text(i)) for i in range(len(self.accs))]
 
     def feed(self, i: int, u: ChildUpdate) -> list[StreamEvent]:
         plan = self.plan
