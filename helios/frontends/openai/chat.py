@@ -4,7 +4,7 @@ conversation model, run it, and encode buffered or streamed chat completions."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, ClassVar, Literal, cast
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar, cast
 
 import attrs
 
@@ -12,7 +12,6 @@ from helios.domain.conversation import (
     ConversationRequest,
     ImagePart,
     Message,
-    Part,
     ReasoningPart,
     TextPart,
     Tool,
@@ -32,7 +31,7 @@ from helios.domain.generation import (
 )
 from helios.domain.model import ModelInfo, TokenVocabulary
 from helios.domain.sampling import SamplingRequest
-from helios.domain.shapes import OMIT, to_json
+from helios.domain.shapes import OMIT, Opt, to_json
 from helios.errors import BadRequest, HeliosError
 from helios.frontends.common import (
     decode_observation,
@@ -166,23 +165,19 @@ class AssistantMessage:
     def __wire_build__(*, content: Content, name: str | None, tool_calls: list[ToolCallPart] | None,
                        reasoning_content: str | None, reasoning: str | None) -> Message | None:
         parts = _parts(content, None)
-        if parts is None:
-            return None
-        return _assistant(parts, reasoning_content if reasoning_content is not None else reasoning, tool_calls,
-                          name)
+        return None if parts is None else _assistant(parts, reasoning_content, reasoning, tool_calls, name)
 
     def message(self, index: int) -> Message:
-        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
-        return _assistant(_parts(self.content, index) or (), reasoning, self.tool_calls, self.name)
+        return _assistant(_parts(self.content, index) or (), self.reasoning_content, self.reasoning,
+                          self.tool_calls, self.name)
 
 
-def _assistant(parts: tuple[Part, ...], reasoning: str | None, tool_calls: list[ToolCallPart] | None,
-               name: str | None) -> Message:
-    if reasoning is not None:
-        parts = (ReasoningPart(reasoning), *parts)
-    if tool_calls:
-        parts = (*parts, *tool_calls)
-    return Message("assistant", parts, name=name)
+def _assistant(parts: tuple[TextPart | ImagePart, ...], reasoning_content: str | None, reasoning: str | None,
+               tool_calls: list[ToolCallPart] | None, name: str | None) -> Message:
+    """An assistant message: its reasoning (`reasoning_content`, else `reasoning`) first, its calls last."""
+    reasoning = reasoning_content if reasoning_content is not None else reasoning
+    head = () if reasoning is None else (ReasoningPart(reasoning),)
+    return Message("assistant", (*head, *parts, *(tool_calls or ())), name=name)
 
 
 @attrs.define(kw_only=True)
@@ -326,16 +321,14 @@ def decode_messages(messages: list[Message | PlainMessage | AssistantMessage | T
 def decode_tools(tools: list[FunctionTool] | None,
                  tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None) -> tuple[tuple[Tool, ...], ToolChoice]:
     decoded = tuple(Tool(t.function.name, t.function.description, t.function.parameters) for t in tools or ())
-    if tool_choice is None:
-        choice = ToolChoice("auto" if decoded else "none")
-    elif isinstance(tool_choice, NamedToolChoice):
+    if isinstance(tool_choice, NamedToolChoice):
         name = tool_choice.function.name
         if name not in {t.name for t in decoded}:
             raise BadRequest(f"tool_choice names '{name}', which is not a declared tool",
                              param="tool_choice.function.name")
         choice = ToolChoice("named", name)
     else:
-        choice = ToolChoice(tool_choice)
+        choice = ToolChoice(tool_choice or ("auto" if decoded else "none"))
     if choice.mode == "required" and not decoded:
         raise BadRequest("tool_choice 'required' needs at least one declared tool", param="tool_choice")
     return decoded, choice
@@ -366,59 +359,71 @@ def decode_logit_bias(raw: Any, vocab_size: int) -> tuple[tuple[int, float], ...
 
 def decode_sampling(w: Any, vocab_size: int = 0) -> SamplingRequest:
     return SamplingRequest(
-        temperature=w.temperature,
-        top_p=w.top_p,
-        top_k=w.top_k,
-        min_p=w.min_p,
-        repetition_penalty=w.repetition_penalty,
-        presence_penalty=w.presence_penalty,
-        frequency_penalty=w.frequency_penalty,
-        seed=w.seed,
-        logit_bias=decode_logit_bias(getattr(w, "logit_bias", None), vocab_size),
-    )
+        temperature=w.temperature, top_p=w.top_p, top_k=w.top_k, min_p=w.min_p,
+        repetition_penalty=w.repetition_penalty, presence_penalty=w.presence_penalty,
+        frequency_penalty=w.frequency_penalty, seed=w.seed,
+        logit_bias=decode_logit_bias(getattr(w, "logit_bias", None), vocab_size))
+
+
+def decode_stream(stream: bool | None, options: StreamOptions | None) -> tuple[bool, bool, bool]:
+    """Chat Completions and Completions `stream` and `stream_options` → (stream, include_usage,
+    continuous_usage)."""
+    if options is not None and not stream:
+        raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
+    include_usage = bool(options and options.include_usage)
+    return bool(stream), include_usage, include_usage and bool(options and options.continuous_usage_stats)
+
+
+def output_options(w: TokenObservationFields, vocab_size: int) -> dict[str, Any]:
+    """The `GenerationOptions` fields Chat Completions and Completions decode alike: the string and
+    token stops, the output switches and the token observations."""
+    stops = validate_stops(w.stop)
+    return {"stop": stops, "ignore_eos": bool(w.ignore_eos),
+            "token_stops": validate_token_stops(w.stop_token_ids, w.stop_token_sequences, vocab_size,
+                                                string_stops=stops),
+            "include_stop_str_in_output": bool(w.include_stop_str_in_output),
+            "skip_special_tokens": True if w.skip_special_tokens is None else w.skip_special_tokens,
+            "observe": decode_observation(w.return_token_ids, w.return_token_timestamps)}
 
 
 # -- decode -------------------------------------------------------------------------------------
 
 
 @attrs.frozen
-class ChatPlan:
-    """A decoded Chat Completions request: what to generate, and how to encode it."""
+class StreamPlan:
+    """A decoded Chat Completions or Completions request: what to generate, and how to encode it."""
 
     generation: GenerationRequest
     stream: bool
     include_usage: bool
     continuous_usage: bool
-    as_token_ids: bool = False
+    as_token_ids: bool
     """return_tokens_as_token_ids: logprob tokens read ``token_id:<id>``."""
-
-    @property
-    def conversation(self) -> ConversationRequest:
-        assert self.generation.conversation is not None
-        return self.generation.conversation
 
     @property
     def options(self) -> GenerationOptions:
         return self.generation.options
 
 
+@attrs.frozen
+class ChatPlan(StreamPlan):
+    @property
+    def conversation(self) -> ConversationRequest:
+        assert self.generation.conversation is not None
+        return self.generation.conversation
+
+
 def decode_chat(obj: dict[str, Any], info: ModelInfo) -> ChatPlan:
     w = structure(screen_fields(obj, CHAT_FIELDS), ChatWire)
     n = 1 if w.n is None else w.n
-    if n < 1 or n > 128:
+    if not 1 <= n <= 128:
         raise BadRequest("n must be between 1 and 128", param="n")
-    stream = bool(w.stream)
-    if w.stream_options is not None and not stream:
-        raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
-    prompt_k = validate_prompt_logprobs(w.prompt_logprobs, info, stream=stream)
-    stops = validate_stops(w.stop)
-    token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, info.vocab_size,
-                                       string_stops=stops)
-    observe = decode_observation(w.return_token_ids, w.return_token_timestamps)
+    streaming = decode_stream(w.stream, w.stream_options)
+    prompt_k = validate_prompt_logprobs(w.prompt_logprobs, info, stream=streaming[0])
+    output = output_options(w, info.vocab_size)
     budget, budget_param = thinking_budget(w.thinking_token_budget, info.thinking_token_budget)
-    num_top, explicit = validate_logprob_options(
-        logprobs=w.logprobs, top_logprobs=w.top_logprobs, logprob_token_ids=w.logprob_token_ids, info=info
-    )
+    num_top, explicit = validate_logprob_options(logprobs=w.logprobs, top_logprobs=w.top_logprobs,
+                                                 logprob_token_ids=w.logprob_token_ids, info=info)
     tools, choice = decode_tools(w.tools, w.tool_choice)
     if w.continue_final_message and w.add_generation_prompt:
         raise BadRequest("continue_final_message and add_generation_prompt cannot both be true",
@@ -426,47 +431,27 @@ def decode_chat(obj: dict[str, Any], info: ModelInfo) -> ChatPlan:
     max_tokens = w.max_completion_tokens if w.max_completion_tokens is not None else w.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest("max_tokens must be at least 1", param="max_tokens")
-    messages = decode_messages(w.messages)
+    template_kwargs = w.chat_template_kwargs or {}
     conv = ConversationRequest(
-        messages=messages,
-        tools=tools,
-        tool_choice=choice,
+        messages=decode_messages(w.messages), tools=tools, tool_choice=choice,
         parallel_tool_calls=True if w.parallel_tool_calls is None else w.parallel_tool_calls,
         sampling=decode_sampling(w, info.vocab_size),
         add_generation_prompt=not w.continue_final_message if w.add_generation_prompt is None else w.add_generation_prompt,
         continue_final_message=bool(w.continue_final_message),
-        chat_template_kwargs={
-            **chat_effort_kwargs(w.reasoning_effort, dict(w.chat_template_kwargs or {}), info.recipe,
-                                 "reasoning_effort" in obj),
-            **(w.chat_template_kwargs or {}),
-        },
-    )
+        chat_template_kwargs={**chat_effort_kwargs(w.reasoning_effort, dict(template_kwargs), info.recipe,
+                                                   "reasoning_effort" in obj), **template_kwargs})
     options = GenerationOptions(
-        n=n,
-        max_tokens=max_tokens,
-        stop=stops,
-        token_stops=token_stops,
-        ignore_eos=bool(w.ignore_eos),
-        include_stop_str_in_output=bool(w.include_stop_str_in_output),
-        skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
-        num_top_logprobs=num_top,
-        logprob_token_ids=explicit,
+        n=n, max_tokens=max_tokens, num_top_logprobs=num_top, logprob_token_ids=explicit,
         prompt_logprobs=prompt_k,  # every choice shares the prompt: the first one scores it
-        observe=observe,
-        thinking_token_budget=budget,
-        thinking_token_budget_param=budget_param,
+        thinking_token_budget=budget, thinking_token_budget_param=budget_param,
         constraint=one_constraint(decode_response_format(w.response_format),
-                                  decode_structured_outputs(w.structured_outputs)),
-    )
+                                  decode_structured_outputs(w.structured_outputs)), **output)
     generation = GenerationRequest(
         sampling=conv.sampling, options=options, conversation=conv,
         output_param="max_completion_tokens" if w.max_completion_tokens is not None else "max_tokens",
         id_prefix="chatcmpl",
     )
-    so = w.stream_options
-    include_usage = bool(so and so.include_usage)
-    return ChatPlan(generation, stream, include_usage, include_usage and bool(so and so.continuous_usage_stats),
-                    bool(w.return_tokens_as_token_ids))
+    return ChatPlan(generation, *streaming, bool(w.return_tokens_as_token_ids))
 
 
 # -- encode -------------------------------------------------------------------------------------
@@ -475,11 +460,10 @@ def decode_chat(obj: dict[str, Any], info: ModelInfo) -> ChatPlan:
 def _finish_reason(finish: Finish | None, has_calls: bool) -> str:
     """Spec, "Conversation and tool semantics": the output limit wins; parsed calls that complete an
     answer the user did not stop (neither a string nor a token stop) report tool_calls."""
-    if finish is None:
-        return "stop"
-    if finish.cause is FinishCause.LENGTH:
+    if finish is not None and finish.cause is FinishCause.LENGTH:
         return "length"
-    if has_calls and finish.cause not in (FinishCause.STOP_STRING, FinishCause.STOP_TOKEN):
+    if has_calls and finish is not None and finish.cause not in (FinishCause.STOP_STRING,
+                                                                   FinishCause.STOP_TOKEN):
         return "tool_calls"
     return "stop"
 
@@ -496,7 +480,69 @@ def usage_shape(usage: Usage, *, details: bool = True) -> shapes.CompletionUsage
         if details else OMIT)
 
 
-class ChatEncoder:
+Tokens = tuple[Sequence[int], Sequence[float]]
+"""A chunk's generated token ids and their timestamps (empty where the chunk adds none)."""
+NO_TOKENS: Tokens = ((), ())
+P = TypeVar("P", bound=StreamPlan)
+
+
+class ChoiceEncoder(Generic[P]):
+    """What the Chat Completions and Completions encoders share: one accumulation per choice, the
+    usage, and the stream's chunks and end. A chunk carries the usage with continuous usage stats,
+    and the terminal chunk the final usage where token ids are observed without a separate usage
+    chunk (include_usage)."""
+
+    chunk_shape: ClassVar[Callable[..., shapes.ChatCompletionChunk | shapes.Completion]]
+    usage_details: ClassVar[bool] = True
+
+    def __init__(self, plan: P, prompts: Sequence[PreparedPrompt], *, model: str,
+                 vocab: TokenVocabulary) -> None:
+        self.plan = plan
+        self.prompts = tuple(prompts)
+        self.model = model
+        self.vocab = vocab
+        self.id = new_id(plan.generation.id_prefix)
+        self.created = now()
+        self.accs = [Accumulated() for _ in range(len(self.prompts) * plan.options.n)]  # i: prompt i // n
+        self._num_finished = 0
+
+    @property
+    def done(self) -> bool:
+        return self._num_finished == len(self.accs)
+
+    def finish(self) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        if self.plan.include_usage:
+            usage = self.chunk_shape(id=self.id, created=self.created, model=self.model, choices=[],
+                                     usage=self._usage())
+            out.append(StreamEvent(usage))
+        out.append(StreamEvent("[DONE]"))
+        return out
+
+    def fail(self, error: HeliosError) -> list[StreamEvent]:
+        """What passed the rules went out; the stream ends in an error object, without [DONE]."""
+        return [StreamEvent({"error": error.to_openai()["error"]})]
+
+    def _tokens(self, u: ChildUpdate) -> Tokens:
+        return (u.token_ids, u.token_timestamps) if self.plan.options.observe.ids else NO_TOKENS
+
+    def _stop_reason(self, i: int) -> str | int | list[int] | None:
+        return token_stop_reason(self.accs[i].finish, self.accs[i].token_ids, self.plan.options.token_stops)
+
+    def _usage(self) -> shapes.CompletionUsage:
+        return usage_shape(usage_of(self.prompts, self.accs, self.plan.options.n), details=self.usage_details)
+
+    def _event(self, chunk: shapes.ChatCompletionChunk | shapes.Completion,
+               finish: str | None) -> StreamEvent:
+        """A choice's chunk, with the usage where it is due."""
+        plan = self.plan
+        if plan.continuous_usage or (finish is not None and self.done and plan.options.observe.ids
+                                     and not plan.include_usage):
+            chunk.usage = self._usage()
+        return StreamEvent(chunk)
+
+
+class ChatEncoder(ChoiceEncoder[ChatPlan]):
     """Chat Completions: screened child updates → `chat.completion.chunk` events, or one
     `chat.completion` body (the same accumulation).
 
@@ -507,24 +553,14 @@ class ChatEncoder:
     without a separate usage chunk (include_usage), the terminal chunk the final usage (spec,
     "Reasoning, sampling, and usage")."""
 
+    chunk_shape = shapes.ChatCompletionChunk
+
     def __init__(self, plan: ChatPlan, prompts: Sequence[PreparedPrompt], *, model: str,
                  vocab: TokenVocabulary) -> None:
-        self.plan = plan
-        self.prompts = tuple(prompts)
-        self.model = model
-        self.vocab = vocab
-        self.id = new_id("chatcmpl")
-        self.created = now()
-        n = plan.options.n
-        self.accs = [Accumulated() for _ in range(n)]
-        self._started = [False] * n
-        self._tool_index = [0] * n
+        super().__init__(plan, prompts, model=model, vocab=vocab)
+        self._started = [False] * len(self.accs)
+        self._tool_index = [0] * len(self.accs)
         self._prompt_ids_pending = plan.options.observe.ids
-        self._num_finished = 0
-
-    @property
-    def done(self) -> bool:
-        return self._num_finished == len(self.accs)
 
     def start(self) -> list[StreamEvent]:
         return []  # the role chunk waits for a choice's first token
@@ -533,59 +569,41 @@ class ChatEncoder:
         acc = self.accs[index]
         acc.add(u)
         out: list[StreamEvent] = []
-        observe = self.plan.options.observe
         if not self._started[index] and (u.token_ids or u.events):
             self._started[index] = True
             out.append(self._chunk(index, shapes.Delta(role="assistant", content="")))
         lp = None
         if self.plan.options.num_top_logprobs is not None and u.logprobs:
             lp = shapes.ChoiceLogprobs(content=chat_logprobs(u.logprobs, self.vocab, self.plan.as_token_ids))
-        tokens: tuple[Sequence[int], Sequence[float]] = (u.token_ids, u.token_timestamps) if observe.ids else ((), ())
-        for delta in self._deltas(index, u.events):
+        tokens = self._tokens(u)
+        deltas = self._deltas(index, u.events)
+        if not deltas and lp is not None:
+            deltas.append(shapes.Delta(content=""))
+        elif not deltas and tokens[0] and u.finish is None:  # ids whose text is held back or has no text
+            deltas.append(shapes.Delta())
+        for delta in deltas:
             out.append(self._chunk(index, delta, logprobs=lp, tokens=tokens))
-            lp, tokens = None, ((), ())
-        if lp is not None:
-            out.append(self._chunk(index, shapes.Delta(content=""), logprobs=lp, tokens=tokens))
-            tokens = ((), ())
-        if tokens[0] and u.finish is None:  # ids whose text is held back or has no text
-            out.append(self._chunk(index, shapes.Delta(), tokens=tokens))
-            tokens = ((), ())
+            lp, tokens = None, NO_TOKENS
         if u.finish is not None:  # the finish chunk takes the ids not sent yet
             self._num_finished += 1
-            out.append(self._chunk(
-                index, shapes.Delta(), _finish_reason(u.finish, bool(acc.tool_calls)), tokens=tokens,
-                stop_reason=token_stop_reason(u.finish, acc.token_ids, self.plan.options.token_stops),
-                terminal=self.done))
+            out.append(self._chunk(index, shapes.Delta(), _finish_reason(u.finish, bool(acc.tool_calls)),
+                                   tokens=tokens))
         return out
-
-    def finish(self) -> list[StreamEvent]:
-        out: list[StreamEvent] = []
-        if self.plan.include_usage:
-            out.append(StreamEvent(shapes.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                                              choices=[], usage=self._usage())))
-        out.append(StreamEvent("[DONE]"))
-        return out
-
-    def fail(self, error: HeliosError) -> list[StreamEvent]:
-        """What passed the rules went out; the stream ends in an error object, without [DONE]."""
-        return [StreamEvent({"error": error.to_openai()["error"]})]
 
     def body(self) -> dict[str, Any]:
         opts = self.plan.options
         choices = []
         for i, acc in enumerate(self.accs):
-            msg = shapes.ChatCompletionMessage(content=acc.text if (acc.text or not acc.tool_calls) else None)
-            if acc.reasoning:
-                msg.reasoning_content = msg.reasoning = acc.reasoning
-            if acc.tool_calls:
-                msg.tool_calls = [shapes.ToolCall(id=c.id, function=shapes.Function(name=c.name, arguments=c.arguments))
-                                  for c in acc.tool_calls]
+            msg = shapes.ChatCompletionMessage(
+                content=acc.text if (acc.text or not acc.tool_calls) else None,
+                reasoning_content=acc.reasoning or OMIT, reasoning=acc.reasoning or OMIT,
+                tool_calls=[_tool_call(c) for c in acc.tool_calls] or OMIT)
             lp = None
             if opts.num_top_logprobs is not None:
                 lp = shapes.ChoiceLogprobs(content=chat_logprobs(acc.logprobs, self.vocab, self.plan.as_token_ids))
             choices.append(shapes.ChatChoice(
                 index=i, message=msg, logprobs=lp, finish_reason=_finish_reason(acc.finish, bool(acc.tool_calls)),
-                stop_reason=token_stop_reason(acc.finish, acc.token_ids, opts.token_stops),
+                stop_reason=self._stop_reason(i),
                 **observation_fields(opts.observe, acc.token_ids, acc.token_timestamps)))
         return to_json(shapes.ChatCompletion(  # type: ignore[no-any-return]
             id=self.id, created=self.created, model=self.model, choices=choices, usage=self._usage(),
@@ -594,48 +612,40 @@ class ChatEncoder:
             prompt_token_ids=self.prompts[0].token_ids if opts.observe.ids else OMIT))
 
     # -- helpers --------------------------------------------------------------------------------
-    def _usage(self) -> shapes.CompletionUsage:
-        return usage_shape(usage_of(self.prompts, self.accs, self.plan.options.n))
-
     def _chunk(self, i: int, delta: shapes.Delta, finish: str | None = None,
-               logprobs: shapes.ChoiceLogprobs | None = None, stop_reason: str | int | list[int] | None = None,
-               tokens: tuple[Sequence[int], Sequence[float]] = ((), ()),
-               terminal: bool = False) -> StreamEvent:
+               logprobs: shapes.ChoiceLogprobs | None = None, tokens: Tokens = NO_TOKENS) -> StreamEvent:
         observe = self.plan.options.observe
         choice = shapes.ChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish,
-                             stop_reason=stop_reason if finish is not None else OMIT,
-                             token_ids=tokens[0] if observe.ids else OMIT,
-                             token_timestamps=tokens[1] if observe.timestamps else OMIT)
+                                    stop_reason=self._stop_reason(i) if finish is not None else OMIT,
+                                    token_ids=tokens[0] if observe.ids else OMIT,
+                                    token_timestamps=tokens[1] if observe.timestamps else OMIT)
         c = shapes.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
         if self._prompt_ids_pending:
             self._prompt_ids_pending = False
             c.prompt_token_ids = self.prompts[0].token_ids
-        if self.plan.continuous_usage or (terminal and observe.ids and not self.plan.include_usage):
-            c.usage = self._usage()
-        return StreamEvent(c)
+        return self._event(c, finish)
 
     def _deltas(self, i: int, events: Sequence[OutputEvent]) -> list[shapes.Delta]:
-        """Chunk deltas for a run of events: adjacent text or reasoning joined, each call its own."""
+        """Chunk deltas for a run of events: adjacent text or reasoning joined (empty text skipped),
+        each call its own."""
         deltas: list[shapes.Delta] = []
-        last: str | None = None
+        last: type | None = None  # the kind of text the last delta holds
         for e in events:
             if isinstance(e, ToolCall):
-                function = shapes.Function(name=e.name, arguments=e.arguments)
-                deltas.append(shapes.Delta(tool_calls=[shapes.ToolCall(id=e.id, index=self._tool_index[i],
-                                                                       function=function)]))
+                deltas.append(shapes.Delta(tool_calls=[_tool_call(e, self._tool_index[i])]))
                 self._tool_index[i] += 1
                 last = None
             elif isinstance(e, TextDelta | ReasoningDelta) and e.text:
-                kind = "content" if isinstance(e, TextDelta) else "reasoning"
-                if last == kind:
-                    d = deltas[-1]
-                    if kind == "content":
-                        d.content = cast(str, d.content) + e.text
-                    else:
-                        d.reasoning_content = d.reasoning = cast(str, d.reasoning) + e.text
-                elif kind == "content":
-                    deltas.append(shapes.Delta(content=e.text))
-                else:
-                    deltas.append(shapes.Delta(reasoning_content=e.text, reasoning=e.text))
-                last = kind
+                text = e.text
+                if last is type(e):  # joined: the run's delta again, longer
+                    d = deltas.pop()
+                    text = cast(str, d.content if last is TextDelta else d.reasoning) + text
+                deltas.append(shapes.Delta(content=text) if type(e) is TextDelta else
+                              shapes.Delta(reasoning_content=text, reasoning=text))
+                last = type(e)
         return deltas
+
+
+def _tool_call(call: ToolCall, index: Opt[int] = OMIT) -> shapes.ToolCall:
+    function = shapes.Function(name=call.name, arguments=call.arguments)
+    return shapes.ToolCall(id=call.id, index=index, function=function)

@@ -9,26 +9,16 @@ import attrs
 
 from helios.domain.events import Finish, FinishCause, TextDelta
 from helios.domain.generation import (
-    Accumulated,
     ChildUpdate,
     GenerationOptions,
     GenerationRequest,
     PreparedPrompt,
     StreamEvent,
-    usage_of,
 )
 from helios.domain.model import ModelInfo, TokenVocabulary
 from helios.domain.shapes import OMIT, to_json
-from helios.errors import BadRequest, HeliosError
-from helios.frontends.common import (
-    decode_observation,
-    new_id,
-    now,
-    observation_fields,
-    token_stop_reason,
-    validate_stops,
-    validate_token_stops,
-)
+from helios.errors import BadRequest
+from helios.frontends.common import observation_fields
 from helios.frontends.fields import (
     PROVIDER_ROWS,
     FieldTable,
@@ -39,7 +29,16 @@ from helios.frontends.fields import (
     screen_fields,
     wire_field,
 )
-from helios.frontends.openai.chat import StreamOptions, decode_sampling, usage_shape
+from helios.frontends.openai.chat import (
+    NO_TOKENS,
+    ChoiceEncoder,
+    StreamOptions,
+    StreamPlan,
+    Tokens,
+    decode_sampling,
+    decode_stream,
+    output_options,
+)
 from helios.frontends.openai.logprobs import (
     check_capacity,
     completion_logprob_arrays,
@@ -49,7 +48,7 @@ from helios.frontends.openai.logprobs import (
     validate_explicit_ids,
     validate_prompt_logprobs,
 )
-from helios.frontends.openai.shapes import Completion, CompletionChoice, CompletionLogprobs, CompletionUsage
+from helios.frontends.openai.shapes import Completion, CompletionChoice, CompletionLogprobs
 from helios.frontends.structured import decode_structured_outputs
 from helios.frontends.wire import structure
 
@@ -96,43 +95,29 @@ COMPLETION_FIELDS: FieldTable = field_table(
 
 
 @attrs.frozen
-class CompletionPlan:
+class CompletionPlan(StreamPlan):
     """A decoded Completions request: what to generate, and how to encode it."""
 
-    generation: GenerationRequest
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
     echo: bool
     logprobs: int | None
     """The Completions `logprobs` integer: alternatives in the logprob arrays (None: no arrays)."""
     prompt_logprobs: int | None = None
     """Alternatives in choices[i].prompt_logprobs (explicit, or inferred from echo + logprobs)."""
     max_tokens_zero: bool = False
-    as_token_ids: bool = False
-
-    @property
-    def options(self) -> GenerationOptions:
-        return self.generation.options
 
     @property
     def echo_logprobs(self) -> bool:
         """echo with integer logprobs: prompt entries lead the Completions arrays."""
         return self.echo and self.logprobs is not None
 
-    @property
-    def scores_prompt(self) -> bool:
-        return self.prompt_logprobs is not None
 
-
-def _prompts(p: Prompt, vocab: int) -> list[str | list[int]]:
+def _prompts(p: Prompt, vocab: int) -> tuple[str | tuple[int, ...], ...]:
+    """The request's prompts (one, or a batch); token-id prompts nonempty and within the vocabulary."""
     batch = not isinstance(p, str) and not (p and isinstance(p[0], int))
-    prompts: list[str | list[int]] = list(cast("list[str | list[int]]", p)) if batch else [cast("str | list[int]", p)]
+    prompts = cast("list[str | list[int]]", p) if batch else [cast("str | list[int]", p)]
     if not prompts:
-        raise BadRequest(
-            "prompt must be a string, an array of strings, a nonempty token-id array, or an array of token-id arrays",
-            param="prompt",
-        )
+        raise BadRequest("prompt must be a string, an array of strings, a nonempty token-id array, or an "
+                         "array of token-id arrays", param="prompt")
     for k, x in enumerate(prompts):
         if isinstance(x, list):
             param = f"prompt[{k}]" if batch else "prompt"
@@ -141,7 +126,7 @@ def _prompts(p: Prompt, vocab: int) -> list[str | list[int]]:
             bad = [t for t in x if not 0 <= t < vocab]
             if bad:
                 raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param=param)
-    return prompts
+    return tuple(x if isinstance(x, str) else tuple(x) for x in prompts)
 
 
 def decode_completion(obj: dict[str, Any], info: ModelInfo) -> CompletionPlan:
@@ -155,9 +140,8 @@ def decode_completion(obj: dict[str, Any], info: ModelInfo) -> CompletionPlan:
         raise BadRequest("n must be between 1 and 128", param="n")
     if w.best_of is not None and w.best_of != n:
         raise BadRequest("best_of must equal n; ranked sampling is not supported", param="best_of")
-    stream = bool(w.stream)
-    if w.stream_options is not None and not stream:
-        raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
+    streaming = decode_stream(w.stream, w.stream_options)
+    stream = streaming[0]
     prompt_k = validate_prompt_logprobs(w.prompt_logprobs, info, stream=stream)
     if w.logprobs is not None:
         if not 0 <= w.logprobs <= 20:
@@ -172,43 +156,22 @@ def decode_completion(obj: dict[str, Any], info: ModelInfo) -> CompletionPlan:
         raise BadRequest("logprob_token_ids requires logprobs", param="logprob_token_ids")
     if w.max_tokens is not None and w.max_tokens < 0:
         raise BadRequest("max_tokens must not be negative", param="max_tokens")
-    stops = validate_stops(w.stop)
-    token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, info.vocab_size,
-                                       string_stops=stops)
-    echo = bool(w.echo)
-    echo_logprobs = echo and w.logprobs is not None
+    output = output_options(w, info.vocab_size)
     # Alternatives the engine scores per prompt position: enough for the field and the arrays.
-    engine_k = None if prompt_k is None else max(prompt_k, (w.logprobs or 0) if echo_logprobs else 0)
+    engine_k = None if prompt_k is None else max(prompt_k, (w.logprobs or 0) if w.echo else 0)
+    # Buffered choices of one prompt share its scores; streamed ones frame their own.
     options = GenerationOptions(
-        n=n,
-        max_tokens=w.max_tokens,
-        stop=stops,
-        token_stops=token_stops,
-        ignore_eos=bool(w.ignore_eos),
-        include_stop_str_in_output=bool(w.include_stop_str_in_output),
-        skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
-        num_top_logprobs=w.logprobs,
-        logprob_token_ids=explicit,
-        prompt_logprobs=engine_k,
-        # Buffered choices of one prompt share its scores; streamed ones frame their own.
-        score_every_choice=stream,
-        observe=decode_observation(w.return_token_ids, w.return_token_timestamps),
-        constraint=decode_structured_outputs(w.structured_outputs),
-    )
+        n=n, max_tokens=w.max_tokens, num_top_logprobs=w.logprobs, logprob_token_ids=explicit,
+        prompt_logprobs=engine_k, score_every_choice=stream,
+        constraint=decode_structured_outputs(w.structured_outputs), **output)
     generation = GenerationRequest(
-        sampling=decode_sampling(w, info.vocab_size),
-        options=options,
-        prompts=tuple(p if isinstance(p, str) else tuple(p) for p in _prompts(w.prompt, info.vocab_size)),
+        sampling=decode_sampling(w, info.vocab_size), options=options,
+        prompts=_prompts(w.prompt, info.vocab_size),
         add_special_tokens=True if w.add_special_tokens is None else w.add_special_tokens,
         # max_tokens 0 submits only to score the prompt; otherwise it only tokenizes (and echoes).
-        submit=w.max_tokens != 0 or prompt_k is not None,
-        input_param="prompt",
-        id_prefix="cmpl",
-    )
-    so = w.stream_options
-    include_usage = bool(so and so.include_usage)
-    return CompletionPlan(generation, stream, include_usage, include_usage and bool(so and so.continuous_usage_stats),
-                          echo, w.logprobs, prompt_k, w.max_tokens == 0, bool(w.return_tokens_as_token_ids))
+        submit=w.max_tokens != 0 or prompt_k is not None, input_param="prompt", id_prefix="cmpl")
+    return CompletionPlan(generation, *streaming, bool(w.return_tokens_as_token_ids), bool(w.echo),
+                          w.logprobs, prompt_k, w.max_tokens == 0)
 
 
 def _finish_reason(finish: Finish | None, max_tokens_zero: bool) -> str:
@@ -217,7 +180,7 @@ def _finish_reason(finish: Finish | None, max_tokens_zero: bool) -> str:
     return "stop"
 
 
-class CompletionEncoder:
+class CompletionEncoder(ChoiceEncoder[CompletionPlan]):
     """Completions: screened child updates → `text_completion` chunks, or one body.
 
     Streams choices; with echo + logprobs each completed prompt chunk is one logprob frame (the first
@@ -227,83 +190,61 @@ class CompletionEncoder:
     Choice i answers prompt i // n. A request that submits nothing (max_tokens 0 without prompt
     scoring) ends every choice with `length` after its echo."""
 
+    chunk_shape = Completion
+    usage_details = False
+
     def __init__(self, plan: CompletionPlan, prompts: Sequence[PreparedPrompt], *, model: str,
                  vocab: TokenVocabulary) -> None:
-        self.plan = plan
-        self.prompts = tuple(prompts)
-        self.model = model
-        self.vocab = vocab
-        self.id = new_id("cmpl")
-        self.created = now()
+        super().__init__(plan, prompts, model=model, vocab=vocab)
         self.n = plan.options.n
-        num = len(self.prompts) * self.n
-        self.accs = [Accumulated() for _ in range(num)]
-        self._submitted = plan.generation.submit
+        num = len(self.accs)
         self._echo_sent = [False] * num
         self._prompt_pos = [0] * num  # prompt positions already framed
         self._prompt_off = [0] * num  # their characters (decoded token strings)
         self._prompt_ids_pending = [plan.options.observe.ids] * num
-        self._num_finished = 0
-
-    @property
-    def done(self) -> bool:
-        return self._num_finished == len(self.accs)
 
     def start(self) -> list[StreamEvent]:
-        out: list[StreamEvent] = []
-        if self.plan.echo and not self.plan.echo_logprobs:
-            for i in range(len(self.accs)):
-                self._echo_sent[i] = True
-                out.append(self._chunk(i, self._echo_text(i)))
-        return out
+        if not self.plan.echo or self.plan.echo_logprobs:
+            return []  # no echo, or each choice's echo rides on its first prompt logprob frame
+        self._echo_sent = [True] * len(self.accs)
+        return [self._chunk(i, self._echo_text(i)) for i in range(len(self.accs))]
 
     def feed(self, i: int, u: ChildUpdate) -> list[StreamEvent]:
         plan = self.plan
-        acc = self.accs[i]
-        acc.add(u)
+        self.accs[i].add(u)
         out: list[StreamEvent] = []
+        echo = "" if self._echo_sent[i] else self._echo_text(i)
+        self._echo_sent[i] = True
         if plan.echo_logprobs and u.prompt_logprobs:
             assert plan.logprobs is not None
             block, self._prompt_off[i] = prompt_logprob_arrays(
                 self._prompt(i).token_ids, u.prompt_logprobs, plan.logprobs, self.vocab, plan.as_token_ids,
                 start_offset=self._prompt_off[i], first_position=self._prompt_pos[i])
             self._prompt_pos[i] += len(u.prompt_logprobs)
-            out.append(self._chunk(i, "" if self._echo_sent[i] else self._echo_text(i), logprobs=block))
-            self._echo_sent[i] = True
-        if not self._echo_sent[i]:
-            self._echo_sent[i] = True
-            if self._echo_text(i):
-                out.append(self._chunk(i, self._echo_text(i)))
+            out.append(self._chunk(i, echo, logprobs=block))
+        elif echo:
+            out.append(self._chunk(i, echo))
         text = "".join(e.text for e in u.events if isinstance(e, TextDelta))
         lp = None
         if plan.logprobs is not None and u.logprobs:
             lp = completion_logprob_arrays(u.logprobs, u.logprob_offsets, self.vocab, plan.as_token_ids,
-                                     bool(plan.options.logprob_token_ids), len(self._echo_text(i)))
-        tokens: tuple[Sequence[int], Sequence[float]] = (
-            (u.token_ids, u.token_timestamps) if plan.options.observe.ids else ((), ()))
+                                           bool(plan.options.logprob_token_ids), len(self._echo_text(i)))
+        tokens = self._tokens(u)
         if text or lp is not None or (tokens[0] and u.finish is None):
             out.append(self._chunk(i, text, logprobs=lp, tokens=tokens))
-            tokens = ((), ())
+            tokens = NO_TOKENS
         if u.finish is not None:  # it takes the ids not sent yet (a terminating token's)
             self._num_finished += 1
-            out.append(self._chunk(i, "", _finish_reason(u.finish, plan.max_tokens_zero), tokens=tokens,
-                                   stop_reason=token_stop_reason(u.finish, acc.token_ids, plan.options.token_stops)))
+            out.append(self._chunk(i, "", _finish_reason(u.finish, plan.max_tokens_zero), tokens=tokens))
         return out
 
     def finish(self) -> list[StreamEvent]:
         out: list[StreamEvent] = []
-        if not self._submitted:
+        if not self.plan.generation.submit:
             for i in range(len(self.accs)):
                 self._num_finished += 1
                 out.append(self._chunk(i, "", "length"))
-        if self.plan.include_usage:
-            out.append(StreamEvent(Completion(id=self.id, created=self.created, model=self.model, choices=[],
-                                              usage=self._usage())))
-        out.append(StreamEvent("[DONE]"))
-        return out
-
-    def fail(self, error: HeliosError) -> list[StreamEvent]:
-        return [StreamEvent({"error": error.to_openai()["error"]})]
+        return out + super().finish()
 
     def body(self) -> dict[str, Any]:
         plan = self.plan
@@ -312,20 +253,21 @@ class CompletionEncoder:
         for i, acc in enumerate(self.accs):
             pp = self._prompt(i)
             echo = self._echo_text(i)
-            scores = self.accs[i - i % self.n].prompt_logprobs or [] if plan.scores_prompt else []
+            scored = plan.prompt_logprobs is not None
+            scores = self.accs[i - i % self.n].prompt_logprobs or [] if scored else []
             lp = None
             if plan.logprobs is not None:
-                lp = CompletionLogprobs()
-                if plan.echo_logprobs:
-                    lp.extend(prompt_logprob_arrays(pp.token_ids, scores, plan.logprobs, self.vocab, as_ids)[0])
-                lp.extend(completion_logprob_arrays(acc.logprobs, acc.logprob_offsets, self.vocab, as_ids,
-                                                    bool(plan.options.logprob_token_ids), len(echo)))
+                head = None
+                if plan.echo_logprobs:  # the echoed prompt's entries lead the arrays
+                    head = prompt_logprob_arrays(pp.token_ids, scores, plan.logprobs, self.vocab, as_ids)[0]
+                lp = completion_logprob_arrays(acc.logprobs, acc.logprob_offsets, self.vocab, as_ids,
+                                               bool(plan.options.logprob_token_ids), len(echo), into=head)
             choices.append(CompletionChoice(
                 index=i, text=echo + acc.text, logprobs=lp,
                 finish_reason=_finish_reason(acc.finish, plan.max_tokens_zero),
-                stop_reason=token_stop_reason(acc.finish, acc.token_ids, plan.options.token_stops),
+                stop_reason=self._stop_reason(i),
                 prompt_logprobs=prompt_scores(scores, plan.prompt_logprobs or 0, self.vocab)
-                if plan.scores_prompt else None,
+                if scored else None,
                 prompt_token_ids=pp.token_ids if plan.options.observe.ids else OMIT,
                 **observation_fields(plan.options.observe, acc.token_ids, acc.token_timestamps)))
         return to_json(Completion(id=self.id, created=self.created, model=self.model,  # type: ignore[no-any-return]
@@ -338,21 +280,15 @@ class CompletionEncoder:
     def _echo_text(self, i: int) -> str:
         return self._prompt(i).text if self.plan.echo else ""
 
-    def _usage(self) -> CompletionUsage:
-        return usage_shape(usage_of(self.prompts, self.accs, self.n), details=False)
-
     def _chunk(self, i: int, text: str, finish: str | None = None, logprobs: CompletionLogprobs | None = None,
-               stop_reason: str | int | list[int] | None = None,
-               tokens: tuple[Sequence[int], Sequence[float]] = ((), ())) -> StreamEvent:
+               tokens: Tokens = NO_TOKENS) -> StreamEvent:
         observe = self.plan.options.observe
-        choice = CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason,
+        choice = CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish,
+                                  stop_reason=self._stop_reason(i) if finish is not None else None,
                                   token_ids=tokens[0] if observe.ids else OMIT,
                                   token_timestamps=tokens[1] if observe.timestamps else OMIT)
         if self._prompt_ids_pending[i]:
             self._prompt_ids_pending[i] = False
             choice.prompt_token_ids = self._prompt(i).token_ids
-        c = Completion(id=self.id, created=self.created, model=self.model, choices=[choice])
-        if self.plan.continuous_usage or (observe.ids and not self.plan.include_usage and finish is not None
-                                          and self.done):
-            c.usage = self._usage()
-        return StreamEvent(c)
+        return self._event(Completion(id=self.id, created=self.created, model=self.model, choices=[choice]),
+                           finish)

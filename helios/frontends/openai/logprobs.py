@@ -70,22 +70,19 @@ def check_capacity(k: int, info: ModelInfo, *, param: str) -> None:
 
 
 def validate_explicit_ids(ids: list[int] | None, info: ModelInfo) -> tuple[int, ...] | None:
-    """At most 128 ids before deduplication, each within the vocabulary; duplicates keep the first."""
+    """At most 128 ids before deduplication, each within the vocabulary (the wire type makes them
+    integers); duplicates keep the first."""
     if not ids:
         return None
     if len(ids) > MAX_EXPLICIT_IDS:
         raise BadRequest(f"logprob_token_ids accepts at most {MAX_EXPLICIT_IDS} ids", param="logprob_token_ids")
-    seen: dict[int, None] = {}
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < info.vocab_size:
-            raise BadRequest(
-                f"logprob_token_ids must contain token ids within 0..{info.vocab_size - 1}", param="logprob_token_ids"
-            )
-        seen.setdefault(i, None)
+    if not all(0 <= i < info.vocab_size for i in ids):
+        raise BadRequest(f"logprob_token_ids must contain token ids within 0..{info.vocab_size - 1}",
+                         param="logprob_token_ids")
     if info.max_top_logprobs == 0:
         raise BadRequest("this model's core has no explicit-ID logprob inputs; re-export it with logprob outputs "
                          "to use logprob_token_ids", param="logprob_token_ids")
-    return tuple(seen)
+    return tuple(dict.fromkeys(ids))
 
 
 def validate_prompt_logprobs(value: int | None, info: ModelInfo, *, stream: bool) -> int | None:
@@ -107,34 +104,31 @@ def require_prompt_scoring(info: ModelInfo, *, param: str) -> None:
 # -- encoders -------------------------------------------------------------------------------------
 
 
-def token_text(vocab: TokenVocabulary, token_id: int, as_ids: bool | None) -> str:
+def token_text(vocab: TokenVocabulary, token_id: int, as_ids: bool | None = False) -> str:
+    """A token's text: its bytes decoded with U+FFFD replacement, or ``token_id:<id>`` where `as_ids`."""
     if as_ids:
         return f"token_id:{token_id}"
     return vocab.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-def decoded_text(vocab: TokenVocabulary, token_id: int) -> str:
-    return vocab.token_bytes(token_id).decode("utf-8", errors="replace")
-
-
-def token_entry(vocab: TokenVocabulary, token_id: int, logprob: float, as_ids: bool | None) -> TopLogprob:
-    return TopLogprob(token=token_text(vocab, token_id, as_ids), logprob=logprob, bytes=vocab.token_bytes(token_id))
-
-
 def chat_logprobs(records: Sequence[TokenLogprob], vocab: TokenVocabulary, as_ids: bool | None) -> list[ChatLogprob]:
     return [ChatLogprob(token=token_text(vocab, r.token_id, as_ids), logprob=r.logprob,
                         bytes=vocab.token_bytes(r.token_id),
-                        top_logprobs=[token_entry(vocab, t, lp, as_ids) for t, lp in r.top]) for r in records]
+                        top_logprobs=[TopLogprob(token=token_text(vocab, t, as_ids), logprob=lp,
+                                                 bytes=vocab.token_bytes(t)) for t, lp in r.top])
+            for r in records]
 
 
 def completion_logprob_arrays(records: Sequence[TokenLogprob], offsets: Sequence[int], vocab: TokenVocabulary,
-                              as_ids: bool | None, explicit: bool, start_offset: int = 0) -> CompletionLogprobs:
-    """Completions arrays for generated tokens; ``offsets`` come from the output pipeline."""
-    block = CompletionLogprobs()
+                              as_ids: bool | None, explicit: bool, start_offset: int = 0,
+                              into: CompletionLogprobs | None = None) -> CompletionLogprobs:
+    """Completions arrays for generated tokens (appended to `into`, the echoed prompt's, where given);
+    ``offsets`` come from the output pipeline."""
+    block = CompletionLogprobs() if into is None else into
     for r, off in zip(records, offsets, strict=True):
         block.tokens.append(token_text(vocab, r.token_id, as_ids))
         block.token_logprobs.append(r.logprob)
-        pairs = list(r.top) if explicit else [(r.token_id, r.logprob), *r.top]
+        pairs = r.top if explicit else [(r.token_id, r.logprob), *r.top]
         block.top_logprobs.append(_keyed(pairs, vocab, as_ids))
         block.text_offset.append(start_offset + off)
     return block
@@ -152,35 +146,36 @@ def prompt_logprob_arrays(prompt_ids: Sequence[int], scores: Sequence[PromptLogp
         token_id = prompt_ids[first_position + i]
         block.tokens.append(token_text(vocab, token_id, as_ids))
         block.text_offset.append(off)
-        off += len(decoded_text(vocab, token_id))
+        off += len(token_text(vocab, token_id))
         if score is None:
             block.token_logprobs.append(None)
             block.top_logprobs.append(None)
-            continue
-        block.token_logprobs.append(score.logprob)
-        pairs = [(score.token_id, score.logprob)] + [(t, lp) for t, lp, _ in score.top[:k]]
-        block.top_logprobs.append(_keyed(pairs, vocab, as_ids))
+        else:
+            block.token_logprobs.append(score.logprob)
+            entries = [(score.token_id, score.logprob, score.rank), *score.top[:k]]
+            block.top_logprobs.append(_keyed(entries, vocab, as_ids))
     return block, off
 
 
 def prompt_scores(scores: Sequence[PromptLogprob | None], k: int, vocab: TokenVocabulary) -> PromptLogprobs:
     """The ``prompt_logprobs`` field: the actual token first, then up to ``k`` natural alternatives."""
-    out: PromptLogprobs = []
-    for score in scores:
-        if score is None:
-            out.append(None)
-            continue
-        entry: dict[str, PromptScore] = {}
-        for token_id, logprob, rank in [(score.token_id, score.logprob, score.rank), *score.top[:k]]:
-            key = str(token_id)
-            if key not in entry:
-                entry[key] = PromptScore(logprob=logprob, rank=rank, decoded_token=decoded_text(vocab, token_id))
-        out.append(entry)
-    return out
+    return [None if score is None else _scored(score, k, vocab) for score in scores]
 
 
-def _keyed(pairs: Sequence[tuple[int, float]], vocab: TokenVocabulary, as_ids: bool | None) -> dict[str, float]:
+def _scored(score: PromptLogprob, k: int, vocab: TokenVocabulary) -> dict[str, PromptScore]:
+    entry: dict[str, PromptScore] = {}
+    for token_id, logprob, rank in [(score.token_id, score.logprob, score.rank), *score.top[:k]]:
+        key = str(token_id)
+        if key not in entry:
+            entry[key] = PromptScore(logprob=logprob, rank=rank, decoded_token=token_text(vocab, token_id))
+    return entry
+
+
+def _keyed(entries: Sequence[tuple[int, float] | tuple[int, float, int]], vocab: TokenVocabulary,
+           as_ids: bool | None) -> dict[str, float]:
+    """Logprobs keyed by token string (entries are (id, logprob) or (id, logprob, rank)); the first
+    entry wins where several ids decode alike."""
     top: dict[str, float] = {}
-    for token_id, logprob in pairs:
-        top.setdefault(token_text(vocab, token_id, as_ids), logprob)  # the first entry wins
+    for entry in entries:
+        top.setdefault(token_text(vocab, entry[0], as_ids), entry[1])
     return top

@@ -34,25 +34,21 @@ def model_card(info: ModelInfo, created: int) -> dict[str, Any]:
             "group": None,
             "is_blocking": False,
         }],
-        "flare": flare_object(info),
-    }
-
-
-def flare_object(info: ModelInfo) -> dict[str, Any]:
-    return {
-        "vocab_size": info.vocab_size,
-        "max_top_logprobs": info.max_top_logprobs,
-        "max_concurrency": info.max_concurrency,
-        "prefill_chunk_size": info.prefill_chunk_size,
-        "default_max_tokens": info.default_max_tokens,
-        "sampling_defaults": info.sampling_defaults,
-        "thinking_token_budget": info.thinking_token_budget,
-        "sampling_ranges": info.sampling_ranges,
-        # The image limits (spec: all zero for a text-only core), then the modalities.
-        **(info.vision.card_fields() if info.has_vision else VisionLimits().card_fields()),
-        "input_modalities": ["text", "image"] if info.has_vision else ["text"],
-        "output_modalities": ["text"],
-        "speculative": speculative_object(info),
+        "flare": {
+            "vocab_size": info.vocab_size,
+            "max_top_logprobs": info.max_top_logprobs,
+            "max_concurrency": info.max_concurrency,
+            "prefill_chunk_size": info.prefill_chunk_size,
+            "default_max_tokens": info.default_max_tokens,
+            "sampling_defaults": info.sampling_defaults,
+            "thinking_token_budget": info.thinking_token_budget,
+            "sampling_ranges": info.sampling_ranges,
+            # The image limits (spec: all zero for a text-only core), then the modalities.
+            **(info.vision.card_fields() if info.has_vision else VisionLimits().card_fields()),
+            "input_modalities": ["text", "image"] if info.has_vision else ["text"],
+            "output_modalities": ["text"],
+            "speculative": speculative_object(info),
+        },
     }
 
 
@@ -61,16 +57,16 @@ def speculative_object(info: ModelInfo) -> dict[str, Any]:
     mode, its depth limit, the proposers that draft in the order they are asked, and whether a learned
     drafter (a draft model, ``"draft"``, or the checkpoint's MTP layers, ``"mtp"``) is one of them."""
     on = info.speculative_mode != "off"
+    history = on and info.speculative_history
     learned = info.speculative_learned if on else None
-    draft = learned is not None
-    proposers = ["ngram", *(["history"] if info.speculative_history else []), *([learned] if learned else [])]
+    proposers = ["ngram", *(["history"] if history else []), *([learned] if learned else [])]
     return {
         "mode": info.speculative_mode,
         "max_depth": info.speculative_max_depth if on else 0,
         "proposers": proposers if on else [],
         "adaptive_depth": info.speculative_mode == "adaptive",
-        "history_drafts": on and info.speculative_history,
-        "learned_drafter": draft,
+        "history_drafts": history,
+        "learned_drafter": learned is not None,
     }
 
 

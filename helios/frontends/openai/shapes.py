@@ -44,12 +44,6 @@ class CompletionLogprobs:
     top_logprobs: list[dict[str, float] | None] = attrs.field(factory=list)
     text_offset: list[int] = attrs.field(factory=list)
 
-    def extend(self, other: CompletionLogprobs) -> None:
-        self.tokens += other.tokens
-        self.token_logprobs += other.token_logprobs
-        self.top_logprobs += other.top_logprobs
-        self.text_offset += other.text_offset
-
 
 @shape
 class PromptScore:
