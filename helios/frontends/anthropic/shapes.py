@@ -121,5 +121,3 @@ class MessageDelta:
 class MessageStop:
     type: Literal["message_stop"] = "message_stop"
 
-
-StreamEventShape = MessageStart | ContentBlockStart | ContentBlockDelta | ContentBlockStop | MessageDelta | MessageStop
