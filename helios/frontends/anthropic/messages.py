@@ -21,7 +21,6 @@ from helios.domain.conversation import (
     ConversationRequest,
     ImagePart,
     Message,
-    Part,
     ReasoningPart,
     TextPart,
     Tool,
@@ -178,7 +177,7 @@ class ToolResultBlock:
             return None  # a breakpoint, or content with a block that is not built (an image, a marked text)
         return ToolResultPart(tool_use_id, _content_parts(content, ""), is_error=bool(is_error))
 
-    def part(self, where: str) -> Part:
+    def part(self, where: str) -> ToolResultPart:
         parts = _content_parts(self.content, where)
         return ToolResultPart(self.tool_use_id, parts, is_error=bool(self.is_error))
 
@@ -351,6 +350,8 @@ class NoneChoice:
 
 
 ToolChoiceWire = AutoChoice | NamedChoice | NoneChoice
+CHOICE_MODES: dict[str, Literal["auto", "required", "none"]] = {"auto": "auto", "any": "required", "none": "none"}
+"""The neutral mode of each unnamed tool_choice where a tool is declared (where none is, "none")."""
 
 
 @attrs.define(kw_only=True)
@@ -608,19 +609,16 @@ def decode_tools(tools: list[ClientTool] | None,
             raise BadRequest(f"tool names must be unique; '{t.name}' is declared twice", param=f"tools[{i}].name")
         decoded[t.name] = Tool(t.name, t.description, t.input_schema)
     declared = tuple(decoded.values())
-    choice = ToolChoice("auto" if declared else "none")
-    if type(tool_choice) is NoneChoice:
-        choice = ToolChoice("none")
-    elif type(tool_choice) is NamedChoice:
+    parallel = tool_choice is None or not tool_choice.disable_parallel_tool_use
+    if type(tool_choice) is NamedChoice:
         if tool_choice.name not in decoded:
             raise BadRequest(f"tool_choice names {tool_choice.name!r}, which is not a declared tool",
                              param="tool_choice.name")
-        choice = ToolChoice("named", tool_choice.name)
-    elif tool_choice is not None and tool_choice.type == "any":
-        if not declared:
-            raise BadRequest("tool_choice 'any' needs at least one declared tool", param="tool_choice")
-        choice = ToolChoice("required")
-    return declared, choice, tool_choice is None or not tool_choice.disable_parallel_tool_use
+        return declared, ToolChoice("named", tool_choice.name), parallel
+    kind = "auto" if tool_choice is None else tool_choice.type
+    if kind == "any" and not declared:
+        raise BadRequest("tool_choice 'any' needs at least one declared tool", param="tool_choice")
+    return declared, ToolChoice(CHOICE_MODES[kind] if declared else "none"), parallel
 
 
 def _decode_thinking(w: CountTokensWire,

@@ -31,10 +31,6 @@ from helios.frontends.anthropic import shapes
 from helios.frontends.anthropic.messages import MessagesPlan, thinking_signature
 
 
-def new_message_id() -> str:
-    return "msg_" + uuid.uuid4().hex
-
-
 def tool_use_id(call_id: str) -> str:
     """Anthropic-style ids for generated calls; a model's own id (Kimi's, or one already ``toolu_``)
     is kept as it is."""
@@ -64,14 +60,13 @@ class MessagesEncoder:
 
     def __init__(self, plan: MessagesPlan, prompts: Sequence[PreparedPrompt], *, model: str,
                  message_id: str | None = None) -> None:
-        self.id = message_id or new_message_id()
+        self.id = message_id or "msg_" + uuid.uuid4().hex
         self.model = model
         self.hide_thinking = plan.hide_thinking
         self.content: list[shapes.ContentBlock] = []
         self.stop = shapes.StopDetails(stop_reason=None, stop_sequence=None)  # the terminal update's
         self.prompts = tuple(prompts)
         self.acc = Accumulated()  # the counts usage is built from
-        self.num_calls = 0
         self._open: shapes.TextBlock | shapes.ThinkingBlock | None = None  # the block deltas extend
 
     @property
@@ -98,7 +93,8 @@ class MessagesEncoder:
             return out
         out += self._close()
         matched = f.matched_stop if f.cause is FinishCause.STOP_STRING else None
-        self.stop = shapes.StopDetails(stop_reason=stop_reason(f.cause, self.num_calls > 0),
+        has_calls = any(type(b) is shapes.ToolUseBlock for b in self.content)
+        self.stop = shapes.StopDetails(stop_reason=stop_reason(f.cause, has_calls),
                                        stop_sequence=matched if isinstance(matched, str) else None)
         out.append(_event(shapes.MessageDelta(delta=self.stop, usage=self.usage())))
         out.append(_event(shapes.MessageStop()))
@@ -151,7 +147,6 @@ class MessagesEncoder:
 
     def _tool_use(self, call: ToolCall) -> list[StreamEvent]:
         """A whole tool_use block: its start, its input as one delta, its stop."""
-        self.num_calls += 1
         args = call.arguments if call.arguments.strip() else "{}"
         tid = tool_use_id(call.id)
         out = self._close() + self._start(shapes.ToolUseBlock(id=tid, name=call.name, input={}),
@@ -172,10 +167,9 @@ class MessagesEncoder:
         if block is None:
             return []
         index = len(self.content) - 1
-        out: list[StreamEvent] = []
-        if isinstance(block, shapes.ThinkingBlock):
-            block.signature = thinking_signature(block.thinking)
-            signature = shapes.SignatureDelta(signature=block.signature)
-            out.append(_event(shapes.ContentBlockDelta(index=index, delta=signature)))
-        out.append(_event(shapes.ContentBlockStop(index=index)))
-        return out
+        stop = _event(shapes.ContentBlockStop(index=index))
+        if not isinstance(block, shapes.ThinkingBlock):
+            return [stop]
+        block.signature = thinking_signature(block.thinking)
+        signature = shapes.SignatureDelta(signature=block.signature)
+        return [_event(shapes.ContentBlockDelta(index=index, delta=signature)), stop]
