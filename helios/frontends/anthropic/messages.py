@@ -44,16 +44,7 @@ from helios.frontends.fields import (
     wire_field,
 )
 from helios.frontends.structured import decode_output_format
-from helios.frontends.wire import (
-    Base64Bytes,
-    From,
-    Invalid,
-    NonEmptyStr,
-    all_built,
-    json_kind,
-    register_leaf,
-    structure,
-)
+from helios.frontends.wire import Base64Bytes, From, Invalid, NonEmptyStr, all_built, register_leaf, structure
 from helios.recipes import RECIPES, EffortError, resolve_effort
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -298,13 +289,12 @@ BuiltMessage = Annotated[Message | UserMessage | AssistantMessage, From(MessageW
 """A message as structured: its domain Message, or the wire message whose blocks need its index."""
 
 
-def _client_tool_type(v: Any, _t: Any) -> Any:
-    if v is None or v == "custom":
-        return v
-    if not isinstance(v, str):
-        raise TypeError(f"expected a string, got {json_kind(v)}")
-    raise Invalid(f"tool type {v!r} is not supported; hosted and server tools are unsupported, use client tools "
-                  "with an input_schema")
+def _client_tool_type(v: str, _t: Any) -> str:
+    """A string's check (null and other kinds are the field's union's)."""
+    if v != "custom":
+        raise Invalid(f"tool type {v!r} is not supported; hosted and server tools are unsupported, use client "
+                      "tools with an input_schema")
+    return v
 
 
 ClientToolType = NewType("ClientToolType", str)
