@@ -45,7 +45,7 @@ from helios.frontends.fields import (
 )
 from helios.frontends.structured import decode_output_format
 from helios.frontends.wire import Base64Bytes, From, Invalid, NonEmptyStr, all_built, register_leaf, structure
-from helios.recipes import RECIPES, EffortError, resolve_effort
+from helios.recipes import RECIPES, resolve_effort
 
 ANTHROPIC_VERSION = "2023-06-01"
 THINKING_MARKER_PREFIX = "flare-thinking-v1:"
@@ -253,7 +253,8 @@ PARTS = (TextPart, ToolCallPart, ReasoningPart, ToolResultPart, ImagePart)
 """The built values of blocks (the other blocks stay wire instances)."""
 
 
-def _built_message(*, role: Literal["user", "assistant"], content: UserContent | AssistantContent) -> Message | None:
+def _built_message(*, role: Literal["user", "assistant"],
+                   content: UserContent | AssistantContent) -> Message | None:
     """The message, where its blocks all built (a string is one text part); else None, which keeps the
     wire message for `decode_messages` (an image, a marked block, redacted thinking, which has no part)."""
     parts = (TextPart(content),) if isinstance(content, str) else all_built(content, PARTS)
@@ -286,14 +287,14 @@ class SystemMessage(MessageControls):
 
 MessageWire = UserMessage | AssistantMessage | SystemMessage
 BuiltMessage = Annotated[Message | UserMessage | AssistantMessage, From(MessageWire)]
-"""A message as structured: its domain Message, or the wire message whose blocks need its index."""
+"""A message as structured: its domain Message, or the wire message whose blocks need their place."""
 
 
 def _client_tool_type(v: str, _t: Any) -> str:
     """A string's check (null and other kinds are the field's union's)."""
     if v != "custom":
-        raise Invalid(f"tool type {v!r} is not supported; hosted and server tools are unsupported, use client "
-                      "tools with an input_schema")
+        raise Invalid(f"tool type {v!r} is not supported; hosted and server tools are unsupported, use "
+                      "client tools with an input_schema")
     return v
 
 
@@ -340,7 +341,8 @@ class NoneChoice:
 
 
 ToolChoiceWire = AutoChoice | NamedChoice | NoneChoice
-CHOICE_MODES: dict[str, Literal["auto", "required", "none"]] = {"auto": "auto", "any": "required", "none": "none"}
+CHOICE_MODES: dict[str, Literal["auto", "required", "none"]] = {"auto": "auto", "any": "required",
+                                                                 "none": "none"}
 """The neutral mode of each unnamed tool_choice where a tool is declared (where none is, "none")."""
 
 
@@ -636,13 +638,11 @@ def _decode_thinking(w: CountTokensWire,
     if disabled:
         return None, level, kwargs, None
     recipe = RECIPES.get(info.recipe)
-    if level is not None and recipe is not None:
-        try:
-            native = resolve_effort(recipe, level)
-        except EffortError as exc:
-            raise BadRequest(str(exc), param="output_config.effort") from None
-        if native is not None:
-            kwargs["reasoning_effort"] = native
+    # Every level here is a neutral one (OutputConfigWire.effort's, or one named above), which
+    # resolve_effort maps to the template's nearest.
+    native = None if level is None or recipe is None else resolve_effort(recipe, level)
+    if native is not None:
+        kwargs["reasoning_effort"] = native
     if requested is None:
         return info.thinking_token_budget, level, kwargs, budget_param
     # Budgets above the 32-bit output limit are accepted and never cut.
