@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from helios.domain.shapes import shape
+from helios.domain.shapes import flat, shape
 
 
 @shape
@@ -43,14 +43,19 @@ ContentBlock = TextBlock | ThinkingBlock | ToolUseBlock
 
 
 @shape
+class StopDetails:
+    stop_reason: str | None
+    stop_sequence: str | None
+
+
+@shape
 class Message:
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
     content: list[ContentBlock]
-    stop_reason: str | None
-    stop_sequence: str | None
+    stop: StopDetails = flat()  # stop_reason and stop_sequence
     usage: Usage
 
 
@@ -102,12 +107,6 @@ class ContentBlockDelta:
 class ContentBlockStop:
     type: Literal["content_block_stop"] = "content_block_stop"
     index: int
-
-
-@shape
-class StopDetails:
-    stop_reason: str | None
-    stop_sequence: str | None
 
 
 @shape
