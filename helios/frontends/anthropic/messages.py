@@ -619,18 +619,18 @@ def _decode_thinking(w: CountTokensWire,
     ``thinking_token_budget`` where that field gave the budget)."""
     th = w.thinking
     requested = None if th is None else th.budget()
-    explicit, budget_param = thinking_budget(w.thinking_token_budget, None)
-    if explicit is not None:
+    # thinking_token_budget where given (then it must be thinking.budget_tokens, if that is given too)
+    budget, budget_param = thinking_budget(w.thinking_token_budget, requested)
+    if budget_param is not None:
         if not info.has_reasoning:
             raise BadRequest("thinking_token_budget is not supported: this model has no reasoning syntax",
                              param="thinking_token_budget")
-        if requested is not None and requested != explicit:
+        if requested is not None and requested != budget:
             raise BadRequest("thinking_token_budget and thinking.budget_tokens must match when both are given",
                              param="thinking_token_budget")
-        requested = explicit
     level = None if w.output_config is None else w.output_config.effort
-    if level is None and requested is not None:
-        level = "low" if requested <= 5000 else "high" if requested <= 20000 else "max"
+    if level is None and budget is not None:
+        level = "low" if budget <= 5000 else "high" if budget <= 20000 else "max"
     disabled = th is not None and th.type == "disabled"
     kwargs: dict[str, Any] = {}
     if th is not None and info.has_reasoning:
@@ -643,7 +643,7 @@ def _decode_thinking(w: CountTokensWire,
     native = None if level is None or recipe is None else resolve_effort(recipe, level)
     if native is not None:
         kwargs["reasoning_effort"] = native
-    if requested is None:
+    if budget is None:
         return info.thinking_token_budget, level, kwargs, budget_param
     # Budgets above the 32-bit output limit are accepted and never cut.
-    return (requested if requested <= MAX_THINKING_BUDGET else None), level, kwargs, budget_param
+    return (budget if budget <= MAX_THINKING_BUDGET else None), level, kwargs, budget_param
