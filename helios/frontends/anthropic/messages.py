@@ -575,16 +575,23 @@ def decode_messages(system: str | list[TextPart | TextBlock] | None,
 
 def _breakpoints(blocks: list[Any], parts: list[Any], out: list[str]) -> None:
     """A user message's marked blocks' breakpoints, appended to `out` (up to MAX_BREAKPOINTS in all):
-    the text that ends the message's parts (its blocks', one each) up to each; the last text part's, or
-    the last text in a tool result (an image's is the text before it)."""
+    the text that ends the message's parts (its blocks', one each) up to each."""
+    for j, b in enumerate(blocks):
+        if type(b) not in PARTS and b.cache_control is not None and len(out) < MAX_BREAKPOINTS:
+            text = _last_text(parts[:j + 1])
+            if text:
+                out.append(text)
+
+
+def _last_text(parts: list[Any]) -> str:
+    """The last text part's text, or the last text in a tool result (an image's breakpoint is the
+    text before it)."""
     text = ""
-    for b, p in zip(blocks, parts, strict=True):
-        if type(p) is TextPart:
-            text = p.text
-        elif type(p) is ToolResultPart:
-            text = next((c.text for c in reversed(p.content) if type(c) is TextPart), text)
-        if text and len(out) < MAX_BREAKPOINTS and type(b) not in PARTS and b.cache_control is not None:
-            out.append(text)
+    for p in parts:
+        for t in (p,) if type(p) is TextPart else p.content if type(p) is ToolResultPart else ():
+            if type(t) is TextPart:
+                text = t.text
+    return text
 
 
 def cache_breakpoints(messages: list[Any]) -> tuple[str, ...]:
