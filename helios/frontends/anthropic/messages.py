@@ -164,9 +164,10 @@ class ToolResultBlock:
     @staticmethod
     def __wire_build__(*, tool_use_id: NonEmptyStr, content: Content, is_error: bool | None,
                        cache_control: CacheControl | None) -> ToolResultPart | None:
-        if cache_control is not None or (type(content) is list and all_built(content, (TextPart,)) is None):
-            return None  # a breakpoint, or content with a block that is not built (an image, a marked text)
-        return ToolResultPart(tool_use_id, _content_parts(content, ""), is_error=bool(is_error))
+        parts = all_built(content, (TextPart,)) if type(content) is list else _content_parts(content, "")
+        if parts is None or cache_control is not None:
+            return None  # content with a block that is not built (an image, a marked text), or a breakpoint
+        return ToolResultPart(tool_use_id, parts, is_error=bool(is_error))
 
     def part(self, where: str) -> ToolResultPart:
         parts = _content_parts(self.content, where)
@@ -249,7 +250,7 @@ class MessageControls:
     context_management: Any = wire_field(MESSAGE_CONTROL)
 
 
-PARTS = (TextPart, ToolCallPart, ReasoningPart, ToolResultPart, ImagePart)
+PARTS = (TextPart, ToolResultPart, ToolCallPart, ReasoningPart, ImagePart)
 """The built values of blocks (the other blocks stay wire instances)."""
 
 
