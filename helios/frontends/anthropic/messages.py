@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal, NewType, cast
 
 import attrs
@@ -20,7 +21,6 @@ from helios.domain.conversation import (
     ConversationRequest,
     ImagePart,
     Message,
-    Part,
     ReasoningPart,
     TextPart,
     Tool,
@@ -28,15 +28,11 @@ from helios.domain.conversation import (
     ToolChoice,
     ToolResultPart,
 )
-from helios.domain.generation import (
-    GenerationOptions,
-    GenerationRequest,
-    OutputConstraint,
-)
+from helios.domain.generation import GenerationOptions, GenerationRequest, OutputConstraint
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingRequest
 from helios.errors import BadRequest
-from helios.frontends.common import validate_stops
+from helios.frontends.common import MAX_THINKING_BUDGET, thinking_budget, validate_stops
 from helios.frontends.fields import (
     FieldTable,
     field_table,
@@ -48,24 +44,14 @@ from helios.frontends.fields import (
     wire_field,
 )
 from helios.frontends.structured import decode_output_format
-from helios.frontends.wire import (
-    Base64Bytes,
-    From,
-    Invalid,
-    NonEmptyStr,
-    all_built,
-    json_kind,
-    register_leaf,
-    structure,
-)
-from helios.recipes import RECIPES, EffortError, resolve_effort
+from helios.frontends.wire import Base64Bytes, From, Invalid, NonEmptyStr, all_built, register_leaf, structure
+from helios.recipes import RECIPES, resolve_effort
 
 ANTHROPIC_VERSION = "2023-06-01"
 THINKING_MARKER_PREFIX = "flare-thinking-v1:"
 
 REJECTED_FIELDS = ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "logprob_token_ids",
                    "prompt_logprobs")
-MAX_BUDGET = 2**31 - 1
 
 
 def thinking_signature(text: str) -> str:
@@ -102,7 +88,7 @@ class CacheControl:
 # Blocks build their domain part where it is complete; a block that needs its message's context stays
 # a wire block: an image (its place), a user block marked with cache_control (a breakpoint), a tool
 # result holding either (their builders return None). A message whose blocks all built builds its
-# Message; `decode_messages` completes the others with their index.
+# Message; `decode_messages` completes the others with their place (`part(where)`).
 
 
 @attrs.define(kw_only=True)
@@ -117,7 +103,7 @@ class TextBlock:
     def __wire_build__(*, text: str, cache_control: CacheControl | None) -> TextPart | None:
         return TextPart(text) if cache_control is None else None
 
-    def part(self, i: int, j: int) -> Part:
+    def part(self, where: str) -> TextPart:
         return TextPart(self.text)
 
 
@@ -143,18 +129,27 @@ class ImageBlock:
     transformations: Any = wire_field(refused("image transformations are not implemented", inert=one_of({}),
                                               message="transformations are not supported"))
 
-    def image(self, where: str) -> ImagePart:
+    def part(self, where: str) -> ImagePart:
         """The image; `where` (the block's path) is its place in later messages."""
         source = cast("Base64Source", self.source)  # the other member is refused
         return ImagePart(source.media_type, source.data, where)
-
-    def part(self, i: int, j: int) -> Part:
-        return self.image(f"messages[{i}].content[{j}]")
 
 
 TOOLSET_NAME = refused("toolsets are not implemented", message="toolsets are not supported")
 BuiltText = Annotated[TextPart | TextBlock, From(TextBlock)]
 """A text block as structured: its part, or the block where it carries cache_control."""
+
+
+Content = str | Sequence[TextPart | TextBlock | ImageBlock] | None
+
+
+def _content_parts(content: Content, where: str) -> tuple[TextPart | ImagePart, ...]:
+    """A tool result's or system's content as parts: a string's one text part, or its blocks' (an
+    image's place is below `where`, the holder's path)."""
+    if isinstance(content, str):
+        return (TextPart(content),)
+    return tuple([b if isinstance(b, TextPart) else b.part(f"{where}.content[{k}]")
+                  for k, b in enumerate(content or ())])
 
 
 @attrs.define(kw_only=True)
@@ -167,28 +162,15 @@ class ToolResultBlock:
     toolset_name: Any = wire_field(TOOLSET_NAME)
 
     @staticmethod
-    def __wire_build__(*, tool_use_id: NonEmptyStr, content: Any, is_error: bool | None,
+    def __wire_build__(*, tool_use_id: NonEmptyStr, content: Content, is_error: bool | None,
                        cache_control: CacheControl | None) -> ToolResultPart | None:
-        parts = () if content is None else (TextPart(content),) if isinstance(content, str) else \
-            all_built(content, (TextPart,))
+        parts = all_built(content, (TextPart,)) if type(content) is list else _content_parts(content, "")
         if parts is None or cache_control is not None:
-            return None
+            return None  # content with a block that is not built (an image, a marked text), or a breakpoint
         return ToolResultPart(tool_use_id, parts, is_error=bool(is_error))
 
-    def texts(self) -> list[str]:
-        if self.content is None or type(self.content) is str:
-            return [] if self.content is None else [self.content]
-        return [b.text for b in self.content if type(b) is TextPart or type(b) is TextBlock]  # type: ignore[union-attr]
-
-    def part(self, i: int, j: int) -> Part:
-        content = self.content
-        parts: tuple[TextPart | ImagePart, ...] = ()
-        if type(content) is str:
-            parts = (TextPart(content),)
-        elif content:
-            parts = tuple([b if type(b) is TextPart else TextPart(b.text) if type(b) is TextBlock else
-                           cast("ImageBlock", b).image(f"messages[{i}].content[{j}].content[{k}]")
-                           for k, b in enumerate(content)])  # type: ignore[union-attr]
+    def part(self, where: str) -> ToolResultPart:
+        parts = _content_parts(self.content, where)
         return ToolResultPart(self.tool_use_id, parts, is_error=bool(self.is_error))
 
 
@@ -230,7 +212,7 @@ class RedactedThinkingBlock:
     type: Literal["redacted_thinking"]
     data: str
 
-    def part(self, i: int, j: int) -> None:
+    def part(self, where: str) -> None:
         return None
 
 
@@ -268,29 +250,30 @@ class MessageControls:
     context_management: Any = wire_field(MESSAGE_CONTROL)
 
 
+PARTS = (TextPart, ToolResultPart, ToolCallPart, ReasoningPart, ImagePart)
+"""The built values of blocks (the other blocks stay wire instances)."""
+
+
+def _built_message(*, role: Literal["user", "assistant"],
+                   content: UserContent | AssistantContent) -> Message | None:
+    """The message, where its blocks all built (a string is one text part); else None, which keeps the
+    wire message for `decode_messages` (an image, a marked block, redacted thinking, which has no part)."""
+    parts = (TextPart(content),) if isinstance(content, str) else all_built(content, PARTS)
+    return None if parts is None else Message(role, parts)
+
+
 @attrs.define(kw_only=True)
 class UserMessage(MessageControls):
     role: Literal["user"]
     content: UserContent
-
-    @staticmethod
-    def __wire_build__(*, role: Literal["user"], content: UserContent) -> Message | None:
-        parts = (TextPart(content),) if isinstance(content, str) else all_built(content, (TextPart, ToolResultPart))
-        return None if parts is None else Message(role, parts)
+    __wire_build__ = staticmethod(_built_message)
 
 
 @attrs.define(kw_only=True)
 class AssistantMessage(MessageControls):
     role: Literal["assistant"]
     content: AssistantContent
-
-    @staticmethod
-    def __wire_build__(*, role: Literal["assistant"], content: AssistantContent) -> Message | None:
-        if isinstance(content, str):
-            return Message(role, (TextPart(content),))
-        parts = all_built([b for b in content if type(b) is not RedactedThinkingBlock],  # it has no part
-                             (TextPart, ReasoningPart, ToolCallPart))
-        return None if parts is None else Message(role, parts)
+    __wire_build__ = staticmethod(_built_message)
 
 
 @attrs.define(kw_only=True)
@@ -300,27 +283,20 @@ class SystemMessage(MessageControls):
 
     @staticmethod
     def __wire_build__(*, content: str | list[TextPart | TextBlock]) -> Message:
-        return Message("system", _system_parts(content))
-
-
-def _system_parts(content: str | list[TextPart | TextBlock]) -> tuple[TextPart, ...]:
-    if type(content) is str:
-        return (TextPart(content),)
-    return tuple([b if type(b) is TextPart else TextPart(b.text) for b in content])  # type: ignore[union-attr]
+        return Message("system", _content_parts(content, ""))
 
 
 MessageWire = UserMessage | AssistantMessage | SystemMessage
 BuiltMessage = Annotated[Message | UserMessage | AssistantMessage, From(MessageWire)]
-"""A message as structured: its domain Message, or the wire message whose blocks need its index."""
+"""A message as structured: its domain Message, or the wire message whose blocks need their place."""
 
 
-def _client_tool_type(v: Any, _t: Any) -> Any:
-    if v is None or v == "custom":
-        return v
-    if not isinstance(v, str):
-        raise TypeError(f"expected a string, got {json_kind(v)}")
-    raise Invalid(f"tool type {v!r} is not supported; hosted and server tools are unsupported, use client tools "
-                  "with an input_schema")
+def _client_tool_type(v: str, _t: Any) -> str:
+    """A string's check (null and other kinds are the field's union's)."""
+    if v != "custom":
+        raise Invalid(f"tool type {v!r} is not supported; hosted and server tools are unsupported, use "
+                      "client tools with an input_schema")
+    return v
 
 
 ClientToolType = NewType("ClientToolType", str)
@@ -348,13 +324,7 @@ class ClientTool:
 
 @attrs.define(kw_only=True)
 class AutoChoice:
-    type: Literal["auto"]
-    disable_parallel_tool_use: bool | None = None
-
-
-@attrs.define(kw_only=True)
-class AnyChoice:
-    type: Literal["any"]
+    type: Literal["auto", "any"]  # any: a call is required
     disable_parallel_tool_use: bool | None = None
 
 
@@ -368,9 +338,13 @@ class NamedChoice:
 @attrs.define(kw_only=True)
 class NoneChoice:
     type: Literal["none"]
+    disable_parallel_tool_use: ClassVar[None] = None
 
 
-ToolChoiceWire = AutoChoice | AnyChoice | NamedChoice | NoneChoice
+ToolChoiceWire = AutoChoice | NamedChoice | NoneChoice
+CHOICE_MODES: dict[str, Literal["auto", "required", "none"]] = {"auto": "auto", "any": "required",
+                                                                 "none": "none"}
+"""The neutral mode of each unnamed tool_choice where a tool is declared (where none is, "none")."""
 
 
 @attrs.define(kw_only=True)
@@ -378,6 +352,21 @@ class ThinkingWire:
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = None
     display: Literal["summarized", "omitted"] | None = None
+
+    def budget(self) -> int | None:
+        """budget_tokens, checked against the type and display."""
+        if self.display is not None and self.type == "disabled":
+            raise BadRequest("thinking.display must be 'summarized' or 'omitted' with thinking on",
+                             param="thinking.display")
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise BadRequest("thinking.budget_tokens is required when thinking is enabled",
+                             param="thinking.budget_tokens")
+        if self.type in ("disabled", "between_tools") and self.budget_tokens is not None:
+            raise BadRequest(f"thinking.budget_tokens is not allowed with thinking type '{self.type}'",
+                             param="thinking.budget_tokens")
+        if self.budget_tokens is not None and self.budget_tokens < 1:
+            raise BadRequest("thinking.budget_tokens must be positive", param="thinking.budget_tokens")
+        return self.budget_tokens
 
 
 @attrs.define(kw_only=True)
@@ -426,6 +415,20 @@ def _check_cache_control(value: Any) -> None:
     structure(value, CacheControl, at="cache_control")
 
 
+def _check_context_management(cm: Any) -> None:
+    """Only preserving every thinking block is accepted; active context edits are rejected."""
+    if not isinstance(cm, dict) or set(cm) - {"edits"}:
+        raise BadRequest("context_management must be an object with an edits array", param="context_management")
+    edits = cm.get("edits")
+    if edits is not None and not isinstance(edits, list):
+        raise BadRequest("context_management.edits must be an array", param="context_management.edits")
+    for i, edit in enumerate(edits or ()):
+        if edit != {"type": "clear_thinking_20251015", "keep": "all"}:
+            where = f"context_management.edits[{i}]"
+            raise BadRequest(f"{where}: active context edits are not supported; only clear_thinking_20251015 "
+                             "with keep: \"all\" is accepted", param=where)
+
+
 def _check_diagnostics(value: Any) -> None:
     if not isinstance(value, dict) or set(value) - {"previous_message_id"}:
         raise BadRequest("diagnostics must be an object with previous_message_id", param="diagnostics")
@@ -444,7 +447,7 @@ MESSAGES_FIELDS: FieldTable = field_table(
                   allows=one_of("standard", "fast"), message="speed must be 'standard' or 'fast'"),
     context_management=ignored("clear_thinking_20251015 with keep: 'all' asks for what Helios does anyway "
                                "(every thinking block kept); active context edits are refused",
-                               check=lambda v: _check_context_management(v)),
+                               check=_check_context_management),
     inference_geo=ignored("local inference: every geography is satisfied", str),
     diagnostics=ignored("cache-miss diagnostics are not reported", check=_check_diagnostics),
     user_profile_id=ignored("provider account attribution (the SDK sends it as a header)", str),
@@ -499,11 +502,10 @@ class MessagesPlan:
 
     @property
     def generation(self) -> GenerationRequest:
-        return GenerationRequest(sampling=self.conversation.sampling,
-                                 options=GenerationOptions(max_tokens=self.max_tokens, stop=self.stops,
-                                                           constraint=self.constraint,
-                                                           thinking_token_budget=self.thinking_token_budget,
-                                                           thinking_token_budget_param=self.thinking_token_budget_param),
+        options = GenerationOptions(max_tokens=self.max_tokens, stop=self.stops, constraint=self.constraint,
+                                    thinking_token_budget=self.thinking_token_budget,
+                                    thinking_token_budget_param=self.thinking_token_budget_param)
+        return GenerationRequest(sampling=self.conversation.sampling, options=options,
                                  conversation=self.conversation, id_prefix="msg", stop_param="stop_sequences")
 
 
@@ -531,21 +533,13 @@ def _plan(w: CountTokensWire, info: ModelInfo, *, sampling: SamplingRequest, max
     constraint = decode_output_format(w.output_config.format) if w.output_config is not None else None
     messages, breakpoints = decode_messages(w.system, w.messages)
     tools, choice, parallel = decode_tools(w.tools, w.tool_choice)
-    budget, effort, kwargs = _decode_thinking(w, info)
+    budget, effort, kwargs, budget_param = _decode_thinking(w, info)
     continuation = messages[-1].role == "assistant"
-    conv = ConversationRequest(
-        messages=messages,
-        tools=tools,
-        tool_choice=choice,
-        parallel_tool_calls=parallel,
-        sampling=sampling,
-        add_generation_prompt=not continuation,
-        continue_final_message=continuation,
-        chat_template_kwargs=kwargs,
-        cache_breakpoints=breakpoints,
-    )
+    conv = ConversationRequest(messages=messages, tools=tools, tool_choice=choice, sampling=sampling,
+                               parallel_tool_calls=parallel, add_generation_prompt=not continuation,
+                               continue_final_message=continuation, chat_template_kwargs=kwargs,
+                               cache_breakpoints=breakpoints)
     hide = w.thinking is not None and w.thinking.display == "omitted"
-    budget_param = "thinking_token_budget" if w.thinking_token_budget is not None and budget is not None else None
     return MessagesPlan(conv, max_tokens, stream, stops, budget, effort, hide, constraint,
                         thinking_token_budget_param=budget_param)
 
@@ -563,7 +557,7 @@ def decode_messages(system: str | list[TextPart | TextBlock] | None,
     it is ignored). A breakpoint is the text that ends its boundary (an image's is the text before it)."""
     out: list[Message] = []
     if type(system) is str or system:  # an empty string is a system message, an empty list none
-        out.append(Message("system", _system_parts(system)))
+        out.append(Message("system", _content_parts(system, "system")))
     if not messages:
         raise BadRequest("messages must contain at least one message", param="messages")
     breakpoints: list[str] = []
@@ -572,39 +566,33 @@ def decode_messages(system: str | list[TextPart | TextBlock] | None,
             out.append(m)
             continue
         blocks = cast("list[Any]", cast("UserMessage | AssistantMessage", m).content)  # a string's is built
-        parts = [b if type(b) in _PARTS else b.part(i, j) for j, b in enumerate(blocks)]
-        if type(m) is UserMessage and len(breakpoints) < MAX_BREAKPOINTS:
-            _breakpoints(blocks, breakpoints)
+        parts = [b if type(b) in PARTS else b.part(f"messages[{i}].content[{j}]")
+                 for j, b in enumerate(blocks)]
+        if type(m) is UserMessage:
+            _breakpoints(blocks, parts, breakpoints)
         out.append(Message(m.role, tuple([p for p in parts if p is not None])))  # redacted thinking has none
     return tuple(out), tuple(breakpoints)
 
 
-_PARTS = frozenset({TextPart, ImagePart, ReasoningPart, ToolCallPart, ToolResultPart})
-
-
-def _breakpoints(blocks: list[Any], out: list[str]) -> None:
-    """A user message's marked blocks' breakpoints, appended to `out` (up to MAX_BREAKPOINTS in all)."""
+def _breakpoints(blocks: list[Any], parts: list[Any], out: list[str]) -> None:
+    """A user message's marked blocks' breakpoints, appended to `out` (up to MAX_BREAKPOINTS in all):
+    the text that ends the message's parts (its blocks', one each) up to each."""
     for j, b in enumerate(blocks):
-        if type(b) not in _PARTS and b.cache_control is not None:
-            text = _last_text(blocks[:j + 1])
+        if type(b) not in PARTS and b.cache_control is not None and len(out) < MAX_BREAKPOINTS:
+            text = _last_text(parts[:j + 1])
             if text:
                 out.append(text)
-            if len(out) == MAX_BREAKPOINTS:
-                return
 
 
-def _last_text(blocks: list[Any]) -> str:
-    """The text that ends `blocks`: the last text block's, or the last text in a tool result."""
-    for b in reversed(blocks):
-        if type(b) is TextBlock or type(b) is TextPart:
-            return str(b.text)
-        if type(b) is ToolResultBlock and b.texts():
-            return b.texts()[-1]
-        if type(b) is ToolResultPart:
-            texts = [p.text for p in b.content if type(p) is TextPart]
-            if texts:
-                return texts[-1]
-    return ""
+def _last_text(parts: list[Any]) -> str:
+    """The last text part's text, or the last text in a tool result (an image's breakpoint is the
+    text before it)."""
+    text = ""
+    for p in parts:
+        for t in (p,) if type(p) is TextPart else p.content if type(p) is ToolResultPart else ():
+            if type(t) is TextPart:
+                text = t.text
+    return text
 
 
 def cache_breakpoints(messages: list[Any]) -> tuple[str, ...]:
@@ -621,92 +609,49 @@ def decode_tools(tools: list[ClientTool] | None,
             raise BadRequest(f"tool names must be unique; '{t.name}' is declared twice", param=f"tools[{i}].name")
         decoded[t.name] = Tool(t.name, t.description, t.input_schema)
     declared = tuple(decoded.values())
-    if tool_choice is None:
-        return declared, ToolChoice("auto" if declared else "none"), True
-    if type(tool_choice) is NoneChoice:
-        return declared, ToolChoice("none"), True
-    parallel = not cast("AutoChoice | AnyChoice | NamedChoice", tool_choice).disable_parallel_tool_use
-    if type(tool_choice) is AutoChoice:
-        choice = ToolChoice("auto" if declared else "none")
-    elif type(tool_choice) is AnyChoice:
-        if not declared:
-            raise BadRequest("tool_choice 'any' needs at least one declared tool", param="tool_choice")
-        choice = ToolChoice("required")
-    else:
-        name = cast("NamedChoice", tool_choice).name
-        if name not in decoded:
-            raise BadRequest(f"tool_choice names {name!r}, which is not a declared tool", param="tool_choice.name")
-        choice = ToolChoice("named", name)
-    return declared, choice, parallel
+    parallel = tool_choice is None or not tool_choice.disable_parallel_tool_use
+    if type(tool_choice) is NamedChoice:
+        if tool_choice.name not in decoded:
+            raise BadRequest(f"tool_choice names {tool_choice.name!r}, which is not a declared tool",
+                             param="tool_choice.name")
+        return declared, ToolChoice("named", tool_choice.name), parallel
+    kind = "auto" if tool_choice is None else tool_choice.type
+    if kind == "any" and not declared:
+        raise BadRequest("tool_choice 'any' needs at least one declared tool", param="tool_choice")
+    return declared, ToolChoice(CHOICE_MODES[kind] if declared else "none"), parallel
 
 
-def _check_context_management(cm: Any) -> None:
-    """Only preserving every thinking block is accepted; active context edits are rejected."""
-    if cm is None:
-        return
-    if not isinstance(cm, dict) or set(cm) - {"edits"}:
-        raise BadRequest("context_management must be an object with an edits array", param="context_management")
-    edits = cm.get("edits")
-    if edits is None:
-        return
-    if not isinstance(edits, list):
-        raise BadRequest("context_management.edits must be an array", param="context_management.edits")
-    for i, e in enumerate(edits):
-        where = f"context_management.edits[{i}]"
-        if not (isinstance(e, dict) and e.get("type") == "clear_thinking_20251015" and e.get("keep") == "all"
-                and set(e) == {"type", "keep"}):
-            raise BadRequest(f"{where}: active context edits are not supported; only clear_thinking_20251015 "
-                             "with keep: \"all\" is accepted", param=where)
-
-
-def _decode_thinking(w: CountTokensWire, info: ModelInfo) -> tuple[int | None, str | None, dict[str, Any]]:
-    """thinking, thinking_token_budget and output_config.effort → (hard budget, effort, template kwargs)."""
+def _decode_thinking(w: CountTokensWire,
+                     info: ModelInfo) -> tuple[int | None, str | None, dict[str, Any], str | None]:
+    """thinking, thinking_token_budget and output_config.effort → (hard budget, effort, template kwargs,
+    ``thinking_token_budget`` where that field gave the budget)."""
     th = w.thinking
-    requested: int | None = None
-    if th is not None:
-        if th.display is not None and th.type == "disabled":
-            raise BadRequest("thinking.display must be 'summarized' or 'omitted' with thinking on",
-                             param="thinking.display")
-        if th.type == "enabled" and th.budget_tokens is None:
-            raise BadRequest("thinking.budget_tokens is required when thinking is enabled",
-                             param="thinking.budget_tokens")
-        if th.type in ("disabled", "between_tools") and th.budget_tokens is not None:
-            raise BadRequest(f"thinking.budget_tokens is not allowed with thinking type '{th.type}'",
-                             param="thinking.budget_tokens")
-        if th.budget_tokens is not None and th.budget_tokens < 1:
-            raise BadRequest("thinking.budget_tokens must be positive", param="thinking.budget_tokens")
-        requested = th.budget_tokens
-    explicit = w.thinking_token_budget
-    if explicit is not None:
-        if not 0 < explicit <= MAX_BUDGET:
-            raise BadRequest("thinking_token_budget must be a positive 32-bit integer", param="thinking_token_budget")
+    requested = None if th is None else th.budget()
+    # thinking_token_budget where given (then it must be thinking.budget_tokens, if that is given too)
+    budget, budget_param = thinking_budget(w.thinking_token_budget, requested)
+    if budget_param is not None:
         if not info.has_reasoning:
             raise BadRequest("thinking_token_budget is not supported: this model has no reasoning syntax",
                              param="thinking_token_budget")
-        if requested is not None and requested != explicit:
+        if requested is not None and requested != budget:
             raise BadRequest("thinking_token_budget and thinking.budget_tokens must match when both are given",
                              param="thinking_token_budget")
-        requested = explicit
+    level = None if w.output_config is None else w.output_config.effort
+    if level is None and budget is not None:
+        level = "low" if budget <= 5000 else "high" if budget <= 20000 else "max"
     disabled = th is not None and th.type == "disabled"
-    level: str | None = None
-    oc = w.output_config
-    if oc is not None and oc.effort is not None:
-        level = oc.effort
-    elif requested is not None:
-        level = "low" if requested <= 5000 else "high" if requested <= 20000 else "max"
-    # Budgets above the 32-bit output limit are accepted and never cut.
-    budget = requested if requested is not None and requested <= MAX_BUDGET else None
-    if budget is None and requested is None and not disabled:
-        budget = info.thinking_token_budget
     kwargs: dict[str, Any] = {}
     if th is not None and info.has_reasoning:
         kwargs["enable_thinking"] = not disabled
+    if disabled:
+        return None, level, kwargs, None
     recipe = RECIPES.get(info.recipe)
-    if level is not None and not disabled and recipe is not None:
-        try:
-            native = resolve_effort(recipe, level)
-        except EffortError as exc:
-            raise BadRequest(str(exc), param="output_config.effort") from None
-        if native is not None:
-            kwargs["reasoning_effort"] = native
-    return (None if disabled else budget), level, kwargs
+    # Every level here is a neutral one (OutputConfigWire.effort's, or one named above), which
+    # resolve_effort maps to the template's nearest.
+    native = None if level is None or recipe is None else resolve_effort(recipe, level)
+    if native is not None:
+        kwargs["reasoning_effort"] = native
+    if budget is None:
+        return info.thinking_token_budget, level, kwargs, budget_param
+    # Budgets above the 32-bit output limit are accepted and never cut.
+    return (budget if budget <= MAX_THINKING_BUDGET else None), level, kwargs, budget_param

@@ -21,47 +21,30 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 from helios.domain.events import FinishCause, ReasoningDelta, TextDelta, ToolCall
-from helios.domain.generation import (
-    Accumulated,
-    ChildUpdate,
-    PreparedPrompt,
-    StreamEvent,
-    usage_of,
-)
+from helios.domain.generation import Accumulated, ChildUpdate, PreparedPrompt, StreamEvent, usage_of
 from helios.domain.shapes import to_json
 from helios.errors import HeliosError
 from helios.frontends.anthropic import shapes
 from helios.frontends.anthropic.messages import MessagesPlan, thinking_signature
 
 
-def new_message_id() -> str:
-    return "msg_" + uuid.uuid4().hex
-
-
 def tool_use_id(call_id: str) -> str:
-    """Anthropic-style ids for generated calls; a model's own id (Kimi) is kept as it is."""
-    if call_id.startswith("toolu_"):
-        return call_id
+    """Anthropic-style ids for generated calls; a model's own id (Kimi's, or one already ``toolu_``)
+    is kept as it is."""
     if call_id.startswith("call_"):
         return "toolu_" + call_id[len("call_"):]
     return call_id or "toolu_" + uuid.uuid4().hex
 
 
+_STOP_REASONS = {FinishCause.LENGTH: "max_tokens", FinishCause.STOP_STRING: "stop_sequence"}
+
+
 def stop_reason(cause: FinishCause, has_calls: bool) -> str:
     """Spec, "Conversation and tool semantics": the terminal cause → Messages stop_reason."""
-    if cause is FinishCause.LENGTH:
-        return "max_tokens"
-    if cause is FinishCause.STOP_STRING:
-        return "stop_sequence"
-    if has_calls:
-        return "tool_use"
-    return "end_turn"
-
-
-BlockKind = Literal["text", "thinking", "tool_use"]
+    return _STOP_REASONS.get(cause) or ("tool_use" if has_calls else "end_turn")
 
 
 def _event(shape: Any) -> StreamEvent:
@@ -77,23 +60,21 @@ class MessagesEncoder:
 
     def __init__(self, plan: MessagesPlan, prompts: Sequence[PreparedPrompt], *, model: str,
                  message_id: str | None = None) -> None:
-        self.id = message_id or new_message_id()
+        self.id = message_id or "msg_" + uuid.uuid4().hex
         self.model = model
         self.hide_thinking = plan.hide_thinking
         self.content: list[shapes.ContentBlock] = []
-        self.stop_reason: str | None = None
-        self.stop_sequence: str | None = None
+        self.stop = shapes.StopDetails(stop_reason=None, stop_sequence=None)  # the terminal update's
         self.prompts = tuple(prompts)
         self.acc = Accumulated()  # the counts usage is built from
-        self.num_calls = 0
-        self._open: BlockKind | None = None
+        self._open: shapes.TextBlock | shapes.ThinkingBlock | None = None  # the block deltas extend
 
     @property
     def done(self) -> bool:
-        return self.stop_reason is not None
+        return self.stop.stop_reason is not None
 
     def start(self) -> list[StreamEvent]:
-        return [_event(shapes.MessageStart(message=self._message([], None, None)))]
+        return [_event(shapes.MessageStart(message=self._message([])))]
 
     def feed(self, index: int, u: ChildUpdate) -> list[StreamEvent]:
         out: list[StreamEvent] = []
@@ -101,25 +82,21 @@ class MessagesEncoder:
             return out
         self.acc.add_counts(u)  # the blocks are built here; the accumulator only counts
         for e in u.events:
-            if isinstance(e, TextDelta):
-                if e.text:
-                    out += self._delta("text", e.text)
-            elif isinstance(e, ReasoningDelta):
-                if e.text and self.hide_thinking:
-                    out += self._ensure_open("thinking")
-                elif e.text:
-                    out += self._delta("thinking", e.text)
+            if isinstance(e, TextDelta) and e.text:
+                out += self._delta(shapes.TextBlock, e.text)
+            elif isinstance(e, ReasoningDelta) and e.text:  # omitted thinking: the block without its text
+                out += self._delta(shapes.ThinkingBlock, "" if self.hide_thinking else e.text)
             elif isinstance(e, ToolCall):
                 out += self._tool_use(e)
         f = u.finish
         if f is None:
             return out
         out += self._close()
-        self.stop_reason = stop_reason(f.cause, self.num_calls > 0)
-        self.stop_sequence = f.matched_stop if isinstance(f.matched_stop, str) and f.cause is FinishCause.STOP_STRING else None
-        stop = shapes.StopDetails(stop_reason=self.stop_reason, stop_sequence=self.stop_sequence)
-        out.append(_event(shapes.MessageDelta(delta=stop,
-                                       usage=self.usage())))
+        matched = f.matched_stop if f.cause is FinishCause.STOP_STRING else None
+        has_calls = any(type(b) is shapes.ToolUseBlock for b in self.content)
+        self.stop = shapes.StopDetails(stop_reason=stop_reason(f.cause, has_calls),
+                                       stop_sequence=matched if isinstance(matched, str) else None)
+        out.append(_event(shapes.MessageDelta(delta=self.stop, usage=self.usage())))
         out.append(_event(shapes.MessageStop()))
         return out
 
@@ -131,73 +108,67 @@ class MessagesEncoder:
 
     def body(self) -> dict[str, Any]:
         """The buffered Message (after the terminal update)."""
-        message = self._message(self.content, self.stop_reason, self.stop_sequence)
-        return to_json(message)  # type: ignore[no-any-return]
+        return to_json(self._message(self.content))  # type: ignore[no-any-return]
 
     def usage(self) -> shapes.Usage:
         """Messages usage: input_tokens excludes what was read from the cache (cache_read_input_tokens)."""
         usage = usage_of(self.prompts, [self.acc], 1)
         cached = min(usage.cached_tokens, usage.prompt_tokens)
         return shapes.Usage(input_tokens=usage.prompt_tokens - cached, output_tokens=usage.completion_tokens,
-                     cache_creation_input_tokens=0, cache_read_input_tokens=cached)
+                            cache_creation_input_tokens=0, cache_read_input_tokens=cached)
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _message(self, content: list[shapes.ContentBlock], reason: str | None,
-                 sequence: str | None) -> shapes.Message:
-        return shapes.Message(id=self.id, model=self.model, content=content, stop_reason=reason,
-                              stop_sequence=sequence,
-                       usage=self.usage())
+    def _message(self, content: list[shapes.ContentBlock]) -> shapes.Message:
+        return shapes.Message(id=self.id, model=self.model, content=content, stop=self.stop,
+                              usage=self.usage())
 
-    def _ensure_open(self, kind: Literal["text", "thinking"]) -> list[StreamEvent]:
-        if self._open == kind:
-            return []
-        new = shapes.TextBlock if kind == "text" else shapes.ThinkingBlock
-        return self._close() + self._open_block(kind, new(), new())
-
-    def _delta(self, kind: Literal["text", "thinking"], text: str) -> list[StreamEvent]:
-        out = self._ensure_open(kind)
-        cur = self.content[-1]
+    def _delta(self, kind: type[shapes.TextBlock | shapes.ThinkingBlock], text: str) -> list[StreamEvent]:
+        """`text` appended to the open block, a `kind` block opened first where the open one is not
+        (an empty `text` only opens it)."""
+        out: list[StreamEvent] = []
+        block = self._open
+        if type(block) is not kind:
+            block = kind()
+            out = self._close() + self._start(kind(), block)
+            self._open = block
+        if not text:
+            return out
         delta: shapes.TextDelta | shapes.ThinkingDelta
-        if isinstance(cur, shapes.TextBlock):
-            cur.text += text
+        if isinstance(block, shapes.TextBlock):
+            block.text += text
             delta = shapes.TextDelta(text=text)
         else:
-            assert isinstance(cur, shapes.ThinkingBlock)
-            cur.thinking += text
+            block.thinking += text
             delta = shapes.ThinkingDelta(thinking=text)
         out.append(_event(shapes.ContentBlockDelta(index=len(self.content) - 1, delta=delta)))
         return out
 
     def _tool_use(self, call: ToolCall) -> list[StreamEvent]:
-        out = self._close()
-        self.num_calls += 1
+        """A whole tool_use block: its start, its input as one delta, its stop."""
         args = call.arguments if call.arguments.strip() else "{}"
         tid = tool_use_id(call.id)
-        out += self._open_block("tool_use", shapes.ToolUseBlock(id=tid, name=call.name, input={}),
-                                shapes.ToolUseBlock(id=tid, name=call.name, input=json.loads(args)))
+        out = self._close() + self._start(shapes.ToolUseBlock(id=tid, name=call.name, input={}),
+                                          shapes.ToolUseBlock(id=tid, name=call.name, input=json.loads(args)))
         index = len(self.content) - 1
-        out.append(_event(shapes.ContentBlockDelta(index=index, delta=shapes.InputJSONDelta(partial_json=args))))
-        out += self._close()
-        return out
+        delta = shapes.InputJSONDelta(partial_json=args)
+        return [*out, _event(shapes.ContentBlockDelta(index=index, delta=delta)),
+                _event(shapes.ContentBlockStop(index=index))]
 
-    def _open_block(self, kind: BlockKind, block: shapes.ContentBlock,
-                    content: shapes.ContentBlock) -> list[StreamEvent]:
+    def _start(self, block: shapes.ContentBlock, content: shapes.ContentBlock) -> list[StreamEvent]:
         """`block` as it starts on the wire; `content` the message's own block, which deltas extend."""
         self.content.append(content)
-        self._open = kind
         return [_event(shapes.ContentBlockStart(index=len(self.content) - 1, content_block=block))]
 
     def _close(self) -> list[StreamEvent]:
-        if self._open is None:
+        """The open block's end (a thinking block's signature first)."""
+        block, self._open = self._open, None
+        if block is None:
             return []
-        out: list[StreamEvent] = []
         index = len(self.content) - 1
-        block = self.content[index]
-        if isinstance(block, shapes.ThinkingBlock):
-            block.signature = thinking_signature(block.thinking)
-            signature = shapes.SignatureDelta(signature=block.signature)
-            out.append(_event(shapes.ContentBlockDelta(index=index, delta=signature)))
-        out.append(_event(shapes.ContentBlockStop(index=index)))
-        self._open = None
-        return out
+        stop = _event(shapes.ContentBlockStop(index=index))
+        if not isinstance(block, shapes.ThinkingBlock):
+            return [stop]
+        block.signature = thinking_signature(block.thinking)
+        signature = shapes.SignatureDelta(signature=block.signature)
+        return [_event(shapes.ContentBlockDelta(index=index, delta=signature)), stop]

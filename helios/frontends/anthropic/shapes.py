@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from helios.domain.shapes import shape
+from helios.domain.shapes import flat, shape
 
 
 @shape
@@ -43,14 +43,19 @@ ContentBlock = TextBlock | ThinkingBlock | ToolUseBlock
 
 
 @shape
+class StopDetails:
+    stop_reason: str | None
+    stop_sequence: str | None
+
+
+@shape
 class Message:
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
     content: list[ContentBlock]
-    stop_reason: str | None
-    stop_sequence: str | None
+    stop: StopDetails = flat()  # stop_reason and stop_sequence
     usage: Usage
 
 
@@ -105,12 +110,6 @@ class ContentBlockStop:
 
 
 @shape
-class StopDetails:
-    stop_reason: str | None
-    stop_sequence: str | None
-
-
-@shape
 class MessageDelta:
     type: Literal["message_delta"] = "message_delta"
     delta: StopDetails
@@ -121,5 +120,3 @@ class MessageDelta:
 class MessageStop:
     type: Literal["message_stop"] = "message_stop"
 
-
-StreamEventShape = MessageStart | ContentBlockStart | ContentBlockDelta | ContentBlockStop | MessageDelta | MessageStop
