@@ -41,7 +41,9 @@ from typing import Annotated, Any, Literal, NewType, TypeVar, Union, get_args, g
 
 import attrs
 import cattrs
+from cattrs.cols import list_structure_factory
 from cattrs.errors import (
+    AttributeValidationNote,
     ClassValidationError,
     ForbiddenExtraKeysError,
     IterableValidationError,
@@ -50,7 +52,7 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_structure_fn, override
 
 from helios.errors import BadRequest
-from helios.frontends.fields import FieldPolicy, policy_rows
+from helios.frontends.fields import JSON_KINDS, FieldPolicy, policy_rows
 from helios.frontends.fields import NativeGenerationFields as NativeGenerationFields  # the shared wire fields
 
 T = TypeVar("T")
@@ -101,33 +103,25 @@ class Invalid(ValueError):
         self.param = param
 
 
-_KIND_NAMES = {"null": "null", "boolean": "a boolean", "integer": "an integer", "number": "a number",
-               "string": "a string", "array": "an array", "object": "an object"}
-
-
 def json_kind(v: Any) -> str:
     """The JSON kind of a decoded value."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int):
-        return "integer"
-    if isinstance(v, float):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    if isinstance(v, list):
-        return "array"
-    if isinstance(v, dict):
-        return "object"
-    return type(v).__name__
+    return next((kind for t, (kind, _) in JSON_KINDS.items() if isinstance(v, t)), type(v).__name__)
 
 
-def _strict_int(v: Any, _t: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"expected an integer, got {type(v).__name__}")
-    return v
+def _exact(t: type) -> Callable[[Any, Any], Any]:
+    """The hook of a JSON string, boolean, integer or object (`t`): the value itself, never a
+    boolean for an integer."""
+    expected = JSON_KINDS[t][1]
+
+    def hook(v: Any, _t: Any) -> Any:
+        if not isinstance(v, t) or (t is int and isinstance(v, bool)):
+            raise TypeError(f"expected {expected}, got {json_kind(v) if t is dict else type(v).__name__}")
+        return v
+
+    return hook
+
+
+_json_object = _exact(dict)
 
 
 def _strict_float(v: Any, _t: Any) -> float:
@@ -136,25 +130,7 @@ def _strict_float(v: Any, _t: Any) -> float:
     return float(v)
 
 
-def _strict_str(v: Any, _t: Any) -> str:
-    if not isinstance(v, str):
-        raise TypeError(f"expected a string, got {type(v).__name__}")
-    return v
-
-
-def _strict_bool(v: Any, _t: Any) -> bool:
-    if not isinstance(v, bool):
-        raise TypeError(f"expected a boolean, got {type(v).__name__}")
-    return v
-
-
 def _any(v: Any, _t: Any) -> Any:
-    return v
-
-
-def _json_object(v: Any, _t: Any) -> dict[str, Any]:
-    if not isinstance(v, dict):
-        raise TypeError(f"expected an object, got {json_kind(v)}")
     return v
 
 
@@ -239,19 +215,6 @@ def _is_tagged_union(t: Any) -> bool:
     return _is_union(t) and all(attrs.has(a) for a in get_args(t))
 
 
-def _built_from(t: Any) -> Any:
-    """The wire shape of ``Annotated[Built, From(wire)]``; None for any other type."""
-    if get_origin(t) is Annotated:
-        for meta in t.__metadata__:
-            if isinstance(meta, From):
-                return meta.wire
-    return None
-
-
-def _is_built(t: Any) -> bool:
-    return _built_from(t) is not None
-
-
 def _is_kind_union(t: Any) -> bool:
     return _is_union(t) and not _is_tagged_union(t)
 
@@ -260,57 +223,49 @@ def _is_class(t: Any) -> bool:
     return isinstance(t, type) and attrs.has(t)
 
 
+def _is_built(t: Any) -> bool:
+    return _built_from(t) is not None
+
+
+def _built_from(t: Any) -> Any:
+    """The wire shape of ``Annotated[Built, From(wire)]``; None for any other type."""
+    if get_origin(t) is Annotated:
+        return next((meta.wire for meta in t.__metadata__ if isinstance(meta, From)), None)
+    return None
+
+
 def one_of_text(values: Sequence[Any]) -> str:
     quoted = [repr(v) for v in values]
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
+def _field_types(cls: type) -> dict[str, Any]:
+    return {f.name: f.type for f in attrs.fields(attrs.resolve_types(cls))}
+
+
 def _tag_of(members: tuple[Any, ...]) -> str:
     """The field every member declares as a Literal: the union's tag."""
-    first = attrs.fields(members[0])
-    for f in first:
-        if all(_is_literal(_field_type(m, f.name)) for m in members):
-            return f.name
+    for name in attrs.fields_dict(members[0]):
+        if all(_is_literal(_field_types(m).get(name)) for m in members):
+            return name
     raise WireDeclarationError(f"no common Literal tag field in {members}")
 
 
-def _field_type(cls: type, name: str) -> Any:
-    hints = attrs.resolve_types(cls)
-    for f in attrs.fields(hints):
-        if f.name == name:
-            return f.type
-    return None
-
-
-def _member_kind(t: Any) -> str:
-    if t is NoneType:
-        return "null"
+def _member_type(t: Any) -> Any:
+    """The Python type of a kind union member's JSON values (its key in `JSON_KINDS`)."""
     if isinstance(t, NewType):  # a checked leaf: its base type's kind
-        return _member_kind(t.__supertype__)
+        return _member_type(t.__supertype__)
     if _is_built(t):
-        return _member_kind(_built_from(t))
-    if t is str or (_is_literal(t) and all(isinstance(a, str) for a in get_args(t))):
-        return "string"
-    kinds = {bool: "boolean", int: "integer", float: "number"}
-    if t in kinds:
-        return kinds[t]
+        return _member_type(_built_from(t))
+    if _is_literal(t) and all(isinstance(a, str) for a in get_args(t)):
+        return str
     if _is_list(t):
-        return "array"
-    if (isinstance(t, type) and attrs.has(t)) or _is_tagged_union(t) or get_origin(t) is dict or t is dict:
-        return "object"
+        return list
+    if _is_class(t) or _is_tagged_union(t) or get_origin(t) is dict:
+        return dict
+    if t in JSON_KINDS:
+        return t
     raise WireDeclarationError(f"no JSON kind for {t}")
-
-
-def _literal_factory(t: Any) -> Callable[[Any, Any], Any]:
-    allowed = {(type(a), a) for a in get_args(t)}
-    reason = f"must be {one_of_text(get_args(t))}"
-
-    def hook(v: Any, _t: Any) -> Any:
-        if (type(v), v) not in allowed:
-            raise Invalid(reason)
-        return v
-
-    return hook
 
 
 def _builder_params(build: Callable[..., Any]) -> frozenset[str] | None:
@@ -319,6 +274,12 @@ def _builder_params(build: Callable[..., Any]) -> frozenset[str] | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
     return frozenset(p.name for p in params)
+
+
+_LEAVES: dict[Any, Callable[[Any, Any], Any]] = {
+    str: _exact(str), bool: _exact(bool), int: _exact(int), float: _strict_float, Any: _any,
+    NonEmptyStr: _nonempty_str, JSONObjectText: _json_object_text, JSONObjectString: _json_object_string,
+    Base64Bytes: _base64_bytes}
 
 
 class WireConverter(cattrs.Converter):
@@ -331,46 +292,35 @@ class WireConverter(cattrs.Converter):
         self.detailed = detailed
         self._tagged: dict[Any, tuple[str, dict[object, tuple[Any, Callable[[Any, Any], Any]]]]] = {}
         self._inline: dict[Callable[[Any, Any], Any], tuple[str, Any]] = {
-            _strict_str: ("{w}.__class__ is {a}", str), _strict_bool: ("{w}.__class__ is {a}", bool),
-            _strict_int: ("{w}.__class__ is {a}", int), _json_object: ("{w}.__class__ is {a}", dict),
-            _nonempty_str: ("{w}.__class__ is str and {v}", None)}
+            _LEAVES[t]: ("{w}.__class__ is {a}", t) for t in (str, bool, int)}
         """Hooks whose accepted values a fast function tests inline (calling the hook only to raise or
         convert): a test over ``{w}`` (the value, first read), ``{v}`` (it again) and ``{a}`` (the datum)."""
-        self.register_structure_hook_factory(_is_list, self.list_factory)
-        self.register_structure_hook(int, _strict_int)
-        self.register_structure_hook(float, _strict_float)
-        self.register_structure_hook(str, _strict_str)
-        self.register_structure_hook(bool, _strict_bool)
-        self.register_structure_hook(Any, _any)
+        self._inline[_json_object] = "{w}.__class__ is {a}", dict
+        self._inline[_nonempty_str] = "{w}.__class__ is str and {v}", None
+        for leaf, hook in _LEAVES.items():
+            self.register_structure_hook(leaf, hook)
         self.register_structure_hook_func(lambda t: t == dict[str, Any], _json_object)
-        self.register_structure_hook(NonEmptyStr, _nonempty_str)
-        self.register_structure_hook(JSONObjectText, _json_object_text)
-        self.register_structure_hook(JSONObjectString, _json_object_string)
-        self.register_structure_hook(Base64Bytes, _base64_bytes)
-        self.register_structure_hook_factory(_is_literal, self.literal_factory)
-        self.register_structure_hook_factory(_is_tagged_union, self.tagged_factory)
-        self.register_structure_hook_factory(_is_kind_union, self.kind_factory)
-        self.register_structure_hook_factory(_is_class, self.class_hook)
-        self.register_structure_hook_factory(_is_built, lambda t: self.get_structure_hook(_built_from(t)))
+        for predicate, factory in ((_is_list, self.list_factory), (_is_literal, self.literal_factory),
+                                   (_is_tagged_union, self.tagged_factory), (_is_kind_union, self.kind_factory),
+                                   (_is_class, self.class_hook),
+                                   (_is_built, lambda t: self.get_structure_hook(_built_from(t)))):
+            self.register_structure_hook_factory(predicate, factory)
 
     def list_factory(self, t: Any) -> Callable[[Any, Any], list[Any]]:
+        """cattrs' list hook (the detailed one collects every failing element, each with its index)
+        for an array only; the fast hook of a list of tagged-union members is `_tagged_list`."""
         args = get_args(t)
         elem = args[0] if args else Any
-        if _is_built(elem):
-            elem = _built_from(elem)
+        elem = _built_from(elem) or elem
         if not self.detailed and _is_tagged_union(elem):  # the hot path: messages, parts, items
             return self._tagged_list(elem)
-        elem_hook = self.get_structure_hook(elem)
+        structure_list = list_structure_factory(t, self)
 
         def hook(v: Any, _t: Any) -> list[Any]:
             # A string is not a list of characters, and an object is not a list of its keys.
             if type(v) is not list:
                 raise TypeError(f"expected an array, got {json_kind(v)}")
-            if elem is Any:
-                return list(v)
-            if not self.detailed:
-                return [elem_hook(x, elem) for x in v]
-            return _detailed_list(v, t, elem, elem_hook)
+            return structure_list(v, t)  # type: ignore[no-any-return]
 
         return hook
 
@@ -398,7 +348,7 @@ class WireConverter(cattrs.Converter):
             by_tag: dict[object, tuple[Any, Callable[[Any, Any], Any]]] = {}
             for m in members:
                 entry = m, self.class_hook(m, checked=tag)
-                by_tag.update((value, entry) for value in get_args(_field_type(m, tag)))
+                by_tag.update((value, entry) for value in get_args(_field_types(m)[tag]))
                 if attrs.fields_dict(m)[tag].default is not attrs.NOTHING:
                     by_tag[ABSENT] = entry
             self._tagged[t] = tag, by_tag
@@ -422,29 +372,32 @@ class WireConverter(cattrs.Converter):
         return hook
 
     def literal_factory(self, t: Any) -> Callable[[Any, Any], Any]:
-        hook = _literal_factory(t)
+        allowed = {(type(a), a) for a in get_args(t)}
+        reason = f"must be {one_of_text(get_args(t))}"
+
+        def hook(v: Any, _t: Any) -> Any:
+            if (type(v), v) not in allowed:
+                raise Invalid(reason)
+            return v
+
         if all(type(a) is str for a in get_args(t)):
             self._inline[hook] = "{w}.__class__ is str and {v} in {a}", frozenset(get_args(t))
         return hook
 
     def kind_factory(self, t: Any) -> Callable[[Any, Any], Any]:
         """Members picked by the value's Python type (what json.loads made of it)."""
-        table: dict[str, list[Any]] = {}
+        table: dict[type, list[Any]] = {}
         for m in get_args(t):
-            table.setdefault(_member_kind(m), []).append(m)
-        if len(table.get("object", ())) > 1:  # several object shapes: one tagged union
-            table["object"] = [Union[tuple(table["object"])]]  # noqa: UP007 - built at run time
-        expected = " or ".join(_KIND_NAMES[k] for k in table)
-        py_types = {"null": NoneType, "boolean": bool, "integer": int, "number": float, "string": str,
-                    "array": list, "object": dict}
-        as_is = {py_types[k] for k, ms in table.items() if ms[0] in (NoneType, bool, int, str, dict[str, Any])}
-        by_type: dict[type, tuple[Any, Callable[[Any, Any], Any]]] = {}
-        for kind, members in table.items():
-            by_type[py_types[kind]] = (members[0], self.get_structure_hook(members[0]) if kind != "null" else _any)
-        if float in by_type and int not in by_type:
-            by_type[int] = by_type[float]
-        arrays = table.get("array", [])
-        by_elem = {} if len(arrays) < 2 else {py_types[_member_kind(get_args(m)[0])]: (m, self.get_structure_hook(m))
+            table.setdefault(_member_type(m), []).append(m)
+        if len(table.get(dict, ())) > 1:  # several object shapes: one tagged union
+            table[dict] = [Union[tuple(table[dict])]]  # noqa: UP007 - built at run time
+        expected = " or ".join(JSON_KINDS[k][1] for k in table)
+        as_is = {k for k, ms in table.items() if ms[0] in (NoneType, bool, int, str, dict[str, Any])}
+        by_type = {k: (ms[0], _any if k is NoneType else self.get_structure_hook(ms[0])) for k, ms in table.items()}
+        if float in by_type:
+            by_type.setdefault(int, by_type[float])
+        arrays = table.get(list, [])
+        by_elem = {} if len(arrays) < 2 else {_member_type(get_args(m)[0]): (m, self.get_structure_hook(m))
                                               for m in reversed(arrays)}
 
         def hook(v: Any, _t: Any) -> Any:
@@ -478,41 +431,28 @@ class WireConverter(cattrs.Converter):
 
             return refused
         hooks: dict[str, Callable[[Any, Any], Any]] = {} if checked is None else {checked: _any}
-        hints = {f.name: f.type for f in attrs.fields(attrs.resolve_types(t))}
+        hints = _field_types(t)
         for name, row in policy_rows(t).items():
             if row.kind == "refused" or (row.kind == "ignored" and (row.types or row.allows is not None
                                                                     or row.check is not None)):
                 hooks[name] = self._screened(hints[name], name, row)
         forbid = not getattr(t, LENIENT, False)
-        overrides: dict[str, Any] = {name: override(struct_hook=h) for name, h in hooks.items()}
         if not self.detailed:  # a non-member's object check is in the function
             return self._fast_class_fn(t, hooks, forbid, check_object=checked is None)
-        base = self._built(t, make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=forbid, **overrides))
-        if checked is not None:
-            return base
-
-        def hook(v: Any, _t: Any) -> Any:
-            if type(v) is not dict:
-                raise TypeError(f"expected an object, got {json_kind(v)}")
-            return base(v, t)
-
-        return hook
-
-    @staticmethod
-    def _built(t: Any, instance_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-        """The detailed function of a class that builds its value: the instance's fields, built."""
+        overrides: dict[str, Any] = {name: override(struct_hook=h) for name, h in hooks.items()}
+        instance_fn = make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=forbid, **overrides)
         build: Callable[..., Any] | None = getattr(t, BUILD, None)
-        if build is None:
-            return instance_fn
-        takes = _builder_params(build)
+        takes = None if build is None else _builder_params(build)
         names = [(f.alias, f.name) for f in attrs.fields(t) if takes is None or f.alias in takes]
 
-        def built(v: Any, _t: Any) -> Any:
-            instance = instance_fn(v, _t)
-            value = build(**{alias: getattr(instance, name) for alias, name in names})
+        def detailed(v: Any, _t: Any) -> Any:  # the instance, or the value a builder makes of its fields
+            if checked is None and type(v) is not dict:
+                raise TypeError(f"expected an object, got {json_kind(v)}")
+            instance = instance_fn(v, t)
+            value = None if build is None else build(**{alias: getattr(instance, name) for alias, name in names})
             return instance if value is None else value
 
-        return built
+        return detailed
 
     def _fast_class_fn(self, t: Any, hooks: Mapping[str, Callable[[Any, Any], Any]], forbid: bool,
                        check_object: bool) -> Callable[[Any, Any], Any]:
@@ -529,7 +469,7 @@ class WireConverter(cattrs.Converter):
                                  "extra_keys": _extra_keys, "not_object": _not_object}
         args: list[str] = []
         optional: list[str] = []
-        checks: list[str] = []  # fields a builder does not take
+        fields: list[str] = []  # a builder's class: every field's value first
         kept: list[str] = []  # every field, for the instance
         for k, f in enumerate(attrs.fields(attrs.resolve_types(t))):
             key = repr(f.name)  # the JSON key, as cattrs reads it; `alias` is the init argument
@@ -543,17 +483,16 @@ class WireConverter(cattrs.Converter):
             if build is None:
                 args.append(f"{f.alias}={value}")
                 continue
+            fields.append(f"    f{k} = {value}")  # structured for its errors (and the instance) if not taken
             kept.append(f"{f.alias}=f{k}")  # for the instance, where the builder returns None
             if takes is None or f.alias in takes:
-                args.append(f"{f.alias}=(f{k} := {value})")
-            else:  # structured for its errors (and the instance) only
-                checks.append(f"    f{k} = {value}")
+                args.append(f"{f.alias}=f{k}")
         lines = ["def structure(o, _t):"]
         if check_object:
             lines.append("    if o.__class__ is not dict: not_object(o)")
         if forbid:
             lines.append("    if not o.keys() <= allowed: extra_keys(o, allowed, cls)")
-        lines += checks
+        lines += fields
         if optional:
             lines += ["    kw = {}", *optional]
             args.append("**kw")
@@ -595,20 +534,6 @@ class WireConverter(cattrs.Converter):
         return hook
 
 
-def _detailed_list(v: list[Any], t: Any, elem: Any, elem_hook: Callable[[Any, Any], Any]) -> list[Any]:
-    out: list[Any] = []
-    errors: list[Exception] = []
-    for i, x in enumerate(v):
-        try:
-            out.append(elem_hook(x, elem))
-        except Exception as exc:  # every failure, in order, with its index (as cattrs notes it)
-            exc.add_note(IterableValidationNote(f"Structuring {elem} @ index {i}", i, elem))
-            errors.append(exc)
-    if errors:
-        raise IterableValidationError(f"While structuring {t}", errors, t)
-    return out
-
-
 def _not_object(v: Any) -> None:
     raise TypeError(f"expected an object, got {json_kind(v)}")
 
@@ -644,17 +569,14 @@ def parse_json_object(body: bytes, limits: Sequence[CountLimit] = ()) -> dict[st
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
         obj = _loads(body)
+        if not isinstance(obj, dict):
+            raise BadRequest("the request body must be a JSON object")
+        check_counts(obj, limits)  # BadRequest, not a ValueError
+        check_document(obj)
     except JSONShapeError as exc:
         raise BadRequest(str(exc), param=exc.param) from None
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise BadRequest(f"malformed JSON body: {exc}") from None
-    if not isinstance(obj, dict):
-        raise BadRequest("the request body must be a JSON object")
-    check_counts(obj, limits)
-    try:
-        check_document(obj)
-    except JSONShapeError as exc:
-        raise BadRequest(str(exc), param=exc.param) from None
     return obj
 
 
@@ -796,13 +718,12 @@ def _join(path: str, step: str | int | None) -> str:
 
 
 def _note_of(exc: BaseException) -> str | int | None:
-    for note in getattr(exc, "__notes__", []) or []:
-        name = getattr(note, "name", None)
-        if name is not None:
-            return str(name)
-        idx = getattr(note, "index", None)
-        if idx is not None:
-            return int(idx) if isinstance(idx, int) else str(idx)
+    """The attribute or index where cattrs' detailed converter noted `exc`."""
+    for note in getattr(exc, "__notes__", ()):
+        if isinstance(note, AttributeValidationNote):
+            return note.name
+        if isinstance(note, IterableValidationNote):
+            return note.index
     return None
 
 
