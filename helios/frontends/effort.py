@@ -31,7 +31,10 @@ def chat_effort_kwargs(top_level: Any, template_kwargs: dict[str, Any], recipe_n
             if value is None:
                 return {"reasoning_effort": effort_score(recipe, vocab.default or "high")}
             if isinstance(value, str):
-                return {"reasoning_effort": effort_score(recipe, _named(recipe_name, value))}
+                level = resolve_effort(recipe, value)
+                if level is None:
+                    raise EffortError(f"unknown reasoning effort {value!r}")
+                return {"reasoning_effort": effort_score(recipe, level)}
             return {"reasoning_effort": numeric_effort(recipe, value)}
         if value is None:
             return {}
@@ -44,10 +47,3 @@ def chat_effort_kwargs(top_level: Any, template_kwargs: dict[str, Any], recipe_n
         return {"reasoning_effort": level} if level is not None else {}
     except EffortError as exc:
         raise BadRequest(str(exc), param="reasoning_effort") from None
-
-
-def _named(recipe_name: str, value: str) -> str:
-    level = resolve_effort(get_recipe(recipe_name), value)
-    if level is None:
-        raise EffortError(f"unknown reasoning effort {value!r}")
-    return level

@@ -35,7 +35,7 @@ import base64
 import inspect
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import NoneType, UnionType
 from typing import Annotated, Any, Literal, NewType, TypeVar, Union, get_args, get_origin
 
@@ -457,52 +457,45 @@ class WireConverter(cattrs.Converter):
     def _fast_class_fn(self, t: Any, hooks: Mapping[str, Callable[[Any, Any], Any]], forbid: bool,
                        check_object: bool) -> Callable[[Any, Any], Any]:
         """The fast converter's function for attrs class `t`: one generated call of `t` with each
-        present key's value structured by its field's hook (`hooks` first), unknown keys refused
-        where `forbid`. It accepts exactly what cattrs' detailed function accepts, without that
-        one's bookkeeping: the tag (`_any`) is passed as is and the leaves, literals and kind unions
-        of `_inline` are tested inline, calling their hook only to raise or convert. A class that
-        `BUILD`s its value calls that instead of the class, with the fields it takes (the others are
-        structured for their errors only); `check_object` tests that the value is an object."""
+        key's value structured by its field's hook (`hooks` first) or its default where absent,
+        unknown keys refused where `forbid`. It accepts exactly what cattrs' detailed function
+        accepts, without that one's bookkeeping: the tag (`_any`) is passed as is and the leaves,
+        literals and kind unions of `_inline` are tested inline, calling their hook only to raise or
+        convert. A class that `BUILD`s its value calls that instead of the class, with the fields it
+        takes (the others are structured for their errors only); `check_object` tests that the value
+        is an object."""
         build = getattr(t, BUILD, None)
         takes = None if build is None else _builder_params(build)  # a builder's fields; None: all
-        globs: dict[str, Any] = {"cls": build or t, "allowed": frozenset(f.name for f in attrs.fields(t)),
+        globs: dict[str, Any] = {"cls": t, "build": build, "allowed": frozenset(f.name for f in attrs.fields(t)),
                                  "extra_keys": _extra_keys, "not_object": _not_object}
-        args: list[str] = []
-        optional: list[str] = []
-        fields: list[str] = []  # a builder's class: every field's value first
-        kept: list[str] = []  # every field, for the instance
-        for k, f in enumerate(attrs.fields(attrs.resolve_types(t))):
-            key = repr(f.name)  # the JSON key, as cattrs reads it; `alias` is the init argument
-            value = self._value_code(k, key, hooks.get(f.name) or self.get_structure_hook(f.type), f.type, globs)
-            if isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
-                optional.append(f"    if {key} in o: kw[{key}] = {value}")  # the instance gets kw too
-                continue
-            if f.default is not attrs.NOTHING:
-                globs[f"d{k}"] = f.default
-                value = f"({value} if {key} in o else d{k})"
-            if build is None:
-                args.append(f"{f.alias}={value}")
-                continue
-            fields.append(f"    f{k} = {value}")  # structured for its errors (and the instance) if not taken
-            kept.append(f"{f.alias}=f{k}")  # for the instance, where the builder returns None
-            if takes is None or f.alias in takes:
-                args.append(f"{f.alias}=f{k}")
         lines = ["def structure(o, _t):"]
         if check_object:
             lines.append("    if o.__class__ is not dict: not_object(o)")
         if forbid:
             lines.append("    if not o.keys() <= allowed: extra_keys(o, allowed, cls)")
-        lines += fields
-        if optional:
-            lines += ["    kw = {}", *optional]
-            args.append("**kw")
-            kept.append("**kw")
+        args: list[str] = []  # the builder's arguments, or the class's
+        every: list[str] = []  # a builder's class: every field, for the instance where it returns None
+        for k, f in enumerate(attrs.fields(attrs.resolve_types(t))):
+            key = repr(f.name)  # the JSON key, as cattrs reads it; `alias` is the init argument
+            value = self._value_code(k, key, hooks.get(f.name) or self.get_structure_hook(f.type), f.type, globs)
+            if isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
+                globs[f"d{k}"] = f.default.factory
+                value = f"({value} if {key} in o else d{k}())"
+            elif f.default is not attrs.NOTHING:
+                globs[f"d{k}"] = f.default
+                value = f"({value} if {key} in o else d{k})"
+            if build is None:
+                args.append(f"{f.alias}={value}")
+                continue
+            lines.append(f"    f{k} = {value}")  # untaken by the builder: for its errors and the instance
+            every.append(f"{f.alias}=f{k}")
+            if takes is None or f.alias in takes:
+                args.append(f"{f.alias}=f{k}")
         if build is None:
             lines.append(f"    return cls({', '.join(args)})")
         else:
-            globs["wire_cls"] = t
-            lines += [f"    value = cls({', '.join(args)})",
-                      f"    return value if value is not None else wire_cls({', '.join(kept)})"]
+            lines += [f"    value = build({', '.join(args)})",
+                      f"    return value if value is not None else cls({', '.join(every)})"]
         exec(compile("\n".join(lines), f"<wire structure {t.__qualname__}>", "exec"), globs)
         fn: Callable[[Any, Any], Any] = globs["structure"]
         return fn
@@ -637,23 +630,20 @@ def check_counts(obj: dict[str, Any], limits: Sequence[CountLimit]) -> None:
     """The route's item counts, in the order given (a parent array's rule comes before its
     children's, so walking a child rule touches at most the parent's limit of elements)."""
     for limit in limits:
-        segments = limit.path.split("[].")
+        *parents, field = limit.path.split("[].")
         level: list[tuple[Any, str]] = [(obj, "")]
-        for k, name in enumerate(segments):
-            last = k == len(segments) - 1
-            nxt: list[tuple[Any, str]] = []
-            for container, where in level:
-                if not isinstance(container, dict) or not isinstance(container.get(name), list):
-                    continue
-                items = container[name]
-                here = f"{where}.{name}" if where else name
-                if last:
-                    if len(items) > limit.max_items:
-                        raise BadRequest(f"'{here}' has {len(items)} items; at most {limit.max_items} are accepted",
-                                         param=here)
-                else:
-                    nxt.extend((item, f"{here}[{i}]") for i, item in enumerate(items))
-            level = nxt
+        for name in parents:
+            level = [(item, f"{here}[{i}]") for here, items in _arrays(level, name) for i, item in enumerate(items)]
+        for here, items in _arrays(level, field):
+            if len(items) > limit.max_items:
+                raise BadRequest(f"'{here}' has {len(items)} items; at most {limit.max_items} are accepted", param=here)
+
+
+def _arrays(level: list[tuple[Any, str]], name: str) -> Iterator[tuple[str, list[Any]]]:
+    """The arrays under key `name` of the objects in `level` (each with its path), with their paths."""
+    for container, where in level:
+        if isinstance(container, dict) and isinstance(container.get(name), list):
+            yield (f"{where}.{name}" if where else name), container[name]
 
 
 def _reject_constant(name: str) -> Any:
