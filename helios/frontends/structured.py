@@ -15,6 +15,7 @@ message and this field's name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from helios.domain.conversation import ToolGrammar
@@ -22,7 +23,22 @@ from helios.domain.generation import OutputConstraint
 from helios.errors import BadRequest
 from helios.frontends.wire import loads_strict
 
-_NATIVE_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+def _nonempty_str(spec: Any) -> bool:
+    return isinstance(spec, str) and spec != ""
+
+
+_NATIVE: dict[str, tuple[Callable[[Any], bool], str, Any]] = {
+    "json": (lambda spec: isinstance(spec, dict), "a JSON schema (an object or its JSON text)", "json_schema"),
+    "regex": (_nonempty_str, "a nonempty string", "regex"),
+    "choice": (lambda spec: isinstance(spec, list) and spec != [] and all(isinstance(x, str) for x in spec),
+               "a nonempty array of strings", "choice"),
+    "grammar": (_nonempty_str, "a nonempty string", "grammar"),
+    "json_object": (lambda spec: spec is True, "true", "json_object"),
+}
+"""The kinds of ``structured_outputs``: each one's test of its value, what the value must be, and the
+constraint's kind."""
+_NATIVE_KINDS = tuple(_NATIVE)
 # vLLM's StructuredOutputsParams options that tune its own backends; accepted and inert here.
 _NATIVE_INERT = ("disable_fallback",)
 
@@ -44,28 +60,17 @@ def decode_structured_outputs(value: Any, param: str = "structured_outputs") -> 
         raise BadRequest(f"{param}: give exactly one of {', '.join(_NATIVE_KINDS)} (got {', '.join(given)})",
                          param=param)
     kind = given[0]
-    spec = value[kind]
-    where = f"{param}.{kind}"
-    if kind == "json_object":
-        if spec is not True:
-            raise BadRequest(f"{where} must be true", param=param)
-        return OutputConstraint("json_object", param=where)
-    if kind == "json":
-        if isinstance(spec, str):  # its JSON text, decoded here with every JSON document's checks
-            try:
-                spec = loads_strict(spec)
-            except ValueError as exc:
-                raise BadRequest(f"{where}: the JSON schema is not valid JSON: {exc}", param=param) from None
-        if not isinstance(spec, dict):
-            raise BadRequest(f"{where} must be a JSON schema (an object or its JSON text)", param=param)
-        return OutputConstraint("json_schema", spec, param=where)
-    if kind in ("regex", "grammar"):
-        if not isinstance(spec, str) or not spec:
-            raise BadRequest(f"{where} must be a nonempty string", param=param)
-        return OutputConstraint("regex" if kind == "regex" else "grammar", spec, param=where)
-    if not isinstance(spec, list) or not spec or not all(isinstance(x, str) for x in spec):
-        raise BadRequest(f"{where} must be a nonempty array of strings", param=param)
-    return OutputConstraint("choice", tuple(spec), param=where)
+    spec, where = value[kind], f"{param}.{kind}"
+    if kind == "json" and isinstance(spec, str):  # its JSON text, decoded here with every JSON document's checks
+        try:
+            spec = loads_strict(spec)
+        except ValueError as exc:
+            raise BadRequest(f"{where}: the JSON schema is not valid JSON: {exc}", param=param) from None
+    valid, expected, constraint = _NATIVE[kind]
+    if not valid(spec):
+        raise BadRequest(f"{where} must be {expected}", param=param)
+    spec = None if kind == "json_object" else tuple(spec) if kind == "choice" else spec
+    return OutputConstraint(constraint, spec, param=where)
 
 
 def decode_response_format(value: Any, param: str = "response_format") -> OutputConstraint | None:
@@ -139,22 +144,22 @@ def tool_contract(description: str | None, g: ToolGrammar) -> str:
     return f"{description}\n\n{contract}" if description else contract
 
 
+_SCHEMA_OPTIONS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("name", _nonempty_str, "a nonempty string"), ("strict", lambda v: isinstance(v, bool), "a boolean"),
+    ("description", lambda v: isinstance(v, str), "a string"))
+"""A JSON schema's optional fields (null is absence): each one's test and what it must be."""
+
+
 def _json_schema(body: dict[str, Any], where: str, param: str) -> OutputConstraint:
-    name = body.get("name")
-    if name is not None and (not isinstance(name, str) or not name):
-        raise BadRequest(f"{where}.name must be a nonempty string", param=param)
-    strict = body.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise BadRequest(f"{where}.strict must be a boolean", param=param)
-    description = body.get("description")
-    if description is not None and not isinstance(description, str):
-        raise BadRequest(f"{where}.description must be a string", param=param)
+    for key, valid, expected in _SCHEMA_OPTIONS:
+        if body.get(key) is not None and not valid(body[key]):
+            raise BadRequest(f"{where}.{key} must be {expected}", param=param)
     schema = body.get("schema")
     if schema is None:
         raise BadRequest(f"{where}.schema is required", param=param)
     if not isinstance(schema, dict):
         raise BadRequest(f"{where}.schema must be a JSON schema object", param=param)
-    return OutputConstraint("json_schema", schema, param=where, strict=bool(strict), name=name)
+    return OutputConstraint("json_schema", schema, param=where, strict=bool(body.get("strict")), name=body.get("name"))
 
 
 def _only(obj: dict[str, Any], allowed: set[str], param: str) -> None:
