@@ -423,11 +423,10 @@ class WireConverter(cattrs.Converter):
         refusal: str | Callable[[str], Invalid] | None = getattr(t, REFUSED, None)
         if refusal is not None and checked is not None:
             template, tag = refusal, checked
+            refuse = template if callable(template) else lambda value: Invalid(template.format(value=value), at=tag)
 
             def refused(v: Any, _t: Any) -> Any:
-                if callable(template):
-                    raise template(v[tag])
-                raise Invalid(template.format(value=v[tag]), at=tag)
+                raise refuse(v[tag])
 
             return refused
         hooks: dict[str, Callable[[Any, Any], Any]] = {} if checked is None else {checked: _any}
