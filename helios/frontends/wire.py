@@ -290,7 +290,7 @@ class WireConverter(cattrs.Converter):
     def __init__(self, *, detailed: bool) -> None:
         super().__init__(forbid_extra_keys=True, detailed_validation=detailed)
         self.detailed = detailed
-        self._tagged: dict[Any, tuple[str, dict[object, tuple[Any, Callable[[Any, Any], Any]]]]] = {}
+        self._tagged: dict[Any, tuple[str, dict[object, Callable[[Any, Any], Any]]]] = {}
         self._inline: dict[Callable[[Any, Any], Any], tuple[str, Any]] = {
             _LEAVES[t]: ("{w}.__class__ is {a}", t) for t in (str, bool, int)}
         """Hooks whose accepted values a fast function tests inline (calling the hook only to raise or
@@ -325,39 +325,36 @@ class WireConverter(cattrs.Converter):
         return hook
 
     def _tagged_list(self, elem: Any) -> Callable[[Any, Any], list[Any]]:
-        """The fast hook of a list of tagged-union members: each element's hook looked up by its tag."""
-        tag_name, by_tag = self.tagged_members(elem)
+        """The fast hook of a list of tagged-union members: each element's hook looked up by its tag
+        (anything wrong raises, an absent tag too unless a member takes it, and `structure` finds it
+        again in detail)."""
+        tag, by_tag = self.tagged_members(elem)
 
         def tagged_list(v: Any, _t: Any) -> list[Any]:
             if type(v) is not list:
                 raise TypeError(f"expected an array, got {json_kind(v)}")
-            out: list[Any] = []
-            for x in v:  # anything wrong raises (an absent tag too, unless a member takes it), and
-                member, member_hook = by_tag[x.get(tag_name, ABSENT)]  # `structure` finds it again in detail
-                out.append(member_hook(x, member))
-            return out
+            return [by_tag[x.get(tag, ABSENT)](x, elem) for x in v]
 
         return tagged_list
 
-    def tagged_members(self, t: Any) -> tuple[str, dict[object, tuple[Any, Callable[[Any, Any], Any]]]]:
-        """A tagged union's tag and, for each tag value, its member and the member's hook (under
-        `ABSENT`, the member whose tag has a default: taken when the tag is absent, not when null)."""
+    def tagged_members(self, t: Any) -> tuple[str, dict[object, Callable[[Any, Any], Any]]]:
+        """A tagged union's tag and, for each tag value, its member's hook (under `ABSENT`, the hook
+        of the member whose tag has a default: taken when the tag is absent, not when null)."""
         if t not in self._tagged:
-            members = get_args(t)
-            tag = _tag_of(members)
-            by_tag: dict[object, tuple[Any, Callable[[Any, Any], Any]]] = {}
-            for m in members:
-                entry = m, self.class_hook(m, checked=tag)
-                by_tag.update((value, entry) for value in get_args(_field_types(m)[tag]))
+            tag = _tag_of(get_args(t))
+            by_tag: dict[object, Callable[[Any, Any], Any]] = {}
+            for m in get_args(t):
+                hook = self.class_hook(m, checked=tag)
+                by_tag.update(dict.fromkeys(get_args(_field_types(m)[tag]), hook))
                 if attrs.fields_dict(m)[tag].default is not attrs.NOTHING:
-                    by_tag[ABSENT] = entry
+                    by_tag[ABSENT] = hook
             self._tagged[t] = tag, by_tag
         return self._tagged[t]
 
     def tagged_factory(self, t: Any) -> Callable[[Any, Any], Any]:
         tag, by_tag = self.tagged_members(t)
-        expected = one_of_text([value for value, (m, _) in by_tag.items()
-                                if value is not ABSENT and not hasattr(m, REFUSED)])
+        expected = one_of_text([value for m in get_args(t) if not hasattr(m, REFUSED)
+                                for value in get_args(_field_types(m)[tag])])
 
         def hook(v: Any, _t: Any) -> Any:
             if type(v) is not dict:
@@ -367,7 +364,7 @@ class WireConverter(cattrs.Converter):
             if found is None:
                 raise Invalid(f"is required; expected {expected}" if value is None else
                               f"{value!r} is not supported; expected {expected}", at=tag)
-            return found[1](v, found[0])
+            return found(v, t)
 
         return hook
 
