@@ -106,12 +106,11 @@ def _convert(tp: Any, get: str, ns: dict[str, Any]) -> str:
     if origin in _UNIONS and len(args) == 2 and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
         if _is_shape(inner):
-            return f"(None if {get} is None else {_call(inner, get, ns)})"
+            return f"(None if {get} is None else {_writer_name(inner, ns)}({get}))"
     if origin is list and len(args) == 1 and _is_shape(args[0]):
-        _call(args[0], "", ns)
-        return f"list(map(w_{args[0].__name__}, {get}))"
+        return f"list(map({_writer_name(args[0], ns)}, {get}))"
     if _is_shape(tp):
-        return _call(tp, get, ns)
+        return f"{_writer_name(tp, ns)}({get})"
     return f"to_json({get})"
 
 
@@ -119,10 +118,10 @@ def _is_shape(tp: Any) -> bool:
     return isinstance(tp, type) and attrs.has(tp) and tp not in _GENERATING
 
 
-def _call(cls: type, get: str, ns: dict[str, Any]) -> str:
-    name = f"w_{cls.__name__}"
-    ns[name] = _writer(cls)
-    return f"{name}({get})"
+def _writer_name(cls: type, ns: dict[str, Any]) -> str:
+    """The name of `cls`'s writer in the namespace `ns` of a writer being generated."""
+    ns[f"w_{cls.__name__}"] = _writer(cls)
+    return f"w_{cls.__name__}"
 
 
 _GENERATING: set[type] = set()

@@ -28,14 +28,12 @@ def chat_effort_kwargs(top_level: Any, template_kwargs: dict[str, Any], recipe_n
     vocab = recipe.effort
     try:
         if vocab.numeric is not None:  # DeepSeek V4.1: integer scores, named levels map to scores
-            if value is None:
-                return {"reasoning_effort": effort_score(recipe, vocab.default or "high")}
-            if isinstance(value, str):
-                level = resolve_effort(recipe, value)
-                if level is None:
-                    raise EffortError(f"unknown reasoning effort {value!r}")
-                return {"reasoning_effort": effort_score(recipe, level)}
-            return {"reasoning_effort": numeric_effort(recipe, value)}
+            if not isinstance(value, str | None):
+                return {"reasoning_effort": numeric_effort(recipe, value)}
+            level = (vocab.default or "high") if value is None else resolve_effort(recipe, value)
+            if level is None:
+                raise EffortError(f"unknown reasoning effort {value!r}")
+            return {"reasoning_effort": effort_score(recipe, level)}
         if value is None:
             return {}
         if not isinstance(value, str):

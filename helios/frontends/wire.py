@@ -215,10 +215,6 @@ def _is_tagged_union(t: Any) -> bool:
     return _is_union(t) and all(attrs.has(a) for a in get_args(t))
 
 
-def _is_kind_union(t: Any) -> bool:
-    return _is_union(t) and not _is_tagged_union(t)
-
-
 def _is_class(t: Any) -> bool:
     return isinstance(t, type) and attrs.has(t)
 
@@ -301,7 +297,8 @@ class WireConverter(cattrs.Converter):
             self.register_structure_hook(leaf, hook)
         self.register_structure_hook_func(lambda t: t == dict[str, Any], _json_object)
         for predicate, factory in ((_is_list, self.list_factory), (_is_literal, self.literal_factory),
-                                   (_is_tagged_union, self.tagged_factory), (_is_kind_union, self.kind_factory),
+                                   (_is_tagged_union, self.tagged_factory),
+                                   (lambda t: _is_union(t) and not _is_tagged_union(t), self.kind_factory),
                                    (_is_class, self.class_hook),
                                    (_is_built, lambda t: self.get_structure_hook(_built_from(t)))):
             self.register_structure_hook_factory(predicate, factory)
