@@ -39,6 +39,8 @@ _NATIVE: dict[str, tuple[Callable[[Any], bool], str, Any]] = {
 """The kinds of ``structured_outputs``: each one's test of its value, what the value must be, and the
 constraint's kind."""
 _NATIVE_KINDS = tuple(_NATIVE)
+_FORMATS = ("text", "json_object", "json_schema")
+"""The types of Chat's ``response_format`` and Responses' ``text.format``."""
 # vLLM's StructuredOutputsParams options that tune its own backends; accepted and inert here.
 _NATIVE_INERT = ("disable_fallback",)
 
@@ -80,19 +82,14 @@ def decode_response_format(value: Any, param: str = "response_format") -> Output
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise BadRequest(f"{param} must be an object with a type", param=param)
     kind = value["type"]
-    if kind == "text":
-        _only(value, {"type"}, param)
-        return None
-    if kind == "json_object":
-        _only(value, {"type"}, param)
-        return OutputConstraint("json_object", param=param)
-    if kind == "json_schema":
-        _only(value, {"type", "json_schema"}, param)
-        body = value.get("json_schema")
-        if not isinstance(body, dict):
-            raise BadRequest(f"{param}.json_schema must be an object", param=param)
-        return _json_schema(body, f"{param}.json_schema", param)
-    raise BadRequest(f"{param}.type must be 'text', 'json_object' or 'json_schema', got '{kind}'", param=param)
+    if kind not in _FORMATS:
+        raise BadRequest(f"{param}.type must be 'text', 'json_object' or 'json_schema', got '{kind}'", param=param)
+    _only(value, {"type", "json_schema"} if kind == "json_schema" else {"type"}, param)
+    if kind != "json_schema":
+        return None if kind == "text" else OutputConstraint("json_object", param=param)
+    if not isinstance(value.get("json_schema"), dict):
+        raise BadRequest(f"{param}.json_schema must be an object", param=param)
+    return _json_schema(value["json_schema"], f"{param}.json_schema", param)
 
 
 def decode_text_format(fmt: Any, param: str = "text.format") -> OutputConstraint | None:
@@ -102,15 +99,12 @@ def decode_text_format(fmt: Any, param: str = "text.format") -> OutputConstraint
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
         raise BadRequest(f"{param} must be an object with a type", param=param)
     kind = fmt["type"]
-    if kind == "text":
+    if kind not in _FORMATS:
+        raise BadRequest(f"unsupported {param} type '{kind}'; use text, json_object or json_schema", param=param)
+    if kind == "text":  # its other keys are not checked
         return None
-    if kind == "json_object":
-        _only(fmt, {"type"}, param)
-        return OutputConstraint("json_object", param=param)
-    if kind == "json_schema":
-        _only(fmt, {"type", "name", "schema", "strict", "description"}, param)
-        return _json_schema(fmt, param, param)
-    raise BadRequest(f"unsupported {param} type '{kind}'; use text, json_object or json_schema", param=param)
+    _only(fmt, {"type", "name", "schema", "strict", "description"} if kind == "json_schema" else {"type"}, param)
+    return _json_schema(fmt, param, param) if kind == "json_schema" else OutputConstraint("json_object", param=param)
 
 
 def decode_output_format(fmt: Any, param: str = "output_config.format") -> OutputConstraint | None:
