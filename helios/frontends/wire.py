@@ -109,25 +109,20 @@ def json_kind(v: Any) -> str:
 
 
 def _exact(t: type) -> Callable[[Any, Any], Any]:
-    """The hook of a JSON string, boolean, integer or object (`t`): the value itself, never a
-    boolean for an integer."""
+    """The hook of a JSON string, boolean, integer, number or object (`t`): the value itself (a
+    number's as a float: an integer is one too), never a boolean for a number."""
     expected = JSON_KINDS[t][1]
+    accepted: Any = (int, float) if t is float else t
 
     def hook(v: Any, _t: Any) -> Any:
-        if not isinstance(v, t) or (t is int and isinstance(v, bool)):
+        if not isinstance(v, accepted) or (t in (int, float) and isinstance(v, bool)):
             raise TypeError(f"expected {expected}, got {json_kind(v) if t is dict else type(v).__name__}")
-        return v
+        return float(v) if t is float else v
 
     return hook
 
 
 _json_object = _exact(dict)
-
-
-def _strict_float(v: Any, _t: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise TypeError(f"expected a number, got {type(v).__name__}")
-    return float(v)
 
 
 def _any(v: Any, _t: Any) -> Any:
@@ -273,7 +268,7 @@ def _builder_params(build: Callable[..., Any]) -> frozenset[str] | None:
 
 
 _LEAVES: dict[Any, Callable[[Any, Any], Any]] = {
-    str: _exact(str), bool: _exact(bool), int: _exact(int), float: _strict_float, Any: _any,
+    str: _exact(str), bool: _exact(bool), int: _exact(int), float: _exact(float), Any: _any,
     NonEmptyStr: _nonempty_str, JSONObjectText: _json_object_text, JSONObjectString: _json_object_string,
     Base64Bytes: _base64_bytes}
 
@@ -598,8 +593,7 @@ def _loads(text: str | bytes) -> Any:
     try:
         return _DECODER.decode(text)
     except RecursionError:  # the parser recurses per level: far past MAX_JSON_DEPTH
-        raise JSONShapeError(f"the JSON document is nested more than {MAX_JSON_DEPTH} levels deep (arrays and "
-                             f"objects); at most {MAX_JSON_DEPTH} are accepted", None) from None
+        raise _too_deep(None) from None
 
 
 def check_document(obj: Any) -> None:
@@ -757,10 +751,7 @@ def _locate_problem(obj: Any) -> JSONShapeError:
         if not isinstance(value, dict | list):
             continue
         if depth > MAX_JSON_DEPTH:
-            field = re.split(r"[.\[]", where, maxsplit=1)[0] or None  # the top-level field it is under
-            return JSONShapeError(f"{f'{field!r}' if field else 'the JSON document'} is nested more than "
-                                  f"{MAX_JSON_DEPTH} levels deep (arrays and objects); at most {MAX_JSON_DEPTH} "
-                                  "are accepted", field)
+            return _too_deep(re.split(r"[.\[]", where, maxsplit=1)[0] or None)  # the top-level field it is under
         if isinstance(value, dict):
             for key in value:
                 if not _is_scalar_text(key):
@@ -770,6 +761,11 @@ def _locate_problem(obj: Any) -> JSONShapeError:
             children = [(item, depth + 1, f"{where}[{i}]") for i, item in enumerate(value)]
         stack.extend(reversed(children))
     return JSONShapeError("the JSON document is invalid", None)  # not reached after a failed fast pass
+
+
+def _too_deep(field: str | None) -> JSONShapeError:
+    return JSONShapeError(f"{f'{field!r}' if field else 'the JSON document'} is nested more than {MAX_JSON_DEPTH} "
+                          f"levels deep (arrays and objects); at most {MAX_JSON_DEPTH} are accepted", field)
 
 
 def _text_error(where: str) -> JSONShapeError:
