@@ -77,9 +77,10 @@ class FieldPolicy:
             raise self._refusal(name, value)
         if value is None:
             return False
-        if self.types and not _has_type(value, self.types):
+        kind = _json_type(value)
+        if self.types and kind not in self.types and not (kind is int and float in self.types):  # 1 is a number
             expected = " or ".join(JSON_KINDS[t][1] for t in self.types)
-            raise BadRequest(f"invalid value for {name}: expected {expected}, got {_json_type(value)}", param=name)
+            raise BadRequest(f"invalid value for {name}: expected {expected}, got {kind.__name__}", param=name)
         if self.check is not None:
             self.check(value)
         if self.allows is not None and not self.allows(value):
@@ -123,17 +124,9 @@ def rows(table: FieldTable, kind: Kind) -> tuple[str, ...]:
     return tuple(name for name, row in table.items() if row.kind == kind)
 
 
-def _has_type(value: Any, types: tuple[type, ...]) -> bool:
-    if isinstance(value, bool):
-        return bool in types
-    if isinstance(value, int) and float in types:
-        return True
-    return isinstance(value, types)
-
-
-def _json_type(value: Any) -> str:
-    """The name of the Python type of `value`'s JSON kind (a subclass of str is a str)."""
-    return next((t.__name__ for t in JSON_KINDS if isinstance(value, t)), type(value).__name__)
+def _json_type(value: Any) -> type:
+    """The Python type of `value`'s JSON kind (a subclass of str is a str; true is no integer)."""
+    return next((t for t in JSON_KINDS if isinstance(value, t)), type(value))
 
 
 POLICY = "helios.policy"
