@@ -38,7 +38,6 @@ _NATIVE: dict[str, tuple[Callable[[Any], bool], str, Any]] = {
 }
 """The kinds of ``structured_outputs``: each one's test of its value, what the value must be, and the
 constraint's kind."""
-_NATIVE_KINDS = tuple(_NATIVE)
 _FORMATS = ("text", "json_object", "json_schema")
 """The types of Chat's ``response_format`` and Responses' ``text.format``."""
 # vLLM's StructuredOutputsParams options that tune its own backends; accepted and inert here.
@@ -51,15 +50,15 @@ def decode_structured_outputs(value: Any, param: str = "structured_outputs") -> 
         return None
     if not isinstance(value, dict):
         raise BadRequest(f"{param} must be an object", param=param)
-    unknown = sorted(set(value) - set(_NATIVE_KINDS) - set(_NATIVE_INERT))
+    unknown = sorted(set(value) - set(_NATIVE) - set(_NATIVE_INERT))
     if unknown:
         raise BadRequest(f"{param}: unsupported option(s) {', '.join(unknown)}; use one of "
-                         f"{', '.join(_NATIVE_KINDS)}", param=param)
-    given = [k for k in _NATIVE_KINDS if value.get(k) not in (None, False)]
+                         f"{', '.join(_NATIVE)}", param=param)
+    given = [k for k in _NATIVE if value.get(k) not in (None, False)]
     if not given:
         return None
     if len(given) > 1:
-        raise BadRequest(f"{param}: give exactly one of {', '.join(_NATIVE_KINDS)} (got {', '.join(given)})",
+        raise BadRequest(f"{param}: give exactly one of {', '.join(_NATIVE)} (got {', '.join(given)})",
                          param=param)
     kind = given[0]
     spec, where = value[kind], f"{param}.{kind}"
