@@ -66,18 +66,17 @@ def validate_token_stops(stop_token_ids: Any, stop_token_sequences: Any, vocab_s
         raise BadRequest(f"'stop_token_ids' accepts at most {MAX_TOKEN_STOPS} token ids", param="stop_token_ids")
     _check_vocab(ids, vocab_size, "stop_token_ids")
     param = "stop_token_sequences"
-    sequences: list[tuple[int, ...]] = []
-    if stop_token_sequences is not None:
-        if not isinstance(stop_token_sequences, list) or not all(_is_id_list(s) for s in stop_token_sequences):
-            raise BadRequest(f"'{param}' must be an array of token-id arrays", param=param)
-        for k, seq in enumerate(stop_token_sequences):
-            if not seq:
-                raise BadRequest(f"'{param}[{k}]' is empty; each sequence needs at least one token id", param=param)
-            if len(seq) > MAX_TOKEN_STOP_LEN:
-                raise BadRequest(f"'{param}[{k}]' has {len(seq)} token ids; at most {MAX_TOKEN_STOP_LEN} are "
-                                 "allowed", param=param)
-            _check_vocab(seq, vocab_size, param)
-            sequences.append(tuple(seq))
+    if stop_token_sequences is not None and (not isinstance(stop_token_sequences, list)
+                                             or not all(_is_id_list(s) for s in stop_token_sequences)):
+        raise BadRequest(f"'{param}' must be an array of token-id arrays", param=param)
+    sequences = [tuple(seq) for seq in stop_token_sequences or ()]
+    for k, seq in enumerate(sequences):
+        if not seq:
+            raise BadRequest(f"'{param}[{k}]' is empty; each sequence needs at least one token id", param=param)
+        if len(seq) > MAX_TOKEN_STOP_LEN:
+            raise BadRequest(f"'{param}[{k}]' has {len(seq)} token ids; at most {MAX_TOKEN_STOP_LEN} are "
+                             "allowed", param=param)
+        _check_vocab(seq, vocab_size, param)
     if len(ids) + len(sequences) > MAX_TOKEN_STOPS:
         raise BadRequest(f"at most {MAX_TOKEN_STOPS} token stops are allowed (stop_token_ids and "
                          f"stop_token_sequences together); got {len(ids) + len(sequences)}",

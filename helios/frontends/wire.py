@@ -262,9 +262,7 @@ def _member_type(t: Any) -> Any:
 def _builder_params(build: Callable[..., Any]) -> frozenset[str] | None:
     """The keyword arguments a `BUILD` function takes; None where it takes any (``**fields``)."""
     params = inspect.signature(build).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return frozenset(p.name for p in params)
+    return None if any(p.kind is p.VAR_KEYWORD for p in params) else frozenset(p.name for p in params)
 
 
 _LEAVES: dict[Any, Callable[[Any, Any], Any]] = {
