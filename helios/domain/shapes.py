@@ -44,6 +44,7 @@ Opt: TypeAlias = Union[T, Literal[Omit.OMIT]]  # noqa: UP007
 
 _FLAT = "helios.shape.flat"
 _SCALARS = (str, int, float, bool, type(None), Omit)
+_UNIONS = (typing.Union, types.UnionType)
 
 
 def flat() -> Any:
@@ -79,19 +80,10 @@ _WRITERS: dict[type, Callable[[Any], dict[str, Any]]] = {}
 
 def _is_scalar(tp: Any) -> bool:
     """A type whose values are JSON scalars as they are (no conversion needed)."""
-    if tp in _SCALARS:
-        return True
     origin = typing.get_origin(tp)
-    if origin is Literal:
-        return True
-    if origin in (typing.Union, types.UnionType):
+    if origin in _UNIONS:
         return all(_is_scalar(a) for a in typing.get_args(tp))
-    return False
-
-
-def _without_omit(tp: Any) -> Any:
-    args = [a for a in typing.get_args(tp) if a != Literal[Omit.OMIT]]
-    return args[0] if len(args) == 1 else typing.Union[tuple(args)]  # noqa: UP007
+    return tp in _SCALARS or origin is Literal
 
 
 def _scalar_list(tp: Any) -> bool:
@@ -111,15 +103,14 @@ def _convert(tp: Any, get: str, ns: dict[str, Any]) -> str:
         return f"list({get})"
     args = typing.get_args(tp)
     origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+    if origin in _UNIONS and len(args) == 2 and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
         if _is_shape(inner):
-            return f"(None if {get} is None else {_call(inner, get, ns)})"
+            return f"(None if {get} is None else {_writer_name(inner, ns)}({get}))"
     if origin is list and len(args) == 1 and _is_shape(args[0]):
-        _call(args[0], "", ns)
-        return f"list(map(w_{args[0].__name__}, {get}))"
+        return f"list(map({_writer_name(args[0], ns)}, {get}))"
     if _is_shape(tp):
-        return _call(tp, get, ns)
+        return f"{_writer_name(tp, ns)}({get})"
     return f"to_json({get})"
 
 
@@ -127,10 +118,10 @@ def _is_shape(tp: Any) -> bool:
     return isinstance(tp, type) and attrs.has(tp) and tp not in _GENERATING
 
 
-def _call(cls: type, get: str, ns: dict[str, Any]) -> str:
-    name = f"w_{cls.__name__}"
-    ns[name] = _writer(cls)
-    return f"{name}({get})"
+def _writer_name(cls: type, ns: dict[str, Any]) -> str:
+    """The name of `cls`'s writer in the namespace `ns` of a writer being generated."""
+    ns[f"w_{cls.__name__}"] = _writer(cls)
+    return f"w_{cls.__name__}"
 
 
 _GENERATING: set[type] = set()
@@ -140,34 +131,31 @@ _LOCK = threading.RLock()
 def _writer(cls: type) -> Callable[[Any], dict[str, Any]]:
     """Generate `cls`'s writer: one dict display of its present fields, in declaration order."""
     with _LOCK:  # generated once per class, whichever thread writes it first
-        fn = _WRITERS.get(cls)
-        return fn if fn is not None else _generate(cls)
-
-
-def _generate(cls: type) -> Callable[[Any], dict[str, Any]]:
-    _GENERATING.add(cls)
-    try:
-        hints = typing.get_type_hints(cls)
-        ns: dict[str, Any] = {"to_json": to_json, "OMIT": OMIT}
-        head: list[str] = []  # the leading always-present fields: one dict display
-        body: list[str] = []
-        for a in attrs.fields(cls):
-            tp, get = hints.get(a.name, Any), f"o.{a.name}"
-            if typing.get_origin(tp) in (typing.Union, types.UnionType):  # Opt[X]: X once present
-                tp = _without_omit(tp)
-            if a.metadata.get(_FLAT):
-                body.append(f"    d.update({_convert(tp, get, ns)})")
-            elif a.default is OMIT:
-                body.append(f"    v = {get}")
-                body.append(f"    if v is not OMIT: d[{a.name!r}] = {_convert(tp, 'v', ns)}")
-            elif not body:
-                head.append(f"{a.name!r}: {_convert(tp, get, ns)}")
-            else:
-                body.append(f"    d[{a.name!r}] = {_convert(tp, get, ns)}")
-        lines = ["def write(o):", f"    d = {{{', '.join(head)}}}", *body, "    return d"]
-        exec(compile("\n".join(lines), f"<shape writer {cls.__qualname__}>", "exec"), ns)
-    finally:
-        _GENERATING.discard(cls)
-    fn = ns["write"]
-    _WRITERS[cls] = fn
-    return fn
+        if cls in _WRITERS:
+            return _WRITERS[cls]
+        _GENERATING.add(cls)
+        try:
+            hints = typing.get_type_hints(cls)
+            ns: dict[str, Any] = {"to_json": to_json, "OMIT": OMIT}
+            head: list[str] = []  # the leading always-present fields: one dict display
+            body: list[str] = []
+            for a in attrs.fields(cls):
+                tp, get = hints.get(a.name, Any), f"o.{a.name}"
+                if typing.get_origin(tp) in _UNIONS:  # Opt[X]: X once present
+                    args = [x for x in typing.get_args(tp) if x != Literal[Omit.OMIT]]
+                    tp = args[0] if len(args) == 1 else typing.Union[tuple(args)]  # noqa: UP007
+                if a.metadata.get(_FLAT):
+                    body.append(f"    d.update({_convert(tp, get, ns)})")
+                elif a.default is OMIT:
+                    body += [f"    v = {get}", f"    if v is not OMIT: d[{a.name!r}] = {_convert(tp, 'v', ns)}"]
+                elif not body:
+                    head.append(f"{a.name!r}: {_convert(tp, get, ns)}")
+                else:
+                    body.append(f"    d[{a.name!r}] = {_convert(tp, get, ns)}")
+            lines = ["def write(o):", f"    d = {{{', '.join(head)}}}", *body, "    return d"]
+            exec(compile("\n".join(lines), f"<shape writer {cls.__qualname__}>", "exec"), ns)
+        finally:
+            _GENERATING.discard(cls)
+        fn: Callable[[Any], dict[str, Any]] = ns["write"]
+        _WRITERS[cls] = fn
+        return fn

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from helios.domain.events import Finish, FinishCause
@@ -25,11 +26,8 @@ def validate_stops(stop: Any, param: str = "stop") -> tuple[str, ...]:
     """At most four nonempty strings totalling at most 4096 UTF-8 bytes."""
     if stop is None:
         return ()
-    if isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = list(stop)
-    else:
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise BadRequest(f"'{param}' must be a string or an array of strings", param=param)
     if len(stops) > 4:
         raise BadRequest(f"'{param}' accepts at most 4 sequences", param=param)
@@ -50,21 +48,10 @@ def _is_id_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
 
 
-def _check_vocab(ids: list[int], vocab_size: int, param: str) -> None:
+def _check_vocab(ids: Sequence[int], vocab_size: int, param: str) -> None:
     for i in ids:
         if not 0 <= i < vocab_size:
             raise BadRequest(f"'{param}' contains {i}, outside the vocabulary (0..{vocab_size - 1})", param=param)
-
-
-def validate_stop_token_ids(ids: Any, vocab_size: int, param: str = "stop_token_ids") -> tuple[int, ...]:
-    if ids is None:
-        return ()
-    if not _is_id_list(ids):
-        raise BadRequest(f"'{param}' must be an array of token ids", param=param)
-    if len(ids) > MAX_TOKEN_STOPS:
-        raise BadRequest(f"'{param}' accepts at most {MAX_TOKEN_STOPS} token ids", param=param)
-    _check_vocab(ids, vocab_size, param)
-    return tuple(ids)
 
 
 def validate_token_stops(stop_token_ids: Any, stop_token_sequences: Any, vocab_size: int, *,
@@ -72,20 +59,24 @@ def validate_token_stops(stop_token_ids: Any, stop_token_sequences: Any, vocab_s
     """Spec, "Reasoning, sampling, and usage": token stops (stop_token_ids and stop_token_sequences
     together) accept at most sixteen nonempty sequences of at most 64 vocabulary ids each, and one
     request cannot combine string stops with token stops. Null and empty arrays are omission."""
-    ids = validate_stop_token_ids(stop_token_ids, vocab_size)
+    if stop_token_ids is not None and not _is_id_list(stop_token_ids):
+        raise BadRequest("'stop_token_ids' must be an array of token ids", param="stop_token_ids")
+    ids = tuple(stop_token_ids or ())
+    if len(ids) > MAX_TOKEN_STOPS:
+        raise BadRequest(f"'stop_token_ids' accepts at most {MAX_TOKEN_STOPS} token ids", param="stop_token_ids")
+    _check_vocab(ids, vocab_size, "stop_token_ids")
     param = "stop_token_sequences"
-    sequences: list[tuple[int, ...]] = []
-    if stop_token_sequences is not None:
-        if not isinstance(stop_token_sequences, list) or not all(_is_id_list(s) for s in stop_token_sequences):
-            raise BadRequest(f"'{param}' must be an array of token-id arrays", param=param)
-        for k, seq in enumerate(stop_token_sequences):
-            if not seq:
-                raise BadRequest(f"'{param}[{k}]' is empty; each sequence needs at least one token id", param=param)
-            if len(seq) > MAX_TOKEN_STOP_LEN:
-                raise BadRequest(f"'{param}[{k}]' has {len(seq)} token ids; at most {MAX_TOKEN_STOP_LEN} are "
-                                 "allowed", param=param)
-            _check_vocab(seq, vocab_size, param)
-            sequences.append(tuple(seq))
+    if stop_token_sequences is not None and (not isinstance(stop_token_sequences, list)
+                                             or not all(_is_id_list(s) for s in stop_token_sequences)):
+        raise BadRequest(f"'{param}' must be an array of token-id arrays", param=param)
+    sequences = [tuple(seq) for seq in stop_token_sequences or ()]
+    for k, seq in enumerate(sequences):
+        if not seq:
+            raise BadRequest(f"'{param}[{k}]' is empty; each sequence needs at least one token id", param=param)
+        if len(seq) > MAX_TOKEN_STOP_LEN:
+            raise BadRequest(f"'{param}[{k}]' has {len(seq)} token ids; at most {MAX_TOKEN_STOP_LEN} are "
+                             "allowed", param=param)
+        _check_vocab(seq, vocab_size, param)
     if len(ids) + len(sequences) > MAX_TOKEN_STOPS:
         raise BadRequest(f"at most {MAX_TOKEN_STOPS} token stops are allowed (stop_token_ids and "
                          f"stop_token_sequences together); got {len(ids) + len(sequences)}",
@@ -139,6 +130,6 @@ def thinking_budget(value: int | None, default: int | None,
     a positive 32-bit integer; omitted or null takes the default."""
     if value is None:
         return default, None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_THINKING_BUDGET:
+    if not 0 < value <= MAX_THINKING_BUDGET:  # an integer: the wire types it
         raise BadRequest(f"{param} must be a positive 32-bit integer", param=param)
     return value, param

@@ -28,11 +28,12 @@ def chat_effort_kwargs(top_level: Any, template_kwargs: dict[str, Any], recipe_n
     vocab = recipe.effort
     try:
         if vocab.numeric is not None:  # DeepSeek V4.1: integer scores, named levels map to scores
-            if value is None:
-                return {"reasoning_effort": effort_score(recipe, vocab.default or "high")}
-            if isinstance(value, str):
-                return {"reasoning_effort": effort_score(recipe, _named(recipe_name, value))}
-            return {"reasoning_effort": numeric_effort(recipe, value)}
+            if not isinstance(value, str | None):
+                return {"reasoning_effort": numeric_effort(recipe, value)}
+            level = (vocab.default or "high") if value is None else resolve_effort(recipe, value)
+            if level is None:
+                raise EffortError(f"unknown reasoning effort {value!r}")
+            return {"reasoning_effort": effort_score(recipe, level)}
         if value is None:
             return {}
         if not isinstance(value, str):
@@ -44,10 +45,3 @@ def chat_effort_kwargs(top_level: Any, template_kwargs: dict[str, Any], recipe_n
         return {"reasoning_effort": level} if level is not None else {}
     except EffortError as exc:
         raise BadRequest(str(exc), param="reasoning_effort") from None
-
-
-def _named(recipe_name: str, value: str) -> str:
-    level = resolve_effort(get_recipe(recipe_name), value)
-    if level is None:
-        raise EffortError(f"unknown reasoning effort {value!r}")
-    return level

@@ -25,6 +25,7 @@ against the installed SDKs' request TypedDicts, so a new SDK field fails until i
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from types import NoneType
 from typing import Any, Literal
 
 import attrs
@@ -33,9 +34,13 @@ from helios.errors import BadRequest
 
 Kind = Literal["honoured", "ignored", "refused"]
 
-_JSON_TYPE_NAMES: dict[type, str] = {
-    str: "a string", bool: "a boolean", int: "an integer", float: "a number", dict: "an object", list: "an array",
+JSON_KINDS: dict[type, tuple[str, str]] = {
+    NoneType: ("null", "null"), bool: ("boolean", "a boolean"), int: ("integer", "an integer"),
+    float: ("number", "a number"), str: ("string", "a string"), list: ("array", "an array"),
+    dict: ("object", "an object"),
 }
+"""Each JSON kind by the Python type json.loads makes of it (bool first: it is an int too): its name,
+and its name in a sentence."""
 
 
 @attrs.frozen
@@ -72,9 +77,10 @@ class FieldPolicy:
             raise self._refusal(name, value)
         if value is None:
             return False
-        if self.types and not _has_type(value, self.types):
-            expected = " or ".join(_JSON_TYPE_NAMES.get(t, t.__name__) for t in self.types)
-            raise BadRequest(f"invalid value for {name}: expected {expected}, got {_json_type(value)}", param=name)
+        kind = _json_type(value)
+        if self.types and kind not in self.types and not (kind is int and float in self.types):  # 1 is a number
+            expected = " or ".join(JSON_KINDS[t][1] for t in self.types)
+            raise BadRequest(f"invalid value for {name}: expected {expected}, got {kind.__name__}", param=name)
         if self.check is not None:
             self.check(value)
         if self.allows is not None and not self.allows(value):
@@ -111,31 +117,16 @@ def one_of(*values: Any) -> Callable[[Any], bool]:
 def screen_fields(obj: dict[str, Any], table: FieldTable) -> dict[str, Any]:
     """The body the wire class structures: honoured and unknown fields kept, ignored fields and inert
     refused values dropped; BadRequest for a refused value or a malformed ignored one."""
-    out: dict[str, Any] = {}
-    for name, value in obj.items():
-        row = table.get(name)
-        if row is None or row.screen(name, value):
-            out[name] = value
-    return out
+    return {name: value for name, value in obj.items() if name not in table or table[name].screen(name, value)}
 
 
 def rows(table: FieldTable, kind: Kind) -> tuple[str, ...]:
     return tuple(name for name, row in table.items() if row.kind == kind)
 
 
-def _has_type(value: Any, types: tuple[type, ...]) -> bool:
-    if isinstance(value, bool):
-        return bool in types
-    if isinstance(value, int) and float in types:
-        return True
-    return isinstance(value, types)
-
-
-def _json_type(value: Any) -> str:
-    for t in (bool, int, float, str, dict, list):
-        if isinstance(value, t):
-            return t.__name__
-    return type(value).__name__
+def _json_type(value: Any) -> type:
+    """The Python type of `value`'s JSON kind (a subclass of str is a str; true is no integer)."""
+    return next((t for t in JSON_KINDS if isinstance(value, t)), type(value))
 
 
 POLICY = "helios.policy"
@@ -144,9 +135,7 @@ POLICY = "helios.policy"
 
 def wire_field(policy: FieldPolicy, default: Any = None, *, required: bool = False) -> Any:
     """An attrs field carrying its policy row (`honoured`, `ignored` or `refused`)."""
-    if required:
-        return attrs.field(metadata={POLICY: policy})
-    return attrs.field(default=default, metadata={POLICY: policy})
+    return attrs.field(default=attrs.NOTHING if required else default, metadata={POLICY: policy})
 
 
 def policy_rows(cls: type) -> dict[str, FieldPolicy]:
@@ -157,7 +146,7 @@ def policy_rows(cls: type) -> dict[str, FieldPolicy]:
 def field_table(wire: type, *others: Mapping[str, FieldPolicy], **rows: FieldPolicy) -> FieldTable:
     """A protocol's table: the rows its wire class declares (the honoured ones), then shared row
     tables and the ignored and refused fields that never reach it."""
-    table: dict[str, FieldPolicy] = dict(policy_rows(wire))
+    table = policy_rows(wire)
     for more in (*others, rows):
         table.update(more)
     return table
@@ -209,9 +198,6 @@ class TokenObservationFields(NativeGenerationFields):
         "Helios extension: token_timestamps, seconds from admission to each token's engine commit, parallel to "
         "token_ids (implies them)"))
 
-
-TOKEN_OBSERVATION_ROWS: dict[str, FieldPolicy] = {
-    name: row for name, row in policy_rows(TokenObservationFields).items() if name not in NATIVE_GENERATION_ROWS}
 
 PROVIDER_ROWS: dict[str, FieldPolicy] = {
     "model": ignored("one model is served: every name reaches it and responses report its own id", str),

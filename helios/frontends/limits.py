@@ -24,23 +24,15 @@ MAX_TOKEN_IDS = 1 << 20
 """Elements of a Completions `prompt` array: token ids, or prompts of a batch (a batch is further
 bounded by the admission slots it needs, checked before tokenization)."""
 
-CHAT = (
-    CountLimit("messages", MAX_MESSAGES),
-    CountLimit("messages[].content", MAX_PARTS),
-    CountLimit("messages[].tool_calls", MAX_PARTS),
-    CountLimit("tools", MAX_TOOLS),
-)
+
+def _conversation(items: str, *parts: str) -> tuple[CountLimit, ...]:
+    """A conversation route's limits: its array of `items` (messages or input items), the arrays of
+    `parts` in each item, then the tools; a parent array before its children (`check_counts`)."""
+    return (CountLimit(items, MAX_MESSAGES), *(CountLimit(f"{items}[].{part}", MAX_PARTS) for part in parts),
+            CountLimit("tools", MAX_TOOLS))
+
+
+CHAT = _conversation("messages", "content", "tool_calls")
 COMPLETIONS = (CountLimit("prompt", MAX_TOKEN_IDS),)
-RESPONSES = (
-    CountLimit("input", MAX_MESSAGES),
-    CountLimit("input[].content", MAX_PARTS),
-    CountLimit("input[].output", MAX_PARTS),
-    CountLimit("tools", MAX_TOOLS),
-)
-MESSAGES = (
-    CountLimit("system", MAX_PARTS),
-    CountLimit("messages", MAX_MESSAGES),
-    CountLimit("messages[].content", MAX_PARTS),
-    CountLimit("messages[].content[].content", MAX_PARTS),
-    CountLimit("tools", MAX_TOOLS),
-)
+RESPONSES = _conversation("input", "content", "output")
+MESSAGES = (CountLimit("system", MAX_PARTS), *_conversation("messages", "content", "content[].content"))

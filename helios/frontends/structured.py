@@ -15,6 +15,7 @@ message and this field's name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from helios.domain.conversation import ToolGrammar
@@ -22,7 +23,23 @@ from helios.domain.generation import OutputConstraint
 from helios.errors import BadRequest
 from helios.frontends.wire import loads_strict
 
-_NATIVE_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+def _nonempty_str(spec: Any) -> bool:
+    return isinstance(spec, str) and spec != ""
+
+
+_NATIVE: dict[str, tuple[Callable[[Any], bool], str, Any]] = {
+    "json": (lambda spec: isinstance(spec, dict), "a JSON schema (an object or its JSON text)", "json_schema"),
+    "regex": (_nonempty_str, "a nonempty string", "regex"),
+    "choice": (lambda spec: isinstance(spec, list) and spec != [] and all(isinstance(x, str) for x in spec),
+               "a nonempty array of strings", "choice"),
+    "grammar": (_nonempty_str, "a nonempty string", "grammar"),
+    "json_object": (lambda spec: spec is True, "true", "json_object"),
+}
+"""The kinds of ``structured_outputs``: each one's test of its value, what the value must be, and the
+constraint's kind."""
+_FORMATS = ("text", "json_object", "json_schema")
+"""The types of Chat's ``response_format`` and Responses' ``text.format``."""
 # vLLM's StructuredOutputsParams options that tune its own backends; accepted and inert here.
 _NATIVE_INERT = ("disable_fallback",)
 
@@ -33,39 +50,28 @@ def decode_structured_outputs(value: Any, param: str = "structured_outputs") -> 
         return None
     if not isinstance(value, dict):
         raise BadRequest(f"{param} must be an object", param=param)
-    unknown = sorted(set(value) - set(_NATIVE_KINDS) - set(_NATIVE_INERT))
+    unknown = sorted(set(value) - set(_NATIVE) - set(_NATIVE_INERT))
     if unknown:
         raise BadRequest(f"{param}: unsupported option(s) {', '.join(unknown)}; use one of "
-                         f"{', '.join(_NATIVE_KINDS)}", param=param)
-    given = [k for k in _NATIVE_KINDS if value.get(k) not in (None, False)]
+                         f"{', '.join(_NATIVE)}", param=param)
+    given = [k for k in _NATIVE if value.get(k) not in (None, False)]
     if not given:
         return None
     if len(given) > 1:
-        raise BadRequest(f"{param}: give exactly one of {', '.join(_NATIVE_KINDS)} (got {', '.join(given)})",
+        raise BadRequest(f"{param}: give exactly one of {', '.join(_NATIVE)} (got {', '.join(given)})",
                          param=param)
     kind = given[0]
-    spec = value[kind]
-    where = f"{param}.{kind}"
-    if kind == "json_object":
-        if spec is not True:
-            raise BadRequest(f"{where} must be true", param=param)
-        return OutputConstraint("json_object", param=where)
-    if kind == "json":
-        if isinstance(spec, str):  # its JSON text, decoded here with every JSON document's checks
-            try:
-                spec = loads_strict(spec)
-            except ValueError as exc:
-                raise BadRequest(f"{where}: the JSON schema is not valid JSON: {exc}", param=param) from None
-        if not isinstance(spec, dict):
-            raise BadRequest(f"{where} must be a JSON schema (an object or its JSON text)", param=param)
-        return OutputConstraint("json_schema", spec, param=where)
-    if kind in ("regex", "grammar"):
-        if not isinstance(spec, str) or not spec:
-            raise BadRequest(f"{where} must be a nonempty string", param=param)
-        return OutputConstraint("regex" if kind == "regex" else "grammar", spec, param=where)
-    if not isinstance(spec, list) or not spec or not all(isinstance(x, str) for x in spec):
-        raise BadRequest(f"{where} must be a nonempty array of strings", param=param)
-    return OutputConstraint("choice", tuple(spec), param=where)
+    spec, where = value[kind], f"{param}.{kind}"
+    if kind == "json" and isinstance(spec, str):  # its JSON text, decoded here with every JSON document's checks
+        try:
+            spec = loads_strict(spec)
+        except ValueError as exc:
+            raise BadRequest(f"{where}: the JSON schema is not valid JSON: {exc}", param=param) from None
+    valid, expected, constraint = _NATIVE[kind]
+    if not valid(spec):
+        raise BadRequest(f"{where} must be {expected}", param=param)
+    spec = None if kind == "json_object" else tuple(spec) if kind == "choice" else spec
+    return OutputConstraint(constraint, spec, param=where)
 
 
 def decode_response_format(value: Any, param: str = "response_format") -> OutputConstraint | None:
@@ -75,19 +81,14 @@ def decode_response_format(value: Any, param: str = "response_format") -> Output
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise BadRequest(f"{param} must be an object with a type", param=param)
     kind = value["type"]
-    if kind == "text":
-        _only(value, {"type"}, param)
-        return None
-    if kind == "json_object":
-        _only(value, {"type"}, param)
-        return OutputConstraint("json_object", param=param)
-    if kind == "json_schema":
-        _only(value, {"type", "json_schema"}, param)
-        body = value.get("json_schema")
-        if not isinstance(body, dict):
-            raise BadRequest(f"{param}.json_schema must be an object", param=param)
-        return _json_schema(body, f"{param}.json_schema", param)
-    raise BadRequest(f"{param}.type must be 'text', 'json_object' or 'json_schema', got '{kind}'", param=param)
+    if kind not in _FORMATS:
+        raise BadRequest(f"{param}.type must be 'text', 'json_object' or 'json_schema', got '{kind}'", param=param)
+    _only(value, {"type", "json_schema"} if kind == "json_schema" else {"type"}, param)
+    if kind != "json_schema":
+        return None if kind == "text" else OutputConstraint("json_object", param=param)
+    if not isinstance(value.get("json_schema"), dict):
+        raise BadRequest(f"{param}.json_schema must be an object", param=param)
+    return _json_schema(value["json_schema"], f"{param}.json_schema", param)
 
 
 def decode_text_format(fmt: Any, param: str = "text.format") -> OutputConstraint | None:
@@ -97,15 +98,12 @@ def decode_text_format(fmt: Any, param: str = "text.format") -> OutputConstraint
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
         raise BadRequest(f"{param} must be an object with a type", param=param)
     kind = fmt["type"]
-    if kind == "text":
+    if kind not in _FORMATS:
+        raise BadRequest(f"unsupported {param} type '{kind}'; use text, json_object or json_schema", param=param)
+    if kind == "text":  # its other keys are not checked
         return None
-    if kind == "json_object":
-        _only(fmt, {"type"}, param)
-        return OutputConstraint("json_object", param=param)
-    if kind == "json_schema":
-        _only(fmt, {"type", "name", "schema", "strict", "description"}, param)
-        return _json_schema(fmt, param, param)
-    raise BadRequest(f"unsupported {param} type '{kind}'; use text, json_object or json_schema", param=param)
+    _only(fmt, {"type", "name", "schema", "strict", "description"} if kind == "json_schema" else {"type"}, param)
+    return _json_schema(fmt, param, param) if kind == "json_schema" else OutputConstraint("json_object", param=param)
 
 
 def decode_output_format(fmt: Any, param: str = "output_config.format") -> OutputConstraint | None:
@@ -139,22 +137,22 @@ def tool_contract(description: str | None, g: ToolGrammar) -> str:
     return f"{description}\n\n{contract}" if description else contract
 
 
+_SCHEMA_OPTIONS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("name", _nonempty_str, "a nonempty string"), ("strict", lambda v: isinstance(v, bool), "a boolean"),
+    ("description", lambda v: isinstance(v, str), "a string"))
+"""A JSON schema's optional fields (null is absence): each one's test and what it must be."""
+
+
 def _json_schema(body: dict[str, Any], where: str, param: str) -> OutputConstraint:
-    name = body.get("name")
-    if name is not None and (not isinstance(name, str) or not name):
-        raise BadRequest(f"{where}.name must be a nonempty string", param=param)
-    strict = body.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise BadRequest(f"{where}.strict must be a boolean", param=param)
-    description = body.get("description")
-    if description is not None and not isinstance(description, str):
-        raise BadRequest(f"{where}.description must be a string", param=param)
+    for key, valid, expected in _SCHEMA_OPTIONS:
+        if body.get(key) is not None and not valid(body[key]):
+            raise BadRequest(f"{where}.{key} must be {expected}", param=param)
     schema = body.get("schema")
     if schema is None:
         raise BadRequest(f"{where}.schema is required", param=param)
     if not isinstance(schema, dict):
         raise BadRequest(f"{where}.schema must be a JSON schema object", param=param)
-    return OutputConstraint("json_schema", schema, param=where, strict=bool(strict), name=name)
+    return OutputConstraint("json_schema", schema, param=where, strict=bool(body.get("strict")), name=body.get("name"))
 
 
 def _only(obj: dict[str, Any], allowed: set[str], param: str) -> None:

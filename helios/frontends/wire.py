@@ -35,13 +35,15 @@ import base64
 import inspect
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import NoneType, UnionType
 from typing import Annotated, Any, Literal, NewType, TypeVar, Union, get_args, get_origin
 
 import attrs
 import cattrs
+from cattrs.cols import list_structure_factory
 from cattrs.errors import (
+    AttributeValidationNote,
     ClassValidationError,
     ForbiddenExtraKeysError,
     IterableValidationError,
@@ -50,7 +52,7 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_structure_fn, override
 
 from helios.errors import BadRequest
-from helios.frontends.fields import FieldPolicy, policy_rows
+from helios.frontends.fields import JSON_KINDS, FieldPolicy, policy_rows
 from helios.frontends.fields import NativeGenerationFields as NativeGenerationFields  # the shared wire fields
 
 T = TypeVar("T")
@@ -101,60 +103,29 @@ class Invalid(ValueError):
         self.param = param
 
 
-_KIND_NAMES = {"null": "null", "boolean": "a boolean", "integer": "an integer", "number": "a number",
-               "string": "a string", "array": "an array", "object": "an object"}
-
-
 def json_kind(v: Any) -> str:
     """The JSON kind of a decoded value."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int):
-        return "integer"
-    if isinstance(v, float):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    if isinstance(v, list):
-        return "array"
-    if isinstance(v, dict):
-        return "object"
-    return type(v).__name__
+    return next((kind for t, (kind, _) in JSON_KINDS.items() if isinstance(v, t)), type(v).__name__)
 
 
-def _strict_int(v: Any, _t: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"expected an integer, got {type(v).__name__}")
-    return v
+def _exact(t: type) -> Callable[[Any, Any], Any]:
+    """The hook of a JSON string, boolean, integer, number or object (`t`): the value itself (a
+    number's as a float: an integer is one too), never a boolean for a number."""
+    expected = JSON_KINDS[t][1]
+    accepted: Any = (int, float) if t is float else t
+
+    def hook(v: Any, _t: Any) -> Any:
+        if not isinstance(v, accepted) or (t in (int, float) and isinstance(v, bool)):
+            raise TypeError(f"expected {expected}, got {json_kind(v) if t is dict else type(v).__name__}")
+        return float(v) if t is float else v
+
+    return hook
 
 
-def _strict_float(v: Any, _t: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise TypeError(f"expected a number, got {type(v).__name__}")
-    return float(v)
-
-
-def _strict_str(v: Any, _t: Any) -> str:
-    if not isinstance(v, str):
-        raise TypeError(f"expected a string, got {type(v).__name__}")
-    return v
-
-
-def _strict_bool(v: Any, _t: Any) -> bool:
-    if not isinstance(v, bool):
-        raise TypeError(f"expected a boolean, got {type(v).__name__}")
-    return v
+_json_object = _exact(dict)
 
 
 def _any(v: Any, _t: Any) -> Any:
-    return v
-
-
-def _json_object(v: Any, _t: Any) -> dict[str, Any]:
-    if not isinstance(v, dict):
-        raise TypeError(f"expected an object, got {json_kind(v)}")
     return v
 
 
@@ -239,25 +210,19 @@ def _is_tagged_union(t: Any) -> bool:
     return _is_union(t) and all(attrs.has(a) for a in get_args(t))
 
 
-def _built_from(t: Any) -> Any:
-    """The wire shape of ``Annotated[Built, From(wire)]``; None for any other type."""
-    if get_origin(t) is Annotated:
-        for meta in t.__metadata__:
-            if isinstance(meta, From):
-                return meta.wire
-    return None
+def _is_class(t: Any) -> bool:
+    return isinstance(t, type) and attrs.has(t)
 
 
 def _is_built(t: Any) -> bool:
     return _built_from(t) is not None
 
 
-def _is_kind_union(t: Any) -> bool:
-    return _is_union(t) and not _is_tagged_union(t)
-
-
-def _is_class(t: Any) -> bool:
-    return isinstance(t, type) and attrs.has(t)
+def _built_from(t: Any) -> Any:
+    """The wire shape of ``Annotated[Built, From(wire)]``; None for any other type."""
+    if get_origin(t) is Annotated:
+        return next((meta.wire for meta in t.__metadata__ if isinstance(meta, From)), None)
+    return None
 
 
 def one_of_text(values: Sequence[Any]) -> str:
@@ -265,60 +230,45 @@ def one_of_text(values: Sequence[Any]) -> str:
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
+def _field_types(cls: type) -> dict[str, Any]:
+    return {f.name: f.type for f in attrs.fields(attrs.resolve_types(cls))}
+
+
 def _tag_of(members: tuple[Any, ...]) -> str:
     """The field every member declares as a Literal: the union's tag."""
-    first = attrs.fields(members[0])
-    for f in first:
-        if all(_is_literal(_field_type(m, f.name)) for m in members):
-            return f.name
+    for name in attrs.fields_dict(members[0]):
+        if all(_is_literal(_field_types(m).get(name)) for m in members):
+            return name
     raise WireDeclarationError(f"no common Literal tag field in {members}")
 
 
-def _field_type(cls: type, name: str) -> Any:
-    hints = attrs.resolve_types(cls)
-    for f in attrs.fields(hints):
-        if f.name == name:
-            return f.type
-    return None
-
-
-def _member_kind(t: Any) -> str:
-    if t is NoneType:
-        return "null"
+def _member_type(t: Any) -> Any:
+    """The Python type of a kind union member's JSON values (its key in `JSON_KINDS`)."""
     if isinstance(t, NewType):  # a checked leaf: its base type's kind
-        return _member_kind(t.__supertype__)
+        return _member_type(t.__supertype__)
     if _is_built(t):
-        return _member_kind(_built_from(t))
-    if t is str or (_is_literal(t) and all(isinstance(a, str) for a in get_args(t))):
-        return "string"
-    kinds = {bool: "boolean", int: "integer", float: "number"}
-    if t in kinds:
-        return kinds[t]
+        return _member_type(_built_from(t))
+    if _is_literal(t) and all(isinstance(a, str) for a in get_args(t)):
+        return str
     if _is_list(t):
-        return "array"
-    if (isinstance(t, type) and attrs.has(t)) or _is_tagged_union(t) or get_origin(t) is dict or t is dict:
-        return "object"
+        return list
+    if _is_class(t) or _is_tagged_union(t) or get_origin(t) is dict:
+        return dict
+    if t in JSON_KINDS:
+        return t
     raise WireDeclarationError(f"no JSON kind for {t}")
-
-
-def _literal_factory(t: Any) -> Callable[[Any, Any], Any]:
-    allowed = {(type(a), a) for a in get_args(t)}
-    reason = f"must be {one_of_text(get_args(t))}"
-
-    def hook(v: Any, _t: Any) -> Any:
-        if (type(v), v) not in allowed:
-            raise Invalid(reason)
-        return v
-
-    return hook
 
 
 def _builder_params(build: Callable[..., Any]) -> frozenset[str] | None:
     """The keyword arguments a `BUILD` function takes; None where it takes any (``**fields``)."""
     params = inspect.signature(build).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return frozenset(p.name for p in params)
+    return None if any(p.kind is p.VAR_KEYWORD for p in params) else frozenset(p.name for p in params)
+
+
+_LEAVES: dict[Any, Callable[[Any, Any], Any]] = {
+    str: _exact(str), bool: _exact(bool), int: _exact(int), float: _exact(float), Any: _any,
+    NonEmptyStr: _nonempty_str, JSONObjectText: _json_object_text, JSONObjectString: _json_object_string,
+    Base64Bytes: _base64_bytes}
 
 
 class WireConverter(cattrs.Converter):
@@ -329,85 +279,75 @@ class WireConverter(cattrs.Converter):
     def __init__(self, *, detailed: bool) -> None:
         super().__init__(forbid_extra_keys=True, detailed_validation=detailed)
         self.detailed = detailed
-        self._tagged: dict[Any, tuple[str, dict[object, tuple[Any, Callable[[Any, Any], Any]]]]] = {}
+        self._tagged: dict[Any, tuple[str, dict[object, Callable[[Any, Any], Any]]]] = {}
         self._inline: dict[Callable[[Any, Any], Any], tuple[str, Any]] = {
-            _strict_str: ("{w}.__class__ is {a}", str), _strict_bool: ("{w}.__class__ is {a}", bool),
-            _strict_int: ("{w}.__class__ is {a}", int), _json_object: ("{w}.__class__ is {a}", dict),
-            _nonempty_str: ("{w}.__class__ is str and {v}", None)}
+            _LEAVES[t]: ("{w}.__class__ is {a}", t) for t in (str, bool, int)}
         """Hooks whose accepted values a fast function tests inline (calling the hook only to raise or
         convert): a test over ``{w}`` (the value, first read), ``{v}`` (it again) and ``{a}`` (the datum)."""
-        self.register_structure_hook_factory(_is_list, self.list_factory)
-        self.register_structure_hook(int, _strict_int)
-        self.register_structure_hook(float, _strict_float)
-        self.register_structure_hook(str, _strict_str)
-        self.register_structure_hook(bool, _strict_bool)
-        self.register_structure_hook(Any, _any)
+        self._inline[_json_object] = "{w}.__class__ is {a}", dict
+        self._inline[_nonempty_str] = "{w}.__class__ is str and {v}", None
+        for leaf, hook in _LEAVES.items():
+            self.register_structure_hook(leaf, hook)
         self.register_structure_hook_func(lambda t: t == dict[str, Any], _json_object)
-        self.register_structure_hook(NonEmptyStr, _nonempty_str)
-        self.register_structure_hook(JSONObjectText, _json_object_text)
-        self.register_structure_hook(JSONObjectString, _json_object_string)
-        self.register_structure_hook(Base64Bytes, _base64_bytes)
-        self.register_structure_hook_factory(_is_literal, self.literal_factory)
-        self.register_structure_hook_factory(_is_tagged_union, self.tagged_factory)
-        self.register_structure_hook_factory(_is_kind_union, self.kind_factory)
-        self.register_structure_hook_factory(_is_class, self.class_hook)
-        self.register_structure_hook_factory(_is_built, lambda t: self.get_structure_hook(_built_from(t)))
+        for predicate, factory in ((_is_list, self.list_factory), (_is_literal, self.literal_factory),
+                                   (_is_tagged_union, self.tagged_factory),
+                                   (lambda t: _is_union(t) and not _is_tagged_union(t), self.kind_factory),
+                                   (_is_class, self.class_hook),
+                                   (_is_built, lambda t: self.get_structure_hook(_built_from(t)))):
+            self.register_structure_hook_factory(predicate, factory)
 
     def list_factory(self, t: Any) -> Callable[[Any, Any], list[Any]]:
+        """cattrs' list hook (the detailed one collects every failing element, each with its index)
+        for an array only; the fast hook of a list of tagged-union members is `_tagged_list`."""
         args = get_args(t)
         elem = args[0] if args else Any
-        if _is_built(elem):
-            elem = _built_from(elem)
+        elem = _built_from(elem) or elem
         if not self.detailed and _is_tagged_union(elem):  # the hot path: messages, parts, items
             return self._tagged_list(elem)
-        elem_hook = self.get_structure_hook(elem)
+        structure_list = list_structure_factory(t, self)
 
         def hook(v: Any, _t: Any) -> list[Any]:
             # A string is not a list of characters, and an object is not a list of its keys.
             if type(v) is not list:
                 raise TypeError(f"expected an array, got {json_kind(v)}")
-            if elem is Any:
-                return list(v)
-            if not self.detailed:
-                return [elem_hook(x, elem) for x in v]
-            return _detailed_list(v, t, elem, elem_hook)
+            return structure_list(v, t)  # type: ignore[no-any-return]
 
         return hook
 
     def _tagged_list(self, elem: Any) -> Callable[[Any, Any], list[Any]]:
-        """The fast hook of a list of tagged-union members: each element's hook looked up by its tag."""
-        tag_name, by_tag = self.tagged_members(elem)
+        """The fast hook of a list of tagged-union members: each element's hook looked up by its tag
+        (anything wrong raises, an absent tag too unless a member takes it, and `structure` finds it
+        again in detail)."""
+        tag, by_tag = self.tagged_members(elem)
 
         def tagged_list(v: Any, _t: Any) -> list[Any]:
             if type(v) is not list:
                 raise TypeError(f"expected an array, got {json_kind(v)}")
             out: list[Any] = []
-            for x in v:  # anything wrong raises (an absent tag too, unless a member takes it), and
-                member, member_hook = by_tag[x.get(tag_name, ABSENT)]  # `structure` finds it again in detail
-                out.append(member_hook(x, member))
+            for x in v:  # a loop: a comprehension's own function costs more on these short lists
+                out.append(by_tag[x.get(tag, ABSENT)](x, elem))
             return out
 
         return tagged_list
 
-    def tagged_members(self, t: Any) -> tuple[str, dict[object, tuple[Any, Callable[[Any, Any], Any]]]]:
-        """A tagged union's tag and, for each tag value, its member and the member's hook (under
-        `ABSENT`, the member whose tag has a default: taken when the tag is absent, not when null)."""
+    def tagged_members(self, t: Any) -> tuple[str, dict[object, Callable[[Any, Any], Any]]]:
+        """A tagged union's tag and, for each tag value, its member's hook (under `ABSENT`, the hook
+        of the member whose tag has a default: taken when the tag is absent, not when null)."""
         if t not in self._tagged:
-            members = get_args(t)
-            tag = _tag_of(members)
-            by_tag: dict[object, tuple[Any, Callable[[Any, Any], Any]]] = {}
-            for m in members:
-                entry = m, self.class_hook(m, checked=tag)
-                by_tag.update((value, entry) for value in get_args(_field_type(m, tag)))
+            tag = _tag_of(get_args(t))
+            by_tag: dict[object, Callable[[Any, Any], Any]] = {}
+            for m in get_args(t):
+                hook = self.class_hook(m, checked=tag)
+                by_tag.update(dict.fromkeys(get_args(_field_types(m)[tag]), hook))
                 if attrs.fields_dict(m)[tag].default is not attrs.NOTHING:
-                    by_tag[ABSENT] = entry
+                    by_tag[ABSENT] = hook
             self._tagged[t] = tag, by_tag
         return self._tagged[t]
 
     def tagged_factory(self, t: Any) -> Callable[[Any, Any], Any]:
         tag, by_tag = self.tagged_members(t)
-        expected = one_of_text([value for value, (m, _) in by_tag.items()
-                                if value is not ABSENT and not hasattr(m, REFUSED)])
+        expected = one_of_text([value for m in get_args(t) if not hasattr(m, REFUSED)
+                                for value in get_args(_field_types(m)[tag])])
 
         def hook(v: Any, _t: Any) -> Any:
             if type(v) is not dict:
@@ -417,34 +357,37 @@ class WireConverter(cattrs.Converter):
             if found is None:
                 raise Invalid(f"is required; expected {expected}" if value is None else
                               f"{value!r} is not supported; expected {expected}", at=tag)
-            return found[1](v, found[0])
+            return found(v, t)
 
         return hook
 
     def literal_factory(self, t: Any) -> Callable[[Any, Any], Any]:
-        hook = _literal_factory(t)
+        allowed = {(type(a), a) for a in get_args(t)}
+        reason = f"must be {one_of_text(get_args(t))}"
+
+        def hook(v: Any, _t: Any) -> Any:
+            if (type(v), v) not in allowed:
+                raise Invalid(reason)
+            return v
+
         if all(type(a) is str for a in get_args(t)):
             self._inline[hook] = "{w}.__class__ is str and {v} in {a}", frozenset(get_args(t))
         return hook
 
     def kind_factory(self, t: Any) -> Callable[[Any, Any], Any]:
         """Members picked by the value's Python type (what json.loads made of it)."""
-        table: dict[str, list[Any]] = {}
+        table: dict[type, list[Any]] = {}
         for m in get_args(t):
-            table.setdefault(_member_kind(m), []).append(m)
-        if len(table.get("object", ())) > 1:  # several object shapes: one tagged union
-            table["object"] = [Union[tuple(table["object"])]]  # noqa: UP007 - built at run time
-        expected = " or ".join(_KIND_NAMES[k] for k in table)
-        py_types = {"null": NoneType, "boolean": bool, "integer": int, "number": float, "string": str,
-                    "array": list, "object": dict}
-        as_is = {py_types[k] for k, ms in table.items() if ms[0] in (NoneType, bool, int, str, dict[str, Any])}
-        by_type: dict[type, tuple[Any, Callable[[Any, Any], Any]]] = {}
-        for kind, members in table.items():
-            by_type[py_types[kind]] = (members[0], self.get_structure_hook(members[0]) if kind != "null" else _any)
-        if float in by_type and int not in by_type:
-            by_type[int] = by_type[float]
-        arrays = table.get("array", [])
-        by_elem = {} if len(arrays) < 2 else {py_types[_member_kind(get_args(m)[0])]: (m, self.get_structure_hook(m))
+            table.setdefault(_member_type(m), []).append(m)
+        if len(table.get(dict, ())) > 1:  # several object shapes: one tagged union
+            table[dict] = [Union[tuple(table[dict])]]  # noqa: UP007 - built at run time
+        expected = " or ".join(JSON_KINDS[k][1] for k in table)
+        as_is = {k for k, ms in table.items() if ms[0] in (NoneType, bool, int, str, dict[str, Any])}
+        by_type = {k: (ms[0], _any if k is NoneType else self.get_structure_hook(ms[0])) for k, ms in table.items()}
+        if float in by_type:
+            by_type.setdefault(int, by_type[float])
+        arrays = table.get(list, [])
+        by_elem = {} if len(arrays) < 2 else {_member_type(get_args(m)[0]): (m, self.get_structure_hook(m))
                                               for m in reversed(arrays)}
 
         def hook(v: Any, _t: Any) -> Any:
@@ -470,100 +413,78 @@ class WireConverter(cattrs.Converter):
         refusal: str | Callable[[str], Invalid] | None = getattr(t, REFUSED, None)
         if refusal is not None and checked is not None:
             template, tag = refusal, checked
+            refuse = template if callable(template) else lambda value: Invalid(template.format(value=value), at=tag)
 
             def refused(v: Any, _t: Any) -> Any:
-                if callable(template):
-                    raise template(v[tag])
-                raise Invalid(template.format(value=v[tag]), at=tag)
+                raise refuse(v[tag])
 
             return refused
         hooks: dict[str, Callable[[Any, Any], Any]] = {} if checked is None else {checked: _any}
-        hints = {f.name: f.type for f in attrs.fields(attrs.resolve_types(t))}
+        hints = _field_types(t)
         for name, row in policy_rows(t).items():
             if row.kind == "refused" or (row.kind == "ignored" and (row.types or row.allows is not None
                                                                     or row.check is not None)):
                 hooks[name] = self._screened(hints[name], name, row)
         forbid = not getattr(t, LENIENT, False)
-        overrides: dict[str, Any] = {name: override(struct_hook=h) for name, h in hooks.items()}
         if not self.detailed:  # a non-member's object check is in the function
             return self._fast_class_fn(t, hooks, forbid, check_object=checked is None)
-        base = self._built(t, make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=forbid, **overrides))
-        if checked is not None:
-            return base
-
-        def hook(v: Any, _t: Any) -> Any:
-            if type(v) is not dict:
-                raise TypeError(f"expected an object, got {json_kind(v)}")
-            return base(v, t)
-
-        return hook
-
-    @staticmethod
-    def _built(t: Any, instance_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-        """The detailed function of a class that builds its value: the instance's fields, built."""
+        overrides: dict[str, Any] = {name: override(struct_hook=h) for name, h in hooks.items()}
+        instance_fn = make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=forbid, **overrides)
         build: Callable[..., Any] | None = getattr(t, BUILD, None)
-        if build is None:
-            return instance_fn
-        takes = _builder_params(build)
+        takes = None if build is None else _builder_params(build)
         names = [(f.alias, f.name) for f in attrs.fields(t) if takes is None or f.alias in takes]
 
-        def built(v: Any, _t: Any) -> Any:
-            instance = instance_fn(v, _t)
-            value = build(**{alias: getattr(instance, name) for alias, name in names})
+        def detailed(v: Any, _t: Any) -> Any:  # the instance, or the value a builder makes of its fields
+            if checked is None and type(v) is not dict:
+                raise TypeError(f"expected an object, got {json_kind(v)}")
+            instance = instance_fn(v, t)
+            value = None if build is None else build(**{alias: getattr(instance, name) for alias, name in names})
             return instance if value is None else value
 
-        return built
+        return detailed
 
     def _fast_class_fn(self, t: Any, hooks: Mapping[str, Callable[[Any, Any], Any]], forbid: bool,
                        check_object: bool) -> Callable[[Any, Any], Any]:
         """The fast converter's function for attrs class `t`: one generated call of `t` with each
-        present key's value structured by its field's hook (`hooks` first), unknown keys refused
-        where `forbid`. It accepts exactly what cattrs' detailed function accepts, without that
-        one's bookkeeping: the tag (`_any`) is passed as is and the leaves, literals and kind unions
-        of `_inline` are tested inline, calling their hook only to raise or convert. A class that
-        `BUILD`s its value calls that instead of the class, with the fields it takes (the others are
-        structured for their errors only); `check_object` tests that the value is an object."""
+        key's value structured by its field's hook (`hooks` first) or its default where absent,
+        unknown keys refused where `forbid`. It accepts exactly what cattrs' detailed function
+        accepts, without that one's bookkeeping: the tag (`_any`) is passed as is and the leaves,
+        literals and kind unions of `_inline` are tested inline, calling their hook only to raise or
+        convert. A class that `BUILD`s its value calls that instead of the class, with the fields it
+        takes (the others are structured for their errors only); `check_object` tests that the value
+        is an object."""
         build = getattr(t, BUILD, None)
         takes = None if build is None else _builder_params(build)  # a builder's fields; None: all
-        globs: dict[str, Any] = {"cls": build or t, "allowed": frozenset(f.name for f in attrs.fields(t)),
+        globs: dict[str, Any] = {"cls": t, "build": build, "allowed": frozenset(f.name for f in attrs.fields(t)),
                                  "extra_keys": _extra_keys, "not_object": _not_object}
-        args: list[str] = []
-        optional: list[str] = []
-        checks: list[str] = []  # fields a builder does not take
-        kept: list[str] = []  # every field, for the instance
-        for k, f in enumerate(attrs.fields(attrs.resolve_types(t))):
-            key = repr(f.name)  # the JSON key, as cattrs reads it; `alias` is the init argument
-            value = self._value_code(k, key, hooks.get(f.name) or self.get_structure_hook(f.type), f.type, globs)
-            if isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
-                optional.append(f"    if {key} in o: kw[{key}] = {value}")  # the instance gets kw too
-                continue
-            if f.default is not attrs.NOTHING:
-                globs[f"d{k}"] = f.default
-                value = f"({value} if {key} in o else d{k})"
-            if build is None:
-                args.append(f"{f.alias}={value}")
-                continue
-            kept.append(f"{f.alias}=f{k}")  # for the instance, where the builder returns None
-            if takes is None or f.alias in takes:
-                args.append(f"{f.alias}=(f{k} := {value})")
-            else:  # structured for its errors (and the instance) only
-                checks.append(f"    f{k} = {value}")
         lines = ["def structure(o, _t):"]
         if check_object:
             lines.append("    if o.__class__ is not dict: not_object(o)")
         if forbid:
             lines.append("    if not o.keys() <= allowed: extra_keys(o, allowed, cls)")
-        lines += checks
-        if optional:
-            lines += ["    kw = {}", *optional]
-            args.append("**kw")
-            kept.append("**kw")
+        args: list[str] = []  # the builder's arguments, or the class's
+        every: list[str] = []  # a builder's class: every field, for the instance where it returns None
+        for k, f in enumerate(attrs.fields(attrs.resolve_types(t))):
+            key = repr(f.name)  # the JSON key, as cattrs reads it; `alias` is the init argument
+            value = self._value_code(k, key, hooks.get(f.name) or self.get_structure_hook(f.type), f.type, globs)
+            if isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
+                globs[f"d{k}"] = f.default.factory
+                value = f"({value} if {key} in o else d{k}())"
+            elif f.default is not attrs.NOTHING:
+                globs[f"d{k}"] = f.default
+                value = f"({value} if {key} in o else d{k})"
+            if build is None:
+                args.append(f"{f.alias}={value}")
+                continue
+            lines.append(f"    f{k} = {value}")  # untaken by the builder: for its errors and the instance
+            every.append(f"{f.alias}=f{k}")
+            if takes is None or f.alias in takes:
+                args.append(f"{f.alias}=f{k}")
         if build is None:
             lines.append(f"    return cls({', '.join(args)})")
         else:
-            globs["wire_cls"] = t
-            lines += [f"    value = cls({', '.join(args)})",
-                      f"    return value if value is not None else wire_cls({', '.join(kept)})"]
+            lines += [f"    value = build({', '.join(args)})",
+                      f"    return value if value is not None else cls({', '.join(every)})"]
         exec(compile("\n".join(lines), f"<wire structure {t.__qualname__}>", "exec"), globs)
         fn: Callable[[Any, Any], Any] = globs["structure"]
         return fn
@@ -593,20 +514,6 @@ class WireConverter(cattrs.Converter):
             return value
 
         return hook
-
-
-def _detailed_list(v: list[Any], t: Any, elem: Any, elem_hook: Callable[[Any, Any], Any]) -> list[Any]:
-    out: list[Any] = []
-    errors: list[Exception] = []
-    for i, x in enumerate(v):
-        try:
-            out.append(elem_hook(x, elem))
-        except Exception as exc:  # every failure, in order, with its index (as cattrs notes it)
-            exc.add_note(IterableValidationNote(f"Structuring {elem} @ index {i}", i, elem))
-            errors.append(exc)
-    if errors:
-        raise IterableValidationError(f"While structuring {t}", errors, t)
-    return out
 
 
 def _not_object(v: Any) -> None:
@@ -644,17 +551,14 @@ def parse_json_object(body: bytes, limits: Sequence[CountLimit] = ()) -> dict[st
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
         obj = _loads(body)
+        if not isinstance(obj, dict):
+            raise BadRequest("the request body must be a JSON object")
+        check_counts(obj, limits)  # BadRequest, not a ValueError
+        check_document(obj)
     except JSONShapeError as exc:
         raise BadRequest(str(exc), param=exc.param) from None
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise BadRequest(f"malformed JSON body: {exc}") from None
-    if not isinstance(obj, dict):
-        raise BadRequest("the request body must be a JSON object")
-    check_counts(obj, limits)
-    try:
-        check_document(obj)
-    except JSONShapeError as exc:
-        raise BadRequest(str(exc), param=exc.param) from None
     return obj
 
 
@@ -690,8 +594,7 @@ def _loads(text: str | bytes) -> Any:
     try:
         return _DECODER.decode(text)
     except RecursionError:  # the parser recurses per level: far past MAX_JSON_DEPTH
-        raise JSONShapeError(f"the JSON document is nested more than {MAX_JSON_DEPTH} levels deep (arrays and "
-                             f"objects); at most {MAX_JSON_DEPTH} are accepted", None) from None
+        raise _too_deep(None) from None
 
 
 def check_document(obj: Any) -> None:
@@ -715,23 +618,20 @@ def check_counts(obj: dict[str, Any], limits: Sequence[CountLimit]) -> None:
     """The route's item counts, in the order given (a parent array's rule comes before its
     children's, so walking a child rule touches at most the parent's limit of elements)."""
     for limit in limits:
-        segments = limit.path.split("[].")
+        *parents, field = limit.path.split("[].")
         level: list[tuple[Any, str]] = [(obj, "")]
-        for k, name in enumerate(segments):
-            last = k == len(segments) - 1
-            nxt: list[tuple[Any, str]] = []
-            for container, where in level:
-                if not isinstance(container, dict) or not isinstance(container.get(name), list):
-                    continue
-                items = container[name]
-                here = f"{where}.{name}" if where else name
-                if last:
-                    if len(items) > limit.max_items:
-                        raise BadRequest(f"'{here}' has {len(items)} items; at most {limit.max_items} are accepted",
-                                         param=here)
-                else:
-                    nxt.extend((item, f"{here}[{i}]") for i, item in enumerate(items))
-            level = nxt
+        for name in parents:
+            level = [(item, f"{here}[{i}]") for here, items in _arrays(level, name) for i, item in enumerate(items)]
+        for here, items in _arrays(level, field):
+            if len(items) > limit.max_items:
+                raise BadRequest(f"'{here}' has {len(items)} items; at most {limit.max_items} are accepted", param=here)
+
+
+def _arrays(level: list[tuple[Any, str]], name: str) -> Iterator[tuple[str, list[Any]]]:
+    """The arrays under key `name` of the objects in `level` (each with its path), with their paths."""
+    for container, where in level:
+        if isinstance(container, dict) and isinstance(container.get(name), list):
+            yield (f"{where}.{name}" if where else name), container[name]
 
 
 def _reject_constant(name: str) -> Any:
@@ -796,13 +696,12 @@ def _join(path: str, step: str | int | None) -> str:
 
 
 def _note_of(exc: BaseException) -> str | int | None:
-    for note in getattr(exc, "__notes__", []) or []:
-        name = getattr(note, "name", None)
-        if name is not None:
-            return str(name)
-        idx = getattr(note, "index", None)
-        if idx is not None:
-            return int(idx) if isinstance(idx, int) else str(idx)
+    """The attribute or index where cattrs' detailed converter noted `exc`."""
+    for note in getattr(exc, "__notes__", ()):
+        if isinstance(note, AttributeValidationNote):
+            return note.name
+        if isinstance(note, IterableValidationNote):
+            return note.index
     return None
 
 
@@ -853,10 +752,7 @@ def _locate_problem(obj: Any) -> JSONShapeError:
         if not isinstance(value, dict | list):
             continue
         if depth > MAX_JSON_DEPTH:
-            field = re.split(r"[.\[]", where, maxsplit=1)[0] or None  # the top-level field it is under
-            return JSONShapeError(f"{f'{field!r}' if field else 'the JSON document'} is nested more than "
-                                  f"{MAX_JSON_DEPTH} levels deep (arrays and objects); at most {MAX_JSON_DEPTH} "
-                                  "are accepted", field)
+            return _too_deep(re.split(r"[.\[]", where, maxsplit=1)[0] or None)  # the top-level field it is under
         if isinstance(value, dict):
             for key in value:
                 if not _is_scalar_text(key):
@@ -866,6 +762,11 @@ def _locate_problem(obj: Any) -> JSONShapeError:
             children = [(item, depth + 1, f"{where}[{i}]") for i, item in enumerate(value)]
         stack.extend(reversed(children))
     return JSONShapeError("the JSON document is invalid", None)  # not reached after a failed fast pass
+
+
+def _too_deep(field: str | None) -> JSONShapeError:
+    return JSONShapeError(f"{f'{field!r}' if field else 'the JSON document'} is nested more than {MAX_JSON_DEPTH} "
+                          f"levels deep (arrays and objects); at most {MAX_JSON_DEPTH} are accepted", field)
 
 
 def _text_error(where: str) -> JSONShapeError:
