@@ -28,6 +28,7 @@ class FailureKind(enum.Enum):
     every other kind ``execution``."""
 
     GRAMMAR = "grammar"  # its structured-output grammar rejected a committed token
+    UNPRODUCIBLE = "unproducible"  # its grammar requires text no token of the vocabulary can give (a 400)
     IMAGE = "image"  # one of its images could not be loaded or encoded
     ENGINE = "engine"  # an engine step raised, or the engine stopped before the request ended
     SHUTDOWN = "shutdown"  # the server's drain ended it (graceful shutdown's abort phase)
@@ -74,6 +75,8 @@ class Finish:
     matched_stop: str | int | None = None  # the matched string stop or stop token id
     has_tool_calls: bool = False
     error: str | None = None
+    client_error: bool = False
+    """An ERROR caused by the request itself (a grammar this model cannot follow): the client's 400."""
 
 
 OutputEvent = TextDelta | ReasoningDelta | ToolCall | Finish

@@ -58,7 +58,7 @@ import enum
 import llguidance
 
 from helios.engine.records import EngineRequest, ReasoningBudget
-from helios.engine.structured import Envelope, GrammarConstraint
+from helios.engine.structured import UNPRODUCIBLE_MESSAGE, Envelope, GrammarConstraint, UnproducibleText
 
 MAX_FORCED = 16
 """Grammar-forced tokens committed after one sampled token."""
@@ -101,6 +101,9 @@ class OutputTracker:
         self.num_calls = 0
         self.error: str | None = None
         """Why the grammar rejected a token (None while it has not)."""
+        self.unproducible = False
+        """Whether it failed because the grammar requires text the vocabulary cannot give
+        (`structured.UnproducibleText`, raised while llguidance tokenized forced text)."""
         # The reasoning budget.
         self.budget = budget
         self.close_token_id = None if budget is None else budget.close_token_id
@@ -242,6 +245,9 @@ class OutputTracker:
         # A matcher in its error state masks everything but EOS and may still "accept" it: ask.
         matcher = self.matcher
         if not matcher.consume_token(token_id) or matcher.is_error():
-            self.error = matcher.get_error() or f"token {token_id} is not allowed by the grammar"
+            error = matcher.get_error() or f"token {token_id} is not allowed by the grammar"
+            # llguidance reports the tokenizer's exception inside its own panic text: name it only.
+            self.unproducible = UnproducibleText.__name__ in error
+            self.error = UNPRODUCIBLE_MESSAGE if self.unproducible else error
             return False
         return True

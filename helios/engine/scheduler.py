@@ -491,7 +491,8 @@ class Scheduler:
         the one token of the step."""
         (token_id,) = tokens
         if not tracker.advance(token_id):
-            return (), EngineFailure(FailureKind.GRAMMAR, f"{GRAMMAR_FAILURE}: {tracker.error}")
+            kind = FailureKind.UNPRODUCIBLE if tracker.unproducible else FailureKind.GRAMMAR
+            return (), EngineFailure(kind, f"{GRAMMAR_FAILURE}: {tracker.error}")
         req = seq.request
         if tracker.matcher is None or req.num_top_logprobs is not None or req.logprob_token_ids:
             return tokens, None

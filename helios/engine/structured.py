@@ -19,7 +19,7 @@ the mask.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -62,7 +62,10 @@ class GrammarVocab:
         self.whitespace_ids: frozenset[int] = frozenset(
             i for i, b in enumerate(token_bytes) if b and i not in special and set(b) <= _WHITESPACE)
         self.whitespace_array = np.array(sorted(self.whitespace_ids), dtype=np.int64)
-        wrapper = llguidance.TokenizerWrapper(_Tokenize(tokenizer, token_bytes, special))
+        tokenize = _Tokenize(tokenizer, token_bytes, special)
+        self.missing_bytes: frozenset[int] = tokenize.missing
+        """Bytes no ordinary token holds: a grammar that forces one cannot be followed."""
+        wrapper = llguidance.TokenizerWrapper(tokenize)
         self.ll_tokenizer = llguidance.LLTokenizer(wrapper, eos_token=list(self.eos_token_ids) or None)
         self._json_tokenizer: Any = None
 
@@ -84,11 +87,33 @@ class _Tokenize:
         self.bos_token_id = tokenizer.bos_token_id
         self.tokens = token_bytes
         self.special_token_ids = special
+        ordinary = set(range(len(token_bytes))) - set(special)
+        self.missing = frozenset(range(256)) - {b for i in ordinary for b in token_bytes[i]}
+        """Bytes no ordinary token holds (SmolLM2 has none with 0xF1, the lead byte of U+40000 ..
+        U+7FFFF): text with them cannot be generated, and the tokenizer would drop them silently."""
 
     def __call__(self, text: str | bytes) -> list[int]:
+        data = text if isinstance(text, bytes) else text.encode("utf-8", errors="surrogatepass")
+        missing = self.missing.intersection(data)
+        if missing:
+            # llguidance tokenizes the bytes a grammar forces: tokens for the rest only would make it
+            # commit the wrong text. Raised, the matcher fails (GrammarCompiler probes for this).
+            raise UnproducibleText(f"no token of this vocabulary holds the byte(s) {_hex(missing)}")
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+class UnproducibleText(ValueError):
+    """Text that needs bytes no token of the vocabulary holds."""
+
+
+UNPRODUCIBLE_MESSAGE = ("the grammar requires text this model cannot generate (its vocabulary has no token for "
+                        "some of the text's bytes)")
+
+
+def _hex(values: Iterable[int]) -> str:
+    return ", ".join(f"0x{b:02X}" for b in sorted(values))
 
 
 @attrs.frozen(eq=False)

@@ -116,7 +116,7 @@ class RequestStats:
         or reasoning text offered to the client."""
         kind = output.failure
         if kind is not None and self.failure is None:
-            self.failure = "grammar" if kind is FailureKind.GRAMMAR else "execution"
+            self.failure = "grammar" if kind in (FailureKind.GRAMMAR, FailureKind.UNPRODUCIBLE) else "execution"
         if self.first_text is None and update is not None and any(
             isinstance(e, TextDelta | ReasoningDelta) and e.text for e in update.events
         ):

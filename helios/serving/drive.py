@@ -8,8 +8,10 @@ encoder. An encoder is one function from update to events (`feed`), so a buffere
 exactly what its stream would have built.
 
 Failures: an update that breaks a tool-choice rule, an engine ERROR finish or an ABORTED one fails
-the request. Buffered, the driver raises `InternalError` (HTTP 500 in the protocol's shape); streamed,
-the encoder's `fail()` events end the stream (the events that preceded the failure went out first).
+the request. Buffered, the driver raises `InternalError` (HTTP 500 in the protocol's shape), or
+`BadRequest` where the finish marks the failure as the request's own (`Finish.client_error`: a grammar
+that needs text this model's vocabulary cannot give); streamed, the encoder's `fail()` events end the
+stream (the events that preceded the failure went out first).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import attrs
 
 from helios.domain.events import FinishCause
 from helios.domain.generation import ChildUpdate, StreamEvent
-from helios.errors import HeliosError, InternalError
+from helios.errors import BadRequest, HeliosError, InternalError
 from helios.serving.pipeline import Prepared, Service, merged
 from helios.serving.toolcheck import ToolCallCheck
 
@@ -73,7 +75,7 @@ async def run_buffered(svc: Service, prepared: Prepared, encoder: Encoder) -> di
                 screened, failure = rules[i].screen(u)
                 encoder.feed(i, screened)
                 if failure is not None:
-                    raise InternalError(failure)
+                    raise failure_error(u, failure)
                 if encoder.done:
                     break
         if not encoder.done:
@@ -103,7 +105,7 @@ async def run_streamed(svc: Service, prepared: Prepared, encoder: Encoder, sink:
             screened, failure = rules[i].screen(u)
             await write(encoder.feed(i, screened))
             if failure is not None:
-                await write(encoder.fail(InternalError(failure)))
+                await write(encoder.fail(failure_error(u, failure)))
                 return
             if encoder.done:
                 break
@@ -139,3 +141,12 @@ class OutputRules:
         if failure is not None:
             return attrs.evolve(u, events=events, finish=None), failure
         return (u if events is u.events else attrs.evolve(u, events=events)), None
+
+
+def failure_error(u: ChildUpdate, failure: str) -> HeliosError:
+    """The error a failed update's request ends with: the client's 400 where the engine's failure is
+    the request's own (`Finish.client_error`) and is the one `OutputRules.screen` reported, else a 500."""
+    finish = u.finish
+    if finish is not None and finish.client_error and failure == finish.error:
+        return BadRequest(failure)
+    return InternalError(failure)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from helios.domain.events import Finish, FinishCause, OutputEvent
+from helios.domain.events import FailureKind, Finish, FinishCause, OutputEvent
 from helios.domain.generation import ChildUpdate
 from helios.engine.records import EngineFinish, RequestOutput
 from helios.parsers import OutputParser, PlainParser
@@ -133,7 +133,8 @@ class OutputProcessor:
                     if matched_len > 1:  # withhold the whole sequence, not only its last token
                         self.text = self.text[: self._starts[-matched_len]]
                         self.emitted = min(self.emitted, len(self.text))
-                finish = Finish(_CAUSES[out.finish], matched_stop=stop_id, error=out.error)
+                finish = Finish(_CAUSES[out.finish], matched_stop=stop_id, error=out.error,
+                                client_error=out.failure is FailureKind.UNPRODUCIBLE)
         if finish is not None:
             self._held = 0
         # Release text: everything when finished, else all but a possible stop prefix.

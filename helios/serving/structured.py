@@ -104,21 +104,26 @@ class GrammarCompiler:
             self.num_cache_hits += 1
             return cached
 
-        def work() -> Any:
+        def work() -> tuple[Any, bool]:
             vocab = self.vocab
             tokenizer = vocab.json_tokenizer if json_slices else vocab.ll_tokenizer
-            return llguidance.LLMatcher(tokenizer, grammar, log_level=0,
-                                        limits=llguidance.LLParserLimits(**_LIMITS))
+            m = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=llguidance.LLParserLimits(**_LIMITS))
+            return m, bool(vocab.missing_bytes) and not m.is_error() and _forces_unproducible(m)
 
         with trio.move_on_after(self.time_limit_s) as scope:
             try:
-                matcher = await trio.to_thread.run_sync(work, limiter=self.limiter, abandon_on_cancel=True)
+                matcher, unproducible = await trio.to_thread.run_sync(work, limiter=self.limiter,
+                                                                      abandon_on_cancel=True)
             except _MALFORMED as exc:  # text llguidance cannot take (a lone surrogate): the client's
                 raise BadRequest(f"{where}: invalid grammar: {type(exc).__name__}: {exc}", param=param) from None
         if scope.cancelled_caught:
             raise BadRequest(f"{where}: the grammar did not compile within {self.time_limit_s:g} s", param=param)
         if matcher.is_error():
             raise BadRequest(f"{where}: invalid grammar: {_first_line(matcher.get_error())}", param=param)
+        if unproducible:
+            from helios.engine.structured import UNPRODUCIBLE_MESSAGE
+
+            raise BadRequest(f"{where}: {UNPRODUCIBLE_MESSAGE}", param=param)
         self.num_compiled += 1
         self._cache[key] = matcher
         if len(self._cache) > self._cache_size:
@@ -162,6 +167,15 @@ class GrammarCompiler:
                     + ("" if accepted == len(tokens) else f" (it fails at byte {_byte_offset(vocab, tokens, accepted)})"))
 
         return validate
+
+
+def _forces_unproducible(matcher: Any) -> bool:
+    """Whether the grammar's forced start needs bytes the vocabulary lacks (`GrammarVocab.missing_bytes`:
+    tokenizing them raises, which fails the matcher). Probed on a copy; a grammar that reaches such
+    text only after a choice fails there instead (the request then ends with a grammar failure)."""
+    probe = matcher.deep_copy()
+    probe.compute_ff_tokens()
+    return bool(probe.is_error())
 
 
 def answer_grammar(c: OutputConstraint) -> str:

@@ -70,3 +70,34 @@ def test_completions_structured_outputs_regex_and_choice(server: LiveServer) -> 
     r = client.completions.create(model="m", prompt="Is the sky blue? Answer:", max_tokens=4, seed=3,
                                   extra_body={"structured_outputs": {"choice": [" yes", " no"]}})
     assert r.choices[0].text in (" yes", " no")
+
+
+ASTRAL = "\U00040000"  # UTF-8 F1 80 80 80: the default model's vocabulary has no token with 0xF1
+
+
+def test_a_grammar_needing_text_the_model_cannot_give_is_a_400(server: LiveServer) -> None:
+    """Refused before generation where the forced start needs it (the param named); after a choice,
+    the buffered request is a 400 in each protocol's shape and a stream ends in its error event."""
+    import anthropic
+    import openai
+
+    client = server.openai()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="m", prompt="Hi", max_tokens=4, extra_body={"structured_outputs": {"regex": ASTRAL}})
+    assert info.value.status_code == 400 and "cannot generate" in info.value.message
+    assert info.value.body["param"] == "structured_outputs.regex"  # type: ignore[index]
+    late = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["a" + ASTRAL, "b" + ASTRAL]}}}
+    kw: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                          "response_format": late}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**kw)
+    assert "cannot generate" in info.value.message
+    with pytest.raises(openai.APIError) as streamed:
+        for _ in client.chat.completions.create(stream=True, **kw):
+            pass
+    assert "cannot generate" in streamed.value.message
+    with pytest.raises(anthropic.BadRequestError) as ant:
+        server.anthropic().messages.create(
+            model="m", max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
+            extra_body={"output_config": {"format": {"type": "json_schema", "schema": {"enum": ["a" + ASTRAL, "b" + ASTRAL]}}}})
+    assert ant.value.status_code == 400 and "cannot generate" in str(ant.value)

@@ -25,10 +25,10 @@ from helios.domain.logprobs import TokenLogprob
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingParams
 from helios.engine.records import EngineRequest
-from helios.errors import InternalError
+from helios.errors import BadRequest, InternalError
 from helios.frontends.anthropic import messages, messages_encoder
 from helios.frontends.openai import chat, completions, responses, responses_encoder
-from helios.serving.drive import Encoder, OutputRules, run_buffered, run_streamed
+from helios.serving.drive import Encoder, OutputRules, failure_error, run_buffered, run_streamed
 from helios.serving.pipeline import Prepared, Service
 from helios.serving.toolcheck import ToolCallCheck
 
@@ -546,3 +546,19 @@ def test_a_request_without_children_generates_nothing() -> None:
     body, svc = buffer(completions.CompletionEncoder(plan, [PROMPT], model="smol", vocab=Vocab()),
                        prepared(plan.generation, num_children=0))
     assert svc.calls == [] and [(ch["text"], ch["finish_reason"]) for ch in body["choices"]] == [("Hello", "length")]
+
+
+def test_only_the_engines_client_failure_is_a_400() -> None:
+    """An ERROR finish the engine marks as the request's own (a grammar the model cannot follow) ends
+    the request with a 400; any other failure, or a rule failure that wins over it, with a 500."""
+    mine = Finish(FinishCause.ERROR, error="structured output failed: no token", client_error=True)
+    u = update(TextDelta("x"), finish=mine)
+    _, failure = OutputRules().screen(u)
+    assert failure is not None and isinstance(failure_error(u, failure), BadRequest)
+    assert failure_error(u, failure).status == 400 and failure_error(u, failure).message == mine.error
+    other = update(finish=Finish(FinishCause.ERROR, error="engine failure"))
+    _, failure = OutputRules().screen(other)
+    assert failure is not None and type(failure_error(other, failure)) is InternalError
+    ruled = update(call("b"), finish=mine)
+    _, failure = rules("named", "a").screen(ruled)
+    assert failure is not None and "called 'b'" in failure and type(failure_error(ruled, failure)) is InternalError

@@ -28,12 +28,14 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helios.domain.events import FailureKind
 from helios.domain.generation import OutputConstraint
 from helios.domain.sampling import SamplingParams
 from helios.engine.core import EngineConfig, EngineCore
 from helios.engine.output_tracker import OutputTracker
 from helios.engine.records import GRAMMAR_FAILURE, EngineFinish, EngineRequest
-from helios.engine.structured import Envelope, GrammarBatch, GrammarConstraint
+from helios.engine.structured import UNPRODUCIBLE_MESSAGE, Envelope, GrammarBatch, GrammarConstraint
+from helios.errors import BadRequest
 from helios.serving.structured import GrammarCompiler
 
 pytestmark = pytest.mark.slow
@@ -325,3 +327,47 @@ def test_random_regexes_yield_full_matches(served: Served, regex: str, seed: int
     assert out["finish"] is EngineFinish.EOS
     assert re.fullmatch(regex, served.text(out["ids"])), (regex, served.text(out["ids"]))
 
+
+
+ASTRAL = "\U00040000"  # UTF-8 F1 80 80 80: SmolLM2's vocabulary has no token holding the byte 0xF1
+
+
+def test_text_the_vocabulary_cannot_give_is_refused_before_generation(served: Served) -> None:
+    """A grammar whose forced start needs a byte no token holds is the client's 400, naming its
+    field: tokenizing the forced text once dropped the byte, llguidance committed the remaining
+    continuation bytes as tokens, and the request failed as a server error."""
+    vocab = served.compiler.vocab
+    assert 0xF1 in vocab.missing_bytes and ord("a") not in vocab.missing_bytes
+    for kind, spec in [("regex", ASTRAL), ("regex", "ab" + ASTRAL), ("choice", [ASTRAL]),
+                       ("json_schema", {"const": ASTRAL})]:
+        with pytest.raises(BadRequest) as info:
+            served.constraint(OutputConstraint(kind, spec))
+        assert info.value.param == OutputConstraint(kind, spec).param
+        assert UNPRODUCIBLE_MESSAGE in str(info.value)
+    # The same characters where the vocabulary has their bytes, and a choice that can avoid them.
+    assert served.constraint(OutputConstraint("regex", "ñ")) is not None
+    assert served.constraint(OutputConstraint("choice", ["yes", ASTRAL])) is not None
+
+
+def test_a_grammar_that_reaches_such_text_after_a_choice_ends_as_the_clients_failure(served: Served) -> None:
+    """After the choice the grammar forces the byte the vocabulary lacks: the request ends with an
+    UNPRODUCIBLE failure (the client's 400 in every protocol) and a plain message, never a wrong
+    token; a neighbour in the same steps is untouched."""
+    c = served.constraint(OutputConstraint("regex", "(a|b)" + ASTRAL))
+    ok = served.constraint(OutputConstraint("regex", "[a-z]{3}"))
+    core = served.engine()
+    core.add(served.request("dead", "Hi.", seed=1, max_tokens=8, constraint=c))
+    core.add(served.request("ok", "Hi.", seed=2, max_tokens=8, constraint=ok))
+    finals: dict[str, Any] = {}
+    ids: dict[str, list[int]] = {"dead": [], "ok": []}
+    while core.scheduler.has_work:
+        for o in core.step():
+            ids[o.request_id].extend(o.new_token_ids)
+            if o.finish is not None:
+                finals[o.request_id] = o
+    dead = finals["dead"]
+    assert dead.finish is EngineFinish.ERROR and dead.failure is FailureKind.UNPRODUCIBLE
+    assert dead.error == f"{GRAMMAR_FAILURE}: {UNPRODUCIBLE_MESSAGE}"
+    assert served.text(ids["dead"]) in ("", "a", "b")  # nothing past the choice was committed
+    assert finals["ok"].finish is EngineFinish.EOS and re.fullmatch("[a-z]{3}", served.text(ids["ok"]))
+    assert finals["ok"].failure is None
