@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--sort", default="cumulative", help="the profile's order (cumulative, tottime, ...)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--weights", default="auto")
     ap.add_argument("--context", type=int, default=64, help="prompt tokens per stream")
@@ -98,7 +99,7 @@ def main() -> None:
         buf = io.StringIO()
         stats = pstats.Stats(prof, stream=buf)
         print(split(stats, args.steps))
-        stats.sort_stats("cumulative").print_stats(args.top)
+        stats.sort_stats(args.sort).print_stats(args.top)
         print("\n".join(line for line in buf.getvalue().splitlines()[6:] if line.strip()))
 
 
