@@ -468,7 +468,7 @@ class FusedDecoderLM(nn.Module):
         q8 = self._wants_q8_head and all(name in state for name in LM_HEAD_Q8)
         if q8:
             expected.update(LM_HEAD_Q8)
-        elif self._wants_lm_head_fp32:
+        elif self._wants_lm_head_fp32 and self._lm_head_blocks is None:  # a head kept as blocks has no copy
             expected.add(LM_HEAD_FP32)
         if set(state) != expected:
             raise ValueError(f"packed state does not match the model: missing {sorted(expected - set(state))[:4]}, "

@@ -202,6 +202,31 @@ def test_the_packed_cache_round_trip_gives_the_same_logits_bit_for_bit(tmp_path:
         assert torch.equal(logits(fresh, PROMPT), want), dtype
 
 
+def test_a_k_quant_head_kept_as_blocks_comes_back_from_the_packed_cache(tmp_path: Path) -> None:
+    """An untied Q6_K head stays blocks (no float32 copy beside it): the cached state has none, and
+    loading it must not ask for one (it did with bfloat16 activations, so every start of such a
+    file rebuilt the cache entry)."""
+    path = write_kquant_gguf(tmp_path / "tiny.gguf", embed=Q.Q5_0, output=Q.Q6_K)
+    fmt = WeightFormat("int4", requantize=False, keep_blocks=True, unpack_above=4)
+    for dtype in (torch.bfloat16, torch.float32):
+        model = blocks_model(path, dtype, fmt)
+        want = logits(model, PROMPT)
+        state, kinds = model.packed_state()
+        assert kinds["lm_head_blocks"].startswith(f"blocks:{int(Q.Q6_K)}:"), kinds["lm_head_blocks"]
+        assert not any(name.startswith("lm_head_fp32") for name in state)
+        cache = PackedWeightCache(tmp_path / "packed")
+        assert cache.store(f"tiny:{dtype}", state, kinds) is not None
+        hit = cache.load(f"tiny:{dtype}")
+        assert hit is not None
+        ckpt = load_checkpoint(path)
+        fresh = ckpt.architecture.build(ckpt.config, BuildOptions(dtype=dtype, weights=fmt, q8_head=True))
+        assert isinstance(fresh, LlamaForCausalLM)
+        fresh.load_packed_state(hit.state, hit.kinds)
+        assert fresh.head_format == model.head_format
+        fresh.pack_cpu_weights()
+        assert torch.equal(logits(fresh, PROMPT), want), dtype
+
+
 def test_auto_keeps_blocks_without_a_dense_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HELIOS_CPU_CAPABILITY", "avx512_bf16")
     choice = choose_weights("auto", "auto", "cpu", int4_codes=False, block_codes=True, projection_params=10**9)
