@@ -634,3 +634,22 @@ def test_expanded_cache_through_the_engine(pair: tuple[torch.nn.Module, Path]) -
                 for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)))
     print(f"{root.name} expanded cache through the engine: max abs logprob diff {worst:.3g}")
     assert worst < 1e-4
+
+
+def test_runtime_builds_the_expanded_cache(pair: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:
+    """`[model] mla_cache` reaches the build through `runtime.load_model` (the packed-weight cache's
+    entry serves both forms: the weights are the same); other values are refused by the config."""
+    from helios.config import ModelConfigSection
+    from helios.runtime import load_model
+
+    hf_model, root = pair
+    for _ in range(2):  # built, then from the packed-weight cache
+        model = load_model(root, weights="float32", dtype="float32", cache_dir=tmp_path / "packed",
+                           mla_cache="expanded").model
+        assert isinstance(model, DeepseekV3ForCausalLM) and model.expanded
+        assert all(isinstance(spec, FullAttentionSpec) for spec in model.cache_specs())
+        got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
+        assert (got - hf_logits(hf_model, PROMPT)).abs().max().item() < FP32_TOLERANCE
+    assert ModelConfigSection(mla_cache="expanded").mla_cache == "expanded"
+    with pytest.raises(ValueError, match="mla_cache"):
+        ModelConfigSection(mla_cache="compressed")
