@@ -17,6 +17,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
 # [engine] kv_dtype (docs/operations.md, "KV cache"; helios.engine.kv.layout.KV_DTYPES).
 KV_DTYPES = ("auto", "int8")
+# [model] mla_cache (helios.models.architecture.MLA_CACHE_FORMS).
+MLA_CACHE_FORMS = ("latent", "expanded")
 # [speculative] mode (docs/operations.md, "Speculative decoding").
 SPECULATIVE_MODES = ("off", "ngram", "adaptive")
 MAX_SPECULATIVE_DEPTH = 16
@@ -97,6 +99,10 @@ class ModelConfigSection:
     # Shrink the engine's team while other processes take cores, grow it back when they leave
     # (helios/engine/threads.py); false keeps `threads` fixed.
     adapt_threads: bool = True
+    # A DeepSeek-V3 checkpoint's attention cache: "latent" (one 576-element row per token and layer,
+    # absorbed decode) or "expanded" (each head's K and V, as a server without MLA support keeps
+    # them; for comparison, docs/benchmarks.md "MLA: absorbed decode against expanded KV").
+    mla_cache: str = attrs.field(default="latent", validator=attrs.validators.in_(MLA_CACHE_FORMS))
     # Overrides the checkpoint's generation_config sampling defaults (vLLM's
     # --override-generation-config), e.g. {temperature = 0.2, top_p = 0.9}.
     generation_config: dict[str, Any] = attrs.field(factory=dict)

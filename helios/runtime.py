@@ -456,7 +456,7 @@ class LoadedModel:
 
 def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", device: str = "cpu",
                cache_dir: str | Path | None = None, progress: ProgressCallback | None = None,
-               parallel: ParallelContext | None = None) -> LoadedModel:
+               parallel: ParallelContext | None = None, mla_cache: str = "latent") -> LoadedModel:
     """Open a checkpoint, decide its weight format (`choose_weights`, logged) and build the model
     through the checkpoint's registry entry (`helios.models.registry`: config -> module -> weights).
 
@@ -468,7 +468,9 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
     OpenMP's fork/join only slows down (badly so when other processes hold the other cores).
 
     ``parallel``: build this tensor-parallel rank's shard (`helios.models.tp`: the families of
-    `TP_ARCHITECTURES`, dense weight formats; no packed-weight cache, no Q8_0 head codes)."""
+    `TP_ARCHITECTURES`, dense weight formats; no packed-weight cache, no Q8_0 head codes).
+
+    ``mla_cache``: `BuildOptions.mla_cache` ("expanded" for DeepSeek-V3 checkpoints only)."""
     from helios.loaders.checkpoint import load_checkpoint
     from helios.loaders.weight_cache import PackedWeightCache, cache_key
     from helios.models import cpu_kernels
@@ -481,10 +483,13 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
     if parallel is not None and ckpt.architecture.name not in TP_ARCHITECTURES:
         raise ValueError(f"tensor parallelism is built for {', '.join(TP_ARCHITECTURES)}; this checkpoint is "
                          f"{ckpt.architecture.name}")
+    if mla_cache != "latent" and ckpt.architecture.name != "deepseek_v3":
+        raise ValueError(f"mla_cache = {mla_cache!r} is built for deepseek_v3 checkpoints; this one is "
+                         f"{ckpt.architecture.name}")
     q8_head = device == "cpu" and cpu_kernels.available() and parallel is None
     model = ckpt.architecture.build(ckpt.config, BuildOptions(dtype=choice.dtype, device=device,
                                                               weights=choice.format, q8_head=q8_head,
-                                                              parallel=parallel))
+                                                              parallel=parallel, mla_cache=mla_cache))
     if parallel is not None:
         cache_dir = None  # the cache's entries are whole models
         log.info("tensor-parallel rank %d/%d%s", parallel.rank, parallel.world_size,
@@ -753,7 +758,7 @@ def run_parallel_worker(cfg: HeliosConfig, rank: int | None = None) -> int:
     path, _name = resolve_model(cfg.model.path)
     try:
         loaded = load_model(path, weights=cfg.model.weights, dtype=cfg.model.dtype, device=cfg.model.device,
-                            parallel=ctx)
+                            parallel=ctx, mla_cache=cfg.model.mla_cache)
         forwards = serve_worker(loaded.model, ctx, loaded.choice.dtype,
                                 ctx.device if ctx.device.type == "cuda" else torch.device(cfg.model.device))
         log.info("tensor-parallel rank %d stopped after %d forward passes", ctx.rank, forwards)
@@ -786,7 +791,7 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         raise ConfigError("cache.disk_dir: the host store copies rank 0's KV pages only, which tensor parallelism "
                           "splits across the ranks; leave disk_dir empty with parallel.tensor_parallel_size > 1")
     loaded = load_model(path, weights=cfg.model.weights, dtype=cfg.model.dtype, device=device, cache_dir=cache_dir,
-                        progress=_progress, parallel=parallel)
+                        progress=_progress, parallel=parallel, mla_cache=cfg.model.mla_cache)
     ckpt, dtype = loaded.checkpoint, loaded.choice.dtype
     model: CausalLM = loaded.model
     leader: TensorParallelLeader | None = None

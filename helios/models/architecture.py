@@ -65,6 +65,10 @@ class GGUFTensor:
     rotary_heads: int | None = None
 
 
+MLA_CACHE_FORMS = ("latent", "expanded")
+"""`BuildOptions.mla_cache`'s values."""
+
+
 @attrs.frozen(kw_only=True)
 class BuildOptions:
     """How a module is built: activation (and KV) dtype, device, projections' `WeightFormat` (None:
@@ -74,6 +78,10 @@ class BuildOptions:
     device: str = "cpu"
     weights: WeightFormat | None = None
     q8_head: bool = False
+    mla_cache: str = attrs.field(default="latent", validator=attrs.validators.in_(MLA_CACHE_FORMS))
+    """A multi-head latent attention family's cache (`MLA_CACHE_FORMS`): "latent", one compressed row
+    per token (absorbed decode), or "expanded", each head's K and V as a server without MLA keeps
+    them (DeepSeek-V3 only; the comparison of docs/benchmarks.md)."""
     parallel: ParallelContext | None = None
     """One tensor-parallel rank's shard (`helios.models.tp`; the families of `tp.TP_ARCHITECTURES`)."""
 

@@ -22,6 +22,16 @@ Attention, as transformers 5 computes it (`DeepseekV3Attention`):
 Each layer's cache is a `LatentAttentionSpec` row of ``kv_lora_rank + qk_rope_head_dim`` elements
 (576 in DeepSeek-V3, against 2 x 128 x 192 = 49,152 for the expanded K and V of its 128 heads).
 
+``mla_cache = "expanded"`` (`BuildOptions.mla_cache`; the comparison of docs/benchmarks.md, "MLA:
+absorbed decode against expanded KV") keeps instead what a server without MLA support keeps: each
+head's key ``[k_nope | k_rope]`` (the rotary key repeated for every head) and value, made from the
+step's latent rows through ``kv_b_proj`` (`latent_attention.expand_context`) as they are written,
+in a `FullAttentionSpec` of ``num_heads`` kv heads, and ordinary multi-head attention over them
+through the context's standard call (the engine's paged path and kernels of every other family).
+The cache specs have one head size for K and V, so the narrower of the two (V: 128 against 192) is
+padded with zeros to the wider and the output sliced back (the zero columns add nothing to the
+scores or the sums): 2 x 128 x 192 elements per token and layer, of which 128 x 64 are padding.
+
 Feed-forward (`helios.models.moe_decoder`): the first ``first_k_dense_replace`` layers dense
 (``intermediate_size``), the others the sigmoid router with ``e_score_correction_bias``,
 ``n_group`` / ``topk_group``, renormalised, ``routed_scaling_factor``, and ``n_shared_experts``
@@ -49,6 +59,7 @@ from typing import Any, cast
 
 import attrs
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from helios.models import cpu_kernels
@@ -65,10 +76,12 @@ from helios.models.decoder import DecoderLayer, add_rms_norm, apply_rope, param,
 from helios.models.interface import (
     AttentionContext,
     CacheSpec,
+    FullAttentionSpec,
     LatentAttentionSpec,
     LatentProjection,
     SparseIndex,
 )
+from helios.models.latent_attention import expand_context
 from helios.models.moe import RouterSpec
 from helios.models.moe_decoder import MoEConfig, MoEForCausalLM, MoELayer, gguf_moe_tensor
 from helios.models.quant import BuildSource, DenseLinear, UnloadedLinear, WeightFormat, dense_of
@@ -343,11 +356,20 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
 
     config: DeepseekV3Config
     rope_factor: float
+    expanded: bool
 
     def __init__(self, config: DeepseekV3Config, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", *, lm_head_fp32: bool = True,
-                 weights: WeightFormat | None = None, q8_head: bool = False) -> None:
+                 weights: WeightFormat | None = None, q8_head: bool = False, mla_cache: str = "latent") -> None:
+        """``mla_cache``: "latent" (one row per token, absorbed decode) or "expanded" (each head's K
+        and V; `BuildOptions.mla_cache`)."""
+        if mla_cache not in ("latent", "expanded"):
+            raise ValueError(f"mla_cache must be 'latent' or 'expanded', got {mla_cache!r}")
         super().__init__(config, dtype, device, lm_head_fp32=lm_head_fp32, weights=weights, q8_head=q8_head)
+        self.expanded = mla_cache == "expanded"
+        if self.expanded:
+            for layer in self._decoder_layers():
+                layer.expanded = True
         self.rope_factor = 1.0  # YaRN's cos/sin factor
         if config.yarn is not None:
             freq, self.rope_factor = yarn_inv_freq(config.qk_rope_head_dim, config.rope_theta, config.yarn,
@@ -363,7 +385,11 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
         return [_MLALayer(cfg, i, self.dtype, device, dense_dtype) for i in range(cfg.num_layers)]
 
     def cache_specs(self) -> tuple[CacheSpec, ...]:
-        return (LatentAttentionSpec(self.config.row_dim),) * self.config.num_layers
+        cfg = self.config
+        if self.expanded:  # K and V of every head, the narrower zero-padded to the wider
+            width = max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
+            return (FullAttentionSpec(cfg.num_heads, width),) * cfg.num_layers
+        return (LatentAttentionSpec(cfg.row_dim),) * cfg.num_layers
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionContext, *,
                 embeds: tuple[Tensor, Tensor] | None = None, keep: Tensor | None = None) -> Tensor:
@@ -426,6 +452,7 @@ class _MLALayer(MoELayer):
         order = torch.arange(self.rope_dim, device=device)
         self.rope_order = torch.cat((order[0::2], order[1::2])) if config.rope_interleave else None
         self.rotate = config.rope
+        self.expanded = False  # `DeepseekV3ForCausalLM`'s ``mla_cache = "expanded"``: K/V per head, standard attention
 
     def projection_parts(self) -> dict[str, tuple[tuple[str, tuple[int, int]], ...]]:
         parts = super().projection_parts()
@@ -466,7 +493,23 @@ class _MLALayer(MoELayer):
         if self.q_b_proj is not None and self.q_a_norm is not None:
             q = cast(nn.Module, self.q_b_proj)(rms_norm(q, self.q_a_norm, _LATENT_NORM_EPS))
         q_nope, q_rope, rows = self.latent_inputs(a, q, cos, sin)
+        if self.expanded:
+            return self.expanded_attend(q_nope, q_rope, rows, attn)
         return attn.latent(self.layer_idx, q_nope, q_rope, rows, self.projection, self.scale, index=index)
+
+    def expanded_attend(self, q_nope: Tensor, q_rope: Tensor, rows: Tensor, attn: AttentionContext) -> Tensor:
+        """``mla_cache = "expanded"``: the step's keys and values made from its ``rows`` (`expand_context`),
+        the query ``[q_nope | q_rope]``, each zero-padded to the cache's head size, through the
+        context's standard (multi-head) attention; [T, heads, v_dim]."""
+        k, v = expand_context(rows, self.projection)
+        q = torch.cat((q_nope, q_rope.to(q_nope.dtype)), dim=-1)
+        width = max(q.shape[-1], v.shape[-1])
+        if q.shape[-1] < width:  # zero key columns: the scores are unchanged
+            q, k = F.pad(q, (0, width - q.shape[-1])), F.pad(k, (0, width - k.shape[-1]))
+        if v.shape[-1] < width:  # zero value columns: sliced off the output
+            v = F.pad(v, (0, width - v.shape[-1]))
+        out = attn(self.layer_idx, q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous(), self.scale)
+        return out[..., : self.v_dim]
 
     def latent_inputs(self, a: Tensor, q: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The query's two parts and the cache rows ``[c | k_rope]`` (RoPE applied) of the first
@@ -495,7 +538,7 @@ class _MLALayer(MoELayer):
 def build(config: ArchitectureConfig, options: BuildOptions) -> DeepseekV3ForCausalLM:
     assert isinstance(config, DeepseekV3Config), config
     return DeepseekV3ForCausalLM(config, dtype=options.dtype, device=options.device, weights=options.weights,
-                                 q8_head=options.q8_head)
+                                 q8_head=options.q8_head, mla_cache=options.mla_cache)
 
 
 ARCHITECTURES = (

@@ -128,7 +128,9 @@ def absorbed_attention(q: Tensor, rows: Tensor, bias: Tensor | None, scale: floa
 def absorbed_output(latent: Tensor, projection: LatentProjection) -> Tensor:
     """The attention output [T, heads, v_dim] of latent outputs [T, heads, rank]: ``W_v[h] o[h]``."""
     w_v = projection.kv_up[:, projection.nope_dim :]  # [heads, v, rank]
-    return torch.bmm(latent.transpose(0, 1).to(w_v.dtype), w_v.transpose(1, 2)).transpose(0, 1)
+    # W_v[h] @ o[h]^T, the weight as stored: bmm against its transpose (o @ W_v^T) took 4.5 times as
+    # long for one bfloat16 token (17 against 3.7 ms for DeepSeek-V3's 128 heads on one core).
+    return torch.bmm(w_v, latent.permute(1, 2, 0).to(w_v.dtype)).permute(2, 0, 1)
 
 
 def sparse_selection(index: SparseIndex, keys: Tensor, first_position: int) -> Tensor:

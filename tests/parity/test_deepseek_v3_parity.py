@@ -30,7 +30,7 @@ from helios.loaders.checkpoint import load_checkpoint
 from helios.models.architecture import BuildOptions
 from helios.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from helios.models.dense_attention import DenseAttention, greedy_generate
-from helios.models.interface import LatentAttentionSpec, LatentProjection
+from helios.models.interface import FullAttentionSpec, LatentAttentionSpec, LatentProjection
 from helios.models.latent_attention import (
     absorb_query,
     absorbed_attention,
@@ -565,3 +565,91 @@ def test_speculative_verification_is_exact(pair: tuple[torch.nn.Module, Path], d
             stats = core.stats().speculative
             assert stats is not None and stats.verify_steps > 0
     assert results["ngram"] == results["off"]
+
+
+def _load_expanded(root: Path) -> DeepseekV3ForCausalLM:
+    """The saved folder built with ``mla_cache = "expanded"`` (per-head K/V, standard attention)."""
+    checkpoint = load_checkpoint(root, torch.float32)
+    model = checkpoint.architecture.build(checkpoint.config, BuildOptions(dtype=torch.float32, mla_cache="expanded"))
+    model.load_weights(checkpoint.tensors)
+    assert isinstance(model, DeepseekV3ForCausalLM)
+    return model
+
+
+def test_expanded_cache_matches_transformers(pair: tuple[torch.nn.Module, Path]) -> None:
+    """``mla_cache = "expanded"``: each layer keeps every head's K and V (V zero-padded to K's size)
+    in a `FullAttentionSpec`; chunked prefill then one-token decode steps through `DenseAttention`'s
+    standard path give transformers' logits of the whole prompt, and the latent cache's within
+    float32 rounding."""
+    hf_model, root = pair
+    model = _load_expanded(root)
+    cfg = hf_model.config
+    width = max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
+    assert model.cache_specs() == (FullAttentionSpec(cfg.num_attention_heads, width),) * cfg.num_hidden_layers
+    expected = hf_logits(hf_model, PROMPT)
+    attn = DenseAttention.for_model(model, initial_capacity=2)
+    chunks = [(0, 3), (3, 9), (9, 11)] + [(i, i + 1) for i in range(11, len(PROMPT))]
+    got = torch.cat([our_logits(model, attn, PROMPT[a:b], a) for a, b in chunks])
+    latent_model = load_ours(root)
+    latent = our_logits(latent_model, DenseAttention.for_model(latent_model), PROMPT, 0)
+    diff, between = (got - expected).abs().max().item(), (got - latent).abs().max().item()
+    print(f"{root.name} expanded cache fp32: max abs logit diff {diff:.3g} (latent cache: {between:.3g})")
+    assert expected.abs().max().item() > 1.0
+    assert diff < FP32_TOLERANCE and between < FP32_TOLERANCE
+    with pytest.raises(ValueError, match="mla_cache"):
+        BuildOptions(mla_cache="compressed")
+
+
+def test_expanded_cache_through_the_engine(pair: tuple[torch.nn.Module, Path]) -> None:
+    """The expanded form through the engine's paged K/V path (the one every other family takes:
+    its decode kernel where the head size is a multiple of 16, else gathered): 32 greedy tokens
+    equal to transformers' generate and to the latent cache's, logprobs within 1e-4 of
+    transformers' logits of the whole sequence."""
+    from helios.domain.sampling import SamplingParams
+    from helios.engine.core import EngineConfig, EngineCore
+    from helios.engine.records import EngineRequest
+    from tests.unit.test_engine import run
+
+    hf_model, root = pair
+    results = {}
+    for name, model in (("expanded", _load_expanded(root)), ("latent", load_ours(root))):
+        core = EngineCore(model, EngineConfig(page_size=4, num_pages=64, max_active=2, prefill_chunk_size=5,
+                                              max_model_len=96), torch.float32)
+        if name == "expanded":  # the paged K/V decode kernel serves head sizes of multiples of 16
+            from helios.models import cpu_kernels
+
+            width = model.cache_specs()[0].elements_per_token() // (2 * hf_model.config.num_attention_heads)
+            assert core.runner.backend.decode_kernel == (cpu_kernels.available() and width % 16 == 0)
+        outs = run(core, [EngineRequest("r", tuple(PROMPT), SamplingParams(temperature=0.0), max_tokens=32,
+                                        ignore_eos=True, num_top_logprobs=1)])["r"]
+        results[name] = ([t for o in outs for t in o.new_token_ids],
+                         [lp.logprob for o in outs for lp in (o.logprobs or ())])
+    tokens, logprobs = results["expanded"]
+    with torch.no_grad():
+        expected = hf_model.generate(torch.tensor([PROMPT]), max_new_tokens=32, min_new_tokens=32,
+                                     do_sample=False)[0, len(PROMPT):].tolist()
+    assert tokens == expected == results["latent"][0]
+    ref = torch.log_softmax(hf_logits(hf_model, [*PROMPT, *tokens]).double(), dim=-1)
+    worst = max(abs(lp - float(ref[len(PROMPT) - 1 + j, t]))
+                for j, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)))
+    print(f"{root.name} expanded cache through the engine: max abs logprob diff {worst:.3g}")
+    assert worst < 1e-4
+
+
+def test_runtime_builds_the_expanded_cache(pair: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:
+    """`[model] mla_cache` reaches the build through `runtime.load_model` (the packed-weight cache's
+    entry serves both forms: the weights are the same); other values are refused by the config."""
+    from helios.config import ModelConfigSection
+    from helios.runtime import load_model
+
+    hf_model, root = pair
+    for _ in range(2):  # built, then from the packed-weight cache
+        model = load_model(root, weights="float32", dtype="float32", cache_dir=tmp_path / "packed",
+                           mla_cache="expanded").model
+        assert isinstance(model, DeepseekV3ForCausalLM) and model.expanded
+        assert all(isinstance(spec, FullAttentionSpec) for spec in model.cache_specs())
+        got = our_logits(model, DenseAttention.for_model(model), PROMPT, 0)
+        assert (got - hf_logits(hf_model, PROMPT)).abs().max().item() < FP32_TOLERANCE
+    assert ModelConfigSection(mla_cache="expanded").mla_cache == "expanded"
+    with pytest.raises(ValueError, match="mla_cache"):
+        ModelConfigSection(mla_cache="compressed")
