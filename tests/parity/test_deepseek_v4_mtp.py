@@ -48,6 +48,7 @@ from tests.numerics import FP32_TOLERANCE
 from tests.parity.tiny import (
     DEEPSEEK_V4_CONFIG,
     drive_mtp,
+    follow_cycle,
     load_ours,
     mtp_engine,
     tiny_deepseek_v4,
@@ -329,20 +330,7 @@ def _cycle_checkpoint(root: Path, scale: float) -> list[int]:
     the next token's embedding through. The successor table."""
     hf6 = _six_layers()
     g = torch.Generator().manual_seed(31)
-    order = (torch.randperm(VOCAB - 3, generator=g) + 3).tolist()
-    successor = list(range(VOCAB))
-    for a, b in zip(order, order[1:] + order[:1], strict=True):
-        successor[a] = b
-    embed = torch.randn(VOCAB, HIDDEN, generator=g)
-    head = torch.zeros(VOCAB, HIDDEN)
-    head[torch.tensor(successor)] = 4.0 * embed  # logits[successor[t]] = 4 <e_t, x>
-    with torch.no_grad():
-        hf6.model.embed_tokens.weight.copy_(embed)
-        hf6.lm_head.weight.copy_(head)
-        hf6.model.norm.weight.fill_(1.0)
-        for name, param in hf6.named_parameters():
-            if name.endswith(("o_b_proj.weight", "down_proj.weight", "experts.down_proj")):
-                param.mul_(scale)
+    successor, _, _ = follow_cycle(hf6, g, ("o_b_proj.weight", "down_proj.weight", "experts.down_proj"), scale)
     own = _random_own(hf6, 32)
     own["e_proj.weight"] = torch.eye(HIDDEN) + 0.02 * torch.randn(HIDDEN, HIDDEN, generator=g)
     own["h_proj.weight"] = 0.02 * torch.randn(HIDDEN, HIDDEN, generator=g)

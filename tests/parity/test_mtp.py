@@ -47,7 +47,7 @@ from helios.models.interface import LatentAttentionSpec
 from helios.models.moe_decoder import MoEForCausalLM
 from helios.models.mtp import MultiTokenPredictor, load_mtp, mtp_layers
 from tests.numerics import FP32_TOLERANCE
-from tests.parity.tiny import drive_mtp, load_ours, mtp_engine, write_byte_tokenizer
+from tests.parity.tiny import drive_mtp, follow_cycle, load_ours, mtp_engine, randomize, write_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -97,16 +97,6 @@ def _hf(family: str, num_layers: int, **overrides: object) -> torch.nn.Module:
         _hf_config(family, num_layers, **overrides)).eval()
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.2 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn_like(b))
-
-
 def _write(root: Path, family: str, hf3: torch.nn.Module, own: dict[str, Tensor]) -> None:
     """Save the three-layer model ``hf3`` plus the MTP module's own weights ``own`` as a two-layer
     DeepSeek-V3 with one MTP layer."""
@@ -149,7 +139,7 @@ def random_ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     """The family, the folder, and the weights in transformers' in-memory names (the reference's)."""
     family = request.param
     hf3 = _hf(family, 3)
-    _randomize(hf3, 11)
+    randomize(hf3, 11)
     own = _random_own(hf3, 12)
     root = tmp_path_factory.mktemp(f"{family}-mtp")
     _write(root, family, hf3, own)
@@ -305,7 +295,7 @@ def test_glm5_mtp_layer_without_an_indexer(tmp_path: Path) -> None:
     context: its logits equal a float64 full-context reference's; through the engine, greedy
     output with it drafting equals plain decoding."""
     hf3 = _hf("glm_moe_dsa", 3, indexer_types=["full", "shared", "shared"])
-    _randomize(hf3, 13)
+    randomize(hf3, 13)
     own = _random_own(hf3, 14)
     _write(tmp_path, "glm_moe_dsa", hf3, own)
     state = {**hf3.state_dict(), **own}
@@ -405,22 +395,10 @@ def _cycle_model(seed: int) -> tuple[torch.nn.Module, dict[str, Tensor], list[in
     layer predicts it (see the module docstring): the three-layer model, the MTP glue weights, the
     successor table."""
     hf3 = _hf("deepseek_v3", 3)
-    _randomize(hf3, seed)
+    randomize(hf3, seed)
     g = torch.Generator().manual_seed(seed + 1)
-    order = (torch.randperm(VOCAB - 3, generator=g) + 3).tolist()
-    successor = list(range(VOCAB))
-    for a, b in zip(order, order[1:] + order[:1], strict=True):
-        successor[a] = b
-    embed = torch.randn(VOCAB, HIDDEN, generator=g)
-    head = torch.zeros(VOCAB, HIDDEN)
-    head[torch.tensor(successor)] = 4.0 * embed  # logits[successor[t]] = 4 <e_t, x>
-    with torch.no_grad():
-        hf3.model.embed_tokens.weight.copy_(embed)
-        hf3.lm_head.weight.copy_(head)
-        hf3.model.norm.weight.fill_(1.0)
-        for name, param in hf3.named_parameters():  # every layer's output (attention, MLPs, experts) scaled down
-            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
-                param.mul_(0.05)
+    # every layer's output (attention, MLPs, experts) scaled down
+    successor, embed, head = follow_cycle(hf3, g, ("o_proj.weight", "down_proj.weight", "experts.down_proj"), 0.05)
     p = "model.layers.2."
     eh = 0.02 * torch.randn(HIDDEN, 2 * HIDDEN, generator=g)
     eh[:, :HIDDEN] += torch.eye(HIDDEN)  # the embedding half: the next token's embedding goes through

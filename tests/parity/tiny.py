@@ -75,7 +75,15 @@ def tiny_deepseek_v4(**overrides: Any) -> torch.nn.Module:
     config = transformers.DeepseekV4Config(**{**DEEPSEEK_V4_CONFIG, **overrides})
     config._attn_implementation = "eager"
     model = transformers.DeepseekV4ForCausalLM(config)
-    torch.manual_seed(0)
+    randomize(model, 0)
+    return model.eval()
+
+
+def randomize(model: torch.nn.Module, seed: int, *, hash_experts: int = 8) -> None:
+    """Seed ``seed``, then every parameter of ``model`` random: norms near 1, the rest N(0, 0.2);
+    router correction biases 0.1 N(0, 1), hash-routing tables (``tid2eid``) random experts below
+    ``hash_experts``."""
+    torch.manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -84,10 +92,34 @@ def tiny_deepseek_v4(**overrides: Any) -> torch.nn.Module:
                 param.copy_(0.2 * torch.randn_like(param))
         for name, buffer in model.named_buffers():
             if name.endswith("tid2eid"):
-                buffer.copy_(torch.randint(0, 8, buffer.shape))
+                buffer.copy_(torch.randint(0, hash_experts, buffer.shape))
             elif name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.1 * torch.randn_like(buffer))
-    return model.eval()
+
+
+def follow_cycle(model: torch.nn.Module, g: torch.Generator, outputs: tuple[str, ...],
+                 scale: float) -> tuple[list[int], Tensor, Tensor]:
+    """Make ``model`` (a transformers causal LM) follow a cycle through the tokens 3..vocab-1: a
+    random embedding (from ``g``), a head mapping each token's embedding to its successor's logit,
+    the final norm 1, and every parameter named with one of ``outputs`` (the layers' output
+    projections) scaled by ``scale`` so the residual stays near the embedding. The successor table,
+    the embedding and the head."""
+    vocab, hidden = model.model.embed_tokens.weight.shape
+    order = (torch.randperm(vocab - 3, generator=g) + 3).tolist()
+    successor = list(range(vocab))
+    for a, b in zip(order, order[1:] + order[:1], strict=True):
+        successor[a] = b
+    embed = torch.randn(vocab, hidden, generator=g)
+    head = torch.zeros(vocab, hidden)
+    head[torch.tensor(successor)] = 4.0 * embed  # logits[successor[t]] = 4 <e_t, x>
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(embed)
+        model.lm_head.weight.copy_(head)
+        model.model.norm.weight.fill_(1.0)
+        for name, param in model.named_parameters():
+            if name.endswith(outputs):
+                param.mul_(scale)
+    return successor, embed, head
 
 
 def mtp_engine(target: LoadableCausalLM, predictor: MultiTokenPredictor, *, mtp: bool, num_pages: int = 64,
