@@ -98,6 +98,10 @@ class _OpenItem:
         content = [part] if status else []
         return shapes.MessageItem(id=self.id, status=status or "in_progress", content=content), part
 
+    def where(self) -> dict[str, Any]:
+        """The fields naming this item (and its one content part) on its events."""
+        return {"item_id": self.id, "output_index": self.output_index}
+
 
 class ResponseEncoder:
     """Screened child updates → Responses SSE events (named by their type, with sequence_number) and
@@ -210,12 +214,11 @@ class ResponseEncoder:
             self._open = item = _OpenItem(kind, _new_id(_TEXT_ITEMS[kind][0]), len(self._output))
             added, part = item.shapes(None)
             self._put(item.output_index, added, "added")
-            self._emit(shapes.ContentPartEvent, type="response.content_part.added", **self._where(item),
-                       part=part)
+            self._emit(shapes.ContentPartEvent, type="response.content_part.added", **item.where(), part=part)
         item.text += text
         if entries is not OMIT:
             item.logprobs.extend(entries)
-        self._emit(shapes.TextDeltaEvent, type=_TEXT_ITEMS[kind][1], **self._where(item), delta=text,
+        self._emit(shapes.TextDeltaEvent, type=_TEXT_ITEMS[kind][1], **item.where(), delta=text,
                    logprobs=entries)
 
     def _close_open(self, status: str = "completed") -> None:
@@ -224,9 +227,9 @@ class ResponseEncoder:
             return
         done, part = item.shapes(status)
         logprobs = item.logprobs if item.kind == "message" else OMIT
-        self._emit(shapes.TextDoneEvent, type=_TEXT_ITEMS[item.kind][2], **self._where(item), text=item.text,
+        self._emit(shapes.TextDoneEvent, type=_TEXT_ITEMS[item.kind][2], **item.where(), text=item.text,
                    logprobs=logprobs)
-        self._emit(shapes.ContentPartEvent, type="response.content_part.done", **self._where(item), part=part)
+        self._emit(shapes.ContentPartEvent, type="response.content_part.done", **item.where(), part=part)
         self._put(item.output_index, done, "done")
 
     def _call(self, tc: ToolCall) -> None:
@@ -247,14 +250,16 @@ class ResponseEncoder:
             self._put(index, shapes.CustomToolCallItem(**ids, input=""), "added")
             self._emit(shapes.CallDeltaEvent, type="response.custom_tool_call_input.delta", **where,
                        delta=value)
-            self._emit(shapes.CustomToolCallDoneEvent, **where, input=value)
+            self._emit(shapes.CustomToolCallDoneEvent, type="response.custom_tool_call_input.done", **where,
+                       input=value)
             self._put(index, shapes.CustomToolCallItem(**ids, input=value), "done")
         else:
             value = tc.arguments
             self._put(index, shapes.FunctionCallItem(**ids, arguments="", status="in_progress"), "added")
             self._emit(shapes.CallDeltaEvent, type="response.function_call_arguments.delta", **where,
                        delta=value)
-            self._emit(shapes.FunctionCallDoneEvent, **where, name=tool.name, arguments=value)
+            self._emit(shapes.FunctionCallDoneEvent, type="response.function_call_arguments.done", **where,
+                       name=tool.name, arguments=value)
             self._put(index, shapes.FunctionCallItem(**ids, arguments=value, status="completed"), "done")
 
     def _put(self, index: int, item: shapes.OutputItem, stage: Literal["added", "done"]) -> None:
@@ -309,10 +314,6 @@ class ResponseEncoder:
         """The events made since the last public call, named by their type."""
         events, self._events = self._events, []
         return [StreamEvent(e, e.type) for e in events]
-
-    @staticmethod
-    def _where(item: _OpenItem) -> dict[str, Any]:
-        return {"item_id": item.id, "output_index": item.output_index, "content_index": 0}
 
 
 def _new_id(prefix: str) -> str:
