@@ -321,25 +321,27 @@ class Response:
 
 
 # -- Responses: the stream events ------------------------------------------------------------------------
-# Each carries its type and sequence_number first; the events about one item (and one of its content
-# parts) share those fields through their bases, which keep the wire's field order.
 
 
 @shape
-class StreamEventFields:
+class ResponseStreamEvent:
+    """What every event the encoder makes begins with (the HTTP layer's `ErrorEvent` has no
+    sequence_number). The events about one item, and about one of its content parts, share their
+    next fields through the bases below, which keep the wire's field order."""
+
     type: str
     sequence_number: int
 
 
 @shape
-class ResponseEvent(StreamEventFields):
+class ResponseEvent(ResponseStreamEvent):
     """response.created, response.in_progress, then response.completed, .incomplete or .failed."""
 
     response: Response
 
 
 @shape
-class OutputItemEvent(StreamEventFields):
+class OutputItemEvent(ResponseStreamEvent):
     """response.output_item.added and response.output_item.done."""
 
     output_index: int
@@ -347,7 +349,7 @@ class OutputItemEvent(StreamEventFields):
 
 
 @shape
-class ItemEventFields(StreamEventFields):
+class ItemEventFields(ResponseStreamEvent):
     item_id: str
     output_index: int
 
@@ -411,6 +413,3 @@ class ErrorEvent:
     message: str
     param: str | None
 
-
-ResponseStreamEvent = (ResponseEvent | OutputItemEvent | ContentPartEvent | TextDeltaEvent | TextDoneEvent
-                       | CallDeltaEvent | FunctionCallDoneEvent | CustomToolCallDoneEvent | ErrorEvent)
