@@ -346,7 +346,9 @@ class HostedTool:
                   "programmatic_tool_calling"]
 
 
-ToolWire = FunctionToolWire | CustomToolWire | NamespaceTool | HostedTool
+ToolWire = Annotated[FunctionToolWire | CustomToolWire | NamespaceTool,
+                     From(FunctionToolWire | CustomToolWire | NamespaceTool | HostedTool)]
+"""A tool as structured (hosted tools are refused)."""
 
 
 @attrs.define(kw_only=True)
@@ -405,17 +407,18 @@ class ResponsesWire(NativeGenerationFields):
         "the model cannot close it)"))
 
 
+ECHOED_FIELDS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "max_tool_calls")
+"""Ignored fields the Response object reports back as sent."""
+
 _ECHOED = "; echoed on the Response object"
 _STATELESS = "Helios keeps no responses, so every request carries its complete conversation"
 
 RESPONSES_FIELDS: FieldTable = field_table(
     ResponsesWire,
-    model=PROVIDER_ROWS["model"],
-    **{name: attrs.evolve(PROVIDER_ROWS[name], reason=PROVIDER_ROWS[name].reason + _ECHOED)
-       for name in ("user", "metadata", "safety_identifier", "prompt_cache_key")},
+    PROVIDER_ROWS,
+    {name: attrs.evolve(PROVIDER_ROWS[name], reason=PROVIDER_ROWS[name].reason + _ECHOED)
+     for name in ECHOED_FIELDS if name in PROVIDER_ROWS},
     service_tier=ignored("one local tier serves every request; the Response reports 'default'", str),
-    prompt_cache_retention=PROVIDER_ROWS["prompt_cache_retention"],
-    prompt_cache_options=PROVIDER_ROWS["prompt_cache_options"],
     max_tool_calls=ignored("limits hosted tool calls, of which Helios has none" + _ECHOED, int),
     stream_options=ignored("include_obfuscation: Helios adds no obfuscation padding to events", dict),
     access_programs=ignored("provider account access programs; nothing to select locally", dict),
@@ -450,11 +453,6 @@ RESPONSES_FIELDS: FieldTable = field_table(
 )
 """Every top-level Responses field Helios knows (see `helios.frontends.fields`)."""
 
-ECHOED_FIELDS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "max_tool_calls")
-"""Ignored fields the Response object reports back as sent."""
-
-
-
 
 # -- tools ----------------------------------------------------------------------------------------
 
@@ -484,14 +482,12 @@ def toolset_of(tools: list[ToolWire] | None, choice: ToolChoiceWire | None) -> t
     declared: dict[str, DeclaredTool] = {}
     built: list[Tool] = []
     for i, t in enumerate(tools or ()):
-        entries: list[tuple[str, str | None, FunctionToolWire | CustomToolWire]]  # where, namespace, tool
-        if type(t) is NamespaceTool:
-            if not t.tools:
-                raise BadRequest(f"tools[{i}].tools must be a nonempty array of function or custom tools",
-                                 param=f"tools[{i}].tools")
-            entries = [(f"tools[{i}].tools[{j}]", t.name, sub) for j, sub in enumerate(t.tools)]
-        else:
-            entries = [(f"tools[{i}]", None, cast("FunctionToolWire | CustomToolWire", t))]
+        entries: list[tuple[str, str | None, FunctionToolWire | CustomToolWire]] = (  # where, namespace, tool
+            [(f"tools[{i}]", None, t)] if not isinstance(t, NamespaceTool)
+            else [(f"tools[{i}].tools[{j}]", t.name, sub) for j, sub in enumerate(t.tools)])
+        if not entries:  # an empty namespace
+            raise BadRequest(f"tools[{i}].tools must be a nonempty array of function or custom tools",
+                             param=f"tools[{i}].tools")
         for where, namespace, sub in entries:
             flat = _flat(namespace, sub.name)
             if flat in declared:
@@ -545,10 +541,9 @@ def decode_input(raw: str | BuiltItems, instructions: str | None) -> tuple[Messa
             continue
         parts = item.parts if type(item) is Message else (cast("ToolCallPart | ReasoningPart", item),)
         for part in parts:
-            turn = out[-1] if out else None
             if type(part) is ReasoningPart and not part.text:
                 continue  # empty reasoning replays nothing
-            if isinstance(turn, list) and _RANK[type(turn[-1])] <= _RANK[type(part)]:
+            if out and isinstance(turn := out[-1], list) and _RANK[type(turn[-1])] <= _RANK[type(part)]:
                 turn.append(part)
             else:
                 out.append([part])
