@@ -590,37 +590,23 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
     wants_logprobs = LOGPROBS_INCLUDE in (w.include or [])
     if w.top_logprobs and not wants_logprobs:
         raise BadRequest(f"top_logprobs requires include: [\"{LOGPROBS_INCLUDE}\"]", param="top_logprobs")
-    num_top, explicit = validate_logprob_options(
-        logprobs=wants_logprobs, top_logprobs=w.top_logprobs, logprob_token_ids=w.logprob_token_ids,
-        info=info,
-    )
+    num_top, explicit = validate_logprob_options(logprobs=wants_logprobs, top_logprobs=w.top_logprobs,
+                                                 logprob_token_ids=w.logprob_token_ids, info=info)
     stops = validate_stops(w.stop)
     token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, info.vocab_size,
                                        string_stops=stops)
     toolset, choice = toolset_of(w.tools, w.tool_choice)
     reasoning = w.reasoning or ReasoningWire()
-    effort_kwargs = _effort_kwargs(reasoning.effort, info)
     conv = ConversationRequest(
-        messages=decode_input(w.input, w.instructions),
-        tools=toolset.tools,
-        tool_choice=choice,
-        parallel_tool_calls=True if w.parallel_tool_calls is None else w.parallel_tool_calls,
-        sampling=decode_sampling(w),
-        chat_template_kwargs={**effort_kwargs, **(w.chat_template_kwargs or {})},
-    )
+        messages=decode_input(w.input, w.instructions), tools=toolset.tools, tool_choice=choice,
+        parallel_tool_calls=w.parallel_tool_calls is not False, sampling=decode_sampling(w),
+        chat_template_kwargs={**_effort_kwargs(reasoning.effort, info), **(w.chat_template_kwargs or {})})
     options = GenerationOptions(
-        max_tokens=w.max_output_tokens,
-        stop=stops,
-        token_stops=token_stops,
-        ignore_eos=bool(w.ignore_eos),
+        max_tokens=w.max_output_tokens, stop=stops, token_stops=token_stops, ignore_eos=bool(w.ignore_eos),
         include_stop_str_in_output=bool(w.include_stop_str_in_output),
-        skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
-        num_top_logprobs=num_top,
-        logprob_token_ids=explicit,
-        thinking_token_budget=budget,
-        thinking_token_budget_param=budget_param,
-        constraint=one_constraint(fmt, decode_structured_outputs(w.structured_outputs)),
-    )
+        skip_special_tokens=w.skip_special_tokens is not False, num_top_logprobs=num_top,
+        logprob_token_ids=explicit, thinking_token_budget=budget, thinking_token_budget_param=budget_param,
+        constraint=one_constraint(fmt, decode_structured_outputs(w.structured_outputs)))
     generation = GenerationRequest(sampling=conv.sampling, options=options, conversation=conv,
                                    input_param="input", output_param="max_output_tokens", id_prefix="resp")
     summary = reasoning.summary if reasoning.summary is not None else reasoning.generate_summary
