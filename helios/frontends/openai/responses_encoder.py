@@ -40,23 +40,22 @@ from helios.domain.shapes import OMIT, Opt, to_json
 from helios.errors import HeliosError
 from helios.frontends.openai import shapes
 from helios.frontends.openai.logprobs import chat_logprobs
-from helios.frontends.openai.responses import ResponsesPlan, ToolSet
+from helios.frontends.openai.responses import ECHOED_FIELDS, ResponsesPlan, ToolSet
 
 
 def response_params(plan: ResponsesPlan, sampling: SamplingParams, model: str) -> shapes.ResponseParams:
     """The request parameters a Response object echoes (the SDK's Response model requires several)."""
     w = plan.wire
+    echoed: dict[str, Any] = {name: plan.echo.get(name) for name in ECHOED_FIELDS if name != "metadata"}
     return shapes.ResponseParams(
+        **echoed,  # null where not sent
         instructions=w.instructions,
         max_output_tokens=w.max_output_tokens,
-        max_tool_calls=plan.echo.get("max_tool_calls"),
         metadata=dict(plan.echo.get("metadata") or {}),
         model=model,
         parallel_tool_calls=plan.conversation.parallel_tool_calls,
         previous_response_id=None,
-        prompt_cache_key=plan.echo.get("prompt_cache_key"),
         reasoning={"effort": plan.effort, "summary": plan.summary},
-        safety_identifier=plan.echo.get("safety_identifier"),
         service_tier="default",
         temperature=sampling.temperature,
         text=plan.text_config,
@@ -65,7 +64,6 @@ def response_params(plan: ResponsesPlan, sampling: SamplingParams, model: str) -
         tools=plan.tools_as_sent,
         top_logprobs=w.top_logprobs or 0,
         top_p=sampling.top_p,
-        user=plan.echo.get("user"),
     )
 
 
@@ -235,9 +233,7 @@ class ResponseEncoder:
     def _call(self, tc: ToolCall) -> None:
         self._close_open()
         tool = self._toolset.restore(tc.name)
-        call_id = tc.id or _new_id("call")
-        while call_id in self._call_ids:
-            call_id = _new_id("call")
+        call_id = tc.id if tc.id and tc.id not in self._call_ids else _new_id("call")  # ids stay unique
         self._call_ids.add(call_id)
         index = len(self._output)
         custom = tool.kind == "custom"
