@@ -122,15 +122,15 @@ class ResponseEncoder:
         logprob_content: Callable[[Sequence[Any]], shapes.LogprobEntries] | None = None,
         token_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
-        self.id = _new_id("resp")
-        self.created_at = int(time.time())
-        self._params = base
+        self._response = shapes.Response(
+            id=_new_id("resp"), created_at=int(time.time()), status="in_progress", completed_at=None, error=None,
+            incomplete_details=None, params=base, output=[], usage=None)
+        """The Response as it stands, but for its usage; `response` copies it."""
         self._toolset = toolset
         self._lp = logprob_content
         self._token_bytes = token_bytes or (lambda _t: b"")
         self._events: list[shapes.ResponseStreamEvent] = []  # made since the last public call
         self._seq = 0
-        self._output: list[shapes.OutputItem] = []
         self._open: _OpenItem | None = None
         self._call_ids: set[str] = set()
         # logprob attribution
@@ -140,15 +140,11 @@ class ResponseEncoder:
         # usage: counted from the updates, the prompt as prepared
         self._prompts = tuple(prompts)
         self._acc = Accumulated()
-        self.status: str = "in_progress"
-        self.error: shapes.ResponseError | None = None
-        self.incomplete: shapes.IncompleteDetails | None = None
-        self.completed_at: int | None = None
 
     # -- public ---------------------------------------------------------------------------------
     @property
     def done(self) -> bool:
-        return self.status != "in_progress"
+        return self._response.status != "in_progress"
 
     def start(self) -> list[StreamEvent]:
         for status in ("created", "in_progress"):
@@ -180,7 +176,7 @@ class ResponseEncoder:
 
     def fail(self, error: HeliosError) -> list[StreamEvent]:
         if not self.done:
-            self.error = shapes.ResponseError(code="server_error", message=error.message)
+            self._response.error = shapes.ResponseError(code="server_error", message=error.message)
             self._terminal("failed")
         return self._sent()
 
@@ -198,10 +194,8 @@ class ResponseEncoder:
                 output_tokens=u.completion_tokens,
                 output_tokens_details=shapes.OutputTokensDetails(reasoning_tokens=u.reasoning_tokens),
                 total_tokens=u.total_tokens)
-        return shapes.Response(
-            id=self.id, created_at=self.created_at, status=self.status, completed_at=self.completed_at,
-            error=self.error, incomplete_details=self.incomplete, params=self._params, output=list(self._output),
-            usage=usage)
+        r = self._response  # mypy does not see that a @shape class is an attrs class
+        return attrs.evolve(r, output=list(r.output), usage=usage)  # type: ignore[misc]
 
     # -- items ----------------------------------------------------------------------------------
     def _delta(self, kind: TextKind, text: str, entries: Opt[shapes.LogprobEntries] = OMIT) -> None:
@@ -209,7 +203,7 @@ class ResponseEncoder:
         item = self._open
         if item is None or item.kind != kind:
             self._close_open()
-            self._open = item = _OpenItem(kind, _new_id(_TEXT_ITEMS[kind][0]), len(self._output))
+            self._open = item = _OpenItem(kind, _new_id(_TEXT_ITEMS[kind][0]), len(self._response.output))
             added, part = item.shapes(None)
             self._put(item.output_index, added, "added")
             self._emit(shapes.ContentPartEvent, type="response.content_part.added", **item.where(), part=part)
@@ -235,7 +229,7 @@ class ResponseEncoder:
         tool = self._toolset.restore(tc.name)
         call_id = tc.id if tc.id and tc.id not in self._call_ids else _new_id("call")  # ids stay unique
         self._call_ids.add(call_id)
-        index = len(self._output)
+        index = len(self._response.output)
         custom = tool.kind == "custom"
         item_id = _new_id("ctc" if custom else "fc")
         ids: dict[str, Any] = {"id": item_id, "call_id": call_id, "name": tool.name,
@@ -260,21 +254,22 @@ class ResponseEncoder:
 
     def _put(self, index: int, item: shapes.OutputItem, stage: Literal["added", "done"]) -> None:
         """Output item `index` (a new one at the end) as it now stands, and its output_item event."""
-        if index == len(self._output):
-            self._output.append(item)
+        output = self._response.output
+        if index == len(output):
+            output.append(item)
         else:
-            self._output[index] = item
+            output[index] = item
         self._emit(shapes.OutputItemEvent, type=f"response.output_item.{stage}", output_index=index,
                    item=item)
 
     def _terminal(self, status: Literal["completed", "incomplete", "failed"]) -> None:
         """End the response; it is incomplete only at the output limit."""
         self._close_open("completed" if status == "completed" else "incomplete")
-        self.status = status
+        self._response.status = status
         if status == "incomplete":
-            self.incomplete = shapes.IncompleteDetails(reason="max_output_tokens")
+            self._response.incomplete_details = shapes.IncompleteDetails(reason="max_output_tokens")
         if status == "completed":
-            self.completed_at = int(time.time())
+            self._response.completed_at = int(time.time())
         self._emit(shapes.ResponseEvent, type=f"response.{status}", response=self.response())
 
     # -- logprob attribution ---------------------------------------------------------------------
