@@ -568,8 +568,9 @@ class ResponsesPlan:
     """`ECHOED_FIELDS` as sent: reported on the Response object, no effect on generation."""
     tools_as_sent: list[Any] = attrs.field(factory=list, eq=False)
     """``tools`` as sent, which the Response object echoes (`wire` holds them typed)."""
-    tool_choice_as_sent: Any = attrs.field(default=None, eq=False)
-    """``tool_choice`` as sent (None where absent), which the Response object echoes."""
+    tool_choice_echo: Any = attrs.field(default=None, eq=False)
+    """``tool_choice`` as sent, which the Response object echoes; where absent, the mode taken (auto with
+    tools, else none)."""
 
     @property
     def conversation(self) -> ConversationRequest:
@@ -613,7 +614,7 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
     echo = {name: obj[name] for name in ECHOED_FIELDS if obj.get(name) is not None}
     return ResponsesPlan(w, generation, toolset, bool(w.stream), reasoning.effort, summary,
                          _text_config(w.text, fmt), echo, tools_as_sent=list(obj.get("tools") or []),
-                         tool_choice_as_sent=obj.get("tool_choice"))
+                         tool_choice_echo=obj.get("tool_choice") or choice.mode)
 
 
 def _text_config(text: TextWire | None, fmt: OutputConstraint | None) -> dict[str, Any]:

@@ -48,23 +48,13 @@ def response_params(plan: ResponsesPlan, sampling: SamplingParams, model: str) -
     w = plan.wire
     echoed: dict[str, Any] = {name: plan.echo.get(name) for name in ECHOED_FIELDS if name != "metadata"}
     return shapes.ResponseParams(
-        **echoed,  # null where not sent
-        instructions=w.instructions,
-        max_output_tokens=w.max_output_tokens,
-        metadata=dict(plan.echo.get("metadata") or {}),
-        model=model,
-        parallel_tool_calls=plan.conversation.parallel_tool_calls,
-        previous_response_id=None,
+        **echoed, metadata=dict(plan.echo.get("metadata") or {}),  # as sent: null (metadata {}) where absent
+        instructions=w.instructions, max_output_tokens=w.max_output_tokens, top_logprobs=w.top_logprobs or 0,
+        model=model, temperature=sampling.temperature, top_p=sampling.top_p,  # as served
+        parallel_tool_calls=plan.conversation.parallel_tool_calls, tools=plan.tools_as_sent,
+        tool_choice=plan.tool_choice_echo, text=plan.text_config,
         reasoning={"effort": plan.effort, "summary": plan.summary},
-        service_tier="default",
-        temperature=sampling.temperature,
-        text=plan.text_config,
-        tool_choice=plan.tool_choice_as_sent if plan.tool_choice_as_sent is not None
-        else plan.conversation.tool_choice.mode,  # absent: auto with tools, else none
-        tools=plan.tools_as_sent,
-        top_logprobs=w.top_logprobs or 0,
-        top_p=sampling.top_p,
-    )
+        previous_response_id=None, service_tier="default")  # what Helios does
 
 
 # -- the encoder ----------------------------------------------------------------------------------
