@@ -127,8 +127,7 @@ class InputImage(_Lenient):
         if file_id is not None:
             raise Invalid("file_id images are unsupported (there is no file store); send the image as a base64 "
                           "data URL in image_url", param_at="file_id")
-        media, raw = data_url_image(image_url or "", param_at="image_url")
-        return ImagePart(media, raw)
+        return ImagePart(*data_url_image(image_url or "", param_at="image_url"))
 
 
 @attrs.define(kw_only=True)
@@ -198,8 +197,8 @@ class FunctionCallItem(_Lenient):
 
     @staticmethod
     def __wire_build__(*, call_id: str, name: str, namespace: str | None,
-                       arguments: dict[str, Any] | None = None) -> ToolCallPart:
-        return ToolCallPart(call_id, _flat(namespace, name), {} if arguments is None else arguments)
+                       arguments: dict[str, Any]) -> ToolCallPart:  # absent: the default's fresh {}
+        return ToolCallPart(call_id, _flat(namespace, name), arguments)
 
 
 @attrs.define(kw_only=True)
@@ -520,10 +519,7 @@ def _tool_choice(choice: ToolChoiceWire | None, declared: dict[str, DeclaredTool
 _RANK = {ReasoningPart: 0, TextPart: 1, ImagePart: 1, ToolCallPart: 2}
 
 
-BuiltItems = list[Message | ToolCallPart | ReasoningPart | MessageItem | ToolOutputItem]
-
-
-def decode_input(raw: str | BuiltItems, instructions: str | None) -> tuple[Message, ...]:
+def decode_input(raw: str | list[BuiltItem], instructions: str | None) -> tuple[Message, ...]:
     """Responses input (a string: one user message, or built items) → neutral messages, `instructions`
     leading as a system message. Consecutive assistant-side items (reasoning, assistant messages,
     function and custom calls) form one assistant turn while they keep the order reasoning → text →
