@@ -179,11 +179,9 @@ class ResponseEncoder:
         if self.done:
             u = usage_of(self._prompts, [self._acc], 1)
             usage = shapes.ResponseUsage(
-                input_tokens=u.prompt_tokens,
+                input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens, total_tokens=u.total_tokens,
                 input_tokens_details=shapes.InputTokensDetails(cached_tokens=u.cached_tokens, cache_write_tokens=0),
-                output_tokens=u.completion_tokens,
-                output_tokens_details=shapes.OutputTokensDetails(reasoning_tokens=u.reasoning_tokens),
-                total_tokens=u.total_tokens)
+                output_tokens_details=shapes.OutputTokensDetails(reasoning_tokens=u.reasoning_tokens))
         r = self._response  # mypy does not see that a @shape class is an attrs class
         return attrs.evolve(r, output=list(r.output), usage=usage)  # type: ignore[misc]
 
@@ -272,7 +270,7 @@ class ResponseEncoder:
         if (u.finish is not None and u.finish.cause in (FinishCause.EOS, FinishCause.STOP_TOKEN)
                 and records and len(records) == len(u.token_ids)):
             records = records[:-1]  # a terminating EOS or stop token has no entry
-        self._pending.extend(records[min(num_reasoning, len(records)):])
+        self._pending.extend(records[num_reasoning:])
 
     def _attribute(self, text: str) -> shapes.LogprobEntries:
         """Pending tokens whose first byte falls within newly released answer text."""
