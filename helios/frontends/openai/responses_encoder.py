@@ -113,8 +113,8 @@ class ResponseEncoder:
         token_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
         self._response = shapes.Response(
-            id=_new_id("resp"), created_at=int(time.time()), status="in_progress", completed_at=None, error=None,
-            incomplete_details=None, params=base, output=[], usage=None)
+            id=_new_id("resp"), created_at=int(time.time()), status="in_progress", completed_at=None,
+            error=None, incomplete_details=None, params=base, output=[], usage=None)
         """The Response as it stands, but for its usage; `response` copies it."""
         self._toolset = toolset
         self._lp = logprob_content
