@@ -213,6 +213,7 @@ class ResponseEncoder:
         self._put(item.output_index, done, "done")
 
     def _call(self, tc: ToolCall) -> None:
+        """A call's item, added with an empty value, its value in one delta, and the item done."""
         self._close_open()
         tool = self._toolset.restore(tc.name)
         call_id = tc.id if tc.id and tc.id not in self._call_ids else _new_id("call")  # ids stay unique
@@ -220,25 +221,23 @@ class ResponseEncoder:
         index = len(self._response.output)
         custom = tool.kind == "custom"
         item_id = _new_id("ctc" if custom else "fc")
-        ids: dict[str, Any] = {"id": item_id, "call_id": call_id, "name": tool.name,
-                               "namespace": tool.namespace or OMIT}
         where = {"item_id": item_id, "output_index": index}
+        item: Callable[..., shapes.OutputItem] = partial(
+            shapes.CustomToolCallItem if custom else shapes.FunctionCallItem, id=item_id, call_id=call_id,
+            name=tool.name, namespace=tool.namespace or OMIT)
+        finish: Callable[..., shapes.ResponseStreamEvent]  # the done event, but for its type and place
         if custom:
-            value = custom_tool_input(tc.arguments)
-            self._put(index, shapes.CustomToolCallItem(**ids, input=""), "added")
-            self._emit(shapes.CallDeltaEvent, type="response.custom_tool_call_input.delta", **where,
-                       delta=value)
-            self._emit(shapes.CustomToolCallDoneEvent, type="response.custom_tool_call_input.done", **where,
-                       input=value)
-            self._put(index, shapes.CustomToolCallItem(**ids, input=value), "done")
+            value, event = custom_tool_input(tc.arguments), "response.custom_tool_call_input"
+            added, done = item(input=""), item(input=value)
+            finish = partial(shapes.CustomToolCallDoneEvent, input=value)
         else:
-            value = tc.arguments
-            self._put(index, shapes.FunctionCallItem(**ids, arguments="", status="in_progress"), "added")
-            self._emit(shapes.CallDeltaEvent, type="response.function_call_arguments.delta", **where,
-                       delta=value)
-            self._emit(shapes.FunctionCallDoneEvent, type="response.function_call_arguments.done", **where,
-                       name=tool.name, arguments=value)
-            self._put(index, shapes.FunctionCallItem(**ids, arguments=value, status="completed"), "done")
+            value, event = tc.arguments, "response.function_call_arguments"
+            added, done = item(arguments="", status="in_progress"), item(arguments=value, status="completed")
+            finish = partial(shapes.FunctionCallDoneEvent, name=tool.name, arguments=value)
+        self._put(index, added, "added")
+        self._emit(shapes.CallDeltaEvent, type=f"{event}.delta", **where, delta=value)
+        self._emit(finish, type=f"{event}.done", **where)
+        self._put(index, done, "done")
 
     def _put(self, index: int, item: shapes.OutputItem, stage: Literal["added", "done"]) -> None:
         """Output item `index` (a new one at the end) as it now stands, and its output_item event."""
