@@ -127,8 +127,7 @@ class InputImage(_Lenient):
         if file_id is not None:
             raise Invalid("file_id images are unsupported (there is no file store); send the image as a base64 "
                           "data URL in image_url", param_at="file_id")
-        media, raw = data_url_image(image_url or "", param_at="image_url")
-        return ImagePart(media, raw)
+        return ImagePart(*data_url_image(image_url or "", param_at="image_url"))
 
 
 @attrs.define(kw_only=True)
@@ -198,8 +197,8 @@ class FunctionCallItem(_Lenient):
 
     @staticmethod
     def __wire_build__(*, call_id: str, name: str, namespace: str | None,
-                       arguments: dict[str, Any] | None = None) -> ToolCallPart:
-        return ToolCallPart(call_id, _flat(namespace, name), {} if arguments is None else arguments)
+                       arguments: dict[str, Any]) -> ToolCallPart:  # absent: the default's fresh {}
+        return ToolCallPart(call_id, _flat(namespace, name), arguments)
 
 
 @attrs.define(kw_only=True)
@@ -346,7 +345,9 @@ class HostedTool:
                   "programmatic_tool_calling"]
 
 
-ToolWire = FunctionToolWire | CustomToolWire | NamespaceTool | HostedTool
+ToolWire = Annotated[FunctionToolWire | CustomToolWire | NamespaceTool,
+                     From(FunctionToolWire | CustomToolWire | NamespaceTool | HostedTool)]
+"""A tool as structured (hosted tools are refused)."""
 
 
 @attrs.define(kw_only=True)
@@ -405,17 +406,18 @@ class ResponsesWire(NativeGenerationFields):
         "the model cannot close it)"))
 
 
+ECHOED_FIELDS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "max_tool_calls")
+"""Ignored fields the Response object reports back as sent."""
+
 _ECHOED = "; echoed on the Response object"
 _STATELESS = "Helios keeps no responses, so every request carries its complete conversation"
 
 RESPONSES_FIELDS: FieldTable = field_table(
     ResponsesWire,
-    model=PROVIDER_ROWS["model"],
-    **{name: attrs.evolve(PROVIDER_ROWS[name], reason=PROVIDER_ROWS[name].reason + _ECHOED)
-       for name in ("user", "metadata", "safety_identifier", "prompt_cache_key")},
+    PROVIDER_ROWS,
+    {name: attrs.evolve(PROVIDER_ROWS[name], reason=PROVIDER_ROWS[name].reason + _ECHOED)
+     for name in ECHOED_FIELDS if name in PROVIDER_ROWS},
     service_tier=ignored("one local tier serves every request; the Response reports 'default'", str),
-    prompt_cache_retention=PROVIDER_ROWS["prompt_cache_retention"],
-    prompt_cache_options=PROVIDER_ROWS["prompt_cache_options"],
     max_tool_calls=ignored("limits hosted tool calls, of which Helios has none" + _ECHOED, int),
     stream_options=ignored("include_obfuscation: Helios adds no obfuscation padding to events", dict),
     access_programs=ignored("provider account access programs; nothing to select locally", dict),
@@ -450,11 +452,6 @@ RESPONSES_FIELDS: FieldTable = field_table(
 )
 """Every top-level Responses field Helios knows (see `helios.frontends.fields`)."""
 
-ECHOED_FIELDS = ("metadata", "user", "safety_identifier", "prompt_cache_key", "max_tool_calls")
-"""Ignored fields the Response object reports back as sent."""
-
-
-
 
 # -- tools ----------------------------------------------------------------------------------------
 
@@ -484,14 +481,12 @@ def toolset_of(tools: list[ToolWire] | None, choice: ToolChoiceWire | None) -> t
     declared: dict[str, DeclaredTool] = {}
     built: list[Tool] = []
     for i, t in enumerate(tools or ()):
-        entries: list[tuple[str, str | None, FunctionToolWire | CustomToolWire]]  # where, namespace, tool
-        if type(t) is NamespaceTool:
-            if not t.tools:
-                raise BadRequest(f"tools[{i}].tools must be a nonempty array of function or custom tools",
-                                 param=f"tools[{i}].tools")
-            entries = [(f"tools[{i}].tools[{j}]", t.name, sub) for j, sub in enumerate(t.tools)]
-        else:
-            entries = [(f"tools[{i}]", None, cast("FunctionToolWire | CustomToolWire", t))]
+        entries: list[tuple[str, str | None, FunctionToolWire | CustomToolWire]] = (  # where, namespace, tool
+            [(f"tools[{i}]", None, t)] if not isinstance(t, NamespaceTool)
+            else [(f"tools[{i}].tools[{j}]", t.name, sub) for j, sub in enumerate(t.tools)])
+        if not entries:  # an empty namespace
+            raise BadRequest(f"tools[{i}].tools must be a nonempty array of function or custom tools",
+                             param=f"tools[{i}].tools")
         for where, namespace, sub in entries:
             flat = _flat(namespace, sub.name)
             if flat in declared:
@@ -524,10 +519,7 @@ def _tool_choice(choice: ToolChoiceWire | None, declared: dict[str, DeclaredTool
 _RANK = {ReasoningPart: 0, TextPart: 1, ImagePart: 1, ToolCallPart: 2}
 
 
-BuiltItems = list[Message | ToolCallPart | ReasoningPart | MessageItem | ToolOutputItem]
-
-
-def decode_input(raw: str | BuiltItems, instructions: str | None) -> tuple[Message, ...]:
+def decode_input(raw: str | list[BuiltItem], instructions: str | None) -> tuple[Message, ...]:
     """Responses input (a string: one user message, or built items) → neutral messages, `instructions`
     leading as a system message. Consecutive assistant-side items (reasoning, assistant messages,
     function and custom calls) form one assistant turn while they keep the order reasoning → text →
@@ -545,10 +537,9 @@ def decode_input(raw: str | BuiltItems, instructions: str | None) -> tuple[Messa
             continue
         parts = item.parts if type(item) is Message else (cast("ToolCallPart | ReasoningPart", item),)
         for part in parts:
-            turn = out[-1] if out else None
             if type(part) is ReasoningPart and not part.text:
                 continue  # empty reasoning replays nothing
-            if isinstance(turn, list) and _RANK[type(turn[-1])] <= _RANK[type(part)]:
+            if out and isinstance(turn := out[-1], list) and _RANK[type(turn[-1])] <= _RANK[type(part)]:
                 turn.append(part)
             else:
                 out.append([part])
@@ -573,8 +564,9 @@ class ResponsesPlan:
     """`ECHOED_FIELDS` as sent: reported on the Response object, no effect on generation."""
     tools_as_sent: list[Any] = attrs.field(factory=list, eq=False)
     """``tools`` as sent, which the Response object echoes (`wire` holds them typed)."""
-    tool_choice_as_sent: Any = attrs.field(default=None, eq=False)
-    """``tool_choice`` as sent (None where absent), which the Response object echoes."""
+    tool_choice_echo: Any = attrs.field(default=None, eq=False)
+    """``tool_choice`` as sent, which the Response object echoes; where absent, the mode taken (auto with
+    tools, else none)."""
 
     @property
     def conversation(self) -> ConversationRequest:
@@ -595,44 +587,30 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
     wants_logprobs = LOGPROBS_INCLUDE in (w.include or [])
     if w.top_logprobs and not wants_logprobs:
         raise BadRequest(f"top_logprobs requires include: [\"{LOGPROBS_INCLUDE}\"]", param="top_logprobs")
-    num_top, explicit = validate_logprob_options(
-        logprobs=wants_logprobs, top_logprobs=w.top_logprobs, logprob_token_ids=w.logprob_token_ids,
-        info=info,
-    )
+    num_top, explicit = validate_logprob_options(logprobs=wants_logprobs, top_logprobs=w.top_logprobs,
+                                                 logprob_token_ids=w.logprob_token_ids, info=info)
     stops = validate_stops(w.stop)
     token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, info.vocab_size,
                                        string_stops=stops)
     toolset, choice = toolset_of(w.tools, w.tool_choice)
     reasoning = w.reasoning or ReasoningWire()
-    effort_kwargs = _effort_kwargs(reasoning.effort, info)
     conv = ConversationRequest(
-        messages=decode_input(w.input, w.instructions),
-        tools=toolset.tools,
-        tool_choice=choice,
-        parallel_tool_calls=True if w.parallel_tool_calls is None else w.parallel_tool_calls,
-        sampling=decode_sampling(w),
-        chat_template_kwargs={**effort_kwargs, **(w.chat_template_kwargs or {})},
-    )
+        messages=decode_input(w.input, w.instructions), tools=toolset.tools, tool_choice=choice,
+        parallel_tool_calls=w.parallel_tool_calls is not False, sampling=decode_sampling(w),
+        chat_template_kwargs={**_effort_kwargs(reasoning.effort, info), **(w.chat_template_kwargs or {})})
     options = GenerationOptions(
-        max_tokens=w.max_output_tokens,
-        stop=stops,
-        token_stops=token_stops,
-        ignore_eos=bool(w.ignore_eos),
+        max_tokens=w.max_output_tokens, stop=stops, token_stops=token_stops, ignore_eos=bool(w.ignore_eos),
         include_stop_str_in_output=bool(w.include_stop_str_in_output),
-        skip_special_tokens=True if w.skip_special_tokens is None else w.skip_special_tokens,
-        num_top_logprobs=num_top,
-        logprob_token_ids=explicit,
-        thinking_token_budget=budget,
-        thinking_token_budget_param=budget_param,
-        constraint=one_constraint(fmt, decode_structured_outputs(w.structured_outputs)),
-    )
+        skip_special_tokens=w.skip_special_tokens is not False, num_top_logprobs=num_top,
+        logprob_token_ids=explicit, thinking_token_budget=budget, thinking_token_budget_param=budget_param,
+        constraint=one_constraint(fmt, decode_structured_outputs(w.structured_outputs)))
     generation = GenerationRequest(sampling=conv.sampling, options=options, conversation=conv,
                                    input_param="input", output_param="max_output_tokens", id_prefix="resp")
     summary = reasoning.summary if reasoning.summary is not None else reasoning.generate_summary
     echo = {name: obj[name] for name in ECHOED_FIELDS if obj.get(name) is not None}
     return ResponsesPlan(w, generation, toolset, bool(w.stream), reasoning.effort, summary,
                          _text_config(w.text, fmt), echo, tools_as_sent=list(obj.get("tools") or []),
-                         tool_choice_as_sent=obj.get("tool_choice"))
+                         tool_choice_echo=obj.get("tool_choice") or choice.mode)
 
 
 def _text_config(text: TextWire | None, fmt: OutputConstraint | None) -> dict[str, Any]:

@@ -40,33 +40,21 @@ from helios.domain.shapes import OMIT, Opt, to_json
 from helios.errors import HeliosError
 from helios.frontends.openai import shapes
 from helios.frontends.openai.logprobs import chat_logprobs
-from helios.frontends.openai.responses import ResponsesPlan, ToolSet
+from helios.frontends.openai.responses import ECHOED_FIELDS, ResponsesPlan, ToolSet
 
 
 def response_params(plan: ResponsesPlan, sampling: SamplingParams, model: str) -> shapes.ResponseParams:
     """The request parameters a Response object echoes (the SDK's Response model requires several)."""
     w = plan.wire
+    echoed: dict[str, Any] = {name: plan.echo.get(name) for name in ECHOED_FIELDS if name != "metadata"}
     return shapes.ResponseParams(
-        instructions=w.instructions,
-        max_output_tokens=w.max_output_tokens,
-        max_tool_calls=plan.echo.get("max_tool_calls"),
-        metadata=dict(plan.echo.get("metadata") or {}),
-        model=model,
-        parallel_tool_calls=plan.conversation.parallel_tool_calls,
-        previous_response_id=None,
-        prompt_cache_key=plan.echo.get("prompt_cache_key"),
+        **echoed, metadata=dict(plan.echo.get("metadata") or {}),  # as sent: null (metadata {}) where absent
+        instructions=w.instructions, max_output_tokens=w.max_output_tokens, top_logprobs=w.top_logprobs or 0,
+        model=model, temperature=sampling.temperature, top_p=sampling.top_p,  # as served
+        parallel_tool_calls=plan.conversation.parallel_tool_calls, tools=plan.tools_as_sent,
+        tool_choice=plan.tool_choice_echo, text=plan.text_config,
         reasoning={"effort": plan.effort, "summary": plan.summary},
-        safety_identifier=plan.echo.get("safety_identifier"),
-        service_tier="default",
-        temperature=sampling.temperature,
-        text=plan.text_config,
-        tool_choice=plan.tool_choice_as_sent if plan.tool_choice_as_sent is not None
-        else plan.conversation.tool_choice.mode,  # absent: auto with tools, else none
-        tools=plan.tools_as_sent,
-        top_logprobs=w.top_logprobs or 0,
-        top_p=sampling.top_p,
-        user=plan.echo.get("user"),
-    )
+        previous_response_id=None, service_tier="default")  # what Helios does
 
 
 # -- the encoder ----------------------------------------------------------------------------------
@@ -98,6 +86,10 @@ class _OpenItem:
         content = [part] if status else []
         return shapes.MessageItem(id=self.id, status=status or "in_progress", content=content), part
 
+    def where(self) -> dict[str, Any]:
+        """The fields naming this item (and its one content part) on its events."""
+        return {"item_id": self.id, "output_index": self.output_index}
+
 
 class ResponseEncoder:
     """Screened child updates → Responses SSE events (named by their type, with sequence_number) and
@@ -120,15 +112,15 @@ class ResponseEncoder:
         logprob_content: Callable[[Sequence[Any]], shapes.LogprobEntries] | None = None,
         token_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
-        self.id = _new_id("resp")
-        self.created_at = int(time.time())
-        self._params = base
+        self._response = shapes.Response(
+            id=_new_id("resp"), created_at=int(time.time()), status="in_progress", completed_at=None,
+            error=None, incomplete_details=None, params=base, output=[], usage=None)
+        """The Response as it stands, but for its usage; `response` copies it."""
         self._toolset = toolset
         self._lp = logprob_content
         self._token_bytes = token_bytes or (lambda _t: b"")
         self._events: list[shapes.ResponseStreamEvent] = []  # made since the last public call
         self._seq = 0
-        self._output: list[shapes.OutputItem] = []
         self._open: _OpenItem | None = None
         self._call_ids: set[str] = set()
         # logprob attribution
@@ -138,15 +130,11 @@ class ResponseEncoder:
         # usage: counted from the updates, the prompt as prepared
         self._prompts = tuple(prompts)
         self._acc = Accumulated()
-        self.status: str = "in_progress"
-        self.error: shapes.ResponseError | None = None
-        self.incomplete: shapes.IncompleteDetails | None = None
-        self.completed_at: int | None = None
 
     # -- public ---------------------------------------------------------------------------------
     @property
     def done(self) -> bool:
-        return self.status != "in_progress"
+        return self._response.status != "in_progress"
 
     def start(self) -> list[StreamEvent]:
         for status in ("created", "in_progress"):
@@ -178,7 +166,7 @@ class ResponseEncoder:
 
     def fail(self, error: HeliosError) -> list[StreamEvent]:
         if not self.done:
-            self.error = shapes.ResponseError(code="server_error", message=error.message)
+            self._response.error = shapes.ResponseError(code="server_error", message=error.message)
             self._terminal("failed")
         return self._sent()
 
@@ -191,15 +179,11 @@ class ResponseEncoder:
         if self.done:
             u = usage_of(self._prompts, [self._acc], 1)
             usage = shapes.ResponseUsage(
-                input_tokens=u.prompt_tokens,
+                input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens, total_tokens=u.total_tokens,
                 input_tokens_details=shapes.InputTokensDetails(cached_tokens=u.cached_tokens, cache_write_tokens=0),
-                output_tokens=u.completion_tokens,
-                output_tokens_details=shapes.OutputTokensDetails(reasoning_tokens=u.reasoning_tokens),
-                total_tokens=u.total_tokens)
-        return shapes.Response(
-            id=self.id, created_at=self.created_at, status=self.status, completed_at=self.completed_at,
-            error=self.error, incomplete_details=self.incomplete, params=self._params, output=list(self._output),
-            usage=usage)
+                output_tokens_details=shapes.OutputTokensDetails(reasoning_tokens=u.reasoning_tokens))
+        r = self._response  # mypy does not see that a @shape class is an attrs class
+        return attrs.evolve(r, output=list(r.output), usage=usage)  # type: ignore[misc]
 
     # -- items ----------------------------------------------------------------------------------
     def _delta(self, kind: TextKind, text: str, entries: Opt[shapes.LogprobEntries] = OMIT) -> None:
@@ -207,15 +191,14 @@ class ResponseEncoder:
         item = self._open
         if item is None or item.kind != kind:
             self._close_open()
-            self._open = item = _OpenItem(kind, _new_id(_TEXT_ITEMS[kind][0]), len(self._output))
+            self._open = item = _OpenItem(kind, _new_id(_TEXT_ITEMS[kind][0]), len(self._response.output))
             added, part = item.shapes(None)
             self._put(item.output_index, added, "added")
-            self._emit(shapes.ContentPartEvent, type="response.content_part.added", **self._where(item),
-                       part=part)
+            self._emit(shapes.ContentPartEvent, type="response.content_part.added", **item.where(), part=part)
         item.text += text
         if entries is not OMIT:
             item.logprobs.extend(entries)
-        self._emit(shapes.TextDeltaEvent, type=_TEXT_ITEMS[kind][1], **self._where(item), delta=text,
+        self._emit(shapes.TextDeltaEvent, type=_TEXT_ITEMS[kind][1], **item.where(), delta=text,
                    logprobs=entries)
 
     def _close_open(self, status: str = "completed") -> None:
@@ -224,56 +207,56 @@ class ResponseEncoder:
             return
         done, part = item.shapes(status)
         logprobs = item.logprobs if item.kind == "message" else OMIT
-        self._emit(shapes.TextDoneEvent, type=_TEXT_ITEMS[item.kind][2], **self._where(item), text=item.text,
+        self._emit(shapes.TextDoneEvent, type=_TEXT_ITEMS[item.kind][2], **item.where(), text=item.text,
                    logprobs=logprobs)
-        self._emit(shapes.ContentPartEvent, type="response.content_part.done", **self._where(item), part=part)
+        self._emit(shapes.ContentPartEvent, type="response.content_part.done", **item.where(), part=part)
         self._put(item.output_index, done, "done")
 
     def _call(self, tc: ToolCall) -> None:
+        """A call's item, added with an empty value, its value in one delta, and the item done."""
         self._close_open()
         tool = self._toolset.restore(tc.name)
-        call_id = tc.id or _new_id("call")
-        while call_id in self._call_ids:
-            call_id = _new_id("call")
+        call_id = tc.id if tc.id and tc.id not in self._call_ids else _new_id("call")  # ids stay unique
         self._call_ids.add(call_id)
-        index = len(self._output)
+        index = len(self._response.output)
         custom = tool.kind == "custom"
         item_id = _new_id("ctc" if custom else "fc")
-        ids: dict[str, Any] = {"id": item_id, "call_id": call_id, "name": tool.name,
-                               "namespace": tool.namespace or OMIT}
         where = {"item_id": item_id, "output_index": index}
+        item: Callable[..., shapes.OutputItem] = partial(
+            shapes.CustomToolCallItem if custom else shapes.FunctionCallItem, id=item_id, call_id=call_id,
+            name=tool.name, namespace=tool.namespace or OMIT)
+        finish: Callable[..., shapes.ResponseStreamEvent]  # the done event, but for its type and place
         if custom:
-            value = custom_tool_input(tc.arguments)
-            self._put(index, shapes.CustomToolCallItem(**ids, input=""), "added")
-            self._emit(shapes.CallDeltaEvent, type="response.custom_tool_call_input.delta", **where,
-                       delta=value)
-            self._emit(shapes.CustomToolCallDoneEvent, **where, input=value)
-            self._put(index, shapes.CustomToolCallItem(**ids, input=value), "done")
+            value, event = custom_tool_input(tc.arguments), "response.custom_tool_call_input"
+            added, done = item(input=""), item(input=value)
+            finish = partial(shapes.CustomToolCallDoneEvent, input=value)
         else:
-            value = tc.arguments
-            self._put(index, shapes.FunctionCallItem(**ids, arguments="", status="in_progress"), "added")
-            self._emit(shapes.CallDeltaEvent, type="response.function_call_arguments.delta", **where,
-                       delta=value)
-            self._emit(shapes.FunctionCallDoneEvent, **where, name=tool.name, arguments=value)
-            self._put(index, shapes.FunctionCallItem(**ids, arguments=value, status="completed"), "done")
+            value, event = tc.arguments, "response.function_call_arguments"
+            added, done = item(arguments="", status="in_progress"), item(arguments=value, status="completed")
+            finish = partial(shapes.FunctionCallDoneEvent, name=tool.name, arguments=value)
+        self._put(index, added, "added")
+        self._emit(shapes.CallDeltaEvent, type=f"{event}.delta", **where, delta=value)
+        self._emit(finish, type=f"{event}.done", **where)
+        self._put(index, done, "done")
 
     def _put(self, index: int, item: shapes.OutputItem, stage: Literal["added", "done"]) -> None:
         """Output item `index` (a new one at the end) as it now stands, and its output_item event."""
-        if index == len(self._output):
-            self._output.append(item)
+        output = self._response.output
+        if index == len(output):
+            output.append(item)
         else:
-            self._output[index] = item
+            output[index] = item
         self._emit(shapes.OutputItemEvent, type=f"response.output_item.{stage}", output_index=index,
                    item=item)
 
     def _terminal(self, status: Literal["completed", "incomplete", "failed"]) -> None:
         """End the response; it is incomplete only at the output limit."""
         self._close_open("completed" if status == "completed" else "incomplete")
-        self.status = status
+        self._response.status = status
         if status == "incomplete":
-            self.incomplete = shapes.IncompleteDetails(reason="max_output_tokens")
+            self._response.incomplete_details = shapes.IncompleteDetails(reason="max_output_tokens")
         if status == "completed":
-            self.completed_at = int(time.time())
+            self._response.completed_at = int(time.time())
         self._emit(shapes.ResponseEvent, type=f"response.{status}", response=self.response())
 
     # -- logprob attribution ---------------------------------------------------------------------
@@ -286,7 +269,7 @@ class ResponseEncoder:
         if (u.finish is not None and u.finish.cause in (FinishCause.EOS, FinishCause.STOP_TOKEN)
                 and records and len(records) == len(u.token_ids)):
             records = records[:-1]  # a terminating EOS or stop token has no entry
-        self._pending.extend(records[min(num_reasoning, len(records)):])
+        self._pending.extend(records[num_reasoning:])
 
     def _attribute(self, text: str) -> shapes.LogprobEntries:
         """Pending tokens whose first byte falls within newly released answer text."""
@@ -309,10 +292,6 @@ class ResponseEncoder:
         """The events made since the last public call, named by their type."""
         events, self._events = self._events, []
         return [StreamEvent(e, e.type) for e in events]
-
-    @staticmethod
-    def _where(item: _OpenItem) -> dict[str, Any]:
-        return {"item_id": item.id, "output_index": item.output_index, "content_index": 0}
 
 
 def _new_id(prefix: str) -> str:

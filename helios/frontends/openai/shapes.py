@@ -320,83 +320,88 @@ class Response:
     usage: ResponseUsage | None
 
 
-# -- Responses: the stream events (each carries its sequence_number) -------------------------------------
+# -- Responses: the stream events ------------------------------------------------------------------------
 
 
 @shape
-class ResponseEvent:
-    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete",
-                  "response.failed"]
+class ResponseStreamEvent:
+    """What every event the encoder makes begins with (the HTTP layer's `ErrorEvent` has no
+    sequence_number). The events about one item, and about one of its content parts, share their
+    next fields through the bases below, which keep the wire's field order."""
+
+    type: str
     sequence_number: int
+
+
+@shape
+class ResponseEvent(ResponseStreamEvent):
+    """response.created, response.in_progress, then response.completed, .incomplete or .failed."""
+
     response: Response
 
 
 @shape
-class OutputItemEvent:
-    type: Literal["response.output_item.added", "response.output_item.done"]
-    sequence_number: int
+class OutputItemEvent(ResponseStreamEvent):
+    """response.output_item.added and response.output_item.done."""
+
     output_index: int
     item: OutputItem
 
 
 @shape
-class ContentPartEvent:
-    type: Literal["response.content_part.added", "response.content_part.done"]
-    sequence_number: int
+class ItemEventFields(ResponseStreamEvent):
     item_id: str
     output_index: int
-    content_index: int
-    part: ContentPart
 
 
 @shape
-class TextDeltaEvent:
-    type: Literal["response.output_text.delta", "response.reasoning_text.delta"]
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int
-    delta: str
-    logprobs: Opt[LogprobEntries] = OMIT  # output text only
+class CallDeltaEvent(ItemEventFields):
+    """response.function_call_arguments.delta and response.custom_tool_call_input.delta."""
 
-
-@shape
-class TextDoneEvent:
-    type: Literal["response.output_text.done", "response.reasoning_text.done"]
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int
-    text: str
-    logprobs: Opt[LogprobEntries] = OMIT  # output text only
-
-
-@shape
-class CallDeltaEvent:
-    type: Literal["response.function_call_arguments.delta", "response.custom_tool_call_input.delta"]
-    sequence_number: int
-    item_id: str
-    output_index: int
     delta: str
 
 
 @shape
-class FunctionCallDoneEvent:
-    type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
-    sequence_number: int
-    item_id: str
-    output_index: int
+class FunctionCallDoneEvent(ItemEventFields):
+    """response.function_call_arguments.done."""
+
     name: str
     arguments: str
 
 
 @shape
-class CustomToolCallDoneEvent:
-    type: Literal["response.custom_tool_call_input.done"] = "response.custom_tool_call_input.done"
-    sequence_number: int
-    item_id: str
-    output_index: int
+class CustomToolCallDoneEvent(ItemEventFields):
+    """response.custom_tool_call_input.done."""
+
     input: str
+
+
+@shape
+class PartEventFields(ItemEventFields):
+    content_index: int = 0  # a text item's one part
+
+
+@shape
+class ContentPartEvent(PartEventFields):
+    """response.content_part.added and response.content_part.done."""
+
+    part: ContentPart
+
+
+@shape
+class TextDeltaEvent(PartEventFields):
+    """response.output_text.delta and response.reasoning_text.delta."""
+
+    delta: str
+    logprobs: Opt[LogprobEntries] = OMIT  # output text only
+
+
+@shape
+class TextDoneEvent(PartEventFields):
+    """response.output_text.done and response.reasoning_text.done."""
+
+    text: str
+    logprobs: Opt[LogprobEntries] = OMIT  # output text only
 
 
 @shape
@@ -408,6 +413,3 @@ class ErrorEvent:
     message: str
     param: str | None
 
-
-ResponseStreamEvent = (ResponseEvent | OutputItemEvent | ContentPartEvent | TextDeltaEvent | TextDoneEvent
-                       | CallDeltaEvent | FunctionCallDoneEvent | CustomToolCallDoneEvent | ErrorEvent)
