@@ -3,6 +3,7 @@ conversation model, run it, and encode buffered or streamed chat completions."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar, cast
 
@@ -63,7 +64,7 @@ from helios.frontends.openai.logprobs import (
     validate_logprob_options,
     validate_prompt_logprobs,
 )
-from helios.frontends.structured import decode_response_format, decode_structured_outputs, one_constraint
+from helios.frontends.structured import decode_format, decode_structured_outputs, one_constraint
 from helios.frontends.wire import (
     From,
     Invalid,
@@ -130,7 +131,8 @@ class ToolCallWire:
 
 
 # A message builds its domain Message where its parts are complete; one holding an image stays a wire
-# message (its builder returns None), and `decode_messages` completes it with its index (the image's place).
+# message (its builder returns None), and `decode_messages` calls the builder again with its fields and
+# its index (the image's place).
 
 
 @attrs.define(kw_only=True)
@@ -141,12 +143,9 @@ class PlainMessage:
 
     @staticmethod
     def __wire_build__(*, role: Literal["system", "developer", "user"], content: Content = None,
-                       name: str | None) -> Message | None:
-        parts = _parts(content, None)
+                       name: str | None, index: int | None = None) -> Message | None:
+        parts = _parts(content, index)
         return None if parts is None else Message(role, parts, name=name)
-
-    def message(self, index: int) -> Message:
-        return Message(self.role, _parts(self.content, index) or (), name=self.name)
 
 
 @attrs.define(kw_only=True)
@@ -163,21 +162,15 @@ class AssistantMessage:
 
     @staticmethod
     def __wire_build__(*, content: Content, name: str | None, tool_calls: list[ToolCallPart] | None,
-                       reasoning_content: str | None, reasoning: str | None) -> Message | None:
-        parts = _parts(content, None)
-        return None if parts is None else _assistant(parts, reasoning_content, reasoning, tool_calls, name)
-
-    def message(self, index: int) -> Message:
-        return _assistant(_parts(self.content, index) or (), self.reasoning_content, self.reasoning,
-                          self.tool_calls, self.name)
-
-
-def _assistant(parts: tuple[TextPart | ImagePart, ...], reasoning_content: str | None, reasoning: str | None,
-               tool_calls: list[ToolCallPart] | None, name: str | None) -> Message:
-    """An assistant message: its reasoning (`reasoning_content`, else `reasoning`) first, its calls last."""
-    reasoning = reasoning_content if reasoning_content is not None else reasoning
-    head = () if reasoning is None else (ReasoningPart(reasoning),)
-    return Message("assistant", (*head, *parts, *(tool_calls or ())), name=name)
+                       reasoning_content: str | None, reasoning: str | None,
+                       index: int | None = None) -> Message | None:
+        """Its reasoning (`reasoning_content`, else `reasoning`) first, its calls last."""
+        parts = _parts(content, index)
+        if parts is None:
+            return None
+        reasoning = reasoning_content if reasoning_content is not None else reasoning
+        head = () if reasoning is None else (ReasoningPart(reasoning),)
+        return Message("assistant", (*head, *parts, *(tool_calls or ())), name=name)
 
 
 @attrs.define(kw_only=True)
@@ -188,13 +181,10 @@ class ToolMessage:
     name: str | None = None
 
     @staticmethod
-    def __wire_build__(*, tool_call_id: str, content: Content, name: str | None) -> Message | None:
-        parts = _parts(content, None)
+    def __wire_build__(*, tool_call_id: str, content: Content, name: str | None,
+                       index: int | None = None) -> Message | None:
+        parts = _parts(content, index)
         return None if parts is None else Message("tool", (ToolResultPart(tool_call_id, parts),), name=name)
-
-    def message(self, index: int) -> Message:
-        content = _parts(self.content, index) or ()
-        return Message("tool", (ToolResultPart(self.tool_call_id, content),), name=self.name)
 
 
 ChatMessage = PlainMessage | AssistantMessage | ToolMessage
@@ -314,8 +304,14 @@ def _image_from_url(url: str, where: str) -> ImagePart:
 def decode_messages(messages: list[Message | PlainMessage | AssistantMessage | ToolMessage]) -> tuple[Message, ...]:
     if not messages:
         raise BadRequest("'messages' must contain at least one message", param="messages")
-    return tuple([m if type(m) is Message else cast("PlainMessage | AssistantMessage | ToolMessage", m).message(i)
-                  for i, m in enumerate(messages)])
+    return tuple([m if type(m) is Message else _complete(cast("ChatMessage", m), i) for i, m in enumerate(messages)])
+
+
+def _complete(m: ChatMessage, index: int) -> Message:
+    """A wire message's Message: its builder again, with the fields it takes and the message's index."""
+    build = m.__wire_build__
+    fields = {name: getattr(m, name) for name in inspect.signature(build).parameters if name != "index"}
+    return cast(Message, build(**fields, index=index))
 
 
 def decode_tools(tools: list[FunctionTool] | None,
@@ -444,7 +440,7 @@ def decode_chat(obj: dict[str, Any], info: ModelInfo) -> ChatPlan:
         n=n, max_tokens=max_tokens, num_top_logprobs=num_top, logprob_token_ids=explicit,
         prompt_logprobs=prompt_k,  # every choice shares the prompt: the first one scores it
         thinking_token_budget=budget, thinking_token_budget_param=budget_param,
-        constraint=one_constraint(decode_response_format(w.response_format),
+        constraint=one_constraint(decode_format(w.response_format, "response_format", nested=True),
                                   decode_structured_outputs(w.structured_outputs)), **output)
     generation = GenerationRequest(
         sampling=conv.sampling, options=options, conversation=conv,
