@@ -222,7 +222,21 @@ class NamedToolChoice:
 
 
 @attrs.define(kw_only=True)
-class ChatWire(TokenObservationFields):
+class ChoiceWire(TokenObservationFields):
+    """The honoured fields Chat Completions and Completions add alike to the token observations."""
+
+    stream: bool | None = wire_field(honoured("SSE chunks"))
+    stream_options: StreamOptions | None = wire_field(
+        honoured("include_usage and the continuous_usage_stats extension"))
+    temperature: float | None = wire_field(honoured("sampling temperature (clamped to the recipe's range)"))
+    top_p: float | None = wire_field(honoured("nucleus filter (clamped to the recipe's range)"))
+    prompt_logprobs: int | None = wire_field(honoured("vLLM extension: prompt-position logprobs (buffered only)"))
+    logit_bias: Any = wire_field(honoured("token id -> bias in [-100, 100], added before penalties and "
+                                          "temperature; logprobs stay raw (vLLM)"))
+
+
+@attrs.define(kw_only=True)
+class ChatWire(ChoiceWire):
     """The honoured fields of `CHAT_FIELDS`, each with its row; ignored and refused ones never reach it."""
 
     messages: list[BuiltMessage] = wire_field(
@@ -232,11 +246,6 @@ class ChatWire(TokenObservationFields):
     max_tokens: int | None = wire_field(honoured("output limit (deprecated alias of max_completion_tokens)"))
     max_completion_tokens: int | None = wire_field(honoured("output limit, reasoning included"))
     n: int | None = wire_field(honoured("independent choices (1..128)"))
-    stream: bool | None = wire_field(honoured("SSE chunks"))
-    stream_options: StreamOptions | None = wire_field(
-        honoured("include_usage and the continuous_usage_stats extension"))
-    temperature: float | None = wire_field(honoured("sampling temperature (clamped to the recipe's range)"))
-    top_p: float | None = wire_field(honoured("nucleus filter (clamped to the recipe's range)"))
     tools: list[FunctionTool] | None = wire_field(honoured("client-executed function tools (strict schemas refused)"))
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = wire_field(
         honoured("auto, none, required or a named function"))
@@ -249,9 +258,6 @@ class ChatWire(TokenObservationFields):
     thinking_token_budget: int | None = wire_field(honoured(
         "Helios extension: hard cap on reasoning tokens; at the cap the reasoning close token is forced (400 "
         "where the model cannot close it)"))
-    prompt_logprobs: int | None = wire_field(honoured("vLLM extension: prompt-position logprobs (buffered only)"))
-    logit_bias: Any = wire_field(honoured("token id -> bias in [-100, 100], added before penalties and "
-                                          "temperature; logprobs stay raw (vLLM)"))
     response_format: Any = wire_field(honoured(
         "text, json_object or json_schema (strict as OpenAI defines it): the answer is constrained, reasoning "
         "and tool calls stay free"))
@@ -370,7 +376,7 @@ def decode_stream(stream: bool | None, options: StreamOptions | None) -> tuple[b
     return bool(stream), include_usage, include_usage and bool(options and options.continuous_usage_stats)
 
 
-def output_options(w: TokenObservationFields, vocab_size: int) -> dict[str, Any]:
+def output_options(w: ChoiceWire, vocab_size: int) -> dict[str, Any]:
     """The `GenerationOptions` fields Chat Completions and Completions decode alike: the string and
     token stops, the output switches and the token observations."""
     stops = validate_stops(w.stop)

@@ -22,7 +22,6 @@ from helios.frontends.common import observation_fields
 from helios.frontends.fields import (
     PROVIDER_ROWS,
     FieldTable,
-    TokenObservationFields,
     field_table,
     honoured,
     refused,
@@ -32,7 +31,7 @@ from helios.frontends.fields import (
 from helios.frontends.openai.chat import (
     NO_TOKENS,
     ChoiceEncoder,
-    StreamOptions,
+    ChoiceWire,
     StreamPlan,
     Tokens,
     decode_sampling,
@@ -59,7 +58,7 @@ _RAW = "raw completions bypass chat templates and output parsers"
 
 
 @attrs.define(kw_only=True)
-class CompletionWire(TokenObservationFields):
+class CompletionWire(ChoiceWire):
     """The honoured fields of `COMPLETION_FIELDS`, each with its row; ignored and refused ones never reach it."""
 
     prompt: Prompt = wire_field(honoured("text, token ids, or a batch of either"), required=True)
@@ -70,16 +69,8 @@ class CompletionWire(TokenObservationFields):
         "output limit (default [server] default_max_tokens, bounded by the context left; 0 only tokenizes or "
         "scores)"))
     n: int | None = wire_field(honoured("choices per prompt (1..128)"))
-    stream: bool | None = wire_field(honoured("SSE chunks"))
-    stream_options: StreamOptions | None = wire_field(
-        honoured("include_usage and the continuous_usage_stats extension"))
-    temperature: float | None = wire_field(honoured("sampling temperature (clamped to the recipe's range)"))
-    top_p: float | None = wire_field(honoured("nucleus filter (clamped to the recipe's range)"))
     add_special_tokens: bool | None = wire_field(
         honoured("vLLM extension: tokenizer special-token policy for text prompts"))
-    prompt_logprobs: int | None = wire_field(honoured("vLLM extension: prompt-position logprobs (buffered only)"))
-    logit_bias: Any = wire_field(honoured("token id -> bias in [-100, 100], added before penalties and "
-                                          "temperature; logprobs stay raw (vLLM)"))
 
 
 COMPLETION_FIELDS: FieldTable = field_table(

@@ -147,13 +147,9 @@ def prompt_logprob_arrays(prompt_ids: Sequence[int], scores: Sequence[PromptLogp
         block.tokens.append(token_text(vocab, token_id, as_ids))
         block.text_offset.append(off)
         off += len(token_text(vocab, token_id))
-        if score is None:
-            block.token_logprobs.append(None)
-            block.top_logprobs.append(None)
-        else:
-            block.token_logprobs.append(score.logprob)
-            entries = [(score.token_id, score.logprob, score.rank), *score.top[:k]]
-            block.top_logprobs.append(_keyed(entries, vocab, as_ids))
+        block.token_logprobs.append(None if score is None else score.logprob)
+        block.top_logprobs.append(None if score is None else _keyed(
+            [(score.token_id, score.logprob, score.rank), *score.top[:k]], vocab, as_ids))
     return block, off
 
 
@@ -163,11 +159,11 @@ def prompt_scores(scores: Sequence[PromptLogprob | None], k: int, vocab: TokenVo
 
 
 def _scored(score: PromptLogprob, k: int, vocab: TokenVocabulary) -> dict[str, PromptScore]:
+    """One position's entry (the first entry of an id wins)."""
     entry: dict[str, PromptScore] = {}
     for token_id, logprob, rank in [(score.token_id, score.logprob, score.rank), *score.top[:k]]:
-        key = str(token_id)
-        if key not in entry:
-            entry[key] = PromptScore(logprob=logprob, rank=rank, decoded_token=token_text(vocab, token_id))
+        entry.setdefault(str(token_id), PromptScore(logprob=logprob, rank=rank,
+                                                    decoded_token=token_text(vocab, token_id)))
     return entry
 
 
