@@ -30,6 +30,7 @@ from helios.domain.generation import (
     StreamEvent,
     usage_of,
 )
+from helios.domain.logprobs import TokenLogprob
 from helios.domain.model import ModelInfo, TokenVocabulary
 from helios.domain.sampling import SamplingRequest
 from helios.domain.shapes import OMIT, Opt, to_json
@@ -310,7 +311,8 @@ def _image_from_url(url: str, where: str) -> ImagePart:
 def decode_messages(messages: list[Message | PlainMessage | AssistantMessage | ToolMessage]) -> tuple[Message, ...]:
     if not messages:
         raise BadRequest("'messages' must contain at least one message", param="messages")
-    return tuple([m if type(m) is Message else _complete(cast("ChatMessage", m), i) for i, m in enumerate(messages)])
+    return tuple([m if type(m) is Message else _complete(cast("ChatMessage", m), i)
+                  for i, m in enumerate(messages)])
 
 
 def _complete(m: ChatMessage, index: int) -> Message:
@@ -574,9 +576,7 @@ class ChatEncoder(ChoiceEncoder[ChatPlan]):
         if not self._started[index] and (u.token_ids or u.events):
             self._started[index] = True
             out.append(self._chunk(index, shapes.Delta(role="assistant", content="")))
-        lp = None
-        if self.plan.options.num_top_logprobs is not None and u.logprobs:
-            lp = shapes.ChoiceLogprobs(content=chat_logprobs(u.logprobs, self.vocab, self.plan.as_token_ids))
+        lp = self._logprobs(u.logprobs) if u.logprobs else None
         tokens = self._tokens(u)
         deltas = self._deltas(index, u.events)
         if not deltas and lp is not None:
@@ -600,12 +600,9 @@ class ChatEncoder(ChoiceEncoder[ChatPlan]):
                 content=acc.text if (acc.text or not acc.tool_calls) else None,
                 reasoning_content=acc.reasoning or OMIT, reasoning=acc.reasoning or OMIT,
                 tool_calls=[_tool_call(c) for c in acc.tool_calls] or OMIT)
-            lp = None
-            if opts.num_top_logprobs is not None:
-                lp = shapes.ChoiceLogprobs(content=chat_logprobs(acc.logprobs, self.vocab, self.plan.as_token_ids))
             choices.append(shapes.ChatChoice(
-                index=i, message=msg, logprobs=lp, finish_reason=_finish_reason(acc.finish, bool(acc.tool_calls)),
-                stop_reason=self._stop_reason(i),
+                index=i, message=msg, logprobs=self._logprobs(acc.logprobs), stop_reason=self._stop_reason(i),
+                finish_reason=_finish_reason(acc.finish, bool(acc.tool_calls)),
                 **observation_fields(opts.observe, acc.token_ids, acc.token_timestamps)))
         return to_json(shapes.ChatCompletion(  # type: ignore[no-any-return]
             id=self.id, created=self.created, model=self.model, choices=choices, usage=self._usage(),
@@ -614,6 +611,11 @@ class ChatEncoder(ChoiceEncoder[ChatPlan]):
             prompt_token_ids=self.prompts[0].token_ids if opts.observe.ids else OMIT))
 
     # -- helpers --------------------------------------------------------------------------------
+    def _logprobs(self, records: Sequence[TokenLogprob]) -> shapes.ChoiceLogprobs | None:
+        if self.plan.options.num_top_logprobs is None:
+            return None
+        return shapes.ChoiceLogprobs(content=chat_logprobs(records, self.vocab, self.plan.as_token_ids))
+
     def _chunk(self, i: int, delta: shapes.Delta, finish: str | None = None,
                logprobs: shapes.ChoiceLogprobs | None = None, tokens: Tokens = NO_TOKENS) -> StreamEvent:
         observe = self.plan.options.observe
