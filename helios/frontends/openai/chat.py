@@ -35,6 +35,7 @@ from helios.domain.model import ModelInfo, TokenVocabulary
 from helios.domain.sampling import SamplingRequest
 from helios.domain.shapes import OMIT, Opt, to_json
 from helios.errors import BadRequest, HeliosError
+from helios.frontends import wire
 from helios.frontends.common import (
     decode_observation,
     new_id,
@@ -66,15 +67,6 @@ from helios.frontends.openai.logprobs import (
     validate_prompt_logprobs,
 )
 from helios.frontends.structured import decode_format, decode_structured_outputs, one_constraint
-from helios.frontends.wire import (
-    From,
-    Invalid,
-    JSONObjectText,
-    NonEmptyStr,
-    all_built,
-    data_url_image,
-    structure,
-)
 
 
 @attrs.define(kw_only=True)
@@ -110,14 +102,14 @@ class ImageContent:
     image_url: ImageURL
 
 
-Content = str | list[Annotated[TextPart | ImageContent, From(TextContent | ImageContent)]] | None
+Content = str | list[Annotated[TextPart | ImageContent, wire.From(TextContent | ImageContent)]] | None
 
 
 @attrs.define(kw_only=True)
 class CallFunction:
     __wire_lenient__: ClassVar[bool] = True
-    name: NonEmptyStr
-    arguments: JSONObjectText = attrs.field(factory=lambda: JSONObjectText({}))
+    name: wire.NonEmptyStr
+    arguments: wire.JSONObjectText = attrs.field(factory=lambda: wire.JSONObjectText({}))
 
 
 @attrs.define(kw_only=True)
@@ -154,7 +146,7 @@ class AssistantMessage:
     role: Literal["assistant"]
     content: Content = None
     name: str | None = None
-    tool_calls: list[Annotated[ToolCallPart, From(ToolCallWire)]] | None = None
+    tool_calls: list[Annotated[ToolCallPart, wire.From(ToolCallWire)]] | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
     refusal: Any = wire_field(ignored("a prior refusal's text; the turn's content is what the template renders"))
@@ -189,14 +181,14 @@ class ToolMessage:
 
 
 ChatMessage = PlainMessage | AssistantMessage | ToolMessage
-BuiltMessage = Annotated[Message | PlainMessage | AssistantMessage | ToolMessage, From(ChatMessage)]
+BuiltMessage = Annotated[Message | PlainMessage | AssistantMessage | ToolMessage, wire.From(ChatMessage)]
 """A chat message as structured: its domain Message, or the wire message where an image needs its place."""
 
 
 @attrs.define(kw_only=True)
 class FunctionDefinition:
     __wire_lenient__: ClassVar[bool] = True
-    name: NonEmptyStr
+    name: wire.NonEmptyStr
     description: str | None = None
     parameters: dict[str, Any] = attrs.field(factory=lambda: {"type": "object", "properties": {}})
     strict: Any = wire_field(refused("strict function schemas are not implemented", inert=one_of(False),
@@ -293,7 +285,7 @@ def _parts(content: Content, index: int | None) -> tuple[TextPart | ImagePart, .
         return (TextPart(content),)
     parts = cast("list[TextPart | ImageContent]", content)
     if index is None:
-        return all_built(parts, (TextPart,))
+        return wire.all_built(parts, (TextPart,))
     return tuple([p if type(p) is TextPart else
                   _image_from_url(cast("ImageContent", p).image_url.url, f"messages[{index}].content[{j}]")
                   for j, p in enumerate(parts)])
@@ -302,8 +294,8 @@ def _parts(content: Content, index: int | None) -> tuple[TextPart | ImagePart, .
 def _image_from_url(url: str, where: str) -> ImagePart:
     """A base64 data URL's image; `where` (the content part) is the image's place in later messages."""
     try:
-        media, raw = data_url_image(url)
-    except Invalid as exc:
+        media, raw = wire.data_url_image(url)
+    except wire.Invalid as exc:
         raise BadRequest(f"{where}: {exc.reason}", param=f"{where}.image_url.url") from None
     return ImagePart(media, raw, where)
 
@@ -418,7 +410,7 @@ class ChatPlan(StreamPlan):
 
 
 def decode_chat(obj: dict[str, Any], info: ModelInfo) -> ChatPlan:
-    w = structure(screen_fields(obj, CHAT_FIELDS), ChatWire)
+    w = wire.structure(screen_fields(obj, CHAT_FIELDS), ChatWire)
     n = 1 if w.n is None else w.n
     if not 1 <= n <= 128:
         raise BadRequest("n must be between 1 and 128", param="n")
