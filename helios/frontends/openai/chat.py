@@ -309,9 +309,13 @@ def decode_messages(messages: list[Message | PlainMessage | AssistantMessage | T
 
 def _complete(m: ChatMessage, index: int) -> Message:
     """A wire message's Message: its builder again, with the fields it takes and the message's index."""
-    build = m.__wire_build__
-    fields = {name: getattr(m, name) for name in inspect.signature(build).parameters if name != "index"}
-    return cast(Message, build(**fields, index=index))
+    fields = {name: getattr(m, name) for name in _TAKES[type(m)]}
+    return cast(Message, m.__wire_build__(**fields, index=index))
+
+
+_TAKES = {cls: [name for name in inspect.signature(cls.__wire_build__).parameters if name != "index"]
+          for cls in (PlainMessage, AssistantMessage, ToolMessage)}
+"""The fields each wire message's builder takes."""
 
 
 def decode_tools(tools: list[FunctionTool] | None,
