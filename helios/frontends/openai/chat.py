@@ -3,7 +3,6 @@ conversation model, run it, and encode buffered or streamed chat completions."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar, cast
 
@@ -124,8 +123,7 @@ class ToolCallWire:
 
 
 # A message builds its domain Message where its parts are complete; one holding an image stays a wire
-# message (its builder returns None), and `decode_messages` calls the builder again with its fields and
-# its index (the image's place).
+# message (its builder returns None), and `decode_messages` completes it with its index (the image's place).
 
 
 @attrs.define(kw_only=True)
@@ -136,9 +134,12 @@ class PlainMessage:
 
     @staticmethod
     def __wire_build__(*, role: Literal["system", "developer", "user"], content: Content = None,
-                       name: str | None, index: int | None = None) -> Message | None:
-        parts = _parts(content, index)
+                       name: str | None) -> Message | None:
+        parts = _parts(content, None)
         return None if parts is None else Message(role, parts, name=name)
+
+    def message(self, index: int) -> Message:
+        return Message(self.role, _parts(self.content, index) or (), name=self.name)
 
 
 @attrs.define(kw_only=True)
@@ -155,15 +156,21 @@ class AssistantMessage:
 
     @staticmethod
     def __wire_build__(*, content: Content, name: str | None, tool_calls: list[ToolCallPart] | None,
-                       reasoning_content: str | None, reasoning: str | None,
-                       index: int | None = None) -> Message | None:
-        """Its reasoning (`reasoning_content`, else `reasoning`) first, its calls last."""
-        parts = _parts(content, index)
-        if parts is None:
-            return None
-        reasoning = reasoning_content if reasoning_content is not None else reasoning
-        head = () if reasoning is None else (ReasoningPart(reasoning),)
-        return Message("assistant", (*head, *parts, *(tool_calls or ())), name=name)
+                       reasoning_content: str | None, reasoning: str | None) -> Message | None:
+        parts = _parts(content, None)
+        return None if parts is None else _assistant(parts, reasoning_content, reasoning, tool_calls, name)
+
+    def message(self, index: int) -> Message:
+        return _assistant(_parts(self.content, index) or (), self.reasoning_content, self.reasoning,
+                          self.tool_calls, self.name)
+
+
+def _assistant(parts: tuple[TextPart | ImagePart, ...], reasoning_content: str | None, reasoning: str | None,
+               tool_calls: list[ToolCallPart] | None, name: str | None) -> Message:
+    """An assistant message: its reasoning (`reasoning_content`, else `reasoning`) first, its calls last."""
+    reasoning = reasoning_content if reasoning_content is not None else reasoning
+    head = () if reasoning is None else (ReasoningPart(reasoning),)
+    return Message("assistant", (*head, *parts, *(tool_calls or ())), name=name)
 
 
 @attrs.define(kw_only=True)
@@ -174,10 +181,13 @@ class ToolMessage:
     name: str | None = None
 
     @staticmethod
-    def __wire_build__(*, tool_call_id: str, content: Content, name: str | None,
-                       index: int | None = None) -> Message | None:
-        parts = _parts(content, index)
+    def __wire_build__(*, tool_call_id: str, content: Content, name: str | None) -> Message | None:
+        parts = _parts(content, None)
         return None if parts is None else Message("tool", (ToolResultPart(tool_call_id, parts),), name=name)
+
+    def message(self, index: int) -> Message:
+        content = _parts(self.content, index) or ()
+        return Message("tool", (ToolResultPart(self.tool_call_id, content),), name=self.name)
 
 
 ChatMessage = PlainMessage | AssistantMessage | ToolMessage
@@ -303,19 +313,8 @@ def _image_from_url(url: str, where: str) -> ImagePart:
 def decode_messages(messages: list[Message | PlainMessage | AssistantMessage | ToolMessage]) -> tuple[Message, ...]:
     if not messages:
         raise BadRequest("'messages' must contain at least one message", param="messages")
-    return tuple([m if type(m) is Message else _complete(cast("ChatMessage", m), i)
+    return tuple([m if type(m) is Message else cast("PlainMessage | AssistantMessage | ToolMessage", m).message(i)
                   for i, m in enumerate(messages)])
-
-
-def _complete(m: ChatMessage, index: int) -> Message:
-    """A wire message's Message: its builder again, with the fields it takes and the message's index."""
-    fields = {name: getattr(m, name) for name in _TAKES[type(m)]}
-    return cast(Message, m.__wire_build__(**fields, index=index))
-
-
-_TAKES = {cls: [name for name in inspect.signature(cls.__wire_build__).parameters if name != "index"]
-          for cls in (PlainMessage, AssistantMessage, ToolMessage)}
-"""The fields each wire message's builder takes."""
 
 
 def decode_tools(tools: list[FunctionTool] | None,
