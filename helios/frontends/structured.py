@@ -40,6 +40,9 @@ _NATIVE: dict[str, tuple[Callable[[Any], bool], str, Any]] = {
 constraint's kind."""
 _FORMATS = ("text", "json_object", "json_schema")
 """The types of Chat's ``response_format`` and Responses' ``text.format``."""
+_UNSUPPORTED_FORMAT = {True: "{param}.type must be 'text', 'json_object' or 'json_schema', got '{kind}'",
+                       False: "unsupported {param} type '{kind}'; use text, json_object or json_schema"}
+"""The 400 for a type outside `_FORMATS`: Chat's (nested) wording, and Responses'."""
 # vLLM's StructuredOutputsParams options that tune its own backends; accepted and inert here.
 _NATIVE_INERT = ("disable_fallback",)
 
@@ -74,36 +77,28 @@ def decode_structured_outputs(value: Any, param: str = "structured_outputs") -> 
     return OutputConstraint(constraint, spec, param=where)
 
 
-def decode_response_format(value: Any, param: str = "response_format") -> OutputConstraint | None:
-    """Chat Completions ``response_format`` (None or type ``text``: no constraint)."""
-    if value is None:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise BadRequest(f"{param} must be an object with a type", param=param)
-    kind = value["type"]
-    if kind not in _FORMATS:
-        raise BadRequest(f"{param}.type must be 'text', 'json_object' or 'json_schema', got '{kind}'", param=param)
-    _only(value, {"type", "json_schema"} if kind == "json_schema" else {"type"}, param)
-    if kind != "json_schema":
-        return None if kind == "text" else OutputConstraint("json_object", param=param)
-    if not isinstance(value.get("json_schema"), dict):
-        raise BadRequest(f"{param}.json_schema must be an object", param=param)
-    return _json_schema(value["json_schema"], f"{param}.json_schema", param)
-
-
-def decode_text_format(fmt: Any, param: str = "text.format") -> OutputConstraint | None:
-    """Responses ``text.format`` (type ``text``: no constraint); ``json_schema`` fields are flat."""
+def decode_format(fmt: Any, param: str, *, nested: bool = False) -> OutputConstraint | None:
+    """Chat's ``response_format`` (`nested`: the ``json_schema`` fields under ``json_schema``) or
+    Responses' ``text.format`` (flat; a ``text`` format's other keys are not checked): type ``text``
+    is no constraint."""
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
         raise BadRequest(f"{param} must be an object with a type", param=param)
     kind = fmt["type"]
     if kind not in _FORMATS:
-        raise BadRequest(f"unsupported {param} type '{kind}'; use text, json_object or json_schema", param=param)
-    if kind == "text":  # its other keys are not checked
+        raise BadRequest(_UNSUPPORTED_FORMAT[nested].format(param=param, kind=kind), param=param)
+    if kind == "text" and not nested:
         return None
-    _only(fmt, {"type", "name", "schema", "strict", "description"} if kind == "json_schema" else {"type"}, param)
-    return _json_schema(fmt, param, param) if kind == "json_schema" else OutputConstraint("json_object", param=param)
+    schema_keys = {"json_schema"} if nested else {"name", "schema", "strict", "description"}
+    _only(fmt, {"type", *schema_keys} if kind == "json_schema" else {"type"}, param)
+    if kind != "json_schema":
+        return None if kind == "text" else OutputConstraint("json_object", param=param)
+    if not nested:
+        return _json_schema(fmt, param, param)
+    if not isinstance(fmt.get("json_schema"), dict):
+        raise BadRequest(f"{param}.json_schema must be an object", param=param)
+    return _json_schema(fmt["json_schema"], f"{param}.json_schema", param)
 
 
 def decode_output_format(fmt: Any, param: str = "output_config.format") -> OutputConstraint | None:

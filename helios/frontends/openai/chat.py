@@ -29,10 +29,12 @@ from helios.domain.generation import (
     StreamEvent,
     usage_of,
 )
+from helios.domain.logprobs import TokenLogprob
 from helios.domain.model import ModelInfo, TokenVocabulary
 from helios.domain.sampling import SamplingRequest
 from helios.domain.shapes import OMIT, Opt, to_json
 from helios.errors import BadRequest, HeliosError
+from helios.frontends import wire
 from helios.frontends.common import (
     decode_observation,
     new_id,
@@ -63,16 +65,7 @@ from helios.frontends.openai.logprobs import (
     validate_logprob_options,
     validate_prompt_logprobs,
 )
-from helios.frontends.structured import decode_response_format, decode_structured_outputs, one_constraint
-from helios.frontends.wire import (
-    From,
-    Invalid,
-    JSONObjectText,
-    NonEmptyStr,
-    all_built,
-    data_url_image,
-    structure,
-)
+from helios.frontends.structured import decode_format, decode_structured_outputs, one_constraint
 
 
 @attrs.define(kw_only=True)
@@ -108,14 +101,14 @@ class ImageContent:
     image_url: ImageURL
 
 
-Content = str | list[Annotated[TextPart | ImageContent, From(TextContent | ImageContent)]] | None
+Content = str | list[Annotated[TextPart | ImageContent, wire.From(TextContent | ImageContent)]] | None
 
 
 @attrs.define(kw_only=True)
 class CallFunction:
     __wire_lenient__: ClassVar[bool] = True
-    name: NonEmptyStr
-    arguments: JSONObjectText = attrs.field(factory=lambda: JSONObjectText({}))
+    name: wire.NonEmptyStr
+    arguments: wire.JSONObjectText = attrs.field(factory=lambda: wire.JSONObjectText({}))
 
 
 @attrs.define(kw_only=True)
@@ -154,7 +147,7 @@ class AssistantMessage:
     role: Literal["assistant"]
     content: Content = None
     name: str | None = None
-    tool_calls: list[Annotated[ToolCallPart, From(ToolCallWire)]] | None = None
+    tool_calls: list[Annotated[ToolCallPart, wire.From(ToolCallWire)]] | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
     refusal: Any = wire_field(ignored("a prior refusal's text; the turn's content is what the template renders"))
@@ -198,14 +191,14 @@ class ToolMessage:
 
 
 ChatMessage = PlainMessage | AssistantMessage | ToolMessage
-BuiltMessage = Annotated[Message | PlainMessage | AssistantMessage | ToolMessage, From(ChatMessage)]
+BuiltMessage = Annotated[Message | PlainMessage | AssistantMessage | ToolMessage, wire.From(ChatMessage)]
 """A chat message as structured: its domain Message, or the wire message where an image needs its place."""
 
 
 @attrs.define(kw_only=True)
 class FunctionDefinition:
     __wire_lenient__: ClassVar[bool] = True
-    name: NonEmptyStr
+    name: wire.NonEmptyStr
     description: str | None = None
     parameters: dict[str, Any] = attrs.field(factory=lambda: {"type": "object", "properties": {}})
     strict: Any = wire_field(refused("strict function schemas are not implemented", inert=one_of(False),
@@ -232,7 +225,21 @@ class NamedToolChoice:
 
 
 @attrs.define(kw_only=True)
-class ChatWire(TokenObservationFields):
+class ChoiceWire(TokenObservationFields):
+    """The honoured fields Chat Completions and Completions add alike to the token observations."""
+
+    stream: bool | None = wire_field(honoured("SSE chunks"))
+    stream_options: StreamOptions | None = wire_field(
+        honoured("include_usage and the continuous_usage_stats extension"))
+    temperature: float | None = wire_field(honoured("sampling temperature (clamped to the recipe's range)"))
+    top_p: float | None = wire_field(honoured("nucleus filter (clamped to the recipe's range)"))
+    prompt_logprobs: int | None = wire_field(honoured("vLLM extension: prompt-position logprobs (buffered only)"))
+    logit_bias: Any = wire_field(honoured("token id -> bias in [-100, 100], added before penalties and "
+                                          "temperature; logprobs stay raw (vLLM)"))
+
+
+@attrs.define(kw_only=True)
+class ChatWire(ChoiceWire):
     """The honoured fields of `CHAT_FIELDS`, each with its row; ignored and refused ones never reach it."""
 
     messages: list[BuiltMessage] = wire_field(
@@ -242,11 +249,6 @@ class ChatWire(TokenObservationFields):
     max_tokens: int | None = wire_field(honoured("output limit (deprecated alias of max_completion_tokens)"))
     max_completion_tokens: int | None = wire_field(honoured("output limit, reasoning included"))
     n: int | None = wire_field(honoured("independent choices (1..128)"))
-    stream: bool | None = wire_field(honoured("SSE chunks"))
-    stream_options: StreamOptions | None = wire_field(
-        honoured("include_usage and the continuous_usage_stats extension"))
-    temperature: float | None = wire_field(honoured("sampling temperature (clamped to the recipe's range)"))
-    top_p: float | None = wire_field(honoured("nucleus filter (clamped to the recipe's range)"))
     tools: list[FunctionTool] | None = wire_field(honoured("client-executed function tools (strict schemas refused)"))
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = wire_field(
         honoured("auto, none, required or a named function"))
@@ -259,9 +261,6 @@ class ChatWire(TokenObservationFields):
     thinking_token_budget: int | None = wire_field(honoured(
         "Helios extension: hard cap on reasoning tokens; at the cap the reasoning close token is forced (400 "
         "where the model cannot close it)"))
-    prompt_logprobs: int | None = wire_field(honoured("vLLM extension: prompt-position logprobs (buffered only)"))
-    logit_bias: Any = wire_field(honoured("token id -> bias in [-100, 100], added before penalties and "
-                                          "temperature; logprobs stay raw (vLLM)"))
     response_format: Any = wire_field(honoured(
         "text, json_object or json_schema (strict as OpenAI defines it): the answer is constrained, reasoning "
         "and tool calls stay free"))
@@ -296,7 +295,7 @@ def _parts(content: Content, index: int | None) -> tuple[TextPart | ImagePart, .
         return (TextPart(content),)
     parts = cast("list[TextPart | ImageContent]", content)
     if index is None:
-        return all_built(parts, (TextPart,))
+        return wire.all_built(parts, (TextPart,))
     return tuple([p if type(p) is TextPart else
                   _image_from_url(cast("ImageContent", p).image_url.url, f"messages[{index}].content[{j}]")
                   for j, p in enumerate(parts)])
@@ -305,8 +304,8 @@ def _parts(content: Content, index: int | None) -> tuple[TextPart | ImagePart, .
 def _image_from_url(url: str, where: str) -> ImagePart:
     """A base64 data URL's image; `where` (the content part) is the image's place in later messages."""
     try:
-        media, raw = data_url_image(url)
-    except Invalid as exc:
+        media, raw = wire.data_url_image(url)
+    except wire.Invalid as exc:
         raise BadRequest(f"{where}: {exc.reason}", param=f"{where}.image_url.url") from None
     return ImagePart(media, raw, where)
 
@@ -374,7 +373,7 @@ def decode_stream(stream: bool | None, options: StreamOptions | None) -> tuple[b
     return bool(stream), include_usage, include_usage and bool(options and options.continuous_usage_stats)
 
 
-def output_options(w: TokenObservationFields, vocab_size: int) -> dict[str, Any]:
+def output_options(w: ChoiceWire, vocab_size: int) -> dict[str, Any]:
     """The `GenerationOptions` fields Chat Completions and Completions decode alike: the string and
     token stops, the output switches and the token observations."""
     stops = validate_stops(w.stop)
@@ -414,7 +413,7 @@ class ChatPlan(StreamPlan):
 
 
 def decode_chat(obj: dict[str, Any], info: ModelInfo) -> ChatPlan:
-    w = structure(screen_fields(obj, CHAT_FIELDS), ChatWire)
+    w = wire.structure(screen_fields(obj, CHAT_FIELDS), ChatWire)
     n = 1 if w.n is None else w.n
     if not 1 <= n <= 128:
         raise BadRequest("n must be between 1 and 128", param="n")
@@ -444,7 +443,7 @@ def decode_chat(obj: dict[str, Any], info: ModelInfo) -> ChatPlan:
         n=n, max_tokens=max_tokens, num_top_logprobs=num_top, logprob_token_ids=explicit,
         prompt_logprobs=prompt_k,  # every choice shares the prompt: the first one scores it
         thinking_token_budget=budget, thinking_token_budget_param=budget_param,
-        constraint=one_constraint(decode_response_format(w.response_format),
+        constraint=one_constraint(decode_format(w.response_format, "response_format", nested=True),
                                   decode_structured_outputs(w.structured_outputs)), **output)
     generation = GenerationRequest(
         sampling=conv.sampling, options=options, conversation=conv,
@@ -572,9 +571,7 @@ class ChatEncoder(ChoiceEncoder[ChatPlan]):
         if not self._started[index] and (u.token_ids or u.events):
             self._started[index] = True
             out.append(self._chunk(index, shapes.Delta(role="assistant", content="")))
-        lp = None
-        if self.plan.options.num_top_logprobs is not None and u.logprobs:
-            lp = shapes.ChoiceLogprobs(content=chat_logprobs(u.logprobs, self.vocab, self.plan.as_token_ids))
+        lp = self._logprobs(u.logprobs) if u.logprobs else None
         tokens = self._tokens(u)
         deltas = self._deltas(index, u.events)
         if not deltas and lp is not None:
@@ -598,12 +595,9 @@ class ChatEncoder(ChoiceEncoder[ChatPlan]):
                 content=acc.text if (acc.text or not acc.tool_calls) else None,
                 reasoning_content=acc.reasoning or OMIT, reasoning=acc.reasoning or OMIT,
                 tool_calls=[_tool_call(c) for c in acc.tool_calls] or OMIT)
-            lp = None
-            if opts.num_top_logprobs is not None:
-                lp = shapes.ChoiceLogprobs(content=chat_logprobs(acc.logprobs, self.vocab, self.plan.as_token_ids))
             choices.append(shapes.ChatChoice(
-                index=i, message=msg, logprobs=lp, finish_reason=_finish_reason(acc.finish, bool(acc.tool_calls)),
-                stop_reason=self._stop_reason(i),
+                index=i, message=msg, logprobs=self._logprobs(acc.logprobs), stop_reason=self._stop_reason(i),
+                finish_reason=_finish_reason(acc.finish, bool(acc.tool_calls)),
                 **observation_fields(opts.observe, acc.token_ids, acc.token_timestamps)))
         return to_json(shapes.ChatCompletion(  # type: ignore[no-any-return]
             id=self.id, created=self.created, model=self.model, choices=choices, usage=self._usage(),
@@ -612,6 +606,11 @@ class ChatEncoder(ChoiceEncoder[ChatPlan]):
             prompt_token_ids=self.prompts[0].token_ids if opts.observe.ids else OMIT))
 
     # -- helpers --------------------------------------------------------------------------------
+    def _logprobs(self, records: Sequence[TokenLogprob]) -> shapes.ChoiceLogprobs | None:
+        if self.plan.options.num_top_logprobs is None:
+            return None
+        return shapes.ChoiceLogprobs(content=chat_logprobs(records, self.vocab, self.plan.as_token_ids))
+
     def _chunk(self, i: int, delta: shapes.Delta, finish: str | None = None,
                logprobs: shapes.ChoiceLogprobs | None = None, tokens: Tokens = NO_TOKENS) -> StreamEvent:
         observe = self.plan.options.observe

@@ -22,23 +22,13 @@ from helios.frontends.common import observation_fields
 from helios.frontends.fields import (
     PROVIDER_ROWS,
     FieldTable,
-    TokenObservationFields,
     field_table,
     honoured,
     refused,
     screen_fields,
     wire_field,
 )
-from helios.frontends.openai.chat import (
-    NO_TOKENS,
-    ChoiceEncoder,
-    StreamOptions,
-    StreamPlan,
-    Tokens,
-    decode_sampling,
-    decode_stream,
-    output_options,
-)
+from helios.frontends.openai import chat
 from helios.frontends.openai.logprobs import (
     check_capacity,
     completion_logprob_arrays,
@@ -59,7 +49,7 @@ _RAW = "raw completions bypass chat templates and output parsers"
 
 
 @attrs.define(kw_only=True)
-class CompletionWire(TokenObservationFields):
+class CompletionWire(chat.ChoiceWire):
     """The honoured fields of `COMPLETION_FIELDS`, each with its row; ignored and refused ones never reach it."""
 
     prompt: Prompt = wire_field(honoured("text, token ids, or a batch of either"), required=True)
@@ -70,16 +60,8 @@ class CompletionWire(TokenObservationFields):
         "output limit (default [server] default_max_tokens, bounded by the context left; 0 only tokenizes or "
         "scores)"))
     n: int | None = wire_field(honoured("choices per prompt (1..128)"))
-    stream: bool | None = wire_field(honoured("SSE chunks"))
-    stream_options: StreamOptions | None = wire_field(
-        honoured("include_usage and the continuous_usage_stats extension"))
-    temperature: float | None = wire_field(honoured("sampling temperature (clamped to the recipe's range)"))
-    top_p: float | None = wire_field(honoured("nucleus filter (clamped to the recipe's range)"))
     add_special_tokens: bool | None = wire_field(
         honoured("vLLM extension: tokenizer special-token policy for text prompts"))
-    prompt_logprobs: int | None = wire_field(honoured("vLLM extension: prompt-position logprobs (buffered only)"))
-    logit_bias: Any = wire_field(honoured("token id -> bias in [-100, 100], added before penalties and "
-                                          "temperature; logprobs stay raw (vLLM)"))
 
 
 COMPLETION_FIELDS: FieldTable = field_table(
@@ -95,7 +77,7 @@ COMPLETION_FIELDS: FieldTable = field_table(
 
 
 @attrs.frozen
-class CompletionPlan(StreamPlan):
+class CompletionPlan(chat.StreamPlan):
     """A decoded Completions request: what to generate, and how to encode it."""
 
     echo: bool
@@ -140,7 +122,7 @@ def decode_completion(obj: dict[str, Any], info: ModelInfo) -> CompletionPlan:
         raise BadRequest("n must be between 1 and 128", param="n")
     if w.best_of is not None and w.best_of != n:
         raise BadRequest("best_of must equal n; ranked sampling is not supported", param="best_of")
-    streaming = decode_stream(w.stream, w.stream_options)
+    streaming = chat.decode_stream(w.stream, w.stream_options)
     stream = streaming[0]
     prompt_k = validate_prompt_logprobs(w.prompt_logprobs, info, stream=stream)
     if w.logprobs is not None:
@@ -156,7 +138,7 @@ def decode_completion(obj: dict[str, Any], info: ModelInfo) -> CompletionPlan:
         raise BadRequest("logprob_token_ids requires logprobs", param="logprob_token_ids")
     if w.max_tokens is not None and w.max_tokens < 0:
         raise BadRequest("max_tokens must not be negative", param="max_tokens")
-    output = output_options(w, info.vocab_size)
+    output = chat.output_options(w, info.vocab_size)
     # Alternatives the engine scores per prompt position: enough for the field and the arrays.
     engine_k = None if prompt_k is None else max(prompt_k, (w.logprobs or 0) if w.echo else 0)
     # Buffered choices of one prompt share its scores; streamed ones frame their own.
@@ -165,7 +147,7 @@ def decode_completion(obj: dict[str, Any], info: ModelInfo) -> CompletionPlan:
         prompt_logprobs=engine_k, score_every_choice=stream,
         constraint=decode_structured_outputs(w.structured_outputs), **output)
     generation = GenerationRequest(
-        sampling=decode_sampling(w, info.vocab_size), options=options,
+        sampling=chat.decode_sampling(w, info.vocab_size), options=options,
         prompts=_prompts(w.prompt, info.vocab_size),
         add_special_tokens=True if w.add_special_tokens is None else w.add_special_tokens,
         # max_tokens 0 submits only to score the prompt; otherwise it only tokenizes (and echoes).
@@ -180,7 +162,7 @@ def _finish_reason(finish: Finish | None, max_tokens_zero: bool) -> str:
     return "stop"
 
 
-class CompletionEncoder(ChoiceEncoder[CompletionPlan]):
+class CompletionEncoder(chat.ChoiceEncoder[CompletionPlan]):
     """Completions: screened child updates → `text_completion` chunks, or one body.
 
     Streams choices; with echo + logprobs each completed prompt chunk is one logprob frame (the first
@@ -225,14 +207,13 @@ class CompletionEncoder(ChoiceEncoder[CompletionPlan]):
         elif echo:
             out.append(self._chunk(i, echo))
         text = "".join(e.text for e in u.events if isinstance(e, TextDelta))
-        lp = None
-        if plan.logprobs is not None and u.logprobs:
-            lp = completion_logprob_arrays(u.logprobs, u.logprob_offsets, self.vocab, plan.as_token_ids,
-                                           bool(plan.options.logprob_token_ids), len(self._echo_text(i)))
+        lp = (completion_logprob_arrays(u.logprobs, u.logprob_offsets, self.vocab, plan.as_token_ids,
+                                        bool(plan.options.logprob_token_ids), len(self._echo_text(i)))
+              if plan.logprobs is not None and u.logprobs else None)
         tokens = self._tokens(u)
         if text or lp is not None or (tokens[0] and u.finish is None):
             out.append(self._chunk(i, text, logprobs=lp, tokens=tokens))
-            tokens = NO_TOKENS
+            tokens = chat.NO_TOKENS
         if u.finish is not None:  # it takes the ids not sent yet (a terminating token's)
             self._num_finished += 1
             out.append(self._chunk(i, "", _finish_reason(u.finish, plan.max_tokens_zero), tokens=tokens))
@@ -249,17 +230,16 @@ class CompletionEncoder(ChoiceEncoder[CompletionPlan]):
     def body(self) -> dict[str, Any]:
         plan = self.plan
         as_ids = plan.as_token_ids
+        scored = plan.prompt_logprobs is not None
         choices = []
         for i, acc in enumerate(self.accs):
             pp = self._prompt(i)
             echo = self._echo_text(i)
-            scored = plan.prompt_logprobs is not None
             scores = self.accs[i - i % self.n].prompt_logprobs or [] if scored else []
             lp = None
-            if plan.logprobs is not None:
-                head = None
-                if plan.echo_logprobs:  # the echoed prompt's entries lead the arrays
-                    head = prompt_logprob_arrays(pp.token_ids, scores, plan.logprobs, self.vocab, as_ids)[0]
+            if plan.logprobs is not None:  # with echo, the echoed prompt's entries lead the arrays
+                head = (prompt_logprob_arrays(pp.token_ids, scores, plan.logprobs, self.vocab, as_ids)[0]
+                        if plan.echo_logprobs else None)
                 lp = completion_logprob_arrays(acc.logprobs, acc.logprob_offsets, self.vocab, as_ids,
                                                bool(plan.options.logprob_token_ids), len(echo), into=head)
             choices.append(CompletionChoice(
@@ -281,7 +261,7 @@ class CompletionEncoder(ChoiceEncoder[CompletionPlan]):
         return self._prompt(i).text if self.plan.echo else ""
 
     def _chunk(self, i: int, text: str, finish: str | None = None, logprobs: CompletionLogprobs | None = None,
-               tokens: Tokens = NO_TOKENS) -> StreamEvent:
+               tokens: chat.Tokens = chat.NO_TOKENS) -> StreamEvent:
         observe = self.plan.options.observe
         choice = CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish,
                                   stop_reason=self._stop_reason(i) if finish is not None else None,

@@ -24,13 +24,7 @@ from collections.abc import Sequence
 from helios.domain.logprobs import PromptLogprob, TokenLogprob
 from helios.domain.model import ModelInfo, TokenVocabulary
 from helios.errors import BadRequest
-from helios.frontends.openai.shapes import (
-    ChatLogprob,
-    CompletionLogprobs,
-    PromptLogprobs,
-    PromptScore,
-    TopLogprob,
-)
+from helios.frontends.openai import shapes
 
 MAX_TOP = 20
 MAX_EXPLICIT_IDS = 128
@@ -111,20 +105,22 @@ def token_text(vocab: TokenVocabulary, token_id: int, as_ids: bool | None = Fals
     return vocab.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-def chat_logprobs(records: Sequence[TokenLogprob], vocab: TokenVocabulary, as_ids: bool | None) -> list[ChatLogprob]:
-    return [ChatLogprob(token=token_text(vocab, r.token_id, as_ids), logprob=r.logprob,
-                        bytes=vocab.token_bytes(r.token_id),
-                        top_logprobs=[TopLogprob(token=token_text(vocab, t, as_ids), logprob=lp,
-                                                 bytes=vocab.token_bytes(t)) for t, lp in r.top])
+def chat_logprobs(records: Sequence[TokenLogprob], vocab: TokenVocabulary,
+                  as_ids: bool | None) -> list[shapes.ChatLogprob]:
+    return [shapes.ChatLogprob(token=token_text(vocab, r.token_id, as_ids), logprob=r.logprob,
+                               bytes=vocab.token_bytes(r.token_id),
+                               top_logprobs=[shapes.TopLogprob(token=token_text(vocab, t, as_ids), logprob=lp,
+                                                               bytes=vocab.token_bytes(t))
+                                             for t, lp in r.top])
             for r in records]
 
 
 def completion_logprob_arrays(records: Sequence[TokenLogprob], offsets: Sequence[int], vocab: TokenVocabulary,
                               as_ids: bool | None, explicit: bool, start_offset: int = 0,
-                              into: CompletionLogprobs | None = None) -> CompletionLogprobs:
+                              into: shapes.CompletionLogprobs | None = None) -> shapes.CompletionLogprobs:
     """Completions arrays for generated tokens (appended to `into`, the echoed prompt's, where given);
     ``offsets`` come from the output pipeline."""
-    block = CompletionLogprobs() if into is None else into
+    block = shapes.CompletionLogprobs() if into is None else into
     for r, off in zip(records, offsets, strict=True):
         block.tokens.append(token_text(vocab, r.token_id, as_ids))
         block.token_logprobs.append(r.logprob)
@@ -136,38 +132,35 @@ def completion_logprob_arrays(records: Sequence[TokenLogprob], offsets: Sequence
 
 def prompt_logprob_arrays(prompt_ids: Sequence[int], scores: Sequence[PromptLogprob | None], k: int,
                           vocab: TokenVocabulary, as_ids: bool | None, start_offset: int = 0,
-                          first_position: int = 0) -> tuple[CompletionLogprobs, int]:
+                          first_position: int = 0) -> tuple[shapes.CompletionLogprobs, int]:
     """Completions arrays for echoed prompt positions ``first_position ..`` (``scores`` aligned with
     them; None for position 0). Offsets count the characters of the preceding decoded token strings.
     Returns the arrays and the offset after the last position."""
-    block = CompletionLogprobs()
+    block = shapes.CompletionLogprobs()
     off = start_offset
     for i, score in enumerate(scores):
         token_id = prompt_ids[first_position + i]
         block.tokens.append(token_text(vocab, token_id, as_ids))
         block.text_offset.append(off)
         off += len(token_text(vocab, token_id))
-        if score is None:
-            block.token_logprobs.append(None)
-            block.top_logprobs.append(None)
-        else:
-            block.token_logprobs.append(score.logprob)
-            entries = [(score.token_id, score.logprob, score.rank), *score.top[:k]]
-            block.top_logprobs.append(_keyed(entries, vocab, as_ids))
+        block.token_logprobs.append(None if score is None else score.logprob)
+        block.top_logprobs.append(None if score is None else _keyed(
+            [(score.token_id, score.logprob, score.rank), *score.top[:k]], vocab, as_ids))
     return block, off
 
 
-def prompt_scores(scores: Sequence[PromptLogprob | None], k: int, vocab: TokenVocabulary) -> PromptLogprobs:
+def prompt_scores(scores: Sequence[PromptLogprob | None], k: int,
+                  vocab: TokenVocabulary) -> shapes.PromptLogprobs:
     """The ``prompt_logprobs`` field: the actual token first, then up to ``k`` natural alternatives."""
     return [None if score is None else _scored(score, k, vocab) for score in scores]
 
 
-def _scored(score: PromptLogprob, k: int, vocab: TokenVocabulary) -> dict[str, PromptScore]:
-    entry: dict[str, PromptScore] = {}
+def _scored(score: PromptLogprob, k: int, vocab: TokenVocabulary) -> dict[str, shapes.PromptScore]:
+    """One position's entry (the first entry of an id wins)."""
+    entry: dict[str, shapes.PromptScore] = {}
     for token_id, logprob, rank in [(score.token_id, score.logprob, score.rank), *score.top[:k]]:
-        key = str(token_id)
-        if key not in entry:
-            entry[key] = PromptScore(logprob=logprob, rank=rank, decoded_token=token_text(vocab, token_id))
+        entry.setdefault(str(token_id), shapes.PromptScore(logprob=logprob, rank=rank,
+                                                           decoded_token=token_text(vocab, token_id)))
     return entry
 
 

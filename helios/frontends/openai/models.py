@@ -57,15 +57,14 @@ def speculative_object(info: ModelInfo) -> dict[str, Any]:
     mode, its depth limit, the proposers that draft in the order they are asked, and whether a learned
     drafter (a draft model, ``"draft"``, or the checkpoint's MTP layers, ``"mtp"``) is one of them."""
     on = info.speculative_mode != "off"
-    history = on and info.speculative_history
     learned = info.speculative_learned if on else None
-    proposers = ["ngram", *(["history"] if history else []), *([learned] if learned else [])]
+    proposers = [p for p in ("ngram", "history" if info.speculative_history else None, learned) if on and p]
     return {
         "mode": info.speculative_mode,
         "max_depth": info.speculative_max_depth if on else 0,
-        "proposers": proposers if on else [],
+        "proposers": proposers,
         "adaptive_depth": info.speculative_mode == "adaptive",
-        "history_drafts": history,
+        "history_drafts": "history" in proposers,
         "learned_drafter": learned is not None,
     }
 

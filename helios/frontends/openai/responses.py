@@ -49,8 +49,8 @@ from helios.frontends.fields import (
 from helios.frontends.openai.chat import decode_sampling
 from helios.frontends.openai.logprobs import validate_logprob_options
 from helios.frontends.structured import (
+    decode_format,
     decode_structured_outputs,
-    decode_text_format,
     one_constraint,
     tool_contract,
 )
@@ -361,7 +361,7 @@ ToolChoiceWire = Literal["auto", "none", "required"] | NamedToolChoice
 
 @attrs.define(kw_only=True)
 class TextWire:
-    format: Any = None  # `structured.decode_text_format`
+    format: Any = None  # `structured.decode_format`
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
@@ -583,7 +583,7 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
     if w.max_output_tokens is not None and w.max_output_tokens < 1:
         raise BadRequest("max_output_tokens must be at least 1", param="max_output_tokens")
     budget, budget_param = thinking_budget(w.thinking_token_budget, info.thinking_token_budget)
-    fmt = decode_text_format(w.text.format) if w.text is not None else None
+    fmt = decode_format(w.text.format, "text.format") if w.text is not None else None
     wants_logprobs = LOGPROBS_INCLUDE in (w.include or [])
     if w.top_logprobs and not wants_logprobs:
         raise BadRequest(f"top_logprobs requires include: [\"{LOGPROBS_INCLUDE}\"]", param="top_logprobs")
