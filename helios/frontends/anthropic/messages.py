@@ -32,7 +32,7 @@ from helios.domain.generation import GenerationOptions, GenerationRequest, Outpu
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingRequest
 from helios.errors import BadRequest
-from helios.frontends.common import MAX_THINKING_BUDGET, thinking_budget, validate_stops
+from helios.frontends.common import MAX_THINKING_BUDGET, decide_tool_choice, thinking_budget, validate_stops
 from helios.frontends.fields import (
     FieldTable,
     field_table,
@@ -342,9 +342,9 @@ class NoneChoice:
 
 
 ToolChoiceWire = AutoChoice | NamedChoice | NoneChoice
-CHOICE_MODES: dict[str, Literal["auto", "required", "none"]] = {"auto": "auto", "any": "required",
-                                                                 "none": "none"}
-"""The neutral mode of each unnamed tool_choice where a tool is declared (where none is, "none")."""
+CHOICE_MODES: dict[str, Literal["required", "none"] | None] = {"auto": None, "any": "required", "none": "none"}
+"""The neutral mode of each unnamed tool_choice (`decide_tool_choice`'s; "auto" is its default: "auto"
+where a tool is declared, else "none")."""
 
 
 @attrs.define(kw_only=True)
@@ -608,17 +608,11 @@ def decode_tools(tools: list[ClientTool] | None,
         if t.name in decoded:
             raise BadRequest(f"tool names must be unique; '{t.name}' is declared twice", param=f"tools[{i}].name")
         decoded[t.name] = Tool(t.name, t.description, t.input_schema)
-    declared = tuple(decoded.values())
     parallel = tool_choice is None or not tool_choice.disable_parallel_tool_use
-    if type(tool_choice) is NamedChoice:
-        if tool_choice.name not in decoded:
-            raise BadRequest(f"tool_choice names {tool_choice.name!r}, which is not a declared tool",
-                             param="tool_choice.name")
-        return declared, ToolChoice("named", tool_choice.name), parallel
-    kind = "auto" if tool_choice is None else tool_choice.type
-    if kind == "any" and not declared:
-        raise BadRequest("tool_choice 'any' needs at least one declared tool", param="tool_choice")
-    return declared, ToolChoice(CHOICE_MODES[kind] if declared else "none"), parallel
+    if isinstance(tool_choice, NamedChoice):
+        return tuple(decoded.values()), decide_tool_choice("messages", decoded, name=tool_choice.name), parallel
+    mode = None if tool_choice is None else CHOICE_MODES[tool_choice.type]
+    return tuple(decoded.values()), decide_tool_choice("messages", decoded, mode), parallel
 
 
 def _decode_thinking(w: CountTokensWire,
