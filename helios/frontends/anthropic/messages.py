@@ -33,16 +33,7 @@ from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingRequest
 from helios.errors import BadRequest
 from helios.frontends.common import MAX_THINKING_BUDGET, decide_tool_choice, thinking_budget, validate_stops
-from helios.frontends.fields import (
-    FieldTable,
-    field_table,
-    honoured,
-    ignored,
-    one_of,
-    refused,
-    screen_fields,
-    wire_field,
-)
+from helios.frontends.fields import field_table, honoured, ignored, one_of, refused, screen_fields, wire_field
 from helios.frontends.structured import decode_output_format
 from helios.frontends.wire import Base64Bytes, From, Invalid, NonEmptyStr, all_built, register_leaf, structure
 from helios.recipes import RECIPES, resolve_effort
@@ -434,7 +425,7 @@ def _check_diagnostics(value: Any) -> None:
         raise BadRequest("diagnostics must be an object with previous_message_id", param="diagnostics")
 
 
-MESSAGES_FIELDS: FieldTable = field_table(
+MESSAGES_FIELDS = field_table(
     MessagesWire,
     model=ignored("one model is served: every name reaches it and responses report its own id", str),
     metadata=ignored("user_id for the provider's abuse monitoring; nothing to monitor locally", dict),
@@ -475,7 +466,7 @@ MESSAGES_FIELDS: FieldTable = field_table(
 )
 """Every top-level Messages field Helios knows (see `helios.frontends.fields`)."""
 
-COUNT_TOKENS_FIELDS: FieldTable = {
+COUNT_TOKENS_FIELDS = {
     **{name: row for name, row in MESSAGES_FIELDS.items() if name not in (
         "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k", "metadata", "service_tier",
         "container", "inference_geo", "diagnostics", "fallbacks", "fallback_credit_token", "thread")},
@@ -634,9 +625,7 @@ def _decode_thinking(w: CountTokensWire,
     if level is None and budget is not None:
         level = "low" if budget <= 5000 else "high" if budget <= 20000 else "max"
     disabled = th is not None and th.type == "disabled"
-    kwargs: dict[str, Any] = {}
-    if th is not None and info.has_reasoning:
-        kwargs["enable_thinking"] = not disabled
+    kwargs: dict[str, Any] = {"enable_thinking": not disabled} if th is not None and info.has_reasoning else {}
     if disabled:
         return None, level, kwargs, None
     recipe = RECIPES.get(info.recipe)
@@ -645,7 +634,6 @@ def _decode_thinking(w: CountTokensWire,
     native = None if level is None or recipe is None else resolve_effort(recipe, level)
     if native is not None:
         kwargs["reasoning_effort"] = native
-    if budget is None:
-        return info.thinking_token_budget, level, kwargs, budget_param
-    # Budgets above the 32-bit output limit are accepted and never cut.
-    return (budget if budget <= MAX_THINKING_BUDGET else None), level, kwargs, budget_param
+    # No budget: the server's default; budgets above the 32-bit output limit are accepted and never cut.
+    cap = info.thinking_token_budget if budget is None else budget if budget <= MAX_THINKING_BUDGET else None
+    return cap, level, kwargs, budget_param
