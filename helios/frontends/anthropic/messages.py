@@ -245,8 +245,8 @@ PARTS = (TextPart, ToolResultPart, ToolCallPart, ReasoningPart, ImagePart)
 """The built values of blocks (the other blocks stay wire instances)."""
 
 
-def _built_message(*, role: Literal["user", "assistant"],
-                   content: UserContent | AssistantContent) -> Message | None:
+def _built_message(*, role: Literal["user", "assistant", "system"],
+                   content: UserContent | AssistantContent | list[BuiltText]) -> Message | None:
     """The message, where its blocks all built (a string is one text part); else None, which keeps the
     wire message for `decode_messages` (an image, a marked block, redacted thinking, which has no part)."""
     parts = (TextPart(content),) if isinstance(content, str) else all_built(content, PARTS)
@@ -271,14 +271,11 @@ class AssistantMessage(MessageControls):
 class SystemMessage(MessageControls):
     role: Literal["system"]
     content: str | list[BuiltText]
-
-    @staticmethod
-    def __wire_build__(*, content: str | list[TextPart | TextBlock]) -> Message:
-        return Message("system", _content_parts(content, ""))
+    __wire_build__ = staticmethod(_built_message)
 
 
 MessageWire = UserMessage | AssistantMessage | SystemMessage
-BuiltMessage = Annotated[Message | UserMessage | AssistantMessage, From(MessageWire)]
+BuiltMessage = Annotated[Message | MessageWire, From(MessageWire)]
 """A message as structured: its domain Message, or the wire message whose blocks need their place."""
 
 
@@ -539,7 +536,7 @@ MAX_BREAKPOINTS = 4
 
 
 def decode_messages(system: str | list[TextPart | TextBlock] | None,
-                    messages: list[Message | UserMessage | AssistantMessage]) -> tuple[tuple[Message, ...], tuple[str, ...]]:
+                    messages: list[Message | MessageWire]) -> tuple[tuple[Message, ...], tuple[str, ...]]:
     """System text and structured messages → neutral messages (the system, if any, first), and the
     conversation's cache breakpoints.
 
@@ -556,7 +553,7 @@ def decode_messages(system: str | list[TextPart | TextBlock] | None,
         if type(m) is Message:
             out.append(m)
             continue
-        blocks = cast("list[Any]", cast("UserMessage | AssistantMessage", m).content)  # a string's is built
+        blocks = cast("list[Any]", cast("MessageWire", m).content)  # a string's is built
         parts = [b if type(b) in PARTS else b.part(f"messages[{i}].content[{j}]")
                  for j, b in enumerate(blocks)]
         if type(m) is UserMessage:
