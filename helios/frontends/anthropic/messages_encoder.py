@@ -96,9 +96,7 @@ class MessagesEncoder:
         has_calls = any(type(b) is shapes.ToolUseBlock for b in self.content)
         self.stop = shapes.StopDetails(stop_reason=stop_reason(f.cause, has_calls),
                                        stop_sequence=matched if isinstance(matched, str) else None)
-        out.append(_event(shapes.MessageDelta(delta=self.stop, usage=self.usage())))
-        out.append(_event(shapes.MessageStop()))
-        return out
+        return [*out, _event(shapes.MessageDelta(delta=self.stop, usage=self.usage())), _event(shapes.MessageStop())]
 
     def finish(self) -> list[StreamEvent]:
         return []  # message_stop went out with the terminal update
