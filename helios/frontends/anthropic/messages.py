@@ -564,23 +564,14 @@ def decode_messages(system: str | list[TextPart | TextBlock] | None,
 
 def _breakpoints(blocks: list[Any], parts: list[Any], out: list[str]) -> None:
     """A user message's marked blocks' breakpoints, appended to `out` (up to MAX_BREAKPOINTS in all):
-    the text that ends the message's parts (its blocks', one each) up to each."""
+    the last text of the message's parts (its blocks', one each) up to each, a tool result's content
+    included (an image's breakpoint is the text before it); none where that text is empty."""
     for j, b in enumerate(blocks):
         if type(b) not in PARTS and b.cache_control is not None and len(out) < MAX_BREAKPOINTS:
-            text = _last_text(parts[:j + 1])
-            if text:
-                out.append(text)
-
-
-def _last_text(parts: list[Any]) -> str:
-    """The last text part's text, or the last text in a tool result (an image's breakpoint is the
-    text before it)."""
-    text = ""
-    for p in parts:
-        for t in (p,) if type(p) is TextPart else p.content if type(p) is ToolResultPart else ():
-            if type(t) is TextPart:
-                text = t.text
-    return text
+            # A user part is text, an image or a tool result, whose content is text and images.
+            texts = [t.text for p in parts[:j + 1] for t in getattr(p, "content", (p,)) if type(t) is TextPart]
+            if texts and texts[-1]:
+                out.append(texts[-1])
 
 
 def cache_breakpoints(messages: list[Any]) -> tuple[str, ...]:
