@@ -161,8 +161,7 @@ class ToolResultBlock:
         return ToolResultPart(tool_use_id, parts, is_error=bool(is_error))
 
     def part(self, where: str) -> ToolResultPart:
-        parts = _content_parts(self.content, where)
-        return ToolResultPart(self.tool_use_id, parts, is_error=bool(self.is_error))
+        return ToolResultPart(self.tool_use_id, _content_parts(self.content, where), is_error=bool(self.is_error))
 
 
 @attrs.define(kw_only=True)
@@ -190,8 +189,7 @@ class ThinkingBlock:
 
     @staticmethod
     def __wire_build__(*, thinking: str, signature: str | None) -> ReasoningPart:
-        if signature is not None and signature.startswith(THINKING_MARKER_PREFIX) and \
-                signature != thinking_signature(thinking):
+        if (signature or "").startswith(THINKING_MARKER_PREFIX) and signature != thinking_signature(thinking):
             raise Invalid(f"the thinking block does not match its {THINKING_MARKER_PREFIX} signature", at="signature")
         return ReasoningPart(thinking)
 
