@@ -118,8 +118,7 @@ class MessagesEncoder:
     # -- helpers ----------------------------------------------------------------------------------
 
     def _message(self, content: list[shapes.ContentBlock]) -> shapes.Message:
-        return shapes.Message(id=self.id, model=self.model, content=content, stop=self.stop,
-                              usage=self.usage())
+        return shapes.Message(id=self.id, model=self.model, content=content, stop=self.stop, usage=self.usage())
 
     def _delta(self, kind: type[shapes.TextBlock | shapes.ThinkingBlock], text: str) -> list[StreamEvent]:
         """`text` appended to the open block, a `kind` block opened first where the open one is not
