@@ -41,9 +41,6 @@ from helios.recipes import RECIPES, resolve_effort
 ANTHROPIC_VERSION = "2023-06-01"
 THINKING_MARKER_PREFIX = "flare-thinking-v1:"
 
-REJECTED_FIELDS = ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "logprob_token_ids",
-                   "prompt_logprobs")
-
 
 def thinking_signature(text: str) -> str:
     """The local round-trip marker of a thinking block: a digest of its visible text.
@@ -457,7 +454,7 @@ MESSAGES_FIELDS = field_table(
     # The spec: /v1/messages rejects these fields; present at all (null included) is a 400.
     **{name: refused("an OpenAI/vLLM logprob option; Messages has no logprobs",
                      message=f"{name} is not supported on /v1/messages", refuse_null=True)
-       for name in REJECTED_FIELDS},
+       for name in ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "logprob_token_ids", "prompt_logprobs")},
 )
 """Every top-level Messages field Helios knows (see `helios.frontends.fields`)."""
 
