@@ -226,16 +226,6 @@ AssistantContent = str | list[Annotated[TextPart | ReasoningPart | ToolCallPart 
 MESSAGE_CONTROL = ignored("message-level control metadata; the request's top-level controls apply")
 
 
-@attrs.define(kw_only=True)
-class MessageControls:
-    """Keys a message may carry that steer a hosted service, not the conversation."""
-
-    output_config: Any = wire_field(MESSAGE_CONTROL)
-    cache_control: Any = wire_field(MESSAGE_CONTROL)
-    metadata: Any = wire_field(MESSAGE_CONTROL)
-    context_management: Any = wire_field(MESSAGE_CONTROL)
-
-
 PARTS = (TextPart, ToolResultPart, ToolCallPart, ReasoningPart, ImagePart)
 """The built values of blocks (the other blocks stay wire instances)."""
 
@@ -249,24 +239,33 @@ def _built_message(*, role: Literal["user", "assistant", "system"],
 
 
 @attrs.define(kw_only=True)
+class MessageControls:
+    """Keys a message may carry that steer a hosted service, not the conversation; and the builder
+    every message (user, assistant or system) shares."""
+
+    output_config: Any = wire_field(MESSAGE_CONTROL)
+    cache_control: Any = wire_field(MESSAGE_CONTROL)
+    metadata: Any = wire_field(MESSAGE_CONTROL)
+    context_management: Any = wire_field(MESSAGE_CONTROL)
+    __wire_build__ = staticmethod(_built_message)
+
+
+@attrs.define(kw_only=True)
 class UserMessage(MessageControls):
     role: Literal["user"]
     content: UserContent
-    __wire_build__ = staticmethod(_built_message)
 
 
 @attrs.define(kw_only=True)
 class AssistantMessage(MessageControls):
     role: Literal["assistant"]
     content: AssistantContent
-    __wire_build__ = staticmethod(_built_message)
 
 
 @attrs.define(kw_only=True)
 class SystemMessage(MessageControls):
     role: Literal["system"]
     content: str | list[BuiltText]
-    __wire_build__ = staticmethod(_built_message)
 
 
 MessageWire = UserMessage | AssistantMessage | SystemMessage
