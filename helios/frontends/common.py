@@ -1,13 +1,14 @@
 """Wire validation and encoding helpers the protocol frontends share: stops, token stops, token
-observations, ids and timestamps."""
+observations, ids and timestamps, thinking budgets and tool choices."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Collection, Sequence
+from typing import Any, Literal
 
+from helios.domain.conversation import ToolChoice
 from helios.domain.events import Finish, FinishCause
 from helios.domain.generation import TokenObservation, TokenStops
 from helios.domain.shapes import OMIT
@@ -133,3 +134,29 @@ def thinking_budget(value: int | None, default: int | None,
     if not 0 < value <= MAX_THINKING_BUDGET:  # an integer: the wire types it
         raise BadRequest(f"{param} must be a positive 32-bit integer", param=param)
     return value, param
+
+
+TOOL_CHOICE_WORDING: dict[str, tuple[str, str, str]] = {
+    "chat": ("required", "tool_choice.function.name", "'{}'"),
+    "responses": ("required", "tool_choice.name", "'{}'"),
+    "messages": ("any", "tool_choice.name", "{!r}"),
+}
+"""Each protocol's wording of a tool_choice 400: its name for the required mode, the param of the
+named tool, and how the name is quoted."""
+
+
+def decide_tool_choice(protocol: str, declared: Collection[str],
+                       mode: Literal["auto", "none", "required"] | None = None, name: str | None = None) -> ToolChoice:
+    """Chat's, Responses' or Messages' tool_choice among the declared tool names → the neutral choice.
+
+    A named tool (`name`) must be declared; the required mode needs a declared tool; no mode (None)
+    is "auto" where a tool is declared and "none" where none is. A protocol's own checks (Responses:
+    the named tool's kind) follow."""
+    required, name_param, quoted = TOOL_CHOICE_WORDING[protocol]
+    if name is not None:
+        if name not in declared:
+            raise BadRequest(f"tool_choice names {quoted.format(name)}, which is not a declared tool", param=name_param)
+        return ToolChoice("named", name)
+    if mode == "required" and not declared:
+        raise BadRequest(f"tool_choice '{required}' needs at least one declared tool", param="tool_choice")
+    return ToolChoice(mode or ("auto" if declared else "none"))

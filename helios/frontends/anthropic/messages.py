@@ -32,26 +32,14 @@ from helios.domain.generation import GenerationOptions, GenerationRequest, Outpu
 from helios.domain.model import ModelInfo
 from helios.domain.sampling import SamplingRequest
 from helios.errors import BadRequest
-from helios.frontends.common import MAX_THINKING_BUDGET, thinking_budget, validate_stops
-from helios.frontends.fields import (
-    FieldTable,
-    field_table,
-    honoured,
-    ignored,
-    one_of,
-    refused,
-    screen_fields,
-    wire_field,
-)
+from helios.frontends.common import MAX_THINKING_BUDGET, decide_tool_choice, thinking_budget, validate_stops
+from helios.frontends.fields import field_table, honoured, ignored, one_of, refused, screen_fields, wire_field
 from helios.frontends.structured import decode_output_format
 from helios.frontends.wire import Base64Bytes, From, Invalid, NonEmptyStr, all_built, register_leaf, structure
 from helios.recipes import RECIPES, resolve_effort
 
 ANTHROPIC_VERSION = "2023-06-01"
 THINKING_MARKER_PREFIX = "flare-thinking-v1:"
-
-REJECTED_FIELDS = ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "logprob_token_ids",
-                   "prompt_logprobs")
 
 
 def thinking_signature(text: str) -> str:
@@ -170,8 +158,7 @@ class ToolResultBlock:
         return ToolResultPart(tool_use_id, parts, is_error=bool(is_error))
 
     def part(self, where: str) -> ToolResultPart:
-        parts = _content_parts(self.content, where)
-        return ToolResultPart(self.tool_use_id, parts, is_error=bool(self.is_error))
+        return ToolResultPart(self.tool_use_id, _content_parts(self.content, where), is_error=bool(self.is_error))
 
 
 @attrs.define(kw_only=True)
@@ -199,8 +186,7 @@ class ThinkingBlock:
 
     @staticmethod
     def __wire_build__(*, thinking: str, signature: str | None) -> ReasoningPart:
-        if signature is not None and signature.startswith(THINKING_MARKER_PREFIX) and \
-                signature != thinking_signature(thinking):
+        if (signature or "").startswith(THINKING_MARKER_PREFIX) and signature != thinking_signature(thinking):
             raise Invalid(f"the thinking block does not match its {THINKING_MARKER_PREFIX} signature", at="signature")
         return ReasoningPart(thinking)
 
@@ -240,22 +226,12 @@ AssistantContent = str | list[Annotated[TextPart | ReasoningPart | ToolCallPart 
 MESSAGE_CONTROL = ignored("message-level control metadata; the request's top-level controls apply")
 
 
-@attrs.define(kw_only=True)
-class MessageControls:
-    """Keys a message may carry that steer a hosted service, not the conversation."""
-
-    output_config: Any = wire_field(MESSAGE_CONTROL)
-    cache_control: Any = wire_field(MESSAGE_CONTROL)
-    metadata: Any = wire_field(MESSAGE_CONTROL)
-    context_management: Any = wire_field(MESSAGE_CONTROL)
-
-
 PARTS = (TextPart, ToolResultPart, ToolCallPart, ReasoningPart, ImagePart)
 """The built values of blocks (the other blocks stay wire instances)."""
 
 
-def _built_message(*, role: Literal["user", "assistant"],
-                   content: UserContent | AssistantContent) -> Message | None:
+def _built_message(*, role: Literal["user", "assistant", "system"],
+                   content: UserContent | AssistantContent | list[BuiltText]) -> Message | None:
     """The message, where its blocks all built (a string is one text part); else None, which keeps the
     wire message for `decode_messages` (an image, a marked block, redacted thinking, which has no part)."""
     parts = (TextPart(content),) if isinstance(content, str) else all_built(content, PARTS)
@@ -263,17 +239,27 @@ def _built_message(*, role: Literal["user", "assistant"],
 
 
 @attrs.define(kw_only=True)
+class MessageControls:
+    """Keys a message may carry that steer a hosted service, not the conversation; and the builder
+    every message (user, assistant or system) shares."""
+
+    output_config: Any = wire_field(MESSAGE_CONTROL)
+    cache_control: Any = wire_field(MESSAGE_CONTROL)
+    metadata: Any = wire_field(MESSAGE_CONTROL)
+    context_management: Any = wire_field(MESSAGE_CONTROL)
+    __wire_build__ = staticmethod(_built_message)
+
+
+@attrs.define(kw_only=True)
 class UserMessage(MessageControls):
     role: Literal["user"]
     content: UserContent
-    __wire_build__ = staticmethod(_built_message)
 
 
 @attrs.define(kw_only=True)
 class AssistantMessage(MessageControls):
     role: Literal["assistant"]
     content: AssistantContent
-    __wire_build__ = staticmethod(_built_message)
 
 
 @attrs.define(kw_only=True)
@@ -281,13 +267,9 @@ class SystemMessage(MessageControls):
     role: Literal["system"]
     content: str | list[BuiltText]
 
-    @staticmethod
-    def __wire_build__(*, content: str | list[TextPart | TextBlock]) -> Message:
-        return Message("system", _content_parts(content, ""))
-
 
 MessageWire = UserMessage | AssistantMessage | SystemMessage
-BuiltMessage = Annotated[Message | UserMessage | AssistantMessage, From(MessageWire)]
+BuiltMessage = Annotated[Message | MessageWire, From(MessageWire)]
 """A message as structured: its domain Message, or the wire message whose blocks need their place."""
 
 
@@ -342,9 +324,9 @@ class NoneChoice:
 
 
 ToolChoiceWire = AutoChoice | NamedChoice | NoneChoice
-CHOICE_MODES: dict[str, Literal["auto", "required", "none"]] = {"auto": "auto", "any": "required",
-                                                                 "none": "none"}
-"""The neutral mode of each unnamed tool_choice where a tool is declared (where none is, "none")."""
+CHOICE_MODES: dict[str, Literal["required", "none"] | None] = {"auto": None, "any": "required", "none": "none"}
+"""The neutral mode of each unnamed tool_choice (`decide_tool_choice`'s; "auto" is its default: "auto"
+where a tool is declared, else "none")."""
 
 
 @attrs.define(kw_only=True)
@@ -434,7 +416,7 @@ def _check_diagnostics(value: Any) -> None:
         raise BadRequest("diagnostics must be an object with previous_message_id", param="diagnostics")
 
 
-MESSAGES_FIELDS: FieldTable = field_table(
+MESSAGES_FIELDS = field_table(
     MessagesWire,
     model=ignored("one model is served: every name reaches it and responses report its own id", str),
     metadata=ignored("user_id for the provider's abuse monitoring; nothing to monitor locally", dict),
@@ -471,11 +453,11 @@ MESSAGES_FIELDS: FieldTable = field_table(
     # The spec: /v1/messages rejects these fields; present at all (null included) is a 400.
     **{name: refused("an OpenAI/vLLM logprob option; Messages has no logprobs",
                      message=f"{name} is not supported on /v1/messages", refuse_null=True)
-       for name in REJECTED_FIELDS},
+       for name in ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "logprob_token_ids", "prompt_logprobs")},
 )
 """Every top-level Messages field Helios knows (see `helios.frontends.fields`)."""
 
-COUNT_TOKENS_FIELDS: FieldTable = {
+COUNT_TOKENS_FIELDS = {
     **{name: row for name, row in MESSAGES_FIELDS.items() if name not in (
         "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k", "metadata", "service_tier",
         "container", "inference_geo", "diagnostics", "fallbacks", "fallback_credit_token", "thread")},
@@ -548,7 +530,7 @@ MAX_BREAKPOINTS = 4
 
 
 def decode_messages(system: str | list[TextPart | TextBlock] | None,
-                    messages: list[Message | UserMessage | AssistantMessage]) -> tuple[tuple[Message, ...], tuple[str, ...]]:
+                    messages: list[Message | MessageWire]) -> tuple[tuple[Message, ...], tuple[str, ...]]:
     """System text and structured messages → neutral messages (the system, if any, first), and the
     conversation's cache breakpoints.
 
@@ -565,7 +547,7 @@ def decode_messages(system: str | list[TextPart | TextBlock] | None,
         if type(m) is Message:
             out.append(m)
             continue
-        blocks = cast("list[Any]", cast("UserMessage | AssistantMessage", m).content)  # a string's is built
+        blocks = cast("list[Any]", cast("MessageWire", m).content)  # a string's is built
         parts = [b if type(b) in PARTS else b.part(f"messages[{i}].content[{j}]")
                  for j, b in enumerate(blocks)]
         if type(m) is UserMessage:
@@ -576,23 +558,14 @@ def decode_messages(system: str | list[TextPart | TextBlock] | None,
 
 def _breakpoints(blocks: list[Any], parts: list[Any], out: list[str]) -> None:
     """A user message's marked blocks' breakpoints, appended to `out` (up to MAX_BREAKPOINTS in all):
-    the text that ends the message's parts (its blocks', one each) up to each."""
+    the last text of the message's parts (its blocks', one each) up to each, a tool result's content
+    included (an image's breakpoint is the text before it); none where that text is empty."""
     for j, b in enumerate(blocks):
         if type(b) not in PARTS and b.cache_control is not None and len(out) < MAX_BREAKPOINTS:
-            text = _last_text(parts[:j + 1])
-            if text:
-                out.append(text)
-
-
-def _last_text(parts: list[Any]) -> str:
-    """The last text part's text, or the last text in a tool result (an image's breakpoint is the
-    text before it)."""
-    text = ""
-    for p in parts:
-        for t in (p,) if type(p) is TextPart else p.content if type(p) is ToolResultPart else ():
-            if type(t) is TextPart:
-                text = t.text
-    return text
+            # A user part is text, an image or a tool result, whose content is text and images.
+            texts = [t.text for p in parts[:j + 1] for t in getattr(p, "content", (p,)) if type(t) is TextPart]
+            if texts and texts[-1]:
+                out.append(texts[-1])
 
 
 def cache_breakpoints(messages: list[Any]) -> tuple[str, ...]:
@@ -608,17 +581,11 @@ def decode_tools(tools: list[ClientTool] | None,
         if t.name in decoded:
             raise BadRequest(f"tool names must be unique; '{t.name}' is declared twice", param=f"tools[{i}].name")
         decoded[t.name] = Tool(t.name, t.description, t.input_schema)
-    declared = tuple(decoded.values())
     parallel = tool_choice is None or not tool_choice.disable_parallel_tool_use
-    if type(tool_choice) is NamedChoice:
-        if tool_choice.name not in decoded:
-            raise BadRequest(f"tool_choice names {tool_choice.name!r}, which is not a declared tool",
-                             param="tool_choice.name")
-        return declared, ToolChoice("named", tool_choice.name), parallel
-    kind = "auto" if tool_choice is None else tool_choice.type
-    if kind == "any" and not declared:
-        raise BadRequest("tool_choice 'any' needs at least one declared tool", param="tool_choice")
-    return declared, ToolChoice(CHOICE_MODES[kind] if declared else "none"), parallel
+    if isinstance(tool_choice, NamedChoice):
+        return tuple(decoded.values()), decide_tool_choice("messages", decoded, name=tool_choice.name), parallel
+    mode = None if tool_choice is None else CHOICE_MODES[tool_choice.type]
+    return tuple(decoded.values()), decide_tool_choice("messages", decoded, mode), parallel
 
 
 def _decode_thinking(w: CountTokensWire,
@@ -640,9 +607,7 @@ def _decode_thinking(w: CountTokensWire,
     if level is None and budget is not None:
         level = "low" if budget <= 5000 else "high" if budget <= 20000 else "max"
     disabled = th is not None and th.type == "disabled"
-    kwargs: dict[str, Any] = {}
-    if th is not None and info.has_reasoning:
-        kwargs["enable_thinking"] = not disabled
+    kwargs: dict[str, Any] = {"enable_thinking": not disabled} if th is not None and info.has_reasoning else {}
     if disabled:
         return None, level, kwargs, None
     recipe = RECIPES.get(info.recipe)
@@ -651,7 +616,6 @@ def _decode_thinking(w: CountTokensWire,
     native = None if level is None or recipe is None else resolve_effort(recipe, level)
     if native is not None:
         kwargs["reasoning_effort"] = native
-    if budget is None:
-        return info.thinking_token_budget, level, kwargs, budget_param
-    # Budgets above the 32-bit output limit are accepted and never cut.
-    return (budget if budget <= MAX_THINKING_BUDGET else None), level, kwargs, budget_param
+    # No budget: the server's default; budgets above the 32-bit output limit are accepted and never cut.
+    cap = info.thinking_token_budget if budget is None else budget if budget <= MAX_THINKING_BUDGET else None
+    return cap, level, kwargs, budget_param

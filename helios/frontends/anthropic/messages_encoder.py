@@ -96,9 +96,7 @@ class MessagesEncoder:
         has_calls = any(type(b) is shapes.ToolUseBlock for b in self.content)
         self.stop = shapes.StopDetails(stop_reason=stop_reason(f.cause, has_calls),
                                        stop_sequence=matched if isinstance(matched, str) else None)
-        out.append(_event(shapes.MessageDelta(delta=self.stop, usage=self.usage())))
-        out.append(_event(shapes.MessageStop()))
-        return out
+        return [*out, _event(shapes.MessageDelta(delta=self.stop, usage=self.usage())), _event(shapes.MessageStop())]
 
     def finish(self) -> list[StreamEvent]:
         return []  # message_stop went out with the terminal update
@@ -120,8 +118,7 @@ class MessagesEncoder:
     # -- helpers ----------------------------------------------------------------------------------
 
     def _message(self, content: list[shapes.ContentBlock]) -> shapes.Message:
-        return shapes.Message(id=self.id, model=self.model, content=content, stop=self.stop,
-                              usage=self.usage())
+        return shapes.Message(id=self.id, model=self.model, content=content, stop=self.stop, usage=self.usage())
 
     def _delta(self, kind: type[shapes.TextBlock | shapes.ThinkingBlock], text: str) -> list[StreamEvent]:
         """`text` appended to the open block, a `kind` block opened first where the open one is not

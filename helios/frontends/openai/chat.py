@@ -36,6 +36,7 @@ from helios.domain.shapes import OMIT, Opt, to_json
 from helios.errors import BadRequest, HeliosError
 from helios.frontends import wire
 from helios.frontends.common import (
+    decide_tool_choice,
     decode_observation,
     new_id,
     now,
@@ -320,17 +321,10 @@ def decode_messages(messages: list[Message | PlainMessage | AssistantMessage | T
 def decode_tools(tools: list[FunctionTool] | None,
                  tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None) -> tuple[tuple[Tool, ...], ToolChoice]:
     decoded = tuple(Tool(t.function.name, t.function.description, t.function.parameters) for t in tools or ())
+    names = {t.name for t in decoded}
     if isinstance(tool_choice, NamedToolChoice):
-        name = tool_choice.function.name
-        if name not in {t.name for t in decoded}:
-            raise BadRequest(f"tool_choice names '{name}', which is not a declared tool",
-                             param="tool_choice.function.name")
-        choice = ToolChoice("named", name)
-    else:
-        choice = ToolChoice(tool_choice or ("auto" if decoded else "none"))
-    if choice.mode == "required" and not decoded:
-        raise BadRequest("tool_choice 'required' needs at least one declared tool", param="tool_choice")
-    return decoded, choice
+        return decoded, decide_tool_choice("chat", names, name=tool_choice.function.name)
+    return decoded, decide_tool_choice("chat", names, tool_choice)
 
 
 MAX_LOGIT_BIAS = 100.0

@@ -34,7 +34,7 @@ from helios.domain.conversation import (
 from helios.domain.generation import GenerationOptions, GenerationRequest, OutputConstraint
 from helios.domain.model import ModelInfo
 from helios.errors import BadRequest
-from helios.frontends.common import thinking_budget, validate_stops, validate_token_stops
+from helios.frontends.common import decide_tool_choice, thinking_budget, validate_stops, validate_token_stops
 from helios.frontends.fields import (
     PROVIDER_ROWS,
     FieldTable,
@@ -499,19 +499,14 @@ def toolset_of(tools: list[ToolWire] | None, choice: ToolChoiceWire | None) -> t
 
 
 def _tool_choice(choice: ToolChoiceWire | None, declared: dict[str, DeclaredTool]) -> ToolChoice:
-    if choice is None:
-        return ToolChoice("auto" if declared else "none")
-    if type(choice) is not NamedToolChoice:
-        if choice == "required" and not declared:
-            raise BadRequest("tool_choice 'required' needs at least one declared tool", param="tool_choice")
-        return ToolChoice(cast("Literal['auto', 'none', 'required']", choice))
-    entry = declared.get(choice.name)
-    if entry is None:
-        raise BadRequest(f"tool_choice names '{choice.name}', which is not a declared tool", param="tool_choice.name")
-    if entry.kind != choice.type:
-        raise BadRequest(f"tool_choice selects a {choice.type} tool, but '{choice.name}' is a {entry.kind} tool",
+    if not isinstance(choice, NamedToolChoice):
+        return decide_tool_choice("responses", declared, choice)
+    chosen = decide_tool_choice("responses", declared, name=choice.name)
+    kind = declared[choice.name].kind
+    if kind != choice.type:
+        raise BadRequest(f"tool_choice selects a {choice.type} tool, but '{choice.name}' is a {kind} tool",
                          param="tool_choice.type")
-    return ToolChoice("named", choice.name)
+    return chosen
 
 
 # -- input items ----------------------------------------------------------------------------------
