@@ -50,6 +50,7 @@ from helios.domain.decisions import (
     render_value,
     score_confidence,
 )
+from helios.domain.images import sniff
 from helios.errors import BadRequest, UnprocessableEntity
 from helios.frontends.decisions.multipart import FormPart
 from helios.frontends.fields import honoured, ignored, wire_field
@@ -103,7 +104,6 @@ class SystemOnePlan:
 
 
 ASSET_FORMATS = {"png": "image/png", "jpeg": "image/jpeg", "jpg": "image/jpeg"}
-_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"))
 DANGER_ZONE_HEADER = "typesafe-danger-zone-images"
 
 Replace = Callable[[Any], Any]
@@ -399,8 +399,8 @@ def _image(key: str, value: Any, by_part: dict[str, FormPart], owner: dict[str, 
     asset: Base64Asset | PartAsset = structure(value, ImageAsset,  # type: ignore[arg-type]
                                                failure=lambda exc: _asset_failure(exc, where, value))
     data = asset.image_data(key, by_part, owner)
-    actual = next((media for magic, media in _MAGIC if data.startswith(magic)), None)
-    if actual is None:
+    actual = sniff(data)
+    if actual not in ("image/png", "image/jpeg"):
         raise BadRequest(f"{where} is not PNG or JPEG data; System One image assets are PNG or JPEG", param="assets")
     return ImagePart(asset.format or actual, data, where)
 
