@@ -43,8 +43,8 @@ class MakeEncoder(Protocol[G_contra]):
     model's name, the vocabulary and the first child's resolved sampling (an encoder ignores what it
     does not use: only Responses echoes the sampling, and Messages reads no tokens)."""
 
-    def __call__(self, plan: G_contra, prompts: Sequence[PreparedPrompt], *, model: str, vocab: TokenVocabulary,
-                 sampling: SamplingParams) -> Encoder: ...
+    def __call__(self, plan: G_contra, prompts: Sequence[PreparedPrompt], *, model: str,
+                 vocab: TokenVocabulary, sampling: SamplingParams) -> Encoder: ...
 
 
 @attrs.frozen

@@ -289,23 +289,6 @@ class ImageAsset:
     data_base64: Any = None
     """The image's base64 bytes, read only without a part: the part takes precedence (api.md)."""
 
-    def image_data(self, key: str, by_part: dict[str, FormPart], owner: dict[str, str]) -> bytes:
-        """The part's bytes, else the decoded data_base64; `owner` records which asset took each part
-        (every part belongs to one)."""
-        where = f"assets.{key}"
-        if self.part is None:
-            return structure(self.data_base64, Base64Bytes, failure=lambda exc: BadRequest(
-                f"{where}.data_base64 is not valid base64" if isinstance(exc, Invalid)
-                else f"{where} needs data_base64 (a base64 string) or a multipart part", param="assets"))
-        if self.part not in by_part:
-            raise BadRequest(f"{where}.part names {self.part!r}, which is not a part of this multipart body",
-                             param="assets")
-        if self.part in owner:
-            raise BadRequest(f"multipart part '{self.part}' belongs to both assets '{owner[self.part]}' and '{key}'; "
-                             "every part must belong to exactly one asset", param="assets")
-        owner[self.part] = key
-        return by_part[self.part].data
-
 
 def parse_body(body: bytes) -> Any:
     if not body:
@@ -362,12 +345,24 @@ def _assets(assets: Any, parts: Sequence[FormPart]) -> dict[str, ImagePart]:
 
 
 def _image(key: str, value: Any, by_part: dict[str, FormPart], owner: dict[str, str]) -> ImagePart:
-    """One asset's image, from its data or its part."""
+    """One asset's image: the bytes of the part it names, else its decoded data_base64."""
     where = f"assets.{key}"
     if not key:
         raise BadRequest("asset references must be nonempty strings", param="assets")
     asset = structure(value, ImageAsset, failure=lambda exc: _asset_failure(exc, where, value))
-    data = asset.image_data(key, by_part, owner)
+    data: bytes
+    if asset.part is None:  # owner records which asset took each part (every part belongs to one)
+        data = structure(asset.data_base64, Base64Bytes, failure=lambda exc: BadRequest(
+            f"{where}.data_base64 is not valid base64" if isinstance(exc, Invalid)
+            else f"{where} needs data_base64 (a base64 string) or a multipart part", param="assets"))
+    elif asset.part not in by_part:
+        raise BadRequest(_ASSET_MESSAGES["part"].format(where=where, value=asset.part), param="assets")
+    elif asset.part in owner:
+        raise BadRequest(f"multipart part '{asset.part}' belongs to both assets '{owner[asset.part]}' and "
+                         f"'{key}'; every part must belong to exactly one asset", param="assets")
+    else:
+        owner[asset.part] = key
+        data = by_part[asset.part].data
     actual = sniff(data)
     if actual not in ("image/png", "image/jpeg"):
         raise BadRequest(f"{where} is not PNG or JPEG data; System One image assets are PNG or JPEG", param="assets")
