@@ -16,6 +16,28 @@ from typing import Protocol
 
 import attrs
 
+# Signatures of formats we name when rejecting them (the accepted three first).
+_SIGNATURES: tuple[tuple[bytes, str], ...] = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+    (b"BM", "image/bmp"),
+    (b"II*\x00", "image/tiff"),
+    (b"MM\x00*", "image/tiff"),
+)
+
+
+def sniff(data: bytes) -> str | None:
+    """The media type the bytes' signature says (None: no known signature); the image pipeline and
+    System One's assets read it."""
+    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    for sig, media in _SIGNATURES:
+        if data.startswith(sig):
+            return media
+    return None
+
 
 @attrs.frozen
 class ImageSource:

@@ -12,12 +12,6 @@ from helios.frontends.anthropic import messages, messages_encoder
 from helios.http.context import RequestContext
 from helios.http.dispatch import Route
 from helios.http.endpoint import Endpoint, Generation
-from helios.serving.pipeline import Prepared, Service
-
-
-def message_encoder(plan: messages.MessagesPlan, prepared: Prepared, svc: Service) -> messages_encoder.MessagesEncoder:
-    return messages_encoder.MessagesEncoder(plan, prepared.prompts, model=svc.info.public_id)
-
 
 MESSAGES = Endpoint(limits.MESSAGES, messages.decode_request, anthropic=True)
 # Rendering and tokenizing take a slot like a generation's preparation.
@@ -31,6 +25,6 @@ async def count_tokens(ctx: RequestContext) -> None:
 
 
 ROUTES: list[Route] = [
-    ("POST", "/v1/messages", Generation(MESSAGES, message_encoder)),
+    ("POST", "/v1/messages", Generation(MESSAGES, messages_encoder.MessagesEncoder)),
     ("POST", "/v1/messages/count_tokens", count_tokens),
 ]

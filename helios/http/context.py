@@ -19,7 +19,7 @@ from helios.http.sse import EventStream
 from helios.http.state import ServerState
 from helios.obs import access
 from helios.serving.drive import Encoder, run_buffered, run_streamed
-from helios.serving.pipeline import Prepared, Service
+from helios.serving.pipeline import Prepared, Service, exception_leaves
 
 # On every 429 for exhausted HTTP admission slots: a slot frees as soon as any response is delivered.
 RETRY_AFTER = ((b"retry-after", b"1"),)
@@ -147,16 +147,10 @@ class RequestContext:
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # Re-raise the single application error trio wrapped, so it keeps its status.
-            leaves = _leaves(group)
+            leaves = exception_leaves(group)
             if len(leaves) == 1 and isinstance(leaves[0], Exception):
                 raise leaves[0] from None
             raise
 
 
 Handler = Callable[[RequestContext], Awaitable[None]]
-
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for e in exc.exceptions for leaf in _leaves(e)]
-    return [exc]

@@ -4,7 +4,8 @@ An `Endpoint` declares how a POST route's JSON request is accepted: the protocol
 (bearer, or Anthropic's x-api-key with its `anthropic-version` header), the body's item limits, the
 frontend decoder (run on the frontend pool) and the HTTP admission slots a decoded request takes.
 A `Generation` is a route handler: it accepts its endpoint's request, prepares the generation once,
-builds the protocol's encoder and runs it through the one driver, buffered or streamed."""
+makes the protocol's encoder (every encoder takes the same arguments, `MakeEncoder`) and runs it
+through the one driver, buffered or streamed."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 
-from helios.domain.generation import GenerationRequest
-from helios.domain.model import ModelInfo
+from helios.domain.generation import GenerationRequest, PreparedPrompt
+from helios.domain.model import ModelInfo, TokenVocabulary
+from helios.domain.sampling import SamplingParams
 from helios.frontends.anthropic.messages import check_version
 from helios.frontends.wire import CountLimit
 from helios.http.context import RequestContext
 from helios.serving.drive import Encoder
-from helios.serving.pipeline import Prepared, Service
 
 
 class GenerationPlan(Protocol):
@@ -34,17 +35,23 @@ class GenerationPlan(Protocol):
 
 P = TypeVar("P")
 G = TypeVar("G", bound=GenerationPlan)
+G_contra = TypeVar("G_contra", bound=GenerationPlan, contravariant=True)
 
 
-def one_slot(plan: object) -> int:
-    return 1
+class MakeEncoder(Protocol[G_contra]):
+    """A protocol's encoder for a prepared request: its plan, the prompts as tokenized, the served
+    model's name, the vocabulary and the first child's resolved sampling (an encoder ignores what it
+    does not use: only Responses echoes the sampling, and Messages reads no tokens)."""
+
+    def __call__(self, plan: G_contra, prompts: Sequence[PreparedPrompt], *, model: str,
+                 vocab: TokenVocabulary, sampling: SamplingParams) -> Encoder: ...
 
 
 @attrs.frozen
 class Endpoint(Generic[P]):
     limits: Sequence[CountLimit]
     decode: Callable[[dict[str, Any], ModelInfo], P]
-    slots: Callable[[P], int] = one_slot
+    slots: Callable[[P], int] = lambda plan: 1
     """Admission slots, from the decoded request (before any prompt is tokenized)."""
     anthropic: bool = False
 
@@ -61,10 +68,13 @@ class Endpoint(Generic[P]):
 @attrs.frozen
 class Generation(Generic[G]):
     endpoint: Endpoint[G]
-    encoder: Callable[[G, Prepared, Service], Encoder]
+    encoder: MakeEncoder[G]
 
     async def __call__(self, ctx: RequestContext) -> None:
         plan = await self.endpoint.accept(ctx)
         svc = ctx.svc
         prepared = await svc.prepare(plan.generation)
-        await ctx.generate(prepared, self.encoder(plan, prepared, svc), stream=plan.stream)
+        # The first child's sampling (a request that submits nothing reads none: Completions' max_tokens 0)
+        sampling = prepared.children[0].sampling if prepared.children else SamplingParams()
+        encoder = self.encoder(plan, prepared.prompts, model=svc.info.public_id, vocab=svc, sampling=sampling)
+        await ctx.generate(prepared, encoder, stream=plan.stream)

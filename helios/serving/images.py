@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import attrs
 from PIL import Image, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
 
-from helios.domain.images import ImageCost, ImageSource, VisionLimits, VisionProfile
+from helios.domain.images import ImageCost, ImageSource, VisionLimits, VisionProfile, sniff
 from helios.errors import BadRequest
 
 if TYPE_CHECKING:
@@ -55,29 +55,8 @@ MEDIA_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "MPO": "image/jpeg", "W
 picture is the image."""
 FORMAT_NAMES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WebP"}
 
-# Signatures of formats we name when rejecting them (the accepted three first).
-_SIGNATURES: tuple[tuple[bytes, str], ...] = (
-    (b"\x89PNG\r\n\x1a\n", "image/png"),
-    (b"\xff\xd8\xff", "image/jpeg"),
-    (b"GIF87a", "image/gif"),
-    (b"GIF89a", "image/gif"),
-    (b"BM", "image/bmp"),
-    (b"II*\x00", "image/tiff"),
-    (b"MM\x00*", "image/tiff"),
-)
-
 SOURCE_ENTRY_BYTES = 256
 """What one source description is charged in the source cache's byte budget."""
-
-
-def sniff(data: bytes) -> str | None:
-    """The media type the bytes' signature says (None: no known signature)."""
-    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "image/webp"
-    for sig, media in _SIGNATURES:
-        if data.startswith(sig):
-            return media
-    return None
 
 
 # -- host caches ---------------------------------------------------------------------------------

@@ -498,7 +498,7 @@ class Service:
                         nursery.cancel_scope.cancel()
             except BaseExceptionGroup as group:
                 # The caller's own exception (or one pump's) surfaces as itself, not wrapped.
-                leaves = _leaves(group)
+                leaves = exception_leaves(group)
                 if len(leaves) == 1:
                     raise leaves[0] from None
                 raise
@@ -522,10 +522,11 @@ def _check_constraint_conflicts(req: GenerationRequest) -> None:
                          f"with {what}", param=req.input_param)
 
 
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:  # type: ignore[type-arg]
+def exception_leaves(group: BaseExceptionGroup) -> list[BaseException]:  # type: ignore[type-arg]
+    """The exceptions an exception group holds, nested groups flattened (the HTTP context's too)."""
     out: list[BaseException] = []
     for e in group.exceptions:
-        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+        out.extend(exception_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
     return out
 
 

@@ -59,7 +59,7 @@ class MessagesEncoder:
     stream ends with `fail`'s `error` event."""
 
     def __init__(self, plan: MessagesPlan, prompts: Sequence[PreparedPrompt], *, model: str,
-                 message_id: str | None = None) -> None:
+                 message_id: str | None = None, vocab: object = None, sampling: object = None) -> None:
         self.id = message_id or "msg_" + uuid.uuid4().hex
         self.model = model
         self.hide_thinking = plan.hide_thinking

@@ -61,10 +61,9 @@ def boundary_of(content_type: str) -> bytes:
     boundary = params.get("boundary", "")
     if not 1 <= len(boundary) <= 70:
         raise BadRequest("multipart/form-data needs a boundary parameter of 1 to 70 characters")
-    try:
-        return boundary.encode("ascii")
-    except UnicodeEncodeError:
-        raise BadRequest("the multipart boundary must be ASCII") from None
+    if not boundary.isascii():
+        raise BadRequest("the multipart boundary must be ASCII")
+    return boundary.encode("ascii")
 
 
 def parse_form_data(body: bytes, content_type: str) -> list[FormPart]:

@@ -50,15 +50,15 @@ from helios.domain.decisions import (
     render_value,
     score_confidence,
 )
+from helios.domain.images import sniff
 from helios.errors import BadRequest, UnprocessableEntity
 from helios.frontends.decisions.multipart import FormPart
-from helios.frontends.fields import honoured, ignored, wire_field
+from helios.frontends.fields import honoured, wire_field
 from helios.frontends.wire import (
     DETAILED,
     FAST,
     Base64Bytes,
     Invalid,
-    json_kind,
     loads_strict,
     register_leaf,
     structure,
@@ -103,7 +103,6 @@ class SystemOnePlan:
 
 
 ASSET_FORMATS = {"png": "image/png", "jpeg": "image/jpeg", "jpg": "image/jpeg"}
-_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"))
 DANGER_ZONE_HEADER = "typesafe-danger-zone-images"
 
 Replace = Callable[[Any], Any]
@@ -112,12 +111,6 @@ Replace = Callable[[Any], Any]
 
 def _as_is(value: Any) -> Any:
     return value
-
-
-def _register(t: Any, factory: Callable[[Any, cattrs.Converter], Callable[[Any, Any], Any]]) -> None:
-    """`t`'s hook on both wire converters, made by `factory` from the type and the converter."""
-    for converter in (FAST, DETAILED):
-        converter.register_structure_hook_factory(lambda x: x == t, factory)
 
 
 # -- the schema's leaves: JSON values kept as given, each refused with its own Jev entry ---------------
@@ -186,7 +179,8 @@ def _sized(t: Any, most: int) -> None:
 
         return hook
 
-    _register(t, factory)
+    for converter in (FAST, DETAILED):
+        converter.register_structure_hook_factory(lambda x: x == t, factory)
 
 
 # -- the request -------------------------------------------------------------------------------------
@@ -286,55 +280,14 @@ register_leaf(ImageFormat, _image_format)
 
 
 @attrs.define(kw_only=True)
-class Base64Asset:
+class ImageAsset:
     type: Literal["image"] = "image"
     format: ImageFormat | None = None
     """Absent: the media type the data's signature shows."""
-    data_base64: Base64Bytes
-
-    def image_data(self, key: str, by_part: dict[str, FormPart], owner: dict[str, str]) -> bytes:
-        return self.data_base64
-
-
-@attrs.define(kw_only=True)
-class PartAsset:
-    type: Literal["image"] = "image"
-    format: ImageFormat | None = None
-    part: str
+    part: str | None = None
     """The name of a multipart part: the image's bytes."""
-    data_base64: Any = wire_field(ignored("the multipart part takes precedence over data_base64 (api.md)"))
-
-    def image_data(self, key: str, by_part: dict[str, FormPart], owner: dict[str, str]) -> bytes:
-        """The part's bytes; `owner` records which asset took each part (every part belongs to one)."""
-        if self.part not in by_part:
-            raise BadRequest(f"assets.{key}.part names {self.part!r}, which is not a part of this multipart body",
-                             param="assets")
-        if self.part in owner:
-            raise BadRequest(f"multipart part '{self.part}' belongs to both assets '{owner[self.part]}' and '{key}'; "
-                             "every part must belong to exactly one asset", param="assets")
-        owner[self.part] = key
-        return by_part[self.part].data
-
-
-ImageAsset = Base64Asset | PartAsset
-"""An image asset: a part's bytes where ``part`` names one, else its data_base64. No tag picks the
-member: a non-null ``part`` does."""
-
-
-def _image_asset(_t: Any, converter: cattrs.Converter) -> Callable[[Any, Any], Any]:
-    part_hook, data_hook = converter.get_structure_hook(PartAsset), converter.get_structure_hook(Base64Asset)
-
-    def hook(v: Any, _t: Any) -> Any:
-        if type(v) is not dict:
-            raise TypeError(f"expected an object, got {json_kind(v)}")
-        if v.get("part") is not None:
-            return part_hook(v, PartAsset)
-        return data_hook({k: x for k, x in v.items() if k != "part"}, Base64Asset)
-
-    return hook
-
-
-_register(ImageAsset, _image_asset)
+    data_base64: Any = None
+    """The image's base64 bytes, read only without a part: the part takes precedence (api.md)."""
 
 
 def parse_body(body: bytes) -> Any:
@@ -392,15 +345,26 @@ def _assets(assets: Any, parts: Sequence[FormPart]) -> dict[str, ImagePart]:
 
 
 def _image(key: str, value: Any, by_part: dict[str, FormPart], owner: dict[str, str]) -> ImagePart:
-    """One asset's image, from its data or its part."""
+    """One asset's image: the bytes of the part it names, else its decoded data_base64."""
     where = f"assets.{key}"
     if not key:
         raise BadRequest("asset references must be nonempty strings", param="assets")
-    asset: Base64Asset | PartAsset = structure(value, ImageAsset,  # type: ignore[arg-type]
-                                               failure=lambda exc: _asset_failure(exc, where, value))
-    data = asset.image_data(key, by_part, owner)
-    actual = next((media for magic, media in _MAGIC if data.startswith(magic)), None)
-    if actual is None:
+    asset = structure(value, ImageAsset, failure=lambda exc: _asset_failure(exc, where, value))
+    data: bytes
+    if asset.part is None:  # owner records which asset took each part (every part belongs to one)
+        data = structure(asset.data_base64, Base64Bytes, failure=lambda exc: BadRequest(
+            f"{where}.data_base64 is not valid base64" if isinstance(exc, Invalid)
+            else f"{where} needs data_base64 (a base64 string) or a multipart part", param="assets"))
+    elif asset.part not in by_part:
+        raise BadRequest(_ASSET_MESSAGES["part"].format(where=where, value=asset.part), param="assets")
+    elif asset.part in owner:
+        raise BadRequest(f"multipart part '{asset.part}' belongs to both assets '{owner[asset.part]}' and "
+                         f"'{key}'; every part must belong to exactly one asset", param="assets")
+    else:
+        owner[asset.part] = key
+        data = by_part[asset.part].data
+    actual = sniff(data)
+    if actual not in ("image/png", "image/jpeg"):
         raise BadRequest(f"{where} is not PNG or JPEG data; System One image assets are PNG or JPEG", param="assets")
     return ImagePart(asset.format or actual, data, where)
 
@@ -409,7 +373,6 @@ _ASSET_MESSAGES = {
     "type": "{where}: only image assets are supported, not {value!r}",
     "format": "{where}.format must be png or jpeg",
     "part": "{where}.part names {value!r}, which is not a part of this multipart body",
-    "data_base64": "{where} needs data_base64 (a base64 string) or a multipart part",
 }
 
 
@@ -421,11 +384,8 @@ def _asset_failure(exc: BaseException, where: str, asset: Any) -> BadRequest:
     if extra:
         return BadRequest(f"{where}: unknown field(s) {', '.join(extra)}; an image asset has type, format, "
                           "data_base64 or part", param="assets")
-    first = exc.exceptions[0]
-    name = _note(first, AttributeValidationNote).name
-    message = (f"{where}.data_base64 is not valid base64" if isinstance(first, Invalid) and name == "data_base64"
-               else _ASSET_MESSAGES[name].format(where=where, value=asset.get(name)))
-    return BadRequest(message, param="assets")
+    name = _note(exc.exceptions[0], AttributeValidationNote).name
+    return BadRequest(_ASSET_MESSAGES[name].format(where=where, value=asset.get(name)), param="assets")
 
 
 def _replacer(markers: dict[str, str], used: set[str]) -> Replace:

@@ -25,30 +25,24 @@ UNKNOWN_TIME = "0001-01-01T00:00:00Z"
 FORMAT = "flare"
 
 
-def details() -> dict[str, Any]:
-    """Ollama's details object; family, parameter-count and quantization labels are unavailable."""
-    return {"parent_model": "", "format": FORMAT, "family": "", "families": [], "parameter_size": "",
-            "quantization_level": ""}
-
-
-def capabilities(info: ModelInfo) -> list[str]:
-    flags = {"vision": info.has_vision, "tools": info.has_tools, "thinking": info.has_reasoning}
-    return ["completion", *(cap for cap, on in flags.items() if on)]
-
-
-def model_info(info: ModelInfo) -> dict[str, Any]:
-    """general.name plus the flare.* limits (a vision model's image limits too, under the flare
-    card's names). general.architecture names the flare.* prefix so that clients which look up
-    `<architecture>.context_length` find the serving limit."""
-    limits = {"context_length": info.max_model_len, "vocab_size": info.vocab_size,
-              **(info.vision.card_fields() if info.has_vision else {})}
-    return {"general.architecture": FORMAT, "general.name": info.public_id,
-            **{f"{FORMAT}.{k}": v for k, v in limits.items()}}
+DETAILS = {"parent_model": "", "format": FORMAT, "family": "", "families": [], "parameter_size": "",
+           "quantization_level": ""}
+"""Ollama's details object; family, parameter-count and quantization labels are unavailable."""
 
 
 def metadata(info: ModelInfo) -> dict[str, Any]:
-    """What /api/show answers and the digest covers: details, model_info and capabilities."""
-    return {"details": details(), "model_info": model_info(info), "capabilities": capabilities(info)}
+    """What /api/show answers and the digest covers: details, model_info and capabilities.
+
+    model_info is general.name plus the flare.* limits (a vision model's image limits too, under the
+    flare card's names); general.architecture names the flare.* prefix so that clients which look up
+    `<architecture>.context_length` find the serving limit."""
+    limits = {"context_length": info.max_model_len, "vocab_size": info.vocab_size,
+              **(info.vision.card_fields() if info.has_vision else {})}
+    flags = {"vision": info.has_vision, "tools": info.has_tools, "thinking": info.has_reasoning}
+    return {"details": DETAILS,
+            "model_info": {"general.architecture": FORMAT, "general.name": info.public_id,
+                           **{f"{FORMAT}.{k}": v for k, v in limits.items()}},
+            "capabilities": ["completion", *(cap for cap, on in flags.items() if on)]}
 
 
 def digest(info: ModelInfo) -> str:
@@ -63,7 +57,7 @@ def digest(info: ModelInfo) -> str:
 def tags(info: ModelInfo) -> dict[str, Any]:
     """GET /api/tags: the loaded model as Ollama's local-model listing."""
     return {"models": [{"name": info.public_id, "model": info.public_id, "modified_at": UNKNOWN_TIME, "size": 0,
-                        "digest": digest(info), "details": details()}]}
+                        "digest": digest(info), "details": DETAILS}]}
 
 
 @attrs.define(kw_only=True)

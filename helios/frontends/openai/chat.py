@@ -549,7 +549,7 @@ class ChatEncoder(ChoiceEncoder[ChatPlan]):
     chunk_shape = shapes.ChatCompletionChunk
 
     def __init__(self, plan: ChatPlan, prompts: Sequence[PreparedPrompt], *, model: str,
-                 vocab: TokenVocabulary) -> None:
+                 vocab: TokenVocabulary, sampling: object = None) -> None:
         super().__init__(plan, prompts, model=model, vocab=vocab)
         self._started = [False] * len(self.accs)
         self._tool_index = [0] * len(self.accs)

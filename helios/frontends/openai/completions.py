@@ -176,7 +176,7 @@ class CompletionEncoder(chat.ChoiceEncoder[CompletionPlan]):
     usage_details = False
 
     def __init__(self, plan: CompletionPlan, prompts: Sequence[PreparedPrompt], *, model: str,
-                 vocab: TokenVocabulary) -> None:
+                 vocab: TokenVocabulary, sampling: object = None) -> None:
         super().__init__(plan, prompts, model=model, vocab=vocab)
         self.n = plan.options.n
         num = len(self.accs)
