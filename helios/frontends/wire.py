@@ -594,14 +594,19 @@ def _loads(text: str | bytes) -> Any:
     try:
         return _DECODER.decode(text)
     except RecursionError:  # the parser recurses per level: far past MAX_JSON_DEPTH
-        raise _too_deep(None) from None
+        raise _too_deep("") from None
 
 
 def check_document(obj: Any) -> None:
     """Nesting at most MAX_JSON_DEPTH and only Unicode scalar text (keys included): the one check
-    every decoded JSON document passes; iterative, so no document is too deep for it."""
-    if not _document_ok(obj):
-        raise _locate_problem(obj)
+    every decoded JSON document passes; JSONShapeError for its first problem in document order."""
+    found = _first_problem([obj], 0)  # the document as the one item of a list, below any depth limit
+    if found is not None:
+        error, *steps, _ = found  # `_`: the wrapping list's index
+        where = ""
+        for step in reversed(steps):
+            where = _join(where, step)
+        raise error(where)
 
 
 @attrs.frozen
@@ -712,59 +717,41 @@ def _is_scalar_text(text: str) -> bool:
     return text.isascii() or _SURROGATE.search(text) is None
 
 
-def _document_ok(obj: Any) -> bool:
-    """The fast pass: no paths built, only containers on the stack."""
-    if type(obj) is str:
-        return _is_scalar_text(obj)
-    stack: list[tuple[Any, int]] = [(obj, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            return False
-        if type(value) is dict:
-            for key in value:
-                if not _is_scalar_text(key):
-                    return False
-            items: Any = value.values()
-        elif type(value) is list:
-            items = value
+def _first_problem(value: dict[str, Any] | list[Any], depth: int) -> list[Any] | None:
+    """The first problem in a container (`depth` levels deep), in document order: None, or the
+    constructor of its JSONShapeError followed by the path's steps below `value`, innermost first
+    (each level appends its step, looked up only once a problem is found: a valid document builds no
+    paths). Recursive, but at most MAX_JSON_DEPTH levels: deeper is the problem."""
+    if depth > MAX_JSON_DEPTH:
+        return [_too_deep]
+    if type(value) is dict:
+        for key in value:
+            if not _is_scalar_text(key):
+                return [_text_error, "<key>"]
+        items: Any = value.values()
+    else:
+        items = value
+    found: list[Any] | None
+    for item in items:
+        kind = type(item)
+        if kind is str:
+            if _is_scalar_text(item):
+                continue
+            found = [_text_error]
+        elif kind is dict or kind is list:
+            found = _first_problem(item, depth + 1)
+            if found is None:
+                continue
         else:
             continue
-        for item in items:
-            kind = type(item)
-            if kind is str:
-                if not _is_scalar_text(item):
-                    return False
-            elif kind is dict or kind is list:
-                stack.append((item, depth + 1))
-    return True
+        pairs = value.items() if type(value) is dict else enumerate(value)
+        found.append(next(step for step, v in pairs if v is item))
+        return found
+    return None
 
 
-def _locate_problem(obj: Any) -> JSONShapeError:
-    """The slow pass, after the fast one failed: the first problem in document order, with its path."""
-    stack: list[tuple[Any, int, str]] = [(obj, 1, "")]
-    while stack:
-        value, depth, where = stack.pop()
-        if isinstance(value, str):
-            if not _is_scalar_text(value):
-                return _text_error(where)
-            continue
-        if not isinstance(value, dict | list):
-            continue
-        if depth > MAX_JSON_DEPTH:
-            return _too_deep(re.split(r"[.\[]", where, maxsplit=1)[0] or None)  # the top-level field it is under
-        if isinstance(value, dict):
-            for key in value:
-                if not _is_scalar_text(key):
-                    return _text_error(f"{where}.<key>" if where else "<key>")
-            children = [(item, depth + 1, f"{where}.{key}" if where else key) for key, item in value.items()]
-        else:
-            children = [(item, depth + 1, f"{where}[{i}]") for i, item in enumerate(value)]
-        stack.extend(reversed(children))
-    return JSONShapeError("the JSON document is invalid", None)  # not reached after a failed fast pass
-
-
-def _too_deep(field: str | None) -> JSONShapeError:
+def _too_deep(where: str) -> JSONShapeError:
+    field = re.split(r"[.\[]", where, maxsplit=1)[0] or None  # the top-level field it is under
     return JSONShapeError(f"{f'{field!r}' if field else 'the JSON document'} is nested more than {MAX_JSON_DEPTH} "
                           f"levels deep (arrays and objects); at most {MAX_JSON_DEPTH} are accepted", field)
 
