@@ -32,10 +32,11 @@ it (`DETAILED`) to find the path.
 from __future__ import annotations
 
 import base64
+import functools
 import inspect
 import json
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from types import NoneType, UnionType
 from typing import Annotated, Any, Literal, NewType, TypeVar, Union, get_args, get_origin
 
@@ -65,8 +66,8 @@ tag), which the union knows but does not take; or a function of the tag returnin
 member declares only its tag."""
 BUILD = "__wire_build__"
 """A class attribute: a function taking fields of the class as keyword arguments (by alias; the ones it
-names, or all) and returning the value the class stands for, which both converters return in place of
-an instance (see `From`); or None, and they return the instance, whose fields not taken are defaults."""
+names) and returning the value the class stands for, which both converters return in place of an
+instance (see `From`); or None, and they return the instance."""
 
 
 @attrs.frozen
@@ -259,12 +260,6 @@ def _member_type(t: Any) -> Any:
     raise WireDeclarationError(f"no JSON kind for {t}")
 
 
-def _builder_params(build: Callable[..., Any]) -> frozenset[str] | None:
-    """The keyword arguments a `BUILD` function takes; None where it takes any (``**fields``)."""
-    params = inspect.signature(build).parameters.values()
-    return None if any(p.kind is p.VAR_KEYWORD for p in params) else frozenset(p.name for p in params)
-
-
 _LEAVES: dict[Any, Callable[[Any, Any], Any]] = {
     str: _exact(str), bool: _exact(bool), int: _exact(int), float: _exact(float), Any: _any,
     NonEmptyStr: _nonempty_str, JSONObjectText: _json_object_text, JSONObjectString: _json_object_string,
@@ -279,7 +274,6 @@ class WireConverter(cattrs.Converter):
     def __init__(self, *, detailed: bool) -> None:
         super().__init__(forbid_extra_keys=True, detailed_validation=detailed)
         self.detailed = detailed
-        self._tagged: dict[Any, tuple[str, dict[object, Callable[[Any, Any], Any]]]] = {}
         self._inline: dict[Callable[[Any, Any], Any], tuple[str, Any]] = {
             _LEAVES[t]: ("{w}.__class__ is {a}", t) for t in (str, bool, int)}
         """Hooks whose accepted values a fast function tests inline (calling the hook only to raise or
@@ -298,12 +292,24 @@ class WireConverter(cattrs.Converter):
 
     def list_factory(self, t: Any) -> Callable[[Any, Any], list[Any]]:
         """cattrs' list hook (the detailed one collects every failing element, each with its index)
-        for an array only; the fast hook of a list of tagged-union members is `_tagged_list`."""
+        for an array only; the fast converter's own hook for a list of tagged-union members."""
         args = get_args(t)
         elem = args[0] if args else Any
         elem = _built_from(elem) or elem
         if not self.detailed and _is_tagged_union(elem):  # the hot path: messages, parts, items
-            return self._tagged_list(elem)
+            # Each element's hook looked up by its tag: anything wrong raises (an absent tag too,
+            # unless a member takes it), and `structure` finds it again in detail.
+            tag, by_tag = self.tagged_members(elem)
+
+            def tagged_list(v: Any, _t: Any) -> list[Any]:
+                if type(v) is not list:
+                    raise TypeError(f"expected an array, got {json_kind(v)}")
+                out: list[Any] = []
+                for x in v:  # a loop: a comprehension's own function costs more on these short lists
+                    out.append(by_tag[x.get(tag, ABSENT)](x, elem))
+                return out
+
+            return tagged_list
         structure_list = list_structure_factory(t, self)
 
         def hook(v: Any, _t: Any) -> list[Any]:
@@ -314,35 +320,19 @@ class WireConverter(cattrs.Converter):
 
         return hook
 
-    def _tagged_list(self, elem: Any) -> Callable[[Any, Any], list[Any]]:
-        """The fast hook of a list of tagged-union members: each element's hook looked up by its tag
-        (anything wrong raises, an absent tag too unless a member takes it, and `structure` finds it
-        again in detail)."""
-        tag, by_tag = self.tagged_members(elem)
-
-        def tagged_list(v: Any, _t: Any) -> list[Any]:
-            if type(v) is not list:
-                raise TypeError(f"expected an array, got {json_kind(v)}")
-            out: list[Any] = []
-            for x in v:  # a loop: a comprehension's own function costs more on these short lists
-                out.append(by_tag[x.get(tag, ABSENT)](x, elem))
-            return out
-
-        return tagged_list
-
     def tagged_members(self, t: Any) -> tuple[str, dict[object, Callable[[Any, Any], Any]]]:
         """A tagged union's tag and, for each tag value, its member's hook (under `ABSENT`, the hook
-        of the member whose tag has a default: taken when the tag is absent, not when null)."""
-        if t not in self._tagged:
-            tag = _tag_of(get_args(t))
-            by_tag: dict[object, Callable[[Any, Any], Any]] = {}
-            for m in get_args(t):
-                hook = self.class_hook(m, checked=tag)
-                by_tag.update(dict.fromkeys(get_args(_field_types(m)[tag]), hook))
-                if attrs.fields_dict(m)[tag].default is not attrs.NOTHING:
-                    by_tag[ABSENT] = hook
-            self._tagged[t] = tag, by_tag
-        return self._tagged[t]
+        of the member whose tag has a default: taken when the tag is absent, not when null); a
+        `REFUSED` member's hook raises its 400."""
+        tag = _tag_of(get_args(t))
+        by_tag: dict[object, Callable[[Any, Any], Any]] = {}
+        for m in get_args(t):
+            refusal = getattr(m, REFUSED, None)
+            hook = functools.partial(_refuse, refusal, tag) if refusal else self.class_hook(m, checked=tag)
+            by_tag.update(dict.fromkeys(get_args(_field_types(m)[tag]), hook))
+            if attrs.fields_dict(m)[tag].default is not attrs.NOTHING:
+                by_tag[ABSENT] = hook
+        return tag, by_tag
 
     def tagged_factory(self, t: Any) -> Callable[[Any, Any], Any]:
         tag, by_tag = self.tagged_members(t)
@@ -410,15 +400,6 @@ class WireConverter(cattrs.Converter):
         its ignored and refused fields screened. `checked` names a field already validated (a tagged
         union's tag), structured as is; a union member's value is an object (the union checked it),
         any other class's value is checked here."""
-        refusal: str | Callable[[str], Invalid] | None = getattr(t, REFUSED, None)
-        if refusal is not None and checked is not None:
-            template, tag = refusal, checked
-            refuse = template if callable(template) else lambda value: Invalid(template.format(value=value), at=tag)
-
-            def refused(v: Any, _t: Any) -> Any:
-                raise refuse(v[tag])
-
-            return refused
         hooks: dict[str, Callable[[Any, Any], Any]] = {} if checked is None else {checked: _any}
         hints = _field_types(t)
         for name, row in policy_rows(t).items():
@@ -426,13 +407,13 @@ class WireConverter(cattrs.Converter):
                                                                     or row.check is not None)):
                 hooks[name] = self._screened(hints[name], name, row)
         forbid = not getattr(t, LENIENT, False)
+        build: Callable[..., Any] | None = getattr(t, BUILD, None)
+        takes = () if build is None else inspect.signature(build).parameters  # the builder's fields
         if not self.detailed:  # a non-member's object check is in the function
-            return self._fast_class_fn(t, hooks, forbid, check_object=checked is None)
+            return self._fast_class_fn(t, hooks, forbid, build, takes, check_object=checked is None)
         overrides: dict[str, Any] = {name: override(struct_hook=h) for name, h in hooks.items()}
         instance_fn = make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=forbid, **overrides)
-        build: Callable[..., Any] | None = getattr(t, BUILD, None)
-        takes = None if build is None else _builder_params(build)
-        names = [(f.alias, f.name) for f in attrs.fields(t) if takes is None or f.alias in takes]
+        names = [(f.alias, f.name) for f in attrs.fields(t) if f.alias in takes]
 
         def detailed(v: Any, _t: Any) -> Any:  # the instance, or the value a builder makes of its fields
             if checked is None and type(v) is not dict:
@@ -444,17 +425,16 @@ class WireConverter(cattrs.Converter):
         return detailed
 
     def _fast_class_fn(self, t: Any, hooks: Mapping[str, Callable[[Any, Any], Any]], forbid: bool,
+                       build: Callable[..., Any] | None, takes: Container[str],
                        check_object: bool) -> Callable[[Any, Any], Any]:
         """The fast converter's function for attrs class `t`: one generated call of `t` with each
         key's value structured by its field's hook (`hooks` first) or its default where absent,
         unknown keys refused where `forbid`. It accepts exactly what cattrs' detailed function
         accepts, without that one's bookkeeping: the tag (`_any`) is passed as is and the leaves,
         literals and kind unions of `_inline` are tested inline, calling their hook only to raise or
-        convert. A class that `BUILD`s its value calls that instead of the class, with the fields it
-        takes (the others are structured for their errors only); `check_object` tests that the value
-        is an object."""
-        build = getattr(t, BUILD, None)
-        takes = None if build is None else _builder_params(build)  # a builder's fields; None: all
+        convert. A class that `BUILD`s its value calls `build` instead of the class, with the fields it
+        `takes` (the others are structured for their errors only); `check_object` tests that the
+        value is an object."""
         globs: dict[str, Any] = {"cls": t, "build": build, "allowed": frozenset(f.name for f in attrs.fields(t)),
                                  "extra_keys": _extra_keys, "not_object": _not_object}
         lines = ["def structure(o, _t):"]
@@ -478,7 +458,7 @@ class WireConverter(cattrs.Converter):
                 continue
             lines.append(f"    f{k} = {value}")  # untaken by the builder: for its errors and the instance
             every.append(f"{f.alias}=f{k}")
-            if takes is None or f.alias in takes:
+            if f.alias in takes:
                 args.append(f"{f.alias}=f{k}")
         if build is None:
             lines.append(f"    return cls({', '.join(args)})")
@@ -514,6 +494,11 @@ class WireConverter(cattrs.Converter):
             return value
 
         return hook
+
+
+def _refuse(refusal: str | Callable[[str], Invalid], tag: str, v: Any, _t: Any) -> Any:
+    """A `REFUSED` tagged-union member's hook: its 400 for the tag's value."""
+    raise refusal(v[tag]) if callable(refusal) else Invalid(refusal.format(value=v[tag]), at=tag)
 
 
 def _not_object(v: Any) -> None:
