@@ -178,18 +178,15 @@ def _nonempty_str(v: Any, _t: Any) -> str:
     return v
 
 
-def _json_object_string(v: Any, _t: Any) -> dict[str, Any]:
-    if not isinstance(v, str):
-        raise Invalid("must be a JSON string")
-    return _json_object_text(v, _t)
-
-
-def _json_object_text(v: Any, _t: Any) -> dict[str, Any]:
+def _json_object_text(v: Any, t: Any) -> dict[str, Any]:
+    """The hook of `JSONObjectText` and `JSONObjectString` (`t`, the one structured)."""
     if isinstance(v, str):
         try:
             v = loads_strict(v) if v.strip() else {}
-        except (ValueError, RecursionError):
+        except ValueError:  # JSONShapeError (too deep) too: the parser's RecursionError is one
             raise Invalid("must be a JSON object") from None
+    elif t is JSONObjectString:
+        raise Invalid("must be a JSON string")
     if not isinstance(v, dict):
         raise Invalid("must be a JSON object")
     return v
@@ -213,10 +210,6 @@ def _is_tagged_union(t: Any) -> bool:
 
 def _is_class(t: Any) -> bool:
     return isinstance(t, type) and attrs.has(t)
-
-
-def _is_built(t: Any) -> bool:
-    return _built_from(t) is not None
 
 
 def _built_from(t: Any) -> Any:
@@ -247,7 +240,7 @@ def _member_type(t: Any) -> Any:
     """The Python type of a kind union member's JSON values (its key in `JSON_KINDS`)."""
     if isinstance(t, NewType):  # a checked leaf: its base type's kind
         return _member_type(t.__supertype__)
-    if _is_built(t):
+    if _built_from(t) is not None:
         return _member_type(_built_from(t))
     if _is_literal(t) and all(isinstance(a, str) for a in get_args(t)):
         return str
@@ -262,7 +255,7 @@ def _member_type(t: Any) -> Any:
 
 _LEAVES: dict[Any, Callable[[Any, Any], Any]] = {
     str: _exact(str), bool: _exact(bool), int: _exact(int), float: _exact(float), Any: _any,
-    NonEmptyStr: _nonempty_str, JSONObjectText: _json_object_text, JSONObjectString: _json_object_string,
+    NonEmptyStr: _nonempty_str, JSONObjectText: _json_object_text, JSONObjectString: _json_object_text,
     Base64Bytes: _base64_bytes}
 
 
@@ -287,7 +280,8 @@ class WireConverter(cattrs.Converter):
                                    (_is_tagged_union, self.tagged_factory),
                                    (lambda t: _is_union(t) and not _is_tagged_union(t), self.kind_factory),
                                    (_is_class, self.class_hook),
-                                   (_is_built, lambda t: self.get_structure_hook(_built_from(t)))):
+                                   (lambda t: _built_from(t) is not None,
+                                    lambda t: self.get_structure_hook(_built_from(t)))):
             self.register_structure_hook_factory(predicate, factory)
 
     def list_factory(self, t: Any) -> Callable[[Any, Any], list[Any]]:
@@ -536,14 +530,14 @@ def parse_json_object(body: bytes, limits: Sequence[CountLimit] = ()) -> dict[st
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
         obj = _loads(body)
-        if not isinstance(obj, dict):
-            raise BadRequest("the request body must be a JSON object")
-        check_counts(obj, limits)  # BadRequest, not a ValueError
-        check_document(obj)
-    except JSONShapeError as exc:
-        raise BadRequest(str(exc), param=exc.param) from None
+    except JSONShapeError:  # a 400 as it is
+        raise
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise BadRequest(f"malformed JSON body: {exc}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("the request body must be a JSON object")
+    check_counts(obj, limits)
+    check_document(obj)
     return obj
 
 
@@ -553,13 +547,10 @@ tool-call arguments), the document itself counting as one. Far below what every 
 (the chat template's `_plain` and `_container_ids`, Jinja's `tojson`, `json.dumps`) can take."""
 
 
-class JSONShapeError(ValueError):
+class JSONShapeError(BadRequest, ValueError):
     """A JSON document nested deeper than MAX_JSON_DEPTH, or with a string (a key or a value) that is
-    not a sequence of Unicode scalar values (a lone surrogate such as "\\ud800"); `param` names where."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.param = param
+    not a sequence of Unicode scalar values (a lone surrogate such as "\\ud800"); `param` names where.
+    A request body's 400 as it is; a ValueError to `loads_strict`'s callers (JSON inside a body)."""
 
 
 def loads_strict(text: str | bytes) -> Any:
@@ -738,9 +729,9 @@ def _first_problem(value: dict[str, Any] | list[Any], depth: int) -> list[Any] |
 def _too_deep(where: str) -> JSONShapeError:
     field = re.split(r"[.\[]", where, maxsplit=1)[0] or None  # the top-level field it is under
     return JSONShapeError(f"{f'{field!r}' if field else 'the JSON document'} is nested more than {MAX_JSON_DEPTH} "
-                          f"levels deep (arrays and objects); at most {MAX_JSON_DEPTH} are accepted", field)
+                          f"levels deep (arrays and objects); at most {MAX_JSON_DEPTH} are accepted", param=field)
 
 
 def _text_error(where: str) -> JSONShapeError:
     return JSONShapeError(f"{where or 'the JSON document'} is not valid Unicode text: it contains a lone UTF-16 "
-                          "surrogate (an unpaired \\ud800-\\udfff escape)", where or None)
+                          "surrogate (an unpaired \\ud800-\\udfff escape)", param=where or None)
