@@ -436,29 +436,25 @@ class WireConverter(cattrs.Converter):
             lines.append("    if o.__class__ is not dict: not_object(o)")
         if forbid:
             lines.append("    if not o.keys() <= allowed: extra_keys(o, allowed, cls)")
-        args: list[str] = []  # the builder's arguments, or the class's
-        every: list[str] = []  # a builder's class: every field, for the instance where it returns None
-        for k, f in enumerate(attrs.fields(attrs.resolve_types(t))):
+        fields = attrs.fields(attrs.resolve_types(t))
+        values: list[str] = []  # each field's value: its expression, or a builder's class's local
+        for k, f in enumerate(fields):
             key = repr(f.name)  # the JSON key, as cattrs reads it; `alias` is the init argument
             value = self._value_code(k, key, hooks.get(f.name) or self.get_structure_hook(f.type), f.type, globs)
-            if isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
-                globs[f"d{k}"] = f.default.factory
-                value = f"({value} if {key} in o else d{k}())"
-            elif f.default is not attrs.NOTHING:
-                globs[f"d{k}"] = f.default
-                value = f"({value} if {key} in o else d{k})"
-            if build is None:
-                args.append(f"{f.alias}={value}")
-                continue
-            lines.append(f"    f{k} = {value}")  # untaken by the builder: for its errors and the instance
-            every.append(f"{f.alias}=f{k}")
-            if f.alias in takes:
-                args.append(f"{f.alias}=f{k}")
+            if f.default is not attrs.NOTHING:
+                factory = isinstance(f.default, attrs.Factory)  # type: ignore[arg-type]
+                globs[f"d{k}"] = f.default.factory if factory else f.default
+                value = f"({value} if {key} in o else d{k}{'()' if factory else ''})"
+            if build is not None:  # every field first, taken or not: for its errors and the instance
+                lines.append(f"    f{k} = {value}")
+                value = f"f{k}"
+            values.append(value)
+        instance = f"cls({', '.join(f'{f.alias}={v}' for f, v in zip(fields, values, strict=True))})"
         if build is None:
-            lines.append(f"    return cls({', '.join(args)})")
+            lines.append(f"    return {instance}")
         else:
-            lines += [f"    value = build({', '.join(args)})",
-                      f"    return value if value is not None else cls({', '.join(every)})"]
+            taken = ", ".join(f"{f.alias}={v}" for f, v in zip(fields, values, strict=True) if f.alias in takes)
+            lines += [f"    value = build({taken})", f"    return value if value is not None else {instance}"]
         exec(compile("\n".join(lines), f"<wire structure {t.__qualname__}>", "exec"), globs)
         fn: Callable[[Any, Any], Any] = globs["structure"]
         return fn
