@@ -266,7 +266,6 @@ class WireConverter(cattrs.Converter):
 
     def __init__(self, *, detailed: bool) -> None:
         super().__init__(forbid_extra_keys=True, detailed_validation=detailed)
-        self.detailed = detailed
         self._inline: dict[Callable[[Any, Any], Any], tuple[str, Any]] = {
             _LEAVES[t]: ("{w}.__class__ is {a}", t) for t in (str, bool, int)}
         """Hooks whose accepted values a fast function tests inline (calling the hook only to raise or
@@ -287,10 +286,9 @@ class WireConverter(cattrs.Converter):
     def list_factory(self, t: Any) -> Callable[[Any, Any], list[Any]]:
         """cattrs' list hook (the detailed one collects every failing element, each with its index)
         for an array only; the fast converter's own hook for a list of tagged-union members."""
-        args = get_args(t)
-        elem = args[0] if args else Any
+        elem = next(iter(get_args(t)), Any)  # a bare list's: Any
         elem = _built_from(elem) or elem
-        if not self.detailed and _is_tagged_union(elem):  # the hot path: messages, parts, items
+        if not self.detailed_validation and _is_tagged_union(elem):  # the hot path: messages, parts, items
             # Each element's hook looked up by its tag: anything wrong raises (an absent tag too,
             # unless a member takes it), and `structure` finds it again in detail.
             tag, by_tag = self.tagged_members(elem)
@@ -403,7 +401,7 @@ class WireConverter(cattrs.Converter):
         forbid = not getattr(t, LENIENT, False)
         build: Callable[..., Any] | None = getattr(t, BUILD, None)
         takes = () if build is None else inspect.signature(build).parameters  # the builder's fields
-        if not self.detailed:  # a non-member's object check is in the function
+        if not self.detailed_validation:  # a non-member's object check is in the function
             return self._fast_class_fn(t, hooks, forbid, build, takes, check_object=checked is None)
         overrides: dict[str, Any] = {name: override(struct_hook=h) for name, h in hooks.items()}
         instance_fn = make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=forbid, **overrides)
@@ -430,12 +428,12 @@ class WireConverter(cattrs.Converter):
         `takes` (the others are structured for their errors only); `check_object` tests that the
         value is an object."""
         globs: dict[str, Any] = {"cls": t, "build": build, "allowed": frozenset(f.name for f in attrs.fields(t)),
-                                 "extra_keys": _extra_keys, "not_object": _not_object}
+                                 "ForbiddenExtraKeysError": ForbiddenExtraKeysError, "json_kind": json_kind}
         lines = ["def structure(o, _t):"]
         if check_object:
-            lines.append("    if o.__class__ is not dict: not_object(o)")
+            lines.append("    if o.__class__ is not dict: raise TypeError('expected an object, got ' + json_kind(o))")
         if forbid:
-            lines.append("    if not o.keys() <= allowed: extra_keys(o, allowed, cls)")
+            lines.append("    if not o.keys() <= allowed: raise ForbiddenExtraKeysError('', cls, set(o) - allowed)")
         fields = attrs.fields(attrs.resolve_types(t))
         values: list[str] = []  # each field's value: its expression, or a builder's class's local
         for k, f in enumerate(fields):
@@ -491,14 +489,6 @@ def _refuse(refusal: str | Callable[[str], Invalid], tag: str, v: Any, _t: Any) 
     raise refusal(v[tag]) if callable(refusal) else Invalid(refusal.format(value=v[tag]), at=tag)
 
 
-def _not_object(v: Any) -> None:
-    raise TypeError(f"expected an object, got {json_kind(v)}")
-
-
-def _extra_keys(o: dict[str, Any], allowed: frozenset[str], cls: type) -> None:
-    raise ForbiddenExtraKeysError("", cls, set(o) - allowed)
-
-
 FAST = WireConverter(detailed=False)
 DETAILED = WireConverter(detailed=True)
 
@@ -526,10 +516,8 @@ def parse_json_object(body: bytes, limits: Sequence[CountLimit] = ()) -> dict[st
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
         obj = _loads(body)
-    except JSONShapeError:  # a 400 as it is
-        raise
-    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
-        raise BadRequest(f"malformed JSON body: {exc}") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors; JSONShapeError a 400
+        raise exc if isinstance(exc, JSONShapeError) else BadRequest(f"malformed JSON body: {exc}") from None
     if not isinstance(obj, dict):
         raise BadRequest("the request body must be a JSON object")
     check_counts(obj, limits)
@@ -575,10 +563,7 @@ def check_document(obj: Any) -> None:
     found = _first_problem([obj], 0)  # the document as the one item of a list, below any depth limit
     if found is not None:
         error, *steps, _ = found  # `_`: the wrapping list's index
-        where = ""
-        for step in reversed(steps):
-            where = _join(where, step)
-        raise error(where)
+        raise error(functools.reduce(_join, reversed(steps), ""))
 
 
 @attrs.frozen
