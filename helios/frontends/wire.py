@@ -92,9 +92,9 @@ class Invalid(ValueError):
     for a predicate ("must be ...", "is ...") and "{path}: {reason}" otherwise; `at` names a key
     below the value (a union's tag), appended to the path; `param_at` one appended to the 400's param
     only (the message names the value, the param its bad key); `param` replaces the param (a coarser
-    one that clients key on)."""
+    one that clients key on); `details` are the 400's Anthropic ``error.details``."""
 
-    def __init__(self, reason: str, *, at: str | None = None, details: Mapping[str, Any] | None = None,
+    def __init__(self, reason: str, *, at: str | None = None, details: dict[str, Any] | None = None,
                  param_at: str | None = None, param: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
@@ -474,11 +474,10 @@ class WireConverter(cattrs.Converter):
 
         def hook(v: Any, _t: Any) -> Any:
             value = structure_value(v, tp)
-            if value is not None or row.refuse_null:
-                try:
-                    row.screen(name, value)
-                except BadRequest as exc:
-                    raise Invalid(exc.message, details=exc.error_details) from None
+            try:
+                row.screen(name, value)  # null: dropped, or refused (`refuse_null`)
+            except BadRequest as exc:
+                raise Invalid(exc.message, details=exc.error_details) from None
             return value
 
         return hook
@@ -628,25 +627,23 @@ def structure(obj: Any, cls: type[T], *, at: str = "",
 
 def _bad_request(exc: BaseException, path: str = "") -> BadRequest:
     """The first leaf error as a 400 whose param is its path (``messages[2].content[0].text``)."""
-    cur: BaseException = exc
-    while isinstance(cur, ClassValidationError | IterableValidationError) and cur.exceptions:
-        cur = cur.exceptions[0]
-        path = _join(path, _note_of(cur))
-    if isinstance(cur, ForbiddenExtraKeysError):
-        keys = sorted(cur.extra_fields)
+    while isinstance(exc, ClassValidationError | IterableValidationError) and exc.exceptions:
+        exc = exc.exceptions[0]
+        path = _join(path, _note_of(exc))
+    if isinstance(exc, ForbiddenExtraKeysError):
+        keys = sorted(exc.extra_fields)
         return BadRequest(f"unrecognized request argument(s): {', '.join(keys)}" + (f" in {path}" if path else ""),
                           param=_join(path, keys[0]))
-    if isinstance(cur, Invalid):
-        path = _join(path, cur.at)
-        predicate = cur.reason.startswith(("must ", "is "))
-        message = f"{path or 'the request'}{' ' if predicate else ': '}{cur.reason}"
-        return BadRequest(message, param=cur.param or _join(path, cur.param_at) or None,
-                          details=None if cur.details is None else dict(cur.details))
-    if isinstance(cur, KeyError):
+    if isinstance(exc, Invalid):
+        path = _join(path, exc.at)
+        sep = " " if exc.reason.startswith(("must ", "is ")) else ": "  # a predicate, or a statement
+        message = f"{path or 'the request'}{sep}{exc.reason}"
+        return BadRequest(message, param=exc.param or _join(path, exc.param_at) or None, details=exc.details)
+    if isinstance(exc, KeyError):
         return BadRequest(f"missing required parameter: {path}", param=path or None)
-    if isinstance(cur, TypeError | ValueError):
-        return BadRequest(f"invalid value for {path or 'request'}: {cur}", param=path or None)
-    raise cur  # not the client's error
+    if isinstance(exc, TypeError | ValueError):
+        return BadRequest(f"invalid value for {path or 'request'}: {exc}", param=path or None)
+    raise exc  # not the client's error
 
 
 def _join(path: str, step: str | int | None) -> str:
@@ -660,10 +657,8 @@ def _join(path: str, step: str | int | None) -> str:
 def _note_of(exc: BaseException) -> str | int | None:
     """The attribute or index where cattrs' detailed converter noted `exc`."""
     for note in getattr(exc, "__notes__", ()):
-        if isinstance(note, AttributeValidationNote):
-            return note.name
-        if isinstance(note, IterableValidationNote):
-            return note.index
+        if isinstance(note, AttributeValidationNote | IterableValidationNote):
+            return note.name if isinstance(note, AttributeValidationNote) else note.index
     return None
 
 
