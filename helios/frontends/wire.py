@@ -38,7 +38,7 @@ import json
 import re
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from types import NoneType, UnionType
-from typing import Annotated, Any, Literal, NewType, TypeVar, Union, get_args, get_origin
+from typing import Any, Literal, NewType, TypeVar, Union, cast, get_args, get_origin
 
 import attrs
 import cattrs
@@ -214,9 +214,7 @@ def _is_class(t: Any) -> bool:
 
 def _built_from(t: Any) -> Any:
     """The wire shape of ``Annotated[Built, From(wire)]``; None for any other type."""
-    if get_origin(t) is Annotated:
-        return next((meta.wire for meta in t.__metadata__ if isinstance(meta, From)), None)
-    return None
+    return next((meta.wire for meta in getattr(t, "__metadata__", ()) if isinstance(meta, From)), None)
 
 
 def one_of_text(values: Sequence[Any]) -> str:
@@ -276,12 +274,10 @@ class WireConverter(cattrs.Converter):
             self.register_structure_hook(leaf, hook)
         self.register_structure_hook_func(lambda t: t == dict[str, Any], _json_object)
         for predicate, factory in ((_is_list, self.list_factory), (_is_literal, self.literal_factory),
-                                   (_is_tagged_union, self.tagged_factory),
-                                   (lambda t: _is_union(t) and not _is_tagged_union(t), self.kind_factory),
+                                   (_is_union, self.kind_factory), (_is_tagged_union, self.tagged_factory),
                                    (_is_class, self.class_hook),
-                                   (lambda t: _built_from(t) is not None,
-                                    lambda t: self.get_structure_hook(_built_from(t)))):
-            self.register_structure_hook_factory(predicate, factory)
+                                   (_built_from, lambda t: self.get_structure_hook(_built_from(t)))):
+            self.register_structure_hook_factory(predicate, factory)  # a later one wins: tagged unions
 
     def list_factory(self, t: Any) -> Callable[[Any, Any], list[Any]]:
         """cattrs' list hook (the detailed one collects every failing element, each with its index)
@@ -454,8 +450,7 @@ class WireConverter(cattrs.Converter):
             taken = ", ".join(f"{f.alias}={v}" for f, v in zip(fields, values, strict=True) if f.alias in takes)
             lines += [f"    value = build({taken})", f"    return value if value is not None else {instance}"]
         exec(compile("\n".join(lines), f"<wire structure {t.__qualname__}>", "exec"), globs)
-        fn: Callable[[Any, Any], Any] = globs["structure"]
-        return fn
+        return cast("Callable[[Any, Any], Any]", globs["structure"])
 
     def _value_code(self, k: int, key: str, hook: Callable[[Any, Any], Any], tp: Any, globs: dict[str, Any]) -> str:
         """The expression of field `k`'s value (JSON key `key`) in a fast function, its names in `globs`."""
