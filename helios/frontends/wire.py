@@ -503,20 +503,14 @@ def register_leaf(t: Any, hook: Callable[[Any, Any], Any]) -> None:
 
 
 def parse_json_object(body: bytes, limits: Sequence[CountLimit] = ()) -> dict[str, Any]:
-    """A request body as a JSON object, checked at the edge before anything else reads it: valid
-    UTF-8 JSON, the route's item counts (`limits`: cheap, so first), then nesting and text (the
-    `check_document` that `loads_strict` applies to every JSON document)."""
+    """A request body as a JSON object (`loads_strict` with the route's item counts, `limits`),
+    checked at the edge before anything else reads it; a 400 for anything else."""
     if not body:
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
-        obj = _loads(body)
+        return loads_strict(body, limits)  # type: ignore[no-any-return]
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors; JSONShapeError a 400
         raise exc if isinstance(exc, JSONShapeError) else BadRequest(f"malformed JSON body: {exc}") from None
-    if not isinstance(obj, dict):
-        raise BadRequest("the request body must be a JSON object")
-    check_counts(obj, limits)
-    check_document(obj)
-    return obj
 
 
 MAX_JSON_DEPTH = 64
@@ -531,33 +525,29 @@ class JSONShapeError(BadRequest, ValueError):
     A request body's 400 as it is; a ValueError to `loads_strict`'s callers (JSON inside a body)."""
 
 
-def loads_strict(text: str | bytes) -> Any:
+def loads_strict(text: str | bytes, limits: Sequence[CountLimit] | None = None) -> Any:
     """json.loads without Python's extensions: NaN, ±Infinity and numbers that overflow to an
-    infinite float are not JSON (RFC 8259) and could not be written back out; ValueError. Every
-    decoded document then passes `check_document` (JSONShapeError, a ValueError)."""
-    obj = _loads(text)
-    check_document(obj)
-    return obj
-
-
-def _loads(text: str | bytes) -> Any:
-    """json.loads with the strict number rules, through one shared decoder (json.loads would build a
-    decoder per call for its keyword arguments)."""
+    infinite float are not JSON (RFC 8259) and could not be written back out; ValueError. It parses
+    through one shared decoder (json.loads would build one per call for its keyword arguments).
+    Every decoded document then passes the one document check: nesting at most MAX_JSON_DEPTH and
+    only Unicode scalar text, keys included (JSONShapeError, a ValueError, naming its first problem
+    in document order). With `limits`, the text is a request body: a JSON object (else BadRequest)
+    whose item counts are checked first (`check_counts`: cheap)."""
     if not isinstance(text, str):
         text = text.decode(json.detect_encoding(text), "surrogatepass")
     try:
-        return _DECODER.decode(text)
+        obj = _DECODER.decode(text)
     except RecursionError:  # the parser recurses per level: far past MAX_JSON_DEPTH
         raise _too_deep("") from None
-
-
-def check_document(obj: Any) -> None:
-    """Nesting at most MAX_JSON_DEPTH and only Unicode scalar text (keys included): the one check
-    every decoded JSON document passes; JSONShapeError for its first problem in document order."""
+    if limits is not None:
+        if not isinstance(obj, dict):
+            raise BadRequest("the request body must be a JSON object")
+        check_counts(obj, limits)
     found = _first_problem([obj], 0)  # the document as the one item of a list, below any depth limit
     if found is not None:
         error, *steps, _ = found  # `_`: the wrapping list's index
         raise error(functools.reduce(_join, reversed(steps), ""))
+    return obj
 
 
 @attrs.frozen
