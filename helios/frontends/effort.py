@@ -18,19 +18,17 @@ def chat_effort_kwargs(top_level: Any, template_kwargs: dict[str, Any], recipe_n
                        top_level_given: bool) -> dict[str, Any]:
     """Template kwargs for a chat request's effort; the request's own chat_template_kwargs win."""
     recipe = get_recipe(recipe_name)
-    in_kwargs = template_kwargs.get("reasoning_effort", _MISSING)
-    if top_level_given and in_kwargs is not _MISSING and in_kwargs != top_level:
+    if top_level_given and template_kwargs.get("reasoning_effort", top_level) != top_level:
         raise BadRequest("reasoning_effort differs between the top level and chat_template_kwargs",
                          param="reasoning_effort")
-    value = top_level if top_level_given else in_kwargs
+    value = top_level if top_level_given else template_kwargs.get("reasoning_effort", _MISSING)
     if value is _MISSING:
         return {}
-    vocab = recipe.effort
     try:
-        if vocab.numeric is not None:  # DeepSeek V4.1: integer scores, named levels map to scores
+        if recipe.effort.numeric is not None:  # DeepSeek V4.1: integer scores, named levels map to scores
             if not isinstance(value, str | None):
                 return {"reasoning_effort": numeric_effort(recipe, value)}
-            level = (vocab.default or "high") if value is None else resolve_effort(recipe, value)
+            level = (recipe.effort.default or "high") if value is None else resolve_effort(recipe, value)
             if level is None:
                 raise EffortError(f"unknown reasoning effort {value!r}")
             return {"reasoning_effort": effort_score(recipe, level)}

@@ -7,7 +7,7 @@ parts of each, tool calls, tools, and token-id arrays. Each is bounded here; a b
 a 400 naming the field. Other counts are bounded where the spec defines them, in each protocol's
 decoder (string stops: 4; token stops: 16 of at most 64 ids; logprob_token_ids: 128; decision
 questions: 64), which runs before admission too. Nesting and text validity are checked once for
-every JSON document (`wire.check_document`).
+every JSON document (`wire.loads_strict`), after these counts.
 """
 
 from __future__ import annotations

@@ -32,12 +32,13 @@ it (`DETAILED`) to find the path.
 from __future__ import annotations
 
 import base64
+import functools
 import inspect
 import json
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from types import NoneType, UnionType
-from typing import Annotated, Any, Literal, NewType, TypeVar, Union, get_args, get_origin
+from typing import Any, Literal, NewType, TypeVar, Union, cast, get_args, get_origin
 
 import attrs
 import cattrs
@@ -65,8 +66,8 @@ tag), which the union knows but does not take; or a function of the tag returnin
 member declares only its tag."""
 BUILD = "__wire_build__"
 """A class attribute: a function taking fields of the class as keyword arguments (by alias; the ones it
-names, or all) and returning the value the class stands for, which both converters return in place of
-an instance (see `From`); or None, and they return the instance, whose fields not taken are defaults."""
+names) and returning the value the class stands for, which both converters return in place of an
+instance (see `From`); or None, and they return the instance."""
 
 
 @attrs.frozen
@@ -91,9 +92,9 @@ class Invalid(ValueError):
     for a predicate ("must be ...", "is ...") and "{path}: {reason}" otherwise; `at` names a key
     below the value (a union's tag), appended to the path; `param_at` one appended to the 400's param
     only (the message names the value, the param its bad key); `param` replaces the param (a coarser
-    one that clients key on)."""
+    one that clients key on); `details` are the 400's Anthropic ``error.details``."""
 
-    def __init__(self, reason: str, *, at: str | None = None, details: Mapping[str, Any] | None = None,
+    def __init__(self, reason: str, *, at: str | None = None, details: dict[str, Any] | None = None,
                  param_at: str | None = None, param: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
@@ -177,18 +178,15 @@ def _nonempty_str(v: Any, _t: Any) -> str:
     return v
 
 
-def _json_object_string(v: Any, _t: Any) -> dict[str, Any]:
-    if not isinstance(v, str):
-        raise Invalid("must be a JSON string")
-    return _json_object_text(v, _t)
-
-
-def _json_object_text(v: Any, _t: Any) -> dict[str, Any]:
+def _json_object_text(v: Any, t: Any) -> dict[str, Any]:
+    """The hook of `JSONObjectText` and `JSONObjectString` (`t`, the one structured)."""
     if isinstance(v, str):
         try:
             v = loads_strict(v) if v.strip() else {}
-        except (ValueError, RecursionError):
+        except ValueError:  # JSONShapeError (too deep) too: the parser's RecursionError is one
             raise Invalid("must be a JSON object") from None
+    elif t is JSONObjectString:
+        raise Invalid("must be a JSON string")
     if not isinstance(v, dict):
         raise Invalid("must be a JSON object")
     return v
@@ -214,15 +212,9 @@ def _is_class(t: Any) -> bool:
     return isinstance(t, type) and attrs.has(t)
 
 
-def _is_built(t: Any) -> bool:
-    return _built_from(t) is not None
-
-
 def _built_from(t: Any) -> Any:
     """The wire shape of ``Annotated[Built, From(wire)]``; None for any other type."""
-    if get_origin(t) is Annotated:
-        return next((meta.wire for meta in t.__metadata__ if isinstance(meta, From)), None)
-    return None
+    return next((meta.wire for meta in getattr(t, "__metadata__", ()) if isinstance(meta, From)), None)
 
 
 def one_of_text(values: Sequence[Any]) -> str:
@@ -246,7 +238,7 @@ def _member_type(t: Any) -> Any:
     """The Python type of a kind union member's JSON values (its key in `JSON_KINDS`)."""
     if isinstance(t, NewType):  # a checked leaf: its base type's kind
         return _member_type(t.__supertype__)
-    if _is_built(t):
+    if _built_from(t) is not None:
         return _member_type(_built_from(t))
     if _is_literal(t) and all(isinstance(a, str) for a in get_args(t)):
         return str
@@ -259,15 +251,9 @@ def _member_type(t: Any) -> Any:
     raise WireDeclarationError(f"no JSON kind for {t}")
 
 
-def _builder_params(build: Callable[..., Any]) -> frozenset[str] | None:
-    """The keyword arguments a `BUILD` function takes; None where it takes any (``**fields``)."""
-    params = inspect.signature(build).parameters.values()
-    return None if any(p.kind is p.VAR_KEYWORD for p in params) else frozenset(p.name for p in params)
-
-
 _LEAVES: dict[Any, Callable[[Any, Any], Any]] = {
     str: _exact(str), bool: _exact(bool), int: _exact(int), float: _exact(float), Any: _any,
-    NonEmptyStr: _nonempty_str, JSONObjectText: _json_object_text, JSONObjectString: _json_object_string,
+    NonEmptyStr: _nonempty_str, JSONObjectText: _json_object_text, JSONObjectString: _json_object_text,
     Base64Bytes: _base64_bytes}
 
 
@@ -278,8 +264,6 @@ class WireConverter(cattrs.Converter):
 
     def __init__(self, *, detailed: bool) -> None:
         super().__init__(forbid_extra_keys=True, detailed_validation=detailed)
-        self.detailed = detailed
-        self._tagged: dict[Any, tuple[str, dict[object, Callable[[Any, Any], Any]]]] = {}
         self._inline: dict[Callable[[Any, Any], Any], tuple[str, Any]] = {
             _LEAVES[t]: ("{w}.__class__ is {a}", t) for t in (str, bool, int)}
         """Hooks whose accepted values a fast function tests inline (calling the hook only to raise or
@@ -290,20 +274,30 @@ class WireConverter(cattrs.Converter):
             self.register_structure_hook(leaf, hook)
         self.register_structure_hook_func(lambda t: t == dict[str, Any], _json_object)
         for predicate, factory in ((_is_list, self.list_factory), (_is_literal, self.literal_factory),
-                                   (_is_tagged_union, self.tagged_factory),
-                                   (lambda t: _is_union(t) and not _is_tagged_union(t), self.kind_factory),
+                                   (_is_union, self.kind_factory), (_is_tagged_union, self.tagged_factory),
                                    (_is_class, self.class_hook),
-                                   (_is_built, lambda t: self.get_structure_hook(_built_from(t)))):
-            self.register_structure_hook_factory(predicate, factory)
+                                   (_built_from, lambda t: self.get_structure_hook(_built_from(t)))):
+            self.register_structure_hook_factory(predicate, factory)  # a later one wins: tagged unions
 
     def list_factory(self, t: Any) -> Callable[[Any, Any], list[Any]]:
         """cattrs' list hook (the detailed one collects every failing element, each with its index)
-        for an array only; the fast hook of a list of tagged-union members is `_tagged_list`."""
-        args = get_args(t)
-        elem = args[0] if args else Any
+        for an array only; the fast converter's own hook for a list of tagged-union members."""
+        elem = next(iter(get_args(t)), Any)  # a bare list's: Any
         elem = _built_from(elem) or elem
-        if not self.detailed and _is_tagged_union(elem):  # the hot path: messages, parts, items
-            return self._tagged_list(elem)
+        if not self.detailed_validation and _is_tagged_union(elem):  # the hot path: messages, parts, items
+            # Each element's hook looked up by its tag: anything wrong raises (an absent tag too,
+            # unless a member takes it), and `structure` finds it again in detail.
+            tag, by_tag = self.tagged_members(elem)
+
+            def tagged_list(v: Any, _t: Any) -> list[Any]:
+                if type(v) is not list:
+                    raise TypeError(f"expected an array, got {json_kind(v)}")
+                out: list[Any] = []
+                for x in v:  # a loop: a comprehension's own function costs more on these short lists
+                    out.append(by_tag[x.get(tag, ABSENT)](x, elem))
+                return out
+
+            return tagged_list
         structure_list = list_structure_factory(t, self)
 
         def hook(v: Any, _t: Any) -> list[Any]:
@@ -314,35 +308,19 @@ class WireConverter(cattrs.Converter):
 
         return hook
 
-    def _tagged_list(self, elem: Any) -> Callable[[Any, Any], list[Any]]:
-        """The fast hook of a list of tagged-union members: each element's hook looked up by its tag
-        (anything wrong raises, an absent tag too unless a member takes it, and `structure` finds it
-        again in detail)."""
-        tag, by_tag = self.tagged_members(elem)
-
-        def tagged_list(v: Any, _t: Any) -> list[Any]:
-            if type(v) is not list:
-                raise TypeError(f"expected an array, got {json_kind(v)}")
-            out: list[Any] = []
-            for x in v:  # a loop: a comprehension's own function costs more on these short lists
-                out.append(by_tag[x.get(tag, ABSENT)](x, elem))
-            return out
-
-        return tagged_list
-
     def tagged_members(self, t: Any) -> tuple[str, dict[object, Callable[[Any, Any], Any]]]:
         """A tagged union's tag and, for each tag value, its member's hook (under `ABSENT`, the hook
-        of the member whose tag has a default: taken when the tag is absent, not when null)."""
-        if t not in self._tagged:
-            tag = _tag_of(get_args(t))
-            by_tag: dict[object, Callable[[Any, Any], Any]] = {}
-            for m in get_args(t):
-                hook = self.class_hook(m, checked=tag)
-                by_tag.update(dict.fromkeys(get_args(_field_types(m)[tag]), hook))
-                if attrs.fields_dict(m)[tag].default is not attrs.NOTHING:
-                    by_tag[ABSENT] = hook
-            self._tagged[t] = tag, by_tag
-        return self._tagged[t]
+        of the member whose tag has a default: taken when the tag is absent, not when null); a
+        `REFUSED` member's hook raises its 400."""
+        tag = _tag_of(get_args(t))
+        by_tag: dict[object, Callable[[Any, Any], Any]] = {}
+        for m in get_args(t):
+            refusal = getattr(m, REFUSED, None)
+            hook = functools.partial(_refuse, refusal, tag) if refusal else self.class_hook(m, checked=tag)
+            by_tag.update(dict.fromkeys(get_args(_field_types(m)[tag]), hook))
+            if attrs.fields_dict(m)[tag].default is not attrs.NOTHING:
+                by_tag[ABSENT] = hook
+        return tag, by_tag
 
     def tagged_factory(self, t: Any) -> Callable[[Any, Any], Any]:
         tag, by_tag = self.tagged_members(t)
@@ -410,15 +388,6 @@ class WireConverter(cattrs.Converter):
         its ignored and refused fields screened. `checked` names a field already validated (a tagged
         union's tag), structured as is; a union member's value is an object (the union checked it),
         any other class's value is checked here."""
-        refusal: str | Callable[[str], Invalid] | None = getattr(t, REFUSED, None)
-        if refusal is not None and checked is not None:
-            template, tag = refusal, checked
-            refuse = template if callable(template) else lambda value: Invalid(template.format(value=value), at=tag)
-
-            def refused(v: Any, _t: Any) -> Any:
-                raise refuse(v[tag])
-
-            return refused
         hooks: dict[str, Callable[[Any, Any], Any]] = {} if checked is None else {checked: _any}
         hints = _field_types(t)
         for name, row in policy_rows(t).items():
@@ -426,13 +395,13 @@ class WireConverter(cattrs.Converter):
                                                                     or row.check is not None)):
                 hooks[name] = self._screened(hints[name], name, row)
         forbid = not getattr(t, LENIENT, False)
-        if not self.detailed:  # a non-member's object check is in the function
-            return self._fast_class_fn(t, hooks, forbid, check_object=checked is None)
+        build: Callable[..., Any] | None = getattr(t, BUILD, None)
+        takes = () if build is None else inspect.signature(build).parameters  # the builder's fields
+        if not self.detailed_validation:  # a non-member's object check is in the function
+            return self._fast_class_fn(t, hooks, forbid, build, takes, check_object=checked is None)
         overrides: dict[str, Any] = {name: override(struct_hook=h) for name, h in hooks.items()}
         instance_fn = make_dict_structure_fn(t, self, _cattrs_forbid_extra_keys=forbid, **overrides)
-        build: Callable[..., Any] | None = getattr(t, BUILD, None)
-        takes = None if build is None else _builder_params(build)
-        names = [(f.alias, f.name) for f in attrs.fields(t) if takes is None or f.alias in takes]
+        names = [(f.alias, f.name) for f in attrs.fields(t) if f.alias in takes]
 
         def detailed(v: Any, _t: Any) -> Any:  # the instance, or the value a builder makes of its fields
             if checked is None and type(v) is not dict:
@@ -444,50 +413,44 @@ class WireConverter(cattrs.Converter):
         return detailed
 
     def _fast_class_fn(self, t: Any, hooks: Mapping[str, Callable[[Any, Any], Any]], forbid: bool,
+                       build: Callable[..., Any] | None, takes: Container[str],
                        check_object: bool) -> Callable[[Any, Any], Any]:
         """The fast converter's function for attrs class `t`: one generated call of `t` with each
         key's value structured by its field's hook (`hooks` first) or its default where absent,
         unknown keys refused where `forbid`. It accepts exactly what cattrs' detailed function
         accepts, without that one's bookkeeping: the tag (`_any`) is passed as is and the leaves,
         literals and kind unions of `_inline` are tested inline, calling their hook only to raise or
-        convert. A class that `BUILD`s its value calls that instead of the class, with the fields it
-        takes (the others are structured for their errors only); `check_object` tests that the value
-        is an object."""
-        build = getattr(t, BUILD, None)
-        takes = None if build is None else _builder_params(build)  # a builder's fields; None: all
+        convert. A class that `BUILD`s its value calls `build` instead of the class, with the fields it
+        `takes` (the others are structured for their errors only); `check_object` tests that the
+        value is an object."""
         globs: dict[str, Any] = {"cls": t, "build": build, "allowed": frozenset(f.name for f in attrs.fields(t)),
-                                 "extra_keys": _extra_keys, "not_object": _not_object}
+                                 "ForbiddenExtraKeysError": ForbiddenExtraKeysError, "json_kind": json_kind}
         lines = ["def structure(o, _t):"]
         if check_object:
-            lines.append("    if o.__class__ is not dict: not_object(o)")
+            lines.append("    if o.__class__ is not dict: raise TypeError('expected an object, got ' + json_kind(o))")
         if forbid:
-            lines.append("    if not o.keys() <= allowed: extra_keys(o, allowed, cls)")
-        args: list[str] = []  # the builder's arguments, or the class's
-        every: list[str] = []  # a builder's class: every field, for the instance where it returns None
-        for k, f in enumerate(attrs.fields(attrs.resolve_types(t))):
+            lines.append("    if not o.keys() <= allowed: raise ForbiddenExtraKeysError('', cls, set(o) - allowed)")
+        fields = attrs.fields(attrs.resolve_types(t))
+        values: list[str] = []  # each field's value: its expression, or a builder's class's local
+        for k, f in enumerate(fields):
             key = repr(f.name)  # the JSON key, as cattrs reads it; `alias` is the init argument
             value = self._value_code(k, key, hooks.get(f.name) or self.get_structure_hook(f.type), f.type, globs)
-            if isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
-                globs[f"d{k}"] = f.default.factory
-                value = f"({value} if {key} in o else d{k}())"
-            elif f.default is not attrs.NOTHING:
-                globs[f"d{k}"] = f.default
-                value = f"({value} if {key} in o else d{k})"
-            if build is None:
-                args.append(f"{f.alias}={value}")
-                continue
-            lines.append(f"    f{k} = {value}")  # untaken by the builder: for its errors and the instance
-            every.append(f"{f.alias}=f{k}")
-            if takes is None or f.alias in takes:
-                args.append(f"{f.alias}=f{k}")
+            if f.default is not attrs.NOTHING:
+                factory = isinstance(f.default, attrs.Factory)  # type: ignore[arg-type]
+                globs[f"d{k}"] = f.default.factory if factory else f.default
+                value = f"({value} if {key} in o else d{k}{'()' if factory else ''})"
+            if build is not None:  # every field first, taken or not: for its errors and the instance
+                lines.append(f"    f{k} = {value}")
+                value = f"f{k}"
+            values.append(value)
+        instance = f"cls({', '.join(f'{f.alias}={v}' for f, v in zip(fields, values, strict=True))})"
         if build is None:
-            lines.append(f"    return cls({', '.join(args)})")
+            lines.append(f"    return {instance}")
         else:
-            lines += [f"    value = build({', '.join(args)})",
-                      f"    return value if value is not None else cls({', '.join(every)})"]
+            taken = ", ".join(f"{f.alias}={v}" for f, v in zip(fields, values, strict=True) if f.alias in takes)
+            lines += [f"    value = build({taken})", f"    return value if value is not None else {instance}"]
         exec(compile("\n".join(lines), f"<wire structure {t.__qualname__}>", "exec"), globs)
-        fn: Callable[[Any, Any], Any] = globs["structure"]
-        return fn
+        return cast("Callable[[Any, Any], Any]", globs["structure"])
 
     def _value_code(self, k: int, key: str, hook: Callable[[Any, Any], Any], tp: Any, globs: dict[str, Any]) -> str:
         """The expression of field `k`'s value (JSON key `key`) in a fast function, its names in `globs`."""
@@ -506,22 +469,18 @@ class WireConverter(cattrs.Converter):
 
         def hook(v: Any, _t: Any) -> Any:
             value = structure_value(v, tp)
-            if value is not None or row.refuse_null:
-                try:
-                    row.screen(name, value)
-                except BadRequest as exc:
-                    raise Invalid(exc.message, details=exc.error_details) from None
+            try:
+                row.screen(name, value)  # null: dropped, or refused (`refuse_null`)
+            except BadRequest as exc:
+                raise Invalid(exc.message, details=exc.error_details) from None
             return value
 
         return hook
 
 
-def _not_object(v: Any) -> None:
-    raise TypeError(f"expected an object, got {json_kind(v)}")
-
-
-def _extra_keys(o: dict[str, Any], allowed: frozenset[str], cls: type) -> None:
-    raise ForbiddenExtraKeysError("", cls, set(o) - allowed)
+def _refuse(refusal: str | Callable[[str], Invalid], tag: str, v: Any, _t: Any) -> Any:
+    """A `REFUSED` tagged-union member's hook: its 400 for the tag's value."""
+    raise refusal(v[tag]) if callable(refusal) else Invalid(refusal.format(value=v[tag]), at=tag)
 
 
 FAST = WireConverter(detailed=False)
@@ -544,22 +503,14 @@ def register_leaf(t: Any, hook: Callable[[Any, Any], Any]) -> None:
 
 
 def parse_json_object(body: bytes, limits: Sequence[CountLimit] = ()) -> dict[str, Any]:
-    """A request body as a JSON object, checked at the edge before anything else reads it: valid
-    UTF-8 JSON, the route's item counts (`limits`: cheap, so first), then nesting and text (the
-    `check_document` that `loads_strict` applies to every JSON document)."""
+    """A request body as a JSON object (`loads_strict` with the route's item counts, `limits`),
+    checked at the edge before anything else reads it; a 400 for anything else."""
     if not body:
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
-        obj = _loads(body)
-        if not isinstance(obj, dict):
-            raise BadRequest("the request body must be a JSON object")
-        check_counts(obj, limits)  # BadRequest, not a ValueError
-        check_document(obj)
-    except JSONShapeError as exc:
-        raise BadRequest(str(exc), param=exc.param) from None
-    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
-        raise BadRequest(f"malformed JSON body: {exc}") from None
-    return obj
+        return loads_strict(body, limits)  # type: ignore[no-any-return]
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors; JSONShapeError a 400
+        raise exc if isinstance(exc, JSONShapeError) else BadRequest(f"malformed JSON body: {exc}") from None
 
 
 MAX_JSON_DEPTH = 64
@@ -568,40 +519,35 @@ tool-call arguments), the document itself counting as one. Far below what every 
 (the chat template's `_plain` and `_container_ids`, Jinja's `tojson`, `json.dumps`) can take."""
 
 
-class JSONShapeError(ValueError):
+class JSONShapeError(BadRequest, ValueError):
     """A JSON document nested deeper than MAX_JSON_DEPTH, or with a string (a key or a value) that is
-    not a sequence of Unicode scalar values (a lone surrogate such as "\\ud800"); `param` names where."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.param = param
+    not a sequence of Unicode scalar values (a lone surrogate such as "\\ud800"); `param` names where.
+    A request body's 400 as it is; a ValueError to `loads_strict`'s callers (JSON inside a body)."""
 
 
-def loads_strict(text: str | bytes) -> Any:
+def loads_strict(text: str | bytes, limits: Sequence[CountLimit] | None = None) -> Any:
     """json.loads without Python's extensions: NaN, ±Infinity and numbers that overflow to an
-    infinite float are not JSON (RFC 8259) and could not be written back out; ValueError. Every
-    decoded document then passes `check_document` (JSONShapeError, a ValueError)."""
-    obj = _loads(text)
-    check_document(obj)
-    return obj
-
-
-def _loads(text: str | bytes) -> Any:
-    """json.loads with the strict number rules, through one shared decoder (json.loads would build a
-    decoder per call for its keyword arguments)."""
+    infinite float are not JSON (RFC 8259) and could not be written back out; ValueError. It parses
+    through one shared decoder (json.loads would build one per call for its keyword arguments).
+    Every decoded document then passes the one document check: nesting at most MAX_JSON_DEPTH and
+    only Unicode scalar text, keys included (JSONShapeError, a ValueError, naming its first problem
+    in document order). With `limits`, the text is a request body: a JSON object (else BadRequest)
+    whose item counts are checked first (`check_counts`: cheap)."""
     if not isinstance(text, str):
         text = text.decode(json.detect_encoding(text), "surrogatepass")
     try:
-        return _DECODER.decode(text)
+        obj = _DECODER.decode(text)
     except RecursionError:  # the parser recurses per level: far past MAX_JSON_DEPTH
-        raise _too_deep(None) from None
-
-
-def check_document(obj: Any) -> None:
-    """Nesting at most MAX_JSON_DEPTH and only Unicode scalar text (keys included): the one check
-    every decoded JSON document passes; iterative, so no document is too deep for it."""
-    if not _document_ok(obj):
-        raise _locate_problem(obj)
+        raise _too_deep("") from None
+    if limits is not None:
+        if not isinstance(obj, dict):
+            raise BadRequest("the request body must be a JSON object")
+        check_counts(obj, limits)
+    found = _first_problem([obj], 0)  # the document as the one item of a list, below any depth limit
+    if found is not None:
+        error, *steps, _ = found  # `_`: the wrapping list's index
+        raise error(functools.reduce(_join, reversed(steps), ""))
+    return obj
 
 
 @attrs.frozen
@@ -666,25 +612,23 @@ def structure(obj: Any, cls: type[T], *, at: str = "",
 
 def _bad_request(exc: BaseException, path: str = "") -> BadRequest:
     """The first leaf error as a 400 whose param is its path (``messages[2].content[0].text``)."""
-    cur: BaseException = exc
-    while isinstance(cur, ClassValidationError | IterableValidationError) and cur.exceptions:
-        cur = cur.exceptions[0]
-        path = _join(path, _note_of(cur))
-    if isinstance(cur, ForbiddenExtraKeysError):
-        keys = sorted(cur.extra_fields)
+    while isinstance(exc, ClassValidationError | IterableValidationError) and exc.exceptions:
+        exc = exc.exceptions[0]
+        path = _join(path, _note_of(exc))
+    if isinstance(exc, ForbiddenExtraKeysError):
+        keys = sorted(exc.extra_fields)
         return BadRequest(f"unrecognized request argument(s): {', '.join(keys)}" + (f" in {path}" if path else ""),
                           param=_join(path, keys[0]))
-    if isinstance(cur, Invalid):
-        path = _join(path, cur.at)
-        predicate = cur.reason.startswith(("must ", "is "))
-        message = f"{path or 'the request'}{' ' if predicate else ': '}{cur.reason}"
-        return BadRequest(message, param=cur.param or _join(path, cur.param_at) or None,
-                          details=None if cur.details is None else dict(cur.details))
-    if isinstance(cur, KeyError):
+    if isinstance(exc, Invalid):
+        path = _join(path, exc.at)
+        sep = " " if exc.reason.startswith(("must ", "is ")) else ": "  # a predicate, or a statement
+        message = f"{path or 'the request'}{sep}{exc.reason}"
+        return BadRequest(message, param=exc.param or _join(path, exc.param_at) or None, details=exc.details)
+    if isinstance(exc, KeyError):
         return BadRequest(f"missing required parameter: {path}", param=path or None)
-    if isinstance(cur, TypeError | ValueError):
-        return BadRequest(f"invalid value for {path or 'request'}: {cur}", param=path or None)
-    raise cur  # not the client's error
+    if isinstance(exc, TypeError | ValueError):
+        return BadRequest(f"invalid value for {path or 'request'}: {exc}", param=path or None)
+    raise exc  # not the client's error
 
 
 def _join(path: str, step: str | int | None) -> str:
@@ -698,10 +642,8 @@ def _join(path: str, step: str | int | None) -> str:
 def _note_of(exc: BaseException) -> str | int | None:
     """The attribute or index where cattrs' detailed converter noted `exc`."""
     for note in getattr(exc, "__notes__", ()):
-        if isinstance(note, AttributeValidationNote):
-            return note.name
-        if isinstance(note, IterableValidationNote):
-            return note.index
+        if isinstance(note, AttributeValidationNote | IterableValidationNote):
+            return note.name if isinstance(note, AttributeValidationNote) else note.index
     return None
 
 
@@ -712,63 +654,45 @@ def _is_scalar_text(text: str) -> bool:
     return text.isascii() or _SURROGATE.search(text) is None
 
 
-def _document_ok(obj: Any) -> bool:
-    """The fast pass: no paths built, only containers on the stack."""
-    if type(obj) is str:
-        return _is_scalar_text(obj)
-    stack: list[tuple[Any, int]] = [(obj, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            return False
-        if type(value) is dict:
-            for key in value:
-                if not _is_scalar_text(key):
-                    return False
-            items: Any = value.values()
-        elif type(value) is list:
-            items = value
+def _first_problem(value: dict[str, Any] | list[Any], depth: int) -> list[Any] | None:
+    """The first problem in a container (`depth` levels deep), in document order: None, or the
+    constructor of its JSONShapeError followed by the path's steps below `value`, innermost first
+    (each level appends its step, looked up only once a problem is found: a valid document builds no
+    paths). Recursive, but at most MAX_JSON_DEPTH levels: deeper is the problem."""
+    if depth > MAX_JSON_DEPTH:
+        return [_too_deep]
+    if type(value) is dict:
+        for key in value:
+            if not _is_scalar_text(key):
+                return [_text_error, "<key>"]
+        items: Any = value.values()
+    else:
+        items = value
+    found: list[Any] | None
+    for item in items:
+        kind = type(item)
+        if kind is str:
+            if _is_scalar_text(item):
+                continue
+            found = [_text_error]
+        elif kind is dict or kind is list:
+            found = _first_problem(item, depth + 1)
+            if found is None:
+                continue
         else:
             continue
-        for item in items:
-            kind = type(item)
-            if kind is str:
-                if not _is_scalar_text(item):
-                    return False
-            elif kind is dict or kind is list:
-                stack.append((item, depth + 1))
-    return True
+        pairs = value.items() if type(value) is dict else enumerate(value)
+        found.append(next(step for step, v in pairs if v is item))
+        return found
+    return None
 
 
-def _locate_problem(obj: Any) -> JSONShapeError:
-    """The slow pass, after the fast one failed: the first problem in document order, with its path."""
-    stack: list[tuple[Any, int, str]] = [(obj, 1, "")]
-    while stack:
-        value, depth, where = stack.pop()
-        if isinstance(value, str):
-            if not _is_scalar_text(value):
-                return _text_error(where)
-            continue
-        if not isinstance(value, dict | list):
-            continue
-        if depth > MAX_JSON_DEPTH:
-            return _too_deep(re.split(r"[.\[]", where, maxsplit=1)[0] or None)  # the top-level field it is under
-        if isinstance(value, dict):
-            for key in value:
-                if not _is_scalar_text(key):
-                    return _text_error(f"{where}.<key>" if where else "<key>")
-            children = [(item, depth + 1, f"{where}.{key}" if where else key) for key, item in value.items()]
-        else:
-            children = [(item, depth + 1, f"{where}[{i}]") for i, item in enumerate(value)]
-        stack.extend(reversed(children))
-    return JSONShapeError("the JSON document is invalid", None)  # not reached after a failed fast pass
-
-
-def _too_deep(field: str | None) -> JSONShapeError:
+def _too_deep(where: str) -> JSONShapeError:
+    field = re.split(r"[.\[]", where, maxsplit=1)[0] or None  # the top-level field it is under
     return JSONShapeError(f"{f'{field!r}' if field else 'the JSON document'} is nested more than {MAX_JSON_DEPTH} "
-                          f"levels deep (arrays and objects); at most {MAX_JSON_DEPTH} are accepted", field)
+                          f"levels deep (arrays and objects); at most {MAX_JSON_DEPTH} are accepted", param=field)
 
 
 def _text_error(where: str) -> JSONShapeError:
     return JSONShapeError(f"{where or 'the JSON document'} is not valid Unicode text: it contains a lone UTF-16 "
-                          "surrogate (an unpaired \\ud800-\\udfff escape)", where or None)
+                          "surrogate (an unpaired \\ud800-\\udfff escape)", param=where or None)
