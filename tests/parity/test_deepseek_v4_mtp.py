@@ -424,7 +424,15 @@ def _fp4(rows: int, cols: int, g: torch.Generator) -> tuple[Tensor, Tensor, Tens
     return codes[:, 0::2] | (codes[:, 1::2] << 4), exponents, value
 
 
-def _mtp_gguf(tmp: Path) -> tuple[Path, Path, torch.nn.Module, dict[str, Tensor]]:
+MtpFile = tuple[Path, Path, torch.nn.Module, dict[str, Tensor]]
+
+
+@pytest.fixture(scope="module")
+def mtp_gguf(tmp_path_factory: pytest.TempPathFactory) -> MtpFile:
+    return _mtp_gguf(tmp_path_factory.mktemp("deepseek-v4-mtp-gguf"))
+
+
+def _mtp_gguf(tmp: Path) -> MtpFile:
     """The tiny V4 with an MTP layer as a folder (`_write`) and as llama.cpp's ``convert_hf_to_gguf.py
     --mtp`` converts DeepSeek's release: an MTP-only ``deepseek4`` file (skipped without the
     converter's tree). The release form the converter reads: the module under ``mtp.0.*`` (its kv
@@ -515,7 +523,7 @@ def _streams_and_logits(target: DeepseekV4ForCausalLM, predictor: DeepseekV4MTP,
         return predictor.compute_logits(out)
 
 
-def test_llama_cpp_mtp_only_gguf_drafts(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_llama_cpp_mtp_only_gguf_drafts(mtp_gguf: MtpFile, tmp_path: Path) -> None:
     """llama.cpp's MTP-only file (`_mtp_gguf`) over the folder's model, and over the same model as a
     ``deepseek4`` GGUF file: the module's logits equal the folder's module's bit for bit (the file
     holds the folder's values: MXFP4 experts, the Q8_0 ``eh_proj`` split into ``e_proj`` and
@@ -530,7 +538,7 @@ def test_llama_cpp_mtp_only_gguf_drafts(tmp_path: Path, caplog: pytest.LogCaptur
     from helios.runtime import _learned_kind, load_model, load_mtp_drafter, mtp_file
     from tests.parity.test_deepseek_v4_parity import _write_gguf
 
-    folder, path, hf6, own = _mtp_gguf(tmp_path)
+    folder, path, hf6, own = mtp_gguf
     companion = load_checkpoint(path, torch.float32)
     assert companion.architecture.name == "deepseek_v4" and companion.config.num_layers == N
     assert mtp_only(N, companion.weights) and mtp_layers(N, companion.weights) == 1
@@ -546,10 +554,8 @@ def test_llama_cpp_mtp_only_gguf_drafts(tmp_path: Path, caplog: pytest.LogCaptur
     assert torch.equal(got, _streams_and_logits(target, folder_predictor, ids))
     assert diff < FP32_TOLERANCE and expected.abs().max().item() > 1.0
     # The model as a deepseek4 GGUF file of its own (no MTP block), the module from the MTP file.
-    five = tiny_deepseek_v4()
-    five.load_state_dict({k: v for k, v in hf6.state_dict().items() if not k.startswith(f"model.layers.{N}.")})
     trunk_path = tmp_path / "tiny-v4.gguf"
-    _write_gguf(trunk_path, five, mtp=False)
+    _write_gguf(trunk_path, _five_layers(hf6), mtp=False)
     trunk = load_ours(trunk_path, architecture="deepseek_v4")
     assert isinstance(trunk, DeepseekV4ForCausalLM)
     trunk_predictor = load_mtp(trunk, companion.architecture, companion.weights)
@@ -578,7 +584,54 @@ def test_llama_cpp_mtp_only_gguf_drafts(tmp_path: Path, caplog: pytest.LogCaptur
     # Another model's MTP file: refused.
     with torch.no_grad():
         loaded.model.embed_tokens.add_(1.0)
-    with pytest.raises(ValueError, match="model.embed_tokens.weight differs from the model's"):
+    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight differs from the model's"):
         load_mtp(loaded.model, companion.architecture, companion.weights)
     with pytest.raises(ConfigError, match="its MTP layer does not load"):
         load_mtp_drafter(cfg, loaded, num_pages=8, max_model_len=64, fingerprint=b"f", source=source)
+
+
+def _five_layers(hf6: torch.nn.Module) -> torch.nn.Module:
+    """The model of ``hf6`` (transformers, its first five layers)."""
+    five = tiny_deepseek_v4()
+    five.load_state_dict({k: v for k, v in hf6.state_dict().items() if not k.startswith(f"model.layers.{N}.")})
+    return five
+
+
+def test_one_gguf_with_model_and_mtp_block(mtp_gguf: MtpFile, tmp_path: Path) -> None:
+    """One ``deepseek4`` file holding the model and the MTP block (llama.cpp's loader takes one; its
+    converter writes none for V4): the model's file with the MTP-only file's ``blk.5`` tensors
+    (dequantized to F32). `runtime.has_mtp` finds the module and it loads from the checkpoint
+    itself; its HyperHead is the root one, the model's, as llama.cpp's MTP graph reads it: the
+    logits equal the float64 reference's with the model's HyperHead in the module's place (and
+    differ from the module's own by more than the tolerance)."""
+    import gguf
+
+    from helios.config import HeliosConfig
+    from helios.runtime import has_mtp, load_model, load_mtp_drafter
+    from tests.parity.test_deepseek_v4_parity import _write_gguf
+
+    _, path, hf6, own = mtp_gguf
+    reader = gguf.GGUFReader(str(path))
+    block = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors
+             if t.name.startswith(f"blk.{N}.")}
+    both = tmp_path / "tiny-v4-with-mtp.gguf"
+    _write_gguf(both, _five_layers(hf6), nextn_tensors=block)
+    checkpoint = load_checkpoint(both, torch.float32)
+    assert mtp_layers(N, checkpoint.weights) == 1
+    target = load_ours(both, architecture="deepseek_v4")
+    assert isinstance(target, DeepseekV4ForCausalLM)
+    predictor = load_mtp(target, checkpoint.architecture, checkpoint.weights)
+    assert isinstance(predictor, DeepseekV4MTP)
+    ids = PROMPTS[1]
+    got = _streams_and_logits(target, predictor, ids).double()
+    head = {f"hc_head_{p}": getattr(hf6.model.hc_head, f"hc_{p}").detach() for p in ("fn", "base", "scale")}
+    rooted, ref = Reference(hf6, {**own, **head}), Reference(hf6, own)
+    streams = ref.outputs(ids[1:], ref.target_streams(ids)[:-1])
+    diff = (got - rooted.logits(streams)).abs().max().item()
+    print(f"V4 MTP from one GGUF with the model: max abs logit diff {diff:.3g} (the root HyperHead)")
+    assert diff < FP32_TOLERANCE
+    assert (got - ref.logits(streams)).abs().max().item() > 100 * FP32_TOLERANCE
+    loaded = load_model(both, weights="float32", dtype="float32")
+    assert has_mtp(loaded.checkpoint)
+    drafter = load_mtp_drafter(HeliosConfig(), loaded, num_pages=8, max_model_len=64, fingerprint=b"f")
+    assert isinstance(drafter, MTPDrafter)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -399,11 +400,13 @@ _HF_TO_GGUF = {
 }
 
 
-def _write_gguf(path: Path, model: torch.nn.Module, *, mtp: bool = True) -> None:
+def _write_gguf(path: Path, model: torch.nn.Module, *, mtp: bool = True,
+                nextn_tensors: dict[str, Any] | None = None) -> None:
     """``model`` as llama.cpp's DeepseekV4Model converter lays it out (deepseek4; F32 here, where the
     converter makes the experts MXFP4): its metadata keys, the tensors in their own layout, the
     experts stacked, ``tid2eid`` as I32, the hash layers without a correction bias, and (``mtp``) a
-    trailing stand-in MTP block (two of its tensors, which the model skips)."""
+    trailing MTP block: ``nextn_tensors`` (GGUF name -> float32 array), or a stand-in (two of its
+    tensors)."""
     import gguf
     import numpy as np
 
@@ -466,7 +469,10 @@ def _write_gguf(path: Path, model: torch.nn.Module, *, mtp: bool = True) -> None
             writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(array[:, inter:]))
         else:
             writer.add_tensor(f"blk.{layer}.{_HF_TO_GGUF[rest]}", array)
-    if mtp:
+    if mtp and nextn_tensors is not None:
+        for name, array in nextn_tensors.items():
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    elif mtp:
         writer.add_tensor(f"blk.{n}.nextn.eh_proj.weight", np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), np.float32))
         writer.add_tensor(f"blk.{n}.attn_norm.weight", np.ones(cfg.hidden_size, dtype=np.float32))
     writer.write_header_to_file()
