@@ -64,6 +64,14 @@ The module's output at p is its block's output streams (before its HyperHead, fl
 draft feeds them back as the next position's streams, as vLLM's ``deepseek_v4_mtp`` does. The
 block is a one-layer `DeepseekV4ForCausalLM` whose HyperHead and final norm are the module's.
 
+DeepSeek V4 GGUF files (`deepseek_v4.gguf_tensor`): llama.cpp's ``--mtp`` conversion writes the
+modules alone to an MTP-only file (`mtp_only`), as ``blk.{N + i}``, mapped to ``mtp.{i}.*``: the
+block under a layer's names, ``eh_proj`` (``e_proj`` and ``h_proj`` concatenated, e first; split on
+load), ``enorm``, ``hnorm``, the module's ``norm`` (``shared_head_norm``), and its HyperHead at the
+root names (``output_hc_*``), read as llama.cpp's MTP graph reads them where the module has none of
+its own; the file's embedding and head, the model's copies, are checked against the model's
+(`load_mtp` takes such a file's tensors over a target loaded from elsewhere).
+
 The block is built as a one-layer model of the family (`load_mtp`: the registry entry's ``build``
 with ``num_layers = 1``), so it takes the model's weight format (int4, int8, GGUF blocks, dense)
 and attention code as they are; that model's own embedding and head are one-row placeholders.
