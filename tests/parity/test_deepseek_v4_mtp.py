@@ -523,25 +523,21 @@ def _streams_and_logits(target: DeepseekV4ForCausalLM, predictor: DeepseekV4MTP,
         return predictor.compute_logits(out)
 
 
-def test_llama_cpp_mtp_only_gguf_drafts(mtp_gguf: MtpFile, tmp_path: Path) -> None:
+def test_llama_cpp_mtp_only_gguf_logits(mtp_gguf: MtpFile, tmp_path: Path) -> None:
     """llama.cpp's MTP-only file (`_mtp_gguf`) over the folder's model, and over the same model as a
     ``deepseek4`` GGUF file: the module's logits equal the folder's module's bit for bit (the file
     holds the folder's values: MXFP4 experts, the Q8_0 ``eh_proj`` split into ``e_proj`` and
     ``h_proj``; its HyperHead at the root names, its norm as ``shared_head_norm``) and so the
-    float64 reference's within FP32_TOLERANCE; through the engine, 32 greedy tokens for three
-    batched requests identical with the file's drafter and without speculation, with drafts. As
-    ``[speculative] draft_model`` the file is recognised (`runtime.mtp_file`: the folder itself is
-    a draft model, not an MTP file) and loaded as the MTP drafter; a model whose embedding differs
-    from the file's copy is refused (ValueError; ConfigError through the runtime)."""
-    from helios.config import ConfigError, HeliosConfig, SpeculativeSection
+    float64 reference's within FP32_TOLERANCE; over a model whose embedding differs from the file's
+    copy it is refused."""
     from helios.models.mtp import mtp_only
-    from helios.runtime import _learned_kind, load_model, load_mtp_drafter, mtp_file
     from tests.parity.test_deepseek_v4_parity import _write_gguf
 
     folder, path, hf6, own = mtp_gguf
     companion = load_checkpoint(path, torch.float32)
     assert companion.architecture.name == "deepseek_v4" and companion.config.num_layers == N
     assert mtp_only(N, companion.weights) and mtp_layers(N, companion.weights) == 1
+    assert not mtp_only(N, load_checkpoint(folder, torch.float32).weights)
     target, folder_predictor = _predictor(folder)
     predictor = load_mtp(target, companion.architecture, companion.weights)
     assert isinstance(predictor, DeepseekV4MTP)
@@ -561,7 +557,20 @@ def test_llama_cpp_mtp_only_gguf_drafts(mtp_gguf: MtpFile, tmp_path: Path) -> No
     trunk_predictor = load_mtp(trunk, companion.architecture, companion.weights)
     assert isinstance(trunk_predictor, DeepseekV4MTP)
     assert (_streams_and_logits(trunk, trunk_predictor, ids).double() - expected).abs().max().item() < FP32_TOLERANCE
-    # The engine: greedy output unchanged, drafts proposed.
+    # Another model's MTP file: refused.
+    with torch.no_grad():
+        target.embed_tokens.add_(1.0)
+    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight differs from the model's"):
+        load_mtp(target, companion.architecture, companion.weights)
+
+
+def test_llama_cpp_mtp_only_gguf_drafts_through_the_engine(mtp_gguf: MtpFile) -> None:
+    """Three batched requests, 32 greedy tokens each: identical with the MTP-only file's drafter and
+    without speculation, with drafts proposed."""
+    folder, path, _, _ = mtp_gguf
+    companion = load_checkpoint(path, torch.float32)
+    target = load_ours(folder)
+    predictor = load_mtp(target, companion.architecture, companion.weights)
     want = drive_mtp(*mtp_engine(target, predictor, mtp=False), _requests("g"))
     core, drafter = mtp_engine(target, predictor, mtp=True)
     assert drafter is not None and drive_mtp(core, drafter, _requests("g")) == want
@@ -571,24 +580,53 @@ def test_llama_cpp_mtp_only_gguf_drafts(mtp_gguf: MtpFile, tmp_path: Path) -> No
     assert spec.model_draft_rounds > 0 and drafter.draft_tokens >= spec.model_draft_rounds
     print(f"V4 MTP from GGUF through the engine: {spec.model_draft_rounds} rounds, {drafter.draft_tokens} drafts, "
           f"{spec.model_accepted_drafts} accepted, {stats.draft_steps} draft steps")
-    # The runtime: draft_model = the file.
+
+
+def test_llama_cpp_mtp_only_gguf_as_draft_model(mtp_gguf: MtpFile, tmp_path: Path) -> None:
+    """``[speculative] draft_model`` = the MTP-only file: recognised (`runtime.mtp_file`; the folder
+    itself is a draft model, not an MTP file) and loaded as the MTP drafter over the folder's model
+    and over the model's GGUF file; `runtime.build_runtime` serves the folder with it (``mtp =
+    false`` notwithstanding); over a model whose embedding differs from the file's copy it stops
+    the start (ConfigError)."""
+    from helios.config import (
+        ConfigError,
+        EngineSection,
+        HeliosConfig,
+        ModelConfigSection,
+        ServerConfig,
+        SpeculativeSection,
+    )
+    from helios.runtime import _learned_kind, build_runtime, load_model, load_mtp_drafter, mtp_file
+    from tests.parity.test_deepseek_v4_parity import _write_gguf
+
+    folder, path, hf6, _ = mtp_gguf
+    trunk_path = tmp_path / "tiny-v4.gguf"
+    _write_gguf(trunk_path, _five_layers(hf6), mtp=False)
     cfg = HeliosConfig(speculative=SpeculativeSection(draft_model=str(path)))
-    for model_path in (folder, trunk_path):
+    for model_path in (trunk_path, folder):
         loaded = load_model(model_path, weights="float32", dtype="float32")
         source = mtp_file(cfg, loaded.checkpoint)
         assert source is not None and _learned_kind(cfg, loaded.checkpoint) == "mtp"
-        loaded_drafter = load_mtp_drafter(cfg, loaded, num_pages=8, max_model_len=64, fingerprint=b"f", source=source)
-        assert isinstance(loaded_drafter, MTPDrafter) and isinstance(loaded_drafter.predictor, DeepseekV4MTP)
+        drafter = load_mtp_drafter(cfg, loaded, num_pages=8, max_model_len=64, fingerprint=b"f", source=source)
+        assert isinstance(drafter, MTPDrafter) and isinstance(drafter.predictor, DeepseekV4MTP)
     as_draft = HeliosConfig(speculative=SpeculativeSection(draft_model=str(folder)))
     assert mtp_file(as_draft, loaded.checkpoint) is None and _learned_kind(as_draft, loaded.checkpoint) == "draft"
-    # Another model's MTP file: refused.
+    served = HeliosConfig(server=ServerConfig(access_log=False),
+                          model=ModelConfigSection(path=str(folder), dtype="float32", weights="float32",
+                                                   weight_cache=False, threads=1),
+                          engine=EngineSection(page_size=4, kv_pages=64, max_active=2),
+                          speculative=SpeculativeSection(draft_model=str(path), mtp=False))
+    threads = torch.get_num_threads()
+    try:
+        rt = build_runtime(served)
+    finally:
+        torch.set_num_threads(threads)
+    assert isinstance(rt.core.drafter, MTPDrafter) and isinstance(rt.core.drafter.predictor, DeepseekV4MTP)
+    assert rt.info.speculative_learned == "mtp"
     with torch.no_grad():
         loaded.model.embed_tokens.add_(1.0)
-    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight differs from the model's"):
-        load_mtp(loaded.model, companion.architecture, companion.weights)
-    with pytest.raises(ConfigError, match="its MTP layer does not load"):
+    with pytest.raises(ConfigError, match=r"its MTP layer does not load: model\.embed_tokens\.weight differs"):
         load_mtp_drafter(cfg, loaded, num_pages=8, max_model_len=64, fingerprint=b"f", source=source)
-
 
 def _five_layers(hf6: torch.nn.Module) -> torch.nn.Module:
     """The model of ``hf6`` (transformers, its first five layers)."""
