@@ -156,9 +156,11 @@ class SpeculativeSection:
     # Also draft from the recent outputs of other requests (the shared decoded history).
     history: bool = True
     # A second, smaller model with the target's tokenizer that drafts greedily when the n-gram and
-    # history lookups have no guess (a catalog name or a GGUF file / model folder; empty: none).
+    # history lookups have no guess (a catalog name or a GGUF file / model folder; empty: none); or
+    # an MTP-only GGUF of the target (llama.cpp's convert_hf_to_gguf.py --mtp: DeepSeek V4's), whose
+    # MTP layer then drafts in that place (runtime.mtp_file).
     draft_model: str = ""
-    # A checkpoint's multi-token-prediction layers (DeepSeek-V3 / V3.2, GLM-4.5 / GLM-5 folders) draft
+    # A checkpoint's multi-token-prediction layers (DeepSeek-V3 / V3.2, GLM-4.5 / GLM-5, V4 folders) draft
     # in that place when there is no draft_model: loaded when speculation is on and the checkpoint
     # has them; false never loads them (their memory: one decoder layer in the model's format).
     mtp: bool = True

@@ -649,20 +649,55 @@ def has_mtp(ckpt: Checkpoint) -> bool:
             and mtp_layers(num_layers, ckpt.weights) > 0)
 
 
+def mtp_file(cfg: HeliosConfig, target: Checkpoint) -> Checkpoint | None:
+    """``[speculative] draft_model`` when it is an MTP-only file of the target's model (llama.cpp's
+    ``--mtp`` conversion: a GGUF file of the target's `models.mtp.MTP_ARCHITECTURES` family holding
+    its MTP modules and the shared embedding, head and output norm, no decoder): its checkpoint
+    (the header read, the weights not yet); None for any other model (a draft model). An MTP-only
+    file of another family or shape is refused (`ConfigError`)."""
+    from helios.loaders import catalog
+    from helios.loaders.checkpoint import load_checkpoint
+    from helios.models.mtp import MTP_ARCHITECTURES, mtp_only
+
+    spec = cfg.speculative.draft_model
+    try:
+        path, _name = resolve_model(spec)
+    except catalog.UnknownModel as exc:
+        raise ConfigError(f"speculative.draft_model: {exc}") from None
+    ckpt = load_checkpoint(path, torch.float32)
+    num_layers = getattr(ckpt.config, "num_layers", None)
+    if (ckpt.architecture.name not in MTP_ARCHITECTURES or num_layers is None
+            or not mtp_only(num_layers, ckpt.weights)):
+        return None
+    shape = ("num_layers", "hidden_size", "vocab_size")
+    if ckpt.architecture.name != target.architecture.name or any(
+            getattr(ckpt.config, field) != getattr(target.config, field, None) for field in shape):
+        raise ConfigError(f"speculative.draft_model {spec!r} holds MTP layers of a {ckpt.architecture.name} model "
+                          f"({', '.join(f'{f} {getattr(ckpt.config, f)}' for f in shape)}), not of this "
+                          f"{target.architecture.name} model "
+                          f"({', '.join(f'{f} {getattr(target.config, f, None)}' for f in shape)})")
+    return ckpt
+
+
 def load_mtp_drafter(cfg: HeliosConfig, loaded: LoadedModel, *, num_pages: int, max_model_len: int,
-                     fingerprint: bytes) -> MTPDrafter | None:
-    """The checkpoint's first MTP layer over the loaded target, as the engine's `MTPDrafter` (its own
-    pool of ``num_pages`` pages of the one layer); None when the checkpoint has none, or when its
-    layer does not load (a warning says why: the server runs without it)."""
+                     fingerprint: bytes, source: Checkpoint | None = None) -> MTPDrafter | None:
+    """The first MTP layer over the loaded target, as the engine's `MTPDrafter` (its own pool of
+    ``num_pages`` pages of the one layer): the checkpoint's own, or ``source``'s (an MTP-only file
+    of the same model, `mtp_file`). The checkpoint's own: None when it has none, or when its layer
+    does not load (a warning says why: the server runs without it). ``source``'s: one that does not
+    load is refused (`ConfigError`: it was asked for)."""
     from helios.engine.mtp import MTPDrafter
     from helios.models.mtp import load_mtp
 
     ckpt = loaded.checkpoint
-    if not has_mtp(ckpt):
+    if source is None and not has_mtp(ckpt):
         return None
     try:
-        predictor = load_mtp(loaded.model, ckpt.architecture, ckpt.weights)
+        predictor = load_mtp(loaded.model, ckpt.architecture, (source or ckpt).weights)
     except ValueError as exc:
+        if source is not None:
+            raise ConfigError(f"speculative.draft_model {cfg.speculative.draft_model!r}: its MTP layer does not "
+                              f"load: {exc}") from None
         log.warning("the checkpoint's MTP layer is not used: %s", exc)
         return None
     page = cfg.engine.page_size
@@ -671,7 +706,8 @@ def load_mtp_drafter(cfg: HeliosConfig, loaded: LoadedModel, *, num_pages: int, 
                          prefix_caching=cfg.cache.prefix_caching, fingerprint=fingerprint,
                          token_vocab_size=ckpt.tokenizer.vocab_size, kv_prefault=cfg.engine.kv_prefault)
     layout = drafter.attention.layout
-    log.info("MTP layer drafts (%s); its KV pool %d pages (%.2f GiB)", kept_weights(predictor), num_pages,
+    log.info("MTP layer%s drafts (%s); its KV pool %d pages (%.2f GiB)",
+             "" if source is None else f" of {source.source_path}", kept_weights(predictor), num_pages,
              layout.bytes_per_token(loaded.choice.dtype) * page * num_pages / 2**30)
     return drafter
 
@@ -839,7 +875,11 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
                         kv_prefault=cfg.engine.kv_prefault, kv_dtype=cfg.engine.kv_dtype,
                         token_vocab_size=ckpt.tokenizer.vocab_size)
     drafter: Drafter | MTPDrafter | None = None
-    if cfg.speculative.draft_model:
+    companion = mtp_file(cfg, ckpt) if cfg.speculative.draft_model else None
+    if companion is not None:
+        drafter = load_mtp_drafter(cfg, loaded, num_pages=num_pages + cfg.engine.max_active,
+                                   max_model_len=max_model_len, fingerprint=ecfg.fingerprint, source=companion)
+    elif cfg.speculative.draft_model:
         drafter = load_drafter(cfg, ckpt.tokenizer, num_pages=num_pages + cfg.engine.max_active,
                                max_model_len=max_model_len, cache_dir=cache_dir)
     elif cfg.speculative.mode != "off" and cfg.speculative.mtp and parallel is None:
@@ -852,12 +892,21 @@ def build_runtime(cfg: HeliosConfig) -> Runtime:
         leader.start_workers(WorkerSetup(num_pages=num_pages, page_size=page, kv_dtype=cfg.engine.kv_dtype,
                                          num_state_slots=cfg.engine.max_active, max_active=cfg.engine.max_active,
                                          step_tokens=core.step_tokens))
-    learned = None if drafter is None else ("draft" if cfg.speculative.draft_model else "mtp")
+    learned = None if drafter is None else ("draft" if companion is None and cfg.speculative.draft_model else "mtp")
     info, recipe, eos, admission = _describe(cfg, ckpt, catalog_name, max_model_len, learned=learned,
                                              speculative_mode=core.scheduler.speculative.mode,
                                              vision=loaded.vision)
     return Runtime(cfg, core, info, ckpt.tokenizer, ckpt.chat_template, recipe, eos, vision=loaded.vision,
                    admission=admission, leader=leader)
+
+
+def _learned_kind(cfg: HeliosConfig, ckpt: Checkpoint) -> str | None:
+    """The learned drafter a rank will load, by the headers (`domain.model.ModelInfo`'s kinds):
+    "draft" (a draft model), "mtp" (an MTP-only ``draft_model`` file or the checkpoint's own MTP
+    layer) or None."""
+    if cfg.speculative.draft_model:
+        return "draft" if mtp_file(cfg, ckpt) is None else "mtp"
+    return "mtp" if cfg.speculative.mode != "off" and cfg.speculative.mtp and has_mtp(ckpt) else None
 
 
 def _max_model_len(cfg: HeliosConfig, max_position_embeddings: int) -> int:
@@ -971,9 +1020,7 @@ def build_data_parallel_runtime(cfg: HeliosConfig) -> DataParallelRuntime:
                           "[parallel] data_parallel_size = 1")
     max_model_len = _max_model_len(cfg, ckpt.config.max_position_embeddings)
     info, recipe, eos, admission = _describe(cfg, ckpt, catalog_name, max_model_len,
-                                             learned="draft" if cfg.speculative.draft_model else (
-                                                 "mtp" if cfg.speculative.mode != "off" and cfg.speculative.mtp
-                                                 and has_mtp(ckpt) else None),
+                                             learned=_learned_kind(cfg, ckpt),
                                              speculative_mode=cfg.speculative.mode, vision=None)
     info = attrs.evolve(info, max_concurrency=par.data_parallel_size * cfg.engine.max_active)
     hub = KVEventHub() if par.kv_events else None

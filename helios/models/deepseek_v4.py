@@ -72,8 +72,11 @@ GGUF: llama.cpp's ``deepseek4`` (`config_from_gguf`, `gguf_tensor`): the shapes 
 ``attention.output_group_count`` / ``output_lora_rank``, ``attention.indexer.*``,
 ``hash_layer_count``, ``swiglu_clamp_exp``, ``attention.compress_rope_freq_base``; the YaRN keys
 describe the compressed layers' RoPE), every tensor in the checkpoint's own layout (no rotary
-permutation: the pairs stay consecutive), the experts stacked, ``tid2eid`` as I32; the MTP blocks
-after ``num_layers`` are not loaded (a GGUF file's MTP layer does not draft). llama.cpp accepts only rates 4 (CSA) and 128 (HCA); a layer of
+permutation: the pairs stay consecutive), the experts stacked, ``tid2eid`` as I32. The MTP blocks
+after ``num_layers`` (``blk.{N + i}``: llama.cpp's ``--mtp`` conversion writes them alone, with the
+shared embedding, head and output norm, to an MTP-only file) go to ``mtp.{i}.*`` as a folder's,
+which the model skips and `helios.models.mtp` reads (an MTP-only file given as ``[speculative]
+draft_model`` drafts). llama.cpp accepts only rates 4 (CSA) and 128 (HCA); a layer of
 rate 4 is CSA here too, any other non-zero rate HCA.
 """
 
@@ -408,11 +411,37 @@ _GGUF_LAYER_NAMES = {
 _GGUF_GLOBAL_NAMES = {f"output_hc_{p}.weight": f"model.hc_head.hc_{p}" for p in ("fn", "base", "scale")}
 
 
+# llama.cpp's names of an MTP module's own tensors (``blk.{N + i}.nextn.*``) -> their suffixes of
+# ``mtp.{i}.`` (DeepSeek's release names; ``eh_proj``: llama.cpp's concatenation [e_proj | h_proj]).
+_GGUF_NEXTN_NAMES = {
+    "nextn.eh_proj.weight": "eh_proj.weight",
+    "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight",
+    "nextn.shared_head_norm.weight": "norm.weight",
+    "nextn.embed_tokens.weight": "emb.tok_emb.weight",
+    "nextn.shared_head_head.weight": "head.weight",
+}
+
+
 def gguf_tensor(config: ArchitectureConfig, gguf_name: str) -> GGUFTensor | None:
-    """Where a ``deepseek4`` tensor goes (no rotary permutation; None for the MTP blocks)."""
+    """Where a ``deepseek4`` tensor goes (no rotary permutation). The blocks past ``num_layers``
+    (MTP modules: an MTP-only file's, or a file's that holds both) go to ``mtp.{i}.*``, which the
+    model skips and `helios.models.mtp.load_mtp` reads: the block's tensors under their
+    transformers suffixes, the module's own under `_GGUF_NEXTN_NAMES` (a name known to neither goes
+    nowhere)."""
     assert isinstance(config, DeepseekV4Config), type(config)
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return GGUFTensor(_GGUF_GLOBAL_NAMES[gguf_name])
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= config.num_layers:
+        prefix = f"mtp.{int(parts[1]) - config.num_layers}."
+        if parts[2] in _GGUF_NEXTN_NAMES:
+            return GGUFTensor(prefix + _GGUF_NEXTN_NAMES[parts[2]])
+        try:
+            block = gguf_moe_tensor(config, f"blk.0.{parts[2]}", _GGUF_LAYER_NAMES)
+        except NotImplementedError:
+            return None
+        return None if block is None else GGUFTensor(prefix + block.name.removeprefix("model.layers.0."))
     return gguf_moe_tensor(config, gguf_name, _GGUF_LAYER_NAMES)
 
 

@@ -64,6 +64,14 @@ The module's output at p is its block's output streams (before its HyperHead, fl
 draft feeds them back as the next position's streams, as vLLM's ``deepseek_v4_mtp`` does. The
 block is a one-layer `DeepseekV4ForCausalLM` whose HyperHead and final norm are the module's.
 
+DeepSeek V4 GGUF files (`deepseek_v4.gguf_tensor`): llama.cpp's ``--mtp`` conversion writes the
+modules alone to an MTP-only file (`mtp_only`), as ``blk.{N + i}``, mapped to ``mtp.{i}.*``: the
+block under a layer's names, ``eh_proj`` (``e_proj`` and ``h_proj`` concatenated, e first; split on
+load), ``enorm``, ``hnorm``, the module's ``norm`` (``shared_head_norm``), and its HyperHead at the
+root names (``output_hc_*``), read as llama.cpp's MTP graph reads them where the module has none of
+its own; the file's embedding and head, the model's copies, are checked against the model's
+(`load_mtp` takes such a file's tensors over a target loaded from elsewhere).
+
 The block is built as a one-layer model of the family (`load_mtp`: the registry entry's ``build``
 with ``num_layers = 1``), so it takes the model's weight format (int4, int8, GGUF blocks, dense)
 and attention code as they are; that model's own embedding and head are one-row placeholders.
@@ -85,9 +93,10 @@ from helios.models.deepseek_v3 import DeepseekV3Config
 from helios.models.deepseek_v4 import SLIDING, DeepseekV4Config, DeepseekV4ForCausalLM
 from helios.models.deepseek_v32 import DeepseekV32Config
 from helios.models.interface import AttentionContext, CacheSpec
-from helios.models.quant import BuildSource, UnloadedLinear, build_linear, dense_of
+from helios.models.quant import BuildSource, GroupQuantized, UnloadedLinear, build_linear, dense_of
 
-__all__ = ["MTP_ARCHITECTURES", "DeepseekV3MTP", "DeepseekV4MTP", "MultiTokenPredictor", "load_mtp", "mtp_layers"]
+__all__ = ["MTP_ARCHITECTURES", "DeepseekV3MTP", "DeepseekV4MTP", "MultiTokenPredictor", "load_mtp", "mtp_layers",
+           "mtp_only"]
 
 MTP_ARCHITECTURES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "deepseek_v4")
 """Registry entries whose checkpoints' MTP layers `load_mtp` builds."""
@@ -96,7 +105,12 @@ _OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "embed_tokens.weight",
         "shared_head.head.weight")
 """The MTP module's weights outside its decoder block (suffixes of ``model.layers.{N + i}.``)."""
 
-_V4_OWN = ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight", "emb.tok_emb.weight", "head.weight")
+_V4_PROJ = ("e_proj.weight", "eh_proj.weight")
+"""A DeepSeek V4 module's input projections: a folder's ``e_proj`` (with ``h_proj``), or a GGUF
+file's ``eh_proj`` [hidden, 2 * hidden], llama.cpp's concatenation of the two (``e_proj`` first)."""
+
+_V4_OWN = ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight", "eh_proj.weight", "emb.tok_emb.weight",
+           "head.weight")
 """A DeepSeek V4 MTP module's weights outside its block model (suffixes of ``mtp.{i}.``; its
 ``hc_head_*`` and ``norm`` are the block model's HyperHead and final norm)."""
 
@@ -104,17 +118,26 @@ _V4_OWN = ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight", "em
 def _prefix(num_layers: int, layer: int, names: Container[str]) -> str | None:
     """Where MTP module ``layer`` of a checkpoint whose decoder has ``num_layers`` layers is stored:
     ``model.layers.{num_layers + layer}.`` (DeepSeek-V3's layout: an ``eh_proj``), ``mtp.{layer}.`` or
-    ``model.mtp.{layer}.`` (DeepSeek V4's: an ``e_proj``); None when it has none."""
-    for prefix, own in ((f"model.layers.{num_layers + layer}.", "eh_proj.weight"),
-                        (f"mtp.{layer}.", "e_proj.weight"), (f"model.mtp.{layer}.", "e_proj.weight")):
-        if prefix + own in names:
+    ``model.mtp.{layer}.`` (DeepSeek V4's: an ``e_proj``, or a GGUF file's ``eh_proj``, llama.cpp's
+    concatenation of ``e_proj`` and ``h_proj``); None when it has none."""
+    for prefix, own in ((f"model.layers.{num_layers + layer}.", ("eh_proj.weight",)),
+                        (f"mtp.{layer}.", _V4_PROJ), (f"model.mtp.{layer}.", _V4_PROJ)):
+        if any(prefix + name in names for name in own):
             return prefix
     return None
 
 
+def mtp_only(num_layers: int, names: Iterable[str]) -> bool:
+    """Whether a checkpoint holds MTP modules and no decoder (llama.cpp's ``--mtp`` conversion: an
+    MTP-only GGUF file, with the shared embedding, head and output norm), by its tensor names."""
+    have = set(names)
+    return (_prefix(num_layers, 0, have) is not None
+            and not any(name.startswith("model.layers.0.") for name in have))
+
+
 def mtp_layers(num_layers: int, names: Iterable[str]) -> int:
     """How many MTP modules a checkpoint whose decoder has ``num_layers`` layers carries (each has an
-    ``eh_proj``, or a DeepSeek V4 module an ``e_proj``), by its tensor names."""
+    ``eh_proj``, or a DeepSeek V4 module an ``e_proj`` or ``eh_proj``), by its tensor names."""
     have = set(names)
     count = 0
     while _prefix(num_layers, count, have) is not None:
@@ -266,9 +289,28 @@ class DeepseekV4MTP(MultiTokenPredictor):
         embedding or head copy against the model's."""
         self.load_norms(tensors, prefix)
         hidden = self.target.config.hidden_size
-        self.e_proj = self.projection(tensors, prefix + "e_proj.weight", hidden)
-        self.h_proj = self.projection(tensors, prefix + "h_proj.weight", hidden)
+        if prefix + "e_proj.weight" in tensors:
+            self.e_proj = self.projection(tensors, prefix + "e_proj.weight", hidden)
+            self.h_proj = self.projection(tensors, prefix + "h_proj.weight", hidden)
+        else:  # a GGUF file's [e_proj | h_proj]
+            name = prefix + "eh_proj.weight"
+            both = tensors[name]
+            if tuple(both.shape) != (hidden, 2 * hidden):
+                raise ValueError(f"{name}: expected shape {(hidden, 2 * hidden)}, got {tuple(both.shape)}")
+            halves = {"e": _columns(both, 0, hidden), "h": _columns(both, hidden, 2 * hidden)}
+            self.e_proj = self.projection(halves, "e", hidden)
+            self.h_proj = self.projection(halves, "h", hidden)
         self.check_shared(tensors, prefix + "emb.tok_emb.weight", prefix + "head.weight")
+
+
+def _columns(source: BuildSource, start: int, stop: int) -> BuildSource:
+    """Columns ``start:stop`` of a [rows, cols] weight: `GroupQuantized` codes (GGUF Q4_0 / Q4_1 /
+    Q8_0) stay codes where the cut falls on their groups; anything else is sliced dense."""
+    if isinstance(source, GroupQuantized) and start % source.group_size == 0 and stop % source.group_size == 0:
+        a, b = start // source.group_size, stop // source.group_size
+        return GroupQuantized(source.codes[:, start:stop].contiguous(), source.scale[:, a:b].contiguous(),
+                              source.offset[:, a:b].contiguous(), source.bits, source.group_size)
+    return dense_of(source)[:, start:stop].contiguous()
 
 
 class _Renamed(Mapping[str, BuildSource]):
@@ -312,8 +354,10 @@ def load_mtp(target: object, architecture: Architecture, tensors: Mapping[str, B
              layer: int = 0) -> MultiTokenPredictor:
     """The checkpoint's MTP module ``layer`` (``model.layers.{num_layers + layer}``, DeepSeek V4's
     ``mtp.{layer}``) over the loaded ``target`` (a `FusedDecoderLM` of an `MTP_ARCHITECTURES` entry,
-    one rank: no tensor parallelism), built in the target's dtype and weight format. Raises
-    ValueError when the checkpoint has no such module or its weights do not fit."""
+    one rank: no tensor parallelism), built in the target's dtype and weight format. ``tensors``:
+    the target's checkpoint, or an MTP-only one of the same model (`mtp_only`: its embedding and
+    head must equal the model's). Raises ValueError when the checkpoint has no such module or its
+    weights do not fit."""
     if architecture.name not in MTP_ARCHITECTURES or not isinstance(target, FusedDecoderLM):
         raise ValueError(f"MTP layers of {architecture.name} checkpoints are not supported")
     cfg = target.config
@@ -323,7 +367,7 @@ def load_mtp(target: object, architecture: Architecture, tensors: Mapping[str, B
     if isinstance(target, DeepseekV4ForCausalLM):
         if prefix is None or not prefix.endswith(f"mtp.{layer}."):
             raise ValueError(f"the checkpoint has no MTP layer {layer} (mtp.{layer}.e_proj.weight)")
-        return _load_v4(target, architecture, tensors, prefix)
+        return _check_root(_load_v4(target, architecture, tensors, prefix), tensors)
     if prefix is None or not prefix.startswith("model.layers."):
         raise ValueError(f"the checkpoint has no MTP layer {layer} "
                          f"(model.layers.{cfg.num_layers + layer}.eh_proj.weight)")
@@ -339,11 +383,25 @@ def load_mtp(target: object, architecture: Architecture, tensors: Mapping[str, B
                                                               "lm_head.weight")))
     predictor = DeepseekV3MTP(target, block)
     predictor.load_own(tensors, prefix)
-    return _finish(predictor)
+    return _check_root(_finish(predictor), tensors)
+
+
+def _check_root(predictor: _P, tensors: Mapping[str, BuildSource]) -> _P:
+    """An MTP-only checkpoint's (`mtp_only`) embedding and head, the shared copies llama.cpp's
+    ``--mtp`` conversion writes beside the modules, checked against the model's (`check_shared`:
+    a file of another model is refused)."""
+    if mtp_only(predictor.target.config.num_layers, tensors):
+        predictor.check_shared(tensors, "model.embed_tokens.weight", "lm_head.weight")
+    return predictor
 
 
 _V4_HEAD = ("norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale")
 """A DeepSeek V4 module's HyperHead and norm: the block model's own (the same release names)."""
+
+_V4_ROOT = {"norm.weight": "model.norm.weight", **{f"hc_head_{p}": f"model.hc_head.hc_{p}" for p in ("fn", "base", "scale")}}
+"""Where a module without its own (a GGUF file's: llama.cpp's ``--mtp`` conversion writes the
+module's HyperHead at the root names, ``output_hc_*``, and its norm as ``nextn.shared_head_norm``)
+finds its HyperHead and norm: the checkpoint's root tensors, as llama.cpp's MTP graph reads them."""
 
 
 def _load_v4(target: DeepseekV4ForCausalLM, architecture: Architecture, tensors: Mapping[str, BuildSource],
@@ -351,15 +409,18 @@ def _load_v4(target: DeepseekV4ForCausalLM, architecture: Architecture, tensors:
     """DeepSeek V4's module at ``prefix`` (``mtp.{i}.`` or ``model.mtp.{i}.``): its block, HyperHead
     and norm as a one-layer `DeepseekV4ForCausalLM` loaded under release names (``layers.0.*`` for
     the block's, ``hc_head_*``, ``norm.weight``), which that model maps as it maps its own."""
-    if any(name.startswith(prefix + "attn.compressor.") for name in tensors):
+    if any(name.startswith((prefix + "attn.compressor.", prefix + "self_attn.compressor.")) for name in tensors):
         raise ValueError(f"{prefix}: a compressed-attention MTP block is not supported (DeepSeek's releases make "
                          "it a sliding-window layer)")
-    if prefix + "ffn.gate.tid2eid" in tensors:
+    if prefix + "ffn.gate.tid2eid" in tensors or prefix + "mlp.gate.tid2eid" in tensors:
         raise ValueError(f"{prefix}: a hash-routed MTP block is not supported")
     block = _build_block(target, block_config(target.config, moe=True), architecture.build)
     assert isinstance(block, DeepseekV4ForCausalLM), type(block)
     names = {(suffix if suffix in _V4_HEAD else "layers.0." + suffix): name
              for suffix, name in _suffixes(tensors, prefix, _V4_OWN).items()}
+    for suffix, root in _V4_ROOT.items():
+        if suffix not in names and root in tensors:
+            names[suffix] = root
     block.load_weights(_Renamed(tensors, names, _placeholders(target.config.hidden_size, "embed.weight",
                                                               "head.weight")))
     predictor = DeepseekV4MTP(target, block)

@@ -408,3 +408,268 @@ def test_runtime_loads_the_v4_mtp_drafter(ckpt: Ckpt, tmp_path: Path, caplog: py
     checkpoint = load_checkpoint(compressed, torch.float32)
     with pytest.raises(ValueError, match="compressed-attention MTP block"):
         load_mtp(load_ours(compressed), checkpoint.architecture, checkpoint.weights)
+
+
+# -- GGUF: llama.cpp's MTP-only file ------------------------------------------------------------
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+"""The FP4 (E2M1) values of DeepSeek V4's expert codes, by 4-bit code."""
+
+
+def _fp4(rows: int, cols: int, g: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """A random MXFP4 [rows, cols] weight in DeepSeek's release form (packed uint8 [rows, cols / 2],
+    element 2i in the low nibble; one E8M0 exponent byte per 32 elements) and its float32 value."""
+    codes = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+    exponents = torch.randint(118, 122, (rows, cols // 32), generator=g, dtype=torch.uint8)
+    value = _E2M1[codes.long()] * torch.exp2(exponents.float() - 127.0).repeat_interleave(32, dim=1)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), exponents, value
+
+
+MtpFile = tuple[Path, Path, torch.nn.Module, dict[str, Tensor]]
+
+
+@pytest.fixture(scope="module")
+def mtp_gguf(tmp_path_factory: pytest.TempPathFactory) -> MtpFile:
+    return _mtp_gguf(tmp_path_factory.mktemp("deepseek-v4-mtp-gguf"))
+
+
+def _mtp_gguf(tmp: Path) -> MtpFile:
+    """The tiny V4 with an MTP layer as a folder (`_write`) and as llama.cpp's ``convert_hf_to_gguf.py
+    --mtp`` converts DeepSeek's release: an MTP-only ``deepseek4`` file (skipped without the
+    converter's tree). The release form the converter reads: the module under ``mtp.0.*`` (its kv
+    norm ``attn.kv_norm``, its routed experts MXFP4 codes with their exponents, no embedding or head
+    copies: the converter knows none) beside ``embed`` / ``norm`` / ``head``; it writes the experts
+    as ggml MXFP4 and ``eh_proj`` ([e_proj | h_proj]) as Q8_0. So that the folder holds the values
+    the file holds, the folder's MTP experts are those codes' values and its ``e_proj`` / ``h_proj``
+    Q8_0 values (what ``gguf.quants`` rounds them to, unchanged by the converter's rounding). The
+    (folder, file, model, module's own weights)."""
+    import subprocess
+    import sys
+
+    import gguf
+    import numpy as np
+
+    from tests.parity.test_gguf_families_parity import _LLAMA_CPP, _RUNNER
+
+    if not (_LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
+        pytest.skip(f"llama.cpp's converter is not at {_LLAMA_CPP} (set HELIOS_PEERS)")
+    hf6 = _six_layers()
+    own = _random_own(hf6, 41)
+    g = torch.Generator().manual_seed(42)
+    experts = hf6.model.layers[N].mlp.experts
+    num_experts, width = experts.gate_up_proj.shape[0], experts.down_proj.shape[2]
+    packed: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for e in range(num_experts):
+            for proj, (rows, cols) in (("w1", (width, HIDDEN)), ("w3", (width, HIDDEN)), ("w2", (HIDDEN, width))):
+                codes, exponents, value = _fp4(rows, cols, g)
+                packed[f"mtp.0.ffn.experts.{e}.{proj}.weight"] = codes
+                packed[f"mtp.0.ffn.experts.{e}.{proj}.scale"] = exponents
+                if proj == "w2":
+                    experts.down_proj[e] = value
+                else:
+                    experts.gate_up_proj[e, (0 if proj == "w1" else width):][:width] = value
+    eh = np.concatenate((own["e_proj.weight"].numpy(), own["h_proj.weight"].numpy()), axis=1)
+    q8 = gguf.quants.dequantize(gguf.quants.quantize(eh, gguf.GGMLQuantizationType.Q8_0),
+                                gguf.GGMLQuantizationType.Q8_0)
+    own["e_proj.weight"], own["h_proj.weight"] = torch.from_numpy(np.ascontiguousarray(q8)).split(HIDDEN, dim=1)
+    folder = tmp / "folder"
+    _write(folder, hf6, own)
+    saved = safetensors_torch.load_file(str(folder / "model.safetensors"))
+    for name, codes in packed.items():  # the folder's experts are the codes' values
+        if name.endswith(".weight"):
+            exponents = packed[name.removesuffix("weight") + "scale"].float()
+            unpacked = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(1).long()
+            assert torch.equal(saved[name], _E2M1[unpacked] * torch.exp2(exponents - 127.0).repeat_interleave(32, 1))
+    root = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight", "head.weight": "head.weight"}
+    release = {new: saved[old] for old, new in root.items()}
+    for name, value in saved.items():
+        if name.startswith("mtp.0.") and ".ffn.experts." not in name and not name.endswith(("tok_emb.weight",
+                                                                                            "0.head.weight")):
+            release[name.replace(".attn.norm.", ".attn.kv_norm.")] = value
+    release.update(packed)
+    source = tmp / "release"
+    source.mkdir()
+    safetensors_torch.save_file({k: v.contiguous() for k, v in release.items()}, str(source / "model.safetensors"),
+                                metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    rates = {SLIDING: 0, **config["compress_rates"]}
+    config.update(compress_ratios=[*(rates[t] for t in config["layer_types"]), 0],
+                  num_hash_layers=config["mlp_layer_types"].count("hash_moe"))
+    (source / "config.json").write_text(json.dumps(config))
+    path = tmp / "mtp-tiny-v4.gguf"
+    run = subprocess.run([sys.executable, "-c", _RUNNER, str(_LLAMA_CPP), str(source), str(path), "f32", "--mtp"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    reader = gguf.GGUFReader(str(path))
+    assert reader.fields["general.architecture"].contents() == "deepseek4"
+    assert (reader.fields["deepseek4.block_count"].contents(), reader.fields["deepseek4.nextn_predict_layers"].contents(),
+            reader.fields["deepseek4.attention.compress_ratios"].contents()[-1]) == (N + 1, 1, 0)
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert not any(name.startswith("blk.0.") for name in kinds)  # MTP-only: no decoder
+    assert (kinds[f"blk.{N}.nextn.eh_proj.weight"], kinds[f"blk.{N}.ffn_gate_exps.weight"]) == ("Q8_0", "MXFP4")
+    wanted = {f"blk.{N}.nextn.{s}.weight" for s in ("enorm", "hnorm", "shared_head_norm")} | {
+        f"output_hc_{p}.weight" for p in ("fn", "base", "scale")} | {"token_embd.weight", "output.weight",
+                                                                    "output_norm.weight", f"blk.{N}.attn_norm.weight"}
+    assert wanted <= set(kinds)
+    return folder, path, hf6, own
+
+
+def _streams_and_logits(target: DeepseekV4ForCausalLM, predictor: DeepseekV4MTP, ids: list[int]) -> Tensor:
+    with torch.inference_mode():
+        _, features = target.forward_with_features(torch.tensor(ids), torch.arange(len(ids)),
+                                                   DenseAttention.for_model(target))
+        out = predictor(torch.tensor(ids[1:]), torch.arange(len(ids) - 1), features[:-1],
+                        DenseAttention.for_model(predictor.block))
+        return predictor.compute_logits(out)
+
+
+def test_llama_cpp_mtp_only_gguf_logits(mtp_gguf: MtpFile, tmp_path: Path) -> None:
+    """llama.cpp's MTP-only file (`_mtp_gguf`) over the folder's model, and over the same model as a
+    ``deepseek4`` GGUF file: the module's logits equal the folder's module's bit for bit (the file
+    holds the folder's values: MXFP4 experts, the Q8_0 ``eh_proj`` split into ``e_proj`` and
+    ``h_proj``; its HyperHead at the root names, its norm as ``shared_head_norm``) and so the
+    float64 reference's within FP32_TOLERANCE; over a model whose embedding differs from the file's
+    copy it is refused."""
+    from helios.models.mtp import mtp_only
+    from tests.parity.test_deepseek_v4_parity import _write_gguf
+
+    folder, path, hf6, own = mtp_gguf
+    companion = load_checkpoint(path, torch.float32)
+    assert companion.architecture.name == "deepseek_v4" and companion.config.num_layers == N
+    assert mtp_only(N, companion.weights) and mtp_layers(N, companion.weights) == 1
+    assert not mtp_only(N, load_checkpoint(folder, torch.float32).weights)
+    target, folder_predictor = _predictor(folder)
+    predictor = load_mtp(target, companion.architecture, companion.weights)
+    assert isinstance(predictor, DeepseekV4MTP)
+    ref = Reference(hf6, own)
+    ids = PROMPTS[0]
+    expected = ref.logits(ref.outputs(ids[1:], ref.target_streams(ids)[:-1]))
+    got = _streams_and_logits(target, predictor, ids)
+    diff = (got.double() - expected).abs().max().item()
+    print(f"V4 MTP from llama.cpp's MTP-only GGUF vs float64: max abs logit diff {diff:.3g}")
+    assert torch.equal(got, _streams_and_logits(target, folder_predictor, ids))
+    assert diff < FP32_TOLERANCE and expected.abs().max().item() > 1.0
+    # The model as a deepseek4 GGUF file of its own (no MTP block), the module from the MTP file.
+    trunk_path = tmp_path / "tiny-v4.gguf"
+    _write_gguf(trunk_path, _five_layers(hf6), mtp=False)
+    trunk = load_ours(trunk_path, architecture="deepseek_v4")
+    assert isinstance(trunk, DeepseekV4ForCausalLM)
+    trunk_predictor = load_mtp(trunk, companion.architecture, companion.weights)
+    assert isinstance(trunk_predictor, DeepseekV4MTP)
+    assert (_streams_and_logits(trunk, trunk_predictor, ids).double() - expected).abs().max().item() < FP32_TOLERANCE
+    # Another model's MTP file: refused.
+    with torch.no_grad():
+        target.embed_tokens.add_(1.0)
+    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight differs from the model's"):
+        load_mtp(target, companion.architecture, companion.weights)
+
+
+def test_llama_cpp_mtp_only_gguf_drafts_through_the_engine(mtp_gguf: MtpFile) -> None:
+    """Three batched requests, 32 greedy tokens each: identical with the MTP-only file's drafter and
+    without speculation, with drafts proposed."""
+    folder, path, _, _ = mtp_gguf
+    companion = load_checkpoint(path, torch.float32)
+    target = load_ours(folder)
+    predictor = load_mtp(target, companion.architecture, companion.weights)
+    want = drive_mtp(*mtp_engine(target, predictor, mtp=False), _requests("g"))
+    core, drafter = mtp_engine(target, predictor, mtp=True)
+    assert drafter is not None and drive_mtp(core, drafter, _requests("g")) == want
+    stats = core.stats()
+    spec = stats.speculative
+    assert spec is not None and stats.learned_drafter and stats.draft_steps == drafter.forward_tokens > 0
+    assert spec.model_draft_rounds > 0 and drafter.draft_tokens >= spec.model_draft_rounds
+    print(f"V4 MTP from GGUF through the engine: {spec.model_draft_rounds} rounds, {drafter.draft_tokens} drafts, "
+          f"{spec.model_accepted_drafts} accepted, {stats.draft_steps} draft steps")
+
+
+def test_llama_cpp_mtp_only_gguf_as_draft_model(mtp_gguf: MtpFile, tmp_path: Path) -> None:
+    """``[speculative] draft_model`` = the MTP-only file: recognised (`runtime.mtp_file`; the folder
+    itself is a draft model, not an MTP file) and loaded as the MTP drafter over the folder's model
+    and over the model's GGUF file; `runtime.build_runtime` serves the folder with it (``mtp =
+    false`` notwithstanding); over a model whose embedding differs from the file's copy it stops
+    the start (ConfigError)."""
+    from helios.config import (
+        ConfigError,
+        EngineSection,
+        HeliosConfig,
+        ModelConfigSection,
+        ServerConfig,
+        SpeculativeSection,
+    )
+    from helios.runtime import _learned_kind, build_runtime, load_model, load_mtp_drafter, mtp_file
+    from tests.parity.test_deepseek_v4_parity import _write_gguf
+
+    folder, path, hf6, _ = mtp_gguf
+    trunk_path = tmp_path / "tiny-v4.gguf"
+    _write_gguf(trunk_path, _five_layers(hf6), mtp=False)
+    cfg = HeliosConfig(speculative=SpeculativeSection(draft_model=str(path)))
+    for model_path in (trunk_path, folder):
+        loaded = load_model(model_path, weights="float32", dtype="float32")
+        source = mtp_file(cfg, loaded.checkpoint)
+        assert source is not None and _learned_kind(cfg, loaded.checkpoint) == "mtp"
+        drafter = load_mtp_drafter(cfg, loaded, num_pages=8, max_model_len=64, fingerprint=b"f", source=source)
+        assert isinstance(drafter, MTPDrafter) and isinstance(drafter.predictor, DeepseekV4MTP)
+    as_draft = HeliosConfig(speculative=SpeculativeSection(draft_model=str(folder)))
+    assert mtp_file(as_draft, loaded.checkpoint) is None and _learned_kind(as_draft, loaded.checkpoint) == "draft"
+    served = HeliosConfig(server=ServerConfig(access_log=False),
+                          model=ModelConfigSection(path=str(folder), dtype="float32", weights="float32",
+                                                   weight_cache=False, threads=1),
+                          engine=EngineSection(page_size=4, kv_pages=64, max_active=2),
+                          speculative=SpeculativeSection(draft_model=str(path), mtp=False))
+    threads = torch.get_num_threads()
+    try:
+        rt = build_runtime(served)
+    finally:
+        torch.set_num_threads(threads)
+    assert isinstance(rt.core.drafter, MTPDrafter) and isinstance(rt.core.drafter.predictor, DeepseekV4MTP)
+    assert rt.info.speculative_learned == "mtp"
+    with torch.no_grad():
+        loaded.model.embed_tokens.add_(1.0)
+    with pytest.raises(ConfigError, match=r"its MTP layer does not load: model\.embed_tokens\.weight differs"):
+        load_mtp_drafter(cfg, loaded, num_pages=8, max_model_len=64, fingerprint=b"f", source=source)
+
+def _five_layers(hf6: torch.nn.Module) -> torch.nn.Module:
+    """The model of ``hf6`` (transformers, its first five layers)."""
+    five = tiny_deepseek_v4()
+    five.load_state_dict({k: v for k, v in hf6.state_dict().items() if not k.startswith(f"model.layers.{N}.")})
+    return five
+
+
+def test_one_gguf_with_model_and_mtp_block(mtp_gguf: MtpFile, tmp_path: Path) -> None:
+    """One ``deepseek4`` file holding the model and the MTP block (llama.cpp's loader takes one; its
+    converter writes none for V4): the model's file with the MTP-only file's ``blk.5`` tensors
+    (dequantized to F32). `runtime.has_mtp` finds the module and it loads from the checkpoint
+    itself; its HyperHead is the root one, the model's, as llama.cpp's MTP graph reads it: the
+    logits equal the float64 reference's with the model's HyperHead in the module's place (and
+    differ from the module's own by more than the tolerance)."""
+    import gguf
+
+    from helios.config import HeliosConfig
+    from helios.runtime import has_mtp, load_model, load_mtp_drafter
+    from tests.parity.test_deepseek_v4_parity import _write_gguf
+
+    _, path, hf6, own = mtp_gguf
+    reader = gguf.GGUFReader(str(path))
+    block = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors
+             if t.name.startswith(f"blk.{N}.")}
+    both = tmp_path / "tiny-v4-with-mtp.gguf"
+    _write_gguf(both, _five_layers(hf6), nextn_tensors=block)
+    checkpoint = load_checkpoint(both, torch.float32)
+    assert mtp_layers(N, checkpoint.weights) == 1
+    target = load_ours(both, architecture="deepseek_v4")
+    assert isinstance(target, DeepseekV4ForCausalLM)
+    predictor = load_mtp(target, checkpoint.architecture, checkpoint.weights)
+    assert isinstance(predictor, DeepseekV4MTP)
+    ids = PROMPTS[1]
+    got = _streams_and_logits(target, predictor, ids).double()
+    head = {f"hc_head_{p}": getattr(hf6.model.hc_head, f"hc_{p}").detach() for p in ("fn", "base", "scale")}
+    rooted, ref = Reference(hf6, {**own, **head}), Reference(hf6, own)
+    streams = ref.outputs(ids[1:], ref.target_streams(ids)[:-1])
+    diff = (got - rooted.logits(streams)).abs().max().item()
+    print(f"V4 MTP from one GGUF with the model: max abs logit diff {diff:.3g} (the root HyperHead)")
+    assert diff < FP32_TOLERANCE
+    assert (got - ref.logits(streams)).abs().max().item() > 100 * FP32_TOLERANCE
+    loaded = load_model(both, weights="float32", dtype="float32")
+    assert has_mtp(loaded.checkpoint)
+    drafter = load_mtp_drafter(HeliosConfig(), loaded, num_pages=8, max_model_len=64, fingerprint=b"f")
+    assert isinstance(drafter, MTPDrafter)

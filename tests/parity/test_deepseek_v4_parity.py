@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -399,18 +400,20 @@ _HF_TO_GGUF = {
 }
 
 
-def _write_gguf(path: Path, model: torch.nn.Module) -> None:
+def _write_gguf(path: Path, model: torch.nn.Module, *, mtp: bool = True,
+                nextn_tensors: dict[str, Any] | None = None) -> None:
     """``model`` as llama.cpp's DeepseekV4Model converter lays it out (deepseek4; F32 here, where the
     converter makes the experts MXFP4): its metadata keys, the tensors in their own layout, the
-    experts stacked, ``tid2eid`` as I32, the hash layers without a correction bias, and a trailing
-    MTP block (stored, not loaded)."""
+    experts stacked, ``tid2eid`` as I32, the hash layers without a correction bias, and (``mtp``) a
+    trailing MTP block: ``nextn_tensors`` (GGUF name -> float32 array), or a stand-in (two of its
+    tensors)."""
     import gguf
     import numpy as np
 
     cfg = model.config
     arch = "deepseek4"
     writer = gguf.GGUFWriter(str(path), arch)
-    n, nextn = cfg.num_hidden_layers, 1
+    n, nextn = cfg.num_hidden_layers, int(mtp)
     ratios = [{SLIDING: 0, CSA: cfg.compress_rates[CSA], HCA: cfg.compress_rates[HCA]}[t] for t in cfg.layer_types]
     u32 = {"block_count": n + nextn, "nextn_predict_layers": nextn, "context_length": cfg.max_position_embeddings,
            "embedding_length": cfg.hidden_size, "attention.head_count": cfg.num_attention_heads,
@@ -432,7 +435,7 @@ def _write_gguf(path: Path, model: torch.nn.Module) -> None:
     for name, value in floats.items():
         writer.add_float32(f"{arch}.{name}", value)
     writer.add_bool(f"{arch}.expert_weights_norm", True)
-    writer.add_array(f"{arch}.attention.compress_ratios", [*ratios, 0])
+    writer.add_array(f"{arch}.attention.compress_ratios", [*ratios, 0][: n + nextn])
     writer.add_array(f"{arch}.swiglu_clamp_exp", [float(cfg.swiglu_limit)] * (n + nextn))
     writer.add_array(f"{arch}.swiglu_clamp_shexp", [float(cfg.swiglu_limit)] * (n + nextn))
     rope = cfg.rope_parameters["compress"]
@@ -466,8 +469,12 @@ def _write_gguf(path: Path, model: torch.nn.Module) -> None:
             writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(array[:, inter:]))
         else:
             writer.add_tensor(f"blk.{layer}.{_HF_TO_GGUF[rest]}", array)
-    writer.add_tensor(f"blk.{n}.nextn.eh_proj.weight", np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), np.float32))
-    writer.add_tensor(f"blk.{n}.attn_norm.weight", np.ones(cfg.hidden_size, dtype=np.float32))
+    if mtp and nextn_tensors is not None:
+        for name, array in nextn_tensors.items():
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    elif mtp:
+        writer.add_tensor(f"blk.{n}.nextn.eh_proj.weight", np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), np.float32))
+        writer.add_tensor(f"blk.{n}.attn_norm.weight", np.ones(cfg.hidden_size, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
