@@ -13,7 +13,7 @@ encoder and its event order, is `helios.frontends.openai.responses_encoder`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Literal, NewType, cast
 
 import attrs
@@ -141,10 +141,16 @@ MessageContent = str | list[Annotated[TextPart | ImagePart | RefusalText,
 OutputContent = str | list[Annotated[TextPart | ImagePart, From(InputText | InputImage)]]
 
 
+def _parts(role: str, parts: Sequence[TextPart | ImagePart | RefusalText],
+           where: str) -> tuple[TextPart | ImagePart, ...]:
+    """The built parts of a `role` message at `where` (``input[2].content``; role tool: a tool
+    output's)."""
+    return tuple([_part(role, p, f"{where}[{j}]") for j, p in enumerate(parts)])
+
+
 def _part(role: str, p: TextPart | ImagePart | RefusalText, where: str) -> TextPart | ImagePart:
-    """A built part of a `role` message at `where` (``input[2].content[1]``; role tool: a tool output's
-    part): an image placed there, for later messages (only a user's or a tool output's), a refusal
-    read as its text (only an assistant's)."""
+    """A built part at `where` (``input[2].content[1]``): an image placed there, for later messages (only
+    a user's or a tool output's), a refusal read as its text (only an assistant's)."""
     if isinstance(p, TextPart):
         return p
     if isinstance(p, RefusalText):
@@ -179,8 +185,7 @@ class MessageItem(_Lenient):
     def message(self, where: str) -> Message:
         """The message, its images placed (only a user's) and its refusals read (only an assistant's)."""
         parts = cast("list[TextPart | ImagePart | RefusalText]", self.content)  # a string's is built
-        return Message(self.role, tuple([_part(self.role, p, f"{where}.content[{j}]")
-                                         for j, p in enumerate(parts)]))
+        return Message(self.role, _parts(self.role, parts, f"{where}.content"))
 
 
 def _flat(namespace: str | None, name: str) -> str:
@@ -228,8 +233,7 @@ class ToolOutputItem(_Lenient):
     def message(self, where: str) -> Message:
         """The tool message, its images placed."""
         parts = cast("list[TextPart | ImagePart]", self.output)  # a string's is built
-        content = tuple([_part("tool", p, f"{where}.output[{j}]") for j, p in enumerate(parts)])
-        return Message("tool", (ToolResultPart(self.call_id, content),))
+        return Message("tool", (ToolResultPart(self.call_id, _parts("tool", parts, f"{where}.output")),))
 
 
 @attrs.define(kw_only=True)
@@ -495,18 +499,13 @@ def toolset_of(tools: list[ToolWire] | None, choice: ToolChoiceWire | None) -> t
                                  param=f"{where}.name")
             declared[flat] = DeclaredTool(sub.name, sub.type, namespace)
             built.append(sub.tool(flat))
-    return ToolSet(tuple(built), declared), _tool_choice(choice, declared)
-
-
-def _tool_choice(choice: ToolChoiceWire | None, declared: dict[str, DeclaredTool]) -> ToolChoice:
     if not isinstance(choice, NamedToolChoice):
-        return decide_tool_choice("responses", declared, choice)
+        return ToolSet(tuple(built), declared), decide_tool_choice("responses", declared, choice)
     chosen = decide_tool_choice("responses", declared, name=choice.name)
-    kind = declared[choice.name].kind
-    if kind != choice.type:
+    if (kind := declared[choice.name].kind) != choice.type:
         raise BadRequest(f"tool_choice selects a {choice.type} tool, but '{choice.name}' is a {kind} tool",
                          param="tool_choice.type")
-    return chosen
+    return ToolSet(tuple(built), declared), chosen
 
 
 # -- input items ----------------------------------------------------------------------------------
