@@ -106,10 +106,8 @@ class ResponseEncoder:
     def __init__(self, *, base: shapes.ResponseParams, toolset: ToolSet, prompts: Sequence[PreparedPrompt],
                  logprob_content: Callable[[Sequence[Any]], shapes.LogprobEntries] | None,
                  token_bytes: Callable[[int], bytes]) -> None:
-        self._response = shapes.Response(
-            id=_new_id("resp"), created_at=int(time.time()), status="in_progress", completed_at=None,
-            error=None, incomplete_details=None, params=base, output=[], usage=None)
-        """The Response as it stands, but for its usage; `response` copies it."""
+        self._response = shapes.Response(id=_new_id("resp"), created_at=int(time.time()), params=base)
+        """The Response as it stands; `response` copies it."""
         self._toolset = toolset
         self._lp = logprob_content
         self._token_bytes = token_bytes
@@ -168,15 +166,8 @@ class ResponseEncoder:
 
     def response(self) -> shapes.Response:
         """The Response as it stands (a snapshot: later events do not change it)."""
-        usage = None
-        if self.done:
-            u = usage_of(self._prompts, [self._acc], 1)
-            usage = shapes.ResponseUsage(
-                input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens, total_tokens=u.total_tokens,
-                input_tokens_details=shapes.InputTokensDetails(cached_tokens=u.cached_tokens, cache_write_tokens=0),
-                output_tokens_details=shapes.OutputTokensDetails(reasoning_tokens=u.reasoning_tokens))
         r = self._response  # mypy does not see that a @shape class is an attrs class
-        return attrs.evolve(r, output=list(r.output), usage=usage)  # type: ignore[misc]
+        return attrs.evolve(r, output=list(r.output))  # type: ignore[misc]
 
     # -- items ----------------------------------------------------------------------------------
     def _delta(self, kind: TextKind, text: str, entries: Opt[shapes.LogprobEntries] = OMIT) -> None:
@@ -239,8 +230,13 @@ class ResponseEncoder:
                    item=item)
 
     def _terminal(self, status: Literal["completed", "incomplete", "failed"]) -> None:
-        """End the response; it is incomplete only at the output limit."""
+        """End the response with its usage; it is incomplete only at the output limit."""
         self._close_open("completed" if status == "completed" else "incomplete")
+        u = usage_of(self._prompts, [self._acc], 1)  # later updates are not fed
+        self._response.usage = shapes.ResponseUsage(
+            input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens, total_tokens=u.total_tokens,
+            input_tokens_details=shapes.InputTokensDetails(cached_tokens=u.cached_tokens, cache_write_tokens=0),
+            output_tokens_details=shapes.OutputTokensDetails(reasoning_tokens=u.reasoning_tokens))
         self._response.status = status
         if status == "incomplete":
             self._response.incomplete_details = shapes.IncompleteDetails(reason="max_output_tokens")
