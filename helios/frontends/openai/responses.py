@@ -485,15 +485,14 @@ def toolset_of(tools: list[ToolWire] | None, choice: ToolChoiceWire | None) -> t
     declared: dict[str, DeclaredTool] = {}
     built: list[Tool] = []
     for i, t in enumerate(tools or ()):
-        entries: list[tuple[str, str | None, FunctionToolWire | CustomToolWire]] = (  # where, namespace, tool
-            [(f"tools[{i}]", None, t)] if not isinstance(t, NamespaceTool)
-            else [(f"tools[{i}].tools[{j}]", t.name, sub) for j, sub in enumerate(t.tools)])
-        if not entries:  # an empty namespace
+        namespace, subs = (t.name, t.tools) if isinstance(t, NamespaceTool) else (None, [t])
+        if not subs:  # an empty namespace
             raise BadRequest(f"tools[{i}].tools must be a nonempty array of function or custom tools",
                              param=f"tools[{i}].tools")
-        for where, namespace, sub in entries:
+        for j, sub in enumerate(subs):
             flat = _flat(namespace, sub.name)
             if flat in declared:
+                where = f"tools[{i}]" if namespace is None else f"tools[{i}].tools[{j}]"
                 raise BadRequest(f"tool name '{flat}' is ambiguous: it is declared more than once "
                                  f"(namespaced tools are named namespace{NAMESPACE_SEPARATOR}name)",
                                  param=f"{where}.name")
