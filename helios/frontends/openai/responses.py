@@ -608,10 +608,8 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
 
 def _text_config(text: TextWire | None, fmt: OutputConstraint | None) -> dict[str, Any]:
     """``text`` as the Response object echoes it: the format as given where it constrains, else text."""
-    out: dict[str, Any] = {"format": {"type": "text"} if text is None or fmt is None else dict(text.format)}
-    if text is not None and text.verbosity is not None:
-        out["verbosity"] = text.verbosity
-    return out
+    verbosity = {} if text is None or text.verbosity is None else {"verbosity": text.verbosity}
+    return {"format": {"type": "text"} if text is None or fmt is None else dict(text.format), **verbosity}
 
 
 def _effort_kwargs(effort: str | None, info: ModelInfo) -> dict[str, Any]:
