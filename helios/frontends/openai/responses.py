@@ -426,33 +426,33 @@ RESPONSES_FIELDS: FieldTable = field_table(
     stream_options=ignored("include_obfuscation: Helios adds no obfuscation padding to events", dict),
     access_programs=ignored("provider account access programs; nothing to select locally", dict),
     client_metadata=ignored("Codex client hints (installation and session ids); not in the public SDK "
-                               "types, nothing to report them to", dict),
+                            "types, nothing to report them to", dict),
     store=ignored("store: false is what Helios does anyway; store: true is refused (" + _STATELESS + ")", bool,
-                     allows=one_of(False),
-                     message="store: true is not supported; Helios keeps no responses (send store: false and the "
-                             "complete conversation)"),
+                  allows=one_of(False),
+                  message="store: true is not supported; Helios keeps no responses (send store: false and the "
+                          "complete conversation)"),
     image=ignored("image context compression: Helios never compresses image context, which 'auto' and "
-                     "'disabled' allow; 'enabled' is refused", dict,
-                     allows=lambda v: v.get("context_compression") in (None, "auto", "disabled"),
-                     message="image.context_compression 'enabled' is not supported; Helios does not compress "
-                             "image context"),
+                  "'disabled' allow; 'enabled' is refused", dict,
+                  allows=lambda v: v.get("context_compression") in (None, "auto", "disabled"),
+                  message="image.context_compression 'enabled' is not supported; Helios does not compress "
+                          "image context"),
     previous_response_id=refused(_STATELESS, message="previous_response_id is not supported; Helios keeps no "
-                                    "responses, so send the complete conversation as input"),
+                                                     "responses, so send the complete conversation as input"),
     conversation=refused(_STATELESS, message="conversation is not supported; send the complete conversation "
-                            "as input"),
+                                             "as input"),
     background=refused("background responses need stored responses", inert=one_of(False),
-                          message="background responses are not supported (background: true)"),
+                       message="background responses are not supported (background: true)"),
     background_options=refused("background execution is not supported"),
     truncation=refused("Helios rejects over-context requests instead of dropping input",
-                          inert=one_of("disabled"),
-                          message="truncation: 'auto' is not supported; Helios rejects over-context requests"),
+                       inert=one_of("disabled"),
+                       message="truncation: 'auto' is not supported; Helios rejects over-context requests"),
     prompt=refused("stored prompt templates live on the provider",
-                      message="prompt (a stored prompt template) is not supported"),
+                   message="prompt (a stored prompt template) is not supported"),
     context_management=refused("server-side compaction is not implemented", inert=lambda v: not v,
-                                  message="context_management is not supported"),
+                               message="context_management is not supported"),
     moderation=refused("moderation of input and output is not available on a local server"),
     prompt_logprobs=refused("prompt scoring is offered on Chat Completions and Completions",
-                               message="prompt_logprobs is not supported on /v1/responses"),
+                            message="prompt_logprobs is not supported on /v1/responses"),
 )
 """Every top-level Responses field Helios knows (see `helios.frontends.fields`)."""
 
