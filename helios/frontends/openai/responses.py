@@ -13,7 +13,7 @@ encoder and its event order, is `helios.frontends.openai.responses_encoder`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Literal, NewType, cast
 
 import attrs
@@ -141,10 +141,16 @@ MessageContent = str | list[Annotated[TextPart | ImagePart | RefusalText,
 OutputContent = str | list[Annotated[TextPart | ImagePart, From(InputText | InputImage)]]
 
 
+def _parts(role: str, parts: Sequence[TextPart | ImagePart | RefusalText],
+           where: str) -> tuple[TextPart | ImagePart, ...]:
+    """The built parts of a `role` message at `where` (``input[2].content``; role tool: a tool
+    output's)."""
+    return tuple([_part(role, p, f"{where}[{j}]") for j, p in enumerate(parts)])
+
+
 def _part(role: str, p: TextPart | ImagePart | RefusalText, where: str) -> TextPart | ImagePart:
-    """A built part of a `role` message at `where` (``input[2].content[1]``; role tool: a tool output's
-    part): an image placed there, for later messages (only a user's or a tool output's), a refusal
-    read as its text (only an assistant's)."""
+    """A built part at `where` (``input[2].content[1]``): an image placed there, for later messages (only
+    a user's or a tool output's), a refusal read as its text (only an assistant's)."""
     if isinstance(p, TextPart):
         return p
     if isinstance(p, RefusalText):
@@ -179,8 +185,7 @@ class MessageItem(_Lenient):
     def message(self, where: str) -> Message:
         """The message, its images placed (only a user's) and its refusals read (only an assistant's)."""
         parts = cast("list[TextPart | ImagePart | RefusalText]", self.content)  # a string's is built
-        return Message(self.role, tuple([_part(self.role, p, f"{where}.content[{j}]")
-                                         for j, p in enumerate(parts)]))
+        return Message(self.role, _parts(self.role, parts, f"{where}.content"))
 
 
 def _flat(namespace: str | None, name: str) -> str:
@@ -228,8 +233,7 @@ class ToolOutputItem(_Lenient):
     def message(self, where: str) -> Message:
         """The tool message, its images placed."""
         parts = cast("list[TextPart | ImagePart]", self.output)  # a string's is built
-        content = tuple([_part("tool", p, f"{where}.output[{j}]") for j, p in enumerate(parts)])
-        return Message("tool", (ToolResultPart(self.call_id, content),))
+        return Message("tool", (ToolResultPart(self.call_id, _parts("tool", parts, f"{where}.output")),))
 
 
 @attrs.define(kw_only=True)
@@ -422,33 +426,33 @@ RESPONSES_FIELDS: FieldTable = field_table(
     stream_options=ignored("include_obfuscation: Helios adds no obfuscation padding to events", dict),
     access_programs=ignored("provider account access programs; nothing to select locally", dict),
     client_metadata=ignored("Codex client hints (installation and session ids); not in the public SDK "
-                               "types, nothing to report them to", dict),
+                            "types, nothing to report them to", dict),
     store=ignored("store: false is what Helios does anyway; store: true is refused (" + _STATELESS + ")", bool,
-                     allows=one_of(False),
-                     message="store: true is not supported; Helios keeps no responses (send store: false and the "
-                             "complete conversation)"),
+                  allows=one_of(False),
+                  message="store: true is not supported; Helios keeps no responses (send store: false and the "
+                          "complete conversation)"),
     image=ignored("image context compression: Helios never compresses image context, which 'auto' and "
-                     "'disabled' allow; 'enabled' is refused", dict,
-                     allows=lambda v: v.get("context_compression") in (None, "auto", "disabled"),
-                     message="image.context_compression 'enabled' is not supported; Helios does not compress "
-                             "image context"),
+                  "'disabled' allow; 'enabled' is refused", dict,
+                  allows=lambda v: v.get("context_compression") in (None, "auto", "disabled"),
+                  message="image.context_compression 'enabled' is not supported; Helios does not compress "
+                          "image context"),
     previous_response_id=refused(_STATELESS, message="previous_response_id is not supported; Helios keeps no "
-                                    "responses, so send the complete conversation as input"),
+                                                     "responses, so send the complete conversation as input"),
     conversation=refused(_STATELESS, message="conversation is not supported; send the complete conversation "
-                            "as input"),
+                                             "as input"),
     background=refused("background responses need stored responses", inert=one_of(False),
-                          message="background responses are not supported (background: true)"),
+                       message="background responses are not supported (background: true)"),
     background_options=refused("background execution is not supported"),
     truncation=refused("Helios rejects over-context requests instead of dropping input",
-                          inert=one_of("disabled"),
-                          message="truncation: 'auto' is not supported; Helios rejects over-context requests"),
+                       inert=one_of("disabled"),
+                       message="truncation: 'auto' is not supported; Helios rejects over-context requests"),
     prompt=refused("stored prompt templates live on the provider",
-                      message="prompt (a stored prompt template) is not supported"),
+                   message="prompt (a stored prompt template) is not supported"),
     context_management=refused("server-side compaction is not implemented", inert=lambda v: not v,
-                                  message="context_management is not supported"),
+                               message="context_management is not supported"),
     moderation=refused("moderation of input and output is not available on a local server"),
     prompt_logprobs=refused("prompt scoring is offered on Chat Completions and Completions",
-                               message="prompt_logprobs is not supported on /v1/responses"),
+                            message="prompt_logprobs is not supported on /v1/responses"),
 )
 """Every top-level Responses field Helios knows (see `helios.frontends.fields`)."""
 
@@ -481,32 +485,26 @@ def toolset_of(tools: list[ToolWire] | None, choice: ToolChoiceWire | None) -> t
     declared: dict[str, DeclaredTool] = {}
     built: list[Tool] = []
     for i, t in enumerate(tools or ()):
-        entries: list[tuple[str, str | None, FunctionToolWire | CustomToolWire]] = (  # where, namespace, tool
-            [(f"tools[{i}]", None, t)] if not isinstance(t, NamespaceTool)
-            else [(f"tools[{i}].tools[{j}]", t.name, sub) for j, sub in enumerate(t.tools)])
-        if not entries:  # an empty namespace
+        namespace, subs = (t.name, t.tools) if isinstance(t, NamespaceTool) else (None, [t])
+        if not subs:  # an empty namespace
             raise BadRequest(f"tools[{i}].tools must be a nonempty array of function or custom tools",
                              param=f"tools[{i}].tools")
-        for where, namespace, sub in entries:
+        for j, sub in enumerate(subs):
             flat = _flat(namespace, sub.name)
             if flat in declared:
+                where = f"tools[{i}]" if namespace is None else f"tools[{i}].tools[{j}]"
                 raise BadRequest(f"tool name '{flat}' is ambiguous: it is declared more than once "
                                  f"(namespaced tools are named namespace{NAMESPACE_SEPARATOR}name)",
                                  param=f"{where}.name")
             declared[flat] = DeclaredTool(sub.name, sub.type, namespace)
             built.append(sub.tool(flat))
-    return ToolSet(tuple(built), declared), _tool_choice(choice, declared)
-
-
-def _tool_choice(choice: ToolChoiceWire | None, declared: dict[str, DeclaredTool]) -> ToolChoice:
     if not isinstance(choice, NamedToolChoice):
-        return decide_tool_choice("responses", declared, choice)
+        return ToolSet(tuple(built), declared), decide_tool_choice("responses", declared, choice)
     chosen = decide_tool_choice("responses", declared, name=choice.name)
-    kind = declared[choice.name].kind
-    if kind != choice.type:
+    if (kind := declared[choice.name].kind) != choice.type:
         raise BadRequest(f"tool_choice selects a {choice.type} tool, but '{choice.name}' is a {kind} tool",
                          param="tool_choice.type")
-    return chosen
+    return ToolSet(tuple(built), declared), chosen
 
 
 # -- input items ----------------------------------------------------------------------------------
@@ -610,10 +608,8 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
 
 def _text_config(text: TextWire | None, fmt: OutputConstraint | None) -> dict[str, Any]:
     """``text`` as the Response object echoes it: the format as given where it constrains, else text."""
-    out: dict[str, Any] = {"format": {"type": "text"} if text is None or fmt is None else dict(text.format)}
-    if text is not None and text.verbosity is not None:
-        out["verbosity"] = text.verbosity
-    return out
+    verbosity = {} if text is None or text.verbosity is None else {"verbosity": text.verbosity}
+    return {"format": {"type": "text"} if text is None or fmt is None else dict(text.format), **verbosity}
 
 
 def _effort_kwargs(effort: str | None, info: ModelInfo) -> dict[str, Any]:

@@ -103,22 +103,14 @@ class ResponseEncoder:
     as reasoning, tokens of tool envelopes and delimiters, and a terminating EOS or stop token get none.
     """
 
-    def __init__(
-        self,
-        *,
-        base: shapes.ResponseParams,
-        toolset: ToolSet,
-        prompts: Sequence[PreparedPrompt] = (),
-        logprob_content: Callable[[Sequence[Any]], shapes.LogprobEntries] | None = None,
-        token_bytes: Callable[[int], bytes] | None = None,
-    ) -> None:
-        self._response = shapes.Response(
-            id=_new_id("resp"), created_at=int(time.time()), status="in_progress", completed_at=None,
-            error=None, incomplete_details=None, params=base, output=[], usage=None)
-        """The Response as it stands, but for its usage; `response` copies it."""
+    def __init__(self, *, base: shapes.ResponseParams, toolset: ToolSet, prompts: Sequence[PreparedPrompt],
+                 logprob_content: Callable[[Sequence[Any]], shapes.LogprobEntries] | None,
+                 token_bytes: Callable[[int], bytes]) -> None:
+        self._response = shapes.Response(id=_new_id("resp"), created_at=int(time.time()), params=base)
+        """The Response as it stands; `response` copies it."""
         self._toolset = toolset
         self._lp = logprob_content
-        self._token_bytes = token_bytes or (lambda _t: b"")
+        self._token_bytes = token_bytes
         self._events: list[shapes.ResponseStreamEvent] = []  # made since the last public call
         self._seq = 0
         self._open: _OpenItem | None = None
@@ -147,9 +139,8 @@ class ResponseEncoder:
         self._acc.add_counts(u)  # the items are built here; the accumulator only counts
         self._queue_logprobs(u)
         for e in u.events:
-            if isinstance(e, TextDelta):
-                if e.text:
-                    self._delta("message", e.text, self._attribute(e.text))
+            if isinstance(e, TextDelta) and e.text:
+                self._delta("message", e.text, self._attribute(e.text))
             elif isinstance(e, ReasoningDelta | ToolCall):
                 self._pending.clear()  # a token's entry needs answer text right after it
                 self._owed = 0
@@ -175,15 +166,8 @@ class ResponseEncoder:
 
     def response(self) -> shapes.Response:
         """The Response as it stands (a snapshot: later events do not change it)."""
-        usage = None
-        if self.done:
-            u = usage_of(self._prompts, [self._acc], 1)
-            usage = shapes.ResponseUsage(
-                input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens, total_tokens=u.total_tokens,
-                input_tokens_details=shapes.InputTokensDetails(cached_tokens=u.cached_tokens, cache_write_tokens=0),
-                output_tokens_details=shapes.OutputTokensDetails(reasoning_tokens=u.reasoning_tokens))
         r = self._response  # mypy does not see that a @shape class is an attrs class
-        return attrs.evolve(r, output=list(r.output), usage=usage)  # type: ignore[misc]
+        return attrs.evolve(r, output=list(r.output))  # type: ignore[misc]
 
     # -- items ----------------------------------------------------------------------------------
     def _delta(self, kind: TextKind, text: str, entries: Opt[shapes.LogprobEntries] = OMIT) -> None:
@@ -241,17 +225,18 @@ class ResponseEncoder:
 
     def _put(self, index: int, item: shapes.OutputItem, stage: Literal["added", "done"]) -> None:
         """Output item `index` (a new one at the end) as it now stands, and its output_item event."""
-        output = self._response.output
-        if index == len(output):
-            output.append(item)
-        else:
-            output[index] = item
+        self._response.output[index:index + 1] = [item]
         self._emit(shapes.OutputItemEvent, type=f"response.output_item.{stage}", output_index=index,
                    item=item)
 
     def _terminal(self, status: Literal["completed", "incomplete", "failed"]) -> None:
-        """End the response; it is incomplete only at the output limit."""
+        """End the response with its usage; it is incomplete only at the output limit."""
         self._close_open("completed" if status == "completed" else "incomplete")
+        u = usage_of(self._prompts, [self._acc], 1)  # later updates are not fed
+        self._response.usage = shapes.ResponseUsage(
+            input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens, total_tokens=u.total_tokens,
+            input_tokens_details=shapes.InputTokensDetails(cached_tokens=u.cached_tokens, cache_write_tokens=0),
+            output_tokens_details=shapes.OutputTokensDetails(reasoning_tokens=u.reasoning_tokens))
         self._response.status = status
         if status == "incomplete":
             self._response.incomplete_details = shapes.IncompleteDetails(reason="max_output_tokens")
@@ -300,11 +285,7 @@ def _new_id(prefix: str) -> str:
 
 def make_encoder(plan: ResponsesPlan, prompts: Sequence[PreparedPrompt], sampling: SamplingParams, *, model: str,
                  vocab: TokenVocabulary) -> ResponseEncoder:
-    content = partial(chat_logprobs, vocab=vocab, as_ids=plan.wire.return_tokens_as_token_ids)
-    return ResponseEncoder(
-        base=response_params(plan, sampling, model),
-        toolset=plan.toolset,
-        prompts=prompts,
-        logprob_content=content if plan.num_top_logprobs is not None else None,
-        token_bytes=vocab.token_bytes,
-    )
+    as_ids = plan.wire.return_tokens_as_token_ids
+    content = None if plan.num_top_logprobs is None else partial(chat_logprobs, vocab=vocab, as_ids=as_ids)
+    return ResponseEncoder(base=response_params(plan, sampling, model), toolset=plan.toolset, prompts=prompts,
+                           logprob_content=content, token_bytes=vocab.token_bytes)

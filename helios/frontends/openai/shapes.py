@@ -311,13 +311,13 @@ class Response:
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: str
-    completed_at: int | None
-    error: ResponseError | None
-    incomplete_details: IncompleteDetails | None
+    status: str = "in_progress"
+    completed_at: int | None = None
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
     params: ResponseParams = flat()
-    output: list[OutputItem]
-    usage: ResponseUsage | None
+    output: list[OutputItem] = attrs.field(factory=list)
+    usage: ResponseUsage | None = None  # set at the end
 
 
 # -- Responses: the stream events ------------------------------------------------------------------------
