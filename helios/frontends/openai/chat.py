@@ -357,8 +357,8 @@ def output_options(w: NativeGenerationFields, vocab_size: int) -> dict[str, Any]
     (`TokenObservationFields`), the token observations."""
     stops = common.validate_stops(w.stop)
     options = {"stop": stops, "ignore_eos": bool(w.ignore_eos),
-               "token_stops": common.validate_token_stops(w.stop_token_ids, w.stop_token_sequences, vocab_size,
-                                                          string_stops=stops),
+               "token_stops": common.validate_token_stops(w.stop_token_ids, w.stop_token_sequences,
+                                                          vocab_size, string_stops=stops),
                "include_stop_str_in_output": bool(w.include_stop_str_in_output),
                "skip_special_tokens": w.skip_special_tokens is not False}
     if isinstance(w, TokenObservationFields):
