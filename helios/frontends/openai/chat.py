@@ -34,21 +34,9 @@ from helios.domain.model import ModelInfo, TokenVocabulary
 from helios.domain.sampling import SamplingRequest
 from helios.domain.shapes import OMIT, Opt, to_json
 from helios.errors import BadRequest, HeliosError
-from helios.frontends import common, wire
+from helios.frontends import common, fields, wire
 from helios.frontends.effort import chat_effort_kwargs
-from helios.frontends.fields import (
-    PROVIDER_ROWS,
-    FieldTable,
-    NativeGenerationFields,
-    TokenObservationFields,
-    field_table,
-    honoured,
-    ignored,
-    one_of,
-    refused,
-    screen_fields,
-    wire_field,
-)
+from helios.frontends.fields import honoured, ignored, one_of, refused, wire_field
 from helios.frontends.openai import logprobs, shapes
 from helios.frontends.structured import decode_format, decode_structured_outputs, one_constraint
 
@@ -210,7 +198,7 @@ class NamedToolChoice:
 
 
 @attrs.define(kw_only=True)
-class ChoiceWire(TokenObservationFields):
+class ChoiceWire(fields.TokenObservationFields):
     """The honoured fields Chat Completions and Completions add alike to the token observations."""
 
     stream: bool | None = wire_field(honoured("SSE chunks"))
@@ -251,9 +239,9 @@ class ChatWire(ChoiceWire):
         "and tool calls stay free"))
 
 
-CHAT_FIELDS: FieldTable = field_table(
+CHAT_FIELDS: fields.FieldTable = fields.field_table(
     ChatWire,
-    PROVIDER_ROWS,
+    fields.PROVIDER_ROWS,
     store=ignored("store: false is what Helios does anyway; store: true is refused (nothing is kept)", bool,
                   allows=one_of(False), message="store: true is not supported; Helios keeps no completions"),
     verbosity=ignored("a style hint for hosted models; local chat templates have no verbosity control", str,
@@ -351,7 +339,7 @@ def decode_stream(stream: bool | None, options: StreamOptions | None) -> tuple[b
     return bool(stream), include_usage, include_usage and bool(options and options.continuous_usage_stats)
 
 
-def output_options(w: NativeGenerationFields, vocab_size: int) -> dict[str, Any]:
+def output_options(w: fields.NativeGenerationFields, vocab_size: int) -> dict[str, Any]:
     """The `GenerationOptions` fields the native extensions decode alike (Chat Completions, Completions
     and Responses): the string and token stops, the output switches and, where the protocol takes them
     (`TokenObservationFields`), the token observations."""
@@ -361,7 +349,7 @@ def output_options(w: NativeGenerationFields, vocab_size: int) -> dict[str, Any]
                                                           vocab_size, string_stops=stops),
                "include_stop_str_in_output": bool(w.include_stop_str_in_output),
                "skip_special_tokens": w.skip_special_tokens is not False}
-    if isinstance(w, TokenObservationFields):
+    if isinstance(w, fields.TokenObservationFields):
         options["observe"] = common.decode_observation(w.return_token_ids, w.return_token_timestamps)
     return options
 
@@ -394,7 +382,7 @@ class ChatPlan(StreamPlan):
 
 
 def decode_chat(obj: dict[str, Any], info: ModelInfo) -> ChatPlan:
-    w = wire.structure(screen_fields(obj, CHAT_FIELDS), ChatWire)
+    w = wire.structure(fields.screen_fields(obj, CHAT_FIELDS), ChatWire)
     n = 1 if w.n is None else w.n
     if not 1 <= n <= 128:
         raise BadRequest("n must be between 1 and 128", param="n")

@@ -18,16 +18,9 @@ from helios.domain.generation import (
 from helios.domain.model import ModelInfo, TokenVocabulary
 from helios.domain.shapes import OMIT, to_json
 from helios.errors import BadRequest
+from helios.frontends import fields
 from helios.frontends.common import observation_fields
-from helios.frontends.fields import (
-    PROVIDER_ROWS,
-    FieldTable,
-    field_table,
-    honoured,
-    refused,
-    screen_fields,
-    wire_field,
-)
+from helios.frontends.fields import PROVIDER_ROWS, honoured, refused, wire_field
 from helios.frontends.openai import chat, logprobs
 from helios.frontends.openai.shapes import Completion, CompletionChoice, CompletionLogprobs
 from helios.frontends.structured import decode_structured_outputs
@@ -55,7 +48,7 @@ class CompletionWire(chat.ChoiceWire):
         honoured("vLLM extension: tokenizer special-token policy for text prompts"))
 
 
-COMPLETION_FIELDS: FieldTable = field_table(
+COMPLETION_FIELDS: fields.FieldTable = fields.field_table(
     CompletionWire,
     model=PROVIDER_ROWS["model"],
     user=PROVIDER_ROWS["user"],
@@ -107,7 +100,7 @@ def decode_completion(obj: dict[str, Any], info: ModelInfo) -> CompletionPlan:
     chunk in a stream) and the generated `token_ids` / `token_timestamps`. Unlike vLLM, echo does not
     prepend the prompt ids to token_ids nor drop the echoed text: token_ids are the generated tokens
     only, as many as the choice's completion tokens."""
-    w = structure(screen_fields(obj, COMPLETION_FIELDS), CompletionWire)
+    w = structure(fields.screen_fields(obj, COMPLETION_FIELDS), CompletionWire)
     n = 1 if w.n is None else w.n
     if not 1 <= n <= 128:
         raise BadRequest("n must be between 1 and 128", param="n")
