@@ -34,38 +34,10 @@ from helios.domain.model import ModelInfo, TokenVocabulary
 from helios.domain.sampling import SamplingRequest
 from helios.domain.shapes import OMIT, Opt, to_json
 from helios.errors import BadRequest, HeliosError
-from helios.frontends import wire
-from helios.frontends.common import (
-    decide_tool_choice,
-    decode_observation,
-    new_id,
-    now,
-    observation_fields,
-    thinking_budget,
-    token_stop_reason,
-    validate_stops,
-    validate_token_stops,
-)
+from helios.frontends import common, fields, wire
 from helios.frontends.effort import chat_effort_kwargs
-from helios.frontends.fields import (
-    PROVIDER_ROWS,
-    FieldTable,
-    TokenObservationFields,
-    field_table,
-    honoured,
-    ignored,
-    one_of,
-    refused,
-    screen_fields,
-    wire_field,
-)
-from helios.frontends.openai import shapes
-from helios.frontends.openai.logprobs import (
-    chat_logprobs,
-    prompt_scores,
-    validate_logprob_options,
-    validate_prompt_logprobs,
-)
+from helios.frontends.fields import honoured, ignored, one_of, refused, wire_field
+from helios.frontends.openai import logprobs, shapes
 from helios.frontends.structured import decode_format, decode_structured_outputs, one_constraint
 
 
@@ -226,7 +198,7 @@ class NamedToolChoice:
 
 
 @attrs.define(kw_only=True)
-class ChoiceWire(TokenObservationFields):
+class ChoiceWire(fields.TokenObservationFields):
     """The honoured fields Chat Completions and Completions add alike to the token observations."""
 
     stream: bool | None = wire_field(honoured("SSE chunks"))
@@ -267,9 +239,9 @@ class ChatWire(ChoiceWire):
         "and tool calls stay free"))
 
 
-CHAT_FIELDS: FieldTable = field_table(
+CHAT_FIELDS: fields.FieldTable = fields.field_table(
     ChatWire,
-    PROVIDER_ROWS,
+    fields.PROVIDER_ROWS,
     store=ignored("store: false is what Helios does anyway; store: true is refused (nothing is kept)", bool,
                   allows=one_of(False), message="store: true is not supported; Helios keeps no completions"),
     verbosity=ignored("a style hint for hosted models; local chat templates have no verbosity control", str,
@@ -323,8 +295,8 @@ def decode_tools(tools: list[FunctionTool] | None,
     decoded = tuple(Tool(t.function.name, t.function.description, t.function.parameters) for t in tools or ())
     names = {t.name for t in decoded}
     if isinstance(tool_choice, NamedToolChoice):
-        return decoded, decide_tool_choice("chat", names, name=tool_choice.function.name)
-    return decoded, decide_tool_choice("chat", names, tool_choice)
+        return decoded, common.decide_tool_choice("chat", names, name=tool_choice.function.name)
+    return decoded, common.decide_tool_choice("chat", names, tool_choice)
 
 
 MAX_LOGIT_BIAS = 100.0
@@ -367,16 +339,19 @@ def decode_stream(stream: bool | None, options: StreamOptions | None) -> tuple[b
     return bool(stream), include_usage, include_usage and bool(options and options.continuous_usage_stats)
 
 
-def output_options(w: ChoiceWire, vocab_size: int) -> dict[str, Any]:
-    """The `GenerationOptions` fields Chat Completions and Completions decode alike: the string and
-    token stops, the output switches and the token observations."""
-    stops = validate_stops(w.stop)
-    return {"stop": stops, "ignore_eos": bool(w.ignore_eos),
-            "token_stops": validate_token_stops(w.stop_token_ids, w.stop_token_sequences, vocab_size,
-                                                string_stops=stops),
-            "include_stop_str_in_output": bool(w.include_stop_str_in_output),
-            "skip_special_tokens": True if w.skip_special_tokens is None else w.skip_special_tokens,
-            "observe": decode_observation(w.return_token_ids, w.return_token_timestamps)}
+def output_options(w: fields.NativeGenerationFields, vocab_size: int) -> dict[str, Any]:
+    """The `GenerationOptions` fields the native extensions decode alike (Chat Completions, Completions
+    and Responses): the string and token stops, the output switches and, where the protocol takes them
+    (`TokenObservationFields`), the token observations."""
+    stops = common.validate_stops(w.stop)
+    options = {"stop": stops, "ignore_eos": bool(w.ignore_eos),
+               "token_stops": common.validate_token_stops(w.stop_token_ids, w.stop_token_sequences,
+                                                          vocab_size, string_stops=stops),
+               "include_stop_str_in_output": bool(w.include_stop_str_in_output),
+               "skip_special_tokens": w.skip_special_tokens is not False}
+    if isinstance(w, fields.TokenObservationFields):
+        options["observe"] = common.decode_observation(w.return_token_ids, w.return_token_timestamps)
+    return options
 
 
 # -- decode -------------------------------------------------------------------------------------
@@ -407,16 +382,16 @@ class ChatPlan(StreamPlan):
 
 
 def decode_chat(obj: dict[str, Any], info: ModelInfo) -> ChatPlan:
-    w = wire.structure(screen_fields(obj, CHAT_FIELDS), ChatWire)
+    w = wire.structure(fields.screen_fields(obj, CHAT_FIELDS), ChatWire)
     n = 1 if w.n is None else w.n
     if not 1 <= n <= 128:
         raise BadRequest("n must be between 1 and 128", param="n")
     streaming = decode_stream(w.stream, w.stream_options)
-    prompt_k = validate_prompt_logprobs(w.prompt_logprobs, info, stream=streaming[0])
+    prompt_k = logprobs.validate_prompt_logprobs(w.prompt_logprobs, info, stream=streaming[0])
     output = output_options(w, info.vocab_size)
-    budget, budget_param = thinking_budget(w.thinking_token_budget, info.thinking_token_budget)
-    num_top, explicit = validate_logprob_options(logprobs=w.logprobs, top_logprobs=w.top_logprobs,
-                                                 logprob_token_ids=w.logprob_token_ids, info=info)
+    budget, budget_param = common.thinking_budget(w.thinking_token_budget, info.thinking_token_budget)
+    num_top, explicit = logprobs.validate_logprob_options(logprobs=w.logprobs, top_logprobs=w.top_logprobs,
+                                                          logprob_token_ids=w.logprob_token_ids, info=info)
     tools, choice = decode_tools(w.tools, w.tool_choice)
     if w.continue_final_message and w.add_generation_prompt:
         raise BadRequest("continue_final_message and add_generation_prompt cannot both be true",
@@ -494,8 +469,8 @@ class ChoiceEncoder(Generic[P]):
         self.prompts = tuple(prompts)
         self.model = model
         self.vocab = vocab
-        self.id = new_id(plan.generation.id_prefix)
-        self.created = now()
+        self.id = common.new_id(plan.generation.id_prefix)
+        self.created = common.now()
         self.accs = [Accumulated() for _ in range(len(self.prompts) * plan.options.n)]  # i: prompt i // n
         self._num_finished = 0
 
@@ -520,7 +495,8 @@ class ChoiceEncoder(Generic[P]):
         return (u.token_ids, u.token_timestamps) if self.plan.options.observe.ids else NO_TOKENS
 
     def _stop_reason(self, i: int) -> str | int | list[int] | None:
-        return token_stop_reason(self.accs[i].finish, self.accs[i].token_ids, self.plan.options.token_stops)
+        acc = self.accs[i]
+        return common.token_stop_reason(acc.finish, acc.token_ids, self.plan.options.token_stops)
 
     def _usage(self) -> shapes.CompletionUsage:
         return usage_shape(usage_of(self.prompts, self.accs, self.plan.options.n), details=self.usage_details)
@@ -592,18 +568,19 @@ class ChatEncoder(ChoiceEncoder[ChatPlan]):
             choices.append(shapes.ChatChoice(
                 index=i, message=msg, logprobs=self._logprobs(acc.logprobs), stop_reason=self._stop_reason(i),
                 finish_reason=_finish_reason(acc.finish, bool(acc.tool_calls)),
-                **observation_fields(opts.observe, acc.token_ids, acc.token_timestamps)))
+                **common.observation_fields(opts.observe, acc.token_ids, acc.token_timestamps)))
         return to_json(shapes.ChatCompletion(  # type: ignore[no-any-return]
             id=self.id, created=self.created, model=self.model, choices=choices, usage=self._usage(),
-            prompt_logprobs=prompt_scores(self.accs[0].prompt_logprobs or [], opts.prompt_logprobs, self.vocab)
-            if opts.prompt_logprobs is not None else None,
+            prompt_logprobs=None if opts.prompt_logprobs is None else
+            logprobs.prompt_scores(self.accs[0].prompt_logprobs or [], opts.prompt_logprobs, self.vocab),
             prompt_token_ids=self.prompts[0].token_ids if opts.observe.ids else OMIT))
 
     # -- helpers --------------------------------------------------------------------------------
     def _logprobs(self, records: Sequence[TokenLogprob]) -> shapes.ChoiceLogprobs | None:
         if self.plan.options.num_top_logprobs is None:
             return None
-        return shapes.ChoiceLogprobs(content=chat_logprobs(records, self.vocab, self.plan.as_token_ids))
+        entries = logprobs.chat_logprobs(records, self.vocab, self.plan.as_token_ids)
+        return shapes.ChoiceLogprobs(content=entries)
 
     def _chunk(self, i: int, delta: shapes.Delta, finish: str | None = None,
                logprobs: shapes.ChoiceLogprobs | None = None, tokens: Tokens = NO_TOKENS) -> StreamEvent:

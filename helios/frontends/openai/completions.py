@@ -18,26 +18,10 @@ from helios.domain.generation import (
 from helios.domain.model import ModelInfo, TokenVocabulary
 from helios.domain.shapes import OMIT, to_json
 from helios.errors import BadRequest
+from helios.frontends import fields
 from helios.frontends.common import observation_fields
-from helios.frontends.fields import (
-    PROVIDER_ROWS,
-    FieldTable,
-    field_table,
-    honoured,
-    refused,
-    screen_fields,
-    wire_field,
-)
-from helios.frontends.openai import chat
-from helios.frontends.openai.logprobs import (
-    check_capacity,
-    completion_logprob_arrays,
-    prompt_logprob_arrays,
-    prompt_scores,
-    require_prompt_scoring,
-    validate_explicit_ids,
-    validate_prompt_logprobs,
-)
+from helios.frontends.fields import PROVIDER_ROWS, honoured, refused, wire_field
+from helios.frontends.openai import chat, logprobs
 from helios.frontends.openai.shapes import Completion, CompletionChoice, CompletionLogprobs
 from helios.frontends.structured import decode_structured_outputs
 from helios.frontends.wire import structure
@@ -64,7 +48,7 @@ class CompletionWire(chat.ChoiceWire):
         honoured("vLLM extension: tokenizer special-token policy for text prompts"))
 
 
-COMPLETION_FIELDS: FieldTable = field_table(
+COMPLETION_FIELDS: fields.FieldTable = fields.field_table(
     CompletionWire,
     model=PROVIDER_ROWS["model"],
     user=PROVIDER_ROWS["user"],
@@ -116,7 +100,7 @@ def decode_completion(obj: dict[str, Any], info: ModelInfo) -> CompletionPlan:
     chunk in a stream) and the generated `token_ids` / `token_timestamps`. Unlike vLLM, echo does not
     prepend the prompt ids to token_ids nor drop the echoed text: token_ids are the generated tokens
     only, as many as the choice's completion tokens."""
-    w = structure(screen_fields(obj, COMPLETION_FIELDS), CompletionWire)
+    w = structure(fields.screen_fields(obj, COMPLETION_FIELDS), CompletionWire)
     n = 1 if w.n is None else w.n
     if not 1 <= n <= 128:
         raise BadRequest("n must be between 1 and 128", param="n")
@@ -124,16 +108,16 @@ def decode_completion(obj: dict[str, Any], info: ModelInfo) -> CompletionPlan:
         raise BadRequest("best_of must equal n; ranked sampling is not supported", param="best_of")
     streaming = chat.decode_stream(w.stream, w.stream_options)
     stream = streaming[0]
-    prompt_k = validate_prompt_logprobs(w.prompt_logprobs, info, stream=stream)
+    prompt_k = logprobs.validate_prompt_logprobs(w.prompt_logprobs, info, stream=stream)
     if w.logprobs is not None:
         if not 0 <= w.logprobs <= 20:
             raise BadRequest("logprobs must be between 0 and 20", param="logprobs")
-        check_capacity(w.logprobs, info, param="logprobs")
+        logprobs.check_capacity(w.logprobs, info, param="logprobs")
         if w.echo:
-            require_prompt_scoring(info, param="echo")
+            logprobs.require_prompt_scoring(info, param="echo")
             if prompt_k is None:
                 prompt_k = w.logprobs
-    explicit = validate_explicit_ids(w.logprob_token_ids, info)
+    explicit = logprobs.validate_explicit_ids(w.logprob_token_ids, info)
     if explicit and w.logprobs is None:
         raise BadRequest("logprob_token_ids requires logprobs", param="logprob_token_ids")
     if w.max_tokens is not None and w.max_tokens < 0:
@@ -199,7 +183,7 @@ class CompletionEncoder(chat.ChoiceEncoder[CompletionPlan]):
         self._echo_sent[i] = True
         if plan.echo_logprobs and u.prompt_logprobs:
             assert plan.logprobs is not None
-            block, self._prompt_off[i] = prompt_logprob_arrays(
+            block, self._prompt_off[i] = logprobs.prompt_logprob_arrays(
                 self._prompt(i).token_ids, u.prompt_logprobs, plan.logprobs, self.vocab, plan.as_token_ids,
                 start_offset=self._prompt_off[i], first_position=self._prompt_pos[i])
             self._prompt_pos[i] += len(u.prompt_logprobs)
@@ -207,8 +191,9 @@ class CompletionEncoder(chat.ChoiceEncoder[CompletionPlan]):
         elif echo:
             out.append(self._chunk(i, echo))
         text = "".join(e.text for e in u.events if isinstance(e, TextDelta))
-        lp = (completion_logprob_arrays(u.logprobs, u.logprob_offsets, self.vocab, plan.as_token_ids,
-                                        bool(plan.options.logprob_token_ids), len(self._echo_text(i)))
+        lp = (logprobs.completion_logprob_arrays(u.logprobs, u.logprob_offsets, self.vocab,
+                                                 plan.as_token_ids, bool(plan.options.logprob_token_ids),
+                                                 len(self._echo_text(i)))
               if plan.logprobs is not None and u.logprobs else None)
         tokens = self._tokens(u)
         if text or lp is not None or (tokens[0] and u.finish is None):
@@ -238,15 +223,16 @@ class CompletionEncoder(chat.ChoiceEncoder[CompletionPlan]):
             scores = self.accs[i - i % self.n].prompt_logprobs or [] if scored else []
             lp = None
             if plan.logprobs is not None:  # with echo, the echoed prompt's entries lead the arrays
-                head = (prompt_logprob_arrays(pp.token_ids, scores, plan.logprobs, self.vocab, as_ids)[0]
-                        if plan.echo_logprobs else None)
-                lp = completion_logprob_arrays(acc.logprobs, acc.logprob_offsets, self.vocab, as_ids,
-                                               bool(plan.options.logprob_token_ids), len(echo), into=head)
+                head = (logprobs.prompt_logprob_arrays(pp.token_ids, scores, plan.logprobs, self.vocab,
+                                                       as_ids)[0] if plan.echo_logprobs else None)
+                lp = logprobs.completion_logprob_arrays(acc.logprobs, acc.logprob_offsets, self.vocab, as_ids,
+                                                        bool(plan.options.logprob_token_ids), len(echo),
+                                                        into=head)
             choices.append(CompletionChoice(
                 index=i, text=echo + acc.text, logprobs=lp,
                 finish_reason=_finish_reason(acc.finish, plan.max_tokens_zero),
                 stop_reason=self._stop_reason(i),
-                prompt_logprobs=prompt_scores(scores, plan.prompt_logprobs or 0, self.vocab)
+                prompt_logprobs=logprobs.prompt_scores(scores, plan.prompt_logprobs or 0, self.vocab)
                 if scored else None,
                 prompt_token_ids=pp.token_ids if plan.options.observe.ids else OMIT,
                 **observation_fields(plan.options.observe, acc.token_ids, acc.token_timestamps)))

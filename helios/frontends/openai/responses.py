@@ -34,7 +34,7 @@ from helios.domain.conversation import (
 from helios.domain.generation import GenerationOptions, GenerationRequest, OutputConstraint
 from helios.domain.model import ModelInfo
 from helios.errors import BadRequest
-from helios.frontends.common import decide_tool_choice, thinking_budget, validate_stops, validate_token_stops
+from helios.frontends.common import decide_tool_choice, thinking_budget
 from helios.frontends.fields import (
     PROVIDER_ROWS,
     FieldTable,
@@ -46,7 +46,7 @@ from helios.frontends.fields import (
     screen_fields,
     wire_field,
 )
-from helios.frontends.openai.chat import decode_sampling
+from helios.frontends.openai.chat import decode_sampling, output_options
 from helios.frontends.openai.logprobs import validate_logprob_options
 from helios.frontends.structured import (
     decode_format,
@@ -582,9 +582,7 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
         raise BadRequest(f"top_logprobs requires include: [\"{LOGPROBS_INCLUDE}\"]", param="top_logprobs")
     num_top, explicit = validate_logprob_options(logprobs=wants_logprobs, top_logprobs=w.top_logprobs,
                                                  logprob_token_ids=w.logprob_token_ids, info=info)
-    stops = validate_stops(w.stop)
-    token_stops = validate_token_stops(w.stop_token_ids, w.stop_token_sequences, info.vocab_size,
-                                       string_stops=stops)
+    output = output_options(w, info.vocab_size)
     toolset, choice = toolset_of(w.tools, w.tool_choice)
     reasoning = w.reasoning or ReasoningWire()
     conv = ConversationRequest(
@@ -592,11 +590,9 @@ def decode_responses(obj: dict[str, Any], info: ModelInfo) -> ResponsesPlan:
         parallel_tool_calls=w.parallel_tool_calls is not False, sampling=decode_sampling(w),
         chat_template_kwargs={**_effort_kwargs(reasoning.effort, info), **(w.chat_template_kwargs or {})})
     options = GenerationOptions(
-        max_tokens=w.max_output_tokens, stop=stops, token_stops=token_stops, ignore_eos=bool(w.ignore_eos),
-        include_stop_str_in_output=bool(w.include_stop_str_in_output),
-        skip_special_tokens=w.skip_special_tokens is not False, num_top_logprobs=num_top,
-        logprob_token_ids=explicit, thinking_token_budget=budget, thinking_token_budget_param=budget_param,
-        constraint=one_constraint(fmt, decode_structured_outputs(w.structured_outputs)))
+        max_tokens=w.max_output_tokens, num_top_logprobs=num_top, logprob_token_ids=explicit,
+        thinking_token_budget=budget, thinking_token_budget_param=budget_param,
+        constraint=one_constraint(fmt, decode_structured_outputs(w.structured_outputs)), **output)
     generation = GenerationRequest(sampling=conv.sampling, options=options, conversation=conv,
                                    input_param="input", output_param="max_output_tokens", id_prefix="resp")
     summary = reasoning.summary if reasoning.summary is not None else reasoning.generate_summary
