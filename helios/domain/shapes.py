@@ -25,7 +25,7 @@ import threading
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, Literal, TypeAlias, TypeVar, Union, dataclass_transform
+from typing import Any, Literal, TypeAlias, TypeVar, Union, dataclass_transform, overload
 
 import attrs
 
@@ -43,6 +43,7 @@ Opt: TypeAlias = Union[T, Literal[Omit.OMIT]]  # noqa: UP007
 """An optional wire field: present with a value (which may be None) or absent (`OMIT`)."""
 
 _FLAT = "helios.shape.flat"
+_TAG = "type"
 _SCALARS = (str, int, float, bool, type(None), Omit)
 _UNIONS = (typing.Union, types.UnionType)
 
@@ -52,10 +53,19 @@ def flat() -> Any:
     return attrs.field(metadata={_FLAT: True})
 
 
+@overload
+def shape(cls: type[T], /) -> type[T]: ...
+@overload
+def shape(*, tag: str) -> Callable[[type[T]], type[T]]: ...
 @dataclass_transform(kw_only_default=True, field_specifiers=(attrs.field, flat))
-def shape(cls: type[T]) -> type[T]:
-    """Declare a wire shape: an attrs class (slotted, keyword-only) `to_json` writes."""
-    return attrs.define(kw_only=True)(cls)
+def shape(cls: type[T] | None = None, /, *, tag: str | None = None) -> Any:
+    """Declare a wire shape: an attrs class (slotted, keyword-only) `to_json` writes. `tag` is its
+    type tag where it has one (`@shape(tag="text")`): the class attribute `type`, written first."""
+    def define(c: type[T]) -> type[T]:
+        if tag is not None:
+            setattr(c, _TAG, tag)
+        return attrs.define(kw_only=True)(c)
+    return define if cls is None else define(cls)
 
 
 def to_json(obj: Any) -> Any:
@@ -137,7 +147,8 @@ def _writer(cls: type) -> Callable[[Any], dict[str, Any]]:
         try:
             hints = typing.get_type_hints(cls)
             ns: dict[str, Any] = {"to_json": to_json, "OMIT": OMIT}
-            head: list[str] = []  # the leading always-present fields: one dict display
+            tag = getattr(cls, _TAG, None)  # a field named type is a slot, not a string
+            head = [f"{_TAG!r}: {tag!r}"] if isinstance(tag, str) else []  # the leading always-present fields
             body: list[str] = []
             for a in attrs.fields(cls):
                 tp, get = hints.get(a.name, Any), f"o.{a.name}"
