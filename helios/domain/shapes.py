@@ -25,7 +25,7 @@ import threading
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, Literal, TypeAlias, TypeVar, Union, dataclass_transform, overload
+from typing import Any, Literal, TypeAlias, TypeVar, Union, dataclass_transform
 
 import attrs
 
@@ -43,7 +43,6 @@ Opt: TypeAlias = Union[T, Literal[Omit.OMIT]]  # noqa: UP007
 """An optional wire field: present with a value (which may be None) or absent (`OMIT`)."""
 
 _FLAT = "helios.shape.flat"
-_TAG = "type"
 _SCALARS = (str, int, float, bool, type(None), Omit)
 _UNIONS = (typing.Union, types.UnionType)
 
@@ -53,17 +52,13 @@ def flat() -> Any:
     return attrs.field(metadata={_FLAT: True})
 
 
-@overload
-def shape(cls: type[T], /) -> type[T]: ...
-@overload
-def shape(*, tag: str) -> Callable[[type[T]], type[T]]: ...
 @dataclass_transform(kw_only_default=True, field_specifiers=(attrs.field, flat))
 def shape(cls: type[T] | None = None, /, *, tag: str | None = None) -> Any:
     """Declare a wire shape: an attrs class (slotted, keyword-only) `to_json` writes. `tag` is its
     type tag where it has one (`@shape(tag="text")`): the class attribute `type`, written first."""
     def define(c: type[T]) -> type[T]:
         if tag is not None:
-            setattr(c, _TAG, tag)
+            c.type = tag  # type: ignore[attr-defined]
         return attrs.define(kw_only=True)(c)
     return define if cls is None else define(cls)
 
@@ -147,8 +142,8 @@ def _writer(cls: type) -> Callable[[Any], dict[str, Any]]:
         try:
             hints = typing.get_type_hints(cls)
             ns: dict[str, Any] = {"to_json": to_json, "OMIT": OMIT}
-            tag = getattr(cls, _TAG, None)  # a field named type is a slot, not a string
-            head = [f"{_TAG!r}: {tag!r}"] if isinstance(tag, str) else []  # the leading always-present fields
+            tag = getattr(cls, "type", None)  # a field named type is a slot, not a string
+            head = [f"'type': {tag!r}"] if isinstance(tag, str) else []  # the leading always-present fields
             body: list[str] = []
             for a in attrs.fields(cls):
                 tp, get = hints.get(a.name, Any), f"o.{a.name}"
