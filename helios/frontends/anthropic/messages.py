@@ -325,8 +325,8 @@ class NoneChoice:
 
 ToolChoiceWire = AutoChoice | NamedChoice | NoneChoice
 CHOICE_MODES: dict[str, Literal["required", "none"] | None] = {"auto": None, "any": "required", "none": "none"}
-"""The neutral mode of each unnamed tool_choice (`decide_tool_choice`'s; "auto" is its default: "auto"
-where a tool is declared, else "none")."""
+"""The neutral mode of each tool_choice (`decide_tool_choice`'s; "auto" is its default: "auto" where a
+tool is declared, else "none"; a named tool has none: its name)."""
 
 
 @attrs.define(kw_only=True)
@@ -582,10 +582,9 @@ def decode_tools(tools: list[ClientTool] | None,
             raise BadRequest(f"tool names must be unique; '{t.name}' is declared twice", param=f"tools[{i}].name")
         decoded[t.name] = Tool(t.name, t.description, t.input_schema)
     parallel = tool_choice is None or not tool_choice.disable_parallel_tool_use
-    if isinstance(tool_choice, NamedChoice):
-        return tuple(decoded.values()), decide_tool_choice("messages", decoded, name=tool_choice.name), parallel
-    mode = None if tool_choice is None else CHOICE_MODES[tool_choice.type]
-    return tuple(decoded.values()), decide_tool_choice("messages", decoded, mode), parallel
+    name = tool_choice.name if isinstance(tool_choice, NamedChoice) else None
+    mode = None if tool_choice is None else CHOICE_MODES.get(tool_choice.type)
+    return tuple(decoded.values()), decide_tool_choice("messages", decoded, mode, name), parallel
 
 
 def _decode_thinking(w: CountTokensWire,
