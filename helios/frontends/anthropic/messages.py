@@ -411,11 +411,6 @@ def _check_context_management(cm: Any) -> None:
                              "with keep: \"all\" is accepted", param=where)
 
 
-def _check_diagnostics(value: Any) -> None:
-    if not isinstance(value, dict) or set(value) - {"previous_message_id"}:
-        raise BadRequest("diagnostics must be an object with previous_message_id", param="diagnostics")
-
-
 MESSAGES_FIELDS = field_table(
     MessagesWire,
     model=ignored("one model is served: every name reaches it and responses report its own id", str),
@@ -431,7 +426,9 @@ MESSAGES_FIELDS = field_table(
                                "(every thinking block kept); active context edits are refused",
                                check=_check_context_management),
     inference_geo=ignored("local inference: every geography is satisfied", str),
-    diagnostics=ignored("cache-miss diagnostics are not reported", check=_check_diagnostics),
+    diagnostics=ignored("cache-miss diagnostics are not reported",
+                        allows=lambda v: isinstance(v, dict) and set(v) <= {"previous_message_id"},
+                        message="diagnostics must be an object with previous_message_id"),
     user_profile_id=ignored("provider account attribution (the SDK sends it as a header)", str),
     workspace_id=ignored("provider workspace selection (the SDK sends it as a header)", str),
     betas=ignored("beta opt-ins (the SDK sends them as the anthropic-beta header); Helios gates nothing on them",
