@@ -53,9 +53,14 @@ def flat() -> Any:
 
 
 @dataclass_transform(kw_only_default=True, field_specifiers=(attrs.field, flat))
-def shape(cls: type[T]) -> type[T]:
-    """Declare a wire shape: an attrs class (slotted, keyword-only) `to_json` writes."""
-    return attrs.define(kw_only=True)(cls)
+def shape(cls: type[T] | None = None, /, *, tag: str | None = None) -> Any:
+    """Declare a wire shape: an attrs class (slotted, keyword-only) `to_json` writes. `tag` is its
+    type tag where it has one (`@shape(tag="text")`): the class attribute `type`, written first."""
+    def define(c: type[T]) -> type[T]:
+        if tag is not None:
+            c.type = tag  # type: ignore[attr-defined]
+        return attrs.define(kw_only=True)(c)
+    return define if cls is None else define(cls)
 
 
 def to_json(obj: Any) -> Any:
@@ -137,7 +142,8 @@ def _writer(cls: type) -> Callable[[Any], dict[str, Any]]:
         try:
             hints = typing.get_type_hints(cls)
             ns: dict[str, Any] = {"to_json": to_json, "OMIT": OMIT}
-            head: list[str] = []  # the leading always-present fields: one dict display
+            tag = getattr(cls, "type", None)  # a field named type is a slot, not a string
+            head = [f"'type': {tag!r}"] if isinstance(tag, str) else []  # the leading always-present fields
             body: list[str] = []
             for a in attrs.fields(cls):
                 tp, get = hints.get(a.name, Any), f"o.{a.name}"

@@ -7,6 +7,8 @@ import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import pytest
+
 from helios.domain.generation import StreamEvent
 from helios.domain.shapes import OMIT, Opt, flat, shape, to_json
 
@@ -63,3 +65,25 @@ def test_a_stream_event_writes_its_shape_and_passes_text_and_objects() -> None:
     assert StreamEvent(Echo(a=2, b="y"), "e").data == {"a": 2, "b": "y"}
     assert StreamEvent("[DONE]").data == "[DONE]"
     assert StreamEvent({"error": {"message": "m"}}).data == {"error": {"message": "m"}}
+
+
+@shape(tag="tagged")
+class Tagged:
+    value: Opt[int] = OMIT
+    inner: Inner | None = None
+
+
+@shape
+class TaggedChild(Tagged):
+    extra: str
+
+
+def test_a_tag_is_a_class_attribute_written_first_and_inherited() -> None:
+    not_a_field: dict[str, Any] = {"type": "other"}
+    with pytest.raises(TypeError):
+        Tagged(**not_a_field)
+    assert Tagged().type == "tagged" and TaggedChild(extra="e").type == "tagged"  # type: ignore[attr-defined]
+    assert json.dumps(to_json(Tagged())) == '{"type": "tagged", "inner": null}'
+    assert json.dumps(to_json(TaggedChild(value=3, inner=Inner(value=None), extra="e"))) == (
+        '{"type": "tagged", "value": 3, "inner": {"type": "inner", "value": null}, "extra": "e"}')
+    assert json.dumps(to_json(Inner(value=0.5))) == '{"type": "inner", "value": 0.5}'  # a field named type

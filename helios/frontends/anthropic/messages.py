@@ -325,8 +325,8 @@ class NoneChoice:
 
 ToolChoiceWire = AutoChoice | NamedChoice | NoneChoice
 CHOICE_MODES: dict[str, Literal["required", "none"] | None] = {"auto": None, "any": "required", "none": "none"}
-"""The neutral mode of each unnamed tool_choice (`decide_tool_choice`'s; "auto" is its default: "auto"
-where a tool is declared, else "none")."""
+"""The neutral mode of each tool_choice (`decide_tool_choice`'s; "auto" is its default: "auto" where a
+tool is declared, else "none"; a named tool has none: its name)."""
 
 
 @attrs.define(kw_only=True)
@@ -411,11 +411,6 @@ def _check_context_management(cm: Any) -> None:
                              "with keep: \"all\" is accepted", param=where)
 
 
-def _check_diagnostics(value: Any) -> None:
-    if not isinstance(value, dict) or set(value) - {"previous_message_id"}:
-        raise BadRequest("diagnostics must be an object with previous_message_id", param="diagnostics")
-
-
 MESSAGES_FIELDS = field_table(
     MessagesWire,
     model=ignored("one model is served: every name reaches it and responses report its own id", str),
@@ -431,7 +426,9 @@ MESSAGES_FIELDS = field_table(
                                "(every thinking block kept); active context edits are refused",
                                check=_check_context_management),
     inference_geo=ignored("local inference: every geography is satisfied", str),
-    diagnostics=ignored("cache-miss diagnostics are not reported", check=_check_diagnostics),
+    diagnostics=ignored("cache-miss diagnostics are not reported",
+                        allows=lambda v: isinstance(v, dict) and set(v) <= {"previous_message_id"},
+                        message="diagnostics must be an object with previous_message_id"),
     user_profile_id=ignored("provider account attribution (the SDK sends it as a header)", str),
     workspace_id=ignored("provider workspace selection (the SDK sends it as a header)", str),
     betas=ignored("beta opt-ins (the SDK sends them as the anthropic-beta header); Helios gates nothing on them",
@@ -582,10 +579,9 @@ def decode_tools(tools: list[ClientTool] | None,
             raise BadRequest(f"tool names must be unique; '{t.name}' is declared twice", param=f"tools[{i}].name")
         decoded[t.name] = Tool(t.name, t.description, t.input_schema)
     parallel = tool_choice is None or not tool_choice.disable_parallel_tool_use
-    if isinstance(tool_choice, NamedChoice):
-        return tuple(decoded.values()), decide_tool_choice("messages", decoded, name=tool_choice.name), parallel
-    mode = None if tool_choice is None else CHOICE_MODES[tool_choice.type]
-    return tuple(decoded.values()), decide_tool_choice("messages", decoded, mode), parallel
+    name = tool_choice.name if isinstance(tool_choice, NamedChoice) else None
+    mode = None if tool_choice is None else CHOICE_MODES.get(tool_choice.type)
+    return tuple(decoded.values()), decide_tool_choice("messages", decoded, mode, name), parallel
 
 
 def _decode_thinking(w: CountTokensWire,

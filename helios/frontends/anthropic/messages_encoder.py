@@ -131,10 +131,9 @@ class MessagesEncoder:
             self._open = block
         if not text:
             return out
-        delta: shapes.TextDelta | shapes.ThinkingDelta
         if isinstance(block, shapes.TextBlock):
             block.text += text
-            delta = shapes.TextDelta(text=text)
+            delta: shapes.TextDelta | shapes.ThinkingDelta = shapes.TextDelta(text=text)
         else:
             block.thinking += text
             delta = shapes.ThinkingDelta(thinking=text)

@@ -18,22 +18,19 @@ class Usage:
     cache_read_input_tokens: int
 
 
-@shape
+@shape(tag="text")
 class TextBlock:
-    type: Literal["text"] = "text"
     text: str = ""
 
 
-@shape
+@shape(tag="thinking")
 class ThinkingBlock:
-    type: Literal["thinking"] = "thinking"
     thinking: str = ""
     signature: str = ""
 
 
-@shape
+@shape(tag="tool_use")
 class ToolUseBlock:
-    type: Literal["tool_use"] = "tool_use"
     id: str
     name: str
     input: dict[str, Any]
@@ -59,64 +56,55 @@ class Message:
     usage: Usage
 
 
-@shape
+@shape(tag="text_delta")
 class TextDelta:
-    type: Literal["text_delta"] = "text_delta"
     text: str
 
 
-@shape
+@shape(tag="thinking_delta")
 class ThinkingDelta:
-    type: Literal["thinking_delta"] = "thinking_delta"
     thinking: str
 
 
-@shape
+@shape(tag="signature_delta")
 class SignatureDelta:
-    type: Literal["signature_delta"] = "signature_delta"
     signature: str
 
 
-@shape
+@shape(tag="input_json_delta")
 class InputJSONDelta:
-    type: Literal["input_json_delta"] = "input_json_delta"
     partial_json: str
 
 
-@shape
+@shape(tag="message_start")
 class MessageStart:
-    type: Literal["message_start"] = "message_start"
     message: Message
 
 
-@shape
+@shape(tag="content_block_start")
 class ContentBlockStart:
-    type: Literal["content_block_start"] = "content_block_start"
     index: int
     content_block: ContentBlock
 
 
-@shape
+@shape(tag="content_block_delta")
 class ContentBlockDelta:
-    type: Literal["content_block_delta"] = "content_block_delta"
     index: int
     delta: TextDelta | ThinkingDelta | SignatureDelta | InputJSONDelta
 
 
-@shape
+@shape(tag="content_block_stop")
 class ContentBlockStop:
-    type: Literal["content_block_stop"] = "content_block_stop"
     index: int
 
 
-@shape
+@shape(tag="message_delta")
 class MessageDelta:
-    type: Literal["message_delta"] = "message_delta"
     delta: StopDetails
     usage: Usage
 
 
-@shape
+@shape(tag="message_stop")
 class MessageStop:
-    type: Literal["message_stop"] = "message_stop"
+    """The stream's last event: its type alone."""
 

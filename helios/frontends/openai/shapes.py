@@ -219,40 +219,35 @@ class ResponseParams:
     user: Opt[str | None] = OMIT
 
 
-@shape
+@shape(tag="reasoning_text")
 class ReasoningText:
-    type: Literal["reasoning_text"] = "reasoning_text"
     text: str
 
 
-@shape
+@shape(tag="output_text")
 class OutputText:
-    type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any]
     logprobs: LogprobEntries
 
 
-@shape
+@shape(tag="reasoning")
 class ReasoningItem:
-    type: Literal["reasoning"] = "reasoning"
     id: str
     summary: list[Any]
     content: list[ReasoningText]
 
 
-@shape
+@shape(tag="message")
 class MessageItem:
-    type: Literal["message"] = "message"
     id: str
     status: str
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
 
 
-@shape
+@shape(tag="function_call")
 class FunctionCallItem:
-    type: Literal["function_call"] = "function_call"
     id: str
     call_id: str
     name: str
@@ -261,9 +256,8 @@ class FunctionCallItem:
     namespace: Opt[str] = OMIT
 
 
-@shape
+@shape(tag="custom_tool_call")
 class CustomToolCallItem:
-    type: Literal["custom_tool_call"] = "custom_tool_call"
     id: str
     call_id: str
     name: str
@@ -404,11 +398,10 @@ class TextDoneEvent(PartEventFields):
     logprobs: Opt[LogprobEntries] = OMIT  # output text only
 
 
-@shape
+@shape(tag="error")
 class ErrorEvent:
     """The Responses stream's terminal error for a failure outside a generation (HTTP layer)."""
 
-    type: Literal["error"] = "error"
     code: str | None
     message: str
     param: str | None
