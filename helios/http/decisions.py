@@ -40,11 +40,7 @@ async def system_one(ctx: RequestContext) -> None:
         return systemone.decode_systemone(systemone.parse_body(parts[0].data), model=info.public_id,
                                           vision=info.has_vision, danger_zone=danger, parts=parts[1:])
 
-    try:
-        plan = await ctx.offload(decode)
-    except systemone.SchemaErrors as exc:
-        await ctx.json(exc.body(), status=exc.status)
-        return
+    plan = await ctx.offload(decode)  # a SchemaErrors is rendered as its own 422 body (`dispatch`)
     await _score(ctx, plan.state, [q.question for q in plan.questions], partial(systemone.encode_systemone, plan),
                  dict(plan.images))
 
