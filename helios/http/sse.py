@@ -9,12 +9,10 @@ from collections.abc import Iterable
 
 import trio
 
-from helios.asgi.responses import SSEWriter
+from helios.asgi.responses import Header, SSEWriter
 from helios.asgi.types import Send
 from helios.domain.generation import StreamEvent
 from helios.obs import access
-
-Header = tuple[bytes, bytes]
 
 
 class EventStream(SSEWriter):
