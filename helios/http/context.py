@@ -1,6 +1,6 @@
 """One HTTP request as a route handler sees it, and the handler's building blocks: authentication,
-a bounded JSON body, HTTP admission, a JSON reply, and running a generation buffered or streamed
-with a sibling task that cancels it when the client disconnects."""
+a bounded JSON body, HTTP admission, a JSON reply, and running a reply or a stream with a sibling
+task that cancels it when the client disconnects."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from helios.frontends.wire import CountLimit, parse_json_object
 from helios.http.sse import EventStream
 from helios.http.state import ServerState
 from helios.obs import access
-from helios.serving.drive import Encoder, run_buffered, run_streamed
-from helios.serving.pipeline import Prepared, Service, exception_leaves
+from helios.serving.drive import Encoder
+from helios.serving.pipeline import Service, exception_leaves
 
 # On every 429 for exhausted HTTP admission slots: a slot frees as soon as any response is delivered.
 RETRY_AFTER = ((b"retry-after", b"1"),)
@@ -98,21 +98,6 @@ class RequestContext:
     async def json(self, obj: Any, status: int = 200) -> None:
         self.responded = True
         await send_json(self.send, status, obj, self.headers())
-
-    async def generate(self, prepared: Prepared, encoder: Encoder, *, stream: bool) -> None:
-        """Run a prepared generation through the one streamed or buffered driver."""
-        svc = self.svc
-        self.encoder = encoder
-        if not stream:
-            await self.reply(lambda: run_buffered(svc, prepared, encoder))
-            return
-        out = self.stream = EventStream(self.send, self.headers())
-
-        async def streamed() -> None:
-            await run_streamed(svc, prepared, encoder, out)
-            await out.close()
-
-        await self.run_cancellable(streamed, out)
 
     async def reply(self, produce: Callable[[], Awaitable[Any]]) -> None:
         """Reply with the JSON body `produce` returns, unless the client disconnects first."""

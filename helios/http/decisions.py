@@ -8,6 +8,7 @@ operational errors use the Chat Completions error shape, System One schema failu
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from helios.asgi.request import parse_content_encoding
@@ -24,31 +25,24 @@ async def system_one(ctx: RequestContext) -> None:
     """JSON, or (image assets) uncompressed multipart/form-data whose first part is the JSON request
     and whose other parts are the assets' images."""
     ctx.auth()
-    content_type = (ctx.req.headers.get("content-type") or "").strip()
+    headers = ctx.req.headers
     is_multipart = _is_multipart(ctx)
     body = await ctx.read_body(identity_only=is_multipart)
     info = ctx.svc.info
-    danger = (ctx.req.headers.get(systemone.DANGER_ZONE_HEADER) or "").strip().lower() == "true"
+    danger = (headers.get(systemone.DANGER_ZONE_HEADER) or "").strip().lower() == "true"
 
     def decode() -> systemone.SystemOnePlan:
-        parts: list[multipart.FormPart] = []
-        raw = body
-        if is_multipart:
-            parts = multipart.parse_form_data(body, content_type)
-            if not parts or parts[0].content_type != "application/json":
-                raise BadRequest("the first part of a multipart System One request must be the application/json "
-                                 "request")
-            raw, parts = parts[0].data, parts[1:]
-        return systemone.decode_systemone(systemone.parse_body(raw), model=info.public_id, vision=info.has_vision,
-                                          danger_zone=danger, parts=parts)
+        # A JSON body is a multipart body's first part alone.
+        parts = (multipart.parse_form_data(body, headers.get("content-type") or "") if is_multipart
+                 else [multipart.FormPart("", "application/json", body)])
+        if not parts or parts[0].content_type != "application/json":
+            raise BadRequest("the first part of a multipart System One request must be the application/json request")
+        return systemone.decode_systemone(systemone.parse_body(parts[0].data), model=info.public_id,
+                                          vision=info.has_vision, danger_zone=danger, parts=parts[1:])
 
-    try:
-        plan = await ctx.offload(decode)
-    except systemone.SchemaErrors as exc:
-        await ctx.json(exc.body(), status=exc.status)
-        return
-    await _score(ctx, plan.state, [q.question for q in plan.questions],
-                 lambda scores, model: systemone.encode_systemone(plan, scores, model), dict(plan.images))
+    plan = await ctx.offload(decode)  # a SchemaErrors is rendered as its own 422 body (`dispatch`)
+    await _score(ctx, plan.state, [q.question for q in plan.questions], partial(systemone.encode_systemone, plan),
+                 dict(plan.images))
 
 
 async def decide(ctx: RequestContext) -> None:
@@ -56,8 +50,7 @@ async def decide(ctx: RequestContext) -> None:
     if _is_multipart(ctx):
         raise BadRequest("multipart bodies are not supported on this text-only route")
     plan = await ctx.offload(decisions.decode_decisions, await ctx.read_json())
-    await _score(ctx, plan.input, [q.question for q in plan.questions],
-                 lambda scores, model: decisions.encode_decisions(plan, scores, model))
+    await _score(ctx, plan.input, [q.question for q in plan.questions], partial(decisions.encode_decisions, plan))
 
 
 ROUTES: list[Route] = [
@@ -69,12 +62,11 @@ ROUTES: list[Route] = [
 async def _score(ctx: RequestContext, state: str, questions: Sequence[DecisionQuestion],
                  encode: Callable[[Sequence[QuestionScore], str], dict[str, Any]],
                  images: Mapping[str, ImagePart] | None = None) -> None:
-    svc = ctx.svc
-    scorer = DecisionScorer(svc)
+    scorer = DecisionScorer(ctx.svc)
     ctx.admit(1)
 
     async def run() -> dict[str, Any]:
-        return encode(await scorer.score(state, questions, images), svc.info.public_id)
+        return encode(await scorer.score(state, questions, images), scorer.svc.info.public_id)
 
     await ctx.reply(run)
 

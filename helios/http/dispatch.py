@@ -14,6 +14,7 @@ from helios.asgi.responses import JSON_CONTENT_TYPE, dumps, send_bytes
 from helios.asgi.routing import Router
 from helios.domain.generation import StreamEvent
 from helios.errors import BadRequest, HeliosError, InternalError, ServiceUnavailable
+from helios.frontends.decisions.systemone import SchemaErrors
 from helios.frontends.openai.shapes import ErrorEvent
 from helios.http.context import Handler, RequestContext
 from helios.http.state import ServerState
@@ -182,7 +183,10 @@ def _error_event(path: str, exc: HeliosError) -> StreamEvent:
 
 def _error_body(path: str, exc: HeliosError) -> dict[str, Any]:
     """A JSON error body in the path's protocol shape: Anthropic's under /v1/messages, Ollama's under
-    /api/ (but a 401, which keeps the OpenAI shape), else OpenAI's."""
+    /api/ (but a 401, which keeps the OpenAI shape), System One's schema failures as their own body
+    (``{"detail": [...]}``), else OpenAI's."""
+    if isinstance(exc, SchemaErrors):
+        return exc.body()
     if path.startswith("/v1/messages"):
         return exc.to_anthropic()
     if path.startswith("/api/") and exc.status != 401:

@@ -5,7 +5,8 @@ An `Endpoint` declares how a POST route's JSON request is accepted: the protocol
 frontend decoder (run on the frontend pool) and the HTTP admission slots a decoded request takes.
 A `Generation` is a route handler: it accepts its endpoint's request, prepares the generation once,
 makes the protocol's encoder (every encoder takes the same arguments, `MakeEncoder`) and runs it
-through the one driver, buffered or streamed."""
+through the one driver, buffered (`RequestContext.reply`) or streamed (an `EventStream`, under
+`RequestContext.run_cancellable`)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from helios.domain.sampling import SamplingParams
 from helios.frontends.anthropic.messages import check_version
 from helios.frontends.wire import CountLimit
 from helios.http.context import RequestContext
-from helios.serving.drive import Encoder
+from helios.http.sse import EventStream
+from helios.serving.drive import Encoder, run_buffered, run_streamed
 
 
 class GenerationPlan(Protocol):
@@ -76,5 +78,15 @@ class Generation(Generic[G]):
         prepared = await svc.prepare(plan.generation)
         # The first child's sampling (a request that submits nothing reads none: Completions' max_tokens 0)
         sampling = prepared.children[0].sampling if prepared.children else SamplingParams()
-        encoder = self.encoder(plan, prepared.prompts, model=svc.info.public_id, vocab=svc, sampling=sampling)
-        await ctx.generate(prepared, encoder, stream=plan.stream)
+        encoder = ctx.encoder = self.encoder(plan, prepared.prompts, model=svc.info.public_id, vocab=svc,
+                                             sampling=sampling)
+        if not plan.stream:
+            await ctx.reply(lambda: run_buffered(svc, prepared, encoder))
+            return
+        out = ctx.stream = EventStream(ctx.send, ctx.headers())
+
+        async def streamed() -> None:
+            await run_streamed(svc, prepared, encoder, out)
+            await out.close()
+
+        await ctx.run_cancellable(streamed, out)

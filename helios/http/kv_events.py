@@ -12,7 +12,7 @@ from __future__ import annotations
 import trio
 
 from helios.domain.generation import StreamEvent
-from helios.engine.kv.events import KVEventBatch, batch_json
+from helios.engine.kv.events import batch_json
 from helios.errors import NotFound
 from helios.http.context import RequestContext
 from helios.http.dispatch import Route
@@ -34,13 +34,12 @@ async def kv_events(ctx: RequestContext) -> None:
 
         async def pump() -> None:
             while not ctx.state.draining:  # a shutdown ends the stream (it never blocks the drain)
-                batch: KVEventBatch | None = None
-                with trio.move_on_after(POLL_S):
+                with trio.move_on_after(POLL_S) as idle:
                     try:
                         batch = await batches.receive()
                     except trio.EndOfChannel:  # dropped for falling behind
                         return
-                if batch is not None:
+                if not idle.cancelled_caught:
                     await out.send(StreamEvent(batch_json(batch)))
 
         await ctx.run_cancellable(pump, out)

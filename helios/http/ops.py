@@ -33,8 +33,7 @@ async def health(ctx: RequestContext) -> None:
 
 
 async def serving_metrics(ctx: RequestContext) -> None:
-    fmt = ctx.req.query_value("format")
-    if wants_json(fmt, ctx.req.headers.get("accept")):
+    if wants_json(ctx.req.query_value("format"), ctx.req.headers.get("accept")):
         await ctx.json(ctx.state.metrics.snapshot())
     else:
         ctx.responded = True

@@ -79,7 +79,15 @@ class ServerState:
             self.drained = max(0, started - self.aborted)
             if left:
                 log.warning("shutdown: aborting %d request(s) still in flight", len(left))
-                self._abort(left)
+                for ctx in left:
+                    if not ctx.started:
+                        ctx.cancel_scope.cancel()  # the dispatcher answers 503
+                svc = self.service
+                if svc is not None:
+                    svc.engine.paused = True
+                    # Started streams read an ERROR finish after what was generated, and end the way
+                    # their protocol ends a failed stream; every child is aborted in the engine.
+                    svc.engine.fail_all("the server shut down before generation finished")
                 await _poll(lambda: not self.in_flight, self.SHUTDOWN_ABORT_WAIT_S)
                 for ctx in self.in_flight.values():  # stuck writing to a client that stopped reading
                     ctx.cancel_scope.cancel()
@@ -92,17 +100,6 @@ class ServerState:
     def abort_now(self) -> None:
         """End the drain's grace period now (a second SIGINT/SIGTERM on `helios serve`)."""
         self._abort_now.set()
-
-    def _abort(self, ctxs: list[InFlight]) -> None:
-        for ctx in ctxs:
-            if not ctx.started:
-                ctx.cancel_scope.cancel()  # the dispatcher answers 503
-        svc = self.service
-        if svc is not None:
-            svc.engine.paused = True
-            # Started streams read an ERROR finish after what was generated, and end the way their
-            # protocol ends a failed stream; every child is aborted in the engine.
-            svc.engine.fail_all("the server shut down before generation finished")
 
     def _input_stats(self) -> dict[str, int] | None:
         """The image-input caches' counters while the loaded model takes images (else None)."""

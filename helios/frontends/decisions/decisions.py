@@ -87,10 +87,16 @@ class UserMessage:
 
 
 @attrs.define(kw_only=True)
-class PredicateQuestion:
-    type: Literal["predicate"]
+class BaseQuestion:
+    """What every question has (its ``type`` aside): an optional name and the instructions."""
+
     name: Omittable = None
     instructions: str
+
+
+@attrs.define(kw_only=True)
+class PredicateQuestion(BaseQuestion):
+    type: Literal["predicate"]
 
     def ordered(self, where: str) -> OrderedQuestion:
         return OrderedQuestion(self.name, self.type, DecisionQuestion("binary", self.instructions))
@@ -107,10 +113,8 @@ class Choice:
 
 
 @attrs.define(kw_only=True)
-class ChoiceQuestion:
+class ChoiceQuestion(BaseQuestion):
     type: Literal["choice"]
-    name: Omittable = None
-    instructions: str
     choices: list[Choice]
 
     def ordered(self, where: str) -> OrderedQuestion:
@@ -130,10 +134,8 @@ class Level:
 
 
 @attrs.define(kw_only=True)
-class ScoreQuestion:
+class ScoreQuestion(BaseQuestion):
     type: Literal["score"]
-    name: Omittable = None
-    instructions: str
     levels: list[Level]
 
     def ordered(self, where: str) -> OrderedQuestion:

@@ -6,6 +6,7 @@ Only what System One needs: the boundary from the Content-Type, each part's head
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import attrs
@@ -24,9 +25,15 @@ class FormPart:
     data: bytes = attrs.field(repr=False)
 
 
+_QUOTED_OR_SEMICOLON = re.compile(r'"(?:\\.|[^"\\])*"?|;', re.S)
+"""A quoted string (its backslash escapes included; unterminated: to the end) or a semicolon."""
+
+
 def header_params(value: str) -> tuple[str, dict[str, str]]:
-    """``form-data; name="a"; filename="b.png"`` -> ("form-data", {"name": "a", "filename": "b.png"})."""
-    head, *rest = _split_params(value)
+    """``form-data; name="a"; filename="b.png"`` -> ("form-data", {"name": "a", "filename": "b.png"}):
+    split on the semicolons outside quoted strings."""
+    cuts = [-1, *(m.start() for m in _QUOTED_OR_SEMICOLON.finditer(value) if m.group() == ";"), len(value)]
+    head, *rest = (value[a + 1:b] for a, b in itertools.pairwise(cuts))
     params: dict[str, str] = {}
     for item in rest:
         key, eq, val = item.partition("=")
@@ -37,21 +44,6 @@ def header_params(value: str) -> tuple[str, dict[str, str]]:
             val = val[1:-1].replace('\\"', '"').replace("\\\\", "\\")
         params[key.strip().lower()] = val
     return head.strip().lower(), params
-
-
-_QUOTED_OR_SEMICOLON = re.compile(r'"(?:\\.|[^"\\])*"?|;', re.S)
-"""A quoted string (its backslash escapes included; unterminated: to the end) or a semicolon."""
-
-
-def _split_params(value: str) -> list[str]:
-    """Split on semicolons outside quoted strings."""
-    out, start = [], 0
-    for match in _QUOTED_OR_SEMICOLON.finditer(value):
-        if match.group() == ";":
-            out.append(value[start:match.start()])
-            start = match.end()
-    out.append(value[start:])
-    return out
 
 
 def boundary_of(content_type: str) -> bytes:

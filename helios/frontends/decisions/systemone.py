@@ -106,11 +106,7 @@ ASSET_FORMATS = {"png": "image/png", "jpeg": "image/jpeg", "jpg": "image/jpeg"}
 DANGER_ZONE_HEADER = "typesafe-danger-zone-images"
 
 Replace = Callable[[Any], Any]
-"""A JSON value with its asset references replaced (`_replacer`), or as it is (`_as_is`)."""
-
-
-def _as_is(value: Any) -> Any:
-    return value
+"""A JSON value with its asset references replaced (`_replacer`), or as it is."""
 
 
 # -- the schema's leaves: JSON values kept as given, each refused with its own Jev entry ---------------
@@ -305,7 +301,7 @@ def decode_systemone(obj: Any, *, model: str = "", vision: bool = False, danger_
     carried ``TypeSafe-Danger-Zone-Images: true``; ``parts``: the image parts of a multipart body
     (after its JSON part)."""
     w = structure(obj, SystemOneWire, failure=lambda exc: SchemaErrors(list(_entries(exc, obj, ["body"], None))))
-    plain = w.named(_as_is)  # an unsupported question kind is its 400
+    plain = w.named(lambda value: value)  # an unsupported question kind is its 400
     if w.assets is None and not parts:
         return SystemOnePlan(render_state(w.state), plain)
     if not danger_zone:
@@ -332,9 +328,8 @@ def _assets(assets: Any, parts: Sequence[FormPart]) -> dict[str, ImagePart]:
         raise BadRequest("assets must be a nonempty object that maps each reference to an image asset", param="assets")
     by_part: dict[str, FormPart] = {}
     for part in parts:
-        if part.name in by_part:
+        if by_part.setdefault(part.name, part) is not part:
             raise BadRequest(f"multipart part names must be unique; '{part.name}' repeats", param="assets")
-        by_part[part.name] = part
     owner: dict[str, str] = {}
     images = {key: _image(key, asset, by_part, owner) for key, asset in assets.items()}
     stray = [p.name for p in parts if p.name not in owner]
