@@ -236,10 +236,9 @@ def _tag_of(members: tuple[Any, ...]) -> str:
 
 def _member_type(t: Any) -> Any:
     """The Python type of a kind union member's JSON values (its key in `JSON_KINDS`)."""
-    if isinstance(t, NewType):  # a checked leaf: its base type's kind
-        return _member_type(t.__supertype__)
-    if _built_from(t) is not None:
-        return _member_type(_built_from(t))
+    base = t.__supertype__ if isinstance(t, NewType) else _built_from(t)  # a checked leaf's, a built value's
+    if base is not None:
+        return _member_type(base)
     if _is_literal(t) and all(isinstance(a, str) for a in get_args(t)):
         return str
     if _is_list(t):
@@ -391,8 +390,7 @@ class WireConverter(cattrs.Converter):
         hooks: dict[str, Callable[[Any, Any], Any]] = {} if checked is None else {checked: _any}
         hints = _field_types(t)
         for name, row in policy_rows(t).items():
-            if row.kind == "refused" or (row.kind == "ignored" and (row.types or row.allows is not None
-                                                                    or row.check is not None)):
+            if row.kind != "honoured":
                 hooks[name] = self._screened(hints[name], name, row)
         forbid = not getattr(t, LENIENT, False)
         build: Callable[..., Any] | None = getattr(t, BUILD, None)
