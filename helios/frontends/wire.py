@@ -283,27 +283,23 @@ class WireConverter(cattrs.Converter):
         for an array only; the fast converter's own hook for a list of tagged-union members."""
         elem = next(iter(get_args(t)), Any)  # a bare list's: Any
         elem = _built_from(elem) or elem
-        if not self.detailed_validation and _is_tagged_union(elem):  # the hot path: messages, parts, items
-            # Each element's hook looked up by its tag: anything wrong raises (an absent tag too,
-            # unless a member takes it), and `structure` finds it again in detail.
-            tag, by_tag = self.tagged_members(elem)
-
-            def tagged_list(v: Any, _t: Any) -> list[Any]:
-                if type(v) is not list:
-                    raise TypeError(f"expected an array, got {json_kind(v)}")
-                out: list[Any] = []
-                for x in v:  # a loop: a comprehension's own function costs more on these short lists
-                    out.append(by_tag[x.get(tag, ABSENT)](x, elem))
-                return out
-
-            return tagged_list
         structure_list = list_structure_factory(t, self)
+        # The fast converter's hot path (messages, parts, items): a tagged-union element's hook looked up
+        # by its tag; anything wrong raises (an absent tag too, unless a member takes it), and `structure`
+        # finds it again in detail.
+        fast_tagged = not self.detailed_validation and _is_tagged_union(elem)
+        tag, by_tag = self.tagged_members(elem) if fast_tagged else ("", None)
 
         def hook(v: Any, _t: Any) -> list[Any]:
             # A string is not a list of characters, and an object is not a list of its keys.
             if type(v) is not list:
                 raise TypeError(f"expected an array, got {json_kind(v)}")
-            return structure_list(v, t)  # type: ignore[no-any-return]
+            if by_tag is None:
+                return structure_list(v, t)  # type: ignore[no-any-return]
+            out: list[Any] = []
+            for x in v:  # a loop: a comprehension's own function costs more on these short lists
+                out.append(by_tag[x.get(tag, ABSENT)](x, elem))
+            return out
 
         return hook
 
