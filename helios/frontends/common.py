@@ -56,7 +56,7 @@ def _check_vocab(ids: Sequence[int], vocab_size: int, param: str) -> None:
 
 
 def validate_token_stops(stop_token_ids: Any, stop_token_sequences: Any, vocab_size: int, *,
-                         string_stops: tuple[str, ...] = (), string_param: str = "stop") -> TokenStops:
+                         string_stops: tuple[str, ...] = ()) -> TokenStops:
     """Spec, "Reasoning, sampling, and usage": token stops (stop_token_ids and stop_token_sequences
     together) accept at most sixteen nonempty sequences of at most 64 vocabulary ids each, and one
     request cannot combine string stops with token stops. Null and empty arrays are omission."""
@@ -84,7 +84,7 @@ def validate_token_stops(stop_token_ids: Any, stop_token_sequences: Any, vocab_s
                          param=param if sequences else "stop_token_ids")
     stops = TokenStops(ids, tuple(sequences))
     if stops and string_stops:
-        raise BadRequest("string stops cannot be combined with token stops", param=string_param)
+        raise BadRequest("string stops cannot be combined with token stops", param="stop")
     return stops
 
 
@@ -123,17 +123,16 @@ def observation_fields(observe: TokenObservation, token_ids: Any, timestamps: An
 MAX_THINKING_BUDGET = 2**31 - 1
 
 
-def thinking_budget(value: int | None, default: int | None,
-                    param: str = "thinking_token_budget") -> tuple[int | None, str | None]:
-    """A Chat or Responses `thinking_token_budget` → (the budget, the field a 400 names when the
+def thinking_budget(value: int | None, default: int | None) -> tuple[int | None, str | None]:
+    """A Chat, Responses or Messages `thinking_token_budget` → (the budget, the field a 400 names when the
     model's reasoning format cannot honour it; None for the `[server]` default, which start-up
     validated and which is dropped where a request's format cannot honour it). An explicit budget is
     a positive 32-bit integer; omitted or null takes the default."""
     if value is None:
         return default, None
     if not 0 < value <= MAX_THINKING_BUDGET:  # an integer: the wire types it
-        raise BadRequest(f"{param} must be a positive 32-bit integer", param=param)
-    return value, param
+        raise BadRequest("thinking_token_budget must be a positive 32-bit integer", param="thinking_token_budget")
+    return value, "thinking_token_budget"
 
 
 TOOL_CHOICE_WORDING: dict[str, tuple[str, str, str]] = {

@@ -11,8 +11,6 @@ from typing import Any
 from helios.errors import BadRequest
 from helios.recipes import EffortError, effort_score, get_recipe, numeric_effort, resolve_effort
 
-_MISSING = object()
-
 
 def chat_effort_kwargs(top_level: Any, template_kwargs: dict[str, Any], recipe_name: str,
                        top_level_given: bool) -> dict[str, Any]:
@@ -21,9 +19,9 @@ def chat_effort_kwargs(top_level: Any, template_kwargs: dict[str, Any], recipe_n
     if top_level_given and template_kwargs.get("reasoning_effort", top_level) != top_level:
         raise BadRequest("reasoning_effort differs between the top level and chat_template_kwargs",
                          param="reasoning_effort")
-    value = top_level if top_level_given else template_kwargs.get("reasoning_effort", _MISSING)
-    if value is _MISSING:
+    if not top_level_given and "reasoning_effort" not in template_kwargs:
         return {}
+    value = top_level if top_level_given else template_kwargs["reasoning_effort"]
     try:
         if recipe.effort.numeric is not None:  # DeepSeek V4.1: integer scores, named levels map to scores
             if not isinstance(value, str | None):

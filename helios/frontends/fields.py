@@ -77,7 +77,7 @@ class FieldPolicy:
             raise self._refusal(name, value)
         if value is None:
             return False
-        kind = _json_type(value)
+        kind = next((t for t in JSON_KINDS if isinstance(value, t)), type(value))  # a str subclass is a str
         if self.types and kind not in self.types and not (kind is int and float in self.types):  # 1 is a number
             expected = " or ".join(JSON_KINDS[t][1] for t in self.types)
             raise BadRequest(f"invalid value for {name}: expected {expected}, got {kind.__name__}", param=name)
@@ -124,11 +124,6 @@ def rows(table: FieldTable, kind: Kind) -> tuple[str, ...]:
     return tuple(name for name, row in table.items() if row.kind == kind)
 
 
-def _json_type(value: Any) -> type:
-    """The Python type of `value`'s JSON kind (a subclass of str is a str; true is no integer)."""
-    return next((t for t in JSON_KINDS if isinstance(value, t)), type(value))
-
-
 POLICY = "helios.policy"
 """The attrs metadata key of a wire field's `FieldPolicy`."""
 
@@ -146,10 +141,7 @@ def policy_rows(cls: type) -> dict[str, FieldPolicy]:
 def field_table(wire: type, *others: Mapping[str, FieldPolicy], **rows: FieldPolicy) -> FieldTable:
     """A protocol's table: the rows its wire class declares (the honoured ones), then shared row
     tables and the ignored and refused fields that never reach it."""
-    table = policy_rows(wire)
-    for more in (*others, rows):
-        table.update(more)
-    return table
+    return {name: row for more in (policy_rows(wire), *others, rows) for name, row in more.items()}  # later rows win
 
 
 # -- fields several OpenAI-style protocols share ------------------------------------------------------

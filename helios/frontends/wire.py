@@ -236,10 +236,9 @@ def _tag_of(members: tuple[Any, ...]) -> str:
 
 def _member_type(t: Any) -> Any:
     """The Python type of a kind union member's JSON values (its key in `JSON_KINDS`)."""
-    if isinstance(t, NewType):  # a checked leaf: its base type's kind
-        return _member_type(t.__supertype__)
-    if _built_from(t) is not None:
-        return _member_type(_built_from(t))
+    base = t.__supertype__ if isinstance(t, NewType) else _built_from(t)  # a checked leaf's, a built value's
+    if base is not None:
+        return _member_type(base)
     if _is_literal(t) and all(isinstance(a, str) for a in get_args(t)):
         return str
     if _is_list(t):
@@ -284,27 +283,23 @@ class WireConverter(cattrs.Converter):
         for an array only; the fast converter's own hook for a list of tagged-union members."""
         elem = next(iter(get_args(t)), Any)  # a bare list's: Any
         elem = _built_from(elem) or elem
-        if not self.detailed_validation and _is_tagged_union(elem):  # the hot path: messages, parts, items
-            # Each element's hook looked up by its tag: anything wrong raises (an absent tag too,
-            # unless a member takes it), and `structure` finds it again in detail.
-            tag, by_tag = self.tagged_members(elem)
-
-            def tagged_list(v: Any, _t: Any) -> list[Any]:
-                if type(v) is not list:
-                    raise TypeError(f"expected an array, got {json_kind(v)}")
-                out: list[Any] = []
-                for x in v:  # a loop: a comprehension's own function costs more on these short lists
-                    out.append(by_tag[x.get(tag, ABSENT)](x, elem))
-                return out
-
-            return tagged_list
         structure_list = list_structure_factory(t, self)
+        # The fast converter's hot path (messages, parts, items): a tagged-union element's hook looked up
+        # by its tag; anything wrong raises (an absent tag too, unless a member takes it), and `structure`
+        # finds it again in detail.
+        fast_tagged = not self.detailed_validation and _is_tagged_union(elem)
+        tag, by_tag = self.tagged_members(elem) if fast_tagged else ("", None)
 
         def hook(v: Any, _t: Any) -> list[Any]:
             # A string is not a list of characters, and an object is not a list of its keys.
             if type(v) is not list:
                 raise TypeError(f"expected an array, got {json_kind(v)}")
-            return structure_list(v, t)  # type: ignore[no-any-return]
+            if by_tag is None:
+                return structure_list(v, t)  # type: ignore[no-any-return]
+            out: list[Any] = []
+            for x in v:  # a loop: a comprehension's own function costs more on these short lists
+                out.append(by_tag[x.get(tag, ABSENT)](x, elem))
+            return out
 
         return hook
 
@@ -391,8 +386,7 @@ class WireConverter(cattrs.Converter):
         hooks: dict[str, Callable[[Any, Any], Any]] = {} if checked is None else {checked: _any}
         hints = _field_types(t)
         for name, row in policy_rows(t).items():
-            if row.kind == "refused" or (row.kind == "ignored" and (row.types or row.allows is not None
-                                                                    or row.check is not None)):
+            if row.kind != "honoured":
                 hooks[name] = self._screened(hints[name], name, row)
         forbid = not getattr(t, LENIENT, False)
         build: Callable[..., Any] | None = getattr(t, BUILD, None)
