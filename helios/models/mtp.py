@@ -131,8 +131,9 @@ def mtp_only(num_layers: int, names: Iterable[str]) -> bool:
     """Whether a checkpoint holds MTP modules and no decoder (llama.cpp's ``--mtp`` conversion: an
     MTP-only GGUF file, with the shared embedding, head and output norm), by its tensor names."""
     have = set(names)
+    # decoder layer 0 under transformers' names or DeepSeek's release names (a V4 folder's ``layers.0.``)
     return (_prefix(num_layers, 0, have) is not None
-            and not any(name.startswith("model.layers.0.") for name in have))
+            and not any(name.startswith(("model.layers.0.", "layers.0.")) for name in have))
 
 
 def mtp_layers(num_layers: int, names: Iterable[str]) -> int:

@@ -635,6 +635,18 @@ def _five_layers(hf6: torch.nn.Module) -> torch.nn.Module:
     return five
 
 
+def test_mtp_only_tells_a_decoder_in_any_naming_apart() -> None:
+    """`mtp_only` by tensor names: a module without decoder layer 0 is an MTP-only checkpoint; a
+    decoder under transformers' names or DeepSeek's release names (``layers.0.``) is a whole model."""
+    from helios.models.mtp import mtp_only
+
+    module = ["mtp.0.eh_proj.weight", "mtp.0.enorm.weight", "model.embed_tokens.weight", "lm_head.weight"]
+    assert mtp_only(N, module)
+    assert not mtp_only(N, [*module, "model.layers.0.input_layernorm.weight"])
+    assert not mtp_only(N, ["mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "layers.0.attn.wq_a.weight"])
+    assert not mtp_only(N, ["model.embed_tokens.weight", "lm_head.weight"])
+
+
 def test_one_gguf_with_model_and_mtp_block(mtp_gguf: MtpFile, tmp_path: Path) -> None:
     """One ``deepseek4`` file holding the model and the MTP block (llama.cpp's loader takes one; its
     converter writes none for V4): the model's file with the MTP-only file's ``blk.5`` tensors
