@@ -190,6 +190,39 @@ def kquant_linear_grouped(x: Tensor, offsets: Sequence[int], blocks: Sequence[Te
     return out
 
 
+def kquant_linear_amx(x: Tensor, blocks: Tensor, ggml_type: int, out_features: int, *,
+                      float_out: bool = False) -> Tensor:
+    """`kquant_linear` on AMX tiles for bfloat16 ``x`` [M, K] -> [M, out_features] in bfloat16 (or
+    float32 with ``float_out``: an output projection's logits), where `kquant_amx_supported`: the
+    weights as `kquant_dequantize(..., torch.bfloat16)` rounds them (the unpack path's weights, without
+    writing the dense copy), exact products, float32 sums in the tile unit's order, a bfloat16 result
+    rounded once (the numerics contract's "AMX" paragraph)."""
+    out: Tensor = torch.ops.helios.kquant_linear_amx(x, blocks, ggml_type, out_features, float_out)
+    return out
+
+
+def kquant_amx_supported() -> bool:
+    """Whether `kquant_linear_amx` can run: the kernels built with AMX-TILE/AMX-BF16 and the tile data
+    state granted to this process (`amx_permitted`)."""
+    return available() and bool(torch.ops.helios.kquant_amx_supported())
+
+
+def kquant_amx_active() -> bool:
+    """Whether `kquant.KQuantLinear` hands its bfloat16 steps of `kquant.TILE_ROWS` rows to
+    `kquant_linear_amx`: supported here and not turned off (`set_kquant_amx`)."""
+    active = _state.get("kquant_amx")
+    if active is None:
+        active = _state["kquant_amx"] = kquant_amx_supported()
+    return bool(active)
+
+
+def set_kquant_amx(on: bool) -> bool:
+    """Turns the AMX k-quant path on (where supported) or off (the exact kernel and the unpack path
+    serve every step); returns whether it is now active."""
+    _state["kquant_amx"] = on and kquant_amx_supported()
+    return bool(_state["kquant_amx"])
+
+
 def kquant_dequantize(blocks: Tensor, ggml_type: int, out_features: int, in_features: int,
                       dtype: torch.dtype = torch.float32) -> Tensor:
     """The float32 [out_features, in_features] values of a weight held as GGUF blocks of ``ggml_type``

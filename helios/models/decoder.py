@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from helios.models import cpu_kernels, packing
 from helios.models.dense import dense_matmul
 from helios.models.interface import CacheSpec
-from helios.models.kquant import BlockQuantized
+from helios.models.kquant import BlockQuantized, tiles_take
 from helios.models.packing import LM_HEAD_FP32, LM_HEAD_Q8, Q8_BF16_ROWS
 from helios.models.quant import BuildSource, GroupQuantized, WeightFormat, build_linear, dense_of, q8_0_blocks
 from helios.models.tp import ParallelContext, ShardedWeights, shard_config
@@ -232,6 +232,8 @@ class FusedDecoderLM(nn.Module):
                                               self.config.vocab_size)
         if self._lm_head_blocks is not None:
             head = self._lm_head_blocks
+            if tiles_take(hidden):
+                return cpu_kernels.kquant_linear_amx(hidden, head.blocks, head.ggml_type, head.shape[0], float_out=True)
             return cpu_kernels.kquant_linear(hidden.float().contiguous(), head.blocks, head.ggml_type, head.shape[0])
         if self._lm_head_q8 is not None:
             if self._lm_head_q8_bf16 is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] >= Q8_BF16_ROWS:

@@ -106,6 +106,22 @@ def concat_rows(parts: Sequence[BlockQuantized]) -> list[BlockQuantized]:
     return joined
 
 
+# Steps of TILE_ROWS[0] .. TILE_ROWS[1] bfloat16 rows multiply on AMX tiles where the CPU has them
+# (`cpu_kernels.kquant_linear_amx`: the weights rounded to bfloat16 as the unpack path rounds them,
+# decoded per call in L1 instead of written out whole). Measured 2026-12-05 (the AMX machine, 1 thread,
+# Q4_K 17920 x 1536 from memory, ps a weight): 1 row 128 against the exact kernel's 89, 32 rows 197
+# against 975; dequantize-then-GEMM ties it near 128 rows. Fewer rows keep the exact kernel: a single
+# stream's decode and its speculative verification (at most 1 + the default depth 4 rows) give the
+# same bits with and without speculation.
+TILE_ROWS = (8, 128)
+
+
+def tiles_take(x: Tensor) -> bool:
+    """Whether a step of ``x`` (a bfloat16 [rows, in] CPU tensor) goes to `kquant_linear_amx`."""
+    return (x.dtype == torch.bfloat16 and TILE_ROWS[0] <= x.shape[0] <= TILE_ROWS[1]
+            and cpu_kernels.kquant_amx_active())
+
+
 class KQuantLinear(nn.Module):
     """``x @ W.T`` for ``W`` held as GGUF blocks: one or more row segments (``blocks[i]`` of
     ``types[i]``, ``outs[i]`` rows each; the output is their concatenation), ``x`` [N, in] float32 or
@@ -149,6 +165,10 @@ class KQuantLinear(nn.Module):
         if (self.dense is not None or self.onednn is not None) and rows > self.dense_above:
             return dense_matmul(x, self.dense, self.onednn)
         kernels = cpu_kernels.available() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+        if kernels and tiles_take(x):
+            outs = [cpu_kernels.kquant_linear_amx(x, b, t, o) for b, t, o in zip(self.blocks, self.types, self.outs,
+                                                                                 strict=True)]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if not kernels or (self.unpack_above is not None and rows > self.unpack_above):
             dtype = self.unpack_dtype if kernels else torch.float32
             y = F.linear(x.to(dtype), self.dequantize(dtype))
@@ -181,7 +201,7 @@ def grouped_linear(modules: Sequence[object], sizes: Sequence[int], x: Tensor) -
             return None
         if (m.dense is not None or m.onednn is not None) and size > m.dense_above:
             return None
-        if m.unpack_above is not None and size > m.unpack_above:
+        if (m.unpack_above is not None and size > m.unpack_above) or tiles_take(x[:size]):
             return None
         mods.append(m)
     offsets = [0]

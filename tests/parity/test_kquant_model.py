@@ -77,3 +77,42 @@ def test_blocks_match_the_float32_dense_path(reference: tuple[torch.Tensor, list
     top2 = want.topk(2).values
     assert int(got.argmax()) == int(want.argmax()), float(top2[0] - top2[1])
     assert greedy_generate(model, ids, 20) == want_tokens
+
+
+@pytest.mark.skipif(not cpu_kernels.kquant_amx_supported(), reason="no AMX tiles here")
+def test_bfloat16_steps_on_amx_tiles_match_the_reference(reference: tuple[torch.Tensor, list[int]],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default (bfloat16) model's prompt step runs its projections on AMX tiles (the prompt's rows
+    are within `kquant.TILE_ROWS`): its first logits against the float32 reference within what bfloat16
+    activations through 24 layers allow, the same first token, and within the same distance as the
+    unpack path (the same bfloat16 weights through a dense GEMM) with the tiles turned off."""
+    from helios.models import kquant
+
+    want, _ = reference
+    fmt = WeightFormat("int4", requantize=False, keep_blocks=True, unpack_above=32)
+    from helios.loaders import catalog
+
+    ckpt = load_checkpoint(catalog.ensure("qwen2.5-coder:0.5b", quiet=True))
+    model = ckpt.architecture.build(ckpt.config, BuildOptions(dtype=torch.bfloat16, weights=fmt, q8_head=True))
+    assert isinstance(model, LlamaForCausalLM)
+    model.load_weights(ckpt.weights)
+    model.eval()
+    ids = ckpt.tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert kquant.TILE_ROWS[0] <= len(ids) <= kquant.TILE_ROWS[1]
+    calls = []
+    amx_linear = cpu_kernels.kquant_linear_amx
+    monkeypatch.setattr(cpu_kernels, "kquant_linear_amx", lambda *a, **k: calls.append(a[0].shape[0]) or amx_linear(*a, **k))
+    tiles = first_logits(model, ids)
+    segments = sum(len(getattr(layer, attr).types) for layer in model.layers
+                   for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    assert len(calls) == segments and set(calls) == {len(ids)}  # every projection's every segment
+    try:
+        cpu_kernels.set_kquant_amx(False)
+        unpacked = first_logits(model, ids)
+    finally:
+        cpu_kernels.set_kquant_amx(True)
+    scale = float(want.abs().max())
+    tiles_error, unpack_error = float((tiles - want).abs().max()), float((unpacked - want).abs().max())
+    assert int(tiles.argmax()) == int(want.argmax())
+    # measured 2026-12-05 (the AMX machine): tiles 0.0085, unpack 0.0085 of the scale
+    assert tiles_error <= 0.03 * scale and tiles_error <= 1.5 * unpack_error, (tiles_error, unpack_error, scale)

@@ -391,3 +391,76 @@ def test_the_other_instruction_set_builds(arch: str, tmp_path: Path) -> None:
                 want_b, bound_b = xb.double() @ w.double().t(), error_bound(xb, w)
                 err = (theirs[key].double() - want_b).abs()
                 assert (err <= bound_b + 2.0**-8 * (want_b.abs() + bound_b)).all(), key
+
+
+# -- AMX tiles (bfloat16 steps of kquant.TILE_ROWS rows) ---------------------------------------------------
+
+amx = pytest.mark.skipif(not cpu_kernels.kquant_amx_supported(),
+                         reason="no AMX tiles here (built without AMX-TILE/AMX-BF16, or Linux refused the tile state)")
+
+
+def amx_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The AMX path's float32 error: products of bfloat16 values are exact, and each output is a chain
+    of at most K / 2 pair sums of two products (K roundings) plus the two chains' final addition:
+    (K + 2) u times the sum of |x w|, ``w`` the bfloat16-rounded weights."""
+    return (x.shape[1] + 2) * U * (x.double().abs() @ w.double().abs().t())
+
+
+@amx
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
+@pytest.mark.parametrize("m", [1, 8, 16, 17, 32, 33, 70])
+def test_kquant_linear_amx_is_within_its_bound_of_float64(ggml_type: int, m: int) -> None:
+    """The weights rounded to bfloat16 as `kquant_dequantize(..., bf16)` rounds them, exact products,
+    float32 sums: within `amx_bound` of float64 (float32 out), and the bfloat16 result is that float32
+    result rounded once. Shapes: weight rows in a partial unit of 32, an odd number of 32-column chunks
+    (the 32-weight types), one and two row tiles (the sliced path) and more (the whole-row path)."""
+    per = cpu_kernels.KQUANT_LAYOUTS[ggml_type][0]
+    for out, k in ((37, 768), (70, 96 if per == 32 else 256)):
+        blocks = torch.from_numpy(random_blocks(ggml_type, out, k, seed=ggml_type + m + out))
+        w = cpu_kernels.kquant_dequantize(blocks, ggml_type, out, k, torch.bfloat16)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).to(torch.bfloat16)
+        want = x.double() @ w.double().t()
+        got = cpu_kernels.kquant_linear_amx(x, blocks, ggml_type, out, float_out=True)
+        assert got.dtype == torch.float32 and got.shape == (m, out)
+        assert ((got.double() - want).abs() <= amx_bound(x, w)).all()
+        rounded = cpu_kernels.kquant_linear_amx(x, blocks, ggml_type, out)
+        assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.to(torch.bfloat16))
+
+
+@amx
+def test_kquant_linear_amx_rejects_bad_operands() -> None:
+    blocks = torch.from_numpy(random_blocks(14, 4, 256, seed=0))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_kernels.kquant_linear_amx(torch.randn(2, 256), blocks, 14, 4)
+    with pytest.raises(RuntimeError, match="bytes of blocks"):
+        cpu_kernels.kquant_linear_amx(torch.randn(2, 256).bfloat16(), blocks, 14, 5)
+    assert cpu_kernels.kquant_linear_amx(torch.randn(0, 256).bfloat16(), blocks, 14, 4).shape == (0, 4)
+
+
+@amx
+def test_the_module_takes_the_tiles_for_bfloat16_steps_in_tile_rows() -> None:
+    """`KQuantLinear`: bfloat16 steps of TILE_ROWS rows on the tiles (each segment), fewer rows on the
+    exact kernel, more on the unpack path; float32 steps never; `set_kquant_amx(False)` turns it off."""
+    from helios.models import kquant
+
+    parts = [_weight(12, 32, 512, 1), _weight(14, 16, 512, 3)]
+    module = KQuantLinear(parts, unpack_above=32, unpack_dtype=torch.bfloat16)
+    lo, hi = kquant.TILE_ROWS
+    x = torch.randn(hi + 1, 512, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+
+    def tiles(rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([cpu_kernels.kquant_linear_amx(rows, p.blocks, p.ggml_type, p.shape[0]) for p in parts], dim=1)
+
+    def kernel(rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([cpu_kernels.kquant_linear(rows, p.blocks, p.ggml_type, p.shape[0]) for p in parts], dim=1)
+
+    assert torch.equal(module(x[:lo - 1]), kernel(x[:lo - 1]))
+    for m in (lo, 33, hi):
+        assert torch.equal(module(x[:m]), tiles(x[:m])), m
+    assert torch.equal(module(x), F.linear(x, module.dequantize(torch.bfloat16)))
+    assert torch.equal(module(x[:lo].float()), kernel(x[:lo].float()))
+    try:
+        assert not cpu_kernels.set_kquant_amx(False)
+        assert torch.equal(module(x[:lo]), kernel(x[:lo]))
+    finally:
+        assert cpu_kernels.set_kquant_amx(True)

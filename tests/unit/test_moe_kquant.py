@@ -27,7 +27,7 @@ from helios.loaders.weight_cache import PackedWeightCache
 from helios.models import cpu_kernels, moe
 from helios.models.architecture import BuildOptions
 from helios.models.dense_attention import DenseAttention
-from helios.models.kquant import KQuantLinear
+from helios.models.kquant import BlockQuantized, KQuantLinear
 from helios.models.moe_decoder import MoEForCausalLM
 from helios.models.quant import Int4Linear, StackedExperts, WeightFormat
 from helios.runtime import AUTO_BLOCKS_UNPACK_ABOVE, choose_weights
@@ -208,7 +208,10 @@ def test_experts_are_kquant_and_match_the_dequantized_reference(kquant_file: Pat
 def test_grouped_experts_equal_one_call_per_expert(kquant_file: Path, dtype: torch.dtype,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The chosen experts of a step run as one grouped kernel call per projection segment: the same
-    logits, bit for bit, as one `KQuantLinear` call per expert (and the grouped path is taken)."""
+    logits, bit for bit, as one `KQuantLinear` call per expert (and the grouped path is taken). The
+    AMX tiles are turned off: a bfloat16 group of `kquant.TILE_ROWS` rows would go to its module (the
+    tiles) instead, `test_tile_sized_groups_go_to_their_modules`."""
+    monkeypatch.setitem(cpu_kernels._state, "kquant_amx", False)
     model = blocks_model(kquant_file, blocks_format(None), dtype)
     calls = []
     grouped = moe.grouped_linear
@@ -223,6 +226,22 @@ def test_grouped_experts_equal_one_call_per_expert(kquant_file: Path, dtype: tor
     assert calls and all(calls)
     monkeypatch.setattr(moe, "grouped_linear", lambda *args: None)
     assert torch.equal(logits(model), fused)
+
+
+def test_tile_sized_groups_go_to_their_modules() -> None:
+    """`grouped_linear` declines (None: one module call per group) when a group's rows would take the
+    AMX tiles in its module, so a grouped result is always the bits of each module alone."""
+    from helios.models import kquant
+
+    weights = [BlockQuantized(torch.from_numpy(random_blocks(12, 32, 256, seed=g)), 12, (32, 256)) for g in range(2)]
+    mods = [KQuantLinear([w]) for w in weights]
+    lo = kquant.TILE_ROWS[0]
+    x = torch.randn(2 * lo, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    small = kquant.grouped_linear(mods, [lo - 1, lo - 1], x[: 2 * lo - 2])
+    assert small is not None and torch.equal(small, torch.cat([mods[0](x[: lo - 1]), mods[1](x[lo - 1: 2 * lo - 2])]))
+    tiles = kquant.tiles_take(x[:lo])
+    assert (kquant.grouped_linear(mods, [lo, lo], x) is None) == tiles
+    assert (kquant.grouped_linear(mods, [lo, lo], x.float()) is None) is False
 
 
 def cast_kquant(module: object) -> KQuantLinear:

@@ -2474,6 +2474,296 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type, int64_t N, 
   return out;
 }
 
+// ---- K-quant matmul on AMX tiles (kquant_linear_amx) ----
+// y = x W^T for bfloat16 x [M, K] and W [N, K] in GGUF blocks of any of the six types, on the AMX tile
+// unit. Each thread takes 32 weight rows at a time and decodes them once into a [32, K] bfloat16
+// scratch that stays in L2: each weight is kquant_dequantize's exact float32 value rounded to nearest
+// even, the bits `kquant_dequantize(..., bf16)` writes (so this is the dequantize-then-bfloat16-GEMM of
+// `KQuantLinear.unpack_above` without writing the dense weight to memory). The scratch is the A operand
+// (16 weight rows x 32 columns a tile); x is laid out once per call as column pairs (the B operand: 16
+// pairs x 16 activation rows a tile, zero rows past M); 32 weight rows x 32 activation rows take four
+// float32 accumulator tiles. Products of bfloat16 values are exact in float32; every sum is float32 (the
+// tile unit's order: the pair's two products, then the pairs in k order; denormal inputs and results
+// are flushed to zero, as TDPBF16PS does). The result is rounded once to bfloat16.
+#ifdef HELIOS_AMX
+constexpr int64_t kKqAmxRows = 32;  // weight rows a thread decodes at a time (two A tiles)
+#ifndef HELIOS_KQ_AMX_AHEAD
+#define HELIOS_KQ_AMX_AHEAD 2
+#endif
+constexpr int64_t kKqAmxAhead = HELIOS_KQ_AMX_AHEAD;  // blocks ahead that each row prefetches
+
+// The calling thread's scratch of at least n elements (kept between calls: a fresh allocation of this
+// size is a fresh mapping, whose page faults cost more than a small projection's whole product).
+template <typename E>
+E* kq_amx_scratch(int64_t n) {
+  thread_local std::vector<E> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.assign(static_cast<size_t>(n), E{});
+  return buf.data();
+}
+
+// Sub-block c's 32 weights as bfloat16 (kq_store_bf16 of kq_weights: each exact value rounded to
+// nearest even). The types with at most 32 codes look each code up in a table of the sub-block's
+// rounded values (one word permute for 32 weights); Q6_K (64 codes and a scale per 16) and Q8_0 (256
+// codes) convert each weight.
+template <int T>
+inline void kq_bf16_32(const uint8_t* blk, int c, const KqHeader& h, at::BFloat16* out) {
+  if constexpr (T == kQ6_K || T == kQ8_0) {
+    kq_store_bf16(kq_weights<T>(blk, c, h), out);
+  } else {
+    __m256i codes = kq_codes<T>(blk, c);
+    if constexpr (T == kQ5_0) codes = _mm256_add_epi8(codes, _mm256_set1_epi8(16));  // back to 0 .. 31
+    const __m512i idx = _mm512_cvtepu8_epi16(codes);
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 a = _mm512_set1_ps(h.a[T == kQ5_0 || T == kQ5_1 ? 0 : c]);
+    __m512i table;
+    if constexpr (T == kQ4_K) {
+      table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(a, iota, _mm512_set1_ps(h.b[c]))));
+    } else {
+      const __m512 q0 = T == kQ5_0 ? _mm512_sub_ps(iota, _mm512_set1_ps(16.f)) : iota;
+      const __m512 q1 = _mm512_add_ps(q0, _mm512_set1_ps(16.f));
+      __m512 v0, v1;
+      if constexpr (T == kQ5_0) {
+        v0 = _mm512_mul_ps(a, q0);
+        v1 = _mm512_mul_ps(a, q1);
+      } else {
+        const __m512 b = _mm512_set1_ps(h.b[T == kQ5_1 ? 0 : c]);
+        v0 = _mm512_fmadd_ps(a, q0, b);
+        v1 = _mm512_fmadd_ps(a, q1, b);
+      }
+      table = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+    }
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(idx, table));
+  }
+}
+
+// Weight rows [0, rows) of a unit (row stride rb bytes), columns [k0, k0 + cols), into the scratch s
+// (row stride ss elements), zero rows up to kKqAmxRows.
+template <int T>
+inline void kq_amx_decode(const uint8_t* wp, int64_t rb, int64_t rows, int64_t k0, int64_t cols, at::BFloat16* s,
+                          int64_t ss) {
+  constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
+  constexpr int subs = static_cast<int>(per / 32);
+  const int64_t b0 = k0 / per, b1 = (k0 + cols) / per;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = wp + r * rb;
+    at::BFloat16* dst = s + r * ss - k0;
+    KqHeader h;
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* blk = row + b * bytes;
+      kq_header<T>(blk, h);
+      for (int cc = 0; cc < subs; ++cc) kq_bf16_32<T>(blk, cc, h, dst + b * per + 32 * cc);
+    }
+  }
+  for (int64_t r = rows; r < kKqAmxRows; ++r) std::memset(static_cast<void*>(s + r * ss), 0, cols * 2);
+}
+
+// Tile products over `chunks` column chunks of 32: A tiles 0, 1 (weight rows 0-15, 16-31 of the scratch,
+// row stride ss elements), B from xb (chunk stride xs 32-bit words). TWO: two row tiles (B tiles 2, 3
+// into accumulators 4, 5 and 6, 7); else one, with even chunks into 4, 5 and odd ones into 6, 7 (two
+// dependency chains where one would wait on the tile unit's latency).
+template <bool TWO>
+inline void kq_amx_tiles(const uint16_t* w, int64_t ss, const uint32_t* xb, int64_t xs, int64_t chunks) {
+  const int64_t stride = ss * 2;
+  int64_t k = 0;
+  for (; k + 1 < chunks || (TWO && k < chunks); k += TWO ? 1 : 2) {
+    _tile_loadd(0, w + k * 32, stride);
+    _tile_loadd(1, w + 16 * ss + k * 32, stride);
+    _tile_loadd(2, xb + k * xs, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 1, 2);
+    if constexpr (TWO) {
+      _tile_loadd(3, xb + k * xs + 256, 64);
+      _tile_dpbf16ps(6, 0, 3);
+      _tile_dpbf16ps(7, 1, 3);
+    } else {
+      _tile_loadd(0, w + k * 32 + 32, stride);
+      _tile_loadd(1, w + 16 * ss + k * 32 + 32, stride);
+      _tile_loadd(3, xb + (k + 1) * xs, 64);
+      _tile_dpbf16ps(6, 0, 3);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  if (!TWO && k < chunks) {
+    _tile_loadd(0, w + k * 32, stride);
+    _tile_loadd(1, w + 16 * ss + k * 32, stride);
+    _tile_loadd(2, xb + k * xs, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 1, 2);
+  }
+}
+
+// The accumulators out: row tiles mt (and mt + 1 when two) of y (bfloat16 [M, N]), weight rows n0 ..
+// n0 + rows. One row tile: the even and odd chains added first.
+template <typename Out>
+inline void kq_amx_out(bool two, int64_t mt, int64_t M, int64_t N, int64_t n0, int64_t rows, Out* yp) {
+  alignas(64) float c[4][256];
+  _tile_stored(4, c[0], 64);
+  _tile_stored(5, c[1], 64);
+  _tile_stored(6, c[2], 64);
+  _tile_stored(7, c[3], 64);
+  if (!two)
+    for (int a = 0; a < 2; ++a)
+      for (int64_t e = 0; e < 256; e += 16)
+        _mm512_store_ps(c[a] + e, _mm512_add_ps(_mm512_load_ps(c[a] + e), _mm512_load_ps(c[2 + a] + e)));
+  // c[2 b + a][i * 16 + j]: weight row n0 + 16 a + i, activation row 16 (mt + b) + j
+  for (int b = 0; b < (two ? 2 : 1); ++b)
+    for (int64_t j = 0; j < 16 && 16 * (mt + b) + j < M; ++j) {
+      Out* out = yp + (16 * (mt + b) + j) * N + n0;
+      for (int a = 0; a < 2; ++a)
+        for (int64_t i = 0; i < 16 && 16 * a + i < rows; ++i) store(c[2 * b + a][i * 16 + j], out + 16 * a + i);
+    }
+}
+
+// One unit of 32 weight rows (rows of them real, from wu, row stride rb) against one or two row tiles
+// of x (TWO), into accumulators 4-7: each 32-column chunk of the 32 rows decoded into one of two 2 KB
+// buffers (`buf`, tile layout: A0 then A1, 64 bytes a row) and multiplied at once, so the tile unit
+// works on one chunk while the vector units decode the next. Headers of the 256-weight types are read
+// once per block column for all 32 rows, and each row's next block is prefetched then.
+template <int T, bool TWO>
+inline void kq_amx_unit(const uint8_t* wu, int64_t rb, int64_t rows, int64_t K, const uint32_t* xb, int64_t xs,
+                        uint16_t* buf) {
+  constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
+  constexpr int subs = static_cast<int>(per / 32);
+  KqHeader h[kKqAmxRows];
+  if (rows < kKqAmxRows)
+    for (int p = 0; p < 2; ++p) std::memset(static_cast<void*>(buf + p * 1024 + rows * 32), 0, (kKqAmxRows - rows) * 64);
+  int64_t ch = 0;
+  for (int64_t b = 0; b < K / per; ++b) {
+    if constexpr (per == 256) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* blk = wu + r * rb + b * bytes;
+        kq_header<T>(blk, h[r]);
+        for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kKqAmxAhead * bytes + off), _MM_HINT_T0);
+      }
+    }
+    for (int cc = 0; cc < subs; ++cc, ++ch) {
+      uint16_t* a = buf + (ch & 1) * 1024;
+      at::BFloat16* ab = reinterpret_cast<at::BFloat16*>(a);
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* blk = wu + r * rb + b * bytes;
+        if constexpr (per == 32) {
+          if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * bytes), _MM_HINT_T0);
+          kq_header<T>(blk, h[0]);
+          kq_bf16_32<T>(blk, 0, h[0], ab + r * 32);
+        } else {
+          kq_bf16_32<T>(blk, cc, h[r], ab + r * 32);
+        }
+      }
+      _tile_loadd(0, a, 64);
+      _tile_loadd(1, a + 512, 64);
+      if constexpr (TWO) {
+        _tile_loadd(2, xb + ch * xs, 64);
+        _tile_loadd(3, xb + ch * xs + 256, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 1, 2);
+        _tile_dpbf16ps(6, 0, 3);
+        _tile_dpbf16ps(7, 1, 3);
+      } else if (ch & 1) {
+        _tile_loadd(3, xb + ch * xs, 64);
+        _tile_dpbf16ps(6, 0, 3);
+        _tile_dpbf16ps(7, 1, 3);
+      } else {
+        _tile_loadd(2, xb + ch * xs, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 1, 2);
+      }
+    }
+  }
+}
+
+// Units of 32 weight rows split over the threads. One or two row tiles (M <= 32): the unit's columns in
+// slices, each decoded into an L1 scratch and multiplied at once, the accumulators kept in the tiles
+// across slices. More rows: the unit's whole rows decoded once into an L2 scratch, then each pair of
+// row tiles passes over it.
+template <int T, typename Out>
+void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, int64_t M, int64_t K, int64_t N) {
+  constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
+  const int64_t rb = K / per * bytes, kc = K / 32;
+  const int64_t units = (N + kKqAmxRows - 1) / kKqAmxRows;
+  const int64_t xs = MT * 256;
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    amx_configure();
+    if (MT <= 2) {
+      uint16_t* buf = kq_amx_scratch<uint16_t>(2 * 1024);
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t n0 = u * kKqAmxRows, rows = std::min(kKqAmxRows, N - n0);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        if (MT == 2) kq_amx_unit<T, true>(wp + n0 * rb, rb, rows, K, xpack, xs, buf);
+        else kq_amx_unit<T, false>(wp + n0 * rb, rb, rows, K, xpack, xs, buf);
+        kq_amx_out(MT == 2, 0, M, N, n0, rows, yp);
+      }
+    } else {
+      at::BFloat16* w = kq_amx_scratch<at::BFloat16>(kKqAmxRows * K);
+      const uint16_t* w16 = reinterpret_cast<const uint16_t*>(w);
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t n0 = u * kKqAmxRows, rows = std::min(kKqAmxRows, N - n0);
+        kq_amx_decode<T>(wp + n0 * rb, rb, rows, 0, K, w, K);
+        for (int64_t mt = 0; mt < MT; mt += 2) {
+          const bool two = mt + 1 < MT;
+          _tile_zero(4);
+          _tile_zero(5);
+          _tile_zero(6);
+          _tile_zero(7);
+          if (two) kq_amx_tiles<true>(w16, K, xpack + mt * 256, xs, kc);
+          else kq_amx_tiles<false>(w16, K, xpack + mt * 256, xs, kc);
+          kq_amx_out(two, mt, M, N, n0, rows, yp);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+bool kquant_amx_supported() {
+#ifdef HELIOS_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// kquant_linear on AMX tiles for bfloat16 x [M, K]: [M, N] in bfloat16, or float32 with `float_out`
+// (the contract above this section's kernel; needs kquant_amx_supported()).
+at::Tensor kquant_linear_amx(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t N, bool float_out) {
+  TORCH_CHECK(kquant_amx_supported(), "kquant_linear_amx: AMX tiles are not built or not permitted");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "kquant_linear_amx: x is a 2-d bfloat16 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  kq_check_blocks(blocks, type, N, K, "kquant_linear_amx");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+#ifdef HELIOS_AMX
+  if (M == 0 || N == 0) return y;
+  const at::Tensor xc = x.contiguous();
+  const int64_t MT = (M + 15) / 16, kc = K / 32;
+  // B operand: for column chunk k and row tile t, tile (k MT + t) of 16 pairs x 16 rows (32-bit pairs)
+  uint32_t* xpack = kq_amx_scratch<uint32_t>(kc * MT * 256);
+  const uint32_t* xs = reinterpret_cast<const uint32_t*>(xc.data_ptr<c10::BFloat16>());
+  static const std::array<uint32_t, 16> zero_row{};
+  for (int64_t t = 0; t < MT; ++t) {
+    const uint32_t* src[16];
+    for (int64_t i = 0; i < 16; ++i) src[i] = 16 * t + i < M ? xs + (16 * t + i) * (K / 2) : zero_row.data();
+    for (int64_t k = 0; k < kc; ++k) {
+      amx_transpose16(src, xpack + (k * MT + t) * 256, 16);
+      for (int64_t i = 0; i < 16; ++i)
+        if (16 * t + i < M) src[i] += 16;
+    }
+  }
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  if (float_out) {
+    float* yp = y.data_ptr<float>();
+    kq_dispatch(type, [&](auto t) { kq_amx_impl<decltype(t)::value>(xpack, MT, wp, yp, M, K, N); });
+  } else {
+    c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+    kq_dispatch(type, [&](auto t) { kq_amx_impl<decltype(t)::value>(xpack, MT, wp, yp, M, K, N); });
+  }
+#endif
+  return y;
+}
+
 // One gated delta rule update per (token, head), in place on the token's state slot (Gated DeltaNet
 // decode, `helios.models.gated_delta`): S <- exp(g) S; delta = beta (v - S^T k); S <- S + k delta^T;
 // out = S^T q. q, k [N, H, dk], v [N, H, dv], g, beta [N, H], state [slots, H, dk, dv], all float32
@@ -2571,6 +2861,8 @@ TORCH_LIBRARY(helios, m) {
   m.def("kquant_linear(Tensor x, Tensor blocks, int ggml_type, int out_features) -> Tensor");
   m.def("kquant_dequantize(Tensor blocks, int ggml_type, int out_features, int in_features, bool bf16=False) -> Tensor");
   m.def("kquant_linear_grouped(Tensor x, int[] offsets, Tensor[] blocks, int ggml_type, int out_features) -> Tensor");
+  m.def("kquant_linear_amx(Tensor x, Tensor blocks, int ggml_type, int out_features, bool float_out=False) -> Tensor");
+  m.def("kquant_amx_supported() -> bool");
   m.def("gated_delta_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
         "Tensor fresh) -> Tensor");
 }
@@ -2579,6 +2871,7 @@ TORCH_LIBRARY_FRAGMENT(helios, m) {
   m.impl("bf16_kernels_supported", &bf16_kernels_supported);
   m.impl("set_prefill_amx", &set_prefill_amx);
   m.impl("amx_permitted", &amx_permitted);
+  m.impl("kquant_amx_supported", &kquant_amx_supported);
 }
 
 TORCH_LIBRARY_IMPL(helios, CPU, m) {
@@ -2598,6 +2891,7 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("kquant_linear", TORCH_FN(kquant_linear));
   m.impl("kquant_dequantize", TORCH_FN(kquant_dequantize));
   m.impl("kquant_linear_grouped", TORCH_FN(kquant_linear_grouped));
+  m.impl("kquant_linear_amx", TORCH_FN(kquant_linear_amx));
   m.impl("gated_delta_step", TORCH_FN(gated_delta_step));
 }
 
