@@ -65,6 +65,16 @@ any batch and on any number of threads. The scalar build (no FMA) rounds each pr
 it. Error: at most (K / 32 + 6) * 2**-24 times the sum of |x * w| over k. bfloat16 activations give a
 bfloat16 result: the float32 sum rounded to nearest even (one more rounding, 2**-8 relative).
 
+AMX path (``kquant_linear_amx``, bfloat16 activations only; `kquant.KQuantLinear` uses it for steps of
+`kquant.TILE_ROWS` rows where `kquant_amx_supported`): the weights are rounded to bfloat16 first
+(``kquant_dequantize(..., torch.bfloat16)``'s bits, as the dequantize-then-GEMM path rounds them), the
+products of two bfloat16 values are exact in float32 and the sums float32 in the tile unit's order
+(each output a chain over 32-column chunks of pair sums; with one tile of activation rows the even
+and odd chunks in two chains added at the end); denormal inputs and sums are flushed to zero, as
+``TDPBF16PS`` does. Error: at most (K + 2) * 2**-24 times the sum of |x * w_bf16|, plus the bfloat16
+result's rounding. Rows are not independent of the batch here: a row's bits depend on nothing but
+the row, but they differ from the exact kernel's, so a step's path (by its row count) shows.
+
 The library is built with the machine's C++ compiler (``$CXX`` or ``c++``) against the installed torch,
 with ``-O3 -march=native -fopenmp`` (torch's own OpenMP runtime serves it: same soname; the tests
 also build it for ``HELIOS_CPU_KERNELS_ARCH=haswell`` and ``x86-64``, the AVX2 and scalar paths), into

@@ -2487,10 +2487,6 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type, int64_t N, 
 // are flushed to zero, as TDPBF16PS does). The result is rounded once to bfloat16.
 #ifdef HELIOS_AMX
 constexpr int64_t kKqAmxRows = 32;  // weight rows a thread decodes at a time (two A tiles)
-#ifndef HELIOS_KQ_AMX_AHEAD
-#define HELIOS_KQ_AMX_AHEAD 2
-#endif
-constexpr int64_t kKqAmxAhead = HELIOS_KQ_AMX_AHEAD;  // blocks ahead that each row prefetches
 
 // The calling thread's scratch of at least n elements (kept between calls: a fresh allocation of this
 // size is a fresh mapping, whose page faults cost more than a small projection's whole product).
@@ -2621,28 +2617,28 @@ inline void kq_amx_out(bool two, int64_t mt, int64_t M, int64_t N, int64_t n0, i
 // once per block column for all 32 rows, and each row's next block is prefetched then.
 template <int T, bool TWO>
 inline void kq_amx_unit(const uint8_t* wu, int64_t rb, int64_t rows, int64_t K, const uint32_t* xb, int64_t xs,
-                        uint16_t* buf) {
+                        uint16_t* buf, const uint8_t* next) {
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
   constexpr int subs = static_cast<int>(per / 32);
+  const int64_t nb = K / per, chunks = K / 32, lines = next != nullptr ? (kKqAmxRows * rb + 63) / 64 : 0;
   KqHeader h[kKqAmxRows];
   if (rows < kKqAmxRows)
     for (int p = 0; p < 2; ++p) std::memset(static_cast<void*>(buf + p * 1024 + rows * 32), 0, (kKqAmxRows - rows) * 64);
   int64_t ch = 0;
-  for (int64_t b = 0; b < K / per; ++b) {
-    if constexpr (per == 256) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const uint8_t* blk = wu + r * rb + b * bytes;
-        kq_header<T>(blk, h[r]);
-        for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kKqAmxAhead * bytes + off), _MM_HINT_T0);
-      }
-    }
+  for (int64_t b = 0; b < nb; ++b) {
+    if constexpr (per == 256)
+      for (int64_t r = 0; r < rows; ++r) kq_header<T>(wu + r * rb + b * bytes, h[r]);
     for (int cc = 0; cc < subs; ++cc, ++ch) {
+      // the thread's next unit, in order, a share per chunk (the weights are read column-wise across
+      // 32 rows here, which the hardware prefetchers follow poorly; a few lines at a time, so the
+      // prefetches do not queue for fill buffers)
+      for (int64_t l = ch * lines / chunks; l < (ch + 1) * lines / chunks; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
       uint16_t* a = buf + (ch & 1) * 1024;
       at::BFloat16* ab = reinterpret_cast<at::BFloat16*>(a);
       for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* blk = wu + r * rb + b * bytes;
         if constexpr (per == 32) {
-          if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * bytes), _MM_HINT_T0);
           kq_header<T>(blk, h[0]);
           kq_bf16_32<T>(blk, 0, h[0], ab + r * 32);
         } else {
@@ -2691,8 +2687,9 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
         _tile_zero(5);
         _tile_zero(6);
         _tile_zero(7);
-        if (MT == 2) kq_amx_unit<T, true>(wp + n0 * rb, rb, rows, K, xpack, xs, buf);
-        else kq_amx_unit<T, false>(wp + n0 * rb, rb, rows, K, xpack, xs, buf);
+        const uint8_t* next = u + 1 < u1 ? wp + (n0 + kKqAmxRows) * rb : nullptr;
+        if (MT == 2) kq_amx_unit<T, true>(wp + n0 * rb, rb, rows, K, xpack, xs, buf, next);
+        else kq_amx_unit<T, false>(wp + n0 * rb, rb, rows, K, xpack, xs, buf, next);
         kq_amx_out(MT == 2, 0, M, N, n0, rows, yp);
       }
     } else {
