@@ -1820,17 +1820,17 @@ inline void kq_header(const uint8_t* blk, KqHeader& h) {
   } else if constexpr (T == kQ4_K || T == kQ5_K) {
     const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
 #if defined(__AVX2__)
-    // the 6-bit scales and mins unpacked to bytes with word operations (as ggml does)
-    uint32_t u[4];
-    std::memcpy(u, blk + 4, 12);
+    // the 6-bit scales and mins unpacked to bytes with word operations (as ggml does), kept in
+    // registers (assembled in memory, the 8-byte loads of 4-byte stores missed store forwarding)
+    uint32_t u0, u1, u2;
+    std::memcpy(&u0, blk + 4, 4);
+    std::memcpy(&u1, blk + 8, 4);
+    std::memcpy(&u2, blk + 12, 4);
     constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-    const uint32_t mins_lo = u[1] & k1;
-    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-    u[2] = mins_lo;
-    u[0] &= k1;
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
-    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2))));
+    const uint64_t scales = (u0 & k1) | static_cast<uint64_t>((u2 & k2) | (((u0 >> 6) & k3) << 4)) << 32;
+    const uint64_t mins = (u1 & k1) | static_cast<uint64_t>(((u2 >> 4) & k2) | (((u1 >> 6) & k3) << 4)) << 32;
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(scales))));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(mins))));
     _mm256_store_ps(h.a, _mm256_mul_ps(_mm256_set1_ps(d), sc));       // exact
     _mm256_store_ps(h.b, _mm256_mul_ps(_mm256_set1_ps(-dmin), m));    // exact: -(dmin m); w = a q - dmin m
 #else
@@ -2504,7 +2504,8 @@ E* kq_amx_scratch(int64_t n) {
 template <int T>
 inline void kq_bf16_32(const uint8_t* blk, int c, const KqHeader& h, at::BFloat16* out) {
   if constexpr (T == kQ6_K || T == kQ8_0) {
-    kq_store_bf16(kq_weights<T>(blk, c, h), out);
+    const Kq32 w = kq_weights<T>(blk, c, h);
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(w.v[1], w.v[0]));
   } else {
     __m256i codes = kq_codes<T>(blk, c);
     if constexpr (T == kQ5_0) codes = _mm256_add_epi8(codes, _mm256_set1_epi8(16));  // back to 0 .. 31
