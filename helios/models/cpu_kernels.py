@@ -211,6 +211,13 @@ def kquant_linear_amx(x: Tensor, blocks: Tensor, ggml_type: int, out_features: i
     return out
 
 
+def q8_linear_amx(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+    """`q8_linear` on AMX tiles for bfloat16 ``x`` [M, K] (`q8_linear`'s codes and scales): float32
+    [M, N], each weight ``scale * code`` rounded to bfloat16 first (`kquant_linear_amx`'s contract)."""
+    out: Tensor = torch.ops.helios.q8_linear_amx(x, codes, scales)
+    return out
+
+
 def kquant_amx_supported() -> bool:
     """Whether `kquant_linear_amx` can run: the kernels built with AMX-TILE/AMX-BF16 and the tile data
     state granted to this process (`amx_permitted`)."""

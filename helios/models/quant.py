@@ -190,6 +190,12 @@ class WeightFormat:
                 text += ", no dense copy"
             if self.unpack_above is not None:
                 text += f"; steps of more than {self.unpack_above} rows dequantize per call into a dense GEMM"
+            from helios.models import cpu_kernels, kquant
+
+            if cpu_kernels.kquant_amx_active():
+                lo, hi = kquant.TILE_ROWS
+                text += (f"; bfloat16 steps of {lo}-{hi} rows on AMX tiles (kquant_linear_amx: the weights rounded "
+                         "to bfloat16 per call)")
             return text
         if self.kind == "int4" and not self.requantize:
             text += ", projections without Q4_0/Q4_1 codes kept dense"

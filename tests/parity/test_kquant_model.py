@@ -116,3 +116,16 @@ def test_bfloat16_steps_on_amx_tiles_match_the_reference(reference: tuple[torch.
     assert int(tiles.argmax()) == int(want.argmax())
     # measured 2026-12-05 (the AMX machine): tiles 0.0085, unpack 0.0085 of the scale
     assert tiles_error <= 0.03 * scale and tiles_error <= 1.5 * unpack_error, (tiles_error, unpack_error, scale)
+    # the Q8_0 head (codes alone under keep_blocks) of 8 or more rows on the tiles too: within the
+    # weights' bfloat16 rounding (2**-8 of each |x w|) of the exact q8_linear, float32 logits
+    rows = torch.randn(kquant.TILE_ROWS[0], model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    rows = rows.to(torch.bfloat16)
+    codes, scales = model._lm_head_q8
+    exact = cpu_kernels.q8_linear(rows.float(), codes, scales)
+    calls.clear()
+    head = model.compute_logits(rows)
+    assert calls == [] and head.dtype == torch.float32  # not through kquant_linear_amx: q8_linear_amx
+    weights = codes.float() * scales.repeat_interleave(32, dim=1)
+    bound = 2.0**-8 * (rows.float().abs() @ weights.abs().t()) + 1e-4
+    assert ((head - exact).abs() <= bound).all()
+    assert not torch.equal(head, exact)  # the tiles' rounded weights, not the exact kernel

@@ -464,3 +464,21 @@ def test_the_module_takes_the_tiles_for_bfloat16_steps_in_tile_rows() -> None:
         assert torch.equal(module(x[:lo]), kernel(x[:lo]))
     finally:
         assert cpu_kernels.set_kquant_amx(True)
+
+
+@amx
+@pytest.mark.parametrize("m", [8, 33])
+def test_q8_linear_amx_against_float64(m: int) -> None:
+    """`q8_linear`'s codes and scales on the tiles: each weight ``scale * code`` rounded to bfloat16, then
+    `kquant_linear_amx`'s sums (the same bits as the Q8_0 blocks of the same weight through it)."""
+    out, k = 45, 96
+    blocks = random_blocks(8, out, k, seed=m)
+    raw = blocks.reshape(out, k // 32, 34)
+    scales = torch.from_numpy(raw[:, :, :2].copy().view(np.float16).astype(np.float32).reshape(out, k // 32))
+    codes = torch.from_numpy(raw[:, :, 2:].copy().view(np.int8).reshape(out, k))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    got = cpu_kernels.q8_linear_amx(x, codes, scales)
+    assert got.dtype == torch.float32 and got.shape == (m, out)
+    assert torch.equal(got, cpu_kernels.kquant_linear_amx(x, torch.from_numpy(blocks), 8, out, float_out=True))
+    w = (codes.double() * scales.repeat_interleave(32, dim=1).double()).float().to(torch.bfloat16)
+    assert ((got.double() - x.double() @ w.double().t()).abs() <= amx_bound(x, w)).all()

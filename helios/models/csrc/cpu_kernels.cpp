@@ -2487,6 +2487,9 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type, int64_t N, 
 // are flushed to zero, as TDPBF16PS does). The result is rounded once to bfloat16.
 #ifdef HELIOS_AMX
 constexpr int64_t kKqAmxRows = 32;  // weight rows a thread decodes at a time (two A tiles)
+// q8_linear's layout as a tile source: int8 codes [N, K] and float32 scales [N, K / 32] (w = scale * code)
+constexpr int kQ8Codes = 108;
+template <> struct KqTraits<kQ8Codes> { static constexpr int64_t per = 32, bytes = 32; static constexpr bool affine = false, lanes = false; };
 
 // The calling thread's scratch of at least n elements (kept between calls: a fresh allocation of this
 // size is a fresh mapping, whose page faults cost more than a small projection's whole product).
@@ -2503,7 +2506,13 @@ E* kq_amx_scratch(int64_t n) {
 // codes) convert each weight.
 template <int T>
 inline void kq_bf16_32(const uint8_t* blk, int c, const KqHeader& h, at::BFloat16* out) {
-  if constexpr (T == kQ6_K || T == kQ8_0) {
+  if constexpr (T == kQ8Codes) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
+    const __m512 a = _mm512_set1_ps(h.a[0]);
+    const __m512 w0 = _mm512_mul_ps(a, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
+    const __m512 w1 = _mm512_mul_ps(a, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+  } else if constexpr (T == kQ6_K || T == kQ8_0) {
     const Kq32 w = kq_weights<T>(blk, c, h);
     _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(w.v[1], w.v[0]));
   } else {
@@ -2537,7 +2546,7 @@ inline void kq_bf16_32(const uint8_t* blk, int c, const KqHeader& h, at::BFloat1
 // (row stride ss elements), zero rows up to kKqAmxRows.
 template <int T>
 inline void kq_amx_decode(const uint8_t* wp, int64_t rb, int64_t rows, int64_t k0, int64_t cols, at::BFloat16* s,
-                          int64_t ss) {
+                          int64_t ss, const float* su) {
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
   constexpr int subs = static_cast<int>(per / 32);
   const int64_t b0 = k0 / per, b1 = (k0 + cols) / per;
@@ -2547,7 +2556,8 @@ inline void kq_amx_decode(const uint8_t* wp, int64_t rb, int64_t rows, int64_t k
     KqHeader h;
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* blk = row + b * bytes;
-      kq_header<T>(blk, h);
+      if constexpr (T == kQ8Codes) h.a[0] = su[r * (rb / 32) + b];  // codes: rb = K
+      else kq_header<T>(blk, h);
       for (int cc = 0; cc < subs; ++cc) kq_bf16_32<T>(blk, cc, h, dst + b * per + 32 * cc);
     }
   }
@@ -2618,7 +2628,7 @@ inline void kq_amx_out(bool two, int64_t mt, int64_t M, int64_t N, int64_t n0, i
 // once per block column for all 32 rows, and each row's next block is prefetched then.
 template <int T, bool TWO>
 inline void kq_amx_unit(const uint8_t* wu, int64_t rb, int64_t rows, int64_t K, const uint32_t* xb, int64_t xs,
-                        uint16_t* buf, const uint8_t* next) {
+                        uint16_t* buf, const uint8_t* next, const float* su) {
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
   constexpr int subs = static_cast<int>(per / 32);
   const int64_t nb = K / per, chunks = K / 32, lines = next != nullptr ? (kKqAmxRows * rb + 63) / 64 : 0;
@@ -2639,7 +2649,10 @@ inline void kq_amx_unit(const uint8_t* wu, int64_t rb, int64_t rows, int64_t K, 
       at::BFloat16* ab = reinterpret_cast<at::BFloat16*>(a);
       for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* blk = wu + r * rb + b * bytes;
-        if constexpr (per == 32) {
+        if constexpr (T == kQ8Codes) {
+          h[0].a[0] = su[r * nb + b];
+          kq_bf16_32<T>(blk, 0, h[0], ab + r * 32);
+        } else if constexpr (per == 32) {
           kq_header<T>(blk, h[0]);
           kq_bf16_32<T>(blk, 0, h[0], ab + r * 32);
         } else {
@@ -2673,7 +2686,8 @@ inline void kq_amx_unit(const uint8_t* wu, int64_t rb, int64_t rows, int64_t K, 
 // across slices. More rows: the unit's whole rows decoded once into an L2 scratch, then each pair of
 // row tiles passes over it.
 template <int T, typename Out>
-void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, int64_t M, int64_t K, int64_t N) {
+void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, int64_t M, int64_t K, int64_t N,
+                 const float* sp = nullptr) {
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
   const int64_t rb = K / per * bytes, kc = K / 32;
   const int64_t units = (N + kKqAmxRows - 1) / kKqAmxRows;
@@ -2689,8 +2703,9 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
         _tile_zero(6);
         _tile_zero(7);
         const uint8_t* next = u + 1 < u1 ? wp + (n0 + kKqAmxRows) * rb : nullptr;
-        if (MT == 2) kq_amx_unit<T, true>(wp + n0 * rb, rb, rows, K, xpack, xs, buf, next);
-        else kq_amx_unit<T, false>(wp + n0 * rb, rb, rows, K, xpack, xs, buf, next);
+        const float* su = sp == nullptr ? nullptr : sp + n0 * (K / 32);
+        if (MT == 2) kq_amx_unit<T, true>(wp + n0 * rb, rb, rows, K, xpack, xs, buf, next, su);
+        else kq_amx_unit<T, false>(wp + n0 * rb, rb, rows, K, xpack, xs, buf, next, su);
         kq_amx_out(MT == 2, 0, M, N, n0, rows, yp);
       }
     } else {
@@ -2698,7 +2713,7 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
       const uint16_t* w16 = reinterpret_cast<const uint16_t*>(w);
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t n0 = u * kKqAmxRows, rows = std::min(kKqAmxRows, N - n0);
-        kq_amx_decode<T>(wp + n0 * rb, rb, rows, 0, K, w, K);
+        kq_amx_decode<T>(wp + n0 * rb, rb, rows, 0, K, w, K, sp == nullptr ? nullptr : sp + n0 * (K / 32));
         for (int64_t mt = 0; mt < MT; mt += 2) {
           const bool two = mt + 1 < MT;
           _tile_zero(4);
@@ -2726,18 +2741,11 @@ bool kquant_amx_supported() {
 
 // kquant_linear on AMX tiles for bfloat16 x [M, K]: [M, N] in bfloat16, or float32 with `float_out`
 // (the contract above this section's kernel; needs kquant_amx_supported()).
-at::Tensor kquant_linear_amx(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t N, bool float_out) {
-  TORCH_CHECK(kquant_amx_supported(), "kquant_linear_amx: AMX tiles are not built or not permitted");
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-              "kquant_linear_amx: x is a 2-d bfloat16 CPU tensor");
-  const int64_t M = x.size(0), K = x.size(1);
-  kq_check_blocks(blocks, type, N, K, "kquant_linear_amx");
-  at::Tensor y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
 #ifdef HELIOS_AMX
-  if (M == 0 || N == 0) return y;
-  const at::Tensor xc = x.contiguous();
-  const int64_t MT = (M + 15) / 16, kc = K / 32;
-  // B operand: for column chunk k and row tile t, tile (k MT + t) of 16 pairs x 16 rows (32-bit pairs)
+// x [M, K] (bfloat16, contiguous) as the B operand: for column chunk k and row tile t, tile (k MT + t) of
+// 16 pairs x 16 rows (32-bit pairs), zero rows past M; in the calling thread's scratch.
+const uint32_t* kq_amx_pack_x(const at::Tensor& xc, int64_t MT) {
+  const int64_t M = xc.size(0), K = xc.size(1), kc = K / 32;
   uint32_t* xpack = kq_amx_scratch<uint32_t>(kc * MT * 256);
   const uint32_t* xs = reinterpret_cast<const uint32_t*>(xc.data_ptr<c10::BFloat16>());
   static const std::array<uint32_t, 16> zero_row{};
@@ -2750,6 +2758,21 @@ at::Tensor kquant_linear_amx(const at::Tensor& x, const at::Tensor& blocks, int6
         if (16 * t + i < M) src[i] += 16;
     }
   }
+  return xpack;
+}
+#endif
+
+at::Tensor kquant_linear_amx(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t N, bool float_out) {
+  TORCH_CHECK(kquant_amx_supported(), "kquant_linear_amx: AMX tiles are not built or not permitted");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "kquant_linear_amx: x is a 2-d bfloat16 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  kq_check_blocks(blocks, type, N, K, "kquant_linear_amx");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+#ifdef HELIOS_AMX
+  if (M == 0 || N == 0) return y;
+  const int64_t MT = (M + 15) / 16;
+  const uint32_t* xpack = kq_amx_pack_x(x.contiguous(), MT);
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   if (float_out) {
     float* yp = y.data_ptr<float>();
@@ -2758,6 +2781,28 @@ at::Tensor kquant_linear_amx(const at::Tensor& x, const at::Tensor& blocks, int6
     c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
     kq_dispatch(type, [&](auto t) { kq_amx_impl<decltype(t)::value>(xpack, MT, wp, yp, M, K, N); });
   }
+#endif
+  return y;
+}
+
+// q8_linear on AMX tiles for bfloat16 x [M, K] and q8_linear's codes [N, K] / scales [N, K / 32]:
+// float32 [M, N], each weight scale * code rounded to bfloat16 (kquant_linear_amx's contract).
+at::Tensor q8_linear_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(kquant_amx_supported(), "q8_linear_amx: AMX tiles are not built or not permitted");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "q8_linear_amx: x is a 2-d bfloat16 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(1) == K &&
+                  K % 32 == 0, "q8_linear_amx: codes are contiguous int8 [N, K], K a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / 32),
+              "q8_linear_amx: scales are contiguous float32 [N, K / 32]");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+#ifdef HELIOS_AMX
+  if (M == 0 || N == 0) return y;
+  const int64_t MT = (M + 15) / 16;
+  const uint32_t* xpack = kq_amx_pack_x(x.contiguous(), MT);
+  kq_amx_impl<kQ8Codes>(xpack, MT, reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), y.data_ptr<float>(), M,
+                        K, N, scales.data_ptr<float>());
 #endif
   return y;
 }
@@ -2861,6 +2906,7 @@ TORCH_LIBRARY(helios, m) {
   m.def("kquant_linear_grouped(Tensor x, int[] offsets, Tensor[] blocks, int ggml_type, int out_features) -> Tensor");
   m.def("kquant_linear_amx(Tensor x, Tensor blocks, int ggml_type, int out_features, bool float_out=False) -> Tensor");
   m.def("kquant_amx_supported() -> bool");
+  m.def("q8_linear_amx(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("gated_delta_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
         "Tensor fresh) -> Tensor");
 }
@@ -2890,6 +2936,7 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("kquant_dequantize", TORCH_FN(kquant_dequantize));
   m.impl("kquant_linear_grouped", TORCH_FN(kquant_linear_grouped));
   m.impl("kquant_linear_amx", TORCH_FN(kquant_linear_amx));
+  m.impl("q8_linear_amx", TORCH_FN(q8_linear_amx));
   m.impl("gated_delta_step", TORCH_FN(gated_delta_step));
 }
 
