@@ -27,7 +27,7 @@ from helios.loaders.weight_cache import PackedWeightCache
 from helios.models import cpu_kernels, moe
 from helios.models.architecture import BuildOptions
 from helios.models.dense_attention import DenseAttention
-from helios.models.kquant import KQuantLinear
+from helios.models.kquant import BlockExperts, KQuantLinear
 from helios.models.moe_decoder import MoEForCausalLM
 from helios.models.quant import Int4Linear, StackedExperts, WeightFormat
 from helios.runtime import AUTO_BLOCKS_UNPACK_ABOVE, choose_weights
@@ -207,9 +207,22 @@ def test_experts_are_kquant_and_match_the_dequantized_reference(kquant_file: Pat
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_experts_equal_one_call_per_expert(kquant_file: Path, dtype: torch.dtype,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The chosen experts of a step run as one grouped kernel call per projection segment: the same
-    logits, bit for bit, as one `KQuantLinear` call per expert (and the grouped path is taken)."""
+    """The experts of a step run as one fused operator (`cpu_kernels.moe_kquant_mix`), or without it
+    as one grouped kernel call per projection segment: the same logits, bit for bit, as one
+    `KQuantLinear` call per expert (and each path is taken)."""
     model = blocks_model(kquant_file, blocks_format(None), dtype)
+    mixes: list[bool] = []
+    mix = BlockExperts.mix
+
+    def counting_mix(self: BlockExperts, *args: torch.Tensor) -> torch.Tensor | None:
+        result = mix(self, *args)
+        mixes.append(result is not None)
+        return result
+
+    monkeypatch.setattr(BlockExperts, "mix", counting_mix)
+    fused = logits(model)
+    assert mixes and all(mixes)
+    monkeypatch.setattr(BlockExperts, "mix", lambda *args: None)
     calls = []
     grouped = moe.grouped_linear
 
@@ -219,7 +232,7 @@ def test_grouped_experts_equal_one_call_per_expert(kquant_file: Path, dtype: tor
         return result
 
     monkeypatch.setattr(moe, "grouped_linear", counting)
-    fused = logits(model)
+    assert torch.equal(logits(model), fused)
     assert calls and all(calls)
     monkeypatch.setattr(moe, "grouped_linear", lambda *args: None)
     assert torch.equal(logits(model), fused)
