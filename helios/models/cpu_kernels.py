@@ -240,6 +240,21 @@ def set_kquant_amx(on: bool) -> bool:
     return bool(_state["kquant_amx"])
 
 
+def moe_kquant_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Sequence[Tensor], gate_up_type: int,
+                   down: Sequence[Tensor], down_type: int, max_rows: int | None = None) -> Tensor:
+    """`helios.models.moe.expert_mix` with SiLU for experts held as GGUF blocks, in one operator: ``x``
+    [T, H] float32 or bfloat16, ``weights`` / ``ids`` [T, top_k] (float32 or ``x``'s dtype / int64),
+    ``gate_up[e]`` expert e's [2I, H] blocks of ``gate_up_type`` (gate rows first), ``down[e]`` its
+    [H, I] blocks of ``down_type`` -> [T, H] in ``x``'s dtype, the same bits as ``expert_mix`` over
+    `kquant.KQuantLinear` experts (every expert product is `kquant_linear_grouped`'s; SiLU and the
+    weight multiply are the same torch operators; each token's rows are added in the pairs' order
+    sorted stably by expert, as ``index_add_`` adds them). ``max_rows``: an expert given more rows
+    raises (its module would dequantize for the call, which this operator does not)."""
+    out: Tensor = torch.ops.helios.moe_kquant_mix(x, weights, ids, gate_up, gate_up_type, down, down_type,
+                                                  -1 if max_rows is None else max_rows)
+    return out
+
+
 def kquant_dequantize(blocks: Tensor, ggml_type: int, out_features: int, in_features: int,
                       dtype: torch.dtype = torch.float32) -> Tensor:
     """The float32 [out_features, in_features] values of a weight held as GGUF blocks of ``ggml_type``

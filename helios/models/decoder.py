@@ -238,7 +238,7 @@ class FusedDecoderLM(nn.Module):
         if self._lm_head_q8 is not None:
             if self._lm_head_q8_bf16 is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] >= Q8_BF16_ROWS:
                 return cpu_kernels.q8_linear_bf16(hidden, *self._lm_head_q8_bf16)
-            if self._lm_head_q8_bf16 is None and tiles_take(hidden):  # a keep_blocks model's codes alone
+            if self.weight_format.keep_blocks and tiles_take(hidden):  # codes alone (`pack_cpu_weights`)
                 return cpu_kernels.q8_linear_amx(hidden, *self._lm_head_q8)
             return cpu_kernels.q8_linear(hidden, *self._lm_head_q8)
         if self._lm_head_fp32 is not None:

@@ -26,6 +26,7 @@ format. Without the CPU kernels (not built, or turned off) the module dequantize
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import attrs
 import numpy as np
@@ -150,6 +151,7 @@ class KQuantLinear(nn.Module):
         self.unpack_above = unpack_above
         self.unpack_dtype = unpack_dtype
         self.onednn: Tensor | None = None  # `quant.pack_onednn`: the dense copy prepacked for oneDNN
+        self.tiles = True  # bfloat16 steps of TILE_ROWS rows on AMX tiles (False: a MoE layer's experts)
 
     def weights(self) -> list[BlockQuantized]:
         return [BlockQuantized(b, t, (o, self.in_features)) for b, t, o in zip(self.blocks, self.types, self.outs,
@@ -165,7 +167,7 @@ class KQuantLinear(nn.Module):
         if (self.dense is not None or self.onednn is not None) and rows > self.dense_above:
             return dense_matmul(x, self.dense, self.onednn)
         kernels = cpu_kernels.available() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-        if kernels and tiles_take(x):
+        if kernels and self.tiles and tiles_take(x):
             outs = [cpu_kernels.kquant_linear_amx(x, b, t, o) for b, t, o in zip(self.blocks, self.types, self.outs,
                                                                                  strict=True)]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -201,7 +203,7 @@ def grouped_linear(modules: Sequence[object], sizes: Sequence[int], x: Tensor) -
             return None
         if (m.dense is not None or m.onednn is not None) and size > m.dense_above:
             return None
-        if (m.unpack_above is not None and size > m.unpack_above) or tiles_take(x[:size]):
+        if (m.unpack_above is not None and size > m.unpack_above) or (m.tiles and tiles_take(x[:size])):
             return None
         mods.append(m)
     offsets = [0]
@@ -210,3 +212,61 @@ def grouped_linear(modules: Sequence[object], sizes: Sequence[int], x: Tensor) -
     outs = [cpu_kernels.kquant_linear_grouped(x, offsets, [m.blocks[s] for m in mods], t, o)
             for s, (t, o) in enumerate(zip(first.types, first.outs, strict=True))]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+@attrs.frozen(eq=False)
+class BlockExperts:
+    """Every routed expert of a mixture-of-experts layer as GGUF blocks, listed once for
+    `cpu_kernels.moe_kquant_mix` (`helios.models.moe.expert_mix`'s fused path): ``gate_up[e]`` /
+    ``down[e]`` expert e's blocks (the modules' own parameters, so a later ``.to()`` is seen),
+    ``max_rows`` the most rows a step may give the fused path (the modules would use their dense
+    copy or dequantize past it; None: no limit)."""
+
+    gate_up: list[Tensor]
+    gate_up_type: int
+    down: list[Tensor]
+    down_type: int
+    max_rows: int | None
+
+    @classmethod
+    def of(cls, gate_up: Sequence[object], down: Sequence[object]) -> BlockExperts | None:
+        """The experts' blocks where every expert's gate/up is one `KQuantLinear` segment [2I, H]
+        and its down one [H, I], all experts of the same types and off the AMX tiles (``tiles``
+        False, as `MoELayer.routed_experts` sets them); otherwise None (the per-expert path)."""
+        if not gate_up or len(gate_up) != len(down):
+            return None
+        gu0, d0 = gate_up[0], down[0]
+        if not isinstance(gu0, KQuantLinear) or not isinstance(d0, KQuantLinear):
+            return None
+        if len(gu0.types) != 1 or len(d0.types) != 1 or gu0.out_features != 2 * d0.in_features \
+                or d0.out_features != gu0.in_features:
+            return None
+        limits: list[int] = []
+        for first, mods in ((gu0, gate_up), (d0, down)):
+            for m in mods:
+                if not isinstance(m, KQuantLinear) or m.types != first.types or m.outs != first.outs \
+                        or m.in_features != first.in_features:
+                    return None
+                if m.tiles:  # its bfloat16 steps of TILE_ROWS rows would take the tiles, not the kernel
+                    return None
+                if m.dense is not None or m.onednn is not None:
+                    limits.append(m.dense_above)
+                if m.unpack_above is not None:
+                    limits.append(m.unpack_above)
+        return cls([cast(KQuantLinear, m).blocks[0] for m in gate_up], gu0.types[0],
+                   [cast(KQuantLinear, m).blocks[0] for m in down], d0.types[0], min(limits) if limits else None)
+
+    def mix(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor | None:
+        """`cpu_kernels.moe_kquant_mix` of the step (SiLU experts), or None where it does not apply:
+        ``x`` not a float32 or bfloat16 CPU tensor, weights neither float32 nor ``x``'s dtype, or more
+        tokens than ``max_rows`` (an expert might then get more rows than the kernel path takes). The
+        caller has checked that the CPU kernels are available (`cpu_kernels.available`: once a step,
+        not once a layer)."""
+        if (self.max_rows is not None and x.shape[0] > self.max_rows) or x.dtype not in _KERNEL_DTYPES \
+                or ids.dtype != torch.int64 or weights.dtype not in (torch.float32, x.dtype) or x.device.type != "cpu":
+            return None
+        return cpu_kernels.moe_kquant_mix(x, weights, ids, self.gate_up, self.gate_up_type, self.down,
+                                          self.down_type, self.max_rows)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from helios.models.kquant import grouped_linear
+from helios.models.kquant import BlockExperts, grouped_linear
 
 __all__ = ["Experts", "RouterSpec", "expert_mix", "route", "run_experts", "swiglu"]
 
@@ -139,13 +139,21 @@ def _choose(scores: Tensor, spec: RouterSpec, correction_bias: Tensor | None) ->
 
 
 def expert_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Experts, down: Experts, *,
-               act: Callable[[Tensor], Tensor] = F.silu, limit: float | None = None) -> Tensor:
+               act: Callable[[Tensor], Tensor] = F.silu, limit: float | None = None,
+               blocks: BlockExperts | None = None) -> Tensor:
     """sum over each token's chosen experts e of ``weight * down[e] @ (act(gate) * up)`` with
     ``gate, up = gate_up[e] @ x``: [T, hidden] in ``x``'s dtype. Tokens are grouped by expert (one
     pair of matmuls per active expert). ``gate_up`` / ``down``: stacked weights, or per-expert
     modules (quantized formats, `helios.models.quant.build_linear`); ``act``: SiLU unless the
     family says otherwise (Gemma 4: GELU tanh); ``limit``: the gate clipped to at most it and the
-    up projection to [-limit, limit] first (DeepSeek V4's ``swiglu_limit``)."""
+    up projection to [-limit, limit] first (DeepSeek V4's ``swiglu_limit``). ``blocks``: the same
+    experts' GGUF blocks (`kquant.BlockExperts.of` ``gate_up`` and ``down``, listed once by the
+    caller, and given only where the CPU kernels are available): with SiLU and no limit the whole mix
+    is one operator (`cpu_kernels.moe_kquant_mix`, the same bits as the steps below) where it applies."""
+    if blocks is not None and act is F.silu and limit is None:
+        fused = blocks.mix(x, weights, ids)
+        if fused is not None:
+            return fused
     num_tokens, top_k = ids.shape
     out = torch.zeros_like(x)
     if num_tokens == 0:

@@ -54,6 +54,7 @@ from helios.models.decoder import (
     rope_tables,
 )
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec
+from helios.models.kquant import BlockExperts, KQuantLinear
 from helios.models.moe import Experts, RouterSpec, expert_mix, route, run_experts
 from helios.models.quant import BuildSource, DenseLinear, StackedExperts, UnloadedLinear, WeightFormat
 from helios.models.tp import ParallelContext, dispatch_experts
@@ -291,6 +292,7 @@ class MoELayer(DecoderLayer):
         # `quant.build_linear` (attributes experts_gate_up_{e}, experts_down_{e}); a dense one: stacked.
         self.quantized_experts = self.moe and dense_dtype is None
         self._routed: tuple[list[nn.Module], list[nn.Module]] | None = None  # `routed_experts`, per-expert modules
+        self._blocks: tuple[BlockExperts | None] | None = None  # `block_experts`, listed once
         self.mlp_size = config.shared_intermediate_size if self.moe else config.intermediate_size
         self.moe_intermediate_size = config.moe_intermediate_size
 
@@ -362,6 +364,7 @@ class MoELayer(DecoderLayer):
             raise KeyError(attr)
         setattr(self, attr, module)
         self._routed = None
+        self._blocks = None
 
     def routed_experts(self) -> tuple[Experts, Experts]:
         """The routed experts' gate/up and down weights: stacked tensors, or one module per expert
@@ -373,7 +376,23 @@ class MoELayer(DecoderLayer):
             count = self.router_spec.num_experts
             self._routed = ([cast(nn.Module, getattr(self, f"experts_gate_up_{e}")) for e in range(count)],
                             [cast(nn.Module, getattr(self, f"experts_down_{e}")) for e in range(count)])
+            # GGUF-block experts keep the exact kernel at every row count up to unpack_above: a decode
+            # step gives each expert a few rows (the tiles gain nothing there), and the fused mix
+            # (`kquant.BlockExperts`) is that kernel's bits, whatever the rows
+            for module in (*self._routed[0], *self._routed[1]):
+                if isinstance(module, KQuantLinear):
+                    module.tiles = False
         return self._routed
+
+    def block_experts(self) -> BlockExperts | None:
+        """The routed experts as GGUF blocks for the fused mix (`kquant.BlockExperts`; None where
+        they are not all single-segment `kquant.KQuantLinear` modules), listed once like
+        `routed_experts`."""
+        if self._blocks is None:
+            gate_up, down = self.routed_experts()
+            self._blocks = (None if isinstance(gate_up, Tensor) or isinstance(down, Tensor)
+                            else BlockExperts.of(gate_up, down),)
+        return self._blocks[0]
 
     def routed_expert_bytes(self) -> int:
         """Bytes of the routed experts' parameters (0 in a dense layer)."""
@@ -478,7 +497,7 @@ class MoELayer(DecoderLayer):
             out = self._dispatched(x, self.parallel)
         else:
             weights, ids = route(self._router_logits(x), self.router_spec, self.correction_bias)
-            out = expert_mix(x, weights, ids, *self.routed_experts())
+            out = expert_mix(x, weights, ids, *self.routed_experts(), blocks=self.block_experts() if fused else None)
         if dense is not None:
             if self.shared_gate is not None:
                 dense = torch.sigmoid(F.linear(x, self.shared_gate)) * dense

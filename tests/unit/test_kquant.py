@@ -236,6 +236,107 @@ def test_kquant_linear_grouped_rejects_bad_operands() -> None:
         cpu_kernels.kquant_linear_grouped(x, [0, 1, 3], w, 14, 5)
 
 
+# -- the fused mixture-of-experts operator -----------------------------------------------------------------
+
+MIX_EXPERTS, MIX_TOP_K, MIX_HIDDEN, MIX_INTER = 8, 3, 512, 256
+
+
+def _mix_experts(gu_type: int, down_type: int, unpack_above: int | None = None) -> tuple[list[KQuantLinear],
+                                                                                          list[KQuantLinear]]:
+    """Random GGUF-block experts as the loader builds them: gate and up joined into one segment, off
+    the AMX tiles (as `MoELayer.routed_experts` sets them)."""
+    def part(t: int, rows: int, cols: int, seed: int) -> BlockQuantized:
+        return BlockQuantized(torch.from_numpy(random_blocks(t, rows, cols, seed=seed)), t, (rows, cols))
+
+    gate_up = [KQuantLinear([part(gu_type, MIX_INTER, MIX_HIDDEN, 3 * e), part(gu_type, MIX_INTER, MIX_HIDDEN, 3 * e + 1)],
+                            unpack_above=unpack_above) for e in range(MIX_EXPERTS)]
+    down = [KQuantLinear([part(down_type, MIX_HIDDEN, MIX_INTER, 3 * e + 2)], unpack_above=unpack_above)
+            for e in range(MIX_EXPERTS)]
+    for module in (*gate_up, *down):
+        module.tiles = False
+    return gate_up, down
+
+
+def _mix_routing(tokens: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [tokens, hidden], weights, ids [tokens, top_k]: expert 0 chosen by every token, expert 7 by none."""
+    g = torch.Generator().manual_seed(seed)
+    x = (4 * torch.randn(tokens, MIX_HIDDEN, generator=g)).to(dtype)
+    scores = torch.randn(tokens, MIX_EXPERTS, generator=g)
+    scores[:, 0] += 100
+    scores[:, 7] -= 100
+    top, ids = torch.topk(torch.softmax(scores, dim=-1), MIX_TOP_K, dim=-1, sorted=False)
+    return x, top, ids
+
+
+@pytest.mark.parametrize(("gu_type", "down_type"), [(12, 14), (6, 8), (13, 7)], ids=["Q4_K-Q6_K", "Q5_0-Q8_0",
+                                                                                   "Q5_K-Q5_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weights_fp32", [False, True], ids=["weights_in_dtype", "weights_fp32"])
+def test_moe_kquant_mix_equals_expert_mix_bit_for_bit(gu_type: int, down_type: int, dtype: torch.dtype,
+                                                      weights_fp32: bool) -> None:
+    """The fused operator (grouping, gate/up, SiLU, down, weighted sum) against `moe.expert_mix`'s
+    steps over the same `KQuantLinear` experts: the same bits at 1, 3, 8 and 33 tokens (an expert
+    chosen by every token, one by none), on one thread too; and within the float32 summation bound
+    of a float64 mix of the dequantized weights."""
+    from helios.models.kquant import BlockExperts
+    from helios.models.moe import expert_mix
+
+    gate_up, down = _mix_experts(gu_type, down_type)
+    blocks = BlockExperts.of(gate_up, down)
+    assert blocks is not None and blocks.max_rows is None
+    dense_gu = [m.dequantize().double() for m in gate_up]
+    dense_down = [m.dequantize().double() for m in down]
+    for tokens in (1, 3, 8, 33):
+        x, top, ids = _mix_routing(tokens, dtype, seed=tokens)
+        weights = top if weights_fp32 else top.to(dtype)
+        got = blocks.mix(x, weights, ids)
+        assert got is not None and got.dtype == dtype and got.shape == x.shape
+        want = expert_mix(x, weights, ids, gate_up, down)  # the per-step path (no blocks)
+        assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), tokens
+        assert torch.equal(expert_mix(x, weights, ids, gate_up, down, blocks=blocks), got)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(blocks.mix(x, weights, ids), got)
+        finally:
+            torch.set_num_threads(threads)
+        if dtype == torch.float32:  # independent: float64 of the same exact weights
+            ref = torch.zeros(tokens, MIX_HIDDEN, dtype=torch.float64)
+            for t in range(tokens):
+                for slot in range(MIX_TOP_K):
+                    e = int(ids[t, slot])
+                    gu = dense_gu[e] @ x[t].double()
+                    ref[t] += float(weights[t, slot]) * (dense_down[e] @ (F.silu(gu[:MIX_INTER]) * gu[MIX_INTER:]))
+            assert (got.double() - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_moe_kquant_mix_applies_only_where_the_modules_would_take_the_kernel() -> None:
+    """No fused mix for more tokens than ``unpack_above`` (an expert may then be dequantized for the
+    call), for modules of more than one segment or of other types; an expert given more rows than
+    ``max_rows`` raises."""
+    from helios.models.kquant import BlockExperts
+    from helios.models.moe import expert_mix
+
+    gate_up, down = _mix_experts(12, 14, unpack_above=4)
+    blocks = BlockExperts.of(gate_up, down)
+    assert blocks is not None and blocks.max_rows == 4
+    x, top, ids = _mix_routing(5, torch.float32, seed=1)
+    assert blocks.mix(x, top, ids) is None
+    assert torch.equal(expert_mix(x, top, ids, gate_up, down, blocks=blocks), expert_mix(x, top, ids, gate_up, down))
+    x, top, ids = _mix_routing(4, torch.float32, seed=1)
+    assert blocks.mix(x, top, ids) is not None
+    assert blocks.mix(x.double(), top, ids) is None
+    with pytest.raises(RuntimeError, match="more rows than max_rows"):
+        cpu_kernels.moe_kquant_mix(x, top, torch.zeros_like(ids), blocks.gate_up, 12, blocks.down, 14, 3)
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu_kernels.moe_kquant_mix(x, top, ids + MIX_EXPERTS, blocks.gate_up, 12, blocks.down, 14, None)
+    two = BlockQuantized(torch.from_numpy(random_blocks(14, MIX_INTER, MIX_HIDDEN, seed=0)), 14, (MIX_INTER, MIX_HIDDEN))
+    mixed_types = [KQuantLinear([gate_up[0].weights()[0].take_rows(torch.arange(MIX_INTER)), two]), *gate_up[1:]]
+    assert BlockExperts.of(mixed_types, down) is None
+    assert BlockExperts.of([DenseLinear(torch.randn(2 * MIX_INTER, MIX_HIDDEN))] * MIX_EXPERTS, down) is None
+
+
 # -- BlockQuantized and KQuantLinear ---------------------------------------------------------------------
 
 
@@ -468,7 +569,7 @@ def test_the_module_takes_the_tiles_for_bfloat16_steps_in_tile_rows() -> None:
 
 @amx
 @pytest.mark.parametrize("m", [8, 33])
-def test_q8_linear_amx_against_float64(m: int) -> None:
+def test_q8_linear_amx_is_within_its_bound_of_float64(m: int) -> None:
     """`q8_linear`'s codes and scales on the tiles: each weight ``scale * code`` rounded to bfloat16, then
     `kquant_linear_amx`'s sums (the same bits as the Q8_0 blocks of the same weight through it)."""
     out, k = 45, 96

@@ -27,7 +27,7 @@ from helios.loaders.weight_cache import PackedWeightCache
 from helios.models import cpu_kernels, moe
 from helios.models.architecture import BuildOptions
 from helios.models.dense_attention import DenseAttention
-from helios.models.kquant import BlockQuantized, KQuantLinear
+from helios.models.kquant import BlockExperts, BlockQuantized, KQuantLinear
 from helios.models.moe_decoder import MoEForCausalLM
 from helios.models.quant import Int4Linear, StackedExperts, WeightFormat
 from helios.runtime import AUTO_BLOCKS_UNPACK_ABOVE, choose_weights
@@ -207,12 +207,22 @@ def test_experts_are_kquant_and_match_the_dequantized_reference(kquant_file: Pat
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_experts_equal_one_call_per_expert(kquant_file: Path, dtype: torch.dtype,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The chosen experts of a step run as one grouped kernel call per projection segment: the same
-    logits, bit for bit, as one `KQuantLinear` call per expert (and the grouped path is taken). The
-    AMX tiles are turned off: a bfloat16 group of `kquant.TILE_ROWS` rows would go to its module (the
-    tiles) instead, `test_tile_sized_groups_go_to_their_modules`."""
-    monkeypatch.setitem(cpu_kernels._state, "kquant_amx", False)
+    """The experts of a step run as one fused operator (`cpu_kernels.moe_kquant_mix`), or without it
+    as one grouped kernel call per projection segment: the same logits, bit for bit, as one
+    `KQuantLinear` call per expert (and each path is taken)."""
     model = blocks_model(kquant_file, blocks_format(None), dtype)
+    mixes: list[bool] = []
+    mix = BlockExperts.mix
+
+    def counting_mix(self: BlockExperts, *args: torch.Tensor) -> torch.Tensor | None:
+        result = mix(self, *args)
+        mixes.append(result is not None)
+        return result
+
+    monkeypatch.setattr(BlockExperts, "mix", counting_mix)
+    fused = logits(model)
+    assert mixes and all(mixes)
+    monkeypatch.setattr(BlockExperts, "mix", lambda *args: None)
     calls = []
     grouped = moe.grouped_linear
 
@@ -222,7 +232,7 @@ def test_grouped_experts_equal_one_call_per_expert(kquant_file: Path, dtype: tor
         return result
 
     monkeypatch.setattr(moe, "grouped_linear", counting)
-    fused = logits(model)
+    assert torch.equal(logits(model), fused)
     assert calls and all(calls)
     monkeypatch.setattr(moe, "grouped_linear", lambda *args: None)
     assert torch.equal(logits(model), fused)
@@ -230,7 +240,8 @@ def test_grouped_experts_equal_one_call_per_expert(kquant_file: Path, dtype: tor
 
 def test_tile_sized_groups_go_to_their_modules() -> None:
     """`grouped_linear` declines (None: one module call per group) when a group's rows would take the
-    AMX tiles in its module, so a grouped result is always the bits of each module alone."""
+    AMX tiles in its module, so a grouped result is always the bits of each module alone; a MoE
+    layer's experts do not take the tiles (`tiles` False), so they group at any size."""
     from helios.models import kquant
 
     weights = [BlockQuantized(torch.from_numpy(random_blocks(12, 32, 256, seed=g)), 12, (32, 256)) for g in range(2)]
@@ -241,7 +252,20 @@ def test_tile_sized_groups_go_to_their_modules() -> None:
     assert small is not None and torch.equal(small, torch.cat([mods[0](x[: lo - 1]), mods[1](x[lo - 1: 2 * lo - 2])]))
     tiles = kquant.tiles_take(x[:lo])
     assert (kquant.grouped_linear(mods, [lo, lo], x) is None) == tiles
-    assert (kquant.grouped_linear(mods, [lo, lo], x.float()) is None) is False
+    assert kquant.grouped_linear(mods, [lo, lo], x.float()) is not None
+    for m in mods:
+        m.tiles = False
+    grouped = kquant.grouped_linear(mods, [lo, lo], x)
+    assert grouped is not None and torch.equal(grouped, torch.cat([mods[0](x[:lo]), mods[1](x[lo:])]))
+    assert torch.equal(mods[0](x[:lo]), cpu_kernels.kquant_linear(x[:lo], weights[0].blocks, 12, 32))
+
+
+def test_a_moe_layers_block_experts_keep_the_exact_kernel(kquant_file: Path) -> None:
+    model = blocks_model(kquant_file, blocks_format(32), torch.bfloat16)
+    layer = model.layers[0]
+    gate_up, down = layer.routed_experts()
+    assert all(isinstance(m, KQuantLinear) and not m.tiles for m in (*gate_up, *down))
+    assert all(m.tiles for m in (layer.qkv_proj, layer.o_proj) if isinstance(m, KQuantLinear))
 
 
 def cast_kquant(module: object) -> KQuantLinear:

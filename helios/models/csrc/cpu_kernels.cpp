@@ -19,6 +19,9 @@
 //   into the caches at their slots, then paged_decode: an all-decode layer's attention in one call.
 // helios::kquant_linear_grouped(x, offsets, blocks[], ggml_type, out_features): kquant_linear for groups of
 //   rows with a weight each (the experts a step chose), in one parallel region.
+// helios::moe_kquant_mix(x, weights, ids, gate_up[], gu_type, down[], down_type, max_rows): a mixture-of-experts
+//   layer's routed experts (GGUF blocks) in one operator: grouping by expert, gate/up, SwiGLU, down and
+//   the weighted sum, bit for bit helios.models.moe.expert_mix's result.
 // helios::kquant_linear(x, blocks, ggml_type, out_features), helios::kquant_dequantize(blocks, ggml_type,
 //   out_features, in_features): a GGUF Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 / Q8_0 weight used from its
 //   blocks; each weight decoded to its exact float32 value (gguf.quants.dequantize's, bit for bit) and
@@ -30,6 +33,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/zeros_like.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -2455,6 +2461,135 @@ at::Tensor kquant_linear_grouped(const at::Tensor& x, at::IntArrayRef offsets, a
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+// ---- Mixture-of-experts: the routed experts of one layer in one operator -------------------------------
+//
+// helios::moe_kquant_mix(x, weights, ids, gate_up[], gu_type, down[], down_type, max_rows): helios.models.moe's
+// expert_mix for experts held as GGUF blocks (every expert's gate/up one [2I, H] weight of gu_type, its
+// down one [H, I] weight of down_type), bit for bit, without the Python between its steps:
+//   1. the (token, slot) pairs sorted by expert, stably (a counting sort: torch.argsort(stable=True)'s
+//      order), each pair's token row gathered and widened to float32 in gu_type's lane order
+//      (kq_activations of x.index_select's rows: the same values);
+//   2. gate/up: kq_grouped_impl over the experts' row groups (kquant_linear_grouped's outputs), in x's dtype;
+//   3. at::silu(gate) * up over the same views as moe.swiglu (the same ATen operators, so the same bits);
+//   4. down: kq_grouped_impl again, in x's dtype;
+//   5. each row times its routing weight with at::mul (the same type promotion: a float32 weight makes a
+//      float32 product), rounded to x's dtype, then added into its token's output row in the sorted pair
+//      order, each addition rounded to x's dtype: what index_add_ over the pairs does from zeros (a
+//      token's rows are added one after another in the order the index lists them).
+// An expert with more than max_rows rows (>= 0) raises: its module would have dequantized it for the call.
+at::Tensor moe_kquant_mix(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
+                          at::TensorList gate_up, int64_t gu_type, at::TensorList down, int64_t down_type,
+                          int64_t max_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "moe_kquant_mix: x is a 2-d float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong,
+              "moe_kquant_mix: ids are int64 [tokens, top_k]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && (weights.scalar_type() == at::kFloat ||
+                                                 weights.scalar_type() == x.scalar_type()),
+              "moe_kquant_mix: weights [tokens, top_k], float32 or x's dtype");
+  const int64_t E = static_cast<int64_t>(gate_up.size());
+  TORCH_CHECK(E > 0 && static_cast<int64_t>(down.size()) == E, "moe_kquant_mix: one gate/up and one down per expert");
+  const int64_t T = x.size(0), k = ids.size(1), H = x.size(1), R = T * k;
+  const int64_t I2 = gate_up[0].size(0), I = I2 / 2;
+  TORCH_CHECK(I2 % 2 == 0 && I > 0, "moe_kquant_mix: gate/up rows are gate then up, as many of each");
+  at::Tensor out = at::zeros_like(x, at::MemoryFormat::Contiguous);
+  if (R == 0) return out;
+  // 1. the stable sort by expert
+  const at::Tensor idc = ids.contiguous();
+  const int64_t* idp = idc.data_ptr<int64_t>();
+  std::vector<int64_t> off(static_cast<size_t>(E) + 1, 0);
+  for (int64_t i = 0; i < R; ++i) {
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < E, "moe_kquant_mix: an expert id outside 0..", E - 1);
+    ++off[idp[i] + 1];
+  }
+  std::vector<const uint8_t*> gps(static_cast<size_t>(E), nullptr), dps(static_cast<size_t>(E), nullptr);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = off[e + 1];
+    TORCH_CHECK(max_rows < 0 || n <= max_rows, "moe_kquant_mix: an expert has more rows than max_rows");
+    off[e + 1] += off[e];
+    if (n == 0) continue;  // its blocks are not read
+    kq_check_blocks(gate_up[e], gu_type, I2, H, "moe_kquant_mix (gate/up)");
+    kq_check_blocks(down[e], down_type, H, I, "moe_kquant_mix (down)");
+    gps[e] = gate_up[e].data_ptr<uint8_t>();
+    dps[e] = down[e].data_ptr<uint8_t>();
+  }
+  std::vector<int64_t> order(static_cast<size_t>(R));
+  {
+    std::vector<int64_t> next(off.begin(), off.end() - 1);
+    for (int64_t i = 0; i < R; ++i) order[next[idp[i]]++] = i;
+  }
+  // the gathered rows, float32 in gu_type's lane order
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const at::Tensor xc = x.contiguous();
+  at::Tensor rows = at::empty({R, H}, x.options().dtype(at::kFloat));
+  {
+    int perm[32];
+    const bool lanes = gu_type == kQ4_K || gu_type == kQ5_0;
+    for (int L = 0; L < 32; ++L) perm[L] = lanes ? kq_lane_weight(gu_type, L) : L;
+    float* rp = rows.data_ptr<float>();
+    for (int64_t p = 0; p < R; ++p) {
+      const int64_t t = order[p] / k;
+      float* dst = rp + p * H;
+      if (bf16) {
+        const at::BFloat16* src = xc.data_ptr<at::BFloat16>() + t * H;
+        for (int64_t c = 0; c < H; c += 32)
+          for (int L = 0; L < 32; ++L) dst[c + L] = static_cast<float>(src[c + perm[L]]);
+      } else {
+        const float* src = xc.data_ptr<float>() + t * H;
+        for (int64_t c = 0; c < H; c += 32)
+          for (int L = 0; L < 32; ++L) dst[c + L] = src[c + perm[L]];
+      }
+    }
+  }
+  // 2. gate/up
+  at::Tensor gu = at::empty({R, I2}, rows.options());
+  {
+    const float* xp = rows.data_ptr<float>();
+    float* yp = gu.data_ptr<float>();
+    kq_dispatch(gu_type, [&](auto t) { kq_grouped_impl<decltype(t)::value>(xp, gps, off, yp, H, I2); });
+  }
+  if (bf16) gu = gu.to(at::kBFloat16);
+  // 3. SwiGLU, 4. down
+  const at::Tensor act = at::mul(at::silu(gu.narrow(1, 0, I)), gu.narrow(1, I, I));
+  const at::Tensor hf = kq_activations(act, down_type);
+  at::Tensor mixed = at::empty({R, H}, rows.options());
+  {
+    const float* xp = hf.data_ptr<float>();
+    float* yp = mixed.data_ptr<float>();
+    kq_dispatch(down_type, [&](auto t) { kq_grouped_impl<decltype(t)::value>(xp, dps, off, yp, I, H); });
+  }
+  if (bf16) mixed = mixed.to(at::kBFloat16);
+  // 5. weighted, then summed per token in pair order
+  at::Tensor w = at::empty({R, 1}, weights.options());
+  {
+    const at::Tensor wc = weights.contiguous();
+    const auto n = static_cast<size_t>(weights.element_size());
+    const auto* src = static_cast<const char*>(wc.data_ptr());
+    auto* dst = static_cast<char*>(w.data_ptr());
+    for (int64_t p = 0; p < R; ++p) std::memcpy(dst + p * n, src + order[p] * n, n);
+  }
+  const at::Tensor scaled = at::mul(mixed, w).to(x.scalar_type()).contiguous();
+  if (bf16) {
+    const at::BFloat16* sp = scaled.data_ptr<at::BFloat16>();
+    at::BFloat16* op = out.data_ptr<at::BFloat16>();
+    for (int64_t p = 0; p < R; ++p) {
+      at::BFloat16* o = op + (order[p] / k) * H;
+      const at::BFloat16* s = sp + p * H;
+      for (int64_t c = 0; c < H; ++c) o[c] = static_cast<at::BFloat16>(static_cast<float>(o[c]) + static_cast<float>(s[c]));
+    }
+  } else {
+    const float* sp = scaled.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    for (int64_t p = 0; p < R; ++p) {  // a few thousand additions a row: not worth a parallel region
+      float* o = op + (order[p] / k) * H;
+      const float* s = sp + p * H;
+      for (int64_t c = 0; c < H; ++c) o[c] = o[c] + s[c];
+    }
+  }
+  return out;
+}
+// ---- end of the mixture-of-experts operator ------------------------------------------------------------
+
 // W [N, K] in GGUF blocks of `type` -> float32, equal to gguf.quants.dequantize bit for bit; with
 // `bf16`, those values rounded to bfloat16 (the same bits as `.to(torch.bfloat16)` of the float32
 // result, without writing and reading it).
@@ -2907,6 +3042,8 @@ TORCH_LIBRARY(helios, m) {
   m.def("kquant_linear_amx(Tensor x, Tensor blocks, int ggml_type, int out_features, bool float_out=False) -> Tensor");
   m.def("kquant_amx_supported() -> bool");
   m.def("q8_linear_amx(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("moe_kquant_mix(Tensor x, Tensor weights, Tensor ids, Tensor[] gate_up, int gu_type, Tensor[] down, "
+        "int down_type, int max_rows) -> Tensor");
   m.def("gated_delta_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
         "Tensor fresh) -> Tensor");
 }
@@ -2937,6 +3074,7 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("kquant_linear_grouped", TORCH_FN(kquant_linear_grouped));
   m.impl("kquant_linear_amx", TORCH_FN(kquant_linear_amx));
   m.impl("q8_linear_amx", TORCH_FN(q8_linear_amx));
+  m.impl("moe_kquant_mix", TORCH_FN(moe_kquant_mix));
   m.impl("gated_delta_step", TORCH_FN(gated_delta_step));
 }
 
