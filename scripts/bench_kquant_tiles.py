@@ -1,0 +1,66 @@
+"""The k-quant matmul paths side by side on one weight: the exact kernel (`kquant_linear`), the AMX
+tiles (`kquant_linear_amx`, where the CPU has them) and dequantize-then-GEMM (the unpack path), in ms
+a call and ps a weight, for bfloat16 activations of each row count.
+
+    .venv/bin/python scripts/bench_kquant_tiles.py [--type 12] [--shape 17920 1536] [--rows 1 8 32 128]
+        [--threads 1] [--runs 5]
+
+Weights are random valid blocks (`tests.unit.test_kquant.random_blocks`), large enough to come from
+memory; each figure is the minimum of ``--runs`` calls. Prints the CPU flags it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helios.models import cpu_kernels
+from helios.runtime import cpu_flags
+from tests.unit.test_kquant import random_blocks
+
+
+def best(call: object, runs: int) -> float:
+    fastest = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        call()  # type: ignore[operator]
+        fastest = min(fastest, time.perf_counter() - start)
+    return fastest * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--type", type=int, default=12, help="ggml type id (12 Q4_K, 14 Q6_K, 6 Q5_0, 8 Q8_0, ...)")
+    ap.add_argument("--shape", type=int, nargs=2, default=[17920, 1536], metavar=("OUT", "IN"))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not cpu_kernels.available():
+        sys.exit(f"Helios's CPU kernels are not available: {cpu_kernels.unavailable_reason()}")
+    tiles = cpu_kernels.kquant_amx_supported()
+    out, k = args.shape
+    t = args.type
+    blocks = torch.from_numpy(random_blocks(t, out, k, seed=1))
+    print(f"CPU flags: {cpu_flags()}; threads {args.threads}; {cpu_kernels.KQUANT_NAMES[t]} {out} x {k}; "
+          f"tiles {'yes' if tiles else 'no (not built or not permitted here)'}")
+    print(f"{'rows':>5} {'kernel ms':>10} {'ps/w':>7} {'tiles ms':>9} {'ps/w':>7} {'unpack ms':>10} {'ps/w':>7}")
+    per = 1e9 / (out * k)
+    for m in args.rows:
+        x = torch.randn(m, k).to(torch.bfloat16)
+        kern = best(lambda x=x: cpu_kernels.kquant_linear(x, blocks, t, out), args.runs)
+        tile = best(lambda x=x: cpu_kernels.kquant_linear_amx(x, blocks, t, out), args.runs) if tiles else float("nan")
+        unpack = best(lambda x=x: torch.nn.functional.linear(x, cpu_kernels.kquant_dequantize(blocks, t, out, k,
+                                                                                              torch.bfloat16)), args.runs)
+        print(f"{m:>5} {kern:>10.3f} {kern * per:>7.1f} {tile:>9.3f} {tile * per:>7.1f} {unpack:>10.3f} {unpack * per:>7.1f}")
+
+
+if __name__ == "__main__":
+    main()
