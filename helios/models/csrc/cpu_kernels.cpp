@@ -2756,6 +2756,19 @@ inline void kq_amx_out(bool two, int64_t mt, int64_t M, int64_t N, int64_t n0, i
     }
 }
 
+// Q4_K sub-blocks c (even) and c + 1 as bfloat16 at once: they share their 32 code bytes (low and high
+// nibbles), widened once; kq_bf16_32's values.
+inline void kq_q4k_bf16_pair(const uint8_t* blk, int c, const KqHeader& h, at::BFloat16* out0, at::BFloat16* out1) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 16 * c)));
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i t0 = _mm512_castsi256_si512(
+      (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_set1_ps(h.a[c]), iota, _mm512_set1_ps(h.b[c]))));
+  const __m512i t1 = _mm512_castsi256_si512(
+      (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_set1_ps(h.a[c + 1]), iota, _mm512_set1_ps(h.b[c + 1]))));
+  _mm512_storeu_si512(out0, _mm512_permutexvar_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x0F)), t0));
+  _mm512_storeu_si512(out1, _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), t1));
+}
+
 // One unit of 32 weight rows (rows of them real, from wu, row stride rb) against one or two row tiles
 // of x (TWO), into accumulators 4-7: each 32-column chunk of the 32 rows decoded into one of two 2 KB
 // buffers (`buf`, tile layout: A0 then A1, 64 bytes a row) and multiplied at once, so the tile unit
@@ -2782,7 +2795,11 @@ inline void kq_amx_unit(const uint8_t* wu, int64_t rb, int64_t rows, int64_t K, 
         _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
       uint16_t* a = buf + (ch & 1) * 1024;
       at::BFloat16* ab = reinterpret_cast<at::BFloat16*>(a);
-      for (int64_t r = 0; r < rows; ++r) {
+      if constexpr (T == kQ4_K) {  // the pair at the even chunk, into both buffers (the odd one's chunk is ch + 1)
+        if ((cc & 1) == 0)
+          for (int64_t r = 0; r < rows; ++r)
+            kq_q4k_bf16_pair(wu + r * rb + b * bytes, cc, h[r], ab + r * 32, ab + 1024 + r * 32);
+      } else for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* blk = wu + r * rb + b * bytes;
         if constexpr (T == kQ8Codes) {
           h[0].a[0] = su[r * nb + b];
