@@ -109,11 +109,12 @@ def concat_rows(parts: Sequence[BlockQuantized]) -> list[BlockQuantized]:
 
 # Steps of TILE_ROWS[0] .. TILE_ROWS[1] bfloat16 rows multiply on AMX tiles where the CPU has them
 # (`cpu_kernels.kquant_linear_amx`: the weights rounded to bfloat16 as the unpack path rounds them,
-# decoded per call in L1 instead of written out whole). Measured 2026-12-05 (the AMX machine, 1 thread,
-# Q4_K 17920 x 1536 from memory, ps a weight): 1 row 128 against the exact kernel's 89, 32 rows 197
-# against 975; dequantize-then-GEMM ties it near 128 rows. Fewer rows keep the exact kernel: a single
-# stream's decode and its speculative verification (at most 1 + the default depth 4 rows) give the
-# same bits with and without speculation.
+# decoded per call in L1 instead of written out whole). Measured 2026-12-05 at 68958f8 (the AMX machine,
+# 1 thread, `scripts/bench_kquant_tiles.py --rows 1 8 32`, Q4_K 17920 x 1536 from memory, ps a weight):
+# tiles 80 / 86 / 153 against the exact kernel's 69 / 213 / 851; past 128 rows dequantize-then-GEMM
+# wins on all but the largest projections (docs/benchmarks.md, "Decode batches on AMX tiles"). Fewer
+# rows keep the exact kernel: a single stream's decode and its speculative verification (at most 1 +
+# the default depth 4 rows) give the same bits with and without speculation.
 TILE_ROWS = (8, 128)
 
 

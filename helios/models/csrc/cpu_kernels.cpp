@@ -2610,14 +2610,16 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type, int64_t N, 
 }
 
 // ---- K-quant matmul on AMX tiles (kquant_linear_amx) ----
-// y = x W^T for bfloat16 x [M, K] and W [N, K] in GGUF blocks of any of the six types, on the AMX tile
-// unit. Each thread takes 32 weight rows at a time and decodes them once into a [32, K] bfloat16
-// scratch that stays in L2: each weight is kquant_dequantize's exact float32 value rounded to nearest
-// even, the bits `kquant_dequantize(..., bf16)` writes (so this is the dequantize-then-bfloat16-GEMM of
-// `KQuantLinear.unpack_above` without writing the dense weight to memory). The scratch is the A operand
-// (16 weight rows x 32 columns a tile); x is laid out once per call as column pairs (the B operand: 16
-// pairs x 16 activation rows a tile, zero rows past M); 32 weight rows x 32 activation rows take four
-// float32 accumulator tiles. Products of bfloat16 values are exact in float32; every sum is float32 (the
+// y = x W^T for bfloat16 x [M, K] and W [N, K] in GGUF blocks of any of the six types (or q8_linear's
+// codes and scales), on the AMX tile unit. Each thread takes units of 32 weight rows and decodes them to
+// bfloat16: each weight is kquant_dequantize's exact float32 value rounded to nearest even, the bits
+// `kquant_dequantize(..., bf16)` writes (so this is the dequantize-then-bfloat16-GEMM of
+// `KQuantLinear.unpack_above` without writing the dense weight to memory). Up to 32 activation rows
+// (kq_amx_unit) a unit is decoded one 32-column chunk at a time into L1 and multiplied at once; more
+// rows (kq_amx_decode, kq_amx_tiles) decode the unit's whole rows into an L2 scratch that every pair of
+// row tiles passes over. The decoded weights are the A operand (16 weight rows x 32 columns a tile); x
+// is laid out once per call as column pairs (the B operand: 16 pairs x 16 activation rows a tile, zero
+// rows past M); 32 weight rows x 32 activation rows take four float32 accumulator tiles. Products of bfloat16 values are exact in float32; every sum is float32 (the
 // tile unit's order: the pair's two products, then the pairs in k order; denormal inputs and results
 // are flushed to zero, as TDPBF16PS does). The result is rounded once to bfloat16.
 #ifdef HELIOS_AMX
@@ -2677,26 +2679,23 @@ inline void kq_bf16_32(const uint8_t* blk, int c, const KqHeader& h, at::BFloat1
   }
 }
 
-// Weight rows [0, rows) of a unit (row stride rb bytes), columns [k0, k0 + cols), into the scratch s
-// (row stride ss elements), zero rows up to kKqAmxRows.
+// Weight rows [0, rows) of a unit (row stride rb bytes; q8 codes: their scales su, K / 32 a row) into
+// the scratch s [kKqAmxRows, K], zero rows past `rows`.
 template <int T>
-inline void kq_amx_decode(const uint8_t* wp, int64_t rb, int64_t rows, int64_t k0, int64_t cols, at::BFloat16* s,
-                          int64_t ss, const float* su) {
+inline void kq_amx_decode(const uint8_t* wp, int64_t rb, int64_t rows, int64_t K, at::BFloat16* s, const float* su) {
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
   constexpr int subs = static_cast<int>(per / 32);
-  const int64_t b0 = k0 / per, b1 = (k0 + cols) / per;
+  const int64_t nb = K / per;
   for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* row = wp + r * rb;
-    at::BFloat16* dst = s + r * ss - k0;
     KqHeader h;
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* blk = row + b * bytes;
-      if constexpr (T == kQ8Codes) h.a[0] = su[r * (rb / 32) + b];  // codes: rb = K
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = wp + r * rb + b * bytes;
+      if constexpr (T == kQ8Codes) h.a[0] = su[r * nb + b];
       else kq_header<T>(blk, h);
-      for (int cc = 0; cc < subs; ++cc) kq_bf16_32<T>(blk, cc, h, dst + b * per + 32 * cc);
+      for (int cc = 0; cc < subs; ++cc) kq_bf16_32<T>(blk, cc, h, s + r * K + b * per + 32 * cc);
     }
   }
-  for (int64_t r = rows; r < kKqAmxRows; ++r) std::memset(static_cast<void*>(s + r * ss), 0, cols * 2);
+  std::memset(static_cast<void*>(s + rows * K), 0, (kKqAmxRows - rows) * K * 2);
 }
 
 // Tile products over `chunks` column chunks of 32: A tiles 0, 1 (weight rows 0-15, 16-31 of the scratch,
@@ -2773,7 +2772,8 @@ inline void kq_q4k_bf16_pair(const uint8_t* blk, int c, const KqHeader& h, at::B
 // of x (TWO), into accumulators 4-7: each 32-column chunk of the 32 rows decoded into one of two 2 KB
 // buffers (`buf`, tile layout: A0 then A1, 64 bytes a row) and multiplied at once, so the tile unit
 // works on one chunk while the vector units decode the next. Headers of the 256-weight types are read
-// once per block column for all 32 rows, and each row's next block is prefetched then.
+// once per block column for all 32 rows; `next` (the thread's next unit, or null) is prefetched a few
+// lines per chunk.
 template <int T, bool TWO>
 inline void kq_amx_unit(const uint8_t* wu, int64_t rb, int64_t rows, int64_t K, const uint32_t* xb, int64_t xs,
                         uint16_t* buf, const uint8_t* next, const float* su) {
@@ -2833,10 +2833,9 @@ inline void kq_amx_unit(const uint8_t* wu, int64_t rb, int64_t rows, int64_t K, 
   }
 }
 
-// Units of 32 weight rows split over the threads. One or two row tiles (M <= 32): the unit's columns in
-// slices, each decoded into an L1 scratch and multiplied at once, the accumulators kept in the tiles
-// across slices. More rows: the unit's whole rows decoded once into an L2 scratch, then each pair of
-// row tiles passes over it.
+// Units of 32 weight rows split over the threads. One or two row tiles (M <= 32): kq_amx_unit, chunk by
+// chunk in L1, the accumulators kept in the tiles across the row. More rows: the unit's whole rows
+// decoded once into an L2 scratch (kq_amx_decode), then each pair of row tiles passes over it.
 template <int T, typename Out>
 void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, int64_t M, int64_t K, int64_t N,
                  const float* sp = nullptr) {
@@ -2865,7 +2864,7 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
       const uint16_t* w16 = reinterpret_cast<const uint16_t*>(w);
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t n0 = u * kKqAmxRows, rows = std::min(kKqAmxRows, N - n0);
-        kq_amx_decode<T>(wp + n0 * rb, rb, rows, 0, K, w, K, sp == nullptr ? nullptr : sp + n0 * (K / 32));
+        kq_amx_decode<T>(wp + n0 * rb, rb, rows, K, w, sp == nullptr ? nullptr : sp + n0 * (K / 32));
         for (int64_t mt = 0; mt < MT; mt += 2) {
           const bool two = mt + 1 < MT;
           _tile_zero(4);
@@ -2891,8 +2890,6 @@ bool kquant_amx_supported() {
 #endif
 }
 
-// kquant_linear on AMX tiles for bfloat16 x [M, K]: [M, N] in bfloat16, or float32 with `float_out`
-// (the contract above this section's kernel; needs kquant_amx_supported()).
 #ifdef HELIOS_AMX
 // x [M, K] (bfloat16, contiguous) as the B operand: for column chunk k and row tile t, tile (k MT + t) of
 // 16 pairs x 16 rows (32-bit pairs), zero rows past M; in the calling thread's scratch.
@@ -2914,6 +2911,8 @@ const uint32_t* kq_amx_pack_x(const at::Tensor& xc, int64_t MT) {
 }
 #endif
 
+// kquant_linear on AMX tiles for bfloat16 x [M, K]: [M, N] in bfloat16, or float32 with `float_out`
+// (the contract at the head of this section; needs kquant_amx_supported()).
 at::Tensor kquant_linear_amx(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t N, bool float_out) {
   TORCH_CHECK(kquant_amx_supported(), "kquant_linear_amx: AMX tiles are not built or not permitted");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
