@@ -65,6 +65,21 @@ any batch and on any number of threads. The scalar build (no FMA) rounds each pr
 it. Error: at most (K / 32 + 6) * 2**-24 times the sum of |x * w| over k. bfloat16 activations give a
 bfloat16 result: the float32 sum rounded to nearest even (one more rounding, 2**-8 relative).
 
+Q6_K with bfloat16 activations where the build has AVX512-BF16 (`kquant_bf16_dot_supported`; off with
+`set_kquant_bf16_dot`): the codes q - 32 (exact in bfloat16) are multiplied with x in pairs and each
+16-weight group's scale a = d * sc_j applied once to the pair sums, y = sum over sub-blocks c and lanes
+i of a_c(i) * S[c, i], S[c, i] = x[2i+1] (q - 32)[2i+1] + x[2i] (q - 32)[2i] (positions within the
+sub-block), in float32: S rounded once (both products are exact), then 16 lanes, lane i a chain of
+fused multiply-adds ``A_i = fma(S[c, i], a_c(i), A_i)`` in increasing c, then the tree (l + 8, + 4, + 2,
++ 1); subnormal inputs and results flushed to zero (``vdpbf16ps``'s rule; the kernel sets DAZ/FTZ for
+the rest). One row computes S with ``vdpbf16ps``, more rows with float32 FMAs (the same values), so a
+row's bits are the same alone, in any batch and on any number of threads. Error: at most
+(K / 32 + 10) * 2**-24 times the sum of |x * w| over k (the tests' bound). ``float_out`` returns the
+float32 sums (logits). The other types keep the float32 path above: for them this form gained only at
+one row (Q4_K) or not at all, and lost 10-20% at 2-7 rows (a row costs three operations a sub-block
+here against two); builds without AVX512-BF16 keep it for Q6_K too (their bfloat16 results differ in
+the last float32 bits from this build's).
+
 AMX path (``kquant_linear_amx``, bfloat16 activations only; `kquant.KQuantLinear` uses it for steps of
 `kquant.TILE_ROWS` rows where `kquant_amx_supported`): the weights are rounded to bfloat16 first
 (``kquant_dequantize(..., torch.bfloat16)``'s bits, as the dequantize-then-GEMM path rounds them), the
@@ -179,14 +194,15 @@ KQUANT_LAYOUTS: dict[int, tuple[int, int]] = {6: (32, 22), 7: (32, 24), 8: (32, 
 KQUANT_NAMES: dict[int, str] = {6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 
-def kquant_linear(x: Tensor, blocks: Tensor, ggml_type: int, out_features: int) -> Tensor:
+def kquant_linear(x: Tensor, blocks: Tensor, ggml_type: int, out_features: int, float_out: bool = False) -> Tensor:
     """``x @ W.T`` for ``x`` [M, K] float32 or bfloat16 and ``W`` [out_features, K] held as its GGUF
     blocks of ``ggml_type`` (contiguous uint8, ``out_features * K / per * bytes`` of them, any shape):
-    [M, out_features] in ``x``'s dtype. Each weight is decoded in registers to its exact float32 value
-    (`kquant_dequantize`'s), bfloat16 ``x`` is widened exactly, and the products are summed in float32
-    in a fixed order (the module docstring's numerics contract); bfloat16 results are the float32 sums
+    [M, out_features] in ``x``'s dtype (float32 with ``float_out``). Each weight is decoded in registers
+    to its exact float32 value (`kquant_dequantize`'s), bfloat16 ``x`` is widened exactly (Q6_K on an
+    AVX512-BF16 build: multiplied in pairs with its codes), and the products are summed in float32 in a
+    fixed order (the module docstring's numerics contract); bfloat16 results are the float32 sums
     rounded to nearest even."""
-    out: Tensor = torch.ops.helios.kquant_linear(x, blocks, ggml_type, out_features)
+    out: Tensor = torch.ops.helios.kquant_linear(x, blocks, ggml_type, out_features, float_out)
     return out
 
 
@@ -238,6 +254,19 @@ def set_kquant_amx(on: bool) -> bool:
     serve every step); returns whether it is now active."""
     _state["kquant_amx"] = on and kquant_amx_supported()
     return bool(_state["kquant_amx"])
+
+
+def kquant_bf16_dot_supported() -> bool:
+    """Whether the kernels were built with AVX512-BF16, where `kquant_linear` multiplies bfloat16 ``x``
+    with Q4_K / Q5_K / Q6_K / Q5_0 / Q8_0 blocks by pair dot products (the module docstring's
+    "bfloat16 activations" contract)."""
+    return available() and bool(torch.ops.helios.kquant_bf16_dot_supported())
+
+
+def set_kquant_bf16_dot(on: bool) -> bool:
+    """Turns the pair dot path on (where built) or off (bfloat16 ``x`` then takes the float32 path, widened
+    exactly, as float32 ``x`` does); returns whether it is now on. For measurements and tests."""
+    return available() and bool(torch.ops.helios.set_kquant_bf16_dot(on))
 
 
 def moe_kquant_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Sequence[Tensor], gate_up_type: int,

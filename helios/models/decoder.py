@@ -234,7 +234,9 @@ class FusedDecoderLM(nn.Module):
             head = self._lm_head_blocks
             if tiles_take(hidden):
                 return cpu_kernels.kquant_linear_amx(hidden, head.blocks, head.ggml_type, head.shape[0], float_out=True)
-            return cpu_kernels.kquant_linear(hidden.float().contiguous(), head.blocks, head.ggml_type, head.shape[0])
+            # float32 logits from bfloat16 rows without widening them first (the pair dot path)
+            x = hidden if hidden.dtype in (torch.float32, torch.bfloat16) else hidden.float()
+            return cpu_kernels.kquant_linear(x.contiguous(), head.blocks, head.ggml_type, head.shape[0], float_out=True)
         if self._lm_head_q8 is not None:
             if self._lm_head_q8_bf16 is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] >= Q8_BF16_ROWS:
                 return cpu_kernels.q8_linear_bf16(hidden, *self._lm_head_q8_bf16)

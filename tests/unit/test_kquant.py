@@ -150,9 +150,63 @@ def test_kquant_linear_bfloat16_activations(ggml_type: int, m: int) -> None:
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
     got = cpu_kernels.kquant_linear(x, blocks, ggml_type, out)
     assert got.dtype == torch.bfloat16 and got.shape == (m, out)
-    assert torch.equal(got, cpu_kernels.kquant_linear(x.float(), blocks, ggml_type, out).to(torch.bfloat16))
     want = x.double() @ w.double().t()
-    assert ((got.double() - want).abs() <= error_bound(x, w) * (1 + 2.0**-8) + 2.0**-8 * want.abs()).all()
+    if pair_dot(ggml_type):  # the pair dot path's float32 sums, rounded once
+        sums = cpu_kernels.kquant_linear(x, blocks, ggml_type, out, float_out=True)
+        assert sums.dtype == torch.float32 and torch.equal(got, sums.to(torch.bfloat16))
+        bound = pair_dot_bound(x, blocks.numpy(), ggml_type)
+    else:
+        assert torch.equal(got, cpu_kernels.kquant_linear(x.float(), blocks, ggml_type, out).to(torch.bfloat16))
+        bound = error_bound(x, w)
+    assert ((got.double() - want).abs() <= bound * (1 + 2.0**-8) + 2.0**-8 * want.abs()).all()
+
+
+def pair_dot(ggml_type: int) -> bool:
+    """Whether bfloat16 x against this type takes the pair dot path here."""
+    return cpu_kernels.kquant_bf16_dot_supported() and ggml_type in PAIR_DOT_TYPES
+
+
+def pair_dot_bound(x: torch.Tensor, blocks: np.ndarray, ggml_type: int) -> torch.Tensor:
+    """The pair dot path's float32 error (module docstring): (K / 32 + 10) u times the sum of |x w| per
+    output (the 16 lanes' chains of K / 32 FMAs, the pair sum's rounding and the tree)."""
+    w = torch.from_numpy(gguf_dequantize(blocks, ggml_type)).double()
+    return (x.shape[1] / 32 + 10) * U * (x.double().abs() @ w.abs().t())
+
+
+PAIR_DOT_TYPES = (14,)  # Q6_K; the other types keep the float32 path
+
+
+@pytest.mark.skipif(not cpu_kernels.kquant_bf16_dot_supported(), reason="built without AVX512-BF16")
+@pytest.mark.parametrize("ggml_type", PAIR_DOT_TYPES, ids=[cpu_kernels.KQUANT_NAMES[t] for t in PAIR_DOT_TYPES])
+@pytest.mark.parametrize("full_range", [False, True], ids=["scales_normal", "scales_full_range"])
+def test_the_pair_dot_path_is_within_its_bound_and_the_same_bits_at_any_rows(ggml_type: int,
+                                                                            full_range: bool) -> None:
+    """bfloat16 x by pair dot products (one row: vdpbf16ps; more: the same pair sums on float32 lanes):
+    float32 sums within `pair_dot_bound` of float64, each row the same bits alone, in any batch of 1-11
+    rows, on one thread and in a grouped call; turned off, the float32 path's bits."""
+    out, k = 67, 768
+    blocks = random_blocks(ggml_type, out, k, seed=ggml_type, full_range=full_range)
+    bt = torch.from_numpy(blocks)
+    w = torch.from_numpy(gguf_dequantize(blocks, ggml_type)).double()
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    batch = cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True)
+    assert ((batch.double() - x.double() @ w.t()).abs() <= pair_dot_bound(x, blocks, ggml_type)).all()
+    for i in range(12):
+        assert torch.equal(cpu_kernels.kquant_linear(x[i:i + 1], bt, ggml_type, out, float_out=True), batch[i:i + 1])
+    for m in range(2, 12):
+        assert torch.equal(cpu_kernels.kquant_linear(x[:m], bt, ggml_type, out, float_out=True), batch[:m]), m
+    grouped = cpu_kernels.kquant_linear_grouped(x, [0, 1, 1, 6, 12], [bt] * 4, ggml_type, out)
+    assert torch.equal(grouped, batch.to(torch.bfloat16))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True), batch)
+        assert cpu_kernels.set_kquant_bf16_dot(False) is False
+        assert torch.equal(cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True),
+                           cpu_kernels.kquant_linear(x.float(), bt, ggml_type, out))
+    finally:
+        cpu_kernels.set_kquant_bf16_dot(True)
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
@@ -483,7 +537,13 @@ def test_the_other_instruction_set_builds(arch: str, tmp_path: Path) -> None:
         w = torch.from_numpy(gguf_dequantize(blocks.numpy(), t))
         want, bound = x.double() @ w.double().t(), error_bound(x, w)
         for key in (f"{t}:f32", f"{t}:bf16"):
-            if same_order:
+            if key.endswith("bf16") and pair_dot(t):  # this build's pair dot path: both within their bounds
+                xb = x.to(torch.bfloat16)
+                want_b = xb.double() @ w.double().t()
+                bound_b = torch.maximum(error_bound(xb, w), pair_dot_bound(xb, blocks.numpy(), t))
+                for got in (theirs[key], ours[key]):
+                    assert ((got.double() - want_b).abs() <= bound_b + 2.0**-8 * (want_b.abs() + bound_b)).all(), key
+            elif same_order:
                 assert torch.equal(theirs[key], ours[key]), key
             elif key.endswith("f32"):
                 assert ((theirs[key].double() - want).abs() <= bound).all(), key

@@ -22,7 +22,7 @@
 // helios::moe_kquant_mix(x, weights, ids, gate_up[], gu_type, down[], down_type, max_rows): a mixture-of-experts
 //   layer's routed experts (GGUF blocks) in one operator: grouping by expert, gate/up, SwiGLU, down and
 //   the weighted sum, bit for bit helios.models.moe.expert_mix's result.
-// helios::kquant_linear(x, blocks, ggml_type, out_features), helios::kquant_dequantize(blocks, ggml_type,
+// helios::kquant_linear(x, blocks, ggml_type, out_features, float_out), helios::kquant_dequantize(blocks, ggml_type,
 //   out_features, in_features): a GGUF Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 / Q8_0 weight used from its
 //   blocks; each weight decoded to its exact float32 value (gguf.quants.dequantize's, bit for bit) and
 //   accumulated in float32 in a fixed order (the contract: cpu_kernels.py's docstring).
@@ -2341,6 +2341,269 @@ void kq_grouped_impl(const float* xp, const std::vector<const uint8_t*>& wps, co
   });
 }
 
+// ---- Q6_K times bfloat16 activations by pair dot products (kqb_*) ---------------------------------------
+// Where the build has AVX512-BF16 (and AVX512-BW), bfloat16 x against Q6_K blocks runs without widening x
+// or decoding the weights to float32: each sub-block's 32 codes q - 32 (integers in -32..31, exact in
+// bfloat16) are looked up as bfloat16 words, multiplied with x's 32 values in pairs, and each 16-weight
+// group's scale a (d times its 8-bit scale, exact) is applied once to those pair sums:
+// y = sum_c sum_i a_c(i) S_c,i (w = a (q - 32), gguf's value, exactly). The order (the contract;
+// `kquant_linear`'s docstring), with subnormal inputs and results flushed to zero (vdpbf16ps's rule;
+// MXCSR DAZ/FTZ for the rest):
+//   - S_c,i (lane i = 0..15 of sub-block c) = fl(x_{2i+1} q_{2i+1} + x_{2i} q_{2i}) (both products exact);
+//   - A_i = fma(S_c,i, a_c(i), A_i) over the sub-blocks in order (a_c(i): the scale of lane i's weights);
+//   - y = A_0 + ... + A_15 by the tree that pairs lane l with l + 8, then + 4, + 2, + 1.
+// One activation row computes S with vdpbf16ps; more rows compute the same S as fma(x odd, q odd, x even
+// * q even) on float32 lanes (vdpbf16ps issues at half the rate of an FMA on the machines measured, and
+// each row would pay it): the same bits at any number of rows, tiles and threads. On the machine of
+// 2026-12-05 (1 thread, 1,536 x 8,960 from memory) this took Q6_K from 93-99 to 69-73 ps a weight at one
+// row and 102 to 81 at two, even at 3-5 rows; Q4_K, whose float32 decode is one table lookup, gained only
+// at one row (66 -> 52) and lost 10-20% at 2-7 rows (a row costs three operations a sub-block here
+// against two), so the other types keep the float32 path (`kq_linear_impl`), as do float32 x and builds
+// without AVX512-BF16.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define HELIOS_KQB 1
+std::atomic<bool> g_kqb_on{true};
+
+// bfloat16 words of the integers i - 32 (lo) and i (hi), i = 0..31: the 64-entry table of q - 32.
+struct KqbTabs {
+  alignas(64) uint16_t lo[32], hi[32];
+};
+inline uint16_t kqb_bf16_of_int(int v) {
+  const float f = static_cast<float>(v);  // a small integer: exact in bfloat16
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return static_cast<uint16_t>(b >> 16);
+}
+inline const KqbTabs& kqb_tabs() {
+  static const KqbTabs tabs = [] {
+    KqbTabs t{};
+    for (int i = 0; i < 32; ++i) {
+      t.lo[i] = kqb_bf16_of_int(i - 32);
+      t.hi[i] = kqb_bf16_of_int(i);
+    }
+    return t;
+  }();
+  return tabs;
+}
+
+// The 4 sub-blocks of half g (0, 1) of a Q6_K block as bfloat16 words q - 32, weights in order:
+// sub-block k's codes are the low (k < 2) or high nibbles of ql[64 g + 32 (k % 2) + l] and bits 2k, 2k + 1
+// of qh[32 g + l], moved to bits 4-5 of a 6-bit index into the 64-word table.
+__attribute__((always_inline)) inline void kqb_codes(const uint8_t* blk, int g, __m512i* out, __m512i tlo, __m512i thi) {
+  const __m512i lo4 = _mm512_set1_epi16(0x000F);
+  const uint8_t* ql = blk + 64 * g;
+  const __m512i z0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql)));
+  const __m512i z1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32)));
+  const __m512i zh = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * g)));
+  // ternary logic 0xE4: bits of the first operand where the mask (0x000F) is set, else of the second
+  out[0] = _mm512_permutex2var_epi16(tlo, _mm512_ternarylogic_epi32(z0, _mm512_slli_epi16(zh, 4), lo4, 0xE4), thi);
+  out[1] = _mm512_permutex2var_epi16(tlo, _mm512_ternarylogic_epi32(z1, _mm512_slli_epi16(zh, 2), lo4, 0xE4), thi);
+  out[2] = _mm512_permutex2var_epi16(tlo, _mm512_ternarylogic_epi32(_mm512_srli_epi16(z0, 4), zh, lo4, 0xE4), thi);
+  out[3] = _mm512_permutex2var_epi16(tlo, _mm512_ternarylogic_epi32(_mm512_srli_epi16(z1, 4), _mm512_srli_epi16(zh, 2),
+                                                                   lo4, 0xE4), thi);
+}
+
+// Subnormal inputs and results flushed to zero (MXCSR DAZ and FTZ) while a thread runs kqb_range, as
+// vdpbf16ps treats them, so that its pair sums and the float32 lanes' give the same bits.
+struct KqbFlush {
+  unsigned saved;
+  KqbFlush() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040u); }
+  ~KqbFlush() { _mm_setcsr(saved); }
+};
+
+inline float kqb_tree16(__m512 v) {
+  const __m256 r = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// bfloat16 rows x [M, K] widened to float32 with each 32 columns' even-indexed values first, then the odd
+// ones (the operand of the float32 lanes, for M > 1).
+at::Tensor kqb_widened(const at::Tensor& xb) {
+  const int64_t M = xb.size(0), K = xb.size(1);
+  at::Tensor xf = at::empty({M > 1 ? M : 0, K}, xb.options().dtype(at::kFloat));
+  if (M > 1) {
+    const auto* x = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+    float* out = xf.data_ptr<float>();
+    for (int64_t i = 0; i < M * K / 32; ++i) {
+      const __m512i v = _mm512_loadu_si512(x + 32 * i);
+      _mm512_storeu_si512(out + 32 * i, _mm512_slli_epi32(v, 16));
+      _mm512_storeu_si512(out + 32 * i + 16, _mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    }
+  }
+  return xf;
+}
+
+#ifndef HELIOS_KQB_COLS
+#define HELIOS_KQB_COLS 2
+#endif
+constexpr int kKqbTile = 8;  // activation rows of a tile at most
+constexpr int kKqbCols = HELIOS_KQB_COLS;  // weight rows of a tile for tiles of up to 5 activation rows
+
+// Outputs y[i * N + n + j] for activation rows i < MT (x and xf row stride K) and weight rows n + j, j < NT
+// (w at weight row n).
+template <int MT, int NT>
+void kqb_out(const uint16_t* __restrict__ x, const float* __restrict__ xf, const uint8_t* __restrict__ w,
+             float* __restrict__ y, int64_t n, int64_t K, int64_t N, const KqbTabs& tb) {
+  constexpr int64_t per = KqTraits<kQ6_K>::per, bytes = KqTraits<kQ6_K>::bytes;
+  const int64_t nb = K / per, rb = nb * bytes;
+  const __m512i tlo = _mm512_load_si512(tb.lo), thi = _mm512_load_si512(tb.hi);
+  __m512 acc[NT][MT];
+  _Pragma("GCC unroll 8")
+  for (int j = 0; j < NT; ++j)
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < MT; ++i) acc[j][i] = _mm512_setzero_ps();
+  KqHeader h[NT];
+  for (int64_t b = 0; b < nb; ++b) {
+    _Pragma("GCC unroll 8")
+    for (int j = 0; j < NT; ++j) {
+      if constexpr (kKqAhead > 0) {
+        const char* ahead = reinterpret_cast<const char*>(w + (j + kKqAhead) * rb + b * bytes);
+        for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+      }
+      kq_header<kQ6_K>(w + j * rb + b * bytes, h[j]);
+    }
+    // the scales stay in memory (one load each below), where the compiler would otherwise extract each
+    // from a register (two shuffle-port operations a sub-block): 66 -> 52 ps a weight
+    asm volatile("" : : "r"(h) : "memory");
+    _Pragma("GCC unroll 2")
+    for (int g = 0; g < 2; ++g) {
+      __m512i codes[NT][4];
+      _Pragma("GCC unroll 8")
+      for (int j = 0; j < NT; ++j) kqb_codes(w + j * rb + b * bytes, g, codes[j], tlo, thi);
+      _Pragma("GCC unroll 4")
+      for (int s = 0; s < 4; ++s) {
+        const int c = 4 * g + s;
+        // lanes 0-7 (weights 0-15) take the scale of group 2c, lanes 8-15 that of 2c + 1
+        const __m512i pick = _mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                              2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c);
+        __m512 sc[NT];
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < NT; ++j) sc[j] = _mm512_permutexvar_ps(pick, _mm512_load_ps(h[j].a));
+        if constexpr (MT == 1) {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + b * per + 32 * c);
+          _Pragma("GCC unroll 8")
+          for (int j = 0; j < NT; ++j) {
+            const __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)codes[j][s], xv);
+            acc[j][0] = _mm512_fmadd_ps(d, sc[j], acc[j][0]);
+          }
+        } else {
+          __m512 qe[NT], qo[NT];
+          _Pragma("GCC unroll 8")
+          for (int j = 0; j < NT; ++j) {
+            qe[j] = _mm512_castsi512_ps(_mm512_slli_epi32(codes[j][s], 16));
+            qo[j] = _mm512_castsi512_ps(_mm512_and_si512(codes[j][s], _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+          }
+          _Pragma("GCC unroll 8")
+          for (int i = 0; i < MT; ++i) {
+            const float* xp = xf + i * K + b * per + 32 * c;
+            const __m512 xe = _mm512_loadu_ps(xp), xo = _mm512_loadu_ps(xp + 16);
+            _Pragma("GCC unroll 8")
+            for (int j = 0; j < NT; ++j) {
+              const __m512 d = _mm512_fmadd_ps(xo, qo[j], _mm512_mul_ps(xe, qe[j]));
+              acc[j][i] = _mm512_fmadd_ps(d, sc[j], acc[j][i]);
+            }
+          }
+        }
+      }
+    }
+  }
+  _Pragma("GCC unroll 8")
+  for (int j = 0; j < NT; ++j)
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < MT; ++i) y[i * N + n + j] = kqb_tree16(acc[j][i]);
+}
+
+// Rows [0, MT) against weight rows [n0, n1).
+template <int MT>
+void kqb_rows(const uint16_t* x, const float* xf, const uint8_t* wp, float* y, int64_t n0, int64_t n1, int64_t K,
+              int64_t N, const KqbTabs& tb) {
+  constexpr int NT = MT <= 5 ? kKqbCols : 1;
+  const int64_t rb = K / KqTraits<kQ6_K>::per * KqTraits<kQ6_K>::bytes;
+  int64_t n = n0;
+  for (; n + NT <= n1; n += NT) kqb_out<MT, NT>(x, xf, wp + n * rb, y, n, K, N, tb);
+  if constexpr (NT > 1) {
+    for (; n < n1; ++n) kqb_out<MT, 1>(x, xf, wp + n * rb, y, n, K, N, tb);
+  }
+}
+
+template <int MT>
+void kqb_tail(int64_t M, const uint16_t* x, const float* xf, const uint8_t* wp, float* y, int64_t n0, int64_t n1,
+              int64_t K, int64_t N, const KqbTabs& tb) {
+  if constexpr (MT > 0) {
+    if (M == MT) kqb_rows<MT>(x, xf, wp, y, n0, n1, K, N, tb);
+    else kqb_tail<MT - 1>(M, x, xf, wp, y, n0, n1, K, N, tb);
+  }
+}
+
+// Every activation row against weight rows [n0, n1), kKqRowBlock weight rows at a time (tiles of up to
+// kKqbTile activation rows each pass over them while they are in cache).
+void kqb_range(const uint16_t* x, const float* xf, const uint8_t* wp, float* y, int64_t M, int64_t K, int64_t N,
+               int64_t n0, int64_t n1) {
+  const KqbFlush flush;
+  const KqbTabs& tb = kqb_tabs();
+  for (int64_t r0 = n0; r0 < n1; r0 += kKqRowBlock) {
+    const int64_t r1 = std::min(n1, r0 + kKqRowBlock);
+    for (int64_t m0 = 0; m0 < M; m0 += kKqbTile)
+      kqb_tail<kKqbTile>(std::min<int64_t>(kKqbTile, M - m0), x + m0 * K, xf == nullptr ? nullptr : xf + m0 * K, wp,
+                         y + m0 * N, r0, r1, K, N, tb);
+  }
+}
+
+// kq_grouped_impl's units (one group: kq_linear_impl's split) with kqb_range: x [R, K] bfloat16, xf its
+// kqb_widened rows (R > 1), groups [off[g], off[g + 1]) against wps[g].
+void kqb_grouped(const at::Tensor& xb, const at::Tensor& xf, const std::vector<const uint8_t*>& wps,
+                 const std::vector<int64_t>& off, float* y, int64_t K, int64_t N) {
+  const auto* x = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const float* xfp = xf.numel() > 0 ? xf.data_ptr<float>() : nullptr;
+  const int64_t grain = kq_grain(K);
+  std::vector<std::array<int64_t, 3>> units;
+  for (size_t g = 0; g + 1 < off.size(); ++g) {
+    if (off[g + 1] == off[g]) continue;
+    for (int64_t n0 = 0; n0 < N; n0 += grain) units.push_back({static_cast<int64_t>(g), n0, std::min(N, n0 + grain)});
+  }
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const auto [g, n0, n1] = units[u];
+      kqb_range(x + off[g] * K, xfp == nullptr ? nullptr : xfp + off[g] * K, wps[g], y + off[g] * N,
+                off[g + 1] - off[g], K, N, n0, n1);
+    }
+  });
+}
+#endif  // AVX512-BF16
+
+// Whether bfloat16 x against `type` takes the pair dot path.
+inline bool kqb_applies(const at::Tensor& x, int64_t type) {
+#if defined(HELIOS_KQB)
+  return x.scalar_type() == at::kBFloat16 && type == kQ6_K && g_kqb_on.load(std::memory_order_relaxed);
+#else
+  (void)x;
+  (void)type;
+  return false;
+#endif
+}
+
+bool kquant_bf16_dot_supported() {
+#if defined(HELIOS_KQB)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Turns the pair dot path on or off (the float32 path then serves bfloat16 x too); returns whether it is on.
+bool set_kquant_bf16_dot(bool on) {
+#if defined(HELIOS_KQB)
+  g_kqb_on.store(on);
+  return on;
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 // 32 weights as bfloat16, each float32 value rounded to nearest even (torch's `.to(torch.bfloat16)`
 // of a finite float; every dequantized weight is finite).
 inline void kq_store_bf16(const Kq32& w, at::BFloat16* out) {
@@ -2419,11 +2682,19 @@ at::Tensor kq_activations(const at::Tensor& x, int64_t type) {
   return xl;
 }
 
-at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t N) {
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t N, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "kquant_linear: x is a 2-d float32 or bfloat16 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1);
   kq_check_blocks(blocks, type, N, K, "kquant_linear");
+#if defined(HELIOS_KQB)
+  if (kqb_applies(x, type)) {
+    const at::Tensor xb = x.contiguous();
+    at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+    if (M > 0 && N > 0) kqb_grouped(xb, kqb_widened(xb), {blocks.data_ptr<uint8_t>()}, {0, M}, y.data_ptr<float>(), K, N);
+    return float_out ? y : y.to(at::kBFloat16);
+  }
+#endif
   const at::Tensor xf = kq_activations(x, type);
   at::Tensor y = at::empty({M, N}, xf.options());
   if (M > 0 && N > 0) {
@@ -2432,7 +2703,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
     float* yp = y.data_ptr<float>();
     kq_dispatch(type, [&](auto t) { kq_linear_impl<decltype(t)::value>(xp, wp, yp, M, K, N); });
   }
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return x.scalar_type() == at::kFloat || float_out ? y : y.to(x.scalar_type());
 }
 
 // kquant_linear for groups of rows with a weight each: x [R, K] (rows of group g: [offsets[g],
@@ -2451,6 +2722,14 @@ at::Tensor kquant_linear_grouped(const at::Tensor& x, at::IntArrayRef offsets, a
     kq_check_blocks(blocks[g], type, N, K, "kquant_linear_grouped");
     wps.push_back(blocks[g].data_ptr<uint8_t>());
   }
+#if defined(HELIOS_KQB)
+  if (kqb_applies(x, type)) {
+    const at::Tensor xb = x.contiguous();
+    at::Tensor y = at::empty({R, N}, x.options().dtype(at::kFloat));
+    if (R > 0 && N > 0) kqb_grouped(xb, kqb_widened(xb), wps, off, y.data_ptr<float>(), K, N);
+    return y.to(at::kBFloat16);
+  }
+#endif
   const at::Tensor xf = kq_activations(x, type);
   at::Tensor y = at::empty({R, N}, xf.options());
   if (R > 0 && N > 0) {
@@ -2518,11 +2797,23 @@ at::Tensor moe_kquant_mix(const at::Tensor& x, const at::Tensor& weights, const 
     std::vector<int64_t> next(off.begin(), off.end() - 1);
     for (int64_t i = 0; i < R; ++i) order[next[idp[i]]++] = i;
   }
-  // the gathered rows, float32 in gu_type's lane order
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor xc = x.contiguous();
-  at::Tensor rows = at::empty({R, H}, x.options().dtype(at::kFloat));
+  at::Tensor gu = at::empty({R, I2}, x.options().dtype(at::kFloat));
+#if defined(HELIOS_KQB)
+  // bfloat16 rows against Q6_K: the rows gathered as they are, then kqb_grouped (kquant_linear_grouped's
+  // path for them)
+  if (kqb_applies(x, gu_type)) {
+    at::Tensor rows = at::empty({R, H}, x.options());
+    const at::BFloat16* src = xc.data_ptr<at::BFloat16>();
+    at::BFloat16* dst = rows.data_ptr<at::BFloat16>();
+    for (int64_t p = 0; p < R; ++p) std::memcpy(dst + p * H, src + (order[p] / k) * H, H * sizeof(at::BFloat16));
+    kqb_grouped(rows, kqb_widened(rows), gps, off, gu.data_ptr<float>(), H, I2);
+  } else
+#endif
   {
+    // 2. gate/up over the gathered rows, float32 in gu_type's lane order
+    at::Tensor rows = at::empty({R, H}, x.options().dtype(at::kFloat));
     int perm[32];
     const bool lanes = gu_type == kQ4_K || gu_type == kQ5_0;
     for (int L = 0; L < 32; ++L) perm[L] = lanes ? kq_lane_weight(gu_type, L) : L;
@@ -2540,10 +2831,6 @@ at::Tensor moe_kquant_mix(const at::Tensor& x, const at::Tensor& weights, const 
           for (int L = 0; L < 32; ++L) dst[c + L] = src[c + perm[L]];
       }
     }
-  }
-  // 2. gate/up
-  at::Tensor gu = at::empty({R, I2}, rows.options());
-  {
     const float* xp = rows.data_ptr<float>();
     float* yp = gu.data_ptr<float>();
     kq_dispatch(gu_type, [&](auto t) { kq_grouped_impl<decltype(t)::value>(xp, gps, off, yp, H, I2); });
@@ -2551,9 +2838,15 @@ at::Tensor moe_kquant_mix(const at::Tensor& x, const at::Tensor& weights, const 
   if (bf16) gu = gu.to(at::kBFloat16);
   // 3. SwiGLU, 4. down
   const at::Tensor act = at::mul(at::silu(gu.narrow(1, 0, I)), gu.narrow(1, I, I));
-  const at::Tensor hf = kq_activations(act, down_type);
-  at::Tensor mixed = at::empty({R, H}, rows.options());
+  at::Tensor mixed = at::empty({R, H}, x.options().dtype(at::kFloat));
+#if defined(HELIOS_KQB)
+  if (kqb_applies(act, down_type)) {
+    const at::Tensor ac = act.contiguous();
+    kqb_grouped(ac, kqb_widened(ac), dps, off, mixed.data_ptr<float>(), I, H);
+  } else
+#endif
   {
+    const at::Tensor hf = kq_activations(act, down_type);
     const float* xp = hf.data_ptr<float>();
     float* yp = mixed.data_ptr<float>();
     kq_dispatch(down_type, [&](auto t) { kq_grouped_impl<decltype(t)::value>(xp, dps, off, yp, I, H); });
@@ -3052,11 +3345,13 @@ TORCH_LIBRARY(helios, m) {
   m.def("write_paged_decode_int8(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) k_scale, "
         "Tensor(c!) v_cache, Tensor(d!) v_scale, Tensor slot_mapping, Tensor block_table, Tensor rows, Tensor lens, "
         "int page_size, float scale) -> Tensor");
-  m.def("kquant_linear(Tensor x, Tensor blocks, int ggml_type, int out_features) -> Tensor");
+  m.def("kquant_linear(Tensor x, Tensor blocks, int ggml_type, int out_features, bool float_out=False) -> Tensor");
   m.def("kquant_dequantize(Tensor blocks, int ggml_type, int out_features, int in_features, bool bf16=False) -> Tensor");
   m.def("kquant_linear_grouped(Tensor x, int[] offsets, Tensor[] blocks, int ggml_type, int out_features) -> Tensor");
   m.def("kquant_linear_amx(Tensor x, Tensor blocks, int ggml_type, int out_features, bool float_out=False) -> Tensor");
   m.def("kquant_amx_supported() -> bool");
+  m.def("kquant_bf16_dot_supported() -> bool");
+  m.def("set_kquant_bf16_dot(bool on) -> bool");
   m.def("q8_linear_amx(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("moe_kquant_mix(Tensor x, Tensor weights, Tensor ids, Tensor[] gate_up, int gu_type, Tensor[] down, "
         "int down_type, int max_rows) -> Tensor");
@@ -3069,6 +3364,8 @@ TORCH_LIBRARY_FRAGMENT(helios, m) {
   m.impl("set_prefill_amx", &set_prefill_amx);
   m.impl("amx_permitted", &amx_permitted);
   m.impl("kquant_amx_supported", &kquant_amx_supported);
+  m.impl("kquant_bf16_dot_supported", &kquant_bf16_dot_supported);
+  m.impl("set_kquant_bf16_dot", &set_kquant_bf16_dot);
 }
 
 TORCH_LIBRARY_IMPL(helios, CPU, m) {
