@@ -26,6 +26,7 @@ from helios.engine.dp import DataParallelEngine, RankEngine
 from helios.engine.kv.layout import CacheLayout, step_tokens
 from helios.engine.speculative import SpeculativeConfig
 from helios.engine.tp import TensorParallelLeader, WorkerSetup, serve_worker
+from helios.models import packing
 from helios.models.interface import CausalLM
 from helios.models.quant import WeightFormat
 from helios.models.tp import TP_ARCHITECTURES, ParallelContext
@@ -518,13 +519,16 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
                     log.info("packed weights cached in %s", stored)
     finally:
         torch.set_num_threads(threads)
-    if ckpt.release_pages is not None:
-        ckpt.release_pages()  # the file's pages the build copied (those still in use fault back in)
     model.eval()
     log.info("kept: %s", kept_weights(model))
     if device == "cpu":
         packed = model.pack_cpu_weights()
         log.info("CPU-packed weights (oneDNN GEMMs, bfloat16 Q8_0 head): %d tensors", packed)
+        moved = packing.blocks_into_huge_pages(model)
+        if moved:
+            log.info("GGUF blocks on transparent huge pages: %.1f MiB", moved / 2**20)
+    if ckpt.release_pages is not None:
+        ckpt.release_pages()  # the file's pages the build copied (those still in use fault back in)
     if device == "cpu" and not q8_head:
         log.info("logits: %s output projection (Helios's CPU kernels: %s)", model.head_format,
                  cpu_kernels.unavailable_reason())

@@ -10,9 +10,12 @@ architecture math.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
+import attrs
 import torch
 from torch import Tensor, nn
 
@@ -180,3 +183,64 @@ def fused_onednn_layer(mods: Sequence[nn.Module], input_norm: Tensor,
     layer = cpu_kernels.FusedLayer(input_norm, post_attention_norm, tuple(cast(Tensor, p) for p in packed), 0)
     above = max(0 if isinstance(m, DenseLinear) else int(cast(Int4Linear | Int8Linear, m).dense_above) for m in mods)
     return layer, above
+
+
+HUGE_PAGE = 2 << 20  # bytes: an x86-64 transparent huge page
+Q8_HEAD = "_lm_head_q8"  # a decoder's Q8_0 output projection kept as (codes, scales) (`q8_codes`)
+
+
+def blocks_into_huge_pages(model: object) -> int:
+    """Every GGUF block tensor of a loaded CPU model (each `KQuantLinear` segment; a block embedding or
+    head held as `BlockQuantized`; a Q8_0 head's codes and scales, ``Q8_HEAD``) copied into one anonymous mapping advised for transparent huge pages
+    (``MADV_HUGEPAGE``), 64-byte aligned, each module then reading its copy. A decode step streams every
+    weight once: on 4 KiB pages each page is a TLB miss and the hardware prefetchers stop at its edge,
+    and Qwen2.5-Coder-1.5B's one-row step took 79.0-80.4 ms against 69.4 ms with its blocks on 2 MiB
+    pages (2026-12-05, this AMX machine, 2 threads). Returns the bytes moved (0 where the platform has
+    no ``MADV_HUGEPAGE`` or the model has no blocks). The originals are left to their owners (file
+    pages to the checkpoint's `release_pages`, cache reads to the allocator)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    params: list[nn.Parameter] = []
+    kept: list[tuple[nn.Module, str, BlockQuantized]] = []
+    codes: list[tuple[nn.Module, str, tuple[Tensor, ...]]] = []
+    seen: set[int] = set()
+    for module in model.modules() if isinstance(model, nn.Module) else ():
+        if isinstance(module, KQuantLinear):
+            for p in module.blocks:
+                if p.device.type == "cpu" and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        for name, value in vars(module).items():
+            if isinstance(value, BlockQuantized) and value.blocks.device.type == "cpu":
+                kept.append((module, name, value))
+            elif name == Q8_HEAD and isinstance(value, tuple) and all(
+                    isinstance(v, Tensor) and v.device.type == "cpu" for v in value):
+                codes.append((module, name, value))
+    tensors: dict[int, Tensor] = {id(p): p.detach() for p in params}
+    for _, _, value in kept:
+        tensors.setdefault(id(value.blocks), value.blocks)
+    for _, _, pair in codes:
+        for v in pair:
+            tensors.setdefault(id(v), v)
+    total = sum((t.numel() * t.element_size() + 63) // 64 * 64 for t in tensors.values())
+    if advice is None or total == 0:
+        return 0
+    arena = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(arena, dtype=torch.uint8)  # keeps the mapping alive with its views
+    start = -whole.data_ptr() % HUGE_PAGE  # huge pages back 2 MiB-aligned ranges
+    with contextlib.suppress(OSError, ValueError):
+        arena.madvise(advice, start, len(arena) - start)
+    copies: dict[int, Tensor] = {}
+    offset = start
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        copy = whole[offset:offset + nbytes].view(t.dtype).view(t.shape)
+        copy.copy_(t)
+        copies[key] = copy
+        offset += (nbytes + 63) // 64 * 64
+    for p in params:
+        p.data = copies[id(p)]
+    for module, name, value in kept:
+        setattr(module, name, attrs.evolve(value, blocks=copies[id(value.blocks)]))
+    for module, name, pair in codes:
+        setattr(module, name, tuple(copies[id(v)] for v in pair))
+    return total

@@ -24,7 +24,7 @@ import torch
 from helios.loaders.checkpoint import load_checkpoint
 from helios.loaders.gguf_loader import GGUFFile, unpermute_rotary_rows
 from helios.loaders.weight_cache import PackedWeightCache
-from helios.models import cpu_kernels
+from helios.models import cpu_kernels, packing
 from helios.models.architecture import BuildOptions
 from helios.models.dense_attention import DenseAttention
 from helios.models.kquant import BlockQuantized, KQuantLinear
@@ -263,3 +263,52 @@ def test_llama_rows_of_blocks_are_unpermuted(tmp_path: Path) -> None:
     raw = torch.from_numpy(file.read_tensor("blk.0.attn_q.weight"))
     assert torch.equal(source.dequantize(), dense)
     assert torch.equal(dense, unpermute_rotary_rows(raw, HEADS))
+
+
+def _mapping_flags(address: int) -> set[str]:
+    """The VmFlags of this process's mapping that holds ``address`` (Linux /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return set(line.split()[1:])
+    return set()
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not hasattr(__import__("mmap"), "MADV_HUGEPAGE"),
+                    reason="no /proc/self/smaps or MADV_HUGEPAGE here (not Linux)")
+@pytest.mark.parametrize("variant", ["qwen2-tied-q6_k", "qwen2-q5_0-embed-q8_0-head"])
+def test_blocks_move_into_one_huge_page_arena_with_the_same_logits(tmp_path: Path, variant: str) -> None:
+    """`packing.blocks_into_huge_pages`: every block tensor (projection segments, the block embedding
+    and head, a Q8_0 head's codes and scales) copied into one mapping advised for huge pages (its
+    VmFlags carry ``hg``), 64-byte aligned, the tied embedding and head still one tensor, the
+    projections' parameters the same objects, and the logits the same bits."""
+    arch, embed, output = VARIANTS[variant]
+    path = write_kquant_gguf(tmp_path / "tiny.gguf", arch=arch, embed=embed, output=output)
+    model = blocks_model(path, torch.bfloat16)
+    model.pack_cpu_weights()
+    want = logits(model, PROMPT)
+    params = [p for m in model.modules() if isinstance(m, KQuantLinear) for p in m.blocks]
+    ids = [id(p) for p in params]
+    moved = packing.blocks_into_huge_pages(model)
+    assert [id(p) for m in model.modules() if isinstance(m, KQuantLinear) for p in m.blocks] == ids
+    tensors = [p.detach() for p in params]
+    if model._embed_blocks is not None:
+        tensors.append(model._embed_blocks.blocks)
+    if model._lm_head_blocks is not None:
+        tensors.append(model._lm_head_blocks.blocks)
+    if output is None:
+        assert model._lm_head_blocks is not None and model._embed_blocks is not None
+        assert model._lm_head_blocks.blocks.data_ptr() == model._embed_blocks.blocks.data_ptr()
+    if model._lm_head_q8 is not None:
+        tensors.extend(model._lm_head_q8)
+    distinct = {t.data_ptr(): t for t in tensors}
+    assert moved == sum((t.numel() * t.element_size() + 63) // 64 * 64 for t in distinct.values())
+    lo = min(distinct)
+    assert all(p % 64 == 0 for p in distinct) and max(p + t.numel() * t.element_size()
+                                                      for p, t in distinct.items()) - lo <= moved
+    assert "hg" in _mapping_flags(lo)
+    assert torch.equal(logits(model, PROMPT), want)
