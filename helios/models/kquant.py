@@ -116,11 +116,23 @@ def concat_rows(parts: Sequence[BlockQuantized]) -> list[BlockQuantized]:
 # rows keep the exact kernel: a single stream's decode and its speculative verification (at most 1 +
 # the default depth 4 rows) give the same bits with and without speculation.
 TILE_ROWS = (8, 128)
+# Past TILE_ROWS[1], up to TILE_LARGE_ROWS rows (a batch of prompts, a prefill chunk), the tiles still win
+# for projections of at least TILE_LARGE_WEIGHTS weights, whose dense copy (2 bytes a weight, written
+# out and read back per call) outgrows the caches: 2 threads, `scripts/bench_kquant_tiles.py --threads 2
+# --rows 224 512` (2026-12-05): Q4_K 17,920 x 1,536 (27.5M weights) tiles 10.4-16.1 ms against
+# 20.8-25.8 at 224 rows, 25.6 against 29.7 at 512; the smaller ones lose there (224 rows: Q4_K
+# 2,048 x 1,536 1.6 against 1.0 ms, Q6_K 1,536 x 8,960 7.0 against 4.8, Q4_K 9,728 x 896 (8.7M)
+# 2.5 against 1.7).
+TILE_LARGE_ROWS = 512
+TILE_LARGE_WEIGHTS = 16_000_000
 
 
-def tiles_take(x: Tensor) -> bool:
-    """Whether a step of ``x`` (a bfloat16 [rows, in] CPU tensor) goes to `kquant_linear_amx`."""
-    return (x.dtype == torch.bfloat16 and TILE_ROWS[0] <= x.shape[0] <= TILE_ROWS[1]
+def tiles_take(x: Tensor, weights: int = 0) -> bool:
+    """Whether a step of ``x`` (a bfloat16 [rows, in] CPU tensor) times a weight of ``weights``
+    elements goes to `kquant_linear_amx`."""
+    rows = x.shape[0]
+    return (x.dtype == torch.bfloat16 and TILE_ROWS[0] <= rows
+            and (rows <= TILE_ROWS[1] or (rows <= TILE_LARGE_ROWS and weights >= TILE_LARGE_WEIGHTS))
             and cpu_kernels.kquant_amx_active())
 
 
@@ -168,7 +180,7 @@ class KQuantLinear(nn.Module):
         if (self.dense is not None or self.onednn is not None) and rows > self.dense_above:
             return dense_matmul(x, self.dense, self.onednn)
         kernels = cpu_kernels.available() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-        if kernels and self.tiles and tiles_take(x):
+        if kernels and self.tiles and tiles_take(x, self.out_features * self.in_features):
             outs = [cpu_kernels.kquant_linear_amx(x, b, t, o) for b, t, o in zip(self.blocks, self.types, self.outs,
                                                                                  strict=True)]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -204,7 +216,8 @@ def grouped_linear(modules: Sequence[object], sizes: Sequence[int], x: Tensor) -
             return None
         if (m.dense is not None or m.onednn is not None) and size > m.dense_above:
             return None
-        if (m.unpack_above is not None and size > m.unpack_above) or (m.tiles and tiles_take(x[:size])):
+        if (m.unpack_above is not None and size > m.unpack_above) or (
+                m.tiles and tiles_take(x[:size], m.out_features * m.in_features)):
             return None
         mods.append(m)
     offsets = [0]
