@@ -159,13 +159,14 @@ def test_paged_decode_against_float64(dtype: torch.dtype, lens: list[int]) -> No
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
                          [(4, 4, 64), (8, 2, 64), (12, 2, 64), (6, 2, 128), (8, 2, 128), (16, 2, 64), (8, 1, 128),
-                          (8, 1, 256), (32, 1, 576)],
+                          (8, 1, 256), (32, 1, 576), (14, 2, 64), (12, 2, 128), (18, 2, 64)],
                          ids=str)
 def test_paged_decode_shapes_against_float64(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
     """Query groups of 1-8 heads and head sizes 64 and 128: the weighted sum of V is specialised for
     the (group, head size) pairs whose accumulators fit in registers, generic for the others; many
-    queries of a wide head (latent attention's absorbed decode: 32 heads on one 576-wide row) take
-    the register tiles."""
+    queries of a wide head (latent attention's absorbed decode: 32 heads on one 576-wide row) and
+    groups of more than 6 queries or 8 vectors (Qwen2.5-0.5B's 7 x 64, Qwen2.5-1.5B's 6 x 128, 9 x 64:
+    tiles of 4 queries and a partial one) take the register tiles."""
     case = _paged_case([7, 300, 1], dtype, kv_heads=kv_heads, heads=heads, head_dim=head_dim, seed=heads + head_dim)
     got = cpu_kernels.paged_decode(case["q"], case["k"], case["v"], case["table"], case["rows"], case["lens"],
                                    int(case["page_size"]), head_dim ** -0.5)

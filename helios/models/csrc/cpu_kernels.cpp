@@ -396,22 +396,16 @@ inline __m512 reduce16_max(const __m512* d) {
 // in memory, a load-FMA-store chain per position that made this loop the kernel's bottleneck).
 // out[g] = sum_j scores[g * kChunk + j] * V[position start + j], float32.
 template <typename T>
-using PvFn = void (*)(const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, int64_t,
-                      float*);
+using PvFn = void (*)(const T*, const int64_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*);
 
 template <typename T, int G, int NV>
-void pv_fixed(const T* __restrict__ vp, const int64_t* __restrict__ page_row, int64_t base, int64_t start, int64_t n,
-              int64_t page_size, int64_t dh, const float* __restrict__ scores, int64_t row_bytes,
-              float* __restrict__ out) {
+void pv_fixed(const T* __restrict__ vp, const int64_t* __restrict__ sl, int64_t base, int64_t n, int64_t dh,
+              const float* __restrict__ scores, int64_t row_bytes, float* __restrict__ out) {
   vec acc[G * NV];
   for (int i = 0; i < G * NV; ++i) acc[i] = vzero();
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t pos = start + j;
-    const T* __restrict__ vr = vp + (base + page_row[pos / page_size] * page_size + pos % page_size) * dh;
-    if (j + kPrefetchAhead < n) {
-      const int64_t ahead = pos + kPrefetchAhead;
-      prefetch_row(vp + (base + page_row[ahead / page_size] * page_size + ahead % page_size) * dh, row_bytes);
-    }
+    const T* __restrict__ vr = vp + (base + sl[j]) * dh;
+    if (j + kPrefetchAhead < n) prefetch_row(vp + (base + sl[j + kPrefetchAhead]) * dh, row_bytes);
     vec vx[NV];
     for (int e = 0; e < NV; ++e) vx[e] = vload(vr + e * W);
     for (int g = 0; g < G; ++g) {
@@ -448,6 +442,27 @@ PvFn<T> pv_for(int64_t G, int64_t NV) {
 // The register tile of paged_decode's weighted sum for many queries per kv head.
 constexpr int64_t kPvTileQueries = 4;
 constexpr int64_t kPvTileVectors = 4;
+
+// One tile: out[g * dh + e * W] (g < GQ, e < kPvTileVectors) = sum_j scores[g * kChunk + j] *
+// V[position start + j][e0 * W + e * W ..], each a chain over j in order.
+template <typename T, int GQ>
+void pv_tile(const T* __restrict__ vp, const int64_t* __restrict__ sl, int64_t base, int64_t n, int64_t dh, int64_t e0,
+             const float* __restrict__ scores, float* __restrict__ out) {
+  vec a[GQ][kPvTileVectors];
+  for (int g = 0; g < GQ; ++g)
+    for (int e = 0; e < kPvTileVectors; ++e) a[g][e] = vzero();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* __restrict__ vr = vp + (base + sl[j]) * dh + e0 * W;
+    vec w[GQ];
+    for (int g = 0; g < GQ; ++g) w[g] = vset1(scores[g * kChunk + j]);
+    for (int e = 0; e < kPvTileVectors; ++e) {
+      const vec vx = vload(vr + e * W);
+      for (int g = 0; g < GQ; ++g) a[g][e] = vfma(w[g], vx, a[g][e]);
+    }
+  }
+  for (int g = 0; g < GQ; ++g)
+    for (int e = 0; e < kPvTileVectors; ++e) vstore(out + g * dh + e * W, a[g][e]);
+}
 
 // T: the query's and the output's dtype; C: the caches' (T, or int8_t: codes with one bfloat16 scale per
 // (kv head, slot) row in ksp / vsp, [KV, S]). An int8 K row is dequantized as it is widened (code *
@@ -495,6 +510,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     std::vector<vec> qv(G * NV), acc(G * NV), dots(G);
     std::vector<float> scores(G * kChunk), kblock(16 * dh), vsc(kQuant ? kChunk : 0);
+    std::vector<int64_t> slotv(kChunk);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t c = item % chunks, kv = (item / chunks) % KV, d = item / (chunks * KV);
       const int64_t len = lp[d], start = c * kChunk, end = std::min(len, start + kChunk);
@@ -512,15 +528,26 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       }
       const int64_t* page_row = tp + rp[d] * P;
       const int64_t n = end - start;
+      {  // each position's slot, walking the pages (no division per position)
+        int64_t pg = start / page_size, off = start % page_size;
+        for (int64_t j = 0; j < n; ++j) {
+          slotv[j] = page_row[pg] * page_size + off;
+          if (++off == page_size) {
+            off = 0;
+            ++pg;
+          }
+        }
+      }
+      const int64_t* sl = slotv.data();
       if constexpr (kQuant) {
         for (int64_t p = 0; p < n; ++p) {
           const int64_t pos = start + p;
-          vsc[p] = to_float(vsp[kv * S + page_row[pos / page_size] * page_size + pos % page_size]);
+          vsc[p] = to_float(vsp[kv * S + sl[pos - start]]);
         }
       }
       for (int64_t p = 0; p < std::min<int64_t>(n, kKAhead); ++p) {
         const int64_t pos = start + p;
-        prefetch_row(kp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh, row_bytes);
+        prefetch_row(kp + (kv * S + sl[pos - start]) * dh, row_bytes);
       }
       int64_t j = 0;
 #if defined(__AVX512F__)
@@ -536,12 +563,12 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
             const C* rows16[16];
             for (int64_t p = 0; p < 16; ++p) {
               const int64_t pos = start + j + p;
-              const int64_t slot = kv * S + page_row[pos / page_size] * page_size + pos % page_size;
+              const int64_t slot = kv * S + sl[pos - start];
               rows16[p] = kp + slot * dh;
               prefetch_row(vp + slot * dh, row_bytes);  // for the weighted sum below
               if (j + kKAhead + p < n) {
                 const int64_t ahead = pos + kKAhead;
-                prefetch_row(kp + (kv * S + page_row[ahead / page_size] * page_size + ahead % page_size) * dh,
+                prefetch_row(kp + (kv * S + sl[ahead - start]) * dh,
                              row_bytes);
               }
             }
@@ -565,12 +592,12 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
 #endif
         for (int64_t p = 0; p < 16; ++p) {
           const int64_t pos = start + j + p;
-          const int64_t slot = kv * S + page_row[pos / page_size] * page_size + pos % page_size;
+          const int64_t slot = kv * S + sl[pos - start];
           const C* __restrict__ kr = kp + slot * dh;
           prefetch_row(vp + slot * dh, row_bytes);
           if (j + kKAhead + p < n) {
             const int64_t ahead = pos + kKAhead;
-            prefetch_row(kp + (kv * S + page_row[ahead / page_size] * page_size + ahead % page_size) * dh, row_bytes);
+            prefetch_row(kp + (kv * S + sl[ahead - start]) * dh, row_bytes);
           }
           if constexpr (kQuant) {
             const vec ks = vset1(to_float(ksp[slot]));
@@ -592,7 +619,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
 #endif
       for (; j < n; ++j) {
         const int64_t pos = start + j;
-        const int64_t slot = kv * S + page_row[pos / page_size] * page_size + pos % page_size;
+        const int64_t slot = kv * S + sl[pos - start];
         const C* __restrict__ kr = kp + slot * dh;
         const vec ks = vset1(kQuant ? to_float(ksp[slot]) : 1.f);
         for (int64_t g = 0; g < G; ++g) dots[g] = vzero();
@@ -605,7 +632,17 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       for (int64_t g = 0; g < G; ++g) {
         float* sc = scores.data() + g * kChunk;
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, sc[j]);
+        {  // the maximum W lanes at a time (a scalar chain of maxima was a quarter of a short history's time)
+          int64_t j = 0;
+          if (n >= W) {
+            vec lanes = vload(sc);
+            for (j = W; j + W <= n; j += W) lanes = vmax(lanes, vload(sc + j));
+            alignas(64) float part[W];
+            vstore(part, lanes);
+            for (int64_t l = 0; l < W; ++l) m = std::max(m, part[l]);
+          }
+          for (; j < n; ++j) m = std::max(m, sc[j]);
+        }
         const vec mv = vset1(m);
         vec total = vzero();
         int64_t j = 0;
@@ -623,32 +660,27 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         }
       }
       if (pv != nullptr) {
-        pv(vp, page_row, kv * S, start, n, page_size, dh, scores.data(), row_bytes, out_acc);
+        pv(vp, sl, kv * S, n, dh, scores.data(), row_bytes, out_acc);
         continue;
       }
-      if (G * NV > kPvTileQueries * kPvTileVectors && G % kPvTileQueries == 0 && NV % kPvTileVectors == 0) {
+      if (G * NV > kPvTileQueries * kPvTileVectors && NV % kPvTileVectors == 0) {
         // Many queries per kv head (latent attention's absorbed decode: every head shares the one
-        // row): G * NV accumulators would not stay in registers, so the weighted sum runs in tiles of
-        // kPvTileQueries queries x kPvTileVectors vectors held in registers, each tile over all n
-        // positions (the same sums in the same order as the loop below, so the same values).
+        // row; Qwen2.5's 6 or 7): G * NV accumulators would not stay in registers, so the weighted sum
+        // runs in tiles of up to kPvTileQueries queries x kPvTileVectors vectors held in registers,
+        // each tile over all n positions (the same sums in the same order as the loop below, so the
+        // same values). Without it a group of 7 queries ran the loop below, its accumulators in
+        // memory: 8 rows x 100 positions of Qwen2.5-0.5B's heads took 104 us a layer.
         for (int64_t g0 = 0; g0 < G; g0 += kPvTileQueries) {
           for (int64_t e0 = 0; e0 < NV; e0 += kPvTileVectors) {
-            vec a[kPvTileQueries][kPvTileVectors];
-            for (int64_t g = 0; g < kPvTileQueries; ++g)
-              for (int64_t e = 0; e < kPvTileVectors; ++e) a[g][e] = vzero();
-            for (int64_t j = 0; j < n; ++j) {
-              const int64_t pos = start + j;
-              const C* __restrict__ vr =
-                  vp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh + e0 * W;
-              vec w[kPvTileQueries];
-              for (int64_t g = 0; g < kPvTileQueries; ++g) w[g] = vset1(scores[(g0 + g) * kChunk + j]);
-              for (int64_t e = 0; e < kPvTileVectors; ++e) {
-                const vec vx = vload(vr + e * W);
-                for (int64_t g = 0; g < kPvTileQueries; ++g) a[g][e] = vfma(w[g], vx, a[g][e]);
-              }
+            const float* sc = scores.data() + g0 * kChunk;
+            float* dst = out_acc + g0 * dh + e0 * W;
+            const int64_t base = kv * S;
+            switch (std::min<int64_t>(kPvTileQueries, G - g0)) {
+              case 1: pv_tile<C, 1>(vp, sl, base, n, dh, e0, sc, dst); break;
+              case 2: pv_tile<C, 2>(vp, sl, base, n, dh, e0, sc, dst); break;
+              case 3: pv_tile<C, 3>(vp, sl, base, n, dh, e0, sc, dst); break;
+              default: pv_tile<C, 4>(vp, sl, base, n, dh, e0, sc, dst); break;
             }
-            for (int64_t g = 0; g < kPvTileQueries; ++g)
-              for (int64_t e = 0; e < kPvTileVectors; ++e) vstore(out_acc + (g0 + g) * dh + (e0 + e) * W, a[g][e]);
           }
         }
         continue;
@@ -656,10 +688,10 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       for (int64_t e = 0; e < G * NV; ++e) acc[e] = vzero();
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = start + j;
-        const C* __restrict__ vr = vp + (kv * S + page_row[pos / page_size] * page_size + pos % page_size) * dh;
+        const C* __restrict__ vr = vp + (kv * S + sl[pos - start]) * dh;
         if (j + kPrefetchAhead < n) {
           const int64_t ahead = pos + kPrefetchAhead;
-          prefetch_row(vp + (kv * S + page_row[ahead / page_size] * page_size + ahead % page_size) * dh, row_bytes);
+          prefetch_row(vp + (kv * S + sl[ahead - start]) * dh, row_bytes);
         }
         for (int64_t e = 0; e < NV; ++e) {
           const vec vx = vload(vr + e * W);
