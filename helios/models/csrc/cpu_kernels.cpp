@@ -439,6 +439,21 @@ PvFn<T> pv_for(int64_t G, int64_t NV) {
   return nullptr;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// The 16 positions' dot products of one bfloat16 query (32 PAIRS values, loaded once) with their K rows:
+// dv[p] = the chain of PAIRS vdpbf16ps over the row's 32-value pieces in order (paged_decode's sums).
+template <int PAIRS, typename T, typename C>
+__attribute__((always_inline)) inline void qk16_bf16(const T* qr, const C* const* rows16, __m512* dv) {
+  __m512bh qv[PAIRS];
+  for (int c = 0; c < PAIRS; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + c * 32);
+  for (int p = 0; p < 16; ++p) {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < PAIRS; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(rows16[p] + c * 32));
+    dv[p] = a;
+  }
+}
+#endif
+
 // The register tile of paged_decode's weighted sum for many queries per kv head.
 constexpr int64_t kPvTileQueries = 4;
 constexpr int64_t kPvTileVectors = 4;
@@ -576,13 +591,17 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
             for (int64_t g = 0; g < G; ++g) {
               const T* qr = qp + (d * H + kv * G + g) * dh;
               vec dv[16];
-              for (int64_t p = 0; p < 16; ++p) {
-                __m512 a = _mm512_setzero_ps();
-                for (int64_t c = 0; c < pairs; ++c) {
-                  a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qr + c * 32),
-                                       (__m512bh)_mm512_loadu_si512(rows16[p] + c * 32));
+              if (pairs == 2) qk16_bf16<2>(qr, rows16, dv);  // the head sizes 64 and 128 unrolled
+              else if (pairs == 4) qk16_bf16<4>(qr, rows16, dv);
+              else {
+                for (int64_t p = 0; p < 16; ++p) {
+                  __m512 a = _mm512_setzero_ps();
+                  for (int64_t c = 0; c < pairs; ++c) {
+                    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qr + c * 32),
+                                         (__m512bh)_mm512_loadu_si512(rows16[p] + c * 32));
+                  }
+                  dv[p] = a;
                 }
-                dv[p] = a;
               }
               _mm512_storeu_ps(scores.data() + g * kChunk + j, _mm512_mul_ps(reduce16(dv), vset1(fscale)));
             }
