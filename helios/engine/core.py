@@ -181,6 +181,9 @@ class EngineCore:
                                   max_rows=cfg.max_active, max_model_len=cfg.max_model_len, vision=vision)
         if isinstance(drafter, MTPDrafter):
             self.runner.hidden_sink = drafter.capture
+        # Work for the engine's own thread between steps, each run before every step until it returns
+        # True (`runtime.LoadedModel.finish_huge_pages`: the model's weights swapped to their copy).
+        self.between_steps: list[Callable[[], bool]] = []
 
     def _state_rollback(self, backup_base: int) -> StateRollback:
         """Speculation's state copies: slot s is backed up in row ``backup_base + s``."""
@@ -227,6 +230,7 @@ class EngineCore:
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """schedule → execute → update: the whole algorithm (see scheduler.py's docstring)."""
+        self.run_between_steps()
         sched = self.scheduler.schedule()
         t0 = time.perf_counter_ns()
         result = self.runner.execute(sched)
@@ -236,6 +240,11 @@ class EngineCore:
         if self.checkpoints is not None and sched.chunks:
             self.checkpoints.observe_step(step_ns, all(c.decode_round for c in sched.chunks))
         return self.scheduler.update(sched, result)
+
+    def run_between_steps(self) -> None:
+        """`between_steps`' tasks, once each (the engine thread's loop also runs them while idle)."""
+        if self.between_steps:
+            self.between_steps = [task for task in self.between_steps if not task()]
 
     def _account_host_lookups(self, num_tokens: int, step_ns: int) -> None:
         """Fold this step's host-store lookups into the histograms; prefill time per token is an
@@ -490,6 +499,7 @@ class EngineThread:
                     governor.tick()
                     threads = governor.snapshot()
                 if not self.core.scheduler.has_work:
+                    self.core.run_between_steps()
                     self._stats = self.core.stats(threads=threads)
                     continue
                 t0 = time.perf_counter()

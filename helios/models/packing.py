@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
@@ -189,6 +190,88 @@ HUGE_PAGE = 2 << 20  # bytes: an x86-64 transparent huge page
 Q8_HEAD = "_lm_head_q8"  # a decoder's Q8_0 output projection kept as (codes, scales) (`q8_codes`)
 
 
+class HugePageMove:
+    """`blocks_into_huge_pages` in two halves: `copy` fills the arena from the current tensors (any
+    thread: nothing writes them), `swap` points the model's modules at the copies (on the thread that
+    runs the model, between its steps). ``total``: the bytes to move (0: nothing to do)."""
+
+    def __init__(self, model: object) -> None:
+        self.params: list[nn.Parameter] = []
+        self.kept: list[tuple[nn.Module, str, BlockQuantized]] = []
+        self.codes: list[tuple[nn.Module, str, tuple[Tensor, ...]]] = []
+        seen: set[int] = set()
+        for module in model.modules() if isinstance(model, nn.Module) else ():
+            if isinstance(module, KQuantLinear):
+                for p in module.blocks:
+                    if p.device.type == "cpu" and id(p) not in seen:
+                        seen.add(id(p))
+                        self.params.append(p)
+            for name, value in vars(module).items():
+                if isinstance(value, BlockQuantized) and value.blocks.device.type == "cpu":
+                    self.kept.append((module, name, value))
+                elif name == Q8_HEAD and isinstance(value, tuple) and all(
+                        isinstance(v, Tensor) and v.device.type == "cpu" for v in value):
+                    self.codes.append((module, name, value))
+        self.tensors: dict[int, Tensor] = {id(p): p.detach() for p in self.params}
+        for _, _, value in self.kept:
+            self.tensors.setdefault(id(value.blocks), value.blocks)
+        for _, _, pair in self.codes:
+            for v in pair:
+                self.tensors.setdefault(id(v), v)
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        self.advice = advice
+        self.total = 0 if advice is None else sum((t.numel() * t.element_size() + 63) // 64 * 64
+                                                  for t in self.tensors.values())
+        self.copies: dict[int, Tensor] | None = None
+        self.ready = threading.Event()
+        self.done = False  # swapped
+
+    def copy(self) -> None:
+        """The arena: one anonymous mapping advised ``MADV_HUGEPAGE``, the tensors copied in, 64-byte
+        aligned. Sets `ready`."""
+        if self.total == 0 or self.advice is None:
+            self.copies = {}
+            self.ready.set()
+            return
+        arena = mmap.mmap(-1, self.total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        whole = torch.frombuffer(arena, dtype=torch.uint8)  # keeps the mapping alive with its views
+        start = -whole.data_ptr() % HUGE_PAGE  # huge pages back 2 MiB-aligned ranges
+        with contextlib.suppress(OSError, ValueError):
+            arena.madvise(self.advice, start, len(arena) - start)
+        copies: dict[int, Tensor] = {}
+        offset = start
+        for key, t in self.tensors.items():
+            nbytes = t.numel() * t.element_size()
+            copy = whole[offset:offset + nbytes].view(t.dtype).view(t.shape)
+            copy.copy_(t)
+            copies[key] = copy
+            offset += (nbytes + 63) // 64 * 64
+        self.copies = copies
+        self.ready.set()
+
+    def swap(self) -> int:
+        """The modules read the copies (after `copy`); returns the bytes moved. The originals are left
+        to their owners (file pages to the checkpoint's `release_pages`, cache reads to the allocator)."""
+        copies = self.copies
+        if copies is None:
+            raise RuntimeError("HugePageMove.swap before copy")
+        self.done = True
+        if not copies:
+            return 0
+        for p in self.params:
+            p.data = copies[id(p)]
+        for module, name, value in self.kept:
+            setattr(module, name, attrs.evolve(value, blocks=copies[id(value.blocks)]))
+        for module, name, pair in self.codes:
+            setattr(module, name, tuple(copies[id(v)] for v in pair))
+        self.tensors.clear()
+        self.params.clear()
+        self.kept.clear()
+        self.codes.clear()
+        self.copies = {}
+        return self.total
+
+
 def blocks_into_huge_pages(model: object) -> int:
     """Every GGUF block tensor of a loaded CPU model (each `KQuantLinear` segment; a block embedding or
     head held as `BlockQuantized`; a Q8_0 head's codes and scales, ``Q8_HEAD``) copied into one anonymous mapping advised for transparent huge pages
@@ -197,50 +280,10 @@ def blocks_into_huge_pages(model: object) -> int:
     and Qwen2.5-Coder-1.5B's one-row step took 79.0-80.4 ms against 69.4 ms with its blocks on 2 MiB
     pages (2026-12-05, this AMX machine, 2 threads). Returns the bytes moved (0 where the platform has
     no ``MADV_HUGEPAGE`` or the model has no blocks). The originals are left to their owners (file
-    pages to the checkpoint's `release_pages`, cache reads to the allocator)."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    params: list[nn.Parameter] = []
-    kept: list[tuple[nn.Module, str, BlockQuantized]] = []
-    codes: list[tuple[nn.Module, str, tuple[Tensor, ...]]] = []
-    seen: set[int] = set()
-    for module in model.modules() if isinstance(model, nn.Module) else ():
-        if isinstance(module, KQuantLinear):
-            for p in module.blocks:
-                if p.device.type == "cpu" and id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-        for name, value in vars(module).items():
-            if isinstance(value, BlockQuantized) and value.blocks.device.type == "cpu":
-                kept.append((module, name, value))
-            elif name == Q8_HEAD and isinstance(value, tuple) and all(
-                    isinstance(v, Tensor) and v.device.type == "cpu" for v in value):
-                codes.append((module, name, value))
-    tensors: dict[int, Tensor] = {id(p): p.detach() for p in params}
-    for _, _, value in kept:
-        tensors.setdefault(id(value.blocks), value.blocks)
-    for _, _, pair in codes:
-        for v in pair:
-            tensors.setdefault(id(v), v)
-    total = sum((t.numel() * t.element_size() + 63) // 64 * 64 for t in tensors.values())
-    if advice is None or total == 0:
-        return 0
-    arena = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(arena, dtype=torch.uint8)  # keeps the mapping alive with its views
-    start = -whole.data_ptr() % HUGE_PAGE  # huge pages back 2 MiB-aligned ranges
-    with contextlib.suppress(OSError, ValueError):
-        arena.madvise(advice, start, len(arena) - start)
-    copies: dict[int, Tensor] = {}
-    offset = start
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        copy = whole[offset:offset + nbytes].view(t.dtype).view(t.shape)
-        copy.copy_(t)
-        copies[key] = copy
-        offset += (nbytes + 63) // 64 * 64
-    for p in params:
-        p.data = copies[id(p)]
-    for module, name, value in kept:
-        setattr(module, name, attrs.evolve(value, blocks=copies[id(value.blocks)]))
-    for module, name, pair in codes:
-        setattr(module, name, tuple(copies[id(v)] for v in pair))
-    return total
+    pages to the checkpoint's `release_pages`, cache reads to the allocator). Faulting the huge pages
+    in is the cost: on this VM a fresh process took 2.3-3.4 s for 0.4-1 GB (the same copy onto 4 KiB
+    pages 0.1 s), so the server makes the copy on a thread after it loads and swaps between engine
+    steps (`HugePageMove`; `runtime.load_model(defer_huge_pages=True)`)."""
+    move = HugePageMove(model)
+    move.copy()
+    return move.swap()

@@ -312,3 +312,34 @@ def test_blocks_move_into_one_huge_page_arena_with_the_same_logits(tmp_path: Pat
                                                       for p, t in distinct.items()) - lo <= moved
     assert "hg" in _mapping_flags(lo)
     assert torch.equal(logits(model, PROMPT), want)
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not hasattr(__import__("mmap"), "MADV_HUGEPAGE"),
+                    reason="no /proc/self/smaps or MADV_HUGEPAGE here (not Linux)")
+def test_the_server_moves_the_blocks_between_engine_steps(tmp_path: Path) -> None:
+    """``load_model(defer_huge_pages=True)`` (the server's): the model is served from its loaded tensors
+    while a thread fills the huge-page arena; the engine's `between_steps` task then swaps the modules
+    onto it (once, True from then on) and the logits stay the same bits. ``False`` moves them at load."""
+    from helios.engine.core import EngineConfig, EngineCore
+    from helios.runtime import load_model
+
+    path = write_kquant_gguf(tmp_path / "tiny.gguf", arch="qwen2", embed=Q.Q6_K, output=None)
+    now = load_model(path)
+    assert now.huge_pages is None and now.finish_huge_pages()
+    assert isinstance(now.model, LlamaForCausalLM)
+    want = logits(now.model, PROMPT)
+    loaded = load_model(path, defer_huge_pages=True)
+    model = loaded.model
+    assert isinstance(model, LlamaForCausalLM) and loaded.huge_pages is not None
+    before = [p.data_ptr() for m in model.modules() if isinstance(m, KQuantLinear) for p in m.blocks]
+    assert before and loaded.huge_pages.total > 0
+    assert torch.equal(logits(model, PROMPT), want)  # served before the swap
+    assert loaded.huge_pages.ready.wait(30)
+    core = EngineCore(model, EngineConfig(page_size=16, num_pages=8, max_active=2), loaded.choice.dtype)
+    core.between_steps.append(loaded.finish_huge_pages)
+    core.run_between_steps()
+    assert core.between_steps == [] and loaded.huge_pages.done and loaded.finish_huge_pages()
+    after = [p.data_ptr() for m in model.modules() if isinstance(m, KQuantLinear) for p in m.blocks]
+    assert all(a != b for a, b in zip(after, before, strict=True))
+    assert "hg" in _mapping_flags(min(after))
+    assert torch.equal(logits(model, PROMPT), want)
