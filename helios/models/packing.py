@@ -190,10 +190,24 @@ HUGE_PAGE = 2 << 20  # bytes: an x86-64 transparent huge page
 Q8_HEAD = "_lm_head_q8"  # a decoder's Q8_0 output projection kept as (codes, scales) (`q8_codes`)
 
 
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def _huge_pages_on() -> bool:
+    """Whether Linux would back a ``MADV_HUGEPAGE`` mapping with huge pages (its transparent huge page
+    setting is ``always`` or ``madvise``, not ``[never]``); True where the setting cannot be read."""
+    try:
+        with open(THP_SETTING) as fh:
+            return "[never]" not in fh.read()
+    except OSError:
+        return True
+
+
 class HugePageMove:
     """`blocks_into_huge_pages` in two halves: `copy` fills the arena from the current tensors (any
     thread: nothing writes them), `swap` points the model's modules at the copies (on the thread that
-    runs the model, between its steps). ``total``: the bytes to move (0: nothing to do)."""
+    runs the model, between its steps). ``total``: the bytes to move (0: nothing to do, also where the
+    platform has no ``MADV_HUGEPAGE`` or transparent huge pages are off)."""
 
     def __init__(self, model: object) -> None:
         self.params: list[nn.Parameter] = []
@@ -218,7 +232,7 @@ class HugePageMove:
         for _, _, pair in self.codes:
             for v in pair:
                 self.tensors.setdefault(id(v), v)
-        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        advice = getattr(mmap, "MADV_HUGEPAGE", None) if _huge_pages_on() else None
         self.advice = advice
         self.total = 0 if advice is None else sum((t.numel() * t.element_size() + 63) // 64 * 64
                                                   for t in self.tensors.values())

@@ -343,3 +343,17 @@ def test_the_server_moves_the_blocks_between_engine_steps(tmp_path: Path) -> Non
     assert all(a != b for a, b in zip(after, before, strict=True))
     assert "hg" in _mapping_flags(min(after))
     assert torch.equal(logits(model, PROMPT), want)
+
+
+def test_nothing_moves_where_transparent_huge_pages_are_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernel's setting at ``[never]`` a huge-page copy would gain nothing: no move."""
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(packing, "THP_SETTING", str(setting))
+    model = blocks_model(write_kquant_gguf(tmp_path / "tiny.gguf"), torch.bfloat16)
+    before = [p.data_ptr() for m in model.modules() if isinstance(m, KQuantLinear) for p in m.blocks]
+    assert before and packing.HugePageMove(model).total == 0
+    assert packing.blocks_into_huge_pages(model) == 0
+    assert [p.data_ptr() for m in model.modules() if isinstance(m, KQuantLinear) for p in m.blocks] == before
+    setting.write_text("always [madvise] never\n")
+    assert packing.HugePageMove(model).total > 0
