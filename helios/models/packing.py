@@ -11,6 +11,7 @@ architecture math.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -257,7 +258,13 @@ class HugePageMove:
         for key, t in self.tensors.items():
             nbytes = t.numel() * t.element_size()
             copy = whole[offset:offset + nbytes].view(t.dtype).view(t.shape)
-            copy.copy_(t)
+            if t.is_contiguous():
+                # a plain memmove (the GIL released), no torch operator: this may run on a thread of its
+                # own, and a torch copy there (its OpenMP team) still running at interpreter exit aborted
+                # the process
+                ctypes.memmove(copy.data_ptr(), t.data_ptr(), nbytes)
+            else:
+                copy.copy_(t)
             copies[key] = copy
             offset += (nbytes + 63) // 64 * 64
         self.copies = copies
