@@ -448,6 +448,11 @@ def resolve_model(spec: str) -> tuple[str, str]:
     return str(catalog.ensure_entry(entry)), entry.name
 
 
+def _log_huge_pages(moved: int) -> None:
+    if moved:
+        log.info("GGUF blocks on transparent huge pages: %.1f MiB", moved / 2**20)
+
+
 def _idle_then(work: Callable[[], None]) -> None:
     """``work`` on this thread at the idle scheduling class where Linux has it (``SCHED_IDLE``: it runs
     only when a core would otherwise idle, so requests served meanwhile are not slowed). Measured for
@@ -484,7 +489,7 @@ class LoadedModel:
         moved = move.swap()
         if self.release_pages is not None:
             self.release_pages()
-        log.info("GGUF blocks on transparent huge pages: %.1f MiB", moved / 2**20)
+        _log_huge_pages(moved)
         return True
 
 
@@ -558,14 +563,14 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
     if device == "cpu":
         packed = model.pack_cpu_weights()
         log.info("CPU-packed weights (oneDNN GEMMs, bfloat16 Q8_0 head): %d tensors", packed)
-    move = packing.HugePageMove(model) if device == "cpu" else None
-    if move is not None and move.total and not defer_huge_pages:
-        move.copy()
-        log.info("GGUF blocks on transparent huge pages: %.1f MiB", move.swap() / 2**20)
-        move = None
+    deferred: packing.HugePageMove | None = None
+    if device == "cpu" and defer_huge_pages:
+        deferred = packing.HugePageMove(model)
+        deferred = deferred if deferred.total else None
+    elif device == "cpu":
+        _log_huge_pages(packing.blocks_into_huge_pages(model))
     if ckpt.release_pages is not None:
         ckpt.release_pages()  # the file's pages the build copied (those still in use fault back in)
-    deferred = move if move is not None and move.total else None
     if deferred is not None:
         # not a daemon: the interpreter waits for the copy at exit (a torch copy cut off there aborts)
         threading.Thread(target=_idle_then, args=(deferred.copy,), name="helios-huge-pages").start()

@@ -258,8 +258,7 @@ def set_kquant_amx(on: bool) -> bool:
 
 def kquant_bf16_dot_supported() -> bool:
     """Whether the kernels were built with AVX512-BF16, where `kquant_linear` multiplies bfloat16 ``x``
-    with Q4_K / Q5_K / Q6_K / Q5_0 / Q8_0 blocks by pair dot products (the module docstring's
-    "bfloat16 activations" contract)."""
+    with Q6_K blocks by pair dot products (the module docstring's contract for them)."""
     return available() and bool(torch.ops.helios.kquant_bf16_dot_supported())
 
 

@@ -2165,19 +2165,27 @@ inline void kq_fmav(Kq32& acc, const Kq32& w, const Kq32& x) {
 #endif
 }
 
-inline float kq_sum(const Kq32& acc) {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#if defined(__AVX512F__)
-  const __m512 q = _mm512_add_ps(acc.v[0], acc.v[1]);  // l + 16
-  const __m256 r = _mm256_add_ps(_mm512_castps512_ps256(q),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(q), 1)));  // + 8
-#else
-  const __m256 r = _mm256_add_ps(_mm256_add_ps(acc.v[0], acc.v[2]), _mm256_add_ps(acc.v[1], acc.v[3]));
-#endif
+#if defined(__AVX2__)
+// The sum of 8 lanes by the fixed tree: l + 4, + 2, + 1.
+inline float kq_tree8(__m256 r) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));  // + 4
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                          // + 2
   s = _mm_add_ss(s, _mm_movehdup_ps(s));                                           // + 1
   return _mm_cvtss_f32(s);
+}
+#endif
+#if defined(__AVX512F__)
+// The sum of 16 lanes by the fixed tree: l + 8, then kq_tree8.
+inline float kq_tree16(__m512 q) {
+  return kq_tree8(_mm256_add_ps(_mm512_castps512_ps256(q), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(q), 1))));
+}
+#endif
+
+inline float kq_sum(const Kq32& acc) {
+#if defined(__AVX512F__)
+  return kq_tree16(_mm512_add_ps(acc.v[0], acc.v[1]));  // l + 16, then the tree
+#elif defined(__AVX2__) && defined(__FMA__)
+  return kq_tree8(_mm256_add_ps(_mm256_add_ps(acc.v[0], acc.v[2]), _mm256_add_ps(acc.v[1], acc.v[3])));  // + 16, + 8
 #else
   float p[32];
   for (int l = 0; l < 32; ++l) p[l] = acc.v[l];
@@ -2247,6 +2255,21 @@ inline void kq_load(Kq32& acc, const float* p) {
 #endif
 }
 
+// The headers of block b of weight rows 0 .. NT - 1 (w at row 0, row stride rb), prefetching the same
+// block kKqAhead rows further on.
+template <int T, int NT>
+__attribute__((always_inline)) inline void kq_headers(const uint8_t* w, int64_t rb, int64_t b, KqHeader (&h)[NT]) {
+  constexpr int64_t bytes = KqTraits<T>::bytes;
+  _Pragma("GCC unroll 8")
+  for (int j = 0; j < NT; ++j) {
+    if constexpr (kKqAhead > 0) {
+      const char* ahead = reinterpret_cast<const char*>(w + (j + kKqAhead) * rb + b * bytes);
+      for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    }
+    kq_header<T>(w + j * rb + b * bytes, h[j]);
+  }
+}
+
 // One register tile over blocks [b0, b1): acc[j][i] += x row i . weight row j, where x (row stride K)
 // starts at the tile's first row and w (row stride rb bytes) at its first weight row.
 template <int T, int MT, int NT>
@@ -2256,14 +2279,7 @@ __attribute__((always_inline)) inline void kq_micro(const float* __restrict__ x,
   constexpr int subs = static_cast<int>(per / 32);
   KqHeader h[NT];
   for (int64_t b = b0; b < b1; ++b) {
-    _Pragma("GCC unroll 8")
-    for (int j = 0; j < NT; ++j) {
-      if constexpr (kKqAhead > 0) {
-        const char* ahead = reinterpret_cast<const char*>(w + (j + kKqAhead) * rb + b * bytes);
-        for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-      }
-      kq_header<T>(w + j * rb + b * bytes, h[j]);
-    }
+    kq_headers<T>(w, rb, b, h);
     for (int c = 0; c < subs; ++c) {
       Kq32 wv[NT];
       _Pragma("GCC unroll 8")
@@ -2375,9 +2391,10 @@ void kq_linear_impl(const float* xp, const uint8_t* wp, float* yp, int64_t M, in
 // times W_g^T into the same rows of y. One parallel region over (group, weight-row range) units, so the
 // experts a step chose run as one operator; every output is kq_linear_range's, the same bits as
 // kquant_linear on the group alone.
-template <int T>
-void kq_grouped_impl(const float* xp, const std::vector<const uint8_t*>& wps, const std::vector<int64_t>& off,
-                     float* yp, int64_t K, int64_t N) {
+// range(g, n0, n1) for every nonempty group g and weight-row range [n0, n1) of kq_grain(K) rows, in one
+// parallel region.
+template <typename F>
+void kq_for_units(const std::vector<int64_t>& off, int64_t K, int64_t N, F&& range) {
   const int64_t grain = kq_grain(K);
   std::vector<std::array<int64_t, 3>> units;  // (group, n0, n1)
   for (size_t g = 0; g + 1 < off.size(); ++g) {
@@ -2385,10 +2402,15 @@ void kq_grouped_impl(const float* xp, const std::vector<const uint8_t*>& wps, co
     for (int64_t n0 = 0; n0 < N; n0 += grain) units.push_back({static_cast<int64_t>(g), n0, std::min(N, n0 + grain)});
   }
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const auto [g, n0, n1] = units[u];
-      kq_linear_range<T>(xp + off[g] * K, wps[g], yp + off[g] * N, off[g + 1] - off[g], K, N, n0, n1);
-    }
+    for (int64_t u = u0; u < u1; ++u) range(units[u][0], units[u][1], units[u][2]);
+  });
+}
+
+template <int T>
+void kq_grouped_impl(const float* xp, const std::vector<const uint8_t*>& wps, const std::vector<int64_t>& off,
+                     float* yp, int64_t K, int64_t N) {
+  kq_for_units(off, K, N, [&](int64_t g, int64_t n0, int64_t n1) {
+    kq_linear_range<T>(xp + off[g] * K, wps[g], yp + off[g] * N, off[g + 1] - off[g], K, N, n0, n1);
   });
 }
 
@@ -2462,14 +2484,6 @@ struct KqbFlush {
   ~KqbFlush() { _mm_setcsr(saved); }
 };
 
-inline float kqb_tree16(__m512 v) {
-  const __m256 r = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // bfloat16 rows x [M, K] widened to float32 with each 32 columns' even-indexed values first, then the odd
 // ones (the operand of the float32 lanes, for M > 1).
 at::Tensor kqb_widened(const at::Tensor& xb) {
@@ -2508,16 +2522,10 @@ void kqb_out(const uint16_t* __restrict__ x, const float* __restrict__ xf, const
     for (int i = 0; i < MT; ++i) acc[j][i] = _mm512_setzero_ps();
   KqHeader h[NT];
   for (int64_t b = 0; b < nb; ++b) {
-    _Pragma("GCC unroll 8")
-    for (int j = 0; j < NT; ++j) {
-      if constexpr (kKqAhead > 0) {
-        const char* ahead = reinterpret_cast<const char*>(w + (j + kKqAhead) * rb + b * bytes);
-        for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-      }
-      kq_header<kQ6_K>(w + j * rb + b * bytes, h[j]);
-    }
-    // the scales stay in memory (one load each below), where the compiler would otherwise extract each
-    // from a register (two shuffle-port operations a sub-block): 66 -> 52 ps a weight
+    kq_headers<kQ6_K>(w, rb, b, h);
+    // the scales stay in memory (loaded below), where the compiler would otherwise extract them from
+    // registers with shuffle-port operations (in this kernel's first, all-types form the barrier took Q4_K
+    // from 66 to 52 ps a weight)
     asm volatile("" : : "r"(h) : "memory");
     _Pragma("GCC unroll 2")
     for (int g = 0; g < 2; ++g) {
@@ -2564,7 +2572,7 @@ void kqb_out(const uint16_t* __restrict__ x, const float* __restrict__ xf, const
   _Pragma("GCC unroll 8")
   for (int j = 0; j < NT; ++j)
     _Pragma("GCC unroll 8")
-    for (int i = 0; i < MT; ++i) y[i * N + n + j] = kqb_tree16(acc[j][i]);
+    for (int i = 0; i < MT; ++i) y[i * N + n + j] = kq_tree16(acc[j][i]);
 }
 
 // Rows [0, MT) against weight rows [n0, n1).
@@ -2603,24 +2611,15 @@ void kqb_range(const uint16_t* x, const float* xf, const uint8_t* wp, float* y, 
   }
 }
 
-// kq_grouped_impl's units (one group: kq_linear_impl's split) with kqb_range: x [R, K] bfloat16, xf its
+// kq_for_units with kqb_range (one group: kq_linear_impl's split): x [R, K] bfloat16, xf its
 // kqb_widened rows (R > 1), groups [off[g], off[g + 1]) against wps[g].
 void kqb_grouped(const at::Tensor& xb, const at::Tensor& xf, const std::vector<const uint8_t*>& wps,
                  const std::vector<int64_t>& off, float* y, int64_t K, int64_t N) {
   const auto* x = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const float* xfp = xf.numel() > 0 ? xf.data_ptr<float>() : nullptr;
-  const int64_t grain = kq_grain(K);
-  std::vector<std::array<int64_t, 3>> units;
-  for (size_t g = 0; g + 1 < off.size(); ++g) {
-    if (off[g + 1] == off[g]) continue;
-    for (int64_t n0 = 0; n0 < N; n0 += grain) units.push_back({static_cast<int64_t>(g), n0, std::min(N, n0 + grain)});
-  }
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const auto [g, n0, n1] = units[u];
-      kqb_range(x + off[g] * K, xfp == nullptr ? nullptr : xfp + off[g] * K, wps[g], y + off[g] * N,
-                off[g + 1] - off[g], K, N, n0, n1);
-    }
+  kq_for_units(off, K, N, [&](int64_t g, int64_t n0, int64_t n1) {
+    kqb_range(x + off[g] * K, xfp == nullptr ? nullptr : xfp + off[g] * K, wps[g], y + off[g] * N,
+              off[g + 1] - off[g], K, N, n0, n1);
   });
 }
 #endif  // AVX512-BF16
