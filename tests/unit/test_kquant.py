@@ -589,6 +589,24 @@ def test_kquant_linear_amx_is_within_its_bound_of_float64(ggml_type: int, m: int
 
 
 @amx
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
+@pytest.mark.parametrize("m", [1, 8, 32, 48])
+def test_kquant_linear_amx_decodes_every_weight_to_its_bfloat16_bits(ggml_type: int, m: int) -> None:
+    """One-hot rows pick single weights out (every product but one is zero, so the sum is exact):
+    each column the tiles see is `kquant_dequantize(..., bf16)`'s, bit for bit, for every column of
+    two blocks of 256, through the sliced (1, 8, 32 rows) and the whole-row (48) paths."""
+    out, k = 37, 512
+    blocks = torch.from_numpy(random_blocks(ggml_type, out, k, seed=ggml_type + 7 * m))
+    w = cpu_kernels.kquant_dequantize(blocks, ggml_type, out, k, torch.bfloat16)
+    for c0 in range(0, k, m):
+        cols = torch.arange(c0, min(c0 + m, k))
+        x = torch.zeros(len(cols), k, dtype=torch.bfloat16)
+        x[torch.arange(len(cols)), cols] = 1
+        got = cpu_kernels.kquant_linear_amx(x, blocks, ggml_type, out, float_out=True)
+        assert torch.equal(got, w[:, cols].t().float()), (c0, m)
+
+
+@amx
 def test_kquant_linear_amx_rejects_bad_operands() -> None:
     blocks = torch.from_numpy(random_blocks(14, 4, 256, seed=0))
     with pytest.raises(RuntimeError, match="bfloat16"):

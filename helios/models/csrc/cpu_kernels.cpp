@@ -2982,8 +2982,8 @@ E* kq_amx_scratch(int64_t n) {
 
 // Sub-block c's 32 weights as bfloat16 (kq_store_bf16 of kq_weights: each exact value rounded to
 // nearest even). The types with at most 32 codes look each code up in a table of the sub-block's
-// rounded values (one word permute for 32 weights); Q6_K (64 codes and a scale per 16) and Q8_0 (256
-// codes) convert each weight.
+// rounded values (one word permute for 32 weights); Q8_0 (256 codes) converts each weight; Q6_K goes
+// a block at a time (kq_q6k_bf16_block).
 template <int T>
 inline void kq_bf16_32(const uint8_t* blk, int c, const KqHeader& h, at::BFloat16* out) {
   if constexpr (T == kQ8Codes) {
@@ -2992,7 +2992,7 @@ inline void kq_bf16_32(const uint8_t* blk, int c, const KqHeader& h, at::BFloat1
     const __m512 w0 = _mm512_mul_ps(a, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
     const __m512 w1 = _mm512_mul_ps(a, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
     _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
-  } else if constexpr (T == kQ6_K || T == kQ8_0) {
+  } else if constexpr (T == kQ8_0) {
     const Kq32 w = kq_weights<T>(blk, c, h);
     _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(w.v[1], w.v[0]));
   } else {
@@ -3022,6 +3022,47 @@ inline void kq_bf16_32(const uint8_t* blk, int c, const KqHeader& h, at::BFloat1
   }
 }
 
+// Half `half` of a Q6_K block (128 weights, sub-blocks c = 4 half + k) as bfloat16, sub-block c at
+// out + k cs, h the block's header: kq_bf16_32's values (a_s (q - 32) exact in float32, rounded to
+// nearest even). With AVX512-VBMI the half's codes (64 bytes of low nibbles, 32 of high bit pairs) are
+// assembled 64 to a register (the high pairs moved to bits 4-5 by one variable word shift per 256-bit
+// half), and each 16 spread to float32 lanes by one byte permute into the float 2^23 + q (its low
+// byte), less 2^23 + 32 (exact: q - 32, +0 at 32 as the int8 conversion gives); without it,
+// kq_weights' conversion.
+inline void kq_q6k_bf16_half(const uint8_t* blk, int half, const KqHeader& h, at::BFloat16* out, int64_t cs) {
+#if defined(__AVX512VBMI__)
+  const __m512i nib = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  // sub-blocks k = 0, 1 take bit pairs 0-1, 2-3 (to bits 4-5: left by 4, by 2); k = 2, 3 take 4-5,
+  // 6-7 (right by 0, by 2); a word shift keeps each byte's own bits at 4-5
+  const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  const __m512i magic = _mm512_set1_epi32(0x4B000000);  // 2^23: q in the low mantissa byte
+  const __m512 bias = _mm512_set1_ps(8388640.f);        // 2^23 + 32
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i L = _mm512_loadu_si512(blk + 64 * half);
+  const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half)));
+  const __m512i codes[2] = {
+      _mm512_or_si512(_mm512_and_si512(L, nib), _mm512_and_si512(_mm512_sllv_epi16(H, left), top)),
+      _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), nib), _mm512_and_si512(_mm512_srlv_epi16(H, right), top))};
+  for (int k = 0; k < 4; ++k) {  // sub-block k's codes: bytes 32 (k % 2) .. + 31 of codes[k / 2]
+    const int c = 4 * half + k;
+    __m512 w[2];
+    for (int g = 0; g < 2; ++g) {
+      // byte 4 j of lane j <- code byte 32 (k % 2) + 16 g + j; the other bytes keep 2^23's
+      const __m512i sel = _mm512_add_epi32(lane, _mm512_set1_epi32(32 * (k % 2) + 16 * g));
+      const __m512 f = _mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(magic, 0x1111111111111111ULL, sel, codes[k / 2]));
+      w[g] = _mm512_mul_ps(_mm512_set1_ps(h.a[2 * c + g]), _mm512_sub_ps(f, bias));
+    }
+    _mm512_storeu_si512(out + k * cs, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+  }
+#else
+  for (int k = 0; k < 4; ++k) {
+    const Kq32 w = kq_weights<kQ6_K>(blk, 4 * half + k, h);
+    _mm512_storeu_si512(out + k * cs, (__m512i)_mm512_cvtne2ps_pbh(w.v[1], w.v[0]));
+  }
+#endif
+}
+
 // Weight rows [0, rows) of a unit (row stride rb bytes; q8 codes: their scales su, K / 32 a row) into
 // the scratch s [kKqAmxRows, K], zero rows past `rows`.
 template <int T>
@@ -3035,6 +3076,10 @@ inline void kq_amx_decode(const uint8_t* wp, int64_t rb, int64_t rows, int64_t K
       const uint8_t* blk = wp + r * rb + b * bytes;
       if constexpr (T == kQ8Codes) h.a[0] = su[r * nb + b];
       else kq_header<T>(blk, h);
+      if constexpr (T == kQ6_K) {
+        for (int half = 0; half < 2; ++half) kq_q6k_bf16_half(blk, half, h, s + r * K + b * per + 128 * half, 32);
+        continue;
+      }
       for (int cc = 0; cc < subs; ++cc) kq_bf16_32<T>(blk, cc, h, s + r * K + b * per + 32 * cc);
     }
   }
@@ -3126,6 +3171,53 @@ inline void kq_amx_unit(const uint8_t* wu, int64_t rb, int64_t rows, int64_t K, 
   KqHeader h[kKqAmxRows];
   if (rows < kKqAmxRows)
     for (int p = 0; p < 2; ++p) std::memset(static_cast<void*>(buf + p * 1024 + rows * 32), 0, (kKqAmxRows - rows) * 64);
+  if constexpr (T == kQ6_K) {
+    // half a block (4 chunks) at a time: the 32 rows' halves into one of two sets of 4 chunk buffers,
+    // the previous half's 4 chunks multiplied in between the rows (the tile unit works while the
+    // vector units decode; tile registers are not renamed, so a run of tile products would stall)
+    if (rows < kKqAmxRows)
+      for (int p = 2; p < 8; ++p) std::memset(static_cast<void*>(buf + p * 1024 + rows * 32), 0, (kKqAmxRows - rows) * 64);
+    auto product = [&](int64_t ch) {
+      const uint16_t* a = buf + (ch & 7) * 1024;
+      _tile_loadd(0, a, 64);
+      _tile_loadd(1, a + 512, 64);
+      if constexpr (TWO) {
+        _tile_loadd(2, xb + ch * xs, 64);
+        _tile_loadd(3, xb + ch * xs + 256, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 1, 2);
+        _tile_dpbf16ps(6, 0, 3);
+        _tile_dpbf16ps(7, 1, 3);
+      } else if (ch & 1) {
+        _tile_loadd(3, xb + ch * xs, 64);
+        _tile_dpbf16ps(6, 0, 3);
+        _tile_dpbf16ps(7, 1, 3);
+      } else {
+        _tile_loadd(2, xb + ch * xs, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 1, 2);
+      }
+    };
+    const int64_t steps = 2 * nb * rows;
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t r = 0; r < rows; ++r) kq_header<T>(wu + r * rb + b * bytes, h[r]);
+      for (int half = 0; half < 2; ++half) {
+        const int64_t hb = 2 * b + half;  // chunks 4 hb .. 4 hb + 3, in buffers 4 (hb % 2) ..
+        at::BFloat16* set = reinterpret_cast<at::BFloat16*>(buf) + (hb & 1) * 4096;
+        int64_t done = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t st = hb * rows + r;
+          for (int64_t l = st * lines / steps; l < (st + 1) * lines / steps; ++l)
+            _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
+          kq_q6k_bf16_half(wu + r * rb + b * bytes, half, h[r], set + r * 32, 1024);
+          if (hb > 0)
+            for (; done < (r + 1) * 4 / rows; ++done) product(4 * (hb - 1) + done);
+        }
+      }
+    }
+    for (int64_t j = 0; j < 4; ++j) product(4 * (2 * nb - 1) + j);
+    return;
+  }
   int64_t ch = 0;
   for (int64_t b = 0; b < nb; ++b) {
     if constexpr (per == 256)
@@ -3189,7 +3281,7 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     amx_configure();
     if (MT <= 2) {
-      uint16_t* buf = kq_amx_scratch<uint16_t>(2 * 1024);
+      uint16_t* buf = kq_amx_scratch<uint16_t>((T == kQ6_K ? 8 : 2) * 1024);
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t n0 = u * kKqAmxRows, rows = std::min(kKqAmxRows, N - n0);
         _tile_zero(4);
