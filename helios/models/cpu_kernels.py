@@ -399,6 +399,14 @@ def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out
 
 
+def qk_norm_rope_(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
+    """The per-head q/k RMSNorm then `rope_`, in place on ``x`` [T, heads, d] (last dim contiguous):
+    each head row normalized with its row of ``weight`` (float32 [heads, d]), rounded to x's dtype as
+    `add_rms_norm`'s result is, then rotated."""
+    out: Tensor = torch.ops.helios.qk_norm_rope_(x, weight, eps, cos, sin)
+    return out
+
+
 def silu_mul(gate_up: Tensor) -> Tensor:
     """``silu(g) * u`` for ``gate_up = [g | u]`` ([N, 2I] contiguous) -> [N, I]."""
     out: Tensor = torch.ops.helios.silu_mul(gate_up)

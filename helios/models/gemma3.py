@@ -338,8 +338,10 @@ class _Gemma3Layer(DecoderLayer):
         qkv = self.qkv_proj(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        qk = rms_norm(qk, self.qk_norm, self.eps)
-        qk = cpu_kernels.rope_(qk, cos, sin) if fused else apply_rope(qk, cos, sin)
+        if fused:
+            qk = cpu_kernels.qk_norm_rope_(qk, self.qk_norm, self.eps, cos, sin)
+        else:
+            qk = apply_rope(rms_norm(qk, self.qk_norm, self.eps), cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         out = attn(self.layer_idx, q, k, v, self.scale)
         if keep is not None:

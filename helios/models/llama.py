@@ -195,9 +195,12 @@ class _DecoderLayer(DecoderLayer):
             qkv = qkv + self.qkv_bias
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, qk_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm is not None:
-            qk = _rms_norm(qk, self.qk_norm, self.eps)
-        qk = cpu_kernels.rope_(qk, cos, sin) if fused else _apply_rope(qk, cos, sin)
+        if self.qk_norm is not None and fused:
+            qk = cpu_kernels.qk_norm_rope_(qk, self.qk_norm, self.eps, cos, sin)
+        else:
+            if self.qk_norm is not None:
+                qk = _rms_norm(qk, self.qk_norm, self.eps)
+            qk = cpu_kernels.rope_(qk, cos, sin) if fused else _apply_rope(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         out = attn(self.layer_idx, q, k, v)
         if keep is not None:

@@ -454,7 +454,12 @@ class MoELayer(DecoderLayer):
             qkv = qkv + self.qkv_bias
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm is not None and self.qk_norm_per_head:
+        rot = self.rotary_dim
+        rotated = False
+        if self.qk_norm is not None and self.qk_norm_per_head and fused and rot == self.head_dim:
+            qk = cpu_kernels.qk_norm_rope_(qk, self.qk_norm, self.eps, cos, sin)
+            rotated = True
+        elif self.qk_norm is not None and self.qk_norm_per_head:
             qk = rms_norm(qk, self.qk_norm, self.eps)
         elif self.qk_norm is not None:  # over all the q heads, and over all the k heads
             q_part, k_part = qk.split((self.num_heads, self.num_kv_heads), dim=1)
@@ -462,8 +467,9 @@ class MoELayer(DecoderLayer):
             qk = torch.cat((rms_norm(q_part.reshape(num_tokens, -1), q_w.reshape(-1), self.eps),
                             rms_norm(k_part.reshape(num_tokens, -1), k_w.reshape(-1), self.eps)), dim=-1)
             qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        rot = self.rotary_dim
-        if rot == self.head_dim:
+        if rotated:
+            pass
+        elif rot == self.head_dim:
             qk = cpu_kernels.rope_(qk, cos, sin) if fused else apply_rope(qk, cos, sin)
         else:
             qk = torch.cat((apply_rope(qk[..., :rot], cos, sin), qk[..., rot:]), dim=-1)
@@ -506,7 +512,24 @@ class MoELayer(DecoderLayer):
 
     def _router_logits(self, x: Tensor) -> Tensor:
         assert self.router is not None
-        return F.linear(x.float(), self.router) if self.router_spec.router_fp32 else F.linear(x, self.router)
+        if self.router_spec.router_fp32:
+            return F.linear(x.float(), self.router)
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            # The bfloat16 product's value (products of bfloat16 values are exact in float32, float32
+            # sums, one rounding) through a float32 copy of the bfloat16 weight: on the CPU torch's
+            # bfloat16 GEMM of a few rows against these 8-256 expert rows costs 2.5x a float32 one.
+            return F.linear(x.float(), self._router_widened()).to(x.dtype)
+        return F.linear(x, self.router)
+
+    def _router_widened(self) -> Tensor:
+        """The router weight widened to float32 (its values, kept until the weight changes)."""
+        assert self.router is not None
+        key = (self.router.data_ptr(), self.router._version)
+        cached = self.__dict__.get("_router_f32")
+        if cached is None or cached[0] != key:
+            cached = (key, self.router.detach().float())
+            self.__dict__["_router_f32"] = cached
+        return cast(Tensor, cached[1])
 
     def _dispatched(self, x: Tensor, ctx: ParallelContext) -> Tensor:
         """Expert parallelism: this rank routes its share of the tokens, their rows go to the

@@ -744,6 +744,36 @@ def test_rope_in_place_on_a_strided_view_against_float64(dtype: torch.dtype) -> 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_qk_norm_rope_is_add_rms_norm_then_rope_in_place(dtype: torch.dtype, tokens: int) -> None:
+    """The per-head q/k norm and the rotation in one pass on the strided q/k view: the same bits as
+    `add_rms_norm` of each head row (its weight row) followed by `rope_`, v untouched; and within
+    float32 / one-rounding bounds of float64."""
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, d = 6, 2, 64
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g) * 3).to(dtype)
+    before = qkv.clone()
+    qk = qkv[:, : (heads + kv_heads) * d].view(tokens, heads + kv_heads, d)
+    w = torch.randn(heads + kv_heads, d, generator=g)
+    angles = torch.rand(tokens, d // 2, generator=g) * 50
+    cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None, :].contiguous()
+    sin = torch.cat((-angles.sin(), angles.sin()), -1)[:, None, :].contiguous()
+    rows = qk.reshape(-1, d).clone()
+    normed = torch.stack([cpu_kernels.add_rms_norm(rows[i:i + 1], None, w[i % (heads + kv_heads)], 1e-6)[1][0]
+                          for i in range(rows.shape[0])]).view(tokens, heads + kv_heads, d)
+    want = cpu_kernels.rope_(normed.clone(), cos, sin)
+    out = cpu_kernels.qk_norm_rope_(qk, w, 1e-6, cos, sin)
+    assert out.data_ptr() == qk.data_ptr() and torch.equal(qk, want)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], before[:, (heads + kv_heads) * d :])
+    x = before[:, : (heads + kv_heads) * d].view(tokens, heads + kv_heads, d).double()
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    ref = n * cos.double() + n.roll(d // 2, dims=-1) * sin.double()
+    magnitude = n.abs().amax(-1, keepdim=True)  # each output: two products of normed values, rounded twice
+    bound = 1e-5 if dtype == torch.float32 else 8 * unit_roundoff(dtype)
+    assert ((qk.double() - ref).abs() / magnitude).max().item() < bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_against_float64(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(4)
     gu = (torch.randn(37, 2 * 200, generator=g) * 8).to(dtype)

@@ -1434,6 +1434,20 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
+// 1 / sqrt(mean(s^2) + eps) of a row of D floats (the squares summed in vector lanes, then the lanes and
+// the tail): the norms' one order.
+inline float row_rstd(const float* s, int64_t D, float eps) {
+  vec acc = vzero();
+  int64_t i = 0;
+  for (; i + W <= D; i += W) {
+    const vec v = vload(s + i);
+    acc = vfma(v, v, acc);
+  }
+  float ss = vsum(acc);
+  for (; i < D; ++i) ss += s[i] * s[i];
+  return 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+}
+
 // add_rms_norm: s = h + delta (rounded to the dtype, as torch's add is), y = s * rsqrt(mean(s^2) + eps) * w.
 template <typename T>
 void add_rms_norm_impl(const T* h, const T* delta, const float* w, T* sum_out, T* y, int64_t N, int64_t D,
@@ -1452,15 +1466,7 @@ void add_rms_norm_impl(const T* h, const T* delta, const float* w, T* sum_out, T
       } else {
         load_row(hr, s.data(), D);
       }
-      vec acc = vzero();
-      int64_t i = 0;
-      for (; i + W <= D; i += W) {
-        const vec v = vload(s.data() + i);
-        acc = vfma(v, v, acc);
-      }
-      float ss = vsum(acc);
-      for (; i < D; ++i) ss += s[i] * s[i];
-      const float rstd = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+      const float rstd = row_rstd(s.data(), D, eps);
       T* yr = y + r * D;
       for (int64_t j = 0; j < D; ++j) store(s[j] * rstd * w[j], yr + j);
     }
@@ -1536,6 +1542,67 @@ at::Tensor rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
                                             sin.data_ptr<c10::BFloat16>(), Tn, M, d, st, sm);
   } else {
     TORCH_CHECK(false, "rope_: float32 or bfloat16");
+  }
+  return x;
+}
+
+// qk_norm_rope_: the per-head q/k RMSNorm, then rope_, in place on x [T, M, d] (rows may be strided, the
+// last dim contiguous): row m of token t becomes rope(n) for n = x[t, m] * rstd * w[m] rounded to x's
+// dtype (w [M, d] float32; rstd add_rms_norm's), the values rms_norm's result then rope_ would give.
+template <typename T, typename C>
+void qk_norm_rope_impl(T* x, const float* w, float eps, const C* cos, const C* sin, int64_t Tn, int64_t M, int64_t d,
+                       int64_t st, int64_t sm) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, Tn, kRowGrain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> v(d), c(d), sn(d);
+    for (int64_t t = t0; t < t1; ++t) {
+      load_row(cos + t * d, c.data(), d);
+      load_row(sin + t * d, sn.data(), d);
+      for (int64_t m = 0; m < M; ++m) {
+        T* row = x + t * st + m * sm;
+        load_row(row, v.data(), d);
+        const float rstd = row_rstd(v.data(), d, eps);
+        for (int64_t j = 0; j < d; ++j) {
+          T rounded;
+          store(v[j] * rstd * w[m * d + j], &rounded);
+          v[j] = to_float(rounded);
+        }
+        for (int64_t j = 0; j < d; ++j) {
+          const float rolled = j < half ? v[j + half] : v[j - half];
+          store(v[j] * c[j] + rolled * sn[j], row + j);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor qk_norm_rope_(at::Tensor x, const at::Tensor& weight, double eps, const at::Tensor& cos,
+                         const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "qk_norm_rope_: x is [T, M, d], last dim contiguous");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1) * x.size(2),
+              "qk_norm_rope_: a contiguous float32 weight [M, d]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
+                  sin.numel() == cos.numel() && cos.scalar_type() == sin.scalar_type(),
+              "qk_norm_rope_: contiguous tables of T x d values");
+  const int64_t Tn = x.size(0), M = x.size(1), d = x.size(2), st = x.stride(0), sm = x.stride(1);
+  if (x.numel() == 0) return x;
+  const bool f32_tables = cos.scalar_type() == at::kFloat;
+  TORCH_CHECK(f32_tables || cos.scalar_type() == x.scalar_type(), "qk_norm_rope_: tables are float32 or x's dtype");
+  const float* wp = weight.data_ptr<float>();
+  const auto e = static_cast<float>(eps);
+  if (x.scalar_type() == at::kFloat) {
+    TORCH_CHECK(f32_tables, "qk_norm_rope_: float32 x takes float32 tables");
+    qk_norm_rope_impl<float, float>(x.data_ptr<float>(), wp, e, cos.data_ptr<float>(), sin.data_ptr<float>(), Tn, M,
+                                    d, st, sm);
+  } else if (x.scalar_type() == at::kBFloat16 && f32_tables) {
+    qk_norm_rope_impl<c10::BFloat16, float>(x.data_ptr<c10::BFloat16>(), wp, e, cos.data_ptr<float>(),
+                                            sin.data_ptr<float>(), Tn, M, d, st, sm);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    qk_norm_rope_impl<c10::BFloat16, c10::BFloat16>(x.data_ptr<c10::BFloat16>(), wp, e, cos.data_ptr<c10::BFloat16>(),
+                                                    sin.data_ptr<c10::BFloat16>(), Tn, M, d, st, sm);
+  } else {
+    TORCH_CHECK(false, "qk_norm_rope_: float32 or bfloat16");
   }
   return x;
 }
@@ -3470,6 +3537,7 @@ TORCH_LIBRARY(helios, m) {
         "Tensor block_table, Tensor rows, Tensor lens, int page_size, float scale) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor? delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)");
+  m.def("qk_norm_rope_(Tensor(a!) x, Tensor weight, float eps, Tensor cos, Tensor sin) -> Tensor(a!)");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, int ctx_start, float scale) -> Tensor");
   m.def("bf16_kernels_supported() -> bool");
@@ -3517,6 +3585,7 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("paged_decode_int8", TORCH_FN(paged_decode_int8));
   m.impl("add_rms_norm", TORCH_FN(add_rms_norm));
   m.impl("rope_", TORCH_FN(rope_));
+  m.impl("qk_norm_rope_", TORCH_FN(qk_norm_rope_));
   m.impl("silu_mul", TORCH_FN(silu_mul));
   m.impl("paged_prefill", TORCH_FN(paged_prefill));
   m.impl("write_paged_decode", TORCH_FN(write_paged_decode));
