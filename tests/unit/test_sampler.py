@@ -83,6 +83,25 @@ def test_greedy_takes_argmax_and_lowest_id_on_ties() -> None:
     assert logprobs == [None, None, None]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_argmax_is_argmax_with_ties_nan_and_infinities(dtype: torch.dtype) -> None:
+    """`first_argmax` (max's indices, the fast one on the CPU) picks what argmax picks: ties to the
+    lowest index wherever they fall in the vector lanes, a NaN as the maximum, rows all -inf."""
+    from helios.engine.sampling.draw import first_argmax
+
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 7, 16, 17, 255, 4097, 151_936):
+        x = torch.randn(6, n, generator=g).round()  # many ties
+        x[1] = 0.0
+        x[2, torch.randint(0, n, (3,), generator=g)] = 50.0
+        x[3] = float("-inf")
+        x[4, n // 2] = float("nan")
+        x[5, -1] = float("inf")
+        x = x.to(dtype)
+        assert torch.equal(first_argmax(x), x.argmax(dim=-1)), n
+        assert torch.equal(first_argmax(x[::2]), x[::2].argmax(dim=-1)), n
+
+
 def test_greedy_in_bf16_ignores_padding_columns_and_leaves_input_untouched() -> None:
     sampler = Sampler(4)
     logits = torch.tensor([[0.0, 1.0, 0.5, 0.25, 9.0, 9.0]], dtype=torch.bfloat16)  # 2 padding columns

@@ -69,13 +69,20 @@ def consume_uniforms(generator: torch.Generator, count: int) -> None:
         one.uniform_(generator=generator)
 
 
+def first_argmax(x: Tensor) -> Tensor:
+    """Each row's argmax over the last dim, ties to the lowest index (a NaN counts as the maximum):
+    ``argmax``'s picks through ``max(dim).indices``, which both rules document; on the CPU ``argmax``
+    over 8 rows of a 151,936-token vocabulary takes 0.9-1.6 ms, ``max`` 0.3."""
+    return x.max(dim=-1).indices
+
+
 def argmax_rows(x: Tensor, selected: list[int], num_rows: int, masks: RowMasks | None) -> Tensor:
     """Greedy picks of the ``selected`` rows; a grammar-masked row's among its allowed tokens."""
     if masks is None or not masks.touches(selected):
-        return select_rows(x, selected, num_rows).argmax(dim=-1)
+        return first_argmax(select_rows(x, selected, num_rows))
     w = x.index_select(0, as_index(selected, x.device))
     masks.apply(w, selected)
-    return w.argmax(dim=-1)
+    return first_argmax(w)
 
 
 def draw(w: Tensor, survivors: Survivors, uniforms: Tensor) -> Tensor:

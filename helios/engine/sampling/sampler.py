@@ -49,7 +49,14 @@ import torch
 from torch import Tensor
 
 from helios.domain.logprobs import TokenLogprob
-from helios.engine.sampling.draw import argmax_rows, blocked_inverse_cdf, draw, make_generator, uniforms_for
+from helios.engine.sampling.draw import (
+    argmax_rows,
+    blocked_inverse_cdf,
+    draw,
+    first_argmax,
+    make_generator,
+    uniforms_for,
+)
 from helios.engine.sampling.filters import filter_survivors
 from helios.engine.sampling.logprobs import read_tokens_and_logprobs
 from helios.engine.sampling.penalties import apply_logit_bias, apply_scaled_penalties
@@ -269,7 +276,7 @@ class Sampler:
         greedy = [j for j, r in enumerate(work_rows) if is_greedy(r.params)]
         drawn = [j for j, r in enumerate(work_rows) if not is_greedy(r.params)]
         if not drawn:
-            return w.argmax(dim=-1)
+            return first_argmax(w)
         ws = select_rows(w, drawn, len(work))
         survivors = filter_survivors(ws, [work_rows[j].params for j in drawn])
         assert uniforms is not None
@@ -279,5 +286,5 @@ class Sampler:
             return sampled
         picked = torch.empty(len(work), dtype=torch.long, device=device)
         picked.index_copy_(0, as_index(drawn, device), sampled)
-        picked.index_copy_(0, as_index(greedy, device), select_rows(w, greedy, len(work)).argmax(dim=-1))
+        picked.index_copy_(0, as_index(greedy, device), first_argmax(select_rows(w, greedy, len(work))))
         return picked
