@@ -315,6 +315,7 @@ class MoELayer(DecoderLayer):
         self.gate_up_proj: nn.Module | None = projection(2 * self.mlp_size, hidden) if self.mlp_size else None
         self.down_proj: nn.Module | None = projection(hidden, self.mlp_size) if self.mlp_size else None
         self.router: nn.Parameter | None = None
+        self._router_f32: tuple[tuple[int, int], Tensor] | None = None  # `_router_widened`
         self.correction_bias: nn.Parameter | None = None
         self.shared_gate: nn.Parameter | None = None
         self.experts_gate_up: nn.Parameter | None = None
@@ -467,11 +468,9 @@ class MoELayer(DecoderLayer):
             qk = torch.cat((rms_norm(q_part.reshape(num_tokens, -1), q_w.reshape(-1), self.eps),
                             rms_norm(k_part.reshape(num_tokens, -1), k_w.reshape(-1), self.eps)), dim=-1)
             qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        if rotated:
-            pass
-        elif rot == self.head_dim:
+        if not rotated and rot == self.head_dim:
             qk = cpu_kernels.rope_(qk, cos, sin) if fused else apply_rope(qk, cos, sin)
-        else:
+        elif not rotated:
             qk = torch.cat((apply_rope(qk[..., :rot], cos, sin), qk[..., rot:]), dim=-1)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         out = attn(self.layer_idx, q, k, v)
@@ -525,11 +524,9 @@ class MoELayer(DecoderLayer):
         """The router weight widened to float32 (its values, kept until the weight changes)."""
         assert self.router is not None
         key = (self.router.data_ptr(), self.router._version)
-        cached = self.__dict__.get("_router_f32")
-        if cached is None or cached[0] != key:
-            cached = (key, self.router.detach().float())
-            self.__dict__["_router_f32"] = cached
-        return cast(Tensor, cached[1])
+        if self._router_f32 is None or self._router_f32[0] != key:
+            self._router_f32 = (key, self.router.detach().float())
+        return self._router_f32[1]
 
     def _dispatched(self, x: Tensor, ctx: ParallelContext) -> Tensor:
         """Expert parallelism: this rank routes its share of the tokens, their rows go to the

@@ -177,6 +177,28 @@ def test_gated_shared_expert_is_qwen2_moe() -> None:
     assert (got - expected).abs().max().item() < 1e-5
 
 
+def test_bfloat16_router_logits_through_the_float32_copy() -> None:
+    """A softmax router of a bfloat16 model: its logits are the bfloat16 product's value (exact
+    products, float32 sums, one rounding: within half a bfloat16 unit of float64 after the float32
+    sum's error), and the widened copy follows an in-place change of the weight."""
+    cfg = MoEConfig(arch="qwen3_moe", vocab_size=32, hidden_size=64, intermediate_size=24, num_layers=1,
+                    num_heads=2, num_kv_heads=1, head_dim=32, moe_layers=(True,),
+                    router=RouterSpec(num_experts=8, top_k=2), moe_intermediate_size=12)
+    layer = MoEForCausalLM(cfg, dtype=torch.bfloat16).layers[0]
+    assert layer.router is not None and layer.router.dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    for _ in range(2):
+        with torch.no_grad():
+            layer.router.copy_(torch.randn(8, 64, generator=g))
+        got = layer._router_logits(x)
+        want = x.double() @ layer.router.double().t()
+        assert got.dtype == torch.bfloat16
+        ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+        assert ((got.double() - want).abs() <= 0.5 * ulp + 64 * 2.0**-24 * (x.double().abs() @ layer.router.double().abs().t())).all()
+        assert torch.equal(got, torch.nn.functional.linear(x.float(), layer.router.float()).to(torch.bfloat16))
+
+
 # -- config.json parsing ------------------------------------------------------------------------------
 
 QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B's config.json (transformers 4 spelling)
