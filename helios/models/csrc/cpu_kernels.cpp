@@ -1448,6 +1448,12 @@ inline float row_rstd(const float* s, int64_t D, float eps) {
   return 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
 }
 
+// y = s * rstd * w, each rounded to the dtype: the norms' one product.
+template <typename T>
+inline void scale_row(const float* s, float rstd, const float* w, int64_t D, T* y) {
+  for (int64_t j = 0; j < D; ++j) store(s[j] * rstd * w[j], y + j);
+}
+
 // add_rms_norm: s = h + delta (rounded to the dtype, as torch's add is), y = s * rsqrt(mean(s^2) + eps) * w.
 template <typename T>
 void add_rms_norm_impl(const T* h, const T* delta, const float* w, T* sum_out, T* y, int64_t N, int64_t D,
@@ -1466,9 +1472,7 @@ void add_rms_norm_impl(const T* h, const T* delta, const float* w, T* sum_out, T
       } else {
         load_row(hr, s.data(), D);
       }
-      const float rstd = row_rstd(s.data(), D, eps);
-      T* yr = y + r * D;
-      for (int64_t j = 0; j < D; ++j) store(s[j] * rstd * w[j], yr + j);
+      scale_row(s.data(), row_rstd(s.data(), D, eps), w, D, y + r * D);
     }
   });
 }
@@ -1504,7 +1508,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const std::
 // rope_: rotate-half RoPE in place on x [T, M, d] (rows may be strided, the last dim contiguous) with
 // tables cos/sin [T, d] (sin sign-folded: x' = x * cos + roll(x, d/2) * sin).
 template <typename T, typename C>
-void rope_impl(T* x, const C* cos, const C* sin, int64_t Tn, int64_t M, int64_t d, int64_t st, int64_t sm) {
+void rope_impl(T* x, const C* cos, const C* sin, int64_t Tn, int64_t M, int64_t d, int64_t st, int64_t sm,
+               const float* norm, float eps) {
   const int64_t half = d / 2;
   at::parallel_for(0, Tn, kRowGrain, [&](int64_t t0, int64_t t1) {
     std::vector<float> v(d), c(d), sn(d);
@@ -1514,6 +1519,10 @@ void rope_impl(T* x, const C* cos, const C* sin, int64_t Tn, int64_t M, int64_t 
       for (int64_t m = 0; m < M; ++m) {
         T* row = x + t * st + m * sm;
         load_row(row, v.data(), d);
+        if (norm != nullptr) {  // the row normalized first, rounded to the dtype (qk_norm_rope_)
+          scale_row(v.data(), row_rstd(v.data(), d, eps), norm + m * d, d, row);
+          load_row(row, v.data(), d);
+        }
         for (int64_t j = 0; j < d; ++j) {
           const float rolled = j < half ? v[j + half] : v[j - half];
           store(v[j] * c[j] + rolled * sn[j], row + j);
@@ -1523,88 +1532,46 @@ void rope_impl(T* x, const C* cos, const C* sin, int64_t Tn, int64_t M, int64_t 
   });
 }
 
-at::Tensor rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rope_: x is [T, M, d], last dim contiguous");
+// rope_ and qk_norm_rope_ (``norm`` null: no norm): checks, then rope_impl for x's dtype and the tables'.
+at::Tensor rope_dispatch(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const float* norm, float eps,
+                         const char* name) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, name, ": x is [T, M, d], last dim contiguous");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
                   sin.numel() == cos.numel() && cos.scalar_type() == sin.scalar_type(),
-              "rope_: contiguous tables of T x d values");
+              name, ": contiguous tables of T x d values");
   const int64_t Tn = x.size(0), M = x.size(1), d = x.size(2), st = x.stride(0), sm = x.stride(1);
   if (x.numel() == 0) return x;
   const bool f32_tables = cos.scalar_type() == at::kFloat;
-  TORCH_CHECK(f32_tables || cos.scalar_type() == x.scalar_type(), "rope_: tables are float32 or x's dtype");
+  TORCH_CHECK(f32_tables || cos.scalar_type() == x.scalar_type(), name, ": tables are float32 or x's dtype");
   if (x.scalar_type() == at::kFloat) {
-    rope_impl<float, float>(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), Tn, M, d, st, sm);
+    rope_impl<float, float>(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), Tn, M, d, st, sm,
+                            norm, eps);
   } else if (x.scalar_type() == at::kBFloat16 && f32_tables) {
     rope_impl<c10::BFloat16, float>(x.data_ptr<c10::BFloat16>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                    Tn, M, d, st, sm);
+                                    Tn, M, d, st, sm, norm, eps);
   } else if (x.scalar_type() == at::kBFloat16) {
     rope_impl<c10::BFloat16, c10::BFloat16>(x.data_ptr<c10::BFloat16>(), cos.data_ptr<c10::BFloat16>(),
-                                            sin.data_ptr<c10::BFloat16>(), Tn, M, d, st, sm);
+                                            sin.data_ptr<c10::BFloat16>(), Tn, M, d, st, sm, norm, eps);
   } else {
-    TORCH_CHECK(false, "rope_: float32 or bfloat16");
+    TORCH_CHECK(false, name, ": float32 or bfloat16");
   }
   return x;
+}
+
+at::Tensor rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  return rope_dispatch(x, cos, sin, nullptr, 0.f, "rope_");
 }
 
 // qk_norm_rope_: the per-head q/k RMSNorm, then rope_, in place on x [T, M, d] (rows may be strided, the
 // last dim contiguous): row m of token t becomes rope(n) for n = x[t, m] * rstd * w[m] rounded to x's
-// dtype (w [M, d] float32; rstd add_rms_norm's), the values rms_norm's result then rope_ would give.
-template <typename T, typename C>
-void qk_norm_rope_impl(T* x, const float* w, float eps, const C* cos, const C* sin, int64_t Tn, int64_t M, int64_t d,
-                       int64_t st, int64_t sm) {
-  const int64_t half = d / 2;
-  at::parallel_for(0, Tn, kRowGrain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> v(d), c(d), sn(d);
-    for (int64_t t = t0; t < t1; ++t) {
-      load_row(cos + t * d, c.data(), d);
-      load_row(sin + t * d, sn.data(), d);
-      for (int64_t m = 0; m < M; ++m) {
-        T* row = x + t * st + m * sm;
-        load_row(row, v.data(), d);
-        const float rstd = row_rstd(v.data(), d, eps);
-        for (int64_t j = 0; j < d; ++j) {
-          T rounded;
-          store(v[j] * rstd * w[m * d + j], &rounded);
-          v[j] = to_float(rounded);
-        }
-        for (int64_t j = 0; j < d; ++j) {
-          const float rolled = j < half ? v[j + half] : v[j - half];
-          store(v[j] * c[j] + rolled * sn[j], row + j);
-        }
-      }
-    }
-  });
-}
-
+// dtype (w [M, d] float32; rstd and the product add_rms_norm's), the values rms_norm's result then
+// rope_ would give.
 at::Tensor qk_norm_rope_(at::Tensor x, const at::Tensor& weight, double eps, const at::Tensor& cos,
                          const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
-              "qk_norm_rope_: x is [T, M, d], last dim contiguous");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1) * x.size(2),
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && x.dim() == 3 &&
+                  weight.numel() == x.size(1) * x.size(2),
               "qk_norm_rope_: a contiguous float32 weight [M, d]");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
-                  sin.numel() == cos.numel() && cos.scalar_type() == sin.scalar_type(),
-              "qk_norm_rope_: contiguous tables of T x d values");
-  const int64_t Tn = x.size(0), M = x.size(1), d = x.size(2), st = x.stride(0), sm = x.stride(1);
-  if (x.numel() == 0) return x;
-  const bool f32_tables = cos.scalar_type() == at::kFloat;
-  TORCH_CHECK(f32_tables || cos.scalar_type() == x.scalar_type(), "qk_norm_rope_: tables are float32 or x's dtype");
-  const float* wp = weight.data_ptr<float>();
-  const auto e = static_cast<float>(eps);
-  if (x.scalar_type() == at::kFloat) {
-    TORCH_CHECK(f32_tables, "qk_norm_rope_: float32 x takes float32 tables");
-    qk_norm_rope_impl<float, float>(x.data_ptr<float>(), wp, e, cos.data_ptr<float>(), sin.data_ptr<float>(), Tn, M,
-                                    d, st, sm);
-  } else if (x.scalar_type() == at::kBFloat16 && f32_tables) {
-    qk_norm_rope_impl<c10::BFloat16, float>(x.data_ptr<c10::BFloat16>(), wp, e, cos.data_ptr<float>(),
-                                            sin.data_ptr<float>(), Tn, M, d, st, sm);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    qk_norm_rope_impl<c10::BFloat16, c10::BFloat16>(x.data_ptr<c10::BFloat16>(), wp, e, cos.data_ptr<c10::BFloat16>(),
-                                                    sin.data_ptr<c10::BFloat16>(), Tn, M, d, st, sm);
-  } else {
-    TORCH_CHECK(false, "qk_norm_rope_: float32 or bfloat16");
-  }
-  return x;
+  return rope_dispatch(x, cos, sin, weight.data_ptr<float>(), static_cast<float>(eps), "qk_norm_rope_");
 }
 
 // silu_mul: y = silu(g) * u for gu = [g | u] ([N, 2I] -> [N, I]). silu(g) = g * t / (t + u') with
@@ -3053,6 +3020,7 @@ E* kq_amx_scratch(int64_t n) {
 // a block at a time (kq_q6k_bf16_block).
 template <int T>
 inline void kq_bf16_32(const uint8_t* blk, int c, const KqHeader& h, at::BFloat16* out) {
+  static_assert(T != kQ6_K, "Q6_K is decoded by kq_q6k_bf16_half");
   if constexpr (T == kQ8Codes) {
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
     const __m512 a = _mm512_set1_ps(h.a[0]);
@@ -3143,11 +3111,10 @@ inline void kq_amx_decode(const uint8_t* wp, int64_t rb, int64_t rows, int64_t K
       const uint8_t* blk = wp + r * rb + b * bytes;
       if constexpr (T == kQ8Codes) h.a[0] = su[r * nb + b];
       else kq_header<T>(blk, h);
-      if constexpr (T == kQ6_K) {
+      if constexpr (T == kQ6_K)
         for (int half = 0; half < 2; ++half) kq_q6k_bf16_half(blk, half, h, s + r * K + b * per + 128 * half, 32);
-        continue;
-      }
-      for (int cc = 0; cc < subs; ++cc) kq_bf16_32<T>(blk, cc, h, s + r * K + b * per + 32 * cc);
+      else
+        for (int cc = 0; cc < subs; ++cc) kq_bf16_32<T>(blk, cc, h, s + r * K + b * per + 32 * cc);
     }
   }
   std::memset(static_cast<void*>(s + rows * K), 0, (kKqAmxRows - rows) * K * 2);
@@ -3223,6 +3190,31 @@ inline void kq_q4k_bf16_pair(const uint8_t* blk, int c, const KqHeader& h, at::B
   _mm512_storeu_si512(out1, _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), t1));
 }
 
+// One 32-column chunk ch of 32 decoded weight rows (a: A0 then A1, 64 bytes a row) against x's B tiles:
+// TWO row tiles into accumulators 4-7; one row tile with even chunks into 4, 5 and odd ones into 6, 7
+// (two dependency chains where one would wait on the tile unit's latency).
+template <bool TWO>
+inline void kq_amx_chunk(const uint16_t* a, const uint32_t* xb, int64_t xs, int64_t ch) {
+  _tile_loadd(0, a, 64);
+  _tile_loadd(1, a + 512, 64);
+  if constexpr (TWO) {
+    _tile_loadd(2, xb + ch * xs, 64);
+    _tile_loadd(3, xb + ch * xs + 256, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 1, 2);
+    _tile_dpbf16ps(6, 0, 3);
+    _tile_dpbf16ps(7, 1, 3);
+  } else if (ch & 1) {
+    _tile_loadd(3, xb + ch * xs, 64);
+    _tile_dpbf16ps(6, 0, 3);
+    _tile_dpbf16ps(7, 1, 3);
+  } else {
+    _tile_loadd(2, xb + ch * xs, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 1, 2);
+  }
+}
+
 // One unit of 32 weight rows (rows of them real, from wu, row stride rb) against one or two row tiles
 // of x (TWO), into accumulators 4-7: each 32-column chunk of the 32 rows decoded into one of two 2 KB
 // buffers (`buf`, tile layout: A0 then A1, 64 bytes a row) and multiplied at once, so the tile unit
@@ -3238,53 +3230,6 @@ inline void kq_amx_unit(const uint8_t* wu, int64_t rb, int64_t rows, int64_t K, 
   KqHeader h[kKqAmxRows];
   if (rows < kKqAmxRows)
     for (int p = 0; p < 2; ++p) std::memset(static_cast<void*>(buf + p * 1024 + rows * 32), 0, (kKqAmxRows - rows) * 64);
-  if constexpr (T == kQ6_K) {
-    // half a block (4 chunks) at a time: the 32 rows' halves into one of two sets of 4 chunk buffers,
-    // the previous half's 4 chunks multiplied in between the rows (the tile unit works while the
-    // vector units decode; tile registers are not renamed, so a run of tile products would stall)
-    if (rows < kKqAmxRows)
-      for (int p = 2; p < 8; ++p) std::memset(static_cast<void*>(buf + p * 1024 + rows * 32), 0, (kKqAmxRows - rows) * 64);
-    auto product = [&](int64_t ch) {
-      const uint16_t* a = buf + (ch & 7) * 1024;
-      _tile_loadd(0, a, 64);
-      _tile_loadd(1, a + 512, 64);
-      if constexpr (TWO) {
-        _tile_loadd(2, xb + ch * xs, 64);
-        _tile_loadd(3, xb + ch * xs + 256, 64);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_dpbf16ps(5, 1, 2);
-        _tile_dpbf16ps(6, 0, 3);
-        _tile_dpbf16ps(7, 1, 3);
-      } else if (ch & 1) {
-        _tile_loadd(3, xb + ch * xs, 64);
-        _tile_dpbf16ps(6, 0, 3);
-        _tile_dpbf16ps(7, 1, 3);
-      } else {
-        _tile_loadd(2, xb + ch * xs, 64);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_dpbf16ps(5, 1, 2);
-      }
-    };
-    const int64_t steps = 2 * nb * rows;
-    for (int64_t b = 0; b < nb; ++b) {
-      for (int64_t r = 0; r < rows; ++r) kq_header<T>(wu + r * rb + b * bytes, h[r]);
-      for (int half = 0; half < 2; ++half) {
-        const int64_t hb = 2 * b + half;  // chunks 4 hb .. 4 hb + 3, in buffers 4 (hb % 2) ..
-        at::BFloat16* set = reinterpret_cast<at::BFloat16*>(buf) + (hb & 1) * 4096;
-        int64_t done = 0;
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t st = hb * rows + r;
-          for (int64_t l = st * lines / steps; l < (st + 1) * lines / steps; ++l)
-            _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
-          kq_q6k_bf16_half(wu + r * rb + b * bytes, half, h[r], set + r * 32, 1024);
-          if (hb > 0)
-            for (; done < (r + 1) * 4 / rows; ++done) product(4 * (hb - 1) + done);
-        }
-      }
-    }
-    for (int64_t j = 0; j < 4; ++j) product(4 * (2 * nb - 1) + j);
-    return;
-  }
   int64_t ch = 0;
   for (int64_t b = 0; b < nb; ++b) {
     if constexpr (per == 256)
@@ -3313,25 +3258,45 @@ inline void kq_amx_unit(const uint8_t* wu, int64_t rb, int64_t rows, int64_t K, 
           kq_bf16_32<T>(blk, cc, h[r], ab + r * 32);
         }
       }
-      _tile_loadd(0, a, 64);
-      _tile_loadd(1, a + 512, 64);
-      if constexpr (TWO) {
-        _tile_loadd(2, xb + ch * xs, 64);
-        _tile_loadd(3, xb + ch * xs + 256, 64);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_dpbf16ps(5, 1, 2);
-        _tile_dpbf16ps(6, 0, 3);
-        _tile_dpbf16ps(7, 1, 3);
-      } else if (ch & 1) {
-        _tile_loadd(3, xb + ch * xs, 64);
-        _tile_dpbf16ps(6, 0, 3);
-        _tile_dpbf16ps(7, 1, 3);
-      } else {
-        _tile_loadd(2, xb + ch * xs, 64);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_dpbf16ps(5, 1, 2);
+      kq_amx_chunk<TWO>(a, xb, xs, ch);
+    }
+  }
+}
+
+// kq_amx_unit for Q6_K, half a block (4 chunks) at a time: the 32 rows' halves into one of two sets of
+// 4 chunk buffers (`buf`, 8 x 2 KB), the previous half's 4 chunks multiplied in between the rows (the
+// tile unit works while the vector units decode; tile registers are not renamed, so a run of tile
+// products after the decode would stall it); `next` prefetched a share per row and half.
+template <bool TWO>
+inline void kq_amx_unit_q6k(const uint8_t* wu, int64_t rb, int64_t rows, int64_t K, const uint32_t* xb, int64_t xs,
+                            uint16_t* buf, const uint8_t* next) {
+  constexpr int64_t bytes = KqTraits<kQ6_K>::bytes;
+  const int64_t nb = K / 256, lines = next != nullptr ? (kKqAmxRows * rb + 63) / 64 : 0;
+  KqHeader h[kKqAmxRows];
+  if (rows < kKqAmxRows)
+    for (int p = 0; p < 8; ++p) std::memset(static_cast<void*>(buf + p * 1024 + rows * 32), 0, (kKqAmxRows - rows) * 64);
+  const int64_t steps = 2 * nb * rows;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t r = 0; r < rows; ++r) kq_header<kQ6_K>(wu + r * rb + b * bytes, h[r]);
+    for (int half = 0; half < 2; ++half) {
+      const int64_t hb = 2 * b + half;  // chunks 4 hb .. 4 hb + 3, in buffers 4 (hb % 2) ..
+      at::BFloat16* set = reinterpret_cast<at::BFloat16*>(buf) + (hb & 1) * 4096;
+      int64_t done = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t st = hb * rows + r;
+        for (int64_t l = st * lines / steps; l < (st + 1) * lines / steps; ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
+        kq_q6k_bf16_half(wu + r * rb + b * bytes, half, h[r], set + r * 32, 1024);
+        for (; hb > 0 && done < (r + 1) * 4 / rows; ++done) {  // the previous half's chunks
+          const int64_t ch = 4 * (hb - 1) + done;
+          kq_amx_chunk<TWO>(buf + (ch & 7) * 1024, xb, xs, ch);
+        }
       }
     }
+  }
+  for (int64_t j = 0; j < 4; ++j) {  // the last half's chunks (hb = 2 nb - 1 is odd: buffers 4-7)
+    const int64_t ch = 4 * (2 * nb - 1) + j;
+    kq_amx_chunk<TWO>(buf + (ch & 7) * 1024, xb, xs, ch);
   }
 }
 
@@ -3357,8 +3322,14 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
         _tile_zero(7);
         const uint8_t* next = u + 1 < u1 ? wp + (n0 + kKqAmxRows) * rb : nullptr;
         const float* su = sp == nullptr ? nullptr : sp + n0 * (K / 32);
-        if (MT == 2) kq_amx_unit<T, true>(wp + n0 * rb, rb, rows, K, xpack, xs, buf, next, su);
-        else kq_amx_unit<T, false>(wp + n0 * rb, rb, rows, K, xpack, xs, buf, next, su);
+        if constexpr (T == kQ6_K) {
+          if (MT == 2) kq_amx_unit_q6k<true>(wp + n0 * rb, rb, rows, K, xpack, xs, buf, next);
+          else kq_amx_unit_q6k<false>(wp + n0 * rb, rb, rows, K, xpack, xs, buf, next);
+        } else if (MT == 2) {
+          kq_amx_unit<T, true>(wp + n0 * rb, rb, rows, K, xpack, xs, buf, next, su);
+        } else {
+          kq_amx_unit<T, false>(wp + n0 * rb, rb, rows, K, xpack, xs, buf, next, su);
+        }
         kq_amx_out(MT == 2, 0, M, N, n0, rows, yp);
       }
     } else {
