@@ -384,6 +384,48 @@ def decode_layers(h: Tensor, delta: Tensor | None, layers: Sequence[FusedLayer],
     return out
 
 
+class MoEDecodePlan:
+    """The layers of a Qwen3-MoE decoder (`helios.models.moe_decoder.MoELayer`: per-head q/k norm, full
+    rotary, k-quant attention projections, softmax-routed experts as GGUF blocks) for an all-decode
+    step in one call (``csrc``'s ``MoEDecodePlan``, a torch custom class holding the layers' weights,
+    so a step passes no per-expert lists): per layer `add_rms_norm`, the q/k/v projection
+    (`kquant_linear` per segment, `kquant_linear_amx` with ``amx``), `qk_norm_rope_`,
+    `write_paged_decode`, the o projection, the second norm, the router, softmax top-k routing and
+    `moe_kquant_mix`: the operators the layer's fused path calls, in its order, so the same bits.
+    ``max_rows``: the most rows a step may give it (set by `moe_decoder.build_decode_plan`)."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, top_k: int, norm_topk: bool, router_fp32: bool,
+                 eps: float) -> None:
+        self._plan = torch.classes.helios.MoEDecodePlan(heads, kv_heads, head_dim, top_k, norm_topk, router_fp32,
+                                                       eps)
+        self.max_rows = 0
+
+    def add_layer(self, input_norm: Tensor, post_norm: Tensor, qk_norm: Tensor, qkv: Sequence[tuple[Tensor, int, int]],
+                  o: Sequence[tuple[Tensor, int, int]], experts_gate_up: Sequence[Tensor],
+                  experts_down: Sequence[Tensor], gate_up_type: int, down_type: int, max_rows: int | None) -> None:
+        """One more layer: its norm weights (``qk_norm`` float32 [heads + kv_heads, head_dim]), the
+        q/k/v and o projections' segments (blocks, GGUF type, rows), and its experts' blocks (each
+        expert's [2I, H] gate/up of ``gate_up_type`` and [H, I] down of ``down_type``; ``max_rows``:
+        the most rows an expert may get, None: no limit)."""
+        segments = [*qkv, *o]
+        self._plan.add_layer(input_norm, post_norm, qk_norm, [b for b, _, _ in segments],
+                             [t for _, t, _ in segments], [n for _, _, n in segments], len(qkv),
+                             list(experts_gate_up), list(experts_down), gate_up_type, down_type,
+                             -1 if max_rows is None else max_rows)
+
+    def run(self, h: Tensor, cos: Tensor, sin: Tensor, routers: Sequence[Tensor], decode: Sequence[DecodeArgs],
+            scale: float, amx: bool) -> tuple[Tensor, Tensor]:
+        """Every layer on the embeddings ``h``: the last layer's (stream, feed-forward output).
+        ``routers[i]``: layer i's router weight as its rows multiply it; ``decode[i]``: its
+        `write_paged_decode` arguments; ``amx``: the projections on the AMX tiles."""
+        _, _, slot_mapping, table, rows, lens, page_size, _, _ = decode[0]
+        k_scales = [d[7] for d in decode if d[7] is not None]
+        v_scales = [d[8] for d in decode if d[8] is not None]
+        stream, delta = self._plan.run(h, cos, sin, list(routers), [d[0] for d in decode], [d[1] for d in decode],
+                                       k_scales, v_scales, slot_mapping, table, rows, lens, page_size, scale, amx)
+        return stream, delta
+
+
 def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``(s, rms_norm(s) * weight)`` for ``s = h + delta`` (``s = h`` without delta); ``h`` [N, D]
     contiguous float32 or bfloat16, ``weight`` float32 [D]. Math in float32; ``s`` is rounded to the

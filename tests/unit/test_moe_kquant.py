@@ -44,9 +44,11 @@ INT4_LAYERS = [(Q.Q4_0, Q.Q4_0, Q.Q4_1), (Q.Q4_1, Q.Q4_1, Q.Q4_0)]
 PROMPT = [257, 12, 200, 31, 99, 4, 150, 258, 7, 77, 120, 5, 61, 230, 18, 40, 3, 141, 90, 11]
 
 
-def write_moe_gguf(path: Path, layer_types: list[tuple[Q, Q, Q]], seed: int = 0) -> Path:
-    """A tiny random qwen3moe model: float32 attention, norms, router, embedding and head; the
-    routed experts stacked [E, rows, cols] in ``layer_types``."""
+def write_moe_gguf(path: Path, layer_types: list[tuple[Q, Q, Q]], seed: int = 0,
+                   attention: tuple[Q | None, Q | None, Q | None, Q | None] | None = None) -> Path:
+    """A tiny random qwen3moe model: float32 attention (``attention``: its q, k, v and o weights in
+    these block types, None: float32), norms, router, embedding and head; the routed experts stacked [E, rows,
+    cols] in ``layer_types``."""
     rng = np.random.default_rng(seed)
     arch = "qwen3moe"
     writer = gguf.GGUFWriter(str(path), arch)
@@ -82,10 +84,14 @@ def write_moe_gguf(path: Path, layer_types: list[tuple[Q, Q, Q]], seed: int = 0)
         dense(blk + "ffn_norm.weight", HIDDEN, scale=0.1, base=1.0)
         dense(blk + "attn_q_norm.weight", HEAD_DIM, scale=0.1, base=1.0)
         dense(blk + "attn_k_norm.weight", HEAD_DIM, scale=0.1, base=1.0)
-        dense(blk + "attn_q.weight", q, HIDDEN)
-        dense(blk + "attn_k.weight", kv, HIDDEN)
-        dense(blk + "attn_v.weight", kv, HIDDEN)
-        dense(blk + "attn_output.weight", HIDDEN, q)
+        for name, (rows, cols), qtype in zip(("attn_q", "attn_k", "attn_v", "attn_output"),
+                                             ((q, HIDDEN), (kv, HIDDEN), (kv, HIDDEN), (HIDDEN, q)),
+                                             attention or (None,) * 4, strict=True):
+            if qtype is None:
+                dense(f"{blk}{name}.weight", rows, cols)
+            else:
+                writer.add_tensor(f"{blk}{name}.weight", random_blocks(int(qtype), rows, cols, 7919 * layer + rows + cols),
+                                  raw_dtype=qtype)
         dense(blk + "ffn_gate_inp.weight", EXPERTS, HIDDEN, scale=0.5)
         for part, qtype, (rows, cols) in zip(("gate", "up", "down"), types,
                                              ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)), strict=True):
@@ -350,3 +356,68 @@ def test_runtime_auto_and_the_weight_cache(kquant_file: Path, tmp_path: Path) ->
     assert isinstance(again, MoEForCausalLM)
     assert all(isinstance(m, KQuantLinear) for m in expert_modules(again))
     assert torch.equal(got, logits(again))
+
+
+# q and k one Q4_K segment, v Q6_K (two segments, as Q4_K_M files mix them), o Q8_0
+ATTENTION_TYPES = (Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q8_0)
+# experts whose gate and up share a type (one gate/up segment: `kquant.BlockExperts`)
+PLAN_LAYERS = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0, Q.Q5_0)]
+
+
+def engine_tokens(model: MoEForCausalLM, dtype: torch.dtype, streams: int, kv_dtype: str
+                  ) -> list[list[tuple[int, float, tuple[tuple[int, float], ...]]]]:
+    """Greedy tokens, logprobs and top-3 logprobs of ``streams`` requests through the engine (its
+    decode steps are all-decode steps of ``streams`` rows)."""
+    from helios.domain.sampling import SamplingParams
+    from helios.engine.core import EngineConfig, EngineCore
+    from helios.engine.records import EngineRequest
+    from tests.unit.test_engine import run
+
+    core = EngineCore(model, EngineConfig(page_size=8, num_pages=160, max_active=streams, prefill_chunk_size=64,
+                                          max_model_len=128, prefix_caching=False, kv_dtype=kv_dtype), dtype)
+    reqs = [EngineRequest(f"r{i}", tuple((p * (i + 3)) % VOCAB for p in PROMPT), SamplingParams(temperature=0.0),
+                          max_tokens=12, ignore_eos=True, num_top_logprobs=3) for i in range(streams)]
+    outs = run(core, reqs)
+    return [[(t, lp.logprob, tuple(lp.top)) for o in outs[r.request_id]
+             for t, lp in zip(o.new_token_ids, o.logprobs or (), strict=True)] for r in reqs]
+
+
+@pytest.mark.parametrize(("dtype", "streams", "kv_dtype"), [(torch.float32, 1, "auto"), (torch.bfloat16, 1, "auto"),
+                                                            (torch.bfloat16, 3, "int8"), (torch.bfloat16, 9, "auto"),
+                                                            (torch.float32, 9, "auto")])
+def test_decode_plan_is_the_layers_fused_path(tmp_path: Path, dtype: torch.dtype, streams: int, kv_dtype: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3-MoE file with k-quant attention: its all-decode steps run every layer in one call
+    (`cpu_kernels.MoEDecodePlan`), and the greedy tokens, logprobs and top logprobs are bit for bit
+    those of the layers' own fused path, for float32 and bfloat16, 1 to 9 rows (9 bfloat16 rows: the
+    AMX tiles where they are active), float and int8 K/V. A layer the plan does not take (a dense
+    attention projection) leaves the whole model on the layers' path."""
+    from helios.models import moe_decoder
+
+    path = write_moe_gguf(tmp_path / "tiny-moe-attn.gguf", PLAN_LAYERS, attention=ATTENTION_TYPES)
+    model = blocks_model(path, blocks_format(), dtype)
+    assert all(isinstance(m, KQuantLinear) for layer in model._decoder_layers() for m in (layer.qkv_proj, layer.o_proj))
+    assert len(cast_kquant(model._decoder_layers()[0].qkv_proj).types) == 2
+    runs: list[int] = []
+    plan_run = cpu_kernels.MoEDecodePlan.run
+
+    def counting(self: cpu_kernels.MoEDecodePlan, h: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        runs.append(h.shape[0])
+        return plan_run(self, h, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_kernels.MoEDecodePlan, "run", counting)
+    fused = engine_tokens(model, dtype, streams, kv_dtype)
+    assert runs and max(runs) == streams, runs  # the decode steps went through the plan
+    monkeypatch.setattr(moe_decoder, "build_decode_plan", lambda *args: None)
+    model._plan = None
+    count = len(runs)
+    assert engine_tokens(model, dtype, streams, kv_dtype) == fused
+    assert len(runs) == count
+    monkeypatch.undo()
+    # A dense o projection, or experts whose gate and up differ in type: no plan.
+    for name, layers, attention in (("dense-o", PLAN_LAYERS, (Q.Q4_K, Q.Q4_K, Q.Q6_K, None)),
+                                    ("split-gate-up", KQUANT_LAYERS, ATTENTION_TYPES)):
+        other = blocks_model(write_moe_gguf(tmp_path / f"{name}.gguf", layers, attention=attention), blocks_format(),
+                             dtype)
+        assert moe_decoder.build_decode_plan(model.config, other._decoder_layers()) is None, name
+    assert moe_decoder.build_decode_plan(model.config, model._decoder_layers()) is not None

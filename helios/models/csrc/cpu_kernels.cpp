@@ -36,10 +36,17 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/zeros_like.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/div.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/topk.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/util/BFloat16.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -3497,6 +3504,147 @@ at::Tensor gated_delta_step(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+
+// ---- MoE decode layers: the layers of a mixture-of-experts decoder in one call ---------------------------
+// What `MoELayer.forward` does with the fused kernels for an all-decode step, layer after layer, without
+// the Python between its operators (about 30 calls a layer, which at one decode row cost about as much
+// as the layer's attention and routing together): the same operators in the same order, so the same
+// bits. Held as a `MoEDecodePlan` (a torch custom class built once from the layers' weights, so a step
+// passes no per-expert lists). The layers it takes are Qwen3-MoE's: per layer two RMSNorm weights, the
+// per-head q/k norm, k-quant q/k/v and o projections (each one or more row segments of GGUF blocks, as
+// `KQuantLinear` holds them), full rotary RoPE, a router and routed experts as GGUF blocks
+// (`BlockExperts`); no bias, no shared experts, no dense layers (those layers keep the Python path).
+// Routing: softmax top-k (`moe.route`'s operators: softmax in float32, topk, the optional
+// renormalisation, the weights cast to the logits' dtype); the router weight is passed per step (the
+// layer's float32 copy for bfloat16 activations: `MoELayer._router_logits`'s product).
+struct KqProjection {
+  std::vector<at::Tensor> blocks;
+  std::vector<int64_t> types, outs;
+};
+
+// KQuantLinear.forward's kernel paths: each segment through kquant_linear (or, with `amx`, through
+// kquant_linear_amx: the tiles' bfloat16 steps of TILE_ROWS rows), joined along the columns.
+at::Tensor kq_project(const KqProjection& p, const at::Tensor& x, bool amx) {
+  std::vector<at::Tensor> outs;
+  for (size_t i = 0; i < p.blocks.size(); ++i)
+    outs.push_back(amx ? kquant_linear_amx(x, p.blocks[i], p.types[i], p.outs[i], false)
+                       : kquant_linear(x, p.blocks[i], p.types[i], p.outs[i], false));
+  return outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+}
+
+struct MoEDecodeLayerWeights {
+  at::Tensor input_norm, post_norm, qk_norm;
+  KqProjection qkv, o;
+  std::vector<at::Tensor> experts_gate_up, experts_down;
+  int64_t gu_type = 0, down_type = 0, max_rows = -1;
+};
+
+struct MoEDecodePlan : torch::CustomClassHolder {
+  int64_t heads, kv_heads, head_dim, top_k;
+  bool norm_topk, router_fp32;
+  double eps;
+  std::vector<MoEDecodeLayerWeights> layers;
+
+  MoEDecodePlan(int64_t heads_, int64_t kv_heads_, int64_t head_dim_, int64_t top_k_, bool norm_topk_,
+                bool router_fp32_, double eps_)
+      : heads(heads_), kv_heads(kv_heads_), head_dim(head_dim_), top_k(top_k_), norm_topk(norm_topk_),
+        router_fp32(router_fp32_), eps(eps_) {}
+
+  // One more layer. `segments`: how many of `blocks` / `types` / `outs` the qkv projection takes (the
+  // rest are o's); `max_rows`: the most rows an expert may get (-1: no limit).
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qk_norm, std::vector<at::Tensor> blocks,
+                 std::vector<int64_t> types, std::vector<int64_t> outs, int64_t segments,
+                 std::vector<at::Tensor> experts_gate_up, std::vector<at::Tensor> experts_down, int64_t gu_type,
+                 int64_t down_type, int64_t max_rows) {
+    TORCH_CHECK(blocks.size() == types.size() && blocks.size() == outs.size() && segments > 0 &&
+                    segments < static_cast<int64_t>(blocks.size()),
+                "MoEDecodePlan.add_layer: a type and a width per block tensor, qkv and o segments");
+    TORCH_CHECK(!experts_gate_up.empty() && experts_gate_up.size() == experts_down.size(),
+                "MoEDecodePlan.add_layer: a gate/up and a down weight per expert");
+    for (const auto& b : blocks) TORCH_CHECK(b.scalar_type() == at::kByte, "MoEDecodePlan.add_layer: uint8 blocks");
+    MoEDecodeLayerWeights w;
+    w.input_norm = std::move(input_norm);
+    w.post_norm = std::move(post_norm);
+    w.qk_norm = std::move(qk_norm);
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      KqProjection& p = static_cast<int64_t>(i) < segments ? w.qkv : w.o;
+      p.blocks.push_back(blocks[i]);
+      p.types.push_back(types[i]);
+      p.outs.push_back(outs[i]);
+    }
+    w.experts_gate_up = std::move(experts_gate_up);
+    w.experts_down = std::move(experts_down);
+    w.gu_type = gu_type;
+    w.down_type = down_type;
+    w.max_rows = max_rows;
+    layers.push_back(std::move(w));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  // The routed experts of layer w on x (MoELayer.feed_forward's fused path).
+  at::Tensor feed_forward(const MoEDecodeLayerWeights& w, const at::Tensor& x, const at::Tensor& router) const {
+    at::Tensor logits;
+    if (router_fp32) {
+      logits = at::linear(x.to(at::kFloat), router);
+    } else if (router.scalar_type() != x.scalar_type()) {  // bfloat16 rows, the weight's float32 copy
+      logits = at::linear(x.to(at::kFloat), router).to(x.scalar_type());
+    } else {
+      logits = at::linear(x, router);
+    }
+    const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
+    auto [top, ids] = at::topk(probs, top_k, -1);
+    if (norm_topk) top = at::div(top, at::sum(top, {-1}, true));
+    return moe_kquant_mix(x, top.to(logits.scalar_type()), ids, w.experts_gate_up, w.gu_type, w.experts_down,
+                          w.down_type, w.max_rows);
+  }
+
+  // Every layer of an all-decode step on the embeddings h: [stream, feed-forward output] of the last.
+  // `routers[l]`: layer l's router weight as the step multiplies it; the caches and the step's
+  // paged-attention arguments as `decode_layers` takes them; `amx`: the projections on the tiles.
+  std::vector<at::Tensor> run(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> routers,
+                              std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                              std::vector<at::Tensor> k_scales, std::vector<at::Tensor> v_scales,
+                              at::Tensor slot_mapping, at::Tensor block_table, at::Tensor rows, at::Tensor lens,
+                              int64_t page_size, double scale, bool amx) const {
+    const int64_t L = num_layers();
+    TORCH_CHECK(L > 0 && static_cast<int64_t>(routers.size()) == L && static_cast<int64_t>(k_caches.size()) == L &&
+                    static_cast<int64_t>(v_caches.size()) == L,
+                "MoEDecodePlan.run: a router, a K and a V cache per layer");
+    const bool quantized = !k_scales.empty();
+    TORCH_CHECK((!quantized || static_cast<int64_t>(k_scales.size()) == L) && k_scales.size() == v_scales.size(),
+                "MoEDecodePlan.run: no K/V scales, or a K and a V scale tensor per layer");
+    TORCH_CHECK(h.dim() == 2, "MoEDecodePlan.run: h is [T, hidden]");
+    const int64_t T = h.size(0), dh = head_dim, qk_width = (heads + kv_heads) * dh;
+    at::Tensor stream = h;
+    std::optional<at::Tensor> d;
+    for (int64_t l = 0; l < L; ++l) {
+      const MoEDecodeLayerWeights& w = layers[l];
+      auto [s, x] = add_rms_norm(stream, d, w.input_norm, eps);
+      const at::Tensor qkv = kq_project(w.qkv, x, amx);
+      TORCH_CHECK(qkv.size(1) == qk_width + kv_heads * dh, "MoEDecodePlan.run: qkv width");
+      const at::Tensor qk = qk_norm_rope_(qkv.narrow(1, 0, qk_width).view({T, heads + kv_heads, dh}), w.qk_norm, eps,
+                                          cos, sin);
+      const at::Tensor v = qkv.narrow(1, qk_width, kv_heads * dh).view({T, kv_heads, dh});
+      at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+      at::Tensor attn;
+      if (quantized) {
+        at::Tensor k_scale = k_scales[l], v_scale = v_scales[l];
+        attn = write_paged_decode_int8(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), v, k_cache, k_scale,
+                                       v_cache, v_scale, slot_mapping, block_table, rows, lens, page_size, scale);
+      } else {
+        attn = write_paged_decode(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), v, k_cache, v_cache,
+                                  slot_mapping, block_table, rows, lens, page_size, scale);
+      }
+      const at::Tensor o = kq_project(w.o, attn.reshape({T, heads * dh}), amx);
+      auto [s2, x2] = add_rms_norm(s, o, w.post_norm, eps);
+      stream = s2;
+      d = feed_forward(w, x2, routers[l]);
+    }
+    return {stream, *d};
+  }
+};
+// ---- end of the MoE decode layers ------------------------------------------------------------------------
 }  // namespace
 
 TORCH_LIBRARY(helios, m) {
@@ -3538,6 +3686,11 @@ TORCH_LIBRARY(helios, m) {
         "int down_type, int max_rows) -> Tensor");
   m.def("gated_delta_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
         "Tensor fresh) -> Tensor");
+  m.class_<MoEDecodePlan>("MoEDecodePlan")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, bool, bool, double>())
+      .def("add_layer", &MoEDecodePlan::add_layer)
+      .def("num_layers", &MoEDecodePlan::num_layers)
+      .def("run", &MoEDecodePlan::run);
 }
 
 TORCH_LIBRARY_FRAGMENT(helios, m) {
