@@ -384,40 +384,48 @@ def decode_layers(h: Tensor, delta: Tensor | None, layers: Sequence[FusedLayer],
     return out
 
 
-class MoEDecodePlan:
-    """The layers of a Qwen3-MoE decoder (`helios.models.moe_decoder.MoELayer`: per-head q/k norm, full
-    rotary, k-quant attention projections, softmax-routed experts as GGUF blocks) for an all-decode
-    step in one call (``csrc``'s ``MoEDecodePlan``, a torch custom class holding the layers' weights,
-    so a step passes no per-expert lists): per layer `add_rms_norm`, the q/k/v projection
-    (`kquant_linear` per segment, `kquant_linear_amx` with ``amx``), `qk_norm_rope_`,
-    `write_paged_decode`, the o projection, the second norm, the router, softmax top-k routing and
-    `moe_kquant_mix`: the operators the layer's fused path calls, in its order, so the same bits.
-    ``max_rows``: the most rows a step may give it (set by `moe_decoder.build_decode_plan`)."""
+Segments = Sequence[tuple[Tensor, int, int]]
+"""A k-quant projection as `KqDecodePlan` takes it: its row segments as (GGUF blocks, type, rows)."""
 
-    def __init__(self, heads: int, kv_heads: int, head_dim: int, top_k: int, norm_topk: bool, router_fp32: bool,
-                 eps: float) -> None:
-        self._plan = torch.classes.helios.MoEDecodePlan(heads, kv_heads, head_dim, top_k, norm_topk, router_fp32,
-                                                       eps)
+
+class KqDecodePlan:
+    """The layers of a k-quant decoder for an all-decode step in one call (``csrc``'s ``KqDecodePlan``,
+    a torch custom class holding the layers' weights, so a step passes no per-expert lists): per layer
+    `add_rms_norm`, the q/k/v projection (`kquant_linear` per segment, `kquant_linear_amx` with
+    ``amx``), the optional bias, `qk_norm_rope_` (or `rope_`), `write_paged_decode`, the o
+    projection, the second norm, then the SwiGLU MLP (gate/up, `silu_mul`, down) or the router, softmax
+    top-k routing and `moe_kquant_mix`: the operators the layers' fused paths call
+    (`llama._DecoderLayer`, `moe_decoder.MoELayer`), in their order, so the same bits. ``max_rows``:
+    the most rows a step may give it (set by the builder: `llama.build_decode_plan`,
+    `moe_decoder.build_decode_plan`)."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, eps: float, *, top_k: int = 0,
+                 norm_topk: bool = False, router_fp32: bool = False) -> None:
+        self._plan = torch.classes.helios.KqDecodePlan(heads, kv_heads, head_dim, eps, top_k, norm_topk, router_fp32)
         self.max_rows = 0
 
-    def add_layer(self, input_norm: Tensor, post_norm: Tensor, qk_norm: Tensor, qkv: Sequence[tuple[Tensor, int, int]],
-                  o: Sequence[tuple[Tensor, int, int]], experts_gate_up: Sequence[Tensor],
-                  experts_down: Sequence[Tensor], gate_up_type: int, down_type: int, max_rows: int | None) -> None:
-        """One more layer: its norm weights (``qk_norm`` float32 [heads + kv_heads, head_dim]), the
-        q/k/v and o projections' segments (blocks, GGUF type, rows), and its experts' blocks (each
-        expert's [2I, H] gate/up of ``gate_up_type`` and [H, I] down of ``down_type``; ``max_rows``:
-        the most rows an expert may get, None: no limit)."""
-        segments = [*qkv, *o]
-        self._plan.add_layer(input_norm, post_norm, qk_norm, [b for b, _, _ in segments],
-                             [t for _, t, _ in segments], [n for _, _, n in segments], len(qkv),
-                             list(experts_gate_up), list(experts_down), gate_up_type, down_type,
+    def add_layer(self, input_norm: Tensor, post_norm: Tensor, qkv_bias: Tensor | None, qk_norm: Tensor | None,
+                  qkv: Segments, o: Segments, *, mlp: tuple[Segments, Segments] | None = None,
+                  experts: tuple[Sequence[Tensor], int, Sequence[Tensor], int, int | None] | None = None) -> None:
+        """One more layer: its norm weights (``qk_norm`` per head: float32 [heads + kv_heads, head_dim]),
+        q/k/v bias, the q/k/v and o projections, and either ``mlp`` (its gate/up and down projections)
+        or ``experts`` (every expert's [2I, H] gate/up blocks and their type, its [H, I] down blocks
+        and their type, the most rows an expert may get or None: `kquant.BlockExperts`)."""
+        if (mlp is None) == (experts is None):
+            raise ValueError("KqDecodePlan.add_layer: an MLP or routed experts")
+        gate_up, down = mlp if mlp is not None else ((), ())
+        segments = [*qkv, *o, *gate_up, *down]
+        gu, gu_type, dn, dn_type, max_rows = experts if experts is not None else ((), 0, (), 0, None)
+        self._plan.add_layer(input_norm, post_norm, qkv_bias, qk_norm, [b for b, _, _ in segments],
+                             [t for _, t, _ in segments], [n for _, _, n in segments],
+                             [len(qkv), len(o), len(gate_up), len(down)], list(gu), list(dn), gu_type, dn_type,
                              -1 if max_rows is None else max_rows)
 
     def run(self, h: Tensor, cos: Tensor, sin: Tensor, routers: Sequence[Tensor], decode: Sequence[DecodeArgs],
             scale: float, amx: bool) -> tuple[Tensor, Tensor]:
         """Every layer on the embeddings ``h``: the last layer's (stream, feed-forward output).
-        ``routers[i]``: layer i's router weight as its rows multiply it; ``decode[i]``: its
-        `write_paged_decode` arguments; ``amx``: the projections on the AMX tiles."""
+        ``routers[i]``: layer i's router weight as its rows multiply it (any tensor in an MLP layer);
+        ``decode[i]``: its `write_paged_decode` arguments; ``amx``: the projections on the AMX tiles."""
         _, _, slot_mapping, table, rows, lens, page_size, _, _ = decode[0]
         k_scales = [d[7] for d in decode if d[7] is not None]
         v_scales = [d[8] for d in decode if d[8] is not None]

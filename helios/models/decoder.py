@@ -14,7 +14,7 @@ code, moved, so its behaviour is unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, cast
 
 import torch
@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from helios.models import cpu_kernels, packing
 from helios.models.dense import dense_matmul
-from helios.models.interface import CacheSpec
-from helios.models.kquant import BlockQuantized, tiles_take
+from helios.models.interface import AttentionContext, CacheSpec, DecodeArgs
+from helios.models.kquant import TILE_ROWS, BlockQuantized, tiles_take
 from helios.models.packing import LM_HEAD_FP32, LM_HEAD_Q8, Q8_BF16_ROWS
 from helios.models.quant import BuildSource, GroupQuantized, WeightFormat, build_linear, dense_of, q8_0_blocks
 from helios.models.tp import ParallelContext, ShardedWeights, shard_config
@@ -99,6 +99,9 @@ class DecoderLayer(nn.Module):
         self.kv_size = config.kv_size
         self.intermediate_size = config.intermediate_size
         self.hidden_size = config.hidden_size
+        # Counts the changes of this layer's weights (`set_projection`, `finish_loading`): the model's
+        # decode plan (`FusedDecoderLM.planned_decode`) is rebuilt when a layer's count moves.
+        self.generation = 0
 
     def projection_parts(self) -> dict[str, tuple[tuple[str, tuple[int, int]], ...]]:
         """This layer's fused projections: attribute -> its row blocks as (Hugging Face suffix,
@@ -174,6 +177,30 @@ class FusedDecoderLM(nn.Module):
         # empty.
         self._embed_blocks: BlockQuantized | None = None
         self._lm_head_blocks: BlockQuantized | None = None
+        # `planned_decode`: the decode plan, keyed by the layers' generations (None: none applies)
+        self._plan: tuple[tuple[int, ...], cpu_kernels.KqDecodePlan | None] | None = None
+
+    def planned_decode(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext,
+                       build: Callable[[], cpu_kernels.KqDecodePlan | None],
+                       routers: Callable[[torch.dtype], list[Tensor]] | None = None) -> tuple[Tensor, Tensor] | None:
+        """Every layer of an all-decode step through the model's decode plan (`cpu_kernels.KqDecodePlan`,
+        made by ``build`` and kept until a layer's weights change; ``routers``: the layers' router
+        weights for rows of a dtype, for the MoE layers): the last layer's (stream, feed-forward
+        output), or None where no plan applies (the caller runs the layers)."""
+        layers = self._decoder_layers()
+        key = tuple(layer.generation for layer in layers)
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, build())
+        plan = self._plan[1]
+        rows = h.shape[0]
+        if plan is None or rows > plan.max_rows:
+            return None
+        decode = [attn.all_decode_args(i) for i in range(len(layers))]
+        if any(d is None for d in decode):
+            return None
+        amx = h.dtype == torch.bfloat16 and TILE_ROWS[0] <= rows <= TILE_ROWS[1] and cpu_kernels.kquant_amx_active()
+        weights = routers(h.dtype) if routers is not None else [h] * len(layers)
+        return plan.run(h, cos, sin, weights, cast(list[DecodeArgs], decode), self.config.head_dim ** -0.5, amx)
 
     def _build_layers(self, device: torch.device, dense_dtype: torch.dtype | None) -> list[DecoderLayer]:
         """The decoder layers (``dense_dtype``: the dense projections' placeholder dtype, None for

@@ -198,6 +198,20 @@ class KQuantLinear(nn.Module):
                 f"unpack_dtype={str(self.unpack_dtype).removeprefix('torch.')}")
 
 
+def plan_segments(module: object, limits: list[int]) -> list[tuple[Tensor, int, int]] | None:
+    """A projection as `cpu_kernels.KqDecodePlan` takes it: its segments (blocks, type, rows), where it
+    is a `KQuantLinear` whose bfloat16 steps of `TILE_ROWS` rows take the tiles (``tiles``), as the
+    plan's ``amx`` steps do; None otherwise. Appends to ``limits`` the most rows its kernels serve
+    (its dense copy's ``dense_above``, its ``unpack_above``)."""
+    if not isinstance(module, KQuantLinear) or not module.tiles:
+        return None
+    if module.dense is not None or module.onednn is not None:
+        limits.append(module.dense_above)
+    if module.unpack_above is not None:
+        limits.append(module.unpack_above)
+    return list(zip(module.blocks, module.types, module.outs, strict=True))
+
+
 def grouped_linear(modules: Sequence[object], sizes: Sequence[int], x: Tensor) -> Tensor | None:
     """Row groups through their own `KQuantLinear` (``sizes[i]`` rows of ``x`` for ``modules[i]``,
     in order) as one `cpu_kernels.kquant_linear_grouped` call per row segment: [rows, out] in ``x``'s

@@ -18,7 +18,7 @@ in that format; `packed_state` / `load_packed_state` save and restore the built 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import cast
 
@@ -41,6 +41,7 @@ from helios.models.decoder import (
     rope_tables,
 )
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec
+from helios.models.kquant import TILE_ROWS, plan_segments
 from helios.models.packing import Q8_BF16_ROWS as Q8_BF16_ROWS  # re-exported: compute_logits' threshold
 from helios.models.quant import DenseLinear, UnloadedLinear, WeightFormat
 from helios.models.tp import ParallelContext
@@ -110,7 +111,12 @@ class LlamaForCausalLM(FusedDecoderLM):
         fused = h.device.type == "cpu" and h.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
         delta: Tensor | None = None
         layers = self._decoder_layers()
+        planned = self.planned_decode(h, cos, sin, attn, self._build_plan) \
+            if fused and type(self) is LlamaForCausalLM else None
         i = 0
+        if planned is not None:  # every layer in one call (k-quant layers)
+            h, delta = planned
+            i = len(layers)
         while i < len(layers):
             # An all-decode step: each run of layers with one fused projection kind is one operator.
             run = layers[i].fused_decode(h.shape[0], attn) if fused else None
@@ -138,6 +144,9 @@ class LlamaForCausalLM(FusedDecoderLM):
 
     def _decoder_layers(self) -> list[_DecoderLayer]:
         return [cast(_DecoderLayer, layer) for layer in self.layers]
+
+    def _build_plan(self) -> cpu_kernels.KqDecodePlan | None:
+        return build_decode_plan(self.config, self._decoder_layers())
 
     def _rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sign-folded sin, [T, 1, head_dim], so that rope(x) = x*cos + roll(x, d/2)*sin."""
@@ -226,6 +235,7 @@ class _DecoderLayer(DecoderLayer):
         setattr(self, attr, module)
         self._int4 = None  # until finish_loading looks at the new set
         self._onednn = None
+        self.generation += 1
 
     def fused_decode(self, num_tokens: int, attn: AttentionContext) -> tuple[cpu_kernels.FusedLayer,
                                                                               cpu_kernels.DecodeArgs] | None:
@@ -281,6 +291,28 @@ class _DecoderLayer(DecoderLayer):
         self.find_fused_decode()
         if self.qk_norm is not None:
             broadcast_qk_norm(self.qk_norm, self.num_heads, self.num_kv_heads)
+        self.generation += 1
+
+
+def build_decode_plan(config: ModelConfig, layers: Sequence[_DecoderLayer]) -> cpu_kernels.KqDecodePlan | None:
+    """The layers as one `cpu_kernels.KqDecodePlan` where every projection of every layer is a
+    `kquant.KQuantLinear` (`kquant.plan_segments`; a k-quant GGUF under ``keep_blocks``) and no layer
+    is a tensor-parallel shard; otherwise None. ``max_rows``: the most rows a step may have for every
+    projection to take the kernels the plan calls (at most `kquant.TILE_ROWS`' upper end)."""
+    if not layers or not cpu_kernels.available():
+        return None
+    limits = [TILE_ROWS[1]]
+    plan = cpu_kernels.KqDecodePlan(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
+    for layer in layers:
+        if type(layer) is not _DecoderLayer or layer.parallel is not None:
+            return None
+        qkv, o, gate_up, down = (plan_segments(getattr(layer, attr), limits) for attr in PROJECTIONS)
+        if qkv is None or o is None or gate_up is None or down is None:
+            return None
+        plan.add_layer(layer.input_norm, layer.post_attention_norm, layer.qkv_bias, layer.qk_norm, qkv, o,
+                       mlp=(gate_up, down))
+    plan.max_rows = min(limits)
+    return plan
 
 
 _param = param

@@ -54,7 +54,7 @@ from helios.models.decoder import (
     rope_tables,
 )
 from helios.models.interface import AttentionContext, CacheSpec, FullAttentionSpec
-from helios.models.kquant import TILE_ROWS, BlockExperts, KQuantLinear
+from helios.models.kquant import TILE_ROWS, BlockExperts, KQuantLinear, plan_segments
 from helios.models.moe import Experts, RouterSpec, expert_mix, route, run_experts
 from helios.models.quant import BuildSource, DenseLinear, StackedExperts, UnloadedLinear, WeightFormat
 from helios.models.tp import ParallelContext, dispatch_experts
@@ -151,9 +151,6 @@ class MoEForCausalLM(FusedDecoderLM):
                          parallel=parallel)
         freq = inv_freq_of(config.rotary, config.rope_theta, config.rope_scaling)
         self.register_buffer("inv_freq", freq.to(device), persistent=False)
-        # `_fused_decode`: the decode plan, keyed by the layers' generations (None: none applies)
-        self._plan: tuple[tuple[int, ...], cpu_kernels.MoEDecodePlan | None] | None = None
-        self._fused_out: tuple[Tensor, Tensor] | None = None
 
     def _build_layers(self, device: torch.device, dense_dtype: torch.dtype | None) -> list[DecoderLayer]:
         cfg = self.config
@@ -182,9 +179,10 @@ class MoEForCausalLM(FusedDecoderLM):
         fused = h.device.type == "cpu" and h.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
         delta: Tensor | None = None
         layers = self._decoder_layers()
-        if fused and type(self) is MoEForCausalLM and self._fused_decode(h, cos, sin, attn, layers) is not None:
-            h, delta = cast(tuple[Tensor, Tensor], self._fused_out)
-            self._fused_out = None
+        planned = self.planned_decode(h, cos, sin, attn, self._build_plan, self._router_weights) \
+            if fused and type(self) is MoEForCausalLM else None
+        if planned is not None:
+            h, delta = planned
             if keep is not None:
                 h, delta = h.index_select(0, keep), delta.index_select(0, keep)
         else:
@@ -195,26 +193,11 @@ class MoEForCausalLM(FusedDecoderLM):
             return h
         return add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps, fused)[1]
 
-    def _fused_decode(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext,
-                      layers: Sequence[MoELayer]) -> bool | None:
-        """Every layer of an all-decode step through the decode plan (`cpu_kernels.MoEDecodePlan`:
-        `MoELayer.forward`'s fused operators in one call; its result in ``_fused_out``), where one
-        applies: True, or None (the layers' own path)."""
-        key = tuple(layer.generation for layer in layers)
-        if self._plan is None or self._plan[0] != key:
-            self._plan = (key, build_decode_plan(self.config, layers))
-        plan = self._plan[1]
-        rows = h.shape[0]
-        if plan is None or rows > plan.max_rows:
-            return None
-        decode = [attn.all_decode_args(i) for i in range(len(layers))]
-        if any(d is None for d in decode):
-            return None
-        args = cast(list[cpu_kernels.DecodeArgs], decode)
-        amx = h.dtype == torch.bfloat16 and TILE_ROWS[0] <= rows <= TILE_ROWS[1] and cpu_kernels.kquant_amx_active()
-        routers = [layer.router_weight(h.dtype) for layer in layers]
-        self._fused_out = plan.run(h, cos, sin, routers, args, self.config.head_dim ** -0.5, amx)
-        return True
+    def _build_plan(self) -> cpu_kernels.KqDecodePlan | None:
+        return build_decode_plan(self.config, self._decoder_layers())
+
+    def _router_weights(self, dtype: torch.dtype) -> list[Tensor]:
+        return [layer.router_weight(dtype) for layer in self._decoder_layers()]
 
     def decode_weight_bytes(self) -> int:
         """`FusedDecoderLM.decode_weight_bytes`, with each MoE layer's routed experts counted for the
@@ -323,7 +306,6 @@ class MoELayer(DecoderLayer):
         self.quantized_experts = self.moe and dense_dtype is None
         self._routed: tuple[list[nn.Module], list[nn.Module]] | None = None  # `routed_experts`, per-expert modules
         self._blocks: tuple[BlockExperts | None] | None = None  # `block_experts`, listed once
-        self.generation = 0  # counts `set_projection` / `finish_loading` calls (the model's decode plan key)
         self.mlp_size = config.shared_intermediate_size if self.moe else config.intermediate_size
         self.moe_intermediate_size = config.moe_intermediate_size
 
@@ -591,41 +573,33 @@ class MoELayer(DecoderLayer):
         return cast(Tensor, down(F.silu(gate).mul_(up)))
 
 
-def build_decode_plan(config: MoEConfig, layers: Sequence[MoELayer]) -> cpu_kernels.MoEDecodePlan | None:
-    """The layers as one `cpu_kernels.MoEDecodePlan`, where they are Qwen3-MoE's: every one a plain
+def build_decode_plan(config: MoEConfig, layers: Sequence[MoELayer]) -> cpu_kernels.KqDecodePlan | None:
+    """The layers as one `cpu_kernels.KqDecodePlan`, where they are Qwen3-MoE's: every one a plain
     `MoELayer` (no subclass, no tensor parallelism) with a per-head q/k norm, full rotary, no bias,
-    `kquant.KQuantLinear` q/k/v and o projections (the tiles' rows on the tiles, ``tiles``), no shared
-    experts and softmax routing over `kquant.BlockExperts`; otherwise None. ``max_rows``: the most
-    rows a step may have for every projection to take the kernels the plan calls (no dense copy, no
-    unpacking, no more rows than the experts' fused mix takes, at most `kquant.TILE_ROWS`' upper end)."""
+    `kquant.KQuantLinear` q/k/v and o projections (`kquant.plan_segments`), no shared experts and
+    softmax routing over `kquant.BlockExperts`; otherwise None. ``max_rows``: the most rows a step may
+    have for every projection to take the kernels the plan calls (no dense copy, no unpacking, no more
+    rows than the experts' fused mix takes, at most `kquant.TILE_ROWS`' upper end)."""
     spec = config.router
     if not layers or spec.scoring != "softmax" or config.rotary != config.head_dim or not config.qk_norm \
             or not config.qk_norm_per_head or not cpu_kernels.available():
         return None
     limits = [TILE_ROWS[1]]
-    plan = cpu_kernels.MoEDecodePlan(config.num_heads, config.num_kv_heads, config.head_dim, spec.top_k,
-                                     spec.norm_topk_prob, spec.router_fp32, config.rms_norm_eps)
+    plan = cpu_kernels.KqDecodePlan(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps,
+                                    top_k=spec.top_k, norm_topk=spec.norm_topk_prob, router_fp32=spec.router_fp32)
     for layer in layers:
         if type(layer) is not MoELayer or layer.parallel is not None or not layer.moe \
-                or layer.qkv_bias is not None or layer.qk_norm is None or layer.gate_up_proj is not None:
+                or layer.qkv_bias is not None or layer.gate_up_proj is not None:
             return None
-        qkv, o = layer.qkv_proj, layer.o_proj
-        if not (isinstance(qkv, KQuantLinear) and qkv.tiles and isinstance(o, KQuantLinear) and o.tiles):
-            return None
-        for m in (qkv, o):
-            if m.dense is not None or m.onednn is not None:
-                limits.append(m.dense_above)
-            if m.unpack_above is not None:
-                limits.append(m.unpack_above)
+        qkv, o = plan_segments(layer.qkv_proj, limits), plan_segments(layer.o_proj, limits)
         experts = layer.block_experts()
-        if experts is None:
+        if qkv is None or o is None or experts is None:
             return None
         if experts.max_rows is not None:
             limits.append(experts.max_rows)
-        plan.add_layer(layer.input_norm, layer.post_attention_norm, layer.qk_norm,
-                       list(zip(qkv.blocks, qkv.types, qkv.outs, strict=True)),
-                       list(zip(o.blocks, o.types, o.outs, strict=True)), experts.gate_up, experts.down,
-                       experts.gate_up_type, experts.down_type, experts.max_rows)
+        plan.add_layer(layer.input_norm, layer.post_attention_norm, None, layer.qk_norm, qkv, o,
+                       experts=(experts.gate_up, experts.gate_up_type, experts.down, experts.down_type,
+                                experts.max_rows))
     plan.max_rows = min(limits)
     return plan
 

@@ -47,6 +47,19 @@ def run(core: EngineCore, requests: list[EngineRequest], max_steps: int = 500,
     return outs
 
 
+def greedy_outputs(model: torch.nn.Module, dtype: torch.dtype, prompts: list[list[int]], *, kv_dtype: str = "auto",
+                   max_tokens: int = 12) -> list[list[tuple[int, float, tuple[tuple[int, float], ...]]]]:
+    """Greedy tokens, logprobs and top-3 logprobs of ``prompts`` through an engine of ``model`` (all
+    running at once: its decode steps are all-decode steps of len(prompts) rows), in prompt order."""
+    core = EngineCore(model, EngineConfig(page_size=8, num_pages=160, max_active=len(prompts), prefill_chunk_size=64,
+                                          max_model_len=128, prefix_caching=False, kv_dtype=kv_dtype), dtype)
+    reqs = [EngineRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0), max_tokens=max_tokens, ignore_eos=True,
+                          num_top_logprobs=3) for i, p in enumerate(prompts)]
+    outs = run(core, reqs)
+    return [[(t, lp.logprob, tuple(lp.top)) for o in outs[r.request_id]
+             for t, lp in zip(o.new_token_ids, o.logprobs or (), strict=True)] for r in reqs]
+
+
 def dense_logprobs(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     attn = DenseAttention.for_model(model)
     with torch.inference_mode():

@@ -29,7 +29,7 @@ from helios.models.architecture import BuildOptions
 from helios.models.dense_attention import DenseAttention
 from helios.models.kquant import BlockQuantized, KQuantLinear
 from helios.models.llama import LlamaForCausalLM
-from helios.models.quant import WeightFormat, build_linear, q8_0_blocks
+from helios.models.quant import DenseLinear, WeightFormat, build_linear, q8_0_blocks
 from helios.runtime import choose_weights, kept_weights
 from tests.unit.test_kquant import random_blocks
 from tests.unit.tiny_gguf import Q
@@ -52,8 +52,8 @@ LAYER_TYPES = [
 
 def write_kquant_gguf(path: Path, *, arch: str = "qwen2", embed: Q = Q.Q6_K, output: Q | None = None,
                       seed: int = 0) -> Path:
-    """A tiny random model of ``arch`` (qwen2: q/k/v biases, no row permutation; llama: permuted
-    q/k rows) with valid random block bytes; ``output`` None ties the head to the embedding."""
+    """A tiny random model of ``arch`` (qwen2: q/k/v biases, no row permutation; qwen3: per-head q/k
+    norms; llama: permuted q/k rows) with valid random block bytes; ``output`` None ties the head to the embedding."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_string("general.name", "tiny-kquant")
@@ -95,6 +95,9 @@ def write_kquant_gguf(path: Path, *, arch: str = "qwen2", embed: Q = Q.Q6_K, out
         if arch == "qwen2":
             for part in ("attn_q", "attn_k", "attn_v"):
                 dense(f"blk.{layer}.{part}.bias", 0.1 * rng.standard_normal(shapes[part][0]))
+        if arch == "qwen3":
+            for part in ("attn_q_norm", "attn_k_norm"):
+                dense(f"blk.{layer}.{part}.weight", 1 + 0.1 * rng.standard_normal(HEAD_DIM))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -357,3 +360,43 @@ def test_nothing_moves_where_transparent_huge_pages_are_off(tmp_path: Path, monk
     assert [p.data_ptr() for m in model.modules() if isinstance(m, KQuantLinear) for p in m.blocks] == before
     setting.write_text("always [madvise] never\n")
     assert packing.HugePageMove(model).total > 0
+
+
+@pytest.mark.parametrize(("arch", "dtype", "streams", "kv_dtype"),
+                         [("qwen2", torch.float32, 1, "auto"), ("qwen2", torch.bfloat16, 1, "auto"),
+                          ("qwen2", torch.bfloat16, 9, "auto"), ("qwen3", torch.bfloat16, 3, "int8"),
+                          ("qwen3", torch.float32, 9, "auto"), ("llama", torch.bfloat16, 9, "auto")])
+def test_decode_plan_is_the_layers_fused_path(tmp_path: Path, arch: str, dtype: torch.dtype, streams: int,
+                                              kv_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A k-quant file's all-decode steps run every layer in one call (`cpu_kernels.KqDecodePlan`:
+    q/k/v bias for qwen2, per-head q/k norms for qwen3, q/k/v segments of several types), and the
+    greedy tokens, logprobs and top logprobs are bit for bit those of the layers' own fused path:
+    float32 and bfloat16, 1 to 9 rows (9 bfloat16 rows: the AMX tiles where they are active), float and
+    int8 K/V. A dense projection in one layer leaves the whole model on the layers' path."""
+    from helios.models import llama
+    from tests.unit.test_engine import greedy_outputs
+
+    model = blocks_model(write_kquant_gguf(tmp_path / "tiny.gguf", arch=arch, embed=Q.Q8_0, output=Q.Q6_K), dtype)
+    runs: list[int] = []
+    plan_run = cpu_kernels.KqDecodePlan.run
+
+    def counting(self: cpu_kernels.KqDecodePlan, h: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        runs.append(h.shape[0])
+        return plan_run(self, h, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_kernels.KqDecodePlan, "run", counting)
+    prompts = [[(p * (i + 3)) % VOCAB for p in PROMPT] for i in range(streams)]
+    fused = greedy_outputs(model, dtype, prompts, kv_dtype=kv_dtype)
+    assert runs and max(runs) == streams, runs
+    monkeypatch.setattr(llama, "build_decode_plan", lambda *args: None)
+    model._plan = None
+    count = len(runs)
+    assert greedy_outputs(model, dtype, prompts, kv_dtype=kv_dtype) == fused
+    assert len(runs) == count
+    monkeypatch.undo()
+    layers = model._decoder_layers()
+    assert llama.build_decode_plan(model.config, layers) is not None
+    module = layers[1].o_proj
+    assert isinstance(module, KQuantLinear)
+    layers[1].set_projection("o_proj", DenseLinear(module.dequantize(dtype)))
+    assert llama.build_decode_plan(model.config, layers) is None

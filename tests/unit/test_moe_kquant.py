@@ -31,6 +31,7 @@ from helios.models.kquant import BlockExperts, BlockQuantized, KQuantLinear
 from helios.models.moe_decoder import MoEForCausalLM
 from helios.models.quant import Int4Linear, StackedExperts, WeightFormat
 from helios.runtime import AUTO_BLOCKS_UNPACK_ABOVE, choose_weights
+from tests.unit.test_engine import greedy_outputs
 from tests.unit.test_kquant import random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
@@ -364,31 +365,13 @@ ATTENTION_TYPES = (Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q8_0)
 PLAN_LAYERS = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0, Q.Q5_0)]
 
 
-def engine_tokens(model: MoEForCausalLM, dtype: torch.dtype, streams: int, kv_dtype: str
-                  ) -> list[list[tuple[int, float, tuple[tuple[int, float], ...]]]]:
-    """Greedy tokens, logprobs and top-3 logprobs of ``streams`` requests through the engine (its
-    decode steps are all-decode steps of ``streams`` rows)."""
-    from helios.domain.sampling import SamplingParams
-    from helios.engine.core import EngineConfig, EngineCore
-    from helios.engine.records import EngineRequest
-    from tests.unit.test_engine import run
-
-    core = EngineCore(model, EngineConfig(page_size=8, num_pages=160, max_active=streams, prefill_chunk_size=64,
-                                          max_model_len=128, prefix_caching=False, kv_dtype=kv_dtype), dtype)
-    reqs = [EngineRequest(f"r{i}", tuple((p * (i + 3)) % VOCAB for p in PROMPT), SamplingParams(temperature=0.0),
-                          max_tokens=12, ignore_eos=True, num_top_logprobs=3) for i in range(streams)]
-    outs = run(core, reqs)
-    return [[(t, lp.logprob, tuple(lp.top)) for o in outs[r.request_id]
-             for t, lp in zip(o.new_token_ids, o.logprobs or (), strict=True)] for r in reqs]
-
-
 @pytest.mark.parametrize(("dtype", "streams", "kv_dtype"), [(torch.float32, 1, "auto"), (torch.bfloat16, 1, "auto"),
                                                             (torch.bfloat16, 3, "int8"), (torch.bfloat16, 9, "auto"),
                                                             (torch.float32, 9, "auto")])
 def test_decode_plan_is_the_layers_fused_path(tmp_path: Path, dtype: torch.dtype, streams: int, kv_dtype: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A Qwen3-MoE file with k-quant attention: its all-decode steps run every layer in one call
-    (`cpu_kernels.MoEDecodePlan`), and the greedy tokens, logprobs and top logprobs are bit for bit
+    (`cpu_kernels.KqDecodePlan`), and the greedy tokens, logprobs and top logprobs are bit for bit
     those of the layers' own fused path, for float32 and bfloat16, 1 to 9 rows (9 bfloat16 rows: the
     AMX tiles where they are active), float and int8 K/V. A layer the plan does not take (a dense
     attention projection) leaves the whole model on the layers' path."""
@@ -399,19 +382,20 @@ def test_decode_plan_is_the_layers_fused_path(tmp_path: Path, dtype: torch.dtype
     assert all(isinstance(m, KQuantLinear) for layer in model._decoder_layers() for m in (layer.qkv_proj, layer.o_proj))
     assert len(cast_kquant(model._decoder_layers()[0].qkv_proj).types) == 2
     runs: list[int] = []
-    plan_run = cpu_kernels.MoEDecodePlan.run
+    plan_run = cpu_kernels.KqDecodePlan.run
 
-    def counting(self: cpu_kernels.MoEDecodePlan, h: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+    def counting(self: cpu_kernels.KqDecodePlan, h: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
         runs.append(h.shape[0])
         return plan_run(self, h, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(cpu_kernels.MoEDecodePlan, "run", counting)
-    fused = engine_tokens(model, dtype, streams, kv_dtype)
+    monkeypatch.setattr(cpu_kernels.KqDecodePlan, "run", counting)
+    prompts = [[(p * (i + 3)) % VOCAB for p in PROMPT] for i in range(streams)]
+    fused = greedy_outputs(model, dtype, prompts, kv_dtype=kv_dtype)
     assert runs and max(runs) == streams, runs  # the decode steps went through the plan
     monkeypatch.setattr(moe_decoder, "build_decode_plan", lambda *args: None)
     model._plan = None
     count = len(runs)
-    assert engine_tokens(model, dtype, streams, kv_dtype) == fused
+    assert greedy_outputs(model, dtype, prompts, kv_dtype=kv_dtype) == fused
     assert len(runs) == count
     monkeypatch.undo()
     # A dense o projection, or experts whose gate and up differ in type: no plan.

@@ -36,6 +36,7 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/zeros_like.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/linear.h>
@@ -3505,21 +3506,23 @@ at::Tensor gated_delta_step(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 
-// ---- MoE decode layers: the layers of a mixture-of-experts decoder in one call ---------------------------
-// What `MoELayer.forward` does with the fused kernels for an all-decode step, layer after layer, without
-// the Python between its operators (about 30 calls a layer, which at one decode row cost about as much
-// as the layer's attention and routing together): the same operators in the same order, so the same
-// bits. Held as a `MoEDecodePlan` (a torch custom class built once from the layers' weights, so a step
-// passes no per-expert lists). The layers it takes are Qwen3-MoE's: per layer two RMSNorm weights, the
-// per-head q/k norm, k-quant q/k/v and o projections (each one or more row segments of GGUF blocks, as
-// `KQuantLinear` holds them), full rotary RoPE, a router and routed experts as GGUF blocks
-// (`BlockExperts`); no bias, no shared experts, no dense layers (those layers keep the Python path).
-// Routing: softmax top-k (`moe.route`'s operators: softmax in float32, topk, the optional
-// renormalisation, the weights cast to the logits' dtype); the router weight is passed per step (the
-// layer's float32 copy for bfloat16 activations: `MoELayer._router_logits`'s product).
+// ---- k-quant decode layers: the layers of a k-quant decoder in one call ---------------------------------
+// What a llama-family layer (`llama._DecoderLayer.forward`) or an MoE layer (`MoELayer.forward`) does
+// with the fused kernels for an all-decode step, layer after layer, without the Python between its
+// operators (20-30 calls a layer, which at a few decode rows cost about as much as the layer's
+// attention): the same operators in the same order, so the same bits. Held as a `KqDecodePlan` (a torch
+// custom class built once from the layers' weights, so a step passes no per-expert lists). Per layer:
+// two RMSNorm weights, an optional q/k/v bias and per-head q/k norm, k-quant q/k/v and o projections
+// (each one or more row segments of GGUF blocks, as `KQuantLinear` holds them), full rotary RoPE, and
+// either a SwiGLU MLP of k-quant gate/up and down projections or a router with routed experts as GGUF
+// blocks (`BlockExperts`; no shared experts). Routing: softmax top-k (`moe.route`'s operators: softmax
+// in float32, topk, the optional renormalisation, the weights cast to the logits' dtype); the router
+// weight is passed per step (the layer's float32 copy for bfloat16 activations: `MoELayer._router_logits`'s
+// product).
 struct KqProjection {
   std::vector<at::Tensor> blocks;
   std::vector<int64_t> types, outs;
+  bool empty() const { return blocks.empty(); }
 };
 
 // KQuantLinear.forward's kernel paths: each segment through kquant_linear (or, with `amx`, through
@@ -3532,46 +3535,55 @@ at::Tensor kq_project(const KqProjection& p, const at::Tensor& x, bool amx) {
   return outs.size() == 1 ? outs[0] : at::cat(outs, 1);
 }
 
-struct MoEDecodeLayerWeights {
-  at::Tensor input_norm, post_norm, qk_norm;
-  KqProjection qkv, o;
+struct KqDecodeLayer {
+  at::Tensor input_norm, post_norm;
+  std::optional<at::Tensor> qkv_bias, qk_norm;
+  KqProjection qkv, o, gate_up, down;  // gate_up / down: the MLP (empty in an MoE layer)
   std::vector<at::Tensor> experts_gate_up, experts_down;
   int64_t gu_type = 0, down_type = 0, max_rows = -1;
 };
 
-struct MoEDecodePlan : torch::CustomClassHolder {
+struct KqDecodePlan : torch::CustomClassHolder {
   int64_t heads, kv_heads, head_dim, top_k;
   bool norm_topk, router_fp32;
   double eps;
-  std::vector<MoEDecodeLayerWeights> layers;
+  std::vector<KqDecodeLayer> layers;
 
-  MoEDecodePlan(int64_t heads_, int64_t kv_heads_, int64_t head_dim_, int64_t top_k_, bool norm_topk_,
-                bool router_fp32_, double eps_)
+  KqDecodePlan(int64_t heads_, int64_t kv_heads_, int64_t head_dim_, double eps_, int64_t top_k_, bool norm_topk_,
+               bool router_fp32_)
       : heads(heads_), kv_heads(kv_heads_), head_dim(head_dim_), top_k(top_k_), norm_topk(norm_topk_),
         router_fp32(router_fp32_), eps(eps_) {}
 
-  // One more layer. `segments`: how many of `blocks` / `types` / `outs` the qkv projection takes (the
-  // rest are o's); `max_rows`: the most rows an expert may get (-1: no limit).
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qk_norm, std::vector<at::Tensor> blocks,
-                 std::vector<int64_t> types, std::vector<int64_t> outs, int64_t segments,
-                 std::vector<at::Tensor> experts_gate_up, std::vector<at::Tensor> experts_down, int64_t gu_type,
-                 int64_t down_type, int64_t max_rows) {
-    TORCH_CHECK(blocks.size() == types.size() && blocks.size() == outs.size() && segments > 0 &&
-                    segments < static_cast<int64_t>(blocks.size()),
-                "MoEDecodePlan.add_layer: a type and a width per block tensor, qkv and o segments");
-    TORCH_CHECK(!experts_gate_up.empty() && experts_gate_up.size() == experts_down.size(),
-                "MoEDecodePlan.add_layer: a gate/up and a down weight per expert");
-    for (const auto& b : blocks) TORCH_CHECK(b.scalar_type() == at::kByte, "MoEDecodePlan.add_layer: uint8 blocks");
-    MoEDecodeLayerWeights w;
+  // One more layer. `segments`: how many of `blocks` / `types` / `outs` the qkv, o, gate/up and down
+  // projections take, in that order (0 and 0 for the last two in an MoE layer, whose experts are given
+  // instead); `max_rows`: the most rows an expert may get (-1: no limit).
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> qkv_bias,
+                 std::optional<at::Tensor> qk_norm, std::vector<at::Tensor> blocks, std::vector<int64_t> types,
+                 std::vector<int64_t> outs, std::vector<int64_t> segments, std::vector<at::Tensor> experts_gate_up,
+                 std::vector<at::Tensor> experts_down, int64_t gu_type, int64_t down_type, int64_t max_rows) {
+    TORCH_CHECK(blocks.size() == types.size() && blocks.size() == outs.size() && segments.size() == 4 &&
+                    segments[0] > 0 && segments[1] > 0 &&
+                    segments[0] + segments[1] + segments[2] + segments[3] == static_cast<int64_t>(blocks.size()),
+                "KqDecodePlan.add_layer: a type and a width per block tensor, counted by four segment counts");
+    const bool moe = !experts_gate_up.empty();
+    TORCH_CHECK(experts_gate_up.size() == experts_down.size() && (moe ? segments[2] == 0 && segments[3] == 0
+                                                                      : segments[2] > 0 && segments[3] > 0),
+                "KqDecodePlan.add_layer: a gate/up and a down projection, or a gate/up and a down weight per expert");
+    TORCH_CHECK(!moe || top_k > 0, "KqDecodePlan.add_layer: an MoE layer in a plan without top_k");
+    for (const auto& b : blocks) TORCH_CHECK(b.scalar_type() == at::kByte, "KqDecodePlan.add_layer: uint8 blocks");
+    KqDecodeLayer w;
     w.input_norm = std::move(input_norm);
     w.post_norm = std::move(post_norm);
+    w.qkv_bias = std::move(qkv_bias);
     w.qk_norm = std::move(qk_norm);
-    for (size_t i = 0; i < blocks.size(); ++i) {
-      KqProjection& p = static_cast<int64_t>(i) < segments ? w.qkv : w.o;
-      p.blocks.push_back(blocks[i]);
-      p.types.push_back(types[i]);
-      p.outs.push_back(outs[i]);
-    }
+    KqProjection* parts[4] = {&w.qkv, &w.o, &w.gate_up, &w.down};
+    size_t at = 0;
+    for (int i = 0; i < 4; ++i)
+      for (int64_t j = 0; j < segments[i]; ++j, ++at) {
+        parts[i]->blocks.push_back(blocks[at]);
+        parts[i]->types.push_back(types[at]);
+        parts[i]->outs.push_back(outs[at]);
+      }
     w.experts_gate_up = std::move(experts_gate_up);
     w.experts_down = std::move(experts_down);
     w.gu_type = gu_type;
@@ -3582,8 +3594,9 @@ struct MoEDecodePlan : torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
-  // The routed experts of layer w on x (MoELayer.feed_forward's fused path).
-  at::Tensor feed_forward(const MoEDecodeLayerWeights& w, const at::Tensor& x, const at::Tensor& router) const {
+  // The feed-forward of layer w on x: the MLP, or the routed experts (MoELayer.feed_forward's fused path).
+  at::Tensor feed_forward(const KqDecodeLayer& w, const at::Tensor& x, const at::Tensor& router, bool amx) const {
+    if (w.experts_gate_up.empty()) return kq_project(w.down, silu_mul(kq_project(w.gate_up, x, amx)), amx);
     at::Tensor logits;
     if (router_fp32) {
       logits = at::linear(x.to(at::kFloat), router);
@@ -3600,8 +3613,9 @@ struct MoEDecodePlan : torch::CustomClassHolder {
   }
 
   // Every layer of an all-decode step on the embeddings h: [stream, feed-forward output] of the last.
-  // `routers[l]`: layer l's router weight as the step multiplies it; the caches and the step's
-  // paged-attention arguments as `decode_layers` takes them; `amx`: the projections on the tiles.
+  // `routers[l]`: layer l's router weight as the step multiplies it (any tensor in an MLP layer); the
+  // caches and the step's paged-attention arguments as `decode_layers` takes them; `amx`: the
+  // projections on the tiles.
   std::vector<at::Tensor> run(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> routers,
                               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                               std::vector<at::Tensor> k_scales, std::vector<at::Tensor> v_scales,
@@ -3610,21 +3624,22 @@ struct MoEDecodePlan : torch::CustomClassHolder {
     const int64_t L = num_layers();
     TORCH_CHECK(L > 0 && static_cast<int64_t>(routers.size()) == L && static_cast<int64_t>(k_caches.size()) == L &&
                     static_cast<int64_t>(v_caches.size()) == L,
-                "MoEDecodePlan.run: a router, a K and a V cache per layer");
+                "KqDecodePlan.run: a router, a K and a V cache per layer");
     const bool quantized = !k_scales.empty();
     TORCH_CHECK((!quantized || static_cast<int64_t>(k_scales.size()) == L) && k_scales.size() == v_scales.size(),
-                "MoEDecodePlan.run: no K/V scales, or a K and a V scale tensor per layer");
-    TORCH_CHECK(h.dim() == 2, "MoEDecodePlan.run: h is [T, hidden]");
+                "KqDecodePlan.run: no K/V scales, or a K and a V scale tensor per layer");
+    TORCH_CHECK(h.dim() == 2, "KqDecodePlan.run: h is [T, hidden]");
     const int64_t T = h.size(0), dh = head_dim, qk_width = (heads + kv_heads) * dh;
     at::Tensor stream = h;
     std::optional<at::Tensor> d;
     for (int64_t l = 0; l < L; ++l) {
-      const MoEDecodeLayerWeights& w = layers[l];
+      const KqDecodeLayer& w = layers[l];
       auto [s, x] = add_rms_norm(stream, d, w.input_norm, eps);
-      const at::Tensor qkv = kq_project(w.qkv, x, amx);
-      TORCH_CHECK(qkv.size(1) == qk_width + kv_heads * dh, "MoEDecodePlan.run: qkv width");
-      const at::Tensor qk = qk_norm_rope_(qkv.narrow(1, 0, qk_width).view({T, heads + kv_heads, dh}), w.qk_norm, eps,
-                                          cos, sin);
+      at::Tensor qkv = kq_project(w.qkv, x, amx);
+      if (w.qkv_bias) qkv = at::add(qkv, *w.qkv_bias);
+      TORCH_CHECK(qkv.size(1) == qk_width + kv_heads * dh, "KqDecodePlan.run: qkv width");
+      at::Tensor qk = qkv.narrow(1, 0, qk_width).view({T, heads + kv_heads, dh});
+      qk = w.qk_norm ? qk_norm_rope_(qk, *w.qk_norm, eps, cos, sin) : rope_(qk, cos, sin);
       const at::Tensor v = qkv.narrow(1, qk_width, kv_heads * dh).view({T, kv_heads, dh});
       at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
       at::Tensor attn;
@@ -3639,12 +3654,12 @@ struct MoEDecodePlan : torch::CustomClassHolder {
       const at::Tensor o = kq_project(w.o, attn.reshape({T, heads * dh}), amx);
       auto [s2, x2] = add_rms_norm(s, o, w.post_norm, eps);
       stream = s2;
-      d = feed_forward(w, x2, routers[l]);
+      d = feed_forward(w, x2, routers[l], amx);
     }
     return {stream, *d};
   }
 };
-// ---- end of the MoE decode layers ------------------------------------------------------------------------
+// ---- end of the k-quant decode layers --------------------------------------------------------------------
 }  // namespace
 
 TORCH_LIBRARY(helios, m) {
@@ -3686,11 +3701,11 @@ TORCH_LIBRARY(helios, m) {
         "int down_type, int max_rows) -> Tensor");
   m.def("gated_delta_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
         "Tensor fresh) -> Tensor");
-  m.class_<MoEDecodePlan>("MoEDecodePlan")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, bool, bool, double>())
-      .def("add_layer", &MoEDecodePlan::add_layer)
-      .def("num_layers", &MoEDecodePlan::num_layers)
-      .def("run", &MoEDecodePlan::run);
+  m.class_<KqDecodePlan>("KqDecodePlan")
+      .def(torch::init<int64_t, int64_t, int64_t, double, int64_t, bool, bool>())
+      .def("add_layer", &KqDecodePlan::add_layer)
+      .def("num_layers", &KqDecodePlan::num_layers)
+      .def("run", &KqDecodePlan::run);
 }
 
 TORCH_LIBRARY_FRAGMENT(helios, m) {
