@@ -60,6 +60,32 @@ def greedy_outputs(model: torch.nn.Module, dtype: torch.dtype, prompts: list[lis
              for t, lp in zip(o.new_token_ids, o.logprobs or (), strict=True)] for r in reqs]
 
 
+def check_decode_plan(model: torch.nn.Module, builder: object, dtype: torch.dtype, prompts: list[list[int]],
+                      kv_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The greedy outputs of ``prompts`` (`greedy_outputs`) with the model's decode steps through its
+    decode plan (`cpu_kernels.KqDecodePlan.run`, counted: the steps of len(prompts) rows take it) equal
+    those of the layers' own path (``builder``, the module whose ``build_decode_plan`` makes the plan,
+    patched to give none), bit for bit."""
+    from helios.models import cpu_kernels
+
+    runs: list[int] = []
+    plan_run = cpu_kernels.KqDecodePlan.run
+
+    def counting(self: cpu_kernels.KqDecodePlan, h: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        runs.append(h.shape[0])
+        return plan_run(self, h, *args)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_kernels.KqDecodePlan, "run", counting)
+        planned = greedy_outputs(model, dtype, prompts, kv_dtype=kv_dtype)
+        assert runs and max(runs) == len(prompts), runs
+        patch.setattr(builder, "build_decode_plan", lambda *args: None)
+        patch.setattr(model, "_plan", None)
+        count = len(runs)
+        assert greedy_outputs(model, dtype, prompts, kv_dtype=kv_dtype) == planned
+        assert len(runs) == count
+
+
 def dense_logprobs(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     attn = DenseAttention.for_model(model)
     with torch.inference_mode():

@@ -374,26 +374,11 @@ def test_decode_plan_is_the_layers_fused_path(tmp_path: Path, arch: str, dtype: 
     float32 and bfloat16, 1 to 9 rows (9 bfloat16 rows: the AMX tiles where they are active), float and
     int8 K/V. A dense projection in one layer leaves the whole model on the layers' path."""
     from helios.models import llama
-    from tests.unit.test_engine import greedy_outputs
+    from tests.unit.test_engine import check_decode_plan
 
     model = blocks_model(write_kquant_gguf(tmp_path / "tiny.gguf", arch=arch, embed=Q.Q8_0, output=Q.Q6_K), dtype)
-    runs: list[int] = []
-    plan_run = cpu_kernels.KqDecodePlan.run
-
-    def counting(self: cpu_kernels.KqDecodePlan, h: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
-        runs.append(h.shape[0])
-        return plan_run(self, h, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cpu_kernels.KqDecodePlan, "run", counting)
     prompts = [[(p * (i + 3)) % VOCAB for p in PROMPT] for i in range(streams)]
-    fused = greedy_outputs(model, dtype, prompts, kv_dtype=kv_dtype)
-    assert runs and max(runs) == streams, runs
-    monkeypatch.setattr(llama, "build_decode_plan", lambda *args: None)
-    model._plan = None
-    count = len(runs)
-    assert greedy_outputs(model, dtype, prompts, kv_dtype=kv_dtype) == fused
-    assert len(runs) == count
-    monkeypatch.undo()
+    check_decode_plan(model, llama, dtype, prompts, kv_dtype, monkeypatch)
     layers = model._decoder_layers()
     assert llama.build_decode_plan(model.config, layers) is not None
     module = layers[1].o_proj

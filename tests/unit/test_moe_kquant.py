@@ -31,7 +31,7 @@ from helios.models.kquant import BlockExperts, BlockQuantized, KQuantLinear
 from helios.models.moe_decoder import MoEForCausalLM
 from helios.models.quant import Int4Linear, StackedExperts, WeightFormat
 from helios.runtime import AUTO_BLOCKS_UNPACK_ABOVE, choose_weights
-from tests.unit.test_engine import greedy_outputs
+from tests.unit.test_engine import check_decode_plan
 from tests.unit.test_kquant import random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
@@ -381,23 +381,8 @@ def test_decode_plan_is_the_layers_fused_path(tmp_path: Path, dtype: torch.dtype
     model = blocks_model(path, blocks_format(), dtype)
     assert all(isinstance(m, KQuantLinear) for layer in model._decoder_layers() for m in (layer.qkv_proj, layer.o_proj))
     assert len(cast_kquant(model._decoder_layers()[0].qkv_proj).types) == 2
-    runs: list[int] = []
-    plan_run = cpu_kernels.KqDecodePlan.run
-
-    def counting(self: cpu_kernels.KqDecodePlan, h: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
-        runs.append(h.shape[0])
-        return plan_run(self, h, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cpu_kernels.KqDecodePlan, "run", counting)
     prompts = [[(p * (i + 3)) % VOCAB for p in PROMPT] for i in range(streams)]
-    fused = greedy_outputs(model, dtype, prompts, kv_dtype=kv_dtype)
-    assert runs and max(runs) == streams, runs  # the decode steps went through the plan
-    monkeypatch.setattr(moe_decoder, "build_decode_plan", lambda *args: None)
-    model._plan = None
-    count = len(runs)
-    assert greedy_outputs(model, dtype, prompts, kv_dtype=kv_dtype) == fused
-    assert len(runs) == count
-    monkeypatch.undo()
+    check_decode_plan(model, moe_decoder, dtype, prompts, kv_dtype, monkeypatch)
     # A dense o projection, or experts whose gate and up differ in type: no plan.
     for name, layers, attention in (("dense-o", PLAN_LAYERS, (Q.Q4_K, Q.Q4_K, Q.Q6_K, None)),
                                     ("split-gate-up", KQUANT_LAYERS, ATTENTION_TYPES)):

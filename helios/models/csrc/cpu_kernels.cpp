@@ -1764,19 +1764,23 @@ at::Tensor onednn_mm(const at::Tensor& x, const at::Tensor& packed) {
   return convert ? y.to(x.scalar_type()) : y;
 }
 
-// mm(i, x): projection i (0 qkv, 1 o, 2 gate/up, 3 down) of x.
-template <typename MM>
+// One decoder layer of an all-decode step: mm(i, x) projection i (0 qkv, 1 o) of x; ffn(x) the
+// feed-forward of the post-attention rows; `qkv_bias` / `qk_norm` (per head) where the layer has them.
+// Returns (stream, feed-forward output). `decode_layers` and `KqDecodePlan` run their layers through it.
+template <typename MM, typename FFN>
 std::tuple<at::Tensor, at::Tensor> decode_layer(
-    const MM& mm, const at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-    at::Tensor& v_cache, at::Tensor* k_scale, at::Tensor* v_scale, const at::Tensor& slot_mapping,
-    const at::Tensor& block_table, const at::Tensor& rows, const at::Tensor& lens, int64_t page_size, double scale,
-    double eps, int64_t heads, int64_t kv_heads) {
+    const MM& mm, const FFN& ffn, const at::Tensor& h, const std::optional<at::Tensor>& delta,
+    const at::Tensor& input_norm, const at::Tensor& post_norm, const at::Tensor* qkv_bias, const at::Tensor* qk_norm,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor* k_scale,
+    at::Tensor* v_scale, const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& rows,
+    const at::Tensor& lens, int64_t page_size, double scale, double eps, int64_t heads, int64_t kv_heads) {
   const int64_t T = h.size(0), dh = k_cache.size(2);
   auto [stream, x] = add_rms_norm(h, delta, input_norm, eps);
   at::Tensor qkv = mm(0, x);
+  if (qkv_bias != nullptr) qkv = at::add(qkv, *qkv_bias);
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dh, "decode layer: qkv width");
-  at::Tensor qk = rope_(qkv.narrow(1, 0, (heads + kv_heads) * dh).view({T, heads + kv_heads, dh}), cos, sin);
+  at::Tensor qk = qkv.narrow(1, 0, (heads + kv_heads) * dh).view({T, heads + kv_heads, dh});
+  qk = qk_norm != nullptr ? qk_norm_rope_(qk, *qk_norm, eps, cos, sin) : rope_(qk, cos, sin);
   at::Tensor v = qkv.narrow(1, (heads + kv_heads) * dh, kv_heads * dh).view({T, kv_heads, dh});
   at::Tensor attn = k_scale != nullptr
       ? write_paged_decode_int8(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), v, k_cache, *k_scale, v_cache,
@@ -1785,8 +1789,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
                            block_table, rows, lens, page_size, scale);
   at::Tensor o = mm(1, attn.reshape({T, heads * dh}));
   auto [stream2, x2] = add_rms_norm(stream, o, post_norm, eps);
-  at::Tensor down = mm(3, silu_mul(mm(2, x2)));
-  return {stream2, down};
+  return {stream2, ffn(x2)};
 }
 
 // Consecutive decoder layers of an all-decode step, each as `decode_layer`, in one operator (one
@@ -1819,12 +1822,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     std::tuple<at::Tensor, at::Tensor> out;
     if (group > 0) {
       auto mm = [&](int i, const at::Tensor& x) { return int4_mm(x, w[2 * i], group, w[2 * i + 1]); };
-      out = decode_layer(mm, stream, d, input_norms[l], post_norms[l], cos, sin, k_cache, v_cache, ks, vs, slot_mapping,
-                         block_table, rows, lens, page_size, scale, eps, heads, kv_heads);
+      auto mlp = [&](const at::Tensor& x) { return mm(3, silu_mul(mm(2, x))); };
+      out = decode_layer(mm, mlp, stream, d, input_norms[l], post_norms[l], nullptr, nullptr, cos, sin, k_cache,
+                         v_cache, ks, vs, slot_mapping, block_table, rows, lens, page_size, scale, eps, heads, kv_heads);
     } else {
       auto mm = [&](int i, const at::Tensor& x) { return onednn_mm(x, w[i]); };
-      out = decode_layer(mm, stream, d, input_norms[l], post_norms[l], cos, sin, k_cache, v_cache, ks, vs, slot_mapping,
-                         block_table, rows, lens, page_size, scale, eps, heads, kv_heads);
+      auto mlp = [&](const at::Tensor& x) { return mm(3, silu_mul(mm(2, x))); };
+      out = decode_layer(mm, mlp, stream, d, input_norms[l], post_norms[l], nullptr, nullptr, cos, sin, k_cache,
+                         v_cache, ks, vs, slot_mapping, block_table, rows, lens, page_size, scale, eps, heads, kv_heads);
     }
     stream = std::get<0>(out);
     d = std::get<1>(out);
@@ -3632,32 +3637,21 @@ struct KqDecodePlan : torch::CustomClassHolder {
     TORCH_CHECK((!quantized || static_cast<int64_t>(k_scales.size()) == L) && k_scales.size() == v_scales.size(),
                 "KqDecodePlan.run: no K/V scales, or a K and a V scale tensor per layer");
     TORCH_CHECK(h.dim() == 2, "KqDecodePlan.run: h is [T, hidden]");
-    const int64_t T = h.size(0), dh = head_dim, qk_width = (heads + kv_heads) * dh;
     at::Tensor stream = h;
     std::optional<at::Tensor> d;
     for (int64_t l = 0; l < L; ++l) {
       const KqDecodeLayer& w = layers[l];
-      auto [s, x] = add_rms_norm(stream, d, w.input_norm, eps);
-      at::Tensor qkv = kq_project(w.qkv, x, amx);
-      if (w.qkv_bias) qkv = at::add(qkv, *w.qkv_bias);
-      TORCH_CHECK(qkv.size(1) == qk_width + kv_heads * dh, "KqDecodePlan.run: qkv width");
-      at::Tensor qk = qkv.narrow(1, 0, qk_width).view({T, heads + kv_heads, dh});
-      qk = w.qk_norm ? qk_norm_rope_(qk, *w.qk_norm, eps, cos, sin) : rope_(qk, cos, sin);
-      const at::Tensor v = qkv.narrow(1, qk_width, kv_heads * dh).view({T, kv_heads, dh});
+      TORCH_CHECK(k_caches[l].size(2) == head_dim, "KqDecodePlan.run: the caches' head size");
       at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
-      at::Tensor attn;
-      if (quantized) {
-        at::Tensor k_scale = k_scales[l], v_scale = v_scales[l];
-        attn = write_paged_decode_int8(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), v, k_cache, k_scale,
-                                       v_cache, v_scale, slot_mapping, block_table, rows, lens, page_size, scale);
-      } else {
-        attn = write_paged_decode(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), v, k_cache, v_cache,
-                                  slot_mapping, block_table, rows, lens, page_size, scale);
-      }
-      const at::Tensor o = kq_project(w.o, attn.reshape({T, heads * dh}), amx);
-      auto [s2, x2] = add_rms_norm(s, o, w.post_norm, eps);
-      stream = s2;
-      d = feed_forward(w, x2, routers[l], amx);
+      at::Tensor k_scale = quantized ? k_scales[l] : at::Tensor(), v_scale = quantized ? v_scales[l] : at::Tensor();
+      auto mm = [&](int i, const at::Tensor& x) { return kq_project(i == 0 ? w.qkv : w.o, x, amx); };
+      auto ffn = [&](const at::Tensor& x) { return feed_forward(w, x, routers[l], amx); };
+      auto out = decode_layer(mm, ffn, stream, d, w.input_norm, w.post_norm, w.qkv_bias ? &*w.qkv_bias : nullptr,
+                              w.qk_norm ? &*w.qk_norm : nullptr, cos, sin, k_cache, v_cache,
+                              quantized ? &k_scale : nullptr, quantized ? &v_scale : nullptr, slot_mapping,
+                              block_table, rows, lens, page_size, scale, eps, heads, kv_heads);
+      stream = std::get<0>(out);
+      d = std::get<1>(out);
     }
     return {stream, *d};
   }
