@@ -164,7 +164,9 @@ class KQuantLinear(nn.Module):
         self.unpack_above = unpack_above
         self.unpack_dtype = unpack_dtype
         self.onednn: Tensor | None = None  # `quant.pack_onednn`: the dense copy prepacked for oneDNN
-        self.tiles = True  # bfloat16 steps of TILE_ROWS rows on AMX tiles (False: a MoE layer's experts)
+        # bfloat16 steps of TILE_ROWS rows on AMX tiles; False (a MoE layer's experts): only the steps of
+        # more than unpack_above rows, which the unpack path would otherwise take
+        self.tiles = True
 
     def weights(self) -> list[BlockQuantized]:
         return [BlockQuantized(b, t, (o, self.in_features)) for b, t, o in zip(self.blocks, self.types, self.outs,
@@ -180,11 +182,13 @@ class KQuantLinear(nn.Module):
         if (self.dense is not None or self.onednn is not None) and rows > self.dense_above:
             return dense_matmul(x, self.dense, self.onednn)
         kernels = cpu_kernels.available() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-        if kernels and self.tiles and tiles_take(x, self.out_features * self.in_features):
+        # (a module off the tiles, a MoE layer's expert, still takes them where it would unpack)
+        unpacks = self.unpack_above is not None and rows > self.unpack_above
+        if kernels and (self.tiles or unpacks) and tiles_take(x, self.out_features * self.in_features):
             outs = [cpu_kernels.kquant_linear_amx(x, b, t, o) for b, t, o in zip(self.blocks, self.types, self.outs,
                                                                                  strict=True)]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        if not kernels or (self.unpack_above is not None and rows > self.unpack_above):
+        if not kernels or unpacks:
             dtype = self.unpack_dtype if kernels else torch.float32
             y = F.linear(x.to(dtype), self.dequantize(dtype))
             return y if y.dtype == x.dtype else y.to(x.dtype)

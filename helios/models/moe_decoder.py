@@ -393,7 +393,8 @@ class MoELayer(DecoderLayer):
                             [cast(nn.Module, getattr(self, f"experts_down_{e}")) for e in range(count)])
             # GGUF-block experts keep the exact kernel at every row count up to unpack_above: a decode
             # step gives each expert a few rows (the tiles gain nothing there), and the fused mix
-            # (`kquant.BlockExperts`) is that kernel's bits, whatever the rows
+            # (`kquant.BlockExperts`) is that kernel's bits, whatever the rows; an expert given more
+            # than unpack_above rows (a prefill) takes the tiles instead of unpacking
             for module in (*self._routed[0], *self._routed[1]):
                 if isinstance(module, KQuantLinear):
                     module.tiles = False

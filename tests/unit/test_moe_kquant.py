@@ -267,6 +267,36 @@ def test_tile_sized_groups_go_to_their_modules() -> None:
     assert torch.equal(mods[0](x[:lo]), cpu_kernels.kquant_linear(x[:lo], weights[0].blocks, 12, 32))
 
 
+def test_an_expert_past_unpack_above_takes_the_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An expert module (``tiles`` False) keeps the exact kernel up to ``unpack_above`` rows and
+    takes the AMX tiles past it where they are active (its bits are `kquant_linear_amx`'s), where it
+    used to dequantize for the call; without the tiles, or past their rows, it still unpacks."""
+    from helios.models import kquant
+
+    weight = BlockQuantized(torch.from_numpy(random_blocks(12, 64, 256, seed=3)), 12, (64, 256))
+    module = KQuantLinear([weight], unpack_above=8)
+    module.tiles = False
+    x = torch.randn(kquant.TILE_ROWS[1] + 1, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    calls: list[int] = []
+    amx = cpu_kernels.kquant_linear_amx
+
+    def counting(x: torch.Tensor, *args: object, **kwargs: bool) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return amx(x, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_kernels, "kquant_linear_amx", counting)
+    assert torch.equal(module(x[:8]), cpu_kernels.kquant_linear(x[:8], weight.blocks, 12, 64))
+    unpacked = torch.nn.functional.linear(x.float(), weight.dequantize()).to(torch.bfloat16)
+    if cpu_kernels.kquant_amx_active():
+        assert torch.equal(module(x[:9]), amx(x[:9], weight.blocks, 12, 64))
+        assert calls == [9]
+    else:
+        assert torch.equal(module(x[:9]), unpacked[:9])
+        assert calls == []
+    assert torch.equal(module(x), unpacked)  # past the tiles' rows
+    assert len(calls) <= 1
+
+
 def test_a_moe_layers_block_experts_keep_the_exact_kernel(kquant_file: Path) -> None:
     model = blocks_model(kquant_file, blocks_format(32), torch.bfloat16)
     layer = model.layers[0]
