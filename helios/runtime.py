@@ -578,8 +578,9 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
         log.info("logits: %s output projection (Helios's CPU kernels: %s)", model.head_format,
                  cpu_kernels.unavailable_reason())
     elif model.head_bf16_rows is not None:
-        log.info("logits: %s output projection (bfloat16 pair dot products from %d rows)", model.head_format,
-                 model.head_bf16_rows)
+        log.info("logits: %s output projection (bfloat16 pair dot products from %d rows%s)", model.head_format,
+                 model.head_bf16_rows, f", its exact weights on AMX tiles from {packing.Q8_EXACT_AMX_ROWS}"
+                 if model.head_format == "q8_0" and cpu_kernels.kquant_amx_active() else "")
     else:
         log.info("logits: %s output projection", model.head_format)
     vision = None

@@ -234,6 +234,15 @@ def q8_linear_amx(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
     return out
 
 
+def q8_linear_exact_amx(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+    """`q8_linear`'s product on AMX tiles for bfloat16 ``x`` [M, K] with the exact weights: float32
+    [M, N], each weight ``scale * code`` split into three bfloat16 terms that add up to it exactly
+    (a float16 scale, as GGUF Q8_0 blocks hold; a float32 scale of more bits: within 2^-24 of it),
+    every product exact and the sums float32 in the tile unit's order."""
+    out: Tensor = torch.ops.helios.q8_linear_exact_amx(x, codes, scales)
+    return out
+
+
 def kquant_amx_supported() -> bool:
     """Whether `kquant_linear_amx` can run: the kernels built with AMX-TILE/AMX-BF16 and the tile data
     state granted to this process (`amx_permitted`)."""

@@ -25,7 +25,7 @@ from helios.models import cpu_kernels, packing
 from helios.models.dense import dense_matmul
 from helios.models.interface import AttentionContext, CacheSpec, DecodeArgs
 from helios.models.kquant import TILE_ROWS, BlockQuantized, tiles_take
-from helios.models.packing import LM_HEAD_FP32, LM_HEAD_Q8, Q8_BF16_ROWS
+from helios.models.packing import LM_HEAD_FP32, LM_HEAD_Q8, Q8_BF16_ROWS, Q8_EXACT_AMX_ROWS
 from helios.models.quant import BuildSource, GroupQuantized, WeightFormat, build_linear, dense_of, q8_0_blocks
 from helios.models.tp import ParallelContext, ShardedWeights, shard_config
 
@@ -265,6 +265,9 @@ class FusedDecoderLM(nn.Module):
             x = hidden if hidden.dtype in (torch.float32, torch.bfloat16) else hidden.float()
             return cpu_kernels.kquant_linear(x.contiguous(), head.blocks, head.ggml_type, head.shape[0], float_out=True)
         if self._lm_head_q8 is not None:
+            if (self._lm_head_q8_bf16 is not None and hidden.dtype == torch.bfloat16
+                    and hidden.shape[0] >= Q8_EXACT_AMX_ROWS and cpu_kernels.kquant_amx_active()):
+                return cpu_kernels.q8_linear_exact_amx(hidden.contiguous(), *self._lm_head_q8)
             if self._lm_head_q8_bf16 is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] >= Q8_BF16_ROWS:
                 return cpu_kernels.q8_linear_bf16(hidden, *self._lm_head_q8_bf16)
             if self.weight_format.keep_blocks and tiles_take(hidden):  # codes alone (`pack_cpu_weights`)

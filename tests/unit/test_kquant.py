@@ -652,6 +652,51 @@ def test_the_module_takes_the_tiles_for_bfloat16_steps_in_tile_rows(monkeypatch:
         assert cpu_kernels.set_kquant_amx(True)
 
 
+def _q8_codes(out: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks' codes [out, k] and float16 scales widened to float32 [out, k / 32] (random valid blocks,
+    scales from tiny subnormal-free values to 65504)."""
+    raw = random_blocks(8, out, k, seed=seed, full_range=True).reshape(out, k // 32, 34)
+    scales = torch.from_numpy(raw[:, :, :2].copy().view(np.float16).astype(np.float32).reshape(out, k // 32))
+    scales = torch.where(scales.abs() < 2.0 ** -14, torch.full_like(scales, 0.5), scales)  # no float16 subnormals
+    return torch.from_numpy(raw[:, :, 2:].copy().view(np.int8).reshape(out, k)), scales
+
+
+@amx
+@pytest.mark.parametrize("m", [1, 16, 24, 32, 33, 70])
+def test_q8_linear_exact_amx_reads_every_weight_exactly(m: int) -> None:
+    """`q8_linear_exact_amx` splits each weight ``scale * code`` (a float16 scale) into three bfloat16
+    terms that add up to it exactly: one-hot activation rows read every weight back bit for bit
+    (with two of the three terms it fails), at one and two row tiles and the whole-row path."""
+    out, k = 45, 96
+    codes, scales = _q8_codes(out, k, seed=m)
+    w = (codes.double().view(out, k // 32, 32) * scales.double()[:, :, None]).view(out, k)
+    assert torch.equal(w.float().double(), w)  # every weight is a float32 value
+    for start in range(0, k, m):
+        cols = torch.arange(start, min(start + m, k))
+        x = torch.zeros(m, k, dtype=torch.bfloat16)
+        x[torch.arange(len(cols)), cols] = 1
+        got = cpu_kernels.q8_linear_exact_amx(x, codes, scales)
+        assert got.dtype == torch.float32 and got.shape == (m, out)
+        assert torch.equal(got[: len(cols)].double(), w[:, cols].t()), start
+
+
+@amx
+@pytest.mark.parametrize("m", [8, 32, 33])
+def test_q8_linear_exact_amx_is_within_its_bound_of_float64(m: int) -> None:
+    """The exact weights' products summed in float32 by the tile unit: within (3K + 2) u of the sum of
+    |x w| from float64 (`amx_bound` over the three terms), and within float32 summation of the int8
+    kernel's (`q8_linear`) result."""
+    out, k = 70, 576
+    codes, scales = _q8_codes(out, k, seed=100 + m)
+    scales = scales / scales.abs().amax()  # a head's scale: every logit finite
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    w = (codes.double().view(out, k // 32, 32) * scales.double()[:, :, None]).view(out, k)
+    got = cpu_kernels.q8_linear_exact_amx(x, codes, scales).double()
+    bound = (3 * k + 2) * U * (x.double().abs() @ w.abs().t())
+    assert ((got - x.double() @ w.t()).abs() <= bound).all()
+    assert ((got - cpu_kernels.q8_linear(x, codes, scales).double()).abs() <= 2 * bound).all()
+
+
 @amx
 @pytest.mark.parametrize("m", [8, 33])
 def test_q8_linear_amx_is_within_its_bound_of_float64(m: int) -> None:

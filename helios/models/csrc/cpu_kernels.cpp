@@ -3447,6 +3447,91 @@ at::Tensor q8_linear_amx(const at::Tensor& x, const at::Tensor& codes, const at:
   return y;
 }
 
+// ---- q8_linear_exact_amx: a Q8_0 output projection on the AMX tiles with its exact weights ---------------
+// q8_linear_amx rounds each weight scale * code to bfloat16 (k-quant models' choice); an output
+// projection whose logits must not be rounded (the default model's near tie) keeps the exact weights:
+// each w = scale * code is split into three bfloat16 terms, w = hi + mid + lo, hi = bf16(w), mid =
+// bf16(w - hi), lo = bf16(w - hi - mid). With a float16 scale (a GGUF Q8_0 block's) w has at most 18
+// significant bits, each rounding to nearest leaves at most 8 fewer, so lo is exact and the three add
+// up to w exactly; each term times a bfloat16 activation is exact in float32 and the tile unit sums
+// them in float32 (its order: a pair's two products, then the pairs in k order; the three terms of
+// a block are three chunks in a row). A float32 scale of more bits (a float head quantized by Helios)
+// loses at most 2^-24 of w. Per 32 weight rows the rows are split into a [32, 3K] bfloat16 scratch
+// (block b's terms at columns 96 b .. 96 b + 95), then every pair of activation row tiles passes over
+// it with x's chunks each given three times.
+#ifdef HELIOS_AMX
+inline __m512 kq_bf16_widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// The blocks of one weight row (codes q, scales a, kc blocks of 32) into hi, mid and lo (block b's 32
+// bfloat16 words each at out + 96 b, + 32, + 64): two blocks at a time, whose chains interleave.
+inline void kq_q8_split3_row(const int8_t* q, const float* a, int64_t kc, uint16_t* out) {
+  for (int64_t b = 0; b < kc; b += 2) {
+    const int n = b + 1 < kc ? 2 : 1;
+    __m512 r[2][2];
+    for (int i = 0; i < n; ++i) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * (b + i)));
+      const __m512 av = _mm512_set1_ps(a[b + i]);
+      r[i][0] = _mm512_mul_ps(av, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c))));
+      r[i][1] = _mm512_mul_ps(av, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(c, 1))));
+    }
+    for (int t = 0; t < 3; ++t)
+      for (int i = 0; i < n; ++i) {
+        const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(r[i][1], r[i][0]);
+        _mm512_storeu_si512(out + 96 * (b + i) + 32 * t, h);
+        if (t < 2) {
+          r[i][0] = _mm512_sub_ps(r[i][0], kq_bf16_widen(_mm512_castsi512_si256(h)));
+          r[i][1] = _mm512_sub_ps(r[i][1], kq_bf16_widen(_mm512_extracti64x4_epi64(h, 1)));
+        }
+      }
+  }
+}
+#endif
+
+at::Tensor q8_linear_exact_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(kquant_amx_supported(), "q8_linear_exact_amx: AMX tiles are not built or not permitted");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "q8_linear_exact_amx: x is a 2-d bfloat16 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(1) == K &&
+                  K % 32 == 0, "q8_linear_exact_amx: codes are contiguous int8 [N, K], K a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / 32),
+              "q8_linear_exact_amx: scales are contiguous float32 [N, K / 32]");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+#ifdef HELIOS_AMX
+  if (M == 0 || N == 0) return y;
+  const int64_t MT = (M + 15) / 16, kc = K / 32, xs = MT * 256, K3 = 3 * K;
+  const uint32_t* xpack = kq_amx_pack_x(x.contiguous(), MT);
+  at::Tensor x3 = at::empty({3 * kc * xs}, x.options().dtype(at::kInt));
+  uint32_t* xp3 = reinterpret_cast<uint32_t*>(x3.data_ptr<int32_t>());
+  for (int64_t k = 0; k < kc; ++k)
+    for (int t = 0; t < 3; ++t) std::memcpy(xp3 + (3 * k + t) * xs, xpack + k * xs, xs * sizeof(uint32_t));
+  const int8_t* qp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t units = (N + kKqAmxRows - 1) / kKqAmxRows;
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    amx_configure();
+    uint16_t* w = reinterpret_cast<uint16_t*>(kq_amx_scratch<at::BFloat16>(kKqAmxRows * K3));
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t n0 = u * kKqAmxRows, rows = std::min(kKqAmxRows, N - n0);
+      for (int64_t r = 0; r < rows; ++r) kq_q8_split3_row(qp + (n0 + r) * K, sp + (n0 + r) * kc, kc, w + r * K3);
+      std::memset(static_cast<void*>(w + rows * K3), 0, (kKqAmxRows - rows) * K3 * 2);
+      for (int64_t mt = 0; mt < MT; mt += 2) {
+        const bool two = mt + 1 < MT;
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        if (two) kq_amx_tiles<true>(w, K3, xp3 + mt * 256, xs, 3 * kc);
+        else kq_amx_tiles<false>(w, K3, xp3 + mt * 256, xs, 3 * kc);
+        kq_amx_out(two, mt, M, N, n0, rows, yp);
+      }
+    }
+  });
+#endif
+  return y;
+}
+
 // One gated delta rule update per (token, head), in place on the token's state slot (Gated DeltaNet
 // decode, `helios.models.gated_delta`): S <- exp(g) S; delta = beta (v - S^T k); S <- S + k delta^T;
 // out = S^T q. q, k [N, H, dk], v [N, H, dv], g, beta [N, H], state [slots, H, dk, dv], all float32
@@ -3694,6 +3779,7 @@ TORCH_LIBRARY(helios, m) {
   m.def("kquant_bf16_dot_supported() -> bool");
   m.def("set_kquant_bf16_dot(bool on) -> bool");
   m.def("q8_linear_amx(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("q8_linear_exact_amx(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("moe_kquant_mix(Tensor x, Tensor weights, Tensor ids, Tensor[] gate_up, int gu_type, Tensor[] down, "
         "int down_type, int max_rows) -> Tensor");
   m.def("gated_delta_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
@@ -3734,6 +3820,7 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("kquant_linear_grouped", TORCH_FN(kquant_linear_grouped));
   m.impl("kquant_linear_amx", TORCH_FN(kquant_linear_amx));
   m.impl("q8_linear_amx", TORCH_FN(q8_linear_amx));
+  m.impl("q8_linear_exact_amx", TORCH_FN(q8_linear_exact_amx));
   m.impl("moe_kquant_mix", TORCH_FN(moe_kquant_mix));
   m.impl("gated_delta_step", TORCH_FN(gated_delta_step));
 }
