@@ -227,19 +227,13 @@ def kquant_linear_amx(x: Tensor, blocks: Tensor, ggml_type: int, out_features: i
     return out
 
 
-def q8_linear_amx(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+def q8_linear_amx(x: Tensor, codes: Tensor, scales: Tensor, *, exact: bool = False) -> Tensor:
     """`q8_linear` on AMX tiles for bfloat16 ``x`` [M, K] (`q8_linear`'s codes and scales): float32
-    [M, N], each weight ``scale * code`` rounded to bfloat16 first (`kquant_linear_amx`'s contract)."""
-    out: Tensor = torch.ops.helios.q8_linear_amx(x, codes, scales)
-    return out
-
-
-def q8_linear_exact_amx(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
-    """`q8_linear`'s product on AMX tiles for bfloat16 ``x`` [M, K] with the exact weights: float32
-    [M, N], each weight ``scale * code`` split into three bfloat16 terms that add up to it exactly
-    (a float16 scale, as GGUF Q8_0 blocks hold; a float32 scale of more bits: within 2^-24 of it),
-    every product exact and the sums float32 in the tile unit's order."""
-    out: Tensor = torch.ops.helios.q8_linear_exact_amx(x, codes, scales)
+    [M, N], each weight ``scale * code`` rounded to bfloat16 first (`kquant_linear_amx`'s contract); with
+    ``exact`` the weights kept exact: each split into three bfloat16 terms that add up to it (a float16
+    scale, as GGUF Q8_0 blocks hold; a float32 scale of more bits: within 2^-24 of it), every product
+    exact and the sums float32 in the tile unit's order."""
+    out: Tensor = torch.ops.helios.q8_linear_amx(x, codes, scales, exact)
     return out
 
 

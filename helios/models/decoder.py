@@ -267,7 +267,7 @@ class FusedDecoderLM(nn.Module):
         if self._lm_head_q8 is not None:
             if (self._lm_head_q8_bf16 is not None and hidden.dtype == torch.bfloat16
                     and hidden.shape[0] >= Q8_EXACT_AMX_ROWS and cpu_kernels.kquant_amx_active()):
-                return cpu_kernels.q8_linear_exact_amx(hidden.contiguous(), *self._lm_head_q8)
+                return cpu_kernels.q8_linear_amx(hidden.contiguous(), *self._lm_head_q8, exact=True)
             if self._lm_head_q8_bf16 is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] >= Q8_BF16_ROWS:
                 return cpu_kernels.q8_linear_bf16(hidden, *self._lm_head_q8_bf16)
             if self.weight_format.keep_blocks and tiles_take(hidden):  # codes alone (`pack_cpu_weights`)

@@ -701,8 +701,8 @@ def test_a_packed_q8_0_head_takes_the_bfloat16_kernel_from_q8_bf16_rows() -> Non
 @needs_bf16_kernels
 def test_a_packed_q8_0_head_takes_the_exact_tiles_from_q8_exact_amx_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """From Q8_EXACT_AMX_ROWS bfloat16 rows, where the AMX tiles are active, a packed Q8_0 head runs
-    `q8_linear_exact_amx` (the exact weights as three bfloat16 terms): the int8 kernel's logits up to
-    float32 summation; below it, or with the tiles off, `q8_linear_bf16` as before."""
+    `q8_linear_amx` with ``exact`` (the exact weights as three bfloat16 terms): the int8 kernel's
+    logits up to float32 summation; below it, or with the tiles off, `q8_linear_bf16` as before."""
     from helios.models.packing import Q8_EXACT_AMX_ROWS
 
     model = _tiny_q8_model(q8_head=True)
@@ -710,19 +710,22 @@ def test_a_packed_q8_0_head_takes_the_exact_tiles_from_q8_exact_amx_rows(monkeyp
     before = model.compute_logits(hidden)  # q8_linear, the int8 codes
     assert model.pack_cpu_weights() >= 1
     calls: list[tuple[str, int]] = []
-    for name in ("q8_linear_exact_amx", "q8_linear_bf16"):
-        original = getattr(cpu_kernels, name)
+    amx, bf16 = cpu_kernels.q8_linear_amx, cpu_kernels.q8_linear_bf16
 
-        def counted(x: torch.Tensor, *args: object, _name: str = name, _f: object = original) -> torch.Tensor:
-            calls.append((_name, x.shape[0]))
-            return _f(x, *args)  # type: ignore[operator, no-any-return]
+    def counted_amx(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
+        calls.append(("exact" if exact else "rounded", x.shape[0]))
+        return amx(x, codes, scales, exact=exact)
 
-        monkeypatch.setattr(cpu_kernels, name, counted)
+    def counted_bf16(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(("bf16", x.shape[0]))
+        return bf16(x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_kernels, "q8_linear_amx", counted_amx)
+    monkeypatch.setattr(cpu_kernels, "q8_linear_bf16", counted_bf16)
     after = model.compute_logits(hidden)
     model.compute_logits(hidden[: Q8_EXACT_AMX_ROWS - 1])
     tiles = cpu_kernels.kquant_amx_active()
-    assert calls == [("q8_linear_exact_amx" if tiles else "q8_linear_bf16", Q8_EXACT_AMX_ROWS + 5),
-                     ("q8_linear_bf16", Q8_EXACT_AMX_ROWS - 1)]
+    assert calls == [("exact" if tiles else "bf16", Q8_EXACT_AMX_ROWS + 5), ("bf16", Q8_EXACT_AMX_ROWS - 1)]
     assert torch.allclose(after, before, rtol=0, atol=2e-6 * float(before.abs().max()))
     if tiles:
         calls.clear()
@@ -731,7 +734,7 @@ def test_a_packed_q8_0_head_takes_the_exact_tiles_from_q8_exact_amx_rows(monkeyp
             model.compute_logits(hidden)
         finally:
             assert cpu_kernels.set_kquant_amx(True)
-        assert calls == [("q8_linear_bf16", Q8_EXACT_AMX_ROWS + 5)]
+        assert calls == [("bf16", Q8_EXACT_AMX_ROWS + 5)]
 
 
 # -- the decoder layer's elementwise kernels ---------------------------------------------------------------

@@ -663,8 +663,8 @@ def _q8_codes(out: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @amx
 @pytest.mark.parametrize("m", [1, 16, 24, 32, 33, 70])
-def test_q8_linear_exact_amx_reads_every_weight_exactly(m: int) -> None:
-    """`q8_linear_exact_amx` splits each weight ``scale * code`` (a float16 scale) into three bfloat16
+def test_q8_linear_amx_exact_reads_every_weight_exactly(m: int) -> None:
+    """`q8_linear_amx` with ``exact`` splits each weight ``scale * code`` (a float16 scale) into three bfloat16
     terms that add up to it exactly: one-hot activation rows read every weight back bit for bit
     (with two of the three terms it fails), at one and two row tiles and the whole-row path."""
     out, k = 45, 96
@@ -675,14 +675,14 @@ def test_q8_linear_exact_amx_reads_every_weight_exactly(m: int) -> None:
         cols = torch.arange(start, min(start + m, k))
         x = torch.zeros(m, k, dtype=torch.bfloat16)
         x[torch.arange(len(cols)), cols] = 1
-        got = cpu_kernels.q8_linear_exact_amx(x, codes, scales)
+        got = cpu_kernels.q8_linear_amx(x, codes, scales, exact=True)
         assert got.dtype == torch.float32 and got.shape == (m, out)
         assert torch.equal(got[: len(cols)].double(), w[:, cols].t()), start
 
 
 @amx
 @pytest.mark.parametrize("m", [8, 32, 33])
-def test_q8_linear_exact_amx_is_within_its_bound_of_float64(m: int) -> None:
+def test_q8_linear_amx_exact_is_within_its_bound_of_float64(m: int) -> None:
     """The exact weights' products summed in float32 by the tile unit: within (3K + 2) u of the sum of
     |x w| from float64 (`amx_bound` over the three terms), and within float32 summation of the int8
     kernel's (`q8_linear`) result."""
@@ -691,7 +691,7 @@ def test_q8_linear_exact_amx_is_within_its_bound_of_float64(m: int) -> None:
     scales = scales / scales.abs().amax()  # a head's scale: every logit finite
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
     w = (codes.double().view(out, k // 32, 32) * scales.double()[:, :, None]).view(out, k)
-    got = cpu_kernels.q8_linear_exact_amx(x, codes, scales).double()
+    got = cpu_kernels.q8_linear_amx(x, codes, scales, exact=True).double()
     bound = (3 * k + 2) * U * (x.double().abs() @ w.abs().t())
     assert ((got - x.double() @ w.t()).abs() <= bound).all()
     assert ((got - cpu_kernels.q8_linear(x, codes, scales).double()).abs() <= 2 * bound).all()

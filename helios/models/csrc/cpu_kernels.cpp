@@ -3425,29 +3425,7 @@ at::Tensor kquant_linear_amx(const at::Tensor& x, const at::Tensor& blocks, int6
   return y;
 }
 
-// q8_linear on AMX tiles for bfloat16 x [M, K] and q8_linear's codes [N, K] / scales [N, K / 32]:
-// float32 [M, N], each weight scale * code rounded to bfloat16 (kquant_linear_amx's contract).
-at::Tensor q8_linear_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  TORCH_CHECK(kquant_amx_supported(), "q8_linear_amx: AMX tiles are not built or not permitted");
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-              "q8_linear_amx: x is a 2-d bfloat16 CPU tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(1) == K &&
-                  K % 32 == 0, "q8_linear_amx: codes are contiguous int8 [N, K], K a multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / 32),
-              "q8_linear_amx: scales are contiguous float32 [N, K / 32]");
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-#ifdef HELIOS_AMX
-  if (M == 0 || N == 0) return y;
-  const int64_t MT = (M + 15) / 16;
-  const uint32_t* xpack = kq_amx_pack_x(x.contiguous(), MT);
-  kq_amx_impl<kQ8Codes>(xpack, MT, reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), y.data_ptr<float>(), M,
-                        K, N, scales.data_ptr<float>());
-#endif
-  return y;
-}
-
-// ---- q8_linear_exact_amx: a Q8_0 output projection on the AMX tiles with its exact weights ---------------
+// ---- q8_linear_amx(exact): a Q8_0 output projection on the AMX tiles with its exact weights ----------------
 // q8_linear_amx rounds each weight scale * code to bfloat16 (k-quant models' choice); an output
 // projection whose logits must not be rounded (the default model's near tie) keeps the exact weights:
 // each w = scale * code is split into three bfloat16 terms, w = hi + mid + lo, hi = bf16(w), mid =
@@ -3485,29 +3463,14 @@ inline void kq_q8_split3_row(const int8_t* q, const float* a, int64_t kc, uint16
       }
   }
 }
-#endif
-
-at::Tensor q8_linear_exact_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  TORCH_CHECK(kquant_amx_supported(), "q8_linear_exact_amx: AMX tiles are not built or not permitted");
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-              "q8_linear_exact_amx: x is a 2-d bfloat16 CPU tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(1) == K &&
-                  K % 32 == 0, "q8_linear_exact_amx: codes are contiguous int8 [N, K], K a multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / 32),
-              "q8_linear_exact_amx: scales are contiguous float32 [N, K / 32]");
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-#ifdef HELIOS_AMX
-  if (M == 0 || N == 0) return y;
+// q8_linear_amx with `exact`: the split terms' products (the contract above).
+void q8_amx_exact(const at::Tensor& x, const int8_t* qp, const float* sp, float* yp, int64_t M, int64_t K, int64_t N) {
   const int64_t MT = (M + 15) / 16, kc = K / 32, xs = MT * 256, K3 = 3 * K;
   const uint32_t* xpack = kq_amx_pack_x(x.contiguous(), MT);
   at::Tensor x3 = at::empty({3 * kc * xs}, x.options().dtype(at::kInt));
   uint32_t* xp3 = reinterpret_cast<uint32_t*>(x3.data_ptr<int32_t>());
   for (int64_t k = 0; k < kc; ++k)
     for (int t = 0; t < 3; ++t) std::memcpy(xp3 + (3 * k + t) * xs, xpack + k * xs, xs * sizeof(uint32_t));
-  const int8_t* qp = codes.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const int64_t units = (N + kKqAmxRows - 1) / kKqAmxRows;
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     amx_configure();
@@ -3528,9 +3491,36 @@ at::Tensor q8_linear_exact_amx(const at::Tensor& x, const at::Tensor& codes, con
       }
     }
   });
+}
+#endif
+
+// q8_linear on AMX tiles for bfloat16 x [M, K] and q8_linear's codes [N, K] / scales [N, K / 32]:
+// float32 [M, N], each weight scale * code rounded to bfloat16 (kquant_linear_amx's contract), or with
+// `exact` split into three bfloat16 terms (q8_amx_exact).
+at::Tensor q8_linear_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, bool exact) {
+  TORCH_CHECK(kquant_amx_supported(), "q8_linear_amx: AMX tiles are not built or not permitted");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "q8_linear_amx: x is a 2-d bfloat16 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(1) == K &&
+                  K % 32 == 0, "q8_linear_amx: codes are contiguous int8 [N, K], K a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / 32),
+              "q8_linear_amx: scales are contiguous float32 [N, K / 32]");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+#ifdef HELIOS_AMX
+  if (M == 0 || N == 0) return y;
+  if (exact) {
+    q8_amx_exact(x, codes.data_ptr<int8_t>(), scales.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
+    return y;
+  }
+  const int64_t MT = (M + 15) / 16;
+  const uint32_t* xpack = kq_amx_pack_x(x.contiguous(), MT);
+  kq_amx_impl<kQ8Codes>(xpack, MT, reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), y.data_ptr<float>(), M,
+                        K, N, scales.data_ptr<float>());
 #endif
   return y;
 }
+
 
 // One gated delta rule update per (token, head), in place on the token's state slot (Gated DeltaNet
 // decode, `helios.models.gated_delta`): S <- exp(g) S; delta = beta (v - S^T k); S <- S + k delta^T;
@@ -3778,8 +3768,7 @@ TORCH_LIBRARY(helios, m) {
   m.def("kquant_amx_supported() -> bool");
   m.def("kquant_bf16_dot_supported() -> bool");
   m.def("set_kquant_bf16_dot(bool on) -> bool");
-  m.def("q8_linear_amx(Tensor x, Tensor codes, Tensor scales) -> Tensor");
-  m.def("q8_linear_exact_amx(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("q8_linear_amx(Tensor x, Tensor codes, Tensor scales, bool exact=False) -> Tensor");
   m.def("moe_kquant_mix(Tensor x, Tensor weights, Tensor ids, Tensor[] gate_up, int gu_type, Tensor[] down, "
         "int down_type, int max_rows) -> Tensor");
   m.def("gated_delta_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
@@ -3820,7 +3809,6 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("kquant_linear_grouped", TORCH_FN(kquant_linear_grouped));
   m.impl("kquant_linear_amx", TORCH_FN(kquant_linear_amx));
   m.impl("q8_linear_amx", TORCH_FN(q8_linear_amx));
-  m.impl("q8_linear_exact_amx", TORCH_FN(q8_linear_exact_amx));
   m.impl("moe_kquant_mix", TORCH_FN(moe_kquant_mix));
   m.impl("gated_delta_step", TORCH_FN(gated_delta_step));
 }
