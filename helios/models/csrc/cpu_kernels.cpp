@@ -3193,6 +3193,24 @@ inline void kq_amx_out(bool two, int64_t mt, int64_t M, int64_t N, int64_t n0, i
     }
 }
 
+// Every pair of activation row tiles (MT of them, x packed at xpack, chunk stride xs) over one unit's
+// decoded weight rows (w, row stride ss elements, `chunks` column chunks of 32), each pair's
+// accumulators written out to y.
+template <typename Out>
+inline void kq_amx_passes(const uint16_t* w, int64_t ss, const uint32_t* xpack, int64_t xs, int64_t chunks, int64_t MT,
+                          int64_t M, int64_t N, int64_t n0, int64_t rows, Out* yp) {
+  for (int64_t mt = 0; mt < MT; mt += 2) {
+    const bool two = mt + 1 < MT;
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    if (two) kq_amx_tiles<true>(w, ss, xpack + mt * 256, xs, chunks);
+    else kq_amx_tiles<false>(w, ss, xpack + mt * 256, xs, chunks);
+    kq_amx_out(two, mt, M, N, n0, rows, yp);
+  }
+}
+
 // Q4_K sub-blocks c (even) and c + 1 as bfloat16 at once: they share their 32 code bytes (low and high
 // nibbles), widened once; kq_bf16_32's values.
 inline void kq_q4k_bf16_pair(const uint8_t* blk, int c, const KqHeader& h, at::BFloat16* out0, at::BFloat16* out1) {
@@ -3354,16 +3372,7 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t n0 = u * kKqAmxRows, rows = std::min(kKqAmxRows, N - n0);
         kq_amx_decode<T>(wp + n0 * rb, rb, rows, K, w, sp == nullptr ? nullptr : sp + n0 * (K / 32));
-        for (int64_t mt = 0; mt < MT; mt += 2) {
-          const bool two = mt + 1 < MT;
-          _tile_zero(4);
-          _tile_zero(5);
-          _tile_zero(6);
-          _tile_zero(7);
-          if (two) kq_amx_tiles<true>(w16, K, xpack + mt * 256, xs, kc);
-          else kq_amx_tiles<false>(w16, K, xpack + mt * 256, xs, kc);
-          kq_amx_out(two, mt, M, N, n0, rows, yp);
-        }
+        kq_amx_passes(w16, K, xpack, xs, kc, MT, M, N, n0, rows, yp);
       }
     }
     _tile_release();
@@ -3479,16 +3488,7 @@ void q8_amx_exact(const at::Tensor& x, const int8_t* qp, const float* sp, float*
       const int64_t n0 = u * kKqAmxRows, rows = std::min(kKqAmxRows, N - n0);
       for (int64_t r = 0; r < rows; ++r) kq_q8_split3_row(qp + (n0 + r) * K, sp + (n0 + r) * kc, kc, w + r * K3);
       std::memset(static_cast<void*>(w + rows * K3), 0, (kKqAmxRows - rows) * K3 * 2);
-      for (int64_t mt = 0; mt < MT; mt += 2) {
-        const bool two = mt + 1 < MT;
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_zero(6);
-        _tile_zero(7);
-        if (two) kq_amx_tiles<true>(w, K3, xp3 + mt * 256, xs, 3 * kc);
-        else kq_amx_tiles<false>(w, K3, xp3 + mt * 256, xs, 3 * kc);
-        kq_amx_out(two, mt, M, N, n0, rows, yp);
-      }
+      kq_amx_passes(w, K3, xp3, xs, 3 * kc, MT, M, N, n0, rows, yp);
     }
   });
 }
