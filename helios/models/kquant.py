@@ -202,7 +202,7 @@ class KQuantLinear(nn.Module):
                 f"unpack_dtype={str(self.unpack_dtype).removeprefix('torch.')}")
 
 
-def plan_segments(module: object, limits: list[int]) -> list[tuple[Tensor, int, int]] | None:
+def plan_segments(module: object, limits: list[int]) -> cpu_kernels.Segments | None:
     """A projection as `cpu_kernels.KqDecodePlan` takes it: its segments (blocks, type, rows), where it
     is a `KQuantLinear` whose bfloat16 steps of `TILE_ROWS` rows take the tiles (``tiles``), as the
     plan's ``amx`` steps do; None otherwise. Appends to ``limits`` the most rows its kernels serve

@@ -46,8 +46,8 @@ its n_e rows (sum n_e = T * top_k), so the per-expert row count, not T, picks th
   counts n_e, so only an expert chosen by more than 32 tokens of a larger step (prefill) leaves
   the exact kernel: bfloat16 rows, up to 128 of them, on the AMX tiles where they exist
   (`cpu_kernels.kquant_linear_amx`: the weights rounded to bfloat16 as the unpack path rounds them,
-  decoded in L1; a 512-token prefill of the synthetic MoE 578 -> 444 ms), otherwise dequantized for
-  the call into a dense GEMM in the activation dtype.
+  decoded in L1; docs/benchmarks.md, "The decode plan", has the prefill figures), otherwise
+  dequantized for the call into a dense GEMM in the activation dtype.
 
 With a dense copy (``dense_dtype``), an expert with more than ``dense_above`` rows uses it instead.
 `quant.Int4Linear` experts take torch's int4 kernel at every row count (or the dense copy past

@@ -3605,7 +3605,6 @@ at::Tensor gated_delta_step(const at::Tensor& q, const at::Tensor& k, const at::
 struct KqProjection {
   std::vector<at::Tensor> blocks;
   std::vector<int64_t> types, outs;
-  bool empty() const { return blocks.empty(); }
 };
 
 // KQuantLinear.forward's kernel paths: each segment through kquant_linear (or, with `amx`, through
@@ -3776,7 +3775,6 @@ TORCH_LIBRARY(helios, m) {
   m.class_<KqDecodePlan>("KqDecodePlan")
       .def(torch::init<int64_t, int64_t, int64_t, double, int64_t, bool, bool>())
       .def("add_layer", &KqDecodePlan::add_layer)
-      .def("num_layers", &KqDecodePlan::num_layers)
       .def("run", &KqDecodePlan::run);
 }
 
