@@ -31,15 +31,17 @@ from helios.runtime import cpu_flags, load_model
 
 def split(stats: pstats.Stats, steps: int) -> str:
     """ms/step (cumulative, under cProfile) of the step's parts, from the profile's own entries."""
-    wanted = {"step": ("engine/core.py", "step"), "forward": ("models/llama.py", "forward"),
-              "logits": ("models/decoder.py", "compute_logits"), "sample": ("engine/sampling/sampler.py", "sample")}
-    found = dict.fromkeys(wanted, 0.0)
+    wanted = {"step": ("engine/core.py", "step"), "logits": ("models/decoder.py", "compute_logits"),
+              "sample": ("engine/sampling/sampler.py", "sample")}
+    found = dict.fromkeys([*wanted, "forward"], 0.0)
     entries = stats.stats  # type: ignore[attr-defined]
     for (filename, _line, func), (_cc, _nc, _tt, ct, _callers) in entries.items():
+        if func == "forward" and "/helios/models/" in filename.replace("\\", "/"):
+            # Any family's model forward holds its modules' forwards (layers, projections): the largest.
+            found["forward"] = max(found["forward"], ct)
         for part, (suffix, name) in wanted.items():
             if func == name and filename.endswith(suffix):
-                # The model's forward holds its decoder layers' forwards (same file and name): the largest.
-                found[part] = max(found[part], ct) if part == "forward" else found[part] + ct
+                found[part] += ct
     ms = {k: v * 1e3 / steps for k, v in found.items()}
     rest = ms["step"] - ms["forward"] - ms["logits"] - ms["sample"]
     return (f"   split ms/step: forward {ms['forward']:.2f}, logits {ms['logits']:.2f}, sample {ms['sample']:.2f}, "
