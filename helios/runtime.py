@@ -580,7 +580,8 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
     elif model.head_bf16_rows is not None:
         log.info("logits: %s output projection (bfloat16 pair dot products from %d rows%s)", model.head_format,
                  model.head_bf16_rows, f", its exact weights on AMX tiles from {packing.Q8_EXACT_AMX_ROWS}"
-                 if model.head_format == "q8_0" and cpu_kernels.kquant_amx_active() else "")
+                 if model.head_format == "q8_0" and cpu_kernels.kquant_tiles_active()
+                 and cpu_kernels.kquant_tiles_backend() == "amx" else "")
     else:
         log.info("logits: %s output projection", model.head_format)
     vision = None

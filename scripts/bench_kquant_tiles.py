@@ -1,5 +1,5 @@
 """The k-quant matmul paths side by side on one weight: the exact kernel (`kquant_linear`), the AMX
-tiles (`kquant_linear_amx`, where the CPU has them) and dequantize-then-GEMM (the unpack path), in ms
+tiles (`kquant_linear_tiles`, where the CPU has them) and dequantize-then-GEMM (the unpack path), in ms
 a call and ps a weight, for bfloat16 activations of each row count.
 
     .venv/bin/python scripts/bench_kquant_tiles.py [--type 12] [--shape 17920 1536] [--rows 1 8 32 128]
@@ -45,7 +45,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not cpu_kernels.available():
         sys.exit(f"Helios's CPU kernels are not available: {cpu_kernels.unavailable_reason()}")
-    tiles = cpu_kernels.kquant_amx_supported()
+    tiles = cpu_kernels.kquant_tiles_supported()
     out, k = args.shape
     t = args.type
     blocks = torch.from_numpy(random_blocks(t, out, k, seed=1))
@@ -56,7 +56,7 @@ def main() -> None:
     for m in args.rows:
         x = torch.randn(m, k).to(torch.bfloat16)
         kern = best(lambda x=x: cpu_kernels.kquant_linear(x, blocks, t, out), args.runs)
-        tile = best(lambda x=x: cpu_kernels.kquant_linear_amx(x, blocks, t, out), args.runs) if tiles else float("nan")
+        tile = best(lambda x=x: cpu_kernels.kquant_linear_tiles(x, blocks, t, out), args.runs) if tiles else float("nan")
         unpack = best(lambda x=x: torch.nn.functional.linear(x, cpu_kernels.kquant_dequantize(blocks, t, out, k,
                                                                                               torch.bfloat16)), args.runs)
         print(f"{m:>5} {kern:>10.3f} {kern * per:>7.1f} {tile:>9.3f} {tile * per:>7.1f} {unpack:>10.3f} {unpack * per:>7.1f}")

@@ -80,15 +80,20 @@ one row (Q4_K) or not at all, and lost 10-20% at 2-7 rows (a row costs three ope
 here against two); builds without AVX512-BF16 keep it for Q6_K too (their bfloat16 results differ in
 the last float32 bits from this build's).
 
-AMX path (``kquant_linear_amx``, bfloat16 activations only; `kquant.KQuantLinear` uses it for steps of
-`kquant.TILE_ROWS` rows where `kquant_amx_supported`): the weights are rounded to bfloat16 first
+Tiles path (``kquant_linear_tiles``, bfloat16 activations only; `kquant.KQuantLinear` uses it for steps
+of `kquant.TILE_ROWS` rows where `kquant_tiles_supported`): the weights are rounded to bfloat16 first
 (``kquant_dequantize(..., torch.bfloat16)``'s bits, as the dequantize-then-GEMM path rounds them), the
-products of two bfloat16 values are exact in float32 and the sums float32 in the tile unit's order
-(each output a chain over 32-column chunks of pair sums; with one tile of activation rows the even
-and odd chunks in two chains added at the end); denormal inputs and sums are flushed to zero, as
-``TDPBF16PS`` does. Error: at most (K + 2) * 2**-24 times the sum of |x * w_bf16|, plus the bfloat16
-result's rounding. Rows are not independent of the batch here: a row's bits depend on nothing but
-the row, but they differ from the exact kernel's, so a step's path (by its row count) shows.
+products of two bfloat16 values are exact in float32 and the sums float32; denormal inputs and sums
+are flushed to zero, as ``TDPBF16PS`` and ``VDPBF16PS`` do. Two backends (`kquant_tiles_backend`):
+``"amx"`` (the tile unit where the build has AMX and Linux grants the tile state; each output a chain
+over 32-column chunks of pair sums, with one tile of activation rows the even and odd chunks in two
+chains added at the end) and ``"avx512_bf16"`` (AVX512-BF16 without tiles: AMD Zen 4/5, or an Intel
+machine that refuses the tile state; each output 16 float32 lanes, lane j the chain over the
+32-column chunks of the pair (2 j, 2 j + 1) in the type's lane order, per panel of 2,048 columns,
+the lanes summed by a fixed tree and the panels added in order). Error either way: at most (K + 2) *
+2**-24 times the sum of |x * w_bf16|, plus the bfloat16 result's rounding. A row's bits depend on
+nothing but the row (not the batch, not the threads), but they differ from the exact kernel's, so a
+step's path (by its row count) shows; the two backends differ from each other by float32 roundings.
 
 The library is built with the machine's C++ compiler (``$CXX`` or ``c++``) against the installed torch,
 with ``-O3 -march=native -fopenmp`` (torch's own OpenMP runtime serves it: same soname; the tests
@@ -216,47 +221,64 @@ def kquant_linear_grouped(x: Tensor, offsets: Sequence[int], blocks: Sequence[Te
     return out
 
 
-def kquant_linear_amx(x: Tensor, blocks: Tensor, ggml_type: int, out_features: int, *,
-                      float_out: bool = False) -> Tensor:
-    """`kquant_linear` on AMX tiles for bfloat16 ``x`` [M, K] -> [M, out_features] in bfloat16 (or
-    float32 with ``float_out``: an output projection's logits), where `kquant_amx_supported`: the
+def kquant_linear_tiles(x: Tensor, blocks: Tensor, ggml_type: int, out_features: int, *,
+                        float_out: bool = False) -> Tensor:
+    """`kquant_linear` on the tiles path for bfloat16 ``x`` [M, K] -> [M, out_features] in bfloat16 (or
+    float32 with ``float_out``: an output projection's logits), where `kquant_tiles_supported`: the
     weights as `kquant_dequantize(..., torch.bfloat16)` rounds them (the unpack path's weights, without
-    writing the dense copy), exact products, float32 sums in the tile unit's order, a bfloat16 result
-    rounded once (the numerics contract's "AMX" paragraph)."""
-    out: Tensor = torch.ops.helios.kquant_linear_amx(x, blocks, ggml_type, out_features, float_out)
+    writing the dense copy), exact products, float32 sums in the backend's order, a bfloat16 result
+    rounded once (the numerics contract's "Tiles path" paragraph)."""
+    out: Tensor = torch.ops.helios.kquant_linear_tiles(x, blocks, ggml_type, out_features, float_out)
     return out
 
 
-def q8_linear_amx(x: Tensor, codes: Tensor, scales: Tensor, *, exact: bool = False) -> Tensor:
-    """`q8_linear` on AMX tiles for bfloat16 ``x`` [M, K] (`q8_linear`'s codes and scales): float32
-    [M, N], each weight ``scale * code`` rounded to bfloat16 first (`kquant_linear_amx`'s contract); with
-    ``exact`` the weights kept exact: each split into three bfloat16 terms that add up to it (a float16
-    scale, as GGUF Q8_0 blocks hold; a float32 scale of more bits: within 2^-24 of it), every product
-    exact and the sums float32 in the tile unit's order."""
-    out: Tensor = torch.ops.helios.q8_linear_amx(x, codes, scales, exact)
+def q8_linear_tiles(x: Tensor, codes: Tensor, scales: Tensor, *, exact: bool = False) -> Tensor:
+    """`q8_linear` on the tiles path for bfloat16 ``x`` [M, K] (`q8_linear`'s codes and scales): float32
+    [M, N], each weight ``scale * code`` rounded to bfloat16 first (`kquant_linear_tiles`'s contract);
+    with ``exact`` (the ``"amx"`` backend only) the weights kept exact: each split into three bfloat16
+    terms that add up to it (a float16 scale, as GGUF Q8_0 blocks hold; a float32 scale of more bits:
+    within 2^-24 of it), every product exact and the sums float32 in the tile unit's order."""
+    out: Tensor = torch.ops.helios.q8_linear_tiles(x, codes, scales, exact)
     return out
 
 
-def kquant_amx_supported() -> bool:
-    """Whether `kquant_linear_amx` can run: the kernels built with AMX-TILE/AMX-BF16 and the tile data
-    state granted to this process (`amx_permitted`)."""
-    return available() and bool(torch.ops.helios.kquant_amx_supported())
+def kquant_tiles_supported() -> bool:
+    """Whether `kquant_linear_tiles` can run here: the kernels built with AVX512-BF16 (the
+    ``"avx512_bf16"`` backend), and with AMX where the tile state is granted (`amx_permitted`)."""
+    return available() and bool(torch.ops.helios.kquant_tiles_supported())
 
 
-def kquant_amx_active() -> bool:
+_TILES_BACKENDS = {0: "", 1: "avx512_bf16", 2: "amx"}
+
+
+def kquant_tiles_backend() -> str:
+    """The backend `kquant_linear_tiles` runs on now: ``"amx"`` (the tile unit), ``"avx512_bf16"``
+    (VDPBF16PS dot products), or ``""`` (neither: not supported here)."""
+    return _TILES_BACKENDS[int(torch.ops.helios.kquant_tiles_backend())] if available() else ""
+
+
+def set_kquant_tiles_dp(dp: bool) -> str:
+    """Forces the ``"avx512_bf16"`` backend even where AMX tiles are granted (``dp``; tests compare the
+    two there), or restores the default choice; returns the backend now."""
+    if not available():
+        return ""
+    return _TILES_BACKENDS[int(torch.ops.helios.set_kquant_tiles_dp(dp))]
+
+
+def kquant_tiles_active() -> bool:
     """Whether `kquant.KQuantLinear` hands its bfloat16 steps of `kquant.TILE_ROWS` rows to
-    `kquant_linear_amx`: supported here and not turned off (`set_kquant_amx`)."""
-    active = _state.get("kquant_amx")
+    `kquant_linear_tiles`: supported here and not turned off (`set_kquant_tiles`)."""
+    active = _state.get("kquant_tiles")
     if active is None:
-        active = _state["kquant_amx"] = kquant_amx_supported()
+        active = _state["kquant_tiles"] = kquant_tiles_supported()
     return bool(active)
 
 
-def set_kquant_amx(on: bool) -> bool:
-    """Turns the AMX k-quant path on (where supported) or off (the exact kernel and the unpack path
+def set_kquant_tiles(on: bool) -> bool:
+    """Turns the k-quant tiles path on (where supported) or off (the exact kernel and the unpack path
     serve every step); returns whether it is now active."""
-    _state["kquant_amx"] = on and kquant_amx_supported()
-    return bool(_state["kquant_amx"])
+    _state["kquant_tiles"] = on and kquant_tiles_supported()
+    return bool(_state["kquant_tiles"])
 
 
 def kquant_bf16_dot_supported() -> bool:
@@ -394,8 +416,8 @@ Segments = Sequence[tuple[Tensor, int, int]]
 class KqDecodePlan:
     """The layers of a k-quant decoder for an all-decode step in one call (``csrc``'s ``KqDecodePlan``,
     a torch custom class holding the layers' weights, so a step passes no per-expert lists): per layer
-    `add_rms_norm`, the q/k/v projection (`kquant_linear` per segment, `kquant_linear_amx` with
-    ``amx``), the optional bias, `qk_norm_rope_` (or `rope_`), `write_paged_decode`, the o
+    `add_rms_norm`, the q/k/v projection (`kquant_linear` per segment, `kquant_linear_tiles` with
+    ``tiles``), the optional bias, `qk_norm_rope_` (or `rope_`), `write_paged_decode`, the o
     projection, the second norm, then the SwiGLU MLP (gate/up, `silu_mul`, down) or the router, softmax
     top-k routing and `moe_kquant_mix`: the operators the layers' fused paths call
     (`llama._DecoderLayer`, `moe_decoder.MoELayer`), in their order, so the same bits. ``max_rows``:
@@ -425,15 +447,15 @@ class KqDecodePlan:
                              -1 if max_rows is None else max_rows)
 
     def run(self, h: Tensor, cos: Tensor, sin: Tensor, routers: Sequence[Tensor], decode: Sequence[DecodeArgs],
-            scale: float, amx: bool) -> tuple[Tensor, Tensor]:
+            scale: float, tiles: bool) -> tuple[Tensor, Tensor]:
         """Every layer on the embeddings ``h``: the last layer's (stream, feed-forward output).
         ``routers[i]``: layer i's router weight as its rows multiply it (any tensor in an MLP layer);
-        ``decode[i]``: its `write_paged_decode` arguments; ``amx``: the projections on the AMX tiles."""
+        ``decode[i]``: its `write_paged_decode` arguments; ``tiles``: the projections on the tiles path."""
         _, _, slot_mapping, table, rows, lens, page_size, _, _ = decode[0]
         k_scales = [d[7] for d in decode if d[7] is not None]
         v_scales = [d[8] for d in decode if d[8] is not None]
         stream, delta = self._plan.run(h, cos, sin, list(routers), [d[0] for d in decode], [d[1] for d in decode],
-                                       k_scales, v_scales, slot_mapping, table, rows, lens, page_size, scale, amx)
+                                       k_scales, v_scales, slot_mapping, table, rows, lens, page_size, scale, tiles)
         return stream, delta
 
 

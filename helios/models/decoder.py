@@ -198,9 +198,9 @@ class FusedDecoderLM(nn.Module):
         decode = [attn.all_decode_args(i) for i in range(len(layers))]
         if any(d is None for d in decode):
             return None
-        amx = h.dtype == torch.bfloat16 and TILE_ROWS[0] <= rows <= TILE_ROWS[1] and cpu_kernels.kquant_amx_active()
+        tiles = h.dtype == torch.bfloat16 and TILE_ROWS[0] <= rows <= TILE_ROWS[1] and cpu_kernels.kquant_tiles_active()
         weights = routers(h.dtype) if routers is not None else [h] * len(layers)
-        return plan.run(h, cos, sin, weights, cast(list[DecodeArgs], decode), self.config.head_dim ** -0.5, amx)
+        return plan.run(h, cos, sin, weights, cast(list[DecodeArgs], decode), self.config.head_dim ** -0.5, tiles)
 
     def _build_layers(self, device: torch.device, dense_dtype: torch.dtype | None) -> list[DecoderLayer]:
         """The decoder layers (``dense_dtype``: the dense projections' placeholder dtype, None for
@@ -260,18 +260,19 @@ class FusedDecoderLM(nn.Module):
         if self._lm_head_blocks is not None:
             head = self._lm_head_blocks
             if tiles_take(hidden):
-                return cpu_kernels.kquant_linear_amx(hidden, head.blocks, head.ggml_type, head.shape[0], float_out=True)
+                return cpu_kernels.kquant_linear_tiles(hidden, head.blocks, head.ggml_type, head.shape[0], float_out=True)
             # float32 logits from bfloat16 rows without widening them first (the pair dot path)
             x = hidden if hidden.dtype in (torch.float32, torch.bfloat16) else hidden.float()
             return cpu_kernels.kquant_linear(x.contiguous(), head.blocks, head.ggml_type, head.shape[0], float_out=True)
         if self._lm_head_q8 is not None:
             if (self._lm_head_q8_bf16 is not None and hidden.dtype == torch.bfloat16
-                    and hidden.shape[0] >= Q8_EXACT_AMX_ROWS and cpu_kernels.kquant_amx_active()):
-                return cpu_kernels.q8_linear_amx(hidden.contiguous(), *self._lm_head_q8, exact=True)
+                    and hidden.shape[0] >= Q8_EXACT_AMX_ROWS and cpu_kernels.kquant_tiles_active()
+                    and cpu_kernels.kquant_tiles_backend() == "amx"):
+                return cpu_kernels.q8_linear_tiles(hidden.contiguous(), *self._lm_head_q8, exact=True)
             if self._lm_head_q8_bf16 is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] >= Q8_BF16_ROWS:
                 return cpu_kernels.q8_linear_bf16(hidden, *self._lm_head_q8_bf16)
             if self.weight_format.keep_blocks and tiles_take(hidden):  # codes alone (`pack_cpu_weights`)
-                return cpu_kernels.q8_linear_amx(hidden, *self._lm_head_q8)
+                return cpu_kernels.q8_linear_tiles(hidden, *self._lm_head_q8)
             return cpu_kernels.q8_linear(hidden, *self._lm_head_q8)
         if self._lm_head_fp32 is not None:
             return dense_matmul(hidden.float(), self._lm_head_fp32, self._lm_head_onednn)

@@ -108,7 +108,7 @@ def concat_rows(parts: Sequence[BlockQuantized]) -> list[BlockQuantized]:
 
 
 # Steps of TILE_ROWS[0] .. TILE_ROWS[1] bfloat16 rows multiply on AMX tiles where the CPU has them
-# (`cpu_kernels.kquant_linear_amx`: the weights rounded to bfloat16 as the unpack path rounds them,
+# (`cpu_kernels.kquant_linear_tiles`: the weights rounded to bfloat16 as the unpack path rounds them,
 # decoded per call in L1 instead of written out whole). Measured 2026-12-05 at 68958f8 (the AMX machine,
 # 1 thread, `scripts/bench_kquant_tiles.py --rows 1 8 32`, Q4_K 17920 x 1536 from memory, ps a weight):
 # tiles 80 / 86 / 153 against the exact kernel's 69 / 213 / 851; past 128 rows dequantize-then-GEMM
@@ -129,11 +129,11 @@ TILE_LARGE_WEIGHTS = 16_000_000
 
 def tiles_take(x: Tensor, weights: int = 0) -> bool:
     """Whether a step of ``x`` (a bfloat16 [rows, in] CPU tensor) times a weight of ``weights``
-    elements goes to `kquant_linear_amx`."""
+    elements goes to `kquant_linear_tiles`."""
     rows = x.shape[0]
     return (x.dtype == torch.bfloat16 and TILE_ROWS[0] <= rows
             and (rows <= TILE_ROWS[1] or (rows <= TILE_LARGE_ROWS and weights >= TILE_LARGE_WEIGHTS))
-            and cpu_kernels.kquant_amx_active())
+            and cpu_kernels.kquant_tiles_active())
 
 
 class KQuantLinear(nn.Module):
@@ -185,7 +185,7 @@ class KQuantLinear(nn.Module):
         # (a module off the tiles, a MoE layer's expert, still takes them where it would unpack)
         unpacks = self.unpack_above is not None and rows > self.unpack_above
         if kernels and (self.tiles or unpacks) and tiles_take(x, self.out_features * self.in_features):
-            outs = [cpu_kernels.kquant_linear_amx(x, b, t, o) for b, t, o in zip(self.blocks, self.types, self.outs,
+            outs = [cpu_kernels.kquant_linear_tiles(x, b, t, o) for b, t, o in zip(self.blocks, self.types, self.outs,
                                                                                  strict=True)]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if not kernels or unpacks:
@@ -205,7 +205,7 @@ class KQuantLinear(nn.Module):
 def plan_segments(module: object, limits: list[int]) -> cpu_kernels.Segments | None:
     """A projection as `cpu_kernels.KqDecodePlan` takes it: its segments (blocks, type, rows), where it
     is a `KQuantLinear` whose bfloat16 steps of `TILE_ROWS` rows take the tiles (``tiles``), as the
-    plan's ``amx`` steps do; None otherwise. Appends to ``limits`` the most rows its kernels serve
+    plan's ``tiles`` steps do; None otherwise. Appends to ``limits`` the most rows its kernels serve
     (its dense copy's ``dense_above``, its ``unpack_above``)."""
     if not isinstance(module, KQuantLinear) or not module.tiles:
         return None

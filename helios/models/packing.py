@@ -32,8 +32,8 @@ LM_HEAD_Q8 = ("lm_head_q8.codes", "lm_head_q8.scales")  # the Q8_0 output projec
 # a 2-core AVX512-BF16 machine the two are even near 8 rows (1.45 against 1.33 ms for 49,152 outputs);
 # at 32 rows q8_linear_bf16 takes 2.9 ms against 5.8.
 Q8_BF16_ROWS = 8
-# From this many bfloat16 rows, where the AMX tiles are active (`cpu_kernels.kquant_amx_active`), the
-# Q8_0 head takes `cpu_kernels.q8_linear_amx` with ``exact`` (the exact weights as three bfloat16 terms on the
+# From this many bfloat16 rows, where the tiles path runs on AMX (`cpu_kernels.kquant_tiles_backend`), the
+# Q8_0 head takes `cpu_kernels.q8_linear_tiles` with ``exact`` (the exact weights as three bfloat16 terms on the
 # tiles). The AMX machine, 2 threads, 2026-12-06 (a session script: random codes with float16 scales,
 # median of 9 calls): 49,152 x 576 (SmolLM2's head) at 8 / 16 / 32 / 64 rows 5.5 / 5.7 / 6.4-6.7 /
 # 9.2-9.4 ms against q8_linear_bf16's 3.7-5.3 / 6.3-6.7 / 11.0-11.4 / 21.0-21.3.

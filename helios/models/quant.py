@@ -192,9 +192,11 @@ class WeightFormat:
                 text += f"; steps of more than {self.unpack_above} rows dequantize per call into a dense GEMM"
             from helios.models import cpu_kernels, kquant
 
-            if cpu_kernels.kquant_amx_active():
+            if cpu_kernels.kquant_tiles_active():
                 lo, hi = kquant.TILE_ROWS
-                text += (f"; bfloat16 steps of {lo}-{hi} rows on AMX tiles (kquant_linear_amx: the weights rounded "
+                backend = {"amx": "AMX tiles", "avx512_bf16": "AVX512-BF16 dot products"}.get(
+                    cpu_kernels.kquant_tiles_backend(), "tiles")
+                text += (f"; bfloat16 steps of {lo}-{hi} rows on {backend} (kquant_linear_tiles: the weights rounded "
                          "to bfloat16 per call)")
             return text
         if self.kind == "int4" and not self.requantize:

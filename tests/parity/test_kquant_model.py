@@ -79,13 +79,14 @@ def test_blocks_match_the_float32_dense_path(reference: tuple[torch.Tensor, list
     assert greedy_generate(model, ids, 20) == want_tokens
 
 
-@pytest.mark.skipif(not cpu_kernels.kquant_amx_supported(), reason="no AMX tiles here")
-def test_bfloat16_steps_on_amx_tiles_match_the_reference(reference: tuple[torch.Tensor, list[int]],
+@pytest.mark.skipif(not cpu_kernels.kquant_tiles_supported(), reason="no tiles path here (no AVX512-BF16)")
+def test_bfloat16_steps_on_the_tiles_match_the_reference(reference: tuple[torch.Tensor, list[int]],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default (bfloat16) model's prompt step runs its projections on AMX tiles (the prompt's rows
-    are within `kquant.TILE_ROWS`): its first logits against the float32 reference within what bfloat16
-    activations through 24 layers allow, the same first token, and within the same distance as the
-    unpack path (the same bfloat16 weights through a dense GEMM) with the tiles turned off."""
+    """The default (bfloat16) model's prompt step runs its projections on the tiles path (AMX tiles or
+    AVX512-BF16 dot products; the prompt's rows are within `kquant.TILE_ROWS`): its first logits
+    against the float32 reference within what bfloat16 activations through 24 layers allow, the same
+    first token, and within the same distance as the unpack path (the same bfloat16 weights through a
+    dense GEMM) with the tiles turned off."""
     from helios.models import kquant
 
     want, _ = reference
@@ -100,17 +101,17 @@ def test_bfloat16_steps_on_amx_tiles_match_the_reference(reference: tuple[torch.
     ids = ckpt.tokenizer.encode(PROMPT, add_special_tokens=False)
     assert kquant.TILE_ROWS[0] <= len(ids) <= kquant.TILE_ROWS[1]
     calls = []
-    amx_linear = cpu_kernels.kquant_linear_amx
-    monkeypatch.setattr(cpu_kernels, "kquant_linear_amx", lambda *a, **k: calls.append(a[0].shape[0]) or amx_linear(*a, **k))
+    amx_linear = cpu_kernels.kquant_linear_tiles
+    monkeypatch.setattr(cpu_kernels, "kquant_linear_tiles", lambda *a, **k: calls.append(a[0].shape[0]) or amx_linear(*a, **k))
     tiles = first_logits(model, ids)
     segments = sum(len(getattr(layer, attr).types) for layer in model.layers
                    for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     assert len(calls) == segments and set(calls) == {len(ids)}  # every projection's every segment
     try:
-        cpu_kernels.set_kquant_amx(False)
+        cpu_kernels.set_kquant_tiles(False)
         unpacked = first_logits(model, ids)
     finally:
-        cpu_kernels.set_kquant_amx(True)
+        cpu_kernels.set_kquant_tiles(True)
     scale = float(want.abs().max())
     tiles_error, unpack_error = float((tiles - want).abs().max()), float((unpacked - want).abs().max())
     assert int(tiles.argmax()) == int(want.argmax())
@@ -124,7 +125,7 @@ def test_bfloat16_steps_on_amx_tiles_match_the_reference(reference: tuple[torch.
     exact = cpu_kernels.q8_linear(rows.float(), codes, scales)
     calls.clear()
     head = model.compute_logits(rows)
-    assert calls == [] and head.dtype == torch.float32  # not through kquant_linear_amx: q8_linear_amx
+    assert calls == [] and head.dtype == torch.float32  # not through kquant_linear_tiles: q8_linear_tiles
     weights = codes.float() * scales.repeat_interleave(32, dim=1)
     bound = 2.0**-8 * (rows.float().abs() @ weights.abs().t()) + 1e-4
     assert ((head - exact).abs() <= bound).all()

@@ -700,9 +700,10 @@ def test_a_packed_q8_0_head_takes_the_bfloat16_kernel_from_q8_bf16_rows() -> Non
 
 @needs_bf16_kernels
 def test_a_packed_q8_0_head_takes_the_exact_tiles_from_q8_exact_amx_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """From Q8_EXACT_AMX_ROWS bfloat16 rows, where the AMX tiles are active, a packed Q8_0 head runs
-    `q8_linear_amx` with ``exact`` (the exact weights as three bfloat16 terms): the int8 kernel's
-    logits up to float32 summation; below it, or with the tiles off, `q8_linear_bf16` as before."""
+    """From Q8_EXACT_AMX_ROWS bfloat16 rows, where the tiles path is active on AMX, a packed Q8_0 head
+    runs `q8_linear_tiles` with ``exact`` (the exact weights as three bfloat16 terms): the int8 kernel's
+    logits up to float32 summation; below it, with the tiles off, or on the AVX512-BF16 backend (no
+    exact mode there), `q8_linear_bf16` as before."""
     from helios.models.packing import Q8_EXACT_AMX_ROWS
 
     model = _tiny_q8_model(q8_head=True)
@@ -710,7 +711,7 @@ def test_a_packed_q8_0_head_takes_the_exact_tiles_from_q8_exact_amx_rows(monkeyp
     before = model.compute_logits(hidden)  # q8_linear, the int8 codes
     assert model.pack_cpu_weights() >= 1
     calls: list[tuple[str, int]] = []
-    amx, bf16 = cpu_kernels.q8_linear_amx, cpu_kernels.q8_linear_bf16
+    amx, bf16 = cpu_kernels.q8_linear_tiles, cpu_kernels.q8_linear_bf16
 
     def counted_amx(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
         calls.append(("exact" if exact else "rounded", x.shape[0]))
@@ -720,20 +721,20 @@ def test_a_packed_q8_0_head_takes_the_exact_tiles_from_q8_exact_amx_rows(monkeyp
         calls.append(("bf16", x.shape[0]))
         return bf16(x, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(cpu_kernels, "q8_linear_amx", counted_amx)
+    monkeypatch.setattr(cpu_kernels, "q8_linear_tiles", counted_amx)
     monkeypatch.setattr(cpu_kernels, "q8_linear_bf16", counted_bf16)
     after = model.compute_logits(hidden)
     model.compute_logits(hidden[: Q8_EXACT_AMX_ROWS - 1])
-    tiles = cpu_kernels.kquant_amx_active()
+    tiles = cpu_kernels.kquant_tiles_active() and cpu_kernels.kquant_tiles_backend() == "amx"
     assert calls == [("exact" if tiles else "bf16", Q8_EXACT_AMX_ROWS + 5), ("bf16", Q8_EXACT_AMX_ROWS - 1)]
     assert torch.allclose(after, before, rtol=0, atol=2e-6 * float(before.abs().max()))
     if tiles:
         calls.clear()
         try:
-            assert not cpu_kernels.set_kquant_amx(False)
+            assert not cpu_kernels.set_kquant_tiles(False)
             model.compute_logits(hidden)
         finally:
-            assert cpu_kernels.set_kquant_amx(True)
+            assert cpu_kernels.set_kquant_tiles(True)
         assert calls == [("bf16", Q8_EXACT_AMX_ROWS + 5)]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -554,23 +555,45 @@ def test_the_other_instruction_set_builds(arch: str, tmp_path: Path) -> None:
                 assert (err <= bound_b + 2.0**-8 * (want_b.abs() + bound_b)).all(), key
 
 
-# -- AMX tiles (bfloat16 steps of kquant.TILE_ROWS rows) ---------------------------------------------------
+# -- The tiles path (bfloat16 steps of kquant.TILE_ROWS rows): AMX tiles or AVX512-BF16 dot products --------
 
-amx = pytest.mark.skipif(not cpu_kernels.kquant_amx_supported(),
+def _tiles_backends() -> list[str]:
+    """The backends of `kquant_linear_tiles` that run here: where AMX is granted both (the dot products
+    forced by `set_kquant_tiles_dp`), else the default one, or none."""
+    default = cpu_kernels.kquant_tiles_backend()
+    return ["amx", "avx512_bf16"] if default == "amx" else [default] if default else []
+
+
+amx = pytest.mark.skipif(cpu_kernels.kquant_tiles_backend() != "amx",
                          reason="no AMX tiles here (built without AMX-TILE/AMX-BF16, or Linux refused the tile state)")
 
 
+@pytest.fixture(params=_tiles_backends() or [pytest.param("", marks=pytest.mark.skip(
+    reason="no tiles path here (the kernels built without AVX512-BF16)"))])
+def tiles_backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each backend of the tiles path that runs here, made current for the test."""
+    forced = request.param == "avx512_bf16" and cpu_kernels.kquant_tiles_backend() == "amx"
+    if forced:
+        assert cpu_kernels.set_kquant_tiles_dp(True) == "avx512_bf16"
+    try:
+        assert cpu_kernels.kquant_tiles_backend() == request.param
+        yield str(request.param)
+    finally:
+        if forced:
+            assert cpu_kernels.set_kquant_tiles_dp(False) == "amx"
+
+
 def amx_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The AMX path's float32 error: products of bfloat16 values are exact, and each output is a chain
-    of at most K / 2 pair sums of two products (K roundings) plus the two chains' final addition:
+    """The tiles path's float32 error: products of bfloat16 values are exact, and each output is at most
+    K additions of products or partial sums (AMX: a chain of K / 2 pair sums, plus the two chains'
+    final addition; AVX512-BF16: 16 lane chains of K / 16 additions, the panels and a 4-level tree):
     (K + 2) u times the sum of |x w|, ``w`` the bfloat16-rounded weights."""
     return (x.shape[1] + 2) * U * (x.double().abs() @ w.double().abs().t())
 
 
-@amx
 @pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
 @pytest.mark.parametrize("m", [1, 8, 16, 17, 32, 33, 70])
-def test_kquant_linear_amx_is_within_its_bound_of_float64(ggml_type: int, m: int) -> None:
+def test_kquant_linear_tiles_is_within_its_bound_of_float64(ggml_type: int, m: int, tiles_backend: str) -> None:
     """The weights rounded to bfloat16 as `kquant_dequantize(..., bf16)` rounds them, exact products,
     float32 sums: within `amx_bound` of float64 (float32 out), and the bfloat16 result is that float32
     result rounded once. Shapes: weight rows in a partial unit of 32, an odd number of 32-column chunks
@@ -581,17 +604,16 @@ def test_kquant_linear_amx_is_within_its_bound_of_float64(ggml_type: int, m: int
         w = cpu_kernels.kquant_dequantize(blocks, ggml_type, out, k, torch.bfloat16)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).to(torch.bfloat16)
         want = x.double() @ w.double().t()
-        got = cpu_kernels.kquant_linear_amx(x, blocks, ggml_type, out, float_out=True)
+        got = cpu_kernels.kquant_linear_tiles(x, blocks, ggml_type, out, float_out=True)
         assert got.dtype == torch.float32 and got.shape == (m, out)
         assert ((got.double() - want).abs() <= amx_bound(x, w)).all()
-        rounded = cpu_kernels.kquant_linear_amx(x, blocks, ggml_type, out)
+        rounded = cpu_kernels.kquant_linear_tiles(x, blocks, ggml_type, out)
         assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.to(torch.bfloat16))
 
 
-@amx
 @pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
 @pytest.mark.parametrize("m", [1, 8, 32, 48])
-def test_kquant_linear_amx_decodes_every_weight_to_its_bfloat16_bits(ggml_type: int, m: int) -> None:
+def test_kquant_linear_tiles_decodes_every_weight_to_its_bfloat16_bits(ggml_type: int, m: int, tiles_backend: str) -> None:
     """One-hot rows pick single weights out (every product but one is zero, so the sum is exact):
     each column the tiles see is `kquant_dequantize(..., bf16)`'s, bit for bit, for every column of
     two blocks of 256, through the sliced (1, 8, 32 rows) and the whole-row (48) paths."""
@@ -602,25 +624,71 @@ def test_kquant_linear_amx_decodes_every_weight_to_its_bfloat16_bits(ggml_type: 
         cols = torch.arange(c0, min(c0 + m, k))
         x = torch.zeros(len(cols), k, dtype=torch.bfloat16)
         x[torch.arange(len(cols)), cols] = 1
-        got = cpu_kernels.kquant_linear_amx(x, blocks, ggml_type, out, float_out=True)
+        got = cpu_kernels.kquant_linear_tiles(x, blocks, ggml_type, out, float_out=True)
         assert torch.equal(got, w[:, cols].t().float()), (c0, m)
 
 
-@amx
-def test_kquant_linear_amx_rejects_bad_operands() -> None:
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
+def test_the_dot_products_give_a_row_the_same_bits_in_any_batch_and_team(ggml_type: int) -> None:
+    """The AVX512-BF16 backend sums each output in an order that depends on K alone: a row's result is
+    the same bits alone, in a batch of 37 rows at any position, and on one thread or two; a long K
+    (two panels of 2,048 columns, the last one partial) too."""
+    if "avx512_bf16" not in _tiles_backends():
+        pytest.skip("no AVX512-BF16 here")
+    forced = cpu_kernels.kquant_tiles_backend() == "amx"
+    if forced:
+        cpu_kernels.set_kquant_tiles_dp(True)
+    threads = torch.get_num_threads()
+    try:
+        per = cpu_kernels.KQUANT_LAYOUTS[ggml_type][0]
+        out, k = 70, 2048 + 2 * per if per == 256 else 2048 + 96
+        blocks = torch.from_numpy(random_blocks(ggml_type, out, k, seed=ggml_type + 3))
+        x = torch.randn(37, k, generator=torch.Generator().manual_seed(ggml_type)).to(torch.bfloat16)
+        batch = cpu_kernels.kquant_linear_tiles(x, blocks, ggml_type, out, float_out=True)
+        for i in (0, 5, 17, 36):
+            alone = cpu_kernels.kquant_linear_tiles(x[i:i + 1], blocks, ggml_type, out, float_out=True)
+            assert torch.equal(alone[0], batch[i]), i
+        assert torch.equal(cpu_kernels.kquant_linear_tiles(x[3:11], blocks, ggml_type, out, float_out=True), batch[3:11])
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_kernels.kquant_linear_tiles(x, blocks, ggml_type, out, float_out=True), batch)
+        w = cpu_kernels.kquant_dequantize(blocks, ggml_type, out, k, torch.bfloat16)
+        assert ((batch.double() - x.double() @ w.double().t()).abs() <= amx_bound(x, w)).all()
+    finally:
+        torch.set_num_threads(threads)
+        if forced:
+            cpu_kernels.set_kquant_tiles_dp(False)
+
+
+def test_the_exact_q8_mode_is_refused_off_the_amx_tiles() -> None:
+    """``q8_linear_tiles(exact=True)`` runs on the AMX backend only; on the dot products it is a clear
+    error, not a rounded result."""
+    if "avx512_bf16" not in _tiles_backends():
+        pytest.skip("no AVX512-BF16 here")
+    forced = cpu_kernels.kquant_tiles_backend() == "amx"
+    if forced:
+        cpu_kernels.set_kquant_tiles_dp(True)
+    try:
+        codes, scales = _q8_codes(16, 64, seed=1)
+        with pytest.raises(RuntimeError, match="AMX tiles only"):
+            cpu_kernels.q8_linear_tiles(torch.ones(8, 64, dtype=torch.bfloat16), codes, scales, exact=True)
+    finally:
+        if forced:
+            cpu_kernels.set_kquant_tiles_dp(False)
+
+
+def test_kquant_linear_tiles_rejects_bad_operands(tiles_backend: str) -> None:
     blocks = torch.from_numpy(random_blocks(14, 4, 256, seed=0))
     with pytest.raises(RuntimeError, match="bfloat16"):
-        cpu_kernels.kquant_linear_amx(torch.randn(2, 256), blocks, 14, 4)
+        cpu_kernels.kquant_linear_tiles(torch.randn(2, 256), blocks, 14, 4)
     with pytest.raises(RuntimeError, match="bytes of blocks"):
-        cpu_kernels.kquant_linear_amx(torch.randn(2, 256).bfloat16(), blocks, 14, 5)
-    assert cpu_kernels.kquant_linear_amx(torch.randn(0, 256).bfloat16(), blocks, 14, 4).shape == (0, 4)
+        cpu_kernels.kquant_linear_tiles(torch.randn(2, 256).bfloat16(), blocks, 14, 5)
+    assert cpu_kernels.kquant_linear_tiles(torch.randn(0, 256).bfloat16(), blocks, 14, 4).shape == (0, 4)
 
 
-@amx
-def test_the_module_takes_the_tiles_for_bfloat16_steps_in_tile_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_module_takes_the_tiles_for_bfloat16_steps_in_tile_rows(monkeypatch: pytest.MonkeyPatch, tiles_backend: str) -> None:
     """`KQuantLinear`: bfloat16 steps of TILE_ROWS rows on the tiles (each segment), fewer rows on the
     exact kernel, more on the unpack path, except a weight of TILE_LARGE_WEIGHTS or more up to
-    TILE_LARGE_ROWS rows; float32 steps never; `set_kquant_amx(False)` turns it off."""
+    TILE_LARGE_ROWS rows; float32 steps never; `set_kquant_tiles(False)` turns it off."""
     from helios.models import kquant
 
     parts = [_weight(12, 32, 512, 1), _weight(14, 16, 512, 3)]
@@ -629,7 +697,7 @@ def test_the_module_takes_the_tiles_for_bfloat16_steps_in_tile_rows(monkeypatch:
     x = torch.randn(hi + 1, 512, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
 
     def tiles(rows: torch.Tensor) -> torch.Tensor:
-        return torch.cat([cpu_kernels.kquant_linear_amx(rows, p.blocks, p.ggml_type, p.shape[0]) for p in parts], dim=1)
+        return torch.cat([cpu_kernels.kquant_linear_tiles(rows, p.blocks, p.ggml_type, p.shape[0]) for p in parts], dim=1)
 
     def kernel(rows: torch.Tensor) -> torch.Tensor:
         return torch.cat([cpu_kernels.kquant_linear(rows, p.blocks, p.ggml_type, p.shape[0]) for p in parts], dim=1)
@@ -646,10 +714,10 @@ def test_the_module_takes_the_tiles_for_bfloat16_steps_in_tile_rows(monkeypatch:
     assert torch.equal(module(big), F.linear(big, module.dequantize(torch.bfloat16)))
     assert torch.equal(module(x[:lo].float()), kernel(x[:lo].float()))
     try:
-        assert not cpu_kernels.set_kquant_amx(False)
+        assert not cpu_kernels.set_kquant_tiles(False)
         assert torch.equal(module(x[:lo]), kernel(x[:lo]))
     finally:
-        assert cpu_kernels.set_kquant_amx(True)
+        assert cpu_kernels.set_kquant_tiles(True)
 
 
 def _q8_codes(out: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -663,8 +731,8 @@ def _q8_codes(out: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @amx
 @pytest.mark.parametrize("m", [1, 16, 24, 32, 33, 70])
-def test_q8_linear_amx_exact_reads_every_weight_exactly(m: int) -> None:
-    """`q8_linear_amx` with ``exact`` splits each weight ``scale * code`` (a float16 scale) into three bfloat16
+def test_q8_linear_tiles_exact_reads_every_weight_exactly(m: int) -> None:
+    """`q8_linear_tiles` with ``exact`` splits each weight ``scale * code`` (a float16 scale) into three bfloat16
     terms that add up to it exactly: one-hot activation rows read every weight back bit for bit
     (with two of the three terms it fails), at one and two row tiles and the whole-row path."""
     out, k = 45, 96
@@ -675,14 +743,14 @@ def test_q8_linear_amx_exact_reads_every_weight_exactly(m: int) -> None:
         cols = torch.arange(start, min(start + m, k))
         x = torch.zeros(m, k, dtype=torch.bfloat16)
         x[torch.arange(len(cols)), cols] = 1
-        got = cpu_kernels.q8_linear_amx(x, codes, scales, exact=True)
+        got = cpu_kernels.q8_linear_tiles(x, codes, scales, exact=True)
         assert got.dtype == torch.float32 and got.shape == (m, out)
         assert torch.equal(got[: len(cols)].double(), w[:, cols].t()), start
 
 
 @amx
 @pytest.mark.parametrize("m", [8, 32, 33])
-def test_q8_linear_amx_exact_is_within_its_bound_of_float64(m: int) -> None:
+def test_q8_linear_tiles_exact_is_within_its_bound_of_float64(m: int) -> None:
     """The exact weights' products summed in float32 by the tile unit: within (3K + 2) u of the sum of
     |x w| from float64 (`amx_bound` over the three terms), and within float32 summation of the int8
     kernel's (`q8_linear`) result."""
@@ -691,25 +759,24 @@ def test_q8_linear_amx_exact_is_within_its_bound_of_float64(m: int) -> None:
     scales = scales / scales.abs().amax()  # a head's scale: every logit finite
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
     w = (codes.double().view(out, k // 32, 32) * scales.double()[:, :, None]).view(out, k)
-    got = cpu_kernels.q8_linear_amx(x, codes, scales, exact=True).double()
+    got = cpu_kernels.q8_linear_tiles(x, codes, scales, exact=True).double()
     bound = (3 * k + 2) * U * (x.double().abs() @ w.abs().t())
     assert ((got - x.double() @ w.t()).abs() <= bound).all()
     assert ((got - cpu_kernels.q8_linear(x, codes, scales).double()).abs() <= 2 * bound).all()
 
 
-@amx
 @pytest.mark.parametrize("m", [8, 33])
-def test_q8_linear_amx_is_within_its_bound_of_float64(m: int) -> None:
+def test_q8_linear_tiles_is_within_its_bound_of_float64(m: int, tiles_backend: str) -> None:
     """`q8_linear`'s codes and scales on the tiles: each weight ``scale * code`` rounded to bfloat16, then
-    `kquant_linear_amx`'s sums (the same bits as the Q8_0 blocks of the same weight through it)."""
+    `kquant_linear_tiles`'s sums (the same bits as the Q8_0 blocks of the same weight through it)."""
     out, k = 45, 96
     blocks = random_blocks(8, out, k, seed=m)
     raw = blocks.reshape(out, k // 32, 34)
     scales = torch.from_numpy(raw[:, :, :2].copy().view(np.float16).astype(np.float32).reshape(out, k // 32))
     codes = torch.from_numpy(raw[:, :, 2:].copy().view(np.int8).reshape(out, k))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
-    got = cpu_kernels.q8_linear_amx(x, codes, scales)
+    got = cpu_kernels.q8_linear_tiles(x, codes, scales)
     assert got.dtype == torch.float32 and got.shape == (m, out)
-    assert torch.equal(got, cpu_kernels.kquant_linear_amx(x, torch.from_numpy(blocks), 8, out, float_out=True))
+    assert torch.equal(got, cpu_kernels.kquant_linear_tiles(x, torch.from_numpy(blocks), 8, out, float_out=True))
     w = (codes.double() * scales.repeat_interleave(32, dim=1).double()).float().to(torch.bfloat16)
     assert ((got.double() - x.double() @ w.double().t()).abs() <= amx_bound(x, w)).all()

@@ -371,7 +371,7 @@ def test_decode_plan_is_the_layers_fused_path(tmp_path: Path, arch: str, dtype: 
     """A k-quant file's all-decode steps run every layer in one call (`cpu_kernels.KqDecodePlan`:
     q/k/v bias for qwen2, per-head q/k norms for qwen3, q/k/v segments of several types), and the
     greedy tokens, logprobs and top logprobs are bit for bit those of the layers' own fused path:
-    float32 and bfloat16, 1 to 9 rows (9 bfloat16 rows: the AMX tiles where they are active), float and
+    float32 and bfloat16, 1 to 9 rows (9 bfloat16 rows: the tiles path where it is active), float and
     int8 K/V. A dense projection in one layer leaves the whole model on the layers' path."""
     from helios.models import llama
     from tests.unit.test_engine import check_decode_plan

@@ -247,7 +247,7 @@ def test_grouped_experts_equal_one_call_per_expert(kquant_file: Path, dtype: tor
 
 def test_tile_sized_groups_go_to_their_modules() -> None:
     """`grouped_linear` declines (None: one module call per group) when a group's rows would take the
-    AMX tiles in its module, so a grouped result is always the bits of each module alone; a MoE
+    tiles path in its module, so a grouped result is always the bits of each module alone; a MoE
     layer's experts do not take the tiles (`tiles` False), so they group at any size."""
     from helios.models import kquant
 
@@ -269,7 +269,7 @@ def test_tile_sized_groups_go_to_their_modules() -> None:
 
 def test_an_expert_past_unpack_above_takes_the_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """An expert module (``tiles`` False) keeps the exact kernel up to ``unpack_above`` rows and
-    takes the AMX tiles past it where they are active (its bits are `kquant_linear_amx`'s), where it
+    takes the tiles path past it where it is active (its bits are `kquant_linear_tiles`'s), where it
     used to dequantize for the call; without the tiles, or past their rows, it still unpacks."""
     from helios.models import kquant
 
@@ -278,17 +278,17 @@ def test_an_expert_past_unpack_above_takes_the_tiles(monkeypatch: pytest.MonkeyP
     module.tiles = False
     x = torch.randn(kquant.TILE_ROWS[1] + 1, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     calls: list[int] = []
-    amx = cpu_kernels.kquant_linear_amx
+    tiles = cpu_kernels.kquant_linear_tiles
 
     def counting(x: torch.Tensor, *args: object, **kwargs: bool) -> torch.Tensor:
         calls.append(x.shape[0])
-        return amx(x, *args, **kwargs)  # type: ignore[arg-type]
+        return tiles(x, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(cpu_kernels, "kquant_linear_amx", counting)
+    monkeypatch.setattr(cpu_kernels, "kquant_linear_tiles", counting)
     assert torch.equal(module(x[:8]), cpu_kernels.kquant_linear(x[:8], weight.blocks, 12, 64))
     unpacked = torch.nn.functional.linear(x.float(), weight.dequantize()).to(torch.bfloat16)
-    if cpu_kernels.kquant_amx_active():
-        assert torch.equal(module(x[:9]), amx(x[:9], weight.blocks, 12, 64))
+    if cpu_kernels.kquant_tiles_active():
+        assert torch.equal(module(x[:9]), tiles(x[:9], weight.blocks, 12, 64))
         assert calls == [9]
     else:
         assert torch.equal(module(x[:9]), unpacked[:9])
@@ -402,8 +402,8 @@ def test_decode_plan_is_the_layers_fused_path(tmp_path: Path, dtype: torch.dtype
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A Qwen3-MoE file with k-quant attention: its all-decode steps run every layer in one call
     (`cpu_kernels.KqDecodePlan`), and the greedy tokens, logprobs and top logprobs are bit for bit
-    those of the layers' own fused path, for float32 and bfloat16, 1 to 9 rows (9 bfloat16 rows: the
-    AMX tiles where they are active), float and int8 K/V. A layer the plan does not take (a dense
+    those of the layers' own fused path, for float32 and bfloat16, 1 to 9 rows (9 bfloat16 rows:
+    the tiles path where it is active), float and int8 K/V. A layer the plan does not take (a dense
     attention projection) leaves the whole model on the layers' path."""
     from helios.models import moe_decoder
 

@@ -3002,7 +3002,7 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type, int64_t N, 
   return out;
 }
 
-// ---- K-quant matmul on AMX tiles (kquant_linear_amx) ----
+// ---- K-quant matmul on AMX tiles (kquant_linear_tiles) ----
 // y = x W^T for bfloat16 x [M, K] and W [N, K] in GGUF blocks of any of the six types (or q8_linear's
 // codes and scales), on the AMX tile unit. Each thread takes units of 32 weight rows and decodes them to
 // bfloat16: each weight is kquant_dequantize's exact float32 value rounded to nearest even, the bits
@@ -3015,8 +3015,9 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type, int64_t N, 
 // rows past M); 32 weight rows x 32 activation rows take four float32 accumulator tiles. Products of bfloat16 values are exact in float32; every sum is float32 (the
 // tile unit's order: the pair's two products, then the pairs in k order; denormal inputs and results
 // are flushed to zero, as TDPBF16PS does). The result is rounded once to bfloat16.
-#ifdef HELIOS_AMX
-constexpr int64_t kKqAmxRows = 32;  // weight rows a thread decodes at a time (two A tiles)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HELIOS_KQ_TILES 1
+constexpr int64_t kKqUnitRows = 32;  // weight rows a thread decodes at a time (two A tiles)
 // q8_linear's layout as a tile source: int8 codes [N, K] and float32 scales [N, K / 32] (w = scale * code)
 constexpr int kQ8Codes = 108;
 template <> struct KqTraits<kQ8Codes> { static constexpr int64_t per = 32, bytes = 32; static constexpr bool affine = false, lanes = false; };
@@ -3024,7 +3025,7 @@ template <> struct KqTraits<kQ8Codes> { static constexpr int64_t per = 32, bytes
 // The calling thread's scratch of at least n elements (kept between calls: a fresh allocation of this
 // size is a fresh mapping, whose page faults cost more than a small projection's whole product).
 template <typename E>
-E* kq_amx_scratch(int64_t n) {
+E* kq_scratch(int64_t n) {
   thread_local std::vector<E> buf;
   if (static_cast<int64_t>(buf.size()) < n) buf.assign(static_cast<size_t>(n), E{});
   return buf.data();
@@ -3115,7 +3116,7 @@ inline void kq_q6k_bf16_half(const uint8_t* blk, int half, const KqHeader& h, at
 }
 
 // Weight rows [0, rows) of a unit (row stride rb bytes; q8 codes: their scales su, K / 32 a row) into
-// the scratch s [kKqAmxRows, K], zero rows past `rows`.
+// the scratch s [kKqUnitRows, K], zero rows past `rows`.
 template <int T>
 inline void kq_amx_decode(const uint8_t* wp, int64_t rb, int64_t rows, int64_t K, at::BFloat16* s, const float* su) {
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
@@ -3133,9 +3134,11 @@ inline void kq_amx_decode(const uint8_t* wp, int64_t rb, int64_t rows, int64_t K
         for (int cc = 0; cc < subs; ++cc) kq_bf16_32<T>(blk, cc, h, s + r * K + b * per + 32 * cc);
     }
   }
-  std::memset(static_cast<void*>(s + rows * K), 0, (kKqAmxRows - rows) * K * 2);
+  std::memset(static_cast<void*>(s + rows * K), 0, (kKqUnitRows - rows) * K * 2);
 }
+#endif
 
+#ifdef HELIOS_AMX
 // Tile products over `chunks` column chunks of 32: A tiles 0, 1 (weight rows 0-15, 16-31 of the scratch,
 // row stride ss elements), B from xb (chunk stride xs 32-bit words). TWO: two row tiles (B tiles 2, 3
 // into accumulators 4, 5 and 6, 7); else one, with even chunks into 4, 5 and odd ones into 6, 7 (two
@@ -3260,10 +3263,10 @@ inline void kq_amx_unit(const uint8_t* wu, int64_t rb, int64_t rows, int64_t K, 
                         uint16_t* buf, const uint8_t* next, const float* su) {
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
   constexpr int subs = static_cast<int>(per / 32);
-  const int64_t nb = K / per, chunks = K / 32, lines = next != nullptr ? (kKqAmxRows * rb + 63) / 64 : 0;
-  KqHeader h[kKqAmxRows];
-  if (rows < kKqAmxRows)
-    for (int p = 0; p < 2; ++p) std::memset(static_cast<void*>(buf + p * 1024 + rows * 32), 0, (kKqAmxRows - rows) * 64);
+  const int64_t nb = K / per, chunks = K / 32, lines = next != nullptr ? (kKqUnitRows * rb + 63) / 64 : 0;
+  KqHeader h[kKqUnitRows];
+  if (rows < kKqUnitRows)
+    for (int p = 0; p < 2; ++p) std::memset(static_cast<void*>(buf + p * 1024 + rows * 32), 0, (kKqUnitRows - rows) * 64);
   int64_t ch = 0;
   for (int64_t b = 0; b < nb; ++b) {
     if constexpr (per == 256)
@@ -3305,10 +3308,10 @@ template <bool TWO>
 inline void kq_amx_unit_q6k(const uint8_t* wu, int64_t rb, int64_t rows, int64_t K, const uint32_t* xb, int64_t xs,
                             uint16_t* buf, const uint8_t* next) {
   constexpr int64_t bytes = KqTraits<kQ6_K>::bytes;
-  const int64_t nb = K / 256, lines = next != nullptr ? (kKqAmxRows * rb + 63) / 64 : 0;
-  KqHeader h[kKqAmxRows];
-  if (rows < kKqAmxRows)
-    for (int p = 0; p < 8; ++p) std::memset(static_cast<void*>(buf + p * 1024 + rows * 32), 0, (kKqAmxRows - rows) * 64);
+  const int64_t nb = K / 256, lines = next != nullptr ? (kKqUnitRows * rb + 63) / 64 : 0;
+  KqHeader h[kKqUnitRows];
+  if (rows < kKqUnitRows)
+    for (int p = 0; p < 8; ++p) std::memset(static_cast<void*>(buf + p * 1024 + rows * 32), 0, (kKqUnitRows - rows) * 64);
   const int64_t steps = 2 * nb * rows;
   for (int64_t b = 0; b < nb; ++b) {
     for (int64_t r = 0; r < rows; ++r) kq_header<kQ6_K>(wu + r * rb + b * bytes, h[r]);
@@ -3342,19 +3345,19 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
                  const float* sp = nullptr) {
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
   const int64_t rb = K / per * bytes, kc = K / 32;
-  const int64_t units = (N + kKqAmxRows - 1) / kKqAmxRows;
+  const int64_t units = (N + kKqUnitRows - 1) / kKqUnitRows;
   const int64_t xs = MT * 256;
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     amx_configure();
     if (MT <= 2) {
-      uint16_t* buf = kq_amx_scratch<uint16_t>((T == kQ6_K ? 8 : 2) * 1024);
+      uint16_t* buf = kq_scratch<uint16_t>((T == kQ6_K ? 8 : 2) * 1024);
       for (int64_t u = u0; u < u1; ++u) {
-        const int64_t n0 = u * kKqAmxRows, rows = std::min(kKqAmxRows, N - n0);
+        const int64_t n0 = u * kKqUnitRows, rows = std::min(kKqUnitRows, N - n0);
         _tile_zero(4);
         _tile_zero(5);
         _tile_zero(6);
         _tile_zero(7);
-        const uint8_t* next = u + 1 < u1 ? wp + (n0 + kKqAmxRows) * rb : nullptr;
+        const uint8_t* next = u + 1 < u1 ? wp + (n0 + kKqUnitRows) * rb : nullptr;
         const float* su = sp == nullptr ? nullptr : sp + n0 * (K / 32);
         if constexpr (T == kQ6_K) {
           if (MT == 2) kq_amx_unit_q6k<true>(wp + n0 * rb, rb, rows, K, xpack, xs, buf, next);
@@ -3367,10 +3370,10 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
         kq_amx_out(MT == 2, 0, M, N, n0, rows, yp);
       }
     } else {
-      at::BFloat16* w = kq_amx_scratch<at::BFloat16>(kKqAmxRows * K);
+      at::BFloat16* w = kq_scratch<at::BFloat16>(kKqUnitRows * K);
       const uint16_t* w16 = reinterpret_cast<const uint16_t*>(w);
       for (int64_t u = u0; u < u1; ++u) {
-        const int64_t n0 = u * kKqAmxRows, rows = std::min(kKqAmxRows, N - n0);
+        const int64_t n0 = u * kKqUnitRows, rows = std::min(kKqUnitRows, N - n0);
         kq_amx_decode<T>(wp + n0 * rb, rb, rows, K, w, sp == nullptr ? nullptr : sp + n0 * (K / 32));
         kq_amx_passes(w16, K, xpack, xs, kc, MT, M, N, n0, rows, yp);
       }
@@ -3380,20 +3383,170 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
 }
 #endif
 
-bool kquant_amx_supported() {
+// ---- The same products with AVX512-BF16 dot products (kquant_linear_tiles where the tiles are absent) ----
+// Where the CPU has AVX512-BF16 but no AMX tiles (AMD Zen 4 and 5; an Intel machine that refuses the
+// tile state), kquant_linear_tiles and q8_linear_tiles's rounded mode run the same products with
+// VDPBF16PS: each thread takes units of 32 weight rows, decodes a unit's whole rows once into its L2
+// scratch (kq_amx_decode: the same bfloat16 weights as the tiles), then, per panel of kKqDpPanel
+// columns, each block of up to 6 activation rows (kept in L1) passes over the unit 4 weight rows at a
+// time: 24 accumulators of 16 float32 lanes, lane j summing the products of columns 32 c + 2 j and
+// 32 c + 2 j + 1 of chunk c in chunk order (the pair's two products first, as VDPBF16PS adds them),
+// then the 16 lanes added in a fixed tree and the panels in order. Products of bfloat16 values are
+// exact in float32 and every sum is float32: the tiles' contract, in another order of sums (so the
+// two backends differ by float32 roundings; each output's order depends on nothing but K, so a row
+// gets the same bits whatever rows share its step and however many threads run it).
+#ifdef HELIOS_KQ_TILES
+constexpr int64_t kKqDpPanel = 2048;  // columns per pass: 6 activation rows' panel (24 KB) stays in L1
+
+// Weight rows w (4 of them, row stride ws) times activation rows x (MB of them, row stride xs) over
+// columns [k0, k1) (multiples of 32), each dot product added to part[m * 32 + n].
+template <int MB>
+inline void kq_dp_block(const uint16_t* w, int64_t ws, const uint16_t* x, int64_t xs, int64_t k0, int64_t k1,
+                        float* part) {
+  __m512 acc[4][MB];
+  for (int n = 0; n < 4; ++n)
+    for (int m = 0; m < MB; ++m) acc[n][m] = _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; k += 32) {
+    __m512bh xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * xs + k);
+    for (int n = 0; n < 4; ++n) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + n * ws + k);
+      for (int m = 0; m < MB; ++m) acc[n][m] = _mm512_dpbf16_ps(acc[n][m], wv, xv[m]);
+    }
+  }
+  for (int n = 0; n < 4; ++n)
+    for (int m = 0; m < MB; ++m) part[m * 32 + n] += _mm512_reduce_add_ps(acc[n][m]);
+}
+
+// One unit's decoded weight rows (w: kKqUnitRows rows, row stride K, zero past `rows`) times every
+// activation row of x (bfloat16 [M, K]) into y's columns n0 .. n0 + rows; part: M x 32 floats.
+template <typename Out>
+void kq_dp_unit(const uint16_t* w, const uint16_t* x, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t rows,
+                float* part, Out* yp) {
+  std::fill(part, part + M * 32, 0.f);
+  const int64_t groups = (rows + 3) / 4, blocks = (M + 5) / 6;
+  for (int64_t k0 = 0; k0 < K; k0 += kKqDpPanel) {
+    const int64_t k1 = std::min(K, k0 + kKqDpPanel);
+    for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
+      const int64_t mb = (M - m0) / (blocks - b);  // blocks of 6 or fewer, as even as they go
+      const uint16_t* xb = x + m0 * K;
+      float* pb = part + m0 * 32;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint16_t* wg = w + 4 * g * K;
+        switch (mb) {
+          case 1: kq_dp_block<1>(wg, K, xb, K, k0, k1, pb + 4 * g); break;
+          case 2: kq_dp_block<2>(wg, K, xb, K, k0, k1, pb + 4 * g); break;
+          case 3: kq_dp_block<3>(wg, K, xb, K, k0, k1, pb + 4 * g); break;
+          case 4: kq_dp_block<4>(wg, K, xb, K, k0, k1, pb + 4 * g); break;
+          case 5: kq_dp_block<5>(wg, K, xb, K, k0, k1, pb + 4 * g); break;
+          default: kq_dp_block<6>(wg, K, xb, K, k0, k1, pb + 4 * g); break;
+        }
+      }
+      m0 += mb;
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < rows; ++r) store(part[m * 32 + r], yp + m * N + n0 + r);
+}
+
+// A unit's weight rows [0, rows) (row stride rb bytes; q8 codes: their scales su) into the scratch s
+// [kKqUnitRows, K] as bfloat16, each 32-column chunk in the type's lane order (kq_lane_weights: the exact
+// float32 values, rounded to nearest even: kq_amx_decode's bits, permuted within the chunk), zero rows
+// to a multiple of 4.
+template <int T>
+inline void kq_dp_decode(const uint8_t* wp, int64_t rb, int64_t rows, int64_t K, uint16_t* s, const float* su,
+                         const uint8_t* next) {
+  constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
+  constexpr int subs = static_cast<int>(per / 32);
+  const int64_t nb = K / per;
+  // the thread's next unit (null: none), its bytes at the offsets being read now, so that they arrive
+  // while this unit decodes and multiplies
+  const int64_t ahead = next == nullptr ? 0 : next - wp;
+  for (int64_t r = 0; r < rows; ++r) {
+    KqHeader h;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = wp + r * rb + b * bytes;
+      if (ahead != 0)
+        for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + ahead + l), _MM_HINT_T0);
+      uint16_t* out = s + r * K + b * per;
+      if constexpr (T == kQ8Codes) {
+        h.a[0] = su[r * nb + b];
+        kq_bf16_32<T>(blk, 0, h, reinterpret_cast<at::BFloat16*>(out));
+      } else {
+        kq_header<T>(blk, h);
+        for (int cc = 0; cc < subs; ++cc) {
+          const Kq32 w = kq_lane_weights<T>(blk, cc, h);
+          _mm512_storeu_si512(out + 32 * cc, (__m512i)_mm512_cvtne2ps_pbh(w.v[1], w.v[0]));
+        }
+      }
+    }
+  }
+  const int64_t padded = (rows + 3) / 4 * 4;
+  if (padded > rows) std::memset(static_cast<void*>(s + rows * K), 0, (padded - rows) * K * 2);
+}
+
+template <int T, typename Out>
+void kq_dp_impl(const at::Tensor& xc, const uint8_t* wp, Out* yp, int64_t M, int64_t K, int64_t N,
+                const float* sp = nullptr) {
+  constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
+  const int64_t rb = K / per * bytes;
+  const int64_t units = (N + kKqUnitRows - 1) / kKqUnitRows;
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  at::Tensor xl;  // x in the type's lane order, each 32-column chunk permuted as the weights are
+  if constexpr (KqTraits<T>::lanes) {
+    xl = at::empty({M, K}, xc.options());
+    uint16_t* xp = reinterpret_cast<uint16_t*>(xl.data_ptr<c10::BFloat16>());
+    alignas(64) uint16_t order[32];
+    for (int L = 0; L < 32; ++L) order[L] = static_cast<uint16_t>(kq_lane_weight(T, L));
+    const __m512i idx = _mm512_load_si512(order);
+    for (int64_t i = 0; i < M * K; i += 32)
+      _mm512_storeu_si512(xp + i, _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(x + i)));
+    x = xp;
+  }
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    uint16_t* w = kq_scratch<uint16_t>(kKqUnitRows * K);
+    float* part = kq_scratch<float>(M * 32);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t n0 = u * kKqUnitRows, rows = std::min(kKqUnitRows, N - n0);
+      const uint8_t* next = u + 1 < u1 ? wp + (n0 + kKqUnitRows) * rb : nullptr;
+      kq_dp_decode<T>(wp + n0 * rb, rb, rows, K, w, sp == nullptr ? nullptr : sp + n0 * (K / 32), next);
+      kq_dp_unit(w, x, M, K, N, n0, rows, part, yp);
+    }
+  });
+}
+#endif
+
+// 0: kquant_linear_tiles and q8_linear_tiles take the AMX tiles where permitted, else the AVX512-BF16 dot
+// products; 1: the dot products even where tiles are permitted (tests compare both backends there).
+std::atomic<int> kq_tiles_mode{0};
+
+// The backend kquant_linear_tiles runs on now: 2 the AMX tiles, 1 AVX512-BF16 dot products, 0 none.
+int64_t kquant_tiles_backend() {
 #ifdef HELIOS_AMX
-  return amx_permitted();
+  if (kq_tiles_mode.load() == 0 && amx_permitted()) return 2;
+#endif
+#ifdef HELIOS_KQ_TILES
+  return 1;
 #else
-  return false;
+  return 0;
 #endif
 }
+
+// Forces the AVX512-BF16 dot products (`dp`) or restores the default choice; returns the backend now.
+int64_t set_kquant_tiles_dp(bool dp) {
+  kq_tiles_mode.store(dp ? 1 : 0);
+  return kquant_tiles_backend();
+}
+
+// Whether kquant_linear_tiles and q8_linear_tiles can run here (on either backend).
+bool kquant_tiles_supported() { return kquant_tiles_backend() != 0; }
 
 #ifdef HELIOS_AMX
 // x [M, K] (bfloat16, contiguous) as the B operand: for column chunk k and row tile t, tile (k MT + t) of
 // 16 pairs x 16 rows (32-bit pairs), zero rows past M; in the calling thread's scratch.
 const uint32_t* kq_amx_pack_x(const at::Tensor& xc, int64_t MT) {
   const int64_t M = xc.size(0), K = xc.size(1), kc = K / 32;
-  uint32_t* xpack = kq_amx_scratch<uint32_t>(kc * MT * 256);
+  uint32_t* xpack = kq_scratch<uint32_t>(kc * MT * 256);
   const uint32_t* xs = reinterpret_cast<const uint32_t*>(xc.data_ptr<c10::BFloat16>());
   static const std::array<uint32_t, 16> zero_row{};
   for (int64_t t = 0; t < MT; ++t) {
@@ -3410,16 +3563,30 @@ const uint32_t* kq_amx_pack_x(const at::Tensor& xc, int64_t MT) {
 #endif
 
 // kquant_linear on AMX tiles for bfloat16 x [M, K]: [M, N] in bfloat16, or float32 with `float_out`
-// (the contract at the head of this section; needs kquant_amx_supported()).
-at::Tensor kquant_linear_amx(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t N, bool float_out) {
-  TORCH_CHECK(kquant_amx_supported(), "kquant_linear_amx: AMX tiles are not built or not permitted");
+// (the contract at the head of this section; needs kquant_tiles_supported()).
+at::Tensor kquant_linear_tiles(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t N, bool float_out) {
+  TORCH_CHECK(kquant_tiles_supported(), "kquant_linear_tiles: built only for CPUs with AMX or AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-              "kquant_linear_amx: x is a 2-d bfloat16 CPU tensor");
+              "kquant_linear_tiles: x is a 2-d bfloat16 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1);
-  kq_check_blocks(blocks, type, N, K, "kquant_linear_amx");
+  kq_check_blocks(blocks, type, N, K, "kquant_linear_tiles");
   at::Tensor y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
-#ifdef HELIOS_AMX
   if (M == 0 || N == 0) return y;
+#ifdef HELIOS_KQ_TILES
+  if (kquant_tiles_backend() == 1) {
+    const at::Tensor xc = x.contiguous();
+    const uint8_t* wp = blocks.data_ptr<uint8_t>();
+    if (float_out) {
+      float* yp = y.data_ptr<float>();
+      kq_dispatch(type, [&](auto t) { kq_dp_impl<decltype(t)::value>(xc, wp, yp, M, K, N); });
+    } else {
+      c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+      kq_dispatch(type, [&](auto t) { kq_dp_impl<decltype(t)::value>(xc, wp, yp, M, K, N); });
+    }
+    return y;
+  }
+#endif
+#ifdef HELIOS_AMX
   const int64_t MT = (M + 15) / 16;
   const uint32_t* xpack = kq_amx_pack_x(x.contiguous(), MT);
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
@@ -3434,8 +3601,8 @@ at::Tensor kquant_linear_amx(const at::Tensor& x, const at::Tensor& blocks, int6
   return y;
 }
 
-// ---- q8_linear_amx(exact): a Q8_0 output projection on the AMX tiles with its exact weights ----------------
-// q8_linear_amx rounds each weight scale * code to bfloat16 (k-quant models' choice); an output
+// ---- q8_linear_tiles(exact): a Q8_0 output projection on the AMX tiles with its exact weights ----------------
+// q8_linear_tiles rounds each weight scale * code to bfloat16 (k-quant models' choice); an output
 // projection whose logits must not be rounded (the default model's near tie) keeps the exact weights:
 // each w = scale * code is split into three bfloat16 terms, w = hi + mid + lo, hi = bf16(w), mid =
 // bf16(w - hi), lo = bf16(w - hi - mid). With a float16 scale (a GGUF Q8_0 block's) w has at most 18
@@ -3472,7 +3639,7 @@ inline void kq_q8_split3_row(const int8_t* q, const float* a, int64_t kc, uint16
       }
   }
 }
-// q8_linear_amx with `exact`: the split terms' products (the contract above).
+// q8_linear_tiles with `exact`: the split terms' products (the contract above).
 void q8_amx_exact(const at::Tensor& x, const int8_t* qp, const float* sp, float* yp, int64_t M, int64_t K, int64_t N) {
   const int64_t MT = (M + 15) / 16, kc = K / 32, xs = MT * 256, K3 = 3 * K;
   const uint32_t* xpack = kq_amx_pack_x(x.contiguous(), MT);
@@ -3480,14 +3647,14 @@ void q8_amx_exact(const at::Tensor& x, const int8_t* qp, const float* sp, float*
   uint32_t* xp3 = reinterpret_cast<uint32_t*>(x3.data_ptr<int32_t>());
   for (int64_t k = 0; k < kc; ++k)
     for (int t = 0; t < 3; ++t) std::memcpy(xp3 + (3 * k + t) * xs, xpack + k * xs, xs * sizeof(uint32_t));
-  const int64_t units = (N + kKqAmxRows - 1) / kKqAmxRows;
+  const int64_t units = (N + kKqUnitRows - 1) / kKqUnitRows;
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     amx_configure();
-    uint16_t* w = reinterpret_cast<uint16_t*>(kq_amx_scratch<at::BFloat16>(kKqAmxRows * K3));
+    uint16_t* w = reinterpret_cast<uint16_t*>(kq_scratch<at::BFloat16>(kKqUnitRows * K3));
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t n0 = u * kKqAmxRows, rows = std::min(kKqAmxRows, N - n0);
+      const int64_t n0 = u * kKqUnitRows, rows = std::min(kKqUnitRows, N - n0);
       for (int64_t r = 0; r < rows; ++r) kq_q8_split3_row(qp + (n0 + r) * K, sp + (n0 + r) * kc, kc, w + r * K3);
-      std::memset(static_cast<void*>(w + rows * K3), 0, (kKqAmxRows - rows) * K3 * 2);
+      std::memset(static_cast<void*>(w + rows * K3), 0, (kKqUnitRows - rows) * K3 * 2);
       kq_amx_passes(w, K3, xp3, xs, 3 * kc, MT, M, N, n0, rows, yp);
     }
   });
@@ -3495,20 +3662,28 @@ void q8_amx_exact(const at::Tensor& x, const int8_t* qp, const float* sp, float*
 #endif
 
 // q8_linear on AMX tiles for bfloat16 x [M, K] and q8_linear's codes [N, K] / scales [N, K / 32]:
-// float32 [M, N], each weight scale * code rounded to bfloat16 (kquant_linear_amx's contract), or with
+// float32 [M, N], each weight scale * code rounded to bfloat16 (kquant_linear_tiles's contract), or with
 // `exact` split into three bfloat16 terms (q8_amx_exact).
-at::Tensor q8_linear_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, bool exact) {
-  TORCH_CHECK(kquant_amx_supported(), "q8_linear_amx: AMX tiles are not built or not permitted");
+at::Tensor q8_linear_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, bool exact) {
+  TORCH_CHECK(kquant_tiles_supported(), "q8_linear_tiles: built only for CPUs with AMX or AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-              "q8_linear_amx: x is a 2-d bfloat16 CPU tensor");
+              "q8_linear_tiles: x is a 2-d bfloat16 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(1) == K &&
-                  K % 32 == 0, "q8_linear_amx: codes are contiguous int8 [N, K], K a multiple of 32");
+                  K % 32 == 0, "q8_linear_tiles: codes are contiguous int8 [N, K], K a multiple of 32");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / 32),
-              "q8_linear_amx: scales are contiguous float32 [N, K / 32]");
+              "q8_linear_tiles: scales are contiguous float32 [N, K / 32]");
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-#ifdef HELIOS_AMX
   if (M == 0 || N == 0) return y;
+  TORCH_CHECK(!exact || kquant_tiles_backend() == 2, "q8_linear_tiles: the exact mode runs on AMX tiles only");
+#ifdef HELIOS_KQ_TILES
+  if (kquant_tiles_backend() == 1) {
+    kq_dp_impl<kQ8Codes>(x.contiguous(), reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()),
+                         y.data_ptr<float>(), M, K, N, scales.data_ptr<float>());
+    return y;
+  }
+#endif
+#ifdef HELIOS_AMX
   if (exact) {
     q8_amx_exact(x, codes.data_ptr<int8_t>(), scales.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
     return y;
@@ -3607,12 +3782,12 @@ struct KqProjection {
   std::vector<int64_t> types, outs;
 };
 
-// KQuantLinear.forward's kernel paths: each segment through kquant_linear (or, with `amx`, through
-// kquant_linear_amx: the tiles' bfloat16 steps of TILE_ROWS rows), joined along the columns.
-at::Tensor kq_project(const KqProjection& p, const at::Tensor& x, bool amx) {
+// KQuantLinear.forward's kernel paths: each segment through kquant_linear (or, with `tiles`, through
+// kquant_linear_tiles: the tiles' bfloat16 steps of TILE_ROWS rows), joined along the columns.
+at::Tensor kq_project(const KqProjection& p, const at::Tensor& x, bool tiles) {
   std::vector<at::Tensor> outs;
   for (size_t i = 0; i < p.blocks.size(); ++i)
-    outs.push_back(amx ? kquant_linear_amx(x, p.blocks[i], p.types[i], p.outs[i], false)
+    outs.push_back(tiles ? kquant_linear_tiles(x, p.blocks[i], p.types[i], p.outs[i], false)
                        : kquant_linear(x, p.blocks[i], p.types[i], p.outs[i], false));
   return outs.size() == 1 ? outs[0] : at::cat(outs, 1);
 }
@@ -3677,8 +3852,8 @@ struct KqDecodePlan : torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
   // The feed-forward of layer w on x: the MLP, or the routed experts (MoELayer.feed_forward's fused path).
-  at::Tensor feed_forward(const KqDecodeLayer& w, const at::Tensor& x, const at::Tensor& router, bool amx) const {
-    if (w.experts_gate_up.empty()) return kq_project(w.down, silu_mul(kq_project(w.gate_up, x, amx)), amx);
+  at::Tensor feed_forward(const KqDecodeLayer& w, const at::Tensor& x, const at::Tensor& router, bool tiles) const {
+    if (w.experts_gate_up.empty()) return kq_project(w.down, silu_mul(kq_project(w.gate_up, x, tiles)), tiles);
     at::Tensor logits;
     if (router_fp32) {
       logits = at::linear(x.to(at::kFloat), router);
@@ -3696,13 +3871,13 @@ struct KqDecodePlan : torch::CustomClassHolder {
 
   // Every layer of an all-decode step on the embeddings h: [stream, feed-forward output] of the last.
   // `routers[l]`: layer l's router weight as the step multiplies it (any tensor in an MLP layer); the
-  // caches and the step's paged-attention arguments as `decode_layers` takes them; `amx`: the
+  // caches and the step's paged-attention arguments as `decode_layers` takes them; `tiles`: the
   // projections on the tiles.
   std::vector<at::Tensor> run(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> routers,
                               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                               std::vector<at::Tensor> k_scales, std::vector<at::Tensor> v_scales,
                               at::Tensor slot_mapping, at::Tensor block_table, at::Tensor rows, at::Tensor lens,
-                              int64_t page_size, double scale, bool amx) const {
+                              int64_t page_size, double scale, bool tiles) const {
     const int64_t L = num_layers();
     TORCH_CHECK(L > 0 && static_cast<int64_t>(routers.size()) == L && static_cast<int64_t>(k_caches.size()) == L &&
                     static_cast<int64_t>(v_caches.size()) == L,
@@ -3718,8 +3893,8 @@ struct KqDecodePlan : torch::CustomClassHolder {
       TORCH_CHECK(k_caches[l].size(2) == head_dim, "KqDecodePlan.run: the caches' head size");
       at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
       at::Tensor k_scale = quantized ? k_scales[l] : at::Tensor(), v_scale = quantized ? v_scales[l] : at::Tensor();
-      auto mm = [&](int i, const at::Tensor& x) { return kq_project(i == 0 ? w.qkv : w.o, x, amx); };
-      auto ffn = [&](const at::Tensor& x) { return feed_forward(w, x, routers[l], amx); };
+      auto mm = [&](int i, const at::Tensor& x) { return kq_project(i == 0 ? w.qkv : w.o, x, tiles); };
+      auto ffn = [&](const at::Tensor& x) { return feed_forward(w, x, routers[l], tiles); };
       auto out = decode_layer(mm, ffn, stream, d, w.input_norm, w.post_norm, w.qkv_bias ? &*w.qkv_bias : nullptr,
                               w.qk_norm ? &*w.qk_norm : nullptr, cos, sin, k_cache, v_cache,
                               quantized ? &k_scale : nullptr, quantized ? &v_scale : nullptr, slot_mapping,
@@ -3763,11 +3938,13 @@ TORCH_LIBRARY(helios, m) {
   m.def("kquant_linear(Tensor x, Tensor blocks, int ggml_type, int out_features, bool float_out=False) -> Tensor");
   m.def("kquant_dequantize(Tensor blocks, int ggml_type, int out_features, int in_features, bool bf16=False) -> Tensor");
   m.def("kquant_linear_grouped(Tensor x, int[] offsets, Tensor[] blocks, int ggml_type, int out_features) -> Tensor");
-  m.def("kquant_linear_amx(Tensor x, Tensor blocks, int ggml_type, int out_features, bool float_out=False) -> Tensor");
-  m.def("kquant_amx_supported() -> bool");
+  m.def("kquant_linear_tiles(Tensor x, Tensor blocks, int ggml_type, int out_features, bool float_out=False) -> Tensor");
+  m.def("kquant_tiles_supported() -> bool");
+  m.def("kquant_tiles_backend() -> int");
+  m.def("set_kquant_tiles_dp(bool dp) -> int");
   m.def("kquant_bf16_dot_supported() -> bool");
   m.def("set_kquant_bf16_dot(bool on) -> bool");
-  m.def("q8_linear_amx(Tensor x, Tensor codes, Tensor scales, bool exact=False) -> Tensor");
+  m.def("q8_linear_tiles(Tensor x, Tensor codes, Tensor scales, bool exact=False) -> Tensor");
   m.def("moe_kquant_mix(Tensor x, Tensor weights, Tensor ids, Tensor[] gate_up, int gu_type, Tensor[] down, "
         "int down_type, int max_rows) -> Tensor");
   m.def("gated_delta_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
@@ -3782,7 +3959,9 @@ TORCH_LIBRARY_FRAGMENT(helios, m) {
   m.impl("bf16_kernels_supported", &bf16_kernels_supported);
   m.impl("set_prefill_amx", &set_prefill_amx);
   m.impl("amx_permitted", &amx_permitted);
-  m.impl("kquant_amx_supported", &kquant_amx_supported);
+  m.impl("kquant_tiles_supported", &kquant_tiles_supported);
+  m.impl("kquant_tiles_backend", &kquant_tiles_backend);
+  m.impl("set_kquant_tiles_dp", &set_kquant_tiles_dp);
   m.impl("kquant_bf16_dot_supported", &kquant_bf16_dot_supported);
   m.impl("set_kquant_bf16_dot", &set_kquant_bf16_dot);
 }
@@ -3805,8 +3984,8 @@ TORCH_LIBRARY_IMPL(helios, CPU, m) {
   m.impl("kquant_linear", TORCH_FN(kquant_linear));
   m.impl("kquant_dequantize", TORCH_FN(kquant_dequantize));
   m.impl("kquant_linear_grouped", TORCH_FN(kquant_linear_grouped));
-  m.impl("kquant_linear_amx", TORCH_FN(kquant_linear_amx));
-  m.impl("q8_linear_amx", TORCH_FN(q8_linear_amx));
+  m.impl("kquant_linear_tiles", TORCH_FN(kquant_linear_tiles));
+  m.impl("q8_linear_tiles", TORCH_FN(q8_linear_tiles));
   m.impl("moe_kquant_mix", TORCH_FN(moe_kquant_mix));
   m.impl("gated_delta_step", TORCH_FN(gated_delta_step));
 }
