@@ -3396,57 +3396,61 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
 // two backends differ by float32 roundings; each output's order depends on nothing but K, so a row
 // gets the same bits whatever rows share its step and however many threads run it).
 #ifdef HELIOS_KQ_TILES
-constexpr int64_t kKqDpPanel = 2048;  // columns per pass: 6 activation rows' panel (24 KB) stays in L1
-
-// Weight rows w (4 of them, row stride ws) times activation rows x (MB of them, row stride xs) over
-// columns [k0, k1) (multiples of 32), each dot product added to part[m * 32 + n].
+// Weight rows w (4 of them, row stride K, zero past the real ones) times activation rows x (MB of them,
+// row stride K) over all K columns (a multiple of 32): part[m * 4 + n] = the dot product of x row m and
+// weight row n, lane chains then a fixed tree.
 template <int MB>
-inline void kq_dp_block(const uint16_t* w, int64_t ws, const uint16_t* x, int64_t xs, int64_t k0, int64_t k1,
-                        float* part) {
+inline void kq_dp_block(const uint16_t* w, const uint16_t* x, int64_t K, float* part) {
   __m512 acc[4][MB];
   for (int n = 0; n < 4; ++n)
     for (int m = 0; m < MB; ++m) acc[n][m] = _mm512_setzero_ps();
-  for (int64_t k = k0; k < k1; k += 32) {
+  for (int64_t k = 0; k < K; k += 32) {
     __m512bh xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * xs + k);
+    for (int m = 0; m < MB; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
     for (int n = 0; n < 4; ++n) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + n * ws + k);
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + n * K + k);
       for (int m = 0; m < MB; ++m) acc[n][m] = _mm512_dpbf16_ps(acc[n][m], wv, xv[m]);
     }
   }
   for (int n = 0; n < 4; ++n)
-    for (int m = 0; m < MB; ++m) part[m * 32 + n] += _mm512_reduce_add_ps(acc[n][m]);
+    for (int m = 0; m < MB; ++m) part[m * 4 + n] = kq_tree16(acc[n][m]);
 }
 
-// One unit's decoded weight rows (w: kKqUnitRows rows, row stride K, zero past `rows`) times every
-// activation row of x (bfloat16 [M, K]) into y's columns n0 .. n0 + rows; part: M x 32 floats.
+// One group's decoded weight rows (w: 4 rows, row stride K) times every activation row of x (bfloat16
+// [M, K], in blocks of up to 6 rows, as even as they go) into y's columns n0 .. n0 + rows (rows <= 4).
 template <typename Out>
-void kq_dp_unit(const uint16_t* w, const uint16_t* x, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t rows,
-                float* part, Out* yp) {
-  std::fill(part, part + M * 32, 0.f);
-  const int64_t groups = (rows + 3) / 4, blocks = (M + 5) / 6;
-  for (int64_t k0 = 0; k0 < K; k0 += kKqDpPanel) {
-    const int64_t k1 = std::min(K, k0 + kKqDpPanel);
-    for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
-      const int64_t mb = (M - m0) / (blocks - b);  // blocks of 6 or fewer, as even as they go
-      const uint16_t* xb = x + m0 * K;
-      float* pb = part + m0 * 32;
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint16_t* wg = w + 4 * g * K;
-        switch (mb) {
-          case 1: kq_dp_block<1>(wg, K, xb, K, k0, k1, pb + 4 * g); break;
-          case 2: kq_dp_block<2>(wg, K, xb, K, k0, k1, pb + 4 * g); break;
-          case 3: kq_dp_block<3>(wg, K, xb, K, k0, k1, pb + 4 * g); break;
-          case 4: kq_dp_block<4>(wg, K, xb, K, k0, k1, pb + 4 * g); break;
-          case 5: kq_dp_block<5>(wg, K, xb, K, k0, k1, pb + 4 * g); break;
-          default: kq_dp_block<6>(wg, K, xb, K, k0, k1, pb + 4 * g); break;
-        }
-      }
-      m0 += mb;
+void kq_dp_group(const uint16_t* w, const uint16_t* x, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t rows,
+                 Out* yp) {
+  const int64_t blocks = (M + 5) / 6;
+  for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
+    const int64_t mb = (M - m0) / (blocks - b);
+    const uint16_t* xb = x + m0 * K;
+    alignas(64) float part[24];
+    switch (mb) {
+      case 1: kq_dp_block<1>(w, xb, K, part); break;
+      case 2: kq_dp_block<2>(w, xb, K, part); break;
+      case 3: kq_dp_block<3>(w, xb, K, part); break;
+      case 4: kq_dp_block<4>(w, xb, K, part); break;
+      case 5: kq_dp_block<5>(w, xb, K, part); break;
+      default: kq_dp_block<6>(w, xb, K, part); break;
     }
+    for (int64_t m = 0; m < mb; ++m)
+      for (int64_t r = 0; r < rows; ++r) store(part[m * 4 + r], yp + (m0 + m) * N + n0 + r);
+    m0 += mb;
   }
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t r = 0; r < rows; ++r) store(part[m * 32 + r], yp + m * N + n0 + r);
+}
+
+// Q4_K sub-blocks c (even) and c + 1 as bfloat16 in weight order, to out and out + 32: their shared 32
+// code bytes widened to words once; each sub-block's 16 values a q + b rounded to nearest even into both
+// halves of a 32-word table, so that a word's whole code byte indexes the low nibble's value (vpermw
+// reads 5 bits: the high nibble's low bit picks a copy) and the byte shifted right by 4 the high one's.
+inline void kq_q4k_dp_pair(const uint8_t* blk, int c, const KqHeader& h, uint16_t* out) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 16 * c)));
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 v0 = _mm512_fmadd_ps(_mm512_set1_ps(h.a[c]), iota, _mm512_set1_ps(h.b[c]));
+  const __m512 v1 = _mm512_fmadd_ps(_mm512_set1_ps(h.a[c + 1]), iota, _mm512_set1_ps(h.b[c + 1]));
+  _mm512_storeu_si512(out, _mm512_permutexvar_epi16(w, (__m512i)_mm512_cvtne2ps_pbh(v0, v0)));
+  _mm512_storeu_si512(out + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), (__m512i)_mm512_cvtne2ps_pbh(v1, v1)));
 }
 
 // A unit's weight rows [0, rows) (row stride rb bytes; q8 codes: their scales su) into the scratch s
@@ -3472,6 +3476,13 @@ inline void kq_dp_decode(const uint8_t* wp, int64_t rb, int64_t rows, int64_t K,
       if constexpr (T == kQ8Codes) {
         h.a[0] = su[r * nb + b];
         kq_bf16_32<T>(blk, 0, h, reinterpret_cast<at::BFloat16*>(out));
+      } else if constexpr (T == kQ4_K) {
+        kq_header<T>(blk, h);
+        for (int cc = 0; cc < subs; cc += 2) kq_q4k_dp_pair(blk, cc, h, out + 32 * cc);
+      } else if constexpr (T == kQ6_K) {
+        kq_header<T>(blk, h);
+        for (int half = 0; half < 2; ++half)
+          kq_q6k_bf16_half(blk, half, h, reinterpret_cast<at::BFloat16*>(out + 128 * half), 32);
       } else {
         kq_header<T>(blk, h);
         for (int cc = 0; cc < subs; ++cc) {
@@ -3493,7 +3504,7 @@ void kq_dp_impl(const at::Tensor& xc, const uint8_t* wp, Out* yp, int64_t M, int
   const int64_t units = (N + kKqUnitRows - 1) / kKqUnitRows;
   const uint16_t* x = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   at::Tensor xl;  // x in the type's lane order, each 32-column chunk permuted as the weights are
-  if constexpr (KqTraits<T>::lanes) {
+  if constexpr (T == kQ5_0) {  // (Q4_K is decoded in weight order: kq_q4k_dp_pair)
     xl = at::empty({M, K}, xc.options());
     uint16_t* xp = reinterpret_cast<uint16_t*>(xl.data_ptr<c10::BFloat16>());
     alignas(64) uint16_t order[32];
@@ -3504,13 +3515,13 @@ void kq_dp_impl(const at::Tensor& xc, const uint8_t* wp, Out* yp, int64_t M, int
     x = xp;
   }
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    uint16_t* w = kq_scratch<uint16_t>(kKqUnitRows * K);
-    float* part = kq_scratch<float>(M * 32);
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t n0 = u * kKqUnitRows, rows = std::min(kKqUnitRows, N - n0);
-      const uint8_t* next = u + 1 < u1 ? wp + (n0 + kKqUnitRows) * rb : nullptr;
+    uint16_t* w = kq_scratch<uint16_t>(4 * K);
+    const int64_t end = std::min(N, u1 * kKqUnitRows);
+    for (int64_t n0 = u0 * kKqUnitRows; n0 < end; n0 += 4) {
+      const int64_t rows = std::min<int64_t>(4, end - n0);
+      const uint8_t* next = n0 + 8 < end ? wp + (n0 + 8) * rb : nullptr;
       kq_dp_decode<T>(wp + n0 * rb, rb, rows, K, w, sp == nullptr ? nullptr : sp + n0 * (K / 32), next);
-      kq_dp_unit(w, x, M, K, N, n0, rows, part, yp);
+      kq_dp_group(w, x, M, K, N, n0, rows, yp);
     }
   });
 }
