@@ -2,15 +2,16 @@
 in process.
 
     .venv/bin/python scripts/profile_prefill.py [--tokens 512 513] [--runs 7] [--profile] [--ab-keep]
-        [--ab-amx] [--model PATH]
+        [--ab-amx] [--ab-tiles] [--model PATH]
 
 Loads the default model as `helios serve` does, builds the engine in process (no HTTP) and times the
 prefill of one ``--tokens``-token prompt (``max_tokens=1``, distinct prompts, so no prefix cache hit):
 the median of ``--runs`` after two warm-ups. ``--profile`` adds torch.profiler's operator table of
 one more. ``--ab-keep`` alternates the runs with the model's whole-batch path (``keep`` not passed:
 the last layer computes every row) and prints both medians; ``--ab-amx`` alternates the prefill
-attention kernel's AMX and AVX512-BF16 paths (`cpu_kernels.set_prefill_amx`). Prints the CPU flags
-it ran on.
+attention kernel's AMX and AVX512-BF16 paths (`cpu_kernels.set_prefill_amx`); ``--ab-tiles`` a
+k-quant model's projections with and without the tiles path (`cpu_kernels.set_kquant_tiles`). Prints
+the CPU flags it ran on.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--ab-keep", action="store_true")
     ap.add_argument("--ab-amx", action="store_true")
+    ap.add_argument("--ab-tiles", action="store_true")
     ap.add_argument("--model", default=None, metavar="PATH",
                     help="a GGUF file or model directory (default: the default model)")
     args = ap.parse_args()
@@ -93,6 +95,19 @@ def main() -> None:
             print(f"{tokens} tokens: median {statistics.median(amx_runs[True]):.1f} ms with the AMX prefill "
                   f"attention, {statistics.median(amx_runs[False]):.1f} ms with AVX512-BF16 ({args.runs} runs each, "
                   "alternating)")
+        elif args.ab_tiles:
+            from helios.models import cpu_kernels
+
+            tile_runs: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(args.runs):
+                for on in (True, False):
+                    if cpu_kernels.set_kquant_tiles(on) is not on:
+                        raise SystemExit("the k-quant tiles path does not run here")
+                    tile_runs[on].append(prefill(tokens))
+            cpu_kernels.set_kquant_tiles(True)
+            print(f"{tokens} tokens: median {statistics.median(tile_runs[True]):.1f} ms with the k-quant tiles path "
+                  f"({cpu_kernels.kquant_tiles_backend()}), {statistics.median(tile_runs[False]):.1f} ms without "
+                  f"({args.runs} runs each, alternating)")
         else:
             ms = [prefill(tokens) for _ in range(args.runs)]
             print(f"{tokens} tokens: median {statistics.median(ms):.1f} ms (min {min(ms):.1f}, {args.runs} runs)")

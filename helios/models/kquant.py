@@ -123,7 +123,14 @@ TILE_ROWS = (8, 128)
 # 20.8-25.8 at 224 rows, 25.6 against 29.7 at 512; the smaller ones lose there (224 rows: Q4_K
 # 2,048 x 1,536 1.6 against 1.0 ms, Q6_K 1,536 x 8,960 7.0 against 4.8, Q4_K 9,728 x 896 (8.7M)
 # 2.5 against 1.7).
+# On the AVX512-BF16 backend (no tile unit: half the tiles' rate per weight decoded) the dense copy wins
+# sooner: the 1.5B's gate/up (17,920 x 1,536) at 512 rows took 54.7 ms a call on the dot products against
+# about 33 dequantized (AMD Zen 5, 2 threads, 2026-12-06: `scripts/profile_prefill.py --tokens 512
+# --profile`, the 512-token prefill's operator time 2.31 s against 1.88 s; `scripts/bench_kquant_tiles.py
+# --threads 2 --rows 256 320 384 512`: tiles 21.1 / 26.3 / 34.3 / 49.3 ms against 31.6 / 35.5 / 42.5 /
+# 32.8), so there the large projections take the tiles up to TILE_LARGE_ROWS_DP rows.
 TILE_LARGE_ROWS = 512
+TILE_LARGE_ROWS_DP = 384
 TILE_LARGE_WEIGHTS = 16_000_000
 
 
@@ -131,9 +138,12 @@ def tiles_take(x: Tensor, weights: int = 0) -> bool:
     """Whether a step of ``x`` (a bfloat16 [rows, in] CPU tensor) times a weight of ``weights``
     elements goes to `kquant_linear_tiles`."""
     rows = x.shape[0]
-    return (x.dtype == torch.bfloat16 and TILE_ROWS[0] <= rows
-            and (rows <= TILE_ROWS[1] or (rows <= TILE_LARGE_ROWS and weights >= TILE_LARGE_WEIGHTS))
-            and cpu_kernels.kquant_tiles_active())
+    if x.dtype != torch.bfloat16 or rows < TILE_ROWS[0] or not cpu_kernels.kquant_tiles_active():
+        return False
+    if rows <= TILE_ROWS[1]:
+        return True
+    large = TILE_LARGE_ROWS if cpu_kernels.kquant_tiles_backend() == "amx" else TILE_LARGE_ROWS_DP
+    return rows <= large and weights >= TILE_LARGE_WEIGHTS
 
 
 class KQuantLinear(nn.Module):

@@ -688,7 +688,8 @@ def test_kquant_linear_tiles_rejects_bad_operands(tiles_backend: str) -> None:
 def test_the_module_takes_the_tiles_for_bfloat16_steps_in_tile_rows(monkeypatch: pytest.MonkeyPatch, tiles_backend: str) -> None:
     """`KQuantLinear`: bfloat16 steps of TILE_ROWS rows on the tiles (each segment), fewer rows on the
     exact kernel, more on the unpack path, except a weight of TILE_LARGE_WEIGHTS or more up to
-    TILE_LARGE_ROWS rows; float32 steps never; `set_kquant_tiles(False)` turns it off."""
+    TILE_LARGE_ROWS rows (TILE_LARGE_ROWS_DP on the AVX512-BF16 backend); float32 steps never;
+    `set_kquant_tiles(False)` turns it off."""
     from helios.models import kquant
 
     parts = [_weight(12, 32, 512, 1), _weight(14, 16, 512, 3)]
@@ -706,10 +707,11 @@ def test_the_module_takes_the_tiles_for_bfloat16_steps_in_tile_rows(monkeypatch:
     for m in (lo, 33, hi):
         assert torch.equal(module(x[:m]), tiles(x[:m])), m
     assert torch.equal(module(x), F.linear(x, module.dequantize(torch.bfloat16)))
-    assert kquant.TILE_LARGE_ROWS > hi and 48 * 512 < kquant.TILE_LARGE_WEIGHTS
+    large = kquant.TILE_LARGE_ROWS if tiles_backend == "amx" else kquant.TILE_LARGE_ROWS_DP
+    assert large > hi and 48 * 512 < kquant.TILE_LARGE_WEIGHTS
     monkeypatch.setattr(kquant, "TILE_LARGE_WEIGHTS", 48 * 512)  # this module's weights: a large one
-    big = torch.randn(kquant.TILE_LARGE_ROWS + 1, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    for m in (hi + 1, kquant.TILE_LARGE_ROWS):
+    big = torch.randn(large + 1, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    for m in (hi + 1, large):
         assert torch.equal(module(big[:m]), tiles(big[:m])), m
     assert torch.equal(module(big), F.linear(big, module.dequantize(torch.bfloat16)))
     assert torch.equal(module(x[:lo].float()), kernel(x[:lo].float()))
