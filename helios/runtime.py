@@ -493,6 +493,36 @@ class LoadedModel:
         return True
 
 
+# glibc's mallopt parameters: allocations up to this size come from the heap (not a fresh mmap), and freed
+# memory at the heap's top is returned to the system only past the trim threshold.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+HEAP_KEEP_BYTES = 256 << 20
+HEAP_TRIM_BYTES = 128 << 20
+
+
+def keep_large_buffers() -> bool:
+    """Keep large freed buffers in the heap for the next call (glibc only; False elsewhere). A k-quant
+    model's prefill without a resident dense copy dequantizes every projection per chunk into a fresh
+    dense tensor (the 1.5B: 2.6 GB of them per 512-token chunk); by default glibc maps each such buffer
+    fresh and unmaps it on free, so every call faulted its pages in again: the 1.5B's 512-token prefill
+    took 1.98-2.31 s against 1.65-1.66 s with buffers up to `HEAP_KEEP_BYTES` from the heap and up to
+    `HEAP_TRIM_BYTES` kept free at its top (AMD Zen 5, 2 threads, 2026-12-06, `scripts/profile_prefill.py
+    --model <1.5B file> --tokens 512 --runs 3`, alternated twice, the same parameters set through glibc's
+    MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_; 1.71 s with this function; the default model's
+    prefill, which allocates no such buffers, 158.9 against 159.8-163.1 ms). The cost: the largest such
+    buffers stay resident after a prefill."""
+    if sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_BYTES))
+
+
 def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", device: str = "cpu",
                cache_dir: str | Path | None = None, progress: ProgressCallback | None = None,
                parallel: ParallelContext | None = None, mla_cache: str = "latent",
@@ -594,6 +624,8 @@ def load_model(path: str | Path, *, weights: str = "auto", dtype: str = "auto", 
         vision = load_vision_tower(v.family, v.config, v.preprocessor, v.processor, v.tensors,
                                    dtype=choice.dtype, device=device)
         log.info("vision: %s tower, %s", v.family, vision.profile.settings_key)
+    if device == "cpu" and choice.format.keep_blocks and choice.format.unpack_above is not None:
+        keep_large_buffers()  # after the build, whose own large temporaries go back to the system
     return LoadedModel(ckpt, model, choice, key, vision, huge_pages=deferred,
                        release_pages=ckpt.release_pages if deferred is not None else None)
 
