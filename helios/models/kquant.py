@@ -107,12 +107,14 @@ def concat_rows(parts: Sequence[BlockQuantized]) -> list[BlockQuantized]:
     return joined
 
 
-# Steps of TILE_ROWS[0] .. TILE_ROWS[1] bfloat16 rows multiply on AMX tiles where the CPU has them
-# (`cpu_kernels.kquant_linear_tiles`: the weights rounded to bfloat16 as the unpack path rounds them,
-# decoded per call in L1 instead of written out whole). Measured 2026-12-05 at 68958f8 (the AMX machine,
-# 1 thread, `scripts/bench_kquant_tiles.py --rows 1 8 32`, Q4_K 17920 x 1536 from memory, ps a weight):
-# tiles 80 / 86 / 153 against the exact kernel's 69 / 213 / 851; past 128 rows dequantize-then-GEMM
-# wins on all but the largest projections (docs/benchmarks.md, "Decode batches on AMX tiles"). Fewer
+# Steps of TILE_ROWS[0] .. TILE_ROWS[1] bfloat16 rows take the tiles path where the CPU has AMX or
+# AVX512-BF16 (`cpu_kernels.kquant_linear_tiles`: the weights rounded to bfloat16 as the unpack path
+# rounds them, decoded per call in L1 instead of written out whole). Measured 2026-12-05 at 68958f8 (the
+# AMX machine, 1 thread, `scripts/bench_kquant_tiles.py --rows 1 8 32`, Q4_K 17920 x 1536 from memory, ps
+# a weight): tiles 80 / 86 / 153 against the exact kernel's 69 / 213 / 851; past 128 rows
+# dequantize-then-GEMM wins on all but the largest projections (docs/benchmarks.md, "Decode batches on
+# AMX tiles"). On AMD Zen 5's AVX512-BF16 backend (2 threads, 2026-12-06, the same script): 20.6 / 35.6 /
+# 101 against 17.5 / 60.1 / 249 at 1 / 8 / 32 rows (docs/benchmarks.md, "The tiles path on AVX512-BF16"). Fewer
 # rows keep the exact kernel: a single stream's decode and its speculative verification (at most 1 +
 # the default depth 4 rows) give the same bits with and without speculation.
 TILE_ROWS = (8, 128)
@@ -174,7 +176,7 @@ class KQuantLinear(nn.Module):
         self.unpack_above = unpack_above
         self.unpack_dtype = unpack_dtype
         self.onednn: Tensor | None = None  # `quant.pack_onednn`: the dense copy prepacked for oneDNN
-        # bfloat16 steps of TILE_ROWS rows on AMX tiles; False (a MoE layer's experts): only the steps of
+        # bfloat16 steps of TILE_ROWS rows on the tiles path; False (a MoE layer's experts): only the steps of
         # more than unpack_above rows, which the unpack path would otherwise take
         self.tiles = True
 
@@ -273,7 +275,7 @@ class BlockExperts:
     @classmethod
     def of(cls, gate_up: Sequence[object], down: Sequence[object]) -> BlockExperts | None:
         """The experts' blocks where every expert's gate/up is one `KQuantLinear` segment [2I, H]
-        and its down one [H, I], all experts of the same types and off the AMX tiles (``tiles``
+        and its down one [H, I], all experts of the same types and off the tiles path (``tiles``
         False, as `MoELayer.routed_experts` sets them); otherwise None (the per-expert path)."""
         if not gate_up or len(gate_up) != len(down):
             return None

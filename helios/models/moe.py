@@ -44,7 +44,7 @@ its n_e rows (sum n_e = T * top_k), so the per-expert row count, not T, picks th
 - 32 rows: 32 * top_k pairs: an expert's n_e is at most 32 here, so every expert stays on the
   kernel (GEMV or tiles, each active expert's blocks read once for all its rows); ``unpack_above``
   counts n_e, so only an expert chosen by more than 32 tokens of a larger step (prefill) leaves
-  the exact kernel: bfloat16 rows, up to 128 of them, on the AMX tiles where they exist
+  the exact kernel: bfloat16 rows, up to 128 of them, on the tiles path where it runs (AMX or AVX512-BF16)
   (`cpu_kernels.kquant_linear_tiles`: the weights rounded to bfloat16 as the unpack path rounds them,
   decoded in L1; docs/benchmarks.md, "The decode plan", has the prefill figures), otherwise
   dequantized for the call into a dense GEMM in the activation dtype.

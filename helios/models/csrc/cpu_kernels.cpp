@@ -3386,15 +3386,17 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
 // ---- The same products with AVX512-BF16 dot products (kquant_linear_tiles where the tiles are absent) ----
 // Where the CPU has AVX512-BF16 but no AMX tiles (AMD Zen 4 and 5; an Intel machine that refuses the
 // tile state), kquant_linear_tiles and q8_linear_tiles's rounded mode run the same products with
-// VDPBF16PS: each thread takes units of 32 weight rows, decodes a unit's whole rows once into its L2
-// scratch (kq_amx_decode: the same bfloat16 weights as the tiles), then, per panel of kKqDpPanel
-// columns, each block of up to 6 activation rows (kept in L1) passes over the unit 4 weight rows at a
-// time: 24 accumulators of 16 float32 lanes, lane j summing the products of columns 32 c + 2 j and
-// 32 c + 2 j + 1 of chunk c in chunk order (the pair's two products first, as VDPBF16PS adds them),
-// then the 16 lanes added in a fixed tree and the panels in order. Products of bfloat16 values are
-// exact in float32 and every sum is float32: the tiles' contract, in another order of sums (so the
-// two backends differ by float32 roundings; each output's order depends on nothing but K, so a row
-// gets the same bits whatever rows share its step and however many threads run it).
+// VDPBF16PS: each thread takes units of 32 weight rows, 4 rows at a time: the 4 rows decoded to bfloat16
+// into an L1 scratch (the tiles' weights: each exact value rounded to nearest even; Q5_0 in its lane
+// order, x permuted to match once per call; the group two ahead prefetched), then each block of up to 6
+// activation rows passes over them: 24 accumulators of 16 float32 lanes, lane j the chain over the
+// 32-column chunks of the products of columns 2 j and 2 j + 1 (VDPBF16PS adds the pair's two products
+// to the lane in turn), then the 16 lanes summed by kq_tree16. Products of bfloat16 values are exact in
+// float32 and every sum is float32: the tiles' contract in another order of sums (the two backends
+// differ by float32 roundings); each output's order depends on nothing but K, so a row gets the same
+// bits whatever rows share its step and however many threads run it. On AMD Zen 5 (2 threads,
+// 2026-12-06, scripts/bench_kquant_tiles.py) Q4_K 17,920 x 1,536 took 35.6 ps a weight at 8 rows and 101
+// at 32 against the exact kernel's 60.1 and 249 (docs/benchmarks.md, "The tiles path on AVX512-BF16").
 #ifdef HELIOS_KQ_TILES
 // Weight rows w (4 of them, row stride K, zero past the real ones) times activation rows x (MB of them,
 // row stride K) over all K columns (a multiple of 32): part[m * 4 + n] = the dot product of x row m and
