@@ -20,6 +20,7 @@ import argparse
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,44 +71,41 @@ def main() -> None:
             core.step()
         return (time.perf_counter() - t) * 1e3
 
+    def alternate(tokens: int, switch: Callable[[bool], bool], missing: str) -> tuple[float, float]:
+        """Medians of ``--runs`` prefills with ``switch(True)`` and with ``switch(False)``, alternating
+        (``switch`` returns whether the setting took; ``missing``: the exit message where it did not)."""
+        runs: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(args.runs):
+            for on in (True, False):
+                if switch(on) is not on:
+                    raise SystemExit(missing)
+                runs[on].append(prefill(tokens))
+        switch(True)
+        return statistics.median(runs[True]), statistics.median(runs[False])
+
+    def keep_switch(on: bool) -> bool:
+        use_keep["on"] = on
+        return on
+
     for tokens in args.tokens:
         for _ in range(2):
             prefill(tokens)
         if args.ab_keep:
-            runs: dict[bool, list[float]] = {True: [], False: []}
-            for _ in range(args.runs):
-                for on in (True, False):
-                    use_keep["on"] = on
-                    runs[on].append(prefill(tokens))
-            use_keep["on"] = True
-            print(f"{tokens} tokens: median {statistics.median(runs[True]):.1f} ms with keep, "
-                  f"{statistics.median(runs[False]):.1f} ms without ({args.runs} runs each, alternating)")
+            on, off = alternate(tokens, keep_switch, "")
+            print(f"{tokens} tokens: median {on:.1f} ms with keep, {off:.1f} ms without ({args.runs} runs each, "
+                  "alternating)")
         elif args.ab_amx:
             from helios.models import cpu_kernels
 
-            amx_runs: dict[bool, list[float]] = {True: [], False: []}
-            for _ in range(args.runs):
-                for on in (True, False):
-                    if cpu_kernels.set_prefill_amx(on) is not on:
-                        raise SystemExit("AMX tiles are not built or not permitted here")
-                    amx_runs[on].append(prefill(tokens))
-            cpu_kernels.set_prefill_amx(True)
-            print(f"{tokens} tokens: median {statistics.median(amx_runs[True]):.1f} ms with the AMX prefill "
-                  f"attention, {statistics.median(amx_runs[False]):.1f} ms with AVX512-BF16 ({args.runs} runs each, "
-                  "alternating)")
+            on, off = alternate(tokens, cpu_kernels.set_prefill_amx, "AMX tiles are not built or not permitted here")
+            print(f"{tokens} tokens: median {on:.1f} ms with the AMX prefill attention, {off:.1f} ms with "
+                  f"AVX512-BF16 ({args.runs} runs each, alternating)")
         elif args.ab_tiles:
             from helios.models import cpu_kernels
 
-            tile_runs: dict[bool, list[float]] = {True: [], False: []}
-            for _ in range(args.runs):
-                for on in (True, False):
-                    if cpu_kernels.set_kquant_tiles(on) is not on:
-                        raise SystemExit("the k-quant tiles path does not run here")
-                    tile_runs[on].append(prefill(tokens))
-            cpu_kernels.set_kquant_tiles(True)
-            print(f"{tokens} tokens: median {statistics.median(tile_runs[True]):.1f} ms with the k-quant tiles path "
-                  f"({cpu_kernels.kquant_tiles_backend()}), {statistics.median(tile_runs[False]):.1f} ms without "
-                  f"({args.runs} runs each, alternating)")
+            on, off = alternate(tokens, cpu_kernels.set_kquant_tiles, "the k-quant tiles path does not run here")
+            print(f"{tokens} tokens: median {on:.1f} ms with the k-quant tiles path "
+                  f"({cpu_kernels.kquant_tiles_backend()}), {off:.1f} ms without ({args.runs} runs each, alternating)")
         else:
             ms = [prefill(tokens) for _ in range(args.runs)]
             print(f"{tokens} tokens: median {statistics.median(ms):.1f} ms (min {min(ms):.1f}, {args.runs} runs)")
