@@ -632,7 +632,7 @@ def test_kquant_linear_tiles_decodes_every_weight_to_its_bfloat16_bits(ggml_type
 def test_the_dot_products_give_a_row_the_same_bits_in_any_batch_and_team(ggml_type: int) -> None:
     """The AVX512-BF16 backend sums each output in an order that depends on K alone: a row's result is
     the same bits alone, in a batch of 37 rows at any position, and on one thread or two; a long K
-    (two panels of 2,048 columns, the last one partial) too."""
+    (more than 2,048 columns) too."""
     if "avx512_bf16" not in _tiles_backends():
         pytest.skip("no AVX512-BF16 here")
     forced = cpu_kernels.kquant_tiles_backend() == "amx"
