@@ -586,7 +586,7 @@ def tiles_backend(request: pytest.FixtureRequest) -> Iterator[str]:
 def amx_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The tiles path's float32 error: products of bfloat16 values are exact, and each output is at most
     K additions of products or partial sums (AMX: a chain of K / 2 pair sums, plus the two chains'
-    final addition; AVX512-BF16: 16 lane chains of K / 16 additions, the panels and a 4-level tree):
+    final addition; AVX512-BF16: 16 lane chains of K / 16 additions and a 4-level tree):
     (K + 2) u times the sum of |x w|, ``w`` the bfloat16-rounded weights."""
     return (x.shape[1] + 2) * U * (x.double().abs() @ w.double().abs().t())
 
