@@ -89,8 +89,8 @@ are flushed to zero, as ``TDPBF16PS`` and ``VDPBF16PS`` do. Two backends (`kquan
 over 32-column chunks of pair sums, with one tile of activation rows the even and odd chunks in two
 chains added at the end) and ``"avx512_bf16"`` (AVX512-BF16 without tiles: AMD Zen 4/5, or an Intel
 machine that refuses the tile state; each output 16 float32 lanes, lane j the chain over the
-32-column chunks of the pair (2 j, 2 j + 1), in weight order but Q5_0's lane order, over the whole
-row, then the 16 lanes summed by a fixed tree). Error either way: at most (K + 2) *
+32-column chunks of the pair (2 j, 2 j + 1) over the whole row, then the 16 lanes summed by a fixed
+tree). Error either way: at most (K + 2) *
 2**-24 times the sum of |x * w_bf16|, plus the bfloat16 result's rounding. On ``"avx512_bf16"`` a
 row's bits depend on nothing but the row (not the batch, not the threads); on ``"amx"`` also on
 whether its 16-row tile is paired with another (the one-tile chains). Either way they differ from the

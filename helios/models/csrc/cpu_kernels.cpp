@@ -3009,7 +3009,7 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type, int64_t N, 
 // `kquant_dequantize(..., bf16)` writes (so this is the dequantize-then-bfloat16-GEMM of
 // `KQuantLinear.unpack_above` without writing the dense weight to memory). Up to 32 activation rows
 // (kq_amx_unit) a unit is decoded one 32-column chunk at a time into L1 and multiplied at once; more
-// rows (kq_amx_decode, kq_amx_tiles) decode the unit's whole rows into an L2 scratch that every pair of
+// rows (kq_decode_rows, kq_amx_tiles) decode the unit's whole rows into an L2 scratch that every pair of
 // row tiles passes over. The decoded weights are the A operand (16 weight rows x 32 columns a tile); x
 // is laid out once per call as column pairs (the B operand: 16 pairs x 16 activation rows a tile, zero
 // rows past M); 32 weight rows x 32 activation rows take four float32 accumulator tiles. Products of bfloat16 values are exact in float32; every sum is float32 (the
@@ -3115,26 +3115,50 @@ inline void kq_q6k_bf16_half(const uint8_t* blk, int half, const KqHeader& h, at
 #endif
 }
 
-// Weight rows [0, rows) of a unit (row stride rb bytes; q8 codes: their scales su, K / 32 a row) into
-// the scratch s [kKqUnitRows, K], zero rows past `rows`.
+// Q4_K sub-blocks c (even) and c + 1 as bfloat16 in weight order, to out and out + 32: kq_bf16_32's
+// values from their shared 32 code bytes widened to words once; each sub-block's 16 values a q + b
+// rounded to nearest even into both halves of a 32-word table, so that a word's whole code byte indexes
+// the low nibble's value (vpermw reads 5 bits: the high nibble's low bit picks a copy) and the byte
+// shifted right by 4 the high one's.
+inline void kq_q4k_bf16_pair_words(const uint8_t* blk, int c, const KqHeader& h, uint16_t* out) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 16 * c)));
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 v0 = _mm512_fmadd_ps(_mm512_set1_ps(h.a[c]), iota, _mm512_set1_ps(h.b[c]));
+  const __m512 v1 = _mm512_fmadd_ps(_mm512_set1_ps(h.a[c + 1]), iota, _mm512_set1_ps(h.b[c + 1]));
+  _mm512_storeu_si512(out, _mm512_permutexvar_epi16(w, (__m512i)_mm512_cvtne2ps_pbh(v0, v0)));
+  _mm512_storeu_si512(out + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), (__m512i)_mm512_cvtne2ps_pbh(v1, v1)));
+}
+
+// Weight rows [0, rows) (row stride rb bytes; q8 codes: their scales su, K / 32 a row) as bfloat16 into
+// the scratch s [rows, K] (each exact value rounded to nearest even, in weight order), then zero rows up
+// to `upto`. `next` (or null): the bytes at the same offsets from it are prefetched as these are read
+// (the thread's next rows arrive while these decode and multiply).
 template <int T>
-inline void kq_amx_decode(const uint8_t* wp, int64_t rb, int64_t rows, int64_t K, at::BFloat16* s, const float* su) {
+inline void kq_decode_rows(const uint8_t* wp, int64_t rb, int64_t rows, int64_t K, uint16_t* s, const float* su,
+                           const uint8_t* next, int64_t upto) {
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
   constexpr int subs = static_cast<int>(per / 32);
-  const int64_t nb = K / per;
+  const int64_t nb = K / per, ahead = next == nullptr ? 0 : next - wp;
   for (int64_t r = 0; r < rows; ++r) {
     KqHeader h;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = wp + r * rb + b * bytes;
+      if (ahead != 0)
+        for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + ahead + l), _MM_HINT_T0);
+      uint16_t* out = s + r * K + b * per;
       if constexpr (T == kQ8Codes) h.a[0] = su[r * nb + b];
       else kq_header<T>(blk, h);
-      if constexpr (T == kQ6_K)
-        for (int half = 0; half < 2; ++half) kq_q6k_bf16_half(blk, half, h, s + r * K + b * per + 128 * half, 32);
-      else
-        for (int cc = 0; cc < subs; ++cc) kq_bf16_32<T>(blk, cc, h, s + r * K + b * per + 32 * cc);
+      if constexpr (T == kQ4_K) {
+        for (int cc = 0; cc < subs; cc += 2) kq_q4k_bf16_pair_words(blk, cc, h, out + 32 * cc);
+      } else if constexpr (T == kQ6_K) {
+        for (int half = 0; half < 2; ++half)
+          kq_q6k_bf16_half(blk, half, h, reinterpret_cast<at::BFloat16*>(out + 128 * half), 32);
+      } else {
+        for (int cc = 0; cc < subs; ++cc) kq_bf16_32<T>(blk, cc, h, reinterpret_cast<at::BFloat16*>(out + 32 * cc));
+      }
     }
   }
-  std::memset(static_cast<void*>(s + rows * K), 0, (kKqUnitRows - rows) * K * 2);
+  if (upto > rows) std::memset(static_cast<void*>(s + rows * K), 0, (upto - rows) * K * 2);
 }
 #endif
 
@@ -3339,7 +3363,7 @@ inline void kq_amx_unit_q6k(const uint8_t* wu, int64_t rb, int64_t rows, int64_t
 
 // Units of 32 weight rows split over the threads. One or two row tiles (M <= 32): kq_amx_unit, chunk by
 // chunk in L1, the accumulators kept in the tiles across the row. More rows: the unit's whole rows
-// decoded once into an L2 scratch (kq_amx_decode), then each pair of row tiles passes over it.
+// decoded once into an L2 scratch (kq_decode_rows), then each pair of row tiles passes over it.
 template <int T, typename Out>
 void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, int64_t M, int64_t K, int64_t N,
                  const float* sp = nullptr) {
@@ -3374,7 +3398,8 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
       const uint16_t* w16 = reinterpret_cast<const uint16_t*>(w);
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t n0 = u * kKqUnitRows, rows = std::min(kKqUnitRows, N - n0);
-        kq_amx_decode<T>(wp + n0 * rb, rb, rows, K, w, sp == nullptr ? nullptr : sp + n0 * (K / 32));
+        kq_decode_rows<T>(wp + n0 * rb, rb, rows, K, reinterpret_cast<uint16_t*>(w),
+                          sp == nullptr ? nullptr : sp + n0 * (K / 32), nullptr, kKqUnitRows);
         kq_amx_passes(w16, K, xpack, xs, kc, MT, M, N, n0, rows, yp);
       }
     }
@@ -3387,8 +3412,8 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
 // Where the CPU has AVX512-BF16 but no AMX tiles (AMD Zen 4 and 5; an Intel machine that refuses the
 // tile state), kquant_linear_tiles and q8_linear_tiles's rounded mode run the same products with
 // VDPBF16PS: each thread takes units of 32 weight rows, 4 rows at a time: the 4 rows decoded to bfloat16
-// into an L1 scratch (the tiles' weights: each exact value rounded to nearest even; Q5_0 in its lane
-// order, x permuted to match once per call; the group two ahead prefetched), then each block of up to 6
+// into an L1 scratch by kq_decode_rows (the tiles' weights: each exact value rounded to nearest even;
+// the group two ahead prefetched), then each block of up to 6
 // activation rows passes over them: 24 accumulators of 16 float32 lanes, lane j the chain over the
 // 32-column chunks of the products of columns 2 j and 2 j + 1 (VDPBF16PS adds the pair's two products
 // to the lane in turn), then the 16 lanes summed by kq_tree16. Products of bfloat16 values are exact in
@@ -3442,62 +3467,6 @@ void kq_dp_group(const uint16_t* w, const uint16_t* x, int64_t M, int64_t K, int
   }
 }
 
-// Q4_K sub-blocks c (even) and c + 1 as bfloat16 in weight order, to out and out + 32: their shared 32
-// code bytes widened to words once; each sub-block's 16 values a q + b rounded to nearest even into both
-// halves of a 32-word table, so that a word's whole code byte indexes the low nibble's value (vpermw
-// reads 5 bits: the high nibble's low bit picks a copy) and the byte shifted right by 4 the high one's.
-inline void kq_q4k_dp_pair(const uint8_t* blk, int c, const KqHeader& h, uint16_t* out) {
-  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 16 * c)));
-  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512 v0 = _mm512_fmadd_ps(_mm512_set1_ps(h.a[c]), iota, _mm512_set1_ps(h.b[c]));
-  const __m512 v1 = _mm512_fmadd_ps(_mm512_set1_ps(h.a[c + 1]), iota, _mm512_set1_ps(h.b[c + 1]));
-  _mm512_storeu_si512(out, _mm512_permutexvar_epi16(w, (__m512i)_mm512_cvtne2ps_pbh(v0, v0)));
-  _mm512_storeu_si512(out + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), (__m512i)_mm512_cvtne2ps_pbh(v1, v1)));
-}
-
-// A unit's weight rows [0, rows) (row stride rb bytes; q8 codes: their scales su) into the scratch s
-// [kKqUnitRows, K] as bfloat16, each 32-column chunk in the type's lane order (kq_lane_weights: the exact
-// float32 values, rounded to nearest even: kq_amx_decode's bits, permuted within the chunk), zero rows
-// to a multiple of 4.
-template <int T>
-inline void kq_dp_decode(const uint8_t* wp, int64_t rb, int64_t rows, int64_t K, uint16_t* s, const float* su,
-                         const uint8_t* next) {
-  constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
-  constexpr int subs = static_cast<int>(per / 32);
-  const int64_t nb = K / per;
-  // the thread's next unit (null: none), its bytes at the offsets being read now, so that they arrive
-  // while this unit decodes and multiplies
-  const int64_t ahead = next == nullptr ? 0 : next - wp;
-  for (int64_t r = 0; r < rows; ++r) {
-    KqHeader h;
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = wp + r * rb + b * bytes;
-      if (ahead != 0)
-        for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + ahead + l), _MM_HINT_T0);
-      uint16_t* out = s + r * K + b * per;
-      if constexpr (T == kQ8Codes) {
-        h.a[0] = su[r * nb + b];
-        kq_bf16_32<T>(blk, 0, h, reinterpret_cast<at::BFloat16*>(out));
-      } else if constexpr (T == kQ4_K) {
-        kq_header<T>(blk, h);
-        for (int cc = 0; cc < subs; cc += 2) kq_q4k_dp_pair(blk, cc, h, out + 32 * cc);
-      } else if constexpr (T == kQ6_K) {
-        kq_header<T>(blk, h);
-        for (int half = 0; half < 2; ++half)
-          kq_q6k_bf16_half(blk, half, h, reinterpret_cast<at::BFloat16*>(out + 128 * half), 32);
-      } else {
-        kq_header<T>(blk, h);
-        for (int cc = 0; cc < subs; ++cc) {
-          const Kq32 w = kq_lane_weights<T>(blk, cc, h);
-          _mm512_storeu_si512(out + 32 * cc, (__m512i)_mm512_cvtne2ps_pbh(w.v[1], w.v[0]));
-        }
-      }
-    }
-  }
-  const int64_t padded = (rows + 3) / 4 * 4;
-  if (padded > rows) std::memset(static_cast<void*>(s + rows * K), 0, (padded - rows) * K * 2);
-}
-
 template <int T, typename Out>
 void kq_dp_impl(const at::Tensor& xc, const uint8_t* wp, Out* yp, int64_t M, int64_t K, int64_t N,
                 const float* sp = nullptr) {
@@ -3505,24 +3474,13 @@ void kq_dp_impl(const at::Tensor& xc, const uint8_t* wp, Out* yp, int64_t M, int
   const int64_t rb = K / per * bytes;
   const int64_t units = (N + kKqUnitRows - 1) / kKqUnitRows;
   const uint16_t* x = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
-  at::Tensor xl;  // x in the type's lane order, each 32-column chunk permuted as the weights are
-  if constexpr (T == kQ5_0) {  // (Q4_K is decoded in weight order: kq_q4k_dp_pair)
-    xl = at::empty({M, K}, xc.options());
-    uint16_t* xp = reinterpret_cast<uint16_t*>(xl.data_ptr<c10::BFloat16>());
-    alignas(64) uint16_t order[32];
-    for (int L = 0; L < 32; ++L) order[L] = static_cast<uint16_t>(kq_lane_weight(T, L));
-    const __m512i idx = _mm512_load_si512(order);
-    for (int64_t i = 0; i < M * K; i += 32)
-      _mm512_storeu_si512(xp + i, _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(x + i)));
-    x = xp;
-  }
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     uint16_t* w = kq_scratch<uint16_t>(4 * K);
     const int64_t end = std::min(N, u1 * kKqUnitRows);
     for (int64_t n0 = u0 * kKqUnitRows; n0 < end; n0 += 4) {
       const int64_t rows = std::min<int64_t>(4, end - n0);
       const uint8_t* next = n0 + 8 < end ? wp + (n0 + 8) * rb : nullptr;
-      kq_dp_decode<T>(wp + n0 * rb, rb, rows, K, w, sp == nullptr ? nullptr : sp + n0 * (K / 32), next);
+      kq_decode_rows<T>(wp + n0 * rb, rb, rows, K, w, sp == nullptr ? nullptr : sp + n0 * (K / 32), next, 4);
       kq_dp_group(w, x, M, K, N, n0, rows, yp);
     }
   });
@@ -3708,7 +3666,6 @@ at::Tensor q8_linear_tiles(const at::Tensor& x, const at::Tensor& codes, const a
 #endif
   return y;
 }
-
 
 // One gated delta rule update per (token, head), in place on the token's state slot (Gated DeltaNet
 // decode, `helios.models.gated_delta`): S <- exp(g) S; delta = beta (v - S^T k); S <- S + k delta^T;
