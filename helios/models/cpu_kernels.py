@@ -255,8 +255,13 @@ _TILES_BACKENDS = {0: "", 1: "avx512_bf16", 2: "amx"}
 
 def kquant_tiles_backend() -> str:
     """The backend `kquant_linear_tiles` runs on now: ``"amx"`` (the tile unit), ``"avx512_bf16"``
-    (VDPBF16PS dot products), or ``""`` (neither: not supported here)."""
-    return _TILES_BACKENDS[int(torch.ops.helios.kquant_tiles_backend())] if available() else ""
+    (VDPBF16PS dot products), or ``""`` (neither: not supported here). Asked once, then kept (a
+    decode step's logits ask it)."""
+    backend = _state.get("tiles_backend")
+    if backend is None:
+        backend = _state["tiles_backend"] = (_TILES_BACKENDS[int(torch.ops.helios.kquant_tiles_backend())]
+                                             if available() else "")
+    return str(backend)
 
 
 def set_kquant_tiles_dp(dp: bool) -> str:
@@ -264,7 +269,8 @@ def set_kquant_tiles_dp(dp: bool) -> str:
     two there), or restores the default choice; returns the backend now."""
     if not available():
         return ""
-    return _TILES_BACKENDS[int(torch.ops.helios.set_kquant_tiles_dp(dp))]
+    backend = _state["tiles_backend"] = _TILES_BACKENDS[int(torch.ops.helios.set_kquant_tiles_dp(dp))]
+    return backend
 
 
 def kquant_tiles_active() -> bool:
