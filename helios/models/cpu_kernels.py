@@ -72,7 +72,8 @@ i of a_c(i) * S[c, i], S[c, i] = x[2i+1] (q - 32)[2i+1] + x[2i] (q - 32)[2i] (po
 sub-block), in float32: S rounded once (both products are exact), then 16 lanes, lane i a chain of
 fused multiply-adds ``A_i = fma(S[c, i], a_c(i), A_i)`` in increasing c, then the tree (l + 8, + 4, + 2,
 + 1); subnormal inputs and results flushed to zero (``vdpbf16ps``'s rule; the kernel sets DAZ/FTZ for
-the rest). One row computes S with ``vdpbf16ps``, more rows with float32 FMAs (the same values), so a
+the rest). One row computes S with ``vdpbf16ps``, more rows too on AMD CPUs (`kquant_bf16_dot_rows`) and with float32
+FMAs elsewhere (the same values: S is rounded once either way), so a
 row's bits are the same alone, in any batch and on any number of threads. Error: at most
 (K / 32 + 10) * 2**-24 times the sum of |x * w| over k (the tests' bound). ``float_out`` returns the
 float32 sums (logits). The other types keep the float32 path above: for them this form gained only at
@@ -299,6 +300,19 @@ def set_kquant_bf16_dot(on: bool) -> bool:
     """Turns the pair dot path on (where built) or off (bfloat16 ``x`` then takes the float32 path, widened
     exactly, as float32 ``x`` does); returns whether it is now on. For measurements and tests."""
     return available() and bool(torch.ops.helios.set_kquant_bf16_dot(on))
+
+
+def kquant_bf16_dot_rows() -> bool:
+    """Whether the pair dot path computes the pair sums of rows past the first with ``vdpbf16ps`` too
+    (else with float32 FMAs; the same bits either way, so the choice is speed alone: on by default on AMD
+    CPUs, which issue ``vdpbf16ps`` at an FMA's rate, off on Intel's, at half of it)."""
+    return available() and bool(torch.ops.helios.kquant_bf16_dot_rows())
+
+
+def set_kquant_bf16_dot_rows(on: bool) -> bool:
+    """Sets `kquant_bf16_dot_rows` (where the pair dot path is built); returns it. For measurements and
+    tests."""
+    return available() and bool(torch.ops.helios.set_kquant_bf16_dot_rows(on))
 
 
 def moe_kquant_mix(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Sequence[Tensor], gate_up_type: int,

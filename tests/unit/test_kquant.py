@@ -182,9 +182,10 @@ PAIR_DOT_TYPES = (14,)  # Q6_K; the other types keep the float32 path
 @pytest.mark.parametrize("full_range", [False, True], ids=["scales_normal", "scales_full_range"])
 def test_the_pair_dot_path_is_within_its_bound_and_the_same_bits_at_any_rows(ggml_type: int,
                                                                             full_range: bool) -> None:
-    """bfloat16 x by pair dot products (one row: vdpbf16ps; more: the same pair sums on float32 lanes):
-    float32 sums within `pair_dot_bound` of float64, each row the same bits alone, in any batch of 1-11
-    rows, on one thread and in a grouped call; turned off, the float32 path's bits."""
+    """bfloat16 x by pair dot products (one row: vdpbf16ps; more: vdpbf16ps or the same pair sums on float32
+    lanes, `kquant_bf16_dot_rows`): float32 sums within `pair_dot_bound` of float64, each row the same bits
+    alone, in any batch of 1-11 rows, either way, on one thread and in a grouped call; turned off, the
+    float32 path's bits."""
     out, k = 67, 768
     blocks = random_blocks(ggml_type, out, k, seed=ggml_type, full_range=full_range)
     bt = torch.from_numpy(blocks)
@@ -202,6 +203,13 @@ def test_the_pair_dot_path_is_within_its_bound_and_the_same_bits_at_any_rows(ggm
     try:
         torch.set_num_threads(1)
         assert torch.equal(cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True), batch)
+        rows = cpu_kernels.kquant_bf16_dot_rows()
+        for dp_rows in (not rows, rows):  # rows past the first by vdpbf16ps or on float32 lanes: the same bits
+            assert cpu_kernels.set_kquant_bf16_dot_rows(dp_rows) is dp_rows
+            assert torch.equal(cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True), batch), dp_rows
+            for m in (2, 5, 6, 9):
+                assert torch.equal(cpu_kernels.kquant_linear(x[:m], bt, ggml_type, out, float_out=True),
+                                   batch[:m]), (dp_rows, m)
         assert cpu_kernels.set_kquant_bf16_dot(False) is False
         assert torch.equal(cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True),
                            cpu_kernels.kquant_linear(x.float(), bt, ggml_type, out))

@@ -2486,6 +2486,12 @@ void kq_grouped_impl(const float* xp, const std::vector<const uint8_t*>& wps, co
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define HELIOS_KQB 1
 std::atomic<bool> g_kqb_on{true};
+// Whether more than one row computes S with vdpbf16ps too (one per row and sub-block, against the float32
+// lanes' multiply and FMA): the same values (S's rounding is one, either way), so the choice is speed
+// alone. On by default on AMD, whose Zen 4 / Zen 5 cores issue vdpbf16ps at an FMA's rate (2026-12-06, a
+// Zen 5 VM, 1,536 x 8,960, 2 threads: 5 rows 38.3 -> see docs/benchmarks.md); off on Intel, where it
+// issues at half that rate.
+std::atomic<bool> g_kqb_dp_rows{__builtin_cpu_is("amd") != 0};
 
 // bfloat16 words of the integers i - 32 (lo) and i (hi), i = 0..31: the 64-entry table of q - 32.
 struct KqbTabs {
@@ -2535,11 +2541,12 @@ struct KqbFlush {
 };
 
 // bfloat16 rows x [M, K] widened to float32 with each 32 columns' even-indexed values first, then the odd
-// ones (the operand of the float32 lanes, for M > 1).
+// ones (the operand of the float32 lanes, for M > 1 where the rows do not take vdpbf16ps); empty otherwise.
 at::Tensor kqb_widened(const at::Tensor& xb) {
   const int64_t M = xb.size(0), K = xb.size(1);
-  at::Tensor xf = at::empty({M > 1 ? M : 0, K}, xb.options().dtype(at::kFloat));
-  if (M > 1) {
+  const bool lanes = M > 1 && !g_kqb_dp_rows.load(std::memory_order_relaxed);
+  at::Tensor xf = at::empty({lanes ? M : 0, K}, xb.options().dtype(at::kFloat));
+  if (lanes) {
     const auto* x = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
     float* out = xf.data_ptr<float>();
     for (int64_t i = 0; i < M * K / 32; ++i) {
@@ -2559,7 +2566,7 @@ constexpr int kKqbCols = HELIOS_KQB_COLS;  // weight rows of a tile for tiles of
 
 // Outputs y[i * N + n + j] for activation rows i < MT (x and xf row stride K) and weight rows n + j, j < NT
 // (w at weight row n).
-template <int MT, int NT>
+template <int MT, int NT, bool DP>
 void kqb_out(const uint16_t* __restrict__ x, const float* __restrict__ xf, const uint8_t* __restrict__ w,
              float* __restrict__ y, int64_t n, int64_t K, int64_t N, const KqbTabs& tb) {
   constexpr int64_t per = KqTraits<kQ6_K>::per, bytes = KqTraits<kQ6_K>::bytes;
@@ -2591,12 +2598,15 @@ void kqb_out(const uint16_t* __restrict__ x, const float* __restrict__ xf, const
         __m512 sc[NT];
         _Pragma("GCC unroll 8")
         for (int j = 0; j < NT; ++j) sc[j] = _mm512_permutexvar_ps(pick, _mm512_load_ps(h[j].a));
-        if constexpr (MT == 1) {
-          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + b * per + 32 * c);
+        if constexpr (MT == 1 || DP) {
           _Pragma("GCC unroll 8")
-          for (int j = 0; j < NT; ++j) {
-            const __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)codes[j][s], xv);
-            acc[j][0] = _mm512_fmadd_ps(d, sc[j], acc[j][0]);
+          for (int i = 0; i < MT; ++i) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + b * per + 32 * c);
+            _Pragma("GCC unroll 8")
+            for (int j = 0; j < NT; ++j) {
+              const __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)codes[j][s], xv);
+              acc[j][i] = _mm512_fmadd_ps(d, sc[j], acc[j][i]);
+            }
           }
         } else {
           __m512 qe[NT], qo[NT];
@@ -2625,25 +2635,29 @@ void kqb_out(const uint16_t* __restrict__ x, const float* __restrict__ xf, const
     for (int i = 0; i < MT; ++i) y[i * N + n + j] = kq_tree16(acc[j][i]);
 }
 
-// Rows [0, MT) against weight rows [n0, n1).
-template <int MT>
+#ifndef HELIOS_KQB_DP_COLS_ROWS
+#define HELIOS_KQB_DP_COLS_ROWS 8
+#endif
+// Rows [0, MT) against weight rows [n0, n1). With vdpbf16ps rows (DP) a row needs no registers for
+// widened x, so two weight rows stay in flight up to HELIOS_KQB_DP_COLS_ROWS rows.
+template <int MT, bool DP>
 void kqb_rows(const uint16_t* x, const float* xf, const uint8_t* wp, float* y, int64_t n0, int64_t n1, int64_t K,
               int64_t N, const KqbTabs& tb) {
-  constexpr int NT = MT <= 5 ? kKqbCols : 1;
+  constexpr int NT = MT <= (DP ? HELIOS_KQB_DP_COLS_ROWS : 5) ? kKqbCols : 1;
   const int64_t rb = K / KqTraits<kQ6_K>::per * KqTraits<kQ6_K>::bytes;
   int64_t n = n0;
-  for (; n + NT <= n1; n += NT) kqb_out<MT, NT>(x, xf, wp + n * rb, y, n, K, N, tb);
+  for (; n + NT <= n1; n += NT) kqb_out<MT, NT, DP>(x, xf, wp + n * rb, y, n, K, N, tb);
   if constexpr (NT > 1) {
-    for (; n < n1; ++n) kqb_out<MT, 1>(x, xf, wp + n * rb, y, n, K, N, tb);
+    for (; n < n1; ++n) kqb_out<MT, 1, DP>(x, xf, wp + n * rb, y, n, K, N, tb);
   }
 }
 
-template <int MT>
+template <int MT, bool DP>
 void kqb_tail(int64_t M, const uint16_t* x, const float* xf, const uint8_t* wp, float* y, int64_t n0, int64_t n1,
               int64_t K, int64_t N, const KqbTabs& tb) {
   if constexpr (MT > 0) {
-    if (M == MT) kqb_rows<MT>(x, xf, wp, y, n0, n1, K, N, tb);
-    else kqb_tail<MT - 1>(M, x, xf, wp, y, n0, n1, K, N, tb);
+    if (M == MT) kqb_rows<MT, DP>(x, xf, wp, y, n0, n1, K, N, tb);
+    else kqb_tail<MT - 1, DP>(M, x, xf, wp, y, n0, n1, K, N, tb);
   }
 }
 
@@ -2655,9 +2669,13 @@ void kqb_range(const uint16_t* x, const float* xf, const uint8_t* wp, float* y, 
   const KqbTabs& tb = kqb_tabs();
   for (int64_t r0 = n0; r0 < n1; r0 += kKqRowBlock) {
     const int64_t r1 = std::min(n1, r0 + kKqRowBlock);
-    for (int64_t m0 = 0; m0 < M; m0 += kKqbTile)
-      kqb_tail<kKqbTile>(std::min<int64_t>(kKqbTile, M - m0), x + m0 * K, xf == nullptr ? nullptr : xf + m0 * K, wp,
-                         y + m0 * N, r0, r1, K, N, tb);
+    for (int64_t m0 = 0; m0 < M; m0 += kKqbTile) {
+      const int64_t mt = std::min<int64_t>(kKqbTile, M - m0);
+      if (xf == nullptr)  // the rows by vdpbf16ps (one row, or kqb_dp_rows)
+        kqb_tail<kKqbTile, true>(mt, x + m0 * K, nullptr, wp, y + m0 * N, r0, r1, K, N, tb);
+      else
+        kqb_tail<kKqbTile, false>(mt, x + m0 * K, xf + m0 * K, wp, y + m0 * N, r0, r1, K, N, tb);
+    }
   }
 }
 
@@ -2689,6 +2707,26 @@ bool kquant_bf16_dot_supported() {
 #if defined(HELIOS_KQB)
   return true;
 #else
+  return false;
+#endif
+}
+
+// Whether rows past the first compute their pair sums with vdpbf16ps (else on float32 lanes; the same bits).
+bool kquant_bf16_dot_rows() {
+#if defined(HELIOS_KQB)
+  return g_kqb_dp_rows.load();
+#else
+  return false;
+#endif
+}
+
+// Sets that choice (where the build has the pair dot path); returns it.
+bool set_kquant_bf16_dot_rows(bool on) {
+#if defined(HELIOS_KQB)
+  g_kqb_dp_rows.store(on);
+  return on;
+#else
+  (void)on;
   return false;
 #endif
 }
@@ -3914,6 +3952,8 @@ TORCH_LIBRARY(helios, m) {
   m.def("set_kquant_tiles_dp(bool dp) -> int");
   m.def("kquant_bf16_dot_supported() -> bool");
   m.def("set_kquant_bf16_dot(bool on) -> bool");
+  m.def("kquant_bf16_dot_rows() -> bool");
+  m.def("set_kquant_bf16_dot_rows(bool on) -> bool");
   m.def("q8_linear_tiles(Tensor x, Tensor codes, Tensor scales, bool exact=False) -> Tensor");
   m.def("moe_kquant_mix(Tensor x, Tensor weights, Tensor ids, Tensor[] gate_up, int gu_type, Tensor[] down, "
         "int down_type, int max_rows) -> Tensor");
@@ -3934,6 +3974,8 @@ TORCH_LIBRARY_FRAGMENT(helios, m) {
   m.impl("set_kquant_tiles_dp", &set_kquant_tiles_dp);
   m.impl("kquant_bf16_dot_supported", &kquant_bf16_dot_supported);
   m.impl("set_kquant_bf16_dot", &set_kquant_bf16_dot);
+  m.impl("kquant_bf16_dot_rows", &kquant_bf16_dot_rows);
+  m.impl("set_kquant_bf16_dot_rows", &set_kquant_bf16_dot_rows);
 }
 
 TORCH_LIBRARY_IMPL(helios, CPU, m) {
