@@ -76,10 +76,19 @@ the rest). One row computes S with ``vdpbf16ps``, more rows too on AMD CPUs (`kq
 FMAs elsewhere (the same values: S is rounded once either way), so a
 row's bits are the same alone, in any batch and on any number of threads. Error: at most
 (K / 32 + 10) * 2**-24 times the sum of |x * w| over k (the tests' bound). ``float_out`` returns the
-float32 sums (logits). The other types keep the float32 path above: for them this form gained only at
-one row (Q4_K) or not at all, and lost 10-20% at 2-7 rows (a row costs three operations a sub-block
-here against two); builds without AVX512-BF16 keep it for Q6_K too (their bfloat16 results differ in
-the last float32 bits from this build's).
+float32 sums (logits).
+
+Q4_K with bfloat16 activations where rows take ``vdpbf16ps`` (`kquant_bf16_dot_rows`: AMD CPUs by
+default): sub-block c's weights are a_c q + b_c (q = 0..15; a_c = d sc_c, b_c = -dmin m_c, exact), its
+codes multiplied with x in pairs as Q6_K's: lane i takes A_i = fma(S[c, i], a_c, A_i) over the block's
+eight sub-blocks in order, then lanes 0-7 A_i = fma(b_i, X_i, A_i) with the block's mins and its
+sub-blocks' sums of x, X_c = the 32 bfloat16 values summed in float32 (the even positions' lanes plus
+the odd ones', then a fixed reduction), then the tree. The same bits for a row alone, in any batch and on
+any number of threads. Error: at most (K / 32 + K / 256 + 10) * 2**-24 times the sum over k of
+(|a q| + |b|) |x| (a q x and b x are summed apart, so the bound is in their magnitudes). Elsewhere
+(Intel, where this form gained at one row and lost 10-20% at 2-7) Q4_K keeps the float32 path, as do
+the other types; builds without AVX512-BF16 keep it for Q6_K too (their bfloat16 results differ in the
+last float32 bits from this build's).
 
 Tiles path (``kquant_linear_tiles``, bfloat16 activations only; `kquant.KQuantLinear` uses it for steps
 of `kquant.TILE_ROWS` rows where `kquant_tiles_supported`): the weights are rounded to bfloat16 first
@@ -304,8 +313,8 @@ def set_kquant_bf16_dot(on: bool) -> bool:
 
 def kquant_bf16_dot_rows() -> bool:
     """Whether the pair dot path computes the pair sums of rows past the first with ``vdpbf16ps`` too
-    (else with float32 FMAs; the same bits either way, so the choice is speed alone: on by default on AMD
-    CPUs, which issue ``vdpbf16ps`` at an FMA's rate, off on Intel's, at half of it)."""
+    (else with float32 FMAs: Q6_K's same bits) and takes Q4_K as well (else Q4_K keeps the float32 path).
+    On by default on AMD CPUs, which issue ``vdpbf16ps`` at an FMA's rate; off on Intel's, at half of it."""
     return available() and bool(torch.ops.helios.kquant_bf16_dot_rows())
 
 

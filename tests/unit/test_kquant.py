@@ -163,18 +163,29 @@ def test_kquant_linear_bfloat16_activations(ggml_type: int, m: int) -> None:
 
 
 def pair_dot(ggml_type: int) -> bool:
-    """Whether bfloat16 x against this type takes the pair dot path here."""
-    return cpu_kernels.kquant_bf16_dot_supported() and ggml_type in PAIR_DOT_TYPES
+    """Whether bfloat16 x against this type takes the pair dot path here (Q6_K; Q4_K too where rows take
+    ``vdpbf16ps``, `cpu_kernels.kquant_bf16_dot_rows`)."""
+    return cpu_kernels.kquant_bf16_dot_supported() and (
+        ggml_type == 14 or (ggml_type == 12 and cpu_kernels.kquant_bf16_dot_rows()))
 
 
 def pair_dot_bound(x: torch.Tensor, blocks: np.ndarray, ggml_type: int) -> torch.Tensor:
-    """The pair dot path's float32 error (module docstring): (K / 32 + 10) u times the sum of |x w| per
-    output (the 16 lanes' chains of K / 32 FMAs, the pair sum's rounding and the tree)."""
-    w = torch.from_numpy(gguf_dequantize(blocks, ggml_type)).double()
-    return (x.shape[1] / 32 + 10) * U * (x.double().abs() @ w.abs().t())
+    """The pair dot path's float32 error (module docstring): (K / 32 + K / 256 + 10) u times the sum over
+    k of (|a q| + |b|) |x| per output: the 16 lanes' chains of K / 32 FMAs (Q4_K: and the K / 256 of its
+    mins, whose products b X_c are summed apart from a q, so the bound is in their magnitudes, not in
+    |w| = |a q + b|), the pair sum's rounding, a sub-block sum X_c's five and the tree's."""
+    if ggml_type == 12:  # a q alone (dmin zeroed) and b alone (d zeroed)
+        scaled, mins = blocks.reshape(blocks.shape[0], -1, 144).copy(), blocks.reshape(blocks.shape[0], -1, 144).copy()
+        scaled[..., 2:4], mins[..., 0:2] = 0, 0
+        mag = (torch.from_numpy(gguf_dequantize(scaled.reshape(blocks.shape), 12)).double().abs()
+               + torch.from_numpy(gguf_dequantize(mins.reshape(blocks.shape), 12)).double().abs())
+    else:
+        mag = torch.from_numpy(gguf_dequantize(blocks, ggml_type)).double().abs()
+    k = x.shape[1]
+    return (k / 32 + k / 256 + 10) * U * (x.double().abs() @ mag.t())
 
 
-PAIR_DOT_TYPES = (14,)  # Q6_K; the other types keep the float32 path
+PAIR_DOT_TYPES = (12, 14)  # Q4_K (where rows take vdpbf16ps), Q6_K; the other types keep the float32 path
 
 
 @pytest.mark.skipif(not cpu_kernels.kquant_bf16_dot_supported(), reason="built without AVX512-BF16")
@@ -182,39 +193,43 @@ PAIR_DOT_TYPES = (14,)  # Q6_K; the other types keep the float32 path
 @pytest.mark.parametrize("full_range", [False, True], ids=["scales_normal", "scales_full_range"])
 def test_the_pair_dot_path_is_within_its_bound_and_the_same_bits_at_any_rows(ggml_type: int,
                                                                             full_range: bool) -> None:
-    """bfloat16 x by pair dot products (one row: vdpbf16ps; more: vdpbf16ps or the same pair sums on float32
-    lanes, `kquant_bf16_dot_rows`): float32 sums within `pair_dot_bound` of float64, each row the same bits
-    alone, in any batch of 1-11 rows, either way, on one thread and in a grouped call; turned off, the
-    float32 path's bits."""
-    out, k = 67, 768
+    """bfloat16 x by pair dot products (every row by vdpbf16ps, `kquant_bf16_dot_rows` forced on): float32
+    sums within `pair_dot_bound` of float64, each row the same bits alone, in any batch of 1-11 rows, on
+    one thread and in a grouped call. Rows past the first on float32 lanes: Q6_K's same bits, Q4_K the
+    float32 path's; the pair dot path turned off, the float32 path's bits."""
+    out, k = 67, 2304  # nine Q4_K / Q6_K blocks a row
     blocks = random_blocks(ggml_type, out, k, seed=ggml_type, full_range=full_range)
     bt = torch.from_numpy(blocks)
     w = torch.from_numpy(gguf_dequantize(blocks, ggml_type)).double()
     x = torch.randn(12, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    batch = cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True)
-    assert ((batch.double() - x.double() @ w.t()).abs() <= pair_dot_bound(x, blocks, ggml_type)).all()
-    for i in range(12):
-        assert torch.equal(cpu_kernels.kquant_linear(x[i:i + 1], bt, ggml_type, out, float_out=True), batch[i:i + 1])
-    for m in range(2, 12):
-        assert torch.equal(cpu_kernels.kquant_linear(x[:m], bt, ggml_type, out, float_out=True), batch[:m]), m
-    grouped = cpu_kernels.kquant_linear_grouped(x, [0, 1, 1, 6, 12], [bt] * 4, ggml_type, out)
-    assert torch.equal(grouped, batch.to(torch.bfloat16))
-    threads = torch.get_num_threads()
+    rows, threads = cpu_kernels.kquant_bf16_dot_rows(), torch.get_num_threads()
     try:
+        cpu_kernels.set_kquant_bf16_dot_rows(True)  # Q4_K takes the pair dot path only so (Q6_K either way)
+        batch = cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True)
+        assert ((batch.double() - x.double() @ w.t()).abs() <= pair_dot_bound(x, blocks, ggml_type)).all()
+        assert not torch.equal(batch, cpu_kernels.kquant_linear(x.float(), bt, ggml_type, out))  # not the float32 path
+        for i in range(12):
+            assert torch.equal(cpu_kernels.kquant_linear(x[i:i + 1], bt, ggml_type, out, float_out=True),
+                               batch[i:i + 1])
+        for m in range(2, 12):
+            assert torch.equal(cpu_kernels.kquant_linear(x[:m], bt, ggml_type, out, float_out=True), batch[:m]), m
+        grouped = cpu_kernels.kquant_linear_grouped(x, [0, 1, 1, 6, 12], [bt] * 4, ggml_type, out)
+        assert torch.equal(grouped, batch.to(torch.bfloat16))
         torch.set_num_threads(1)
         assert torch.equal(cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True), batch)
-        rows = cpu_kernels.kquant_bf16_dot_rows()
-        for dp_rows in (not rows, rows):  # rows past the first by vdpbf16ps or on float32 lanes: the same bits
-            assert cpu_kernels.set_kquant_bf16_dot_rows(dp_rows) is dp_rows
-            assert torch.equal(cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True), batch), dp_rows
-            for m in (2, 5, 6, 9):
-                assert torch.equal(cpu_kernels.kquant_linear(x[:m], bt, ggml_type, out, float_out=True),
-                                   batch[:m]), (dp_rows, m)
+        # rows past the first on float32 lanes: Q6_K the same bits; Q4_K leaves the pair dot path
+        cpu_kernels.set_kquant_bf16_dot_rows(False)
+        lanes = cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True)
+        float_path = cpu_kernels.kquant_linear(x.float(), bt, ggml_type, out)
+        assert torch.equal(lanes, batch if ggml_type == 14 else float_path)
+        for m in (2, 5, 6, 9):
+            assert torch.equal(cpu_kernels.kquant_linear(x[:m], bt, ggml_type, out, float_out=True), lanes[:m]), m
+        cpu_kernels.set_kquant_bf16_dot_rows(True)
         assert cpu_kernels.set_kquant_bf16_dot(False) is False
-        assert torch.equal(cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True),
-                           cpu_kernels.kquant_linear(x.float(), bt, ggml_type, out))
+        assert torch.equal(cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True), float_path)
     finally:
         cpu_kernels.set_kquant_bf16_dot(True)
+        cpu_kernels.set_kquant_bf16_dot_rows(rows)
         torch.set_num_threads(threads)
 
 

@@ -2486,11 +2486,13 @@ void kq_grouped_impl(const float* xp, const std::vector<const uint8_t*>& wps, co
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define HELIOS_KQB 1
 std::atomic<bool> g_kqb_on{true};
-// Whether more than one row computes S with vdpbf16ps too (one per row and sub-block, against the float32
-// lanes' multiply and FMA): the same values (S's rounding is one, either way), so the choice is speed
-// alone. On by default on AMD, whose Zen 4 / Zen 5 cores issue vdpbf16ps at an FMA's rate (2026-12-06, a
-// Zen 5 VM, 1,536 x 8,960, 2 threads: 5 rows 38.3 -> see docs/benchmarks.md); off on Intel, where it
-// issues at half that rate.
+// Whether rows past the first compute S with vdpbf16ps too (one per row and sub-block, against the float32
+// lanes' multiply and FMA): for Q6_K the same values (S is rounded once either way), so the choice is
+// speed alone; Q4_K takes the pair dot path (kqb4_out) only so. On by default on AMD, whose Zen 4 / Zen 5
+// cores issue vdpbf16ps at an FMA's rate (2026-12-06, a Zen 5 VM, 2 threads, ps a weight at 1 / 5 / 6
+// rows: Q6_K 1,536 x 8,960 16.0 / 33.8 / 67.8 -> 16.0 / 26.1 / 29.0; Q4_K 17,920 x 1,536 on the float32
+// path 17.2 / 33.1 / 48.8, by pair dot products 11.4 / 24.7 / 28.5); off on Intel, where it issues at
+// half that rate (and Q4_K's pair form lost 10-20% at 2-7 rows, the float32 lanes computing S).
 std::atomic<bool> g_kqb_dp_rows{__builtin_cpu_is("amd") != 0};
 
 // bfloat16 words of the integers i - 32 (lo) and i (hi), i = 0..31: the 64-entry table of q - 32.
@@ -2661,32 +2663,142 @@ void kqb_tail(int64_t M, const uint16_t* x, const float* xf, const uint8_t* wp, 
   }
 }
 
+// Q4_K by pair dot products (where kqb_dp_rows: every row by vdpbf16ps). Sub-block c's weights are
+// a_c q + b_c (q = 0..15, a_c = d sc_c and b_c = -dmin m_c exact), so y = sum_c a_c (q_c . x_c) + b_c X_c
+// with X_c the sub-block's sum of x (kqb_xsums): lane i of the accumulator takes A_i = fma(S_c,i, a_c, A_i)
+// over the block's sub-blocks in order (S_c,i = fl(x_2i+1 q_2i+1 + x_2i q_2i), both products exact), then
+// lanes 0-7 A_i = fma(b_i, X_i, A_i) with the block's eight mins and sums; then kq_tree16. The codes are
+// looked up as bfloat16 words (q is exact in bfloat16), both nibbles of the sub-block pair's 32 bytes at
+// once: the decode of 64 weights is five operations against the float32 path's ten, and a row costs two
+// operations a sub-block (vdpbf16ps and the scale's FMA) as it does there.
+template <int MT, int NT>
+void kqb4_out(const uint16_t* __restrict__ x, const float* __restrict__ xs, const uint8_t* __restrict__ w,
+              float* __restrict__ y, int64_t n, int64_t K, int64_t N, const KqbTabs& tb) {
+  constexpr int64_t per = KqTraits<kQ4_K>::per, bytes = KqTraits<kQ4_K>::bytes;
+  const int64_t nb = K / per, rb = nb * bytes, ns = K / 32;
+  const __m512i thi = _mm512_load_si512(tb.hi);
+  const __m512i lo4 = _mm512_set1_epi16(0x000F);
+  __m512 acc[NT][MT];
+  _Pragma("GCC unroll 8")
+  for (int j = 0; j < NT; ++j)
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < MT; ++i) acc[j][i] = _mm512_setzero_ps();
+  KqHeader h[NT];
+  for (int64_t b = 0; b < nb; ++b) {
+    kq_headers<kQ4_K>(w, rb, b, h);
+    asm volatile("" : : "r"(h) : "memory");  // the scales stay in memory (kqb_out's note)
+    _Pragma("GCC unroll 4")
+    for (int g = 0; g < 4; ++g) {
+      __m512i codes[NT][2];
+      _Pragma("GCC unroll 8")
+      for (int j = 0; j < NT; ++j) {
+        const __m512i z = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * rb + b * bytes + 16 + 32 * g)));
+        codes[j][0] = _mm512_permutexvar_epi16(_mm512_and_si512(z, lo4), thi);  // sub-block 2 g: low nibbles
+        codes[j][1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(z, 4), thi);   // 2 g + 1: high nibbles
+      }
+      _Pragma("GCC unroll 2")
+      for (int s = 0; s < 2; ++s) {
+        const int c = 2 * g + s;
+        __m512 sc[NT];
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < NT; ++j) sc[j] = _mm512_set1_ps(h[j].a[c]);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < MT; ++i) {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + b * per + 32 * c);
+          _Pragma("GCC unroll 8")
+          for (int j = 0; j < NT; ++j) {
+            const __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)codes[j][s], xv);
+            acc[j][i] = _mm512_fmadd_ps(d, sc[j], acc[j][i]);
+          }
+        }
+      }
+    }
+    __m512 mv[NT];
+    _Pragma("GCC unroll 8")
+    for (int j = 0; j < NT; ++j) mv[j] = _mm512_castps256_ps512(_mm256_load_ps(h[j].b));
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < MT; ++i) {
+      const __m512 xv = _mm512_castps256_ps512(_mm256_loadu_ps(xs + i * ns + b * 8));
+      _Pragma("GCC unroll 8")
+      for (int j = 0; j < NT; ++j) acc[j][i] = _mm512_mask3_fmadd_ps(mv[j], xv, acc[j][i], 0x00FF);
+    }
+  }
+  _Pragma("GCC unroll 8")
+  for (int j = 0; j < NT; ++j)
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < MT; ++i) y[i * N + n + j] = kq_tree16(acc[j][i]);
+}
+
+template <int MT>
+void kqb4_rows(const uint16_t* x, const float* xs, const uint8_t* wp, float* y, int64_t n0, int64_t n1, int64_t K,
+               int64_t N, const KqbTabs& tb) {
+  constexpr int NT = MT <= HELIOS_KQB_DP_COLS_ROWS ? kKqbCols : 1;
+  const int64_t rb = K / KqTraits<kQ4_K>::per * KqTraits<kQ4_K>::bytes;
+  int64_t n = n0;
+  for (; n + NT <= n1; n += NT) kqb4_out<MT, NT>(x, xs, wp + n * rb, y, n, K, N, tb);
+  if constexpr (NT > 1) {
+    for (; n < n1; ++n) kqb4_out<MT, 1>(x, xs, wp + n * rb, y, n, K, N, tb);
+  }
+}
+
+template <int MT>
+void kqb4_tail(int64_t M, const uint16_t* x, const float* xs, const uint8_t* wp, float* y, int64_t n0, int64_t n1,
+               int64_t K, int64_t N, const KqbTabs& tb) {
+  if constexpr (MT > 0) {
+    if (M == MT) kqb4_rows<MT>(x, xs, wp, y, n0, n1, K, N, tb);
+    else kqb4_tail<MT - 1>(M, x, xs, wp, y, n0, n1, K, N, tb);
+  }
+}
+
+// The sums X_c of each row's sub-blocks of 32 bfloat16 values (Q4_K's mins multiply them), [M, K / 32]
+// float32 in a fixed order: the even-indexed values' lanes plus the odd ones', then _mm512_reduce_add_ps.
+at::Tensor kqb_xsums(const at::Tensor& xb) {
+  const int64_t M = xb.size(0), K = xb.size(1);
+  at::Tensor xs = at::empty({M, K / 32}, xb.options().dtype(at::kFloat));
+  const auto* x = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  float* out = xs.data_ptr<float>();
+  for (int64_t i = 0; i < M * K / 32; ++i) {
+    const __m512i v = _mm512_loadu_si512(x + 32 * i);
+    const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(e, o));
+  }
+  return xs;
+}
+
 // Every activation row against weight rows [n0, n1), kKqRowBlock weight rows at a time (tiles of up to
-// kKqbTile activation rows each pass over them while they are in cache).
-void kqb_range(const uint16_t* x, const float* xf, const uint8_t* wp, float* y, int64_t M, int64_t K, int64_t N,
-               int64_t n0, int64_t n1) {
+// kKqbTile activation rows each pass over them while they are in cache). Q6_K: xf the widened rows (or
+// null: every row by vdpbf16ps); Q4_K: xf the rows' sub-block sums (kqb_xsums).
+void kqb_range(int64_t type, const uint16_t* x, const float* xf, const uint8_t* wp, float* y, int64_t M, int64_t K,
+               int64_t N, int64_t n0, int64_t n1) {
   const KqbFlush flush;
   const KqbTabs& tb = kqb_tabs();
+  const int64_t xfs = type == kQ4_K ? K / 32 : K;  // xf's row stride
   for (int64_t r0 = n0; r0 < n1; r0 += kKqRowBlock) {
     const int64_t r1 = std::min(n1, r0 + kKqRowBlock);
     for (int64_t m0 = 0; m0 < M; m0 += kKqbTile) {
       const int64_t mt = std::min<int64_t>(kKqbTile, M - m0);
-      if (xf == nullptr)  // the rows by vdpbf16ps (one row, or kqb_dp_rows)
+      if (type == kQ4_K)
+        kqb4_tail<kKqbTile>(mt, x + m0 * K, xf + m0 * xfs, wp, y + m0 * N, r0, r1, K, N, tb);
+      else if (xf == nullptr)  // the rows by vdpbf16ps (one row, or kqb_dp_rows)
         kqb_tail<kKqbTile, true>(mt, x + m0 * K, nullptr, wp, y + m0 * N, r0, r1, K, N, tb);
       else
-        kqb_tail<kKqbTile, false>(mt, x + m0 * K, xf + m0 * K, wp, y + m0 * N, r0, r1, K, N, tb);
+        kqb_tail<kKqbTile, false>(mt, x + m0 * K, xf + m0 * xfs, wp, y + m0 * N, r0, r1, K, N, tb);
     }
   }
 }
 
-// kq_for_units with kqb_range (one group: kq_linear_impl's split): x [R, K] bfloat16, xf its
-// kqb_widened rows (R > 1), groups [off[g], off[g + 1]) against wps[g].
-void kqb_grouped(const at::Tensor& xb, const at::Tensor& xf, const std::vector<const uint8_t*>& wps,
+// kq_for_units with kqb_range (one group: kq_linear_impl's split): x [R, K] bfloat16 against Q6_K or Q4_K
+// blocks, groups [off[g], off[g + 1]) against wps[g].
+void kqb_grouped(int64_t type, const at::Tensor& xb, const std::vector<const uint8_t*>& wps,
                  const std::vector<int64_t>& off, float* y, int64_t K, int64_t N) {
   const auto* x = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const at::Tensor xf = type == kQ4_K ? kqb_xsums(xb) : kqb_widened(xb);
   const float* xfp = xf.numel() > 0 ? xf.data_ptr<float>() : nullptr;
+  const int64_t xfs = type == kQ4_K ? K / 32 : K;
   kq_for_units(off, K, N, [&](int64_t g, int64_t n0, int64_t n1) {
-    kqb_range(x + off[g] * K, xfp == nullptr ? nullptr : xfp + off[g] * K, wps[g], y + off[g] * N,
+    kqb_range(type, x + off[g] * K, xfp == nullptr ? nullptr : xfp + off[g] * xfs, wps[g], y + off[g] * N,
               off[g + 1] - off[g], K, N, n0, n1);
   });
 }
@@ -2695,7 +2807,8 @@ void kqb_grouped(const at::Tensor& xb, const at::Tensor& xf, const std::vector<c
 // Whether bfloat16 x against `type` takes the pair dot path.
 inline bool kqb_applies(const at::Tensor& x, int64_t type) {
 #if defined(HELIOS_KQB)
-  return x.scalar_type() == at::kBFloat16 && type == kQ6_K && g_kqb_on.load(std::memory_order_relaxed);
+  return x.scalar_type() == at::kBFloat16 && g_kqb_on.load(std::memory_order_relaxed) &&
+         (type == kQ6_K || (type == kQ4_K && g_kqb_dp_rows.load(std::memory_order_relaxed)));
 #else
   (void)x;
   (void)type;
@@ -2829,7 +2942,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   if (kqb_applies(x, type)) {
     const at::Tensor xb = x.contiguous();
     at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-    if (M > 0 && N > 0) kqb_grouped(xb, kqb_widened(xb), {blocks.data_ptr<uint8_t>()}, {0, M}, y.data_ptr<float>(), K, N);
+    if (M > 0 && N > 0) kqb_grouped(type, xb, {blocks.data_ptr<uint8_t>()}, {0, M}, y.data_ptr<float>(), K, N);
     return float_out ? y : y.to(at::kBFloat16);
   }
 #endif
@@ -2864,7 +2977,7 @@ at::Tensor kquant_linear_grouped(const at::Tensor& x, at::IntArrayRef offsets, a
   if (kqb_applies(x, type)) {
     const at::Tensor xb = x.contiguous();
     at::Tensor y = at::empty({R, N}, x.options().dtype(at::kFloat));
-    if (R > 0 && N > 0) kqb_grouped(xb, kqb_widened(xb), wps, off, y.data_ptr<float>(), K, N);
+    if (R > 0 && N > 0) kqb_grouped(type, xb, wps, off, y.data_ptr<float>(), K, N);
     return y.to(at::kBFloat16);
   }
 #endif
@@ -2939,14 +3052,14 @@ at::Tensor moe_kquant_mix(const at::Tensor& x, const at::Tensor& weights, const 
   const at::Tensor xc = x.contiguous();
   at::Tensor gu = at::empty({R, I2}, x.options().dtype(at::kFloat));
 #if defined(HELIOS_KQB)
-  // bfloat16 rows against Q6_K: the rows gathered as they are, then kqb_grouped (kquant_linear_grouped's
-  // path for them)
+  // bfloat16 rows against Q6_K (or Q4_K where kqb_dp_rows): the rows gathered as they are, then
+  // kqb_grouped (kquant_linear_grouped's path for them)
   if (kqb_applies(x, gu_type)) {
     at::Tensor rows = at::empty({R, H}, x.options());
     const at::BFloat16* src = xc.data_ptr<at::BFloat16>();
     at::BFloat16* dst = rows.data_ptr<at::BFloat16>();
     for (int64_t p = 0; p < R; ++p) std::memcpy(dst + p * H, src + (order[p] / k) * H, H * sizeof(at::BFloat16));
-    kqb_grouped(rows, kqb_widened(rows), gps, off, gu.data_ptr<float>(), H, I2);
+    kqb_grouped(gu_type, rows, gps, off, gu.data_ptr<float>(), H, I2);
   } else
 #endif
   {
@@ -2980,7 +3093,7 @@ at::Tensor moe_kquant_mix(const at::Tensor& x, const at::Tensor& weights, const 
 #if defined(HELIOS_KQB)
   if (kqb_applies(act, down_type)) {
     const at::Tensor ac = act.contiguous();
-    kqb_grouped(ac, kqb_widened(ac), dps, off, mixed.data_ptr<float>(), I, H);
+    kqb_grouped(down_type, ac, dps, off, mixed.data_ptr<float>(), I, H);
   } else
 #endif
   {
