@@ -2320,6 +2320,19 @@ __attribute__((always_inline)) inline void kq_headers(const uint8_t* w, int64_t 
   }
 }
 
+// kq_headers with the prefetch `ahead` weight rows further on, set at run time (the pair dot paths').
+template <int T, int NT>
+__attribute__((always_inline)) inline void kq_headers_ahead(const uint8_t* w, int64_t rb, int64_t b, int64_t ahead,
+                                                            KqHeader (&h)[NT]) {
+  constexpr int64_t bytes = KqTraits<T>::bytes;
+  _Pragma("GCC unroll 8")
+  for (int j = 0; j < NT; ++j) {
+    const char* next = reinterpret_cast<const char*>(w + (j + ahead) * rb + b * bytes);
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+    kq_header<T>(w + j * rb + b * bytes, h[j]);
+  }
+}
+
 // One register tile over blocks [b0, b1): acc[j][i] += x row i . weight row j, where x (row stride K)
 // starts at the tile's first row and w (row stride rb bytes) at its first weight row.
 template <int T, int MT, int NT>
@@ -2566,6 +2579,21 @@ at::Tensor kqb_widened(const at::Tensor& xb) {
 constexpr int kKqbTile = 8;  // activation rows of a tile at most
 constexpr int kKqbCols = HELIOS_KQB_COLS;  // weight rows of a tile for tiles of up to 5 activation rows
 
+#ifndef HELIOS_KQB_PF_BYTES
+#define HELIOS_KQB_PF_BYTES 16384
+#endif
+#ifndef HELIOS_KQB_PF_ROWS
+#define HELIOS_KQB_PF_ROWS 2
+#endif
+// The weight rows ahead that the pair dot paths prefetch at up to HELIOS_KQB_PF_ROWS activation rows:
+// about HELIOS_KQB_PF_BYTES of them, 4 to 32 rows (more rows keep kKqAhead). Their decode is cheap enough
+// that one row waits on memory: 2026-12-06, a Zen 5 VM, 2 threads, from memory, Q4_K 17,920 x 1,536 at
+// one row 14.6-14.9 -> 11.3-11.7 ps a weight; the 1.5B's one-row step 27.2-27.5 -> 23.9 ms (4 rows ahead,
+// 3.5 KB, against 16 KB; 8-24 KB alike; at 5 rows 16 KB lost 2%).
+inline int64_t kqb_ahead(int64_t rb) {
+  return std::min<int64_t>(32, std::max<int64_t>(4, HELIOS_KQB_PF_BYTES / rb));
+}
+
 // Outputs y[i * N + n + j] for activation rows i < MT (x and xf row stride K) and weight rows n + j, j < NT
 // (w at weight row n).
 template <int MT, int NT, bool DP>
@@ -2580,8 +2608,9 @@ void kqb_out(const uint16_t* __restrict__ x, const float* __restrict__ xf, const
     _Pragma("GCC unroll 8")
     for (int i = 0; i < MT; ++i) acc[j][i] = _mm512_setzero_ps();
   KqHeader h[NT];
+  const int64_t ahead = MT <= HELIOS_KQB_PF_ROWS ? kqb_ahead(rb) : kKqAhead;
   for (int64_t b = 0; b < nb; ++b) {
-    kq_headers<kQ6_K>(w, rb, b, h);
+    kq_headers_ahead<kQ6_K>(w, rb, b, ahead, h);
     // the scales stay in memory (loaded below), where the compiler would otherwise extract them from
     // registers with shuffle-port operations (in this kernel's first, all-types form the barrier took Q4_K
     // from 66 to 52 ps a weight)
@@ -2684,8 +2713,9 @@ void kqb4_out(const uint16_t* __restrict__ x, const float* __restrict__ xs, cons
     _Pragma("GCC unroll 8")
     for (int i = 0; i < MT; ++i) acc[j][i] = _mm512_setzero_ps();
   KqHeader h[NT];
+  const int64_t ahead = MT <= HELIOS_KQB_PF_ROWS ? kqb_ahead(rb) : kKqAhead;
   for (int64_t b = 0; b < nb; ++b) {
-    kq_headers<kQ4_K>(w, rb, b, h);
+    kq_headers_ahead<kQ4_K>(w, rb, b, ahead, h);
     asm volatile("" : : "r"(h) : "memory");  // the scales stay in memory (kqb_out's note)
     _Pragma("GCC unroll 4")
     for (int g = 0; g < 4; ++g) {
