@@ -85,10 +85,12 @@ eight sub-blocks in order, then lanes 0-7 A_i = fma(b_i, X_i, A_i) with the bloc
 sub-blocks' sums of x, X_c = the 32 bfloat16 values summed in float32 (the even positions' lanes plus
 the odd ones', then a fixed reduction), then the tree. The same bits for a row alone, in any batch and on
 any number of threads. Error: at most (K / 32 + K / 256 + 10) * 2**-24 times the sum over k of
-(|a q| + |b|) |x| (a q x and b x are summed apart, so the bound is in their magnitudes). Elsewhere
-(Intel, where this form gained at one row and lost 10-20% at 2-7) Q4_K keeps the float32 path, as do
-the other types; builds without AVX512-BF16 keep it for Q6_K too (their bfloat16 results differ in the
-last float32 bits from this build's).
+(|a q| + |b|) |x| (a q x and b x are summed apart, so the bound is in their magnitudes). Q5_0 there
+too: each block's codes q - 16 (exact in bfloat16) in pairs with x, lane i A_i = fma(S[b, i], d_b, A_i)
+over the blocks b in order, then the tree (Q6_K's contract with one scale a block; its bound).
+Elsewhere (Intel, where the Q4_K form gained at one row and lost 10-20% at 2-7) Q4_K and Q5_0 keep the
+float32 path, as do the other types; builds without AVX512-BF16 keep it for Q6_K too (their bfloat16
+results differ in the last float32 bits from this build's).
 
 Tiles path (``kquant_linear_tiles``, bfloat16 activations only; `kquant.KQuantLinear` uses it for steps
 of `kquant.TILE_ROWS` rows where `kquant_tiles_supported`): the weights are rounded to bfloat16 first
@@ -313,7 +315,8 @@ def set_kquant_bf16_dot(on: bool) -> bool:
 
 def kquant_bf16_dot_rows() -> bool:
     """Whether the pair dot path computes the pair sums of rows past the first with ``vdpbf16ps`` too
-    (else with float32 FMAs: Q6_K's same bits) and takes Q4_K as well (else Q4_K keeps the float32 path).
+    (else with float32 FMAs: Q6_K's same bits) and takes Q4_K and Q5_0 as well (else they keep the float32
+    path).
     On by default on AMD CPUs, which issue ``vdpbf16ps`` at an FMA's rate; off on Intel's, at half of it."""
     return available() and bool(torch.ops.helios.kquant_bf16_dot_rows())
 

@@ -2510,7 +2510,7 @@ std::atomic<bool> g_kqb_dp_rows{__builtin_cpu_is("amd") != 0};
 
 // bfloat16 words of the integers i - 32 (lo) and i (hi), i = 0..31: the 64-entry table of q - 32.
 struct KqbTabs {
-  alignas(64) uint16_t lo[32], hi[32];
+  alignas(64) uint16_t lo[32], hi[32], mid[32];  // mid: i - 16 (Q5_0's codes)
 };
 inline uint16_t kqb_bf16_of_int(int v) {
   const float f = static_cast<float>(v);  // a small integer: exact in bfloat16
@@ -2524,6 +2524,7 @@ inline const KqbTabs& kqb_tabs() {
     for (int i = 0; i < 32; ++i) {
       t.lo[i] = kqb_bf16_of_int(i - 32);
       t.hi[i] = kqb_bf16_of_int(i);
+      t.mid[i] = kqb_bf16_of_int(i - 16);
     }
     return t;
   }();
@@ -2760,6 +2761,80 @@ void kqb4_out(const uint16_t* __restrict__ x, const float* __restrict__ xs, cons
     for (int i = 0; i < MT; ++i) y[i * N + n + j] = kq_tree16(acc[j][i]);
 }
 
+// Q5_0 by pair dot products (where kqb_dp_rows): the block's 32 codes q - 16 (5 bits: the nibbles of its
+// 16 bytes, low ones first, and the bits of qh) looked up as bfloat16 words; lane i takes
+// A_i = fma(S_b,i, d_b, A_i) over the blocks b in order (S as Q6_K's, the pair sums of the block's weights
+// 2i and 2i + 1), then kq_tree16. The decode of 32 weights is seven operations against the float32
+// path's twelve, and a row costs two operations a block there as here.
+template <int MT, int NT>
+void kqb5_out(const uint16_t* __restrict__ x, const uint8_t* __restrict__ w, float* __restrict__ y, int64_t n,
+              int64_t K, int64_t N, const KqbTabs& tb) {
+  constexpr int64_t bytes = KqTraits<kQ5_0>::bytes;
+  const int64_t nb = K / 32, rb = nb * bytes;
+  const __m512i tmid = _mm512_load_si512(tb.mid);
+  const __m256i lo4 = _mm256_set1_epi16(0x000F);
+  const __m512i b4 = _mm512_set1_epi16(16);
+  __m512 acc[NT][MT];
+  _Pragma("GCC unroll 8")
+  for (int j = 0; j < NT; ++j)
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < MT; ++i) acc[j][i] = _mm512_setzero_ps();
+  const int64_t ahead = MT <= HELIOS_KQB_PF_ROWS ? kqb_ahead(rb) : kKqAhead;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i codes[NT];
+    __m512 sc[NT];
+    _Pragma("GCC unroll 8")
+    for (int j = 0; j < NT; ++j) {
+      const uint8_t* blk = w + j * rb + b * bytes;
+      if (b % 4 == 0) {  // 88 bytes of blocks a time: two lines ahead cover them
+        _mm_prefetch(reinterpret_cast<const char*>(blk + ahead * rb), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(blk + ahead * rb + 64), _MM_HINT_T0);
+      }
+      const __m256i z = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6)));
+      __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(z, lo4)), _mm256_srli_epi16(z, 4), 1);
+      uint32_t qh;
+      std::memcpy(&qh, blk + 2, 4);
+      q = _mm512_mask_add_epi16(q, static_cast<__mmask32>(qh), q, b4);  // + 16: the fifth bit
+      codes[j] = _mm512_permutexvar_epi16(q, tmid);
+      sc[j] = _mm512_set1_ps(half_to_float(blk));
+    }
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < MT; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + 32 * b);
+      _Pragma("GCC unroll 8")
+      for (int j = 0; j < NT; ++j) {
+        const __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)codes[j], xv);
+        acc[j][i] = _mm512_fmadd_ps(d, sc[j], acc[j][i]);
+      }
+    }
+  }
+  _Pragma("GCC unroll 8")
+  for (int j = 0; j < NT; ++j)
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < MT; ++i) y[i * N + n + j] = kq_tree16(acc[j][i]);
+}
+
+template <int MT>
+void kqb5_rows(const uint16_t* x, const uint8_t* wp, float* y, int64_t n0, int64_t n1, int64_t K, int64_t N,
+               const KqbTabs& tb) {
+  constexpr int NT = MT <= HELIOS_KQB_DP_COLS_ROWS ? kKqbCols : 1;
+  const int64_t rb = K / 32 * KqTraits<kQ5_0>::bytes;
+  int64_t n = n0;
+  for (; n + NT <= n1; n += NT) kqb5_out<MT, NT>(x, wp + n * rb, y, n, K, N, tb);
+  if constexpr (NT > 1) {
+    for (; n < n1; ++n) kqb5_out<MT, 1>(x, wp + n * rb, y, n, K, N, tb);
+  }
+}
+
+template <int MT>
+void kqb5_tail(int64_t M, const uint16_t* x, const uint8_t* wp, float* y, int64_t n0, int64_t n1, int64_t K,
+               int64_t N, const KqbTabs& tb) {
+  if constexpr (MT > 0) {
+    if (M == MT) kqb5_rows<MT>(x, wp, y, n0, n1, K, N, tb);
+    else kqb5_tail<MT - 1>(M, x, wp, y, n0, n1, K, N, tb);
+  }
+}
+
 template <int MT>
 void kqb4_rows(const uint16_t* x, const float* xs, const uint8_t* wp, float* y, int64_t n0, int64_t n1, int64_t K,
                int64_t N, const KqbTabs& tb) {
@@ -2799,7 +2874,7 @@ at::Tensor kqb_xsums(const at::Tensor& xb) {
 
 // Every activation row against weight rows [n0, n1), kKqRowBlock weight rows at a time (tiles of up to
 // kKqbTile activation rows each pass over them while they are in cache). Q6_K: xf the widened rows (or
-// null: every row by vdpbf16ps); Q4_K: xf the rows' sub-block sums (kqb_xsums).
+// null: every row by vdpbf16ps); Q4_K: xf the rows' sub-block sums (kqb_xsums); Q5_0: none.
 void kqb_range(int64_t type, const uint16_t* x, const float* xf, const uint8_t* wp, float* y, int64_t M, int64_t K,
                int64_t N, int64_t n0, int64_t n1) {
   const KqbFlush flush;
@@ -2811,6 +2886,8 @@ void kqb_range(int64_t type, const uint16_t* x, const float* xf, const uint8_t* 
       const int64_t mt = std::min<int64_t>(kKqbTile, M - m0);
       if (type == kQ4_K)
         kqb4_tail<kKqbTile>(mt, x + m0 * K, xf + m0 * xfs, wp, y + m0 * N, r0, r1, K, N, tb);
+      else if (type == kQ5_0)
+        kqb5_tail<kKqbTile>(mt, x + m0 * K, wp, y + m0 * N, r0, r1, K, N, tb);
       else if (xf == nullptr)  // the rows by vdpbf16ps (one row, or kqb_dp_rows)
         kqb_tail<kKqbTile, true>(mt, x + m0 * K, nullptr, wp, y + m0 * N, r0, r1, K, N, tb);
       else
@@ -2819,13 +2896,13 @@ void kqb_range(int64_t type, const uint16_t* x, const float* xf, const uint8_t* 
   }
 }
 
-// kq_for_units with kqb_range (one group: kq_linear_impl's split): x [R, K] bfloat16 against Q6_K or Q4_K
-// blocks, groups [off[g], off[g + 1]) against wps[g].
+// kq_for_units with kqb_range (one group: kq_linear_impl's split): x [R, K] bfloat16 against Q6_K, Q4_K or
+// Q5_0 blocks, groups [off[g], off[g + 1]) against wps[g].
 void kqb_grouped(int64_t type, const at::Tensor& xb, const std::vector<const uint8_t*>& wps,
                  const std::vector<int64_t>& off, float* y, int64_t K, int64_t N) {
   const auto* x = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-  const at::Tensor xf = type == kQ4_K ? kqb_xsums(xb) : kqb_widened(xb);
-  const float* xfp = xf.numel() > 0 ? xf.data_ptr<float>() : nullptr;
+  const at::Tensor xf = type == kQ4_K ? kqb_xsums(xb) : type == kQ5_0 ? at::Tensor() : kqb_widened(xb);
+  const float* xfp = xf.defined() && xf.numel() > 0 ? xf.data_ptr<float>() : nullptr;
   const int64_t xfs = type == kQ4_K ? K / 32 : K;
   kq_for_units(off, K, N, [&](int64_t g, int64_t n0, int64_t n1) {
     kqb_range(type, x + off[g] * K, xfp == nullptr ? nullptr : xfp + off[g] * xfs, wps[g], y + off[g] * N,
@@ -2838,7 +2915,7 @@ void kqb_grouped(int64_t type, const at::Tensor& xb, const std::vector<const uin
 inline bool kqb_applies(const at::Tensor& x, int64_t type) {
 #if defined(HELIOS_KQB)
   return x.scalar_type() == at::kBFloat16 && g_kqb_on.load(std::memory_order_relaxed) &&
-         (type == kQ6_K || (type == kQ4_K && g_kqb_dp_rows.load(std::memory_order_relaxed)));
+         (type == kQ6_K || ((type == kQ4_K || type == kQ5_0) && g_kqb_dp_rows.load(std::memory_order_relaxed)));
 #else
   (void)x;
   (void)type;
