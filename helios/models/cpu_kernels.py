@@ -316,8 +316,8 @@ def set_kquant_bf16_dot(on: bool) -> bool:
 def kquant_bf16_dot_rows() -> bool:
     """Whether the pair dot path computes the pair sums of rows past the first with ``vdpbf16ps`` too
     (else with float32 FMAs: Q6_K's same bits) and takes Q4_K and Q5_0 as well (else they keep the float32
-    path).
-    On by default on AMD CPUs, which issue ``vdpbf16ps`` at an FMA's rate; off on Intel's, at half of it."""
+    path). On by default on AMD CPUs, which issue ``vdpbf16ps`` at an FMA's rate; off on Intel's, at half
+    of it."""
     return available() and bool(torch.ops.helios.kquant_bf16_dot_rows())
 
 
