@@ -3,10 +3,12 @@ tiles (`kquant_linear_tiles`, where the CPU has them) and dequantize-then-GEMM (
 a call and ps a weight, for bfloat16 activations of each row count.
 
     .venv/bin/python scripts/bench_kquant_tiles.py [--type 12] [--shape 17920 1536] [--rows 1 8 32 128]
-        [--threads 1] [--runs 5]
+        [--threads 1] [--runs 5] [--pair-ab]
 
 Weights are random valid blocks (`tests.unit.test_kquant.random_blocks`), large enough to come from
-memory; each figure is the minimum of ``--runs`` calls. Prints the CPU flags it ran on.
+memory; each figure is the minimum of ``--runs`` calls. Prints the CPU flags it ran on. ``--pair-ab``
+instead times the exact kernel with `cpu_kernels.kquant_bf16_dot_rows` off and on (the float32 path, or
+Q6_K's float32 lanes, against the pair dot products of every row; where the build has AVX512-BF16).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--pair-ab", action="store_true", help="the exact kernel with kquant_bf16_dot_rows off / on")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_kernels.available():
@@ -51,8 +54,23 @@ def main() -> None:
     blocks = torch.from_numpy(random_blocks(t, out, k, seed=1))
     print(f"CPU flags: {cpu_flags()}; threads {args.threads}; {cpu_kernels.KQUANT_NAMES[t]} {out} x {k}; "
           f"tiles {'yes' if tiles else 'no (not built or not permitted here)'}")
-    print(f"{'rows':>5} {'kernel ms':>10} {'ps/w':>7} {'tiles ms':>9} {'ps/w':>7} {'unpack ms':>10} {'ps/w':>7}")
     per = 1e9 / (out * k)
+    if args.pair_ab:
+        if not cpu_kernels.kquant_bf16_dot_supported():
+            sys.exit("the pair dot path is not built here (no AVX512-BF16)")
+        default = cpu_kernels.kquant_bf16_dot_rows()
+        print(f"{'rows':>5} {'float32 ps/w':>13} {'pair ps/w':>10}  (kquant_bf16_dot_rows off / on; default {default})")
+        for m in args.rows:
+            x = torch.randn(m, k).to(torch.bfloat16)
+            ps = {}
+            for on in (False, True, False, True):  # alternating, the best of each
+                cpu_kernels.set_kquant_bf16_dot_rows(on)
+                ms = best(lambda x=x: cpu_kernels.kquant_linear(x, blocks, t, out), args.runs)
+                ps[on] = min(ps.get(on, float("inf")), ms * per)
+            print(f"{m:>5} {ps[False]:>13.1f} {ps[True]:>10.1f}")
+        cpu_kernels.set_kquant_bf16_dot_rows(default)
+        return
+    print(f"{'rows':>5} {'kernel ms':>10} {'ps/w':>7} {'tiles ms':>9} {'ps/w':>7} {'unpack ms':>10} {'ps/w':>7}")
     for m in args.rows:
         x = torch.randn(m, k).to(torch.bfloat16)
         kern = best(lambda x=x: cpu_kernels.kquant_linear(x, blocks, t, out), args.runs)

@@ -78,9 +78,9 @@ row's bits are the same alone, in any batch and on any number of threads. Error:
 (K / 32 + 10) * 2**-24 times the sum of |x * w| over k (the tests' bound). ``float_out`` returns the
 float32 sums (logits).
 
-Q4_K with bfloat16 activations where rows take ``vdpbf16ps`` (`kquant_bf16_dot_rows`: AMD CPUs by
-default): sub-block c's weights are a_c q + b_c (q = 0..15; a_c = d sc_c, b_c = -dmin m_c, exact), its
-codes multiplied with x in pairs as Q6_K's: lane i takes A_i = fma(S[c, i], a_c, A_i) over the block's
+Q4_K and Q5_K with bfloat16 activations where rows take ``vdpbf16ps`` (`kquant_bf16_dot_rows`: AMD CPUs
+by default): sub-block c's weights are a_c q + b_c (q = 0..15, Q5_K's 0..31; a_c = d sc_c, b_c = -dmin
+m_c, exact), its codes multiplied with x in pairs as Q6_K's: lane i takes A_i = fma(S[c, i], a_c, A_i) over the block's
 eight sub-blocks in order, then lanes 0-7 A_i = fma(b_i, X_i, A_i) with the block's mins and its
 sub-blocks' sums of x, X_c = the 32 bfloat16 values summed in float32 (the even positions' lanes plus
 the odd ones', then a fixed reduction), then the tree. The same bits for a row alone, in any batch and on
@@ -88,9 +88,9 @@ any number of threads. Error: at most (K / 32 + K / 256 + 10) * 2**-24 times the
 (|a q| + |b|) |x| (a q x and b x are summed apart, so the bound is in their magnitudes). Q5_0 there
 too: each block's codes q - 16 (exact in bfloat16) in pairs with x, lane i A_i = fma(S[b, i], d_b, A_i)
 over the blocks b in order, then the tree (Q6_K's contract with one scale a block; its bound).
-Elsewhere (Intel, where the Q4_K form gained at one row and lost 10-20% at 2-7) Q4_K and Q5_0 keep the
-float32 path, as do the other types; builds without AVX512-BF16 keep it for Q6_K too (their bfloat16
-results differ in the last float32 bits from this build's).
+Elsewhere (Intel, where the Q4_K form gained at one row and lost 10-20% at 2-7) Q4_K, Q5_K and Q5_0
+keep the float32 path, as do the other types; builds without AVX512-BF16 keep it for Q6_K too (their
+bfloat16 results differ in the last float32 bits from this build's).
 
 Tiles path (``kquant_linear_tiles``, bfloat16 activations only; `kquant.KQuantLinear` uses it for steps
 of `kquant.TILE_ROWS` rows where `kquant_tiles_supported`): the weights are rounded to bfloat16 first
@@ -218,7 +218,8 @@ def kquant_linear(x: Tensor, blocks: Tensor, ggml_type: int, out_features: int, 
     blocks of ``ggml_type`` (contiguous uint8, ``out_features * K / per * bytes`` of them, any shape):
     [M, out_features] in ``x``'s dtype (float32 with ``float_out``). Each weight is decoded in registers
     to its exact float32 value (`kquant_dequantize`'s), bfloat16 ``x`` is widened exactly (Q6_K on an
-    AVX512-BF16 build: multiplied in pairs with its codes), and the products are summed in float32 in a
+    AVX512-BF16 build, and Q4_K, Q5_K and Q5_0 where `kquant_bf16_dot_rows`: multiplied in pairs with
+    the codes), and the products are summed in float32 in a
     fixed order (the module docstring's numerics contract); bfloat16 results are the float32 sums
     rounded to nearest even."""
     out: Tensor = torch.ops.helios.kquant_linear(x, blocks, ggml_type, out_features, float_out)
@@ -315,9 +316,9 @@ def set_kquant_bf16_dot(on: bool) -> bool:
 
 def kquant_bf16_dot_rows() -> bool:
     """Whether the pair dot path computes the pair sums of rows past the first with ``vdpbf16ps`` too
-    (else with float32 FMAs: Q6_K's same bits) and takes Q4_K and Q5_0 as well (else they keep the float32
-    path). On by default on AMD CPUs, which issue ``vdpbf16ps`` at an FMA's rate; off on Intel's, at half
-    of it."""
+    (else with float32 FMAs: Q6_K's same bits) and takes Q4_K, Q5_K and Q5_0 as well (else they keep the
+    float32 path). On by default on AMD CPUs, which issue ``vdpbf16ps`` at an FMA's rate; off on Intel's,
+    at half of it."""
     return available() and bool(torch.ops.helios.kquant_bf16_dot_rows())
 
 

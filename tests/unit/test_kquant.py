@@ -163,10 +163,10 @@ def test_kquant_linear_bfloat16_activations(ggml_type: int, m: int) -> None:
 
 
 def pair_dot(ggml_type: int) -> bool:
-    """Whether bfloat16 x against this type takes the pair dot path here (Q6_K; Q4_K and Q5_0 too where rows
-    take ``vdpbf16ps``, `cpu_kernels.kquant_bf16_dot_rows`)."""
+    """Whether bfloat16 x against this type takes the pair dot path here (Q6_K; Q4_K, Q5_K and Q5_0 too where
+    rows take ``vdpbf16ps``, `cpu_kernels.kquant_bf16_dot_rows`)."""
     return cpu_kernels.kquant_bf16_dot_supported() and (
-        ggml_type == 14 or (ggml_type in (6, 12) and cpu_kernels.kquant_bf16_dot_rows()))
+        ggml_type == 14 or (ggml_type in (6, 12, 13) and cpu_kernels.kquant_bf16_dot_rows()))
 
 
 def pair_dot_bound(x: torch.Tensor, blocks: np.ndarray, ggml_type: int) -> torch.Tensor:
@@ -174,18 +174,20 @@ def pair_dot_bound(x: torch.Tensor, blocks: np.ndarray, ggml_type: int) -> torch
     k of (|a q| + |b|) |x| per output: the 16 lanes' chains of K / 32 FMAs (Q4_K: and the K / 256 of its
     mins, whose products b X_c are summed apart from a q, so the bound is in their magnitudes, not in
     |w| = |a q + b|), the pair sum's rounding, a sub-block sum X_c's five and the tree's."""
-    if ggml_type == 12:  # a q alone (dmin zeroed) and b alone (d zeroed)
-        scaled, mins = blocks.reshape(blocks.shape[0], -1, 144).copy(), blocks.reshape(blocks.shape[0], -1, 144).copy()
+    if ggml_type in (12, 13):  # Q4_K, Q5_K: a q alone (dmin zeroed) and b alone (d zeroed)
+        nbytes = cpu_kernels.KQUANT_LAYOUTS[ggml_type][1]
+        scaled = blocks.reshape(blocks.shape[0], -1, nbytes).copy()
+        mins = scaled.copy()
         scaled[..., 2:4], mins[..., 0:2] = 0, 0
-        mag = (torch.from_numpy(gguf_dequantize(scaled.reshape(blocks.shape), 12)).double().abs()
-               + torch.from_numpy(gguf_dequantize(mins.reshape(blocks.shape), 12)).double().abs())
+        mag = (torch.from_numpy(gguf_dequantize(scaled.reshape(blocks.shape), ggml_type)).double().abs()
+               + torch.from_numpy(gguf_dequantize(mins.reshape(blocks.shape), ggml_type)).double().abs())
     else:
         mag = torch.from_numpy(gguf_dequantize(blocks, ggml_type)).double().abs()
     k = x.shape[1]
     return (k / 32 + k / 256 + 10) * U * (x.double().abs() @ mag.t())
 
 
-PAIR_DOT_TYPES = (6, 12, 14)  # Q5_0, Q4_K (where rows take vdpbf16ps), Q6_K; the others keep the float32 path
+PAIR_DOT_TYPES = (6, 12, 13, 14)  # Q5_0, Q4_K, Q5_K (where rows take vdpbf16ps), Q6_K; the others keep float32
 
 
 @pytest.mark.skipif(not cpu_kernels.kquant_bf16_dot_supported(), reason="built without AVX512-BF16")
@@ -195,8 +197,8 @@ def test_the_pair_dot_path_is_within_its_bound_and_the_same_bits_at_any_rows(ggm
                                                                             full_range: bool) -> None:
     """bfloat16 x by pair dot products (every row by vdpbf16ps, `kquant_bf16_dot_rows` forced on): float32
     sums within `pair_dot_bound` of float64, each row the same bits alone, in any batch of 1-11 rows, on
-    one thread and in a grouped call. Rows past the first on float32 lanes: Q6_K's same bits, Q4_K's and
-    Q5_0's the float32 path's; the pair dot path turned off, the float32 path's bits."""
+    one thread and in a grouped call. Rows past the first on float32 lanes: Q6_K's same bits, the other
+    types' the float32 path's; the pair dot path turned off, the float32 path's bits."""
     out, k = 67, 2304  # nine Q4_K / Q6_K blocks a row
     blocks = random_blocks(ggml_type, out, k, seed=ggml_type, full_range=full_range)
     bt = torch.from_numpy(blocks)
@@ -204,7 +206,7 @@ def test_the_pair_dot_path_is_within_its_bound_and_the_same_bits_at_any_rows(ggm
     x = torch.randn(12, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     rows, threads = cpu_kernels.kquant_bf16_dot_rows(), torch.get_num_threads()
     try:
-        cpu_kernels.set_kquant_bf16_dot_rows(True)  # Q4_K and Q5_0 take the pair dot path only so (Q6_K either way)
+        cpu_kernels.set_kquant_bf16_dot_rows(True)  # Q4_K, Q5_K, Q5_0 take the pair dot path only so (Q6_K always)
         batch = cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True)
         assert ((batch.double() - x.double() @ w.t()).abs() <= pair_dot_bound(x, blocks, ggml_type)).all()
         assert not torch.equal(batch, cpu_kernels.kquant_linear(x.float(), bt, ggml_type, out))  # not the float32 path
@@ -217,7 +219,7 @@ def test_the_pair_dot_path_is_within_its_bound_and_the_same_bits_at_any_rows(ggm
         assert torch.equal(grouped, batch.to(torch.bfloat16))
         torch.set_num_threads(1)
         assert torch.equal(cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True), batch)
-        # rows past the first on float32 lanes: Q6_K the same bits; Q4_K and Q5_0 leave the pair dot path
+        # rows past the first on float32 lanes: Q6_K the same bits; the others leave the pair dot path
         cpu_kernels.set_kquant_bf16_dot_rows(False)
         lanes = cpu_kernels.kquant_linear(x, bt, ggml_type, out, float_out=True)
         float_path = cpu_kernels.kquant_linear(x.float(), bt, ggml_type, out)

@@ -2693,21 +2693,25 @@ void kqb_tail(int64_t M, const uint16_t* x, const float* xf, const uint8_t* wp, 
   }
 }
 
-// Q4_K by pair dot products (where kqb_dp_rows: every row by vdpbf16ps). Sub-block c's weights are
-// a_c q + b_c (q = 0..15, a_c = d sc_c and b_c = -dmin m_c exact), so y = sum_c a_c (q_c . x_c) + b_c X_c
+// Q4_K and Q5_K by pair dot products (where kqb_dp_rows: every row by vdpbf16ps). Sub-block c's weights are
+// a_c q + b_c (q = 0..15, Q5_K's 0..31 with its fifth bit; a_c = d sc_c and b_c = -dmin m_c exact), so
+// y = sum_c a_c (q_c . x_c) + b_c X_c
 // with X_c the sub-block's sum of x (kqb_xsums): lane i of the accumulator takes A_i = fma(S_c,i, a_c, A_i)
 // over the block's sub-blocks in order (S_c,i = fl(x_2i+1 q_2i+1 + x_2i q_2i), both products exact), then
 // lanes 0-7 A_i = fma(b_i, X_i, A_i) with the block's eight mins and sums; then kq_tree16. The codes are
 // looked up as bfloat16 words (q is exact in bfloat16), both nibbles of the sub-block pair's 32 bytes at
 // once: the decode of 64 weights is five operations against the float32 path's ten, and a row costs two
 // operations a sub-block (vdpbf16ps and the scale's FMA) as it does there.
-template <int MT, int NT>
+template <int T, int MT, int NT>
 void kqb4_out(const uint16_t* __restrict__ x, const float* __restrict__ xs, const uint8_t* __restrict__ w,
               float* __restrict__ y, int64_t n, int64_t K, int64_t N, const KqbTabs& tb) {
-  constexpr int64_t per = KqTraits<kQ4_K>::per, bytes = KqTraits<kQ4_K>::bytes;
+  static_assert(T == kQ4_K || T == kQ5_K, "Q4_K or Q5_K");
+  constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
+  constexpr int64_t qs = T == kQ4_K ? 16 : 48;  // the codes' low four bits; Q5_K's fifth bits at 16
   const int64_t nb = K / per, rb = nb * bytes, ns = K / 32;
   const __m512i thi = _mm512_load_si512(tb.hi);
   const __m512i lo4 = _mm512_set1_epi16(0x000F);
+  const __m512i b4 = _mm512_set1_epi16(16);
   __m512 acc[NT][MT];
   _Pragma("GCC unroll 8")
   for (int j = 0; j < NT; ++j)
@@ -2716,17 +2720,28 @@ void kqb4_out(const uint16_t* __restrict__ x, const float* __restrict__ xs, cons
   KqHeader h[NT];
   const int64_t ahead = MT <= HELIOS_KQB_PF_ROWS ? kqb_ahead(rb) : kKqAhead;
   for (int64_t b = 0; b < nb; ++b) {
-    kq_headers_ahead<kQ4_K>(w, rb, b, ahead, h);
+    kq_headers_ahead<T>(w, rb, b, ahead, h);
     asm volatile("" : : "r"(h) : "memory");  // the scales stay in memory (kqb_out's note)
+    __m512i high[NT];  // Q5_K: the 32 bytes of fifth bits as words (bit c: sub-block c's)
+    if constexpr (T == kQ5_K) {
+      _Pragma("GCC unroll 8")
+      for (int j = 0; j < NT; ++j)
+        high[j] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * rb + b * bytes + 16)));
+    }
     _Pragma("GCC unroll 4")
     for (int g = 0; g < 4; ++g) {
       __m512i codes[NT][2];
       _Pragma("GCC unroll 8")
       for (int j = 0; j < NT; ++j) {
         const __m512i z = _mm512_cvtepu8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * rb + b * bytes + 16 + 32 * g)));
-        codes[j][0] = _mm512_permutexvar_epi16(_mm512_and_si512(z, lo4), thi);  // sub-block 2 g: low nibbles
-        codes[j][1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(z, 4), thi);   // 2 g + 1: high nibbles
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * rb + b * bytes + qs + 32 * g)));
+        __m512i q0 = _mm512_and_si512(z, lo4), q1 = _mm512_srli_epi16(z, 4);  // sub-blocks 2 g, 2 g + 1
+        if constexpr (T == kQ5_K) {  // + 16 where the fifth bit is set
+          q0 = _mm512_mask_add_epi16(q0, _mm512_test_epi16_mask(high[j], _mm512_set1_epi16(1 << (2 * g))), q0, b4);
+          q1 = _mm512_mask_add_epi16(q1, _mm512_test_epi16_mask(high[j], _mm512_set1_epi16(2 << (2 * g))), q1, b4);
+        }
+        codes[j][0] = _mm512_permutexvar_epi16(q0, thi);
+        codes[j][1] = _mm512_permutexvar_epi16(q1, thi);
       }
       _Pragma("GCC unroll 2")
       for (int s = 0; s < 2; ++s) {
@@ -2835,24 +2850,24 @@ void kqb5_tail(int64_t M, const uint16_t* x, const uint8_t* wp, float* y, int64_
   }
 }
 
-template <int MT>
+template <int T, int MT>
 void kqb4_rows(const uint16_t* x, const float* xs, const uint8_t* wp, float* y, int64_t n0, int64_t n1, int64_t K,
                int64_t N, const KqbTabs& tb) {
   constexpr int NT = MT <= HELIOS_KQB_DP_COLS_ROWS ? kKqbCols : 1;
-  const int64_t rb = K / KqTraits<kQ4_K>::per * KqTraits<kQ4_K>::bytes;
+  const int64_t rb = K / KqTraits<T>::per * KqTraits<T>::bytes;
   int64_t n = n0;
-  for (; n + NT <= n1; n += NT) kqb4_out<MT, NT>(x, xs, wp + n * rb, y, n, K, N, tb);
+  for (; n + NT <= n1; n += NT) kqb4_out<T, MT, NT>(x, xs, wp + n * rb, y, n, K, N, tb);
   if constexpr (NT > 1) {
-    for (; n < n1; ++n) kqb4_out<MT, 1>(x, xs, wp + n * rb, y, n, K, N, tb);
+    for (; n < n1; ++n) kqb4_out<T, MT, 1>(x, xs, wp + n * rb, y, n, K, N, tb);
   }
 }
 
-template <int MT>
+template <int T, int MT>
 void kqb4_tail(int64_t M, const uint16_t* x, const float* xs, const uint8_t* wp, float* y, int64_t n0, int64_t n1,
                int64_t K, int64_t N, const KqbTabs& tb) {
   if constexpr (MT > 0) {
-    if (M == MT) kqb4_rows<MT>(x, xs, wp, y, n0, n1, K, N, tb);
-    else kqb4_tail<MT - 1>(M, x, xs, wp, y, n0, n1, K, N, tb);
+    if (M == MT) kqb4_rows<T, MT>(x, xs, wp, y, n0, n1, K, N, tb);
+    else kqb4_tail<T, MT - 1>(M, x, xs, wp, y, n0, n1, K, N, tb);
   }
 }
 
@@ -2874,18 +2889,20 @@ at::Tensor kqb_xsums(const at::Tensor& xb) {
 
 // Every activation row against weight rows [n0, n1), kKqRowBlock weight rows at a time (tiles of up to
 // kKqbTile activation rows each pass over them while they are in cache). Q6_K: xf the widened rows (or
-// null: every row by vdpbf16ps); Q4_K: xf the rows' sub-block sums (kqb_xsums); Q5_0: none.
+// null: every row by vdpbf16ps); Q4_K, Q5_K: xf the rows' sub-block sums (kqb_xsums); Q5_0: none.
 void kqb_range(int64_t type, const uint16_t* x, const float* xf, const uint8_t* wp, float* y, int64_t M, int64_t K,
                int64_t N, int64_t n0, int64_t n1) {
   const KqbFlush flush;
   const KqbTabs& tb = kqb_tabs();
-  const int64_t xfs = type == kQ4_K ? K / 32 : K;  // xf's row stride
+  const int64_t xfs = type == kQ4_K || type == kQ5_K ? K / 32 : K;  // xf's row stride
   for (int64_t r0 = n0; r0 < n1; r0 += kKqRowBlock) {
     const int64_t r1 = std::min(n1, r0 + kKqRowBlock);
     for (int64_t m0 = 0; m0 < M; m0 += kKqbTile) {
       const int64_t mt = std::min<int64_t>(kKqbTile, M - m0);
       if (type == kQ4_K)
-        kqb4_tail<kKqbTile>(mt, x + m0 * K, xf + m0 * xfs, wp, y + m0 * N, r0, r1, K, N, tb);
+        kqb4_tail<kQ4_K, kKqbTile>(mt, x + m0 * K, xf + m0 * xfs, wp, y + m0 * N, r0, r1, K, N, tb);
+      else if (type == kQ5_K)
+        kqb4_tail<kQ5_K, kKqbTile>(mt, x + m0 * K, xf + m0 * xfs, wp, y + m0 * N, r0, r1, K, N, tb);
       else if (type == kQ5_0)
         kqb5_tail<kKqbTile>(mt, x + m0 * K, wp, y + m0 * N, r0, r1, K, N, tb);
       else if (xf == nullptr)  // the rows by vdpbf16ps (one row, or kqb_dp_rows)
@@ -2896,14 +2913,15 @@ void kqb_range(int64_t type, const uint16_t* x, const float* xf, const uint8_t* 
   }
 }
 
-// kq_for_units with kqb_range (one group: kq_linear_impl's split): x [R, K] bfloat16 against Q6_K, Q4_K or
-// Q5_0 blocks, groups [off[g], off[g + 1]) against wps[g].
+// kq_for_units with kqb_range (one group: kq_linear_impl's split): x [R, K] bfloat16 against Q6_K, Q4_K,
+// Q5_K or Q5_0 blocks, groups [off[g], off[g + 1]) against wps[g].
 void kqb_grouped(int64_t type, const at::Tensor& xb, const std::vector<const uint8_t*>& wps,
                  const std::vector<int64_t>& off, float* y, int64_t K, int64_t N) {
   const auto* x = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-  const at::Tensor xf = type == kQ4_K ? kqb_xsums(xb) : type == kQ5_0 ? at::Tensor() : kqb_widened(xb);
+  const bool affine = type == kQ4_K || type == kQ5_K;
+  const at::Tensor xf = affine ? kqb_xsums(xb) : type == kQ5_0 ? at::Tensor() : kqb_widened(xb);
   const float* xfp = xf.defined() && xf.numel() > 0 ? xf.data_ptr<float>() : nullptr;
-  const int64_t xfs = type == kQ4_K ? K / 32 : K;
+  const int64_t xfs = affine ? K / 32 : K;
   kq_for_units(off, K, N, [&](int64_t g, int64_t n0, int64_t n1) {
     kqb_range(type, x + off[g] * K, xfp == nullptr ? nullptr : xfp + off[g] * xfs, wps[g], y + off[g] * N,
               off[g + 1] - off[g], K, N, n0, n1);
@@ -2915,7 +2933,8 @@ void kqb_grouped(int64_t type, const at::Tensor& xb, const std::vector<const uin
 inline bool kqb_applies(const at::Tensor& x, int64_t type) {
 #if defined(HELIOS_KQB)
   return x.scalar_type() == at::kBFloat16 && g_kqb_on.load(std::memory_order_relaxed) &&
-         (type == kQ6_K || ((type == kQ4_K || type == kQ5_0) && g_kqb_dp_rows.load(std::memory_order_relaxed)));
+         (type == kQ6_K ||
+          ((type == kQ4_K || type == kQ5_K || type == kQ5_0) && g_kqb_dp_rows.load(std::memory_order_relaxed)));
 #else
   (void)x;
   (void)type;
