@@ -2595,6 +2595,37 @@ inline int64_t kqb_ahead(int64_t rb) {
   return std::min<int64_t>(32, std::max<int64_t>(4, HELIOS_KQB_PF_BYTES / rb));
 }
 
+// acc[j][i] += sc[j] * (the pair sums of codes[j] and x's row i: 32 columns, rows K apart), by vdpbf16ps.
+template <int NT, int MT>
+__attribute__((always_inline)) inline void kqb_dot(__m512 (&acc)[NT][MT], const __m512i (&codes)[NT],
+                                                   const __m512 (&sc)[NT], const uint16_t* x, int64_t K) {
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < MT; ++i) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K);
+    _Pragma("GCC unroll 8")
+    for (int j = 0; j < NT; ++j)
+      acc[j][i] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)codes[j], xv), sc[j], acc[j][i]);
+  }
+}
+
+// A tile's MT x NT accumulators set to zero, and summed into y[i * N + n + j] (kq_tree16).
+template <int NT, int MT>
+__attribute__((always_inline)) inline void kqb_zero(__m512 (&acc)[NT][MT]) {
+  _Pragma("GCC unroll 8")
+  for (int j = 0; j < NT; ++j)
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < MT; ++i) acc[j][i] = _mm512_setzero_ps();
+}
+
+template <int NT, int MT>
+__attribute__((always_inline)) inline void kqb_store(__m512 (&acc)[NT][MT], float* __restrict__ y, int64_t n,
+                                                     int64_t N) {
+  _Pragma("GCC unroll 8")
+  for (int j = 0; j < NT; ++j)
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < MT; ++i) y[i * N + n + j] = kq_tree16(acc[j][i]);
+}
+
 // Outputs y[i * N + n + j] for activation rows i < MT (x and xf row stride K) and weight rows n + j, j < NT
 // (w at weight row n).
 template <int MT, int NT, bool DP>
@@ -2604,10 +2635,7 @@ void kqb_out(const uint16_t* __restrict__ x, const float* __restrict__ xf, const
   const int64_t nb = K / per, rb = nb * bytes;
   const __m512i tlo = _mm512_load_si512(tb.lo), thi = _mm512_load_si512(tb.hi);
   __m512 acc[NT][MT];
-  _Pragma("GCC unroll 8")
-  for (int j = 0; j < NT; ++j)
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < MT; ++i) acc[j][i] = _mm512_setzero_ps();
+  kqb_zero(acc);
   KqHeader h[NT];
   const int64_t ahead = MT <= HELIOS_KQB_PF_ROWS ? kqb_ahead(rb) : kKqAhead;
   for (int64_t b = 0; b < nb; ++b) {
@@ -2631,15 +2659,10 @@ void kqb_out(const uint16_t* __restrict__ x, const float* __restrict__ xf, const
         _Pragma("GCC unroll 8")
         for (int j = 0; j < NT; ++j) sc[j] = _mm512_permutexvar_ps(pick, _mm512_load_ps(h[j].a));
         if constexpr (MT == 1 || DP) {
+          __m512i cs[NT];
           _Pragma("GCC unroll 8")
-          for (int i = 0; i < MT; ++i) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + b * per + 32 * c);
-            _Pragma("GCC unroll 8")
-            for (int j = 0; j < NT; ++j) {
-              const __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)codes[j][s], xv);
-              acc[j][i] = _mm512_fmadd_ps(d, sc[j], acc[j][i]);
-            }
-          }
+          for (int j = 0; j < NT; ++j) cs[j] = codes[j][s];
+          kqb_dot(acc, cs, sc, x + b * per + 32 * c, K);
         } else {
           __m512 qe[NT], qo[NT];
           _Pragma("GCC unroll 8")
@@ -2661,38 +2684,12 @@ void kqb_out(const uint16_t* __restrict__ x, const float* __restrict__ xf, const
       }
     }
   }
-  _Pragma("GCC unroll 8")
-  for (int j = 0; j < NT; ++j)
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < MT; ++i) y[i * N + n + j] = kq_tree16(acc[j][i]);
+  kqb_store(acc, y, n, N);
 }
 
 #ifndef HELIOS_KQB_DP_COLS_ROWS
 #define HELIOS_KQB_DP_COLS_ROWS 8
 #endif
-// Rows [0, MT) against weight rows [n0, n1). With vdpbf16ps rows (DP) a row needs no registers for
-// widened x, so two weight rows stay in flight up to HELIOS_KQB_DP_COLS_ROWS rows.
-template <int MT, bool DP>
-void kqb_rows(const uint16_t* x, const float* xf, const uint8_t* wp, float* y, int64_t n0, int64_t n1, int64_t K,
-              int64_t N, const KqbTabs& tb) {
-  constexpr int NT = MT <= (DP ? HELIOS_KQB_DP_COLS_ROWS : 5) ? kKqbCols : 1;
-  const int64_t rb = K / KqTraits<kQ6_K>::per * KqTraits<kQ6_K>::bytes;
-  int64_t n = n0;
-  for (; n + NT <= n1; n += NT) kqb_out<MT, NT, DP>(x, xf, wp + n * rb, y, n, K, N, tb);
-  if constexpr (NT > 1) {
-    for (; n < n1; ++n) kqb_out<MT, 1, DP>(x, xf, wp + n * rb, y, n, K, N, tb);
-  }
-}
-
-template <int MT, bool DP>
-void kqb_tail(int64_t M, const uint16_t* x, const float* xf, const uint8_t* wp, float* y, int64_t n0, int64_t n1,
-              int64_t K, int64_t N, const KqbTabs& tb) {
-  if constexpr (MT > 0) {
-    if (M == MT) kqb_rows<MT, DP>(x, xf, wp, y, n0, n1, K, N, tb);
-    else kqb_tail<MT - 1, DP>(M, x, xf, wp, y, n0, n1, K, N, tb);
-  }
-}
-
 // Q4_K and Q5_K by pair dot products (where kqb_dp_rows: every row by vdpbf16ps). Sub-block c's weights are
 // a_c q + b_c (q = 0..15, Q5_K's 0..31 with its fifth bit; a_c = d sc_c and b_c = -dmin m_c exact), so
 // y = sum_c a_c (q_c . x_c) + b_c X_c
@@ -2713,10 +2710,7 @@ void kqb4_out(const uint16_t* __restrict__ x, const float* __restrict__ xs, cons
   const __m512i lo4 = _mm512_set1_epi16(0x000F);
   const __m512i b4 = _mm512_set1_epi16(16);
   __m512 acc[NT][MT];
-  _Pragma("GCC unroll 8")
-  for (int j = 0; j < NT; ++j)
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < MT; ++i) acc[j][i] = _mm512_setzero_ps();
+  kqb_zero(acc);
   KqHeader h[NT];
   const int64_t ahead = MT <= HELIOS_KQB_PF_ROWS ? kqb_ahead(rb) : kKqAhead;
   for (int64_t b = 0; b < nb; ++b) {
@@ -2747,17 +2741,13 @@ void kqb4_out(const uint16_t* __restrict__ x, const float* __restrict__ xs, cons
       for (int s = 0; s < 2; ++s) {
         const int c = 2 * g + s;
         __m512 sc[NT];
+        __m512i cs[NT];
         _Pragma("GCC unroll 8")
-        for (int j = 0; j < NT; ++j) sc[j] = _mm512_set1_ps(h[j].a[c]);
-        _Pragma("GCC unroll 8")
-        for (int i = 0; i < MT; ++i) {
-          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + b * per + 32 * c);
-          _Pragma("GCC unroll 8")
-          for (int j = 0; j < NT; ++j) {
-            const __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)codes[j][s], xv);
-            acc[j][i] = _mm512_fmadd_ps(d, sc[j], acc[j][i]);
-          }
+        for (int j = 0; j < NT; ++j) {
+          sc[j] = _mm512_set1_ps(h[j].a[c]);
+          cs[j] = codes[j][s];
         }
+        kqb_dot(acc, cs, sc, x + b * per + 32 * c, K);
       }
     }
     __m512 mv[NT];
@@ -2770,10 +2760,7 @@ void kqb4_out(const uint16_t* __restrict__ x, const float* __restrict__ xs, cons
       for (int j = 0; j < NT; ++j) acc[j][i] = _mm512_mask3_fmadd_ps(mv[j], xv, acc[j][i], 0x00FF);
     }
   }
-  _Pragma("GCC unroll 8")
-  for (int j = 0; j < NT; ++j)
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < MT; ++i) y[i * N + n + j] = kq_tree16(acc[j][i]);
+  kqb_store(acc, y, n, N);
 }
 
 // Q5_0 by pair dot products (where kqb_dp_rows): the block's 32 codes q - 16 (5 bits: the nibbles of its
@@ -2790,10 +2777,7 @@ void kqb5_out(const uint16_t* __restrict__ x, const uint8_t* __restrict__ w, flo
   const __m256i lo4 = _mm256_set1_epi16(0x000F);
   const __m512i b4 = _mm512_set1_epi16(16);
   __m512 acc[NT][MT];
-  _Pragma("GCC unroll 8")
-  for (int j = 0; j < NT; ++j)
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < MT; ++i) acc[j][i] = _mm512_setzero_ps();
+  kqb_zero(acc);
   const int64_t ahead = MT <= HELIOS_KQB_PF_ROWS ? kqb_ahead(rb) : kKqAhead;
   for (int64_t b = 0; b < nb; ++b) {
     __m512i codes[NT];
@@ -2813,61 +2797,62 @@ void kqb5_out(const uint16_t* __restrict__ x, const uint8_t* __restrict__ w, flo
       codes[j] = _mm512_permutexvar_epi16(q, tmid);
       sc[j] = _mm512_set1_ps(half_to_float(blk));
     }
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < MT; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + 32 * b);
-      _Pragma("GCC unroll 8")
-      for (int j = 0; j < NT; ++j) {
-        const __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)codes[j], xv);
-        acc[j][i] = _mm512_fmadd_ps(d, sc[j], acc[j][i]);
-      }
-    }
+    kqb_dot(acc, codes, sc, x + 32 * b, K);
   }
-  _Pragma("GCC unroll 8")
-  for (int j = 0; j < NT; ++j)
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < MT; ++i) y[i * N + n + j] = kq_tree16(acc[j][i]);
+  kqb_store(acc, y, n, N);
 }
 
-template <int MT>
-void kqb5_rows(const uint16_t* x, const uint8_t* wp, float* y, int64_t n0, int64_t n1, int64_t K, int64_t N,
-               const KqbTabs& tb) {
-  constexpr int NT = MT <= HELIOS_KQB_DP_COLS_ROWS ? kKqbCols : 1;
-  const int64_t rb = K / 32 * KqTraits<kQ5_0>::bytes;
+// The pair dot kernels as one form for kqb_rows: Kern::out<MT, NT>(x, xf, w, y, n, K, N, tb) for a tile of
+// MT activation rows and NT weight rows (xf: Q6_K's widened rows or null, the K-quants' sub-block sums),
+// two weight rows in flight up to Kern::wide activation rows: with vdpbf16ps rows (DP) a row needs no
+// registers for widened x.
+template <bool DP>
+struct KqbQ6 {
+  static constexpr int T = kQ6_K, wide = DP ? HELIOS_KQB_DP_COLS_ROWS : 5;
+  template <int MT, int NT>
+  static void out(const uint16_t* x, const float* xf, const uint8_t* w, float* y, int64_t n, int64_t K, int64_t N,
+                  const KqbTabs& tb) {
+    kqb_out<MT, NT, DP>(x, xf, w, y, n, K, N, tb);
+  }
+};
+template <int Q>
+struct KqbK {  // Q4_K, Q5_K
+  static constexpr int T = Q, wide = HELIOS_KQB_DP_COLS_ROWS;
+  template <int MT, int NT>
+  static void out(const uint16_t* x, const float* xf, const uint8_t* w, float* y, int64_t n, int64_t K, int64_t N,
+                  const KqbTabs& tb) {
+    kqb4_out<Q, MT, NT>(x, xf, w, y, n, K, N, tb);
+  }
+};
+struct KqbQ5 {  // Q5_0
+  static constexpr int T = kQ5_0, wide = HELIOS_KQB_DP_COLS_ROWS;
+  template <int MT, int NT>
+  static void out(const uint16_t* x, const float*, const uint8_t* w, float* y, int64_t n, int64_t K, int64_t N,
+                  const KqbTabs& tb) {
+    kqb5_out<MT, NT>(x, w, y, n, K, N, tb);
+  }
+};
+
+// Rows [0, MT) against weight rows [n0, n1).
+template <class Kern, int MT>
+void kqb_rows(const uint16_t* x, const float* xf, const uint8_t* wp, float* y, int64_t n0, int64_t n1, int64_t K,
+              int64_t N, const KqbTabs& tb) {
+  constexpr int NT = MT <= Kern::wide ? kKqbCols : 1;
+  const int64_t rb = K / KqTraits<Kern::T>::per * KqTraits<Kern::T>::bytes;
   int64_t n = n0;
-  for (; n + NT <= n1; n += NT) kqb5_out<MT, NT>(x, wp + n * rb, y, n, K, N, tb);
+  for (; n + NT <= n1; n += NT) Kern::template out<MT, NT>(x, xf, wp + n * rb, y, n, K, N, tb);
   if constexpr (NT > 1) {
-    for (; n < n1; ++n) kqb5_out<MT, 1>(x, wp + n * rb, y, n, K, N, tb);
+    for (; n < n1; ++n) Kern::template out<MT, 1>(x, xf, wp + n * rb, y, n, K, N, tb);
   }
 }
 
-template <int MT>
-void kqb5_tail(int64_t M, const uint16_t* x, const uint8_t* wp, float* y, int64_t n0, int64_t n1, int64_t K,
-               int64_t N, const KqbTabs& tb) {
+// The last M <= MT activation rows: one tile of exactly M rows.
+template <class Kern, int MT>
+void kqb_tail(int64_t M, const uint16_t* x, const float* xf, const uint8_t* wp, float* y, int64_t n0, int64_t n1,
+              int64_t K, int64_t N, const KqbTabs& tb) {
   if constexpr (MT > 0) {
-    if (M == MT) kqb5_rows<MT>(x, wp, y, n0, n1, K, N, tb);
-    else kqb5_tail<MT - 1>(M, x, wp, y, n0, n1, K, N, tb);
-  }
-}
-
-template <int T, int MT>
-void kqb4_rows(const uint16_t* x, const float* xs, const uint8_t* wp, float* y, int64_t n0, int64_t n1, int64_t K,
-               int64_t N, const KqbTabs& tb) {
-  constexpr int NT = MT <= HELIOS_KQB_DP_COLS_ROWS ? kKqbCols : 1;
-  const int64_t rb = K / KqTraits<T>::per * KqTraits<T>::bytes;
-  int64_t n = n0;
-  for (; n + NT <= n1; n += NT) kqb4_out<T, MT, NT>(x, xs, wp + n * rb, y, n, K, N, tb);
-  if constexpr (NT > 1) {
-    for (; n < n1; ++n) kqb4_out<T, MT, 1>(x, xs, wp + n * rb, y, n, K, N, tb);
-  }
-}
-
-template <int T, int MT>
-void kqb4_tail(int64_t M, const uint16_t* x, const float* xs, const uint8_t* wp, float* y, int64_t n0, int64_t n1,
-               int64_t K, int64_t N, const KqbTabs& tb) {
-  if constexpr (MT > 0) {
-    if (M == MT) kqb4_rows<T, MT>(x, xs, wp, y, n0, n1, K, N, tb);
-    else kqb4_tail<T, MT - 1>(M, x, xs, wp, y, n0, n1, K, N, tb);
+    if (M == MT) kqb_rows<Kern, MT>(x, xf, wp, y, n0, n1, K, N, tb);
+    else kqb_tail<Kern, MT - 1>(M, x, xf, wp, y, n0, n1, K, N, tb);
   }
 }
 
@@ -2899,16 +2884,14 @@ void kqb_range(int64_t type, const uint16_t* x, const float* xf, const uint8_t* 
     const int64_t r1 = std::min(n1, r0 + kKqRowBlock);
     for (int64_t m0 = 0; m0 < M; m0 += kKqbTile) {
       const int64_t mt = std::min<int64_t>(kKqbTile, M - m0);
-      if (type == kQ4_K)
-        kqb4_tail<kQ4_K, kKqbTile>(mt, x + m0 * K, xf + m0 * xfs, wp, y + m0 * N, r0, r1, K, N, tb);
-      else if (type == kQ5_K)
-        kqb4_tail<kQ5_K, kKqbTile>(mt, x + m0 * K, xf + m0 * xfs, wp, y + m0 * N, r0, r1, K, N, tb);
-      else if (type == kQ5_0)
-        kqb5_tail<kKqbTile>(mt, x + m0 * K, wp, y + m0 * N, r0, r1, K, N, tb);
-      else if (xf == nullptr)  // the rows by vdpbf16ps (one row, or kqb_dp_rows)
-        kqb_tail<kKqbTile, true>(mt, x + m0 * K, nullptr, wp, y + m0 * N, r0, r1, K, N, tb);
-      else
-        kqb_tail<kKqbTile, false>(mt, x + m0 * K, xf + m0 * xfs, wp, y + m0 * N, r0, r1, K, N, tb);
+      const uint16_t* xm = x + m0 * K;
+      const float* xfm = xf == nullptr ? nullptr : xf + m0 * xfs;
+      float* ym = y + m0 * N;
+      if (type == kQ4_K) kqb_tail<KqbK<kQ4_K>, kKqbTile>(mt, xm, xfm, wp, ym, r0, r1, K, N, tb);
+      else if (type == kQ5_K) kqb_tail<KqbK<kQ5_K>, kKqbTile>(mt, xm, xfm, wp, ym, r0, r1, K, N, tb);
+      else if (type == kQ5_0) kqb_tail<KqbQ5, kKqbTile>(mt, xm, nullptr, wp, ym, r0, r1, K, N, tb);
+      else if (xf == nullptr) kqb_tail<KqbQ6<true>, kKqbTile>(mt, xm, nullptr, wp, ym, r0, r1, K, N, tb);  // vdpbf16ps rows
+      else kqb_tail<KqbQ6<false>, kKqbTile>(mt, xm, xfm, wp, ym, r0, r1, K, N, tb);
     }
   }
 }
@@ -2950,36 +2933,23 @@ bool kquant_bf16_dot_supported() {
 #endif
 }
 
-// Whether rows past the first compute their pair sums with vdpbf16ps (else on float32 lanes; the same bits).
-bool kquant_bf16_dot_rows() {
+// The pair dot path's switches where the build has it: 0 the path itself (off: the float32 path serves
+// bfloat16 x too), 1 kqb_dp_rows (rows past the first by vdpbf16ps; Q4_K, Q5_K and Q5_0 on the path).
+bool kqb_switch(int which, const bool* set) {
 #if defined(HELIOS_KQB)
-  return g_kqb_dp_rows.load();
+  std::atomic<bool>& flag = which == 0 ? g_kqb_on : g_kqb_dp_rows;
+  if (set != nullptr) flag.store(*set);
+  return flag.load();
 #else
+  (void)which;
+  (void)set;
   return false;
 #endif
 }
 
-// Sets that choice (where the build has the pair dot path); returns it.
-bool set_kquant_bf16_dot_rows(bool on) {
-#if defined(HELIOS_KQB)
-  g_kqb_dp_rows.store(on);
-  return on;
-#else
-  (void)on;
-  return false;
-#endif
-}
-
-// Turns the pair dot path on or off (the float32 path then serves bfloat16 x too); returns whether it is on.
-bool set_kquant_bf16_dot(bool on) {
-#if defined(HELIOS_KQB)
-  g_kqb_on.store(on);
-  return on;
-#else
-  (void)on;
-  return false;
-#endif
-}
+bool kquant_bf16_dot_rows() { return kqb_switch(1, nullptr); }
+bool set_kquant_bf16_dot_rows(bool on) { return kqb_switch(1, &on); }
+bool set_kquant_bf16_dot(bool on) { return kqb_switch(0, &on); }
 
 // 32 weights as bfloat16, each float32 value rounded to nearest even (torch's `.to(torch.bfloat16)`
 // of a finite float; every dequantized weight is finite).
