@@ -2506,7 +2506,10 @@ std::atomic<bool> g_kqb_on{true};
 // rows: Q6_K 1,536 x 8,960 16.0 / 33.8 / 67.8 -> 16.0 / 26.1 / 29.0; Q4_K 17,920 x 1,536 on the float32
 // path 17.2 / 33.1 / 48.8, by pair dot products 11.4 / 24.7 / 28.5); off on Intel, where it issues at
 // half that rate (and Q4_K's pair form lost 10-20% at 2-7 rows, the float32 lanes computing S).
-std::atomic<bool> g_kqb_dp_rows{__builtin_cpu_is("amd") != 0};
+std::atomic<bool> g_kqb_dp_rows{[] {
+  __builtin_cpu_init();  // a static initializer may run before libgcc's own (GCC's note on __builtin_cpu_is)
+  return __builtin_cpu_is("amd") != 0;
+}()};
 
 // bfloat16 words of the integers i - 32 (lo) and i (hi), i = 0..31: the 64-entry table of q - 32.
 struct KqbTabs {
