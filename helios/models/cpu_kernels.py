@@ -72,16 +72,16 @@ i of a_c(i) * S[c, i], S[c, i] = x[2i+1] (q - 32)[2i+1] + x[2i] (q - 32)[2i] (po
 sub-block), in float32: S rounded once (both products are exact), then 16 lanes, lane i a chain of
 fused multiply-adds ``A_i = fma(S[c, i], a_c(i), A_i)`` in increasing c, then the tree (l + 8, + 4, + 2,
 + 1); subnormal inputs and results flushed to zero (``vdpbf16ps``'s rule; the kernel sets DAZ/FTZ for
-the rest). One row computes S with ``vdpbf16ps``, more rows too on AMD CPUs (`kquant_bf16_dot_rows`) and with float32
-FMAs elsewhere (the same values: S is rounded once either way), so a
-row's bits are the same alone, in any batch and on any number of threads. Error: at most
+the rest). One row computes S with ``vdpbf16ps``, more rows too on AMD CPUs (`kquant_bf16_dot_rows`)
+and with float32 FMAs elsewhere (the same values: S is rounded once either way), so a row's bits are
+the same alone, in any batch and on any number of threads. Error: at most
 (K / 32 + 10) * 2**-24 times the sum of |x * w| over k (the tests' bound). ``float_out`` returns the
 float32 sums (logits).
 
 Q4_K and Q5_K with bfloat16 activations where rows take ``vdpbf16ps`` (`kquant_bf16_dot_rows`: AMD CPUs
 by default): sub-block c's weights are a_c q + b_c (q = 0..15, Q5_K's 0..31; a_c = d sc_c, b_c = -dmin
-m_c, exact), its codes multiplied with x in pairs as Q6_K's: lane i takes A_i = fma(S[c, i], a_c, A_i) over the block's
-eight sub-blocks in order, then lanes 0-7 A_i = fma(b_i, X_i, A_i) with the block's mins and its
+m_c, exact), its codes multiplied with x in pairs as Q6_K's: lane i takes A_i = fma(S[c, i], a_c, A_i)
+over the block's eight sub-blocks in order, then lanes 0-7 A_i = fma(b_i, X_i, A_i) with the block's mins and its
 sub-blocks' sums of x, X_c = the 32 bfloat16 values summed in float32 (the even positions' lanes plus
 the odd ones', then a fixed reduction), then the tree. The same bits for a row alone, in any batch and on
 any number of threads. Error: at most (K / 32 + K / 256 + 10) * 2**-24 times the sum over k of
@@ -219,9 +219,8 @@ def kquant_linear(x: Tensor, blocks: Tensor, ggml_type: int, out_features: int, 
     [M, out_features] in ``x``'s dtype (float32 with ``float_out``). Each weight is decoded in registers
     to its exact float32 value (`kquant_dequantize`'s), bfloat16 ``x`` is widened exactly (Q6_K on an
     AVX512-BF16 build, and Q4_K, Q5_K and Q5_0 where `kquant_bf16_dot_rows`: multiplied in pairs with
-    the codes), and the products are summed in float32 in a
-    fixed order (the module docstring's numerics contract); bfloat16 results are the float32 sums
-    rounded to nearest even."""
+    the codes), and the products are summed in float32 in a fixed order (the module docstring's
+    numerics contract); bfloat16 results are the float32 sums rounded to nearest even."""
     out: Tensor = torch.ops.helios.kquant_linear(x, blocks, ggml_type, out_features, float_out)
     return out
 

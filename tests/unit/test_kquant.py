@@ -171,8 +171,8 @@ def pair_dot(ggml_type: int) -> bool:
 
 def pair_dot_bound(x: torch.Tensor, blocks: np.ndarray, ggml_type: int) -> torch.Tensor:
     """The pair dot path's float32 error (module docstring): (K / 32 + K / 256 + 10) u times the sum over
-    k of (|a q| + |b|) |x| per output: the 16 lanes' chains of K / 32 FMAs (Q4_K: and the K / 256 of its
-    mins, whose products b X_c are summed apart from a q, so the bound is in their magnitudes, not in
+    k of (|a q| + |b|) |x| per output: the 16 lanes' chains of K / 32 FMAs (Q4_K, Q5_K: and the K / 256
+    of their mins, whose products b X_c are summed apart from a q, so the bound is in their magnitudes, not in
     |w| = |a q + b|), the pair sum's rounding, a sub-block sum X_c's five and the tree's."""
     if ggml_type in (12, 13):  # Q4_K, Q5_K: a q alone (dmin zeroed) and b alone (d zeroed)
         nbytes = cpu_kernels.KQUANT_LAYOUTS[ggml_type][1]

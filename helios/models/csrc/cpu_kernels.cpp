@@ -2306,31 +2306,25 @@ inline void kq_load(Kq32& acc, const float* p) {
 }
 
 // The headers of block b of weight rows 0 .. NT - 1 (w at row 0, row stride rb), prefetching the same
-// block kKqAhead rows further on.
-template <int T, int NT>
-__attribute__((always_inline)) inline void kq_headers(const uint8_t* w, int64_t rb, int64_t b, KqHeader (&h)[NT]) {
-  constexpr int64_t bytes = KqTraits<T>::bytes;
-  _Pragma("GCC unroll 8")
-  for (int j = 0; j < NT; ++j) {
-    if constexpr (kKqAhead > 0) {
-      const char* ahead = reinterpret_cast<const char*>(w + (j + kKqAhead) * rb + b * bytes);
-      for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-    }
-    kq_header<T>(w + j * rb + b * bytes, h[j]);
-  }
-}
-
-// kq_headers with the prefetch `ahead` weight rows further on, set at run time (the pair dot paths').
+// block `ahead` rows further on (none at 0).
 template <int T, int NT>
 __attribute__((always_inline)) inline void kq_headers_ahead(const uint8_t* w, int64_t rb, int64_t b, int64_t ahead,
                                                             KqHeader (&h)[NT]) {
   constexpr int64_t bytes = KqTraits<T>::bytes;
   _Pragma("GCC unroll 8")
   for (int j = 0; j < NT; ++j) {
-    const char* next = reinterpret_cast<const char*>(w + (j + ahead) * rb + b * bytes);
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+    if (ahead > 0) {
+      const char* next = reinterpret_cast<const char*>(w + (j + ahead) * rb + b * bytes);
+      for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+    }
     kq_header<T>(w + j * rb + b * bytes, h[j]);
   }
+}
+
+// kq_headers_ahead kKqAhead rows on (the float32 path's compile-time distance).
+template <int T, int NT>
+__attribute__((always_inline)) inline void kq_headers(const uint8_t* w, int64_t rb, int64_t b, KqHeader (&h)[NT]) {
+  kq_headers_ahead<T>(w, rb, b, kKqAhead, h);
 }
 
 // One register tile over blocks [b0, b1): acc[j][i] += x row i . weight row j, where x (row stride K)
@@ -2501,7 +2495,7 @@ void kq_grouped_impl(const float* xp, const std::vector<const uint8_t*>& wps, co
 std::atomic<bool> g_kqb_on{true};
 // Whether rows past the first compute S with vdpbf16ps too (one per row and sub-block, against the float32
 // lanes' multiply and FMA): for Q6_K the same values (S is rounded once either way), so the choice is
-// speed alone; Q4_K takes the pair dot path (kqb4_out) only so. On by default on AMD, whose Zen 4 / Zen 5
+// speed alone; Q4_K, Q5_K and Q5_0 take the pair dot path only so. On by default on AMD, whose Zen 4 / Zen 5
 // cores issue vdpbf16ps at an FMA's rate (2026-12-06, a Zen 5 VM, 2 threads, ps a weight at 1 / 5 / 6
 // rows: Q6_K 1,536 x 8,960 16.0 / 33.8 / 67.8 -> 16.0 / 26.1 / 29.0; Q4_K 17,920 x 1,536 on the float32
 // path 17.2 / 33.1 / 48.8, by pair dot products 11.4 / 24.7 / 28.5); off on Intel, where it issues at
@@ -2859,7 +2853,7 @@ void kqb_tail(int64_t M, const uint16_t* x, const float* xf, const uint8_t* wp, 
   }
 }
 
-// The sums X_c of each row's sub-blocks of 32 bfloat16 values (Q4_K's mins multiply them), [M, K / 32]
+// The sums X_c of each row's sub-blocks of 32 bfloat16 values (Q4_K's and Q5_K's mins multiply them), [M, K / 32]
 // float32 in a fixed order: the even-indexed values' lanes plus the odd ones', then _mm512_reduce_add_ps.
 at::Tensor kqb_xsums(const at::Tensor& xb) {
   const int64_t M = xb.size(0), K = xb.size(1);
@@ -3151,7 +3145,7 @@ at::Tensor moe_kquant_mix(const at::Tensor& x, const at::Tensor& weights, const 
   const at::Tensor xc = x.contiguous();
   at::Tensor gu = at::empty({R, I2}, x.options().dtype(at::kFloat));
 #if defined(HELIOS_KQB)
-  // bfloat16 rows against Q6_K (or Q4_K where kqb_dp_rows): the rows gathered as they are, then
+  // bfloat16 rows against Q6_K (or Q4_K, Q5_K, Q5_0 where kqb_dp_rows): the rows gathered as they are, then
   // kqb_grouped (kquant_linear_grouped's path for them)
   if (kqb_applies(x, gu_type)) {
     at::Tensor rows = at::empty({R, H}, x.options());
