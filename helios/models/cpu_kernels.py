@@ -80,14 +80,21 @@ float32 sums (logits).
 
 Q4_K and Q5_K with bfloat16 activations where rows take ``vdpbf16ps`` (`kquant_bf16_dot_rows`: AMD CPUs
 by default): sub-block c's weights are a_c q + b_c (q = 0..15, Q5_K's 0..31; a_c = d sc_c, b_c = -dmin
-m_c, exact), its codes multiplied with x in pairs as Q6_K's: lane i takes A_i = fma(S[c, i], a_c, A_i)
-over the block's eight sub-blocks in order, then lanes 0-7 A_i = fma(b_i, X_i, A_i) with the block's mins and its
+m_c, exact), its codes multiplied with x in pairs, two sub-blocks (2g, 2g + 1, which share their 32
+bytes) a product: lanes 0-7 take sub-block 2g's weights, lanes 8-15 sub-block 2g + 1's, Z_i =
+``vdpbf16ps(vdpbf16ps(0, first halves, x), second halves, x)`` (lane i of a lane group h = i mod 8 sums the
+products of its sub-block's positions 2h + 1, 2h, then 16 + 2h + 1, 16 + 2h, each addition rounded;
+the products are exact), then A_i = fma(Z_i, a(i), A_i) with a(i) the scale of lane i's sub-block, over the
+block's four pairs in order, then lanes 0-7 A_i = fma(b_i, X_i, A_i) with the block's mins and its
 sub-blocks' sums of x, X_c = the 32 bfloat16 values summed in float32 (the even positions' lanes plus
 the odd ones', then a fixed reduction), then the tree. The same bits for a row alone, in any batch and on
 any number of threads. Error: at most (K / 32 + K / 256 + 10) * 2**-24 times the sum over k of
 (|a q| + |b|) |x| (a q x and b x are summed apart, so the bound is in their magnitudes). Q5_0 there
-too: each block's codes q - 16 (exact in bfloat16) in pairs with x, lane i A_i = fma(S[b, i], d_b, A_i)
-over the blocks b in order, then the tree (Q6_K's contract with one scale a block; its bound).
+too: each block's codes q - 16 (exact in bfloat16) in pairs with x, two blocks (b, b + 1) a product as
+the K-quants' two sub-blocks (lanes 0-7 block b's, 8-15 block b + 1's, each Z_i over positions 2h + 1, 2h,
+16 + 2h + 1, 16 + 2h), A_i = fma(Z_i, d(i), A_i) over the pairs in order, an odd last block alone as Q6_K's
+S with its scale, then the tree (the same bound). The activations are reordered once per call to match
+(each 64 columns as 0-15, 32-47, 16-31, 48-63).
 Elsewhere (Intel, where the Q4_K form gained at one row and lost 10-20% at 2-7) Q4_K, Q5_K and Q5_0
 keep the float32 path, as do the other types; builds without AVX512-BF16 keep it for Q6_K too (their
 bfloat16 results differ in the last float32 bits from this build's).

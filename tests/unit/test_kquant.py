@@ -171,7 +171,8 @@ def pair_dot(ggml_type: int) -> bool:
 
 def pair_dot_bound(x: torch.Tensor, blocks: np.ndarray, ggml_type: int) -> torch.Tensor:
     """The pair dot path's float32 error (module docstring): (K / 32 + K / 256 + 10) u times the sum over
-    k of (|a q| + |b|) |x| per output: the 16 lanes' chains of K / 32 FMAs (Q4_K, Q5_K: and the K / 256
+    k of (|a q| + |b|) |x| per output: the 16 lanes' chains of K / 32 FMAs (Q4_K, Q5_K, Q5_0: K / 64, with
+    three roundings in each pair of sub-blocks' sums; Q4_K, Q5_K: and the K / 256
     of their mins, whose products b X_c are summed apart from a q, so the bound is in their magnitudes, not in
     |w| = |a q + b|), the pair sum's rounding, a sub-block sum X_c's five and the tree's."""
     if ggml_type in (12, 13):  # Q4_K, Q5_K: a q alone (dmin zeroed) and b alone (d zeroed)
@@ -233,6 +234,29 @@ def test_the_pair_dot_path_is_within_its_bound_and_the_same_bits_at_any_rows(ggm
         cpu_kernels.set_kquant_bf16_dot(True)
         cpu_kernels.set_kquant_bf16_dot_rows(rows)
         torch.set_num_threads(threads)
+
+@pytest.mark.skipif(not cpu_kernels.kquant_bf16_dot_supported(), reason="built without AVX512-BF16")
+@pytest.mark.parametrize("k", [32, 96, 160, 2240])
+def test_the_pair_dot_path_takes_q5_0_blocks_in_pairs_and_an_odd_last_one_alone(k: int) -> None:
+    """Q5_0 by pair dot products takes two blocks a product (x's columns reordered per 64) and an odd last
+    block by itself, its columns as they are: within the bound at 1, 5 and 7 rows, each row the same bits
+    alone, for odd and even block counts."""
+    out = 37
+    blocks = random_blocks(6, out, k, seed=k)
+    bt = torch.from_numpy(blocks)
+    w = torch.from_numpy(gguf_dequantize(blocks, 6)).double()
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    rows = cpu_kernels.kquant_bf16_dot_rows()
+    try:
+        cpu_kernels.set_kquant_bf16_dot_rows(True)
+        batch = cpu_kernels.kquant_linear(x, bt, 6, out, float_out=True)
+        assert ((batch.double() - x.double() @ w.t()).abs() <= pair_dot_bound(x, blocks, 6)).all()
+        for m in (1, 5):
+            assert torch.equal(cpu_kernels.kquant_linear(x[:m], bt, 6, out, float_out=True), batch[:m]), m
+        assert torch.equal(cpu_kernels.kquant_linear(x[6:], bt, 6, out, float_out=True), batch[6:])
+    finally:
+        cpu_kernels.set_kquant_bf16_dot_rows(rows)
+
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)

@@ -2508,6 +2508,8 @@ std::atomic<bool> g_kqb_dp_rows{[] {
 // bfloat16 words of the integers i - 32 (lo) and i (hi), i = 0..31: the 64-entry table of q - 32.
 struct KqbTabs {
   alignas(64) uint16_t lo[32], hi[32], mid[32];  // mid: i - 16 (Q5_0's codes)
+  alignas(64) uint16_t nib[32];  // i mod 16: a byte's low nibble looked up without masking its high one
+  alignas(64) uint16_t sh[32];  // 0 for words 0-15, 4 for 16-31: the low then the high nibbles (kqb_dot2's pairs)
 };
 inline uint16_t kqb_bf16_of_int(int v) {
   const float f = static_cast<float>(v);  // a small integer: exact in bfloat16
@@ -2522,6 +2524,8 @@ inline const KqbTabs& kqb_tabs() {
       t.lo[i] = kqb_bf16_of_int(i - 32);
       t.hi[i] = kqb_bf16_of_int(i);
       t.mid[i] = kqb_bf16_of_int(i - 16);
+      t.nib[i] = kqb_bf16_of_int(i % 16);
+      t.sh[i] = i < 16 ? 0 : 4;
     }
     return t;
   }();
@@ -2603,6 +2607,29 @@ __attribute__((always_inline)) inline void kqb_dot(__m512 (&acc)[NT][MT], const 
     for (int j = 0; j < NT; ++j)
       acc[j][i] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)codes[j], xv), sc[j], acc[j][i]);
   }
+}
+
+// acc[j][i] += sc[j] * (ca[j]'s pair sums with x's row i at x, then cb[j]'s with x + 32, summed by a second
+// vdpbf16ps): two sub-blocks a product, lanes 0-7 of one and 8-15 of the other (sc[j] their two scales), in
+// the operand order of kqb_paired's rows. One FMA a row for 64 weights where kqb_dot takes two.
+template <int NT, int MT>
+__attribute__((always_inline)) inline void kqb_dot2(__m512 (&acc)[NT][MT], const __m512i (&ca)[NT],
+                                                    const __m512i (&cb)[NT], const __m512 (&sc)[NT],
+                                                    const uint16_t* x, int64_t K) {
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < MT; ++i) {
+    const __m512bh xa = (__m512bh)_mm512_loadu_si512(x + i * K), xb = (__m512bh)_mm512_loadu_si512(x + i * K + 32);
+    _Pragma("GCC unroll 8")
+    for (int j = 0; j < NT; ++j)
+      acc[j][i] = _mm512_fmadd_ps(
+          _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)ca[j], xa), (__m512bh)cb[j], xb), sc[j],
+          acc[j][i]);
+  }
+}
+
+// The scales of sub-blocks c (lanes 0-7) and c + 1 (lanes 8-15) from a header's a[].
+__attribute__((always_inline)) inline __m512 kqb_pair_scales(const float* a, int c) {
+  return _mm512_insertf32x8(_mm512_set1_ps(a[c]), _mm256_set1_ps(a[c + 1]), 1);
 }
 
 // A tile's MT x NT accumulators set to zero, and summed into y[i * N + n + j] (kq_tree16).
@@ -2690,12 +2717,14 @@ void kqb_out(const uint16_t* __restrict__ x, const float* __restrict__ xf, const
 // Q4_K and Q5_K by pair dot products (where kqb_dp_rows: every row by vdpbf16ps). Sub-block c's weights are
 // a_c q + b_c (q = 0..15, Q5_K's 0..31 with its fifth bit; a_c = d sc_c and b_c = -dmin m_c exact), so
 // y = sum_c a_c (q_c . x_c) + b_c X_c
-// with X_c the sub-block's sum of x (kqb_xsums): lane i of the accumulator takes A_i = fma(S_c,i, a_c, A_i)
-// over the block's sub-blocks in order (S_c,i = fl(x_2i+1 q_2i+1 + x_2i q_2i), both products exact), then
-// lanes 0-7 A_i = fma(b_i, X_i, A_i) with the block's eight mins and sums; then kq_tree16. The codes are
-// looked up as bfloat16 words (q is exact in bfloat16), both nibbles of the sub-block pair's 32 bytes at
-// once: the decode of 64 weights is five operations against the float32 path's ten, and a row costs two
-// operations a sub-block (vdpbf16ps and the scale's FMA) as it does there.
+// with X_c the sub-block's sum of x (kqb_xsums). Sub-blocks 2g and 2g + 1 (one 32-byte group of codes) take
+// one product (kqb_dot2): lanes 0-7 the first's weights, 8-15 the second's, Z_i = the pair sums of their
+// weights 0-15 then, accumulated by a second vdpbf16ps, of 16-31 (x reordered to match, kqb_paired); lane i
+// of the accumulator takes A_i = fma(Z_i, a(i), A_i) over the block's four groups in order, then lanes 0-7
+// A_i = fma(b_i, X_i, A_i) with the block's eight mins and sums; then kq_tree16. The codes are looked up as
+// bfloat16 words (q is exact in bfloat16): a row costs three operations for 64 weights (two vdpbf16ps and
+// the scales' FMA) against the float32 path's four (2026-12-06, a Zen 5 VM, 2 threads, Q4_K 17,920 x
+// 1,536, ps a weight at 5 / 8 / 12 rows: one sub-block a product 25.7 / 39.1 / 62.0, two 22.5 / 35.3 / 54.0).
 template <int T, int MT, int NT>
 void kqb4_out(const uint16_t* __restrict__ x, const float* __restrict__ xs, const uint8_t* __restrict__ w,
               float* __restrict__ y, int64_t n, int64_t K, int64_t N, const KqbTabs& tb) {
@@ -2703,7 +2732,7 @@ void kqb4_out(const uint16_t* __restrict__ x, const float* __restrict__ xs, cons
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
   constexpr int64_t qs = T == kQ4_K ? 16 : 48;  // the codes' low four bits; Q5_K's fifth bits at 16
   const int64_t nb = K / per, rb = nb * bytes, ns = K / 32;
-  const __m512i thi = _mm512_load_si512(tb.hi);
+  const __m512i tab = _mm512_load_si512(T == kQ4_K ? tb.nib : tb.hi), sh = _mm512_load_si512(tb.sh);
   const __m512i lo4 = _mm512_set1_epi16(0x000F);
   const __m512i b4 = _mm512_set1_epi16(16);
   __m512 acc[NT][MT];
@@ -2713,39 +2742,52 @@ void kqb4_out(const uint16_t* __restrict__ x, const float* __restrict__ xs, cons
   for (int64_t b = 0; b < nb; ++b) {
     kq_headers_ahead<T>(w, rb, b, ahead, h);
     asm volatile("" : : "r"(h) : "memory");  // the scales stay in memory (kqb_out's note)
-    __m512i high[NT];  // Q5_K: the 32 bytes of fifth bits as words (bit c: sub-block c's)
+    // Q5_K: the fifth bits as words, qh[l mod 16] (ha) and qh[16 + l mod 16] (hb) at word l (bit c: sub-block c's)
+    __m512i ha[NT], hb[NT];
     if constexpr (T == kQ5_K) {
       _Pragma("GCC unroll 8")
-      for (int j = 0; j < NT; ++j)
-        high[j] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * rb + b * bytes + 16)));
+      for (int j = 0; j < NT; ++j) {
+        const uint8_t* qh = w + j * rb + b * bytes + 16;
+        ha[j] = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh))));
+        hb[j] = _mm512_cvtepu8_epi16(
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16))));
+      }
     }
-    _Pragma("GCC unroll 4")
-    for (int g = 0; g < 4; ++g) {
-      __m512i codes[NT][2];
+    // sub-blocks 2 g and 2 g + 1 share 32 bytes (low nibbles the first's weights, high the second's):
+    // ca = both nibbles of bytes 0-15 (weights 0-15 of each), cb = of bytes 16-31
+    const auto group = [&](int g) __attribute__((always_inline)) {
+      __m512i ca[NT], cb[NT];
+      __m512 sc[NT];
       _Pragma("GCC unroll 8")
       for (int j = 0; j < NT; ++j) {
-        const __m512i z = _mm512_cvtepu8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * rb + b * bytes + qs + 32 * g)));
-        __m512i q0 = _mm512_and_si512(z, lo4), q1 = _mm512_srli_epi16(z, 4);  // sub-blocks 2 g, 2 g + 1
-        if constexpr (T == kQ5_K) {  // + 16 where the fifth bit is set
-          q0 = _mm512_mask_add_epi16(q0, _mm512_test_epi16_mask(high[j], _mm512_set1_epi16(1 << (2 * g))), q0, b4);
-          q1 = _mm512_mask_add_epi16(q1, _mm512_test_epi16_mask(high[j], _mm512_set1_epi16(2 << (2 * g))), q1, b4);
+        const uint8_t* q = w + j * rb + b * bytes + qs + 32 * g;
+        __m512i ia = _mm512_srlv_epi16(
+            _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))), sh);
+        __m512i ib = _mm512_srlv_epi16(
+            _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))),
+            sh);
+        if constexpr (T == kQ5_K) {  // the nibble, + 16 where the fifth bit is set
+          const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(1 << (2 * g))),
+                                                  _mm256_set1_epi16(static_cast<int16_t>(2 << (2 * g))), 1);
+          ia = _mm512_and_si512(ia, lo4);
+          ib = _mm512_and_si512(ib, lo4);
+          ia = _mm512_mask_add_epi16(ia, _mm512_test_epi16_mask(ha[j], bits), ia, b4);
+          ib = _mm512_mask_add_epi16(ib, _mm512_test_epi16_mask(hb[j], bits), ib, b4);
         }
-        codes[j][0] = _mm512_permutexvar_epi16(q0, thi);
-        codes[j][1] = _mm512_permutexvar_epi16(q1, thi);
+        ca[j] = _mm512_permutexvar_epi16(ia, tab);  // Q4_K: nib ignores the high nibble left in words 0-15
+        cb[j] = _mm512_permutexvar_epi16(ib, tab);
+        sc[j] = kqb_pair_scales(h[j].a, 2 * g);
       }
-      _Pragma("GCC unroll 2")
-      for (int s = 0; s < 2; ++s) {
-        const int c = 2 * g + s;
-        __m512 sc[NT];
-        __m512i cs[NT];
-        _Pragma("GCC unroll 8")
-        for (int j = 0; j < NT; ++j) {
-          sc[j] = _mm512_set1_ps(h[j].a[c]);
-          cs[j] = codes[j][s];
-        }
-        kqb_dot(acc, cs, sc, x + b * per + 32 * c, K);
-      }
+      kqb_dot2(acc, ca, cb, sc, x + b * per + 64 * g, K);
+    };
+    if constexpr (MT > 5) {
+      // a rolled loop: unrolled, the compiler hoists the four groups' codes and spills (8 rows: 39.8 against
+      // 35.7 ps a weight; at 5 rows the unrolled loop's 22.2 against 23.7)
+      _Pragma("GCC unroll 1")
+      for (int g = 0; g < 4; ++g) group(g);
+    } else {
+      _Pragma("GCC unroll 4")
+      for (int g = 0; g < 4; ++g) group(g);
     }
     __m512 mv[NT];
     _Pragma("GCC unroll 8")
@@ -2761,23 +2803,25 @@ void kqb4_out(const uint16_t* __restrict__ x, const float* __restrict__ xs, cons
 }
 
 // Q5_0 by pair dot products (where kqb_dp_rows): the block's 32 codes q - 16 (5 bits: the nibbles of its
-// 16 bytes, low ones first, and the bits of qh) looked up as bfloat16 words; lane i takes
-// A_i = fma(S_b,i, d_b, A_i) over the blocks b in order (S as Q6_K's, the pair sums of the block's weights
-// 2i and 2i + 1), then kq_tree16. The decode of 32 weights is seven operations against the float32
-// path's twelve, and a row costs two operations a block there as here.
+// 16 bytes, low ones first, and the bits of qh) looked up as bfloat16 words; blocks b, b + 1 take one
+// product as kqb4_out's sub-block pairs (kqb_dot2: lanes 0-7 block b's, 8-15 block b + 1's, weights 0-15
+// then 16-31), lane i A_i = fma(Z_i, d(i), A_i) over the pairs in order, an odd last block alone (kqb_dot,
+// its 32 columns of x as they are), then kq_tree16. A row costs three operations for 64 weights against
+// the float32 path's four (4,864 x 896 at 5 / 8 rows: 30.1 / 41.2 -> 26.4 / 39.6 ps a weight).
 template <int MT, int NT>
 void kqb5_out(const uint16_t* __restrict__ x, const uint8_t* __restrict__ w, float* __restrict__ y, int64_t n,
               int64_t K, int64_t N, const KqbTabs& tb) {
   constexpr int64_t bytes = KqTraits<kQ5_0>::bytes;
   const int64_t nb = K / 32, rb = nb * bytes;
   const __m512i tmid = _mm512_load_si512(tb.mid);
-  const __m256i lo4 = _mm256_set1_epi16(0x000F);
+  const __m512i lo4 = _mm512_set1_epi16(0x000F);
   const __m512i b4 = _mm512_set1_epi16(16);
   __m512 acc[NT][MT];
   kqb_zero(acc);
   const int64_t ahead = MT <= HELIOS_KQB_PF_ROWS ? kqb_ahead(rb) : kKqAhead;
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i codes[NT];
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {  // blocks b, b + 1: ca their weights 0-15 (low nibbles), cb 16-31 (high)
+    __m512i ca[NT], cb[NT];
     __m512 sc[NT];
     _Pragma("GCC unroll 8")
     for (int j = 0; j < NT; ++j) {
@@ -2786,11 +2830,32 @@ void kqb5_out(const uint16_t* __restrict__ x, const uint8_t* __restrict__ w, flo
         _mm_prefetch(reinterpret_cast<const char*>(blk + ahead * rb), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(blk + ahead * rb + 64), _MM_HINT_T0);
       }
+      const __m512i z = _mm512_cvtepu8_epi16(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(blk + bytes + 6),
+                                                                  reinterpret_cast<const __m128i*>(blk + 6)));
+      uint32_t h0, h1;
+      std::memcpy(&h0, blk + 2, 4);
+      std::memcpy(&h1, blk + bytes + 2, 4);
+      __m512i qa = _mm512_and_si512(z, lo4), qb = _mm512_srli_epi16(z, 4);
+      qa = _mm512_mask_add_epi16(qa, static_cast<__mmask32>((h0 & 0xFFFFu) | (h1 << 16)), qa, b4);  // the fifth bits
+      qb = _mm512_mask_add_epi16(qb, static_cast<__mmask32>((h0 >> 16) | (h1 & 0xFFFF0000u)), qb, b4);
+      ca[j] = _mm512_permutexvar_epi16(qa, tmid);
+      cb[j] = _mm512_permutexvar_epi16(qb, tmid);
+      sc[j] = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(blk)), _mm256_set1_ps(half_to_float(blk + bytes)), 1);
+    }
+    kqb_dot2(acc, ca, cb, sc, x + 32 * b, K);
+  }
+  if (b < nb) {  // an odd last block: its 32 columns of x as they are (kqb_paired)
+    __m512i codes[NT];
+    __m512 sc[NT];
+    _Pragma("GCC unroll 8")
+    for (int j = 0; j < NT; ++j) {
+      const uint8_t* blk = w + j * rb + b * bytes;
       const __m256i z = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6)));
-      __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(z, lo4)), _mm256_srli_epi16(z, 4), 1);
+      __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(z, _mm256_set1_epi16(0x000F))),
+                                     _mm256_srli_epi16(z, 4), 1);
       uint32_t qh;
       std::memcpy(&qh, blk + 2, 4);
-      q = _mm512_mask_add_epi16(q, static_cast<__mmask32>(qh), q, b4);  // + 16: the fifth bit
+      q = _mm512_mask_add_epi16(q, static_cast<__mmask32>(qh), q, b4);
       codes[j] = _mm512_permutexvar_epi16(q, tmid);
       sc[j] = _mm512_set1_ps(half_to_float(blk));
     }
@@ -2853,6 +2918,27 @@ void kqb_tail(int64_t M, const uint16_t* x, const float* xf, const uint8_t* wp, 
   }
 }
 
+// bfloat16 rows x [M, K] with each 64 columns reordered as 0-15, 32-47, 16-31, 48-63 (a last 32 as they are):
+// the operands of kqb_dot2, whose products pair weights 0-15 of two sub-blocks (or Q5_0 blocks), then 16-31.
+at::Tensor kqb_paired(const at::Tensor& xb) {
+  const int64_t M = xb.size(0), K = xb.size(1);
+  at::Tensor out = at::empty({M, K}, xb.options());
+  const auto* x = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  for (int64_t r = 0; r < M; ++r) {
+    const uint16_t* xr = x + r * K;
+    uint16_t* orow = o + r * K;
+    int64_t c = 0;
+    for (; c + 64 <= K; c += 64) {
+      const __m512i v0 = _mm512_loadu_si512(xr + c), v1 = _mm512_loadu_si512(xr + c + 32);
+      _mm512_storeu_si512(orow + c, _mm512_shuffle_i64x2(v0, v1, 0x44));
+      _mm512_storeu_si512(orow + c + 32, _mm512_shuffle_i64x2(v0, v1, 0xEE));
+    }
+    if (c < K) std::memcpy(orow + c, xr + c, static_cast<size_t>(K - c) * 2);
+  }
+  return out;
+}
+
 // The sums X_c of each row's sub-blocks of 32 bfloat16 values (Q4_K's and Q5_K's mins multiply them), [M, K / 32]
 // float32 in a fixed order: the even-indexed values' lanes plus the odd ones', then _mm512_reduce_add_ps.
 at::Tensor kqb_xsums(const at::Tensor& xb) {
@@ -2897,8 +2983,9 @@ void kqb_range(int64_t type, const uint16_t* x, const float* xf, const uint8_t* 
 // Q5_K or Q5_0 blocks, groups [off[g], off[g + 1]) against wps[g].
 void kqb_grouped(int64_t type, const at::Tensor& xb, const std::vector<const uint8_t*>& wps,
                  const std::vector<int64_t>& off, float* y, int64_t K, int64_t N) {
-  const auto* x = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const bool affine = type == kQ4_K || type == kQ5_K;
+  const at::Tensor xp = affine || type == kQ5_0 ? kqb_paired(xb) : xb;  // kqb_dot2's operand order
+  const auto* x = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
   const at::Tensor xf = affine ? kqb_xsums(xb) : type == kQ5_0 ? at::Tensor() : kqb_widened(xb);
   const float* xfp = xf.defined() && xf.numel() > 0 ? xf.data_ptr<float>() : nullptr;
   const int64_t xfs = affine ? K / 32 : K;
