@@ -320,6 +320,14 @@ def set_kquant_bf16_dot(on: bool) -> bool:
     return available() and bool(torch.ops.helios.set_kquant_bf16_dot(on))
 
 
+def kquant_pair_before_tiles(rows: int, ggml_type: int) -> bool:
+    """Whether a bfloat16 step of ``rows`` rows against a weight of ``ggml_type`` takes `kquant_linear`'s
+    pair dot path (the exact weights) where the tiles' row counts would take `kquant_linear_tiles`: the
+    pair dot path's types up to one tile of 8 rows where `kquant_bf16_dot_rows`, where it leads the
+    tiles. The decode plan's projections decide per segment by the same rule."""
+    return available() and bool(torch.ops.helios.kquant_pair_before_tiles(rows, ggml_type))
+
+
 def kquant_bf16_dot_rows() -> bool:
     """Whether the pair dot path computes the pair sums of rows past the first with ``vdpbf16ps`` too
     (else with float32 FMAs: Q6_K's same bits) and takes Q4_K, Q5_K and Q5_0 as well (else they keep the

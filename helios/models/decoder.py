@@ -259,7 +259,7 @@ class FusedDecoderLM(nn.Module):
                                               self.config.vocab_size)
         if self._lm_head_blocks is not None:
             head = self._lm_head_blocks
-            if tiles_take(hidden):
+            if tiles_take(hidden) and not cpu_kernels.kquant_pair_before_tiles(hidden.shape[0], head.ggml_type):
                 return cpu_kernels.kquant_linear_tiles(hidden, head.blocks, head.ggml_type, head.shape[0], float_out=True)
             # float32 logits from bfloat16 rows without widening them first (the pair dot path)
             x = hidden if hidden.dtype in (torch.float32, torch.bfloat16) else hidden.float()

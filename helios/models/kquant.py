@@ -116,7 +116,9 @@ def concat_rows(parts: Sequence[BlockQuantized]) -> list[BlockQuantized]:
 # AMX tiles"). On AMD Zen 5's AVX512-BF16 backend (2 threads, 2026-12-06, the same script): 20.6 / 35.6 /
 # 101 against 17.5 / 60.1 / 249 at 1 / 8 / 32 rows (docs/benchmarks.md, "The tiles path on AVX512-BF16"). Fewer
 # rows keep the exact kernel: a single stream's decode and its speculative verification (at most 1 +
-# the default depth 4 rows) give the same bits with and without speculation.
+# the default depth 4 rows) give the same bits with and without speculation. Where rows take vdpbf16ps
+# (AMD), the pair dot path's types keep the exact kernel up to 8 rows (`cpu_kernels.kquant_pair_before_tiles`,
+# per segment): there it leads the tiles (Q4_K 33.3 against 35.7 ps a weight at 8 rows, Q5_0 37.9 against 56.2).
 TILE_ROWS = (8, 128)
 # Past TILE_ROWS[1], up to TILE_LARGE_ROWS rows (a batch of prompts, a prefill chunk), the tiles still win
 # for projections of at least TILE_LARGE_WEIGHTS weights, whose dense copy (2 bytes a weight, written
@@ -197,8 +199,9 @@ class KQuantLinear(nn.Module):
         # (a module off the tiles, a MoE layer's expert, still takes them where it would unpack)
         unpacks = self.unpack_above is not None and rows > self.unpack_above
         if kernels and (self.tiles or unpacks) and tiles_take(x, self.out_features * self.in_features):
-            outs = [cpu_kernels.kquant_linear_tiles(x, b, t, o) for b, t, o in zip(self.blocks, self.types, self.outs,
-                                                                                 strict=True)]
+            outs = [cpu_kernels.kquant_linear(x, b, t, o) if cpu_kernels.kquant_pair_before_tiles(rows, t)
+                    else cpu_kernels.kquant_linear_tiles(x, b, t, o)
+                    for b, t, o in zip(self.blocks, self.types, self.outs, strict=True)]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if not kernels or unpacks:
             dtype = self.unpack_dtype if kernels else torch.float32
@@ -247,7 +250,8 @@ def grouped_linear(modules: Sequence[object], sizes: Sequence[int], x: Tensor) -
         if (m.dense is not None or m.onednn is not None) and size > m.dense_above:
             return None
         if (m.unpack_above is not None and size > m.unpack_above) or (
-                m.tiles and tiles_take(x[:size], m.out_features * m.in_features)):
+                m.tiles and tiles_take(x[:size], m.out_features * m.in_features)
+                and not all(cpu_kernels.kquant_pair_before_tiles(size, t) for t in m.types)):
             return None
         mods.append(m)
     offsets = [0]

@@ -198,6 +198,8 @@ class WeightFormat:
                     cpu_kernels.kquant_tiles_backend(), "tiles")
                 text += (f"; bfloat16 steps of {lo}-{hi} rows on {backend} (kquant_linear_tiles: the weights rounded "
                          "to bfloat16 per call)")
+                if cpu_kernels.kquant_pair_before_tiles(lo, 12):
+                    text += f", but Q4_K, Q5_K, Q5_0 and Q6_K weights keep the exact kernel up to {lo} rows"
             return text
         if self.kind == "int4" and not self.requantize:
             text += ", projections without Q4_0/Q4_1 codes kept dense"

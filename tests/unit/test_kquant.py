@@ -735,8 +735,8 @@ def test_kquant_linear_tiles_rejects_bad_operands(tiles_backend: str) -> None:
 
 
 def test_the_module_takes_the_tiles_for_bfloat16_steps_in_tile_rows(monkeypatch: pytest.MonkeyPatch, tiles_backend: str) -> None:
-    """`KQuantLinear`: bfloat16 steps of TILE_ROWS rows on the tiles (each segment), fewer rows on the
-    exact kernel, more on the unpack path, except a weight of TILE_LARGE_WEIGHTS or more up to
+    """`KQuantLinear`: bfloat16 steps of TILE_ROWS rows on the tiles (each segment; at 8 rows the pair dot
+    path's types where `kquant_pair_before_tiles`), fewer rows on the exact kernel, more on the unpack path, except a weight of TILE_LARGE_WEIGHTS or more up to
     TILE_LARGE_ROWS rows (TILE_LARGE_ROWS_DP on the AVX512-BF16 backend); float32 steps never;
     `set_kquant_tiles(False)` turns it off."""
     from helios.models import kquant
@@ -753,8 +753,19 @@ def test_the_module_takes_the_tiles_for_bfloat16_steps_in_tile_rows(monkeypatch:
         return torch.cat([cpu_kernels.kquant_linear(rows, p.blocks, p.ggml_type, p.shape[0]) for p in parts], dim=1)
 
     assert torch.equal(module(x[:lo - 1]), kernel(x[:lo - 1]))
-    for m in (lo, 33, hi):
+    for m in (33, hi):
         assert torch.equal(module(x[:m]), tiles(x[:m])), m
+    # lo rows: the tiles, but for the pair dot path's types where every row takes vdpbf16ps (per segment)
+    dp_rows = cpu_kernels.kquant_bf16_dot_rows()
+    try:
+        for on in (False, True):
+            cpu_kernels.set_kquant_bf16_dot_rows(on)
+            pair = on and cpu_kernels.kquant_bf16_dot_supported()
+            assert [cpu_kernels.kquant_pair_before_tiles(lo, p.ggml_type) for p in parts] == [pair, pair]
+            assert not cpu_kernels.kquant_pair_before_tiles(lo + 1, 12) and not cpu_kernels.kquant_pair_before_tiles(lo, 8)
+            assert torch.equal(module(x[:lo]), (kernel if pair else tiles)(x[:lo])), on
+    finally:
+        cpu_kernels.set_kquant_bf16_dot_rows(dp_rows)
     assert torch.equal(module(x), F.linear(x, module.dequantize(torch.bfloat16)))
     large = kquant.TILE_LARGE_ROWS if tiles_backend == "amx" else kquant.TILE_LARGE_ROWS_DP
     assert large > hi and 48 * 512 < kquant.TILE_LARGE_WEIGHTS
@@ -766,7 +777,7 @@ def test_the_module_takes_the_tiles_for_bfloat16_steps_in_tile_rows(monkeypatch:
     assert torch.equal(module(x[:lo].float()), kernel(x[:lo].float()))
     try:
         assert not cpu_kernels.set_kquant_tiles(False)
-        assert torch.equal(module(x[:lo]), kernel(x[:lo]))
+        assert torch.equal(module(x[:lo + 1]), kernel(x[:lo + 1]))
     finally:
         assert cpu_kernels.set_kquant_tiles(True)
 

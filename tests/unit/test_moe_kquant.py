@@ -247,7 +247,7 @@ def test_grouped_experts_equal_one_call_per_expert(kquant_file: Path, dtype: tor
 
 def test_tile_sized_groups_go_to_their_modules() -> None:
     """`grouped_linear` declines (None: one module call per group) when a group's rows would take the
-    tiles path in its module, so a grouped result is always the bits of each module alone; a MoE
+    tiles path in its module (8 rows of Q4_K do not where `kquant_pair_before_tiles`), so a grouped result is always the bits of each module alone; a MoE
     layer's experts do not take the tiles (`tiles` False), so they group at any size."""
     from helios.models import kquant
 
@@ -257,8 +257,14 @@ def test_tile_sized_groups_go_to_their_modules() -> None:
     x = torch.randn(2 * lo, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     small = kquant.grouped_linear(mods, [lo - 1, lo - 1], x[: 2 * lo - 2])
     assert small is not None and torch.equal(small, torch.cat([mods[0](x[: lo - 1]), mods[1](x[lo - 1: 2 * lo - 2])]))
-    tiles = kquant.tiles_take(x[:lo])
-    assert (kquant.grouped_linear(mods, [lo, lo], x) is None) == tiles
+    # lo rows take the tiles in the module unless the pair dot path keeps this type (`kquant_pair_before_tiles`)
+    tiles = kquant.tiles_take(x[:lo]) and not cpu_kernels.kquant_pair_before_tiles(lo, 12)
+    both = kquant.grouped_linear(mods, [lo, lo], x)
+    assert (both is None) == tiles
+    if both is not None:
+        assert torch.equal(both, torch.cat([mods[0](x[:lo]), mods[1](x[lo:])]))
+    wide = torch.randn(2 * lo + 2, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert (kquant.grouped_linear(mods, [lo + 1, lo + 1], wide) is None) == kquant.tiles_take(wide[:lo + 1])
     assert kquant.grouped_linear(mods, [lo, lo], x.float()) is not None
     for m in mods:
         m.tiles = False

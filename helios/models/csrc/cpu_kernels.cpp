@@ -2596,16 +2596,32 @@ inline int64_t kqb_ahead(int64_t rb) {
   return std::min<int64_t>(32, std::max<int64_t>(4, HELIOS_KQB_PF_BYTES / rb));
 }
 
+// 32 bfloat16 words as vdpbf16ps's operand, loaded in its own vector mode (through an __m512i the compiler
+// copied some rows' operands through the stack)
+typedef short kqb_bh_u __attribute__((vector_size(64), may_alias, aligned(2)));
+__attribute__((always_inline)) inline __m512bh kqb_load_bh(const uint16_t* p) {
+  return *reinterpret_cast<const kqb_bh_u*>(p);
+}
+
+// A zero accumulator for a product's first vdpbf16ps, by the zeroing idiom (no execution unit): from
+// _mm512_setzero_ps the compiler copied one zero register per product, a vector move each (Q4_K 17,920 x
+// 1,536 at 7 / 8 rows: 38.1 / 35.3 -> 28.1 / 33.9 ps a weight, with kqb_load_bh).
+__attribute__((always_inline)) inline __m512 kqb_zero_ps() {
+  __m512 z;
+  asm volatile("vpxord %0, %0, %0" : "=v"(z));
+  return z;
+}
+
 // acc[j][i] += sc[j] * (the pair sums of codes[j] and x's row i: 32 columns, rows K apart), by vdpbf16ps.
 template <int NT, int MT>
 __attribute__((always_inline)) inline void kqb_dot(__m512 (&acc)[NT][MT], const __m512i (&codes)[NT],
                                                    const __m512 (&sc)[NT], const uint16_t* x, int64_t K) {
   _Pragma("GCC unroll 8")
   for (int i = 0; i < MT; ++i) {
-    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K);
+    const __m512bh xv = kqb_load_bh(x + i * K);
     _Pragma("GCC unroll 8")
     for (int j = 0; j < NT; ++j)
-      acc[j][i] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)codes[j], xv), sc[j], acc[j][i]);
+      acc[j][i] = _mm512_fmadd_ps(_mm512_dpbf16_ps(kqb_zero_ps(), (__m512bh)codes[j], xv), sc[j], acc[j][i]);
   }
 }
 
@@ -2618,11 +2634,11 @@ __attribute__((always_inline)) inline void kqb_dot2(__m512 (&acc)[NT][MT], const
                                                     const uint16_t* x, int64_t K) {
   _Pragma("GCC unroll 8")
   for (int i = 0; i < MT; ++i) {
-    const __m512bh xa = (__m512bh)_mm512_loadu_si512(x + i * K), xb = (__m512bh)_mm512_loadu_si512(x + i * K + 32);
+    const __m512bh xa = kqb_load_bh(x + i * K), xb = kqb_load_bh(x + i * K + 32);
     _Pragma("GCC unroll 8")
     for (int j = 0; j < NT; ++j)
       acc[j][i] = _mm512_fmadd_ps(
-          _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)ca[j], xa), (__m512bh)cb[j], xb), sc[j],
+          _mm512_dpbf16_ps(_mm512_dpbf16_ps(kqb_zero_ps(), (__m512bh)ca[j], xa), (__m512bh)cb[j], xb), sc[j],
           acc[j][i]);
   }
 }
@@ -3004,6 +3020,23 @@ inline bool kqb_applies(const at::Tensor& x, int64_t type) {
           ((type == kQ4_K || type == kQ5_K || type == kQ5_0) && g_kqb_dp_rows.load(std::memory_order_relaxed)));
 #else
   (void)x;
+  (void)type;
+  return false;
+#endif
+}
+
+// Whether a bfloat16 step of `rows` rows against `type` takes the pair dot path (the exact weights) where the
+// tiles' rows would take kquant_linear_tiles: where every row takes vdpbf16ps, the pair dot path's types up to
+// one tile of kKqbTile rows, where it leads (2026-12-06, a Zen 5 VM, 2 threads, ps a weight at 8 rows, pair
+// dot against tiles: Q4_K 17,920 x 1,536 33.3 / 35.7, Q6_K 1,536 x 8,960 38.2 / 42.4, Q5_0 4,864 x 896
+// 37.9 / 56.2; at 12 rows Q4_K 52.0 / 43.8).
+bool kquant_pair_before_tiles(int64_t rows, int64_t type) {
+#if defined(HELIOS_KQB)
+  return rows <= kKqbTile && g_kqb_on.load(std::memory_order_relaxed) &&
+         g_kqb_dp_rows.load(std::memory_order_relaxed) &&
+         (type == kQ4_K || type == kQ5_K || type == kQ5_0 || type == kQ6_K);
+#else
+  (void)rows;
   (void)type;
   return false;
 #endif
@@ -4084,11 +4117,13 @@ struct KqProjection {
 };
 
 // KQuantLinear.forward's kernel paths: each segment through kquant_linear (or, with `tiles`, through
-// kquant_linear_tiles: the tiles' bfloat16 steps of TILE_ROWS rows), joined along the columns.
+// kquant_linear_tiles: the tiles' bfloat16 steps of TILE_ROWS rows, but for the segments that
+// kquant_pair_before_tiles keeps on the pair dot path), joined along the columns.
 at::Tensor kq_project(const KqProjection& p, const at::Tensor& x, bool tiles) {
   std::vector<at::Tensor> outs;
   for (size_t i = 0; i < p.blocks.size(); ++i)
-    outs.push_back(tiles ? kquant_linear_tiles(x, p.blocks[i], p.types[i], p.outs[i], false)
+    outs.push_back(tiles && !kquant_pair_before_tiles(x.size(0), p.types[i])
+                       ? kquant_linear_tiles(x, p.blocks[i], p.types[i], p.outs[i], false)
                        : kquant_linear(x, p.blocks[i], p.types[i], p.outs[i], false));
   return outs.size() == 1 ? outs[0] : at::cat(outs, 1);
 }
@@ -4246,6 +4281,7 @@ TORCH_LIBRARY(helios, m) {
   m.def("kquant_bf16_dot_supported() -> bool");
   m.def("set_kquant_bf16_dot(bool on) -> bool");
   m.def("kquant_bf16_dot_rows() -> bool");
+  m.def("kquant_pair_before_tiles(int rows, int ggml_type) -> bool");
   m.def("set_kquant_bf16_dot_rows(bool on) -> bool");
   m.def("q8_linear_tiles(Tensor x, Tensor codes, Tensor scales, bool exact=False) -> Tensor");
   m.def("moe_kquant_mix(Tensor x, Tensor weights, Tensor ids, Tensor[] gate_up, int gu_type, Tensor[] down, "
@@ -4268,6 +4304,7 @@ TORCH_LIBRARY_FRAGMENT(helios, m) {
   m.impl("kquant_bf16_dot_supported", &kquant_bf16_dot_supported);
   m.impl("set_kquant_bf16_dot", &set_kquant_bf16_dot);
   m.impl("kquant_bf16_dot_rows", &kquant_bf16_dot_rows);
+  m.impl("kquant_pair_before_tiles", &kquant_pair_before_tiles);
   m.impl("set_kquant_bf16_dot_rows", &set_kquant_bf16_dot_rows);
 }
 
