@@ -3775,10 +3775,10 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
 // ---- The same products with AVX512-BF16 dot products (kquant_linear_tiles where the tiles are absent) ----
 // Where the CPU has AVX512-BF16 but no AMX tiles (AMD Zen 4 and 5; an Intel machine that refuses the
 // tile state), kquant_linear_tiles and q8_linear_tiles's rounded mode run the same products with
-// VDPBF16PS: each thread takes units of 32 weight rows, 4 rows at a time: the 4 rows decoded to bfloat16
-// into an L1 scratch by kq_decode_rows (the tiles' weights: each exact value rounded to nearest even;
-// the group two ahead prefetched), then each block of up to 6
-// activation rows passes over them: 24 accumulators of 16 float32 lanes, lane j the chain over the
+// VDPBF16PS: each thread takes units of 32 weight rows, 8 rows at a time where their bfloat16 rows fit in 32
+// KB, else 4 (kq_dp_group_rows): those rows decoded to bfloat16 into a scratch by kq_decode_rows (the tiles'
+// weights: each exact value rounded to nearest even; the group two ahead prefetched), then each block of
+// up to 3 (6) activation rows passes over them: 24 accumulators of 16 float32 lanes, lane j the chain over the
 // 32-column chunks of the products of columns 2 j and 2 j + 1 (VDPBF16PS adds the pair's two products
 // to the lane in turn), then the 16 lanes summed by kq_tree16. Products of bfloat16 values are exact in
 // float32 and every sum is float32: the tiles' contract in another order of sums (the two backends
@@ -3787,67 +3787,87 @@ void kq_amx_impl(const uint32_t* xpack, int64_t MT, const uint8_t* wp, Out* yp, 
 // 2026-12-06, scripts/bench_kquant_tiles.py) Q4_K 17,920 x 1,536 took 35.6 ps a weight at 8 rows and 101
 // at 32 against the exact kernel's 60.1 and 249 (docs/benchmarks.md, "The tiles path on AVX512-BF16").
 #ifdef HELIOS_KQ_TILES
-// Weight rows w (4 of them, row stride K, zero past the real ones) times activation rows x (MB of them,
-// row stride K) over all K columns (a multiple of 32): part[m * 4 + n] = the dot product of x row m and
+// Weight rows decoded into the scratch at a time: 8 where their bfloat16 rows fit in 32 KB of L1 (the
+// activation rows then pass over twice the weights per load: Q4_K 17,920 x 1,536 at 16 / 32 / 64 rows 51-53 /
+// 87 / 158-160 ps a weight against 55 / 96-99 / 173-177 with 4, 2026-12-06, Zen 5, 2 threads), else 4 (Q6_K
+// 1,536 x 8,960: 4 rows 57-59 / 109-113 against 66-68 / 118 with 8).
+inline int kq_dp_group_rows(int64_t K) { return 8 * K * 2 <= 32 * 1024 ? 8 : 4; }
+// Weight rows w (G of them, row stride K, zero past the real ones) times activation rows x (MB of them,
+// row stride K) over all K columns (a multiple of 32): part[m * G + n] = the dot product of x row m and
 // weight row n, lane chains then a fixed tree.
-template <int MB>
+template <int G, int MB>
 inline void kq_dp_block(const uint16_t* w, const uint16_t* x, int64_t K, float* part) {
-  __m512 acc[4][MB];
-  for (int n = 0; n < 4; ++n)
+  __m512 acc[G][MB];
+  for (int n = 0; n < G; ++n)
     for (int m = 0; m < MB; ++m) acc[n][m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     __m512bh xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-    for (int n = 0; n < 4; ++n) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + n * K + k);
+    for (int m = 0; m < MB; ++m) xv[m] = kqb_load_bh(x + m * K + k);
+    for (int n = 0; n < G; ++n) {
+      const __m512bh wv = kqb_load_bh(w + n * K + k);
       for (int m = 0; m < MB; ++m) acc[n][m] = _mm512_dpbf16_ps(acc[n][m], wv, xv[m]);
     }
   }
-  for (int n = 0; n < 4; ++n)
-    for (int m = 0; m < MB; ++m) part[m * 4 + n] = kq_tree16(acc[n][m]);
+  for (int n = 0; n < G; ++n)
+    for (int m = 0; m < MB; ++m) part[m * G + n] = kq_tree16(acc[n][m]);
 }
 
-// One group's decoded weight rows (w: 4 rows, row stride K) times every activation row of x (bfloat16
-// [M, K], in blocks of up to 6 rows, as even as they go) into y's columns n0 .. n0 + rows (rows <= 4).
-template <typename Out>
+// One group's decoded weight rows (w: G rows, row stride K) times every activation row of x (bfloat16
+// [M, K], in blocks of up to 24 / G rows, as even as they go) into y's columns n0 .. n0 + rows (rows <= G).
+template <int G, typename Out>
 void kq_dp_group(const uint16_t* w, const uint16_t* x, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t rows,
                  Out* yp) {
-  const int64_t blocks = (M + 5) / 6;
+  constexpr int64_t most = 24 / G;
+  const int64_t blocks = (M + most - 1) / most;
   for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
     const int64_t mb = (M - m0) / (blocks - b);
     const uint16_t* xb = x + m0 * K;
     alignas(64) float part[24];
-    switch (mb) {
-      case 1: kq_dp_block<1>(w, xb, K, part); break;
-      case 2: kq_dp_block<2>(w, xb, K, part); break;
-      case 3: kq_dp_block<3>(w, xb, K, part); break;
-      case 4: kq_dp_block<4>(w, xb, K, part); break;
-      case 5: kq_dp_block<5>(w, xb, K, part); break;
-      default: kq_dp_block<6>(w, xb, K, part); break;
+    if constexpr (G == 4) {
+      switch (mb) {
+        case 1: kq_dp_block<G, 1>(w, xb, K, part); break;
+        case 2: kq_dp_block<G, 2>(w, xb, K, part); break;
+        case 3: kq_dp_block<G, 3>(w, xb, K, part); break;
+        case 4: kq_dp_block<G, 4>(w, xb, K, part); break;
+        case 5: kq_dp_block<G, 5>(w, xb, K, part); break;
+        default: kq_dp_block<G, 6>(w, xb, K, part); break;
+      }
+    } else {
+      switch (mb) {
+        case 1: kq_dp_block<G, 1>(w, xb, K, part); break;
+        case 2: kq_dp_block<G, 2>(w, xb, K, part); break;
+        default: kq_dp_block<G, 3>(w, xb, K, part); break;
+      }
     }
     for (int64_t m = 0; m < mb; ++m)
-      for (int64_t r = 0; r < rows; ++r) store(part[m * 4 + r], yp + (m0 + m) * N + n0 + r);
+      for (int64_t r = 0; r < rows; ++r) store(part[m * G + r], yp + (m0 + m) * N + n0 + r);
     m0 += mb;
   }
 }
 
-template <int T, typename Out>
-void kq_dp_impl(const at::Tensor& xc, const uint8_t* wp, Out* yp, int64_t M, int64_t K, int64_t N,
-                const float* sp = nullptr) {
+template <int T, int G, typename Out>
+void kq_dp_units(const at::Tensor& xc, const uint8_t* wp, Out* yp, int64_t M, int64_t K, int64_t N, const float* sp) {
   constexpr int64_t per = KqTraits<T>::per, bytes = KqTraits<T>::bytes;
   const int64_t rb = K / per * bytes;
   const int64_t units = (N + kKqUnitRows - 1) / kKqUnitRows;
   const uint16_t* x = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    uint16_t* w = kq_scratch<uint16_t>(4 * K);
+    uint16_t* w = kq_scratch<uint16_t>(G * K);
     const int64_t end = std::min(N, u1 * kKqUnitRows);
-    for (int64_t n0 = u0 * kKqUnitRows; n0 < end; n0 += 4) {
-      const int64_t rows = std::min<int64_t>(4, end - n0);
-      const uint8_t* next = n0 + 8 < end ? wp + (n0 + 8) * rb : nullptr;
-      kq_decode_rows<T>(wp + n0 * rb, rb, rows, K, w, sp == nullptr ? nullptr : sp + n0 * (K / 32), next, 4);
-      kq_dp_group(w, x, M, K, N, n0, rows, yp);
+    for (int64_t n0 = u0 * kKqUnitRows; n0 < end; n0 += G) {
+      const int64_t rows = std::min<int64_t>(G, end - n0);
+      const uint8_t* next = n0 + 2 * G < end ? wp + (n0 + 2 * G) * rb : nullptr;
+      kq_decode_rows<T>(wp + n0 * rb, rb, rows, K, w, sp == nullptr ? nullptr : sp + n0 * (K / 32), next, G);
+      kq_dp_group<G>(w, x, M, K, N, n0, rows, yp);
     }
   });
+}
+
+template <int T, typename Out>
+void kq_dp_impl(const at::Tensor& xc, const uint8_t* wp, Out* yp, int64_t M, int64_t K, int64_t N,
+                const float* sp = nullptr) {
+  if (kq_dp_group_rows(K) == 8) kq_dp_units<T, 8>(xc, wp, yp, M, K, N, sp);
+  else kq_dp_units<T, 4>(xc, wp, yp, M, K, N, sp);
 }
 #endif
 
