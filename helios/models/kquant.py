@@ -141,6 +141,15 @@ TILE_ROWS = (8, 128)
 TILE_LARGE_ROWS = 512
 TILE_LARGE_ROWS_DP = 256
 TILE_LARGE_WEIGHTS = 16_000_000
+# A weight of more than TILE_WIDE_IN columns (the tiles' decoded rows outgrow L1, 4 weight rows at a time)
+# meets the dequantize-then-GEMM path sooner: a step of more than TILE_WIDE_ROWS rows that its module would
+# unpack anyway goes there (2026-12-06, a Zen 5 VM, 2 threads, the dense buffers kept in the heap, tiles /
+# dequantize-then-GEMM ms at 32 / 48 / 64 / 96 / 128 rows: Q6_K 1,536 x 8,960 1.61 / 2.45 / 3.38 / 4.92 / 7.08
+# against 2.42 / 2.78 / 2.85 / 3.74 / 4.94; Q4_K 1,536 x 8,960 1.31 / 2.43 / 3.01 / 4.77 against 1.89 / 2.28 /
+# 2.77 / 3.62; Q5_0 896 x 4,864 0.48 / 0.77 / 0.98 / 1.39 / 2.00 against 0.52 / 0.64 / 0.77 / 1.04 / 1.40; the
+# narrower ones about even up to 128 rows).
+TILE_WIDE_IN = 2048
+TILE_WIDE_ROWS = 48
 
 
 def tiles_take(x: Tensor, weights: int = 0) -> bool:
@@ -203,7 +212,8 @@ class KQuantLinear(nn.Module):
         kernels = cpu_kernels.available() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
         # (a module off the tiles, a MoE layer's expert, still takes them where it would unpack)
         unpacks = self.unpack_above is not None and rows > self.unpack_above
-        if kernels and (self.tiles or unpacks) and tiles_take(x, self.out_features * self.in_features):
+        wide = unpacks and rows > TILE_WIDE_ROWS and self.in_features > TILE_WIDE_IN
+        if kernels and (self.tiles or unpacks) and not wide and tiles_take(x, self.out_features * self.in_features):
             outs = [cpu_kernels.kquant_linear(x, b, t, o) if cpu_kernels.kquant_pair_before_tiles(rows, t)
                     else cpu_kernels.kquant_linear_tiles(x, b, t, o)
                     for b, t, o in zip(self.blocks, self.types, self.outs, strict=True)]

@@ -782,6 +782,39 @@ def test_the_module_takes_the_tiles_for_bfloat16_steps_in_tile_rows(monkeypatch:
         assert cpu_kernels.set_kquant_tiles(True)
 
 
+def test_a_wide_weight_leaves_the_tiles_for_the_unpack_path_past_tile_wide_rows(
+        monkeypatch: pytest.MonkeyPatch, tiles_backend: str) -> None:
+    """A weight of more than `TILE_WIDE_IN` columns whose module unpacks past ``unpack_above`` takes the
+    unpack path (``F.linear`` of the bfloat16 dequantized weight) for steps of more than `TILE_WIDE_ROWS` rows
+    and the tiles up to it; a narrow one keeps the tiles to `TILE_ROWS`' end, and so does the wide one
+    without ``unpack_above``."""
+    from helios.models import kquant
+
+    calls: list[int] = []
+    real = cpu_kernels.kquant_linear_tiles
+
+    def spy(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kquant.cpu_kernels, "kquant_linear_tiles", spy)
+    wide_in, rows = kquant.TILE_WIDE_IN + 256, kquant.TILE_WIDE_ROWS
+    assert 32 < rows < kquant.TILE_ROWS[1]
+    wide = KQuantLinear([_weight(12, 24, wide_in, 5)], unpack_above=32, unpack_dtype=torch.bfloat16)
+    narrow = KQuantLinear([_weight(12, 24, 512, 6)], unpack_above=32, unpack_dtype=torch.bfloat16)
+    kept = KQuantLinear([_weight(12, 24, wide_in, 5)])
+    for module in (wide, narrow, kept):
+        x = torch.randn(rows + 1, module.in_features, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+        calls.clear()
+        assert torch.equal(module(x[:rows]), real(x[:rows], module.blocks[0], 12, 24)) and calls == [rows]
+        calls.clear()
+        out = module(x)
+        if module is wide:
+            assert calls == [] and torch.equal(out, F.linear(x, module.dequantize(torch.bfloat16)))
+        else:
+            assert calls == [rows + 1] and torch.equal(out, real(x, module.blocks[0], 12, 24))
+
+
 def _q8_codes(out: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0 blocks' codes [out, k] and float16 scales widened to float32 [out, k / 32] (random valid blocks,
     scales from tiny subnormal-free values to 65504)."""
