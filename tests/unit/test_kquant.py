@@ -677,6 +677,45 @@ def test_kquant_linear_tiles_decodes_every_weight_to_its_bfloat16_bits(ggml_type
         assert torch.equal(got, w[:, cols].t().float()), (c0, m)
 
 
+def _dot_products_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The AVX512-BF16 backend's documented order in float32 (products of bfloat16 values are exact): lane
+    j of each output the chain over the 32-column chunks of + x[2j+1] w[2j+1], then + x[2j] w[2j] (each
+    addition rounded, as VDPBF16PS adds them), then the lanes summed l + 8, + 4, + 2, + 1."""
+    xf, wf = x.float(), w.float()
+    lanes = torch.zeros(x.shape[0], w.shape[0], 16)
+    for c in range(0, x.shape[1], 32):
+        xo, xe = xf[:, c + 1:c + 32:2], xf[:, c:c + 32:2]
+        wo, we = wf[:, c + 1:c + 32:2], wf[:, c:c + 32:2]
+        lanes = lanes + xo[:, None, :] * wo[None, :, :]
+        lanes = lanes + xe[:, None, :] * we[None, :, :]
+    for half in (8, 4, 2, 1):
+        lanes = lanes[..., :half] + lanes[..., half:2 * half]
+    return lanes[..., 0]
+
+
+@pytest.mark.parametrize("k", [1536, 4352])
+def test_the_dot_products_sum_in_their_documented_order(k: int) -> None:
+    """The AVX512-BF16 backend's bits equal `_dot_products_reference` (an independent float32 emulation of
+    its order) for 8 weight rows a group (1,536 columns: blocks of 1-3 activation rows) and 4 (4,352
+    columns: blocks of 1-6), at 1, 5, 9 and 40 rows."""
+    if "avx512_bf16" not in _tiles_backends():
+        pytest.skip("no AVX512-BF16 here")
+    forced = cpu_kernels.kquant_tiles_backend() == "amx"
+    if forced:
+        cpu_kernels.set_kquant_tiles_dp(True)
+    try:
+        out = 45
+        blocks = torch.from_numpy(random_blocks(12, out, k, seed=k))
+        w = cpu_kernels.kquant_dequantize(blocks, 12, out, k, torch.bfloat16)
+        for m in (1, 5, 9, 40):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+            got = cpu_kernels.kquant_linear_tiles(x, blocks, 12, out, float_out=True)
+            assert torch.equal(got, _dot_products_reference(x, w)), m
+    finally:
+        if forced:
+            cpu_kernels.set_kquant_tiles_dp(False)
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
 def test_the_dot_products_give_a_row_the_same_bits_in_any_batch_and_team(ggml_type: int) -> None:
     """The AVX512-BF16 backend sums each output in an order that depends on K alone: a row's result is
