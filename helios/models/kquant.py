@@ -147,7 +147,7 @@ TILE_LARGE_WEIGHTS = 16_000_000
 # dequantize-then-GEMM ms at 32 / 48 / 64 / 96 / 128 rows: Q6_K 1,536 x 8,960 1.61 / 2.45 / 3.38 / 4.92 / 7.08
 # against 2.42 / 2.78 / 2.85 / 3.74 / 4.94; Q4_K 1,536 x 8,960 1.31 / 2.43 / 3.01 / 4.77 against 1.89 / 2.28 /
 # 2.77 / 3.62; Q5_0 896 x 4,864 0.48 / 0.77 / 0.98 / 1.39 / 2.00 against 0.52 / 0.64 / 0.77 / 1.04 / 1.40; the
-# narrower ones about even up to 128 rows).
+# narrower ones about even up to 128 rows). The AVX512-BF16 backend only: measured there, not on AMX tiles.
 TILE_WIDE_IN = 2048
 TILE_WIDE_ROWS = 48
 
@@ -212,7 +212,8 @@ class KQuantLinear(nn.Module):
         kernels = cpu_kernels.available() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
         # (a module off the tiles, a MoE layer's expert, still takes them where it would unpack)
         unpacks = self.unpack_above is not None and rows > self.unpack_above
-        wide = unpacks and rows > TILE_WIDE_ROWS and self.in_features > TILE_WIDE_IN
+        wide = (unpacks and rows > TILE_WIDE_ROWS and self.in_features > TILE_WIDE_IN
+                and cpu_kernels.kquant_tiles_backend() != "amx")
         if kernels and (self.tiles or unpacks) and not wide and tiles_take(x, self.out_features * self.in_features):
             outs = [cpu_kernels.kquant_linear(x, b, t, o) if cpu_kernels.kquant_pair_before_tiles(rows, t)
                     else cpu_kernels.kquant_linear_tiles(x, b, t, o)
