@@ -632,6 +632,22 @@ def tiles_backend(request: pytest.FixtureRequest) -> Iterator[str]:
             assert cpu_kernels.set_kquant_tiles_dp(False) == "amx"
 
 
+@pytest.fixture
+def dot_products() -> Iterator[None]:
+    """The AVX512-BF16 dot products as `kquant_linear_tiles`'s backend for the test (forced where AMX runs;
+    a skip where the build has no AVX512-BF16)."""
+    if "avx512_bf16" not in _tiles_backends():
+        pytest.skip("no AVX512-BF16 here")
+    forced = cpu_kernels.kquant_tiles_backend() == "amx"
+    if forced:
+        cpu_kernels.set_kquant_tiles_dp(True)
+    try:
+        yield
+    finally:
+        if forced:
+            cpu_kernels.set_kquant_tiles_dp(False)
+
+
 def amx_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The tiles path's float32 error: products of bfloat16 values are exact, and each output is at most
     K additions of products or partial sums (AMX: a chain of K / 2 pair sums, plus the two chains'
@@ -694,38 +710,24 @@ def _dot_products_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("k", [1536, 4352])
-def test_the_dot_products_sum_in_their_documented_order(k: int) -> None:
+def test_the_dot_products_sum_in_their_documented_order(k: int, dot_products: None) -> None:
     """The AVX512-BF16 backend's bits equal `_dot_products_reference` (an independent float32 emulation of
     its order) for 8 weight rows a group (1,536 columns: blocks of 1-3 activation rows) and 4 (4,352
     columns: blocks of 1-6), at 1, 5, 9 and 40 rows."""
-    if "avx512_bf16" not in _tiles_backends():
-        pytest.skip("no AVX512-BF16 here")
-    forced = cpu_kernels.kquant_tiles_backend() == "amx"
-    if forced:
-        cpu_kernels.set_kquant_tiles_dp(True)
-    try:
-        out = 45
-        blocks = torch.from_numpy(random_blocks(12, out, k, seed=k))
-        w = cpu_kernels.kquant_dequantize(blocks, 12, out, k, torch.bfloat16)
-        for m in (1, 5, 9, 40):
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
-            got = cpu_kernels.kquant_linear_tiles(x, blocks, 12, out, float_out=True)
-            assert torch.equal(got, _dot_products_reference(x, w)), m
-    finally:
-        if forced:
-            cpu_kernels.set_kquant_tiles_dp(False)
+    out = 45
+    blocks = torch.from_numpy(random_blocks(12, out, k, seed=k))
+    w = cpu_kernels.kquant_dequantize(blocks, 12, out, k, torch.bfloat16)
+    for m in (1, 5, 9, 40):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        got = cpu_kernels.kquant_linear_tiles(x, blocks, 12, out, float_out=True)
+        assert torch.equal(got, _dot_products_reference(x, w)), m
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
-def test_the_dot_products_give_a_row_the_same_bits_in_any_batch_and_team(ggml_type: int) -> None:
+def test_the_dot_products_give_a_row_the_same_bits_in_any_batch_and_team(ggml_type: int, dot_products: None) -> None:
     """The AVX512-BF16 backend sums each output in an order that depends on K alone: a row's result is
     the same bits alone, in a batch of 37 rows at any position, and on one thread or two; a long K
     (more than 2,048 columns) too."""
-    if "avx512_bf16" not in _tiles_backends():
-        pytest.skip("no AVX512-BF16 here")
-    forced = cpu_kernels.kquant_tiles_backend() == "amx"
-    if forced:
-        cpu_kernels.set_kquant_tiles_dp(True)
     threads = torch.get_num_threads()
     try:
         per = cpu_kernels.KQUANT_LAYOUTS[ggml_type][0]
@@ -743,25 +745,14 @@ def test_the_dot_products_give_a_row_the_same_bits_in_any_batch_and_team(ggml_ty
         assert ((batch.double() - x.double() @ w.double().t()).abs() <= amx_bound(x, w)).all()
     finally:
         torch.set_num_threads(threads)
-        if forced:
-            cpu_kernels.set_kquant_tiles_dp(False)
 
 
-def test_the_exact_q8_mode_is_refused_off_the_amx_tiles() -> None:
+def test_the_exact_q8_mode_is_refused_off_the_amx_tiles(dot_products: None) -> None:
     """``q8_linear_tiles(exact=True)`` runs on the AMX backend only; on the dot products it is a clear
     error, not a rounded result."""
-    if "avx512_bf16" not in _tiles_backends():
-        pytest.skip("no AVX512-BF16 here")
-    forced = cpu_kernels.kquant_tiles_backend() == "amx"
-    if forced:
-        cpu_kernels.set_kquant_tiles_dp(True)
-    try:
-        codes, scales = _q8_codes(16, 64, seed=1)
-        with pytest.raises(RuntimeError, match="AMX tiles only"):
-            cpu_kernels.q8_linear_tiles(torch.ones(8, 64, dtype=torch.bfloat16), codes, scales, exact=True)
-    finally:
-        if forced:
-            cpu_kernels.set_kquant_tiles_dp(False)
+    codes, scales = _q8_codes(16, 64, seed=1)
+    with pytest.raises(RuntimeError, match="AMX tiles only"):
+        cpu_kernels.q8_linear_tiles(torch.ones(8, 64, dtype=torch.bfloat16), codes, scales, exact=True)
 
 
 def test_kquant_linear_tiles_rejects_bad_operands(tiles_backend: str) -> None:

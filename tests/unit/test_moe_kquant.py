@@ -247,8 +247,9 @@ def test_grouped_experts_equal_one_call_per_expert(kquant_file: Path, dtype: tor
 
 def test_tile_sized_groups_go_to_their_modules() -> None:
     """`grouped_linear` declines (None: one module call per group) when a group's rows would take the
-    tiles path in its module (8 rows of Q4_K do not where `kquant_pair_before_tiles`), so a grouped result is always the bits of each module alone; a MoE
-    layer's experts do not take the tiles (`tiles` False), so they group at any size."""
+    tiles path in its module (8 rows of Q4_K do not where `kquant_pair_before_tiles`), so a grouped result
+    is always the bits of each module alone; a MoE layer's experts do not take the tiles (`tiles` False),
+    so they group at any size."""
     from helios.models import kquant
 
     weights = [BlockQuantized(torch.from_numpy(random_blocks(12, 32, 256, seed=g)), 12, (32, 256)) for g in range(2)]
