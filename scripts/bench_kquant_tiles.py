@@ -3,12 +3,15 @@ tiles (`kquant_linear_tiles`, where the CPU has them) and dequantize-then-GEMM (
 a call and ps a weight, for bfloat16 activations of each row count.
 
     .venv/bin/python scripts/bench_kquant_tiles.py [--type 12] [--shape 17920 1536] [--rows 1 8 32 128]
-        [--threads 1] [--runs 5] [--pair-ab]
+        [--threads 1] [--runs 5] [--pair-ab] [--keep-buffers]
 
 Weights are random valid blocks (`tests.unit.test_kquant.random_blocks`), large enough to come from
 memory; each figure is the minimum of ``--runs`` calls. Prints the CPU flags it ran on. ``--pair-ab``
 instead times the exact kernel with `cpu_kernels.kquant_bf16_dot_rows` off and on (the float32 path, or
 Q6_K's float32 lanes, against the pair dot products of every row; where the build has AVX512-BF16).
+``--keep-buffers`` keeps large freed buffers in the heap first, as the server does for a k-quant model
+(`runtime.keep_large_buffers`), so the unpack column is the server's (without it each call faults a fresh
+dense copy in).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helios.models import cpu_kernels
-from helios.runtime import cpu_flags
+from helios.runtime import cpu_flags, keep_large_buffers
 from tests.unit.test_kquant import random_blocks
 
 
@@ -44,8 +47,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--pair-ab", action="store_true", help="the exact kernel with kquant_bf16_dot_rows off / on")
+    ap.add_argument("--keep-buffers", action="store_true",
+                    help="keep large freed buffers in the heap first, as the server does for k-quant models "
+                         "(runtime.keep_large_buffers): the unpack column without a fresh mapping per call")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.keep_buffers:
+        keep_large_buffers()
     if not cpu_kernels.available():
         sys.exit(f"Helios's CPU kernels are not available: {cpu_kernels.unavailable_reason()}")
     tiles = cpu_kernels.kquant_tiles_supported()
@@ -53,7 +61,8 @@ def main() -> None:
     t = args.type
     blocks = torch.from_numpy(random_blocks(t, out, k, seed=1))
     print(f"CPU flags: {cpu_flags()}; threads {args.threads}; {cpu_kernels.KQUANT_NAMES[t]} {out} x {k}; "
-          f"tiles {'yes' if tiles else 'no (not built or not permitted here)'}")
+          f"tiles {'yes' if tiles else 'no (not built or not permitted here)'}"
+          f"{'; large buffers kept in the heap' if args.keep_buffers else ''}")
     per = 1e9 / (out * k)
     if args.pair_ab:
         if not cpu_kernels.kquant_bf16_dot_supported():

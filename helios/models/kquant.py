@@ -137,7 +137,11 @@ TILE_ROWS = (8, 128)
 # above faults a fresh mapping in per call) and 8 weight rows decoded at a time (2026-12-06, a Zen 5 VM, 2
 # threads, 17,920 x 1,536, the best of 5, two runs): tiles / dequantize-then-GEMM 8.4-9.4 / 9.6-9.7 ms at 129
 # rows, 12.2-12.5 / 12.9-13.1 at 192, 16.6-19.9 / 16.9-17.1 at 256, 21.8-23.2 / 20.9-21.4 at 320, 30.2-31.8 /
-# 24.2-24.6 at 384, 37.4-42.1 / 30.8-31.9 at 512: the tiles lead up to about 256 rows.
+# 24.2-24.6 at 384, 37.4-42.1 / 30.8-31.9 at 512; `scripts/bench_kquant_tiles.py --threads 2 --rows 256 320
+# 384 --keep-buffers`, two runs: 16.9-20.2 / 16.5-16.9, 20.6-23.8 / 22.4-23.2, 24.5-26.8 / 26.0-26.9, about even
+# past 256 rows alone), and in the model the tiles lose past 256: the 1.5B's 380-token prefill
+# (`scripts/profile_prefill.py --tokens 380 --runs 5`, alternated with 384 here twice, twice) 1,389-1,487 ms
+# with 384, 1,213-1,249 with 256.
 TILE_LARGE_ROWS = 512
 TILE_LARGE_ROWS_DP = 256
 TILE_LARGE_WEIGHTS = 16_000_000
