@@ -140,7 +140,7 @@ TILE_ROWS = (8, 128)
 # 24.2-24.6 at 384, 37.4-42.1 / 30.8-31.9 at 512; `scripts/bench_kquant_tiles.py --threads 2 --rows 256 320
 # 384 --keep-buffers`, two runs: 16.9-20.2 / 16.5-16.9, 20.6-23.8 / 22.4-23.2, 24.5-26.8 / 26.0-26.9, about even
 # past 256 rows alone), and in the model the tiles lose past 256: the 1.5B's 380-token prefill
-# (`scripts/profile_prefill.py --tokens 380 --runs 5`, alternated with 384 here twice, twice) 1,389-1,487 ms
+# (`scripts/profile_prefill.py --tokens 380 --runs 5`, two sets of two alternations) 1,389-1,487 ms
 # with 384, 1,213-1,249 with 256.
 TILE_LARGE_ROWS = 512
 TILE_LARGE_ROWS_DP = 256
