@@ -160,6 +160,11 @@ class SpeculativeSection:
     # an MTP-only GGUF of the target (llama.cpp's convert_hf_to_gguf.py --mtp: DeepSeek V4's), whose
     # MTP layer then drafts in that place (runtime.mtp_file).
     draft_model: str = ""
+    # The token ids a draft model ranks its drafts over: the first draft_vocab (0: all). A byte-level BPE
+    # vocabulary's first ids are its most frequent tokens, and the draft model's output projection then
+    # reads that many rows alone (engine/drafter.py); the target verifies every draft, so the output is
+    # the same at any value.
+    draft_vocab: int = attrs.field(default=65536, validator=_non_negative)
     # A checkpoint's multi-token-prediction layers (DeepSeek-V3 / V3.2, GLM-4.5 / GLM-5, V4 folders) draft
     # in that place when there is no draft_model: loaded when speculation is on and the checkpoint
     # has them; false never loads them (their memory: one decoder layer in the model's format).
@@ -337,6 +342,10 @@ def _check_speculative(section: Any) -> None:
     if draft and section.get("mode", "off") == "off":
         raise ConfigError(f"speculative.draft_model = {draft!r} drafts for speculative decoding, which is off: "
                           "set speculative.mode to ngram or adaptive, or remove draft_model")
+    vocab = section.get("draft_vocab", 0)
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0:
+        raise ConfigError(f"speculative.draft_vocab must be 0 (the whole vocabulary) or a positive number of token "
+                          f"ids, got {vocab!r}")
     depth = section.get("max_depth", 1)
     if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= MAX_SPECULATIVE_DEPTH:
         raise ConfigError(f"speculative.max_depth must be an integer within 1..{MAX_SPECULATIVE_DEPTH}, got {depth!r}")

@@ -715,10 +715,12 @@ def load_drafter(cfg: HeliosConfig, tokenizer: Tokenizer, *, num_pages: int, max
                       max_model_len=min(max_model_len, ckpt.config.max_position_embeddings),
                       prefill_chunk_size=cfg.engine.prefill_chunk_size, prefix_caching=cfg.cache.prefix_caching,
                       fingerprint=model_fingerprint(path, loaded.choice.describe()),
-                      token_vocab_size=tokenizer.vocab_size, kv_prefault=cfg.engine.kv_prefault)
+                      token_vocab_size=tokenizer.vocab_size, kv_prefault=cfg.engine.kv_prefault,
+                      vocab_prefix=cfg.speculative.draft_vocab)
     layout = drafter.attention.layout
-    log.info("draft model %s: %s; its KV pool %d pages (%.2f GiB)", ckpt.model_id, loaded.choice.describe(),
-             num_pages, layout.bytes_per_token(loaded.choice.dtype) * page * num_pages / 2**30)
+    log.info("draft model %s: %s; its KV pool %d pages (%.2f GiB); drafts ranked over %s", ckpt.model_id,
+             loaded.choice.describe(), num_pages, layout.bytes_per_token(loaded.choice.dtype) * page * num_pages / 2**30,
+             f"token ids 0-{drafter.vocab_prefix - 1}" if drafter.vocab_prefix else "the whole vocabulary")
     return drafter
 
 

@@ -85,6 +85,9 @@ class ModelRunner:
         # context in place, where the prefill path gathers it per row and layer (at 1,000 tokens of
         # context, one stream, 4 drafts: 67 ms a step against 131 ms, a plain decode step 46 ms).
         self.batch.verify_as_decode = backend.decode_kernel
+        self.compute_logits: Callable[[Tensor], Tensor] = model.compute_logits
+        """The logits of the rows a step samples from (the model's; a drafter's may rank a vocabulary
+        prefix: `drafter.Drafter`)."""
         self.hidden_sink: Callable[[RequestState, int, Tensor], None] | None = None
         """Given (an MTP drafter's `mtp.MTPDrafter.capture`): called after each forward with every
         chunk of a speculating request, its first position and its rows of the final hidden states,
@@ -140,7 +143,7 @@ class ModelRunner:
                 return RunnerOutput(prompt_logprobs=scored, failed=image_failed, not_run=frozenset(image_failed))
             rows = hidden if keep is not None or step.sample_tokens is None else hidden.index_select(
                 0, step.sample_tokens)
-            logits = self.model.compute_logits(rows)
+            logits = self.compute_logits(rows)
             token_mask, masked_rows = masks.result(self.sampler.vocab_size, logits.device) if masks else (None, None)
             if masked_rows is not None and step.first_rows is not None:
                 masked_rows = [step.first_rows[i] for i in masked_rows]  # request index -> logits row

@@ -255,28 +255,58 @@ class FusedDecoderLM(nn.Module):
         """Logits [N, vocab_size] in float32 for hidden states [N, hidden_size] (tensor parallel:
         every rank calls it with the same rows, and every rank gets the whole rows)."""
         if self.parallel is not None:
-            return self.parallel.gather_vocab(dense_matmul(hidden.float(), self._head_shard()).float(),
-                                              self.config.vocab_size)
+            return self._final_logits(self.parallel.gather_vocab(
+                dense_matmul(hidden.float(), self._head_shard()).float(), self.config.vocab_size))
+        return self._final_logits(self._logits(hidden, self.config.vocab_size))
+
+    def compute_logits_prefix(self, hidden: Tensor, rows: int) -> Tensor:
+        """float32 logits [N, rows] of the vocabulary's first ``rows`` entries (`interface.PrefixLogitsLM`):
+        the output projection's first ``rows`` rows alone, by the kernel `compute_logits` takes for
+        them (a GGUF-block or Q8_0 head: the same values, each logit computed alone; a dense head
+        without its oneDNN-packed copy, which holds the whole head)."""
+        if self.parallel is not None:
+            raise NotImplementedError("a tensor-parallel model computes the whole vocabulary's logits")
+        if not 0 < rows <= self.config.vocab_size:
+            raise ValueError(f"rows must be in 1..{self.config.vocab_size}, got {rows}")
+        return self._final_logits(self._logits(hidden, rows))
+
+    def _final_logits(self, logits: Tensor) -> Tensor:
+        """The projection's logits as the model gives them (a family with a final soft cap applies it)."""
+        return logits
+
+    def _logits(self, hidden: Tensor, rows: int) -> Tensor:
+        """float32 logits of the output projection's first ``rows`` rows (all: `compute_logits`)."""
+        whole = rows == self.config.vocab_size
         if self._lm_head_blocks is not None:
             head = self._lm_head_blocks
+            blocks = head.blocks if whole else head.blocks[:rows]
             if tiles_take(hidden) and not cpu_kernels.kquant_pair_before_tiles(hidden.shape[0], head.ggml_type):
-                return cpu_kernels.kquant_linear_tiles(hidden, head.blocks, head.ggml_type, head.shape[0], float_out=True)
+                return cpu_kernels.kquant_linear_tiles(hidden, blocks, head.ggml_type, rows, float_out=True)
             # float32 logits from bfloat16 rows without widening them first (the pair dot path)
             x = hidden if hidden.dtype in (torch.float32, torch.bfloat16) else hidden.float()
-            return cpu_kernels.kquant_linear(x.contiguous(), head.blocks, head.ggml_type, head.shape[0], float_out=True)
+            return cpu_kernels.kquant_linear(x.contiguous(), blocks, head.ggml_type, rows, float_out=True)
         if self._lm_head_q8 is not None:
-            if (self._lm_head_q8_bf16 is not None and hidden.dtype == torch.bfloat16
+            codes, scales = self._lm_head_q8 if whole else (self._lm_head_q8[0][:rows], self._lm_head_q8[1][:rows])
+            packed = self._lm_head_q8_bf16
+            if packed is not None and not whole:  # its 16-output tiles that hold the rows
+                tiles = -(-rows // 16)
+                packed = (packed[0][:tiles], packed[1][:tiles], rows)
+            if (packed is not None and hidden.dtype == torch.bfloat16
                     and hidden.shape[0] >= Q8_EXACT_AMX_ROWS and cpu_kernels.kquant_tiles_active()
                     and cpu_kernels.kquant_tiles_backend() == "amx"):
-                return cpu_kernels.q8_linear_tiles(hidden.contiguous(), *self._lm_head_q8, exact=True)
-            if self._lm_head_q8_bf16 is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] >= Q8_BF16_ROWS:
-                return cpu_kernels.q8_linear_bf16(hidden, *self._lm_head_q8_bf16)
+                return cpu_kernels.q8_linear_tiles(hidden.contiguous(), codes, scales, exact=True)
+            if packed is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] >= Q8_BF16_ROWS:
+                return cpu_kernels.q8_linear_bf16(hidden, *packed)
             if self.weight_format.keep_blocks and tiles_take(hidden):  # codes alone (`pack_cpu_weights`)
-                return cpu_kernels.q8_linear_tiles(hidden, *self._lm_head_q8)
-            return cpu_kernels.q8_linear(hidden, *self._lm_head_q8)
+                return cpu_kernels.q8_linear_tiles(hidden, codes, scales)
+            return cpu_kernels.q8_linear(hidden, codes, scales)
         if self._lm_head_fp32 is not None:
-            return dense_matmul(hidden.float(), self._lm_head_fp32, self._lm_head_onednn)
-        return dense_matmul(hidden, self.lm_head, self._lm_head_onednn).float()
+            if whole:
+                return dense_matmul(hidden.float(), self._lm_head_fp32, self._lm_head_onednn)
+            return dense_matmul(hidden.float(), self._lm_head_fp32[:rows], None)
+        if whole:
+            return dense_matmul(hidden, self.lm_head, self._lm_head_onednn).float()
+        return dense_matmul(hidden, self.lm_head[:rows], None).float()
 
     def _head_shard(self) -> Tensor:
         """A tensor-parallel rank's rows of the output projection (float32 where the model keeps a

@@ -494,9 +494,8 @@ class Gemma4ForCausalLM(FusedDecoderLM):
                 produced[i] = kv
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """float32 logits [N, vocab_size], soft-capped (tanh(x / c) * c) where the config says so."""
-        logits = super().compute_logits(hidden)
+    def _final_logits(self, logits: Tensor) -> Tensor:
+        """Soft-capped (tanh(x / c) * c) where the config says so."""
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

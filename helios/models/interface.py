@@ -313,6 +313,19 @@ class CausalLM(Protocol):
 
 
 @runtime_checkable
+class PrefixLogitsLM(Protocol):
+    """A `CausalLM` that computes the logits of a prefix of its vocabulary alone (the first token ids:
+    a byte-level BPE vocabulary's most frequent tokens, in the order its merges were learned), with
+    the output projection's first rows only. A draft model ranks its drafts over such a prefix
+    (`engine.drafter.Drafter`'s ``vocab_prefix``): its head is then a fraction of the bytes a step reads."""
+
+    def compute_logits_prefix(self, hidden: Tensor, rows: int) -> Tensor:
+        """float32 logits [N, rows] of hidden states [N, hidden]: the first ``rows`` columns of what
+        `CausalLM.compute_logits` gives (1 <= rows <= vocab_size)."""
+        ...
+
+
+@runtime_checkable
 class DraftFeatureLM(Protocol):
     """A `CausalLM` whose multi-token-prediction layers read other features than its hidden states
     (`models.mtp`; DeepSeek V4's read the residual streams before its HyperHead). The runner then

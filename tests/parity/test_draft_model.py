@@ -46,9 +46,9 @@ def small() -> LoadedModel:
     return _load("qwen2.5-coder:0.5b")
 
 
-def _drafter(loaded: LoadedModel) -> Drafter:
+def _drafter(loaded: LoadedModel, vocab_prefix: int = 0) -> Drafter:
     return Drafter(loaded.model, loaded.choice.dtype, num_pages=64, page_size=16, max_active=2, max_model_len=1024,
-                   token_vocab_size=loaded.checkpoint.tokenizer.vocab_size)
+                   token_vocab_size=loaded.checkpoint.tokenizer.vocab_size, vocab_prefix=vocab_prefix)
 
 
 def _run(target: LoadedModel, sampling: SamplingParams, max_tokens: int,
@@ -91,11 +91,16 @@ def test_the_small_model_drafting_itself(small: LoadedModel, sampling: SamplingP
         assert spec.model_accepted_drafts >= 3 * spec.model_draft_rounds
 
 
-def test_the_large_model_drafted_by_the_small_one(small: LoadedModel) -> None:
+@pytest.mark.parametrize("vocab_prefix", [0, 65536], ids=["whole-vocabulary", "first-65536-ids"])
+def test_the_large_model_drafted_by_the_small_one(small: LoadedModel, vocab_prefix: int) -> None:
+    """With the whole vocabulary and with the server's default ``draft_vocab`` (the drafts ranked over
+    the first 65,536 ids: the 0.5B's Q8_0 head read for those rows alone)."""
     large = _load("qwen2.5-coder:1.5b")
     greedy = SamplingParams(temperature=0.0)
     want, _ = _run(large, greedy, 32)
-    got, core = _run(large, greedy, 32, _drafter(small))
+    drafter = _drafter(small, vocab_prefix)
+    assert drafter.vocab_prefix == vocab_prefix
+    got, core = _run(large, greedy, 32, drafter)
     assert got == want
     spec = core.stats().speculative
     assert spec is not None and spec.model_draft_rounds > 0 and spec.model_accepted_drafts > 0

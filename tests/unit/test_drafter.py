@@ -11,6 +11,7 @@ tests/parity/test_draft_model.py.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import attrs
 import pytest
@@ -21,8 +22,11 @@ from helios.engine.core import EngineConfig, EngineCore
 from helios.engine.drafter import Drafter
 from helios.engine.records import EngineRequest
 from helios.engine.speculative import SpeculativeConfig
+from helios.models import cpu_kernels
+from helios.models.interface import PrefixLogitsLM
 from helios.models.llama import LlamaForCausalLM
 from tests.unit.test_engine import CFG, tiny_model
+from tests.unit.tiny_gguf import Q, write_tiny_gguf
 
 TARGET = tiny_model()
 
@@ -124,6 +128,81 @@ def test_the_draft_model_drafts_the_target_s_greedy_continuation() -> None:
     assert d.num_states == 0 and d.kv.num_free == d.kv.num_pages
 
 
+PREFIX = 48  # of the tiny target's 96 ids
+
+
+def prefix_only(model: LlamaForCausalLM, rows: int) -> LlamaForCausalLM:
+    """``model`` whose whole-vocabulary logits are -inf past the first ``rows`` ids: the reference
+    for a drafter that ranks its drafts over those ids alone."""
+    whole = model.compute_logits
+    model.compute_logits = lambda h: whole(h).index_fill(  # type: ignore[method-assign]
+        1, torch.arange(rows, model.vocab_size), float("-inf"))
+    return model
+
+
+def test_a_vocabulary_prefix_ranks_the_drafts_over_the_first_ids() -> None:
+    """A drafter with ``vocab_prefix`` proposes the greedy continuation over the first ids alone: the
+    drafts of a drafter whose model's other logits are -inf, none past the prefix, where the whole
+    vocabulary's drafts take later ids too. A model without `PrefixLogitsLM`, or a prefix as large
+    as the vocabulary, ranks over the whole vocabulary."""
+    d = drafter(copy.deepcopy(TARGET), vocab_prefix=PREFIX)
+    assert d.vocab_prefix == PREFIX and d.sampler.vocab_size == PREFIX
+    assert d.runner.compute_logits(torch.randn(2, CFG.hidden_size)).shape == (2, PREFIX)  # those rows alone
+    reference = drafter(prefix_only(copy.deepcopy(TARGET), PREFIX))
+    whole = drafter(copy.deepcopy(TARGET))
+    later = 0
+    for i, prompt in enumerate(([5, 17, 3, 29, 11, 2, 23], [40, 41, 42, 7, 7, 7], list(range(60, 90)), [90, 1, 77])):
+        got = d.propose(f"p{i}", prompt, 6)
+        assert got == reference.propose(f"p{i}", prompt, 6)
+        assert len(got) == 6 and max(got) < PREFIX
+        later += max(whole.propose(f"p{i}", prompt, 6)) >= PREFIX
+    assert later > 0  # the prefix changed some drafts
+    assert drafter(copy.deepcopy(TARGET), vocab_prefix=CFG.vocab_size).vocab_prefix == 0
+    assert drafter(copy.deepcopy(TARGET), vocab_prefix=PREFIX, token_vocab_size=PREFIX).vocab_prefix == 0
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_outputs_are_identical_with_a_vocabulary_prefix(sampling: SamplingParams) -> None:
+    reqs = requests(sampling)
+    core = engine("adaptive", drafter(copy.deepcopy(TARGET), vocab_prefix=PREFIX))
+    assert drive(core, reqs) == drive(engine("off"), reqs)
+    spec = core.stats().speculative
+    assert spec is not None and spec.model_draft_rounds > 0 and spec.model_accepted_drafts > 0
+
+
+@pytest.mark.skipif(not cpu_kernels.available(),
+                    reason=f"Helios's CPU kernels are not built here: {cpu_kernels.unavailable_reason()}")
+@pytest.mark.parametrize(("projections", "embeddings"), [(Q.Q4_1, Q.Q8_0), (Q.Q5_0, Q.Q8_0), (Q.Q5_0, Q.Q5_0),
+                                                         (Q.Q8_0, Q.F32)],
+                         ids=["q8-head-packed", "q8-head-codes", "block-head", "dense-head"])
+def test_prefix_logits_are_the_first_columns_of_the_whole_vocabulary_s(tmp_path: Path, projections: Q,
+                                                                      embeddings: Q) -> None:
+    """`compute_logits_prefix` on every head a GGUF model keeps (its Q8_0 codes with and without their
+    bfloat16 tile layout, its own GGUF blocks, a dense float32 head with its oneDNN-packed copy): the
+    first columns of `compute_logits`, the same values for quantized heads (each logit computed alone
+    by the same kernel: the packed layout's tiles that hold the prefix), within float32 rounding for
+    the dense head (sliced, without the packed copy)."""
+    from helios.runtime import load_model
+
+    model = load_model(write_tiny_gguf(tmp_path / "tiny.gguf", projections=projections, embeddings=embeddings),
+                       cache_dir=None).model
+    assert isinstance(model, PrefixLogitsLM)
+    vocab = model.vocab_size
+    torch.manual_seed(0)
+    for n in (1, 8, 24):
+        hidden = torch.randn(n, model.config.hidden_size).to(model.dtype)
+        whole = model.compute_logits(hidden)
+        for rows in (16, 100, vocab):
+            got = model.compute_logits_prefix(hidden, rows)
+            assert got.shape == (n, rows) and got.dtype == torch.float32
+            if embeddings == Q.F32:
+                torch.testing.assert_close(got, whole[:, :rows], rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(got, whole[:, :rows]), (n, rows)
+    with pytest.raises(ValueError, match="rows must be in"):
+        model.compute_logits_prefix(hidden, vocab + 1)
+
+
 def test_drafter_state_is_released_on_abort_and_preemption() -> None:
     """Aborted requests (mid-prefill, mid-decode) and preempted ones (a target pool too small for all
     of them) leave no drafter state behind; the outputs of the others are unchanged."""
@@ -164,15 +243,21 @@ def test_draft_model_config_is_validated(tmp_path: object) -> None:
     from helios.config import ConfigError, load_config
 
     assert load_config().speculative.draft_model == ""
+    assert load_config().speculative.draft_vocab == 65536
     path = Path(str(tmp_path)) / "h.toml"
     path.write_text('[speculative]\nmode = "ngram"\ndraft_model = "qwen2.5-coder:0.5b"\n')
     assert load_config(path).speculative.draft_model == "qwen2.5-coder:0.5b"
+    path.write_text('[speculative]\nmode = "ngram"\ndraft_model = "qwen2.5-coder:0.5b"\ndraft_vocab = 0\n')
+    assert load_config(path).speculative.draft_vocab == 0
     for bad, message in (
         ('draft_model = "qwen2.5-coder:0.5b"', "speculative.draft_model = 'qwen2.5-coder:0.5b' drafts for "
                                                "speculative decoding, which is off"),
         ('mode = "off"\ndraft_model = "x.gguf"', "set speculative.mode to ngram or adaptive"),
         ('mode = "ngram"\ndraft_model = 3', "speculative.draft_model must be a model name or path"),
         ('mode = "ngram"\ndraft_model = " x.gguf"', "surrounding whitespace"),
+        ('mode = "ngram"\ndraft_vocab = -1', "speculative.draft_vocab must be 0"),
+        ('mode = "ngram"\ndraft_vocab = "65536"', "speculative.draft_vocab must be 0"),
+        ('mode = "ngram"\ndraft_vocab = true', "speculative.draft_vocab must be 0"),
     ):
         path.write_text(f"[speculative]\n{bad}\n")
         with pytest.raises(ConfigError, match=message):
