@@ -351,6 +351,11 @@ class InputBatch:
         self.verify_as_decode = False
         """Verification rows attend as decode tokens (True: one per position, context length
         position + 1) or as one prefill chunk over their context (SDPA, causal from its start)."""
+        self.short_chunks_as_decode = 0
+        """With `verify_as_decode`: a chunk of at most this many positions after some context attends
+        as decode tokens too, so a step of such chunks takes the model's decode path (a drafter's
+        catch-up on the drafts the target accepted: `drafter.Drafter`); 0: none. The engine's own
+        batch keeps 0 (a prompt's chunk attends as prefill, the same sums at any chunking)."""
 
     @property
     def block_table(self) -> Tensor:
@@ -449,7 +454,7 @@ class InputBatch:
                 ids.extend(drafts)
                 positions.extend(range(start, start + length))
                 token_rows.extend(itertools.repeat(row, length))
-                if drafts and self.verify_as_decode:
+                if self.verify_as_decode and (drafts or (0 < start and length <= self.short_chunks_as_decode)):
                     # Each verified position attends like a decode token of its row: the step's K/V
                     # are written before attention, so position p sees exactly positions 0..p.
                     decode_tokens.extend(range(offset, offset + length))

@@ -203,6 +203,41 @@ def test_prefix_logits_are_the_first_columns_of_the_whole_vocabulary_s(tmp_path:
         model.compute_logits_prefix(hidden, vocab + 1)
 
 
+@pytest.mark.skipif(not cpu_kernels.available(),
+                    reason=f"Helios's CPU kernels are not built here: {cpu_kernels.unavailable_reason()}")
+def test_the_catch_up_after_accepted_drafts_runs_as_decode_rows() -> None:
+    """When the target took every draft, the drafter's next forward covers its last draft and the
+    target's own token: two positions after the request's context, laid out as decode rows (the
+    model's decode path), where the prompt's chunk stays a prefill; the drafts go on being the
+    target's greedy tokens."""
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(attrs.evolve(CFG, head_dim=16))  # heads of 16: the decode kernel's
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    prompt = [5, 17, 3, 29, 11, 2, 23]
+    cfg = EngineConfig(page_size=4, num_pages=64, max_active=4, prefill_chunk_size=16, max_model_len=96)
+    target = EngineCore(model, cfg, torch.float32)
+    want = drive(target, [EngineRequest("a", tuple(prompt), GREEDY, max_tokens=12, ignore_eos=True)])["a"]
+    d = drafter(copy.deepcopy(model))
+    assert target.attention.decode_kernel and d.runner.batch.verify_as_decode
+    layouts: list[tuple[int, int]] = []  # (decode rows, prefill chunks) of each forward
+    prepare = d.runner.batch.prepare
+
+    def spy(*args: object, **kw: object) -> object:
+        step = prepare(*args, **kw)  # type: ignore[arg-type]
+        layouts.append((step.attention.num_decode, len(step.attention.prefills)))
+        return step
+
+    d.runner.batch.prepare = spy  # type: ignore[method-assign]
+    assert d.propose("a", prompt, 3) == tuple(want[:3])
+    assert layouts[0] == (0, 1)  # the prompt
+    del layouts[:]
+    assert d.propose("a", prompt + want[:4], 3) == tuple(want[4:7])  # all three taken, then the target's token
+    assert layouts[0] == (2, 0)  # the last draft and the target's token
+    assert all(layout == (1, 0) for layout in layouts[1:])
+
+
 def test_drafter_state_is_released_on_abort_and_preemption() -> None:
     """Aborted requests (mid-prefill, mid-decode) and preempted ones (a target pool too small for all
     of them) leave no drafter state behind; the outputs of the others are unchanged."""
