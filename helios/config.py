@@ -160,10 +160,10 @@ class SpeculativeSection:
     # an MTP-only GGUF of the target (llama.cpp's convert_hf_to_gguf.py --mtp: DeepSeek V4's), whose
     # MTP layer then drafts in that place (runtime.mtp_file).
     draft_model: str = ""
-    # The token ids a draft model ranks its drafts over: the first draft_vocab (0: all). A byte-level BPE
-    # vocabulary's first ids are its most frequent tokens, and the draft model's output projection then
-    # reads that many rows alone (engine/drafter.py); the target verifies every draft, so the output is
-    # the same at any value.
+    # The token ids a draft model ranks its drafts over: the first draft_vocab (0: all), for a byte-level
+    # BPE vocabulary, whose first ids are its most frequent tokens (others draft over all of theirs); the
+    # draft model's output projection then reads that many rows alone (engine/drafter.py). The target
+    # verifies every draft, so the output is the same at any value.
     draft_vocab: int = attrs.field(default=65536, validator=_non_negative)
     # A checkpoint's multi-token-prediction layers (DeepSeek-V3 / V3.2, GLM-4.5 / GLM-5, V4 folders) draft
     # in that place when there is no draft_model: loaded when speculation is on and the checkpoint

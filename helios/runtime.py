@@ -716,12 +716,20 @@ def load_drafter(cfg: HeliosConfig, tokenizer: Tokenizer, *, num_pages: int, max
                       prefill_chunk_size=cfg.engine.prefill_chunk_size, prefix_caching=cfg.cache.prefix_caching,
                       fingerprint=model_fingerprint(path, loaded.choice.describe()),
                       token_vocab_size=tokenizer.vocab_size, kv_prefault=cfg.engine.kv_prefault,
-                      vocab_prefix=cfg.speculative.draft_vocab)
+                      vocab_prefix=draft_vocab_prefix(cfg.speculative.draft_vocab, tokenizer))
     layout = drafter.attention.layout
     log.info("draft model %s: %s; its KV pool %d pages (%.2f GiB); drafts ranked over %s", ckpt.model_id,
              loaded.choice.describe(), num_pages, layout.bytes_per_token(loaded.choice.dtype) * page * num_pages / 2**30,
              f"token ids 0-{drafter.vocab_prefix - 1}" if drafter.vocab_prefix else "the whole vocabulary")
     return drafter
+
+
+def draft_vocab_prefix(configured: int, tokenizer: Tokenizer) -> int:
+    """The token ids a draft model ranks its drafts over (`Drafter`'s ``vocab_prefix``; 0: all):
+    ``[speculative] draft_vocab`` for a byte-level BPE vocabulary, whose ids follow the order its
+    merges were learned (most frequent first), else 0: a SentencePiece vocabulary orders its pieces
+    otherwise (Gemma 3's: a third of the tokens of Helios's Python source have ids past 65,536)."""
+    return configured if tokenizer.byte_encoding == "byte_level" else 0
 
 
 def has_mtp(ckpt: Checkpoint) -> bool:

@@ -19,11 +19,12 @@ its pages hold, and after them the one draft sampled last, not computed). `propo
 
 The drafts are greedy, so a function of the request's tokens only: a deterministic proposer, whose
 drafts the target verifies exactly (`speculative`'s docstring). With a ``vocab_prefix`` (``[speculative]
-draft_vocab``) the draft model ranks them over the first token ids alone, its output projection's first
-rows (`interface.PrefixLogitsLM`): a byte-level BPE vocabulary's ids follow the order its merges were
-learned, most frequent first, so the first 65,536 of Qwen2.5's 151,936 hold 97.7% of the tokens of
-Helios's own Python source and 98.2% of its docs, and a draft of any later id is a draft the target
-rejects; the output stays the target's, which verifies every draft. The draft pool registers only pages
+draft_vocab``, for byte-level BPE vocabularies: `runtime.draft_vocab_prefix`) the draft model ranks
+them over the first token ids alone, its output projection's first rows (`interface.PrefixLogitsLM`):
+a byte-level BPE vocabulary's ids follow the order its merges were learned, most frequent first, so
+the first 65,536 of Qwen2.5's 151,936 hold 97.7% of the tokens of Helios's own Python source and
+98.2% of its docs, and a draft of any later id is a draft the target rejects; the output stays the
+target's, which verifies every draft. The draft pool registers only pages
 of committed tokens in its prefix cache. A request's drafter state is released (`release`: its pages
 freed, its batch row handed back) when it finishes, is aborted or is preempted (`Proposer.release`,
 called by the scheduler), and when the draft pool cannot give it the pages a round needs (that

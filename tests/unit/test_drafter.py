@@ -299,6 +299,23 @@ def test_draft_model_config_is_validated(tmp_path: object) -> None:
             load_config(path)
 
 
+def test_the_draft_vocabulary_applies_to_byte_level_bpe_vocabularies_only() -> None:
+    """``draft_vocab`` ranks a byte-level BPE vocabulary's first ids (their merge order); a
+    SentencePiece vocabulary (ids in another order) drafts over all of its ids."""
+    from helios.loaders.tokenizer import Tokenizer
+    from helios.runtime import draft_vocab_prefix
+
+    def tokenizer(encoding: str) -> Tokenizer:
+        t = Tokenizer.__new__(Tokenizer)
+        t.byte_encoding = encoding  # type: ignore[assignment]
+        return t
+
+    assert draft_vocab_prefix(65536, tokenizer("byte_level")) == 65536
+    assert draft_vocab_prefix(0, tokenizer("byte_level")) == 0
+    assert draft_vocab_prefix(65536, tokenizer("sentencepiece")) == 0
+    assert draft_vocab_prefix(65536, tokenizer("text")) == 0
+
+
 def test_an_unknown_draft_model_name_is_refused() -> None:
     from helios.config import ConfigError, HeliosConfig, SpeculativeSection
     from helios.loaders.tokenizer import Tokenizer
