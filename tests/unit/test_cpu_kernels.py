@@ -174,6 +174,30 @@ def test_paged_decode_shapes_against_float64(dtype: torch.dtype, heads: int, kv_
     assert (got.double() - _reference(case)).abs().max().item() < bound
 
 
+@pytest.mark.parametrize(("lens", "heads", "kv_heads", "head_dim"),
+                         [([150] * 8, 12, 2, 128), ([60] * 8, 12, 2, 128), ([150] * 8, 9, 3, 64), ([2000, 5], 9, 3, 64)],
+                         ids=str)
+def test_paged_decode_gives_the_same_bits_on_any_number_of_threads(lens: list[int], heads: int, kv_heads: int,
+                                                                   head_dim: int) -> None:
+    """A step's rows go parallel by the work they hold (query heads x positions x head size), so the
+    1.5B's 8 rows of 150 positions run on the team where the default model's stay on one thread; each
+    (row, kv head, chunk) item is computed alone and merged in a fixed order: the same bits at 1-3
+    threads, and within float64's reference."""
+    case = _paged_case(lens, torch.bfloat16, kv_heads=kv_heads, heads=heads, head_dim=head_dim, seed=len(lens))
+    args = (case["q"], case["k"], case["v"], case["table"], case["rows"], case["lens"], int(case["page_size"]),
+            head_dim ** -0.5)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(cpu_kernels.paged_decode(*args))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    assert (results[0].double() - _reference(case)).abs().max().item() < 2 * unit_roundoff(torch.bfloat16) * 4
+
+
 def test_paged_decode_handles_large_scores_without_overflow() -> None:
     """Scores near float32's exp limit: the per-chunk max is subtracted before exponentiating."""
     case = _paged_case([300, 40], torch.float32, seed=3)
@@ -825,6 +849,33 @@ def test_silu_mul_against_float64(dtype: torch.dtype) -> None:
     scale = x[:, :200].abs() * x[:, 200:].abs() + 1e-30
     bound = 1e-6 if dtype == torch.float32 else 2 * unit_roundoff(dtype)
     assert ((got.double() - want).abs() / scale).max().item() < bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "width"), [(1, 8960), (2, 8960), (8, 4864), (8, 1000), (5, 17), (40, 3000)])
+def test_silu_mul_gives_the_same_bits_on_any_number_of_threads(rows: int, width: int, dtype: torch.dtype) -> None:
+    """A decode step's few rows are split into column spans for the team (whole rows from 32 rows on):
+    every element takes the vector or scalar path it takes in a whole row, so the same bits at 1-3
+    threads and in any batch, within float64's reference."""
+    g = torch.Generator().manual_seed(rows + width)
+    gu = (torch.randn(rows, 2 * width, generator=g) * 4).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(cpu_kernels.silu_mul(gu))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    # a row's bits do not depend on its batch: the same rows among 40 (whole rows per item)
+    among = cpu_kernels.silu_mul(torch.cat([gu, (torch.randn(40, 2 * width, generator=g) * 4).to(dtype)]))
+    assert torch.equal(among[:rows], results[0])
+    x = gu.double()
+    want = torch.nn.functional.silu(x[:, :width]) * x[:, width:]
+    scale = x[:, :width].abs() * x[:, width:].abs() + 1e-30
+    bound = 1e-6 if dtype == torch.float32 else 2 * unit_roundoff(dtype)
+    assert ((results[0].double() - want).abs() / scale).max().item() < bound
 
 
 def test_the_fused_layer_path_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -79,7 +79,10 @@ constexpr int kRowTile = HELIOS_Q8_TILE;  // activation rows sharing one dequant
 #endif
 constexpr int64_t kQ8RowBytes = HELIOS_Q8_ROW_BYTES;  // bytes of codes per block of weight rows (in L1)
 constexpr int64_t kChunk = 256;  // history positions per attention work item
-constexpr int64_t kSerialPositions = 4096;  // (kv head, position) pairs below which decode runs on one thread
+// (query head, position, head dimension) products below which decode attention runs on one thread: 4,096
+// (kv head, position) pairs of the default model's heads (3 queries of 64 per kv head), where this was
+// measured; a model with more work per pair (Qwen2.5-Coder-1.5B: 6 queries of 128) goes parallel sooner.
+constexpr int64_t kSerialWork = 4096 * 3 * 64;
 
 // Software prefetch of one cache row (K or V of one position and kv head). A page holds page_size
 // consecutive positions and the next page is anywhere in the cache, so the hardware prefetchers lose
@@ -527,10 +530,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   std::vector<float> part_max(items * G), part_sum(items * G), part_acc(items * G * dh);
   const float fscale = static_cast<float>(scale);
   // Short histories are not worth a parallel region (its fork/join costs more than the work, and far
-  // more when another process holds a core): below kSerialPositions positions in all, one thread.
+  // more when another process holds a core): below kSerialWork (query head, position, head dimension)
+  // products in all, one thread.
   int64_t positions = 0;
   for (int64_t d = 0; d < D; ++d) positions += lp[d];
-  const int64_t grain = positions * KV < kSerialPositions ? items : 1;
+  const int64_t grain = positions * H * dh < kSerialWork ? items : 1;
   const int64_t row_bytes = dh * static_cast<int64_t>(sizeof(C));
   const PvFn<C> pv = pv_for<C>(G, NV);
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
@@ -1587,15 +1591,24 @@ at::Tensor qk_norm_rope_(at::Tensor x, const at::Tensor& weight, double eps, con
 
 // silu_mul: y = silu(g) * u for gu = [g | u] ([N, 2I] -> [N, I]). silu(g) = g * t / (t + u') with
 // t = exp(min(g, 0)) and u' = exp(min(-g, 0)): the logistic function without overflow on either side.
+// The work is split into items of rows by column spans (whole rows from kRowGrain rows on; a decode step's
+// few rows by spans of kSiluSpan columns, a multiple of the vector width, so every element takes the same
+// vector or scalar path as in a whole row): the same values at any number of threads.
+constexpr int64_t kSiluSpan = 1024;
+constexpr int64_t kSiluSerial = 16384;  // elements below which one thread does it all (the fork costs more)
 template <typename T>
 void silu_mul_impl(const T* gu, T* y, int64_t N, int64_t I) {
-  at::parallel_for(0, N, kRowGrain, [&](int64_t r0, int64_t r1) {
-    std::vector<float> g(I), u(I), o(I);
-    for (int64_t r = r0; r < r1; ++r) {
-      load_row(gu + r * 2 * I, g.data(), I);
-      load_row(gu + r * 2 * I + I, u.data(), I);
+  const int64_t span = N >= kRowGrain ? I : std::min(I, kSiluSpan), spans = (I + span - 1) / span;
+  const int64_t items = N * spans;
+  const int64_t grain = N * I < kSiluSerial ? items : (N >= kRowGrain ? kRowGrain : 1);
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> g(span), u(span), o(span);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t r = item / spans, c0 = (item % spans) * span, n = std::min(span, I - c0);
+      load_row(gu + r * 2 * I + c0, g.data(), n);
+      load_row(gu + r * 2 * I + I + c0, u.data(), n);
       int64_t i = 0;
-      for (; i + W <= I; i += W) {
+      for (; i + W <= n; i += W) {
         // sigmoid(g) = t / (t + e) with t = exp(min(g, 0)) and e = exp(min(-g, 0)): one of the two is
         // exp(0) = 1 exactly and the other is x = exp(-|g|), so one exp gives both (never overflows).
         const vec gv = vload(g.data() + i);
@@ -1604,9 +1617,9 @@ void silu_mul_impl(const T* gu, T* y, int64_t N, int64_t I) {
         const vec t = vpick_nonneg(gv, one, x);
         vstore(o.data() + i, vmul(vdiv(vmul(gv, t), vadd(one, x)), vload(u.data() + i)));
       }
-      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-      T* yr = y + r * I;
-      for (int64_t j = 0; j < I; ++j) store(o[j], yr + j);
+      for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      T* yr = y + r * I + c0;
+      for (int64_t j = 0; j < n; ++j) store(o[j], yr + j);
     }
   });
 }
