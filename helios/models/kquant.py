@@ -132,8 +132,8 @@ TILE_ROWS = (8, 128)
 # about 33 dequantized (AMD Zen 5, 2 threads, 2026-12-06: `scripts/profile_prefill.py --tokens 512
 # --profile`, the 512-token prefill's operator time 2.31 s against 1.88 s; `scripts/bench_kquant_tiles.py
 # --threads 2 --rows 256 320 384 512`: tiles 21.1 / 26.3 / 34.3 / 49.3 ms against 31.6 / 35.5 / 42.5 /
-# 32.8), so there the large projections take the tiles up to TILE_LARGE_ROWS_DP rows. Measured again with the
-# dense copy's buffers kept in the heap as the server keeps them (`runtime.keep_large_buffers`; the script
+# 32.8), so there the large projections take the tiles up to TILE_LARGE_ROWS_DP rows, set by measurements with
+# the dense copy's buffers kept in the heap as the server keeps them (`runtime.keep_large_buffers`; the script
 # above faults a fresh mapping in per call) and 8 weight rows decoded at a time (2026-12-06, a Zen 5 VM, 2
 # threads, 17,920 x 1,536, the best of 5, two runs): tiles / dequantize-then-GEMM 8.4-9.4 / 9.6-9.7 ms at 129
 # rows, 12.2-12.5 / 12.9-13.1 at 192, 16.6-19.9 / 16.9-17.1 at 256, 21.8-23.2 / 20.9-21.4 at 320, 30.2-31.8 /
