@@ -3825,6 +3825,15 @@ inline void kq_dp_block(const uint16_t* w, const uint16_t* x, int64_t K, float* 
     for (int m = 0; m < MB; ++m) part[m * G + n] = kq_tree16(acc[n][m]);
 }
 
+// kq_dp_block for a block of mb <= MB activation rows (the instance of exactly mb rows).
+template <int G, int MB>
+inline void kq_dp_block_of(int64_t mb, const uint16_t* w, const uint16_t* x, int64_t K, float* part) {
+  if constexpr (MB > 1) {
+    if (mb < MB) return kq_dp_block_of<G, MB - 1>(mb, w, x, K, part);
+  }
+  kq_dp_block<G, MB>(w, x, K, part);
+}
+
 // One group's decoded weight rows (w: G rows, row stride K) times every activation row of x (bfloat16
 // [M, K], in blocks of up to 24 / G rows, as even as they go) into y's columns n0 .. n0 + rows (rows <= G).
 template <int G, typename Out>
@@ -3836,22 +3845,7 @@ void kq_dp_group(const uint16_t* w, const uint16_t* x, int64_t M, int64_t K, int
     const int64_t mb = (M - m0) / (blocks - b);
     const uint16_t* xb = x + m0 * K;
     alignas(64) float part[24];
-    if constexpr (G == 4) {
-      switch (mb) {
-        case 1: kq_dp_block<G, 1>(w, xb, K, part); break;
-        case 2: kq_dp_block<G, 2>(w, xb, K, part); break;
-        case 3: kq_dp_block<G, 3>(w, xb, K, part); break;
-        case 4: kq_dp_block<G, 4>(w, xb, K, part); break;
-        case 5: kq_dp_block<G, 5>(w, xb, K, part); break;
-        default: kq_dp_block<G, 6>(w, xb, K, part); break;
-      }
-    } else {
-      switch (mb) {
-        case 1: kq_dp_block<G, 1>(w, xb, K, part); break;
-        case 2: kq_dp_block<G, 2>(w, xb, K, part); break;
-        default: kq_dp_block<G, 3>(w, xb, K, part); break;
-      }
-    }
+    kq_dp_block_of<G, most>(mb, w, xb, K, part);
     for (int64_t m = 0; m < mb; ++m)
       for (int64_t r = 0; r < rows; ++r) store(part[m * G + r], yp + (m0 + m) * N + n0 + r);
     m0 += mb;
