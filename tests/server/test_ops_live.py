@@ -15,7 +15,9 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -236,7 +238,7 @@ class Browser:
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              "--disable-dev-shm-usage", f"--user-data-dir={workdir / 'profile'}",
              f"--remote-debugging-port={port}", "--remote-debugging-address=127.0.0.1", "about:blank"],
-            stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
+            stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
         def page_target() -> str | None:
             if self.proc.poll() is not None:
@@ -277,6 +279,8 @@ class Browser:
                    30, f"{url} to load")
 
     def close(self) -> None:
+        """Stops Chromium and every helper process it started (they share its process group): a helper
+        left running still writes into the profile while the test's temporary folder is removed."""
         try:
             self.ws.close()
         finally:
@@ -284,7 +288,12 @@ class Browser:
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                pass
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(15)
 
 
 def send(page: Browser, text: str) -> dict[str, Any]:
@@ -306,7 +315,7 @@ def test_chat_page_streams_answers_and_keeps_conversations(ops_server: LiveServe
     r = httpx.get(ops_server.url + "/ui", timeout=10)  # public, like / and /health
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert "default-src 'self'" in r.headers["content-security-policy"]
-    with tempfile.TemporaryDirectory() as workdir:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as workdir:
         page = Browser(Path(workdir))
         try:
             page.goto(ops_server.url + "/ui")
