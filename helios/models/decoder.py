@@ -271,8 +271,10 @@ class FusedDecoderLM(nn.Module):
         return self._final_logits(self._logits(hidden, rows))
 
     def _final_logits(self, logits: Tensor) -> Tensor:
-        """The projection's logits as the model gives them (a family with a final soft cap applies it)."""
-        return logits
+        """The projection's logits as the model gives them: soft-capped (tanh(x / c) * c) where the
+        config has a final cap (Gemma 3 and Gemma 4's ``final_logit_softcapping``)."""
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _logits(self, hidden: Tensor, rows: int) -> Tensor:
         """float32 logits of the output projection's first ``rows`` rows (all: `compute_logits`)."""

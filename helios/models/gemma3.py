@@ -290,13 +290,6 @@ class Gemma3ForCausalLM(FusedDecoderLM):
             return h
         return add_rms_norm(h, delta, self.norm, cfg.rms_norm_eps, fused)[1]
 
-    def _final_logits(self, logits: Tensor) -> Tensor:
-        """Soft-capped (tanh(x / c) * c) where the config says so."""
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
     def _decoder_layers(self) -> Sequence[_Gemma3Layer]:
         return [cast(_Gemma3Layer, layer) for layer in self.layers]
 

@@ -494,13 +494,6 @@ class Gemma4ForCausalLM(FusedDecoderLM):
                 produced[i] = kv
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
-    def _final_logits(self, logits: Tensor) -> Tensor:
-        """Soft-capped (tanh(x / c) * c) where the config says so."""
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
     def decode_weight_bytes(self) -> int:
         """As `FusedDecoderLM.decode_weight_bytes`, with the per-layer embedding table counted as the
         one row a step looks up."""
