@@ -24,6 +24,13 @@ from helios.serving.pipeline import Service, exception_leaves
 # On every 429 for exhausted HTTP admission slots: a slot frees as soon as any response is delivered.
 RETRY_AFTER = ((b"retry-after", b"1"),)
 
+# A JSON body smaller than this is parsed, decoded, rendered and tokenized on the event loop, not on
+# the frontend pool: its work is a fraction of a millisecond (a 4,096-character prompt tokenizes in
+# ~0.7 ms, its JSON parses in ~5 us; docs/benchmarks.md, "Small requests inline"), less than the three
+# worker-thread round trips it would take, which queue behind every other request's when many arrive
+# at once. The bound matches `asgi.request.OFFLOAD_MIN_BYTES` for decoding a compressed body.
+INLINE_BODY_BYTES = 4096
+
 T = TypeVar("T")
 
 
@@ -42,6 +49,9 @@ class RequestContext:
     encoder: Encoder | None = None  # a generation's, so errors outside its driver end it its own way
     # Cancelled only by a graceful shutdown's abort phase (ServerState.drain).
     cancel_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    # Set by `read_json`: the body is under INLINE_BODY_BYTES, so `offload` and the Service's
+    # preparation run its work inline.
+    inline: bool = False
 
     @property
     def started(self) -> bool:
@@ -71,11 +81,15 @@ class RequestContext:
         """The body as a JSON object: parsed and checked (nesting, text, the route's item `limits`)
         on the frontend pool, before the request is decoded or admitted."""
         body = await self.read_body(identity_only=identity_only)
+        self.inline = len(body) < INLINE_BODY_BYTES
         return await self.offload(parse_json_object, body, limits)
 
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run pure CPU work (parsing, decoding) on the bounded frontend pool: a worker thread the
-        interpreter preempts every few milliseconds, so the event loop and the engine keep running."""
+        interpreter preempts every few milliseconds, so the event loop and the engine keep running.
+        For a small JSON body (`inline`) the work runs here, on the event loop."""
+        if self.inline:
+            return fn(*args)
         return await trio.to_thread.run_sync(fn, *args, limiter=self.state.frontend_limiter)
 
     def admit(self, n: int) -> None:

@@ -75,7 +75,7 @@ class Generation(Generic[G]):
     async def __call__(self, ctx: RequestContext) -> None:
         plan = await self.endpoint.accept(ctx)
         svc = ctx.svc
-        prepared = await svc.prepare(plan.generation)
+        prepared = await svc.prepare(plan.generation, inline=ctx.inline)
         # The first child's sampling (a request that submits nothing reads none: Completions' max_tokens 0)
         sampling = prepared.children[0].sampling if prepared.children else SamplingParams()
         encoder = ctx.encoder = self.encoder(plan, prepared.prompts, model=svc.info.public_id, vocab=svc,

@@ -1,7 +1,8 @@
 """The serving pipeline that every frontend calls: prompt preparation, admission, generation.
 
 Frontends (sans-IO protocol code) hand over domain records and get ChildUpdate streams back; they
-never see the engine. Chat templates render and prompts tokenize in a bounded worker pool.
+never see the engine. Chat templates render and prompts tokenize in a bounded worker pool (a small
+request's, without images, on the calling event loop: `prepare`'s ``inline``).
 
 Images (a vision-language model: `ImagePrompting`; docs/vision.md "Engine integration"): the
 template renders each presented image as the profile's marker (``<image>``); the images are admitted
@@ -211,11 +212,12 @@ class Service:
         return rendered.text, rendered.token_ids
 
     async def render(self, conv: ConversationRequest, max_tokens: int | None = None,
-                     param: str = "messages") -> RenderedPrompt:
+                     param: str = "messages", *, inline: bool = False) -> RenderedPrompt:
         """Render and tokenize a conversation, its images admitted and expanded (module docstring).
 
         Blocking work (the template, image admission with its decoding, the tokenizer) runs on the
-        frontend pool. ``param``: the request field image errors name."""
+        frontend pool; with ``inline`` (a small request body) and no image, on the calling thread.
+        ``param``: the request field image errors name."""
         has_images = _has_images(conv)
         if not self.info.has_vision and has_images:
             # An image must never be dropped silently: a text-only model cannot see it.
@@ -251,9 +253,15 @@ class Service:
                 for (offset, length), image in zip(spans, admitted.images, strict=True))
             return RenderedPrompt(text, ids, inputs, admitted.tokens)
 
+        if inline and not has_images:
+            return work()
         return await trio.to_thread.run_sync(work, limiter=self.limiter)
 
-    async def tokenize(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None, *,
+                       inline: bool = False) -> list[int]:
+        """``text``'s ids, tokenized on the frontend pool (``inline``: on the calling thread)."""
+        if inline:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, max_tokens=max_tokens)
         return await trio.to_thread.run_sync(
             lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens, max_tokens=max_tokens),
             limiter=self.limiter,
@@ -308,11 +316,13 @@ class Service:
             )
         return max_tokens
 
-    async def prepare(self, req: GenerationRequest) -> Prepared:
+    async def prepare(self, req: GenerationRequest, *, inline: bool = False) -> Prepared:
         """Every protocol's one preparation: render the conversation (chat protocols) or tokenize the
         raw prompts (Completions), validate each prompt against the context and resolve its output
         limit, resolve sampling per choice (a seeded request's choice i uses seed + i), and pick the
-        model family's output parser."""
+        model family's output parser. ``inline``: the request is small (its body under
+        `http.context.INLINE_BODY_BYTES`), so rendering and tokenizing run on the calling thread
+        instead of the frontend pool (grammars still compile there)."""
         opts = req.options
         parser_factory = None
         prompts: list[PreparedPrompt] = []
@@ -334,7 +344,8 @@ class Service:
                 if tool.grammar is not None:  # compiled before admission: a bad grammar is a 400
                     validators[tool.name] = await self.compiler.tool_validator(tool)
             try:  # an over-context prompt is counted, never turned into millions of ids (nor truncated)
-                rendered = await self.render(conv, max_tokens=self.info.max_model_len, param=req.input_param)
+                rendered = await self.render(conv, max_tokens=self.info.max_model_len, param=req.input_param,
+                                             inline=inline)
             except PromptTooLong as exc:
                 self._over_context(exc.num_tokens, req)
             text, ids, images = rendered.text, rendered.token_ids, rendered.images
@@ -353,7 +364,7 @@ class Service:
                 if isinstance(p, str):
                     try:
                         ids = await self.tokenize(p, add_special_tokens=req.add_special_tokens,
-                                                  max_tokens=self.info.max_model_len)
+                                                  max_tokens=self.info.max_model_len, inline=inline)
                     except PromptTooLong as exc:
                         self._over_context(exc.num_tokens, req)
                     if not ids:
