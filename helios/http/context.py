@@ -79,7 +79,8 @@ class RequestContext:
 
     async def read_json(self, limits: Sequence[CountLimit] = (), *, identity_only: bool = False) -> dict[str, Any]:
         """The body as a JSON object: parsed and checked (nesting, text, the route's item `limits`)
-        on the frontend pool, before the request is decoded or admitted."""
+        on the frontend pool (on the event loop for a body under INLINE_BODY_BYTES, which also sets
+        `inline`), before the request is decoded or admitted."""
         body = await self.read_body(identity_only=identity_only)
         self.inline = len(body) < INLINE_BODY_BYTES
         return await self.offload(parse_json_object, body, limits)

@@ -260,12 +260,11 @@ class Service:
     async def tokenize(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None, *,
                        inline: bool = False) -> list[int]:
         """``text``'s ids, tokenized on the frontend pool (``inline``: on the calling thread)."""
-        if inline:
+
+        def work() -> list[int]:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, max_tokens=max_tokens)
-        return await trio.to_thread.run_sync(
-            lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens, max_tokens=max_tokens),
-            limiter=self.limiter,
-        )
+
+        return work() if inline else await trio.to_thread.run_sync(work, limiter=self.limiter)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -40,7 +40,7 @@ def test_small_bodies_are_prepared_on_the_event_loop(qwen3: ScriptedServer, monk
     assert loop.startswith("hypercorn-")
     answers = []
     with httpx.Client(base_url=qwen3.url, timeout=60) as client:
-        for words in (8, INLINE_BODY_BYTES // 4):  # a short text, then ~8 KiB of it
+        for words in (8, INLINE_BODY_BYTES // 4):  # a short text, then ~5 KiB of it
             text = " ".join(["word"] * words)
             if route == "chat":
                 body = {"model": "scripted", "messages": [{"role": "user", "content": text}], "max_tokens": 4}
