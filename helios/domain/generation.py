@@ -82,6 +82,9 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()
     token_stops: TokenStops = TokenStops()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    """No end before this many generated tokens (vLLM's min_tokens): EOS and the token stops are
+    masked from the draws until then, and neither they nor a string stop end the output."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     num_top_logprobs: int | None = None

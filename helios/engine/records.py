@@ -92,6 +92,9 @@ class EngineRequest:
     (its generated tokens, never the prompt, end with the sequence). One-token stops belong in
     ``stop_token_ids``."""
     ignore_eos: bool = False
+    min_tokens: int = 0
+    """Until this many tokens are generated, EOS and ``stop_token_ids`` are masked from every draw
+    (`SamplingRow.masked_stops`) and no token stop ends the request (vLLM's min_tokens)."""
     num_top_logprobs: int | None = None
     logprob_token_ids: tuple[int, ...] | None = None
     prompt_logprobs: int | None = None

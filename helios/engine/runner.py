@@ -549,6 +549,8 @@ class InputBatch:
             output_token_ids=_OutputIds(seq.token_ids, seq.num_prompt_tokens),
             num_top_logprobs=request.num_top_logprobs,
             logprob_token_ids=request.logprob_token_ids,
+            min_tokens=request.min_tokens,
+            stop_ids=tuple(sorted(request.eos_token_ids | request.stop_token_ids)) if request.min_tokens else (),
         )
         return row
 
@@ -614,8 +616,8 @@ def _touches_images(c: ScheduledChunk) -> bool:
 
 def _draft_row(row: SamplingRow, drafts: tuple[int, ...]) -> SamplingRow:
     """``row`` for a verified position after ``drafts``: output tokens extended by them when its
-    penalties read output tokens (the same row otherwise)."""
-    if not row.has_penalties:
+    penalties or its min_tokens read them (the same row otherwise)."""
+    if not row.has_penalties and not row.masks_stops:
         return row
     return attrs.evolve(row, output_token_ids=[*row.output_token_ids, *drafts])
 

@@ -539,7 +539,8 @@ class Scheduler:
 
         A token stop ends the request at the token that completes it: a `stop_token_ids` entry, or
         the last token of a `stop_token_sequences` entry that the generated tokens now end with
-        (generated tokens only: a sequence never matches across the prompt boundary). `forced`:
+        (generated tokens only: a sequence never matches across the prompt boundary). Neither a token
+        stop nor EOS ends it within its first `min_tokens` tokens. `forced`:
         indices of the budget-forced tokens (no entry in `logprobs`). Output trackers were fed the
         tokens already (`_track`)."""
         req = seq.request
@@ -550,13 +551,14 @@ class Scheduler:
             if kept in forced:
                 self.reasoning_budget_cuts += 1
             kept += 1
-            if token_id in req.stop_token_ids or any(
+            stops = seq.num_output_tokens > req.min_tokens  # none before min_tokens (the draws mask them too)
+            if stops and (token_id in req.stop_token_ids or any(
                 stop[-1] == token_id and len(stop) <= seq.num_output_tokens
                 and tuple(seq.token_ids[-len(stop):]) == stop
                 for stop in req.stop_token_sequences
-            ):
+            )):
                 finish = EngineFinish.STOP_TOKEN
-            elif not req.ignore_eos and token_id in req.eos_token_ids:
+            elif stops and not req.ignore_eos and token_id in req.eos_token_ids:
                 finish = EngineFinish.EOS
             elif seq.num_output_tokens >= req.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 finish = EngineFinish.LENGTH

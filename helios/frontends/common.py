@@ -88,6 +88,16 @@ def validate_token_stops(stop_token_ids: Any, stop_token_sequences: Any, vocab_s
     return stops
 
 
+def validate_min_tokens(min_tokens: int | None) -> int:
+    """vLLM's min_tokens: a non-negative count (null is 0). Bounded by max_tokens where that is set
+    (`Service.prepare`)."""
+    if min_tokens is None:
+        return 0
+    if min_tokens < 0:
+        raise BadRequest("min_tokens must be greater than or equal to 0", param="min_tokens")
+    return min_tokens
+
+
 def token_stop_reason(finish: Finish | None, token_ids: list[int], stops: TokenStops) -> str | int | list[int] | None:
     """vLLM's `stop_reason`: the matched string, the matched stop token id, or (a multi-token stop,
     the longest one the output ends with, as the output pipeline withholds it) its ids."""

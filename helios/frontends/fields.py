@@ -165,6 +165,8 @@ class NativeGenerationFields:
         "native extension: multi-token stops (with stop_token_ids at most 16, each at most 64 ids); the "
         "matched sequence's text is withheld"))
     ignore_eos: bool | None = wire_field(honoured("vLLM extension: EOS does not end generation"))
+    min_tokens: int | None = wire_field(honoured(
+        "vLLM extension: EOS and token stops masked, and no stop matched, before this many output tokens"))
     skip_special_tokens: bool | None = wire_field(honoured("vLLM extension: special tokens kept in text when false"))
     include_stop_str_in_output: bool | None = wire_field(
         honoured("vLLM extension: matched string stop kept in the text"))

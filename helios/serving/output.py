@@ -56,9 +56,13 @@ class OutputProcessor:
         parser: OutputParser | None = None,
         stop_token_sequences: Sequence[Sequence[int]] = (),
         origin: float | None = None,
+        min_tokens: int = 0,
     ) -> None:
         self.detok = detokenizer
         self.stop = tuple(s for s in stop if s)
+        # vLLM's min_tokens: no string stop matches while the output has at most this many tokens
+        # (the engine masks EOS and token stops until then).
+        self.min_tokens = min_tokens
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.include_stop = include_stop_str_in_output
         # Raw completions and models without reasoning or tool syntax: text is answer text.
@@ -112,7 +116,7 @@ class OutputProcessor:
             self._unfed.append((len(self.text), tid))
             if self._holding_stops:
                 self._held = self._held_tokens()
-            if self.stop:
+            if self.stop and self.num_output_tokens > self.min_tokens:
                 matched = self._match_stop(before)
                 if matched is not None:
                     finish = Finish(FinishCause.STOP_STRING, matched_stop=matched)
@@ -122,7 +126,7 @@ class OutputProcessor:
             tail = self.detok.flush()
             self.num_decoded_chars += len(tail)
             self.text += tail
-            if self.stop:
+            if self.stop and self.num_output_tokens > self.min_tokens:
                 matched = self._match_stop(max(0, len(self.text) - 1))
                 if matched is not None:
                     finish = Finish(FinishCause.STOP_STRING, matched_stop=matched)

@@ -332,6 +332,9 @@ class Service:
         compiled: GrammarConstraint | None = None
         validators: dict[str, Callable[[str], str | None]] = {}
         conv = req.conversation
+        if opts.max_tokens is not None and opts.min_tokens > opts.max_tokens:
+            raise BadRequest(f"min_tokens ({opts.min_tokens}) must be less than or equal to {req.output_param} "
+                             f"({opts.max_tokens})", param="min_tokens")
         if constraint is not None:
             _check_constraint_conflicts(req)
             # Compiled first (a 400 before any rendering); the envelope comes with the prompt.
@@ -428,6 +431,7 @@ class Service:
             stop_token_ids=frozenset(stops.ids).union(s[0] for s in stops.sequences if len(s) == 1),
             stop_token_sequences=tuple(s for s in stops.sequences if len(s) > 1),
             ignore_eos=options.ignore_eos,
+            min_tokens=options.min_tokens,
             num_top_logprobs=options.num_top_logprobs,
             logprob_token_ids=options.logprob_token_ids,
             prompt_logprobs=prompt_logprobs,
@@ -492,6 +496,7 @@ class Service:
                     parser=parser_factory() if parser_factory else None,
                     stop_token_sequences=(*((i,) for i in options.token_stops.ids), *options.token_stops.sequences),
                     origin=origin,
+                    min_tokens=options.min_tokens,
                 )
                 key = (generation, prompt_groups.setdefault(child.prompt_token_ids, len(prompt_groups)))
                 streams.append(ChildStream(child.request_id, recv, proc, self.engine, stats, key))
@@ -516,11 +521,13 @@ class Service:
 
 def _check_constraint_conflicts(req: GenerationRequest) -> None:
     """The combinations the spec refuses with an output constraint (HTTP 400): assistant
-    continuation (prefill), custom stops, ignore_eos."""
+    continuation (prefill), custom stops, ignore_eos, min_tokens (a grammar's end allows only EOS)."""
     opts = req.options
     what = f"{opts.constraint.param} (an output constraint)" if opts.constraint is not None else "an output constraint"
     if opts.ignore_eos:
         raise BadRequest(f"ignore_eos cannot be combined with {what}", param="ignore_eos")
+    if opts.min_tokens:
+        raise BadRequest(f"min_tokens cannot be combined with {what}", param="min_tokens")
     if opts.stop:
         raise BadRequest(f"{req.stop_param} cannot be combined with {what}", param=req.stop_param)
     if opts.token_stops:

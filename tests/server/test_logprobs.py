@@ -340,6 +340,48 @@ def test_responses_output_text_logprobs_match_fp64(server: LiveServer, default_r
 # -- shapes and rules that need no reference ---------------------------------------------------------
 
 
+def test_min_tokens_takes_the_best_token_that_is_no_stop_against_fp64(server: LiveServer,
+                                                                      default_reference: Reference,
+                                                                      default_tokenizer: Any) -> None:
+    """vLLM's min_tokens on the default model: where the greedy answer ends (fp64 ranks an EOS
+    first), the request with min_tokens goes on with the fp64-best token that is no EOS, every
+    token up to min_tokens is that, and its logprobs stay the raw ones; a min_tokens above
+    max_tokens is a 400."""
+    from helios.loaders.default_model import ensure_default_model
+    from helios.loaders.gguf_loader import GGUFFile
+    from helios.loaders.tokenizer import Tokenizer
+
+    eos = set(Tokenizer.from_gguf_metadata(GGUFFile(ensure_default_model(quiet=True)).metadata).eos_token_ids)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    body = {"messages": messages, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+            "return_tokens_as_token_ids": True}
+    plain = post(server, "/v1/chat/completions", {**body, "max_tokens": 40})
+    assert plain["choices"][0]["finish_reason"] == "stop"
+    n = plain["usage"]["completion_tokens"]  # its last token the EOS (which has no logprob entry)
+    plain_ids = ids_of([e["token"] for e in plain["choices"][0]["logprobs"]["content"]])
+    assert len(plain_ids) == n - 1
+    want = n + 6
+    masked = post(server, "/v1/chat/completions", {**body, "max_tokens": want, "min_tokens": want})
+    choice = masked["choices"][0]
+    assert choice["finish_reason"] == "length" and masked["usage"]["completion_tokens"] == want
+    content = choice["logprobs"]["content"]
+    ids = ids_of([e["token"] for e in content])
+    assert len(ids) == want and ids[: n - 1] == plain_ids
+    prompt_ids = list(default_tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+    rows = default_reference(prompt_ids + ids)
+    allowed = torch.ones(rows.shape[1], dtype=torch.bool)
+    allowed[sorted(eos)] = False
+    for i, entry in enumerate(content):
+        row = rows[len(prompt_ids) - 1 + i]
+        assert ids[i] not in eos
+        assert float(row[ids[i]]) >= float(row[allowed].max()) - TOLERANCE  # greedy among the non-stops
+        default_reference.check_value(row, ids[i], entry["logprob"])  # raw: the mask comes after
+    assert int(rows[len(prompt_ids) + n - 2].argmax()) in eos  # where the plain answer ended
+    with server.http() as client:
+        r = client.post("/v1/chat/completions", json={**body, "max_tokens": 4, "min_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+
+
 def test_completion_text_offsets(server: LiveServer) -> None:
     prompt = "Emoji: 😀🎉 and 日本語."
     body = {"prompt": prompt, "max_tokens": 8, "logprobs": 1, "echo": True, "seed": 1, "ignore_eos": True}

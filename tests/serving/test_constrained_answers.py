@@ -168,6 +168,8 @@ def test_conflicts_with_a_constraint_are_400s(qwen3: ScriptedServer, protocol: s
     if protocol == "chat":
         r = httpx.post(qwen3.url + route, json={**body, "ignore_eos": True}, timeout=30)
         assert r.status_code == 400 and "ignore_eos" in r.text
+        r = httpx.post(qwen3.url + route, json={**body, "min_tokens": 4}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
         bad = {**body, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "strict": True, "schema": {"type": "object", "properties": {"a": {"type": "string"}}}}}}
         r = httpx.post(qwen3.url + route, json=bad, timeout=30)

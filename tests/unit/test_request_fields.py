@@ -137,7 +137,7 @@ HONOURED: dict[str, dict[str, Any]] = {
     "seed": {"seed": 7}, "stop": {"stop": ["END"]}, "stop_token_ids": {"stop_token_ids": [5]},
     "stop_token_sequences": {"stop_token_sequences": [[5, 6], [7]]},
     "return_token_ids": {"return_token_ids": True}, "return_token_timestamps": {"return_token_timestamps": True},
-    "ignore_eos": {"ignore_eos": False}, "skip_special_tokens": {"skip_special_tokens": False},
+    "ignore_eos": {"ignore_eos": False}, "min_tokens": {"min_tokens": 2}, "skip_special_tokens": {"skip_special_tokens": False},
     "include_stop_str_in_output": {"include_stop_str_in_output": True},
     "return_tokens_as_token_ids": {"return_tokens_as_token_ids": True},
     "stream": {"stream": True}, "n": {"n": 2}, "max_tokens": {"max_tokens": 8},

@@ -334,6 +334,42 @@ def test_token_mask_restricts_draws_but_not_logprobs() -> None:
         assert first.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[tokens[0]]), abs=1e-6)
 
 
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
+                                    SamplingParams(temperature=0.0, repetition_penalty=1.3)])
+def test_min_tokens_masks_the_stop_ids_until_the_output_reaches_it(params: SamplingParams) -> None:
+    """vLLM's min_tokens: while a row's output is shorter than min_tokens its stop ids cannot be drawn
+    (whatever their logits); from then on they can; the logprobs stay raw either way."""
+    logits = torch.tensor([[1.0, 9.0, 0.5, 8.5, 0.0, 2.0]])  # tokens 1 and 3 are the row's stops
+    raw = torch.log_softmax(logits[0].double(), -1)
+    sampler = Sampler(6)
+    for n in range(3):
+        row = _row(params, seed=n, output=[4] * n, num_top_logprobs=2)
+        row.min_tokens, row.stop_ids = 3, (1, 3)
+        assert row.masks_stops and row.transforms_logits
+        for _ in range(40):
+            (token,), (lp,) = sampler.sample(logits, [row])
+            assert token not in (1, 3)
+            assert lp is not None and lp.logprob == pytest.approx(float(raw[token]), abs=1e-6)
+            assert lp.top[0][0] == 1  # the raw ranking still has the masked stop first
+    done = _row(params, seed=9, output=[4, 4, 4])
+    done.min_tokens, done.stop_ids = 3, (1, 3)
+    assert not done.masks_stops
+    if params.is_greedy:
+        assert sampler.sample(logits, [done])[0] == [1]  # the stop is the argmax again (no penalty touches it)
+    unmasked = _row(params, output=[4])
+    assert not unmasked.masks_stops  # no stop ids: min_tokens masks nothing
+
+
+def test_min_tokens_rows_mix_with_plain_rows_in_one_batch() -> None:
+    logits = torch.tensor([[0.0, 5.0, 4.0], [0.0, 5.0, 4.0], [0.0, 5.0, 4.0]])
+    masked = _row(GREEDY, output=[2])
+    masked.min_tokens, masked.stop_ids = 2, (1,)
+    reached = _row(GREEDY, output=[2, 2])
+    reached.min_tokens, reached.stop_ids = 2, (1,)
+    tokens, _ = Sampler(3).sample(logits, [_row(GREEDY), masked, reached])
+    assert tokens == [1, 2, 1]
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, min_p=0.05),
                                     GREEDY, SamplingParams(temperature=0.8, top_k=5),
                                     SamplingParams(temperature=0.9, repetition_penalty=1.2)])

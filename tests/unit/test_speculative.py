@@ -473,6 +473,35 @@ def test_a_stop_inside_an_accepted_run_truncates_it() -> None:
         assert len(want[0]) < 30
 
 
+@pytest.mark.parametrize("sampling, min_tokens", [(SamplingParams(temperature=0.0), 5),
+                                                  (SamplingParams(temperature=0.0), 20),
+                                                  (SamplingParams(temperature=0.8, seed=3), 20)])
+def test_min_tokens_rounds_mask_the_stops_at_every_verified_position(sampling: SamplingParams,
+                                                                     min_tokens: int) -> None:
+    """min_tokens over verification rounds: each verified position masks the stops while the
+    output before it is shorter than min_tokens (its sampler row counts the drafts before it), so
+    the tokens and the finish equal those without speculation, no stop comes before min_tokens,
+    and one may right after it (greedy, 5: the model's own next token is the stop)."""
+    base = EngineRequest("x", _prompt([5, 8, 13], 6, []), sampling, max_tokens=30, ignore_eos=True)
+    ref = _drive(_engine(MODEL64, torch.float64, "off", 4), [[base]])["x"][0]
+    stops = frozenset(ref[2:5])  # tokens the unmasked run draws early
+    req = attrs.evolve(base, stop_token_ids=stops, eos_token_ids=frozenset({ref[6]}), ignore_eos=False,
+                       min_tokens=min_tokens)
+    want = _drive(_engine(MODEL64, torch.float64, "off", 4), [[req]])["x"]
+    core = _engine(MODEL64, torch.float64, "ngram", 6)
+    got = _drive(core, [[req]])["x"]
+    assert got == want
+    tokens = want[0]
+    assert len(tokens) >= min_tokens and not set(tokens[:min_tokens]) & (stops | {ref[6]})
+    if sampling.is_greedy:  # (a draw's mask moves its whole inverse CDF: sampled rows differ earlier)
+        k = next(i for i, t in enumerate(ref) if t in stops or t == ref[6])
+        assert tokens[:k] == ref[:k] and tokens[k] != ref[k]  # the same tokens up to the first stop, then off it
+    if min_tokens == 5 and sampling.is_greedy:
+        assert len(tokens) == 6 and want[2] is EngineFinish.STOP_TOKEN
+    stats = core.stats().speculative
+    assert stats is not None and stats.verification_drafts > 0
+
+
 def test_constrained_and_budgeted_requests_never_speculate() -> None:
     core = _engine(MODEL, torch.float32, "ngram", 4)
     budget = EngineRequest("b", (1, 2, 3, 1, 2, 3), SamplingParams(temperature=0.0), max_tokens=8,

@@ -121,6 +121,15 @@ def test_stop_reason_names_the_matched_sequence() -> None:
     assert token_stop_reason(None, [], stops) is None
 
 
+@pytest.mark.parametrize("protocol", list(DECODERS))
+def test_min_tokens_reaches_the_plan(protocol: str) -> None:
+    assert options(protocol, min_tokens=7).min_tokens == 7
+    assert options(protocol, min_tokens=None).min_tokens == options(protocol).min_tokens == 0
+    with pytest.raises(BadRequest, match="greater than or equal to 0") as err:
+        options(protocol, min_tokens=-1)
+    assert err.value.param == "min_tokens"
+
+
 # -- the scheduler ends the request at the completing token -----------------------------------------
 
 
@@ -170,6 +179,34 @@ def test_a_sequence_stop_wins_over_eos_and_length_at_the_same_token() -> None:
     s.add(EngineRequest("a", (1,), SamplingParams(temperature=0.0), 2, eos_token_ids=frozenset({8}),
                         stop_token_sequences=((7, 8),)), None)
     assert _drive(s, [[7], [8]])[-1].finish is EngineFinish.STOP_TOKEN
+
+
+def test_no_stop_ends_a_request_within_its_min_tokens() -> None:
+    """A token stop, a sequence stop and EOS all commit as ordinary tokens while the output has at
+    most min_tokens tokens (the draws mask the one-token ones; this is the scheduler's side), and
+    end it from the next token on; the output limit still ends it."""
+    s = _scheduler()
+    s.add(EngineRequest("a", (1, 2, 3), SamplingParams(temperature=0.0), 20, eos_token_ids=frozenset({0}),
+                        stop_token_ids=frozenset({9}), stop_token_sequences=((7, 8),), min_tokens=4), None)
+    outs = _drive(s, [[9], [0], [7, 8], [0]])
+    assert [o.finish for o in outs] == [None, None, None, EngineFinish.EOS]
+    assert [t for o in outs for t in o.new_token_ids] == [9, 0, 7, 8, 0]  # the stop at token 5 ends it
+    s = _scheduler()
+    s.add(EngineRequest("a", (1, 2, 3), SamplingParams(temperature=0.0), 3, eos_token_ids=frozenset({0}),
+                        min_tokens=3), None)
+    assert [o.finish for o in _drive(s, [[0], [0], [0]])] == [None, None, EngineFinish.LENGTH]
+    s = _scheduler()
+    s.add(EngineRequest("a", (1, 2, 3), SamplingParams(temperature=0.0), 20, stop_token_sequences=((7, 8),),
+                        min_tokens=2), None)
+    assert _drive(s, [[5, 7, 8]])[-1].finish is EngineFinish.STOP_TOKEN  # completed at token 3
+
+
+def test_no_string_stop_matches_within_min_tokens() -> None:
+    proc = OutputProcessor(CharDetokenizer(), stop=("ab",), min_tokens=3)
+    texts = [proc.process(RequestOutput("r", (t,))) for t in (1, 2, 1, 2)]
+    assert _texts(texts[:3]) == ["", "a", "b"] and texts[2].finish is None  # "ab" at tokens 1-2 is text
+    assert texts[3].finish is not None and texts[3].finish.cause is FinishCause.STOP_STRING
+    assert "".join(_texts(texts)) == "ab"  # the stop that ends at token 4 is cut
 
 
 def test_commit_records_carry_the_commit_time() -> None:

@@ -36,6 +36,10 @@ class SamplingRow:
     """None: no logprobs; 0..20: that many natural alternatives."""
     logprob_token_ids: tuple[int, ...] | None = None
     """Explicit ids that replace the natural alternatives (an empty tuple is the same as None)."""
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()
+    """The request's EOS and token-stop ids: masked from the draw while the row has fewer than
+    ``min_tokens`` output tokens (vLLM's min_tokens), after the logprobs are taken."""
 
     @property
     def wants_logprobs(self) -> bool:
@@ -47,9 +51,15 @@ class SamplingRow:
         return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
     @property
+    def masks_stops(self) -> bool:
+        """This draw may not take ``stop_ids``: the output is still shorter than ``min_tokens``."""
+        return bool(self.stop_ids) and len(self.output_token_ids) < self.min_tokens
+
+    @property
     def transforms_logits(self) -> bool:
-        """Anything besides temperature and filters changes this row's logits (penalties, bias)."""
-        return self.has_penalties or bool(self.params.logit_bias)
+        """Anything besides temperature and filters changes this row's logits (penalties, bias, the
+        stops that min_tokens masks)."""
+        return self.has_penalties or bool(self.params.logit_bias) or self.masks_stops
 
 
 @attrs.frozen
@@ -83,7 +93,7 @@ def row_log_min_p(params: SamplingParams) -> float:
 
 def is_plain(row: SamplingRow, vocab_size: int) -> bool:
     """Whether the row takes the vectorised path: greedy, or a temperature draw with at most min-p,
-    and nothing that transforms its logits (penalties, bias)."""
+    and nothing that transforms its logits (penalties, bias, masked stops)."""
     params = row.params
     if row.transforms_logits:
         return False

@@ -7,7 +7,9 @@ Per row, in this order (vLLM semantics):
 2. Logit bias (``SamplingParams.logit_bias``), added to the raw logits, as vLLM applies it: after
    the logprobs are taken, so they stay raw.
 3. Penalties: repetition over prompt and output tokens (positive logits divided, negative multiplied),
-   then frequency and presence over output tokens only.
+   then frequency and presence over output tokens only. Then, while a row's output is shorter than
+   its ``min_tokens``, its EOS and stop ids (``SamplingRow.stop_ids``) get ``-inf``, as vLLM's
+   min-tokens processor does.
 4. Temperature (skipped for greedy rows). The bias and the penalties are applied to the scaled
    logits with the same scale, which equals applying them first: both commute with a positive
    temperature.
@@ -22,7 +24,7 @@ Per row, in this order (vLLM semantics):
    CPU generator per step.
 
 Two paths, one result. Rows with nothing to do but a temperature and perhaps min-p (no penalties,
-bias, mask, top-k or top-p) take the vectorised path (`Sampler._sample_plain`): one argmax for the
+bias, masked stops, mask, top-k or top-p) take the vectorised path (`Sampler._sample_plain`): one argmax for the
 greedy ones, one scaled whole-vocabulary inverse-CDF draw for the others, with per-row parameters as
 tensors (`RowParams`, which the runner's persistent batch keeps per request). Every other row takes
 the general path. Both compute the same float operations on a row, so a row gets the same token on
@@ -265,6 +267,9 @@ class Sampler:
             apply_logit_bias(w, work_rows, scales)
         if any(r.has_penalties for r in work_rows):
             apply_scaled_penalties(w, work_rows, scales)
+        for j, r in enumerate(work_rows):
+            if r.masks_stops:
+                w[j, as_index(list(r.stop_ids), device)] = NEG_INF
         if masks is not None:
             masks.apply(w, work)
         if token_mask is not None:

@@ -344,7 +344,7 @@ def output_options(w: fields.NativeGenerationFields, vocab_size: int) -> dict[st
     and Responses): the string and token stops, the output switches and, where the protocol takes them
     (`TokenObservationFields`), the token observations."""
     stops = common.validate_stops(w.stop)
-    options = {"stop": stops, "ignore_eos": bool(w.ignore_eos),
+    options = {"stop": stops, "ignore_eos": bool(w.ignore_eos), "min_tokens": common.validate_min_tokens(w.min_tokens),
                "token_stops": common.validate_token_stops(w.stop_token_ids, w.stop_token_sequences,
                                                           vocab_size, string_stops=stops),
                "include_stop_str_in_output": bool(w.include_stop_str_in_output),
