@@ -334,39 +334,64 @@ def test_token_mask_restricts_draws_but_not_logprobs() -> None:
         assert first.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[tokens[0]]), abs=1e-6)
 
 
+def _stop_row(params: SamplingParams, output: Sequence[int], stops: tuple[int, ...], *, min_tokens: int = 3,
+              seed: int | None = None, num_top_logprobs: int | None = None) -> SamplingRow:
+    row = _row(params, seed=seed, output=output, num_top_logprobs=num_top_logprobs)
+    row.min_tokens, row.stop_ids = min_tokens, stops
+    return row
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
                                     SamplingParams(temperature=0.0, repetition_penalty=1.3)])
-def test_min_tokens_masks_the_stop_ids_until_the_output_reaches_it(params: SamplingParams) -> None:
+def test_min_tokens_masks_the_stop_ids_until_the_output_reaches_it(params: SamplingParams, fast_path: bool) -> None:
     """vLLM's min_tokens: while a row's output is shorter than min_tokens its stop ids cannot be drawn
     (whatever their logits); from then on they can; the logprobs stay raw either way."""
     logits = torch.tensor([[1.0, 9.0, 0.5, 8.5, 0.0, 2.0]])  # tokens 1 and 3 are the row's stops
     raw = torch.log_softmax(logits[0].double(), -1)
-    sampler = Sampler(6)
+    sampler = Sampler(6, fast_path=fast_path)
     for n in range(3):
-        row = _row(params, seed=n, output=[4] * n, num_top_logprobs=2)
-        row.min_tokens, row.stop_ids = 3, (1, 3)
-        assert row.masks_stops and row.transforms_logits
+        row = _stop_row(params, [4] * n, (1, 3), seed=n, num_top_logprobs=2)
+        assert row.masks_stops
         for _ in range(40):
             (token,), (lp,) = sampler.sample(logits, [row])
             assert token not in (1, 3)
             assert lp is not None and lp.logprob == pytest.approx(float(raw[token]), abs=1e-6)
             assert lp.top[0][0] == 1  # the raw ranking still has the masked stop first
-    done = _row(params, seed=9, output=[4, 4, 4])
-    done.min_tokens, done.stop_ids = 3, (1, 3)
+    done = _stop_row(params, [4, 4, 4], (1, 3), seed=9)
     assert not done.masks_stops
     if params.is_greedy:
         assert sampler.sample(logits, [done])[0] == [1]  # the stop is the argmax again (no penalty touches it)
-    unmasked = _row(params, output=[4])
-    assert not unmasked.masks_stops  # no stop ids: min_tokens masks nothing
+    assert not _row(params, output=[4]).masks_stops  # no stop ids: min_tokens masks nothing
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8), SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.9, min_p=0.05)])
+def test_min_tokens_rows_take_the_same_tokens_on_both_paths(params: SamplingParams) -> None:
+    """The vectorised path (one indexed write of the stops; greedy rows picked again only where the
+    unmasked pick is a stop) and the general path agree row for row, in batches that mix rows under
+    their min_tokens, rows past it and rows without stops, stops often at the top."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 300
+    for trial in range(20):
+        logits = torch.randn(7, vocab, generator=gen) * 3
+        stops = tuple(sorted({int(logits[1].argmax()), int(logits[4].argmax()), int(logits[3].argmax()), 7, 250}))
+        rows = [_stop_row(params, [1] * (i % 4), stops, seed=100 * trial + i) if i % 3 else _row(params, seed=i)
+                for i in range(7)]
+        fast, _ = Sampler(vocab).sample(logits, rows)
+        rows = [_stop_row(params, [1] * (i % 4), stops, seed=100 * trial + i) if i % 3 else _row(params, seed=i)
+                for i in range(7)]  # fresh generators: the same uniforms
+        general, _ = Sampler(vocab, fast_path=False).sample(logits, rows)
+        assert fast == general
+        for i, token in enumerate(fast):
+            if i % 3 and i % 4 < 3:  # under min_tokens
+                assert token not in stops
 
 
 def test_min_tokens_rows_mix_with_plain_rows_in_one_batch() -> None:
     logits = torch.tensor([[0.0, 5.0, 4.0], [0.0, 5.0, 4.0], [0.0, 5.0, 4.0]])
-    masked = _row(GREEDY, output=[2])
-    masked.min_tokens, masked.stop_ids = 2, (1,)
-    reached = _row(GREEDY, output=[2, 2])
-    reached.min_tokens, reached.stop_ids = 2, (1,)
-    tokens, _ = Sampler(3).sample(logits, [_row(GREEDY), masked, reached])
+    tokens, _ = Sampler(3).sample(logits, [_row(GREEDY), _stop_row(GREEDY, [2], (1,), min_tokens=2),
+                                           _stop_row(GREEDY, [2, 2], (1,), min_tokens=2)])
     assert tokens == [1, 2, 1]
 
 

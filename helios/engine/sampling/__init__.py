@@ -1,7 +1,7 @@
 """Token sampling: the `Sampler` (`sampler.py`, the numerics contract in its docstring) and its parts.
 
 - `rows.py`: `SamplingRow` (one row's parameters and tokens), `RowParams` (the vectorised path's
-  per-row tensors), `RowMasks` (a step's grammar masks);
+  per-row tensors), `RowMasks` (a step's grammar masks), `StopMasks` (the stops min_tokens masks);
 - `logprobs.py`: logprob records and prompt scores from the raw logits;
 - `penalties.py`: logit bias and repetition, frequency and presence penalties;
 - `filters.py`: top-k, top-p and min-p;

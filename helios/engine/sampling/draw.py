@@ -22,7 +22,7 @@ from torch import Tensor
 
 from helios.domain.sampling import SamplingParams
 from helios.engine.sampling.filters import Survivors
-from helios.engine.sampling.rows import RowMasks, SamplingRow, is_greedy
+from helios.engine.sampling.rows import RowMasks, SamplingRow, StopMasks, is_greedy
 from helios.engine.sampling.tensors import as_index, finite_peak, select_rows
 
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
@@ -76,13 +76,30 @@ def first_argmax(x: Tensor) -> Tensor:
     return x.max(dim=-1).indices
 
 
-def argmax_rows(x: Tensor, selected: list[int], num_rows: int, masks: RowMasks | None) -> Tensor:
-    """Greedy picks of the ``selected`` rows; a grammar-masked row's among its allowed tokens."""
+def argmax_rows(x: Tensor, selected: list[int], num_rows: int, masks: RowMasks | None,
+                stops: StopMasks | None = None) -> Tensor:
+    """Greedy picks of the ``selected`` rows; a grammar-masked row's among its allowed tokens, and a
+    row under its min_tokens among the tokens that are no stop of it. On the CPU only the rows whose
+    unmasked pick is a stop are picked again (`StopMasks.hits`: a host read, free there); elsewhere
+    every such row is, with no read."""
     if masks is None or not masks.touches(selected):
-        return first_argmax(select_rows(x, selected, num_rows))
-    w = x.index_select(0, as_index(selected, x.device))
-    masks.apply(w, selected)
-    return first_argmax(w)
+        picked = first_argmax(select_rows(x, selected, num_rows))
+    else:
+        w = x.index_select(0, as_index(selected, x.device))
+        masks.apply(w, selected)
+        picked = first_argmax(w)
+    if stops is None or not stops.touches(selected):
+        return picked
+    fix = (stops.hits(picked, selected) if x.device.type == "cpu"
+           else [j for j, i in enumerate(selected) if i in stops.where])
+    if fix:
+        rows = [selected[j] for j in fix]
+        w = x.index_select(0, as_index(rows, x.device))
+        if masks is not None:
+            masks.apply(w, rows)
+        stops.apply(w, rows)
+        picked.index_copy_(0, as_index(fix, x.device), first_argmax(w))
+    return picked
 
 
 def draw(w: Tensor, survivors: Survivors, uniforms: Tensor) -> Tensor:

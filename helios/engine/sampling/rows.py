@@ -1,10 +1,10 @@
 """What the sampler knows of each row: its `SamplingRow`, the vectorised path's `RowParams`, and a
-step's grammar masks (`RowMasks`).
+step's grammar masks (`RowMasks`) and min_tokens stops (`StopMasks`).
 
 A row is greedy when ``SamplingParams.is_greedy`` or its temperature is below 1e-5 (`is_greedy`,
 like vLLM: a temperature too small to divide by safely). A row takes the vectorised path
 (`is_plain`) when it has nothing to do but a temperature and perhaps min-p: no penalties, bias,
-top-k or top-p (a grammar mask keeps it there: `RowMasks`).
+top-k or top-p (a grammar mask or masked stops keep it there).
 """
 
 from __future__ import annotations
@@ -57,9 +57,8 @@ class SamplingRow:
 
     @property
     def transforms_logits(self) -> bool:
-        """Anything besides temperature and filters changes this row's logits (penalties, bias, the
-        stops that min_tokens masks)."""
-        return self.has_penalties or bool(self.params.logit_bias) or self.masks_stops
+        """Anything besides temperature, filters and masks changes this row's logits (penalties, bias)."""
+        return self.has_penalties or bool(self.params.logit_bias)
 
 
 @attrs.frozen
@@ -93,7 +92,7 @@ def row_log_min_p(params: SamplingParams) -> float:
 
 def is_plain(row: SamplingRow, vocab_size: int) -> bool:
     """Whether the row takes the vectorised path: greedy, or a temperature draw with at most min-p,
-    and nothing that transforms its logits (penalties, bias, masked stops)."""
+    and nothing that transforms its logits (penalties, bias; masks keep it there)."""
     params = row.params
     if row.transforms_logits:
         return False
@@ -149,3 +148,39 @@ class RowMasks:
 
     def _pairs(self, rows: Sequence[int]) -> list[tuple[int, int]]:
         return [(j, self.where[i]) for j, i in enumerate(rows) if i in self.where]
+
+
+@attrs.frozen
+class StopMasks:
+    """The stop ids that min_tokens masks in one ``sample`` call: batch row -> the ids
+    (`SamplingRow.masks_stops` rows only)."""
+
+    where: dict[int, tuple[int, ...]]
+
+    @classmethod
+    def of(cls, rows: Sequence[SamplingRow]) -> StopMasks | None:
+        where = {i: row.stop_ids for i, row in enumerate(rows) if row.masks_stops}
+        return cls(where) if where else None
+
+    def touches(self, rows: Sequence[int]) -> bool:
+        return any(i in self.where for i in rows)
+
+    def apply(self, w: Tensor, rows: Sequence[int], value: float = NEG_INF) -> None:
+        """Sets the stop ids of ``w`` (row j holds batch row ``rows[j]``) to ``value`` in place: one
+        indexed write for all rows."""
+        js = [j for j, i in enumerate(rows) for _ in self.where.get(i, ())]
+        if js:
+            ids = [t for i in rows for t in self.where.get(i, ())]
+            w.index_put_((as_index(js, w.device), as_index(ids, w.device)),
+                         torch.tensor(value, dtype=w.dtype, device=w.device))
+
+    def hits(self, picked: Tensor, rows: Sequence[int]) -> list[int]:
+        """The positions j whose greedy pick ``picked[j]`` (of batch row ``rows[j]``) is one of its
+        stops: the picks a mask would change (a pick that is no stop is the masked argmax too,
+        ties included, since a stop tied below it would have been picked). Reads ``picked``."""
+        touched = [j for j, i in enumerate(rows) if i in self.where]
+        if not touched:
+            return []
+        values = picked.tolist()
+        return [j for j in touched if values[j] in self.where[rows[j]]]
+

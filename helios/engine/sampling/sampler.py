@@ -24,7 +24,7 @@ Per row, in this order (vLLM semantics):
    CPU generator per step.
 
 Two paths, one result. Rows with nothing to do but a temperature and perhaps min-p (no penalties,
-bias, masked stops, mask, top-k or top-p) take the vectorised path (`Sampler._sample_plain`): one argmax for the
+bias, mask, top-k or top-p; min_tokens' masked stops keep a row there) take the vectorised path (`Sampler._sample_plain`): one argmax for the
 greedy ones, one scaled whole-vocabulary inverse-CDF draw for the others, with per-row parameters as
 tensors (`RowParams`, which the runner's persistent batch keeps per request). Every other row takes
 the general path. Both compute the same float operations on a row, so a row gets the same token on
@@ -62,7 +62,15 @@ from helios.engine.sampling.draw import (
 from helios.engine.sampling.filters import filter_survivors
 from helios.engine.sampling.logprobs import read_tokens_and_logprobs
 from helios.engine.sampling.penalties import apply_logit_bias, apply_scaled_penalties
-from helios.engine.sampling.rows import RowMasks, RowParams, SamplingRow, is_greedy, is_plain, row_temperature
+from helios.engine.sampling.rows import (
+    RowMasks,
+    RowParams,
+    SamplingRow,
+    StopMasks,
+    is_greedy,
+    is_plain,
+    row_temperature,
+)
 from helios.engine.sampling.tensors import (
     NEG_INF,
     as_index,
@@ -137,6 +145,7 @@ class Sampler:
         if token_mask is not None and masked_rows is not None:
             masks = RowMasks({r: k for k, r in enumerate(masked_rows)}, ~token_mask[:, :vocab_size].to(x.device))
             token_mask = None
+        stops = StopMasks.of(rows)  # rows under their min_tokens: their stop ids masked on either path
         vectorise = self.fast_path and token_mask is None
         for i, row in enumerate(rows):
             if not is_greedy(row.params):
@@ -147,14 +156,14 @@ class Sampler:
                 general.append(i)
         uniforms = to_device(uniforms_for(rows, drawing, self._generator), torch.float64, x.device) if drawing else None
         if not general:
-            picked = self._sample_plain(x, rows, plain, uniforms, row_params, masks)
+            picked = self._sample_plain(x, rows, plain, uniforms, row_params, masks, stops)
         else:
-            picked = self._sample_transformed(x, rows, general, token_mask, uniforms, masks)
+            picked = self._sample_transformed(x, rows, general, token_mask, uniforms, masks, stops)
             if plain:
                 picked = torch.empty(num_rows, dtype=torch.long, device=x.device).index_copy_(
                     0, as_index(general, x.device), picked)
                 picked.index_copy_(0, as_index(plain, x.device),
-                                   self._sample_plain(x, rows, plain, uniforms, row_params, masks))
+                                   self._sample_plain(x, rows, plain, uniforms, row_params, masks, stops))
         return read_tokens_and_logprobs(x, rows, picked)
 
     def _sample_plain(
@@ -165,12 +174,14 @@ class Sampler:
         uniforms: Tensor | None,
         row_params: RowParams | None,
         masks: RowMasks | None = None,
+        stops: StopMasks | None = None,
     ) -> Tensor:
         """The vectorised path for ``plain`` rows (greedy, or temperature and min-p only): their
-        sampled ids as a device tensor aligned with ``plain``, with no host read and no per-row
-        tensor operation (but one masking fill per grammar-masked row, ``masks``). The float
-        operations on a row are the general path's, so a row's token does not depend on which path
-        took it."""
+        sampled ids as a device tensor aligned with ``plain``, with no host read (but `argmax_rows`'
+        on the CPU for rows under their min_tokens) and no per-row tensor operation (but one masking
+        fill per grammar-masked row, ``masks``; one indexed write for the stops min_tokens masks,
+        ``stops``). The float operations on a row are the general path's, so a row's token does not
+        depend on which path took it."""
         num_rows = x.shape[0]
         device = x.device
         greedy: list[int] = []
@@ -185,7 +196,7 @@ class Sampler:
                 scaled = scaled or params.temperature != 1.0
                 min_p = min_p or params.min_p > 0.0
         if not drawn:
-            return argmax_rows(x, plain, num_rows, masks)
+            return argmax_rows(x, plain, num_rows, masks, stops)
         rows_drawn = [plain[j] for j in drawn]
         index = row_index(rows_drawn, num_rows, device)
         # The scaled logits and then the weights live in the sampler's workspace (x is only read).
@@ -200,6 +211,12 @@ class Sampler:
             if w is x:
                 w = buffer.copy_(x)
             masks.apply(w, rows_drawn)
+        stopped = stops is not None and stops.touches(rows_drawn)
+        if stopped:
+            assert stops is not None
+            if w is x:
+                w = buffer.copy_(x)
+            stops.apply(w, rows_drawn)
         peak = w.amax(dim=-1, keepdim=True)
         excluded: Tensor | None = None
         if min_p:
@@ -216,6 +233,9 @@ class Sampler:
             masks.apply(weights, rows_drawn, 0.0)
         else:
             weights.exp_()
+        if stopped:  # (zero already, unless a grammar mask's floor raised them)
+            assert stops is not None
+            stops.apply(weights, rows_drawn, 0.0)
         if excluded is not None:
             weights.masked_fill_(excluded, 0.0)
         assert uniforms is not None
@@ -225,7 +245,8 @@ class Sampler:
             return sampled
         picked = torch.empty(len(plain), dtype=torch.long, device=device)
         picked.index_copy_(0, as_index(drawn, device), sampled)
-        picked.index_copy_(0, as_index(greedy, device), argmax_rows(x, [plain[j] for j in greedy], num_rows, masks))
+        picked.index_copy_(0, as_index(greedy, device),
+                           argmax_rows(x, [plain[j] for j in greedy], num_rows, masks, stops))
         return picked
 
     def _workspace(self, num_rows: int, width: int, device: torch.device) -> Tensor:
@@ -246,6 +267,7 @@ class Sampler:
         token_mask: Tensor | None,
         uniforms: Tensor | None,
         masks: RowMasks | None = None,
+        stops: StopMasks | None = None,
     ) -> Tensor:
         """The general path: rows that need penalties, bias, a mask or filters. Their sampled ids as a
         device tensor aligned with ``work``."""
@@ -267,9 +289,8 @@ class Sampler:
             apply_logit_bias(w, work_rows, scales)
         if any(r.has_penalties for r in work_rows):
             apply_scaled_penalties(w, work_rows, scales)
-        for j, r in enumerate(work_rows):
-            if r.masks_stops:
-                w[j, as_index(list(r.stop_ids), device)] = NEG_INF
+        if stops is not None:
+            stops.apply(w, work)
         if masks is not None:
             masks.apply(w, work)
         if token_mask is not None:
