@@ -390,9 +390,9 @@ def test_min_tokens_rows_take_the_same_tokens_on_both_paths(params: SamplingPara
 
 def test_min_tokens_rows_mix_with_plain_rows_in_one_batch() -> None:
     logits = torch.tensor([[0.0, 5.0, 4.0], [0.0, 5.0, 4.0], [0.0, 5.0, 4.0]])
-    tokens, _ = Sampler(3).sample(logits, [_row(GREEDY), _stop_row(GREEDY, [2], (1,), min_tokens=2),
+    tokens, _ = Sampler(3).sample(logits, [_row(GREEDY), _stop_row(GREEDY, [2], (1, 9), min_tokens=2),
                                            _stop_row(GREEDY, [2, 2], (1,), min_tokens=2)])
-    assert tokens == [1, 2, 1]
+    assert tokens == [1, 2, 1]  # (id 9, past the sampled vocabulary, is never drawn anyway)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, min_p=0.05),

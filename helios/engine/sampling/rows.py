@@ -158,8 +158,9 @@ class StopMasks:
     where: dict[int, tuple[int, ...]]
 
     @classmethod
-    def of(cls, rows: Sequence[SamplingRow]) -> StopMasks | None:
-        where = {i: row.stop_ids for i, row in enumerate(rows) if row.masks_stops}
+    def of(cls, rows: Sequence[SamplingRow], vocab_size: int) -> StopMasks | None:
+        """Ids past the sampled vocabulary are never drawn anyway (and are left out)."""
+        where = {i: tuple(t for t in row.stop_ids if t < vocab_size) for i, row in enumerate(rows) if row.masks_stops}
         return cls(where) if where else None
 
     def touches(self, rows: Sequence[int]) -> bool:

@@ -145,7 +145,7 @@ class Sampler:
         if token_mask is not None and masked_rows is not None:
             masks = RowMasks({r: k for k, r in enumerate(masked_rows)}, ~token_mask[:, :vocab_size].to(x.device))
             token_mask = None
-        stops = StopMasks.of(rows)  # rows under their min_tokens: their stop ids masked on either path
+        stops = StopMasks.of(rows, vocab_size)  # rows under their min_tokens: their stop ids masked on either path
         vectorise = self.fast_path and token_mask is None
         for i, row in enumerate(rows):
             if not is_greedy(row.params):
