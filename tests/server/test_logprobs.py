@@ -380,6 +380,16 @@ def test_min_tokens_takes_the_best_token_that_is_no_stop_against_fp64(server: Li
     with server.http() as client:
         r = client.post("/v1/chat/completions", json={**body, "max_tokens": 4, "min_tokens": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    # The same field on Responses and on a streamed Completions request through the OpenAI SDK.
+    response = post(server, "/v1/responses", {"input": messages, "temperature": 0, "max_output_tokens": want,
+                                              "min_tokens": want})
+    assert response["status"] == "incomplete" and response["usage"]["output_tokens"] == want
+    chunks = list(server.openai().completions.create(
+        model="m", prompt="The capital of France is Paris.", max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"min_tokens": 12}))
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
 def test_completion_text_offsets(server: LiveServer) -> None:
