@@ -94,7 +94,7 @@ class EngineRequest:
     ignore_eos: bool = False
     min_tokens: int = 0
     """Until this many tokens are generated, EOS and ``stop_token_ids`` are masked from every draw
-    (`SamplingRow.masked_stops`) and no token stop ends the request (vLLM's min_tokens)."""
+    (`SamplingRow.masks_stops`) and no token stop ends the request (vLLM's min_tokens)."""
     num_top_logprobs: int | None = None
     logprob_token_ids: tuple[int, ...] | None = None
     prompt_logprobs: int | None = None

@@ -184,4 +184,3 @@ class StopMasks:
             return []
         values = picked.tolist()
         return [j for j in touched if values[j] in self.where[rows[j]]]
-

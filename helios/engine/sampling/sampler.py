@@ -24,10 +24,10 @@ Per row, in this order (vLLM semantics):
    CPU generator per step.
 
 Two paths, one result. Rows with nothing to do but a temperature and perhaps min-p (no penalties,
-bias, mask, top-k or top-p; min_tokens' masked stops keep a row there) take the vectorised path (`Sampler._sample_plain`): one argmax for the
-greedy ones, one scaled whole-vocabulary inverse-CDF draw for the others, with per-row parameters as
-tensors (`RowParams`, which the runner's persistent batch keeps per request). Every other row takes
-the general path. Both compute the same float operations on a row, so a row gets the same token on
+bias, mask, top-k or top-p; min_tokens' masked stops keep a row there) take the vectorised path
+(`Sampler._sample_plain`): one argmax for the greedy ones, one scaled whole-vocabulary inverse-CDF
+draw for the others, with per-row parameters as tensors (`RowParams`, which the runner's persistent
+batch keeps per request). Every other row takes the general path. Both compute the same float operations on a row, so a row gets the same token on
 either (``Sampler(fast_path=False)`` sends every row through the general path; the tests compare).
 
 The parts: `logprobs.py` (step 1, the records and prompt scores), `penalties.py` (steps 2-3),
