@@ -491,12 +491,15 @@ class EngineThread:
         while running:
             self.heartbeat = time.monotonic()
             try:
-                running = self._drain(block=not self.core.scheduler.has_work)
+                waits = not self.core.scheduler.has_work
+                if governor is not None and waits:
+                    governor.tick(busy=False)  # a busy window ends where the engine starts to wait
+                running = self._drain(block=waits)
                 if not running:
                     break
                 threads = None
                 if governor is not None:
-                    governor.tick()
+                    governor.tick(busy=self.core.scheduler.has_work)
                     threads = governor.snapshot()
                 if not self.core.scheduler.has_work:
                     self.core.run_between_steps()

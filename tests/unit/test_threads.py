@@ -89,10 +89,11 @@ def test_team_size(cores: int, others: float, max_threads: int, want: int) -> No
 def test_governor_resizes_after_agreeing_windows(tmp_path: Path) -> None:
     proc = FakeProc(tmp_path)
     applied: list[int] = []
-    gov = ThreadGovernor(2, meter=proc.meter(), interval_s=0.5, grow_after=2, set_threads=applied.append)
+    gov = ThreadGovernor(2, meter=proc.meter(), interval_s=0.5, shrink_after=2, grow_after=2,
+                         set_threads=applied.append)
     gov.start()
     assert applied == [2] and gov.threads == 2
-    proc.advance(0.6, ours=1.5, others=0.9)  # a burst for one window (a client starting)
+    proc.advance(0.6, ours=1.5, others=0.9)  # a burst for one busy window
     assert gov.tick() == 2
     proc.advance(0.6, ours=2.0, others=0.0)
     assert gov.tick() == 2
@@ -117,6 +118,87 @@ def test_governor_resizes_after_agreeing_windows(tmp_path: Path) -> None:
     assert snap.others_cores == pytest.approx(0.05, abs=0.02)
 
 
+def test_default_governor_shrinks_after_a_quarter_second_of_busy_contention(tmp_path: Path) -> None:
+    proc = FakeProc(tmp_path)
+    gov = ThreadGovernor(2, meter=proc.meter())
+    gov.start()
+    assert gov.tick(busy=True) == 2  # the engine has work from the start (no window yet)
+    proc.advance(0.15, ours=1.0, others=1.0)
+    assert gov.tick(busy=True) == 2  # inside the first interval: no reading yet
+    proc.advance(0.15, ours=1.0, others=1.0)
+    assert gov.tick(busy=True) == 1 and gov.changes == 1
+
+
+def test_idle_windows_weigh_a_twelfth_toward_a_shrink(tmp_path: Path) -> None:
+    """A client that works while the engine waits (then sends its request and waits itself) does not
+    shrink the team; a hog that keeps running while the engine waits does, after three seconds.
+    (As in the engine's loop, each tick says whether the engine has work from then on.)"""
+    proc = FakeProc(tmp_path)
+    gov = ThreadGovernor(2, meter=proc.meter())
+    gov.start()
+    assert gov.tick(busy=False) == 2
+    for _ in range(5):  # 2.5 s of a client's work at a whole core, the engine waiting
+        proc.advance(0.5, ours=0.0, others=1.0)
+        assert gov.tick(busy=False) == 2
+    assert gov.tick(busy=True) == 2  # its request arrives
+    proc.advance(0.5, ours=2.0, others=0.0)  # computed with the whole team, the client waiting
+    assert gov.tick(busy=False) == 2
+    for _ in range(5):  # the progress toward a shrink started again
+        proc.advance(0.5, ours=0.0, others=1.0)
+        assert gov.tick(busy=False) == 2
+    proc.advance(0.5, ours=0.0, others=1.0)  # the third idle second of a hog
+    assert gov.tick(busy=False) == 1 and gov.changes == 1
+    proc.advance(0.5, ours=0.0, others=0.0)  # gone
+    assert gov.tick(busy=False) == 1
+    proc.advance(0.5, ours=0.0, others=0.0)
+    assert gov.tick(busy=False) == 2 and gov.changes == 2
+    # Idle windows count toward a busy shrink at their weight: 2.4 s idle (0.2 s) + 0.12 s busy
+    for _ in range(4):
+        proc.advance(0.6, ours=0.0, others=1.0)
+        assert gov.tick(busy=False) == 2
+    assert gov.tick(busy=True) == 2
+    proc.advance(0.12, ours=1.0, others=1.0)
+    assert gov.tick(busy=False) == 1 and gov.changes == 3
+
+
+def test_windows_end_where_the_engine_starts_or_stops_stepping(tmp_path: Path) -> None:
+    proc = FakeProc(tmp_path)
+    gov = ThreadGovernor(2, meter=proc.meter())
+    gov.start()
+    proc.advance(0.4, ours=0.0, others=1.0)  # a client works 0.4 s while the engine waits...
+    assert gov.tick(busy=True) == 2  # ...and its request arrives: that stretch is an idle window
+    proc.advance(0.4, ours=2.0, others=0.0)  # the engine computes, the client waits
+    assert gov.tick(busy=False) == 2 and gov.snapshot().others_cores == pytest.approx(0.0, abs=0.03)
+    # a stretch shorter than min_window_s is not judged (and not counted in the next one)
+    proc.advance(0.05, ours=0.0, others=2.0)
+    assert gov.tick(busy=True) == 2
+    proc.advance(0.45, ours=2.0, others=0.0)
+    assert gov.tick(busy=True) == 2 and gov.snapshot().others_cores == pytest.approx(0.0, abs=0.05)
+
+
+def test_idle_windows_do_not_hold_a_grow_back(tmp_path: Path) -> None:
+    proc = FakeProc(tmp_path)
+    gov = ThreadGovernor(2, meter=proc.meter())
+    gov.start()
+    assert gov.tick(busy=True) == 2  # the engine has work from the start (no window yet)
+    proc.advance(0.5, ours=1.0, others=1.0)
+    assert gov.tick(busy=True) == 1
+    proc.advance(0.5, ours=1.0, others=0.0)  # the hog is gone
+    assert gov.tick(busy=False) == 1
+    proc.advance(0.5, ours=0.0, others=1.0)  # a client's start while the engine waits
+    assert gov.tick(busy=True) == 1
+    proc.advance(0.5, ours=1.0, others=0.0)
+    assert gov.tick(busy=True) == 2 and gov.changes == 2
+    proc.advance(0.5, ours=1.0, others=1.0)
+    assert gov.tick(busy=True) == 1
+    proc.advance(0.5, ours=1.0, others=0.0)
+    assert gov.tick(busy=True) == 1
+    proc.advance(0.5, ours=1.0, others=1.0)  # a busy window that wants no more starts the count again
+    assert gov.tick(busy=True) == 1
+    proc.advance(0.5, ours=1.0, others=0.0)
+    assert gov.tick(busy=True) == 1 and gov.changes == 3
+
+
 def test_fixed_team_and_no_proc(tmp_path: Path) -> None:
     proc = FakeProc(tmp_path)
     fixed = ThreadGovernor(2, adaptive=False, meter=proc.meter())
@@ -128,6 +210,8 @@ def test_fixed_team_and_no_proc(tmp_path: Path) -> None:
     assert blind.adaptive is False and blind.tick() == 2
     with pytest.raises(ValueError, match="at least 1"):
         ThreadGovernor(0)
+    with pytest.raises(ValueError, match="at least 1"):
+        ThreadGovernor(2, idle_shrink_after=0)
 
 
 def test_real_proc_sees_a_real_hog() -> None:
@@ -169,6 +253,9 @@ class _Core:
 
     def add(self, request: Any) -> None:
         self.scheduler.has_work = True
+
+    def run_between_steps(self) -> None:
+        pass
 
     def step(self) -> list[Any]:
         self.seen.append(torch.get_num_threads())
@@ -213,6 +300,43 @@ def test_engine_thread_runs_steps_with_the_governor_team(tmp_path: Path) -> None
         while core.seen[-1] != 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert core.seen[-1] == 2
+    finally:
+        thread.shutdown()
+
+
+def test_engine_thread_counts_its_waits_as_idle_windows(tmp_path: Path) -> None:
+    """The loop tells the governor when it waits: others' load then weighs a twelfth, so a second of it
+    leaves the team whole and three seconds shrink it."""
+    proc = FakeProc(tmp_path)
+    lock = threading.Lock()
+    clock = [0.0]
+
+    def now() -> float:
+        with lock:
+            return clock[0]
+
+    gov = ThreadGovernor(2, meter=CpuMeter(frozenset({0, 1}), proc=tmp_path, clock=now),
+                         set_threads=torch.set_num_threads)
+    core = _Core()
+    thread = EngineThread(core, lambda outs: None, governor=gov)  # type: ignore[arg-type]
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while gov._last is None and time.monotonic() < deadline:  # the engine thread's first reading
+            time.sleep(0.01)
+        with lock:
+            proc.advance(1.0, ours=0.0, others=1.0)
+            clock[0] = proc.now
+        while gov.snapshot().others_cores < 0.9 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gov.snapshot().others_cores == pytest.approx(1.0, abs=0.05)
+        assert gov.snapshot().threads == 2
+        with lock:
+            proc.advance(2.5, ours=0.0, others=1.0)
+            clock[0] = proc.now
+        while gov.snapshot().threads != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gov.snapshot().threads == 1 and not core.seen  # no step ran: the engine waited throughout
     finally:
         thread.shutdown()
 
