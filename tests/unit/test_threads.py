@@ -56,6 +56,27 @@ class FakeProc:
         return CpuMeter(frozenset({0, 1}), proc=self.root, clock=lambda: self.now)
 
 
+class SharedProc:
+    """A FakeProc whose clock and counters the engine thread reads while the test advances them."""
+
+    def __init__(self, root: Path) -> None:
+        self._proc = FakeProc(root)
+        self._lock = threading.Lock()
+        self._now = 0.0
+
+    def now(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float, ours: float, others: float) -> None:
+        with self._lock:
+            self._proc.advance(seconds, ours=ours, others=others)
+            self._now = self._proc.now
+
+    def meter(self) -> CpuMeter:
+        return CpuMeter(frozenset({0, 1}), proc=self._proc.root, clock=self.now)
+
+
 def test_meter_reads_our_cpus_and_subtracts_our_own_time(tmp_path: Path) -> None:
     proc = FakeProc(tmp_path)
     meter = proc.meter()
@@ -118,17 +139,6 @@ def test_governor_resizes_after_agreeing_windows(tmp_path: Path) -> None:
     assert snap.others_cores == pytest.approx(0.05, abs=0.02)
 
 
-def test_default_governor_shrinks_after_a_quarter_second_of_busy_contention(tmp_path: Path) -> None:
-    proc = FakeProc(tmp_path)
-    gov = ThreadGovernor(2, meter=proc.meter())
-    gov.start()
-    assert gov.tick(busy=True) == 2  # the engine has work from the start (no window yet)
-    proc.advance(0.15, ours=1.0, others=1.0)
-    assert gov.tick(busy=True) == 2  # inside the first interval: no reading yet
-    proc.advance(0.15, ours=1.0, others=1.0)
-    assert gov.tick(busy=True) == 1 and gov.changes == 1
-
-
 def test_idle_windows_weigh_a_twelfth_toward_a_shrink(tmp_path: Path) -> None:
     """A client that works while the engine waits (then sends its request and waits itself) does not
     shrink the team; a hog that keeps running while the engine waits does, after three seconds.
@@ -176,13 +186,15 @@ def test_windows_end_where_the_engine_starts_or_stops_stepping(tmp_path: Path) -
     assert gov.tick(busy=True) == 2 and gov.snapshot().others_cores == pytest.approx(0.0, abs=0.05)
 
 
-def test_idle_windows_do_not_hold_a_grow_back(tmp_path: Path) -> None:
+def test_busy_contention_shrinks_in_a_quarter_second_and_idle_windows_hold_no_grow_back(tmp_path: Path) -> None:
     proc = FakeProc(tmp_path)
     gov = ThreadGovernor(2, meter=proc.meter())
     gov.start()
     assert gov.tick(busy=True) == 2  # the engine has work from the start (no window yet)
-    proc.advance(0.5, ours=1.0, others=1.0)
-    assert gov.tick(busy=True) == 1
+    proc.advance(0.15, ours=1.0, others=1.0)
+    assert gov.tick(busy=True) == 2  # inside the first interval: no reading yet
+    proc.advance(0.15, ours=1.0, others=1.0)
+    assert gov.tick(busy=True) == 1 and gov.changes == 1
     proc.advance(0.5, ours=1.0, others=0.0)  # the hog is gone
     assert gov.tick(busy=False) == 1
     proc.advance(0.5, ours=0.0, others=1.0)  # a client's start while the engine waits
@@ -264,16 +276,8 @@ class _Core:
 
 
 def test_engine_thread_runs_steps_with_the_governor_team(tmp_path: Path) -> None:
-    proc = FakeProc(tmp_path)
-    lock = threading.Lock()
-    clock = [0.0]
-
-    def now() -> float:
-        with lock:
-            return clock[0]
-
-    meter = CpuMeter(frozenset({0, 1}), proc=tmp_path, clock=now)
-    gov = ThreadGovernor(2, meter=meter, interval_s=0.5, shrink_after=1, grow_after=1,
+    proc = SharedProc(tmp_path)
+    gov = ThreadGovernor(2, meter=proc.meter(), interval_s=0.5, shrink_after=1, grow_after=1,
                          set_threads=torch.set_num_threads)
     core = _Core()
     thread = EngineThread(core, lambda outs: None, governor=gov)  # type: ignore[arg-type]
@@ -284,9 +288,7 @@ def test_engine_thread_runs_steps_with_the_governor_team(tmp_path: Path) -> None
         while not core.seen and time.monotonic() < deadline:
             time.sleep(0.01)
         assert core.seen and core.seen[-1] == 2
-        with lock:
-            proc.advance(1.0, ours=1.0, others=1.0)
-            clock[0] = proc.now
+        proc.advance(1.0, ours=1.0, others=1.0)
         while core.seen[-1] != 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert core.seen[-1] == 1
@@ -294,9 +296,7 @@ def test_engine_thread_runs_steps_with_the_governor_team(tmp_path: Path) -> None
             time.sleep(0.01)
         stats = thread.stats()
         assert stats.threads is not None and stats.threads.threads == 1 and stats.threads.changes == 1
-        with lock:
-            proc.advance(1.0, ours=1.0, others=0.0)
-            clock[0] = proc.now
+        proc.advance(1.0, ours=1.0, others=0.0)
         while core.seen[-1] != 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert core.seen[-1] == 2
@@ -307,16 +307,8 @@ def test_engine_thread_runs_steps_with_the_governor_team(tmp_path: Path) -> None
 def test_engine_thread_counts_its_waits_as_idle_windows(tmp_path: Path) -> None:
     """The loop tells the governor when it waits: others' load then weighs a twelfth, so a second of it
     leaves the team whole and three seconds shrink it."""
-    proc = FakeProc(tmp_path)
-    lock = threading.Lock()
-    clock = [0.0]
-
-    def now() -> float:
-        with lock:
-            return clock[0]
-
-    gov = ThreadGovernor(2, meter=CpuMeter(frozenset({0, 1}), proc=tmp_path, clock=now),
-                         set_threads=torch.set_num_threads)
+    proc = SharedProc(tmp_path)
+    gov = ThreadGovernor(2, meter=proc.meter(), set_threads=torch.set_num_threads)
     core = _Core()
     thread = EngineThread(core, lambda outs: None, governor=gov)  # type: ignore[arg-type]
     thread.start()
@@ -324,16 +316,12 @@ def test_engine_thread_counts_its_waits_as_idle_windows(tmp_path: Path) -> None:
         deadline = time.monotonic() + 10
         while gov._last is None and time.monotonic() < deadline:  # the engine thread's first reading
             time.sleep(0.01)
-        with lock:
-            proc.advance(1.0, ours=0.0, others=1.0)
-            clock[0] = proc.now
+        proc.advance(1.0, ours=0.0, others=1.0)
         while gov.snapshot().others_cores < 0.9 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert gov.snapshot().others_cores == pytest.approx(1.0, abs=0.05)
         assert gov.snapshot().threads == 2
-        with lock:
-            proc.advance(2.5, ours=0.0, others=1.0)
-            clock[0] = proc.now
+        proc.advance(2.5, ours=0.0, others=1.0)
         while gov.snapshot().threads != 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert gov.snapshot().threads == 1 and not core.seen  # no step ran: the engine waited throughout
