@@ -316,6 +316,7 @@ def test_engine_thread_counts_its_waits_as_idle_windows(tmp_path: Path) -> None:
         deadline = time.monotonic() + 10
         while gov._last is None and time.monotonic() < deadline:  # the engine thread's first reading
             time.sleep(0.01)
+        time.sleep(0.7)  # past one wait for work (0.5 s), so that the loop has ticked since that reading
         proc.advance(1.0, ours=0.0, others=1.0)
         while gov.snapshot().others_cores < 0.9 and time.monotonic() < deadline:
             time.sleep(0.01)
