@@ -25,17 +25,19 @@ ends after ``interval_s`` or where the engine starts or stops stepping, and a st
 
 - a shrink, for ``shrink_after`` intervals of busy windows that want fewer threads, an idle window
   counting ``shrink_after / idle_shrink_after`` of its length (quarter-second intervals, 1 and 12: a
-  quarter second of contention while the engine computes, three seconds while it waits). Contention matters while the engine
-  computes; what other processes do while it waits is a weak sign of it, since a client typically
-  works, sends its request, then waits for the answer. When every window counted alike (two of them
-  to shrink), the benchmark client's own start (Python imports, about 0.3 s of CPU while the server
-  waited) shrank a quiet two-core server's team before its measured request in about 1 of 6 runs,
-  and that 512-token prompt took 298-316 ms instead of 165-190 (2026-12-06, the Zen 5 VM). A late
-  shrink costs more than a wrong one (a step that waits at every barrier for a descheduled thread
-  runs several times slower; half the team, at most twice), hence a quarter second while busy.
+  quarter second of contention while the engine computes, three seconds while it waits). Contention
+  matters while the engine computes; what other processes do while it waits is a weak sign of it,
+  since a client typically works, sends its request, then waits for the answer. When every
+  half-second window counted alike (two of them to shrink), the benchmark client's own start (Python
+  imports, about 0.3 s of CPU while the server waited) shrank a quiet two-core server's team before
+  its measured request in 5 of 24 runs, and that 512-token prompt took 293-312 ms instead of 162-182
+  (2026-12-06, the Zen 5 VM; docs/operations.md, "CPU contention"). A late shrink costs more than a
+  wrong one (a step that waits at every barrier for a descheduled thread runs several times slower;
+  half the team, at most twice), hence a quarter second while busy.
 - a grow, for ``grow_after`` intervals of windows that want more threads (4: a hog that pauses for
-  less than a second does not make the team oscillate); a busy window that does not want more starts the count again,
-  an idle one does not (a client's start while the engine waits would hold a smaller team back).
+  less than a second does not make the team oscillate); a busy window that does not want more starts
+  the count again, an idle one does not (a client's start while the engine waits would hold a smaller
+  team back).
 
 A hog that keeps running while the engine waits still shrinks the team before the next request.
 The engine's own threads (HTTP, tokenization) count as ours, not as others.
