@@ -27,10 +27,10 @@ ends after ``interval_s`` or where the engine starts or stops stepping, and a st
   counting ``shrink_after / idle_shrink_after`` of its length (quarter-second intervals, 1 and 12: a
   quarter second of contention while the engine computes, three seconds while it waits). Contention
   matters while the engine computes; what other processes do while it waits is a weak sign of it,
-  since a client typically works, sends its request, then waits for the answer. When every
-  half-second window counted alike (two of them to shrink), the benchmark client's own start (Python
-  imports, about 0.3 s of CPU while the server waited) shrank a quiet two-core server's team before
-  its measured request in 5 of 24 runs, and that 512-token prompt took 293-312 ms instead of 162-182
+  since a client typically works, sends its request, then waits for the answer. Counted like busy
+  ones (every half-second window alike, two of them to shrink), the benchmark client's own start
+  (Python imports, about 0.3 s of CPU while the server waits) shrinks a quiet two-core server's team
+  before its measured request: 5 of 24 runs took 293-312 ms for a 512-token prompt instead of 162-182
   (2026-12-06, the Zen 5 VM; docs/operations.md, "CPU contention"). A late shrink costs more than a
   wrong one (a step that waits at every barrier for a descheduled thread runs several times slower;
   half the team, at most twice), hence a quarter second while busy.
